@@ -1,0 +1,199 @@
+"""KV cache storage, addressing, page allocation and compaction.
+
+Both cache kinds address a request's tokens by *slot* (0, 1, 2, ... in sequence order):
+
+- dense: per layer k, v of shape [B, S, Hkv, Dh]; slot s of request b lives at [b, s].
+- paged: per layer k, v of shape [num_pages, P, Hkv, Dh] shared by all requests; slot s of
+  request b lives in page `page_table[b, s // P]` at offset `s % P`. Pages are handed out
+  on device by `alloc_pages` as sequences grow and returned by `free_pages`.
+
+A forward pass over T new tokens writes them to consecutive slots and attends to a
+*prefix* (slots < prefix_len, all visible) plus a *local block* (the Tl slots from
+prefix_len on, visible per `local_mask`). That one rule covers prefill, decode, chain and
+tree verification and tree drafting. Target and draft caches share one page table.
+"""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import struct
+
+
+@struct.dataclass
+class KVCache:
+    """Per-layer keys and values: dense [B, S, Hkv, Dh] or paged [num_pages, P, Hkv, Dh]."""
+
+    k: tuple
+    v: tuple
+
+
+@struct.dataclass
+class PageState:
+    """Page table shared by the target and draft caches of a batch.
+
+    page_table [B, G]: physical page of each logical page (num_pages = unallocated).
+    num_alloc [B]: pages held by each request. free [num_pages]: a stack of free pages,
+    the first `num_free` entries valid.
+    """
+
+    page_table: jax.Array
+    num_alloc: jax.Array
+    free: jax.Array
+    num_free: jax.Array
+
+
+@struct.dataclass
+class AttnMeta:
+    """How the T new tokens of one forward pass meet the cache (see the module docstring).
+
+    positions [B, T]: RoPE positions. prefix_len [B]: slots before the local block.
+    local_mask [B, T, Tl]: which local-block slots each new token sees (new tokens are the
+    last T of the Tl). local_positions [B, Tl]: positions of the local slots (for sliding
+    windows). write_index [B, T]: flat cache index of each new token (out of range: not
+    written). page_table [B, G] or None (dense).
+    """
+
+    positions: jax.Array
+    prefix_len: jax.Array
+    local_mask: jax.Array
+    local_positions: jax.Array
+    write_index: jax.Array
+    page_table: jax.Array | None
+    page_size: int = struct.field(pytree_node=False, default=0)
+    # Prefill: the prefix is empty, so attention reads only the new keys (no cache read).
+    prefill: bool = struct.field(pytree_node=False, default=False)
+
+    @property
+    def local_len(self) -> int:
+        return self.local_mask.shape[-1]
+
+
+def init_kv_cache(num_layers, num_kv_heads, head_dim, dtype, *, batch=0, max_len=0,
+                  num_pages=0, page_size=0) -> KVCache:
+    """Zero cache: dense when num_pages == 0, else a paged pool."""
+    shape = (num_pages, page_size) if num_pages else (batch, max_len)
+    shape = shape + (num_kv_heads, head_dim)
+    zeros = lambda: tuple(jnp.zeros(shape, dtype) for _ in range(num_layers))
+    return KVCache(k=zeros(), v=zeros())
+
+
+def init_page_state(batch: int, pages_per_seq: int, num_pages: int) -> PageState:
+    return PageState(page_table=jnp.full((batch, pages_per_seq), num_pages, jnp.int32),
+                     num_alloc=jnp.zeros((batch,), jnp.int32),
+                     free=jnp.arange(num_pages, dtype=jnp.int32)[::-1],
+                     num_free=jnp.int32(num_pages))
+
+
+def alloc_pages(state: PageState, need_len: jax.Array, active: jax.Array, page_size: int,
+                max_new_pages: int) -> tuple[PageState, jax.Array]:
+    """Gives each active request enough pages to hold `need_len` [B] slots.
+
+    Requests are served in batch order; a request that does not fit gets nothing and is
+    reported in the returned `ok` [B] = False (as is any later one that needs pages).
+    `max_new_pages` is a static bound on pages one request may need in this call.
+    """
+    B, G = state.page_table.shape
+    num_pages = state.free.shape[0]
+    want = jnp.minimum((need_len + page_size - 1) // page_size, G)
+    need = jnp.where(active, jnp.maximum(want - state.num_alloc, 0), 0)  # [B]
+    overflow = active & ((need_len + page_size - 1) // page_size > G)
+    need = jnp.where(overflow, 0, need)
+    cum = jnp.cumsum(need)
+    ok = (cum <= state.num_free) & ~overflow
+    need = jnp.where(ok, need, 0)
+    start = jnp.cumsum(need) - need  # exclusive prefix sum
+    j = jnp.arange(max_new_pages, dtype=jnp.int32)[None, :]  # [1, M]
+    take = j < need[:, None]  # [B, M]
+    stack_pos = state.num_free - 1 - (start[:, None] + j)
+    pages = state.free[jnp.clip(stack_pos, 0, num_pages - 1)]
+    cols = jnp.where(take, state.num_alloc[:, None] + j, G)  # G: dropped
+    rows = jnp.broadcast_to(jnp.arange(B)[:, None], cols.shape)
+    table = state.page_table.at[rows, cols].set(pages, mode="drop")
+    new = state.replace(page_table=table, num_alloc=state.num_alloc + need,
+                        num_free=state.num_free - need.sum())
+    return new, ok | ~active
+
+
+def free_pages(state: PageState, release: jax.Array) -> PageState:
+    """Returns the pages of requests with `release` [B] = True to the free stack."""
+    B, G = state.page_table.shape
+    num_pages = state.free.shape[0]
+    held = release[:, None] & (jnp.arange(G)[None, :] < state.num_alloc[:, None])  # [B, G]
+    flat = held.reshape(-1)
+    dest = state.num_free + jnp.cumsum(flat) - 1
+    dest = jnp.where(flat, dest, num_pages)
+    free = state.free.at[dest].set(state.page_table.reshape(-1), mode="drop")
+    table = jnp.where(release[:, None], num_pages, state.page_table)
+    return state.replace(page_table=table, num_alloc=jnp.where(release, 0, state.num_alloc),
+                         free=free, num_free=state.num_free + flat.sum())
+
+
+def slot_index(slots: jax.Array, valid: jax.Array, *, batch_capacity: int = 0,
+               page_table: jax.Array | None = None, page_size: int = 0,
+               num_pages: int = 0) -> jax.Array:
+    """Flat cache index of `slots` [B, T] (dense capacity S, or paged); invalid -> out of range."""
+    B = slots.shape[0]
+    if page_table is None:
+        flat = jnp.arange(B, dtype=jnp.int32)[:, None] * batch_capacity + slots
+        limit = B * batch_capacity
+        valid = valid & (slots < batch_capacity)
+    else:
+        G = page_table.shape[1]
+        logical = slots // page_size
+        page = jnp.take_along_axis(page_table, jnp.clip(logical, 0, G - 1), axis=1)
+        valid = valid & (logical < G) & (page < num_pages)
+        flat = page * page_size + slots % page_size
+        limit = num_pages * page_size
+    return jnp.where(valid & (slots >= 0), flat, limit).astype(jnp.int32)
+
+
+def make_meta(cache: KVCache, *, positions, prefix_len, local_mask, write_valid,
+              local_positions=None, page_state: PageState | None = None, page_size: int = 0,
+              prefill: bool = False) -> AttnMeta:
+    """Builds the AttnMeta of a forward pass; the T new tokens go to the last T local slots."""
+    B, T = positions.shape
+    Tl = local_mask.shape[-1]
+    slots = prefix_len[:, None] + (Tl - T) + jnp.arange(T, dtype=jnp.int32)[None, :]
+    k0 = cache.k[0]
+    if page_state is None:
+        index = slot_index(slots, write_valid, batch_capacity=k0.shape[1])
+        table = None
+    else:
+        table = page_state.page_table
+        index = slot_index(slots, write_valid, page_table=table, page_size=page_size,
+                           num_pages=k0.shape[0])
+    if local_positions is None:
+        if T != Tl:
+            raise ValueError("local_positions is required when T != Tl")
+        local_positions = positions
+    return AttnMeta(positions=positions.astype(jnp.int32), prefix_len=prefix_len.astype(jnp.int32),
+                    local_mask=local_mask, local_positions=local_positions.astype(jnp.int32),
+                    write_index=index, page_table=table, page_size=page_size, prefill=prefill)
+
+
+def write_kv(buf: jax.Array, new: jax.Array, write_index: jax.Array) -> jax.Array:
+    """Writes new [B, T, Hkv, Dh] at flat indices [B, T] of one layer's buffer."""
+    shape = buf.shape
+    flat = buf.reshape((-1,) + shape[-2:])
+    flat = flat.at[write_index.reshape(-1)].set(new.reshape((-1,) + shape[-2:]).astype(buf.dtype),
+                                                mode="drop")
+    return flat.reshape(shape)
+
+
+def read_kv(buf: jax.Array, page_table: jax.Array | None) -> jax.Array:
+    """One layer's keys or values as [B, Sk, Hkv, Dh] in slot order (paged: gathered)."""
+    if page_table is None:
+        return buf
+    B, G = page_table.shape
+    pages = buf[jnp.clip(page_table, 0, buf.shape[0] - 1)]  # [B, G, P, Hkv, Dh]
+    return pages.reshape((B, G * buf.shape[1]) + buf.shape[2:])
+
+
+def move_slots(cache: KVCache, src_index: jax.Array, dst_index: jax.Array) -> KVCache:
+    """Copies every layer's entries at flat src [B, M] to flat dst [B, M] (gather, then set)."""
+    def move(buf):
+        shape = buf.shape
+        flat = buf.reshape((-1,) + shape[-2:])
+        vals = flat[jnp.clip(src_index.reshape(-1), 0, flat.shape[0] - 1)]
+        return flat.at[dst_index.reshape(-1)].set(vals, mode="drop").reshape(shape)
+    return KVCache(k=tuple(move(b) for b in cache.k), v=tuple(move(b) for b in cache.v))

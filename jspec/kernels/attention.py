@@ -1,0 +1,62 @@
+"""Attention over the KV cache: the pure-jnp reference and the dispatch point.
+
+The mask rule (see jspec.cache.kv): a query sees every prefix slot (< prefix_len) and the
+local-block slots its `local_mask` row allows; a sliding window W additionally hides keys
+whose position is <= the query position - W.
+"""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from jspec.cache.kv import AttnMeta, read_kv
+
+NEG_INF = -1e30
+
+
+def _softmax_attend(q, k, v, mask, scale):
+    """q [B,T,H,Dh], k/v [B,Sk,Hkv,Dh], mask [B,T,Sk] -> [B,T,H,Dh] (softmax in float32)."""
+    B, T, H, Dh = q.shape
+    Hkv = k.shape[2]
+    qg = q.reshape(B, T, Hkv, H // Hkv, Dh)
+    s = jnp.einsum("btkgd,bskd->bkgts", qg, k, preferred_element_type=jnp.float32) * scale
+    s = jnp.where(mask[:, None, None], s, NEG_INF)
+    p = jax.nn.softmax(s, axis=-1).astype(v.dtype)
+    o = jnp.einsum("bkgts,bskd->btkgd", p, v, preferred_element_type=jnp.float32)
+    return o.reshape(B, T, H, Dh).astype(q.dtype)
+
+
+def _window_ok(q_pos, k_pos, window: int):
+    """[B,T] x [B,Sk] -> [B,T,Sk]: key inside the sliding window of the query."""
+    if not window:
+        return True
+    return k_pos[:, None, :] > q_pos[:, :, None] - window
+
+
+def attention_reference(q, k_new, v_new, k_buf, v_buf, meta: AttnMeta, *, window: int = 0,
+                        scale: float):
+    """q [B,T,H,Dh]; k_new/v_new [B,T,Hkv,Dh]; k_buf/v_buf: the layer's cache, already
+    holding the new keys. Returns [B,T,H,Dh]."""
+    if meta.prefill:
+        mask = meta.local_mask & _window_ok(meta.positions, meta.local_positions, window)
+        return _softmax_attend(q, k_new, v_new, mask, scale)
+    k = read_kv(k_buf, meta.page_table)
+    v = read_kv(v_buf, meta.page_table)
+    Sk = k.shape[1]
+    Tl = meta.local_len
+    rel = jnp.arange(Sk, dtype=jnp.int32)[None, :] - meta.prefix_len[:, None]  # [B, Sk]
+    in_prefix = rel < 0
+    in_local = (rel >= 0) & (rel < Tl)
+    rel_c = jnp.clip(rel, 0, Tl - 1)
+    local = jnp.take_along_axis(meta.local_mask, jnp.broadcast_to(rel_c[:, None, :], (rel.shape[0], q.shape[1], Sk)), axis=2)
+    mask = in_prefix[:, None, :] | (in_local[:, None, :] & local)
+    if window:
+        k_pos = jnp.where(in_prefix, jnp.arange(Sk)[None, :],
+                          jnp.take_along_axis(meta.local_positions, rel_c, axis=1))
+        mask = mask & _window_ok(meta.positions, k_pos, window)
+    return _softmax_attend(q, k, v, mask, scale)
+
+
+def attention(q, k_new, v_new, k_buf, v_buf, meta: AttnMeta, *, window: int = 0, scale: float):
+    """Dispatch: the Pallas kernel where it applies, else the reference."""
+    return attention_reference(q, k_new, v_new, k_buf, v_buf, meta, window=window, scale=scale)

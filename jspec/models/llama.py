@@ -1,0 +1,159 @@
+"""The Llama-family decoder (Llama 2/3/3.1, Qwen2/2.5, Qwen3, Mistral) as Flax modules.
+
+Weights keep Hugging Face's [out, in] layout; q/k/v and gate/up are fused into one matrix
+each (`qkv_proj`, `gate_up_proj`) so a decode step reads them in one pass. Layers are
+unrolled in Python: a scanned layer stack copies weight slices and loses bandwidth.
+"""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import linen as nn
+
+from jspec.cache.kv import AttnMeta, KVCache, write_kv
+from jspec.config import ModelConfig
+from jspec.kernels.attention import attention
+
+_init = nn.initializers.normal(0.02)
+
+
+class Linear(nn.Module):
+    """y = x W^T + b with W in Hugging Face's [out, in] layout."""
+
+    features: int
+    use_bias: bool = False
+    dtype: str = "float32"
+    float32_out: bool = False  # keep the float32 accumulator (LM heads)
+
+    @nn.compact
+    def __call__(self, x):
+        w = self.param("weight", _init, (self.features, x.shape[-1]), jnp.dtype(self.dtype))
+        y = jax.lax.dot_general(x.astype(w.dtype), w, (((x.ndim - 1,), (1,)), ((), ())),
+                                preferred_element_type=jnp.float32)
+        if self.use_bias:
+            y = y + self.param("bias", nn.initializers.zeros, (self.features,), jnp.dtype(self.dtype))
+        return y if self.float32_out else y.astype(w.dtype)
+
+
+class RMSNorm(nn.Module):
+    """Root-mean-square norm computed in float32, as transformers does."""
+
+    eps: float
+    dtype: str = "float32"
+
+    @nn.compact
+    def __call__(self, x):
+        w = self.param("weight", nn.initializers.ones, (x.shape[-1],), jnp.dtype(self.dtype))
+        xf = x.astype(jnp.float32)
+        xf = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + self.eps)
+        return w * xf.astype(x.dtype)
+
+
+def apply_rope(x, positions, inv_freq: np.ndarray):
+    """x [B,T,h,Dh] rotated by positions [B,T] (rotate-half layout, as transformers)."""
+    freqs = positions.astype(jnp.float32)[..., None] * jnp.asarray(inv_freq)[None, None, :]
+    emb = jnp.concatenate([freqs, freqs], axis=-1)  # [B,T,Dh]
+    cos = jnp.cos(emb).astype(x.dtype)[:, :, None, :]
+    sin = jnp.sin(emb).astype(x.dtype)[:, :, None, :]
+    half = x.shape[-1] // 2
+    rotated = jnp.concatenate([-x[..., half:], x[..., :half]], axis=-1)
+    return x * cos + rotated * sin
+
+
+class Attention(nn.Module):
+    """Self-attention with fused qkv, optional q/k norms (Qwen3), RoPE and the KV cache."""
+
+    cfg: ModelConfig
+    window: int = 0
+
+    @nn.compact
+    def __call__(self, x, kv, meta: AttnMeta):
+        c = self.cfg
+        B, T, _ = x.shape
+        H, Hkv, Dh = c.num_heads, c.num_kv_heads, c.head_dim
+        qkv = Linear((H + 2 * Hkv) * Dh, c.qkv_bias, c.dtype, name="qkv_proj")(x)
+        q = qkv[..., : H * Dh].reshape(B, T, H, Dh)
+        k = qkv[..., H * Dh: (H + Hkv) * Dh].reshape(B, T, Hkv, Dh)
+        v = qkv[..., (H + Hkv) * Dh:].reshape(B, T, Hkv, Dh)
+        if c.qk_norm:
+            q = RMSNorm(c.rms_norm_eps, c.dtype, name="q_norm")(q)
+            k = RMSNorm(c.rms_norm_eps, c.dtype, name="k_norm")(k)
+        inv_freq = c.rope.inv_freq(Dh)
+        q = apply_rope(q, meta.positions, inv_freq)
+        k = apply_rope(k, meta.positions, inv_freq)
+        if kv is None:  # no cache: the block attends to itself only
+            if not meta.prefill:
+                raise ValueError("attention without a cache needs a prefill AttnMeta")
+            k_buf = v_buf = None
+        else:
+            k_buf = write_kv(kv[0], k, meta.write_index)
+            v_buf = write_kv(kv[1], v, meta.write_index)
+        o = attention(q, k, v, k_buf, v_buf, meta, window=self.window, scale=Dh ** -0.5)
+        out = Linear(c.hidden_size, c.o_bias, c.dtype, name="o_proj")(o.reshape(B, T, H * Dh))
+        return out, (k_buf, v_buf)
+
+
+class MLP(nn.Module):
+    cfg: ModelConfig
+
+    @nn.compact
+    def __call__(self, x):
+        c = self.cfg
+        F = c.intermediate_size
+        gu = Linear(2 * F, c.mlp_bias, c.dtype, name="gate_up_proj")(x)
+        return Linear(c.hidden_size, c.mlp_bias, c.dtype, name="down_proj")(nn.silu(gu[..., :F]) * gu[..., F:])
+
+
+class DecoderLayer(nn.Module):
+    cfg: ModelConfig
+    window: int = 0
+
+    @nn.compact
+    def __call__(self, x, kv, meta):
+        c = self.cfg
+        h, kv = Attention(c, self.window, name="self_attn")(
+            RMSNorm(c.rms_norm_eps, c.dtype, name="input_layernorm")(x), kv, meta)
+        x = x + h
+        x = x + MLP(c, name="mlp")(RMSNorm(c.rms_norm_eps, c.dtype, name="post_attention_layernorm")(x))
+        return x, kv
+
+
+class LlamaModel(nn.Module):
+    """Token ids -> final-norm hidden states; `logits` applies the LM head."""
+
+    cfg: ModelConfig
+
+    def setup(self):
+        c = self.cfg
+        self.embed_tokens = nn.Embed(c.vocab_size, c.hidden_size, embedding_init=_init,
+                                     dtype=c.jnp_dtype, param_dtype=c.jnp_dtype)
+        self.layers = [DecoderLayer(c, c.sliding_windows[i], name=f"layers_{i}") for i in range(c.num_layers)]
+        self.norm = RMSNorm(c.rms_norm_eps, c.dtype)
+        if not c.tie_word_embeddings:
+            self.lm_head = Linear(c.vocab_size, False, c.dtype, float32_out=True)
+
+    def __call__(self, tokens, cache: KVCache | None, meta: AttnMeta, capture: tuple[int, ...] = ()):
+        """tokens [B,T] -> (hidden [B,T,D] after the final norm, inputs of the `capture`
+        layers (each [B,T,D]), updated cache)."""
+        x = self.embed_tokens(tokens)
+        aux, ks, vs = [], [], []
+        for i, layer in enumerate(self.layers):
+            if i in capture:
+                aux.append(x)
+            x, (k, v) = layer(x, None if cache is None else (cache.k[i], cache.v[i]), meta)
+            ks.append(k)
+            vs.append(v)
+        new_cache = None if cache is None else KVCache(k=tuple(ks), v=tuple(vs))
+        return self.norm(x), tuple(aux), new_cache
+
+    def logits(self, hidden):
+        """hidden [..., D] -> float32 logits [..., V]."""
+        if self.cfg.tie_word_embeddings:
+            w = self.embed_tokens.embedding
+            return jax.lax.dot_general(hidden.astype(w.dtype), w, (((hidden.ndim - 1,), (1,)), ((), ())),
+                                       preferred_element_type=jnp.float32)
+        return self.lm_head(hidden)
+
+    def embed(self, tokens):
+        return self.embed_tokens(tokens)
