@@ -108,12 +108,13 @@ class MLP(nn.Module):
 class DecoderLayer(nn.Module):
     cfg: ModelConfig
     window: int = 0
+    input_norm: bool = True  # EAGLE-1 heads skip the first layer's input norm
 
     @nn.compact
     def __call__(self, x, kv, meta):
         c = self.cfg
-        h, kv = Attention(c, self.window, name="self_attn")(
-            RMSNorm(c.rms_norm_eps, c.dtype, name="input_layernorm")(x), kv, meta)
+        h = RMSNorm(c.rms_norm_eps, c.dtype, name="input_layernorm")(x) if self.input_norm else x
+        h, kv = Attention(c, self.window, name="self_attn")(h, kv, meta)
         x = x + h
         x = x + MLP(c, name="mlp")(RMSNorm(c.rms_norm_eps, c.dtype, name="post_attention_layernorm")(x))
         return x, kv
@@ -135,7 +136,8 @@ class LlamaModel(nn.Module):
 
     def __call__(self, tokens, cache: KVCache | None, meta: AttnMeta, capture: tuple[int, ...] = ()):
         """tokens [B,T] -> (hidden [B,T,D] after the final norm, inputs of the `capture`
-        layers (each [B,T,D]), updated cache)."""
+        layers in increasing order (each [B,T,D]; index num_layers is the last layer's
+        output), updated cache)."""
         x = self.embed_tokens(tokens)
         aux, ks, vs = [], [], []
         for i, layer in enumerate(self.layers):
@@ -144,6 +146,8 @@ class LlamaModel(nn.Module):
             x, (k, v) = layer(x, None if cache is None else (cache.k[i], cache.v[i]), meta)
             ks.append(k)
             vs.append(v)
+        if self.cfg.num_layers in capture:  # the last layer's output, before the final norm
+            aux.append(x)
         new_cache = None if cache is None else KVCache(k=tuple(ks), v=tuple(vs))
         return self.norm(x), tuple(aux), new_cache
 

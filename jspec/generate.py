@@ -1,0 +1,321 @@
+"""The public entry points: `logits` and `generate`.
+
+`generate` checks its input on the host (clear errors before anything compiles), pads the
+batch, prompts and limits to buckets so similar calls share one compiled program, moves the
+arrays to the device explicitly, runs the one jitted loop, and fetches the result.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+import numbers
+import time
+from typing import Any, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jspec.config import CacheConfig, SpecConfig
+from jspec.loading import Params
+from jspec.models import target as tgt
+from jspec.spec import loop
+
+DEFAULT_SPEC = SpecConfig(num_steps=3, topk=1, num_draft_tokens=4)
+
+
+@dataclasses.dataclass
+class SpecStats:
+    """Acceptance statistics. accept_lengths[i]: tokens committed per verify round of
+    request i (accepted drafts + the bonus token; always 1 without a draft)."""
+
+    accept_lengths: list[list[int]]
+    mean_accept_length: float  # tau over every round of every request
+    histogram: dict[int, int]  # accept length -> rounds
+    rounds: list[int]
+    tokens_per_s: float
+
+    @property
+    def tau(self) -> float:
+        return self.mean_accept_length
+
+
+@dataclasses.dataclass
+class GenerateOutput:
+    """tokens: generated ids only (a list for one prompt, a list of lists for a batch; an
+    emitted stop token is included). finish_reasons: 'stop', 'length' or 'cache_full'."""
+
+    tokens: Any
+    text: Any
+    finish_reasons: Any
+    stats: SpecStats
+    timing: dict
+
+
+# ----------------------------------------------------------------------------- checks
+
+def _is_int(x) -> bool:
+    return isinstance(x, (numbers.Integral, np.integer)) and not isinstance(x, (bool, np.bool_))
+
+
+def _check_params(params):
+    if not isinstance(params, Params):
+        raise TypeError(f"params must be what jspec.load returns (jspec.Params), got {type(params).__name__}")
+
+
+def _token_list(seq, vocab: int, what: str) -> list[int]:
+    if isinstance(seq, np.ndarray):
+        if seq.ndim != 1 or not np.issubdtype(seq.dtype, np.integer):
+            raise TypeError(f"{what} must be a 1-D integer array, got {seq.dtype} with shape {seq.shape}")
+        seq = seq.tolist()
+    if not isinstance(seq, (list, tuple)):
+        raise TypeError(f"{what} must be a string or a list of token ids, got {type(seq).__name__}")
+    if len(seq) == 0:
+        raise ValueError(f"{what} is empty")
+    for t in seq:
+        if not _is_int(t):
+            raise TypeError(f"{what} holds {t!r} ({type(t).__name__}); token ids must be ints")
+        if not 0 <= t < vocab:
+            raise ValueError(f"{what} holds token id {t}, outside the vocabulary [0, {vocab})")
+    return [int(t) for t in seq]
+
+
+def _prompts(params: Params, prompt) -> tuple[list[list[int]], bool]:
+    """-> (token lists, was it a batch)."""
+    V = params.config.vocab_size
+
+    def encode(s: str, what: str) -> list[int]:
+        if params.tokenizer is None:
+            raise ValueError("a string prompt needs a tokenizer, and this model directory has none; "
+                             "pass token ids instead")
+        if not s:
+            raise ValueError(f"{what} is an empty string")
+        return _token_list(list(params.tokenizer(s)["input_ids"]), V, what)
+
+    if isinstance(prompt, str):
+        return [encode(prompt, "prompt")], False
+    if isinstance(prompt, np.ndarray) and prompt.ndim == 2:
+        prompt = list(prompt)
+    if isinstance(prompt, (list, tuple)) and prompt and all(isinstance(p, (str, list, tuple, np.ndarray))
+                                                            for p in prompt):
+        out = []
+        for i, p in enumerate(prompt):
+            what = f"prompt[{i}]"
+            out.append(encode(p, what) if isinstance(p, str) else _token_list(p, V, what))
+        return out, True
+    if isinstance(prompt, (list, tuple, np.ndarray)):
+        return [_token_list(prompt, V, "prompt")], False
+    raise TypeError(f"prompt must be a string, a list of token ids, or a list of either; got {type(prompt).__name__}")
+
+
+def _per_request(value, n: int, name: str, kind, check) -> list:
+    vals = list(value) if isinstance(value, (list, tuple, np.ndarray)) else [value] * n
+    if len(vals) != n:
+        raise ValueError(f"{name} has {len(vals)} entries for {n} prompts")
+    out = []
+    for v in vals:
+        if kind is int and not _is_int(v):
+            raise TypeError(f"{name} must be an int (or one per prompt), got {v!r}")
+        if kind is float and (isinstance(v, bool) or not isinstance(v, (numbers.Real, np.floating, np.integer))):
+            raise TypeError(f"{name} must be a number (or one per prompt), got {v!r}")
+        v = kind(v)
+        msg = check(v)
+        if msg:
+            raise ValueError(f"{name} {msg}, got {v!r}")
+        out.append(v)
+    return out
+
+
+def _stop_ids(params: Params, stop_token_ids) -> list[int]:
+    V = params.config.vocab_size
+    if stop_token_ids is None:
+        ids = set(params.config.eos_token_ids)
+        tok = params.tokenizer
+        if tok is not None and getattr(tok, "eos_token_id", None) is not None:
+            ids.add(int(tok.eos_token_id))
+        return sorted(i for i in ids if 0 <= i < V)
+    if _is_int(stop_token_ids):
+        stop_token_ids = [stop_token_ids]
+    if not isinstance(stop_token_ids, (list, tuple, set)):
+        raise TypeError(f"stop_token_ids must be a list of ints or None, got {type(stop_token_ids).__name__}")
+    out = []
+    for t in stop_token_ids:
+        if not _is_int(t):
+            raise TypeError(f"stop_token_ids holds {t!r}; token ids must be ints")
+        if not 0 <= t < V:
+            raise ValueError(f"stop token id {t} is outside the vocabulary [0, {V})")
+        out.append(int(t))
+    return sorted(set(out))
+
+
+def _pow2(n: int, lo: int = 1) -> int:
+    return max(lo, 1 << (max(n, 1) - 1).bit_length())
+
+
+def _prompt_bucket(n: int) -> int:
+    return _pow2(n, 16) if n <= 512 else -(-n // 256) * 256
+
+
+def _round_up(n: int, m: int) -> int:
+    return -(-n // m) * m
+
+
+# ----------------------------------------------------------------------------- API
+
+def logits(params: Params, token_ids) -> jax.Array:
+    """Target logits [B,T,V] float32 for token ids (one list, or a batch of lists).
+
+    Rows of unequal length are right-padded; positions past a row's length hold padding.
+    """
+    _check_params(params)
+    batch, _ = _prompts(params, token_ids) if not isinstance(token_ids, str) else (None, None)
+    if batch is None:
+        raise TypeError("jspec.logits takes token ids, not a string")
+    T = max(len(p) for p in batch)
+    arr = np.zeros((len(batch), T), np.int32)
+    for i, p in enumerate(batch):
+        arr[i, : len(p)] = p
+    lens = np.array([len(p) for p in batch], np.int32)
+    return _logits_jit(params.config, params.weights, jnp.asarray(arr), jnp.asarray(lens))
+
+
+def _logits_fn(cfg, weights, tokens, lens):
+    meta = tgt.prefill_meta(lens, tokens.shape[1])
+    hidden, _, _ = tgt.forward(weights, cfg, tokens, None, meta)
+    return tgt.logits(weights, cfg, hidden)
+
+
+_logits_jit = jax.jit(_logits_fn, static_argnums=0)
+_COMPILED: dict = {}
+
+
+def generate(params: Params, prompt, *, max_new_tokens: int | Sequence[int] = 64,
+             temperature: float | Sequence[float] = 0.0, top_k: int | Sequence[int] = 0,
+             top_p: float | Sequence[float] = 1.0, seed: int | Sequence[int] = 0,
+             stop_token_ids: Sequence[int] | None = None, cache: CacheConfig | str | None = None,
+             spec: SpecConfig | None = None) -> GenerateOutput:
+    """Generates from one prompt or a batch; with a draft in `params`, speculatively.
+
+    prompt: a string, a list of token ids, or a list of either (unequal lengths are fine).
+    max_new_tokens, temperature (0: greedy), top_k (0: off), top_p (1.0: off) and seed
+    take one value or one per prompt. stop_token_ids: None uses the model's EOS ids.
+    cache: a CacheConfig, 'dense' or 'paged'. spec: a SpecConfig (needs a draft); None uses
+    a default chain when there is a draft.
+    """
+    _check_params(params)
+    plan, inp, lens, is_batch = _prepare(params, prompt, max_new_tokens, temperature, top_k, top_p, seed,
+                                      stop_token_ids, cache, spec)
+    tw = params.weights
+    dw = params.draft.weights if plan.draft is not None else None
+    key = (plan, jax.tree.structure((tw, dw)), tuple((a.shape, a.dtype) for a in jax.tree.leaves((tw, dw))))
+    compile_s = 0.0
+    if key not in _COMPILED:
+        t0 = time.perf_counter()
+        _COMPILED[key] = loop.generate_jit.lower(plan, tw, dw, inp).compile()
+        compile_s = time.perf_counter() - t0
+    compiled = _COMPILED[key]
+    inp = jax.device_put(inp)
+    t0 = time.perf_counter()
+    res = compiled(tw, dw, inp)
+    res = jax.device_get(res)
+    run_s = time.perf_counter() - t0
+    return _outputs(params, plan, res, lens, is_batch, compile_s=compile_s, run_s=run_s)
+
+
+def _prepare(params, prompt, max_new_tokens, temperature, top_k, top_p, seed, stop_token_ids, cache, spec):
+    prompts, is_batch = _prompts(params, prompt)
+    n = len(prompts)
+    max_new = _per_request(max_new_tokens, n, "max_new_tokens", int, lambda v: "must be >= 1" if v < 1 else None)
+    temps = _per_request(temperature, n, "temperature", float,
+                         lambda v: "must be finite and >= 0" if not (math.isfinite(v) and v >= 0) else None)
+    topks = _per_request(top_k, n, "top_k", int, lambda v: "must be >= 0" if v < 0 else None)
+    topps = _per_request(top_p, n, "top_p", float, lambda v: "must be in (0, 1]" if not 0 < v <= 1 else None)
+    seeds = _per_request(seed, n, "seed", int, lambda v: "must be in [0, 2**31)" if not 0 <= v < 2 ** 31 else None)
+    stops = _stop_ids(params, stop_token_ids)
+    if cache is None or isinstance(cache, str):
+        cache = CacheConfig(kind=cache or "dense")
+    if not isinstance(cache, CacheConfig):
+        raise TypeError(f"cache must be a CacheConfig, 'dense', 'paged' or None, got {type(cache).__name__}")
+    if spec is not None and not isinstance(spec, SpecConfig):
+        raise TypeError(f"spec must be a jspec.SpecConfig or None, got {type(spec).__name__}")
+    draft = params.draft
+    if spec is not None and draft is None:
+        raise ValueError("spec was given but params has no draft; load one with jspec.load(target, draft=...)")
+    if draft is not None and spec is None:
+        spec = DEFAULT_SPEC
+    if spec is not None and any(t > 0 for t in temps):
+        raise ValueError("speculative decoding is greedy-only for now (temperature must be 0); "
+                         "sampling runs without a draft")
+
+    B = _pow2(n)
+    lens = [len(p) for p in prompts]
+    Tp = _prompt_bucket(max(lens))
+    probe = loop.Plan(params.config, draft.config if draft else None, spec, cache.kind == "paged",
+                      cache.page_size, 1, 1, B, Tp, 1, 1)
+    slack = probe.slack
+    if cache.max_len is not None:
+        too_long = [i for i, l in enumerate(lens) if l >= cache.max_len]
+        if too_long:
+            i = too_long[0]
+            raise ValueError(f"prompt {i} has {lens[i]} tokens, which does not fit a cache of max_len="
+                             f"{cache.max_len} (it needs room for at least one generated token)")
+        limit = [cache.max_len + slack] * n
+    else:
+        limit = [l + m + slack for l, m in zip(lens, max_new)]
+    need = max(limit)
+    P = cache.page_size
+    if cache.kind == "paged":
+        capacity = _round_up(max(need, Tp), P)
+        G = capacity // P
+        num_pages = cache.num_pages if cache.num_pages is not None else G * B
+        for i, l in enumerate(lens):
+            if -(-(l + slack) // P) > num_pages:
+                raise ValueError(f"prompt {i} needs {-(-(l + slack) // P)} pages of {P} tokens but the pool "
+                                 f"has num_pages={num_pages}")
+    else:
+        capacity = _round_up(max(need, Tp), 64)
+        num_pages = 0
+    max_rounds = _pow2(max(max_new), 8)
+    num_stop = _pow2(len(stops), 4)
+    plan = loop.Plan(params.config, draft.config if draft else None, spec, cache.kind == "paged",
+                     P if cache.kind == "paged" else 0, capacity, num_pages, B, Tp, max_rounds, num_stop)
+
+    def col(vals, fill, dtype):
+        a = np.full((B,), fill, dtype)
+        a[:n] = vals
+        return a
+
+    prompt_arr = np.zeros((B, Tp), np.int32)
+    for i, p in enumerate(prompts):
+        prompt_arr[i, : len(p)] = p
+    stop_arr = np.full((num_stop,), -1, np.int32)
+    stop_arr[: len(stops)] = stops
+    inp = dict(prompt=prompt_arr, prompt_len=col(lens, 1, np.int32), max_new=col(max_new, 1, np.int32),
+               cap=col(limit, 0, np.int32), real=col([True] * n, False, bool),
+               temperature=col(temps, 0.0, np.float32), top_k=col(topks, 0, np.int32),
+               top_p=col(topps, 1.0, np.float32), seed=col(seeds, 0, np.int32), stop_ids=stop_arr)
+    return plan, inp, lens, is_batch
+
+
+def _outputs(params, plan, res, lens, is_batch, *, compile_s, run_s) -> GenerateOutput:
+    tokens, reasons, accept = [], [], []
+    for i, l in enumerate(lens):
+        g = int(res["generated"][i])
+        tokens.append([int(t) for t in res["tokens"][i, l: l + g]])
+        reasons.append(loop.FINISH_REASONS[int(res["reason"][i])])
+        accept.append([int(a) for a in res["hist"][i, : int(res["rounds"][i])]])
+    total = sum(len(t) for t in tokens)
+    all_rounds = [a for row in accept for a in row]
+    hist: dict[int, int] = {}
+    for a in all_rounds:
+        hist[a] = hist.get(a, 0) + 1
+    tps = total / run_s if run_s > 0 else float("nan")
+    stats = SpecStats(accept_lengths=accept,
+                      mean_accept_length=float(np.mean(all_rounds)) if all_rounds else float("nan"),
+                      histogram=dict(sorted(hist.items())), rounds=[len(a) for a in accept], tokens_per_s=tps)
+    tok = params.tokenizer
+    texts = [tok.decode(t, skip_special_tokens=True) for t in tokens] if tok is not None else None
+    timing = dict(compile_s=compile_s, run_s=run_s, new_tokens=total, tokens_per_s=tps)
+    if not is_batch:
+        return GenerateOutput(tokens[0], texts[0] if texts else None, reasons[0], stats, timing)
+    return GenerateOutput(tokens, texts, reasons, stats, timing)

@@ -1,0 +1,1 @@
+"""The speculative loop: drafting (chain/tree), verification, commit, the on-device loop."""

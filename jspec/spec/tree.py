@@ -1,0 +1,76 @@
+"""Draft trees as static-shape arrays.
+
+A tree of N nodes (node 0 = the root, the last committed-but-unverified token) is
+  tokens [B,N]   token ids (target vocabulary)
+  parents [B,N]  parent node index (-1 for the root); parents precede children
+  depth [B,N]    0 for the root
+  anc [B,N,N]    anc[b, i, j]: node j is node i or one of its ancestors
+A chain is the tree 0 <- 1 <- ... <- S; its structure is a constant.
+"""
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import struct
+
+
+@struct.dataclass
+class Tree:
+    tokens: jax.Array
+    parents: jax.Array
+    depth: jax.Array
+    anc: jax.Array
+
+
+@functools.lru_cache(maxsize=None)
+def chain_structure(num_nodes: int):
+    """Constant parents, depth and ancestor mask of a chain of `num_nodes` (numpy)."""
+    parents = np.arange(num_nodes, dtype=np.int32) - 1
+    depth = np.arange(num_nodes, dtype=np.int32)
+    anc = np.tril(np.ones((num_nodes, num_nodes), bool))
+    return parents, depth, anc
+
+
+def chain_tree(tokens) -> Tree:
+    B, N = tokens.shape
+    parents, depth, anc = chain_structure(N)
+    bc = lambda a: jnp.broadcast_to(jnp.asarray(a), (B,) + a.shape)
+    return Tree(tokens=tokens, parents=bc(parents), depth=bc(depth), anc=bc(anc))
+
+
+def ancestors(parents, max_depth: int):
+    """parents [B,N] (topologically ordered) -> (depth [B,N], anc [B,N,N])."""
+    B, N = parents.shape
+    eye = jnp.eye(N, dtype=bool)[None]
+    p = jnp.maximum(parents, 0)
+    is_root = parents < 0
+    depth = jnp.zeros((B, N), jnp.int32)
+    anc = jnp.broadcast_to(eye, (B, N, N))
+    for _ in range(max_depth):
+        depth = jnp.where(is_root, 0, jnp.take_along_axis(depth, p, axis=1) + 1)
+        parent_anc = jnp.take_along_axis(anc, p[:, :, None], axis=1)
+        anc = eye | jnp.where(is_root[:, :, None], False, parent_anc)
+    return depth, anc
+
+
+def select_tree(root, cand_tokens, cand_scores, cand_parents, num_nodes: int, max_depth: int) -> Tree:
+    """Keeps the best num_nodes-1 candidates by cumulative score under the root.
+
+    root [B]; cand_tokens/cand_scores/cand_parents [B,M]: candidates in level order, each
+    parent a candidate index (-1: the root). A child never outscores its parent, so the
+    kept set is closed under parents; keeping index order keeps parents first.
+    """
+    B, M = cand_tokens.shape
+    _, top = jax.lax.top_k(cand_scores, num_nodes - 1)
+    top = jnp.sort(top, axis=-1)  # [B, N-1], level order
+    tokens = jnp.take_along_axis(cand_tokens, top, axis=1)
+    pc = jnp.take_along_axis(cand_parents, top, axis=1)  # parent candidate ids
+    match = pc[:, :, None] == top[:, None, :]  # [B, N-1, N-1]
+    parent_node = jnp.where(pc < 0, 0, jnp.argmax(match, axis=-1) + 1)
+    parents = jnp.concatenate([jnp.full((B, 1), -1, jnp.int32), parent_node.astype(jnp.int32)], axis=1)
+    depth, anc = ancestors(parents, max_depth)
+    return Tree(tokens=jnp.concatenate([root[:, None], tokens], axis=1).astype(jnp.int32),
+                parents=parents, depth=depth, anc=anc)
