@@ -31,7 +31,7 @@ EAGLE3_ARCHS = ("LlamaForCausalLMEagle3", "Eagle3LlamaForCausalLM")
 # ----------------------------------------------------------------------------- interface
 
 def target_capture(d: DraftConfig) -> tuple[int, ...]:
-    return d.aux_layers if d.kind == "eagle3" else ()
+    return tuple(sorted(set(d.aux_layers))) if d.kind == "eagle3" else ()
 
 
 def target_features(d: DraftConfig, hidden, aux):
@@ -39,7 +39,7 @@ def target_features(d: DraftConfig, hidden, aux):
     if d.kind == "eagle":
         return hidden
     if d.kind == "eagle3":
-        return jnp.concatenate(aux, axis=-1)
+        return jnp.concatenate([aux[i] for i in d.aux_layers], axis=-1)
     return None
 
 
@@ -197,3 +197,27 @@ def _load_eagle3(cfg, m: ModelConfig, tensors, target: Params, where) -> DraftPa
     t.finish()
     return DraftParams(DraftConfig("eagle3", m, target_hidden_size=Dt, aux_layers=aux, draft_vocab_size=Vd),
                        weights, where)
+
+
+# ---------------------------------------------------------------------------- creation
+
+def init_draft_weights(d: DraftConfig, key, target_vocab: int) -> dict:
+    """Random weights for a draft of config `d` (normal(0.02); norms at one)."""
+    import jax
+    m = d.model
+    T = 2
+    meta = tgt.prefill_meta(jnp.full((1,), T, jnp.int32), T)
+    tokens = jnp.zeros((1, T), jnp.int32)
+    if d.kind == "standalone":
+        return {"params": LlamaModel(m).init(key, tokens, None, meta)["params"]}
+    embeds = jnp.zeros((1, T, m.hidden_size), m.jnp_dtype)
+    if d.kind == "eagle":
+        feats = jnp.zeros((1, T, m.hidden_size), m.jnp_dtype)
+        return {"params": Eagle1Head(m, d.fc_bias).init(key, embeds, feats, None, meta)["params"]}
+    feats = jnp.zeros((1, T, len(d.aux_layers) * d.target_hidden_size), m.jnp_dtype)
+    params = Eagle3Head(m, d.draft_vocab_size).init(key, embeds, feats, None, meta,
+                                                    method=Eagle3Head.init_all)["params"]
+    out = {"params": params}
+    if d.draft_vocab_size != target_vocab:
+        out["d2t"] = jnp.zeros((d.draft_vocab_size,), jnp.int32)
+    return out

@@ -33,10 +33,10 @@ class Eagle1Head(nn.Module):
         ks, vs = [], []
         for i in range(c.num_layers):
             x, (k, v) = DecoderLayer(c, c.sliding_windows[i], input_norm=i > 0, name=f"layers_{i}")(
-                x, (cache.k[i], cache.v[i]), meta)
+                x, None if cache is None else (cache.k[i], cache.v[i]), meta)
             ks.append(k)
             vs.append(v)
-        return x, KVCache(k=tuple(ks), v=tuple(vs))
+        return x, None if cache is None else KVCache(k=tuple(ks), v=tuple(vs))
 
 
 class Eagle3Head(nn.Module):
@@ -59,8 +59,8 @@ class Eagle3Head(nn.Module):
     def __call__(self, embeds, feats, cache: KVCache, meta, project: bool):
         if project:
             feats = self.fc(feats)
-        x, kv = self.midlayer(embeds, feats, (cache.k[0], cache.v[0]), meta)
-        return x, KVCache(k=(kv[0],), v=(kv[1],))
+        x, kv = self.midlayer(embeds, feats, None if cache is None else (cache.k[0], cache.v[0]), meta)
+        return x, None if cache is None else KVCache(k=(kv[0],), v=(kv[1],))
 
     def head(self, hidden):
         """hidden [..., D] -> float32 logits over the draft vocabulary [..., Vd]."""

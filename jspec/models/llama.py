@@ -135,21 +135,20 @@ class LlamaModel(nn.Module):
             self.lm_head = Linear(c.vocab_size, False, c.dtype, float32_out=True)
 
     def __call__(self, tokens, cache: KVCache | None, meta: AttnMeta, capture: tuple[int, ...] = ()):
-        """tokens [B,T] -> (hidden [B,T,D] after the final norm, inputs of the `capture`
-        layers in increasing order (each [B,T,D]; index num_layers is the last layer's
-        output), updated cache)."""
+        """tokens [B,T] -> (hidden [B,T,D] after the final norm, {layer: its input [B,T,D]}
+        for the `capture` layers (index num_layers: the last layer's output), cache)."""
         x = self.embed_tokens(tokens)
-        aux, ks, vs = [], [], []
+        aux, ks, vs = {}, [], []
         for i, layer in enumerate(self.layers):
             if i in capture:
-                aux.append(x)
+                aux[i] = x
             x, (k, v) = layer(x, None if cache is None else (cache.k[i], cache.v[i]), meta)
             ks.append(k)
             vs.append(v)
         if self.cfg.num_layers in capture:  # the last layer's output, before the final norm
-            aux.append(x)
+            aux[self.cfg.num_layers] = x
         new_cache = None if cache is None else KVCache(k=tuple(ks), v=tuple(vs))
-        return self.norm(x), tuple(aux), new_cache
+        return self.norm(x), aux, new_cache
 
     def logits(self, hidden):
         """hidden [..., D] -> float32 logits [..., V]."""

@@ -389,13 +389,17 @@ def init_state(plan: Plan, inp) -> LoopState:
         hist=jnp.zeros((B, plan.max_rounds), jnp.int32), step=jnp.int32(0))
 
 
-def generate_fn(plan: Plan, tw, dw, inp):
-    """Prefill and the loop of rounds. inp: prompt [B,Tp]; prompt_len, max_new, cap (slot
-    limit), real, temperature, top_k, top_p, seed ([B] each); stop_ids [Ks]."""
+def run(plan: Plan, tw, dw, inp) -> LoopState:
+    """Prefill and the loop of rounds -> the final state. inp: prompt [B,Tp]; prompt_len,
+    max_new, cap (slot limit), real, temperature, top_k, top_p, seed ([B] each); stop_ids [Ks]."""
     st = init_state(plan, inp)
     st = _prefill(plan, tw, dw, inp, st)
-    st = jax.lax.while_loop(lambda s: jnp.any(~s.finished) & (s.step < plan.max_rounds),
-                            lambda s: _round(plan, tw, dw, inp, s), st)
+    return jax.lax.while_loop(lambda s: jnp.any(~s.finished) & (s.step < plan.max_rounds),
+                              lambda s: _round(plan, tw, dw, inp, s), st)
+
+
+def generate_fn(plan: Plan, tw, dw, inp):
+    st = run(plan, tw, dw, inp)
     return dict(tokens=st.tokens, generated=st.generated, reason=st.reason, rounds=st.rounds, hist=st.hist)
 
 
