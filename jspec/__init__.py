@@ -4,7 +4,7 @@
     out = jspec.generate(params, "def fib(n):", max_new_tokens=64)
 """
 from jspec.config import CacheConfig, DraftConfig, ModelConfig, SpecConfig
-from jspec.generate import GenerateOutput, SpecStats, generate, logits
+from jspec.api import GenerateOutput, SpecStats, generate, logits
 from jspec.loading import DraftParams, Params, load
 
 __version__ = "0.1.0"

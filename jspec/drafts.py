@@ -209,7 +209,7 @@ def init_draft_weights(d: DraftConfig, key, target_vocab: int) -> dict:
     meta = tgt.prefill_meta(jnp.full((1,), T, jnp.int32), T)
     tokens = jnp.zeros((1, T), jnp.int32)
     if d.kind == "standalone":
-        return {"params": LlamaModel(m).init(key, tokens, None, meta)["params"]}
+        return {"params": LlamaModel(m).init(key, tokens, None, meta, method=LlamaModel.init_all)["params"]}
     embeds = jnp.zeros((1, T, m.hidden_size), m.jnp_dtype)
     if d.kind == "eagle":
         feats = jnp.zeros((1, T, m.hidden_size), m.jnp_dtype)

@@ -1,6 +1,7 @@
 """Tiny random Hugging Face models saved to temp dirs, for tests (nothing from a hub)."""
 from __future__ import annotations
 
+import functools
 import os
 
 import torch
@@ -69,3 +70,115 @@ def make_model(path: str, family: str = "llama", *, seed: int = 0, tokenizer: bo
     if tokenizer:
         save_tokenizer(path)
     return model
+
+
+@functools.lru_cache(maxsize=None)
+def _hf_greedy_cached(model_id: int, prompt: tuple, n: int, stop: tuple):
+    model = _MODELS[model_id]
+    ids = torch.tensor([list(prompt)])
+    eos = list(stop) if stop else None
+    out = model.generate(ids, max_new_tokens=n, do_sample=False, eos_token_id=eos, pad_token_id=0)
+    return out[0, len(prompt):].tolist()
+
+
+_MODELS: dict = {}
+
+
+def hf_greedy(model, prompt, n: int, stop=()):
+    """transformers' own greedy continuation of one prompt (the reference)."""
+    _MODELS[id(model)] = model
+    return _hf_greedy_cached(id(model), tuple(prompt), n, tuple(stop))
+
+
+def make_random_draft(path: str, kind: str, target, *, seed: int, draft_vocab: int | None = None):
+    """A random draft of `kind` for `target` (jspec Params), saved in its checkpoint format."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    from jspec.config import DraftConfig
+    from jspec.drafts import init_draft_weights
+    from jspec.export import save_draft
+
+    tc = target.config
+    V = tc.vocab_size
+    m = tc.replace(num_layers=1, sliding_windows=(0,))
+    if kind == "standalone":
+        m = tc.replace(num_layers=2, hidden_size=32, intermediate_size=64, num_heads=2, num_kv_heads=1,
+                       head_dim=16, sliding_windows=(0, 0))
+        d = DraftConfig("standalone", m)
+    elif kind == "eagle":
+        d = DraftConfig("eagle", m, target_hidden_size=tc.hidden_size, draft_vocab_size=V, fc_bias=True)
+    else:
+        Vd = draft_vocab or V
+        d = DraftConfig("eagle3", m, target_hidden_size=tc.hidden_size, aux_layers=(1, 2, 3),
+                        draft_vocab_size=Vd)
+    w = init_draft_weights(d, jax.random.key(seed), V)
+    w = jax.tree.map(lambda a: a * 10 if a.ndim == 2 else a, w)  # sharper random logits
+    if "d2t" in w:
+        ids = np.sort(np.random.RandomState(seed).choice(V, Vd, replace=False))
+        w["d2t"] = jnp.asarray(ids - np.arange(Vd), jnp.int32)
+    save_draft(path, d, w, V)
+
+
+def make_permutation_family(root: str, *, vocab: int = VOCAB, hidden: int = 64, seed: int = 0):
+    """Target with next(t) = pi(t) (pi one random cycle), plus drafts that agree with it.
+
+    Target: every block's output projection is zero, so the final hidden is the token's
+    unit embedding; lm_head row v is 2 * e[pi^-1(v)], so the argmax is pi(t).
+    EAGLE head: fc = [8I, 0] keeps the token half, blocks zero: it predicts pi(token).
+    EAGLE-3 head: fc keeps the first captured feature (the embedding of the token at the
+    slot), blocks zero, lm_head row v = 2 * e[pi^-2(v)]: its first draft is right, the
+    later ones (which see the draft's own hidden) are not, so it accepts exactly 1 per round.
+    """
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    from jspec.config import DraftConfig, ModelConfig
+    from jspec.drafts import init_draft_weights
+    from jspec.export import save_draft, save_target
+    from jspec.models.llama import LlamaModel
+    from jspec.models import target as tgt
+
+    rng = np.random.RandomState(seed)
+    order = rng.permutation(vocab)
+    pi = np.empty(vocab, np.int64)
+    pi[order] = np.roll(order, -1)  # one cycle through every token
+    inv = np.argsort(pi)
+    e = rng.randn(vocab, hidden).astype(np.float32)
+    e /= np.linalg.norm(e, axis=1, keepdims=True)
+    cfg = ModelConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=128, num_layers=4, num_heads=4,
+                      num_kv_heads=2, head_dim=16, bos_token_id=1, eos_token_ids=(2,))
+    meta = tgt.prefill_meta(jnp.full((1,), 2, jnp.int32), 2)
+    params = LlamaModel(cfg).init(jax.random.key(seed), jnp.zeros((1, 2), jnp.int32), None, meta,
+                                  method=LlamaModel.init_all)
+    p = jax.tree.map(np.array, params["params"])
+    p["embed_tokens"]["embedding"] = e
+    p["lm_head"]["weight"] = 2 * e[inv]
+    for i in range(cfg.num_layers):
+        p[f"layers_{i}"]["self_attn"]["o_proj"]["weight"][:] = 0
+        p[f"layers_{i}"]["mlp"]["down_proj"]["weight"][:] = 0
+    tdir = os.path.join(root, "target")
+    save_target(tdir, cfg, {"params": p})
+
+    m = cfg.replace(num_layers=1, sliding_windows=(0,))
+    eye = np.eye(hidden, dtype=np.float32)
+    d1 = DraftConfig("eagle", m, target_hidden_size=hidden, draft_vocab_size=vocab, fc_bias=True)
+    w1 = jax.tree.map(np.array, init_draft_weights(d1, jax.random.key(1), vocab))
+    w1["params"]["fc"]["weight"] = np.concatenate([8 * eye, 0 * eye], axis=1)
+    w1["params"]["fc"]["bias"][:] = 0
+    w1["params"]["layers_0"]["self_attn"]["o_proj"]["weight"][:] = 0
+    w1["params"]["layers_0"]["mlp"]["down_proj"]["weight"][:] = 0
+    e1dir = os.path.join(root, "eagle")
+    save_draft(e1dir, d1, w1, vocab)
+
+    d3 = DraftConfig("eagle3", m, target_hidden_size=hidden, aux_layers=(1, 2, 3), draft_vocab_size=vocab)
+    w3 = jax.tree.map(np.array, init_draft_weights(d3, jax.random.key(2), vocab))
+    w3["params"]["fc"]["weight"] = np.concatenate([8 * eye, 0 * eye, 0 * eye], axis=1)
+    w3["params"]["midlayer"]["self_attn"]["o_proj"]["weight"][:] = 0
+    w3["params"]["midlayer"]["mlp"]["down_proj"]["weight"][:] = 0
+    w3["params"]["lm_head"]["weight"] = 2 * e[inv[inv]]
+    e3dir = os.path.join(root, "eagle3")
+    save_draft(e3dir, d3, w3, vocab)
+    return {"target": tdir, "eagle": e1dir, "eagle3": e3dir, "standalone": tdir, "pi": pi}

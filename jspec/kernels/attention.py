@@ -58,5 +58,20 @@ def attention_reference(q, k_new, v_new, k_buf, v_buf, meta: AttnMeta, *, window
 
 
 def attention(q, k_new, v_new, k_buf, v_buf, meta: AttnMeta, *, window: int = 0, scale: float):
-    """Dispatch: the Pallas kernel where it applies, else the reference."""
+    """Dispatch: the Pallas kernel where it applies, else the reference.
+
+    The env var JSPEC_ATTENTION (read at trace time) picks: "auto" (default: the Pallas
+    decode kernel for non-prefill calls on a GPU backend, when it supports the shapes),
+    "pallas" (always for non-prefill calls; interpret mode off GPU) or "reference"."""
+    import os
+
+    mode = os.environ.get("JSPEC_ATTENTION", "auto").strip().lower() or "auto"
+    if mode not in ("auto", "pallas", "reference"):
+        raise ValueError(f"JSPEC_ATTENTION must be auto, pallas or reference, got {mode!r}")
+    if not meta.prefill and mode != "reference":
+        from jspec.kernels import decode_attention as da  # imports this module
+
+        if mode == "pallas" or (jax.default_backend() == "gpu"
+                                and da.is_supported(q, k_buf, v_buf, meta, window=window)):
+            return da.paged_decode_attention(q, k_buf, v_buf, meta, window=window, scale=scale)
     return attention_reference(q, k_new, v_new, k_buf, v_buf, meta, window=window, scale=scale)

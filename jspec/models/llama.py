@@ -160,3 +160,7 @@ class LlamaModel(nn.Module):
 
     def embed(self, tokens):
         return self.embed_tokens(tokens)
+
+    def init_all(self, tokens, cache, meta):
+        """Touches every parameter (for `init`): the forward pass and the LM head."""
+        return self.logits(self(tokens, cache, meta)[0])

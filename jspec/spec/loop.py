@@ -101,17 +101,30 @@ def _meta(plan: Plan, cache, pages, **kw):
 
 
 def _ensure_capacity(plan: Plan, inp, st: LoopState, need_len, active, max_new_pages: int):
-    """Room for need_len slots per row (inp["cap"] [B] is each row's limit, and paged
-    caches take pages from the pool); rows that do not fit end as cache_full."""
-    ok = need_len <= inp["cap"]
+    """Room for need_len [B] slots per active row; a row that does not fit ends as cache_full.
+
+    Dense: a row fits when need_len <= its limit inp["cap"]. Paged, additionally: rows get
+    pages in batch order; when the pool runs dry, the first row that cannot be served ends
+    and returns its pages, and the rest are served again.
+    """
+    full = active & (need_len > inp["cap"])
     if plan.paged:
-        pages, got = kvc.alloc_pages(st.pages, need_len, active & ok, plan.page_size,
-                                     min(plan.pages_per_seq, max_new_pages))
+        max_new = min(plan.pages_per_seq, max_new_pages)
+        pages = kvc.free_pages(st.pages, full)
+
+        def attempt(c):
+            pages, full, _ = c
+            new, ok = kvc.alloc_pages(pages, need_len, active & ~full, plan.page_size, max_new)
+            failed = ~ok
+            first = jnp.argmax(failed)
+            drop = failed.any() & (jnp.arange(failed.shape[0]) == first)
+            pages = jax.tree.map(lambda a, b: jnp.where(failed.any(), a, b), kvc.free_pages(pages, drop), new)
+            return pages, full | drop, failed.any()
+
+        pages, full, _ = jax.lax.while_loop(lambda c: c[2], attempt, (pages, full, jnp.bool_(True)))
         st = st.replace(pages=pages)
-        ok = ok & got
-    full = active & ~ok
     st = st.replace(finished=st.finished | full, reason=jnp.where(full, CACHE_FULL, st.reason))
-    return st, active & ok
+    return st, active & ~full
 
 
 def _root_state(plan: Plan, dw, tw, logits_d, hidden):
@@ -326,7 +339,9 @@ def _emit(plan: Plan, inp, st: LoopState, emitted, count, active):
     generated = st.generated + n
     hit_stop = active & (first_stop < n)
     at_len = active & (generated >= inp["max_new"])
-    reason = jnp.where(hit_stop, STOP, jnp.where(at_len, LENGTH, st.reason))
+    # max_new is cut to the cache's room when that is smaller (inp["room_bound"]).
+    reason = jnp.where(hit_stop, STOP, jnp.where(at_len, jnp.where(inp["room_bound"], CACHE_FULL, LENGTH),
+                                                 st.reason))
     return st.replace(tokens=tokens, generated=generated, finished=st.finished | hit_stop | at_len,
                       reason=reason), n
 
@@ -391,7 +406,8 @@ def init_state(plan: Plan, inp) -> LoopState:
 
 def run(plan: Plan, tw, dw, inp) -> LoopState:
     """Prefill and the loop of rounds -> the final state. inp: prompt [B,Tp]; prompt_len,
-    max_new, cap (slot limit), real, temperature, top_k, top_p, seed ([B] each); stop_ids [Ks]."""
+    max_new, room_bound (max_new was cut to the cache's room), cap (slot limit), real,
+    temperature, top_k, top_p, seed ([B] each); stop_ids [Ks]."""
     st = init_state(plan, inp)
     st = _prefill(plan, tw, dw, inp, st)
     return jax.lax.while_loop(lambda s: jnp.any(~s.finished) & (s.step < plan.max_rounds),

@@ -260,7 +260,11 @@ def _prepare(params, prompt, max_new_tokens, temperature, top_k, top_p, seed, st
             raise ValueError(f"prompt {i} has {lens[i]} tokens, which does not fit a cache of max_len="
                              f"{cache.max_len} (it needs room for at least one generated token)")
         limit = [cache.max_len + slack] * n
+        room = [cache.max_len - l for l in lens]  # a request holds at most max_len tokens
+        room_bound = [r < m for r, m in zip(room, max_new)]
+        max_new = [min(r, m) for r, m in zip(room, max_new)]
     else:
+        room_bound = [False] * n
         limit = [l + m + slack for l, m in zip(lens, max_new)]
     need = max(limit)
     P = cache.page_size
@@ -291,7 +295,7 @@ def _prepare(params, prompt, max_new_tokens, temperature, top_k, top_p, seed, st
     stop_arr = np.full((num_stop,), -1, np.int32)
     stop_arr[: len(stops)] = stops
     inp = dict(prompt=prompt_arr, prompt_len=col(lens, 1, np.int32), max_new=col(max_new, 1, np.int32),
-               cap=col(limit, 0, np.int32), real=col([True] * n, False, bool),
+               room_bound=col(room_bound, False, bool), cap=col(limit, 0, np.int32), real=col([True] * n, False, bool),
                temperature=col(temps, 0.0, np.float32), top_k=col(topks, 0, np.int32),
                top_p=col(topps, 1.0, np.float32), seed=col(seeds, 0, np.int32), stop_ids=stop_arr)
     return plan, inp, lens, is_batch

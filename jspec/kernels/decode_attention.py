@@ -1,0 +1,325 @@
+"""Pallas (Triton) attention for decode and verification over the KV cache.
+
+Same semantics as `attention_reference` for a non-prefill AttnMeta (see jspec.cache.kv):
+every prefix slot (< prefix_len) is visible, the Tl local-block slots from prefix_len on
+are visible per `local_mask`, and an optional sliding window hides old keys.
+
+Design (flash decoding):
+- Grid (B, Hkv, num_splits). One program takes one batch row, one kv head and one
+  contiguous share of that row's key blocks, and runs an online softmax over them.
+- All G*T query rows of the kv head (G query heads per kv head) form one [R, Dh] tile,
+  R = G*T padded to a power of two >= 16, so both matmuls run on tensor cores.
+- Keys come in blocks of BK slots. Each block is gathered row by row through the page
+  table (slot -> page_table[b, slot // P] * P + slot % P), so any page size works and a
+  block may span several small pages. A dense cache [B, S, Hkv, Dh] is the same thing
+  with one page of S slots per row and the identity page table.
+- A row only visits blocks [wblk, eblk): eblk = cdiv(min(prefix_len + Tl, S), BK) (ragged
+  lengths), wblk > 0 only with a sliding window. Blocks before pblk = prefix_len // BK
+  hold prefix keys only and need no mask (at most the window test); the few blocks from
+  pblk on (at most cdiv(Tl + BK - 1, BK)) take an int8 mask [R, BK] cut from `tail_mask`,
+  which the wrapper builds with the exact rule of the reference.
+- Each split writes its unnormalised output and its softmax max / sum; a jnp step merges
+  the splits (log-sum-exp) and normalises.
+
+A query row that sees no key at all gets zeros (the reference gives a meaningless
+uniform average there).
+"""
+from __future__ import annotations
+
+import functools
+import numbers
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+
+from jspec.cache.kv import AttnMeta
+from jspec.kernels.attention import attention_reference
+
+NEG_INF = -1e30
+MIN_ROWS = 16  # smallest M of a tensor-core dot in Triton
+DEFAULT_BLOCK_K = 64
+TARGET_PROGRAMS = 256  # about two waves of programs on an H200 (132 SMs)
+MIN_BLOCKS_PER_SPLIT = 2
+
+
+def decode_attention_reference(q, k_buf, v_buf, meta: AttnMeta, *, window: int = 0, scale: float):
+    """The reference for `paged_decode_attention` (same arguments)."""
+    return attention_reference(q, None, None, k_buf, v_buf, meta, window=window, scale=scale)
+
+
+# --------------------------------------------------------------------------- kernel
+
+def _decode_kernel(bounds_ref, table_ref, q_ref, qpos_ref, tail_mask_ref, k_ref, v_ref,
+                   o_ref, m_ref, l_ref, *, scale: float, block_k: int, page_size: int,
+                   num_pages: int, num_keys: int, window: int, num_splits: int):
+    """One (batch row b, kv head h, split s).
+
+    bounds_ref [B, 3] int32: wblk, pblk, eblk of each row (see the module docstring).
+    table_ref [B, G] int32: page table (entries >= num_pages: unallocated).
+    q_ref [R, Dh]; qpos_ref [R] int32; tail_mask_ref [R, NL*BK] int8.
+    k_ref, v_ref [num_pages * P, Hkv, Dh]: the pool, flattened over pages.
+    o_ref [R, Dh] float32 (unnormalised); m_ref, l_ref [R] float32.
+    """
+    b, h, s = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    wblk, pblk, eblk = bounds_ref[b, 0], bounds_ref[b, 1], bounds_ref[b, 2]
+    per_split = pl.cdiv(eblk - wblk, num_splits)
+    lo = wblk + s * per_split
+    hi = jnp.minimum(lo + per_split, eblk)
+
+    q = q_ref[...]  # [R, Dh]
+    R, Dh = q.shape
+    offs = jnp.arange(block_k, dtype=jnp.int32)  # [BK]
+
+    def load_kv(blk):
+        slot = jnp.minimum(blk * block_k + offs, num_keys - 1)  # [BK], clamped in range
+        page = table_ref[b, lax.div(slot, page_size)]  # [BK]
+        row = jnp.minimum(page, num_pages - 1) * page_size + lax.rem(slot, page_size)
+        return k_ref[row, h, :], v_ref[row, h, :]  # [BK, Dh] each
+
+    def step(blk, carry, mask):
+        acc, m, l = carry  # [R, Dh], [R], [R]
+        k, v = load_kv(blk)
+        sc = lax.dot_general(q, k, (((1,), (1,)), ((), ())),
+                             preferred_element_type=jnp.float32) * scale  # [R, BK]
+        if mask is not None:
+            sc = jnp.where(mask, sc, NEG_INF)
+        m_new = jnp.maximum(m, jnp.max(sc, axis=1))
+        p = jnp.exp(sc - m_new[:, None])
+        if mask is not None:
+            p = jnp.where(mask, p, 0.0)
+        corr = jnp.exp(m - m_new)
+        l = l * corr + jnp.sum(p, axis=1)
+        pv = lax.dot_general(p.astype(v.dtype), v, (((1,), (0,)), ((), ())),
+                             preferred_element_type=jnp.float32)  # [R, Dh]
+        return acc * corr[:, None] + pv, m_new, l
+
+    def prefix_block(blk, carry):  # only prefix keys: at most the window hides some
+        mask = None
+        if window:
+            slot = blk * block_k + offs
+            mask = slot[None, :] > qpos_ref[...][:, None] - window  # [R, BK]
+        return step(blk, carry, mask)
+
+    def tail_block(blk, carry):  # blocks that reach the local block
+        mask = tail_mask_ref[:, pl.ds((blk - pblk) * block_k, block_k)] != 0  # [R, BK]
+        return step(blk, carry, mask)
+
+    carry = (jnp.zeros((R, Dh), jnp.float32), jnp.full((R,), NEG_INF, jnp.float32),
+             jnp.zeros((R,), jnp.float32))
+    carry = lax.fori_loop(lo, jnp.minimum(hi, pblk), prefix_block, carry)
+    carry = lax.fori_loop(jnp.maximum(lo, pblk), hi, tail_block, carry)
+    acc, m, l = carry
+    o_ref[...] = acc
+    m_ref[...] = m
+    l_ref[...] = l
+
+
+# --------------------------------------------------------------------------- wrapper
+
+def _tail_mask(meta: AttnMeta, pblk, rows_t, *, window: int, block_k: int, num_tail: int,
+               num_keys: int):
+    """int8 [B, R, NL*BK]: visibility of slots pblk*BK + c for each query row (the
+    reference's rule, restricted to the blocks that can hold local slots)."""
+    Tl = meta.local_len
+    B = pblk.shape[0]
+    slot = pblk[:, None] * block_k + jnp.arange(num_tail * block_k, dtype=jnp.int32)  # [B, C]
+    rel = slot - meta.prefix_len[:, None]
+    rel_c = jnp.clip(rel, 0, Tl - 1)
+    local = meta.local_mask[:, rows_t, :]  # [B, R, Tl]
+    local = jnp.take_along_axis(local, jnp.broadcast_to(rel_c[:, None, :], (B, rows_t.shape[0], slot.shape[1])), axis=2)
+    visible = (rel < 0)[:, None, :] | (((rel >= 0) & (rel < Tl))[:, None, :] & local)
+    visible = visible & (slot < num_keys)[:, None, :]
+    if window:
+        k_pos = jnp.where(rel < 0, slot, jnp.take_along_axis(meta.local_positions, rel_c, axis=1))
+        q_pos = meta.positions[:, rows_t]  # [B, R]
+        visible = visible & (k_pos[:, None, :] > q_pos[:, :, None] - window)
+    return visible.astype(jnp.int8)
+
+
+def _decode_call(q, k_flat, v_flat, table, meta: AttnMeta, *, page_size: int, num_keys: int,
+                 window: int, scale: float, block_k: int, num_splits: int, interpret: bool,
+                 num_warps: int, num_stages: int):
+    """q [B,T,H,Dh]; k_flat/v_flat [num_pages*P, Hkv, Dh]; table [B, G]. -> [B,T,H,Dh]."""
+    B, T, H, Dh = q.shape
+    Hkv = k_flat.shape[1]
+    G = H // Hkv  # query heads per kv head
+    Tl = meta.local_len
+    rows = T * G
+    R = max(MIN_ROWS, 1 << (rows - 1).bit_length())  # power of two >= 16
+    num_tail = pl.cdiv(Tl + block_k - 1, block_k)  # blocks the local block can touch
+
+    # Row r of a kv head's tile is query token r // G, query head h * G + r % G.
+    qt = q.reshape(B, T, Hkv, G, Dh).transpose(0, 2, 1, 3, 4).reshape(B, Hkv, rows, Dh)
+    qt = jnp.pad(qt, ((0, 0), (0, 0), (0, R - rows), (0, 0)))  # [B, Hkv, R, Dh]
+    rows_t = jnp.minimum(jnp.arange(R, dtype=jnp.int32) // G, T - 1)  # [R]
+    qpos = meta.positions[:, rows_t]  # [B, R]
+
+    # Per row: blocks [wblk, eblk) to visit; blocks < pblk hold prefix keys only.
+    prefix = meta.prefix_len
+    end = jnp.minimum(prefix + Tl, num_keys)
+    eblk = pl.cdiv(end, block_k)
+    pblk = jnp.minimum(prefix, num_keys) // block_k
+    wblk = jnp.zeros_like(pblk)
+    if window:  # prefix slots <= min position - window are hidden from every query
+        first = jnp.min(meta.positions, axis=1) - window + 1
+        wblk = jnp.clip(first // block_k, 0, pblk)
+    bounds = jnp.stack([wblk, pblk, eblk], axis=1).astype(jnp.int32)  # [B, 3]
+    tail_mask = _tail_mask(meta, pblk, rows_t, window=window, block_k=block_k,
+                           num_tail=num_tail, num_keys=num_keys)  # [B, R, C]
+    C = tail_mask.shape[-1]
+
+    kernel = functools.partial(
+        _decode_kernel, scale=scale, block_k=block_k, page_size=page_size,
+        num_pages=k_flat.shape[0] // page_size, num_keys=num_keys, window=window,
+        num_splits=num_splits)
+    whole = pl.BlockSpec()  # the whole array, indexed inside the kernel
+    params = None
+    if not interpret:
+        from jax.experimental.pallas import triton as plt
+        params = plt.CompilerParams(num_warps=num_warps, num_stages=num_stages)
+    o, m, l = pl.pallas_call(
+        kernel,
+        grid=(B, Hkv, num_splits),
+        in_specs=[
+            whole,  # bounds
+            whole,  # page table
+            pl.BlockSpec((None, None, R, Dh), lambda b, h, s: (b, h, 0, 0)),  # q
+            pl.BlockSpec((None, R), lambda b, h, s: (b, 0)),  # q positions
+            pl.BlockSpec((None, R, C), lambda b, h, s: (b, 0, 0)),  # tail mask
+            whole,  # k pool
+            whole,  # v pool
+        ],
+        out_specs=[
+            pl.BlockSpec((None, None, None, R, Dh), lambda b, h, s: (b, h, s, 0, 0)),
+            pl.BlockSpec((None, None, None, R), lambda b, h, s: (b, h, s, 0)),
+            pl.BlockSpec((None, None, None, R), lambda b, h, s: (b, h, s, 0)),
+        ],
+        out_shape=[
+            jax.ShapeDtypeStruct((B, Hkv, num_splits, R, Dh), jnp.float32),
+            jax.ShapeDtypeStruct((B, Hkv, num_splits, R), jnp.float32),
+            jax.ShapeDtypeStruct((B, Hkv, num_splits, R), jnp.float32),
+        ],
+        interpret=interpret,
+        compiler_params=params,
+        name="jspec_decode_attention",
+    )(bounds, table.astype(jnp.int32), qt, qpos, tail_mask, k_flat, v_flat)
+
+    # Merge the splits: weights exp(m_s - max_s m_s); rows that saw nothing give 0.
+    m_max = jnp.max(m, axis=2, keepdims=True)
+    w = jnp.exp(m - m_max)  # [B, Hkv, NS, R]
+    l_sum = jnp.sum(w * l, axis=2)  # [B, Hkv, R]
+    o = jnp.sum(w[..., None] * o, axis=2)  # [B, Hkv, R, Dh]
+    o = o / jnp.where(l_sum > 0, l_sum, 1.0)[..., None]
+    o = o[:, :, :rows].reshape(B, Hkv, T, G, Dh).transpose(0, 2, 1, 3, 4)
+    return o.reshape(B, T, H, Dh).astype(q.dtype)
+
+
+# --------------------------------------------------------------------------- public
+
+_DTYPES = (jnp.float32, jnp.bfloat16, jnp.float16)
+
+
+def _is_pow2(n: int) -> bool:
+    return n >= 1 and n & (n - 1) == 0
+
+
+def _check_args(q, k_buf, v_buf, meta: AttnMeta, window) -> None:
+    """Raises ValueError / TypeError for arguments the kernel does not take."""
+    if meta.prefill:
+        raise ValueError("prefill metadata: the kernel reads the cache, prefill does not")
+    if k_buf is None or v_buf is None:
+        raise ValueError("the kernel needs the layer's cache (k_buf, v_buf)")
+    if q.ndim != 4 or k_buf.ndim != 4:
+        raise ValueError(f"q and the cache must be 4-d, got {q.shape} and {k_buf.shape}")
+    if jnp.dtype(q.dtype) not in map(jnp.dtype, _DTYPES):
+        raise TypeError(f"q dtype {q.dtype} is not float32, bfloat16 or float16")
+    if q.dtype != k_buf.dtype or k_buf.dtype != v_buf.dtype:
+        raise TypeError(f"q, k_buf, v_buf dtypes differ: {q.dtype}, {k_buf.dtype}, {v_buf.dtype}")
+    if k_buf.shape != v_buf.shape:
+        raise ValueError(f"k_buf {k_buf.shape} and v_buf {v_buf.shape} differ")
+    B, T, H, Dh = q.shape
+    Hkv = k_buf.shape[2]
+    if not (_is_pow2(Dh) and Dh >= 16):
+        raise ValueError(f"head_dim {Dh} is not a power of two >= 16 (Triton tiles)")
+    if k_buf.shape[3] != Dh:
+        raise ValueError(f"cache head_dim {k_buf.shape[3]} != q head_dim {Dh}")
+    if H % Hkv:
+        raise ValueError(f"num_heads {H} is not a multiple of num_kv_heads {Hkv}")
+    Tl = meta.local_len
+    for name, shape in (("positions", (B, T)), ("prefix_len", (B,)),
+                        ("local_mask", (B, T, Tl)), ("local_positions", (B, Tl))):
+        arr = getattr(meta, name)
+        if arr.shape != shape:
+            raise ValueError(f"meta.{name} has shape {arr.shape}, expected {shape}")
+        want_bool = name == "local_mask"
+        if want_bool != (arr.dtype == jnp.bool_) or not (want_bool or jnp.issubdtype(arr.dtype, jnp.integer)):
+            raise TypeError(f"meta.{name} must be {'bool' if want_bool else 'integer'}, got {arr.dtype}")
+    if meta.page_table is None:
+        if k_buf.shape[0] != B:
+            raise ValueError(f"dense cache batch {k_buf.shape[0]} != q batch {B}")
+    else:
+        table = meta.page_table
+        if table.ndim != 2 or table.shape[0] != B:
+            raise ValueError(f"meta.page_table has shape {table.shape}, expected ({B}, G)")
+        if not jnp.issubdtype(table.dtype, jnp.integer):
+            raise TypeError(f"meta.page_table must be integer, got {table.dtype}")
+        if meta.page_size and meta.page_size != k_buf.shape[1]:
+            raise ValueError(f"meta.page_size {meta.page_size} != pool page size {k_buf.shape[1]}")
+    if isinstance(window, (bool, jax.Array)) or not isinstance(window, numbers.Integral) or window < 0:
+        raise ValueError(f"window must be a static int >= 0, got {window!r}")
+
+
+def is_supported(q, k_buf, v_buf, meta: AttnMeta, *, window: int = 0) -> bool:
+    """Whether `paged_decode_attention` takes these arguments (the dispatch falls back to
+    the reference when not)."""
+    try:
+        _check_args(q, k_buf, v_buf, meta, window)
+    except (TypeError, ValueError):
+        return False
+    return True
+
+
+def paged_decode_attention(q, k_buf, v_buf, meta: AttnMeta, *, window: int = 0, scale: float,
+                           interpret: bool | None = None, block_k: int | None = None,
+                           num_splits: int | None = None, num_warps: int = 4,
+                           num_stages: int = 2):
+    """Attention of q [B,T,H,Dh] over a cache that already holds the new keys.
+
+    k_buf/v_buf: dense [B,S,Hkv,Dh] (meta.page_table None) or paged pools
+    [num_pages,P,Hkv,Dh] with meta.page_table [B,G]. Returns [B,T,H,Dh] in q's dtype.
+    interpret None: interpret mode unless the default backend is a GPU. block_k: keys
+    per block (power of two >= 16; default 64). num_splits: key splits per (row, kv
+    head) (default: enough programs to fill the GPU).
+    """
+    _check_args(q, k_buf, v_buf, meta, window)
+    window = int(window)
+    B, T, H, Dh = q.shape
+    Hkv = k_buf.shape[2]
+    page_size = k_buf.shape[1]
+    if meta.page_table is None:  # dense: one page of S slots per row, identity table
+        table = jnp.arange(B, dtype=jnp.int32)[:, None]
+    else:
+        table = meta.page_table
+    num_keys = table.shape[1] * page_size  # slots a row can address (S when dense)
+
+    block_k = DEFAULT_BLOCK_K if block_k is None else block_k
+    if not (_is_pow2(block_k) and block_k >= 16):
+        raise ValueError(f"block_k must be a power of two >= 16, got {block_k}")
+    max_blocks = pl.cdiv(num_keys, block_k)
+    if num_splits is None:
+        want = pl.cdiv(TARGET_PROGRAMS, B * Hkv)
+        num_splits = max(1, min(want, pl.cdiv(max_blocks, MIN_BLOCKS_PER_SPLIT)))
+    if not (isinstance(num_splits, int) and num_splits >= 1):
+        raise ValueError(f"num_splits must be an int >= 1, got {num_splits!r}")
+    num_splits = min(num_splits, max_blocks)
+    if interpret is None:
+        interpret = jax.default_backend() != "gpu"
+
+    k_flat = k_buf.reshape((-1, Hkv, Dh))  # [num_pages * P, Hkv, Dh] (dense: [B * S, ...])
+    v_flat = v_buf.reshape((-1, Hkv, Dh))
+    return _decode_call(q, k_flat, v_flat, table, meta, page_size=page_size, num_keys=num_keys,
+                        window=window, scale=float(scale), block_k=block_k,
+                        num_splits=num_splits, interpret=interpret, num_warps=num_warps,
+                        num_stages=num_stages)

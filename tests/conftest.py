@@ -1,0 +1,55 @@
+"""Shared fixtures: tiny random models saved to temp dirs once per test session."""
+from __future__ import annotations
+
+import functools
+import os
+import sys
+
+import pytest
+
+sys.path.insert(0, os.path.dirname(__file__))
+os.environ.setdefault("XLA_FLAGS", "--xla_cpu_multi_thread_eigen=false")
+
+import tiny_models  # noqa: E402
+
+PROMPTS = [[5, 7, 9, 11, 13], [20, 21, 22], list(range(30, 47))]
+
+
+@pytest.fixture(scope="session")
+def llama_dir(tmp_path_factory):
+    """A 4-layer random Llama with a byte-level tokenizer (and its transformers twin)."""
+    path = str(tmp_path_factory.mktemp("llama4"))
+    model = tiny_models.make_model(path, "llama", layers=4, tokenizer=True)
+    return path, model
+
+
+@pytest.fixture(scope="session")
+def target(llama_dir):
+    import jspec
+    return jspec.load(llama_dir[0])
+
+
+@pytest.fixture(scope="session")
+def hf_greedy(llama_dir):
+    return functools.partial(tiny_models.hf_greedy, llama_dir[1])
+
+
+@pytest.fixture(scope="session")
+def drafts(tmp_path_factory, llama_dir, target):
+    """Random drafts for the 4-layer Llama: EAGLE, EAGLE-3 (full and reduced vocab), standalone."""
+    out = {}
+    for name, kw in [("eagle", {}), ("eagle3", {}), ("eagle3_reduced", {"draft_vocab": 100}),
+                     ("standalone", {})]:
+        path = str(tmp_path_factory.mktemp(name))
+        tiny_models.make_random_draft(path, name.split("_")[0], target, seed=len(out) + 1, **kw)
+        out[name] = path
+    return out
+
+
+@pytest.fixture(scope="session")
+def perm(tmp_path_factory):
+    """A target whose greedy next token is a fixed cycle pi(t), with drafts that agree:
+    an EAGLE head predicting pi(token), an EAGLE-3 head predicting pi(pi(token of the
+    feature)) (right for the first draft only), and the target itself as a standalone."""
+    root = tmp_path_factory.mktemp("perm")
+    return tiny_models.make_permutation_family(str(root))

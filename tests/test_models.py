@@ -1,0 +1,175 @@
+"""Target models: logits parity with transformers, loading, shapes."""
+from __future__ import annotations
+
+import json
+import os
+
+import chex
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import torch
+
+import jspec
+import tiny_models
+from jspec.cache import kv as kvc
+from jspec.config import ModelConfig, RopeConfig
+from jspec.models import target as tgt
+from jspec.models.llama import LlamaModel
+
+
+def _hf_logits(model, toks):
+    with torch.no_grad():
+        return model(torch.tensor(toks)).logits.float().numpy()
+
+
+@pytest.mark.parametrize("tie", [False, True])
+@pytest.mark.parametrize("family", tiny_models.FAMILIES)
+def test_logits_match_transformers(tmp_path, family, tie):
+    model = tiny_models.make_model(str(tmp_path), family, tie=tie)
+    params = jspec.load(str(tmp_path))
+    toks = np.random.RandomState(0).randint(3, tiny_models.VOCAB, size=(2, 13))
+    got = np.asarray(jspec.logits(params, toks))
+    chex.assert_shape(got, (2, 13, tiny_models.VOCAB))
+    assert got.dtype == np.float32
+    np.testing.assert_allclose(got, _hf_logits(model, toks), atol=1e-4, rtol=0)
+
+
+@pytest.mark.parametrize("rope", [{"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                                   "original_max_position_embeddings": 16},
+                                  {"rope_type": "linear", "factor": 2.0}])
+def test_rope_scaling_matches_transformers(tmp_path, rope):
+    model = tiny_models.make_model(str(tmp_path), "llama", rope_scaling=rope)
+    params = jspec.load(str(tmp_path))
+    assert params.config.rope.kind == rope["rope_type"]
+    toks = np.random.RandomState(1).randint(3, 300, size=(1, 40))
+    np.testing.assert_allclose(np.asarray(jspec.logits(params, toks)), _hf_logits(model, toks), atol=1e-4, rtol=0)
+
+
+def test_sliding_window_matches_transformers(tmp_path):
+    model = tiny_models.make_model(str(tmp_path), "mistral", sliding_window=5)
+    params = jspec.load(str(tmp_path))
+    assert params.config.sliding_windows == (5, 5)
+    toks = np.random.RandomState(2).randint(3, 300, size=(1, 20))
+    np.testing.assert_allclose(np.asarray(jspec.logits(params, toks)), _hf_logits(model, toks), atol=1e-4, rtol=0)
+
+
+def test_ragged_logits_rows_match_unpadded(target):
+    a, b = [5, 6, 7, 8, 9], [11, 12]
+    both = np.asarray(jspec.logits(target, [a, b]))
+    chex.assert_shape(both, (2, 5, 300))
+    np.testing.assert_allclose(both[1, :2], np.asarray(jspec.logits(target, b))[0], atol=1e-5)
+
+
+def test_sharded_checkpoint_and_dtypes(tmp_path):
+    single, sharded = str(tmp_path / "single"), str(tmp_path / "sharded")
+    tiny_models.make_model(single, "qwen2")
+    tiny_models.make_model(sharded, "qwen2", max_shard_size="100KB")
+    assert os.path.exists(os.path.join(sharded, "model.safetensors.index.json"))
+    toks = [[3, 4, 5, 6]]
+    np.testing.assert_array_equal(np.asarray(jspec.logits(jspec.load(single), toks)),
+                                  np.asarray(jspec.logits(jspec.load(sharded), toks)))
+    for dtype in ("bfloat16", "float16"):
+        p = jspec.load(single, dtype=dtype)
+        assert all(x.dtype == jnp.dtype(dtype) for x in jax.tree.leaves(p.weights))
+        ref = np.asarray(jspec.logits(jspec.load(single), toks))
+        got = np.asarray(jspec.logits(p, toks))
+        assert got.dtype == np.float32 and np.abs(got - ref).max() < 0.1
+
+
+def test_bf16_checkpoint_keeps_its_dtype(tmp_path):
+    tiny_models.make_model(str(tmp_path), "llama", dtype=torch.bfloat16)
+    p = jspec.load(str(tmp_path))
+    assert p.config.dtype == "bfloat16"
+    assert p.weights["params"]["embed_tokens"]["embedding"].dtype == jnp.bfloat16
+
+
+LLAMA31_8B = ModelConfig(vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_layers=32, num_heads=32,
+                         num_kv_heads=8, head_dim=128, rms_norm_eps=1e-5,
+                         rope=RopeConfig(500000.0, "llama3", 8.0, 1.0, 4.0, 8192), dtype="bfloat16")
+
+
+def test_eval_shape_llama31_8b_allocates_nothing():
+    cfg = LLAMA31_8B
+    meta = tgt.prefill_meta(jnp.ones((1,), jnp.int32), 4)
+    shapes = jax.eval_shape(lambda k: LlamaModel(cfg).init(k, jnp.zeros((1, 4), jnp.int32), None, meta,
+                                                           method=LlamaModel.init_all), jax.random.key(0))
+    p = shapes["params"]
+    chex.assert_shape(p["embed_tokens"]["embedding"], (128256, 4096))
+    chex.assert_shape(p["layers_0"]["self_attn"]["qkv_proj"]["weight"], ((32 + 2 * 8) * 128, 4096))
+    chex.assert_shape(p["layers_31"]["mlp"]["gate_up_proj"]["weight"], (2 * 14336, 4096))
+    chex.assert_shape(p["layers_31"]["mlp"]["down_proj"]["weight"], (4096, 14336))
+    chex.assert_shape(p["lm_head"]["weight"], (128256, 4096))
+    n = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(p))
+    assert n == cfg.num_params() == 8_030_261_248
+    assert all(x.dtype == jnp.bfloat16 for x in jax.tree.leaves(p))
+    assert all(isinstance(x, jax.ShapeDtypeStruct) for x in jax.tree.leaves(shapes))
+    cache = jax.eval_shape(lambda: kvc.init_kv_cache(32, 8, 128, jnp.bfloat16, batch=32, max_len=1024))
+    assert len(cache.k) == 32
+    chex.assert_shape(cache.k[0], (32, 1024, 8, 128))
+
+
+def test_forward_shapes_with_cache(target):
+    c = target.config
+    B, T, S = 3, 5, 32
+    cache = kvc.init_kv_cache(c.num_layers, c.num_kv_heads, c.head_dim, jnp.float32, batch=B, max_len=S)
+    pos = jnp.broadcast_to(jnp.arange(T), (B, T))
+    meta = kvc.make_meta(cache, positions=pos, prefix_len=jnp.zeros(B, jnp.int32),
+                         local_mask=jnp.tril(jnp.ones((T, T), bool))[None].repeat(B, 0),
+                         write_valid=jnp.ones((B, T), bool), prefill=True)
+    hidden, aux, new = tgt.forward(target.weights, c, jnp.ones((B, T), jnp.int32), cache, meta, capture=(1, 4))
+    chex.assert_shape(hidden, (B, T, c.hidden_size))
+    assert sorted(aux) == [1, 4]
+    chex.assert_trees_all_equal_shapes(cache, new)
+    assert float(jnp.abs(new.k[0][:, :T]).sum()) > 0 and float(jnp.abs(new.k[0][:, T:]).sum()) == 0
+
+
+# ---------------------------------------------------------------------------- loading errors
+
+def _corrupt(src, dst, fn):
+    from jspec import safetensors_io
+    os.makedirs(dst, exist_ok=True)
+    for f in os.listdir(src):
+        if not f.endswith(".safetensors"):
+            with open(os.path.join(src, f), "rb") as a, open(os.path.join(dst, f), "wb") as b:
+                b.write(a.read())
+    t = {k: np.array(v) for k, v in safetensors_io.load(os.path.join(src, "model.safetensors")).items()}
+    fn(t)
+    safetensors_io.save(os.path.join(dst, "model.safetensors"), t)
+
+
+def test_loading_errors_name_the_problem(tmp_path, llama_dir):
+    src = llama_dir[0]
+    bad = str(tmp_path / "missing")
+    _corrupt(src, bad, lambda t: t.pop("model.layers.1.mlp.up_proj.weight"))
+    with pytest.raises(ValueError, match="missing tensor 'model.layers.1.mlp.up_proj.weight'"):
+        jspec.load(bad)
+    bad = str(tmp_path / "extra")
+    _corrupt(src, bad, lambda t: t.__setitem__("model.layers.0.surprise", np.zeros(3, np.float32)))
+    with pytest.raises(ValueError, match="unexpected tensors.*surprise"):
+        jspec.load(bad)
+    bad = str(tmp_path / "shape")
+    _corrupt(src, bad, lambda t: t.__setitem__("model.norm.weight", np.zeros(7, np.float32)))
+    with pytest.raises(ValueError, match=r"'model.norm.weight' has shape \(7,\), expected \(64,\)"):
+        jspec.load(bad)
+    bad = str(tmp_path / "arch")
+    _corrupt(src, bad, lambda t: None)
+    cfg = json.load(open(os.path.join(bad, "config.json")))
+    cfg["architectures"] = ["GPT2LMHeadModel"]
+    json.dump(cfg, open(os.path.join(bad, "config.json"), "w"))
+    with pytest.raises(ValueError, match="unsupported architecture.*GPT2LMHeadModel"):
+        jspec.load(bad)
+    with pytest.raises(ValueError, match="not a directory"):
+        jspec.load(str(tmp_path / "nowhere"))
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    with pytest.raises(ValueError, match="no config.json"):
+        jspec.load(str(empty))
+    (empty / "config.json").write_text(open(os.path.join(src, "config.json")).read())
+    with pytest.raises(ValueError, match="no \\*.safetensors"):
+        jspec.load(str(empty))
+    with pytest.raises(TypeError):
+        jspec.load(42)
+    with pytest.raises(ValueError, match="dtype"):
+        jspec.load(src, dtype="int8")
