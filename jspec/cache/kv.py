@@ -88,8 +88,8 @@ def alloc_pages(state: PageState, need_len: jax.Array, active: jax.Array, page_s
                 max_new_pages: int) -> tuple[PageState, jax.Array]:
     """Gives each active request enough pages to hold `need_len` [B] slots.
 
-    Requests are served in batch order; a request that does not fit gets nothing and is
-    reported in the returned `ok` [B] = False (as is any later one that needs pages).
+    Requests are served in batch order; one that does not fit gets nothing and is reported
+    in the returned `ok` [B] = False, as is every later one that needs pages.
     `max_new_pages` is a static bound on pages one request may need in this call.
     """
     B, G = state.page_table.shape
@@ -99,7 +99,7 @@ def alloc_pages(state: PageState, need_len: jax.Array, active: jax.Array, page_s
     overflow = active & ((need_len + page_size - 1) // page_size > G)
     need = jnp.where(overflow, 0, need)
     cum = jnp.cumsum(need)
-    ok = (cum <= state.num_free) & ~overflow
+    ok = ((need == 0) | (cum <= state.num_free)) & ~overflow
     need = jnp.where(ok, need, 0)
     start = jnp.cumsum(need) - need  # exclusive prefix sum
     j = jnp.arange(max_new_pages, dtype=jnp.int32)[None, :]  # [1, M]

@@ -1,0 +1,274 @@
+"""Tree drafting (topk > 1) with KV compaction: exactness, tree building, compaction and
+the cache invariant, with property tests against plain-Python references."""
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import jspec
+from jspec import api
+from jspec.cache import kv as kvc
+from jspec.models import target as tgt
+from jspec.spec import loop, verify
+from jspec.spec.tree import Tree, ancestors, select_tree
+from conftest import PROMPTS
+
+CACHES = {"dense": "dense", "paged1": jspec.CacheConfig("paged", page_size=1),
+          "paged16": jspec.CacheConfig("paged", page_size=16)}
+SHAPES = [(2, 2, 4), (3, 4, 8), (5, 4, 16), (6, 10, 60)]
+
+
+def _with_draft(target, path):
+    from jspec.drafts import load_draft
+    return target.with_draft(load_draft(path, target))
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize("kind,cache", [("eagle3", "dense"), ("standalone", "paged1")])
+def test_tree_greedy_equals_target(target, drafts, hf_greedy, kind, cache, shape):
+    S, K, N = shape
+    p = _with_draft(target, drafts[kind])
+    out = jspec.generate(p, PROMPTS, max_new_tokens=12, stop_token_ids=[], cache=CACHES[cache],
+                         spec=jspec.SpecConfig(num_steps=S, topk=K, num_draft_tokens=N))
+    assert out.tokens == [hf_greedy(q, 12) for q in PROMPTS]
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize("kind,cache", [("standalone", "paged16"), ("eagle", "paged1")])
+def test_tree_with_agreeing_draft_accepts_whole_depth(perm, kind, cache, shape):
+    S, K, N = shape
+    p = jspec.load(perm["target"], draft=perm[kind])
+    prompts = [[5, 7, 9], [20, 21, 22, 23, 24, 25, 26]]
+    out = jspec.generate(p, prompts, max_new_tokens=16, stop_token_ids=[], cache=CACHES[cache],
+                         spec=jspec.SpecConfig(num_steps=S, topk=K, num_draft_tokens=N))
+    pi = perm["pi"]
+    for q, toks in zip(prompts, out.tokens):
+        want, t = [], q[-1]
+        for _ in range(16):
+            t = int(pi[t])
+            want.append(t)
+        assert toks == want
+    assert all(a == S + 1 for row in out.stats.accept_lengths for a in row)
+
+
+def test_tree_too_many_nodes_fails_early():
+    with pytest.raises(ValueError, match="exceeds the 6 candidates"):
+        jspec.SpecConfig(num_steps=2, topk=2, num_draft_tokens=8)
+    assert jspec.SpecConfig(num_steps=2, topk=2, num_draft_tokens=7).max_candidates == 6
+
+
+# ------------------------------------------------------------------ cache invariant
+
+@pytest.mark.parametrize("cache", ["dense", "paged1", "paged16"])
+def test_cache_holds_what_plain_decoding_writes(target, drafts, cache):
+    """After the loop, target cache slots [0, L) of every request equal a fresh prefill of
+    its committed tokens, and an EAGLE-3 draft's slots equal a fresh draft prefill fed with
+    the target's features of those tokens: compaction and draft-extend left nothing stale."""
+    p = _with_draft(target, drafts["eagle3"])
+    spec = jspec.SpecConfig(num_steps=3, topk=4, num_draft_tokens=8)
+    plan, inp, lens, _ = api._prepare(p, PROMPTS, 30, 0.0, 0, 1.0, 0, [], CACHES[cache], spec)
+    plan = dataclasses.replace(plan, max_rounds=4)  # stop while every request still runs
+    st = jax.jit(loop.run, static_argnums=0)(plan, p.weights, p.draft.weights, inp)
+    c, d = p.config, p.draft.config
+    for b, n in enumerate(lens):
+        L = int(st.L[b])
+        seq = np.asarray(st.tokens[b, : L + 1])
+        assert not st.finished[b] and L >= n + 4
+        meta = tgt.prefill_meta(jnp.array([L], jnp.int32), L)
+        fresh = kvc.init_kv_cache(c.num_layers, c.num_kv_heads, c.head_dim, jnp.float32, batch=1, max_len=L)
+        fresh_meta = kvc.make_meta(fresh, positions=meta.positions, prefix_len=jnp.zeros(1, jnp.int32),
+                                   local_mask=meta.local_mask, write_valid=jnp.ones((1, L), bool), prefill=True)
+        hidden, aux, fresh = tgt.forward(p.weights, c, jnp.asarray(seq[None, :L]), fresh, fresh_meta,
+                                         capture=(1, 2, 3))
+        table = st.pages.page_table[b: b + 1] if plan.paged else None
+        for layer in range(c.num_layers):
+            got = kvc.read_kv(st.tcache.k[layer] if plan.paged else st.tcache.k[layer][b: b + 1], table)[0, :L]
+            np.testing.assert_allclose(np.asarray(got), np.asarray(fresh.k[layer][0]), atol=2e-5)
+            got = kvc.read_kv(st.tcache.v[layer] if plan.paged else st.tcache.v[layer][b: b + 1], table)[0, :L]
+            np.testing.assert_allclose(np.asarray(got), np.asarray(fresh.v[layer][0]), atol=2e-5)
+        # The draft: slot i pairs token i+1 with the target feature at i.
+        from jspec import drafts as dr
+        feats = dr.target_features(d, hidden, aux)
+        m = d.model
+        dfresh = kvc.init_kv_cache(m.num_layers, m.num_kv_heads, m.head_dim, jnp.float32, batch=1, max_len=L)
+        _, dfresh = dr.draft_forward(d, p.draft.weights, p.weights, c, jnp.asarray(seq[None, 1: L + 1]), feats,
+                                     dfresh, fresh_meta, True)
+        got = kvc.read_kv(st.dcache.k[0] if plan.paged else st.dcache.k[0][b: b + 1], table)[0, :L]
+        np.testing.assert_allclose(np.asarray(got), np.asarray(dfresh.k[0][0]), atol=2e-5)
+
+
+# ------------------------------------------------------------------ property tests
+
+def _py_select(cand_tokens, cand_scores, cand_parents, n):
+    order = sorted(range(len(cand_scores)), key=lambda i: (-cand_scores[i], i))[: n - 1]
+    keep = sorted(order)
+    node_of = {c: i + 1 for i, c in enumerate(keep)}
+    parents = [-1] + [0 if cand_parents[c] < 0 else node_of[cand_parents[c]] for c in keep]
+    tokens = [cand_tokens[c] for c in keep]
+    depth = [0] * n
+    for i in range(1, n):
+        depth[i] = depth[parents[i]] + 1
+    anc = np.zeros((n, n), bool)
+    for i in range(n):
+        j = i
+        while j >= 0:
+            anc[i, j] = True
+            j = parents[j]
+    return tokens, parents, depth, anc
+
+
+@st.composite
+def candidate_sets(draw):
+    """EAGLE-2 shaped candidates: K at level 1, K*K per later level, each child of one of
+    the K best nodes of the previous level, scores = parent score x probability."""
+    S, K = draw(st.integers(1, 4)), draw(st.integers(2, 4))
+    rng = np.random.RandomState(draw(st.integers(0, 2 ** 31 - 1)))
+    probs = rng.dirichlet(np.ones(K) * 0.5)
+    tokens = list(rng.choice(50, K, replace=False))
+    scores, parents = list(np.sort(probs)[::-1]), [-1] * K
+    level = list(range(K))
+    for _ in range(1, S):
+        start = len(scores)
+        for par in level:
+            p = np.sort(rng.dirichlet(np.ones(K) * 0.5))[::-1]
+            for c in range(K):
+                scores.append(scores[par] * p[c])
+                parents.append(par)
+                tokens.append(int(rng.randint(50)))
+        new = list(range(start, len(scores)))
+        level = sorted(new, key=lambda i: (-scores[i], i))[:K]
+    M = len(scores)
+    n = draw(st.integers(2, M + 1))
+    return S, np.array(tokens, np.int32), np.array(scores, np.float32), np.array(parents, np.int32), n
+
+
+@settings(max_examples=25, deadline=None)
+@given(candidate_sets())
+def test_select_tree_matches_python(case):
+    S, tok, score, par, n = case
+    tree = select_tree(jnp.array([99]), jnp.array(tok[None]), jnp.array(score[None]), jnp.array(par[None]), n, S)
+    tokens, parents, depth, anc = _py_select(list(tok), list(score), list(par), n)
+    assert tree.tokens[0].tolist() == [99] + [int(t) for t in tokens]
+    assert tree.parents[0].tolist() == parents
+    assert tree.depth[0].tolist() == depth
+    assert (np.asarray(tree.anc[0]) == anc).all()
+
+
+@st.composite
+def random_trees(draw):
+    n = draw(st.integers(2, 12))
+    parents = [-1] + [draw(st.integers(0, i - 1)) for i in range(1, n)]
+    tokens = [draw(st.integers(0, 3)) for _ in range(n)]
+    choice = [draw(st.integers(0, 3)) for _ in range(n)]
+    return parents, tokens, choice
+
+
+@settings(max_examples=40, deadline=None)
+@given(random_trees())
+def test_accept_tree_matches_python(case):
+    parents, tokens, choice = case
+    n = len(parents)
+    depth = [0] * n
+    for i in range(1, n):
+        depth[i] = depth[parents[i]] + 1
+    S = max(depth)
+    # Reference: walk down from the root, following a child whose token matches.
+    node, path = 0, [0]
+    while True:
+        kids = [i for i in range(n) if parents[i] == node and tokens[i] == choice[node]]
+        if not kids:
+            break
+        node = kids[0]  # several matching siblings: the first (the kernel keeps any deepest)
+        path.append(node)
+    p = jnp.array([parents], jnp.int32)
+    d, anc = ancestors(p, max(S, 1))
+    tree = Tree(tokens=jnp.array([tokens], jnp.int32), parents=p, depth=d, anc=anc)
+    acc, got_path, bonus = verify.accept_tree(tree, jnp.array([choice], jnp.int32), max(S, 1))
+    acc = int(acc[0])
+    got = got_path[0, :acc].tolist()
+    # With duplicate sibling tokens any deepest matching path is right: check it is valid.
+    assert got[0] == 0 and all(parents[b] == a and tokens[b] == choice[a] for a, b in zip(got, got[1:]))
+    if len(set((parents[i], tokens[i]) for i in range(1, n))) == n - 1:  # no duplicate siblings
+        assert got == path
+    assert acc >= len(path) and int(bonus[0]) == choice[got[-1]]
+
+
+@settings(max_examples=20, deadline=None)
+@given(st.integers(0, 2 ** 31 - 1), st.sampled_from([0, 1, 3, 16]))
+def test_compaction_matches_python(seed, page_size):
+    """Moving each row's accepted path to L.. equals a Python list rewrite, and touches
+    nothing else (dense when page_size == 0)."""
+    rng = np.random.RandomState(seed)
+    B, S1, cap = 3, 4, 48
+    L = rng.randint(0, cap - 16, size=B)
+    acc = rng.randint(1, S1 + 1, size=B)
+    path = np.zeros((B, S1), np.int32)
+    for b in range(B):
+        path[b, : acc[b]] = np.concatenate([[0], np.sort(rng.choice(np.arange(1, 12), acc[b] - 1, replace=False))])
+    if page_size:
+        G = cap // page_size
+        num_pages = B * G + 2
+        table = rng.permutation(num_pages)[: B * G].reshape(B, G).astype(np.int32)
+        buf = rng.randn(num_pages, page_size, 1, 2).astype(np.float32)
+        kw = dict(page_table=jnp.asarray(table), page_size=page_size, num_pages=num_pages)
+        logical = lambda b: np.asarray(buf[table[b]].reshape(-1, 1, 2))
+    else:
+        buf = rng.randn(B, cap, 1, 2).astype(np.float32)
+        kw = dict(batch_capacity=cap)
+        logical = lambda b: buf[b]
+    seqs = [logical(b).copy() for b in range(B)]
+    for b in range(B):
+        moved = [seqs[b][L[b] + path[b, d]].copy() for d in range(acc[b])]
+        for d in range(acc[b]):
+            seqs[b][L[b] + d] = moved[d]
+    d = np.arange(S1)[None]
+    move = jnp.asarray((d < acc[:, None]) & (path != d))
+    src = kvc.slot_index(jnp.asarray(L[:, None] + path), move, **kw)
+    dst = kvc.slot_index(jnp.asarray(L[:, None] + d), move, **kw)
+    new = kvc.move_slots(kvc.KVCache(k=(jnp.asarray(buf),), v=(jnp.asarray(buf),)), src, dst)
+    buf = np.asarray(new.k[0])
+    for b in range(B):
+        np.testing.assert_array_equal(logical(b), seqs[b])
+
+
+@settings(max_examples=25, deadline=None)
+@given(st.integers(0, 2 ** 31 - 1))
+def test_page_allocation_matches_python(seed):
+    """alloc_pages/free_pages against a Python model of the pool: rows served in order,
+    pages never held twice, every page either held or free."""
+    rng = np.random.RandomState(seed)
+    B, G, P, num_pages = 4, 6, 2, 14
+    state = kvc.init_page_state(B, G, num_pages)
+    held = [0] * B
+    for _ in range(6):
+        need = rng.randint(0, G * P + 3, size=B)
+        active = rng.rand(B) < 0.8
+        free_before = int(state.num_free)
+        state, ok = kvc.alloc_pages(state, jnp.asarray(need), jnp.asarray(active), P, G)
+        taken, blocked = 0, False
+        for b in range(B):
+            pages = -(-need[b] // P)
+            want = max(pages - held[b], 0) if active[b] and pages <= G else 0
+            fits = not active[b] or (pages <= G and (want == 0 or (not blocked and taken + want <= free_before)))
+            if active[b] and want > 0 and not fits:
+                blocked = True
+            if active[b] and pages > G:
+                fits = False
+            assert bool(ok[b]) == fits, (b, need, active, held)
+            if fits and active[b]:
+                held[b] += want
+                taken += want
+        assert [int(x) for x in state.num_alloc] == held
+        table = np.asarray(state.page_table)
+        used = [int(x) for b in range(B) for x in table[b, : held[b]]]
+        assert len(used) == len(set(used)) and all(0 <= x < num_pages for x in used)
+        assert sorted(used + np.asarray(state.free)[: int(state.num_free)].tolist()) == list(range(num_pages))
+        release = rng.rand(B) < 0.3
+        state = kvc.free_pages(state, jnp.asarray(release))
+        held = [0 if r else h for r, h in zip(release, held)]
