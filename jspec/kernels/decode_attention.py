@@ -5,10 +5,12 @@ every prefix slot (< prefix_len) is visible, the Tl local-block slots from prefi
 are visible per `local_mask`, and an optional sliding window hides old keys.
 
 Design (flash decoding):
-- Grid (B, Hkv, num_splits). One program takes one batch row, one kv head and one
-  contiguous share of that row's key blocks, and runs an online softmax over them.
-- All G*T query rows of the kv head (G query heads per kv head) form one [R, Dh] tile,
-  R = G*T padded to a power of two >= 16, so both matmuls run on tensor cores.
+- Grid (B, Hkv, R // BR, num_splits). One program takes one batch row, one kv head, BR
+  query rows of that head and one contiguous share of the row's key blocks, and runs an
+  online softmax over them.
+- The Gq*T query rows of a kv head (Gq = H // Hkv query heads per kv head) are padded to
+  R, a power of two >= 16, and taken BR = min(R, 64) at a time as a [BR, Dh] tile, so both
+  matmuls run on tensor cores (usually BR = R: one program sees all of them).
 - Keys come in blocks of BK slots. Each block is gathered row by row through the page
   table (slot -> page_table[b, slot // P] * P + slot % P), so any page size works and a
   block may span several small pages. A dense cache [B, S, Hkv, Dh] is the same thing
@@ -16,7 +18,7 @@ Design (flash decoding):
 - A row only visits blocks [wblk, eblk): eblk = cdiv(min(prefix_len + Tl, S), BK) (ragged
   lengths), wblk > 0 only with a sliding window. Blocks before pblk = prefix_len // BK
   hold prefix keys only and need no mask (at most the window test); the few blocks from
-  pblk on (at most cdiv(Tl + BK - 1, BK)) take an int8 mask [R, BK] cut from `tail_mask`,
+  pblk on (at most cdiv(Tl + BK - 1, BK)) take an int8 mask [BR, BK] cut from `tail_mask`,
   which the wrapper builds with the exact rule of the reference.
 - Each split writes its unnormalised output and its softmax max / sum; a jnp step merges
   the splits (log-sum-exp) and normalises.
@@ -39,6 +41,7 @@ from jspec.kernels.attention import attention_reference
 
 NEG_INF = -1e30
 MIN_ROWS = 16  # smallest M of a tensor-core dot in Triton
+MAX_ROWS = 64  # query rows per program (more: split over programs, keeps registers in check)
 DEFAULT_BLOCK_K = 64
 TARGET_PROGRAMS = 256  # about two waves of programs on an H200 (132 SMs)
 MIN_BLOCKS_PER_SPLIT = 2
@@ -54,35 +57,35 @@ def decode_attention_reference(q, k_buf, v_buf, meta: AttnMeta, *, window: int =
 def _decode_kernel(bounds_ref, table_ref, q_ref, qpos_ref, tail_mask_ref, k_ref, v_ref,
                    o_ref, m_ref, l_ref, *, scale: float, block_k: int, page_size: int,
                    num_pages: int, num_keys: int, window: int, num_splits: int):
-    """One (batch row b, kv head h, split s).
+    """One (batch row b, kv head h, query-row block, split s).
 
     bounds_ref [B, 3] int32: wblk, pblk, eblk of each row (see the module docstring).
-    table_ref [B, G] int32: page table (entries >= num_pages: unallocated).
-    q_ref [R, Dh]; qpos_ref [R] int32; tail_mask_ref [R, NL*BK] int8.
+    table_ref [B, G] int32: page table (entries >= num_pages: unallocated, clamped).
+    q_ref [BR, Dh]; qpos_ref [BR] int32; tail_mask_ref [BR, C] int8 (C = NL*BK).
     k_ref, v_ref [num_pages * P, Hkv, Dh]: the pool, flattened over pages.
-    o_ref [R, Dh] float32 (unnormalised); m_ref, l_ref [R] float32.
+    o_ref [BR, Dh] float32 (unnormalised); m_ref, l_ref [BR] float32.
     """
-    b, h, s = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    b, h, s = pl.program_id(0), pl.program_id(1), pl.program_id(3)
     wblk, pblk, eblk = bounds_ref[b, 0], bounds_ref[b, 1], bounds_ref[b, 2]
     per_split = pl.cdiv(eblk - wblk, num_splits)
     lo = wblk + s * per_split
     hi = jnp.minimum(lo + per_split, eblk)
 
-    q = q_ref[...]  # [R, Dh]
-    R, Dh = q.shape
+    q = q_ref[...]  # [BR, Dh]
+    BR, Dh = q.shape
     offs = jnp.arange(block_k, dtype=jnp.int32)  # [BK]
 
     def load_kv(blk):
         slot = jnp.minimum(blk * block_k + offs, num_keys - 1)  # [BK], clamped in range
         page = table_ref[b, lax.div(slot, page_size)]  # [BK]
-        row = jnp.minimum(page, num_pages - 1) * page_size + lax.rem(slot, page_size)
+        row = jnp.clip(page, 0, num_pages - 1) * page_size + lax.rem(slot, page_size)
         return k_ref[row, h, :], v_ref[row, h, :]  # [BK, Dh] each
 
     def step(blk, carry, mask):
-        acc, m, l = carry  # [R, Dh], [R], [R]
+        acc, m, l = carry  # [BR, Dh], [BR], [BR]
         k, v = load_kv(blk)
         sc = lax.dot_general(q, k, (((1,), (1,)), ((), ())),
-                             preferred_element_type=jnp.float32) * scale  # [R, BK]
+                             preferred_element_type=jnp.float32) * scale  # [BR, BK]
         if mask is not None:
             sc = jnp.where(mask, sc, NEG_INF)
         m_new = jnp.maximum(m, jnp.max(sc, axis=1))
@@ -92,22 +95,22 @@ def _decode_kernel(bounds_ref, table_ref, q_ref, qpos_ref, tail_mask_ref, k_ref,
         corr = jnp.exp(m - m_new)
         l = l * corr + jnp.sum(p, axis=1)
         pv = lax.dot_general(p.astype(v.dtype), v, (((1,), (0,)), ((), ())),
-                             preferred_element_type=jnp.float32)  # [R, Dh]
+                             preferred_element_type=jnp.float32)  # [BR, Dh]
         return acc * corr[:, None] + pv, m_new, l
 
     def prefix_block(blk, carry):  # only prefix keys: at most the window hides some
         mask = None
         if window:
             slot = blk * block_k + offs
-            mask = slot[None, :] > qpos_ref[...][:, None] - window  # [R, BK]
+            mask = slot[None, :] > qpos_ref[...][:, None] - window  # [BR, BK]
         return step(blk, carry, mask)
 
     def tail_block(blk, carry):  # blocks that reach the local block
-        mask = tail_mask_ref[:, pl.ds((blk - pblk) * block_k, block_k)] != 0  # [R, BK]
+        mask = tail_mask_ref[:, pl.ds((blk - pblk) * block_k, block_k)] != 0  # [BR, BK]
         return step(blk, carry, mask)
 
-    carry = (jnp.zeros((R, Dh), jnp.float32), jnp.full((R,), NEG_INF, jnp.float32),
-             jnp.zeros((R,), jnp.float32))
+    carry = (jnp.zeros((BR, Dh), jnp.float32), jnp.full((BR,), NEG_INF, jnp.float32),
+             jnp.zeros((BR,), jnp.float32))
     carry = lax.fori_loop(lo, jnp.minimum(hi, pblk), prefix_block, carry)
     carry = lax.fori_loop(jnp.maximum(lo, pblk), hi, tail_block, carry)
     acc, m, l = carry
@@ -118,17 +121,24 @@ def _decode_kernel(bounds_ref, table_ref, q_ref, qpos_ref, tail_mask_ref, k_ref,
 
 # --------------------------------------------------------------------------- wrapper
 
+def _row_tiling(rows: int) -> tuple[int, int, int]:
+    """Query rows per kv head -> (rows, R: padded to a power of two >= 16, BR: per program)."""
+    R = max(MIN_ROWS, 1 << (rows - 1).bit_length())
+    return rows, R, min(R, MAX_ROWS)
+
+
 def _tail_mask(meta: AttnMeta, pblk, rows_t, *, window: int, block_k: int, num_tail: int,
                num_keys: int):
-    """int8 [B, R, NL*BK]: visibility of slots pblk*BK + c for each query row (the
-    reference's rule, restricted to the blocks that can hold local slots)."""
+    """int8 [B, R, C = NL*BK]: whether query row r sees slot pblk*BK + c (the reference's
+    rule, restricted to the NL blocks that can hold local slots)."""
     Tl = meta.local_len
     B = pblk.shape[0]
     slot = pblk[:, None] * block_k + jnp.arange(num_tail * block_k, dtype=jnp.int32)  # [B, C]
     rel = slot - meta.prefix_len[:, None]
     rel_c = jnp.clip(rel, 0, Tl - 1)
+    R, C = rows_t.shape[0], slot.shape[1]
     local = meta.local_mask[:, rows_t, :]  # [B, R, Tl]
-    local = jnp.take_along_axis(local, jnp.broadcast_to(rel_c[:, None, :], (B, rows_t.shape[0], slot.shape[1])), axis=2)
+    local = jnp.take_along_axis(local, jnp.broadcast_to(rel_c[:, None, :], (B, R, C)), axis=2)
     visible = (rel < 0)[:, None, :] | (((rel >= 0) & (rel < Tl))[:, None, :] & local)
     visible = visible & (slot < num_keys)[:, None, :]
     if window:
@@ -140,27 +150,26 @@ def _tail_mask(meta: AttnMeta, pblk, rows_t, *, window: int, block_k: int, num_t
 
 def _decode_call(q, k_flat, v_flat, table, meta: AttnMeta, *, page_size: int, num_keys: int,
                  window: int, scale: float, block_k: int, num_splits: int, interpret: bool,
-                 num_warps: int, num_stages: int):
+                 num_warps: int | None, num_stages: int):
     """q [B,T,H,Dh]; k_flat/v_flat [num_pages*P, Hkv, Dh]; table [B, G]. -> [B,T,H,Dh]."""
     B, T, H, Dh = q.shape
     Hkv = k_flat.shape[1]
-    G = H // Hkv  # query heads per kv head
+    Gq = H // Hkv  # query heads per kv head
     Tl = meta.local_len
-    rows = T * G
-    R = max(MIN_ROWS, 1 << (rows - 1).bit_length())  # power of two >= 16
+    rows, R, BR = _row_tiling(T * Gq)
     num_tail = pl.cdiv(Tl + block_k - 1, block_k)  # blocks the local block can touch
 
-    # Row r of a kv head's tile is query token r // G, query head h * G + r % G.
-    qt = q.reshape(B, T, Hkv, G, Dh).transpose(0, 2, 1, 3, 4).reshape(B, Hkv, rows, Dh)
+    # Row r of kv head h's tile is query token r // Gq, query head h * Gq + r % Gq.
+    qt = q.reshape(B, T, Hkv, Gq, Dh).transpose(0, 2, 1, 3, 4).reshape(B, Hkv, rows, Dh)
     qt = jnp.pad(qt, ((0, 0), (0, 0), (0, R - rows), (0, 0)))  # [B, Hkv, R, Dh]
-    rows_t = jnp.minimum(jnp.arange(R, dtype=jnp.int32) // G, T - 1)  # [R]
+    rows_t = jnp.minimum(jnp.arange(R, dtype=jnp.int32) // Gq, T - 1)  # [R] (pads: copies)
     qpos = meta.positions[:, rows_t]  # [B, R]
 
     # Per row: blocks [wblk, eblk) to visit; blocks < pblk hold prefix keys only.
     prefix = meta.prefix_len
     end = jnp.minimum(prefix + Tl, num_keys)
     eblk = pl.cdiv(end, block_k)
-    pblk = jnp.minimum(prefix, num_keys) // block_k
+    pblk = jnp.clip(prefix, 0, num_keys) // block_k
     wblk = jnp.zeros_like(pblk)
     if window:  # prefix slots <= min position - window are hidden from every query
         first = jnp.min(meta.positions, axis=1) - window + 1
@@ -178,23 +187,25 @@ def _decode_call(q, k_flat, v_flat, table, meta: AttnMeta, *, page_size: int, nu
     params = None
     if not interpret:
         from jax.experimental.pallas import triton as plt
+        if num_warps is None:  # 4 warps hold a [BR, Dh] f32 accumulator up to 32 x 128
+            num_warps = 4 if BR * Dh <= 32 * 128 else 8
         params = plt.CompilerParams(num_warps=num_warps, num_stages=num_stages)
     o, m, l = pl.pallas_call(
         kernel,
-        grid=(B, Hkv, num_splits),
+        grid=(B, Hkv, R // BR, num_splits),
         in_specs=[
             whole,  # bounds
             whole,  # page table
-            pl.BlockSpec((None, None, R, Dh), lambda b, h, s: (b, h, 0, 0)),  # q
-            pl.BlockSpec((None, R), lambda b, h, s: (b, 0)),  # q positions
-            pl.BlockSpec((None, R, C), lambda b, h, s: (b, 0, 0)),  # tail mask
+            pl.BlockSpec((None, None, BR, Dh), lambda b, h, r, s: (b, h, r, 0)),  # q
+            pl.BlockSpec((None, BR), lambda b, h, r, s: (b, r)),  # q positions
+            pl.BlockSpec((None, BR, C), lambda b, h, r, s: (b, r, 0)),  # tail mask
             whole,  # k pool
             whole,  # v pool
         ],
         out_specs=[
-            pl.BlockSpec((None, None, None, R, Dh), lambda b, h, s: (b, h, s, 0, 0)),
-            pl.BlockSpec((None, None, None, R), lambda b, h, s: (b, h, s, 0)),
-            pl.BlockSpec((None, None, None, R), lambda b, h, s: (b, h, s, 0)),
+            pl.BlockSpec((None, None, None, BR, Dh), lambda b, h, r, s: (b, h, s, r, 0)),
+            pl.BlockSpec((None, None, None, BR), lambda b, h, r, s: (b, h, s, r)),
+            pl.BlockSpec((None, None, None, BR), lambda b, h, r, s: (b, h, s, r)),
         ],
         out_shape=[
             jax.ShapeDtypeStruct((B, Hkv, num_splits, R, Dh), jnp.float32),
@@ -212,7 +223,7 @@ def _decode_call(q, k_flat, v_flat, table, meta: AttnMeta, *, page_size: int, nu
     l_sum = jnp.sum(w * l, axis=2)  # [B, Hkv, R]
     o = jnp.sum(w[..., None] * o, axis=2)  # [B, Hkv, R, Dh]
     o = o / jnp.where(l_sum > 0, l_sum, 1.0)[..., None]
-    o = o[:, :, :rows].reshape(B, Hkv, T, G, Dh).transpose(0, 2, 1, 3, 4)
+    o = o[:, :, :rows].reshape(B, Hkv, T, Gq, Dh).transpose(0, 2, 1, 3, 4)
     return o.reshape(B, T, H, Dh).astype(q.dtype)
 
 
@@ -254,8 +265,10 @@ def _check_args(q, k_buf, v_buf, meta: AttnMeta, window) -> None:
         if arr.shape != shape:
             raise ValueError(f"meta.{name} has shape {arr.shape}, expected {shape}")
         want_bool = name == "local_mask"
-        if want_bool != (arr.dtype == jnp.bool_) or not (want_bool or jnp.issubdtype(arr.dtype, jnp.integer)):
-            raise TypeError(f"meta.{name} must be {'bool' if want_bool else 'integer'}, got {arr.dtype}")
+        ok = arr.dtype == jnp.bool_ if want_bool else jnp.issubdtype(arr.dtype, jnp.integer)
+        if not ok:
+            raise TypeError(f"meta.{name} must be {'bool' if want_bool else 'integer'}, "
+                            f"got {arr.dtype}")
     if meta.page_table is None:
         if k_buf.shape[0] != B:
             raise ValueError(f"dense cache batch {k_buf.shape[0]} != q batch {B}")
@@ -267,7 +280,7 @@ def _check_args(q, k_buf, v_buf, meta: AttnMeta, window) -> None:
             raise TypeError(f"meta.page_table must be integer, got {table.dtype}")
         if meta.page_size and meta.page_size != k_buf.shape[1]:
             raise ValueError(f"meta.page_size {meta.page_size} != pool page size {k_buf.shape[1]}")
-    if isinstance(window, (bool, jax.Array)) or not isinstance(window, numbers.Integral) or window < 0:
+    if isinstance(window, bool) or not isinstance(window, numbers.Integral) or window < 0:
         raise ValueError(f"window must be a static int >= 0, got {window!r}")
 
 
@@ -283,7 +296,7 @@ def is_supported(q, k_buf, v_buf, meta: AttnMeta, *, window: int = 0) -> bool:
 
 def paged_decode_attention(q, k_buf, v_buf, meta: AttnMeta, *, window: int = 0, scale: float,
                            interpret: bool | None = None, block_k: int | None = None,
-                           num_splits: int | None = None, num_warps: int = 4,
+                           num_splits: int | None = None, num_warps: int | None = None,
                            num_stages: int = 2):
     """Attention of q [B,T,H,Dh] over a cache that already holds the new keys.
 
@@ -291,7 +304,8 @@ def paged_decode_attention(q, k_buf, v_buf, meta: AttnMeta, *, window: int = 0, 
     [num_pages,P,Hkv,Dh] with meta.page_table [B,G]. Returns [B,T,H,Dh] in q's dtype.
     interpret None: interpret mode unless the default backend is a GPU. block_k: keys
     per block (power of two >= 16; default 64). num_splits: key splits per (row, kv
-    head) (default: enough programs to fill the GPU).
+    head) (default: enough programs to fill the GPU). num_warps (default 4, or 8 for big
+    row tiles) and num_stages are Triton's.
     """
     _check_args(q, k_buf, v_buf, meta, window)
     window = int(window)
@@ -309,7 +323,8 @@ def paged_decode_attention(q, k_buf, v_buf, meta: AttnMeta, *, window: int = 0, 
         raise ValueError(f"block_k must be a power of two >= 16, got {block_k}")
     max_blocks = pl.cdiv(num_keys, block_k)
     if num_splits is None:
-        want = pl.cdiv(TARGET_PROGRAMS, B * Hkv)
+        _, R, BR = _row_tiling(T * (H // Hkv))  # row blocks also make programs
+        want = pl.cdiv(TARGET_PROGRAMS, B * Hkv * (R // BR))
         num_splits = max(1, min(want, pl.cdiv(max_blocks, MIN_BLOCKS_PER_SPLIT)))
     if not (isinstance(num_splits, int) and num_splits >= 1):
         raise ValueError(f"num_splits must be an int >= 1, got {num_splits!r}")
