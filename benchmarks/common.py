@@ -1,0 +1,137 @@
+"""Shared benchmark helpers: timing, a device-to-device copy ceiling, random models."""
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import jspec
+from jspec import api
+from jspec.config import DraftConfig, ModelConfig, RopeConfig
+from jspec.drafts import init_draft_weights
+from jspec.models import target as tgt
+from jspec.models.llama import LlamaModel
+from jspec.spec import loop
+
+LLAMA31_8B = ModelConfig(vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_layers=32, num_heads=32,
+                         num_kv_heads=8, head_dim=128, rms_norm_eps=1e-5,
+                         rope=RopeConfig(500000.0, "llama3", 8.0, 1.0, 4.0, 8192), dtype="bfloat16",
+                         max_position_embeddings=131072)
+
+
+def out_dir() -> str:
+    d = os.environ.get("OUT", "/tmp/jspec-bench")
+    os.makedirs(d, exist_ok=True)
+    return d
+
+
+def env_info() -> dict:
+    dev = jax.devices()[0]
+    return {"jax": jax.__version__, "device": getattr(dev, "device_kind", str(dev)), "backend": jax.default_backend(),
+            "date": time.strftime("%Y-%m-%d")}
+
+
+def copy_bandwidth(nbytes: int = 2 << 30) -> dict:
+    """Device-to-device copy bandwidth (bytes read + written per second), several ways."""
+    out = {}
+    try:
+        import cupy as cp
+        a = cp.ones(nbytes // 2, dtype=cp.float16)
+        b = cp.empty_like(a)
+        for _ in range(3):
+            cp.cuda.runtime.memcpy(b.data.ptr, a.data.ptr, a.nbytes, cp.cuda.runtime.memcpyDeviceToDevice)
+        cp.cuda.runtime.deviceSynchronize()
+        ts = []
+        for _ in range(10):
+            t = time.perf_counter()
+            cp.cuda.runtime.memcpy(b.data.ptr, a.data.ptr, a.nbytes, cp.cuda.runtime.memcpyDeviceToDevice)
+            cp.cuda.runtime.deviceSynchronize()
+            ts.append(time.perf_counter() - t)
+        out["cudaMemcpy_d2d"] = 2 * a.nbytes / float(np.median(ts))
+        del a, b
+        cp.get_default_memory_pool().free_all_blocks()
+    except Exception as e:  # noqa: BLE001
+        out["cudaMemcpy_d2d_error"] = repr(e)[:200]
+    x = jnp.ones((nbytes // 2,), jnp.bfloat16)
+    f = jax.jit(lambda a: a * 1.5)
+    out["xla_elementwise"] = 2 * x.nbytes / median_time(f, x)
+    return out
+
+
+def median_time(f, *args, n: int = 10) -> float:
+    jax.block_until_ready(f(*args))
+    ts = []
+    for _ in range(n):
+        t = time.perf_counter()
+        jax.block_until_ready(f(*args))
+        ts.append(time.perf_counter() - t)
+    return float(np.median(ts))
+
+
+def random_params(cfg: ModelConfig, seed: int = 0) -> jspec.Params:
+    meta = tgt.prefill_meta(jnp.ones((1,), jnp.int32), 2)
+
+    @jax.jit
+    def init(key):
+        return LlamaModel(cfg).init(key, jnp.zeros((1, 2), jnp.int32), None, meta, method=LlamaModel.init_all)
+    return jspec.Params(config=cfg, weights=init(jax.random.key(seed)))
+
+
+def eagle3_head(target: jspec.Params, draft_vocab: int = 32000, seed: int = 1) -> jspec.DraftParams:
+    tc = target.config
+    m = tc.replace(num_layers=1, sliding_windows=(0,))
+    n = tc.num_layers
+    d = DraftConfig("eagle3", m, target_hidden_size=tc.hidden_size, aux_layers=(2, n // 2, n - 3),
+                    draft_vocab_size=draft_vocab)
+    w = jax.jit(lambda k: init_draft_weights(d, k, tc.vocab_size))(jax.random.key(seed))
+    return jspec.DraftParams(config=d, weights=w)
+
+
+class Runner:
+    """Runs the compiled generation loop for a fixed plan with chosen per-request limits,
+    so that two lengths share one program and their time difference is per-round cost."""
+
+    def __init__(self, params, prompts, max_new: int, spec=None, cache=None):
+        self.params = params
+        self.plan, self.inp, self.lens, _ = api._prepare(params, prompts, max_new, 0.0, 0, 1.0, 0, [],
+                                                         cache, spec)
+        tw = params.weights
+        dw = params.draft.weights if params.draft is not None else None
+        self.args = (tw, dw)
+        t = time.perf_counter()
+        self.compiled = loop.generate_jit.lower(self.plan, tw, dw, self.inp).compile()
+        self.compile_s = time.perf_counter() - t
+
+    def run(self, max_new: int):
+        inp = dict(self.inp)
+        inp["max_new"] = np.where(inp["real"], max_new, 1).astype(np.int32)
+        inp = jax.device_put(inp)
+        t = time.perf_counter()
+        res = jax.device_get(self.compiled(*self.args, inp))
+        return time.perf_counter() - t, res
+
+    def per_round(self, short: int, long: int, reps: int = 3):
+        """(seconds per round, rounds, tokens) from the difference of two runs."""
+        self.run(short)
+        best = None
+        for _ in range(reps):
+            ts, rs = self.run(short)
+            tl, rl = self.run(long)
+            rounds = int(rl["rounds"].max() - rs["rounds"].max())
+            toks = int(rl["generated"].sum() - rs["generated"].sum())
+            per = (tl - ts) / rounds
+            if best is None or per < best[0]:
+                best = (per, rounds, toks)
+        return best
+
+
+def save_json(name: str, obj):
+    path = os.path.join(out_dir(), name)
+    with open(path, "w") as f:
+        json.dump(obj, f, indent=1, default=str)
+    return path
