@@ -1,0 +1,108 @@
+"""Acceptance and speed of the bundled pair on held-out standard-library files.
+
+For each held-out file with enough tokens, the prompt is its first PROMPT tokens and the
+model continues for NEW tokens, greedy. Reports tau (mean accepted length per round) for
+the EAGLE-3 chain at S = 3, 4, 5, trees at S = 5, the standalone draft, and tokens/s
+against plain decoding of the same target (batch 1 and the whole batch), plus the share of
+prompts whose speculative output equals plain decoding and where the first difference is.
+
+Run: PYTHONPATH=. python3 benchmarks/bundle_eval.py [--prompts 16] [--dtype float32]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+import jax
+import numpy as np
+
+import jspec
+from jspec.bundle import bundle_path
+from jspec.train import data as data_mod
+from jspec.train.stdlib import split
+
+PROMPT, NEW = 128, 128
+
+
+def held_out_prompts(tok, n: int, stdlib=None):
+    _, held = split(stdlib)
+    out = []
+    for f in held:
+        ids = tok(data_mod._read_text(f), add_special_tokens=False)["input_ids"]
+        if len(ids) >= PROMPT + NEW:
+            out.append(ids[:PROMPT])
+        if len(out) == n:
+            break
+    return out
+
+
+def first_diff(a, b):
+    for i, (x, y) in enumerate(zip(a, b)):
+        if x != y:
+            return i
+    return None if len(a) == len(b) else min(len(a), len(b))
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--prompts", type=int, default=16)
+    ap.add_argument("--batch1", type=int, default=4, help="prompts timed one at a time")
+    ap.add_argument("--dtype", default=None, help="float32 (default on CPU) or bfloat16 (default on GPU)")
+    ap.add_argument("--bundle", default=None)
+    ap.add_argument("--out", default=os.environ.get("OUT", "/tmp"))
+    args = ap.parse_args()
+    dtype = args.dtype or ("float32" if jax.default_backend() == "cpu" else "bfloat16")
+    root = args.bundle or bundle_path()
+    target = jspec.load(os.path.join(root, "target"), dtype=dtype)
+    with_e3 = jspec.load(os.path.join(root, "target"), draft=os.path.join(root, "eagle3"), dtype=dtype)
+    with_sa = jspec.load(os.path.join(root, "target"), draft=os.path.join(root, "standalone"), dtype=dtype)
+    prompts = held_out_prompts(target.tokenizer, args.prompts)
+    res = {"jax": jax.__version__, "device": getattr(jax.devices()[0], "device_kind", "cpu"), "dtype": dtype,
+           "date": time.strftime("%Y-%m-%d"), "prompts": len(prompts), "prompt_tokens": PROMPT, "new_tokens": NEW,
+           "rows": []}
+    kw = dict(max_new_tokens=NEW, stop_token_ids=[])
+
+    def measure(name, params, spec):
+        jspec.generate(params, prompts, spec=spec, **kw)  # compile
+        out = jspec.generate(params, prompts, spec=spec, **kw)
+        jspec.generate(params, prompts[0], spec=spec, **kw)  # compile batch 1
+        toks, secs = 0, 0.0
+        for p in prompts[: args.batch1]:
+            o = jspec.generate(params, p, spec=spec, **kw)
+            toks += len(o.tokens)
+            secs += o.timing["run_s"]
+        row = {"name": name, "tau": out.stats.mean_accept_length, "tok_s_batch": out.timing["tokens_per_s"],
+               "tok_s_b1": toks / secs, "tokens": out.tokens}
+        return row
+
+    plain = measure("plain", target, None)
+    rows = [plain]
+    configs = [("eagle3 chain S=3", with_e3, jspec.SpecConfig(3)), ("eagle3 chain S=4", with_e3, jspec.SpecConfig(4)),
+               ("eagle3 chain S=5", with_e3, jspec.SpecConfig(5)),
+               ("eagle3 tree S=5 K=4 N=16", with_e3, jspec.SpecConfig(5, 4, 16)),
+               ("eagle3 tree S=5 K=8 N=32", with_e3, jspec.SpecConfig(5, 8, 32)),
+               ("standalone chain S=4", with_sa, jspec.SpecConfig(4))]
+    for name, params, spec in configs:
+        rows.append(measure(name, params, spec))
+    reference = plain["tokens"]
+    for r in rows:
+        diffs = [first_diff(a, b) for a, b in zip(r["tokens"], reference)]
+        r["match"] = sum(d is None for d in diffs) / len(diffs)
+        r["first_diff"] = [d for d in diffs if d is not None]
+        r["speedup_b1"] = r["tok_s_b1"] / plain["tok_s_b1"]
+        r["speedup_batch"] = r["tok_s_batch"] / plain["tok_s_batch"]
+        del r["tokens"]
+        print(f"{r['name']:28s} tau {r['tau']:.2f}  tok/s b1 {r['tok_s_b1']:8.1f} ({r['speedup_b1']:.2f}x)  "
+              f"batch {r['tok_s_batch']:8.1f} ({r['speedup_batch']:.2f}x)  match {r['match']:.2f} {r['first_diff'][:5]}",
+              flush=True)
+    res["rows"] = rows
+    name = f"bundle_eval_{jax.default_backend()}.json"
+    with open(os.path.join(args.out, name), "w") as f:
+        json.dump(res, f, indent=1)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

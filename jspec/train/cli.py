@@ -1,0 +1,52 @@
+"""`jspec-train`: train an EAGLE-3 head for a local target on your text.
+
+    jspec-train eagle3 --target DIR --data PATH [PATH ...] --out DIR [options]
+
+Data: text files, directories (walked; --ext filters by name ending) and .jsonl files with
+a "text" field per line. The head is written in the LlamaForCausalLMEagle3 format that
+jspec, SGLang and vLLM load; re-running with the same --out resumes from its checkpoint.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog="jspec-train", description=__doc__.splitlines()[0])
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    e = sub.add_parser("eagle3", help="train an EAGLE-3 head (training-time test) for a target")
+    e.add_argument("--target", required=True, help="local Hugging Face directory of the target")
+    e.add_argument("--data", required=True, nargs="+", help="text files, directories or .jsonl files")
+    e.add_argument("--out", required=True, help="output directory (checkpoints and the exported head)")
+    e.add_argument("--ext", nargs="*", default=None, help="in directories, keep files ending with these")
+    e.add_argument("--steps", type=int, default=2000)
+    e.add_argument("--batch-size", type=int, default=16)
+    e.add_argument("--seq-len", type=int, default=512)
+    e.add_argument("--lr", type=float, default=5e-4)
+    e.add_argument("--warmup", type=int, default=100)
+    e.add_argument("--ttt-steps", type=int, default=4, help="draft steps unrolled in training")
+    e.add_argument("--draft-vocab", type=int, default=None, help="draft vocabulary size (most frequent tokens)")
+    e.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16", "float16"],
+                   help="compute dtype (master weights stay float32)")
+    e.add_argument("--checkpoint-every", type=int, default=500)
+    e.add_argument("--no-resume", action="store_true", help="ignore an existing checkpoint in --out")
+    args = ap.parse_args(argv)
+
+    from jspec.train import Eagle3TrainConfig, train_eagle3
+    try:
+        cfg = Eagle3TrainConfig(steps=args.steps, batch_size=args.batch_size, seq_len=args.seq_len, lr=args.lr,
+                                warmup=args.warmup, ttt_steps=args.ttt_steps, draft_vocab_size=args.draft_vocab,
+                                compute_dtype=args.dtype, checkpoint_every=args.checkpoint_every)
+        _, history = train_eagle3(args.target, args.data, args.out, cfg, extensions=args.ext,
+                                  resume=not args.no_resume)
+    except (ValueError, TypeError) as err:
+        print(f"jspec-train: error: {err}", file=sys.stderr)
+        return 2
+    last = history[-1] if history else {}
+    print(f"wrote {args.out}: " + " ".join(f"{k}={v:.3f}" for k, v in last.items() if isinstance(v, float)))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

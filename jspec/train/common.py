@@ -1,0 +1,83 @@
+"""Optimiser, checkpoints and the training loop shared by every trainer."""
+from __future__ import annotations
+
+import json
+import os
+import time
+from typing import Any, Callable, Iterator
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from flax import serialization
+
+
+def make_optimizer(lr: float, steps: int, warmup: int, weight_decay: float = 0.01, clip: float = 1.0):
+    """AdamW with linear warm-up then cosine decay to lr/10, and global-norm clipping."""
+    schedule = optax.warmup_cosine_decay_schedule(0.0, lr, max(warmup, 1), max(steps, warmup + 1), lr * 0.1)
+    return optax.chain(optax.clip_by_global_norm(clip),
+                       optax.adamw(schedule, b1=0.9, b2=0.95, weight_decay=weight_decay))
+
+
+def cast_floats(tree, dtype):
+    """Casts floating leaves (compute copies of float32 master weights)."""
+    return jax.tree.map(lambda a: a.astype(dtype) if jnp.issubdtype(a.dtype, jnp.floating) else a, tree)
+
+
+CKPT = "checkpoint.msgpack"
+META = "checkpoint.json"
+
+
+def save_checkpoint(directory: str, step: int, params, opt_state, meta: dict):
+    os.makedirs(directory, exist_ok=True)
+    blob = serialization.to_bytes({"params": params, "opt_state": opt_state})
+    tmp = os.path.join(directory, CKPT + ".tmp")
+    with open(tmp, "wb") as f:
+        f.write(blob)
+    os.replace(tmp, os.path.join(directory, CKPT))
+    with open(os.path.join(directory, META), "w") as f:
+        json.dump(dict(meta, step=step), f, indent=1)
+
+
+def load_checkpoint(directory: str, params, opt_state, meta: dict):
+    """-> (step, params, opt_state) or None; refuses a checkpoint made for other settings."""
+    path = os.path.join(directory, CKPT)
+    if not os.path.isfile(path):
+        return None
+    with open(os.path.join(directory, META)) as f:
+        saved = json.load(f)
+    for k, v in meta.items():
+        if saved.get(k) != v:
+            raise ValueError(f"checkpoint in {directory!r} was made with {k}={saved.get(k)!r}, not {v!r}; "
+                             f"use another output directory or resume=False")
+    with open(path, "rb") as f:
+        state = serialization.from_bytes({"params": params, "opt_state": opt_state}, f.read())
+    return int(saved["step"]), state["params"], state["opt_state"]
+
+
+def train_loop(step_fn: Callable, params, opt_state, data: Iterator[np.ndarray], steps: int, *, start: int = 0,
+               desc: str = "train", checkpoint: Callable[[int, Any, Any], None] | None = None,
+               checkpoint_every: int = 0, log_every: int = 10, show: Callable[[dict], str] | None = None,
+               progress: bool = True) -> tuple[Any, Any, list[dict]]:
+    """Runs `step_fn(params, opt_state, batch) -> (params, opt_state, metrics)` with a tqdm
+    bar; returns the final params, optimiser state and the logged metrics."""
+    from tqdm.auto import tqdm
+    history = []
+    bar = tqdm(total=steps, initial=start, desc=desc, disable=not progress, dynamic_ncols=True)
+    t0 = time.perf_counter()
+    for step in range(start, steps):
+        params, opt_state, metrics = step_fn(params, opt_state, jnp.asarray(next(data)))
+        if (step + 1) % log_every == 0 or step + 1 == steps:
+            m = {k: float(v) for k, v in jax.device_get(metrics).items()}
+            m["step"] = step + 1
+            m["time_s"] = time.perf_counter() - t0
+            history.append(m)
+            bar.set_postfix_str(show(m) if show else f"loss {m['loss']:.3f}")
+        bar.update(1)
+        if checkpoint and checkpoint_every and (step + 1) % checkpoint_every == 0 and step + 1 < steps:
+            checkpoint(step + 1, params, opt_state)
+    bar.close()
+    if checkpoint:
+        checkpoint(steps, params, opt_state)
+    return params, opt_state, history

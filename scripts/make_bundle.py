@@ -1,0 +1,122 @@
+"""Reproduces the bundled models (jspec/bundle): a byte-level BPE tokenizer, a small
+Llama-architecture target, its EAGLE-3 head and a tiny standalone draft, all trained on
+the Python standard library's own source files (a fixed ~5% of files held out).
+
+    PYTHONPATH=. python3 scripts/make_bundle.py --out jspec/bundle          # the real recipe (GPU)
+    PYTHONPATH=. python3 scripts/make_bundle.py --out /tmp/b --smoke        # minutes on a CPU
+
+Steps: tokenizer (4096 tokens) -> target (6 layers, width 320, tied embeddings, ~7.7M
+parameters) -> EAGLE-3 head (draft vocabulary 2048, 5 training-time-test steps) ->
+standalone draft (2 layers, width 128, distilled from the target). Weights are saved in
+bfloat16. Timings and losses go to <out>/recipe.json.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import jspec
+from jspec.config import ModelConfig, RopeConfig
+from jspec.export import save_target
+from jspec.train import Eagle3TrainConfig, train_eagle3, train_lm
+from jspec.train import data as data_mod
+from jspec.train.stdlib import split
+from jspec.train.tokenizer import train_bpe
+
+FULL = dict(vocab=4096, target_steps=6000, target_batch=64, seq=512, head_steps=4000, head_batch=32,
+            draft_steps=3000, draft_batch=64)
+SMOKE = dict(vocab=512, target_steps=60, target_batch=8, seq=128, head_steps=40, head_batch=4,
+             draft_steps=40, draft_batch=8)
+
+
+def target_config(vocab: int, eos: int, smoke: bool) -> ModelConfig:
+    if smoke:
+        return ModelConfig(vocab_size=vocab, hidden_size=64, intermediate_size=128, num_layers=4, num_heads=2,
+                           num_kv_heads=1, head_dim=32, tie_word_embeddings=True, eos_token_ids=(eos,),
+                           max_position_embeddings=2048, rms_norm_eps=1e-5)
+    return ModelConfig(vocab_size=vocab, hidden_size=320, intermediate_size=864, num_layers=6, num_heads=5,
+                       num_kv_heads=1, head_dim=64, tie_word_embeddings=True, eos_token_ids=(eos,),
+                       max_position_embeddings=2048, rms_norm_eps=1e-5, rope=RopeConfig(theta=10000.0))
+
+
+def draft_config(t: ModelConfig, smoke: bool) -> ModelConfig:
+    if smoke:
+        return t.replace(num_layers=1, sliding_windows=(0,))
+    return t.replace(hidden_size=128, intermediate_size=384, num_layers=2, num_heads=2, num_kv_heads=1,
+                     head_dim=64, sliding_windows=(0, 0))
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", default="jspec/bundle")
+    ap.add_argument("--smoke", action="store_true", help="tiny settings for a CPU check")
+    ap.add_argument("--stdlib", default=None, help="standard library directory (default: this Python's)")
+    args = ap.parse_args()
+    s = SMOKE if args.smoke else FULL
+    cdt = "float32" if args.smoke else "bfloat16"
+    log = {"jax": jax.__version__, "device": str(jax.devices()[0]), "settings": s, "date": time.strftime("%Y-%m-%d")}
+    t_all = time.perf_counter()
+
+    train_files, held = split(args.stdlib)
+    if args.smoke:
+        train_files = train_files[:40]
+    docs = data_mod.read_corpus(train_files)
+    log["files"] = {"train": len(train_files), "held_out": len(held), "train_bytes": sum(len(d) for d in docs)}
+    t = time.perf_counter()
+    tok = train_bpe(docs, s["vocab"])
+    eos = tok.eos_token_id
+    stream = data_mod.tokenize(tok, docs, eos)
+    log["tokenizer"] = {"vocab": len(tok), "train_tokens": int(stream.size), "s": time.perf_counter() - t}
+    print(log["tokenizer"], flush=True)
+
+    tc = target_config(len(tok), eos, args.smoke)
+    log["target_params"] = tc.num_params()
+    t = time.perf_counter()
+    tw, hist = train_lm(tc, data_mod.batches(stream, s["target_batch"], s["seq"], seed=0), s["target_steps"],
+                        lr=2e-3, warmup=200 if not args.smoke else 5, compute_dtype=cdt, desc="target")
+    log["target"] = {"s": time.perf_counter() - t, "final": hist[-1]}
+    print("target", log["target"], flush=True)
+    tdir = os.path.join(args.out, "target")
+    save_target(tdir, tc.replace(dtype="bfloat16"), jax.tree.map(lambda a: a.astype(jnp.bfloat16), tw), tok)
+    target = jspec.load(tdir, dtype=cdt)
+
+    t = time.perf_counter()
+    hcfg = Eagle3TrainConfig(steps=s["head_steps"], batch_size=s["head_batch"], seq_len=s["seq"], lr=1e-3,
+                             warmup=100 if not args.smoke else 5, ttt_steps=5 if not args.smoke else 3,
+                             draft_vocab_size=min(2048, len(tok)), compute_dtype=cdt,
+                             checkpoint_every=10 ** 9)
+    _, hist = train_eagle3(target, stream, os.path.join(args.out, "eagle3"), hcfg, export_dtype="bfloat16",
+                           resume=False)
+    log["eagle3"] = {"s": time.perf_counter() - t, "final": hist[-1]}
+    print("eagle3", log["eagle3"], flush=True)
+    _rm_checkpoint(os.path.join(args.out, "eagle3"))
+
+    t = time.perf_counter()
+    dc = draft_config(tc, args.smoke)
+    dw, hist = train_lm(dc, data_mod.batches(stream, s["draft_batch"], s["seq"], seed=1), s["draft_steps"],
+                        lr=2e-3, warmup=100 if not args.smoke else 5, compute_dtype=cdt, teacher=target,
+                        desc="standalone")
+    log["standalone"] = {"s": time.perf_counter() - t, "final": hist[-1], "params": dc.num_params()}
+    print("standalone", log["standalone"], flush=True)
+    save_target(os.path.join(args.out, "standalone"), dc.replace(dtype="bfloat16"),
+                jax.tree.map(lambda a: a.astype(jnp.bfloat16), dw), tok)
+    log["total_s"] = time.perf_counter() - t_all
+    with open(os.path.join(args.out, "recipe.json"), "w") as f:
+        json.dump(log, f, indent=1, default=str)
+    print("done in", round(log["total_s"]), "s", flush=True)
+
+
+def _rm_checkpoint(d):
+    import shutil
+    shutil.rmtree(os.path.join(d, "checkpoint"), ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()
