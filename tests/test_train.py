@@ -1,0 +1,150 @@
+"""Training: loss goes down, training-time-test shapes, export/load round trips, errors."""
+from __future__ import annotations
+
+import json
+import os
+
+import chex
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import torch
+
+import jspec
+import tiny_models
+from jspec import drafts as dr
+from jspec.train import Eagle3TrainConfig, train_eagle3, train_lm, ttt_logits
+from jspec.train import data as data_mod
+from jspec.train.cli import main as cli_main
+from jspec.train.eagle3 import draft_vocab, head_config, init_head
+from jspec.export import save_target
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory):
+    """A tiny synthetic corpus: a repeating grammar that a head can learn quickly."""
+    d = tmp_path_factory.mktemp("corpus")
+    rng = np.random.RandomState(0)
+    words = ["def", "return", "self", "(", ")", ":", "x", "=", "1", "\n"]
+    for i in range(4):
+        (d / f"f{i}.py").write_text(" ".join(words[j % 10] for j in range(rng.randint(200, 400))))
+    with open(d / "more.jsonl", "w") as f:
+        for _ in range(3):
+            f.write(json.dumps({"text": "def f(x): return x + 1\n" * 5}) + "\n")
+    return str(d)
+
+
+def test_ttt_unroll_shapes(target):
+    cfg = Eagle3TrainConfig(ttt_steps=3, draft_vocab_size=50, compute_dtype="float32")
+    d = head_config(target, cfg, aux_layers=(1, 2, 3))
+    d2t = draft_vocab(np.arange(300)[::-1].astype(np.int64), 50)
+    params = init_head(target, d, d2t, 0)
+    B, T = 2, 12
+    tokens = jnp.asarray(np.random.RandomState(0).randint(3, 300, (B, T)), jnp.int32)
+    feats = jnp.zeros((B, T, 3 * target.config.hidden_size))
+    out = ttt_logits(params, d, jnp.asarray(d2t), target.weights, target.config, tokens, feats, 3, jnp.float32)
+    assert len(out) == 3
+    chex.assert_shape(out, [(B, T, 50)] * 3)
+    chex.assert_tree_all_finite(out)
+    # Draft vocabulary = the 50 most frequent ids (here the lowest ids), mapped by d2t.
+    assert (np.arange(50) + d2t).tolist() == list(range(50))
+
+
+def test_ttt_step0_equals_inference_extend(target, drafts):
+    """Training step 0 computes exactly what the inference draft-extend computes."""
+    p = target.with_draft(dr.load_draft(drafts["eagle3"], target))
+    d, dw = p.draft.config, p.draft.weights
+    tokens = jnp.asarray(np.random.RandomState(1).randint(3, 300, (1, 10)), jnp.int32)
+    from jspec.models import target as tgt
+    meta = tgt.prefill_meta(jnp.array([10]), 10)
+    hidden, aux, _ = tgt.forward(target.weights, target.config, tokens, None, meta, dr.target_capture(d))
+    feats = dr.target_features(d, hidden, aux)
+    got = ttt_logits(dw["params"], d, jnp.zeros((300,), jnp.int32), target.weights, target.config, tokens, feats,
+                     1, jnp.float32)[0]
+    h, _ = dr.draft_forward(d, dw, target.weights, target.config, jnp.pad(tokens[:, 1:], ((0, 0), (0, 1))), feats,
+                            None, meta, True)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(dr.draft_logits(d, dw, target.weights, target.config, h)),
+                               atol=1e-4)
+
+
+def test_eagle3_training_lowers_loss_exports_and_resumes(target, corpus, tmp_path):
+    out = str(tmp_path / "head")
+    cfg = Eagle3TrainConfig(steps=24, batch_size=4, seq_len=24, ttt_steps=2, draft_vocab_size=64, lr=1e-2,
+                            warmup=2, compute_dtype="float32", checkpoint_every=12)
+    draft, hist = train_eagle3(target, corpus, out, cfg, aux_layers=(1, 2, 3), progress=False, log_every=1)
+    losses = [h["loss"] for h in hist]
+    assert np.mean(losses[-5:]) < losses[0] - 1.0, losses
+    assert set(hist[-1]) >= {"loss", "acc0", "acc1"}
+    cfg_json = json.load(open(os.path.join(out, "config.json")))
+    assert cfg_json["architectures"] == ["LlamaForCausalLMEagle3"] and cfg_json["draft_vocab_size"] == 64
+    assert cfg_json["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == [0, 1, 2]
+    # Export then load: the same draft logits.
+    p = jspec.load(target.path, draft=out)
+    assert p.draft.config.kind == "eagle3" and p.draft.config.aux_layers == (1, 2, 3)
+    from jspec import safetensors_io
+    t = safetensors_io.load(os.path.join(out, "model.safetensors"))
+    assert t["t2d"].dtype == np.bool_ and t["t2d"].sum() == 64 and t["d2t"].shape == (64,)
+    h = jnp.asarray(np.random.RandomState(2).randn(3, 64), jnp.float32)
+    a = dr.draft_logits(draft.config, draft.weights, target.weights, target.config, h)
+    b = dr.draft_logits(p.draft.config, p.draft.weights, target.weights, target.config, h)
+    np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-6)
+    np.testing.assert_array_equal(np.asarray(draft.weights["d2t"]), np.asarray(p.draft.weights["d2t"]))
+    # Resume: a longer run picks up at the checkpoint instead of starting over.
+    cfg2 = Eagle3TrainConfig(**{**cfg.__dict__, "steps": 30})
+    _, hist2 = train_eagle3(target, corpus, out, cfg2, aux_layers=(1, 2, 3), progress=False, log_every=1)
+    assert hist2[0]["step"] == 25 and hist2[-1]["step"] == 30
+    # A checkpoint for other settings is refused.
+    cfg3 = Eagle3TrainConfig(**{**cfg.__dict__, "steps": 40, "draft_vocab_size": 32})
+    with pytest.raises(ValueError, match="checkpoint .* was made with"):
+        train_eagle3(target, corpus, out, cfg3, aux_layers=(1, 2, 3), progress=False)
+
+
+def test_lm_training_and_target_export_load_in_transformers(tmp_path):
+    cfg = jspec.ModelConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=2,
+                            num_kv_heads=1, head_dim=16, tie_word_embeddings=True, eos_token_ids=(1,))
+    stream = np.tile(np.arange(2, 20, dtype=np.int32), 50)
+    w, hist = train_lm(cfg, data_mod.batches(stream, 8, 16, 0), 40, lr=1e-2, warmup=2, progress=False, log_every=1)
+    assert hist[-1]["loss"] < hist[0]["loss"] - 1.0
+    out = str(tmp_path / "lm")
+    save_target(out, cfg, w)
+    import transformers
+    hf = transformers.AutoModelForCausalLM.from_pretrained(out).eval()
+    toks = np.array([[2, 3, 4, 5, 6, 7]])
+    with torch.no_grad():
+        ref = hf(torch.tensor(toks)).logits.numpy()
+    np.testing.assert_allclose(np.asarray(jspec.logits(jspec.load(out), toks)), ref, atol=1e-4)
+
+
+def test_training_bad_input(target, corpus, tmp_path):
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    (empty / "blank.txt").write_text("   \n")
+    cfg = Eagle3TrainConfig(steps=2, batch_size=2, seq_len=8, compute_dtype="float32")
+    with pytest.raises(ValueError, match="corpus is empty"):
+        train_eagle3(target, str(empty), None, cfg, aux_layers=(1, 2, 3), progress=False)
+    bad = tmp_path / "bad.txt"
+    bad.write_bytes(b"\xff\xfe\x00 not utf-8 \xc3")
+    with pytest.raises(ValueError, match="bad.txt.*not UTF-8"):
+        train_eagle3(target, [str(bad)], None, cfg, aux_layers=(1, 2, 3), progress=False)
+    with pytest.raises(ValueError, match="does not exist"):
+        train_eagle3(target, [str(tmp_path / "nope.txt")], None, cfg, progress=False)
+    jl = tmp_path / "x.jsonl"
+    jl.write_text('{"content": "no text field"}\n')
+    with pytest.raises(ValueError, match="x.jsonl:1: expected an object with a string 'text'"):
+        train_eagle3(target, [str(jl)], None, cfg, progress=False)
+    with pytest.raises(ValueError, match="seq_len"):
+        Eagle3TrainConfig(seq_len=4, ttt_steps=4)
+    with pytest.raises(ValueError, match="draft_vocab_size"):
+        train_eagle3(target, corpus, None, Eagle3TrainConfig(steps=1, draft_vocab_size=10 ** 6), progress=False)
+    # A draft made for another target (other hidden size) does not load against this one.
+    other = str(tmp_path / "other")
+    tiny_models.make_model(other, "llama", hidden=96, layers=4, tokenizer=True)
+    head = str(tmp_path / "other_head")
+    train_eagle3(other, corpus, head, Eagle3TrainConfig(steps=1, batch_size=1, seq_len=8, compute_dtype="float32"),
+                 aux_layers=(1, 2, 3), progress=False)
+    with pytest.raises(ValueError, match="hidden size"):
+        jspec.load(target.path, draft=head)
+    # The CLI reports errors without a traceback.
+    assert cli_main(["eagle3", "--target", target.path, "--data", str(empty), "--out", str(tmp_path / "o"),
+                     "--steps", "1"]) == 2
