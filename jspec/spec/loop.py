@@ -287,7 +287,8 @@ def _round(plan: Plan, tw, dw, inp, st: LoopState) -> LoopState:
     # Commit: emit the accepted drafts and the bonus, check stops and limits.
     S1 = path.shape[1]
     m = accept_len - 1
-    path_tokens = jnp.take_along_axis(tree.tokens, path, axis=1)  # [B,S+1], [0] = root
+    chain = plan.K == 1  # the path is 0..S: no gathers along it
+    path_tokens = tree.tokens if chain else jnp.take_along_axis(tree.tokens, path, axis=1)  # [B,S+1]
     nxt = jnp.concatenate([path_tokens[:, 1:], jnp.zeros((B, 1), jnp.int32)], axis=1)
     j = jnp.arange(S1)[None, :]
     emitted = jnp.where(j == m[:, None], bonus[:, None], nxt)  # [B,S+1], valid j <= m
@@ -302,7 +303,7 @@ def _round(plan: Plan, tw, dw, inp, st: LoopState) -> LoopState:
     if plan.draft is not None:
         live = active & ~st.finished
         feats = drafts.target_features(plan.draft, hidden, aux)
-        if feats is not None:
+        if feats is not None and not chain:
             feats = jnp.take_along_axis(feats, path[:, :, None], axis=1)
         start = st.L - accept_len
         st = _draft_extend(plan, dw, tw, st, start, path_tokens, feats, accept_len, bonus, live, False)
