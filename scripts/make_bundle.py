@@ -60,6 +60,7 @@ def main():
     ap.add_argument("--stdlib", default=None, help="standard library directory (default: this Python's)")
     args = ap.parse_args()
     s = SMOKE if args.smoke else FULL
+    quiet = dict(progress=False, print_every=max(s["target_steps"] // 10, 1))
     cdt = "float32" if args.smoke else "bfloat16"
     log = {"jax": jax.__version__, "device": str(jax.devices()[0]), "settings": s, "date": time.strftime("%Y-%m-%d")}
     t_all = time.perf_counter()
@@ -80,7 +81,7 @@ def main():
     log["target_params"] = tc.num_params()
     t = time.perf_counter()
     tw, hist = train_lm(tc, data_mod.batches(stream, s["target_batch"], s["seq"], seed=0), s["target_steps"],
-                        lr=2e-3, warmup=200 if not args.smoke else 5, compute_dtype=cdt, desc="target")
+                        lr=2e-3, warmup=200 if not args.smoke else 5, compute_dtype=cdt, desc="target", **quiet)
     log["target"] = {"s": time.perf_counter() - t, "final": hist[-1]}
     print("target", log["target"], flush=True)
     tdir = os.path.join(args.out, "target")
@@ -93,7 +94,7 @@ def main():
                              draft_vocab_size=min(2048, len(tok)), compute_dtype=cdt,
                              checkpoint_every=10 ** 9)
     _, hist = train_eagle3(target, stream, os.path.join(args.out, "eagle3"), hcfg, export_dtype="bfloat16",
-                           resume=False)
+                           resume=False, **quiet)
     log["eagle3"] = {"s": time.perf_counter() - t, "final": hist[-1]}
     print("eagle3", log["eagle3"], flush=True)
     _rm_checkpoint(os.path.join(args.out, "eagle3"))
@@ -102,7 +103,7 @@ def main():
     dc = draft_config(tc, args.smoke)
     dw, hist = train_lm(dc, data_mod.batches(stream, s["draft_batch"], s["seq"], seed=1), s["draft_steps"],
                         lr=2e-3, warmup=100 if not args.smoke else 5, compute_dtype=cdt, teacher=target,
-                        desc="standalone")
+                        desc="standalone", **quiet)
     log["standalone"] = {"s": time.perf_counter() - t, "final": hist[-1], "params": dc.num_params()}
     print("standalone", log["standalone"], flush=True)
     save_target(os.path.join(args.out, "standalone"), dc.replace(dtype="bfloat16"),

@@ -59,9 +59,10 @@ def load_checkpoint(directory: str, params, opt_state, meta: dict):
 def train_loop(step_fn: Callable, params, opt_state, data: Iterator[np.ndarray], steps: int, *, start: int = 0,
                desc: str = "train", checkpoint: Callable[[int, Any, Any], None] | None = None,
                checkpoint_every: int = 0, log_every: int = 10, show: Callable[[dict], str] | None = None,
-               progress: bool = True) -> tuple[Any, Any, list[dict]]:
+               progress: bool = True, print_every: int = 0) -> tuple[Any, Any, list[dict]]:
     """Runs `step_fn(params, opt_state, batch) -> (params, opt_state, metrics)` with a tqdm
-    bar; returns the final params, optimiser state and the logged metrics."""
+    bar (or, with progress=False, a printed line every `print_every` steps); returns the
+    final params, optimiser state and the logged metrics."""
     from tqdm.auto import tqdm
     history = []
     bar = tqdm(total=steps, initial=start, desc=desc, disable=not progress, dynamic_ncols=True)
@@ -73,7 +74,10 @@ def train_loop(step_fn: Callable, params, opt_state, data: Iterator[np.ndarray],
             m["step"] = step + 1
             m["time_s"] = time.perf_counter() - t0
             history.append(m)
-            bar.set_postfix_str(show(m) if show else f"loss {m['loss']:.3f}")
+            text = show(m) if show else f"loss {m['loss']:.3f}"
+            bar.set_postfix_str(text)
+            if not progress and print_every and (step + 1) % print_every == 0:
+                print(f"{desc} step {step + 1}/{steps} {text} ({m['time_s']:.0f}s)", flush=True)
         bar.update(1)
         if checkpoint and checkpoint_every and (step + 1) % checkpoint_every == 0 and step + 1 < steps:
             checkpoint(step + 1, params, opt_state)

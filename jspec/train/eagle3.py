@@ -146,7 +146,7 @@ def ttt_loss(params, d: DraftConfig, d2t, tw, tc, tokens, ttt_steps: int, comput
 
 def train_eagle3(target: Params | str, data, out_dir: str | None = None, config: Eagle3TrainConfig | None = None, *,
                  aux_layers=None, extensions=None, resume: bool = True, progress: bool = True,
-                 export_dtype: str | None = None, log_every: int = 10):
+                 export_dtype: str | None = None, log_every: int = 10, print_every: int = 0):
     """Trains an EAGLE-3 head for `target` and exports it to `out_dir` (SGLang/vLLM format).
 
     data: text files, directories, .jsonl files (a "text" field per line), or an int token
@@ -207,7 +207,7 @@ def train_eagle3(target: Params | str, data, out_dir: str | None = None, config:
     batches = data_mod.batches(stream, cfg.batch_size, cfg.seq_len, cfg.seed, start)
     params, _, history = common.train_loop(step, params, opt_state, batches, cfg.steps, start=start, desc="eagle3",
                                            checkpoint=checkpoint, checkpoint_every=cfg.checkpoint_every,
-                                           show=show, progress=progress, log_every=log_every)
+                                           show=show, progress=progress, log_every=log_every, print_every=print_every)
     dtype = export_dtype or tc.dtype
     out_cfg = dataclasses.replace(d, model=d.model.replace(dtype=dtype))
     weights = {"params": common.cast_floats(params, jnp.dtype(dtype)), "d2t": d2t_j}

@@ -47,7 +47,7 @@ def lm_loss(params, cfg: ModelConfig, tokens, teacher_logits=None, compute_dtype
 
 def train_lm(cfg: ModelConfig, data, steps: int, *, lr: float = 1e-3, warmup: int = 100, weight_decay: float = 0.1,
              clip: float = 1.0, seed: int = 0, teacher=None, compute_dtype: str = "float32", progress: bool = True,
-             desc: str = "lm", init_params=None, log_every: int = 10):
+             desc: str = "lm", init_params=None, log_every: int = 10, print_every: int = 0):
     """Trains a ModelConfig-shaped model on batches from `data` ([B,T] token arrays).
 
     teacher: a jspec.Params whose logits the model learns to match (standalone drafts).
@@ -71,5 +71,5 @@ def train_lm(cfg: ModelConfig, data, steps: int, *, lr: float = 1e-3, warmup: in
 
     params, _, history = common.train_loop(step, params, opt_state, data, steps, desc=desc, progress=progress,
                                            show=lambda m: f"loss {m['loss']:.3f} agree {m['agree']:.2f}",
-                                           log_every=log_every)
+                                           log_every=log_every, print_every=print_every)
     return {"params": params}, history
