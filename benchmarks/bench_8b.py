@@ -6,7 +6,7 @@ Chain rounds (issue 3): time per round for S = 1..5 with an EAGLE-3-shaped head 
 layer, 32k draft vocabulary) as a ratio to one autoregressive step, batch 1.
 Tree rounds (issue 5): (S,K,N) = (5,4,8), (5,8,16), (6,10,60), same ratio.
 
-Run: PYTHONPATH=. python3 benchmarks/bench_8b.py [decode|chain|tree ...]
+Run: PYTHONPATH=. python3 benchmarks/bench_8b.py [decode|decode1|chain|tree|tree60 ...]
 """
 from __future__ import annotations
 
@@ -54,8 +54,10 @@ def main(parts):
     print(f"weights ready in {time.perf_counter() - t0:.1f}s; {wb / 1e9:.2f} GB read per step", flush=True)
 
     ar_step = {}
-    if "decode" in parts or "chain" in parts or "tree" in parts:
-        for batch in ((1, 32) if "decode" in parts else (1,)):
+    if parts & {"decode", "decode1", "chain", "tree", "tree60"}:
+        for batch in ((1, 32) if parts & {"decode", "decode1"} else (1,)):
+            if batch == 32 and "decode1" in parts:
+                continue
             r = Runner(target, prompts(batch), LONG)
             per, rounds, toks = r.per_round(SHORT, LONG)
             ctx = CTX + (SHORT + LONG) / 2
@@ -67,7 +69,7 @@ def main(parts):
             print("decode", {k: round(v, 4) if isinstance(v, float) else v for k, v in row.items()}, flush=True)
             save_json(name, res)
             del r
-    if "chain" in parts or "tree" in parts:
+    if parts & {"chain", "tree", "tree60"}:
         head = eagle3_head(target)
         spec_params = target.with_draft(head)
         shapes = []
@@ -75,6 +77,8 @@ def main(parts):
             shapes += [(s, 1, s + 1) for s in range(1, 6)]
         if "tree" in parts:
             shapes += [(5, 4, 8), (5, 8, 16), (6, 10, 60)]
+        if "tree60" in parts:
+            shapes += [(6, 10, 60)]
         for S, K, N in shapes:
             try:
                 r = Runner(spec_params, prompts(1), LONG, spec=jspec.SpecConfig(num_steps=S, topk=K, num_draft_tokens=N))

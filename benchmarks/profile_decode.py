@@ -1,0 +1,75 @@
+"""Where the time of one decode step goes: a profiler trace of the generation loop for
+the Llama-3.1-8B shape (random bf16 weights), GPU kernels grouped by name.
+
+Run: PYTHONPATH=. python3 benchmarks/profile_decode.py [batch]
+"""
+from __future__ import annotations
+
+import collections
+import glob
+import os
+import sys
+import tempfile
+
+import jax
+import numpy as np
+
+from benchmarks.bench_8b import prompts
+from benchmarks.common import LLAMA31_8B, Runner, random_params, save_json
+
+
+def kernel_table(trace_dir: str):
+    from jax.profiler import ProfileData
+    path = glob.glob(os.path.join(trace_dir, "**", "*.xplane.pb"), recursive=True)[0]
+    pd = ProfileData.from_file(path)
+    stats = collections.defaultdict(lambda: [0, 0.0])
+    spans = []
+    for plane in pd.planes:
+        if not plane.name.startswith("/device:GPU"):
+            continue
+        for line in plane.lines:
+            if "Stream" not in line.name:
+                continue
+            for e in line.events:
+                stats[e.name][0] += 1
+                stats[e.name][1] += e.duration_ns / 1e3
+                spans.append((e.start_ns, e.start_ns + e.duration_ns))
+    spans.sort()
+    busy, end, first = 0.0, None, spans[0][0] if spans else 0
+    for a, b in spans:
+        if end is None or a > end:
+            busy += b - a
+            end = b
+        elif b > end:
+            busy += b - end
+            end = b
+    window = (end - first) if spans else 0
+    return stats, busy / 1e3, window / 1e3
+
+
+def main(batch: int = 1):
+    target = random_params(LLAMA31_8B)
+    new = 40
+    r = Runner(target, prompts(batch), new)
+    r.run(new)
+    d = tempfile.mkdtemp()
+    jax.profiler.start_trace(d)
+    secs, res = r.run(new)
+    jax.profiler.stop_trace()
+    stats, busy_us, window_us = kernel_table(d)
+    steps = int(res["rounds"].max())
+    rows = sorted(((v[1], v[0], k) for k, v in stats.items()), reverse=True)
+    total = sum(v[1] for v in stats.values())
+    print(f"batch {batch}: {steps} steps in {secs * 1e3:.1f} ms; kernels total {total / 1e3:.1f} ms, "
+          f"GPU busy {busy_us / 1e3:.1f} ms of a {window_us / 1e3:.1f} ms window; "
+          f"{sum(v[0] for v in stats.values()) / max(steps, 1):.0f} kernels/step")
+    print(f"{'us/step':>9} {'calls/step':>10}  name")
+    for t, n, name in rows[:40]:
+        print(f"{t / steps:9.1f} {n / steps:10.1f}  {name[:110]}")
+    save_json(f"profile_decode_b{batch}.json", {"steps": steps, "run_s": secs, "busy_us": busy_us,
+                                                 "window_us": window_us,
+                                                 "kernels": [(name, n, t) for t, n, name in rows]})
+
+
+if __name__ == "__main__":
+    main(int(sys.argv[1]) if len(sys.argv) > 1 else 1)
