@@ -35,7 +35,7 @@ def corpus(tmp_path_factory):
     return str(d)
 
 
-def test_ttt_unroll_shapes(target):
+def test_ttt_unroll_shapes(target, monkeypatch):
     cfg = Eagle3TrainConfig(ttt_steps=3, draft_vocab_size=50, compute_dtype="float32")
     d = head_config(target, cfg, aux_layers=(1, 2, 3))
     d2t = draft_vocab(np.arange(300)[::-1].astype(np.int64), 50)
@@ -49,6 +49,12 @@ def test_ttt_unroll_shapes(target):
     chex.assert_tree_all_finite(out)
     # Draft vocabulary = the 50 most frequent ids (here the lowest ids), mapped by d2t.
     assert (np.arange(50) + d2t).tolist() == list(range(50))
+    # Gradients flow even where inference would pick the Pallas kernel (it has none).
+    monkeypatch.setenv("JSPEC_ATTENTION", "pallas")
+    from jspec.train import ttt_loss
+    grads = jax.grad(lambda p: ttt_loss(p, d, jnp.asarray(d2t), target.weights, target.config, tokens, 2)[0])(params)
+    chex.assert_tree_all_finite(grads)
+    assert float(jnp.abs(grads["midlayer"]["self_attn"]["qkv_proj"]["weight"]).sum()) > 0
 
 
 def test_ttt_step0_equals_inference_extend(target, drafts):

@@ -25,6 +25,7 @@ from jspec.cache import kv as kvc
 from jspec.config import DraftConfig
 from jspec.drafts import eagle3_aux_layers, init_draft_weights
 from jspec.export import save_draft
+from jspec.kernels.attention import use_backend
 from jspec.loading import DraftParams, Params
 from jspec.models import target as tgt
 from jspec.train import common, data as data_mod
@@ -118,7 +119,13 @@ def ttt_logits(params, d: DraftConfig, d2t, tw, tc, tokens, feats, ttt_steps: in
 
 def ttt_loss(params, d: DraftConfig, d2t, tw, tc, tokens, ttt_steps: int, compute_dtype=jnp.float32):
     """(loss, metrics): mean over steps of the cross-entropy to the target's restricted
-    distribution; acc{k}: how often step k's draft equals the target's greedy token."""
+    distribution; acc{k}: how often step k's draft equals the target's greedy token.
+    Attention runs the differentiable jnp reference (the Pallas kernel has no gradient)."""
+    with use_backend("reference"):
+        return _ttt_loss(params, d, d2t, tw, tc, tokens, ttt_steps, compute_dtype)
+
+
+def _ttt_loss(params, d, d2t, tw, tc, tokens, ttt_steps, compute_dtype):
     B, T = tokens.shape
     meta = tgt.prefill_meta(jnp.full((B,), T, jnp.int32), T)
     hidden, aux, _ = tgt.forward(tw, tc, tokens, None, meta, dr.target_capture(d))
