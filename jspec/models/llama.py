@@ -29,11 +29,13 @@ class Linear(nn.Module):
     @nn.compact
     def __call__(self, x):
         w = self.param("weight", _init, (self.features, x.shape[-1]), jnp.dtype(self.dtype))
+        # Products accumulate in float32 either way; asking for a float32 result only where
+        # it is kept avoids a separate conversion pass after every matrix-vector product.
         y = jax.lax.dot_general(x.astype(w.dtype), w, (((x.ndim - 1,), (1,)), ((), ())),
-                                preferred_element_type=jnp.float32)
+                                preferred_element_type=jnp.float32 if self.float32_out else None)
         if self.use_bias:
-            y = y + self.param("bias", nn.initializers.zeros, (self.features,), jnp.dtype(self.dtype))
-        return y if self.float32_out else y.astype(w.dtype)
+            y = y + self.param("bias", nn.initializers.zeros, (self.features,), jnp.dtype(self.dtype)).astype(y.dtype)
+        return y
 
 
 class RMSNorm(nn.Module):
