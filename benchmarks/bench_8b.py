@@ -41,7 +41,7 @@ def kv_bytes(cfg, batch: int, ctx: float) -> float:
 def main(parts):
     tag = os.environ.get("JSPEC_BENCH_TAG", "")
     name = f"bench_8b{'_' + tag if tag else ''}.json"
-    res = {"env": env_info(), "attention": os.environ.get("JSPEC_ATTENTION", "auto")}
+    res = {"env": env_info(), "kernels": os.environ.get("JSPEC_KERNELS", "auto")}
     print(res["env"], flush=True)
     bw = copy_bandwidth()
     res["copy_bandwidth"] = bw

@@ -195,7 +195,7 @@ def test_dispatch_env(monkeypatch):
     monkeypatch.setattr(da, "paged_decode_attention",
                         lambda *a, **kw: calls.append(1) or real(*a, **kw))
 
-    def run(meta, k_new=None):  # a fresh jit per call: JSPEC_ATTENTION is read at trace time
+    def run(meta, k_new=None):  # a fresh jit per call: JSPEC_KERNELS is read at trace time
         kb, vb = (None, None) if meta.prefill else (k, v)
         fn = lambda q, kn, kb, vb, meta: attn.attention(q, kn, kn, kb, vb, meta, scale=scale)
         return _fast_jit(fn, q, k_new, kb, vb, meta)
@@ -203,7 +203,7 @@ def test_dispatch_env(monkeypatch):
     outs = {}
     for mode, used in [("reference", False), ("auto", jax.default_backend() == "gpu"),
                        ("pallas", True)]:
-        monkeypatch.setenv("JSPEC_ATTENTION", mode)
+        monkeypatch.setenv("JSPEC_KERNELS", mode)
         calls.clear()
         outs[mode] = run(meta)
         assert bool(calls) == used, mode
@@ -213,8 +213,8 @@ def test_dispatch_env(monkeypatch):
     calls.clear()
     run(pre, k_new=jnp.ones((3, 4, 2, 16)))
     assert not calls
-    monkeypatch.setenv("JSPEC_ATTENTION", "fast")
-    with pytest.raises(ValueError, match="JSPEC_ATTENTION"):
+    monkeypatch.setenv("JSPEC_KERNELS", "fast")
+    with pytest.raises(ValueError, match="JSPEC_KERNELS"):
         attn.attention(q, None, None, k, v, meta, scale=scale)
 
 

@@ -50,7 +50,7 @@ def test_ttt_unroll_shapes(target, monkeypatch):
     # Draft vocabulary = the 50 most frequent ids (here the lowest ids), mapped by d2t.
     assert (np.arange(50) + d2t).tolist() == list(range(50))
     # Gradients flow even where inference would pick the Pallas kernel (it has none).
-    monkeypatch.setenv("JSPEC_ATTENTION", "pallas")
+    monkeypatch.setenv("JSPEC_KERNELS", "pallas")
     from jspec.train import ttt_loss
     grads = jax.grad(lambda p: ttt_loss(p, d, jnp.asarray(d2t), target.weights, target.config, tokens, 2)[0])(params)
     chex.assert_tree_all_finite(grads)

@@ -6,13 +6,11 @@ whose position is <= the query position - W.
 """
 from __future__ import annotations
 
-import contextlib
-import os
-
 import jax
 import jax.numpy as jnp
 
 from jspec.cache.kv import AttnMeta, read_kv
+from jspec.kernels import dispatch
 
 NEG_INF = -1e30
 
@@ -60,36 +58,14 @@ def attention_reference(q, k_new, v_new, k_buf, v_buf, meta: AttnMeta, *, window
     return _softmax_attend(q, k, v, mask, scale)
 
 
-_FORCED: list[str] = []  # a stack of backends forced by `use_backend`
-
-
-@contextlib.contextmanager
-def use_backend(mode: str):
-    """Forces the attention backend for code traced inside the block, e.g. "reference"
-    for training (the Pallas kernel has no gradient)."""
-    if mode not in ("auto", "pallas", "reference"):
-        raise ValueError(f"attention backend must be auto, pallas or reference, got {mode!r}")
-    _FORCED.append(mode)
-    try:
-        yield
-    finally:
-        _FORCED.pop()
-
-
 def attention(q, k_new, v_new, k_buf, v_buf, meta: AttnMeta, *, window: int = 0, scale: float):
-    """Dispatch: the Pallas kernel where it applies, else the reference.
-
-    The backend (read at trace time) is the innermost `use_backend(...)`, else the env var
-    JSPEC_ATTENTION: "auto" (default: the Pallas decode kernel for non-prefill calls on a
-    GPU backend, when it supports the shapes), "pallas" (always for non-prefill calls;
-    interpret mode off GPU) or "reference"."""
-    mode = _FORCED[-1] if _FORCED else os.environ.get("JSPEC_ATTENTION", "auto").strip().lower() or "auto"
-    if mode not in ("auto", "pallas", "reference"):
-        raise ValueError(f"JSPEC_ATTENTION must be auto, pallas or reference, got {mode!r}")
-    if not meta.prefill and mode != "reference":
+    """Dispatch (see jspec.kernels.dispatch): the Pallas decode kernel for non-prefill calls
+    it supports, else the reference. JSPEC_KERNELS=pallas forces the kernel (and raises
+    for arguments it does not take)."""
+    if not meta.prefill and dispatch.backend() != "reference":
         from jspec.kernels import decode_attention as da  # imports this module
 
-        if mode == "pallas" or (jax.default_backend() == "gpu"
-                                and da.is_supported(q, k_buf, v_buf, meta, window=window)):
+        supported = dispatch.backend() == "pallas" or da.is_supported(q, k_buf, v_buf, meta, window=window)
+        if dispatch.want_pallas(supported):
             return da.paged_decode_attention(q, k_buf, v_buf, meta, window=window, scale=scale)
     return attention_reference(q, k_new, v_new, k_buf, v_buf, meta, window=window, scale=scale)

@@ -25,7 +25,7 @@ from jspec.cache import kv as kvc
 from jspec.config import DraftConfig
 from jspec.drafts import eagle3_aux_layers, init_draft_weights
 from jspec.export import save_draft
-from jspec.kernels.attention import use_backend
+from jspec.kernels.dispatch import use_backend
 from jspec.loading import DraftParams, Params
 from jspec.models import target as tgt
 from jspec.train import common, data as data_mod
