@@ -168,9 +168,10 @@ def logits(params: Params, token_ids) -> jax.Array:
     Rows of unequal length are right-padded; positions past a row's length hold padding.
     """
     _check_params(params)
-    batch, _ = _prompts(params, token_ids) if not isinstance(token_ids, str) else (None, None)
-    if batch is None:
-        raise TypeError("jspec.logits takes token ids, not a string")
+    if isinstance(token_ids, str) or (isinstance(token_ids, (list, tuple)) and
+                                      any(isinstance(t, str) for t in token_ids)):
+        raise TypeError("jspec.logits takes token ids, not strings")
+    batch, _ = _prompts(params, token_ids)
     T = max(len(p) for p in batch)
     arr = np.zeros((len(batch), T), np.int32)
     for i, p in enumerate(batch):

@@ -60,6 +60,10 @@ def test_ragged_logits_rows_match_unpadded(target):
     both = np.asarray(jspec.logits(target, [a, b]))
     chex.assert_shape(both, (2, 5, 300))
     np.testing.assert_allclose(both[1, :2], np.asarray(jspec.logits(target, b))[0], atol=1e-5)
+    with pytest.raises(TypeError, match="token ids"):
+        jspec.logits(target, "text")
+    with pytest.raises(ValueError, match="outside the vocabulary"):
+        jspec.logits(target, [1, 999])
 
 
 def test_sharded_checkpoint_and_dtypes(tmp_path):
