@@ -30,13 +30,13 @@ class Eagle1Head(nn.Module):
     def __call__(self, embeds, feats, cache: KVCache, meta):
         c = self.cfg
         x = Linear(c.hidden_size, self.fc_bias, c.dtype, name="fc")(jnp.concatenate([embeds, feats], axis=-1))
-        ks, vs, delta = [], [], None
+        ks, vs = [], []
         for i in range(c.num_layers):
-            x, delta, (k, v) = DecoderLayer(c, c.sliding_windows[i], input_norm=i > 0, name=f"layers_{i}")(
-                x, delta, None if cache is None else (cache.k[i], cache.v[i]), meta)
+            x, (k, v) = DecoderLayer(c, c.sliding_windows[i], input_norm=i > 0, name=f"layers_{i}")(
+                x, None if cache is None else (cache.k[i], cache.v[i]), meta)
             ks.append(k)
             vs.append(v)
-        return x + delta, None if cache is None else KVCache(k=tuple(ks), v=tuple(vs))
+        return x, None if cache is None else KVCache(k=tuple(ks), v=tuple(vs))
 
 
 class Eagle3Head(nn.Module):
@@ -80,5 +80,6 @@ class Eagle3Layer(nn.Module):
         h = jnp.concatenate([RMSNorm(c.rms_norm_eps, c.dtype, name="input_layernorm")(embeds),
                              RMSNorm(c.rms_norm_eps, c.dtype, name="hidden_norm")(feats)], axis=-1)
         a, kv = Attention(c, c.sliding_windows[0], name="self_attn")(h, kv, meta)
-        h, r = RMSNorm(c.rms_norm_eps, c.dtype, name="post_attention_layernorm")(feats, a)
-        return r + MLP(c, name="mlp")(h), kv
+        r = a + feats
+        out = r + MLP(c, name="mlp")(RMSNorm(c.rms_norm_eps, c.dtype, name="post_attention_layernorm")(r))
+        return out, kv

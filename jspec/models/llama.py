@@ -14,7 +14,6 @@ from flax import linen as nn
 from jspec.cache.kv import AttnMeta, KVCache, write_kv
 from jspec.config import ModelConfig
 from jspec.kernels.attention import attention
-from jspec.kernels.rmsnorm import add_rms_norm, rms_norm_reference
 
 _init = nn.initializers.normal(0.02)
 
@@ -40,20 +39,17 @@ class Linear(nn.Module):
 
 
 class RMSNorm(nn.Module):
-    """Root-mean-square norm computed in float32, as transformers does.
-
-    With `delta`, the residual add comes first, fused: returns (norm(x + delta), x + delta).
-    """
+    """Root-mean-square norm computed in float32, as transformers does."""
 
     eps: float
     dtype: str = "float32"
 
     @nn.compact
-    def __call__(self, x, delta=None):
+    def __call__(self, x):
         w = self.param("weight", nn.initializers.ones, (x.shape[-1],), jnp.dtype(self.dtype))
-        if delta is None:
-            return rms_norm_reference(x, w, self.eps)
-        return add_rms_norm(x, delta.astype(x.dtype), w.astype(x.dtype), self.eps)
+        xf = x.astype(jnp.float32)
+        xf = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + self.eps)
+        return w * xf.astype(x.dtype)
 
 
 def apply_rope(x, positions, inv_freq: np.ndarray):
@@ -112,29 +108,18 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    """One pre-norm block. The residual stream travels as (x, delta): the previous block's
-    output `delta` is added inside the next norm (one fused pass), so the layer returns
-    (x, its MLP output, cache) and its caller adds the last delta."""
-
     cfg: ModelConfig
     window: int = 0
     input_norm: bool = True  # EAGLE-1 heads skip the first layer's input norm
 
     @nn.compact
-    def __call__(self, x, delta, kv, meta):
+    def __call__(self, x, kv, meta):
         c = self.cfg
-        if self.input_norm:
-            norm = RMSNorm(c.rms_norm_eps, c.dtype, name="input_layernorm")
-            if delta is None:
-                h = norm(x)
-            else:
-                h, x = norm(x, delta)
-        else:
-            x = x if delta is None else x + delta
-            h = x
+        h = RMSNorm(c.rms_norm_eps, c.dtype, name="input_layernorm")(x) if self.input_norm else x
         h, kv = Attention(c, self.window, name="self_attn")(h, kv, meta)
-        h, x = RMSNorm(c.rms_norm_eps, c.dtype, name="post_attention_layernorm")(x, h)
-        return x, MLP(c, name="mlp")(h), kv
+        x = x + h
+        x = x + MLP(c, name="mlp")(RMSNorm(c.rms_norm_eps, c.dtype, name="post_attention_layernorm")(x))
+        return x, kv
 
 
 class LlamaModel(nn.Module):
@@ -154,21 +139,18 @@ class LlamaModel(nn.Module):
     def __call__(self, tokens, cache: KVCache | None, meta: AttnMeta, capture: tuple[int, ...] = ()):
         """tokens [B,T] -> (hidden [B,T,D] after the final norm, {layer: its input [B,T,D]}
         for the `capture` layers (index num_layers: the last layer's output), cache)."""
-        x, delta = self.embed_tokens(tokens), None
+        x = self.embed_tokens(tokens)
         aux, ks, vs = {}, [], []
         for i, layer in enumerate(self.layers):
             if i in capture:
-                if delta is not None:
-                    x, delta = x + delta, None
                 aux[i] = x
-            x, delta, (k, v) = layer(x, delta, None if cache is None else (cache.k[i], cache.v[i]), meta)
+            x, (k, v) = layer(x, None if cache is None else (cache.k[i], cache.v[i]), meta)
             ks.append(k)
             vs.append(v)
-        hidden, x = self.norm(x, delta)
         if self.cfg.num_layers in capture:  # the last layer's output, before the final norm
             aux[self.cfg.num_layers] = x
         new_cache = None if cache is None else KVCache(k=tuple(ks), v=tuple(vs))
-        return hidden, aux, new_cache
+        return self.norm(x), aux, new_cache
 
     def logits(self, hidden):
         """hidden [..., D] -> float32 logits [..., V]."""

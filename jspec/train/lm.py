@@ -9,7 +9,6 @@ import jax.numpy as jnp
 import optax
 
 from jspec.config import ModelConfig
-from jspec.kernels.dispatch import use_backend
 from jspec.models import target as tgt
 from jspec.models.llama import LlamaModel
 from jspec.train import common
@@ -31,11 +30,9 @@ def lm_logits(weights, cfg: ModelConfig, tokens):
 
 def lm_loss(params, cfg: ModelConfig, tokens, teacher_logits=None, compute_dtype=jnp.float32):
     """Next-token cross-entropy; with teacher logits [B,T,V], cross-entropy to the teacher's
-    distribution (distillation). Returns (loss, metrics). Runs the differentiable jnp
-    references of the kernels."""
+    distribution (distillation). Returns (loss, metrics)."""
     w = {"params": common.cast_floats(params, compute_dtype)}
-    with use_backend("reference"):
-        logits = lm_logits(w, cfg.replace(dtype=jnp.dtype(compute_dtype).name), tokens)[:, :-1]
+    logits = lm_logits(w, cfg.replace(dtype=jnp.dtype(compute_dtype).name), tokens)[:, :-1]
     logp = jax.nn.log_softmax(logits, axis=-1)
     if teacher_logits is None:
         labels = tokens[:, 1:]
