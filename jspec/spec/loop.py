@@ -127,14 +127,15 @@ def _ensure_capacity(plan: Plan, inp, st: LoopState, need_len, active, max_new_p
     return st, active & ~full
 
 
-def _root_state(plan: Plan, dw, tw, logits_d, hidden):
-    """Draft logits [B,Vd] at the newest slot -> first-level candidates (top-K)."""
+def _first_level(plan: Plan, dw, logits_d):
+    """Draft logits [B,Vd] at the newest slot -> first-level candidates: target ids [B,K]
+    and probabilities [B,K] (a chain takes the argmax and needs no probabilities)."""
     if plan.K == 1:
         tok = drafts.to_target_ids(dw, jnp.argmax(logits_d, axis=-1).astype(jnp.int32))
-        return tok[:, None], jnp.ones_like(tok, jnp.float32)[:, None], hidden
+        return tok[:, None], jnp.ones_like(tok, jnp.float32)[:, None]
     vals, idx = jax.lax.top_k(logits_d, plan.K)
     probs = jnp.exp(vals - jax.nn.logsumexp(logits_d, axis=-1, keepdims=True))
-    return drafts.to_target_ids(dw, idx.astype(jnp.int32)), probs, hidden
+    return drafts.to_target_ids(dw, idx.astype(jnp.int32)), probs
 
 
 def _insert_bonus(path_tokens, n_path, bonus, lag: int):
@@ -168,11 +169,11 @@ def _draft_extend(plan: Plan, dw, tw, st: LoopState, start, path_tokens, feats, 
     hidden, dcache = drafts.draft_forward(d, dw, tw, plan.target, ext, feats, st.dcache, meta, True)
     last = jnp.take_along_axis(hidden, (count - 1)[:, None, None], axis=1)[:, 0]  # [B, Dd]
     logits_d = drafts.draft_logits(d, dw, tw, plan.target, last)
-    rt, rp, rh = _root_state(plan, dw, tw, logits_d, last)
+    tokens, probs = _first_level(plan, dw, logits_d)
     keep = live[:, None]
-    return st.replace(dcache=dcache, root_tokens=jnp.where(keep, rt, st.root_tokens),
-                      root_probs=jnp.where(keep, rp, st.root_probs),
-                      root_hidden=jnp.where(keep, rh.astype(st.root_hidden.dtype), st.root_hidden))
+    return st.replace(dcache=dcache, root_tokens=jnp.where(keep, tokens, st.root_tokens),
+                      root_probs=jnp.where(keep, probs, st.root_probs),
+                      root_hidden=jnp.where(keep, last.astype(st.root_hidden.dtype), st.root_hidden))
 
 
 # --------------------------------------------------------------------------- drafting
