@@ -37,7 +37,7 @@ def chain_structure(num_nodes: int):
 def chain_tree(tokens) -> Tree:
     B, N = tokens.shape
     parents, depth, anc = chain_structure(N)
-    bc = lambda a: jnp.broadcast_to(jnp.asarray(a), (B,) + a.shape)
+    bc = lambda a: jnp.broadcast_to(jnp.asarray(a), (B,) + a.shape)  # host-ok: a numpy constant, traced in
     return Tree(tokens=tokens, parents=bc(parents), depth=bc(depth), anc=bc(anc))
 
 
