@@ -143,7 +143,7 @@ class SpecConfig:
     """Speculative decoding shape: S draft steps, K branches per step, N verified nodes.
 
     topk=1 is a chain (N must be S+1); topk>1 builds a tree from the best N-1 of the
-    K + (S-1)K^2 candidates, root included in N.
+    K + (S-1)K^2 candidates, root included in N. Default N: S+1 (chain), S*K+1 (tree).
     """
 
     num_steps: int = 3
@@ -155,9 +155,9 @@ class SpecConfig:
             v = getattr(self, name)
             if not isinstance(v, int) or isinstance(v, bool) or v < 1:
                 raise ValueError(f"SpecConfig.{name} must be an int >= 1, got {v!r}")
-        if self.num_draft_tokens is None:
+        if self.num_draft_tokens is None:  # a chain: S+1; a tree: S*K+1 (at most every candidate)
             object.__setattr__(self, "num_draft_tokens",
-                               self.num_steps + 1 if self.topk == 1 else min(self.max_candidates + 1, 2 * self.num_steps * self.topk))
+                               min(self.max_candidates, self.num_steps * self.topk) + 1)
         n = self.num_draft_tokens
         if not isinstance(n, int) or isinstance(n, bool) or n < 2:
             raise ValueError(f"SpecConfig.num_draft_tokens must be an int >= 2, got {n!r}")

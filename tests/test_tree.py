@@ -61,6 +61,9 @@ def test_tree_too_many_nodes_fails_early():
     with pytest.raises(ValueError, match="exceeds the 6 candidates"):
         jspec.SpecConfig(num_steps=2, topk=2, num_draft_tokens=8)
     assert jspec.SpecConfig(num_steps=2, topk=2, num_draft_tokens=7).max_candidates == 6
+    assert jspec.SpecConfig(num_steps=5, topk=4).num_draft_tokens == 21  # default S*K+1
+    assert jspec.SpecConfig(num_steps=1, topk=4).num_draft_tokens == 5  # capped: every candidate
+    assert jspec.SpecConfig(num_steps=4).num_draft_tokens == 5  # a chain: S+1
 
 
 # ------------------------------------------------------------------ cache invariant
