@@ -3,7 +3,7 @@
 Every draft is used through the same four functions, so the speculative loop never asks
 which kind it runs:
 
-- `target_capture(d, target_cfg)`: target layers whose inputs the draft needs.
+- `target_capture(d)`: target layers whose inputs the draft needs.
 - `target_features(d, hidden, aux)`: the per-token feature [B,T,F] the draft reads.
 - `draft_forward(...)`: (tokens, features) -> draft hidden [B,T,Dd] and the draft cache.
 - `draft_logits(...)`: hidden -> float32 logits over the draft vocabulary; `to_target_ids`
