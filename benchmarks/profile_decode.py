@@ -1,7 +1,12 @@
 """Where the time of one decode step goes: a profiler trace of the generation loop for
 the Llama-3.1-8B shape (random bf16 weights), GPU kernels grouped by name.
 
-Run: PYTHONPATH=. python3 benchmarks/profile_decode.py [batch]
+Also times a step (two run lengths, as bench_8b.py) and saves the compiled program's HLO,
+so kernel names can be read back to the operations they fuse. JSPEC_BENCH_TAG names the
+output files.
+
+Run: PYTHONPATH=. python3 benchmarks/profile_decode.py [batch] [S,K,N]
+(with S,K,N: rounds of speculative decoding with a random EAGLE-3-shaped head instead)
 """
 from __future__ import annotations
 
@@ -15,7 +20,8 @@ import jax
 import numpy as np
 
 from benchmarks.bench_8b import prompts
-from benchmarks.common import LLAMA31_8B, Runner, random_params, save_json
+import jspec
+from benchmarks.common import LLAMA31_8B, Runner, eagle3_head, out_dir, random_params, save_json
 
 
 def kernel_table(trace_dir: str):
@@ -47,10 +53,20 @@ def kernel_table(trace_dir: str):
     return stats, busy / 1e3, window / 1e3
 
 
-def main(batch: int = 1):
+def main(batch: int = 1, shape: str = ""):
+    tag = "_".join(x for x in (os.environ.get("JSPEC_BENCH_TAG", ""), shape.replace(",", "x")) if x)
+    suffix = f"_b{batch}{'_' + tag if tag else ''}"
     target = random_params(LLAMA31_8B)
+    spec = None
+    if shape:
+        S, K, N = map(int, shape.split(","))
+        target = target.with_draft(eagle3_head(target))
+        spec = jspec.SpecConfig(num_steps=S, topk=K, num_draft_tokens=N)
     new = 40
-    r = Runner(target, prompts(batch), new)
+    r = Runner(target, prompts(batch), 144, spec=spec)
+    per, _, _ = r.per_round(16, 144)
+    with open(os.path.join(out_dir(), f"hlo{suffix}.txt"), "w") as f:
+        f.write(r.compiled.as_text())
     r.run(new)
     d = tempfile.mkdtemp()
     jax.profiler.start_trace(d)
@@ -60,16 +76,16 @@ def main(batch: int = 1):
     steps = int(res["rounds"].max())
     rows = sorted(((v[1], v[0], k) for k, v in stats.items()), reverse=True)
     total = sum(v[1] for v in stats.values())
-    print(f"batch {batch}: {steps} steps in {secs * 1e3:.1f} ms; kernels total {total / 1e3:.1f} ms, "
+    print(f"batch {batch} {tag}: {per * 1e3:.3f} ms/step (timed); {steps} steps in {secs * 1e3:.1f} ms; kernels total {total / 1e3:.1f} ms, "
           f"GPU busy {busy_us / 1e3:.1f} ms of a {window_us / 1e3:.1f} ms window; "
           f"{sum(v[0] for v in stats.values()) / max(steps, 1):.0f} kernels/step")
     print(f"{'us/step':>9} {'calls/step':>10}  name")
     for t, n, name in rows[:40]:
         print(f"{t / steps:9.1f} {n / steps:10.1f}  {name[:110]}")
-    save_json(f"profile_decode_b{batch}.json", {"steps": steps, "run_s": secs, "busy_us": busy_us,
+    save_json(f"profile_decode{suffix}.json", {"steps": steps, "run_s": secs, "ms_per_step": per * 1e3, "busy_us": busy_us,
                                                  "window_us": window_us,
                                                  "kernels": [(name, n, t) for t, n, name in rows]})
 
 
 if __name__ == "__main__":
-    main(int(sys.argv[1]) if len(sys.argv) > 1 else 1)
+    main(int(sys.argv[1]) if len(sys.argv) > 1 else 1, sys.argv[2] if len(sys.argv) > 2 else "")

@@ -2,6 +2,10 @@
 on-device loop's guarantees, and input checking."""
 from __future__ import annotations
 
+import json
+import os
+import shutil
+
 import chex
 import jax
 import numpy as np
@@ -11,6 +15,7 @@ import jspec
 from jspec import api
 from jspec import sampling
 from jspec.spec import loop
+import tiny_models
 from conftest import PROMPTS
 
 CACHES = {"dense": "dense", "paged1": jspec.CacheConfig("paged", page_size=1),
@@ -38,6 +43,24 @@ def test_string_prompt_single_and_stop_token(target, hf_greedy):
     assert out.timing["new_tokens"] == len(out.tokens) and out.timing["tokens_per_s"] > 0
 
 
+def test_batch_of_string_prompts_equals_transformers_per_prompt(target, hf_greedy):
+    prompts = ["hello", "def f(x):\n    return", "a"]  # unequal lengths, padded in one batch
+    out = jspec.generate(target, prompts, max_new_tokens=12, stop_token_ids=[])
+    refs = [hf_greedy(list(target.tokenizer(p)["input_ids"]), 12) for p in prompts]
+    assert out.tokens == refs
+    assert out.text == [target.tokenizer.decode(r, skip_special_tokens=True) for r in refs]
+    assert out.finish_reasons == ["length"] * 3
+
+
+def test_greedy_with_every_bias_equals_transformers(tmp_path):
+    """Llama with attention (q/k/v/o) and MLP biases, all random (as are the norm weights)."""
+    model = tiny_models.make_model(str(tmp_path), "llama", attention_bias=True, mlp_bias=True, seed=3)
+    p = jspec.load(str(tmp_path))
+    assert p.config.qkv_bias and p.config.o_bias and p.config.mlp_bias
+    out = jspec.generate(p, PROMPTS[:2], max_new_tokens=6, stop_token_ids=[])
+    assert out.tokens == [tiny_models.hf_greedy(model, q, 6) for q in PROMPTS[:2]]
+
+
 def test_cache_full_ends_only_that_request(target, hf_greedy):
     # 9 pages of 4 tokens: both requests cannot reach their full length.
     cache = jspec.CacheConfig("paged", page_size=4, num_pages=9)
@@ -56,10 +79,7 @@ def test_dense_max_len_limits_and_errors(target, hf_greedy):
     assert out.finish_reasons == "cache_full"
     assert len(PROMPTS[0]) + len(out.tokens) <= 10
     assert out.tokens == hf_greedy(PROMPTS[0], 12)[: len(out.tokens)]
-    with pytest.raises(ValueError, match="does not fit a cache of max_len=5"):
-        jspec.generate(target, PROMPTS[0], cache=jspec.CacheConfig("dense", max_len=5))
-    with pytest.raises(ValueError, match="pages"):
-        jspec.generate(target, PROMPTS[2], cache=jspec.CacheConfig("paged", page_size=2, num_pages=4))
+    # A prompt longer than the cache is refused before compiling: test_bad_input_fails_before_compiling.
 
 
 def test_sampling_no_recompile_no_transfer_and_seeds(target, monkeypatch):
@@ -145,6 +165,13 @@ def test_bad_input_fails_before_compiling(target, monkeypatch, tmp_path):
         (dict(prompt=[1, 2], cache=5), TypeError, "cache must be"),
         (dict(prompt=[1, 2], spec="fast"), TypeError, "spec must be"),
         (dict(prompt=[1, 2], spec=jspec.SpecConfig(num_steps=3)), ValueError, "no draft"),
+        # A prompt longer than the cache (or exactly as long: no room for a token).
+        (dict(prompt=PROMPTS[0], cache=jspec.CacheConfig("dense", max_len=5)), ValueError,
+         "prompt 0 has 5 tokens, which does not fit a cache of max_len=5"),
+        (dict(prompt=[PROMPTS[1], PROMPTS[2]], cache=jspec.CacheConfig("dense", max_len=16)), ValueError,
+         "prompt 1 has 17 tokens, which does not fit a cache of max_len=16"),
+        (dict(prompt=PROMPTS[2], cache=jspec.CacheConfig("paged", page_size=2, num_pages=4)), ValueError,
+         r"prompt 0 needs \d+ pages of 2 tokens but the pool has num_pages=4"),
     ]
     for kw, exc, msg in cases:
         prompt = kw.pop("prompt")
@@ -157,3 +184,21 @@ def test_bad_input_fails_before_compiling(target, monkeypatch, tmp_path):
         jspec.generate(no_tok, "text")
     with pytest.raises(ValueError):
         jspec.CacheConfig("paged", page_size=0)
+
+
+@pytest.mark.parametrize("style", ["rope_parameters", "rope_scaling"])
+def test_dynamic_rope_scaling_is_refused(llama_dir, tmp_path, style):
+    """Dynamic (NTK) RoPE scaling is not implemented: loading says so instead of silently
+    running default RoPE. Both the transformers >= 5 key and the older rope_scaling one."""
+    d = str(tmp_path / "dynamic")
+    shutil.copytree(llama_dir[0], d)
+    cfg = json.load(open(os.path.join(d, "config.json")))
+    cfg.pop("rope_parameters", None)
+    if style == "rope_parameters":
+        cfg["rope_parameters"] = {"rope_type": "dynamic", "factor": 2.0, "rope_theta": 10000.0}
+    else:
+        cfg["rope_scaling"], cfg["rope_theta"] = {"type": "dynamic", "factor": 2.0}, 10000.0
+    json.dump(cfg, open(os.path.join(d, "config.json"), "w"))
+    with pytest.raises(ValueError, match=r"unsupported rope scaling type 'dynamic' \(supported: default, linear, "
+                                         r"llama3\)"):
+        jspec.load(d)

@@ -145,7 +145,7 @@ def test_with_make_meta_and_allocated_pages():
     def setup(key):
         kp, kn, kq = jax.random.split(key, 3)
         prefix = jnp.array([9, 0], jnp.int32)
-        pool = jax.random.normal(kp, (num_pages, P, Hkv, Dh))
+        pool = jax.random.normal(kp, (num_pages + 1, P, Hkv, Dh))  # + the trash page
         cache = kvc.KVCache(k=(pool,), v=(pool * 0.5,))
         pages = kvc.init_page_state(B, Gp, num_pages)
         pages, ok = kvc.alloc_pages(pages, prefix + T, jnp.ones((B,), bool), P, Gp)

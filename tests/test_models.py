@@ -67,19 +67,23 @@ def test_ragged_logits_rows_match_unpadded(target):
 
 
 def test_sharded_checkpoint_and_dtypes(tmp_path):
+    """Sharded loading is exact; in bfloat16/float16 jspec's logits are about as far from
+    the float32 ones as transformers' own in the same dtype (rounding, not a bug)."""
     single, sharded = str(tmp_path / "single"), str(tmp_path / "sharded")
-    tiny_models.make_model(single, "qwen2")
+    model = tiny_models.make_model(single, "qwen2")
     tiny_models.make_model(sharded, "qwen2", max_shard_size="100KB")
     assert os.path.exists(os.path.join(sharded, "model.safetensors.index.json"))
-    toks = [[3, 4, 5, 6]]
-    np.testing.assert_array_equal(np.asarray(jspec.logits(jspec.load(single), toks)),
-                                  np.asarray(jspec.logits(jspec.load(sharded), toks)))
+    toks = [[3, 4, 5, 6, 7, 8, 9, 10]]
+    ref = np.asarray(jspec.logits(jspec.load(single), toks))
+    np.testing.assert_array_equal(ref, np.asarray(jspec.logits(jspec.load(sharded), toks)))
+    rel = lambda x: float(np.linalg.norm(x - ref) / np.linalg.norm(ref))
     for dtype in ("bfloat16", "float16"):
         p = jspec.load(single, dtype=dtype)
         assert all(x.dtype == jnp.dtype(dtype) for x in jax.tree.leaves(p.weights))
-        ref = np.asarray(jspec.logits(jspec.load(single), toks))
         got = np.asarray(jspec.logits(p, toks))
-        assert got.dtype == np.float32 and np.abs(got - ref).max() < 0.1
+        hf = _hf_logits(model.to(getattr(torch, dtype)), toks)
+        assert got.dtype == np.float32
+        assert rel(got) <= 2 * rel(hf) + 1e-3, (dtype, rel(got), rel(hf))
 
 
 def test_bf16_checkpoint_keeps_its_dtype(tmp_path):
@@ -111,7 +115,7 @@ def test_eval_shape_llama31_8b_allocates_nothing():
     assert all(isinstance(x, jax.ShapeDtypeStruct) for x in jax.tree.leaves(shapes))
     cache = jax.eval_shape(lambda: kvc.init_kv_cache(32, 8, 128, jnp.bfloat16, batch=32, max_len=1024))
     assert len(cache.k) == 32
-    chex.assert_shape(cache.k[0], (32, 1024, 8, 128))
+    chex.assert_shape(cache.k[0], (32, 1025, 8, 128))  # + each row's trash slot
 
 
 def test_forward_shapes_with_cache(target):

@@ -1,8 +1,11 @@
 """EAGLE chain speculative decoding (topk = 1): exactness, acceptance, checks."""
 from __future__ import annotations
 
+import collections
+
 import chex
 import jax
+import numpy as np
 import pytest
 
 import jspec
@@ -30,11 +33,65 @@ def test_chain_greedy_equals_target(target, drafts, hf_greedy, kind, cache):
 
 
 @pytest.mark.parametrize("steps", [1, 5])
-@pytest.mark.parametrize("kind", ["eagle3_reduced", "standalone"])
-def test_chain_steps(target, drafts, hf_greedy, kind, steps):
+@pytest.mark.parametrize("kind,cache", [("eagle3_reduced", "dense"), ("standalone", "dense"), ("eagle", "dense"),
+                                        ("eagle3", "paged1"), ("eagle3", "paged16")])
+def test_chain_steps(target, drafts, hf_greedy, kind, cache, steps):
+    """The shortest (S = 1: one draft token from draft-extend alone, no draft step) and a long
+    chain, for every draft kind; full-vocabulary EAGLE-3 also on pages of 1 and 16 tokens."""
     p = _with_draft(target, drafts[kind])
-    out = jspec.generate(p, PROMPTS, max_new_tokens=12, stop_token_ids=[], spec=jspec.SpecConfig(num_steps=steps))
+    out = jspec.generate(p, PROMPTS, max_new_tokens=12, stop_token_ids=[], cache=CACHES[cache],
+                         spec=jspec.SpecConfig(num_steps=steps))
     assert out.tokens == [hf_greedy(q, 12) for q in PROMPTS]
+    assert all(1 <= a <= steps + 1 for row in out.stats.accept_lengths for a in row)
+
+
+# ------------------------------------------------------------------ program structure
+
+def _primitives(jaxpr, counts=None):
+    """Primitive name -> occurrences in a jaxpr and every sub-jaxpr (while/cond bodies,
+    nested jits, ...)."""
+    counts = collections.Counter() if counts is None else counts
+    for eqn in jaxpr.eqns:
+        counts[eqn.primitive.name] += 1
+        for value in eqn.params.values():
+            for sub in value if isinstance(value, (list, tuple)) else (value,):
+                sub = getattr(sub, "jaxpr", sub)  # ClosedJaxpr -> Jaxpr
+                if hasattr(sub, "eqns"):
+                    _primitives(sub, counts)
+    return counts
+
+
+def _program(p, spec, cache="dense"):
+    """(whole program, the loop of rounds, the top-level conds) of one generation, traced
+    the way api.generate builds it."""
+    plan, inp, _, _ = api._prepare(p, PROMPTS, 12, 0.0, 0, 1.0, 0, [], CACHES[cache], spec)
+    closed = jax.make_jaxpr(loop.generate_fn, static_argnums=0)(plan, p.weights, p.draft.weights, inp)
+    top = closed.jaxpr.eqns
+    whiles = [e for e in top if e.primitive.name == "while"]
+    assert whiles, "no while loop of rounds in the program"
+    rounds = _primitives(whiles[-1].params["body_jaxpr"].jaxpr)  # the loop of rounds comes last
+    conds = collections.Counter()
+    for e in top:
+        if e.primitive.name == "cond":
+            for branch in e.params["branches"]:
+                _primitives(branch.jaxpr, conds)
+    return _primitives(closed.jaxpr), rounds, conds
+
+
+@pytest.mark.parametrize("cache", ["dense", "paged16"])
+def test_chain_round_has_no_topk_or_sort(target, drafts, cache):
+    """Issue 3: a chain (K = 1) round does no top-k or sort over candidates (argmax only);
+    the same check on a tree (K > 1) finds them, so the check can see them."""
+    for kind in ("eagle", "eagle3_reduced", "standalone"):
+        p = _with_draft(target, drafts[kind])
+        whole, rounds, conds = _program(p, jspec.SpecConfig(num_steps=3, topk=1), cache)
+        assert rounds["argmax"] > 0 and rounds["dot_general"] > 0  # the walk sees the round's work
+        assert whole["top_k"] == 0, kind
+        assert rounds["sort"] == 0, kind
+        # The only sort: the prefill's sampling branch (lax.cond; never taken at temperature 0).
+        assert whole["sort"] == conds["sort"], kind
+    whole, rounds, _ = _program(p, jspec.SpecConfig(num_steps=3, topk=2, num_draft_tokens=4), cache)
+    assert whole["top_k"] > 0 and rounds["top_k"] > 0 and rounds["sort"] > 0
 
 
 def _pi_continuation(pi, prompt, n):
@@ -70,6 +127,72 @@ def test_default_chain_stop_token_and_limits(perm):
     assert out.tokens == [cont[:7], cont[:4]]  # a stop inside an accepted run ends it there
     assert out.finish_reasons == ["stop", "length"]
     assert max(out.stats.accept_lengths[0]) == api.DEFAULT_SPEC.num_steps + 1
+
+
+def _half_agreeing_standalone(perm, path, bad):
+    """The permutation target as a standalone draft, wrong exactly at the tokens in `bad`:
+    its LM-head row pi(b) is zeroed, so after b it proposes some token other than pi(b)."""
+    from jspec.export import save_target
+    t = jspec.load(perm["target"])
+    w = jax.tree.map(np.array, t.weights)
+    w["params"]["lm_head"]["weight"][[int(perm["pi"][b]) for b in bad]] = 0
+    save_target(path, t.config, w)
+    return jspec.load(perm["target"], draft=path)
+
+
+def test_spec_stats(perm, tmp_path):
+    """SpecStats on a run whose acceptance is known exactly: a draft that agrees with the
+    target except after the tokens in `bad`, so a round from root r accepts the drafts up to
+    the first pi^j(r) in `bad` (at most S) plus the bonus."""
+    pi = perm["pi"]
+    bad = set(np.random.RandomState(0).choice(len(pi), len(pi) // 4, replace=False).tolist())
+    p = _half_agreeing_standalone(perm, str(tmp_path / "draft"), bad)
+    S = api.DEFAULT_SPEC.num_steps
+    prompts, max_new = [[5, 7, 9], [20, 21, 22, 23, 24, 25, 26]], [20, 9]
+    out = jspec.generate(p, prompts, max_new_tokens=max_new, stop_token_ids=[])
+    want = []
+    for q, n in zip(prompts, max_new):
+        root, generated, rows = int(pi[q[-1]]), 1, []  # the prefill emits the first token
+        while generated < n:
+            m, x = 0, root
+            while m < S and x not in bad:
+                m, x = m + 1, int(pi[x])
+            rows.append(m + 1)
+            generated += m + 1
+            root = int(pi[x])  # the bonus
+        want.append(rows)
+    flat = [a for row in want for a in row]
+    assert len(set(flat)) >= 3  # the case is not degenerate
+    st = out.stats
+    assert out.tokens == [_pi_continuation(pi, q, n) for q, n in zip(prompts, max_new)]
+    assert st.accept_lengths == want
+    assert st.rounds == [len(row) for row in want]
+    assert all(1 <= a <= S + 1 for row in st.accept_lengths for a in row)
+    assert st.histogram == dict(sorted(collections.Counter(flat).items()))
+    assert sum(st.histogram.values()) == sum(st.rounds)
+    assert st.tau == st.mean_accept_length == pytest.approx(np.mean(flat))
+    assert st.tokens_per_s > 0 and st.tokens_per_s == out.timing["tokens_per_s"]
+    assert out.timing["new_tokens"] == sum(max_new)
+
+
+def test_eagle3_default_aux_layers(target, drafts, hf_greedy, tmp_path):
+    """An EAGLE-3 config.json with no eagle_config reads the inputs of target layers
+    (2, n//2, n-3) (SGLang's default): here n = 4, so (2, 2, 1), repeated and unsorted."""
+    import json
+    import shutil
+
+    from jspec import drafts as dr
+    path = tmp_path / "eagle3_default_aux"
+    shutil.copytree(drafts["eagle3"], path)
+    cfg = json.load(open(path / "config.json"))
+    assert cfg.pop("eagle_config")["eagle_aux_hidden_state_layer_ids"] == [0, 1, 2]
+    json.dump(cfg, open(path / "config.json", "w"))
+    p = _with_draft(target, str(path))
+    n = target.config.num_layers
+    assert n == 4 and p.draft.config.aux_layers == (2, n // 2, n - 3) == (2, 2, 1)
+    assert dr.target_capture(p.draft.config) == (1, 2)
+    out = jspec.generate(p, PROMPTS, max_new_tokens=12, stop_token_ids=[])
+    assert out.tokens == [hf_greedy(q, 12) for q in PROMPTS]
 
 
 def test_spec_loop_no_transfer_no_retrace(target, drafts, monkeypatch):

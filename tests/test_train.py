@@ -15,10 +15,12 @@ import jspec
 import tiny_models
 from jspec import drafts as dr
 from jspec.train import Eagle3TrainConfig, train_eagle3, train_lm, ttt_logits
+from jspec.train import common
 from jspec.train import data as data_mod
 from jspec.train.cli import main as cli_main
 from jspec.train.eagle3 import draft_vocab, head_config, init_head
 from jspec.export import save_target
+from jspec.models import target as tgt
 
 
 @pytest.fixture(scope="module")
@@ -74,6 +76,19 @@ def test_ttt_step0_equals_inference_extend(target, drafts):
                                atol=1e-4)
 
 
+def _full_draft_logits(target, draft, seed: int = 2):
+    """Target-vocabulary logits of draft step 0 (token i+1 with the target's feature at i),
+    through the draft's own config (aux layers) and weights, for random tokens."""
+    d, dw, tw, tc = draft.config, draft.weights, target.weights, target.config
+    B, T = 2, 12
+    tokens = jnp.asarray(np.random.RandomState(seed).randint(3, tc.vocab_size, (B, T)), jnp.int32)
+    meta = tgt.prefill_meta(jnp.full((B,), T, jnp.int32), T)
+    hidden, aux, _ = tgt.forward(tw, tc, tokens, None, meta, dr.target_capture(d))
+    feats = dr.target_features(d, hidden, aux)
+    h, _ = dr.draft_forward(d, dw, tw, tc, jnp.pad(tokens[:, 1:], ((0, 0), (0, 1))), feats, None, meta, True)
+    return np.asarray(dr.draft_logits(d, dw, tw, tc, h), np.float32)
+
+
 def test_eagle3_training_lowers_loss_exports_and_resumes(target, corpus, tmp_path):
     out = str(tmp_path / "head")
     cfg = Eagle3TrainConfig(steps=24, batch_size=4, seq_len=24, ttt_steps=2, draft_vocab_size=64, lr=1e-2,
@@ -91,10 +106,11 @@ def test_eagle3_training_lowers_loss_exports_and_resumes(target, corpus, tmp_pat
     from jspec import safetensors_io
     t = safetensors_io.load(os.path.join(out, "model.safetensors"))
     assert t["t2d"].dtype == np.bool_ and t["t2d"].sum() == 64 and t["d2t"].shape == (64,)
-    h = jnp.asarray(np.random.RandomState(2).randn(3, 64), jnp.float32)
-    a = dr.draft_logits(draft.config, draft.weights, target.weights, target.config, h)
-    b = dr.draft_logits(p.draft.config, p.draft.weights, target.weights, target.config, h)
-    np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-6)
+    # The whole draft forward (fc over the target's features, midlayer, norm, LM head) and
+    # its d2t mapping, not only the LM head: every exported tensor is on the path.
+    a, b = (_full_draft_logits(target, dp) for dp in (draft, p.draft))
+    np.testing.assert_allclose(a, b, atol=1e-6, rtol=0)
+    assert np.abs(a).max() > 1
     np.testing.assert_array_equal(np.asarray(draft.weights["d2t"]), np.asarray(p.draft.weights["d2t"]))
     # Resume: a longer run picks up at the checkpoint instead of starting over.
     cfg2 = Eagle3TrainConfig(**{**cfg.__dict__, "steps": 30})
@@ -104,6 +120,100 @@ def test_eagle3_training_lowers_loss_exports_and_resumes(target, corpus, tmp_pat
     cfg3 = Eagle3TrainConfig(**{**cfg.__dict__, "steps": 40, "draft_vocab_size": 32})
     with pytest.raises(ValueError, match="checkpoint .* was made with"):
         train_eagle3(target, corpus, out, cfg3, aux_layers=(1, 2, 3), progress=False)
+
+
+def test_eagle3_bfloat16_compute_keeps_float32_master_weights(target, corpus, tmp_path, monkeypatch):
+    seen = set()
+    real = dr.draft_forward
+
+    def spy(d, dw, tw, tc, tokens, hidden, *a, **k):  # runs at trace time
+        seen.add((d.model.dtype, hidden.dtype.name, dw["params"]["fc"]["weight"].dtype.name))
+        return real(d, dw, tw, tc, tokens, hidden, *a, **k)
+
+    monkeypatch.setattr(dr, "draft_forward", spy)
+    out = str(tmp_path / "bf16")
+    cfg = Eagle3TrainConfig(steps=16, batch_size=4, seq_len=24, ttt_steps=2, draft_vocab_size=64, lr=1e-2,
+                            warmup=2, compute_dtype="bfloat16")
+    draft, hist = train_eagle3(target, corpus, out, cfg, aux_layers=(1, 2, 3), progress=False, log_every=1)
+    assert seen == {("bfloat16", "bfloat16", "bfloat16")}  # the head's forward pass runs in bfloat16
+    losses = [h["loss"] for h in hist]
+    assert np.all(np.isfinite(losses)) and np.mean(losses[-4:]) < losses[0] - 0.5, losses
+    # Master weights (the checkpoint, what the optimiser updates) stay float32, and so do
+    # the exported weights of a float32 target.
+    from flax import serialization
+    with open(os.path.join(out, "checkpoint", common.CKPT), "rb") as f:
+        state = serialization.msgpack_restore(f.read())
+    masters = jax.tree.leaves(state["params"])
+    assert masters and all(np.asarray(x).dtype == np.float32 for x in masters)
+    assert all(x.dtype == jnp.float32 for x in jax.tree.leaves(draft.weights["params"]))
+    assert np.isfinite(_full_draft_logits(target, draft)).all()
+
+
+def test_eagle3_resume_is_exact(target, corpus, tmp_path, monkeypatch):
+    """N steps with an interruption after the checkpoint at N/2, then a resume, give the
+    weights (and per-step losses) of N uninterrupted steps: the batch of step s depends only
+    on (seed, s) and the checkpoint holds the optimiser state, schedule count included."""
+    cfg = Eagle3TrainConfig(steps=6, batch_size=2, seq_len=12, ttt_steps=2, draft_vocab_size=32, lr=1e-2,
+                            warmup=2, compute_dtype="float32", checkpoint_every=3)
+    kw = dict(aux_layers=(1, 2, 3), progress=False, log_every=1)
+    full, hist_full = train_eagle3(target, corpus, str(tmp_path / "full"), cfg, **kw)
+
+    real_batches = data_mod.batches
+
+    def interrupted(*a, **k):
+        it = real_batches(*a, **k)
+        for _ in range(3):
+            yield next(it)
+        raise KeyboardInterrupt("simulated interruption after step 3")
+
+    out = str(tmp_path / "resumed")
+    monkeypatch.setattr(data_mod, "batches", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        train_eagle3(target, corpus, out, cfg, **kw)
+    monkeypatch.undo()
+    assert json.load(open(os.path.join(out, "checkpoint", common.META)))["step"] == 3
+    resumed, hist = train_eagle3(target, corpus, out, cfg, **kw)
+    assert [h["step"] for h in hist] == [4, 5, 6]
+    np.testing.assert_allclose([h["loss"] for h in hist], [h["loss"] for h in hist_full[3:]], rtol=1e-6)
+    chex.assert_trees_all_close(resumed.weights, full.weights, atol=1e-6, rtol=1e-6)
+    # And the 6 steps did move the weights (the comparison is not between two initialisations).
+    init = init_head(target, full.config, np.asarray(full.weights["d2t"]), cfg.seed)
+    assert float(jnp.abs(full.weights["params"]["fc"]["weight"] - init["fc"]["weight"]).max()) > 1e-3
+
+
+def test_make_optimizer_schedule_and_clipping():
+    lr, steps, warmup = 1e-2, 20, 4
+    opt = common.make_optimizer(lr, steps, warmup, weight_decay=0.0, clip=1.0)
+    params = {"w": jnp.zeros(2)}
+    g = {"w": jnp.array([0.6, -0.8])}  # norm 1: not clipped
+    state = opt.init(params)
+    lrs = []
+    for _ in range(steps + 3):
+        u, state = opt.update(g, state, params)
+        # A constant gradient makes Adam's m_hat / sqrt(v_hat) = sign(g): the update is -lr_t * sign(g).
+        lrs.append(float(-u["w"][0]))
+        np.testing.assert_allclose(np.asarray(u["w"]), [-lrs[-1], lrs[-1]], rtol=1e-5)
+    lrs = np.array(lrs)
+    np.testing.assert_allclose(lrs[: warmup + 1], lr * np.arange(warmup + 1) / warmup, rtol=1e-5, atol=1e-9)
+    assert lrs[0] == 0.0 and lrs.max() == pytest.approx(lr, rel=1e-5) and lrs.argmax() == warmup
+    assert np.all(np.diff(lrs[warmup: steps + 1]) < 0)  # cosine decay after the warm-up
+    mid = (warmup + steps) // 2
+    np.testing.assert_allclose(lrs[mid], lr * 0.1 + 0.5 * (lr - lr * 0.1), rtol=1e-5)  # half way down
+    np.testing.assert_allclose(lrs[steps:], lr * 0.1, rtol=1e-5)  # ends (and stays) at lr/10
+
+    # Global-norm clipping comes before Adam: a gradient above the norm acts as its
+    # unit-norm version, so a huge spike moves the weights no more than a unit gradient.
+    def second_update(clip, g2):
+        o = common.make_optimizer(lr, steps, 1, weight_decay=0.0, clip=clip)
+        st = o.init(params)
+        _, st = o.update({"w": jnp.array([0.5, 0.0])}, st, params)
+        return np.asarray(o.update({"w": jnp.asarray(g2, jnp.float32)}, st, params)[0]["w"])
+
+    spike, unit = [3e6, 4e6], [0.6, 0.8]
+    clipped = second_update(1.0, spike)
+    np.testing.assert_allclose(clipped, second_update(1.0, unit), rtol=1e-5)
+    assert np.all(np.isfinite(clipped)) and np.abs(clipped).max() <= 2 * lr
+    assert not np.allclose(second_update(1e30, spike), clipped, rtol=1e-3)  # without clipping it differs
 
 
 def test_lm_training_and_target_export_load_in_transformers(tmp_path):

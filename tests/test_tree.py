@@ -16,7 +16,7 @@ from jspec import api
 from jspec.cache import kv as kvc
 from jspec.models import target as tgt
 from jspec.spec import loop, verify
-from jspec.spec.tree import Tree, ancestors, select_tree
+from jspec.spec.tree import Tree, ancestors, select_tree, vocab_top_k
 from conftest import PROMPTS
 
 CACHES = {"dense": "dense", "paged1": jspec.CacheConfig("paged", page_size=1),
@@ -57,6 +57,52 @@ def test_tree_with_agreeing_draft_accepts_whole_depth(perm, kind, cache, shape):
     assert all(a == S + 1 for row in out.stats.accept_lengths for a in row)
 
 
+def test_tree_reduced_vocab_draft_equals_target(target, drafts, hf_greedy):
+    """A tree from an EAGLE-3 head over a reduced draft vocabulary (candidates mapped to
+    target ids through d2t) still decodes exactly the target's greedy output."""
+    p = _with_draft(target, drafts["eagle3_reduced"])
+    assert p.draft.config.draft_vocab_size < p.config.vocab_size and "d2t" in p.draft.weights
+    out = jspec.generate(p, PROMPTS, max_new_tokens=12, stop_token_ids=[],
+                         spec=jspec.SpecConfig(num_steps=3, topk=4, num_draft_tokens=8))
+    assert out.tokens == [hf_greedy(q, 12) for q in PROMPTS]
+
+
+def test_tree_reduced_vocab_candidates_are_target_ids(perm, tmp_path):
+    """The agreeing EAGLE-3 head of the permutation family cut down to half the vocabulary
+    (with d2t): a round from root r accepts its first draft exactly when pi(r) is in the
+    draft vocabulary. A candidate left in draft ids (d2t not applied) would never match."""
+    from jspec.config import DraftConfig
+    from jspec.drafts import load_draft
+    from jspec.export import save_draft
+    pi = perm["pi"]
+    V = len(pi)
+    full = load_draft(perm["eagle3"], jspec.load(perm["target"]))
+    ids = np.sort(np.random.RandomState(1).choice(V, V // 2, replace=False))
+    w = jax.tree.map(np.array, full.weights)
+    w["params"]["lm_head"]["weight"] = w["params"]["lm_head"]["weight"][ids]
+    w["d2t"] = (ids - np.arange(len(ids))).astype(np.int32)
+    save_draft(str(tmp_path / "d"), dataclasses.replace(full.config, draft_vocab_size=len(ids)), w, V)
+    p = jspec.load(perm["target"], draft=str(tmp_path / "d"))
+    assert p.draft.config.draft_vocab_size == V // 2
+    prompts = [[5, 7, 9], [20, 21, 22, 23, 24, 25, 26]]
+    out = jspec.generate(p, prompts, max_new_tokens=24, stop_token_ids=[],
+                         spec=jspec.SpecConfig(num_steps=3, topk=4, num_draft_tokens=8))
+    in_vocab = set(ids.tolist())
+    seen = set()
+    for q, toks, acc in zip(prompts, out.tokens, out.stats.accept_lengths):
+        want, t = [], q[-1]
+        for _ in range(24):
+            t = int(pi[t])
+            want.append(t)
+        assert toks == want
+        for r in range(len(acc)):
+            root = toks[sum(acc[:r])]  # the bonus of the previous round (the prefill's token first)
+            hit = int(pi[root]) in in_vocab
+            seen.add(hit)
+            assert (acc[r] >= 2) == hit, (r, root, acc)
+    assert seen == {True, False}  # both cases occur
+
+
 def test_tree_too_many_nodes_fails_early():
     with pytest.raises(ValueError, match="exceeds the 6 candidates"):
         jspec.SpecConfig(num_steps=2, topk=2, num_draft_tokens=8)
@@ -68,42 +114,56 @@ def test_tree_too_many_nodes_fails_early():
 
 # ------------------------------------------------------------------ cache invariant
 
-@pytest.mark.parametrize("cache", ["dense", "paged1", "paged16"])
-def test_cache_holds_what_plain_decoding_writes(target, drafts, cache):
+@pytest.mark.parametrize("kind,shape,cache", [("eagle3", (3, 4, 8), "dense"), ("eagle3", (3, 4, 8), "paged1"),
+                                              ("eagle3", (3, 4, 8), "paged16"), ("standalone", (5, 4, 16), "paged16")],
+                         ids=["eagle3-3x4x8-dense", "eagle3-3x4x8-paged1", "eagle3-3x4x8-paged16",
+                              "standalone-5x4x16-paged16"])
+def test_cache_holds_what_plain_decoding_writes(target, drafts, kind, shape, cache):
     """After the loop, target cache slots [0, L) of every request equal a fresh prefill of
-    its committed tokens, and an EAGLE-3 draft's slots equal a fresh draft prefill fed with
-    the target's features of those tokens: compaction and draft-extend left nothing stale."""
-    p = _with_draft(target, drafts["eagle3"])
-    spec = jspec.SpecConfig(num_steps=3, topk=4, num_draft_tokens=8)
+    its committed tokens, and every draft layer's keys and values equal a fresh draft
+    prefill: an EAGLE-3 draft's slots [0, L) fed with the target's features of those tokens,
+    a standalone draft's slots [0, L] (its slot i holds token i, the root included).
+    Compaction, tree drafting and draft-extend left nothing stale."""
+    from jspec import drafts as dr
+    S, K, N = shape
+    p = _with_draft(target, drafts[kind])
+    spec = jspec.SpecConfig(num_steps=S, topk=K, num_draft_tokens=N)
     plan, inp, lens, _ = api._prepare(p, PROMPTS, 30, 0.0, 0, 1.0, 0, [], CACHES[cache], spec)
     plan = dataclasses.replace(plan, max_rounds=4)  # stop while every request still runs
     st = jax.jit(loop.run, static_argnums=0)(plan, p.weights, p.draft.weights, inp)
     c, d = p.config, p.draft.config
+
+    def fresh_prefill(n, num_layers, num_kv_heads, head_dim):
+        meta = tgt.prefill_meta(jnp.array([n], jnp.int32), n)
+        cache = kvc.init_kv_cache(num_layers, num_kv_heads, head_dim, jnp.float32, batch=1, max_len=n)
+        return cache, kvc.make_meta(cache, positions=meta.positions, prefix_len=jnp.zeros(1, jnp.int32),
+                                    local_mask=meta.local_mask, write_valid=jnp.ones((1, n), bool), prefill=True)
+
+    def check(got_cache, want_cache, b, n, what):
+        table = st.pages.page_table[b: b + 1] if plan.paged else None
+        assert len(got_cache.k) == len(want_cache.k)
+        for name in ("k", "v"):
+            for layer, (buf, want) in enumerate(zip(getattr(got_cache, name), getattr(want_cache, name))):
+                got = kvc.read_kv(buf if plan.paged else buf[b: b + 1], table)[0, :n]
+                np.testing.assert_allclose(np.asarray(got), np.asarray(want[0, :n]), atol=2e-5,
+                                           err_msg=f"{what} {name} layer {layer}, request {b}")
+
     for b, n in enumerate(lens):
         L = int(st.L[b])
         seq = np.asarray(st.tokens[b, : L + 1])
         assert not st.finished[b] and L >= n + 4
-        meta = tgt.prefill_meta(jnp.array([L], jnp.int32), L)
-        fresh = kvc.init_kv_cache(c.num_layers, c.num_kv_heads, c.head_dim, jnp.float32, batch=1, max_len=L)
-        fresh_meta = kvc.make_meta(fresh, positions=meta.positions, prefix_len=jnp.zeros(1, jnp.int32),
-                                   local_mask=meta.local_mask, write_valid=jnp.ones((1, L), bool), prefill=True)
+        fresh, fresh_meta = fresh_prefill(L, c.num_layers, c.num_kv_heads, c.head_dim)
         hidden, aux, fresh = tgt.forward(p.weights, c, jnp.asarray(seq[None, :L]), fresh, fresh_meta,
-                                         capture=(1, 2, 3))
-        table = st.pages.page_table[b: b + 1] if plan.paged else None
-        for layer in range(c.num_layers):
-            got = kvc.read_kv(st.tcache.k[layer] if plan.paged else st.tcache.k[layer][b: b + 1], table)[0, :L]
-            np.testing.assert_allclose(np.asarray(got), np.asarray(fresh.k[layer][0]), atol=2e-5)
-            got = kvc.read_kv(st.tcache.v[layer] if plan.paged else st.tcache.v[layer][b: b + 1], table)[0, :L]
-            np.testing.assert_allclose(np.asarray(got), np.asarray(fresh.v[layer][0]), atol=2e-5)
-        # The draft: slot i pairs token i+1 with the target feature at i.
-        from jspec import drafts as dr
+                                         capture=dr.target_capture(d))
+        check(st.tcache, fresh, b, L, "target")
+        # The draft: slot i pairs token i+1 with the target feature at i (EAGLE-3, lag 0),
+        # or holds token i itself (standalone, lag 1).
         feats = dr.target_features(d, hidden, aux)
-        m = d.model
-        dfresh = kvc.init_kv_cache(m.num_layers, m.num_kv_heads, m.head_dim, jnp.float32, batch=1, max_len=L)
-        _, dfresh = dr.draft_forward(d, p.draft.weights, p.weights, c, jnp.asarray(seq[None, 1: L + 1]), feats,
-                                     dfresh, fresh_meta, True)
-        got = kvc.read_kv(st.dcache.k[0] if plan.paged else st.dcache.k[0][b: b + 1], table)[0, :L]
-        np.testing.assert_allclose(np.asarray(got), np.asarray(dfresh.k[0][0]), atol=2e-5)
+        m, nd = d.model, L + d.lag
+        dfresh, dmeta = fresh_prefill(nd, m.num_layers, m.num_kv_heads, m.head_dim)
+        _, dfresh = dr.draft_forward(d, p.draft.weights, p.weights, c, jnp.asarray(seq[None, 1 - d.lag: L + 1]),
+                                     feats, dfresh, dmeta, True)
+        check(st.dcache, dfresh, b, nd, "draft")
 
 
 # ------------------------------------------------------------------ property tests
@@ -218,13 +278,13 @@ def test_compaction_matches_python(seed, page_size):
         G = cap // page_size
         num_pages = B * G + 2
         table = rng.permutation(num_pages)[: B * G].reshape(B, G).astype(np.int32)
-        buf = rng.randn(num_pages, page_size, 1, 2).astype(np.float32)
+        buf = rng.randn(num_pages + 1, page_size, 1, 2).astype(np.float32)  # + the trash page
         kw = dict(page_table=jnp.asarray(table), page_size=page_size, num_pages=num_pages)
         logical = lambda b: np.asarray(buf[table[b]].reshape(-1, 1, 2))
     else:
-        buf = rng.randn(B, cap, 1, 2).astype(np.float32)
+        buf = rng.randn(B, cap + 1, 1, 2).astype(np.float32)  # + each row's trash slot
         kw = dict(batch_capacity=cap)
-        logical = lambda b: buf[b]
+        logical = lambda b: buf[b, :cap]
     seqs = [logical(b).copy() for b in range(B)]
     for b in range(B):
         moved = [seqs[b][L[b] + path[b, d]].copy() for d in range(acc[b])]
@@ -275,3 +335,22 @@ def test_page_allocation_matches_python(seed):
         release = rng.rand(B) < 0.3
         state = kvc.free_pages(state, jnp.asarray(release))
         held = [0 if r else h for r, h in zip(release, held)]
+
+
+@settings(max_examples=15, deadline=None)
+@given(st.integers(0, 2 ** 31 - 1), st.integers(1, 9), st.integers(1, 3000), st.sampled_from([16, 64]),
+       st.booleans())
+def test_vocab_top_k_equals_lax_top_k(seed, k, V, chunk, ties):
+    """The two-stage top-k gives lax.top_k's values; its indices too when values are
+    distinct, and with ties indices that hold those values, each once."""
+    rng = np.random.RandomState(seed)
+    x = rng.randint(0, 5, size=(2, 3, V)) if ties else rng.randn(2, 3, V)
+    x = jnp.asarray(x, jnp.float32)
+    k = min(k, V)
+    v, i = vocab_top_k(x, k, chunk=chunk)
+    rv, ri = jax.lax.top_k(x, k)
+    np.testing.assert_array_equal(np.asarray(v), np.asarray(rv))
+    np.testing.assert_array_equal(np.take_along_axis(np.asarray(x), np.asarray(i), -1), np.asarray(v))
+    assert all(len(set(row)) == k for row in np.asarray(i).reshape(-1, k).tolist())
+    if not ties:
+        np.testing.assert_array_equal(np.asarray(i), np.asarray(ri))

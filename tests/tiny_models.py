@@ -63,13 +63,33 @@ def make_model(path: str, family: str = "llama", *, seed: int = 0, tokenizer: bo
                dtype=torch.float32, max_shard_size=None, **kw) -> transformers.PreTrainedModel:
     cfg = hf_config(family, **kw)
     torch.manual_seed(seed)
-    model = transformers.AutoModelForCausalLM.from_config(cfg).to(dtype).eval()
+    model = transformers.AutoModelForCausalLM.from_config(cfg)
+    randomize_biases_and_norms(model, seed)
+    model = model.to(dtype).eval()
     os.makedirs(path, exist_ok=True)
     extra = {} if max_shard_size is None else {"max_shard_size": max_shard_size}
     model.save_pretrained(path, **extra)
     if tokenizer:
         save_tokenizer(path)
     return model
+
+
+def randomize_biases_and_norms(model, seed: int = 0):
+    """transformers initialises biases to 0 and RMSNorm weights to 1, which would hide a bias
+    or norm weight that is dropped, misnamed or swapped; give them random values instead
+    (biases 0.1 * N(0, 1), norm weights 1 + 0.1 * N(0, 1); deterministic in `seed`)."""
+    gen = torch.Generator().manual_seed(10_007 + seed)
+    n = 0
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("bias"):
+                p.copy_(0.1 * torch.randn(p.shape, generator=gen))
+            elif "norm" in name:  # input_layernorm, post_attention_layernorm, q_norm, k_norm, model.norm
+                p.copy_(1 + 0.1 * torch.randn(p.shape, generator=gen))
+            else:
+                continue
+            n += 1
+    return n
 
 
 @functools.lru_cache(maxsize=None)

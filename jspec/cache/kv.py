@@ -2,10 +2,17 @@
 
 Both cache kinds address a request's tokens by *slot* (0, 1, 2, ... in sequence order):
 
-- dense: per layer k, v of shape [B, S, Hkv, Dh]; slot s of request b lives at [b, s].
-- paged: per layer k, v of shape [num_pages, P, Hkv, Dh] shared by all requests; slot s of
-  request b lives in page `page_table[b, s // P]` at offset `s % P`. Pages are handed out
-  on device by `alloc_pages` as sequences grow and returned by `free_pages`.
+- dense: per layer k, v of shape [B, S + 1, Hkv, Dh]; slot s < S of request b lives at
+  [b, s].
+- paged: per layer k, v of shape [num_pages + 1, P, Hkv, Dh] shared by all requests; slot
+  s of request b lives in page `page_table[b, s // P]` at offset `s % P`. Pages are handed
+  out on device by `alloc_pages` as sequences grow and returned by `free_pages`.
+
+The extra slot of each dense row and the extra page of a pool are *trash*: a write that
+must not land (a finished request, a slot past the capacity, an unallocated page) goes
+there instead of being dropped. Every write index is then in bounds, so a one-token write
+is a plain in-place update; XLA turns a dropping scatter into a read, a select and an
+update, three kernels per layer in batch-1 decoding. Nothing ever reads the trash.
 
 A forward pass over T new tokens writes them to consecutive slots and attends to a
 *prefix* (slots < prefix_len, all visible) plus a *local block* (the Tl slots from
@@ -21,10 +28,16 @@ from flax import struct
 
 @struct.dataclass
 class KVCache:
-    """Per-layer keys and values: dense [B, S, Hkv, Dh] or paged [num_pages, P, Hkv, Dh]."""
+    """Per-layer keys and values: dense [B, S+1, Hkv, Dh] or paged [num_pages+1, P, Hkv, Dh]
+    (the last slot of a row, the last page of a pool: trash, see the module docstring)."""
 
     k: tuple
     v: tuple
+
+
+def cache_capacity(buf: jax.Array, paged: bool) -> int:
+    """Usable size of one layer's buffer: slots per row (dense) or pages (paged)."""
+    return buf.shape[0 if paged else 1] - 1
 
 
 @struct.dataclass
@@ -70,8 +83,9 @@ class AttnMeta:
 
 def init_kv_cache(num_layers, num_kv_heads, head_dim, dtype, *, batch=0, max_len=0,
                   num_pages=0, page_size=0) -> KVCache:
-    """Zero cache: dense when num_pages == 0, else a paged pool."""
-    shape = (num_pages, page_size) if num_pages else (batch, max_len)
+    """Zero cache: dense (max_len slots per row) when num_pages == 0, else a paged pool;
+    each with its trash slot or page."""
+    shape = (num_pages + 1, page_size) if num_pages else (batch, max_len + 1)
     shape = shape + (num_kv_heads, head_dim)
     zeros = lambda: tuple(jnp.zeros(shape, dtype) for _ in range(num_layers))
     return KVCache(k=zeros(), v=zeros())
@@ -131,20 +145,20 @@ def free_pages(state: PageState, release: jax.Array) -> PageState:
 def slot_index(slots: jax.Array, valid: jax.Array, *, batch_capacity: int = 0,
                page_table: jax.Array | None = None, page_size: int = 0,
                num_pages: int = 0) -> jax.Array:
-    """Flat cache index of `slots` [B, T] (dense capacity S, or paged); invalid -> out of range."""
+    """Flat cache index of `slots` [B, T] (dense: S = batch_capacity slots per row; paged:
+    num_pages usable pages). Invalid slots map to the trash: slot S of their row (dense),
+    or the first slot of page num_pages (paged)."""
     B = slots.shape[0]
+    valid = valid & (slots >= 0)
     if page_table is None:
-        flat = jnp.arange(B, dtype=jnp.int32)[:, None] * batch_capacity + slots
-        limit = B * batch_capacity
+        row = jnp.arange(B, dtype=jnp.int32)[:, None] * (batch_capacity + 1)
         valid = valid & (slots < batch_capacity)
-    else:
-        G = page_table.shape[1]
-        logical = slots // page_size
-        page = jnp.take_along_axis(page_table, jnp.clip(logical, 0, G - 1), axis=1)
-        valid = valid & (logical < G) & (page < num_pages)
-        flat = page * page_size + slots % page_size
-        limit = num_pages * page_size
-    return jnp.where(valid & (slots >= 0), flat, limit).astype(jnp.int32)
+        return jnp.where(valid, row + slots, row + batch_capacity).astype(jnp.int32)
+    G = page_table.shape[1]
+    logical = slots // page_size
+    page = jnp.take_along_axis(page_table, jnp.clip(logical, 0, G - 1), axis=1)
+    valid = valid & (logical < G) & (page < num_pages)
+    return jnp.where(valid, page * page_size + slots % page_size, num_pages * page_size).astype(jnp.int32)
 
 
 def make_meta(cache: KVCache, *, positions, prefix_len, local_mask, write_valid,
@@ -156,12 +170,12 @@ def make_meta(cache: KVCache, *, positions, prefix_len, local_mask, write_valid,
     slots = prefix_len[:, None] + (Tl - T) + jnp.arange(T, dtype=jnp.int32)[None, :]
     k0 = cache.k[0]
     if page_state is None:
-        index = slot_index(slots, write_valid, batch_capacity=k0.shape[1])
+        index = slot_index(slots, write_valid, batch_capacity=cache_capacity(k0, False))
         table = None
     else:
         table = page_state.page_table
         index = slot_index(slots, write_valid, page_table=table, page_size=page_size,
-                           num_pages=k0.shape[0])
+                           num_pages=cache_capacity(k0, True))
     if local_positions is None:
         if T != Tl:
             raise ValueError("local_positions is required when T != Tl")
@@ -172,11 +186,14 @@ def make_meta(cache: KVCache, *, positions, prefix_len, local_mask, write_valid,
 
 
 def write_kv(buf: jax.Array, new: jax.Array, write_index: jax.Array) -> jax.Array:
-    """Writes new [B, T, Hkv, Dh] at flat indices [B, T] of one layer's buffer."""
+    """Writes new [B, T, Hkv, Dh] at flat indices [B, T] (in bounds: see `slot_index`)."""
     shape = buf.shape
     flat = buf.reshape((-1,) + shape[-2:])
-    flat = flat.at[write_index.reshape(-1)].set(new.reshape((-1,) + shape[-2:]).astype(buf.dtype),
-                                                mode="drop")
+    rows = new.reshape((-1,) + shape[-2:]).astype(buf.dtype)
+    if rows.shape[0] == 1:  # one token: an in-place update, one kernel
+        flat = jax.lax.dynamic_update_slice(flat, rows, (write_index.reshape(()), 0, 0))
+    else:
+        flat = flat.at[write_index.reshape(-1)].set(rows, mode="promise_in_bounds")
     return flat.reshape(shape)
 
 
@@ -190,10 +207,11 @@ def read_kv(buf: jax.Array, page_table: jax.Array | None) -> jax.Array:
 
 
 def move_slots(cache: KVCache, src_index: jax.Array, dst_index: jax.Array) -> KVCache:
-    """Copies every layer's entries at flat src [B, M] to flat dst [B, M] (gather, then set)."""
+    """Copies every layer's entries at flat src [B, M] to flat dst [B, M] (gather, then set;
+    moves that must not happen have both ends in the trash)."""
     def move(buf):
         shape = buf.shape
         flat = buf.reshape((-1,) + shape[-2:])
-        vals = flat[jnp.clip(src_index.reshape(-1), 0, flat.shape[0] - 1)]
-        return flat.at[dst_index.reshape(-1)].set(vals, mode="drop").reshape(shape)
+        vals = flat[src_index.reshape(-1)]
+        return flat.at[dst_index.reshape(-1)].set(vals, mode="promise_in_bounds").reshape(shape)
     return KVCache(k=tuple(move(b) for b in cache.k), v=tuple(move(b) for b in cache.v))

@@ -27,29 +27,41 @@ class Linear(nn.Module):
     float32_out: bool = False  # keep the float32 accumulator (LM heads)
 
     @nn.compact
-    def __call__(self, x):
+    def __call__(self, x, scale=None):
+        """x [..., in] -> [..., out]; `scale` [..., 1] float32 multiplies the product
+        before the bias (a deferred RMSNorm factor, see `RMSNorm`)."""
         w = self.param("weight", _init, (self.features, x.shape[-1]), jnp.dtype(self.dtype))
         # Products accumulate in float32 either way; asking for a float32 result only where
         # it is kept avoids a separate conversion pass after every matrix-vector product.
         y = jax.lax.dot_general(x.astype(w.dtype), w, (((x.ndim - 1,), (1,)), ((), ())),
                                 preferred_element_type=jnp.float32 if self.float32_out else None)
+        if scale is not None:  # fuses into the product's consumer
+            y = (y.astype(jnp.float32) * scale).astype(y.dtype)
         if self.use_bias:
             y = y + self.param("bias", nn.initializers.zeros, (self.features,), jnp.dtype(self.dtype)).astype(y.dtype)
         return y
 
 
 class RMSNorm(nn.Module):
-    """Root-mean-square norm computed in float32, as transformers does."""
+    """Root-mean-square norm computed in float32, as transformers does.
+
+    deferred=True returns (w * x, r) with the float32 factor r [..., 1] left for the
+    caller to apply after its projection: W (w * x * r) = r * W (w * x). The gain product
+    needs no reduction, so it fuses into the residual add that makes x, and r into the
+    projection's consumer, saving a pass between every residual add and projection.
+    """
 
     eps: float
     dtype: str = "float32"
 
     @nn.compact
-    def __call__(self, x):
+    def __call__(self, x, deferred: bool = False):
         w = self.param("weight", nn.initializers.ones, (x.shape[-1],), jnp.dtype(self.dtype))
         xf = x.astype(jnp.float32)
-        xf = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + self.eps)
-        return w * xf.astype(x.dtype)
+        r = jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + self.eps)
+        if deferred:
+            return w * x, r
+        return w * (xf * r).astype(x.dtype)
 
 
 def apply_rope(x, positions, inv_freq: np.ndarray):
@@ -70,11 +82,12 @@ class Attention(nn.Module):
     window: int = 0
 
     @nn.compact
-    def __call__(self, x, kv, meta: AttnMeta):
+    def __call__(self, x, kv, meta: AttnMeta, scale=None):
+        """x [B,T,D]; scale: a deferred input-norm factor [B,T,1] (see `RMSNorm`)."""
         c = self.cfg
         B, T, _ = x.shape
         H, Hkv, Dh = c.num_heads, c.num_kv_heads, c.head_dim
-        qkv = Linear((H + 2 * Hkv) * Dh, c.qkv_bias, c.dtype, name="qkv_proj")(x)
+        qkv = Linear((H + 2 * Hkv) * Dh, c.qkv_bias, c.dtype, name="qkv_proj")(x, scale)
         q = qkv[..., : H * Dh].reshape(B, T, H, Dh)
         k = qkv[..., H * Dh: (H + Hkv) * Dh].reshape(B, T, Hkv, Dh)
         v = qkv[..., (H + Hkv) * Dh:].reshape(B, T, Hkv, Dh)
@@ -100,10 +113,10 @@ class MLP(nn.Module):
     cfg: ModelConfig
 
     @nn.compact
-    def __call__(self, x):
+    def __call__(self, x, scale=None):
         c = self.cfg
         F = c.intermediate_size
-        gu = Linear(2 * F, c.mlp_bias, c.dtype, name="gate_up_proj")(x)
+        gu = Linear(2 * F, c.mlp_bias, c.dtype, name="gate_up_proj")(x, scale)
         return Linear(c.hidden_size, c.mlp_bias, c.dtype, name="down_proj")(nn.silu(gu[..., :F]) * gu[..., F:])
 
 
@@ -115,11 +128,14 @@ class DecoderLayer(nn.Module):
     @nn.compact
     def __call__(self, x, kv, meta):
         c = self.cfg
-        h = RMSNorm(c.rms_norm_eps, c.dtype, name="input_layernorm")(x) if self.input_norm else x
-        h, kv = Attention(c, self.window, name="self_attn")(h, kv, meta)
+        # Both norms are deferred: their factor is applied after the projection that follows.
+        h, r = x, None
+        if self.input_norm:
+            h, r = RMSNorm(c.rms_norm_eps, c.dtype, name="input_layernorm")(x, deferred=True)
+        h, kv = Attention(c, self.window, name="self_attn")(h, kv, meta, r)
         x = x + h
-        x = x + MLP(c, name="mlp")(RMSNorm(c.rms_norm_eps, c.dtype, name="post_attention_layernorm")(x))
-        return x, kv
+        h, r = RMSNorm(c.rms_norm_eps, c.dtype, name="post_attention_layernorm")(x, deferred=True)
+        return x + MLP(c, name="mlp")(h, r), kv
 
 
 class LlamaModel(nn.Module):

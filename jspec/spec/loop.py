@@ -22,7 +22,7 @@ from jspec.cache import kv as kvc
 from jspec.config import DraftConfig, ModelConfig, SpecConfig
 from jspec.models import target as tgt
 from jspec.spec import verify
-from jspec.spec.tree import Tree, chain_tree, select_tree
+from jspec.spec.tree import Tree, chain_tree, select_tree, vocab_top_k
 
 RUNNING, STOP, LENGTH, CACHE_FULL = 0, 1, 2, 3
 FINISH_REASONS = {RUNNING: None, STOP: "stop", LENGTH: "length", CACHE_FULL: "cache_full"}
@@ -133,7 +133,7 @@ def _first_level(plan: Plan, dw, logits_d):
     if plan.K == 1:
         tok = drafts.to_target_ids(dw, jnp.argmax(logits_d, axis=-1).astype(jnp.int32))
         return tok[:, None], jnp.ones_like(tok, jnp.float32)[:, None]
-    vals, idx = jax.lax.top_k(logits_d, plan.K)
+    vals, idx = vocab_top_k(logits_d, plan.K)
     probs = jnp.exp(vals - jax.nn.logsumexp(logits_d, axis=-1, keepdims=True))
     return drafts.to_target_ids(dw, idx.astype(jnp.int32)), probs
 
@@ -223,7 +223,7 @@ def _propose_tree(plan: Plan, dw, tw, st: LoopState, root, live):
         local = sel_anc[:, :, : j * K]
         pos = jnp.broadcast_to((base + j - 1)[:, None], (B, K))
         logits_d, hs, dcache = _draft_step(plan, dw, tw, st, dcache, sel_tok, sel_h, pos, base, local, live)
-        vals, idx = jax.lax.top_k(logits_d, K)  # [B,K,K]
+        vals, idx = vocab_top_k(logits_d, K)  # [B,K,K]
         probs = jnp.exp(vals - jax.nn.logsumexp(logits_d, axis=-1, keepdims=True))
         score = (sel_score[:, :, None] * probs).reshape(B, K * K)
         tok = drafts.to_target_ids(dw, idx.astype(jnp.int32)).reshape(B, K * K)
