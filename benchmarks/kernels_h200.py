@@ -4,7 +4,6 @@ einsum; paged caches gathered first) for decode shapes, then a small tuning swee
 
     python benchmarks/kernels_h200.py        # writes $OUT/kernels_h200.json (OUT=/tmp)
     KERNELS_SMOKE=1 python benchmarks/kernels_h200.py   # tiny shapes, interpret mode (CPU)
-    python benchmarks/kernels_h200.py loop   # only: in-loop time of decode configurations
 
 Every case runs in its own try/except, and sections are skipped once the time budget is
 spent, so one failure or a slow compile does not lose the rest.
@@ -110,49 +109,6 @@ def record_error(section, case, e):
     res["errors"].append({"section": section, "case": case, "error": msg[:4000],
                           "trace": traceback.format_exc()[-4000:]})
 
-
-# --------------------------------------------------------------------------- in-loop sweep
-
-def loop_time(q, k, v, meta, n=64, **kw):
-    """Seconds per call inside one jitted fori_loop (as in a decode step: no dispatch
-    cost), each call's query depending on the previous output so none is hoisted."""
-    def body(_, qc):
-        o = da.paged_decode_attention(qc, k, v, meta, scale=Dh ** -0.5, interpret=INTERPRET, **kw)
-        return qc + o * jnp.asarray(1e-3, qc.dtype)
-    f = jax.jit(lambda q: jax.lax.fori_loop(0, n, body, q))
-    jax.block_until_ready(f(q))
-    ts = []
-    for _ in range(5):
-        t = time.perf_counter()
-        jax.block_until_ready(f(q))
-        ts.append(time.perf_counter() - t)
-    return float(np.median(ts)) / n
-
-
-if "loop" in sys.argv:
-    print("\n== in-loop us per call (Hkv 8, Gq 4, Dh 128, bf16, ctx 1024)", flush=True)
-    res["loop"] = []
-    for B, T, page_size in ((1, 1, 0), (1, 4, 0), (1, 1, 16)):
-        q, k, v, meta, _ = make_inputs(jax.random.key(5), B=B, T=T, ctx=1024, page_size=page_size,
-                                       capacity=1184)
-        nbytes = 2 * B * 1024 * Hkv * Dh * 2
-        for bk in (32, 64, 128):
-            for ns in (None, 2, 4, 8, 16):
-                for nw, st in ((4, 2), (2, 2)):
-                    if nw == 2 and ns is not None:
-                        continue
-                    case = dict(B=B, T=T, page_size=page_size, block_k=bk, num_splits=ns,
-                                num_warps=nw, num_stages=st)
-                    try:
-                        t = loop_time(q, k, v, meta, block_k=bk, num_splits=ns, num_warps=nw,
-                                      num_stages=st)
-                        res["loop"].append(dict(case, us=t * 1e6, TBps=nbytes / t / 1e12))
-                        print(f"  B={B:2d} T={T} P={page_size:2d} bk={bk:3d} splits={str(ns):4s} "
-                              f"warps={nw} stages={st}: {t * 1e6:7.2f} us", flush=True)
-                    except Exception as e:  # noqa: BLE001
-                        record_error("loop", case, e)
-    print("wrote", save(), flush=True)
-    sys.exit(0)
 
 # --------------------------------------------------------------------------- correctness
 
