@@ -114,11 +114,13 @@ def test_tree_too_many_nodes_fails_early():
 
 # ------------------------------------------------------------------ cache invariant
 
-@pytest.mark.parametrize("kind,shape,cache", [("eagle3", (3, 4, 8), "dense"), ("eagle3", (3, 4, 8), "paged1"),
-                                              ("eagle3", (3, 4, 8), "paged16"), ("standalone", (5, 4, 16), "paged16")],
-                         ids=["eagle3-3x4x8-dense", "eagle3-3x4x8-paged1", "eagle3-3x4x8-paged16",
-                              "standalone-5x4x16-paged16"])
-def test_cache_holds_what_plain_decoding_writes(target, drafts, kind, shape, cache):
+@pytest.mark.parametrize("kind,shape,cache,prompts", [
+    ("eagle3", (3, 4, 8), "dense", PROMPTS), ("eagle3", (3, 4, 8), "paged1", PROMPTS),
+    ("eagle3", (3, 4, 8), "paged16", PROMPTS), ("standalone", (5, 4, 16), "paged16", PROMPTS),
+    ("standalone", (3, 4, 8), "dense", PROMPTS[:1])],  # one dense row: block writes, not scatters
+    ids=["eagle3-3x4x8-dense", "eagle3-3x4x8-paged1", "eagle3-3x4x8-paged16", "standalone-5x4x16-paged16",
+         "standalone-3x4x8-dense-one-row"])
+def test_cache_holds_what_plain_decoding_writes(target, drafts, kind, shape, cache, prompts):
     """After the loop, target cache slots [0, L) of every request equal a fresh prefill of
     its committed tokens, and every draft layer's keys and values equal a fresh draft
     prefill: an EAGLE-3 draft's slots [0, L) fed with the target's features of those tokens,
@@ -128,7 +130,7 @@ def test_cache_holds_what_plain_decoding_writes(target, drafts, kind, shape, cac
     S, K, N = shape
     p = _with_draft(target, drafts[kind])
     spec = jspec.SpecConfig(num_steps=S, topk=K, num_draft_tokens=N)
-    plan, inp, lens, _ = api._prepare(p, PROMPTS, 30, 0.0, 0, 1.0, 0, [], CACHES[cache], spec)
+    plan, inp, lens, _ = api._prepare(p, prompts, 30, 0.0, 0, 1.0, 0, [], CACHES[cache], spec)
     plan = dataclasses.replace(plan, max_rounds=4)  # stop while every request still runs
     st = jax.jit(loop.run, static_argnums=0)(plan, p.weights, p.draft.weights, inp)
     c, d = p.config, p.draft.config

@@ -185,12 +185,22 @@ def make_meta(cache: KVCache, *, positions, prefix_len, local_mask, write_valid,
                     write_index=index, page_table=table, page_size=page_size, prefill=prefill)
 
 
-def write_kv(buf: jax.Array, new: jax.Array, write_index: jax.Array) -> jax.Array:
-    """Writes new [B, T, Hkv, Dh] at flat indices [B, T] (in bounds: see `slot_index`)."""
+def write_kv(buf: jax.Array, new: jax.Array, write_index: jax.Array, dense: bool = False) -> jax.Array:
+    """Writes new [B, T, Hkv, Dh] at flat indices [B, T] (in bounds: see `slot_index`).
+
+    The T tokens of a forward pass go to consecutive slots, so one token, or a dense
+    cache of one row, is one in-place block update (a scatter costs more). A dense row
+    whose writes are invalid (a finished request) may then get garbage past its committed
+    slots, which nothing reads before it is written again."""
+    B, T = write_index.shape
     shape = buf.shape
+    rows = new.astype(buf.dtype)
+    if dense and B == 1 and T <= shape[1]:
+        start = write_index[0, 0]  # flat index of row 0 = its slot
+        return jax.lax.dynamic_update_slice(buf, rows, (0, start, 0, 0))
     flat = buf.reshape((-1,) + shape[-2:])
-    rows = new.reshape((-1,) + shape[-2:]).astype(buf.dtype)
-    if rows.shape[0] == 1:  # one token: an in-place update, one kernel
+    rows = rows.reshape((-1,) + shape[-2:])
+    if B * T == 1:
         flat = jax.lax.dynamic_update_slice(flat, rows, (write_index.reshape(()), 0, 0))
     else:
         flat = flat.at[write_index.reshape(-1)].set(rows, mode="promise_in_bounds")

@@ -102,8 +102,9 @@ class Attention(nn.Module):
                 raise ValueError("attention without a cache needs a prefill AttnMeta")
             k_buf = v_buf = None
         else:
-            k_buf = write_kv(kv[0], k, meta.write_index)
-            v_buf = write_kv(kv[1], v, meta.write_index)
+            dense = meta.page_table is None
+            k_buf = write_kv(kv[0], k, meta.write_index, dense)
+            v_buf = write_kv(kv[1], v, meta.write_index, dense)
         o = attention(q, k, v, k_buf, v_buf, meta, window=self.window, scale=Dh ** -0.5)
         out = Linear(c.hidden_size, c.o_bias, c.dtype, name="o_proj")(o.reshape(B, T, H * Dh))
         return out, (k_buf, v_buf)
