@@ -62,7 +62,7 @@ def vocab_top_k(x, k: int, chunk: int = 512):
     same indices wherever the values are distinct. XLA's GPU top-k gives each row one
     thread block, so the few rows of a draft step (K of them) over 32k-128k entries took
     ~55 us a call on the H200; chunks give it enough rows to fill the GPU. Below 8 chunks
-    the extra kernels cost more than they save: plain `lax.top_k`."""
+    it is plain `lax.top_k` (rows are short; the split was not measured to pay there)."""
     V = x.shape[-1]
     if V < 8 * chunk or k > chunk:
         return jax.lax.top_k(x, k)
