@@ -130,7 +130,7 @@ def _load_eagle1(cfg, m: ModelConfig, tensors, target: Params, where) -> DraftPa
         raise ValueError(f"{where}: EAGLE head hidden size {D} differs from the target's {tc.hidden_size}")
     t = _Tensors(tensors, where, m.dtype)
     fc_bias = t.has("fc.bias")
-    p = {"fc": {"weight": t.param(("fc.weight", (D, 2 * D)))}}
+    p = {"fc": t.linear(("fc.weight", (D, 2 * D)))}
     if fc_bias:
         p["fc"]["bias"] = t.param(("fc.bias", (D,)))
     for i in range(m.num_layers):
@@ -172,13 +172,13 @@ def _load_eagle3(cfg, m: ModelConfig, tensors, target: Params, where) -> DraftPa
         raise ValueError(f"{where}: draft_vocab_size {Vd} exceeds the target vocabulary {V}")
     t = _Tensors(tensors, where, m.dtype)
     fc_in = len(aux) * Dt
-    p = {"fc": {"weight": t.param(("fc.weight", (D, fc_in)))}}
+    p = {"fc": t.linear(("fc.weight", (D, fc_in)))}
     layer = decoder_layer_params(t, "midlayer.", m, attn_in=2 * D)
     layer["input_layernorm"] = {"weight": t.param(("midlayer.input_layernorm.weight", (D,)))}
     layer["hidden_norm"] = {"weight": t.param(("midlayer.hidden_norm.weight", (D,)))}
     p["midlayer"] = layer
     p["norm"] = {"weight": t.param(("norm.weight", (D,)))}
-    p["lm_head"] = {"weight": t.param(("lm_head.weight", (Vd, D)))}
+    p["lm_head"] = t.linear(("lm_head.weight", (Vd, D)))
     weights = {"params": p}
     if t.has("d2t"):
         d2t = t.take("d2t", (Vd,)).astype(np.int64)

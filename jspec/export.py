@@ -23,6 +23,11 @@ def _np(a, dtype: str) -> np.ndarray:
     return np.asarray(jax.device_get(a)).astype(_NP_DTYPES[dtype])
 
 
+def _hf_linear(p: dict, dtype: str) -> np.ndarray:
+    """A `Linear`'s [in, out] kernel as Hugging Face's [out, in] weight."""
+    return np.ascontiguousarray(_np(p["kernel"], dtype).T)
+
+
 def hf_config(c: ModelConfig, architecture: str = "LlamaForCausalLM") -> dict:
     """A Llama config.json dict for a ModelConfig."""
     rope = {"rope_type": c.rope.kind, "rope_theta": c.rope.theta}
@@ -56,19 +61,19 @@ def _layer_tensors(p: dict, prefix: str, c: ModelConfig, out: dict, dtype: str):
     """Un-fuses one decoder layer's params into Hugging Face tensor names."""
     H, Hkv, Dh, F = c.num_heads, c.num_kv_heads, c.head_dim, c.intermediate_size
     att, mlp = p["self_attn"], p["mlp"]
-    qkv = _np(att["qkv_proj"]["weight"], dtype)
+    qkv = _hf_linear(att["qkv_proj"], dtype)
     q, k, v = np.split(qkv, [H * Dh, (H + Hkv) * Dh], axis=0)
     a = prefix + "self_attn."
     out.update({a + "q_proj.weight": q, a + "k_proj.weight": k, a + "v_proj.weight": v,
-                a + "o_proj.weight": _np(att["o_proj"]["weight"], dtype)})
+                a + "o_proj.weight": _hf_linear(att["o_proj"], dtype)})
     if "bias" in att["qkv_proj"]:
         qb, kb, vb = np.split(_np(att["qkv_proj"]["bias"], dtype), [H * Dh, (H + Hkv) * Dh])
         out.update({a + "q_proj.bias": qb, a + "k_proj.bias": kb, a + "v_proj.bias": vb})
     if "bias" in att["o_proj"]:
         out[a + "o_proj.bias"] = _np(att["o_proj"]["bias"], dtype)
-    gate, up = np.split(_np(mlp["gate_up_proj"]["weight"], dtype), [F], axis=0)
+    gate, up = np.split(_hf_linear(mlp["gate_up_proj"], dtype), [F], axis=0)
     out.update({prefix + "mlp.gate_proj.weight": gate, prefix + "mlp.up_proj.weight": up,
-                prefix + "mlp.down_proj.weight": _np(mlp["down_proj"]["weight"], dtype)})
+                prefix + "mlp.down_proj.weight": _hf_linear(mlp["down_proj"], dtype)})
     for norm in ("input_layernorm", "post_attention_layernorm", "hidden_norm"):
         if norm in p:
             out[prefix + norm + ".weight"] = _np(p[norm]["weight"], dtype)
@@ -108,7 +113,7 @@ def save_target(path: str, c: ModelConfig, weights, tokenizer=None, max_shard_by
     for i in range(c.num_layers):
         _layer_tensors(p[f"layers_{i}"], f"model.layers.{i}.", c, t, dt)
     if not c.tie_word_embeddings:
-        t["lm_head.weight"] = _np(p["lm_head"]["weight"], dt)
+        t["lm_head.weight"] = _hf_linear(p["lm_head"], dt)
     _write(path, hf_config(c), t, max_shard_bytes)
     if tokenizer is not None:
         tokenizer.save_pretrained(path)
@@ -122,7 +127,7 @@ def save_draft(path: str, d: DraftConfig, weights, target_vocab: int):
     t: dict = {}
     if d.kind == "eagle":
         cfg = hf_config(c, "LlamaForCausalLMEagle")
-        t["fc.weight"] = _np(p["fc"]["weight"], dt)
+        t["fc.weight"] = _hf_linear(p["fc"], dt)
         if "bias" in p["fc"]:
             t["fc.bias"] = _np(p["fc"]["bias"], dt)
         for i in range(c.num_layers):
@@ -132,10 +137,10 @@ def save_draft(path: str, d: DraftConfig, weights, target_vocab: int):
         cfg.update(num_hidden_layers=1, draft_vocab_size=d.draft_vocab_size,
                    target_hidden_size=d.target_hidden_size,
                    eagle_config={"eagle_aux_hidden_state_layer_ids": [i - 1 for i in d.aux_layers]})
-        t["fc.weight"] = _np(p["fc"]["weight"], dt)
+        t["fc.weight"] = _hf_linear(p["fc"], dt)
         _layer_tensors(p["midlayer"], "midlayer.", c, t, dt)
         t["norm.weight"] = _np(p["norm"]["weight"], dt)
-        t["lm_head.weight"] = _np(p["lm_head"]["weight"], dt)
+        t["lm_head.weight"] = _hf_linear(p["lm_head"], dt)
         if "embed" in weights:
             t["embed_tokens.weight"] = _np(weights["embed"], dt)
         if "d2t" in weights:

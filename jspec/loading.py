@@ -124,6 +124,11 @@ class _Tensors:
         a = parts[0] if len(parts) == 1 else np.concatenate(parts, axis=axis)
         return jnp.asarray(a, dtype=self.dtype)
 
+    def linear(self, *names_shapes):
+        """A projection: Hugging Face [out, in] tensors, concatenated along `out`, as the
+        [in, out] `kernel` that `jspec.models.llama.Linear` uses (transposed on device)."""
+        return {"kernel": self.param(*names_shapes).T}
+
     def ignore(self, *names):
         for n in names:
             self.tensors.pop(n, None)
@@ -140,10 +145,9 @@ def decoder_layer_params(t: _Tensors, prefix: str, c: ModelConfig, attn_in: int 
     D, F, H, Hkv, Dh = c.hidden_size, c.intermediate_size, c.num_heads, c.num_kv_heads, c.head_dim
     a_in = attn_in or D
     att = f"{prefix}self_attn."
-    attn = {"qkv_proj": {"weight": t.param((att + "q_proj.weight", (H * Dh, a_in)),
-                                           (att + "k_proj.weight", (Hkv * Dh, a_in)),
-                                           (att + "v_proj.weight", (Hkv * Dh, a_in)))},
-            "o_proj": {"weight": t.param((att + "o_proj.weight", (D, H * Dh)))}}
+    attn = {"qkv_proj": t.linear((att + "q_proj.weight", (H * Dh, a_in)), (att + "k_proj.weight", (Hkv * Dh, a_in)),
+                                 (att + "v_proj.weight", (Hkv * Dh, a_in))),
+            "o_proj": t.linear((att + "o_proj.weight", (D, H * Dh)))}
     if c.qkv_bias:
         attn["qkv_proj"]["bias"] = t.param((att + "q_proj.bias", (H * Dh,)), (att + "k_proj.bias", (Hkv * Dh,)),
                                            (att + "v_proj.bias", (Hkv * Dh,)))
@@ -153,8 +157,8 @@ def decoder_layer_params(t: _Tensors, prefix: str, c: ModelConfig, attn_in: int 
         attn["q_norm"] = {"weight": t.param((att + "q_norm.weight", (Dh,)))}
         attn["k_norm"] = {"weight": t.param((att + "k_norm.weight", (Dh,)))}
     mlp_p = f"{prefix}mlp."
-    mlp = {"gate_up_proj": {"weight": t.param((mlp_p + "gate_proj.weight", (F, D)), (mlp_p + "up_proj.weight", (F, D)))},
-           "down_proj": {"weight": t.param((mlp_p + "down_proj.weight", (D, F)))}}
+    mlp = {"gate_up_proj": t.linear((mlp_p + "gate_proj.weight", (F, D)), (mlp_p + "up_proj.weight", (F, D))),
+           "down_proj": t.linear((mlp_p + "down_proj.weight", (D, F)))}
     if c.mlp_bias:
         mlp["gate_up_proj"]["bias"] = t.param((mlp_p + "gate_proj.bias", (F,)), (mlp_p + "up_proj.bias", (F,)))
         mlp["down_proj"]["bias"] = t.param((mlp_p + "down_proj.bias", (D,)))
@@ -175,7 +179,7 @@ def target_params_from_tensors(tensors: dict[str, np.ndarray], c: ModelConfig, w
     if c.tie_word_embeddings:
         t.ignore("lm_head.weight")  # some tied checkpoints store the shared matrix twice
     else:
-        p["lm_head"] = {"weight": t.param(("lm_head.weight", (V, D)))}
+        p["lm_head"] = t.linear(("lm_head.weight", (V, D)))
     t.finish()
     return {"params": p}
 

@@ -105,10 +105,10 @@ def test_eval_shape_llama31_8b_allocates_nothing():
                                                            method=LlamaModel.init_all), jax.random.key(0))
     p = shapes["params"]
     chex.assert_shape(p["embed_tokens"]["embedding"], (128256, 4096))
-    chex.assert_shape(p["layers_0"]["self_attn"]["qkv_proj"]["weight"], ((32 + 2 * 8) * 128, 4096))
-    chex.assert_shape(p["layers_31"]["mlp"]["gate_up_proj"]["weight"], (2 * 14336, 4096))
-    chex.assert_shape(p["layers_31"]["mlp"]["down_proj"]["weight"], (4096, 14336))
-    chex.assert_shape(p["lm_head"]["weight"], (128256, 4096))
+    chex.assert_shape(p["layers_0"]["self_attn"]["qkv_proj"]["kernel"], (4096, (32 + 2 * 8) * 128))
+    chex.assert_shape(p["layers_31"]["mlp"]["gate_up_proj"]["kernel"], (4096, 2 * 14336))
+    chex.assert_shape(p["layers_31"]["mlp"]["down_proj"]["kernel"], (14336, 4096))
+    chex.assert_shape(p["lm_head"]["kernel"], (4096, 128256))
     n = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(p))
     assert n == cfg.num_params() == 8_030_261_248
     assert all(x.dtype == jnp.bfloat16 for x in jax.tree.leaves(p))

@@ -131,11 +131,11 @@ def test_default_chain_stop_token_and_limits(perm):
 
 def _half_agreeing_standalone(perm, path, bad):
     """The permutation target as a standalone draft, wrong exactly at the tokens in `bad`:
-    its LM-head row pi(b) is zeroed, so after b it proposes some token other than pi(b)."""
+    its LM-head column pi(b) is zeroed, so after b it proposes some token other than pi(b)."""
     from jspec.export import save_target
     t = jspec.load(perm["target"])
     w = jax.tree.map(np.array, t.weights)
-    w["params"]["lm_head"]["weight"][[int(perm["pi"][b]) for b in bad]] = 0
+    w["params"]["lm_head"]["kernel"][:, [int(perm["pi"][b]) for b in bad]] = 0
     save_target(path, t.config, w)
     return jspec.load(perm["target"], draft=path)
 

@@ -56,7 +56,7 @@ def test_ttt_unroll_shapes(target, monkeypatch):
     from jspec.train import ttt_loss
     grads = jax.grad(lambda p: ttt_loss(p, d, jnp.asarray(d2t), target.weights, target.config, tokens, 2)[0])(params)
     chex.assert_tree_all_finite(grads)
-    assert float(jnp.abs(grads["midlayer"]["self_attn"]["qkv_proj"]["weight"]).sum()) > 0
+    assert float(jnp.abs(grads["midlayer"]["self_attn"]["qkv_proj"]["kernel"]).sum()) > 0
 
 
 def test_ttt_step0_equals_inference_extend(target, drafts):
@@ -127,7 +127,7 @@ def test_eagle3_bfloat16_compute_keeps_float32_master_weights(target, corpus, tm
     real = dr.draft_forward
 
     def spy(d, dw, tw, tc, tokens, hidden, *a, **k):  # runs at trace time
-        seen.add((d.model.dtype, hidden.dtype.name, dw["params"]["fc"]["weight"].dtype.name))
+        seen.add((d.model.dtype, hidden.dtype.name, dw["params"]["fc"]["kernel"].dtype.name))
         return real(d, dw, tw, tc, tokens, hidden, *a, **k)
 
     monkeypatch.setattr(dr, "draft_forward", spy)
@@ -178,7 +178,7 @@ def test_eagle3_resume_is_exact(target, corpus, tmp_path, monkeypatch):
     chex.assert_trees_all_close(resumed.weights, full.weights, atol=1e-6, rtol=1e-6)
     # And the 6 steps did move the weights (the comparison is not between two initialisations).
     init = init_head(target, full.config, np.asarray(full.weights["d2t"]), cfg.seed)
-    assert float(jnp.abs(full.weights["params"]["fc"]["weight"] - init["fc"]["weight"]).max()) > 1e-3
+    assert float(jnp.abs(full.weights["params"]["fc"]["kernel"] - init["fc"]["kernel"]).max()) > 1e-3
 
 
 def test_make_optimizer_schedule_and_clipping():

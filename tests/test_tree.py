@@ -79,7 +79,7 @@ def test_tree_reduced_vocab_candidates_are_target_ids(perm, tmp_path):
     full = load_draft(perm["eagle3"], jspec.load(perm["target"]))
     ids = np.sort(np.random.RandomState(1).choice(V, V // 2, replace=False))
     w = jax.tree.map(np.array, full.weights)
-    w["params"]["lm_head"]["weight"] = w["params"]["lm_head"]["weight"][ids]
+    w["params"]["lm_head"]["kernel"] = w["params"]["lm_head"]["kernel"][:, ids]
     w["d2t"] = (ids - np.arange(len(ids))).astype(np.int32)
     save_draft(str(tmp_path / "d"), dataclasses.replace(full.config, draft_vocab_size=len(ids)), w, V)
     p = jspec.load(perm["target"], draft=str(tmp_path / "d"))

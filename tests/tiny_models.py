@@ -175,10 +175,10 @@ def make_permutation_family(root: str, *, vocab: int = VOCAB, hidden: int = 64, 
                                   method=LlamaModel.init_all)
     p = jax.tree.map(np.array, params["params"])
     p["embed_tokens"]["embedding"] = e
-    p["lm_head"]["weight"] = 2 * e[inv]
+    p["lm_head"]["kernel"] = (2 * e[inv]).T
     for i in range(cfg.num_layers):
-        p[f"layers_{i}"]["self_attn"]["o_proj"]["weight"][:] = 0
-        p[f"layers_{i}"]["mlp"]["down_proj"]["weight"][:] = 0
+        p[f"layers_{i}"]["self_attn"]["o_proj"]["kernel"][:] = 0
+        p[f"layers_{i}"]["mlp"]["down_proj"]["kernel"][:] = 0
     tdir = os.path.join(root, "target")
     save_target(tdir, cfg, {"params": p})
 
@@ -186,19 +186,19 @@ def make_permutation_family(root: str, *, vocab: int = VOCAB, hidden: int = 64, 
     eye = np.eye(hidden, dtype=np.float32)
     d1 = DraftConfig("eagle", m, target_hidden_size=hidden, draft_vocab_size=vocab, fc_bias=True)
     w1 = jax.tree.map(np.array, init_draft_weights(d1, jax.random.key(1), vocab))
-    w1["params"]["fc"]["weight"] = np.concatenate([8 * eye, 0 * eye], axis=1)
+    w1["params"]["fc"]["kernel"] = np.concatenate([8 * eye, 0 * eye], axis=1).T
     w1["params"]["fc"]["bias"][:] = 0
-    w1["params"]["layers_0"]["self_attn"]["o_proj"]["weight"][:] = 0
-    w1["params"]["layers_0"]["mlp"]["down_proj"]["weight"][:] = 0
+    w1["params"]["layers_0"]["self_attn"]["o_proj"]["kernel"][:] = 0
+    w1["params"]["layers_0"]["mlp"]["down_proj"]["kernel"][:] = 0
     e1dir = os.path.join(root, "eagle")
     save_draft(e1dir, d1, w1, vocab)
 
     d3 = DraftConfig("eagle3", m, target_hidden_size=hidden, aux_layers=(1, 2, 3), draft_vocab_size=vocab)
     w3 = jax.tree.map(np.array, init_draft_weights(d3, jax.random.key(2), vocab))
-    w3["params"]["fc"]["weight"] = np.concatenate([8 * eye, 0 * eye, 0 * eye], axis=1)
-    w3["params"]["midlayer"]["self_attn"]["o_proj"]["weight"][:] = 0
-    w3["params"]["midlayer"]["mlp"]["down_proj"]["weight"][:] = 0
-    w3["params"]["lm_head"]["weight"] = 2 * e[inv[inv]]
+    w3["params"]["fc"]["kernel"] = np.concatenate([8 * eye, 0 * eye, 0 * eye], axis=1).T
+    w3["params"]["midlayer"]["self_attn"]["o_proj"]["kernel"][:] = 0
+    w3["params"]["midlayer"]["mlp"]["down_proj"]["kernel"][:] = 0
+    w3["params"]["lm_head"]["kernel"] = (2 * e[inv[inv]]).T
     e3dir = os.path.join(root, "eagle3")
     save_draft(e3dir, d3, w3, vocab)
     return {"target": tdir, "eagle": e1dir, "eagle3": e3dir, "standalone": tdir, "pi": pi}

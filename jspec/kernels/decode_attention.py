@@ -42,9 +42,9 @@ from jspec.kernels.attention import attention_reference
 NEG_INF = -1e30
 MIN_ROWS = 16  # smallest M of a tensor-core dot in Triton
 MAX_ROWS = 64  # query rows per program (more: split over programs, keeps registers in check)
-DEFAULT_BLOCK_K = 64
+DEFAULT_BLOCK_K = 128  # batch-1 decode on the H200: 128 beat 64, 32 and 16 (docs/benchmarks.md)
 TARGET_PROGRAMS = 256  # about two waves of programs on an H200 (132 SMs)
-MIN_BLOCKS_PER_SPLIT = 2
+MIN_BLOCKS_PER_SPLIT = 1
 
 
 def decode_attention_reference(q, k_buf, v_buf, meta: AttnMeta, *, window: int = 0, scale: float):
@@ -217,7 +217,8 @@ def _decode_call(q, k_flat, v_flat, table, meta: AttnMeta, *, page_size: int, nu
         name="jspec_decode_attention",
     )(bounds, table.astype(jnp.int32), qt, qpos, tail_mask, k_flat, v_flat)
 
-    # Merge the splits: weights exp(m_s - max_s m_s); rows that saw nothing give 0.
+    # Merge the splits: weights exp(m_s - max_s m_s); rows that saw nothing give 0. (XLA
+    # makes two small kernels of this; a Pallas merge kernel was slower, docs/benchmarks.md.)
     m_max = jnp.max(m, axis=2, keepdims=True)
     w = jnp.exp(m - m_max)  # [B, Hkv, NS, R]
     l_sum = jnp.sum(w * l, axis=2)  # [B, Hkv, R]
@@ -303,7 +304,7 @@ def paged_decode_attention(q, k_buf, v_buf, meta: AttnMeta, *, window: int = 0, 
     k_buf/v_buf: dense [B,S,Hkv,Dh] (meta.page_table None) or paged pools
     [num_pages,P,Hkv,Dh] with meta.page_table [B,G]. Returns [B,T,H,Dh] in q's dtype.
     interpret None: interpret mode unless the default backend is a GPU. block_k: keys
-    per block (power of two >= 16; default 64). num_splits: key splits per (row, kv
+    per block (power of two >= 16; default DEFAULT_BLOCK_K). num_splits: key splits per (row, kv
     head) (default: enough programs to fill the GPU). num_warps (default 4, or 8 for big
     row tiles) and num_stages are Triton's.
     """

@@ -1,7 +1,8 @@
 """The Llama-family decoder (Llama 2/3/3.1, Qwen2/2.5, Qwen3, Mistral) as Flax modules.
 
-Weights keep Hugging Face's [out, in] layout; q/k/v and gate/up are fused into one matrix
-each (`qkv_proj`, `gate_up_proj`) so a decode step reads them in one pass. Layers are
+Projection weights are stored [in, out] (`kernel`, Hugging Face's [out, in] transposed at
+load time); q/k/v and gate/up are fused into one matrix each (`qkv_proj`, `gate_up_proj`)
+so a decode step reads them in one pass. Layers are
 unrolled in Python: a scanned layer stack copies weight slices and loses bandwidth.
 """
 from __future__ import annotations
@@ -19,7 +20,8 @@ _init = nn.initializers.normal(0.02)
 
 
 class Linear(nn.Module):
-    """y = x W^T + b with W in Hugging Face's [out, in] layout."""
+    """y = x W + b with the weight `kernel` [in, out] (Hugging Face's [out, in] transposed:
+    XLA's batch-1 products stream this layout faster, see docs/benchmarks.md)."""
 
     features: int
     use_bias: bool = False
@@ -30,10 +32,10 @@ class Linear(nn.Module):
     def __call__(self, x, scale=None):
         """x [..., in] -> [..., out]; `scale` [..., 1] float32 multiplies the product
         before the bias (a deferred RMSNorm factor, see `RMSNorm`)."""
-        w = self.param("weight", _init, (self.features, x.shape[-1]), jnp.dtype(self.dtype))
+        w = self.param("kernel", _init, (x.shape[-1], self.features), jnp.dtype(self.dtype))
         # Products accumulate in float32 either way; asking for a float32 result only where
         # it is kept avoids a separate conversion pass after every matrix-vector product.
-        y = jax.lax.dot_general(x.astype(w.dtype), w, (((x.ndim - 1,), (1,)), ((), ())),
+        y = jax.lax.dot_general(x.astype(w.dtype), w, (((x.ndim - 1,), (0,)), ((), ())),
                                 preferred_element_type=jnp.float32 if self.float32_out else None)
         if scale is not None:  # fuses into the product's consumer
             y = (y.astype(jnp.float32) * scale).astype(y.dtype)

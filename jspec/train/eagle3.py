@@ -87,9 +87,12 @@ def init_head(target: Params, d: DraftConfig, d2t: np.ndarray, seed: int) -> dic
     w = init_draft_weights(d, jax.random.key(seed), target.config.vocab_size)
     p = jax.tree.map(lambda a: jnp.asarray(a, jnp.float32), w["params"])
     tp = target.weights["params"]
-    table = tp["embed_tokens"]["embedding"] if target.config.tie_word_embeddings else tp["lm_head"]["weight"]
     ids = np.arange(d.draft_vocab_size) + d2t
-    p["lm_head"]["weight"] = jnp.asarray(table, jnp.float32)[ids]
+    if target.config.tie_word_embeddings:  # [V, D] rows
+        head = jnp.asarray(tp["embed_tokens"]["embedding"], jnp.float32)[ids].T
+    else:  # [D, V] columns
+        head = jnp.asarray(tp["lm_head"]["kernel"], jnp.float32)[:, ids]
+    p["lm_head"]["kernel"] = head
     p["norm"]["weight"] = jnp.array(tp["norm"]["weight"], jnp.float32, copy=True)  # params get donated
     return p
 

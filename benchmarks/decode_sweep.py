@@ -1,0 +1,74 @@
+"""Decode-step variants side by side in one process (H200): the batch-1 Llama-3.1-8B step
+(random bf16 weights, context 1k) timed for each variant of the attention kernel's
+launch parameters, with per-kernel times from a profiler trace.
+
+Run: PYTHONPATH=. python3 benchmarks/decode_sweep.py [batch]
+"""
+from __future__ import annotations
+
+import functools
+import sys
+import tempfile
+
+import jax
+
+from benchmarks.bench_8b import prompts
+from benchmarks.common import LLAMA31_8B, Runner, env_info, random_params, save_json
+from benchmarks.profile_decode import kernel_table
+from jspec.kernels import decode_attention as da
+from jspec.kernels import dispatch
+
+# name -> keyword overrides for paged_decode_attention ("reference": XLA attention)
+VARIANTS = {
+    "default": {},
+    "reference": None,
+    "bk64_s10": {"block_k": 64, "num_splits": 10},  # the defaults before 2026-11-22
+    "bk32_s20": {"block_k": 32, "num_splits": 20},
+    "bk64_s20": {"block_k": 64, "num_splits": 20},
+    "bk128_s8": {"block_k": 128, "num_splits": 8},
+    "bk128_w2": {"block_k": 128, "num_warps": 2},
+    "bk256_s5": {"block_k": 256, "num_splits": 5},
+    "default_again": {},
+}
+
+
+def main(batch: int = 1, names=None):
+    res = {"env": env_info(), "batch": batch, "rows": {}}
+    print(res["env"], flush=True)
+    target = random_params(LLAMA31_8B)
+    orig = da.paged_decode_attention
+    for name, kw in VARIANTS.items():
+        if names and name not in names:
+            continue
+        jax.clear_caches()
+        da.paged_decode_attention = functools.partial(orig, **(kw or {}))
+        try:
+            with dispatch.use_backend("reference" if kw is None else "auto"):
+                r = Runner(target, prompts(batch), 144)
+            per, _, _ = r.per_round(16, 144)
+            r.run(40)
+            d = tempfile.mkdtemp()
+            jax.profiler.start_trace(d)
+            _, out = r.run(40)
+            jax.profiler.stop_trace()
+        except Exception as e:  # noqa: BLE001
+            print(name, "failed:", repr(e)[:300], flush=True)
+            continue
+        finally:
+            da.paged_decode_attention = orig
+        stats, busy, window = kernel_table(d)
+        steps = int(out["rounds"].max())
+        per_step = {n: (c / steps, t / steps) for n, (c, t) in stats.items()}
+        attn = sum(t for n, (c, t) in per_step.items() if "attention" in n)
+        kernels = sum(c for c, t in per_step.values())
+        res["rows"][name] = {"kw": kw, "ms_per_step": per * 1e3, "attention_us": attn, "kernels_per_step": kernels,
+                             "kernels": sorted(per_step.items(), key=lambda x: -x[1][1])[:40]}
+        print(f"{name:14s} {per * 1e3:7.3f} ms/step  attention kernel {attn:6.1f} us/step  {kernels:5.0f} kernels/step",
+              flush=True)
+        save_json(f"decode_sweep_b{batch}.json", res)
+        del r
+    print("\n".join(f"{k:14s} {v['ms_per_step']:7.3f} {v['attention_us']:6.1f}" for k, v in res["rows"].items()))
+
+
+if __name__ == "__main__":
+    main(int(sys.argv[1]) if len(sys.argv) > 1 else 1, set(sys.argv[2:]) or None)
