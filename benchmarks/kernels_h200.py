@@ -56,7 +56,7 @@ def make_inputs(key, *, B, T, ctx, page_size=0, dtype=jnp.bfloat16, Tl=None, rag
     the last T new (causal chain); paged caches use shuffled pages."""
     capacity = capacity or ctx
     Tl = Tl or T
-    kq, kk, kv_, kl, kp = jax.random.split(key, 5)
+    kq, kk, kl, kp = jax.random.split(key, 4)
     if ragged:
         lengths = jax.random.randint(kl, (B,), Tl, capacity + 1)
     else:
@@ -70,25 +70,24 @@ def make_inputs(key, *, B, T, ctx, page_size=0, dtype=jnp.bfloat16, Tl=None, rag
         Gp = -(-capacity // page_size)
         num_pages = B * Gp
         table = jax.random.permutation(kp, num_pages).astype(jnp.int32).reshape(B, Gp)
-        shape = (num_pages, page_size, Hkv, Dh)
+        shape = (num_pages, page_size, 2, Hkv, Dh)
         meta.update(page_table=table, page_size=page_size)
     else:
-        shape = (B, capacity, Hkv, Dh)
+        shape = (B, capacity, 2, Hkv, Dh)
         meta.update(page_table=None)
     q = jax.random.normal(kq, (B, T, Hkv * Gq, Dh), dtype)
-    k = jax.random.normal(kk, shape, dtype)
-    v = jax.random.normal(kv_, shape, dtype)
-    return q, k, v, AttnMeta(**meta), lengths
+    kv = jax.random.normal(kk, shape, dtype)  # keys and values (jspec.cache.kv layout)
+    return q, kv, AttnMeta(**meta), lengths
 
 
 def kernel_fn(window=0, **kw):
-    return jax.jit(lambda q, k, v, m: da.paged_decode_attention(
-        q, k, v, m, window=window, scale=Dh ** -0.5, interpret=INTERPRET, **kw))
+    return jax.jit(lambda q, kv, m: da.paged_decode_attention(
+        q, kv, m, window=window, scale=Dh ** -0.5, interpret=INTERPRET, **kw))
 
 
 def reference_fn(window=0):
-    return jax.jit(lambda q, k, v, m: da.decode_attention_reference(
-        q, k, v, m, window=window, scale=Dh ** -0.5))
+    return jax.jit(lambda q, kv, m: da.decode_attention_reference(
+        q, kv, m, window=window, scale=Dh ** -0.5))
 
 
 def bench(f, *args, n=20):
@@ -124,16 +123,16 @@ CHECKS = [  # name, make_inputs kwargs, window, kernel kwargs
 print("\n== correctness (relative error vs a float32 reference of the same inputs)", flush=True)
 for i, (name, kw, window, kkw) in enumerate(CHECKS):
     try:
-        q, k, v, meta, _ = make_inputs(jax.random.key(i), **kw)
+        q, kv, meta, _ = make_inputs(jax.random.key(i), **kw)
         d = q.shape[-1]
-        f = jax.jit(lambda q, k, v, m: da.paged_decode_attention(
-            q, k, v, m, window=window, scale=d ** -0.5, interpret=INTERPRET, **kkw))
-        out = f(q, k, v, meta).astype(jnp.float32)
+        f = jax.jit(lambda q, kv, m: da.paged_decode_attention(
+            q, kv, m, window=window, scale=d ** -0.5, interpret=INTERPRET, **kkw))
+        out = f(q, kv, meta).astype(jnp.float32)
         up = lambda x: x.astype(jnp.float32)
         with jax.default_matmul_precision("highest"):  # no TF32 in the yardstick
-            ref32 = da.decode_attention_reference(up(q), up(k), up(v), meta, window=window,
+            ref32 = da.decode_attention_reference(up(q), up(kv), meta, window=window,
                                                   scale=d ** -0.5)
-        ref = da.decode_attention_reference(q, k, v, meta, window=window,
+        ref = da.decode_attention_reference(q, kv, meta, window=window,
                                             scale=d ** -0.5).astype(jnp.float32)
         scale_ = float(jnp.max(jnp.abs(ref32)))
         err = float(jnp.max(jnp.abs(out - ref32))) / scale_
@@ -167,11 +166,11 @@ for ctx in CTXS:
                                           "error": "skipped: budget"})
                     continue
                 try:
-                    q, k, v, meta, _ = make_inputs(jax.random.key(B * T + ctx), B=B, T=T, ctx=ctx,
+                    q, kv, meta, _ = make_inputs(jax.random.key(B * T + ctx), B=B, T=T, ctx=ctx,
                                                    page_size=page_size)
-                    nbytes = 2 * B * ctx * Hkv * Dh * k.dtype.itemsize + 2 * q.nbytes
-                    t_k, c_k = bench(kernel_fn(), q, k, v, meta)
-                    t_r, c_r = bench(reference_fn(), q, k, v, meta)
+                    nbytes = 2 * B * ctx * Hkv * Dh * kv.dtype.itemsize + 2 * q.nbytes
+                    t_k, c_k = bench(kernel_fn(), q, kv, meta)
+                    t_r, c_r = bench(reference_fn(), q, kv, meta)
                     row = dict(case, kernel_us=t_k * 1e6, kernel_TBps=nbytes / t_k / 1e12,
                                ref_us=t_r * 1e6, ref_TBps=nbytes / t_r / 1e12,
                                speedup=t_r / t_k, kernel_first_call_s=c_k, bytes=nbytes)
@@ -179,7 +178,7 @@ for ctx in CTXS:
                     print(f"  {cache:8s} {B:3d} {T:3d} {ctx:5d} | {t_k * 1e6:9.1f} "
                           f"{row['kernel_TBps']:5.2f} | {t_r * 1e6:8.1f} {row['ref_TBps']:5.2f} | "
                           f"{row['speedup']:7.2f} | {c_k:9.2f}", flush=True)
-                    del q, k, v, meta
+                    del q, kv, meta
                 except Exception as e:  # noqa: BLE001
                     record_error("bench", case, e)
 
@@ -195,11 +194,11 @@ for page_size in (0, 16):
     if elapsed() > BUDGET_S:
         continue
     try:
-        q, k, v, meta, lengths = make_inputs(jax.random.key(7), B=Bmax, T=4, ctx=CAPACITY,
+        q, kv, meta, lengths = make_inputs(jax.random.key(7), B=Bmax, T=4, ctx=CAPACITY,
                                              page_size=page_size, ragged=True)
         nbytes = 2 * int(lengths.sum()) * Hkv * Dh * 2
-        t_k, _ = bench(kernel_fn(), q, k, v, meta)
-        t_r, _ = bench(reference_fn(), q, k, v, meta)
+        t_k, _ = bench(kernel_fn(), q, kv, meta)
+        t_r, _ = bench(reference_fn(), q, kv, meta)
         row = dict(case, kernel_us=t_k * 1e6, kernel_TBps=nbytes / t_k / 1e12, ref_us=t_r * 1e6,
                    speedup=t_r / t_k)
         res["bench"].append(row)
@@ -230,10 +229,10 @@ for B, T, bk, ns, nw, st in SWEEP:
         if (B, T) not in inputs:
             inputs.clear()
             inputs[(B, T)] = make_inputs(jax.random.key(3), B=B, T=T, ctx=CAPACITY, page_size=16)
-        q, k, v, meta, _ = inputs[(B, T)]
+        q, kv, meta, _ = inputs[(B, T)]
         nbytes = 2 * B * CAPACITY * Hkv * Dh * 2
         t_k, c_k = bench(kernel_fn(block_k=bk, num_splits=ns, num_warps=nw, num_stages=st),
-                         q, k, v, meta, n=10)
+                         q, kv, meta, n=10)
         row = dict(case, us=t_k * 1e6, TBps=nbytes / t_k / 1e12)
         res["sweep"].append(row)
         print(f"  B={B:2d} T={T:2d} bk={bk:3d} splits={str(ns):4s} warps={nw} stages={st}: "

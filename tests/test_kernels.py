@@ -34,7 +34,7 @@ def _tree_mask(rng, Tl):
 
 def make_case(seed, *, B=3, T=4, Tl=None, Hkv=2, Gq=2, Dh=16, S=64, page_size=0, prefix=None,
               dtype=jnp.float32):
-    """q, k_buf, v_buf, meta for T new tokens (the last T of Tl local slots, a random tree)
+    """q, keys, values, meta for T new tokens (the last T of Tl local slots, a random tree)
     after ragged prefixes; a paged cache gets shuffled pages and unallocated table tails."""
     rng = np.random.default_rng(seed)
     Tl = T if Tl is None else Tl
@@ -77,13 +77,18 @@ def _fast_jit(fn, *args, **static):
     return f.trace(*args).lower().compile({"xla_backend_optimization_level": 0})(*args)
 
 
+def stack(k, v):
+    """Keys and values [..., Hkv, Dh] -> the cache's layout [..., 2, Hkv, Dh]."""
+    return jnp.stack([k, v], axis=-3)
+
+
 def _kernel(q, k, v, meta, *, window=0, block_k=16, num_splits=None):
-    return da.paged_decode_attention(q, k, v, meta, window=window, scale=q.shape[-1] ** -0.5,
+    return da.paged_decode_attention(q, stack(k, v), meta, window=window, scale=q.shape[-1] ** -0.5,
                                      interpret=True, block_k=block_k, num_splits=num_splits)
 
 
 def _reference(q, k, v, meta, *, window=0):
-    return da.decode_attention_reference(q, k, v, meta, window=window, scale=q.shape[-1] ** -0.5)
+    return da.decode_attention_reference(q, stack(k, v), meta, window=window, scale=q.shape[-1] ** -0.5)
 
 
 def check(q, k, v, meta, *, window=0, block_k=16, num_splits=None, atol=1e-5, rtol=1e-5):
@@ -146,7 +151,7 @@ def test_with_make_meta_and_allocated_pages():
         kp, kn, kq = jax.random.split(key, 3)
         prefix = jnp.array([9, 0], jnp.int32)
         pool = jax.random.normal(kp, (num_pages + 1, P, Hkv, Dh))  # + the trash page
-        cache = kvc.KVCache(k=(pool,), v=(pool * 0.5,))
+        cache = kvc.KVCache(kv=(stack(pool, pool * 0.5),))
         pages = kvc.init_page_state(B, Gp, num_pages)
         pages, ok = kvc.alloc_pages(pages, prefix + T, jnp.ones((B,), bool), P, Gp)
         positions = prefix[:, None] + jnp.arange(T, dtype=jnp.int32)
@@ -154,13 +159,12 @@ def test_with_make_meta_and_allocated_pages():
         meta = kvc.make_meta(cache, positions=positions, prefix_len=prefix, local_mask=causal,
                              write_valid=jnp.ones((B, T), bool), page_state=pages, page_size=P)
         k_new = jax.random.normal(kn, (B, T, Hkv, Dh))
-        k_buf = kvc.write_kv(cache.k[0], k_new, meta.write_index)
-        v_buf = kvc.write_kv(cache.v[0], 2 * k_new, meta.write_index)
-        return jax.random.normal(kq, (B, T, Hkv * Gq, Dh)), k_buf, v_buf, meta, ok
+        kv_buf = kvc.write_kv(cache.kv[0], stack(k_new, 2 * k_new), meta.write_index)
+        return jax.random.normal(kq, (B, T, Hkv * Gq, Dh)), kv_buf, meta, ok
 
-    q, k_buf, v_buf, meta, ok = _fast_jit(setup, jax.random.key(5))
+    q, kv_buf, meta, ok = _fast_jit(setup, jax.random.key(5))
     assert bool(ok.all())
-    check(q, k_buf, v_buf, meta)
+    check(q, kv_buf[:, :, 0], kv_buf[:, :, 1], meta)
 
 
 # --------------------------------------------------------------------------- property test
@@ -196,9 +200,9 @@ def test_dispatch_env(monkeypatch):
                         lambda *a, **kw: calls.append(1) or real(*a, **kw))
 
     def run(meta, k_new=None):  # a fresh jit per call: JSPEC_KERNELS is read at trace time
-        kb, vb = (None, None) if meta.prefill else (k, v)
-        fn = lambda q, kn, kb, vb, meta: attn.attention(q, kn, kn, kb, vb, meta, scale=scale)
-        return _fast_jit(fn, q, k_new, kb, vb, meta)
+        kvb = None if meta.prefill else stack(k, v)
+        fn = lambda q, kn, kvb, meta: attn.attention(q, kn, kn, kvb, meta, scale=scale)
+        return _fast_jit(fn, q, k_new, kvb, meta)
 
     outs = {}
     for mode, used in [("reference", False), ("auto", jax.default_backend() == "gpu"),
@@ -215,12 +219,13 @@ def test_dispatch_env(monkeypatch):
     assert not calls
     monkeypatch.setenv("JSPEC_KERNELS", "fast")
     with pytest.raises(ValueError, match="JSPEC_KERNELS"):
-        attn.attention(q, None, None, k, v, meta, scale=scale)
+        attn.attention(q, None, None, stack(k, v), meta, scale=scale)
 
 
 def test_validation():
     q, k, v, meta = make_case(7, B=2, T=2, Gq=2, S=32, page_size=4)
-    call = functools.partial(da.paged_decode_attention, interpret=True, scale=1.0)
+    call = lambda q, k, v, meta, **kw: da.paged_decode_attention(q, stack(k, v), meta, interpret=True,
+                                                                   scale=1.0, **kw)
     with pytest.raises(ValueError, match="prefill"):
         call(q, k, v, meta.replace(prefill=True))
     with pytest.raises(TypeError, match="dtype"):
@@ -231,8 +236,8 @@ def test_validation():
         call(q[..., :12], k[..., :12], v[..., :12], meta)
     with pytest.raises(ValueError, match="multiple"):
         call(q[:, :, :3], k, v, meta)
-    with pytest.raises(ValueError, match="differ"):
-        call(q, k, v[:-1], meta)
+    with pytest.raises(ValueError, match="cache"):  # keys alone: not the [.., .., 2, Hkv, Dh] layout
+        da.paged_decode_attention(q, k, meta, interpret=True, scale=1.0)
     with pytest.raises(ValueError, match="block_k"):
         call(q, k, v, meta, block_k=24)
     with pytest.raises(ValueError, match="num_splits"):
@@ -249,5 +254,5 @@ def test_validation():
         call(q, k, v, meta.replace(local_mask=meta.local_mask.astype(jnp.int32)))
     with pytest.raises(ValueError, match="batch"):
         call(q, k[:1, :32], v[:1, :32], meta.replace(page_table=None))
-    assert da.is_supported(q, k, v, meta)
-    assert not da.is_supported(q, k, v, meta.replace(prefill=True))
+    assert da.is_supported(q, stack(k, v), meta)
+    assert not da.is_supported(q, stack(k, v), meta.replace(prefill=True))

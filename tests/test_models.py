@@ -114,8 +114,8 @@ def test_eval_shape_llama31_8b_allocates_nothing():
     assert all(x.dtype == jnp.bfloat16 for x in jax.tree.leaves(p))
     assert all(isinstance(x, jax.ShapeDtypeStruct) for x in jax.tree.leaves(shapes))
     cache = jax.eval_shape(lambda: kvc.init_kv_cache(32, 8, 128, jnp.bfloat16, batch=32, max_len=1024))
-    assert len(cache.k) == 32
-    chex.assert_shape(cache.k[0], (32, 1025, 8, 128))  # + each row's trash slot
+    assert len(cache.kv) == 32
+    chex.assert_shape(cache.kv[0], (32, 1025, 2, 8, 128))  # + each row's trash slot; keys, values
 
 
 def test_forward_shapes_with_cache(target):
@@ -130,7 +130,34 @@ def test_forward_shapes_with_cache(target):
     chex.assert_shape(hidden, (B, T, c.hidden_size))
     assert sorted(aux) == [1, 4]
     chex.assert_trees_all_equal_shapes(cache, new)
-    assert float(jnp.abs(new.k[0][:, :T]).sum()) > 0 and float(jnp.abs(new.k[0][:, T:]).sum()) == 0
+    for part in (0, 1):  # keys and values of the T prompt slots written, nothing else
+        buf = new.kv[0][:, :, part]
+        assert float(jnp.abs(buf[:, :T]).sum()) > 0 and float(jnp.abs(buf[:, T:]).sum()) == 0
+
+
+def _count_primitives(jaxpr, counts=None):
+    """Primitive name -> number of equations, nested jaxprs included."""
+    counts = {} if counts is None else counts
+    for eqn in jaxpr.eqns:
+        counts[eqn.primitive.name] = counts.get(eqn.primitive.name, 0) + 1
+        for sub in jax.core.jaxprs_in_params(eqn.params):
+            _count_primitives(sub, counts)
+    return counts
+
+
+@pytest.mark.parametrize("B", [1, 2])
+def test_decode_step_writes_each_layer_once(target, B):
+    # A one-token step writes a layer's keys and values in one operation (they sit side by
+    # side in one buffer): one in-place update for a single row, one scatter for several.
+    c = target.config
+    cache = kvc.init_kv_cache(c.num_layers, c.num_kv_heads, c.head_dim, jnp.float32, batch=B, max_len=16)
+    meta = kvc.make_meta(cache, positions=jnp.full((B, 1), 3), prefix_len=jnp.full((B,), 3),
+                         local_mask=jnp.ones((B, 1, 1), bool), write_valid=jnp.ones((B, 1), bool))
+    fn = lambda w, cache, meta: tgt.forward(w, c, jnp.ones((B, 1), jnp.int32), cache, meta)
+    counts = _count_primitives(jax.make_jaxpr(fn)(target.weights, cache, meta).jaxpr)
+    writes = {p: counts.get(p, 0) for p in ("dynamic_update_slice", "scatter")}
+    assert writes == ({"dynamic_update_slice": c.num_layers, "scatter": 0} if B == 1 else
+                      {"dynamic_update_slice": 0, "scatter": c.num_layers}), counts
 
 
 # ---------------------------------------------------------------------------- loading errors

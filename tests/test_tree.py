@@ -143,11 +143,11 @@ def test_cache_holds_what_plain_decoding_writes(target, drafts, kind, shape, cac
 
     def check(got_cache, want_cache, b, n, what):
         table = st.pages.page_table[b: b + 1] if plan.paged else None
-        assert len(got_cache.k) == len(want_cache.k)
-        for name in ("k", "v"):
-            for layer, (buf, want) in enumerate(zip(getattr(got_cache, name), getattr(want_cache, name))):
-                got = kvc.read_kv(buf if plan.paged else buf[b: b + 1], table)[0, :n]
-                np.testing.assert_allclose(np.asarray(got), np.asarray(want[0, :n]), atol=2e-5,
+        assert len(got_cache.kv) == len(want_cache.kv)
+        for layer, (buf, want) in enumerate(zip(got_cache.kv, want_cache.kv)):
+            got = kvc.read_kv(buf if plan.paged else buf[b: b + 1], table)[0, :n]  # [n, 2, Hkv, Dh]
+            for part, name in enumerate(("keys", "values")):
+                np.testing.assert_allclose(np.asarray(got[:, part]), np.asarray(want[0, :n, part]), atol=2e-5,
                                            err_msg=f"{what} {name} layer {layer}, request {b}")
 
     for b, n in enumerate(lens):
@@ -280,11 +280,11 @@ def test_compaction_matches_python(seed, page_size):
         G = cap // page_size
         num_pages = B * G + 2
         table = rng.permutation(num_pages)[: B * G].reshape(B, G).astype(np.int32)
-        buf = rng.randn(num_pages + 1, page_size, 1, 2).astype(np.float32)  # + the trash page
+        buf = rng.randn(num_pages + 1, page_size, 2, 1, 2).astype(np.float32)  # + the trash page
         kw = dict(page_table=jnp.asarray(table), page_size=page_size, num_pages=num_pages)
-        logical = lambda b: np.asarray(buf[table[b]].reshape(-1, 1, 2))
+        logical = lambda b: np.asarray(buf[table[b]].reshape(-1, 2, 1, 2))
     else:
-        buf = rng.randn(B, cap + 1, 1, 2).astype(np.float32)  # + each row's trash slot
+        buf = rng.randn(B, cap + 1, 2, 1, 2).astype(np.float32)  # + each row's trash slot
         kw = dict(batch_capacity=cap)
         logical = lambda b: buf[b, :cap]
     seqs = [logical(b).copy() for b in range(B)]
@@ -296,8 +296,8 @@ def test_compaction_matches_python(seed, page_size):
     move = jnp.asarray((d < acc[:, None]) & (path != d))
     src = kvc.slot_index(jnp.asarray(L[:, None] + path), move, **kw)
     dst = kvc.slot_index(jnp.asarray(L[:, None] + d), move, **kw)
-    new = kvc.move_slots(kvc.KVCache(k=(jnp.asarray(buf),), v=(jnp.asarray(buf),)), src, dst)
-    buf = np.asarray(new.k[0])
+    new = kvc.move_slots(kvc.KVCache(kv=(jnp.asarray(buf),)), src, dst)
+    buf = np.asarray(new.kv[0])
     for b in range(B):
         np.testing.assert_array_equal(logical(b), seqs[b])
 

@@ -2,11 +2,14 @@
 
 Both cache kinds address a request's tokens by *slot* (0, 1, 2, ... in sequence order):
 
-- dense: per layer k, v of shape [B, S + 1, Hkv, Dh]; slot s < S of request b lives at
+- dense: per layer one buffer [B, S + 1, 2, Hkv, Dh]; slot s < S of request b lives at
   [b, s].
-- paged: per layer k, v of shape [num_pages + 1, P, Hkv, Dh] shared by all requests; slot
+- paged: per layer one buffer [num_pages + 1, P, 2, Hkv, Dh] shared by all requests; slot
   s of request b lives in page `page_table[b, s // P]` at offset `s % P`. Pages are handed
   out on device by `alloc_pages` as sequences grow and returned by `free_pages`.
+
+A slot holds its keys ([..., 0, :, :]) and values ([..., 1, :, :]) side by side, so writing
+or moving a token is one operation per layer, not two.
 
 The extra slot of each dense row and the extra page of a pool are *trash*: a write that
 must not land (a finished request, a slot past the capacity, an unallocated page) goes
@@ -28,11 +31,11 @@ from flax import struct
 
 @struct.dataclass
 class KVCache:
-    """Per-layer keys and values: dense [B, S+1, Hkv, Dh] or paged [num_pages+1, P, Hkv, Dh]
-    (the last slot of a row, the last page of a pool: trash, see the module docstring)."""
+    """Per-layer keys and values, stacked on axis -3: dense [B, S+1, 2, Hkv, Dh] or paged
+    [num_pages+1, P, 2, Hkv, Dh] (the last slot of a row, the last page of a pool: trash, see
+    the module docstring)."""
 
-    k: tuple
-    v: tuple
+    kv: tuple
 
 
 def cache_capacity(buf: jax.Array, paged: bool) -> int:
@@ -86,9 +89,8 @@ def init_kv_cache(num_layers, num_kv_heads, head_dim, dtype, *, batch=0, max_len
     """Zero cache: dense (max_len slots per row) when num_pages == 0, else a paged pool;
     each with its trash slot or page."""
     shape = (num_pages + 1, page_size) if num_pages else (batch, max_len + 1)
-    shape = shape + (num_kv_heads, head_dim)
-    zeros = lambda: tuple(jnp.zeros(shape, dtype) for _ in range(num_layers))
-    return KVCache(k=zeros(), v=zeros())
+    shape = shape + (2, num_kv_heads, head_dim)
+    return KVCache(kv=tuple(jnp.zeros(shape, dtype) for _ in range(num_layers)))
 
 
 def init_page_state(batch: int, pages_per_seq: int, num_pages: int) -> PageState:
@@ -168,7 +170,7 @@ def make_meta(cache: KVCache, *, positions, prefix_len, local_mask, write_valid,
     B, T = positions.shape
     Tl = local_mask.shape[-1]
     slots = prefix_len[:, None] + (Tl - T) + jnp.arange(T, dtype=jnp.int32)[None, :]
-    k0 = cache.k[0]
+    k0 = cache.kv[0]
     if page_state is None:
         index = slot_index(slots, write_valid, batch_capacity=cache_capacity(k0, False))
         table = None
@@ -186,7 +188,8 @@ def make_meta(cache: KVCache, *, positions, prefix_len, local_mask, write_valid,
 
 
 def write_kv(buf: jax.Array, new: jax.Array, write_index: jax.Array, dense: bool = False) -> jax.Array:
-    """Writes new [B, T, Hkv, Dh] at flat indices [B, T] (in bounds: see `slot_index`).
+    """Writes new [B, T, 2, Hkv, Dh] (keys and values) at flat indices [B, T] (in bounds: see
+    `slot_index`).
 
     The T tokens of a forward pass go to consecutive slots, so one token, or a dense
     cache of one row, is one in-place block update (a scatter costs more). A dense row
@@ -197,22 +200,22 @@ def write_kv(buf: jax.Array, new: jax.Array, write_index: jax.Array, dense: bool
     rows = new.astype(buf.dtype)
     if dense and B == 1 and T <= shape[1]:
         start = write_index[0, 0]  # flat index of row 0 = its slot
-        return jax.lax.dynamic_update_slice(buf, rows, (0, start, 0, 0))
-    flat = buf.reshape((-1,) + shape[-2:])
-    rows = rows.reshape((-1,) + shape[-2:])
+        return jax.lax.dynamic_update_slice(buf, rows, (0, start, 0, 0, 0))
+    flat = buf.reshape((-1,) + shape[-3:])
+    rows = rows.reshape((-1,) + shape[-3:])
     if B * T == 1:
-        flat = jax.lax.dynamic_update_slice(flat, rows, (write_index.reshape(()), 0, 0))
+        flat = jax.lax.dynamic_update_slice(flat, rows, (write_index.reshape(()), 0, 0, 0))
     else:
         flat = flat.at[write_index.reshape(-1)].set(rows, mode="promise_in_bounds")
     return flat.reshape(shape)
 
 
 def read_kv(buf: jax.Array, page_table: jax.Array | None) -> jax.Array:
-    """One layer's keys or values as [B, Sk, Hkv, Dh] in slot order (paged: gathered)."""
+    """One layer's buffer as [B, Sk, 2, Hkv, Dh] in slot order (paged: gathered)."""
     if page_table is None:
         return buf
     B, G = page_table.shape
-    pages = buf[jnp.clip(page_table, 0, buf.shape[0] - 1)]  # [B, G, P, Hkv, Dh]
+    pages = buf[jnp.clip(page_table, 0, buf.shape[0] - 1)]  # [B, G, P, 2, Hkv, Dh]
     return pages.reshape((B, G * buf.shape[1]) + buf.shape[2:])
 
 
@@ -221,7 +224,7 @@ def move_slots(cache: KVCache, src_index: jax.Array, dst_index: jax.Array) -> KV
     moves that must not happen have both ends in the trash)."""
     def move(buf):
         shape = buf.shape
-        flat = buf.reshape((-1,) + shape[-2:])
+        flat = buf.reshape((-1,) + shape[-3:])
         vals = flat[src_index.reshape(-1)]
         return flat.at[dst_index.reshape(-1)].set(vals, mode="promise_in_bounds").reshape(shape)
-    return KVCache(k=tuple(move(b) for b in cache.k), v=tuple(move(b) for b in cache.v))
+    return KVCache(kv=tuple(move(b) for b in cache.kv))

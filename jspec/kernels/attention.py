@@ -34,15 +34,15 @@ def _window_ok(q_pos, k_pos, window: int):
     return k_pos[:, None, :] > q_pos[:, :, None] - window
 
 
-def attention_reference(q, k_new, v_new, k_buf, v_buf, meta: AttnMeta, *, window: int = 0,
+def attention_reference(q, k_new, v_new, kv_buf, meta: AttnMeta, *, window: int = 0,
                         scale: float):
-    """q [B,T,H,Dh]; k_new/v_new [B,T,Hkv,Dh]; k_buf/v_buf: the layer's cache, already
-    holding the new keys. Returns [B,T,H,Dh]."""
+    """q [B,T,H,Dh]; k_new/v_new [B,T,Hkv,Dh]; kv_buf: the layer's cache buffer (see
+    jspec.cache.kv), already holding the new keys and values. Returns [B,T,H,Dh]."""
     if meta.prefill:
         mask = meta.local_mask & _window_ok(meta.positions, meta.local_positions, window)
         return _softmax_attend(q, k_new, v_new, mask, scale)
-    k = read_kv(k_buf, meta.page_table)
-    v = read_kv(v_buf, meta.page_table)
+    kv = read_kv(kv_buf, meta.page_table)  # [B, Sk, 2, Hkv, Dh]
+    k, v = kv[:, :, 0], kv[:, :, 1]
     Sk = k.shape[1]
     Tl = meta.local_len
     rel = jnp.arange(Sk, dtype=jnp.int32)[None, :] - meta.prefix_len[:, None]  # [B, Sk]
@@ -58,14 +58,14 @@ def attention_reference(q, k_new, v_new, k_buf, v_buf, meta: AttnMeta, *, window
     return _softmax_attend(q, k, v, mask, scale)
 
 
-def attention(q, k_new, v_new, k_buf, v_buf, meta: AttnMeta, *, window: int = 0, scale: float):
+def attention(q, k_new, v_new, kv_buf, meta: AttnMeta, *, window: int = 0, scale: float):
     """Dispatch (see jspec.kernels.dispatch): the Pallas decode kernel for non-prefill calls
     it supports, else the reference. JSPEC_KERNELS=pallas forces the kernel (and raises
     for arguments it does not take)."""
     if not meta.prefill and dispatch.backend() != "reference":
         from jspec.kernels import decode_attention as da  # imports this module
 
-        supported = dispatch.backend() == "pallas" or da.is_supported(q, k_buf, v_buf, meta, window=window)
+        supported = dispatch.backend() == "pallas" or da.is_supported(q, kv_buf, meta, window=window)
         if dispatch.want_pallas(supported):
-            return da.paged_decode_attention(q, k_buf, v_buf, meta, window=window, scale=scale)
-    return attention_reference(q, k_new, v_new, k_buf, v_buf, meta, window=window, scale=scale)
+            return da.paged_decode_attention(q, kv_buf, meta, window=window, scale=scale)
+    return attention_reference(q, k_new, v_new, kv_buf, meta, window=window, scale=scale)

@@ -13,8 +13,9 @@ Design (flash decoding):
   matmuls run on tensor cores (usually BR = R: one program sees all of them).
 - Keys come in blocks of BK slots. Each block is gathered row by row through the page
   table (slot -> page_table[b, slot // P] * P + slot % P), so any page size works and a
-  block may span several small pages. A dense cache [B, S, Hkv, Dh] is the same thing
-  with one page of S slots per row and the identity page table.
+  block may span several small pages. A dense cache [B, S, 2, Hkv, Dh] is the same thing
+  with one page of S slots per row (addressed directly, without the table lookup). A
+  slot's keys and values sit side by side (jspec.cache.kv), loaded from one buffer.
 - A row only visits blocks [wblk, eblk): eblk = cdiv(min(prefix_len + Tl, S), BK) (ragged
   lengths), wblk > 0 only with a sliding window. Blocks before pblk = prefix_len // BK
   hold prefix keys only and need no mask (at most the window test); the few blocks from
@@ -47,22 +48,23 @@ TARGET_PROGRAMS = 256  # about two waves of programs on an H200 (132 SMs)
 MIN_BLOCKS_PER_SPLIT = 1
 
 
-def decode_attention_reference(q, k_buf, v_buf, meta: AttnMeta, *, window: int = 0, scale: float):
+def decode_attention_reference(q, kv_buf, meta: AttnMeta, *, window: int = 0, scale: float):
     """The reference for `paged_decode_attention` (same arguments)."""
-    return attention_reference(q, None, None, k_buf, v_buf, meta, window=window, scale=scale)
+    return attention_reference(q, None, None, kv_buf, meta, window=window, scale=scale)
 
 
 # --------------------------------------------------------------------------- kernel
 
-def _decode_kernel(bounds_ref, table_ref, q_ref, qpos_ref, tail_mask_ref, k_ref, v_ref,
-                   o_ref, m_ref, l_ref, *, scale: float, block_k: int, page_size: int,
+def _decode_kernel(bounds_ref, table_ref, q_ref, qpos_ref, tail_mask_ref, kv_ref,
+                   o_ref, m_ref, l_ref, *, scale: float, block_k: int, page_size: int, dense: bool,
                    num_pages: int, num_keys: int, window: int, num_splits: int):
     """One (batch row b, kv head h, query-row block, split s).
 
     bounds_ref [B, 3] int32: wblk, pblk, eblk of each row (see the module docstring).
     table_ref [B, G] int32: page table (entries >= num_pages: unallocated, clamped).
     q_ref [BR, Dh]; qpos_ref [BR] int32; tail_mask_ref [BR, C] int8 (C = NL*BK).
-    k_ref, v_ref [num_pages * P, Hkv, Dh]: the pool, flattened over pages.
+    kv_ref [num_pages * P, 2, Hkv, Dh]: the pool, flattened over pages (keys at [:, 0],
+    values at [:, 1]). dense: one page per row (table[b, 0] = b), so no table lookup.
     o_ref [BR, Dh] float32 (unnormalised); m_ref, l_ref [BR] float32.
     """
     b, h, s = pl.program_id(0), pl.program_id(1), pl.program_id(3)
@@ -77,9 +79,12 @@ def _decode_kernel(bounds_ref, table_ref, q_ref, qpos_ref, tail_mask_ref, k_ref,
 
     def load_kv(blk):
         slot = jnp.minimum(blk * block_k + offs, num_keys - 1)  # [BK], clamped in range
-        page = table_ref[b, lax.div(slot, page_size)]  # [BK]
-        row = jnp.clip(page, 0, num_pages - 1) * page_size + lax.rem(slot, page_size)
-        return k_ref[row, h, :], v_ref[row, h, :]  # [BK, Dh] each
+        if dense:
+            row = b * page_size + slot
+        else:
+            page = table_ref[b, lax.div(slot, page_size)]  # [BK]
+            row = jnp.clip(page, 0, num_pages - 1) * page_size + lax.rem(slot, page_size)
+        return kv_ref[row, 0, h, :], kv_ref[row, 1, h, :]  # [BK, Dh] each
 
     def step(blk, carry, mask):
         acc, m, l = carry  # [BR, Dh], [BR], [BR]
@@ -148,12 +153,12 @@ def _tail_mask(meta: AttnMeta, pblk, rows_t, *, window: int, block_k: int, num_t
     return visible.astype(jnp.int8)
 
 
-def _decode_call(q, k_flat, v_flat, table, meta: AttnMeta, *, page_size: int, num_keys: int,
+def _decode_call(q, kv_flat, table, meta: AttnMeta, *, page_size: int, num_keys: int,
                  window: int, scale: float, block_k: int, num_splits: int, interpret: bool,
                  num_warps: int | None, num_stages: int):
-    """q [B,T,H,Dh]; k_flat/v_flat [num_pages*P, Hkv, Dh]; table [B, G]. -> [B,T,H,Dh]."""
+    """q [B,T,H,Dh]; kv_flat [num_pages*P, 2, Hkv, Dh]; table [B, G]. -> [B,T,H,Dh]."""
     B, T, H, Dh = q.shape
-    Hkv = k_flat.shape[1]
+    Hkv = kv_flat.shape[2]
     Gq = H // Hkv  # query heads per kv head
     Tl = meta.local_len
     rows, R, BR = _row_tiling(T * Gq)
@@ -181,7 +186,8 @@ def _decode_call(q, k_flat, v_flat, table, meta: AttnMeta, *, page_size: int, nu
 
     kernel = functools.partial(
         _decode_kernel, scale=scale, block_k=block_k, page_size=page_size,
-        num_pages=k_flat.shape[0] // page_size, num_keys=num_keys, window=window,
+        dense=meta.page_table is None,
+        num_pages=kv_flat.shape[0] // page_size, num_keys=num_keys, window=window,
         num_splits=num_splits)
     whole = pl.BlockSpec()  # the whole array, indexed inside the kernel
     params = None
@@ -199,8 +205,7 @@ def _decode_call(q, k_flat, v_flat, table, meta: AttnMeta, *, page_size: int, nu
             pl.BlockSpec((None, None, BR, Dh), lambda b, h, r, s: (b, h, r, 0)),  # q
             pl.BlockSpec((None, BR), lambda b, h, r, s: (b, r)),  # q positions
             pl.BlockSpec((None, BR, C), lambda b, h, r, s: (b, r, 0)),  # tail mask
-            whole,  # k pool
-            whole,  # v pool
+            whole,  # kv pool
         ],
         out_specs=[
             pl.BlockSpec((None, None, None, BR, Dh), lambda b, h, r, s: (b, h, s, r, 0)),
@@ -215,7 +220,7 @@ def _decode_call(q, k_flat, v_flat, table, meta: AttnMeta, *, page_size: int, nu
         interpret=interpret,
         compiler_params=params,
         name="jspec_decode_attention",
-    )(bounds, table.astype(jnp.int32), qt, qpos, tail_mask, k_flat, v_flat)
+    )(bounds, table.astype(jnp.int32), qt, qpos, tail_mask, kv_flat)
 
     # Merge the splits: weights exp(m_s - max_s m_s); rows that saw nothing give 0. (XLA
     # makes two small kernels of this; a Pallas merge kernel was slower, docs/benchmarks.md.)
@@ -237,26 +242,25 @@ def _is_pow2(n: int) -> bool:
     return n >= 1 and n & (n - 1) == 0
 
 
-def _check_args(q, k_buf, v_buf, meta: AttnMeta, window) -> None:
+def _check_args(q, kv_buf, meta: AttnMeta, window) -> None:
     """Raises ValueError / TypeError for arguments the kernel does not take."""
     if meta.prefill:
         raise ValueError("prefill metadata: the kernel reads the cache, prefill does not")
-    if k_buf is None or v_buf is None:
-        raise ValueError("the kernel needs the layer's cache (k_buf, v_buf)")
-    if q.ndim != 4 or k_buf.ndim != 4:
-        raise ValueError(f"q and the cache must be 4-d, got {q.shape} and {k_buf.shape}")
+    if kv_buf is None:
+        raise ValueError("the kernel needs the layer's cache buffer")
+    if q.ndim != 4 or kv_buf.ndim != 5 or kv_buf.shape[2] != 2:
+        raise ValueError(f"q must be [B,T,H,Dh] and the cache [.., .., 2, Hkv, Dh], got {q.shape} "
+                         f"and {kv_buf.shape}")
     if jnp.dtype(q.dtype) not in map(jnp.dtype, _DTYPES):
         raise TypeError(f"q dtype {q.dtype} is not float32, bfloat16 or float16")
-    if q.dtype != k_buf.dtype or k_buf.dtype != v_buf.dtype:
-        raise TypeError(f"q, k_buf, v_buf dtypes differ: {q.dtype}, {k_buf.dtype}, {v_buf.dtype}")
-    if k_buf.shape != v_buf.shape:
-        raise ValueError(f"k_buf {k_buf.shape} and v_buf {v_buf.shape} differ")
+    if q.dtype != kv_buf.dtype:
+        raise TypeError(f"q and cache dtypes differ: {q.dtype}, {kv_buf.dtype}")
     B, T, H, Dh = q.shape
-    Hkv = k_buf.shape[2]
+    Hkv = kv_buf.shape[3]
     if not (_is_pow2(Dh) and Dh >= 16):
         raise ValueError(f"head_dim {Dh} is not a power of two >= 16 (Triton tiles)")
-    if k_buf.shape[3] != Dh:
-        raise ValueError(f"cache head_dim {k_buf.shape[3]} != q head_dim {Dh}")
+    if kv_buf.shape[4] != Dh:
+        raise ValueError(f"cache head_dim {kv_buf.shape[4]} != q head_dim {Dh}")
     if H % Hkv:
         raise ValueError(f"num_heads {H} is not a multiple of num_kv_heads {Hkv}")
     Tl = meta.local_len
@@ -271,48 +275,48 @@ def _check_args(q, k_buf, v_buf, meta: AttnMeta, window) -> None:
             raise TypeError(f"meta.{name} must be {'bool' if want_bool else 'integer'}, "
                             f"got {arr.dtype}")
     if meta.page_table is None:
-        if k_buf.shape[0] != B:
-            raise ValueError(f"dense cache batch {k_buf.shape[0]} != q batch {B}")
+        if kv_buf.shape[0] != B:
+            raise ValueError(f"dense cache batch {kv_buf.shape[0]} != q batch {B}")
     else:
         table = meta.page_table
         if table.ndim != 2 or table.shape[0] != B:
             raise ValueError(f"meta.page_table has shape {table.shape}, expected ({B}, G)")
         if not jnp.issubdtype(table.dtype, jnp.integer):
             raise TypeError(f"meta.page_table must be integer, got {table.dtype}")
-        if meta.page_size and meta.page_size != k_buf.shape[1]:
-            raise ValueError(f"meta.page_size {meta.page_size} != pool page size {k_buf.shape[1]}")
+        if meta.page_size and meta.page_size != kv_buf.shape[1]:
+            raise ValueError(f"meta.page_size {meta.page_size} != pool page size {kv_buf.shape[1]}")
     if isinstance(window, bool) or not isinstance(window, numbers.Integral) or window < 0:
         raise ValueError(f"window must be a static int >= 0, got {window!r}")
 
 
-def is_supported(q, k_buf, v_buf, meta: AttnMeta, *, window: int = 0) -> bool:
+def is_supported(q, kv_buf, meta: AttnMeta, *, window: int = 0) -> bool:
     """Whether `paged_decode_attention` takes these arguments (the dispatch falls back to
     the reference when not)."""
     try:
-        _check_args(q, k_buf, v_buf, meta, window)
+        _check_args(q, kv_buf, meta, window)
     except (TypeError, ValueError):
         return False
     return True
 
 
-def paged_decode_attention(q, k_buf, v_buf, meta: AttnMeta, *, window: int = 0, scale: float,
+def paged_decode_attention(q, kv_buf, meta: AttnMeta, *, window: int = 0, scale: float,
                            interpret: bool | None = None, block_k: int | None = None,
                            num_splits: int | None = None, num_warps: int | None = None,
                            num_stages: int = 2):
     """Attention of q [B,T,H,Dh] over a cache that already holds the new keys.
 
-    k_buf/v_buf: dense [B,S,Hkv,Dh] (meta.page_table None) or paged pools
-    [num_pages,P,Hkv,Dh] with meta.page_table [B,G]. Returns [B,T,H,Dh] in q's dtype.
+    kv_buf: keys and values, dense [B,S,2,Hkv,Dh] (meta.page_table None) or a paged pool
+    [num_pages,P,2,Hkv,Dh] with meta.page_table [B,G]. Returns [B,T,H,Dh] in q's dtype.
     interpret None: interpret mode unless the default backend is a GPU. block_k: keys
     per block (power of two >= 16; default DEFAULT_BLOCK_K). num_splits: key splits per (row, kv
     head) (default: enough programs to fill the GPU). num_warps (default 4, or 8 for big
     row tiles) and num_stages are Triton's.
     """
-    _check_args(q, k_buf, v_buf, meta, window)
+    _check_args(q, kv_buf, meta, window)
     window = int(window)
     B, T, H, Dh = q.shape
-    Hkv = k_buf.shape[2]
-    page_size = k_buf.shape[1]
+    Hkv = kv_buf.shape[3]
+    page_size = kv_buf.shape[1]
     if meta.page_table is None:  # dense: one page of S slots per row, identity table
         table = jnp.arange(B, dtype=jnp.int32)[:, None]
     else:
@@ -333,9 +337,8 @@ def paged_decode_attention(q, k_buf, v_buf, meta: AttnMeta, *, window: int = 0, 
     if interpret is None:
         interpret = jax.default_backend() != "gpu"
 
-    k_flat = k_buf.reshape((-1, Hkv, Dh))  # [num_pages * P, Hkv, Dh] (dense: [B * S, ...])
-    v_flat = v_buf.reshape((-1, Hkv, Dh))
-    return _decode_call(q, k_flat, v_flat, table, meta, page_size=page_size, num_keys=num_keys,
+    kv_flat = kv_buf.reshape((-1, 2, Hkv, Dh))  # [num_pages * P, 2, Hkv, Dh] (dense: [B * S, ...])
+    return _decode_call(q, kv_flat, table, meta, page_size=page_size, num_keys=num_keys,
                         window=window, scale=float(scale), block_k=block_k,
                         num_splits=num_splits, interpret=interpret, num_warps=num_warps,
                         num_stages=num_stages)

@@ -30,13 +30,12 @@ class Eagle1Head(nn.Module):
     def __call__(self, embeds, feats, cache: KVCache, meta):
         c = self.cfg
         x = Linear(c.hidden_size, self.fc_bias, c.dtype, name="fc")(jnp.concatenate([embeds, feats], axis=-1))
-        ks, vs = [], []
+        kvs = []
         for i in range(c.num_layers):
-            x, (k, v) = DecoderLayer(c, c.sliding_windows[i], input_norm=i > 0, name=f"layers_{i}")(
-                x, None if cache is None else (cache.k[i], cache.v[i]), meta)
-            ks.append(k)
-            vs.append(v)
-        return x, None if cache is None else KVCache(k=tuple(ks), v=tuple(vs))
+            x, kv = DecoderLayer(c, c.sliding_windows[i], input_norm=i > 0, name=f"layers_{i}")(
+                x, None if cache is None else cache.kv[i], meta)
+            kvs.append(kv)
+        return x, None if cache is None else KVCache(kv=tuple(kvs))
 
 
 class Eagle3Head(nn.Module):
@@ -59,8 +58,8 @@ class Eagle3Head(nn.Module):
     def __call__(self, embeds, feats, cache: KVCache, meta, project: bool):
         if project:
             feats = self.fc(feats)
-        x, kv = self.midlayer(embeds, feats, None if cache is None else (cache.k[0], cache.v[0]), meta)
-        return x, None if cache is None else KVCache(k=(kv[0],), v=(kv[1],))
+        x, kv = self.midlayer(embeds, feats, None if cache is None else cache.kv[0], meta)
+        return x, None if cache is None else KVCache(kv=(kv,))
 
     def head(self, hidden):
         """hidden [..., D] -> float32 logits over the draft vocabulary [..., Vd]."""

@@ -85,7 +85,8 @@ class Attention(nn.Module):
 
     @nn.compact
     def __call__(self, x, kv, meta: AttnMeta, scale=None):
-        """x [B,T,D]; scale: a deferred input-norm factor [B,T,1] (see `RMSNorm`)."""
+        """x [B,T,D]; kv: the layer's cache buffer (see jspec.cache.kv) or None; scale: a
+        deferred input-norm factor [B,T,1] (see `RMSNorm`). -> (out [B,T,D], new buffer)."""
         c = self.cfg
         B, T, _ = x.shape
         H, Hkv, Dh = c.num_heads, c.num_kv_heads, c.head_dim
@@ -102,14 +103,11 @@ class Attention(nn.Module):
         if kv is None:  # no cache: the block attends to itself only
             if not meta.prefill:
                 raise ValueError("attention without a cache needs a prefill AttnMeta")
-            k_buf = v_buf = None
-        else:
-            dense = meta.page_table is None
-            k_buf = write_kv(kv[0], k, meta.write_index, dense)
-            v_buf = write_kv(kv[1], v, meta.write_index, dense)
-        o = attention(q, k, v, k_buf, v_buf, meta, window=self.window, scale=Dh ** -0.5)
+        else:  # keys and values of a slot sit side by side: one write
+            kv = write_kv(kv, jnp.stack([k, v], axis=2), meta.write_index, meta.page_table is None)
+        o = attention(q, k, v, kv, meta, window=self.window, scale=Dh ** -0.5)
         out = Linear(c.hidden_size, c.o_bias, c.dtype, name="o_proj")(o.reshape(B, T, H * Dh))
-        return out, (k_buf, v_buf)
+        return out, kv
 
 
 class MLP(nn.Module):
@@ -159,16 +157,15 @@ class LlamaModel(nn.Module):
         """tokens [B,T] -> (hidden [B,T,D] after the final norm, {layer: its input [B,T,D]}
         for the `capture` layers (index num_layers: the last layer's output), cache)."""
         x = self.embed_tokens(tokens)
-        aux, ks, vs = {}, [], []
+        aux, kvs = {}, []
         for i, layer in enumerate(self.layers):
             if i in capture:
                 aux[i] = x
-            x, (k, v) = layer(x, None if cache is None else (cache.k[i], cache.v[i]), meta)
-            ks.append(k)
-            vs.append(v)
+            x, kv = layer(x, None if cache is None else cache.kv[i], meta)
+            kvs.append(kv)
         if self.cfg.num_layers in capture:  # the last layer's output, before the final norm
             aux[self.cfg.num_layers] = x
-        new_cache = None if cache is None else KVCache(k=tuple(ks), v=tuple(vs))
+        new_cache = None if cache is None else KVCache(kv=tuple(kvs))
         return self.norm(x), aux, new_cache
 
     def logits(self, hidden):
