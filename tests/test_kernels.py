@@ -82,51 +82,22 @@ def stack(k, v):
     return jnp.stack([k, v], axis=-3)
 
 
-def _kernel(qkv, kv, meta, *, window=0, block_k=16, num_splits=None, num_heads):
-    return da.paged_decode_attention(qkv, kv, meta, num_heads=num_heads, window=window,
-                                     scale=qkv.shape[-1] ** -0.5, interpret=True, block_k=block_k,
-                                     num_splits=num_splits)
+def _kernel(q, k, v, meta, *, window=0, block_k=16, num_splits=None):
+    return da.paged_decode_attention(q, stack(k, v), meta, window=window, scale=q.shape[-1] ** -0.5,
+                                     interpret=True, block_k=block_k, num_splits=num_splits)
 
 
-def _reference(qkv, kv, meta, *, window=0, num_heads):
-    return da.decode_attention_reference(qkv, kv, meta, num_heads=num_heads, window=window,
-                                         scale=qkv.shape[-1] ** -0.5)
-
-
-def as_new_tokens(q, k, v, meta, seed=0):
-    """A case whose cache already holds the new tokens (the last T local slots) -> the
-    kernel's inputs: qkv with those tokens' keys and values, the cache with their slots
-    overwritten by noise (the kernel must write them back and never read them), meta with
-    their flat write indices, and the cache as it must come out."""
-    B, T = q.shape[:2]
-    kv = stack(k, v)
-    slots = meta.prefix_len[:, None] + (meta.local_len - T) + jnp.arange(T)[None, :]  # [B, T]
-    if meta.page_table is None:
-        flat = jnp.arange(B)[:, None] * kv.shape[1] + slots
-    else:
-        P = kv.shape[1]
-        flat = jnp.take_along_axis(meta.page_table, slots // P, axis=1) * P + slots % P
-    pool = kv.reshape((-1,) + kv.shape[-3:])
-    new = pool[flat]  # [B, T, 2, Hkv, Dh]
-    qkv = jnp.concatenate([q, new[:, :, 0], new[:, :, 1]], axis=2)
-    noise = 5 + 3 * jax.random.normal(jax.random.key(seed), new.shape, kv.dtype)
-    poisoned = pool.at[flat].set(noise).reshape(kv.shape)
-    return qkv, poisoned, meta.replace(write_index=flat.astype(jnp.int32)), kv
+def _reference(q, k, v, meta, *, window=0):
+    return da.decode_attention_reference(q, stack(k, v), meta, window=window, scale=q.shape[-1] ** -0.5)
 
 
 def check(q, k, v, meta, *, window=0, block_k=16, num_splits=None, atol=1e-5, rtol=1e-5):
-    """The kernel equals the reference, and leaves the cache holding the new tokens."""
-    qkv, poisoned, meta, want_kv = as_new_tokens(q, k, v, meta)
-    H = q.shape[2]
-    out, kv = _fast_jit(_kernel, qkv, poisoned, meta, window=window, block_k=block_k,
-                        num_splits=num_splits, num_heads=H)
-    ref, ref_kv = _fast_jit(_reference, qkv, poisoned, meta, window=window, num_heads=H)
+    out = _fast_jit(_kernel, q, k, v, meta, window=window, block_k=block_k, num_splits=num_splits)
+    ref = _fast_jit(_reference, q, k, v, meta, window=window)
     chex.assert_equal_shape([out, q])
     assert out.dtype == q.dtype
     chex.assert_trees_all_close(out.astype(jnp.float32), ref.astype(jnp.float32), atol=atol,
                                 rtol=rtol)
-    np.testing.assert_array_equal(np.asarray(kv), np.asarray(want_kv))
-    np.testing.assert_array_equal(np.asarray(ref_kv), np.asarray(want_kv))
 
 
 # --------------------------------------------------------------------------- fixed cases
@@ -222,64 +193,51 @@ def test_random_shapes(data):
 
 def test_dispatch_env(monkeypatch):
     q, k, v, meta = make_case(6, T=4, Gq=2, S=40, page_size=3)
-    qkv, poisoned, meta, want_kv = as_new_tokens(q, k, v, meta)
-    H, Hkv = q.shape[2], k.shape[2]
-    q, k_new, v_new = qkv[:, :, :H], qkv[:, :, H:H + Hkv], qkv[:, :, H + Hkv:]
     scale = q.shape[-1] ** -0.5
     calls = []
     real = da.paged_decode_attention
     monkeypatch.setattr(da, "paged_decode_attention",
                         lambda *a, **kw: calls.append(1) or real(*a, **kw))
 
-    def run(meta, kvb):  # a fresh jit per call: JSPEC_KERNELS is read at trace time
-        fn = lambda q, kn, vn, kvb, meta: attn.attend(q, kn, vn, kvb, meta, scale=scale)
-        return _fast_jit(fn, q, k_new, v_new, kvb, meta)
+    def run(meta, k_new=None):  # a fresh jit per call: JSPEC_KERNELS is read at trace time
+        kvb = None if meta.prefill else stack(k, v)
+        fn = lambda q, kn, kvb, meta: attn.attention(q, kn, kn, kvb, meta, scale=scale)
+        return _fast_jit(fn, q, k_new, kvb, meta)
 
     outs = {}
     for mode, used in [("reference", False), ("auto", jax.default_backend() == "gpu"),
                        ("pallas", True)]:
         monkeypatch.setenv("JSPEC_KERNELS", mode)
         calls.clear()
-        outs[mode], kv = run(meta, poisoned)
+        outs[mode] = run(meta)
         assert bool(calls) == used, mode
-        np.testing.assert_array_equal(np.asarray(kv), np.asarray(want_kv))
     chex.assert_trees_all_close(outs["pallas"], outs["reference"], atol=1e-5, rtol=1e-5)
-    # Prefill never takes the kernel (with a cache or without).
-    for kvb in (poisoned, None):
-        calls.clear()
-        run(meta.replace(prefill=True), kvb)
-        assert not calls
+    # Prefill never takes the kernel.
+    pre = meta.replace(prefill=True)
+    calls.clear()
+    run(pre, k_new=jnp.ones((3, 4, 2, 16)))
+    assert not calls
     monkeypatch.setenv("JSPEC_KERNELS", "fast")
     with pytest.raises(ValueError, match="JSPEC_KERNELS"):
-        attn.attend(q, k_new, v_new, poisoned, meta, scale=scale)
+        attn.attention(q, None, None, stack(k, v), meta, scale=scale)
 
 
 def test_validation():
     q, k, v, meta = make_case(7, B=2, T=2, Gq=2, S=32, page_size=4)
-    H = q.shape[2]
-
-    def qkv_of(q, k):
-        new = jnp.zeros(q.shape[:2] + k.shape[-2:], q.dtype)  # the new keys and values
-        return jnp.concatenate([q, new, new], axis=2)
-
-    def call(q, k, v, meta, num_heads=H, **kw):
-        return da.paged_decode_attention(qkv_of(q, k), stack(k, v), meta, num_heads=num_heads,
-                                         interpret=True, scale=1.0, **kw)
+    call = lambda q, k, v, meta, **kw: da.paged_decode_attention(q, stack(k, v), meta, interpret=True,
+                                                                   scale=1.0, **kw)
     with pytest.raises(ValueError, match="prefill"):
         call(q, k, v, meta.replace(prefill=True))
     with pytest.raises(TypeError, match="dtype"):
-        da.paged_decode_attention(qkv_of(q, k), stack(k, v).astype(jnp.bfloat16), meta, num_heads=H,
-                                  interpret=True, scale=1.0)
+        call(q, k.astype(jnp.bfloat16), v.astype(jnp.bfloat16), meta)
     with pytest.raises(TypeError, match="dtype"):
         call(q.astype(jnp.int32), k.astype(jnp.int32), v.astype(jnp.int32), meta)
     with pytest.raises(ValueError, match="head_dim"):
         call(q[..., :12], k[..., :12], v[..., :12], meta)
-    with pytest.raises(ValueError, match="heads"):
-        call(q, k, v, meta, num_heads=H - 1)
     with pytest.raises(ValueError, match="multiple"):
-        call(q[:, :, :3], k, v, meta, num_heads=3)
+        call(q[:, :, :3], k, v, meta)
     with pytest.raises(ValueError, match="cache"):  # keys alone: not the [.., .., 2, Hkv, Dh] layout
-        da.paged_decode_attention(qkv_of(q, k), k, meta, num_heads=H, interpret=True, scale=1.0)
+        da.paged_decode_attention(q, k, meta, interpret=True, scale=1.0)
     with pytest.raises(ValueError, match="block_k"):
         call(q, k, v, meta, block_k=24)
     with pytest.raises(ValueError, match="num_splits"):
@@ -290,14 +248,11 @@ def test_validation():
         call(q, k, v, meta.replace(page_table=meta.page_table[:1]))
     with pytest.raises(ValueError, match="page_size"):
         call(q, k, v, meta.replace(page_size=8))
-    with pytest.raises(ValueError, match="write_index"):
-        call(q, k, v, meta.replace(write_index=meta.write_index[:, :1]))
     with pytest.raises(ValueError, match="local_mask"):
         call(q, k, v, meta.replace(local_mask=meta.local_mask[:, :1]))
     with pytest.raises(TypeError, match="local_mask"):
         call(q, k, v, meta.replace(local_mask=meta.local_mask.astype(jnp.int32)))
     with pytest.raises(ValueError, match="batch"):
         call(q, k[:1, :32], v[:1, :32], meta.replace(page_table=None))
-    qkv = qkv_of(q, k)
-    assert da.is_supported(qkv, stack(k, v), meta, num_heads=H)
-    assert not da.is_supported(qkv, stack(k, v), meta.replace(prefill=True), num_heads=H)
+    assert da.is_supported(q, stack(k, v), meta)
+    assert not da.is_supported(q, stack(k, v), meta.replace(prefill=True))

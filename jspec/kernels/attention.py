@@ -9,7 +9,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from jspec.cache.kv import AttnMeta, read_kv, write_kv
+from jspec.cache.kv import AttnMeta, read_kv
 from jspec.kernels import dispatch
 
 NEG_INF = -1e30
@@ -58,23 +58,14 @@ def attention_reference(q, k_new, v_new, kv_buf, meta: AttnMeta, *, window: int 
     return _softmax_attend(q, k, v, mask, scale)
 
 
-def attend(q, k, v, kv_buf, meta: AttnMeta, *, window: int = 0, scale: float):
-    """Writes the new keys and values k, v [B,T,Hkv,Dh] into the layer's cache buffer and
-    attends q [B,T,H,Dh] over it -> (out [B,T,H,Dh], new kv_buf). kv_buf None: no cache
-    (a prefill that attends to its own tokens only).
-
-    Dispatch (see jspec.kernels.dispatch): the Pallas decode kernel, which does both in one
-    launch, for non-prefill calls it supports; else `write_kv` + the reference.
-    JSPEC_KERNELS=pallas forces the kernel (and raises for arguments it does not take)."""
-    if kv_buf is not None and not meta.prefill and dispatch.backend() != "reference":
+def attention(q, k_new, v_new, kv_buf, meta: AttnMeta, *, window: int = 0, scale: float):
+    """Dispatch (see jspec.kernels.dispatch): the Pallas decode kernel for non-prefill calls
+    it supports, else the reference. JSPEC_KERNELS=pallas forces the kernel (and raises
+    for arguments it does not take)."""
+    if not meta.prefill and dispatch.backend() != "reference":
         from jspec.kernels import decode_attention as da  # imports this module
 
-        qkv = jnp.concatenate([q, k, v], axis=2)  # one fusion makes all three
-        H = q.shape[2]
-        supported = dispatch.backend() == "pallas" or da.is_supported(qkv, kv_buf, meta, num_heads=H,
-                                                                      window=window)
+        supported = dispatch.backend() == "pallas" or da.is_supported(q, kv_buf, meta, window=window)
         if dispatch.want_pallas(supported):
-            return da.paged_decode_attention(qkv, kv_buf, meta, num_heads=H, window=window, scale=scale)
-    if kv_buf is not None:  # keys and values of a slot sit side by side: one write
-        kv_buf = write_kv(kv_buf, jnp.stack([k, v], axis=2), meta.write_index, meta.page_table is None)
-    return attention_reference(q, k, v, kv_buf, meta, window=window, scale=scale), kv_buf
+            return da.paged_decode_attention(q, kv_buf, meta, window=window, scale=scale)
+    return attention_reference(q, k_new, v_new, kv_buf, meta, window=window, scale=scale)

@@ -1,7 +1,6 @@
 """Pallas (Triton) attention for decode and verification over the KV cache.
 
-Same semantics as `write_kv` followed by `attention_reference` for a non-prefill AttnMeta
-(see jspec.cache.kv):
+Same semantics as `attention_reference` for a non-prefill AttnMeta (see jspec.cache.kv):
 every prefix slot (< prefix_len) is visible, the Tl local-block slots from prefix_len on
 are visible per `local_mask`, and an optional sliding window hides old keys.
 
@@ -22,12 +21,6 @@ Design (flash decoding):
   hold prefix keys only and need no mask (at most the window test); the few blocks from
   pblk on (at most cdiv(Tl + BK - 1, BK)) take an int8 mask [BR, BK] cut from `tail_mask`,
   which the wrapper builds with the exact rule of the reference.
-- The kernel also writes the new tokens' keys and values (given with the queries in one
-  qkv array) into the cache, which it takes and returns aliased: one program per (row, kv
-  head) stores them at meta.write_index, and every program takes the new slots' keys and
-  values from qkv rather than from the cache, so none reads a slot being written. A
-  decode step thus needs no separate cache-write kernel, and q, k and v come from one
-  XLA fusion.
 - Each split writes its unnormalised output and its softmax max / sum; a jnp step merges
   the splits (log-sum-exp) and normalises.
 
@@ -44,7 +37,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
-from jspec.cache.kv import AttnMeta, write_kv
+from jspec.cache.kv import AttnMeta
 from jspec.kernels.attention import attention_reference
 
 NEG_INF = -1e30
@@ -55,69 +48,47 @@ TARGET_PROGRAMS = 256  # about two waves of programs on an H200 (132 SMs)
 MIN_BLOCKS_PER_SPLIT = 1
 
 
-def decode_attention_reference(qkv, kv_buf, meta: AttnMeta, *, num_heads: int, window: int = 0,
-                               scale: float):
-    """The reference for `paged_decode_attention` (same arguments and results)."""
-    H, Hkv = num_heads, kv_buf.shape[3]
-    q, k, v = qkv[:, :, :H], qkv[:, :, H:H + Hkv], qkv[:, :, H + Hkv:]
-    kv_buf = write_kv(kv_buf, jnp.stack([k, v], axis=2), meta.write_index, meta.page_table is None)
-    return attention_reference(q, k, v, kv_buf, meta, window=window, scale=scale), kv_buf
+def decode_attention_reference(q, kv_buf, meta: AttnMeta, *, window: int = 0, scale: float):
+    """The reference for `paged_decode_attention` (same arguments)."""
+    return attention_reference(q, None, None, kv_buf, meta, window=window, scale=scale)
 
 
 # --------------------------------------------------------------------------- kernel
 
-def _decode_kernel(bounds_ref, table_ref, qkv_ref, qpos_ref, tail_mask_ref, widx_ref, kv_ref,
-                   o_ref, m_ref, l_ref, kv_out_ref, *, scale: float, block_k: int, page_size: int,
-                   dense: bool, num_pages: int, num_keys: int, window: int, num_splits: int,
-                   T: int, H: int, Gq: int, block_rows: int):
-    """One (batch row b, kv head h, query-row block r, split s).
+def _decode_kernel(bounds_ref, table_ref, q_ref, qpos_ref, tail_mask_ref, kv_ref,
+                   o_ref, m_ref, l_ref, *, scale: float, block_k: int, page_size: int, dense: bool,
+                   num_pages: int, num_keys: int, window: int, num_splits: int):
+    """One (batch row b, kv head h, query-row block, split s).
 
-    bounds_ref [B, 4] int32: wblk, pblk, eblk and the first new slot of each row.
+    bounds_ref [B, 3] int32: wblk, pblk, eblk of each row (see the module docstring).
     table_ref [B, G] int32: page table (entries >= num_pages: unallocated, clamped).
-    qkv_ref [B*T*(H+2Hkv), Dh]: the new tokens' heads, q then k then v (RoPE applied).
-    qpos_ref [BR] int32; tail_mask_ref [BR, C] int8 (C = NL*BK); widx_ref [B, T] int32:
-    flat cache index of each new token.
-    kv_ref / kv_out_ref [num_pages * P, 2, Hkv, Dh]: the pool, flattened over pages (keys
-    at [:, 0], values at [:, 1]), in and out (aliased). dense: one page per row
-    (table[b, 0] = b), so no table lookup.
+    q_ref [BR, Dh]; qpos_ref [BR] int32; tail_mask_ref [BR, C] int8 (C = NL*BK).
+    kv_ref [num_pages * P, 2, Hkv, Dh]: the pool, flattened over pages (keys at [:, 0],
+    values at [:, 1]). dense: one page per row (table[b, 0] = b), so no table lookup.
     o_ref [BR, Dh] float32 (unnormalised); m_ref, l_ref [BR] float32.
     """
-    b, h, r, s = pl.program_id(0), pl.program_id(1), pl.program_id(2), pl.program_id(3)
-    Hkv = kv_ref.shape[2]
-    Hn = H + 2 * Hkv  # heads per token in qkv
-    wblk, pblk, eblk, new0 = bounds_ref[b, 0], bounds_ref[b, 1], bounds_ref[b, 2], bounds_ref[b, 3]
+    b, h, s = pl.program_id(0), pl.program_id(1), pl.program_id(3)
+    wblk, pblk, eblk = bounds_ref[b, 0], bounds_ref[b, 1], bounds_ref[b, 2]
     per_split = pl.cdiv(eblk - wblk, num_splits)
     lo = wblk + s * per_split
     hi = jnp.minimum(lo + per_split, eblk)
 
-    # Query row i of this block: token i // Gq, head h * Gq + i % Gq (pad rows: copies).
-    i = r * block_rows + jnp.arange(block_rows, dtype=jnp.int32)
-    q = qkv_ref[(b * T + jnp.minimum(i // Gq, T - 1)) * Hn + h * Gq + lax.rem(i, Gq), :]  # [BR, Dh]
+    q = q_ref[...]  # [BR, Dh]
     BR, Dh = q.shape
     offs = jnp.arange(block_k, dtype=jnp.int32)  # [BK]
 
-    def new_rows(t):  # qkv rows of the keys and values of new tokens t
-        row = (b * T + t) * Hn + H + h
-        return qkv_ref[row, :], qkv_ref[row + Hkv, :]
-
-    def load_kv(blk, new):
+    def load_kv(blk):
         slot = jnp.minimum(blk * block_k + offs, num_keys - 1)  # [BK], clamped in range
         if dense:
             row = b * page_size + slot
         else:
             page = table_ref[b, lax.div(slot, page_size)]  # [BK]
             row = jnp.clip(page, 0, num_pages - 1) * page_size + lax.rem(slot, page_size)
-        k, v = kv_ref[row, 0, h, :], kv_ref[row, 1, h, :]  # [BK, Dh] each
-        if new:  # the new tokens' slots: from qkv (this kernel writes them to the cache)
-            t = slot - new0
-            is_new = ((t >= 0) & (t < T))[:, None]
-            k_new, v_new = new_rows(jnp.clip(t, 0, T - 1))
-            k, v = jnp.where(is_new, k_new, k), jnp.where(is_new, v_new, v)
-        return k, v
+        return kv_ref[row, 0, h, :], kv_ref[row, 1, h, :]  # [BK, Dh] each
 
-    def step(blk, carry, mask, new):
+    def step(blk, carry, mask):
         acc, m, l = carry  # [BR, Dh], [BR], [BR]
-        k, v = load_kv(blk, new)
+        k, v = load_kv(blk)
         sc = lax.dot_general(q, k, (((1,), (1,)), ((), ())),
                              preferred_element_type=jnp.float32) * scale  # [BR, BK]
         if mask is not None:
@@ -137,11 +108,11 @@ def _decode_kernel(bounds_ref, table_ref, qkv_ref, qpos_ref, tail_mask_ref, widx
         if window:
             slot = blk * block_k + offs
             mask = slot[None, :] > qpos_ref[...][:, None] - window  # [BR, BK]
-        return step(blk, carry, mask, False)
+        return step(blk, carry, mask)
 
     def tail_block(blk, carry):  # blocks that reach the local block
         mask = tail_mask_ref[:, pl.ds((blk - pblk) * block_k, block_k)] != 0  # [BR, BK]
-        return step(blk, carry, mask, True)
+        return step(blk, carry, mask)
 
     carry = (jnp.zeros((BR, Dh), jnp.float32), jnp.full((BR,), NEG_INF, jnp.float32),
              jnp.zeros((BR,), jnp.float32))
@@ -151,15 +122,6 @@ def _decode_kernel(bounds_ref, table_ref, qkv_ref, qpos_ref, tail_mask_ref, widx
     o_ref[...] = acc
     m_ref[...] = m
     l_ref[...] = l
-
-    @pl.when((r == 0) & (s == 0))
-    def _():  # one program per (row, kv head) writes its new keys and values
-        t = jnp.minimum(jnp.arange(1 << (T - 1).bit_length(), dtype=jnp.int32), T - 1)
-        # [TP], a power of two: pads repeat the last token (same value to the same slot)
-        dst = widx_ref[b, t]
-        k_new, v_new = new_rows(t)
-        kv_out_ref[dst, 0, h, :] = k_new
-        kv_out_ref[dst, 1, h, :] = v_new
 
 
 # --------------------------------------------------------------------------- wrapper
@@ -191,18 +153,20 @@ def _tail_mask(meta: AttnMeta, pblk, rows_t, *, window: int, block_k: int, num_t
     return visible.astype(jnp.int8)
 
 
-def _decode_call(qkv, kv_flat, table, meta: AttnMeta, *, num_heads: int, page_size: int,
-                 num_keys: int, window: int, scale: float, block_k: int, num_splits: int,
-                 interpret: bool, num_warps: int | None, num_stages: int):
-    """qkv [B,T,H+2Hkv,Dh]; kv_flat [num_pages*P, 2, Hkv, Dh]; table [B, G].
-    -> (out [B,T,H,Dh], new kv_flat)."""
-    B, T, _, Dh = qkv.shape
-    H = num_heads
+def _decode_call(q, kv_flat, table, meta: AttnMeta, *, page_size: int, num_keys: int,
+                 window: int, scale: float, block_k: int, num_splits: int, interpret: bool,
+                 num_warps: int | None, num_stages: int):
+    """q [B,T,H,Dh]; kv_flat [num_pages*P, 2, Hkv, Dh]; table [B, G]. -> [B,T,H,Dh]."""
+    B, T, H, Dh = q.shape
     Hkv = kv_flat.shape[2]
     Gq = H // Hkv  # query heads per kv head
     Tl = meta.local_len
     rows, R, BR = _row_tiling(T * Gq)
     num_tail = pl.cdiv(Tl + block_k - 1, block_k)  # blocks the local block can touch
+
+    # Row r of kv head h's tile is query token r // Gq, query head h * Gq + r % Gq.
+    qt = q.reshape(B, T, Hkv, Gq, Dh).transpose(0, 2, 1, 3, 4).reshape(B, Hkv, rows, Dh)
+    qt = jnp.pad(qt, ((0, 0), (0, 0), (0, R - rows), (0, 0)))  # [B, Hkv, R, Dh]
     rows_t = jnp.minimum(jnp.arange(R, dtype=jnp.int32) // Gq, T - 1)  # [R] (pads: copies)
     qpos = meta.positions[:, rows_t]  # [B, R]
 
@@ -215,16 +179,16 @@ def _decode_call(qkv, kv_flat, table, meta: AttnMeta, *, num_heads: int, page_si
     if window:  # prefix slots <= min position - window are hidden from every query
         first = jnp.min(meta.positions, axis=1) - window + 1
         wblk = jnp.clip(first // block_k, 0, pblk)
-    new0 = prefix + Tl - T  # first slot of the new tokens
-    bounds = jnp.stack([wblk, pblk, eblk, new0], axis=1).astype(jnp.int32)  # [B, 4]
+    bounds = jnp.stack([wblk, pblk, eblk], axis=1).astype(jnp.int32)  # [B, 3]
     tail_mask = _tail_mask(meta, pblk, rows_t, window=window, block_k=block_k,
                            num_tail=num_tail, num_keys=num_keys)  # [B, R, C]
     C = tail_mask.shape[-1]
 
     kernel = functools.partial(
         _decode_kernel, scale=scale, block_k=block_k, page_size=page_size,
-        dense=meta.page_table is None, num_pages=kv_flat.shape[0] // page_size,
-        num_keys=num_keys, window=window, num_splits=num_splits, T=T, H=H, Gq=Gq, block_rows=BR)
+        dense=meta.page_table is None,
+        num_pages=kv_flat.shape[0] // page_size, num_keys=num_keys, window=window,
+        num_splits=num_splits)
     whole = pl.BlockSpec()  # the whole array, indexed inside the kernel
     params = None
     if not interpret:
@@ -232,36 +196,31 @@ def _decode_call(qkv, kv_flat, table, meta: AttnMeta, *, num_heads: int, page_si
         if num_warps is None:  # 4 warps hold a [BR, Dh] f32 accumulator up to 32 x 128
             num_warps = 4 if BR * Dh <= 32 * 128 else 8
         params = plt.CompilerParams(num_warps=num_warps, num_stages=num_stages)
-    o, m, l, kv_flat = pl.pallas_call(
+    o, m, l = pl.pallas_call(
         kernel,
         grid=(B, Hkv, R // BR, num_splits),
         in_specs=[
             whole,  # bounds
             whole,  # page table
-            whole,  # qkv rows
+            pl.BlockSpec((None, None, BR, Dh), lambda b, h, r, s: (b, h, r, 0)),  # q
             pl.BlockSpec((None, BR), lambda b, h, r, s: (b, r)),  # q positions
             pl.BlockSpec((None, BR, C), lambda b, h, r, s: (b, r, 0)),  # tail mask
-            whole,  # write index
             whole,  # kv pool
         ],
         out_specs=[
             pl.BlockSpec((None, None, None, BR, Dh), lambda b, h, r, s: (b, h, s, r, 0)),
             pl.BlockSpec((None, None, None, BR), lambda b, h, r, s: (b, h, s, r)),
             pl.BlockSpec((None, None, None, BR), lambda b, h, r, s: (b, h, s, r)),
-            whole,  # kv pool (the input's buffer)
         ],
         out_shape=[
             jax.ShapeDtypeStruct((B, Hkv, num_splits, R, Dh), jnp.float32),
             jax.ShapeDtypeStruct((B, Hkv, num_splits, R), jnp.float32),
             jax.ShapeDtypeStruct((B, Hkv, num_splits, R), jnp.float32),
-            jax.ShapeDtypeStruct(kv_flat.shape, kv_flat.dtype),
         ],
-        input_output_aliases={6: 3},
         interpret=interpret,
         compiler_params=params,
         name="jspec_decode_attention",
-    )(bounds, table.astype(jnp.int32), qkv.reshape(-1, Dh), qpos, tail_mask,
-      meta.write_index.astype(jnp.int32), kv_flat)
+    )(bounds, table.astype(jnp.int32), qt, qpos, tail_mask, kv_flat)
 
     # Merge the splits: weights exp(m_s - max_s m_s); rows that saw nothing give 0. (XLA
     # makes two small kernels of this; a Pallas merge kernel was slower, docs/benchmarks.md.)
@@ -271,7 +230,7 @@ def _decode_call(qkv, kv_flat, table, meta: AttnMeta, *, num_heads: int, page_si
     o = jnp.sum(w[..., None] * o, axis=2)  # [B, Hkv, R, Dh]
     o = o / jnp.where(l_sum > 0, l_sum, 1.0)[..., None]
     o = o[:, :, :rows].reshape(B, Hkv, T, Gq, Dh).transpose(0, 2, 1, 3, 4)
-    return o.reshape(B, T, H, Dh).astype(qkv.dtype), kv_flat
+    return o.reshape(B, T, H, Dh).astype(q.dtype)
 
 
 # --------------------------------------------------------------------------- public
@@ -283,31 +242,29 @@ def _is_pow2(n: int) -> bool:
     return n >= 1 and n & (n - 1) == 0
 
 
-def _check_args(qkv, kv_buf, meta: AttnMeta, num_heads, window) -> None:
+def _check_args(q, kv_buf, meta: AttnMeta, window) -> None:
     """Raises ValueError / TypeError for arguments the kernel does not take."""
     if meta.prefill:
         raise ValueError("prefill metadata: the kernel reads the cache, prefill does not")
     if kv_buf is None:
         raise ValueError("the kernel needs the layer's cache buffer")
-    if qkv.ndim != 4 or kv_buf.ndim != 5 or kv_buf.shape[2] != 2:
-        raise ValueError(f"qkv must be [B,T,H+2Hkv,Dh] and the cache [.., .., 2, Hkv, Dh], got "
-                         f"{qkv.shape} and {kv_buf.shape}")
-    if jnp.dtype(qkv.dtype) not in map(jnp.dtype, _DTYPES):
-        raise TypeError(f"qkv dtype {qkv.dtype} is not float32, bfloat16 or float16")
-    if qkv.dtype != kv_buf.dtype:
-        raise TypeError(f"qkv and cache dtypes differ: {qkv.dtype}, {kv_buf.dtype}")
-    B, T, Hn, Dh = qkv.shape
-    H, Hkv = num_heads, kv_buf.shape[3]
-    if not isinstance(H, int) or H < 1 or Hn != H + 2 * Hkv:
-        raise ValueError(f"qkv has {Hn} heads, expected num_heads {H} + 2 x {Hkv} kv heads")
+    if q.ndim != 4 or kv_buf.ndim != 5 or kv_buf.shape[2] != 2:
+        raise ValueError(f"q must be [B,T,H,Dh] and the cache [.., .., 2, Hkv, Dh], got {q.shape} "
+                         f"and {kv_buf.shape}")
+    if jnp.dtype(q.dtype) not in map(jnp.dtype, _DTYPES):
+        raise TypeError(f"q dtype {q.dtype} is not float32, bfloat16 or float16")
+    if q.dtype != kv_buf.dtype:
+        raise TypeError(f"q and cache dtypes differ: {q.dtype}, {kv_buf.dtype}")
+    B, T, H, Dh = q.shape
+    Hkv = kv_buf.shape[3]
     if not (_is_pow2(Dh) and Dh >= 16):
         raise ValueError(f"head_dim {Dh} is not a power of two >= 16 (Triton tiles)")
     if kv_buf.shape[4] != Dh:
-        raise ValueError(f"cache head_dim {kv_buf.shape[4]} != qkv head_dim {Dh}")
+        raise ValueError(f"cache head_dim {kv_buf.shape[4]} != q head_dim {Dh}")
     if H % Hkv:
         raise ValueError(f"num_heads {H} is not a multiple of num_kv_heads {Hkv}")
     Tl = meta.local_len
-    for name, shape in (("positions", (B, T)), ("prefix_len", (B,)), ("write_index", (B, T)),
+    for name, shape in (("positions", (B, T)), ("prefix_len", (B,)),
                         ("local_mask", (B, T, Tl)), ("local_positions", (B, Tl))):
         arr = getattr(meta, name)
         if arr.shape != shape:
@@ -319,7 +276,7 @@ def _check_args(qkv, kv_buf, meta: AttnMeta, num_heads, window) -> None:
                             f"got {arr.dtype}")
     if meta.page_table is None:
         if kv_buf.shape[0] != B:
-            raise ValueError(f"dense cache batch {kv_buf.shape[0]} != qkv batch {B}")
+            raise ValueError(f"dense cache batch {kv_buf.shape[0]} != q batch {B}")
     else:
         table = meta.page_table
         if table.ndim != 2 or table.shape[0] != B:
@@ -332,37 +289,32 @@ def _check_args(qkv, kv_buf, meta: AttnMeta, num_heads, window) -> None:
         raise ValueError(f"window must be a static int >= 0, got {window!r}")
 
 
-def is_supported(qkv, kv_buf, meta: AttnMeta, *, num_heads: int, window: int = 0) -> bool:
+def is_supported(q, kv_buf, meta: AttnMeta, *, window: int = 0) -> bool:
     """Whether `paged_decode_attention` takes these arguments (the dispatch falls back to
     the reference when not)."""
     try:
-        _check_args(qkv, kv_buf, meta, num_heads, window)
+        _check_args(q, kv_buf, meta, window)
     except (TypeError, ValueError):
         return False
     return True
 
 
-def paged_decode_attention(qkv, kv_buf, meta: AttnMeta, *, num_heads: int, window: int = 0,
-                           scale: float, interpret: bool | None = None, block_k: int | None = None,
+def paged_decode_attention(q, kv_buf, meta: AttnMeta, *, window: int = 0, scale: float,
+                           interpret: bool | None = None, block_k: int | None = None,
                            num_splits: int | None = None, num_warps: int | None = None,
                            num_stages: int = 2):
-    """Writes the T new tokens into the cache and attends their queries over it.
+    """Attention of q [B,T,H,Dh] over a cache that already holds the new keys.
 
-    qkv [B,T,H+2Hkv,Dh]: the new tokens' query, key and value heads (RoPE applied), H =
-    num_heads. kv_buf: keys and values, dense [B,S,2,Hkv,Dh] (meta.page_table None) or a
-    paged pool [num_pages,P,2,Hkv,Dh] with meta.page_table [B,G]; the keys and values go to
-    meta.write_index. Returns (out [B,T,H,Dh] in qkv's dtype, the updated kv_buf), as
-    `decode_attention_reference`. The cache is updated in place (aliased): the new slots
-    are taken from qkv, so no program reads a slot another one writes.
+    kv_buf: keys and values, dense [B,S,2,Hkv,Dh] (meta.page_table None) or a paged pool
+    [num_pages,P,2,Hkv,Dh] with meta.page_table [B,G]. Returns [B,T,H,Dh] in q's dtype.
     interpret None: interpret mode unless the default backend is a GPU. block_k: keys
     per block (power of two >= 16; default DEFAULT_BLOCK_K). num_splits: key splits per (row, kv
     head) (default: enough programs to fill the GPU). num_warps (default 4, or 8 for big
     row tiles) and num_stages are Triton's.
     """
-    _check_args(qkv, kv_buf, meta, num_heads, window)
+    _check_args(q, kv_buf, meta, window)
     window = int(window)
-    B, T, _, Dh = qkv.shape
-    H = num_heads
+    B, T, H, Dh = q.shape
     Hkv = kv_buf.shape[3]
     page_size = kv_buf.shape[1]
     if meta.page_table is None:  # dense: one page of S slots per row, identity table
@@ -386,8 +338,7 @@ def paged_decode_attention(qkv, kv_buf, meta: AttnMeta, *, num_heads: int, windo
         interpret = jax.default_backend() != "gpu"
 
     kv_flat = kv_buf.reshape((-1, 2, Hkv, Dh))  # [num_pages * P, 2, Hkv, Dh] (dense: [B * S, ...])
-    out, kv_flat = _decode_call(qkv, kv_flat, table, meta, num_heads=H, page_size=page_size,
-                                num_keys=num_keys, window=window, scale=float(scale),
-                                block_k=block_k, num_splits=num_splits, interpret=interpret,
-                                num_warps=num_warps, num_stages=num_stages)
-    return out, kv_flat.reshape(kv_buf.shape)
+    return _decode_call(q, kv_flat, table, meta, page_size=page_size, num_keys=num_keys,
+                        window=window, scale=float(scale), block_k=block_k,
+                        num_splits=num_splits, interpret=interpret, num_warps=num_warps,
+                        num_stages=num_stages)

@@ -12,9 +12,9 @@ import jax.numpy as jnp
 import numpy as np
 from flax import linen as nn
 
-from jspec.cache.kv import AttnMeta, KVCache
+from jspec.cache.kv import AttnMeta, KVCache, write_kv
 from jspec.config import ModelConfig
-from jspec.kernels.attention import attend
+from jspec.kernels.attention import attention
 
 _init = nn.initializers.normal(0.02)
 
@@ -100,9 +100,12 @@ class Attention(nn.Module):
         inv_freq = c.rope.inv_freq(Dh)
         q = apply_rope(q, meta.positions, inv_freq)
         k = apply_rope(k, meta.positions, inv_freq)
-        if kv is None and not meta.prefill:  # no cache: the block attends to itself only
-            raise ValueError("attention without a cache needs a prefill AttnMeta")
-        o, kv = attend(q, k, v, kv, meta, window=self.window, scale=Dh ** -0.5)
+        if kv is None:  # no cache: the block attends to itself only
+            if not meta.prefill:
+                raise ValueError("attention without a cache needs a prefill AttnMeta")
+        else:  # keys and values of a slot sit side by side: one write
+            kv = write_kv(kv, jnp.stack([k, v], axis=2), meta.write_index, meta.page_table is None)
+        o = attention(q, k, v, kv, meta, window=self.window, scale=Dh ** -0.5)
         out = Linear(c.hidden_size, c.o_bias, c.dtype, name="o_proj")(o.reshape(B, T, H * Dh))
         return out, kv
 
