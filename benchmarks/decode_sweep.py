@@ -2,7 +2,7 @@
 (random bf16 weights, context 1k) timed for each variant of the attention kernel's
 launch parameters, with per-kernel times from a profiler trace.
 
-Run: PYTHONPATH=. python3 benchmarks/decode_sweep.py [batch]
+Run: PYTHONPATH=. python3 benchmarks/decode_sweep.py [batch] [variant ...]   (default: all)
 """
 from __future__ import annotations
 

@@ -170,14 +170,14 @@ def make_meta(cache: KVCache, *, positions, prefix_len, local_mask, write_valid,
     B, T = positions.shape
     Tl = local_mask.shape[-1]
     slots = prefix_len[:, None] + (Tl - T) + jnp.arange(T, dtype=jnp.int32)[None, :]
-    k0 = cache.kv[0]
+    buf0 = cache.kv[0]
     if page_state is None:
-        index = slot_index(slots, write_valid, batch_capacity=cache_capacity(k0, False))
+        index = slot_index(slots, write_valid, batch_capacity=cache_capacity(buf0, False))
         table = None
     else:
         table = page_state.page_table
         index = slot_index(slots, write_valid, page_table=table, page_size=page_size,
-                           num_pages=cache_capacity(k0, True))
+                           num_pages=cache_capacity(buf0, True))
     if local_positions is None:
         if T != Tl:
             raise ValueError("local_positions is required when T != Tl")

@@ -2,8 +2,8 @@
 
 Projection weights are stored [in, out] (`kernel`, Hugging Face's [out, in] transposed at
 load time); q/k/v and gate/up are fused into one matrix each (`qkv_proj`, `gate_up_proj`)
-so a decode step reads them in one pass. Layers are
-unrolled in Python: a scanned layer stack copies weight slices and loses bandwidth.
+so a decode step reads them in one pass. Layers are unrolled in Python: a scanned layer
+stack copies weight slices and loses bandwidth.
 """
 from __future__ import annotations
 
