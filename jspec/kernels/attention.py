@@ -58,15 +58,14 @@ def attention_reference(q, k_new, v_new, kv_buf, meta: AttnMeta, *, window: int 
     return _softmax_attend(q, k, v, mask, scale)
 
 
-def attention(q, k_new, v_new, kv_buf, meta: AttnMeta, *, window: int = 0, scale: float, prefetch=None):
+def attention(q, k_new, v_new, kv_buf, meta: AttnMeta, *, window: int = 0, scale: float):
     """Dispatch (see jspec.kernels.dispatch): the Pallas decode kernel for non-prefill calls
     it supports, else the reference. JSPEC_KERNELS=pallas forces the kernel (and raises
-    for arguments it does not take). prefetch: an array the next operation reads (the
-    output projection's weight), which the kernel's idle programs pull into L2."""
+    for arguments it does not take)."""
     if not meta.prefill and dispatch.backend() != "reference":
         from jspec.kernels import decode_attention as da  # imports this module
 
         supported = dispatch.backend() == "pallas" or da.is_supported(q, kv_buf, meta, window=window)
         if dispatch.want_pallas(supported):
-            return da.paged_decode_attention(q, kv_buf, meta, window=window, scale=scale, prefetch=prefetch)
+            return da.paged_decode_attention(q, kv_buf, meta, window=window, scale=scale)
     return attention_reference(q, k_new, v_new, kv_buf, meta, window=window, scale=scale)

@@ -36,7 +36,6 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
-from jax.experimental.pallas import triton as plgpu
 
 from jspec.cache.kv import AttnMeta
 from jspec.kernels.attention import attention_reference
@@ -47,9 +46,6 @@ MAX_ROWS = 64  # query rows per program (more: split over programs, keeps regist
 DEFAULT_BLOCK_K = 128  # batch-1 decode on the H200: 128 beat 64, 32 and 16 (docs/benchmarks.md)
 TARGET_PROGRAMS = 256  # about two waves of programs on an H200 (132 SMs)
 MIN_BLOCKS_PER_SPLIT = 1
-PREFETCH_FRACTION = 0.5  # of the `prefetch` array (the output projection) pulled into L2
-PREFETCH_PROGRAMS = 64
-PF_COLS, PF_ROWS = 1024, 16  # prefetch: the weight viewed as [rows, PF_COLS], PF_ROWS a load
 
 
 def decode_attention_reference(q, kv_buf, meta: AttnMeta, *, window: int = 0, scale: float):
@@ -59,27 +55,10 @@ def decode_attention_reference(q, kv_buf, meta: AttnMeta, *, window: int = 0, sc
 
 # --------------------------------------------------------------------------- kernel
 
-def _prefetch(pf_ref, sink_ref, p, *, rows_per_program: int, limit: int):
-    """Prefetch program p: reads rows [p * rows_per_program, ...) (below `limit`) of the
-    [rows, PF_COLS] weight view into L2, marked to stay (evict_last), PF_ROWS rows a load.
-    The sum goes to sink_ref [programs] so the loads are not dropped."""
-    start = p * rows_per_program
-
-    def body(i, acc):
-        r0 = jnp.minimum(start + i * PF_ROWS, limit - PF_ROWS)
-        x = plgpu.load(pf_ref.at[pl.ds(r0, PF_ROWS), :], eviction_policy="evict_last")
-        return acc + jnp.sum(x.astype(jnp.float32), axis=0)
-
-    acc = lax.fori_loop(0, rows_per_program // PF_ROWS, body, jnp.zeros((PF_COLS,), jnp.float32))
-    sink_ref[pl.ds(p, 1)] = jnp.sum(acc, keepdims=True)
-
-
-def _decode_kernel(bounds_ref, table_ref, q_ref, qpos_ref, tail_mask_ref, kv_ref, *rest,
-                   scale: float, block_k: int, page_size: int, dense: bool,
-                   num_pages: int, num_keys: int, window: int, num_splits: int,
-                   prefetch_splits: int = 0, rows_per_program: int = 0, prefetch_limit: int = 0):
-    """One (batch row b, kv head h, query-row block, split s); splits s >= num_splits are
-    prefetch programs (see `_prefetch`), rest = (pf_ref, o_ref, m_ref, l_ref, sink_ref).
+def _decode_kernel(bounds_ref, table_ref, q_ref, qpos_ref, tail_mask_ref, kv_ref,
+                   o_ref, m_ref, l_ref, *, scale: float, block_k: int, page_size: int, dense: bool,
+                   num_pages: int, num_keys: int, window: int, num_splits: int):
+    """One (batch row b, kv head h, query-row block, split s).
 
     bounds_ref [B, 3] int32: wblk, pblk, eblk of each row (see the module docstring).
     table_ref [B, G] int32: page table (entries >= num_pages: unallocated, clamped).
@@ -88,29 +67,7 @@ def _decode_kernel(bounds_ref, table_ref, q_ref, qpos_ref, tail_mask_ref, kv_ref
     values at [:, 1]). dense: one page per row (table[b, 0] = b), so no table lookup.
     o_ref [BR, Dh] float32 (unnormalised); m_ref, l_ref [BR] float32.
     """
-    b, h, r, s = (pl.program_id(i) for i in range(4))  # read here: interpret mode wants them outside conds
-    kw = dict(scale=scale, block_k=block_k, page_size=page_size, dense=dense, num_pages=num_pages,
-              num_keys=num_keys, window=window, num_splits=num_splits)
-    if not prefetch_splits:
-        _attend(b, h, s, bounds_ref, table_ref, q_ref, qpos_ref, tail_mask_ref, kv_ref, *rest, **kw)
-        return
-    pf_ref, o_ref, m_ref, l_ref, sink_ref = rest
-    group = (b * pl.num_programs(1) + h) * pl.num_programs(2) + r
-
-    @pl.when(s < num_splits)
-    def _():
-        _attend(b, h, s, bounds_ref, table_ref, q_ref, qpos_ref, tail_mask_ref, kv_ref, o_ref, m_ref, l_ref,
-                **kw)
-
-    @pl.when(s >= num_splits)
-    def _():
-        _prefetch(pf_ref, sink_ref, group * prefetch_splits + s - num_splits,
-                  rows_per_program=rows_per_program, limit=prefetch_limit)
-
-
-def _attend(b, h, s, bounds_ref, table_ref, q_ref, qpos_ref, tail_mask_ref, kv_ref, o_ref, m_ref, l_ref, *,
-            scale: float, block_k: int, page_size: int, dense: bool, num_pages: int, num_keys: int,
-            window: int, num_splits: int):
+    b, h, s = pl.program_id(0), pl.program_id(1), pl.program_id(3)
     wblk, pblk, eblk = bounds_ref[b, 0], bounds_ref[b, 1], bounds_ref[b, 2]
     per_split = pl.cdiv(eblk - wblk, num_splits)
     lo = wblk + s * per_split
@@ -198,8 +155,7 @@ def _tail_mask(meta: AttnMeta, pblk, rows_t, *, window: int, block_k: int, num_t
 
 def _decode_call(q, kv_flat, table, meta: AttnMeta, *, page_size: int, num_keys: int,
                  window: int, scale: float, block_k: int, num_splits: int, interpret: bool,
-                 num_warps: int | None, num_stages: int, prefetch=None, prefetch_fraction: float = 0.0,
-                 prefetch_programs: int = 0):
+                 num_warps: int | None, num_stages: int):
     """q [B,T,H,Dh]; kv_flat [num_pages*P, 2, Hkv, Dh]; table [B, G]. -> [B,T,H,Dh]."""
     B, T, H, Dh = q.shape
     Hkv = kv_flat.shape[2]
@@ -228,26 +184,21 @@ def _decode_call(q, kv_flat, table, meta: AttnMeta, *, page_size: int, num_keys:
                            num_tail=num_tail, num_keys=num_keys)  # [B, R, C]
     C = tail_mask.shape[-1]
 
-    whole = pl.BlockSpec()  # the whole array, indexed inside the kernel
-    groups = B * Hkv * (R // BR)
-    pf = _prefetch_plan(prefetch, prefetch_fraction, prefetch_programs, groups)
     kernel = functools.partial(
         _decode_kernel, scale=scale, block_k=block_k, page_size=page_size,
         dense=meta.page_table is None,
         num_pages=kv_flat.shape[0] // page_size, num_keys=num_keys, window=window,
-        num_splits=num_splits, **(pf["kw"] if pf else {}))
-    NS = num_splits
-    grid_s = NS + (pf["kw"]["prefetch_splits"] if pf else 0)
-    split = (lambda s: jnp.minimum(s, NS - 1)) if pf else (lambda s: s)
+        num_splits=num_splits)
+    whole = pl.BlockSpec()  # the whole array, indexed inside the kernel
     params = None
     if not interpret:
         from jax.experimental.pallas import triton as plt
         if num_warps is None:  # 4 warps hold a [BR, Dh] f32 accumulator up to 32 x 128
             num_warps = 4 if BR * Dh <= 32 * 128 else 8
         params = plt.CompilerParams(num_warps=num_warps, num_stages=num_stages)
-    outs = pl.pallas_call(
+    o, m, l = pl.pallas_call(
         kernel,
-        grid=(B, Hkv, R // BR, grid_s),
+        grid=(B, Hkv, R // BR, num_splits),
         in_specs=[
             whole,  # bounds
             whole,  # page table
@@ -255,70 +206,31 @@ def _decode_call(q, kv_flat, table, meta: AttnMeta, *, page_size: int, num_keys:
             pl.BlockSpec((None, BR), lambda b, h, r, s: (b, r)),  # q positions
             pl.BlockSpec((None, BR, C), lambda b, h, r, s: (b, r, 0)),  # tail mask
             whole,  # kv pool
-        ] + ([whole] if pf else []),  # prefetch view
+        ],
         out_specs=[
-            pl.BlockSpec((None, None, None, BR, Dh), lambda b, h, r, s: (b, h, split(s), r, 0)),
-            pl.BlockSpec((None, None, None, BR), lambda b, h, r, s: (b, h, split(s), r)),
-            pl.BlockSpec((None, None, None, BR), lambda b, h, r, s: (b, h, split(s), r)),
-        ] + ([whole] if pf else []),  # prefetch sink
+            pl.BlockSpec((None, None, None, BR, Dh), lambda b, h, r, s: (b, h, s, r, 0)),
+            pl.BlockSpec((None, None, None, BR), lambda b, h, r, s: (b, h, s, r)),
+            pl.BlockSpec((None, None, None, BR), lambda b, h, r, s: (b, h, s, r)),
+        ],
         out_shape=[
-            jax.ShapeDtypeStruct((B, Hkv, NS, R, Dh), jnp.float32),
-            jax.ShapeDtypeStruct((B, Hkv, NS, R), jnp.float32),
-            jax.ShapeDtypeStruct((B, Hkv, NS, R), jnp.float32),
-        ] + ([jax.ShapeDtypeStruct((pf["programs"],), jnp.float32)] if pf else []),
+            jax.ShapeDtypeStruct((B, Hkv, num_splits, R, Dh), jnp.float32),
+            jax.ShapeDtypeStruct((B, Hkv, num_splits, R), jnp.float32),
+            jax.ShapeDtypeStruct((B, Hkv, num_splits, R), jnp.float32),
+        ],
         interpret=interpret,
         compiler_params=params,
         name="jspec_decode_attention",
-    )(bounds, table.astype(jnp.int32), qt, qpos, tail_mask, kv_flat, *([pf["view"]] if pf else []))
-    o, m, l = outs[:3]
+    )(bounds, table.astype(jnp.int32), qt, qpos, tail_mask, kv_flat)
 
-    o = merge_splits(o[:, :, :, :rows], m[:, :, :, :rows], l[:, :, :, :rows])  # [B, Hkv, rows, Dh]
-    o = o.reshape(B, Hkv, T, Gq, Dh).transpose(0, 2, 1, 3, 4)
-    return o.reshape(B, T, H, Dh).astype(q.dtype)
-
-
-def _combine(a, b):
-    """Two partial softmax results (o, m, l) -> one, rescaled to the larger running max."""
-    (oa, ma, la), (ob, mb, lb) = a, b
-    mx = jnp.maximum(ma, mb)
-    wa, wb = jnp.exp(ma - mx), jnp.exp(mb - mx)
-    return oa * wa + ob * wb, mx, la * wa + lb * wb
-
-
-def merge_splits(o, m, l):
-    """Normalised attention from per-split partials: o [B,Hkv,NS,R,Dh] (unnormalised), m, l
-    [B,Hkv,NS,R] (running max, sum of exponentials) -> [B,Hkv,R,Dh] float32; rows that saw
-    no key give 0.
-
-    One variadic reduction over the splits with `_combine` as its reducer, so XLA makes a
-    single kernel of it (the max first and the weighted sums after make two)."""
-    mb = jnp.broadcast_to(m[..., None], o.shape)
-    lb = jnp.broadcast_to(l[..., None], o.shape)
-    o, _, l = lax.reduce((o, mb, lb), (0.0, NEG_INF, 0.0), _combine, (2,))
-    return o / jnp.where(l > 0, l, 1.0)
-
-
-def merge_splits_two_pass(o, m, l):
-    """`merge_splits` as a max, then weighted sums (XLA: two kernels). For comparison."""
-    w = jnp.exp(m - jnp.max(m, axis=2, keepdims=True))  # [B, Hkv, NS, R]
+    # Merge the splits: weights exp(m_s - max_s m_s); rows that saw nothing give 0. (XLA
+    # makes two small kernels of this; a Pallas merge kernel was slower, docs/benchmarks.md.)
+    m_max = jnp.max(m, axis=2, keepdims=True)
+    w = jnp.exp(m - m_max)  # [B, Hkv, NS, R]
     l_sum = jnp.sum(w * l, axis=2)  # [B, Hkv, R]
     o = jnp.sum(w[..., None] * o, axis=2)  # [B, Hkv, R, Dh]
-    return o / jnp.where(l_sum > 0, l_sum, 1.0)[..., None]
-
-
-def _prefetch_plan(w, fraction: float, programs: int, groups: int):
-    """How prefetch programs split the first `fraction` of array w (None: no prefetch):
-    the [rows, PF_COLS] view (a free reshape; None when w's size does not allow one), the
-    programs (a multiple of `groups`, the attention programs per split) and rows each."""
-    if w is None or fraction <= 0 or programs <= 0 or w.size % (PF_COLS * PF_ROWS):
-        return None
-    view = w.reshape(-1, PF_COLS)
-    limit = max(PF_ROWS, min(view.shape[0], int(view.shape[0] * fraction)) // PF_ROWS * PF_ROWS)
-    per_group = -(-programs // groups)
-    total = per_group * groups
-    rows = -(-limit // (total * PF_ROWS)) * PF_ROWS
-    return {"view": view, "programs": total,
-            "kw": dict(prefetch_splits=per_group, rows_per_program=rows, prefetch_limit=limit)}
+    o = o / jnp.where(l_sum > 0, l_sum, 1.0)[..., None]
+    o = o[:, :, :rows].reshape(B, Hkv, T, Gq, Dh).transpose(0, 2, 1, 3, 4)
+    return o.reshape(B, T, H, Dh).astype(q.dtype)
 
 
 # --------------------------------------------------------------------------- public
@@ -390,8 +302,7 @@ def is_supported(q, kv_buf, meta: AttnMeta, *, window: int = 0) -> bool:
 def paged_decode_attention(q, kv_buf, meta: AttnMeta, *, window: int = 0, scale: float,
                            interpret: bool | None = None, block_k: int | None = None,
                            num_splits: int | None = None, num_warps: int | None = None,
-                           num_stages: int = 2, prefetch=None, prefetch_fraction: float | None = None,
-                           prefetch_programs: int | None = None):
+                           num_stages: int = 2):
     """Attention of q [B,T,H,Dh] over a cache that already holds the new keys.
 
     kv_buf: keys and values, dense [B,S,2,Hkv,Dh] (meta.page_table None) or a paged pool
@@ -430,6 +341,4 @@ def paged_decode_attention(q, kv_buf, meta: AttnMeta, *, window: int = 0, scale:
     return _decode_call(q, kv_flat, table, meta, page_size=page_size, num_keys=num_keys,
                         window=window, scale=float(scale), block_k=block_k,
                         num_splits=num_splits, interpret=interpret, num_warps=num_warps,
-                        num_stages=num_stages, prefetch=prefetch,
-                        prefetch_fraction=PREFETCH_FRACTION if prefetch_fraction is None else prefetch_fraction,
-                        prefetch_programs=PREFETCH_PROGRAMS if prefetch_programs is None else prefetch_programs)
+                        num_stages=num_stages)

@@ -105,10 +105,8 @@ class Attention(nn.Module):
                 raise ValueError("attention without a cache needs a prefill AttnMeta")
         else:  # keys and values of a slot sit side by side: one write
             kv = write_kv(kv, jnp.stack([k, v], axis=2), meta.write_index, meta.page_table is None)
-        o_proj = Linear(c.hidden_size, c.o_bias, c.dtype, name="o_proj")
-        w_o = None if self.is_initializing() else o_proj.variables["params"]["kernel"]
-        o = attention(q, k, v, kv, meta, window=self.window, scale=Dh ** -0.5, prefetch=w_o)
-        out = o_proj(o.reshape(B, T, H * Dh))
+        o = attention(q, k, v, kv, meta, window=self.window, scale=Dh ** -0.5)
+        out = Linear(c.hidden_size, c.o_bias, c.dtype, name="o_proj")(o.reshape(B, T, H * Dh))
         return out, kv
 
 
