@@ -1,20 +1,25 @@
 """Decode-step variants side by side in one process (H200): the batch-1 Llama-3.1-8B step
 (random bf16 weights, context 1k) timed for each variant of the attention kernel's
-launch parameters, with per-kernel times from a profiler trace.
+launch parameters, or of the loop (PATCHES), with per-kernel times from a profiler trace.
 
-Run: PYTHONPATH=. python3 benchmarks/decode_sweep.py [batch] [variant ...]   (default: all)
+Run: PYTHONPATH=. python3 benchmarks/decode_sweep.py [batch] [variant ...]   (default: all;
+JSPEC_BENCH_TAG names the output file, XLA_FLAGS may vary per run)
 """
 from __future__ import annotations
 
+import contextlib
 import functools
+import os
 import sys
 import tempfile
+from unittest import mock
 
 import jax
 
 from benchmarks.bench_8b import prompts
 from benchmarks.common import LLAMA31_8B, Runner, env_info, random_params, save_json
 from benchmarks.profile_decode import kernel_table
+from jspec import sampling
 from jspec.kernels import decode_attention as da
 from jspec.kernels import dispatch
 
@@ -29,21 +34,39 @@ VARIANTS = {
     "bk128_w2": {"block_k": 128, "num_warps": 2},
     "bk256_s5": {"block_k": 256, "num_splits": 5},
     "default_again": {},
+    "s1": {"num_splits": 1},  # one program per (row, kv head): nothing to merge
+    "s1_bk64": {"block_k": 64, "num_splits": 1},
+    "s1_bk256": {"block_k": 256, "num_splits": 1},
+    "s1_st3": {"num_splits": 1, "num_stages": 3},
+    "s2": {"num_splits": 2},
+}
+
+
+def _argmax_only(logits, *_):
+    return jax.numpy.argmax(logits, axis=-1).astype(jax.numpy.int32)
+
+
+# name -> a context manager changing the loop (measures what a part of the step costs)
+PATCHES = {
+    "greedy_only": lambda: mock.patch.object(sampling, "sample", _argmax_only),  # no sampling branch
 }
 
 
 def main(batch: int = 1, names=None):
-    res = {"env": env_info(), "batch": batch, "rows": {}}
+    tag = os.environ.get("JSPEC_BENCH_TAG", "")
+    res = {"env": env_info(), "batch": batch, "xla_flags": os.environ.get("XLA_FLAGS", ""), "rows": {}}
     print(res["env"], flush=True)
     target = random_params(LLAMA31_8B)
     orig = da.paged_decode_attention
-    for name, kw in VARIANTS.items():
+    variants = {**VARIANTS, **{k: {} for k in PATCHES}}
+    for name, kw in variants.items():
         if names and name not in names:
             continue
         jax.clear_caches()
         da.paged_decode_attention = functools.partial(orig, **(kw or {}))
         try:
-            with dispatch.use_backend("reference" if kw is None else "auto"):
+            with dispatch.use_backend("reference" if kw is None else "auto"), \
+                    PATCHES.get(name, contextlib.nullcontext)():
                 r = Runner(target, prompts(batch), 144)
             per, _, _ = r.per_round(16, 144)
             r.run(40)
@@ -65,7 +88,7 @@ def main(batch: int = 1, names=None):
                              "kernels": sorted(per_step.items(), key=lambda x: -x[1][1])[:40]}
         print(f"{name:14s} {per * 1e3:7.3f} ms/step  attention kernel {attn:6.1f} us/step  {kernels:5.0f} kernels/step",
               flush=True)
-        save_json(f"decode_sweep_b{batch}.json", res)
+        save_json(f"decode_sweep_b{batch}{'_' + tag if tag else ''}.json", res)
         del r
     print("\n".join(f"{k:14s} {v['ms_per_step']:7.3f} {v['attention_us']:6.1f}" for k, v in res["rows"].items()))
 

@@ -308,7 +308,8 @@ def _outputs(params, plan, res, lens, is_batch, *, compile_s, run_s) -> Generate
         g = int(res["generated"][i])
         tokens.append([int(t) for t in res["tokens"][i, l: l + g]])
         reasons.append(loop.FINISH_REASONS[int(res["reason"][i])])
-        accept.append([int(a) for a in res["hist"][i, : int(res["rounds"][i])]])
+        rounds = int(res["rounds"][i])
+        accept.append([int(a) for a in res["hist"][i, :rounds]] if plan.draft else [1] * rounds)
     total = sum(len(t) for t in tokens)
     all_rounds = [a for row in accept for a in row]
     hist: dict[int, int] = {}

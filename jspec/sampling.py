@@ -34,11 +34,15 @@ def filter_logits(logits, temperature, top_k, top_p):
     return jnp.where(x >= threshold, x, -jnp.inf)
 
 
-def sample(logits, temperature, top_k, top_p, keys):
-    """logits [B,V] float32 -> token ids [B] int32 (greedy where temperature == 0)."""
+def sample(logits, temperature, top_k, top_p, seeds, counter):
+    """logits [B,V] float32 -> token ids [B] int32 (greedy where temperature == 0).
+
+    Row b draws with the key `row_keys(seeds, counter)[b]`, derived only when some row
+    samples: an all-greedy step runs the argmax alone."""
     greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
 
     def draw(_):
+        keys = row_keys(seeds, counter)
         x = filter_logits(logits, temperature, top_k, top_p)
         drawn = jax.vmap(lambda k, row: jax.random.categorical(k, row))(keys, x).astype(jnp.int32)
         return jnp.where(temperature > 0, drawn, greedy)

@@ -21,8 +21,8 @@ Design (flash decoding):
   hold prefix keys only and need no mask (at most the window test); the few blocks from
   pblk on (at most cdiv(Tl + BK - 1, BK)) take an int8 mask [BR, BK] cut from `tail_mask`,
   which the wrapper builds with the exact rule of the reference.
-- Each split writes its unnormalised output and its softmax max / sum; a jnp step merges
-  the splits (log-sum-exp) and normalises.
+- Each split writes its output normalised over its own keys and the log of its softmax
+  denominator (lse); `merge_splits` combines the splits (log-sum-exp weights).
 
 A query row that sees no key at all gets zeros (the reference gives a meaningless
 uniform average there).
@@ -56,7 +56,7 @@ def decode_attention_reference(q, kv_buf, meta: AttnMeta, *, window: int = 0, sc
 # --------------------------------------------------------------------------- kernel
 
 def _decode_kernel(bounds_ref, table_ref, q_ref, qpos_ref, tail_mask_ref, kv_ref,
-                   o_ref, m_ref, l_ref, *, scale: float, block_k: int, page_size: int, dense: bool,
+                   o_ref, lse_ref, *, scale: float, block_k: int, page_size: int, dense: bool,
                    num_pages: int, num_keys: int, window: int, num_splits: int):
     """One (batch row b, kv head h, query-row block, split s).
 
@@ -65,7 +65,8 @@ def _decode_kernel(bounds_ref, table_ref, q_ref, qpos_ref, tail_mask_ref, kv_ref
     q_ref [BR, Dh]; qpos_ref [BR] int32; tail_mask_ref [BR, C] int8 (C = NL*BK).
     kv_ref [num_pages * P, 2, Hkv, Dh]: the pool, flattened over pages (keys at [:, 0],
     values at [:, 1]). dense: one page per row (table[b, 0] = b), so no table lookup.
-    o_ref [BR, Dh] float32 (unnormalised); m_ref, l_ref [BR] float32.
+    o_ref [BR, Dh] float32: this split's softmax-weighted values (normalised over its keys);
+    lse_ref [BR] float32: log of its softmax denominator (NEG_INF where it saw no key).
     """
     b, h, s = pl.program_id(0), pl.program_id(1), pl.program_id(3)
     wblk, pblk, eblk = bounds_ref[b, 0], bounds_ref[b, 1], bounds_ref[b, 2]
@@ -119,9 +120,9 @@ def _decode_kernel(bounds_ref, table_ref, q_ref, qpos_ref, tail_mask_ref, kv_ref
     carry = lax.fori_loop(lo, jnp.minimum(hi, pblk), prefix_block, carry)
     carry = lax.fori_loop(jnp.maximum(lo, pblk), hi, tail_block, carry)
     acc, m, l = carry
-    o_ref[...] = acc
-    m_ref[...] = m
-    l_ref[...] = l
+    seen = l > 0
+    o_ref[...] = acc / jnp.where(seen, l, 1.0)[:, None]
+    lse_ref[...] = jnp.where(seen, m + jnp.log(jnp.where(seen, l, 1.0)), NEG_INF)
 
 
 # --------------------------------------------------------------------------- wrapper
@@ -196,7 +197,7 @@ def _decode_call(q, kv_flat, table, meta: AttnMeta, *, page_size: int, num_keys:
         if num_warps is None:  # 4 warps hold a [BR, Dh] f32 accumulator up to 32 x 128
             num_warps = 4 if BR * Dh <= 32 * 128 else 8
         params = plt.CompilerParams(num_warps=num_warps, num_stages=num_stages)
-    o, m, l = pl.pallas_call(
+    o, lse = pl.pallas_call(
         kernel,
         grid=(B, Hkv, R // BR, num_splits),
         in_specs=[
@@ -210,11 +211,9 @@ def _decode_call(q, kv_flat, table, meta: AttnMeta, *, page_size: int, num_keys:
         out_specs=[
             pl.BlockSpec((None, None, None, BR, Dh), lambda b, h, r, s: (b, h, s, r, 0)),
             pl.BlockSpec((None, None, None, BR), lambda b, h, r, s: (b, h, s, r)),
-            pl.BlockSpec((None, None, None, BR), lambda b, h, r, s: (b, h, s, r)),
         ],
         out_shape=[
             jax.ShapeDtypeStruct((B, Hkv, num_splits, R, Dh), jnp.float32),
-            jax.ShapeDtypeStruct((B, Hkv, num_splits, R), jnp.float32),
             jax.ShapeDtypeStruct((B, Hkv, num_splits, R), jnp.float32),
         ],
         interpret=interpret,
@@ -222,15 +221,21 @@ def _decode_call(q, kv_flat, table, meta: AttnMeta, *, page_size: int, num_keys:
         name="jspec_decode_attention",
     )(bounds, table.astype(jnp.int32), qt, qpos, tail_mask, kv_flat)
 
-    # Merge the splits: weights exp(m_s - max_s m_s); rows that saw nothing give 0. (XLA
-    # makes two small kernels of this; a Pallas merge kernel was slower, docs/benchmarks.md.)
-    m_max = jnp.max(m, axis=2, keepdims=True)
-    w = jnp.exp(m - m_max)  # [B, Hkv, NS, R]
-    l_sum = jnp.sum(w * l, axis=2)  # [B, Hkv, R]
-    o = jnp.sum(w[..., None] * o, axis=2)  # [B, Hkv, R, Dh]
-    o = o / jnp.where(l_sum > 0, l_sum, 1.0)[..., None]
-    o = o[:, :, :rows].reshape(B, Hkv, T, Gq, Dh).transpose(0, 2, 1, 3, 4)
+    o = merge_splits(o[:, :, :, :rows], lse[:, :, :, :rows])  # [B, Hkv, rows, Dh]
+    o = o.reshape(B, Hkv, T, Gq, Dh).transpose(0, 2, 1, 3, 4)
     return o.reshape(B, T, H, Dh).astype(q.dtype)
+
+
+def merge_splits(o, lse):
+    """o [B,Hkv,NS,R,Dh] (each split normalised over its keys), lse [B,Hkv,NS,R] -> the
+    attention over all keys [B,Hkv,R,Dh]; a row that saw no key gets 0.
+
+    XLA makes two small kernels of this (the max, then the weighted sums). Splits that
+    arrive normalised make the second one cheaper than merging raw sums (0.3 us a layer
+    on the H200); one variadic reduction and a Pallas merge kernel measured slower
+    (docs/benchmarks.md)."""
+    w = jnp.exp(lse - jnp.max(lse, axis=2, keepdims=True))  # [B, Hkv, NS, R]
+    return jnp.sum(w[..., None] * o, axis=2) / jnp.sum(w, axis=2)[..., None]
 
 
 # --------------------------------------------------------------------------- public

@@ -67,14 +67,14 @@ class RMSNorm(nn.Module):
 
 
 def apply_rope(x, positions, inv_freq: np.ndarray):
-    """x [B,T,h,Dh] rotated by positions [B,T] (rotate-half layout, as transformers)."""
-    freqs = positions.astype(jnp.float32)[..., None] * jnp.asarray(inv_freq)[None, None, :]
-    emb = jnp.concatenate([freqs, freqs], axis=-1)  # [B,T,Dh]
-    cos = jnp.cos(emb).astype(x.dtype)[:, :, None, :]
-    sin = jnp.sin(emb).astype(x.dtype)[:, :, None, :]
+    """x [B,T,h,Dh] rotated by positions [B,T] (rotate-half layout, as transformers:
+    x * [cos, cos] + [-x2, x1] * [sin, sin], computed per half with the same roundings)."""
+    freqs = positions.astype(jnp.float32)[..., None] * jnp.asarray(inv_freq)[None, None, :]  # [B,T,Dh/2]
+    cos = jnp.cos(freqs).astype(x.dtype)[:, :, None, :]
+    sin = jnp.sin(freqs).astype(x.dtype)[:, :, None, :]
     half = x.shape[-1] // 2
-    rotated = jnp.concatenate([-x[..., half:], x[..., :half]], axis=-1)
-    return x * cos + rotated * sin
+    x1, x2 = x[..., :half], x[..., half:]
+    return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
 
 
 class Attention(nn.Module):

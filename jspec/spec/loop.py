@@ -12,6 +12,7 @@ and tokens[b, L] is the root, the newest token, not yet in the target cache.
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -79,6 +80,7 @@ class Plan:
 @struct.dataclass
 class LoopState:
     tokens: jax.Array  # [B, C] prompt + generated; tokens[b, L[b]] is the root
+    root: jax.Array  # [B] the root, kept apart so a round needs no gather from tokens
     L: jax.Array  # [B] committed target slots
     generated: jax.Array  # [B] tokens emitted
     finished: jax.Array  # [B] bool
@@ -90,7 +92,7 @@ class LoopState:
     root_probs: jax.Array  # [B, K]
     root_hidden: jax.Array  # [B, Dd] the draft hidden that produced them
     rounds: jax.Array  # [B] verify rounds run
-    hist: jax.Array  # [B, R] accept length per round
+    hist: jax.Array  # [B, R] accept length per round ([B, 0] without a draft: always 1)
     step: jax.Array  # [] rounds of the loop
 
 
@@ -250,7 +252,7 @@ def _round(plan: Plan, tw, dw, inp, st: LoopState) -> LoopState:
     active = ~st.finished
     st, active = _ensure_capacity(plan, inp, st, st.L + plan.slack, active,
                                   -(-plan.slack // max(plan.page_size, 1)) + 1)
-    root = jnp.take_along_axis(st.tokens, st.L[:, None], axis=1)[:, 0]
+    root = st.root
 
     # Draft.
     if plan.draft is None:
@@ -272,8 +274,8 @@ def _round(plan: Plan, tw, dw, inp, st: LoopState) -> LoopState:
 
     # Accept.
     if plan.draft is None:
-        keys = sampling.row_keys(inp["seed"], st.step + 1)
-        bonus = sampling.sample(logits[:, 0], inp["temperature"], inp["top_k"], inp["top_p"], keys)
+        bonus = sampling.sample(logits[:, 0], inp["temperature"], inp["top_k"], inp["top_p"], inp["seed"],
+                                st.step + 1)
         accept_len = jnp.ones((B,), jnp.int32)
         path = jnp.zeros((B, 1), jnp.int32)
     else:
@@ -295,9 +297,10 @@ def _round(plan: Plan, tw, dw, inp, st: LoopState) -> LoopState:
     emitted = jnp.where(j == m[:, None], bonus[:, None], nxt)  # [B,S+1], valid j <= m
     st, n_emit = _emit(plan, inp, st, emitted, accept_len, active)
     newly_done = active & st.finished
-    st = st.replace(L=jnp.where(active, st.L + accept_len, st.L),
-                    hist=st.hist.at[jnp.arange(B), jnp.where(active, st.rounds, plan.max_rounds)].set(
-                        accept_len, mode="drop"),
+    if plan.draft is not None:  # plain decoding accepts one token a round: no histogram to keep
+        st = st.replace(hist=st.hist.at[jnp.arange(B), jnp.where(active, st.rounds, plan.max_rounds)].set(
+            accept_len, mode="drop"))
+    st = st.replace(L=jnp.where(active, st.L + accept_len, st.L), root=jnp.where(active, bonus, st.root),
                     rounds=st.rounds + active.astype(jnp.int32))
 
     # Draft-extend on the committed tokens, with the target's features along the path.
@@ -328,11 +331,17 @@ def _compact(plan: Plan, tcache, st: LoopState, path, accept_len, active):
 
 def _emit(plan: Plan, inp, st: LoopState, emitted, count, active):
     """Writes up to `count` [B] tokens after the root, stopping at a stop token or the
-    request's max_new_tokens; marks finished rows."""
+    request's max_new_tokens; marks finished rows. The stop ids and the E emitted slots
+    are few and static: unrolled comparisons instead of reductions let XLA compute all
+    of this in a few fused kernels."""
     B, E = emitted.shape
+    stop_ids = inp["stop_ids"]
     j = jnp.arange(E)[None, :]
-    is_stop = (emitted[:, :, None] == inp["stop_ids"][None, None, :]).any(-1) & (j < count[:, None])
-    first_stop = jnp.where(is_stop.any(1), jnp.argmax(is_stop, axis=1), E)
+    is_stop = functools.reduce(jnp.logical_or, [emitted == stop_ids[k] for k in range(stop_ids.shape[0])])
+    is_stop = is_stop & (j < count[:, None])  # [B, E]
+    first_stop = jnp.full((B,), E, jnp.int32)
+    for i in reversed(range(E)):
+        first_stop = jnp.where(is_stop[:, i], i, first_stop)
     budget = inp["max_new"] - st.generated
     n = jnp.minimum(jnp.minimum(count, first_stop + 1), budget)
     n = jnp.where(active, n, 0)
@@ -365,12 +374,11 @@ def _prefill(plan: Plan, tw, dw, inp, st: LoopState) -> LoopState:
     hidden, aux, tcache = tgt.forward(tw, plan.target, prompt, st.tcache, meta, capture)
     last = jnp.take_along_axis(hidden, (lens - 1)[:, None, None], axis=1)[:, 0]
     logits = tgt.logits(tw, plan.target, last)
-    first = sampling.sample(logits, inp["temperature"], inp["top_k"], inp["top_p"],
-                            sampling.row_keys(inp["seed"], 0))
+    first = sampling.sample(logits, inp["temperature"], inp["top_k"], inp["top_p"], inp["seed"], 0)
     tokens = st.tokens.at[:, :T].set(prompt)
     st = st.replace(tcache=tcache, tokens=tokens, L=lens - 1)  # _emit writes after L
     st, _ = _emit(plan, inp, st, first[:, None], jnp.ones((B,), jnp.int32), active)
-    st = st.replace(L=lens)
+    st = st.replace(L=lens, root=first)
     if plan.draft is not None:
         feats = drafts.target_features(plan.draft, hidden, aux)
         st = _draft_extend(plan, dw, tw, st, jnp.zeros_like(lens), prompt, feats, lens, first,
@@ -398,12 +406,13 @@ def init_state(plan: Plan, inp) -> LoopState:
         Dd = m.hidden_size
     real = inp["real"]
     return LoopState(
-        tokens=jnp.zeros((B, plan.buffer_len), jnp.int32), L=jnp.zeros((B,), jnp.int32),
+        tokens=jnp.zeros((B, plan.buffer_len), jnp.int32), root=jnp.zeros((B,), jnp.int32),
+        L=jnp.zeros((B,), jnp.int32),
         generated=jnp.zeros((B,), jnp.int32), finished=~real, reason=jnp.zeros((B,), jnp.int32),
         tcache=tcache, dcache=dcache, pages=pages,
         root_tokens=jnp.zeros((B, plan.K), jnp.int32), root_probs=jnp.zeros((B, plan.K), jnp.float32),
         root_hidden=jnp.zeros((B, Dd), c.jnp_dtype), rounds=jnp.zeros((B,), jnp.int32),
-        hist=jnp.zeros((B, plan.max_rounds), jnp.int32), step=jnp.int32(0))
+        hist=jnp.zeros((B, plan.max_rounds if plan.draft else 0), jnp.int32), step=jnp.int32(0))
 
 
 def run(plan: Plan, tw, dw, inp) -> LoopState:
