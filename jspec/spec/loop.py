@@ -374,7 +374,10 @@ def _prefill(plan: Plan, tw, dw, inp, st: LoopState) -> LoopState:
     hidden, aux, tcache = tgt.forward(tw, plan.target, prompt, st.tcache, meta, capture)
     last = jnp.take_along_axis(hidden, (lens - 1)[:, None, None], axis=1)[:, 0]
     logits = tgt.logits(tw, plan.target, last)
-    first = sampling.sample(logits, inp["temperature"], inp["top_k"], inp["top_p"], inp["seed"], 0)
+    if plan.draft is None:
+        first = sampling.sample(logits, inp["temperature"], inp["top_k"], inp["top_p"], inp["seed"], 0)
+    else:  # speculative programs are greedy (api refuses a temperature): no sampling branch to compile
+        first = jnp.argmax(logits, axis=-1).astype(jnp.int32)
     tokens = st.tokens.at[:, :T].set(prompt)
     st = st.replace(tcache=tcache, tokens=tokens, L=lens - 1)  # _emit writes after L
     st, _ = _emit(plan, inp, st, first[:, None], jnp.ones((B,), jnp.int32), active)
