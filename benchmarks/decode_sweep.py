@@ -20,6 +20,7 @@ from benchmarks.bench_8b import prompts
 from benchmarks.common import LLAMA31_8B, Runner, env_info, random_params, save_json
 from benchmarks.profile_decode import kernel_table
 from jspec import sampling
+from jspec.models import llama
 from jspec.kernels import decode_attention as da
 from jspec.kernels import dispatch
 
@@ -49,6 +50,7 @@ def _argmax_only(logits, *_):
 # name -> a context manager changing the loop (measures what a part of the step costs)
 PATCHES = {
     "greedy_only": lambda: mock.patch.object(sampling, "sample", _argmax_only),  # no sampling branch
+    "no_parking": lambda: mock.patch.object(llama, "uses_kernel", lambda *a, **k: False),  # q not in the cache
 }
 
 
@@ -84,10 +86,13 @@ def main(batch: int = 1, names=None):
         per_step = {n: (c / steps, t / steps) for n, (c, t) in stats.items()}
         attn = sum(t for n, (c, t) in per_step.items() if "attention" in n)
         kernels = sum(c for c, t in per_step.values())
+        tokens = out["tokens"].tolist()
+        first = res.setdefault("tokens", tokens)
         res["rows"][name] = {"kw": kw, "ms_per_step": per * 1e3, "attention_us": attn, "kernels_per_step": kernels,
+                             "same_tokens_as_first_variant": tokens == first,
                              "kernels": sorted(per_step.items(), key=lambda x: -x[1][1])[:40]}
-        print(f"{name:14s} {per * 1e3:7.3f} ms/step  attention kernel {attn:6.1f} us/step  {kernels:5.0f} kernels/step",
-              flush=True)
+        print(f"{name:14s} {per * 1e3:7.3f} ms/step  attention kernel {attn:6.1f} us/step  {kernels:5.0f} kernels/step"
+              f"  same tokens: {tokens == first}", flush=True)
         save_json(f"decode_sweep_b{batch}{'_' + tag if tag else ''}.json", res)
         del r
     print("\n".join(f"{k:14s} {v['ms_per_step']:7.3f} {v['attention_us']:6.1f}" for k, v in res["rows"].items()))

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 import jspec
@@ -30,3 +31,60 @@ def test_model_through_pallas_kernels_equals_reference(target, monkeypatch):
     jax.clear_caches()
     np.testing.assert_allclose(np.asarray(jspec.logits(target, PROMPTS[0])), lg_ref, atol=1e-5)
     jax.clear_caches()
+
+
+def _parked_case(B, T, prefix):
+    """A dense cache with T new tokens written after `prefix` [B], their queries parked."""
+    from jspec.cache import kv as kvc
+    H, Hkv, Dh, S = 6, 2, 16, 40  # 3 query heads per kv head; T * 6 heads fill slots unevenly
+    rng = np.random.default_rng(B * 10 + T)
+    buf = jnp.asarray(rng.standard_normal((B, S + 1, 2, Hkv, Dh)), jnp.float32)
+    q = jnp.asarray(rng.standard_normal((B, T, H, Dh)), jnp.float32)
+    new = jnp.asarray(rng.standard_normal((B, T, 2, Hkv, Dh)), jnp.float32)
+    prefix = jnp.asarray(prefix, jnp.int32)
+    pos = prefix[:, None] + jnp.arange(T)[None]
+    meta = kvc.make_meta(kvc.KVCache(kv=(buf,)), positions=pos, prefix_len=prefix,
+                         local_mask=jnp.tril(jnp.ones((T, T), bool))[None].repeat(B, 0),
+                         write_valid=jnp.ones((B, T), bool), q_room=True)
+    rows, index = kvc.with_queries(new, q, meta, buf)
+    assert rows.shape[1] == T + kvc.query_slots(T, H, Hkv)
+    return q, meta, kvc.write_kv(buf, rows, index, True), kvc.write_kv(buf, new, meta.write_index, True)
+
+
+def test_parked_queries_equal_passed_queries():
+    """The kernel reading queries parked in the cache (after the local block) gives what
+    it gives with the queries passed in, and the parking leaves every key slot the
+    attention reads untouched (batch 1: one block update; batch 3: a scatter)."""
+    from jspec.kernels import decode_attention as da
+    for B, T, prefix in [(1, 1, [9]), (1, 3, [20]), (3, 2, [0, 17, 30])]:
+        q, meta, parked, plain = _parked_case(B, T, prefix)
+        got = da.paged_decode_attention(q, parked, meta, scale=0.25, interpret=True, q_in_cache=True)
+        want = da.paged_decode_attention(q, plain, meta, scale=0.25, interpret=True)
+        np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-5)
+        for b, p in enumerate(prefix):
+            np.testing.assert_array_equal(np.asarray(parked[b, :p + T]), np.asarray(plain[b, :p + T]))
+
+
+def test_spec_and_batch1_through_pallas_kernels_park_queries(target, drafts, hf_greedy, monkeypatch):
+    """Batch-1 decoding, a chain and a tree with the kernels forced to Pallas (interpret)
+    park their queries in the dense cache and still equal the target's greedy output."""
+    from jspec import api
+    from jspec.drafts import load_draft
+    from jspec.kernels import decode_attention
+    monkeypatch.setenv("JSPEC_KERNELS", "pallas")
+    parked = []
+    real = decode_attention.paged_decode_attention
+    monkeypatch.setattr(decode_attention, "paged_decode_attention",
+                        lambda *a, **k: parked.append(k.get("q_in_cache")) or real(*a, **k))
+    api._COMPILED.clear()
+    jax.clear_caches()
+    out = jspec.generate(target, PROMPTS[0], max_new_tokens=6, stop_token_ids=[])
+    assert out.tokens == hf_greedy(PROMPTS[0], 6)
+    p = target.with_draft(load_draft(drafts["eagle3"], target))
+    for spec, prompts in [(jspec.SpecConfig(num_steps=3, topk=1), PROMPTS[:1]),
+                          (jspec.SpecConfig(num_steps=3, topk=2, num_draft_tokens=5), PROMPTS[:2])]:
+        out = jspec.generate(p, prompts, max_new_tokens=8, stop_token_ids=[], spec=spec)
+        assert out.tokens == [hf_greedy(x, 8) for x in prompts]
+    api._COMPILED.clear()
+    jax.clear_caches()
+    assert parked and all(parked)

@@ -58,14 +58,23 @@ def attention_reference(q, k_new, v_new, kv_buf, meta: AttnMeta, *, window: int 
     return _softmax_attend(q, k, v, mask, scale)
 
 
-def attention(q, k_new, v_new, kv_buf, meta: AttnMeta, *, window: int = 0, scale: float):
+def uses_kernel(q, kv_buf, meta: AttnMeta, *, window: int = 0) -> bool:
+    """Whether `attention` takes the Pallas kernel for these arguments (see the dispatch)."""
+    if meta.prefill or dispatch.backend() == "reference":
+        return False
+    from jspec.kernels import decode_attention as da  # imports this module
+
+    return dispatch.want_pallas(dispatch.backend() == "pallas" or da.is_supported(q, kv_buf, meta, window=window))
+
+
+def attention(q, k_new, v_new, kv_buf, meta: AttnMeta, *, window: int = 0, scale: float,
+              q_in_cache: bool = False):
     """Dispatch (see jspec.kernels.dispatch): the Pallas decode kernel for non-prefill calls
     it supports, else the reference. JSPEC_KERNELS=pallas forces the kernel (and raises
-    for arguments it does not take)."""
-    if not meta.prefill and dispatch.backend() != "reference":
-        from jspec.kernels import decode_attention as da  # imports this module
+    for arguments it does not take). q_in_cache: the kernel reads the queries parked in
+    the cache (`jspec.cache.kv.with_queries`) rather than q."""
+    if uses_kernel(q, kv_buf, meta, window=window):
+        from jspec.kernels import decode_attention as da
 
-        supported = dispatch.backend() == "pallas" or da.is_supported(q, kv_buf, meta, window=window)
-        if dispatch.want_pallas(supported):
-            return da.paged_decode_attention(q, kv_buf, meta, window=window, scale=scale)
+        return da.paged_decode_attention(q, kv_buf, meta, window=window, scale=scale, q_in_cache=q_in_cache)
     return attention_reference(q, k_new, v_new, kv_buf, meta, window=window, scale=scale)

@@ -57,12 +57,16 @@ def decode_attention_reference(q, kv_buf, meta: AttnMeta, *, window: int = 0, sc
 
 def _decode_kernel(bounds_ref, table_ref, q_ref, qpos_ref, tail_mask_ref, kv_ref,
                    o_ref, lse_ref, *, scale: float, block_k: int, page_size: int, dense: bool,
-                   num_pages: int, num_keys: int, window: int, num_splits: int):
+                   num_pages: int, num_keys: int, window: int, num_splits: int,
+                   q_in_cache: bool, rows_per_block: int, num_rows: int, num_heads: int):
     """One (batch row b, kv head h, query-row block, split s).
 
-    bounds_ref [B, 3] int32: wblk, pblk, eblk of each row (see the module docstring).
+    bounds_ref [B, 4] int32: wblk, pblk, eblk of each row (see the module docstring) and
+    the slot holding its first query when q_in_cache.
     table_ref [B, G] int32: page table (entries >= num_pages: unallocated, clamped).
-    q_ref [BR, Dh]; qpos_ref [BR] int32; tail_mask_ref [BR, C] int8 (C = NL*BK).
+    q_ref [BR, Dh], or with q_in_cache the dense cache viewed as [B * S' * 2 * Hkv, Dh]
+    (queries parked after the local block, see `jspec.cache.kv.query_slots`; num_rows
+    real rows of T * Gq); qpos_ref [BR] int32; tail_mask_ref [BR, C] int8 (C = NL*BK).
     kv_ref [num_pages * P, 2, Hkv, Dh]: the pool, flattened over pages (keys at [:, 0],
     values at [:, 1]). dense: one page per row (table[b, 0] = b), so no table lookup.
     o_ref [BR, Dh] float32: this split's softmax-weighted values (normalised over its keys);
@@ -74,7 +78,16 @@ def _decode_kernel(bounds_ref, table_ref, q_ref, qpos_ref, tail_mask_ref, kv_ref
     lo = wblk + s * per_split
     hi = jnp.minimum(lo + per_split, eblk)
 
-    q = q_ref[...]  # [BR, Dh]
+    if q_in_cache:  # row i: token i // Gq, head h * Gq + i % Gq, parked in slot order
+        Hkv = kv_ref.shape[2]
+        Gq = num_heads // Hkv
+        i = pl.program_id(2) * rows_per_block + jnp.arange(rows_per_block, dtype=jnp.int32)
+        e = (i // Gq) * num_heads + h * Gq + i % Gq  # query vector index, token-major
+        slot = jnp.minimum(bounds_ref[b, 3] + e // (2 * Hkv), page_size - 1)
+        q = q_ref[(b * page_size + slot) * (2 * Hkv) + e % (2 * Hkv), :]  # [BR, Dh]
+        q = jnp.where((i < num_rows)[:, None], q, jnp.zeros_like(q))
+    else:
+        q = q_ref[...]  # [BR, Dh]
     BR, Dh = q.shape
     offs = jnp.arange(block_k, dtype=jnp.int32)  # [BK]
 
@@ -156,8 +169,9 @@ def _tail_mask(meta: AttnMeta, pblk, rows_t, *, window: int, block_k: int, num_t
 
 def _decode_call(q, kv_flat, table, meta: AttnMeta, *, page_size: int, num_keys: int,
                  window: int, scale: float, block_k: int, num_splits: int, interpret: bool,
-                 num_warps: int | None, num_stages: int):
-    """q [B,T,H,Dh]; kv_flat [num_pages*P, 2, Hkv, Dh]; table [B, G]. -> [B,T,H,Dh]."""
+                 num_warps: int | None, num_stages: int, q_in_cache: bool):
+    """q [B,T,H,Dh]; kv_flat [num_pages*P, 2, Hkv, Dh]; table [B, G]. -> [B,T,H,Dh].
+    q_in_cache: the queries are read from the (dense) cache instead; q gives shapes only."""
     B, T, H, Dh = q.shape
     Hkv = kv_flat.shape[2]
     Gq = H // Hkv  # query heads per kv head
@@ -166,8 +180,11 @@ def _decode_call(q, kv_flat, table, meta: AttnMeta, *, page_size: int, num_keys:
     num_tail = pl.cdiv(Tl + block_k - 1, block_k)  # blocks the local block can touch
 
     # Row r of kv head h's tile is query token r // Gq, query head h * Gq + r % Gq.
-    qt = q.reshape(B, T, Hkv, Gq, Dh).transpose(0, 2, 1, 3, 4).reshape(B, Hkv, rows, Dh)
-    qt = jnp.pad(qt, ((0, 0), (0, 0), (0, R - rows), (0, 0)))  # [B, Hkv, R, Dh]
+    if q_in_cache:
+        qt = kv_flat.reshape(-1, Dh)  # the kernel gathers its rows
+    else:
+        qt = q.reshape(B, T, Hkv, Gq, Dh).transpose(0, 2, 1, 3, 4).reshape(B, Hkv, rows, Dh)
+        qt = jnp.pad(qt, ((0, 0), (0, 0), (0, R - rows), (0, 0)))  # [B, Hkv, R, Dh]
     rows_t = jnp.minimum(jnp.arange(R, dtype=jnp.int32) // Gq, T - 1)  # [R] (pads: copies)
     qpos = meta.positions[:, rows_t]  # [B, R]
 
@@ -180,7 +197,7 @@ def _decode_call(q, kv_flat, table, meta: AttnMeta, *, page_size: int, num_keys:
     if window:  # prefix slots <= min position - window are hidden from every query
         first = jnp.min(meta.positions, axis=1) - window + 1
         wblk = jnp.clip(first // block_k, 0, pblk)
-    bounds = jnp.stack([wblk, pblk, eblk], axis=1).astype(jnp.int32)  # [B, 3]
+    bounds = jnp.stack([wblk, pblk, eblk, prefix + Tl], axis=1).astype(jnp.int32)  # [B, 4]
     tail_mask = _tail_mask(meta, pblk, rows_t, window=window, block_k=block_k,
                            num_tail=num_tail, num_keys=num_keys)  # [B, R, C]
     C = tail_mask.shape[-1]
@@ -189,7 +206,7 @@ def _decode_call(q, kv_flat, table, meta: AttnMeta, *, page_size: int, num_keys:
         _decode_kernel, scale=scale, block_k=block_k, page_size=page_size,
         dense=meta.page_table is None,
         num_pages=kv_flat.shape[0] // page_size, num_keys=num_keys, window=window,
-        num_splits=num_splits)
+        num_splits=num_splits, q_in_cache=q_in_cache, rows_per_block=BR, num_rows=rows, num_heads=H)
     whole = pl.BlockSpec()  # the whole array, indexed inside the kernel
     params = None
     if not interpret:
@@ -203,7 +220,7 @@ def _decode_call(q, kv_flat, table, meta: AttnMeta, *, page_size: int, num_keys:
         in_specs=[
             whole,  # bounds
             whole,  # page table
-            pl.BlockSpec((None, None, BR, Dh), lambda b, h, r, s: (b, h, r, 0)),  # q
+            whole if q_in_cache else pl.BlockSpec((None, None, BR, Dh), lambda b, h, r, s: (b, h, r, 0)),  # q
             pl.BlockSpec((None, BR), lambda b, h, r, s: (b, r)),  # q positions
             pl.BlockSpec((None, BR, C), lambda b, h, r, s: (b, r, 0)),  # tail mask
             whole,  # kv pool
@@ -307,7 +324,7 @@ def is_supported(q, kv_buf, meta: AttnMeta, *, window: int = 0) -> bool:
 def paged_decode_attention(q, kv_buf, meta: AttnMeta, *, window: int = 0, scale: float,
                            interpret: bool | None = None, block_k: int | None = None,
                            num_splits: int | None = None, num_warps: int | None = None,
-                           num_stages: int = 2):
+                           num_stages: int = 2, q_in_cache: bool = False):
     """Attention of q [B,T,H,Dh] over a cache that already holds the new keys.
 
     kv_buf: keys and values, dense [B,S,2,Hkv,Dh] (meta.page_table None) or a paged pool
@@ -315,9 +332,13 @@ def paged_decode_attention(q, kv_buf, meta: AttnMeta, *, window: int = 0, scale:
     interpret None: interpret mode unless the default backend is a GPU. block_k: keys
     per block (power of two >= 16; default DEFAULT_BLOCK_K). num_splits: key splits per (row, kv
     head) (default: enough programs to fill the GPU). num_warps (default 4, or 8 for big
-    row tiles) and num_stages are Triton's.
+    row tiles) and num_stages are Triton's. q_in_cache: a dense cache already holds the
+    queries in the `query_slots(T, H, Hkv)` slots after the local block (see
+    `jspec.cache.kv.query_slots`); q then gives only shapes and dtype.
     """
     _check_args(q, kv_buf, meta, window)
+    if q_in_cache and meta.page_table is not None:
+        raise ValueError("q_in_cache needs a dense cache (paged pools have no room reserved)")
     window = int(window)
     B, T, H, Dh = q.shape
     Hkv = kv_buf.shape[3]
@@ -346,4 +367,4 @@ def paged_decode_attention(q, kv_buf, meta: AttnMeta, *, window: int = 0, scale:
     return _decode_call(q, kv_flat, table, meta, page_size=page_size, num_keys=num_keys,
                         window=window, scale=float(scale), block_k=block_k,
                         num_splits=num_splits, interpret=interpret, num_warps=num_warps,
-                        num_stages=num_stages)
+                        num_stages=num_stages, q_in_cache=q_in_cache)

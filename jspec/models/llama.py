@@ -12,9 +12,9 @@ import jax.numpy as jnp
 import numpy as np
 from flax import linen as nn
 
-from jspec.cache.kv import AttnMeta, KVCache, write_kv
+from jspec.cache.kv import AttnMeta, KVCache, with_queries, write_kv
 from jspec.config import ModelConfig
-from jspec.kernels.attention import attention
+from jspec.kernels.attention import attention, uses_kernel
 
 _init = nn.initializers.normal(0.02)
 
@@ -100,12 +100,18 @@ class Attention(nn.Module):
         inv_freq = c.rope.inv_freq(Dh)
         q = apply_rope(q, meta.positions, inv_freq)
         k = apply_rope(k, meta.positions, inv_freq)
+        # The kernel can read the queries from the cache: parked there in the same write as
+        # the keys and values, they need no kernel of their own (jspec.cache.kv.query_slots).
+        park = kv is not None and meta.q_room and uses_kernel(q, kv, meta, window=self.window)
         if kv is None:  # no cache: the block attends to itself only
             if not meta.prefill:
                 raise ValueError("attention without a cache needs a prefill AttnMeta")
         else:  # keys and values of a slot sit side by side: one write
-            kv = write_kv(kv, jnp.stack([k, v], axis=2), meta.write_index, meta.page_table is None)
-        o = attention(q, k, v, kv, meta, window=self.window, scale=Dh ** -0.5)
+            rows, index = jnp.stack([k, v], axis=2), meta.write_index
+            if park:
+                rows, index = with_queries(rows, q, meta, kv)
+            kv = write_kv(kv, rows, index, meta.page_table is None)
+        o = attention(q, k, v, kv, meta, window=self.window, scale=Dh ** -0.5, q_in_cache=park)
         out = Linear(c.hidden_size, c.o_bias, c.dtype, name="o_proj")(o.reshape(B, T, H * Dh))
         return out, kv
 

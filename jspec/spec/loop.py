@@ -63,10 +63,17 @@ class Plan:
 
     @property
     def slack(self) -> int:
-        """Slots past L that one round may write (verify, draft tree, draft-extend)."""
+        """Slots past L that one round may write (verify, draft tree, draft-extend); dense
+        caches add the slots that park a forward's queries (`kvc.query_slots`)."""
+        q = (lambda T: 0) if self.paged else self._query_slots
         if not self.spec:
-            return 1
-        return max(self.N, self.S + 1 + self.lag, self.lag + (self.S - 1) * self.K)
+            return 1 + q(1)
+        return max(self.N + q(self.N), self.S + 1 + self.lag + q(self.S + 1 + self.lag),
+                   self.lag + (self.S - 1) * self.K + q(self.K))
+
+    def _query_slots(self, T: int) -> int:
+        models = [self.target] + ([self.draft.model] if self.draft else [])
+        return max(kvc.query_slots(T, m.num_heads, m.num_kv_heads) for m in models)
 
     @property
     def pages_per_seq(self) -> int:
@@ -99,7 +106,8 @@ class LoopState:
 # --------------------------------------------------------------------------- helpers
 
 def _meta(plan: Plan, cache, pages, **kw):
-    return kvc.make_meta(cache, page_state=pages, page_size=plan.page_size if plan.paged else 0, **kw)
+    return kvc.make_meta(cache, page_state=pages, page_size=plan.page_size if plan.paged else 0,
+                         q_room=not plan.paged, **kw)
 
 
 def _ensure_capacity(plan: Plan, inp, st: LoopState, need_len, active, max_new_pages: int):
