@@ -21,6 +21,9 @@ A forward pass over T new tokens writes them to consecutive slots and attends to
 *prefix* (slots < prefix_len, all visible) plus a *local block* (the Tl slots from
 prefix_len on, visible per `local_mask`). That one rule covers prefill, decode, chain and
 tree verification and tree drafting. Target and draft caches share one page table.
+
+A dense cache may also carry a forward's queries for the attention kernel, parked in the
+slots after its new tokens by the same write (`with_queries`, `query_slots`).
 """
 from __future__ import annotations
 

@@ -23,6 +23,9 @@ Design (flash decoding):
   which the wrapper builds with the exact rule of the reference.
 - Each split writes its output normalised over its own keys and the log of its softmax
   denominator (lse); `merge_splits` combines the splits (log-sum-exp weights).
+- q_in_cache (dense caches): the queries were parked in the cache right after the local
+  block (`jspec.cache.kv.with_queries`) and each program gathers its query rows there,
+  which spares the kernel that would otherwise build the padded query tile.
 
 A query row that sees no key at all gets zeros (the reference gives a meaningless
 uniform average there).
