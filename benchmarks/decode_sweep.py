@@ -18,11 +18,12 @@ import jax
 
 from benchmarks.bench_8b import prompts
 from benchmarks.common import LLAMA31_8B, Runner, env_info, random_params, save_json
-from benchmarks.profile_decode import kernel_table
+from benchmarks.profile_decode import busy_and_gaps, kernel_spans, kernel_table
 from jspec import sampling
 from jspec.models import llama
 from jspec.kernels import decode_attention as da
 from jspec.kernels import dispatch
+from jspec.spec import loop
 
 # name -> keyword overrides for paged_decode_attention ("reference": XLA attention)
 VARIANTS = {
@@ -40,6 +41,7 @@ VARIANTS = {
     "s1_bk256": {"block_k": 256, "num_splits": 1},
     "s1_st3": {"num_splits": 1, "num_stages": 3},
     "s2": {"num_splits": 2},
+    "merged": {"merge_in_kernel": True},  # the kernel's last split merges (no XLA merge kernels)
 }
 
 
@@ -47,10 +49,20 @@ def _argmax_only(logits, *_):
     return jax.numpy.argmax(logits, axis=-1).astype(jax.numpy.int32)
 
 
+def _run_unrolled(plan, tw, dw, inp):
+    """loop.run with two rounds per while-loop iteration: half the loop-condition syncs
+    (a round for finished rows only masks; at most one round runs in vain at the end)."""
+    st = loop._prefill(plan, tw, dw, inp, loop.init_state(plan, inp))
+    one = functools.partial(loop._round, plan, tw, dw, inp)
+    return jax.lax.while_loop(lambda s: jax.numpy.any(~s.finished) & (s.step < plan.max_rounds),
+                              lambda s: one(one(s)), st)
+
+
 # name -> a context manager changing the loop (measures what a part of the step costs)
 PATCHES = {
     "greedy_only": lambda: mock.patch.object(sampling, "sample", _argmax_only),  # no sampling branch
     "no_parking": lambda: mock.patch.object(llama, "uses_kernel", lambda *a, **k: False),  # q not in the cache
+    "unroll2": lambda: mock.patch.object(loop, "run", _run_unrolled),
 }
 
 
@@ -83,16 +95,19 @@ def main(batch: int = 1, names=None):
             da.paged_decode_attention = orig
         stats, busy, window = kernel_table(d)
         steps = int(out["rounds"].max())
+        gaps = sorted(busy_and_gaps(kernel_spans(d)[1])[1], reverse=True)[2:]  # the two around the prefill left out
+        idle = sum(g for g in gaps if g > 2.0) / steps
         per_step = {n: (c / steps, t / steps) for n, (c, t) in stats.items()}
         attn = sum(t for n, (c, t) in per_step.items() if "attention" in n)
         kernels = sum(c for c, t in per_step.values())
         tokens = out["tokens"].tolist()
         first = res.setdefault("tokens", tokens)
         res["rows"][name] = {"kw": kw, "ms_per_step": per * 1e3, "attention_us": attn, "kernels_per_step": kernels,
+                             "idle_us_per_step": idle,
                              "same_tokens_as_first_variant": tokens == first,
                              "kernels": sorted(per_step.items(), key=lambda x: -x[1][1])[:40]}
         print(f"{name:14s} {per * 1e3:7.3f} ms/step  attention kernel {attn:6.1f} us/step  {kernels:5.0f} kernels/step"
-              f"  same tokens: {tokens == first}", flush=True)
+              f"  idle {idle:5.1f} us/step  same tokens: {tokens == first}", flush=True)
         save_json(f"decode_sweep_b{batch}{'_' + tag if tag else ''}.json", res)
         del r
     print("\n".join(f"{k:14s} {v['ms_per_step']:7.3f} {v['attention_us']:6.1f}" for k, v in res["rows"].items()))

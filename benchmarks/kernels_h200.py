@@ -4,6 +4,7 @@ einsum; paged caches gathered first) for decode shapes, then a small tuning swee
 
     python benchmarks/kernels_h200.py        # writes $OUT/kernels_h200.json (OUT=/tmp)
     KERNELS_SMOKE=1 python benchmarks/kernels_h200.py   # tiny shapes, interpret mode (CPU)
+    KERNELS_CHECK_ONLY=1 ...                            # the correctness section only
 
 Every case runs in its own try/except, and sections are skipped once the time budget is
 spent, so one failure or a slow compile does not lose the rest.
@@ -119,6 +120,14 @@ CHECKS = [  # name, make_inputs kwargs, window, kernel kwargs
     ("paged64 T4 window128", dict(B=2, T=4, ctx=1024, page_size=64), 128, {}),
     ("paged1 T1 Gq1 Dh64", dict(B=2, T=1, ctx=100, page_size=1, Gq=1, Dh=64), 0, {}),
     ("dense f32 T4", dict(B=2, T=4, ctx=512, dtype=jnp.float32), 0, {}),
+    # the splits merged by the kernel's last split instead of XLA
+    ("merged dense T1 S1000", dict(B=2, T=1, ctx=1000), 0, dict(merge_in_kernel=True)),
+    ("merged paged16 T4 ragged", dict(B=4, T=4, ctx=2048, page_size=16, ragged=True), 0,
+     dict(merge_in_kernel=True)),
+    ("merged paged3 T16 Tl24", dict(B=2, T=16, Tl=24, ctx=300, page_size=3, ragged=True), 0,
+     dict(merge_in_kernel=True)),
+    ("merged dense T20 2 row blocks", dict(B=2, T=20, ctx=700, ragged=True), 0, dict(merge_in_kernel=True)),
+    ("merged dense f32 T4", dict(B=2, T=4, ctx=512, dtype=jnp.float32), 0, dict(merge_in_kernel=True)),
 ]
 print("\n== correctness (relative error vs a float32 reference of the same inputs)", flush=True)
 for i, (name, kw, window, kkw) in enumerate(CHECKS):
@@ -147,6 +156,9 @@ for i, (name, kw, window, kkw) in enumerate(CHECKS):
         record_error("check", name, e)
 
 save()
+if os.environ.get("KERNELS_CHECK_ONLY"):
+    print("saved", save())
+    sys.exit(0)
 
 # --------------------------------------------------------------------------- timing
 

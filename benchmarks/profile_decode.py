@@ -24,7 +24,8 @@ import jspec
 from benchmarks.common import LLAMA31_8B, Runner, eagle3_head, out_dir, random_params, save_json
 
 
-def kernel_table(trace_dir: str):
+def kernel_spans(trace_dir: str):
+    """GPU kernel events of a trace -> ({name: [calls, us]}, sorted [(start_ns, end_ns)])."""
     from jax.profiler import ProfileData
     path = glob.glob(os.path.join(trace_dir, "**", "*.xplane.pb"), recursive=True)[0]
     pd = ProfileData.from_file(path)
@@ -40,17 +41,28 @@ def kernel_table(trace_dir: str):
                 stats[e.name][0] += 1
                 stats[e.name][1] += e.duration_ns / 1e3
                 spans.append((e.start_ns, e.start_ns + e.duration_ns))
-    spans.sort()
-    busy, end, first = 0.0, None, spans[0][0] if spans else 0
+    return stats, sorted(spans)
+
+
+def busy_and_gaps(spans):
+    """-> (us some kernel runs, [us of each idle stretch between kernels])."""
+    busy, end, gaps = 0.0, None, []
     for a, b in spans:
+        if end is not None and a > end:
+            gaps.append((a - end) / 1e3)
         if end is None or a > end:
-            busy += b - a
-            end = b
+            busy, end = busy + b - a, b
         elif b > end:
-            busy += b - end
-            end = b
-    window = (end - first) if spans else 0
-    return stats, busy / 1e3, window / 1e3
+            busy, end = busy + b - end, b
+    return busy / 1e3, gaps
+
+
+def kernel_table(trace_dir: str):
+    """-> ({kernel name: [calls, us]}, GPU busy us, window us from first to last kernel)."""
+    stats, spans = kernel_spans(trace_dir)
+    busy, _ = busy_and_gaps(spans)
+    window = (max(b for _, b in spans) - spans[0][0]) / 1e3 if spans else 0.0
+    return stats, busy, window
 
 
 def main(batch: int = 1, shape: str = ""):
@@ -73,6 +85,7 @@ def main(batch: int = 1, shape: str = ""):
     secs, res = r.run(new)
     jax.profiler.stop_trace()
     stats, busy_us, window_us = kernel_table(d)
+    _, gaps = busy_and_gaps(kernel_spans(d)[1])
     steps = int(res["rounds"].max())
     rows = sorted(((v[1], v[0], k) for k, v in stats.items()), reverse=True)
     total = sum(v[1] for v in stats.values())
@@ -82,8 +95,13 @@ def main(batch: int = 1, shape: str = ""):
     print(f"{'us/step':>9} {'calls/step':>10}  name")
     for t, n, name in rows[:40]:
         print(f"{t / steps:9.1f} {n / steps:10.1f}  {name[:110]}")
+    gaps = sorted(gaps, reverse=True)
+    big = [g for g in gaps if g > 2.0]
+    print(f"idle gaps between kernels: {len(gaps)} in all, {sum(gaps) / 1e3:.2f} ms; {len(big)} over 2 us "
+          f"({sum(big) / 1e3:.2f} ms); largest (us): {[round(g, 1) for g in gaps[:12]]}; per step over 2 us: "
+          f"{sum(big[2:]) / max(steps, 1):.1f} us (the two largest, around the prefill, left out)")
     save_json(f"profile_decode{suffix}.json", {"steps": steps, "run_s": secs, "ms_per_step": per * 1e3, "busy_us": busy_us,
-                                                 "window_us": window_us,
+                                                 "window_us": window_us, "gaps_us": [round(g, 2) for g in gaps if g > 0.5],
                                                  "kernels": [(name, n, t) for t, n, name in rows]})
 
 
