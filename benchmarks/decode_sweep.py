@@ -41,7 +41,6 @@ VARIANTS = {
     "s1_bk256": {"block_k": 256, "num_splits": 1},
     "s1_st3": {"num_splits": 1, "num_stages": 3},
     "s2": {"num_splits": 2},
-    "merged": {"merge_in_kernel": True},  # the kernel's last split merges (no XLA merge kernels)
 }
 
 

@@ -120,14 +120,6 @@ CHECKS = [  # name, make_inputs kwargs, window, kernel kwargs
     ("paged64 T4 window128", dict(B=2, T=4, ctx=1024, page_size=64), 128, {}),
     ("paged1 T1 Gq1 Dh64", dict(B=2, T=1, ctx=100, page_size=1, Gq=1, Dh=64), 0, {}),
     ("dense f32 T4", dict(B=2, T=4, ctx=512, dtype=jnp.float32), 0, {}),
-    # the splits merged by the kernel's last split instead of XLA
-    ("merged dense T1 S1000", dict(B=2, T=1, ctx=1000), 0, dict(merge_in_kernel=True)),
-    ("merged paged16 T4 ragged", dict(B=4, T=4, ctx=2048, page_size=16, ragged=True), 0,
-     dict(merge_in_kernel=True)),
-    ("merged paged3 T16 Tl24", dict(B=2, T=16, Tl=24, ctx=300, page_size=3, ragged=True), 0,
-     dict(merge_in_kernel=True)),
-    ("merged dense T20 2 row blocks", dict(B=2, T=20, ctx=700, ragged=True), 0, dict(merge_in_kernel=True)),
-    ("merged dense f32 T4", dict(B=2, T=4, ctx=512, dtype=jnp.float32), 0, dict(merge_in_kernel=True)),
 ]
 print("\n== correctness (relative error vs a float32 reference of the same inputs)", flush=True)
 for i, (name, kw, window, kkw) in enumerate(CHECKS):

@@ -58,11 +58,10 @@ def decode_attention_reference(q, kv_buf, meta: AttnMeta, *, window: int = 0, sc
 
 # --------------------------------------------------------------------------- kernel
 
-def _decode_kernel(bounds_ref, table_ref, q_ref, qpos_ref, tail_mask_ref, kv_ref, *refs,
-                   scale: float, block_k: int, page_size: int, dense: bool,
+def _decode_kernel(bounds_ref, table_ref, q_ref, qpos_ref, tail_mask_ref, kv_ref,
+                   o_ref, lse_ref, *, scale: float, block_k: int, page_size: int, dense: bool,
                    num_pages: int, num_keys: int, window: int, num_splits: int,
-                   q_in_cache: bool, rows_per_block: int, num_rows: int, num_heads: int,
-                   num_tokens: int, merge: bool, interpret: bool):
+                   q_in_cache: bool, rows_per_block: int, num_rows: int, num_heads: int):
     """One (batch row b, kv head h, query-row block, split s).
 
     bounds_ref [B, 4] int32: wblk, pblk, eblk of each row (see the module docstring) and
@@ -73,13 +72,8 @@ def _decode_kernel(bounds_ref, table_ref, q_ref, qpos_ref, tail_mask_ref, kv_ref
     real rows of T * Gq); qpos_ref [BR] int32; tail_mask_ref [BR, C] int8 (C = NL*BK).
     kv_ref [num_pages * P, 2, Hkv, Dh]: the pool, flattened over pages (keys at [:, 0],
     values at [:, 1]). dense: one page per row (table[b, 0] = b), so no table lookup.
-    refs, without merge: o_ref [BR, Dh] float32, this split's softmax-weighted values
-    (normalised over its keys), and lse_ref [BR] float32, the log of its softmax
-    denominator (NEG_INF where it saw no key). With merge: (count_in_ref, o_ref, lse_ref,
-    out_ref, count_ref): o_ref [B, Hkv, NS, R, Dh] and lse_ref [B, Hkv, NS, R] hold every
-    split's results, count_ref [B * Hkv * RB] int32 (zero on entry, aliased to count_in_ref)
-    counts the splits done, and the last split of a (row, kv head, row block) merges them
-    into out_ref [B * T * H, Dh] (q's dtype; row (b * T + t) * H + query head).
+    o_ref [BR, Dh] float32: this split's softmax-weighted values (normalised over its keys);
+    lse_ref [BR] float32: log of its softmax denominator (NEG_INF where it saw no key).
     """
     b, h, s = pl.program_id(0), pl.program_id(1), pl.program_id(3)
     wblk, pblk, eblk = bounds_ref[b, 0], bounds_ref[b, 1], bounds_ref[b, 2]
@@ -143,59 +137,8 @@ def _decode_kernel(bounds_ref, table_ref, q_ref, qpos_ref, tail_mask_ref, kv_ref
     carry = lax.fori_loop(jnp.maximum(lo, pblk), hi, tail_block, carry)
     acc, m, l = carry
     seen = l > 0
-    o = acc / jnp.where(seen, l, 1.0)[:, None]
-    lse = jnp.where(seen, m + jnp.log(jnp.where(seen, l, 1.0)), NEG_INF)
-    if not merge:
-        o_ref, lse_ref = refs
-        o_ref[...] = o
-        lse_ref[...] = lse
-        return
-    _, o_ref, lse_ref, out_ref, count_ref = refs
-    rb = pl.program_id(2)
-    rows = pl.ds(rb * rows_per_block, rows_per_block)
-    o_ref[b, h, s, rows, :] = o
-    lse_ref[b, h, s, rows] = lse
-    _merge_when_last(o_ref, lse_ref, out_ref, count_ref, b, h, rb, num_splits=num_splits,
-                     rows_per_block=rows_per_block, num_rows=num_rows, num_heads=num_heads,
-                     num_tokens=num_tokens, interpret=interpret)
-
-
-def _merge_when_last(o_ref, lse_ref, out_ref, count_ref, b, h, rb, *, num_splits: int,
-                     rows_per_block: int, num_rows: int, num_heads: int, num_tokens: int,
-                     interpret: bool):
-    """Counts this split as done; the last split of (b, h, rb) to finish merges all of them
-    (log-sum-exp weights, as `merge_splits`), writes the real rows to out_ref and resets the
-    count to zero for the next call. The barrier makes every thread's stores of this
-    split precede the count's update (an acquire-release atomic at GPU scope), so the last
-    split reads complete results; it reads them with volatile loads (past L1)."""
-    from jax.experimental.pallas import triton as plt
-
-    if not interpret:
-        plt.debug_barrier()
-    Hkv = o_ref.shape[1]
-    RB = o_ref.shape[3] // rows_per_block
-    idx = (b * Hkv + h) * RB + rb
-    done = plt.atomic_add(count_ref, (idx,), jnp.int32(1))
-
-    @pl.when(done == num_splits - 1)
-    def _():
-        rows = pl.ds(rb * rows_per_block, rows_per_block)
-        lses = [plt.load(lse_ref.at[b, h, jnp.int32(j), rows], volatile=True) for j in range(num_splits)]
-        top = functools.reduce(jnp.maximum, lses)  # [BR]
-        acc = jnp.zeros((rows_per_block, o_ref.shape[-1]), jnp.float32)
-        den = jnp.zeros((rows_per_block,), jnp.float32)
-        for j in range(num_splits):
-            w = jnp.exp(lses[j] - top)
-            acc += w[:, None] * plt.load(o_ref.at[b, h, jnp.int32(j), rows, :], volatile=True)
-            den += w
-        i = rb * rows_per_block + jnp.arange(rows_per_block, dtype=jnp.int32)
-        Gq = num_heads // Hkv
-        dest = (b * num_tokens + i // Gq) * num_heads + h * Gq + i % Gq
-        dest = jnp.where(i < num_rows, dest, out_ref.shape[0])  # pad rows: out of range, masked
-        cols = jnp.arange(out_ref.shape[1], dtype=jnp.int32)
-        plt.store(out_ref.at[dest[:, None], cols[None, :]], (acc / den[:, None]).astype(out_ref.dtype),
-                  mask=(i < num_rows)[:, None])
-        count_ref[idx] = jnp.int32(0)
+    o_ref[...] = acc / jnp.where(seen, l, 1.0)[:, None]
+    lse_ref[...] = jnp.where(seen, m + jnp.log(jnp.where(seen, l, 1.0)), NEG_INF)
 
 
 # --------------------------------------------------------------------------- wrapper
@@ -229,7 +172,7 @@ def _tail_mask(meta: AttnMeta, pblk, rows_t, *, window: int, block_k: int, num_t
 
 def _decode_call(q, kv_flat, table, meta: AttnMeta, *, page_size: int, num_keys: int,
                  window: int, scale: float, block_k: int, num_splits: int, interpret: bool,
-                 num_warps: int | None, num_stages: int, q_in_cache: bool, merge_in_kernel: bool):
+                 num_warps: int | None, num_stages: int, q_in_cache: bool):
     """q [B,T,H,Dh]; kv_flat [num_pages*P, 2, Hkv, Dh]; table [B, G]. -> [B,T,H,Dh].
     q_in_cache: the queries are read from the (dense) cache instead; q gives shapes only."""
     B, T, H, Dh = q.shape
@@ -266,8 +209,7 @@ def _decode_call(q, kv_flat, table, meta: AttnMeta, *, page_size: int, num_keys:
         _decode_kernel, scale=scale, block_k=block_k, page_size=page_size,
         dense=meta.page_table is None,
         num_pages=kv_flat.shape[0] // page_size, num_keys=num_keys, window=window,
-        num_splits=num_splits, q_in_cache=q_in_cache, rows_per_block=BR, num_rows=rows, num_heads=H,
-        num_tokens=T, merge=merge_in_kernel, interpret=interpret)
+        num_splits=num_splits, q_in_cache=q_in_cache, rows_per_block=BR, num_rows=rows, num_heads=H)
     whole = pl.BlockSpec()  # the whole array, indexed inside the kernel
     params = None
     if not interpret:
@@ -275,40 +217,29 @@ def _decode_call(q, kv_flat, table, meta: AttnMeta, *, page_size: int, num_keys:
         if num_warps is None:  # 4 warps hold a [BR, Dh] f32 accumulator up to 32 x 128
             num_warps = 4 if BR * Dh <= 32 * 128 else 8
         params = plt.CompilerParams(num_warps=num_warps, num_stages=num_stages)
-    in_specs = [
-        whole,  # bounds
-        whole,  # page table
-        whole if q_in_cache else pl.BlockSpec((None, None, BR, Dh), lambda b, h, r, s: (b, h, r, 0)),  # q
-        pl.BlockSpec((None, BR), lambda b, h, r, s: (b, r)),  # q positions
-        pl.BlockSpec((None, BR, C), lambda b, h, r, s: (b, r, 0)),  # tail mask
-        whole,  # kv pool
-    ]
-    args = [bounds, table.astype(jnp.int32), qt, qpos, tail_mask, kv_flat]
-    parts = [jax.ShapeDtypeStruct((B, Hkv, num_splits, R, Dh), jnp.float32),
-             jax.ShapeDtypeStruct((B, Hkv, num_splits, R), jnp.float32)]
-    if merge_in_kernel:  # the last split of each (row, kv head, row block) merges
-        count = jnp.zeros((B * Hkv * (R // BR),), jnp.int32)
-        out = pl.pallas_call(
-            kernel, grid=(B, Hkv, R // BR, num_splits),
-            in_specs=in_specs + [whole], out_specs=[whole] * 4,
-            out_shape=parts + [jax.ShapeDtypeStruct((B * T * H, Dh), q.dtype), jax.ShapeDtypeStruct(count.shape, jnp.int32)],
-            input_output_aliases={len(args): 3},
-            interpret=interpret, compiler_params=params, name="jspec_decode_attention_merged",
-        )(*args, count)[2]
-        return out.reshape(B, T, H, Dh)
     o, lse = pl.pallas_call(
         kernel,
         grid=(B, Hkv, R // BR, num_splits),
-        in_specs=in_specs,
+        in_specs=[
+            whole,  # bounds
+            whole,  # page table
+            whole if q_in_cache else pl.BlockSpec((None, None, BR, Dh), lambda b, h, r, s: (b, h, r, 0)),  # q
+            pl.BlockSpec((None, BR), lambda b, h, r, s: (b, r)),  # q positions
+            pl.BlockSpec((None, BR, C), lambda b, h, r, s: (b, r, 0)),  # tail mask
+            whole,  # kv pool
+        ],
         out_specs=[
             pl.BlockSpec((None, None, None, BR, Dh), lambda b, h, r, s: (b, h, s, r, 0)),
             pl.BlockSpec((None, None, None, BR), lambda b, h, r, s: (b, h, s, r)),
         ],
-        out_shape=parts,
+        out_shape=[
+            jax.ShapeDtypeStruct((B, Hkv, num_splits, R, Dh), jnp.float32),
+            jax.ShapeDtypeStruct((B, Hkv, num_splits, R), jnp.float32),
+        ],
         interpret=interpret,
         compiler_params=params,
         name="jspec_decode_attention",
-    )(*args)
+    )(bounds, table.astype(jnp.int32), qt, qpos, tail_mask, kv_flat)
 
     o = merge_splits(o[:, :, :, :rows], lse[:, :, :, :rows])  # [B, Hkv, rows, Dh]
     o = o.reshape(B, Hkv, T, Gq, Dh).transpose(0, 2, 1, 3, 4)
@@ -396,8 +327,7 @@ def is_supported(q, kv_buf, meta: AttnMeta, *, window: int = 0) -> bool:
 def paged_decode_attention(q, kv_buf, meta: AttnMeta, *, window: int = 0, scale: float,
                            interpret: bool | None = None, block_k: int | None = None,
                            num_splits: int | None = None, num_warps: int | None = None,
-                           num_stages: int = 2, q_in_cache: bool = False,
-                           merge_in_kernel: bool = False):
+                           num_stages: int = 2, q_in_cache: bool = False):
     """Attention of q [B,T,H,Dh] over a cache that already holds the new keys.
 
     kv_buf: keys and values, dense [B,S,2,Hkv,Dh] (meta.page_table None) or a paged pool
@@ -440,4 +370,4 @@ def paged_decode_attention(q, kv_buf, meta: AttnMeta, *, window: int = 0, scale:
     return _decode_call(q, kv_flat, table, meta, page_size=page_size, num_keys=num_keys,
                         window=window, scale=float(scale), block_k=block_k,
                         num_splits=num_splits, interpret=interpret, num_warps=num_warps,
-                        num_stages=num_stages, q_in_cache=q_in_cache, merge_in_kernel=merge_in_kernel)
+                        num_stages=num_stages, q_in_cache=q_in_cache)
