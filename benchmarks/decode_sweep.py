@@ -2,8 +2,9 @@
 (random bf16 weights, context 1k) timed for each variant of the attention kernel's
 launch parameters, or of the loop (PATCHES), with per-kernel times from a profiler trace.
 
-Run: PYTHONPATH=. python3 benchmarks/decode_sweep.py [batch] [variant ...]   (default: all;
-JSPEC_BENCH_TAG names the output file, XLA_FLAGS may vary per run)
+Run: PYTHONPATH=. python3 benchmarks/decode_sweep.py [batch] [variant ...] [S,K,N]   (default:
+all variants; S,K,N: rounds of speculative decoding with a random EAGLE-3-shaped head instead
+of plain decoding steps; JSPEC_BENCH_TAG names the output file, XLA_FLAGS may vary per run)
 """
 from __future__ import annotations
 
@@ -17,7 +18,8 @@ from unittest import mock
 import jax
 
 from benchmarks.bench_8b import prompts
-from benchmarks.common import LLAMA31_8B, Runner, env_info, random_params, save_json
+import jspec
+from benchmarks.common import LLAMA31_8B, Runner, eagle3_head, env_info, random_params, save_json
 from benchmarks.profile_decode import busy_and_gaps, kernel_spans, kernel_table
 from jspec import sampling
 from jspec.models import llama
@@ -65,11 +67,17 @@ PATCHES = {
 }
 
 
-def main(batch: int = 1, names=None):
-    tag = os.environ.get("JSPEC_BENCH_TAG", "")
-    res = {"env": env_info(), "batch": batch, "xla_flags": os.environ.get("XLA_FLAGS", ""), "rows": {}}
+def main(batch: int = 1, names=None, shape: str = ""):
+    tag = "_".join(x for x in (os.environ.get("JSPEC_BENCH_TAG", ""), shape.replace(",", "x")) if x)
+    res = {"env": env_info(), "batch": batch, "shape": shape, "xla_flags": os.environ.get("XLA_FLAGS", ""),
+           "rows": {}}
     print(res["env"], flush=True)
     target = random_params(LLAMA31_8B)
+    spec = None
+    if shape:
+        S, K, N = map(int, shape.split(","))
+        target = target.with_draft(eagle3_head(target))
+        spec = jspec.SpecConfig(num_steps=S, topk=K, num_draft_tokens=N)
     orig = da.paged_decode_attention
     variants = {**VARIANTS, **{k: {} for k in PATCHES}}
     for name, kw in variants.items():
@@ -80,7 +88,7 @@ def main(batch: int = 1, names=None):
         try:
             with dispatch.use_backend("reference" if kw is None else "auto"), \
                     PATCHES.get(name, contextlib.nullcontext)():
-                r = Runner(target, prompts(batch), 144)
+                r = Runner(target, prompts(batch), 144, spec=spec)
             per, _, _ = r.per_round(16, 144)
             r.run(40)
             d = tempfile.mkdtemp()
@@ -105,7 +113,7 @@ def main(batch: int = 1, names=None):
                              "idle_us_per_step": idle,
                              "same_tokens_as_first_variant": tokens == first,
                              "kernels": sorted(per_step.items(), key=lambda x: -x[1][1])[:40]}
-        print(f"{name:14s} {per * 1e3:7.3f} ms/step  attention kernel {attn:6.1f} us/step  {kernels:5.0f} kernels/step"
+        print(f"{name:14s} {per * 1e3:7.3f} ms/round  attention kernel {attn:6.1f} us/step  {kernels:5.0f} kernels/step"
               f"  idle {idle:5.1f} us/step  same tokens: {tokens == first}", flush=True)
         save_json(f"decode_sweep_b{batch}{'_' + tag if tag else ''}.json", res)
         del r
@@ -113,4 +121,7 @@ def main(batch: int = 1, names=None):
 
 
 if __name__ == "__main__":
-    main(int(sys.argv[1]) if len(sys.argv) > 1 else 1, set(sys.argv[2:]) or None)
+    args = sys.argv[2:]
+    shapes = [a for a in args if "," in a]
+    main(int(sys.argv[1]) if len(sys.argv) > 1 else 1, set(a for a in args if "," not in a) or None,
+         shapes[0] if shapes else "")

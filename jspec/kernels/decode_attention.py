@@ -58,8 +58,8 @@ def decode_attention_reference(q, kv_buf, meta: AttnMeta, *, window: int = 0, sc
 
 # --------------------------------------------------------------------------- kernel
 
-def _decode_kernel(bounds_ref, table_ref, q_ref, qpos_ref, tail_mask_ref, kv_ref,
-                   o_ref, lse_ref, *, scale: float, block_k: int, page_size: int, dense: bool,
+def _decode_kernel(bounds_ref, table_ref, qpos_ref, tail_mask_ref, kv_ref, *refs,
+                   scale: float, block_k: int, page_size: int, dense: bool, num_kv_heads: int,
                    num_pages: int, num_keys: int, window: int, num_splits: int,
                    q_in_cache: bool, rows_per_block: int, num_rows: int, num_heads: int):
     """One (batch row b, kv head h, query-row block, split s).
@@ -67,14 +67,20 @@ def _decode_kernel(bounds_ref, table_ref, q_ref, qpos_ref, tail_mask_ref, kv_ref
     bounds_ref [B, 4] int32: wblk, pblk, eblk of each row (see the module docstring) and
     the slot holding its first query when q_in_cache.
     table_ref [B, G] int32: page table (entries >= num_pages: unallocated, clamped).
-    q_ref [BR, Dh], or with q_in_cache the dense cache viewed as [B * S' * 2 * Hkv, Dh]
-    (queries parked after the local block, see `jspec.cache.kv.query_slots`; num_rows
-    real rows of T * Gq); qpos_ref [BR] int32; tail_mask_ref [BR, C] int8 (C = NL*BK).
+    qpos_ref [BR] int32; tail_mask_ref [BR, C] int8 (C = NL*BK).
     kv_ref [num_pages * P, 2, Hkv, Dh]: the pool, flattened over pages (keys at [:, 0],
     values at [:, 1]). dense: one page per row (table[b, 0] = b), so no table lookup.
-    o_ref [BR, Dh] float32: this split's softmax-weighted values (normalised over its keys);
-    lse_ref [BR] float32: log of its softmax denominator (NEG_INF where it saw no key).
+    refs: (q_ref, o_ref, lse_ref), or (o_ref, lse_ref) with q_in_cache, where each program
+    gathers its query rows from kv_ref (queries parked after the local block, see
+    `jspec.cache.kv.query_slots`; num_rows real rows of T * Gq). The cache comes in once
+    and in this shape only: given also as a [.., Dh] view, XLA copied each layer's
+    buffer twice per tree round (the compaction after the verify updates it in place).
+    q_ref [BR, Dh]; o_ref [BR, Dh] float32: this split's softmax-weighted values
+    (normalised over its keys); lse_ref [BR] float32: log of its softmax denominator
+    (NEG_INF where it saw no key).
     """
+    q_ref, o_ref, lse_ref = (None, *refs) if q_in_cache else refs
+    Hkv = num_kv_heads
     b, h, s = pl.program_id(0), pl.program_id(1), pl.program_id(3)
     wblk, pblk, eblk = bounds_ref[b, 0], bounds_ref[b, 1], bounds_ref[b, 2]
     per_split = pl.cdiv(eblk - wblk, num_splits)
@@ -82,12 +88,12 @@ def _decode_kernel(bounds_ref, table_ref, q_ref, qpos_ref, tail_mask_ref, kv_ref
     hi = jnp.minimum(lo + per_split, eblk)
 
     if q_in_cache:  # row i: token i // Gq, head h * Gq + i % Gq, parked in slot order
-        Hkv = kv_ref.shape[2]
         Gq = num_heads // Hkv
         i = pl.program_id(2) * rows_per_block + jnp.arange(rows_per_block, dtype=jnp.int32)
         e = (i // Gq) * num_heads + h * Gq + i % Gq  # query vector index, token-major
         slot = jnp.minimum(bounds_ref[b, 3] + e // (2 * Hkv), page_size - 1)
-        q = q_ref[(b * page_size + slot) * (2 * Hkv) + e % (2 * Hkv), :]  # [BR, Dh]
+        pair = e % (2 * Hkv)  # keys' half (0) or values' half (1), then the kv head
+        q = kv_ref[b * page_size + slot, pair // Hkv, pair % Hkv, :]  # [BR, Dh]
         q = jnp.where((i < num_rows)[:, None], q, jnp.zeros_like(q))
     else:
         q = q_ref[...]  # [BR, Dh]
@@ -183,9 +189,7 @@ def _decode_call(q, kv_flat, table, meta: AttnMeta, *, page_size: int, num_keys:
     num_tail = pl.cdiv(Tl + block_k - 1, block_k)  # blocks the local block can touch
 
     # Row r of kv head h's tile is query token r // Gq, query head h * Gq + r % Gq.
-    if q_in_cache:
-        qt = kv_flat.reshape(-1, Dh)  # the kernel gathers its rows
-    else:
+    if not q_in_cache:  # else the kernel gathers its rows from the cache
         qt = q.reshape(B, T, Hkv, Gq, Dh).transpose(0, 2, 1, 3, 4).reshape(B, Hkv, rows, Dh)
         qt = jnp.pad(qt, ((0, 0), (0, 0), (0, R - rows), (0, 0)))  # [B, Hkv, R, Dh]
     rows_t = jnp.minimum(jnp.arange(R, dtype=jnp.int32) // Gq, T - 1)  # [R] (pads: copies)
@@ -207,7 +211,7 @@ def _decode_call(q, kv_flat, table, meta: AttnMeta, *, page_size: int, num_keys:
 
     kernel = functools.partial(
         _decode_kernel, scale=scale, block_k=block_k, page_size=page_size,
-        dense=meta.page_table is None,
+        dense=meta.page_table is None, num_kv_heads=Hkv,
         num_pages=kv_flat.shape[0] // page_size, num_keys=num_keys, window=window,
         num_splits=num_splits, q_in_cache=q_in_cache, rows_per_block=BR, num_rows=rows, num_heads=H)
     whole = pl.BlockSpec()  # the whole array, indexed inside the kernel
@@ -217,17 +221,21 @@ def _decode_call(q, kv_flat, table, meta: AttnMeta, *, page_size: int, num_keys:
         if num_warps is None:  # 4 warps hold a [BR, Dh] f32 accumulator up to 32 x 128
             num_warps = 4 if BR * Dh <= 32 * 128 else 8
         params = plt.CompilerParams(num_warps=num_warps, num_stages=num_stages)
+    in_specs = [
+        whole,  # bounds
+        whole,  # page table
+        pl.BlockSpec((None, BR), lambda b, h, r, s: (b, r)),  # q positions
+        pl.BlockSpec((None, BR, C), lambda b, h, r, s: (b, r, 0)),  # tail mask
+        whole,  # kv pool
+    ]
+    args = [bounds, table.astype(jnp.int32), qpos, tail_mask, kv_flat]
+    if not q_in_cache:
+        in_specs.append(pl.BlockSpec((None, None, BR, Dh), lambda b, h, r, s: (b, h, r, 0)))
+        args.append(qt)
     o, lse = pl.pallas_call(
         kernel,
         grid=(B, Hkv, R // BR, num_splits),
-        in_specs=[
-            whole,  # bounds
-            whole,  # page table
-            whole if q_in_cache else pl.BlockSpec((None, None, BR, Dh), lambda b, h, r, s: (b, h, r, 0)),  # q
-            pl.BlockSpec((None, BR), lambda b, h, r, s: (b, r)),  # q positions
-            pl.BlockSpec((None, BR, C), lambda b, h, r, s: (b, r, 0)),  # tail mask
-            whole,  # kv pool
-        ],
+        in_specs=in_specs,
         out_specs=[
             pl.BlockSpec((None, None, None, BR, Dh), lambda b, h, r, s: (b, h, s, r, 0)),
             pl.BlockSpec((None, None, None, BR), lambda b, h, r, s: (b, h, s, r)),
@@ -239,7 +247,7 @@ def _decode_call(q, kv_flat, table, meta: AttnMeta, *, page_size: int, num_keys:
         interpret=interpret,
         compiler_params=params,
         name="jspec_decode_attention",
-    )(bounds, table.astype(jnp.int32), qt, qpos, tail_mask, kv_flat)
+    )(*args)
 
     o = merge_splits(o[:, :, :, :rows], lse[:, :, :, :rows])  # [B, Hkv, rows, Dh]
     o = o.reshape(B, Hkv, T, Gq, Dh).transpose(0, 2, 1, 3, 4)
