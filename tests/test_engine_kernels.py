@@ -65,6 +65,22 @@ def test_parked_queries_equal_passed_queries():
             np.testing.assert_array_equal(np.asarray(parked[b, :p + T]), np.asarray(plain[b, :p + T]))
 
 
+def test_kernel_takes_the_cache_once_in_its_own_shape():
+    """The compiled kernel (traced for the GPU, interpret off) gets the cache as one
+    operand shaped [N, 2, Hkv, Dh], parked queries or not: given a second time as a
+    reshaped view, XLA copied each layer's cache twice per tree round on the H200."""
+    from jspec.kernels import decode_attention as da
+    q, meta, parked, _ = _parked_case(1, 3, [20])
+    for q_in_cache in (True, False):
+        jaxpr = jax.make_jaxpr(lambda q, kv: da.paged_decode_attention(
+            q, kv, meta, scale=0.25, interpret=False, q_in_cache=q_in_cache))(q, parked)
+        calls = [e for e in jaxpr.jaxpr.eqns if e.primitive.name == "pallas_call"]
+        assert len(calls) == 1
+        shapes = [v.aval.shape for v in calls[0].invars]
+        big = [s for s in shapes if np.prod(s) == parked.size]  # the cache, however viewed
+        assert big == [(parked.shape[0] * parked.shape[1],) + parked.shape[2:]], shapes
+
+
 def test_spec_and_batch1_through_pallas_kernels_park_queries(target, drafts, hf_greedy, monkeypatch):
     """Batch-1 decoding, a chain and a tree with the kernels forced to Pallas (interpret)
     park their queries in the dense cache and still equal the target's greedy output."""
