@@ -20,7 +20,7 @@ import jax
 from benchmarks.bench_8b import prompts
 import jspec
 from benchmarks.common import LLAMA31_8B, Runner, eagle3_head, env_info, random_params, save_json
-from benchmarks.profile_decode import busy_and_gaps, kernel_spans, kernel_table
+from benchmarks.profile_decode import busy_and_gaps, kernel_spans
 from jspec import sampling
 from jspec.models import llama
 from jspec.kernels import decode_attention as da
@@ -100,9 +100,9 @@ def main(batch: int = 1, names=None, shape: str = ""):
             continue
         finally:
             da.paged_decode_attention = orig
-        stats, busy, window = kernel_table(d)
+        stats, spans = kernel_spans(d)
         steps = int(out["rounds"].max())
-        gaps = sorted(busy_and_gaps(kernel_spans(d)[1])[1], reverse=True)[2:]  # the two around the prefill left out
+        gaps = sorted(busy_and_gaps(spans)[1], reverse=True)[2:]  # the two around the prefill left out
         idle = sum(g for g in gaps if g > 2.0) / steps
         per_step = {n: (c / steps, t / steps) for n, (c, t) in stats.items()}
         attn = sum(t for n, (c, t) in per_step.items() if "attention" in n)
@@ -113,8 +113,8 @@ def main(batch: int = 1, names=None, shape: str = ""):
                              "idle_us_per_step": idle,
                              "same_tokens_as_first_variant": tokens == first,
                              "kernels": sorted(per_step.items(), key=lambda x: -x[1][1])[:40]}
-        print(f"{name:14s} {per * 1e3:7.3f} ms/round  attention kernel {attn:6.1f} us/step  {kernels:5.0f} kernels/step"
-              f"  idle {idle:5.1f} us/step  same tokens: {tokens == first}", flush=True)
+        print(f"{name:14s} {per * 1e3:7.3f} ms/round  attention kernel {attn:6.1f} us/round  {kernels:5.0f} kernels/round"
+              f"  idle {idle:5.1f} us/round  same tokens: {tokens == first}", flush=True)
         save_json(f"decode_sweep_b{batch}{'_' + tag if tag else ''}.json", res)
         del r
     print("\n".join(f"{k:14s} {v['ms_per_step']:7.3f} {v['attention_us']:6.1f}" for k, v in res["rows"].items()))

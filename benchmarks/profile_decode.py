@@ -61,8 +61,12 @@ def kernel_table(trace_dir: str):
     """-> ({kernel name: [calls, us]}, GPU busy us, window us from first to last kernel)."""
     stats, spans = kernel_spans(trace_dir)
     busy, _ = busy_and_gaps(spans)
-    window = (max(b for _, b in spans) - spans[0][0]) / 1e3 if spans else 0.0
-    return stats, busy, window
+    return stats, busy, _window(spans)
+
+
+def _window(spans) -> float:
+    """us from the first kernel's start to the last kernel's end."""
+    return (max(b for _, b in spans) - spans[0][0]) / 1e3 if spans else 0.0
 
 
 def main(batch: int = 1, shape: str = ""):
@@ -84,8 +88,9 @@ def main(batch: int = 1, shape: str = ""):
     jax.profiler.start_trace(d)
     secs, res = r.run(new)
     jax.profiler.stop_trace()
-    stats, busy_us, window_us = kernel_table(d)
-    _, gaps = busy_and_gaps(kernel_spans(d)[1])
+    stats, spans = kernel_spans(d)
+    busy_us, gaps = busy_and_gaps(spans)
+    window_us = _window(spans)
     steps = int(res["rounds"].max())
     rows = sorted(((v[1], v[0], k) for k, v in stats.items()), reverse=True)
     total = sum(v[1] for v in stats.values())
