@@ -1,7 +1,6 @@
 """Shared benchmark helpers: timing, a device-to-device copy ceiling, random models."""
 from __future__ import annotations
 
-import dataclasses
 import json
 import os
 import time
@@ -92,6 +91,21 @@ def eagle3_head(target: jspec.Params, draft_vocab: int = 32000, seed: int = 1) -
                     draft_vocab_size=draft_vocab)
     w = jax.jit(lambda k: init_draft_weights(d, k, tc.vocab_size))(jax.random.key(seed))
     return jspec.DraftParams(config=d, weights=w)
+
+
+def model_for(shape: str = ""):
+    """The 8B-shaped target with random weights, and for shape "S,K,N" a random EAGLE-3-shaped
+    head with the matching SpecConfig -> (params, spec or None)."""
+    target = random_params(LLAMA31_8B)
+    if not shape:
+        return target, None
+    S, K, N = map(int, shape.split(","))
+    return target.with_draft(eagle3_head(target)), jspec.SpecConfig(num_steps=S, topk=K, num_draft_tokens=N)
+
+
+def bench_tag(shape: str = "") -> str:
+    """JSPEC_BENCH_TAG joined with the S,K,N shape (as SxKxN), for result file names."""
+    return "_".join(x for x in (os.environ.get("JSPEC_BENCH_TAG", ""), shape.replace(",", "x")) if x)
 
 
 class Runner:

@@ -18,8 +18,7 @@ from unittest import mock
 import jax
 
 from benchmarks.bench_8b import prompts
-import jspec
-from benchmarks.common import LLAMA31_8B, Runner, eagle3_head, env_info, random_params, save_json
+from benchmarks.common import Runner, bench_tag, env_info, model_for, save_json
 from benchmarks.profile_decode import busy_and_gaps, kernel_spans
 from jspec import sampling
 from jspec.models import llama
@@ -68,16 +67,11 @@ PATCHES = {
 
 
 def main(batch: int = 1, names=None, shape: str = ""):
-    tag = "_".join(x for x in (os.environ.get("JSPEC_BENCH_TAG", ""), shape.replace(",", "x")) if x)
+    tag = bench_tag(shape)
     res = {"env": env_info(), "batch": batch, "shape": shape, "xla_flags": os.environ.get("XLA_FLAGS", ""),
            "rows": {}}
     print(res["env"], flush=True)
-    target = random_params(LLAMA31_8B)
-    spec = None
-    if shape:
-        S, K, N = map(int, shape.split(","))
-        target = target.with_draft(eagle3_head(target))
-        spec = jspec.SpecConfig(num_steps=S, topk=K, num_draft_tokens=N)
+    target, spec = model_for(shape)
     orig = da.paged_decode_attention
     variants = {**VARIANTS, **{k: {} for k in PATCHES}}
     for name, kw in variants.items():

@@ -17,11 +17,9 @@ import sys
 import tempfile
 
 import jax
-import numpy as np
 
 from benchmarks.bench_8b import prompts
-import jspec
-from benchmarks.common import LLAMA31_8B, Runner, eagle3_head, out_dir, random_params, save_json
+from benchmarks.common import Runner, bench_tag, model_for, out_dir, save_json
 
 
 def kernel_spans(trace_dir: str):
@@ -70,14 +68,9 @@ def _window(spans) -> float:
 
 
 def main(batch: int = 1, shape: str = ""):
-    tag = "_".join(x for x in (os.environ.get("JSPEC_BENCH_TAG", ""), shape.replace(",", "x")) if x)
+    tag = bench_tag(shape)
     suffix = f"_b{batch}{'_' + tag if tag else ''}"
-    target = random_params(LLAMA31_8B)
-    spec = None
-    if shape:
-        S, K, N = map(int, shape.split(","))
-        target = target.with_draft(eagle3_head(target))
-        spec = jspec.SpecConfig(num_steps=S, topk=K, num_draft_tokens=N)
+    target, spec = model_for(shape)
     new = 40
     r = Runner(target, prompts(batch), 144, spec=spec)
     per, _, _ = r.per_round(16, 144)

@@ -59,7 +59,7 @@ def decode_attention_reference(q, kv_buf, meta: AttnMeta, *, window: int = 0, sc
 # --------------------------------------------------------------------------- kernel
 
 def _decode_kernel(bounds_ref, table_ref, qpos_ref, tail_mask_ref, kv_ref, *refs,
-                   scale: float, block_k: int, page_size: int, dense: bool, num_kv_heads: int,
+                   scale: float, block_k: int, page_size: int, dense: bool,
                    num_pages: int, num_keys: int, window: int, num_splits: int,
                    q_in_cache: bool, rows_per_block: int, num_rows: int, num_heads: int):
     """One (batch row b, kv head h, query-row block, split s).
@@ -80,7 +80,7 @@ def _decode_kernel(bounds_ref, table_ref, qpos_ref, tail_mask_ref, kv_ref, *refs
     (NEG_INF where it saw no key).
     """
     q_ref, o_ref, lse_ref = (None, *refs) if q_in_cache else refs
-    Hkv = num_kv_heads
+    Hkv = kv_ref.shape[2]
     b, h, s = pl.program_id(0), pl.program_id(1), pl.program_id(3)
     wblk, pblk, eblk = bounds_ref[b, 0], bounds_ref[b, 1], bounds_ref[b, 2]
     per_split = pl.cdiv(eblk - wblk, num_splits)
@@ -211,7 +211,7 @@ def _decode_call(q, kv_flat, table, meta: AttnMeta, *, page_size: int, num_keys:
 
     kernel = functools.partial(
         _decode_kernel, scale=scale, block_k=block_k, page_size=page_size,
-        dense=meta.page_table is None, num_kv_heads=Hkv,
+        dense=meta.page_table is None,
         num_pages=kv_flat.shape[0] // page_size, num_keys=num_keys, window=window,
         num_splits=num_splits, q_in_cache=q_in_cache, rows_per_block=BR, num_rows=rows, num_heads=H)
     whole = pl.BlockSpec()  # the whole array, indexed inside the kernel
