@@ -6,7 +6,8 @@ Chain rounds (issue 3): time per round for S = 1..5 with an EAGLE-3-shaped head 
 layer, 32k draft vocabulary) as a ratio to one autoregressive step, batch 1.
 Tree rounds (issue 5): (S,K,N) = (5,4,8), (5,8,16), (6,10,60), same ratio.
 
-Run: PYTHONPATH=. python3 benchmarks/bench_8b.py [decode|decode1|chain|tree|tree60 ...]
+Run: PYTHONPATH=. python3 benchmarks/bench_8b.py [decode|decode1|chain|chain3|tree|tree16|tree60 ...]
+(chain3: S=3 only; tree16: (5,8,16) only)
 """
 from __future__ import annotations
 
@@ -54,7 +55,8 @@ def main(parts):
     print(f"weights ready in {time.perf_counter() - t0:.1f}s; {wb / 1e9:.2f} GB read per step", flush=True)
 
     ar_step = {}
-    if parts & {"decode", "decode1", "chain", "tree", "tree60"}:
+    round_parts = {"chain", "chain3", "tree", "tree16", "tree60"}
+    if parts & ({"decode", "decode1"} | round_parts):
         for batch in ((1, 32) if parts & {"decode", "decode1"} else (1,)):
             if batch == 32 and "decode1" in parts:
                 continue
@@ -69,7 +71,7 @@ def main(parts):
             print("decode", {k: round(v, 4) if isinstance(v, float) else v for k, v in row.items()}, flush=True)
             save_json(name, res)
             del r
-    if parts & {"chain", "tree", "tree60"}:
+    if parts & round_parts:
         head = eagle3_head(target)
         spec_params = target.with_draft(head)
         shapes = []
@@ -77,6 +79,10 @@ def main(parts):
             shapes += [(s, 1, s + 1) for s in range(1, 6)]
         if "tree" in parts:
             shapes += [(5, 4, 8), (5, 8, 16), (6, 10, 60)]
+        if "chain3" in parts and "chain" not in parts:
+            shapes += [(3, 1, 4)]
+        if "tree16" in parts and "tree" not in parts:
+            shapes += [(5, 8, 16)]
         if "tree60" in parts:
             shapes += [(6, 10, 60)]
         for S, K, N in shapes:

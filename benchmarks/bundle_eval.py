@@ -17,7 +17,6 @@ import sys
 import time
 
 import jax
-import numpy as np
 
 import jspec
 from jspec.bundle import bundle_path

@@ -14,7 +14,6 @@ def main() -> int:
     ok = True
     import os
     import jspec
-    from jspec import api
     from benchmarks.common import random_params
     from jspec.config import ModelConfig
     cfg = ModelConfig(vocab_size=1000, hidden_size=256, intermediate_size=512, num_layers=3, num_heads=4,
@@ -25,8 +24,7 @@ def main() -> int:
     with jax.default_matmul_precision("highest"):
         for mode in ("reference", "auto"):
             os.environ["JSPEC_KERNELS"] = mode
-            jax.clear_caches()
-            api._COMPILED.clear()
+            jspec.clear_caches()
             outs[mode] = jspec.generate(p, prompts, max_new_tokens=24, stop_token_ids=[],
                                         cache=jspec.CacheConfig("paged", page_size=16)).tokens
     good = outs["reference"] == outs["auto"]

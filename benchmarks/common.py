@@ -10,12 +10,8 @@ import jax.numpy as jnp
 import numpy as np
 
 import jspec
-from jspec import api
-from jspec.config import DraftConfig, ModelConfig, RopeConfig
-from jspec.drafts import init_draft_weights
-from jspec.models import target as tgt
-from jspec.models.llama import LlamaModel
-from jspec.spec import loop
+from jspec.config import ModelConfig, RopeConfig
+from jspec.models import family_for
 
 LLAMA31_8B = ModelConfig(vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_layers=32, num_heads=32,
                          num_kv_heads=8, head_dim=128, rms_norm_eps=1e-5,
@@ -75,11 +71,7 @@ def median_time(f, *args, n: int = 10) -> float:
 def random_params(cfg: ModelConfig, seed: int = 0) -> jspec.Params:
     """Random weights made on device (the fast 'rbg' generator: 8B values in seconds)."""
     jax.config.update("jax_default_prng_impl", "rbg")
-    meta = tgt.prefill_meta(jnp.ones((1,), jnp.int32), 2)
-
-    @jax.jit
-    def init(key):
-        return LlamaModel(cfg).init(key, jnp.zeros((1, 2), jnp.int32), None, meta, method=LlamaModel.init_all)
+    init = jax.jit(lambda key: family_for(cfg).init_weights(cfg, key))
     return jspec.Params(config=cfg, weights=init(jax.random.key(seed)))
 
 
@@ -87,9 +79,9 @@ def eagle3_head(target: jspec.Params, draft_vocab: int = 32000, seed: int = 1) -
     tc = target.config
     m = tc.replace(num_layers=1, sliding_windows=(0,))
     n = tc.num_layers
-    d = DraftConfig("eagle3", m, target_hidden_size=tc.hidden_size, aux_layers=(2, n // 2, n - 3),
-                    draft_vocab_size=draft_vocab)
-    w = jax.jit(lambda k: init_draft_weights(d, k, tc.vocab_size))(jax.random.key(seed))
+    d = jspec.Eagle3Draft(m, target_hidden_size=tc.hidden_size, aux_layers=(2, n // 2, n - 3),
+                          draft_vocab_size=draft_vocab)
+    w = jax.jit(lambda k: d.init(k, tc.vocab_size))(jax.random.key(seed))
     return jspec.DraftParams(config=d, weights=w)
 
 
@@ -109,27 +101,18 @@ def bench_tag(shape: str = "") -> str:
 
 
 class Runner:
-    """Runs the compiled generation loop for a fixed plan with chosen per-request limits,
+    """Runs one compiled generation loop (`jspec.compile`) with chosen per-request limits,
     so that two lengths share one program and their time difference is per-round cost."""
 
     def __init__(self, params, prompts, max_new: int, spec=None, cache=None):
-        self.params = params
-        self.plan, self.inp, self.lens, _ = api._prepare(params, prompts, max_new, 0.0, 0, 1.0, 0, [],
-                                                         cache, spec)
-        tw = params.weights
-        dw = params.draft.weights if params.draft is not None else None
-        self.args = (tw, dw)
-        t = time.perf_counter()
-        self.compiled = loop.generate_jit.lower(self.plan, tw, dw, self.inp).compile()
-        self.compile_s = time.perf_counter() - t
+        self.prog = jspec.compile(params, prompts, max_new_tokens=max_new, stop_token_ids=[], cache=cache, spec=spec)
+        self.compile_s = self.prog.compile_s
+        self.plan = self.prog.plan
 
     def run(self, max_new: int):
-        inp = dict(self.inp)
-        inp["max_new"] = np.where(inp["real"], max_new, 1).astype(np.int32)
-        inp = jax.device_put(inp)
-        t = time.perf_counter()
-        res = jax.device_get(self.compiled(*self.args, inp))
-        return time.perf_counter() - t, res
+        """(seconds, GenerateOutput) of the compiled prompts with max_new_tokens=max_new."""
+        out = self.prog.run(max_new_tokens=max_new)
+        return out.timing["run_s"], out
 
     def per_round(self, short: int, long: int, reps: int = 3):
         """(seconds per round, rounds, tokens) from the difference of two runs."""
@@ -138,8 +121,8 @@ class Runner:
         for _ in range(reps):
             ts, rs = self.run(short)
             tl, rl = self.run(long)
-            rounds = int(rl["rounds"].max() - rs["rounds"].max())
-            toks = int(rl["generated"].sum() - rs["generated"].sum())
+            rounds = max(rl.stats.rounds) - max(rs.stats.rounds)
+            toks = rl.timing["new_tokens"] - rs.timing["new_tokens"]
             per = (tl - ts) / rounds
             if best is None or per < best[0]:
                 best = (per, rounds, toks)

@@ -17,11 +17,13 @@ from unittest import mock
 
 import jax
 
+import jspec
+
 from benchmarks.bench_8b import prompts
 from benchmarks.common import Runner, bench_tag, env_info, model_for, save_json
 from benchmarks.profile_decode import busy_and_gaps, kernel_spans
 from jspec import sampling
-from jspec.models import llama
+from jspec.cache.layout import CacheLayout, make_meta
 from jspec.kernels import decode_attention as da
 from jspec.kernels import dispatch
 from jspec.spec import loop
@@ -52,16 +54,21 @@ def _argmax_only(logits, *_):
 def _run_unrolled(plan, tw, dw, inp):
     """loop.run with two rounds per while-loop iteration: half the loop-condition syncs
     (a round for finished rows only masks; at most one round runs in vain at the end)."""
-    st = loop._prefill(plan, tw, dw, inp, loop.init_state(plan, inp))
-    one = functools.partial(loop._round, plan, tw, dw, inp)
+    st = loop.prefill(plan, tw, dw, inp, loop.init_state(plan, inp))
+    one = functools.partial(loop.round_step, plan, tw, dw, inp)
     return jax.lax.while_loop(lambda s: jax.numpy.any(~s.finished) & (s.step < plan.max_rounds),
                               lambda s: one(one(s)), st)
+
+
+def _meta_without_room(layout, pages, **kw):
+    """CacheLayout.meta without q_room: no forward parks its queries in the cache."""
+    return make_meta(layout, pages, **kw)
 
 
 # name -> a context manager changing the loop (measures what a part of the step costs)
 PATCHES = {
     "greedy_only": lambda: mock.patch.object(sampling, "sample", _argmax_only),  # no sampling branch
-    "no_parking": lambda: mock.patch.object(llama, "uses_kernel", lambda *a, **k: False),  # q not in the cache
+    "no_parking": lambda: mock.patch.object(CacheLayout, "meta", _meta_without_room),  # q not in the cache
     "unroll2": lambda: mock.patch.object(loop, "run", _run_unrolled),
 }
 
@@ -77,7 +84,7 @@ def main(batch: int = 1, names=None, shape: str = ""):
     for name, kw in variants.items():
         if names and name not in names:
             continue
-        jax.clear_caches()
+        jspec.clear_caches()
         da.paged_decode_attention = functools.partial(orig, **(kw or {}))
         try:
             with dispatch.use_backend("reference" if kw is None else "auto"), \
@@ -95,13 +102,13 @@ def main(batch: int = 1, names=None, shape: str = ""):
         finally:
             da.paged_decode_attention = orig
         stats, spans = kernel_spans(d)
-        steps = int(out["rounds"].max())
+        steps = max(out.stats.rounds)
         gaps = sorted(busy_and_gaps(spans)[1], reverse=True)[2:]  # the two around the prefill left out
         idle = sum(g for g in gaps if g > 2.0) / steps
         per_step = {n: (c / steps, t / steps) for n, (c, t) in stats.items()}
         attn = sum(t for n, (c, t) in per_step.items() if "attention" in n)
         kernels = sum(c for c, t in per_step.values())
-        tokens = out["tokens"].tolist()
+        tokens = out.tokens
         first = res.setdefault("tokens", tokens)
         res["rows"][name] = {"kw": kw, "ms_per_step": per * 1e3, "attention_us": attn, "kernels_per_step": kernels,
                              "idle_us_per_step": idle,

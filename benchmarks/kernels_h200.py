@@ -21,7 +21,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
-from jspec.cache.kv import AttnMeta  # noqa: E402
+from jspec.cache.layout import AttnMeta  # noqa: E402
 from jspec.kernels import decode_attention as da  # noqa: E402
 
 OUT = os.environ.get("OUT", "/tmp")

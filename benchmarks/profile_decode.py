@@ -75,7 +75,7 @@ def main(batch: int = 1, shape: str = ""):
     r = Runner(target, prompts(batch), 144, spec=spec)
     per, _, _ = r.per_round(16, 144)
     with open(os.path.join(out_dir(), f"hlo{suffix}.txt"), "w") as f:
-        f.write(r.compiled.as_text())
+        f.write(r.prog.executable.as_text())
     r.run(new)
     d = tempfile.mkdtemp()
     jax.profiler.start_trace(d)
@@ -84,7 +84,7 @@ def main(batch: int = 1, shape: str = ""):
     stats, spans = kernel_spans(d)
     busy_us, gaps = busy_and_gaps(spans)
     window_us = _window(spans)
-    steps = int(res["rounds"].max())
+    steps = max(res.stats.rounds)
     rows = sorted(((v[1], v[0], k) for k, v in stats.items()), reverse=True)
     total = sum(v[1] for v in stats.values())
     print(f"batch {batch} {tag}: {per * 1e3:.3f} ms/step (timed); {steps} steps in {secs * 1e3:.1f} ms; kernels total {total / 1e3:.1f} ms, "

@@ -2,12 +2,17 @@
 
     params = jspec.load(target_dir, draft=draft_dir)
     out = jspec.generate(params, "def fib(n):", max_new_tokens=64)
+    prog = jspec.compile(params, prompts, max_new_tokens=64)   # compile once, run many times
+    out = prog.run(other_prompts)
 """
-from jspec.config import CacheConfig, DraftConfig, ModelConfig, SpecConfig
-from jspec.api import GenerateOutput, SpecStats, generate, logits
-from jspec.loading import DraftParams, Params, load
+from jspec.config import CacheConfig, ModelConfig, SpecConfig
+from jspec.api import Compiled, GenerateOutput, SpecStats, clear_caches, compile, generate, logits
+from jspec.drafts import Draft, Eagle3Draft, EagleDraft, StandaloneDraft
+from jspec.loading import load, load_draft
+from jspec.params import DraftParams, Params
 
 __version__ = "0.1.0"
 
-__all__ = ["CacheConfig", "DraftConfig", "DraftParams", "GenerateOutput", "ModelConfig", "Params",
-           "SpecConfig", "SpecStats", "generate", "load", "logits"]
+__all__ = ["CacheConfig", "Compiled", "Draft", "DraftParams", "Eagle3Draft", "EagleDraft", "GenerateOutput",
+           "ModelConfig", "Params", "SpecConfig", "SpecStats", "StandaloneDraft", "clear_caches", "compile", "generate", "load",
+           "load_draft", "logits"]

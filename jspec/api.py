@@ -1,8 +1,10 @@
-"""The public entry points: `logits` and `generate`.
+"""The public entry points: `logits`, `compile` and `generate`.
 
-`generate` checks its input on the host (clear errors before anything compiles), pads the
-batch, prompts and limits to buckets so similar calls share one compiled program, moves the
-arrays to the device explicitly, runs the one jitted loop, and fetches the result.
+`compile` checks its input on the host (clear errors before anything compiles), builds the
+`Plan` (the compile key: batch, prompt length and round budget bucketed so similar calls
+share one program) and compiles the one jitted loop, or finds it compiled already.
+`Compiled.run` turns requests into `LoopInputs` for that plan, moves them to the device
+explicitly, runs the loop and fetches the result. `generate` is `compile` then `run`.
 """
 from __future__ import annotations
 
@@ -16,10 +18,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jspec.cache.layout import CacheLayout, prefill_meta
 from jspec.config import CacheConfig, SpecConfig
-from jspec.loading import Params
-from jspec.models import target as tgt
+from jspec.kernels import dispatch
+from jspec.models import family_for
+from jspec.params import Params
 from jspec.spec import loop
+from jspec.spec.plan import LoopInputs, Plan, round_slack
+from jspec.util import cdiv, round_up
 
 DEFAULT_SPEC = SpecConfig(num_steps=3, topk=1, num_draft_tokens=4)
 
@@ -153,11 +159,7 @@ def _pow2(n: int, lo: int = 1) -> int:
 
 
 def _prompt_bucket(n: int) -> int:
-    return _pow2(n, 16) if n <= 512 else -(-n // 256) * 256
-
-
-def _round_up(n: int, m: int) -> int:
-    return -(-n // m) * m
+    return _pow2(n, 16) if n <= 512 else round_up(n, 256)
 
 
 # ----------------------------------------------------------------------------- API
@@ -181,13 +183,228 @@ def logits(params: Params, token_ids) -> jax.Array:
 
 
 def _logits_fn(cfg, weights, tokens, lens):
-    meta = tgt.prefill_meta(lens, tokens.shape[1])
-    hidden, _, _ = tgt.forward(weights, cfg, tokens, None, meta)
-    return tgt.logits(weights, cfg, hidden)
+    family = family_for(cfg)
+    hidden, _, _ = family.forward(cfg, weights, tokens, None, prefill_meta(lens, tokens.shape[1]))
+    return family.logits(cfg, weights, hidden)
 
 
 _logits_jit = jax.jit(_logits_fn, static_argnums=0)
-_COMPILED: dict = {}
+
+
+@dataclasses.dataclass(frozen=True)
+class _Requests:
+    """Checked requests, one entry per prompt (host values)."""
+
+    prompts: list
+    is_batch: bool
+    max_new: list
+    temperature: list
+    top_k: list
+    top_p: list
+    seed: list
+    stop_ids: list
+
+
+def _requests(params: Params, prompt, max_new_tokens, temperature, top_k, top_p, seed,
+              stop_token_ids) -> _Requests:
+    prompts, is_batch = _prompts(params, prompt)
+    n = len(prompts)
+    return _Requests(
+        prompts=prompts, is_batch=is_batch,
+        max_new=_per_request(max_new_tokens, n, "max_new_tokens", int, lambda v: "must be >= 1" if v < 1 else None),
+        temperature=_per_request(temperature, n, "temperature", float,
+                                 lambda v: "must be finite and >= 0" if not (math.isfinite(v) and v >= 0) else None),
+        top_k=_per_request(top_k, n, "top_k", int, lambda v: "must be >= 0" if v < 0 else None),
+        top_p=_per_request(top_p, n, "top_p", float, lambda v: "must be in (0, 1]" if not 0 < v <= 1 else None),
+        seed=_per_request(seed, n, "seed", int, lambda v: "must be in [0, 2**31)" if not 0 <= v < 2 ** 31 else None),
+        stop_ids=_stop_ids(params, stop_token_ids))
+
+
+def _cache_config(cache) -> CacheConfig:
+    if cache is None or isinstance(cache, str):
+        cache = CacheConfig(kind=cache or "dense")
+    if not isinstance(cache, CacheConfig):
+        raise TypeError(f"cache must be a CacheConfig, 'dense', 'paged' or None, got {type(cache).__name__}")
+    return cache
+
+
+def _spec_config(params: Params, spec, reqs: _Requests) -> SpecConfig | None:
+    if spec is not None and not isinstance(spec, SpecConfig):
+        raise TypeError(f"spec must be a jspec.SpecConfig or None, got {type(spec).__name__}")
+    if spec is not None and params.draft is None:
+        raise ValueError("spec was given but params has no draft; load one with jspec.load(target, draft=...)")
+    if params.draft is not None and spec is None:
+        spec = DEFAULT_SPEC
+    if spec is not None and any(t > 0 for t in reqs.temperature):
+        raise ValueError("speculative decoding is greedy-only for now (temperature must be 0); "
+                         "sampling runs without a draft")
+    return spec
+
+
+def _slot_limits(cache: CacheConfig, reqs: _Requests, slack: int):
+    """-> (slots each request may use, max_new cut to the cache's room, was it cut)."""
+    lens = [len(p) for p in reqs.prompts]
+    if cache.max_len is None:
+        return [l + m + slack for l, m in zip(lens, reqs.max_new)], list(reqs.max_new), [False] * len(lens)
+    too_long = [i for i, l in enumerate(lens) if l >= cache.max_len]
+    if too_long:
+        i = too_long[0]
+        raise ValueError(f"prompt {i} has {lens[i]} tokens, which does not fit a cache of max_len="
+                         f"{cache.max_len} (it needs room for at least one generated token)")
+    room = [cache.max_len - l for l in lens]  # a request holds at most max_len tokens
+    return ([cache.max_len + slack] * len(lens), [min(r, m) for r, m in zip(room, reqs.max_new)],
+            [r < m for r, m in zip(room, reqs.max_new)])
+
+
+def _plan(params: Params, reqs: _Requests, cache: CacheConfig, spec: SpecConfig | None) -> Plan:
+    """The one place a Plan is built: buckets for batch, prompt length, rounds and stop ids."""
+    draft = params.draft.config if params.draft is not None else None
+    paged = cache.kind == "paged"
+    slack = round_slack(params.config, draft, spec, paged)
+    limits, max_new, _ = _slot_limits(cache, reqs, slack)
+    B = _pow2(len(reqs.prompts))
+    lens = [len(p) for p in reqs.prompts]
+    Tp = _prompt_bucket(max(lens))
+    P = cache.page_size
+    if paged:
+        capacity = round_up(max(max(limits), Tp), P)
+        num_pages = cache.num_pages if cache.num_pages is not None else capacity // P * B
+        for i, l in enumerate(lens):
+            if cdiv(l + slack, P) > num_pages:
+                raise ValueError(f"prompt {i} needs {cdiv(l + slack, P)} pages of {P} tokens but the pool "
+                                 f"has num_pages={num_pages}")
+        layout = CacheLayout(paged=True, capacity=capacity, page_size=P, num_pages=num_pages)
+    else:
+        layout = CacheLayout(paged=False, capacity=round_up(max(max(limits), Tp), 64))
+    return Plan(target=params.config, draft=draft, spec=spec, layout=layout, batch=B, prompt_len=Tp,
+                max_rounds=_pow2(max(max_new), 8), num_stop=_pow2(len(reqs.stop_ids), 4))
+
+
+def _inputs(plan: Plan, reqs: _Requests, cache: CacheConfig) -> LoopInputs:
+    """Host-side LoopInputs of these requests for `plan`; ValueError if they do not fit it."""
+    n, B = len(reqs.prompts), plan.batch
+    lens = [len(p) for p in reqs.prompts]
+    limits, max_new, room_bound = _slot_limits(cache, reqs, plan.slack)
+    misfits = [(n > B, f"{n} prompts (it holds {B})"),
+               (max(lens) > plan.prompt_len, f"a prompt of {max(lens)} tokens (it holds {plan.prompt_len})"),
+               (max(max_new) > plan.max_rounds, f"max_new_tokens={max(max_new)} (it allows {plan.max_rounds})"),
+               (max(limits) > plan.layout.capacity, f"{max(limits)} cache slots per request (it has "
+                                                    f"{plan.layout.capacity})"),
+               (len(reqs.stop_ids) > plan.num_stop, f"{len(reqs.stop_ids)} stop ids (it holds {plan.num_stop})")]
+    for bad, what in misfits:
+        if bad:
+            raise ValueError(f"these requests do not fit the compiled program: {what}; compile with them instead")
+
+    def col(vals, fill, dtype):
+        a = np.full((B,), fill, dtype)
+        a[:n] = vals
+        return a
+
+    prompt_arr = np.zeros((B, plan.prompt_len), np.int32)
+    for i, p in enumerate(reqs.prompts):
+        prompt_arr[i, : len(p)] = p
+    stop_arr = np.full((plan.num_stop,), -1, np.int32)
+    stop_arr[: len(reqs.stop_ids)] = reqs.stop_ids
+    return LoopInputs(prompt=prompt_arr, prompt_len=col(lens, 1, np.int32), max_new=col(max_new, 1, np.int32),
+                      room_bound=col(room_bound, False, bool), slot_limit=col(limits, 0, np.int32),
+                      real=col([True] * n, False, bool), temperature=col(reqs.temperature, 0.0, np.float32),
+                      top_k=col(reqs.top_k, 0, np.int32), top_p=col(reqs.top_p, 1.0, np.float32),
+                      seed=col(reqs.seed, 0, np.int32), stop_ids=stop_arr)
+
+
+_COMPILED: dict = {}  # (plan, weight shapes, kernel backend) -> compiled loop
+
+
+def clear_caches() -> None:
+    """Forgets every compiled program, jspec's and jax's traces alike: needed after code
+    that tracing reads has changed (a patched function in a benchmark or test)."""
+    _COMPILED.clear()
+    jax.clear_caches()
+
+
+class Compiled:
+    """The generation loop compiled once for a fixed shape (`jspec.compile`).
+
+    `run` takes new requests (prompts, limits, sampling values, seeds, stop ids) and runs
+    them without recompiling, as long as they fit the compiled shape: at most `plan.batch`
+    prompts of at most `plan.prompt_len` tokens, max_new_tokens <= `plan.max_rounds`, the
+    cache's slots, and at most `plan.num_stop` stop ids.
+    """
+
+    def __init__(self, params: Params, reqs: _Requests, cache: CacheConfig, spec: SpecConfig | None):
+        self.params, self.cache, self.spec = params, cache, spec
+        self.plan = _plan(params, reqs, cache, spec)
+        self._reqs = reqs
+        tw, dw = self.weights
+        key = (self.plan, jax.tree.structure((tw, dw)), tuple((a.shape, a.dtype) for a in jax.tree.leaves((tw, dw))),
+               dispatch.backend())
+        self.compile_s = 0.0
+        if key not in _COMPILED:
+            t0 = time.perf_counter()
+            _COMPILED[key] = loop.generate_jit.lower(self.plan, tw, dw, _inputs(self.plan, reqs, cache)).compile()
+            self.compile_s = time.perf_counter() - t0
+        self.executable = _COMPILED[key]  # the compiled XLA program (jax.stages.Compiled)
+
+    @property
+    def weights(self):
+        """(target weights, draft weights or None): the loop's weight arguments."""
+        return self.params.weights, self.params.draft.weights if self.params.draft is not None else None
+
+    def requests(self, prompt=None, *, max_new_tokens=None, temperature=None, top_k=None, top_p=None,
+                 seed=None, stop_token_ids=None) -> _Requests:
+        """Checked requests; arguments left None keep the compiled call's (the prompt
+        included). A new prompt with no max_new_tokens etc. takes the defaults of `generate`."""
+        if prompt is None and all(v is None for v in (max_new_tokens, temperature, top_k, top_p, seed,
+                                                      stop_token_ids)):
+            return self._reqs
+        base = self._reqs if prompt is None else None
+
+        def pick(value, name, default):
+            return value if value is not None else (getattr(base, name) if base else default)
+
+        reqs = _requests(self.params, self._reqs.prompts if prompt is None else prompt,
+                         pick(max_new_tokens, "max_new", 64), pick(temperature, "temperature", 0.0),
+                         pick(top_k, "top_k", 0), pick(top_p, "top_p", 1.0), pick(seed, "seed", 0),
+                         stop_token_ids if stop_token_ids is not None else (base.stop_ids if base else None))
+        if prompt is None:
+            reqs = dataclasses.replace(reqs, is_batch=self._reqs.is_batch)
+        if self.spec is not None and any(t > 0 for t in reqs.temperature):
+            raise ValueError("speculative decoding is greedy-only for now (temperature must be 0); "
+                             "sampling runs without a draft")
+        return reqs
+
+    def inputs(self, prompt=None, **kw) -> LoopInputs:
+        """The host-side LoopInputs `run` would pass (same arguments as `run`)."""
+        return _inputs(self.plan, self.requests(prompt, **kw), self.cache)
+
+    def run(self, prompt=None, *, max_new_tokens=None, temperature=None, top_k=None, top_p=None, seed=None,
+            stop_token_ids=None) -> GenerateOutput:
+        """Runs requests through the compiled loop (None: the compiled call's values)."""
+        reqs = self.requests(prompt, max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k,
+                             top_p=top_p, seed=seed, stop_token_ids=stop_token_ids)
+        inp = jax.device_put(_inputs(self.plan, reqs, self.cache))
+        tw, dw = self.weights
+        t0 = time.perf_counter()
+        res = jax.device_get(self.executable(tw, dw, inp))
+        run_s = time.perf_counter() - t0
+        compile_s, self.compile_s = self.compile_s, 0.0  # reported by the first run only
+        return _outputs(self.params, self.plan, res, [len(p) for p in reqs.prompts], reqs.is_batch,
+                        compile_s=compile_s, run_s=run_s)
+
+
+def compile(params: Params, prompt, *, max_new_tokens: int | Sequence[int] = 64,
+            temperature: float | Sequence[float] = 0.0, top_k: int | Sequence[int] = 0,
+            top_p: float | Sequence[float] = 1.0, seed: int | Sequence[int] = 0,
+            stop_token_ids: Sequence[int] | None = None, cache: CacheConfig | str | None = None,
+            spec: SpecConfig | None = None) -> Compiled:
+    """Compiles the generation loop for these requests' shape (same arguments as
+    `generate`) and returns a `Compiled` whose `run(...)` takes requests of that shape.
+    Programs are cached: compiling an equal plan again costs nothing."""
+    _check_params(params)
+    reqs = _requests(params, prompt, max_new_tokens, temperature, top_k, top_p, seed, stop_token_ids)
+    cache = _cache_config(cache)
+    spec = _spec_config(params, spec, reqs)
+    return Compiled(params, reqs, cache, spec)
 
 
 def generate(params: Params, prompt, *, max_new_tokens: int | Sequence[int] = 64,
@@ -203,103 +420,8 @@ def generate(params: Params, prompt, *, max_new_tokens: int | Sequence[int] = 64
     cache: a CacheConfig, 'dense' or 'paged'. spec: a SpecConfig (needs a draft); None uses
     a default chain when there is a draft.
     """
-    _check_params(params)
-    plan, inp, lens, is_batch = _prepare(params, prompt, max_new_tokens, temperature, top_k, top_p, seed,
-                                      stop_token_ids, cache, spec)
-    tw = params.weights
-    dw = params.draft.weights if plan.draft is not None else None
-    key = (plan, jax.tree.structure((tw, dw)), tuple((a.shape, a.dtype) for a in jax.tree.leaves((tw, dw))))
-    compile_s = 0.0
-    if key not in _COMPILED:
-        t0 = time.perf_counter()
-        _COMPILED[key] = loop.generate_jit.lower(plan, tw, dw, inp).compile()
-        compile_s = time.perf_counter() - t0
-    compiled = _COMPILED[key]
-    inp = jax.device_put(inp)
-    t0 = time.perf_counter()
-    res = compiled(tw, dw, inp)
-    res = jax.device_get(res)
-    run_s = time.perf_counter() - t0
-    return _outputs(params, plan, res, lens, is_batch, compile_s=compile_s, run_s=run_s)
-
-
-def _prepare(params, prompt, max_new_tokens, temperature, top_k, top_p, seed, stop_token_ids, cache, spec):
-    prompts, is_batch = _prompts(params, prompt)
-    n = len(prompts)
-    max_new = _per_request(max_new_tokens, n, "max_new_tokens", int, lambda v: "must be >= 1" if v < 1 else None)
-    temps = _per_request(temperature, n, "temperature", float,
-                         lambda v: "must be finite and >= 0" if not (math.isfinite(v) and v >= 0) else None)
-    topks = _per_request(top_k, n, "top_k", int, lambda v: "must be >= 0" if v < 0 else None)
-    topps = _per_request(top_p, n, "top_p", float, lambda v: "must be in (0, 1]" if not 0 < v <= 1 else None)
-    seeds = _per_request(seed, n, "seed", int, lambda v: "must be in [0, 2**31)" if not 0 <= v < 2 ** 31 else None)
-    stops = _stop_ids(params, stop_token_ids)
-    if cache is None or isinstance(cache, str):
-        cache = CacheConfig(kind=cache or "dense")
-    if not isinstance(cache, CacheConfig):
-        raise TypeError(f"cache must be a CacheConfig, 'dense', 'paged' or None, got {type(cache).__name__}")
-    if spec is not None and not isinstance(spec, SpecConfig):
-        raise TypeError(f"spec must be a jspec.SpecConfig or None, got {type(spec).__name__}")
-    draft = params.draft
-    if spec is not None and draft is None:
-        raise ValueError("spec was given but params has no draft; load one with jspec.load(target, draft=...)")
-    if draft is not None and spec is None:
-        spec = DEFAULT_SPEC
-    if spec is not None and any(t > 0 for t in temps):
-        raise ValueError("speculative decoding is greedy-only for now (temperature must be 0); "
-                         "sampling runs without a draft")
-
-    B = _pow2(n)
-    lens = [len(p) for p in prompts]
-    Tp = _prompt_bucket(max(lens))
-    probe = loop.Plan(params.config, draft.config if draft else None, spec, cache.kind == "paged",
-                      cache.page_size, 1, 1, B, Tp, 1, 1)
-    slack = probe.slack
-    if cache.max_len is not None:
-        too_long = [i for i, l in enumerate(lens) if l >= cache.max_len]
-        if too_long:
-            i = too_long[0]
-            raise ValueError(f"prompt {i} has {lens[i]} tokens, which does not fit a cache of max_len="
-                             f"{cache.max_len} (it needs room for at least one generated token)")
-        limit = [cache.max_len + slack] * n
-        room = [cache.max_len - l for l in lens]  # a request holds at most max_len tokens
-        room_bound = [r < m for r, m in zip(room, max_new)]
-        max_new = [min(r, m) for r, m in zip(room, max_new)]
-    else:
-        room_bound = [False] * n
-        limit = [l + m + slack for l, m in zip(lens, max_new)]
-    need = max(limit)
-    P = cache.page_size
-    if cache.kind == "paged":
-        capacity = _round_up(max(need, Tp), P)
-        G = capacity // P
-        num_pages = cache.num_pages if cache.num_pages is not None else G * B
-        for i, l in enumerate(lens):
-            if -(-(l + slack) // P) > num_pages:
-                raise ValueError(f"prompt {i} needs {-(-(l + slack) // P)} pages of {P} tokens but the pool "
-                                 f"has num_pages={num_pages}")
-    else:
-        capacity = _round_up(max(need, Tp), 64)
-        num_pages = 0
-    max_rounds = _pow2(max(max_new), 8)
-    num_stop = _pow2(len(stops), 4)
-    plan = loop.Plan(params.config, draft.config if draft else None, spec, cache.kind == "paged",
-                     P if cache.kind == "paged" else 0, capacity, num_pages, B, Tp, max_rounds, num_stop)
-
-    def col(vals, fill, dtype):
-        a = np.full((B,), fill, dtype)
-        a[:n] = vals
-        return a
-
-    prompt_arr = np.zeros((B, Tp), np.int32)
-    for i, p in enumerate(prompts):
-        prompt_arr[i, : len(p)] = p
-    stop_arr = np.full((num_stop,), -1, np.int32)
-    stop_arr[: len(stops)] = stops
-    inp = dict(prompt=prompt_arr, prompt_len=col(lens, 1, np.int32), max_new=col(max_new, 1, np.int32),
-               room_bound=col(room_bound, False, bool), cap=col(limit, 0, np.int32), real=col([True] * n, False, bool),
-               temperature=col(temps, 0.0, np.float32), top_k=col(topks, 0, np.int32),
-               top_p=col(topps, 1.0, np.float32), seed=col(seeds, 0, np.int32), stop_ids=stop_arr)
-    return plan, inp, lens, is_batch
+    return compile(params, prompt, max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k,
+                   top_p=top_p, seed=seed, stop_token_ids=stop_token_ids, cache=cache, spec=spec).run()
 
 
 def _outputs(params, plan, res, lens, is_batch, *, compile_s, run_s) -> GenerateOutput:
@@ -309,7 +431,7 @@ def _outputs(params, plan, res, lens, is_batch, *, compile_s, run_s) -> Generate
         tokens.append([int(t) for t in res["tokens"][i, l: l + g]])
         reasons.append(loop.FINISH_REASONS[int(res["reason"][i])])
         rounds = int(res["rounds"][i])
-        accept.append([int(a) for a in res["hist"][i, :rounds]] if plan.draft else [1] * rounds)
+        accept.append([int(a) for a in res["hist"][i, :rounds]] if plan.draft is not None else [1] * rounds)
     total = sum(len(t) for t in tokens)
     all_rounds = [a for row in accept for a in row]
     hist: dict[int, int] = {}

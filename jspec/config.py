@@ -1,28 +1,18 @@
 """Frozen, hashable configuration dataclasses (usable as static jit arguments).
 
 `ModelConfig` describes a Llama-family decoder as Hugging Face defines it (Llama 2/3/3.1,
-Qwen2/2.5, Qwen3, Mistral). `DraftConfig` wraps the model config of a draft with what kind
-of draft it is. `SpecConfig` and `CacheConfig` are the user-facing knobs of generation.
+Qwen2/2.5, Qwen3, Mistral); its family (`jspec.models.llama`) parses it from config.json.
+Draft kinds are their own frozen classes (`jspec.drafts`). `SpecConfig` and `CacheConfig`
+are the user-facing knobs of generation.
 """
 from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Any, Mapping
 
 import numpy as np
 
 DTYPES = ("float32", "bfloat16", "float16")
-
-# Hugging Face `architectures` entries a target may declare, by family.
-TARGET_ARCHITECTURES = {
-    "LlamaForCausalLM": "llama",
-    "MistralForCausalLM": "mistral",
-    "Qwen2ForCausalLM": "qwen2",
-    "Qwen3ForCausalLM": "qwen3",
-}
-_ARCH_BY_MODEL_TYPE = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
-                       "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -109,36 +99,6 @@ class ModelConfig:
 
 
 @dataclasses.dataclass(frozen=True)
-class DraftConfig:
-    """A draft model: `kind` is 'eagle' (EAGLE-1/2), 'eagle3' or 'standalone'.
-
-    `model` describes the draft's own decoder layer(s) (for EAGLE heads, num_layers is the
-    number of draft layers). EAGLE-3 fields: `target_hidden_size`, `aux_layers` (the target
-    layers whose *inputs* are captured) and `draft_vocab_size`.
-    """
-
-    kind: str
-    model: ModelConfig
-    target_hidden_size: int = 0
-    aux_layers: tuple[int, ...] = ()
-    draft_vocab_size: int = 0
-    fc_bias: bool = False
-
-    def __post_init__(self):
-        if self.kind not in ("eagle", "eagle3", "standalone"):
-            raise ValueError(f"unknown draft kind {self.kind!r}")
-
-    @property
-    def lag(self) -> int:
-        """How many slots ahead of an EAGLE head a standalone draft's cache runs (0 or 1).
-
-        An EAGLE head's slot i pairs token i+1 with the target's feature at i; a standalone
-        draft's slot i holds token i itself, so it also holds the current root token.
-        """
-        return 1 if self.kind == "standalone" else 0
-
-
-@dataclasses.dataclass(frozen=True)
 class SpecConfig:
     """Speculative decoding shape: S draft steps, K branches per step, N verified nodes.
 
@@ -201,72 +161,3 @@ class CacheConfig:
                 raise ValueError(f"CacheConfig.{name} must be a positive int or None, got {v!r}")
         if not isinstance(self.page_size, int) or isinstance(self.page_size, bool) or self.page_size < 1:
             raise ValueError(f"CacheConfig.page_size must be an int >= 1, got {self.page_size!r}")
-
-
-def _rope_from_hf(cfg: Mapping[str, Any]) -> RopeConfig:
-    params = cfg.get("rope_parameters")
-    if params is None:
-        params = dict(cfg.get("rope_scaling") or {})
-        params.setdefault("rope_theta", cfg.get("rope_theta", 10000.0))
-    params = dict(params)
-    kind = params.get("rope_type", params.get("type", "default")) or "default"
-    theta = float(params.get("rope_theta", cfg.get("rope_theta", 10000.0)))
-    if kind == "default":
-        return RopeConfig(theta=theta)
-    if kind == "linear":
-        return RopeConfig(theta=theta, kind="linear", factor=float(params["factor"]))
-    if kind == "llama3":
-        return RopeConfig(theta=theta, kind="llama3", factor=float(params["factor"]),
-                          low_freq_factor=float(params["low_freq_factor"]),
-                          high_freq_factor=float(params["high_freq_factor"]),
-                          original_max_position_embeddings=int(params["original_max_position_embeddings"]))
-    raise ValueError(f"unsupported rope scaling type {kind!r} (supported: default, linear, llama3)")
-
-
-def model_config_from_hf(cfg: Mapping[str, Any], *, dtype: str | None = None,
-                         require_architecture: bool = True) -> ModelConfig:
-    """Builds a ModelConfig from a Hugging Face config.json dict."""
-    archs = cfg.get("architectures") or []
-    model_type = cfg.get("model_type", "llama")
-    arch = next((a for a in archs if a in TARGET_ARCHITECTURES), None)
-    if arch is None:
-        if require_architecture:
-            raise ValueError(f"unsupported architecture {archs or model_type!r}; jspec supports "
-                             f"{sorted(TARGET_ARCHITECTURES)}")
-        arch = _ARCH_BY_MODEL_TYPE.get(model_type, "LlamaForCausalLM")
-    family = TARGET_ARCHITECTURES[arch]
-    act = cfg.get("hidden_act", "silu")
-    if act not in ("silu", "swish"):
-        raise ValueError(f"unsupported hidden_act {act!r} (jspec supports silu)")
-    D = int(cfg["hidden_size"])
-    H = int(cfg["num_attention_heads"])
-    Hkv = int(cfg.get("num_key_value_heads") or H)
-    head_dim = cfg.get("head_dim") or D // H
-    L = int(cfg["num_hidden_layers"])
-    if family == "mistral":
-        windows = (int(cfg.get("sliding_window") or 0),) * L
-    elif family in ("qwen2", "qwen3") and cfg.get("sliding_window"):
-        types = cfg.get("layer_types")
-        if types is None:
-            first = int(cfg.get("max_window_layers", L)) if cfg.get("use_sliding_window") else L
-            types = ["sliding_attention" if i >= first else "full_attention" for i in range(L)]
-        windows = tuple(int(cfg["sliding_window"]) if t == "sliding_attention" else 0 for t in types)
-    else:
-        windows = (0,) * L
-    eos = cfg.get("eos_token_id")
-    eos = tuple(int(e) for e in (eos if isinstance(eos, (list, tuple)) else [eos] if eos is not None else []))
-    if dtype is None:
-        dtype = cfg.get("dtype") or cfg.get("torch_dtype") or "float32"
-        dtype = dtype if dtype in DTYPES else "float32"
-    attention_bias = bool(cfg.get("attention_bias", False))
-    return ModelConfig(
-        vocab_size=int(cfg["vocab_size"]), hidden_size=D,
-        intermediate_size=int(cfg["intermediate_size"]), num_layers=L, num_heads=H,
-        num_kv_heads=Hkv, head_dim=int(head_dim), rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
-        rope=_rope_from_hf(cfg), max_position_embeddings=int(cfg.get("max_position_embeddings", 4096)),
-        tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-        qkv_bias=True if family == "qwen2" else attention_bias and family != "mistral",
-        o_bias=attention_bias and family in ("llama", "qwen3"),
-        mlp_bias=bool(cfg.get("mlp_bias", False)), qk_norm=family == "qwen3",
-        sliding_windows=windows, dtype=dtype, model_type=family, architecture=arch,
-        bos_token_id=cfg.get("bos_token_id"), eos_token_ids=eos)

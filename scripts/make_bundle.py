@@ -14,14 +14,12 @@ bfloat16. Timings and losses go to <out>/recipe.json.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import os
 import time
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 import jspec
 from jspec.config import ModelConfig, RopeConfig

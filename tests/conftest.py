@@ -1,4 +1,8 @@
-"""Shared fixtures: tiny random models saved to temp dirs once per test session."""
+"""Shared fixtures: tiny random models saved to temp dirs once per test session, the
+cache configurations and draft builders the tests sweep, and compile-cache clearing.
+
+Tests that compile a whole generation loop more than a few times, or train, are marked
+`slow`; `pytest -m "not slow"` is the fast subset for day-to-day work."""
 from __future__ import annotations
 
 import functools
@@ -13,6 +17,15 @@ os.environ.setdefault("XLA_FLAGS", "--xla_backend_optimization_level=0 --xla_llv
 import tiny_models  # noqa: E402
 
 PROMPTS = [[5, 7, 9, 11, 13], [20, 21, 22], list(range(30, 47))]
+
+
+def _caches():
+    import jspec
+    return {"dense": jspec.CacheConfig("dense"), "paged1": jspec.CacheConfig("paged", page_size=1),
+            "paged16": jspec.CacheConfig("paged", page_size=16)}
+
+
+CACHES = _caches()  # the cache configurations tests sweep, by name
 
 
 @pytest.fixture(scope="session")
@@ -44,6 +57,29 @@ def drafts(tmp_path_factory, llama_dir, target):
         tiny_models.make_random_draft(path, name.split("_")[0], target, seed=len(out) + 1, **kw)
         out[name] = path
     return out
+
+
+@pytest.fixture(scope="session")
+def with_draft(target, drafts):
+    """with_draft(name) -> the 4-layer target with draft `name` of `drafts` loaded (cached)."""
+    from jspec.loading import load_draft
+    loaded = {}
+
+    def build(name: str):
+        if name not in loaded:
+            loaded[name] = target.with_draft(load_draft(drafts[name], target))
+        return loaded[name]
+    return build
+
+
+@pytest.fixture
+def fresh_compiles():
+    """Every compiled program forgotten before and after the test (for tests that count
+    traces or switch the kernel backend)."""
+    import jspec
+    jspec.clear_caches()
+    yield
+    jspec.clear_caches()
 
 
 @pytest.fixture(scope="session")

@@ -18,7 +18,7 @@ def test_bundle_is_complete_and_small():
     assert _size(os.path.join(root, "target")) + _size(os.path.join(root, "eagle3")) + \
         _size(os.path.join(root, "standalone")) <= 25 * 2 ** 20
     p = bundle.load("eagle3", dtype="float32")
-    assert p.config.num_params() <= 10_000_000 and p.draft.config.kind == "eagle3"
+    assert p.config.num_params() <= 10_000_000 and isinstance(p.draft.config, jspec.Eagle3Draft)
     assert p.draft.config.draft_vocab_size < p.config.vocab_size and "d2t" in p.draft.weights
 
 

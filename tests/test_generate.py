@@ -12,14 +12,10 @@ import numpy as np
 import pytest
 
 import jspec
-from jspec import api
 from jspec import sampling
 from jspec.spec import loop
 import tiny_models
-from conftest import PROMPTS
-
-CACHES = {"dense": "dense", "paged1": jspec.CacheConfig("paged", page_size=1),
-          "paged16": jspec.CacheConfig("paged", page_size=16)}
+from conftest import CACHES, PROMPTS
 
 
 @pytest.mark.parametrize("cache", list(CACHES))
@@ -82,9 +78,8 @@ def test_dense_max_len_limits_and_errors(target, hf_greedy):
     # A prompt longer than the cache is refused before compiling: test_bad_input_fails_before_compiling.
 
 
-def test_sampling_no_recompile_no_transfer_and_seeds(target, monkeypatch):
+def test_sampling_no_recompile_no_transfer_and_seeds(target, monkeypatch, fresh_compiles):
     # Count traces of the loop: new sampling values must reuse the one compiled program.
-    api._COMPILED.clear()
     monkeypatch.setattr(loop, "generate_jit", jax.jit(chex.assert_max_traces(loop.generate_fn, n=1),
                                                       static_argnums=0))
     chex.clear_trace_counter()
@@ -138,45 +133,55 @@ def test_filter_logits_top_k_top_p():
 
 # ------------------------------------------------------------------------------ bad input
 
-def test_bad_input_fails_before_compiling(target, monkeypatch, tmp_path):
+@pytest.fixture
+def no_compiling(monkeypatch):
     def no_compile(*a, **k):
         raise AssertionError("compiled despite bad input")
     monkeypatch.setattr(loop.generate_jit, "lower", no_compile)
-    cases = [
-        (dict(prompt=""), ValueError, "empty string"),
-        (dict(prompt=[]), ValueError, "empty"),
-        (dict(prompt=[[1, 2], []]), ValueError, r"prompt\[1\] is empty"),
-        (dict(prompt=[1, 2, 300]), ValueError, "token id 300, outside the vocabulary"),
-        (dict(prompt=[1, -1]), ValueError, "outside the vocabulary"),
-        (dict(prompt=[1, 2.0]), TypeError, "must be ints"),
-        (dict(prompt=[1, True]), TypeError, "must be ints"),
-        (dict(prompt=3.5), TypeError, "prompt must be"),
-        (dict(prompt=[1, 2], max_new_tokens=0), ValueError, "max_new_tokens must be >= 1"),
-        (dict(prompt=[1, 2], max_new_tokens=-3), ValueError, "max_new_tokens"),
-        (dict(prompt=[1, 2], max_new_tokens="5"), TypeError, "max_new_tokens must be an int"),
-        (dict(prompt=[[1, 2], [3]], max_new_tokens=[4]), ValueError, "1 entries for 2 prompts"),
-        (dict(prompt=[1, 2], temperature=-1.0), ValueError, "temperature"),
-        (dict(prompt=[1, 2], temperature=float("nan")), ValueError, "temperature"),
-        (dict(prompt=[1, 2], top_p=0.0), ValueError, "top_p"),
-        (dict(prompt=[1, 2], top_k=-1), ValueError, "top_k"),
-        (dict(prompt=[1, 2], seed=1.5), TypeError, "seed"),
-        (dict(prompt=[1, 2], stop_token_ids=[999]), ValueError, "stop token id 999"),
-        (dict(prompt=[1, 2], cache="weird"), ValueError, "CacheConfig.kind"),
-        (dict(prompt=[1, 2], cache=5), TypeError, "cache must be"),
-        (dict(prompt=[1, 2], spec="fast"), TypeError, "spec must be"),
-        (dict(prompt=[1, 2], spec=jspec.SpecConfig(num_steps=3)), ValueError, "no draft"),
-        # A prompt longer than the cache (or exactly as long: no room for a token).
-        (dict(prompt=PROMPTS[0], cache=jspec.CacheConfig("dense", max_len=5)), ValueError,
-         "prompt 0 has 5 tokens, which does not fit a cache of max_len=5"),
-        (dict(prompt=[PROMPTS[1], PROMPTS[2]], cache=jspec.CacheConfig("dense", max_len=16)), ValueError,
-         "prompt 1 has 17 tokens, which does not fit a cache of max_len=16"),
-        (dict(prompt=PROMPTS[2], cache=jspec.CacheConfig("paged", page_size=2, num_pages=4)), ValueError,
-         r"prompt 0 needs \d+ pages of 2 tokens but the pool has num_pages=4"),
-    ]
-    for kw, exc, msg in cases:
-        prompt = kw.pop("prompt")
-        with pytest.raises(exc, match=msg):
-            jspec.generate(target, prompt, **kw)
+
+
+BAD_INPUTS = [
+    (dict(prompt=""), ValueError, "empty string"),
+    (dict(prompt=[]), ValueError, "empty"),
+    (dict(prompt=[[1, 2], []]), ValueError, r"prompt\[1\] is empty"),
+    (dict(prompt=[1, 2, 300]), ValueError, "token id 300, outside the vocabulary"),
+    (dict(prompt=[1, -1]), ValueError, "outside the vocabulary"),
+    (dict(prompt=[1, 2.0]), TypeError, "must be ints"),
+    (dict(prompt=[1, True]), TypeError, "must be ints"),
+    (dict(prompt=3.5), TypeError, "prompt must be"),
+    (dict(prompt=[1, 2], max_new_tokens=0), ValueError, "max_new_tokens must be >= 1"),
+    (dict(prompt=[1, 2], max_new_tokens=-3), ValueError, "max_new_tokens"),
+    (dict(prompt=[1, 2], max_new_tokens="5"), TypeError, "max_new_tokens must be an int"),
+    (dict(prompt=[[1, 2], [3]], max_new_tokens=[4]), ValueError, "1 entries for 2 prompts"),
+    (dict(prompt=[1, 2], temperature=-1.0), ValueError, "temperature"),
+    (dict(prompt=[1, 2], temperature=float("nan")), ValueError, "temperature"),
+    (dict(prompt=[1, 2], top_p=0.0), ValueError, "top_p"),
+    (dict(prompt=[1, 2], top_k=-1), ValueError, "top_k"),
+    (dict(prompt=[1, 2], seed=1.5), TypeError, "seed"),
+    (dict(prompt=[1, 2], stop_token_ids=[999]), ValueError, "stop token id 999"),
+    (dict(prompt=[1, 2], cache="weird"), ValueError, "CacheConfig.kind"),
+    (dict(prompt=[1, 2], cache=5), TypeError, "cache must be"),
+    (dict(prompt=[1, 2], spec="fast"), TypeError, "spec must be"),
+    (dict(prompt=[1, 2], spec=jspec.SpecConfig(num_steps=3)), ValueError, "no draft"),
+    # A prompt longer than the cache (or exactly as long: no room for a token).
+    (dict(prompt=PROMPTS[0], cache=jspec.CacheConfig("dense", max_len=5)), ValueError,
+     "prompt 0 has 5 tokens, which does not fit a cache of max_len=5"),
+    (dict(prompt=[PROMPTS[1], PROMPTS[2]], cache=jspec.CacheConfig("dense", max_len=16)), ValueError,
+     "prompt 1 has 17 tokens, which does not fit a cache of max_len=16"),
+    (dict(prompt=PROMPTS[2], cache=jspec.CacheConfig("paged", page_size=2, num_pages=4)), ValueError,
+     r"prompt 0 needs \d+ pages of 2 tokens but the pool has num_pages=4"),
+]
+
+
+@pytest.mark.parametrize("kw,exc,msg", BAD_INPUTS, ids=[m for _, _, m in BAD_INPUTS])
+def test_bad_input_fails_before_compiling(target, no_compiling, kw, exc, msg):
+    kw = dict(kw)
+    prompt = kw.pop("prompt")
+    with pytest.raises(exc, match=msg):
+        jspec.generate(target, prompt, **kw)
+
+
+def test_bad_params_fail_before_compiling(target, no_compiling):
     with pytest.raises(TypeError, match="jspec.load"):
         jspec.generate({"weights": 1}, [1, 2])
     no_tok = jspec.Params(config=target.config, weights=target.weights)
@@ -184,6 +189,28 @@ def test_bad_input_fails_before_compiling(target, monkeypatch, tmp_path):
         jspec.generate(no_tok, "text")
     with pytest.raises(ValueError):
         jspec.CacheConfig("paged", page_size=0)
+
+
+def test_compile_once_run_many(target, hf_greedy, monkeypatch, fresh_compiles):
+    """jspec.compile compiles once; run() takes new prompts, limits and seeds that fit
+    the compiled shape without tracing again, and refuses ones that do not fit."""
+    monkeypatch.setattr(loop, "generate_jit", jax.jit(chex.assert_max_traces(loop.generate_fn, n=1),
+                                                      static_argnums=0))
+    chex.clear_trace_counter()
+    prog = jspec.compile(target, PROMPTS, max_new_tokens=12, stop_token_ids=[])
+    assert prog.compile_s > 0 and prog.plan.batch == 4 and prog.plan.max_rounds == 16
+    first = prog.run()
+    assert first.tokens == [hf_greedy(p, 12) for p in PROMPTS] and first.timing["compile_s"] > 0
+    again = prog.run(PROMPTS[::-1][:2], max_new_tokens=[5, 12], stop_token_ids=[])
+    assert again.tokens == [hf_greedy(PROMPTS[2], 5), hf_greedy(PROMPTS[1], 12)]
+    assert again.timing["compile_s"] == 0
+    one = prog.run(PROMPTS[0], max_new_tokens=3, stop_token_ids=[])  # a single prompt: unbatched
+    assert one.tokens == hf_greedy(PROMPTS[0], 3)
+    for kw, msg in [(dict(prompt=PROMPTS * 2), "6 prompts"),
+                    (dict(prompt=[list(range(1, 40))]), "a prompt of 39 tokens"),
+                    (dict(max_new_tokens=40), "max_new_tokens=40")]:
+        with pytest.raises(ValueError, match=msg):
+            prog.run(**kw)
 
 
 @pytest.mark.parametrize("style", ["rope_parameters", "rope_scaling"])

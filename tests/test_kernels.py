@@ -13,6 +13,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from jspec.cache import kv as kvc
+from jspec.cache import layout as lay
 from jspec.kernels import decode_attention as da
 
 # jspec.kernels re-exports a function named `attention`, so fetch the module by name.
@@ -61,7 +62,7 @@ def make_case(seed, *, B=3, T=4, Tl=None, Hkv=2, Gq=2, Dh=16, S=64, page_size=0,
         shape = (B, S, Hkv, Dh)
     k = rng.standard_normal(shape)
     v = rng.standard_normal(shape)
-    meta = kvc.AttnMeta(
+    meta = lay.AttnMeta(
         positions=jnp.asarray(positions, jnp.int32), prefix_len=jnp.asarray(prefix),
         local_mask=jnp.asarray(local_mask), local_positions=jnp.asarray(local_pos, jnp.int32),
         write_index=jnp.zeros((B, T), jnp.int32),
@@ -152,12 +153,13 @@ def test_with_make_meta_and_allocated_pages():
         prefix = jnp.array([9, 0], jnp.int32)
         pool = jax.random.normal(kp, (num_pages + 1, P, Hkv, Dh))  # + the trash page
         cache = kvc.KVCache(kv=(stack(pool, pool * 0.5),))
-        pages = kvc.init_page_state(B, Gp, num_pages)
-        pages, ok = kvc.alloc_pages(pages, prefix + T, jnp.ones((B,), bool), P, Gp)
+        pages = lay.init_page_state(B, Gp, num_pages)
+        pages, ok = lay.alloc_pages(pages, prefix + T, jnp.ones((B,), bool), P, Gp)
         positions = prefix[:, None] + jnp.arange(T, dtype=jnp.int32)
         causal = jnp.broadcast_to(jnp.tril(jnp.ones((T, T), bool)), (B, T, T))
-        meta = kvc.make_meta(cache, positions=positions, prefix_len=prefix, local_mask=causal,
-                             write_valid=jnp.ones((B, T), bool), page_state=pages, page_size=P)
+        layout = lay.CacheLayout(paged=True, capacity=Gp * P, page_size=P, num_pages=num_pages)
+        meta = lay.make_meta(layout, pages, positions=positions, prefix_len=prefix, local_mask=causal,
+                             write_valid=jnp.ones((B, T), bool))
         k_new = jax.random.normal(kn, (B, T, Hkv, Dh))
         kv_buf = kvc.write_kv(cache.kv[0], stack(k_new, 2 * k_new), meta.write_index)
         return jax.random.normal(kq, (B, T, Hkv * Gq, Dh)), kv_buf, meta, ok

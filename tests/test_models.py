@@ -14,9 +14,9 @@ import torch
 import jspec
 import tiny_models
 from jspec.cache import kv as kvc
+from jspec.cache.layout import CacheLayout, make_meta
 from jspec.config import ModelConfig, RopeConfig
-from jspec.models import target as tgt
-from jspec.models.llama import LlamaModel
+from jspec.models.llama import LLAMA
 
 
 def _hf_logits(model, toks):
@@ -100,9 +100,7 @@ LLAMA31_8B = ModelConfig(vocab_size=128256, hidden_size=4096, intermediate_size=
 
 def test_eval_shape_llama31_8b_allocates_nothing():
     cfg = LLAMA31_8B
-    meta = tgt.prefill_meta(jnp.ones((1,), jnp.int32), 4)
-    shapes = jax.eval_shape(lambda k: LlamaModel(cfg).init(k, jnp.zeros((1, 4), jnp.int32), None, meta,
-                                                           method=LlamaModel.init_all), jax.random.key(0))
+    shapes = jax.eval_shape(lambda k: LLAMA.init_weights(cfg, k), jax.random.key(0))
     p = shapes["params"]
     chex.assert_shape(p["embed_tokens"]["embedding"], (128256, 4096))
     chex.assert_shape(p["layers_0"]["self_attn"]["qkv_proj"]["kernel"], (4096, (32 + 2 * 8) * 128))
@@ -113,7 +111,7 @@ def test_eval_shape_llama31_8b_allocates_nothing():
     assert n == cfg.num_params() == 8_030_261_248
     assert all(x.dtype == jnp.bfloat16 for x in jax.tree.leaves(p))
     assert all(isinstance(x, jax.ShapeDtypeStruct) for x in jax.tree.leaves(shapes))
-    cache = jax.eval_shape(lambda: kvc.init_kv_cache(32, 8, 128, jnp.bfloat16, batch=32, max_len=1024))
+    cache = jax.eval_shape(lambda: LLAMA.cache_kind(cfg).init(CacheLayout(paged=False, capacity=1024), 32))
     assert len(cache.kv) == 32
     chex.assert_shape(cache.kv[0], (32, 1025, 2, 8, 128))  # + each row's trash slot; keys, values
 
@@ -123,10 +121,10 @@ def test_forward_shapes_with_cache(target):
     B, T, S = 3, 5, 32
     cache = kvc.init_kv_cache(c.num_layers, c.num_kv_heads, c.head_dim, jnp.float32, batch=B, max_len=S)
     pos = jnp.broadcast_to(jnp.arange(T), (B, T))
-    meta = kvc.make_meta(cache, positions=pos, prefix_len=jnp.zeros(B, jnp.int32),
-                         local_mask=jnp.tril(jnp.ones((T, T), bool))[None].repeat(B, 0),
-                         write_valid=jnp.ones((B, T), bool), prefill=True)
-    hidden, aux, new = tgt.forward(target.weights, c, jnp.ones((B, T), jnp.int32), cache, meta, capture=(1, 4))
+    meta = make_meta(CacheLayout(paged=False, capacity=S), None, positions=pos, prefix_len=jnp.zeros(B, jnp.int32),
+                     local_mask=jnp.tril(jnp.ones((T, T), bool))[None].repeat(B, 0),
+                     write_valid=jnp.ones((B, T), bool), prefill=True)
+    hidden, aux, new = LLAMA.forward(c, target.weights, jnp.ones((B, T), jnp.int32), cache, meta, capture=(1, 4))
     chex.assert_shape(hidden, (B, T, c.hidden_size))
     assert sorted(aux) == [1, 4]
     chex.assert_trees_all_equal_shapes(cache, new)
@@ -151,9 +149,10 @@ def test_decode_step_writes_each_layer_once(target, B):
     # side in one buffer): one in-place update for a single row, one scatter for several.
     c = target.config
     cache = kvc.init_kv_cache(c.num_layers, c.num_kv_heads, c.head_dim, jnp.float32, batch=B, max_len=16)
-    meta = kvc.make_meta(cache, positions=jnp.full((B, 1), 3), prefix_len=jnp.full((B,), 3),
-                         local_mask=jnp.ones((B, 1, 1), bool), write_valid=jnp.ones((B, 1), bool))
-    fn = lambda w, cache, meta: tgt.forward(w, c, jnp.ones((B, 1), jnp.int32), cache, meta)
+    meta = make_meta(CacheLayout(paged=False, capacity=16), None, positions=jnp.full((B, 1), 3),
+                     prefix_len=jnp.full((B,), 3), local_mask=jnp.ones((B, 1, 1), bool),
+                     write_valid=jnp.ones((B, 1), bool))
+    fn = lambda w, cache, meta: LLAMA.forward(c, w, jnp.ones((B, 1), jnp.int32), cache, meta)
     counts = _count_primitives(jax.make_jaxpr(fn)(target.weights, cache, meta).jaxpr)
     writes = {p: counts.get(p, 0) for p in ("dynamic_update_slice", "scatter")}
     assert writes == ({"dynamic_update_slice": c.num_layers, "scatter": 0} if B == 1 else

@@ -10,22 +10,19 @@ import pytest
 
 import jspec
 from jspec import api
+from jspec.loading import load_draft
 from jspec.spec import loop
-from conftest import PROMPTS
-
-CACHES = {"dense": "dense", "paged1": jspec.CacheConfig("paged", page_size=1),
-          "paged16": jspec.CacheConfig("paged", page_size=16)}
+from conftest import CACHES, PROMPTS
 
 
 def _with_draft(target, path):
-    from jspec.drafts import load_draft
     return target.with_draft(load_draft(path, target))
 
 
 @pytest.mark.parametrize("cache", list(CACHES))
 @pytest.mark.parametrize("kind", ["eagle", "eagle3", "eagle3_reduced", "standalone"])
-def test_chain_greedy_equals_target(target, drafts, hf_greedy, kind, cache):
-    p = _with_draft(target, drafts[kind])
+def test_chain_greedy_equals_target(with_draft, hf_greedy, kind, cache):
+    p = with_draft(kind)
     out = jspec.generate(p, PROMPTS, max_new_tokens=12, stop_token_ids=[], cache=CACHES[cache],
                          spec=jspec.SpecConfig(num_steps=3, topk=1, num_draft_tokens=4))
     assert out.tokens == [hf_greedy(q, 12) for q in PROMPTS]
@@ -35,10 +32,10 @@ def test_chain_greedy_equals_target(target, drafts, hf_greedy, kind, cache):
 @pytest.mark.parametrize("steps", [1, 5])
 @pytest.mark.parametrize("kind,cache", [("eagle3_reduced", "dense"), ("standalone", "dense"), ("eagle", "dense"),
                                         ("eagle3", "paged1"), ("eagle3", "paged16")])
-def test_chain_steps(target, drafts, hf_greedy, kind, cache, steps):
+def test_chain_steps(with_draft, hf_greedy, kind, cache, steps):
     """The shortest (S = 1: one draft token from draft-extend alone, no draft step) and a long
     chain, for every draft kind; full-vocabulary EAGLE-3 also on pages of 1 and 16 tokens."""
-    p = _with_draft(target, drafts[kind])
+    p = with_draft(kind)
     out = jspec.generate(p, PROMPTS, max_new_tokens=12, stop_token_ids=[], cache=CACHES[cache],
                          spec=jspec.SpecConfig(num_steps=steps))
     assert out.tokens == [hf_greedy(q, 12) for q in PROMPTS]
@@ -63,9 +60,9 @@ def _primitives(jaxpr, counts=None):
 
 def _program(p, spec, cache="dense"):
     """(whole program, the loop of rounds, the top-level conds) of one generation, traced
-    the way api.generate builds it."""
-    plan, inp, _, _ = api._prepare(p, PROMPTS, 12, 0.0, 0, 1.0, 0, [], CACHES[cache], spec)
-    closed = jax.make_jaxpr(loop.generate_fn, static_argnums=0)(plan, p.weights, p.draft.weights, inp)
+    the way jspec.compile builds it."""
+    prog = jspec.compile(p, PROMPTS, max_new_tokens=12, stop_token_ids=[], cache=CACHES[cache], spec=spec)
+    closed = jax.make_jaxpr(loop.generate_fn, static_argnums=0)(prog.plan, *prog.weights, prog.inputs())
     top = closed.jaxpr.eqns
     whiles = [e for e in top if e.primitive.name == "while"]
     assert whiles, "no while loop of rounds in the program"
@@ -79,17 +76,17 @@ def _program(p, spec, cache="dense"):
 
 
 @pytest.mark.parametrize("cache", ["dense", "paged16"])
-def test_chain_round_has_no_topk_or_sort(target, drafts, cache):
-    """Issue 3: a chain (K = 1) round does no top-k or sort over candidates (argmax only);
-    the same check on a tree (K > 1) finds them, so the check can see them."""
-    for kind in ("eagle", "eagle3_reduced", "standalone"):
-        p = _with_draft(target, drafts[kind])
-        whole, rounds, conds = _program(p, jspec.SpecConfig(num_steps=3, topk=1), cache)
-        assert rounds["argmax"] > 0 and rounds["dot_general"] > 0  # the walk sees the round's work
-        assert whole["top_k"] == 0, kind
-        assert rounds["sort"] == 0, kind
-        # The only sort: the prefill's sampling branch (lax.cond; never taken at temperature 0).
-        assert whole["sort"] == conds["sort"], kind
+@pytest.mark.parametrize("kind", ["eagle", "eagle3_reduced", "standalone"])
+def test_chain_round_has_no_topk_or_sort(with_draft, kind, cache):
+    """A chain (K = 1) round does no top-k or sort over candidates (argmax only); the same
+    check on a tree (K > 1) finds them, so the check can see them."""
+    p = with_draft(kind)
+    whole, rounds, conds = _program(p, jspec.SpecConfig(num_steps=3, topk=1), cache)
+    assert rounds["argmax"] > 0 and rounds["dot_general"] > 0  # the walk sees the round's work
+    assert whole["top_k"] == 0
+    assert rounds["sort"] == 0
+    # The only sort: the prefill's sampling branch (lax.cond; never taken at temperature 0).
+    assert whole["sort"] == conds["sort"]
     whole, rounds, _ = _program(p, jspec.SpecConfig(num_steps=3, topk=2, num_draft_tokens=4), cache)
     assert whole["top_k"] > 0 and rounds["top_k"] > 0 and rounds["sort"] > 0
 
@@ -181,7 +178,6 @@ def test_eagle3_default_aux_layers(target, drafts, hf_greedy, tmp_path):
     import json
     import shutil
 
-    from jspec import drafts as dr
     path = tmp_path / "eagle3_default_aux"
     shutil.copytree(drafts["eagle3"], path)
     cfg = json.load(open(path / "config.json"))
@@ -190,14 +186,13 @@ def test_eagle3_default_aux_layers(target, drafts, hf_greedy, tmp_path):
     p = _with_draft(target, str(path))
     n = target.config.num_layers
     assert n == 4 and p.draft.config.aux_layers == (2, n // 2, n - 3) == (2, 2, 1)
-    assert dr.target_capture(p.draft.config) == (1, 2)
+    assert p.draft.config.target_layers == (1, 2)
     out = jspec.generate(p, PROMPTS, max_new_tokens=12, stop_token_ids=[])
     assert out.tokens == [hf_greedy(q, 12) for q in PROMPTS]
 
 
-def test_spec_loop_no_transfer_no_retrace(target, drafts, monkeypatch):
-    p = _with_draft(target, drafts["eagle3"])
-    api._COMPILED.clear()
+def test_spec_loop_no_transfer_no_retrace(with_draft, monkeypatch, fresh_compiles):
+    p = with_draft("eagle3")
     monkeypatch.setattr(loop, "generate_jit", jax.jit(chex.assert_max_traces(loop.generate_fn, n=1),
                                                       static_argnums=0))
     chex.clear_trace_counter()
@@ -209,12 +204,12 @@ def test_spec_loop_no_transfer_no_retrace(target, drafts, monkeypatch):
     assert again.tokens[2] == first.tokens[0][: len(again.tokens[2])]
 
 
-def test_bad_spec_configurations(target, drafts, perm, tmp_path):
+def test_bad_spec_configurations(target, with_draft, perm, tmp_path):
     with pytest.raises(ValueError, match="num_draft_tokens must be num_steps\\+1 = 4"):
         jspec.SpecConfig(num_steps=3, topk=1, num_draft_tokens=6)
     with pytest.raises(ValueError, match="num_steps"):
         jspec.SpecConfig(num_steps=0)
-    p = _with_draft(target, drafts["eagle3"])
+    p = with_draft("eagle3")
     with pytest.raises(ValueError, match="greedy-only"):
         jspec.generate(p, PROMPTS[0], temperature=0.5)
     # A draft built for another target: hidden size and vocabulary checks.

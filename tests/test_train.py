@@ -13,14 +13,16 @@ import torch
 
 import jspec
 import tiny_models
-from jspec import drafts as dr
+from jspec.cache.layout import prefill_meta
+from jspec.drafts import Eagle3Draft
+from jspec.loading import load_draft
 from jspec.train import Eagle3TrainConfig, train_eagle3, train_lm, ttt_logits
 from jspec.train import common
 from jspec.train import data as data_mod
 from jspec.train.cli import main as cli_main
 from jspec.train.eagle3 import draft_vocab, head_config, init_head
 from jspec.export import save_target
-from jspec.models import target as tgt
+from jspec.models import family_for
 
 
 @pytest.fixture(scope="module")
@@ -59,21 +61,17 @@ def test_ttt_unroll_shapes(target, monkeypatch):
     assert float(jnp.abs(grads["midlayer"]["self_attn"]["qkv_proj"]["kernel"]).sum()) > 0
 
 
-def test_ttt_step0_equals_inference_extend(target, drafts):
+def test_ttt_step0_equals_inference_extend(target, with_draft):
     """Training step 0 computes exactly what the inference draft-extend computes."""
-    p = target.with_draft(dr.load_draft(drafts["eagle3"], target))
-    d, dw = p.draft.config, p.draft.weights
+    p = with_draft("eagle3")
+    d, dw, tw, tc = p.draft.config, p.draft.weights, target.weights, target.config
     tokens = jnp.asarray(np.random.RandomState(1).randint(3, 300, (1, 10)), jnp.int32)
-    from jspec.models import target as tgt
-    meta = tgt.prefill_meta(jnp.array([10]), 10)
-    hidden, aux, _ = tgt.forward(target.weights, target.config, tokens, None, meta, dr.target_capture(d))
-    feats = dr.target_features(d, hidden, aux)
-    got = ttt_logits(dw["params"], d, jnp.zeros((300,), jnp.int32), target.weights, target.config, tokens, feats,
-                     1, jnp.float32)[0]
-    h, _ = dr.draft_forward(d, dw, target.weights, target.config, jnp.pad(tokens[:, 1:], ((0, 0), (0, 1))), feats,
-                            None, meta, True)
-    np.testing.assert_allclose(np.asarray(got), np.asarray(dr.draft_logits(d, dw, target.weights, target.config, h)),
-                               atol=1e-4)
+    meta = prefill_meta(jnp.array([10]), 10)
+    hidden, aux, _ = family_for(tc).forward(tc, tw, tokens, None, meta, d.target_layers)
+    feats = d.target_features(hidden, aux)
+    got = ttt_logits(dw["params"], d, jnp.zeros((300,), jnp.int32), tw, tc, tokens, feats, 1, jnp.float32)[0]
+    h, _ = d.forward(tc, tw, dw, jnp.pad(tokens[:, 1:], ((0, 0), (0, 1))), feats, None, meta, True)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(d.logits(tc, tw, dw, h)), atol=1e-4)
 
 
 def _full_draft_logits(target, draft, seed: int = 2):
@@ -82,14 +80,14 @@ def _full_draft_logits(target, draft, seed: int = 2):
     d, dw, tw, tc = draft.config, draft.weights, target.weights, target.config
     B, T = 2, 12
     tokens = jnp.asarray(np.random.RandomState(seed).randint(3, tc.vocab_size, (B, T)), jnp.int32)
-    meta = tgt.prefill_meta(jnp.full((B,), T, jnp.int32), T)
-    hidden, aux, _ = tgt.forward(tw, tc, tokens, None, meta, dr.target_capture(d))
-    feats = dr.target_features(d, hidden, aux)
-    h, _ = dr.draft_forward(d, dw, tw, tc, jnp.pad(tokens[:, 1:], ((0, 0), (0, 1))), feats, None, meta, True)
-    return np.asarray(dr.draft_logits(d, dw, tw, tc, h), np.float32)
+    meta = prefill_meta(jnp.full((B,), T, jnp.int32), T)
+    hidden, aux, _ = family_for(tc).forward(tc, tw, tokens, None, meta, d.target_layers)
+    feats = d.target_features(hidden, aux)
+    h, _ = d.forward(tc, tw, dw, jnp.pad(tokens[:, 1:], ((0, 0), (0, 1))), feats, None, meta, True)
+    return np.asarray(d.logits(tc, tw, dw, h), np.float32)
 
 
-def test_eagle3_training_lowers_loss_exports_and_resumes(target, corpus, tmp_path):
+def test_eagle3_training_lowers_loss_exports_and_resumes(target, llama_dir, corpus, tmp_path):
     out = str(tmp_path / "head")
     cfg = Eagle3TrainConfig(steps=24, batch_size=4, seq_len=24, ttt_steps=2, draft_vocab_size=64, lr=1e-2,
                             warmup=2, compute_dtype="float32", checkpoint_every=12)
@@ -101,8 +99,8 @@ def test_eagle3_training_lowers_loss_exports_and_resumes(target, corpus, tmp_pat
     assert cfg_json["architectures"] == ["LlamaForCausalLMEagle3"] and cfg_json["draft_vocab_size"] == 64
     assert cfg_json["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == [0, 1, 2]
     # Export then load: the same draft logits.
-    p = jspec.load(target.path, draft=out)
-    assert p.draft.config.kind == "eagle3" and p.draft.config.aux_layers == (1, 2, 3)
+    p = target.with_draft(load_draft(out, target))
+    assert isinstance(p.draft.config, Eagle3Draft) and p.draft.config.aux_layers == (1, 2, 3)
     from jspec import safetensors_io
     t = safetensors_io.load(os.path.join(out, "model.safetensors"))
     assert t["t2d"].dtype == np.bool_ and t["t2d"].sum() == 64 and t["d2t"].shape == (64,)
@@ -124,13 +122,13 @@ def test_eagle3_training_lowers_loss_exports_and_resumes(target, corpus, tmp_pat
 
 def test_eagle3_bfloat16_compute_keeps_float32_master_weights(target, corpus, tmp_path, monkeypatch):
     seen = set()
-    real = dr.draft_forward
+    real = Eagle3Draft.forward
 
-    def spy(d, dw, tw, tc, tokens, hidden, *a, **k):  # runs at trace time
+    def spy(d, tc, tw, dw, tokens, hidden, *a, **k):  # runs at trace time
         seen.add((d.model.dtype, hidden.dtype.name, dw["params"]["fc"]["kernel"].dtype.name))
-        return real(d, dw, tw, tc, tokens, hidden, *a, **k)
+        return real(d, tc, tw, dw, tokens, hidden, *a, **k)
 
-    monkeypatch.setattr(dr, "draft_forward", spy)
+    monkeypatch.setattr(Eagle3Draft, "forward", spy)
     out = str(tmp_path / "bf16")
     cfg = Eagle3TrainConfig(steps=16, batch_size=4, seq_len=24, ttt_steps=2, draft_vocab_size=64, lr=1e-2,
                             warmup=2, compute_dtype="bfloat16")
@@ -232,7 +230,7 @@ def test_lm_training_and_target_export_load_in_transformers(tmp_path):
     np.testing.assert_allclose(np.asarray(jspec.logits(jspec.load(out), toks)), ref, atol=1e-4)
 
 
-def test_training_bad_input(target, corpus, tmp_path):
+def test_training_bad_input(target, llama_dir, corpus, tmp_path):
     empty = tmp_path / "empty"
     empty.mkdir()
     (empty / "blank.txt").write_text("   \n")
@@ -260,7 +258,7 @@ def test_training_bad_input(target, corpus, tmp_path):
     train_eagle3(other, corpus, head, Eagle3TrainConfig(steps=1, batch_size=1, seq_len=8, compute_dtype="float32"),
                  aux_layers=(1, 2, 3), progress=False)
     with pytest.raises(ValueError, match="hidden size"):
-        jspec.load(target.path, draft=head)
+        jspec.load(llama_dir[0], draft=head)
     # The CLI reports errors without a traceback.
-    assert cli_main(["eagle3", "--target", target.path, "--data", str(empty), "--out", str(tmp_path / "o"),
+    assert cli_main(["eagle3", "--target", llama_dir[0], "--data", str(empty), "--out", str(tmp_path / "o"),
                      "--steps", "1"]) == 2

@@ -12,28 +12,22 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import jspec
-from jspec import api
 from jspec.cache import kv as kvc
-from jspec.models import target as tgt
-from jspec.spec import loop, verify
+from jspec.cache import layout as lay
+from jspec.loading import load_draft
+from jspec.models import family_for
+from jspec.spec import accept, loop
 from jspec.spec.tree import Tree, ancestors, select_tree, vocab_top_k
-from conftest import PROMPTS
+from conftest import CACHES, PROMPTS
 
-CACHES = {"dense": "dense", "paged1": jspec.CacheConfig("paged", page_size=1),
-          "paged16": jspec.CacheConfig("paged", page_size=16)}
 SHAPES = [(2, 2, 4), (3, 4, 8), (5, 4, 16), (6, 10, 60)]
-
-
-def _with_draft(target, path):
-    from jspec.drafts import load_draft
-    return target.with_draft(load_draft(path, target))
 
 
 @pytest.mark.parametrize("shape", SHAPES)
 @pytest.mark.parametrize("kind,cache", [("eagle3", "dense"), ("standalone", "paged1")])
-def test_tree_greedy_equals_target(target, drafts, hf_greedy, kind, cache, shape):
+def test_tree_greedy_equals_target(with_draft, hf_greedy, kind, cache, shape):
     S, K, N = shape
-    p = _with_draft(target, drafts[kind])
+    p = with_draft(kind)
     out = jspec.generate(p, PROMPTS, max_new_tokens=12, stop_token_ids=[], cache=CACHES[cache],
                          spec=jspec.SpecConfig(num_steps=S, topk=K, num_draft_tokens=N))
     assert out.tokens == [hf_greedy(q, 12) for q in PROMPTS]
@@ -57,10 +51,10 @@ def test_tree_with_agreeing_draft_accepts_whole_depth(perm, kind, cache, shape):
     assert all(a == S + 1 for row in out.stats.accept_lengths for a in row)
 
 
-def test_tree_reduced_vocab_draft_equals_target(target, drafts, hf_greedy):
+def test_tree_reduced_vocab_draft_equals_target(with_draft, hf_greedy):
     """A tree from an EAGLE-3 head over a reduced draft vocabulary (candidates mapped to
     target ids through d2t) still decodes exactly the target's greedy output."""
-    p = _with_draft(target, drafts["eagle3_reduced"])
+    p = with_draft("eagle3_reduced")
     assert p.draft.config.draft_vocab_size < p.config.vocab_size and "d2t" in p.draft.weights
     out = jspec.generate(p, PROMPTS, max_new_tokens=12, stop_token_ids=[],
                          spec=jspec.SpecConfig(num_steps=3, topk=4, num_draft_tokens=8))
@@ -71,8 +65,6 @@ def test_tree_reduced_vocab_candidates_are_target_ids(perm, tmp_path):
     """The agreeing EAGLE-3 head of the permutation family cut down to half the vocabulary
     (with d2t): a round from root r accepts its first draft exactly when pi(r) is in the
     draft vocabulary. A candidate left in draft ids (d2t not applied) would never match."""
-    from jspec.config import DraftConfig
-    from jspec.drafts import load_draft
     from jspec.export import save_draft
     pi = perm["pi"]
     V = len(pi)
@@ -120,32 +112,34 @@ def test_tree_too_many_nodes_fails_early():
     ("standalone", (3, 4, 8), "dense", PROMPTS[:1])],  # one dense row: block writes, not scatters
     ids=["eagle3-3x4x8-dense", "eagle3-3x4x8-paged1", "eagle3-3x4x8-paged16", "standalone-5x4x16-paged16",
          "standalone-3x4x8-dense-one-row"])
-def test_cache_holds_what_plain_decoding_writes(target, drafts, kind, shape, cache, prompts):
+def test_cache_holds_what_plain_decoding_writes(with_draft, kind, shape, cache, prompts):
     """After the loop, target cache slots [0, L) of every request equal a fresh prefill of
     its committed tokens, and every draft layer's keys and values equal a fresh draft
     prefill: an EAGLE-3 draft's slots [0, L) fed with the target's features of those tokens,
     a standalone draft's slots [0, L] (its slot i holds token i, the root included).
     Compaction, tree drafting and draft-extend left nothing stale."""
-    from jspec import drafts as dr
     S, K, N = shape
-    p = _with_draft(target, drafts[kind])
+    p = with_draft(kind)
     spec = jspec.SpecConfig(num_steps=S, topk=K, num_draft_tokens=N)
-    plan, inp, lens, _ = api._prepare(p, prompts, 30, 0.0, 0, 1.0, 0, [], CACHES[cache], spec)
-    plan = dataclasses.replace(plan, max_rounds=4)  # stop while every request still runs
-    st = jax.jit(loop.run, static_argnums=0)(plan, p.weights, p.draft.weights, inp)
+    prog = jspec.compile(p, prompts, max_new_tokens=30, stop_token_ids=[], cache=CACHES[cache], spec=spec)
+    plan = dataclasses.replace(prog.plan, max_rounds=4)  # stop while every request still runs
+    st = jax.jit(loop.run, static_argnums=0)(plan, *prog.weights, prog.inputs())
+    lens = [len(q) for q in prompts]
     c, d = p.config, p.draft.config
+    paged = plan.layout.paged
 
-    def fresh_prefill(n, num_layers, num_kv_heads, head_dim):
-        meta = tgt.prefill_meta(jnp.array([n], jnp.int32), n)
-        cache = kvc.init_kv_cache(num_layers, num_kv_heads, head_dim, jnp.float32, batch=1, max_len=n)
-        return cache, kvc.make_meta(cache, positions=meta.positions, prefix_len=jnp.zeros(1, jnp.int32),
-                                    local_mask=meta.local_mask, write_valid=jnp.ones((1, n), bool), prefill=True)
+    def fresh_prefill(n, cache_kind):
+        layout = lay.CacheLayout(paged=False, capacity=n)
+        meta = lay.prefill_meta(jnp.array([n], jnp.int32), n)
+        return cache_kind.init(layout, 1), lay.make_meta(
+            layout, None, positions=meta.positions, prefix_len=jnp.zeros(1, jnp.int32), local_mask=meta.local_mask,
+            write_valid=jnp.ones((1, n), bool), prefill=True)
 
     def check(got_cache, want_cache, b, n, what):
-        table = st.pages.page_table[b: b + 1] if plan.paged else None
+        table = st.pages.page_table[b: b + 1] if paged else None
         assert len(got_cache.kv) == len(want_cache.kv)
         for layer, (buf, want) in enumerate(zip(got_cache.kv, want_cache.kv)):
-            got = kvc.read_kv(buf if plan.paged else buf[b: b + 1], table)[0, :n]  # [n, 2, Hkv, Dh]
+            got = kvc.read_kv(buf if paged else buf[b: b + 1], table)[0, :n]  # [n, 2, Hkv, Dh]
             for part, name in enumerate(("keys", "values")):
                 np.testing.assert_allclose(np.asarray(got[:, part]), np.asarray(want[0, :n, part]), atol=2e-5,
                                            err_msg=f"{what} {name} layer {layer}, request {b}")
@@ -154,17 +148,18 @@ def test_cache_holds_what_plain_decoding_writes(target, drafts, kind, shape, cac
         L = int(st.L[b])
         seq = np.asarray(st.tokens[b, : L + 1])
         assert not st.finished[b] and L >= n + 4
-        fresh, fresh_meta = fresh_prefill(L, c.num_layers, c.num_kv_heads, c.head_dim)
-        hidden, aux, fresh = tgt.forward(p.weights, c, jnp.asarray(seq[None, :L]), fresh, fresh_meta,
-                                         capture=dr.target_capture(d))
+        family = family_for(c)
+        fresh, fresh_meta = fresh_prefill(L, family.cache_kind(c))
+        hidden, aux, fresh = family.forward(c, p.weights, jnp.asarray(seq[None, :L]), fresh, fresh_meta,
+                                            capture=d.target_layers)
         check(st.tcache, fresh, b, L, "target")
         # The draft: slot i pairs token i+1 with the target feature at i (EAGLE-3, lag 0),
         # or holds token i itself (standalone, lag 1).
-        feats = dr.target_features(d, hidden, aux)
-        m, nd = d.model, L + d.lag
-        dfresh, dmeta = fresh_prefill(nd, m.num_layers, m.num_kv_heads, m.head_dim)
-        _, dfresh = dr.draft_forward(d, p.draft.weights, p.weights, c, jnp.asarray(seq[None, 1 - d.lag: L + 1]),
-                                     feats, dfresh, dmeta, True)
+        feats = d.target_features(hidden, aux)
+        nd = L + d.lag
+        dfresh, dmeta = fresh_prefill(nd, d.cache_kind())
+        _, dfresh = d.forward(c, p.weights, p.draft.weights, jnp.asarray(seq[None, 1 - d.lag: L + 1]), feats,
+                              dfresh, dmeta, True)
         check(st.dcache, dfresh, b, nd, "draft")
 
 
@@ -254,7 +249,7 @@ def test_accept_tree_matches_python(case):
     p = jnp.array([parents], jnp.int32)
     d, anc = ancestors(p, max(S, 1))
     tree = Tree(tokens=jnp.array([tokens], jnp.int32), parents=p, depth=d, anc=anc)
-    acc, got_path, bonus = verify.accept_tree(tree, jnp.array([choice], jnp.int32), max(S, 1))
+    acc, got_path, bonus = accept.accept_tree(tree, jnp.array([choice], jnp.int32), max(S, 1))
     acc = int(acc[0])
     got = got_path[0, :acc].tolist()
     # With duplicate sibling tokens any deepest matching path is right: check it is valid.
@@ -281,22 +276,21 @@ def test_compaction_matches_python(seed, page_size):
         num_pages = B * G + 2
         table = rng.permutation(num_pages)[: B * G].reshape(B, G).astype(np.int32)
         buf = rng.randn(num_pages + 1, page_size, 2, 1, 2).astype(np.float32)  # + the trash page
-        kw = dict(page_table=jnp.asarray(table), page_size=page_size, num_pages=num_pages)
+        layout = lay.CacheLayout(paged=True, capacity=cap, page_size=page_size, num_pages=num_pages)
+        pages = lay.init_page_state(B, G, num_pages).replace(page_table=jnp.asarray(table))
         logical = lambda b: np.asarray(buf[table[b]].reshape(-1, 2, 1, 2))
     else:
         buf = rng.randn(B, cap + 1, 2, 1, 2).astype(np.float32)  # + each row's trash slot
-        kw = dict(batch_capacity=cap)
+        layout, pages = lay.CacheLayout(paged=False, capacity=cap), None
         logical = lambda b: buf[b, :cap]
     seqs = [logical(b).copy() for b in range(B)]
     for b in range(B):
         moved = [seqs[b][L[b] + path[b, d]].copy() for d in range(acc[b])]
         for d in range(acc[b]):
             seqs[b][L[b] + d] = moved[d]
-    d = np.arange(S1)[None]
-    move = jnp.asarray((d < acc[:, None]) & (path != d))
-    src = kvc.slot_index(jnp.asarray(L[:, None] + path), move, **kw)
-    dst = kvc.slot_index(jnp.asarray(L[:, None] + d), move, **kw)
-    new = kvc.move_slots(kvc.KVCache(kv=(jnp.asarray(buf),)), src, dst)
+    kind = kvc.KVCacheKind(num_layers=1, num_heads=1, num_kv_heads=1, head_dim=2, dtype="float32")
+    new = kind.commit(kvc.KVCache(kv=(jnp.asarray(buf),)), layout, pages, jnp.asarray(L, jnp.int32),
+                      jnp.asarray(path), jnp.asarray(acc, jnp.int32), jnp.ones((B,), bool))
     buf = np.asarray(new.kv[0])
     for b in range(B):
         np.testing.assert_array_equal(logical(b), seqs[b])
@@ -309,13 +303,13 @@ def test_page_allocation_matches_python(seed):
     pages never held twice, every page either held or free."""
     rng = np.random.RandomState(seed)
     B, G, P, num_pages = 4, 6, 2, 14
-    state = kvc.init_page_state(B, G, num_pages)
+    state = lay.init_page_state(B, G, num_pages)
     held = [0] * B
     for _ in range(6):
         need = rng.randint(0, G * P + 3, size=B)
         active = rng.rand(B) < 0.8
         free_before = int(state.num_free)
-        state, ok = kvc.alloc_pages(state, jnp.asarray(need), jnp.asarray(active), P, G)
+        state, ok = lay.alloc_pages(state, jnp.asarray(need), jnp.asarray(active), P, G)
         taken, blocked = 0, False
         for b in range(B):
             pages = -(-need[b] // P)
@@ -335,7 +329,7 @@ def test_page_allocation_matches_python(seed):
         assert len(used) == len(set(used)) and all(0 <= x < num_pages for x in used)
         assert sorted(used + np.asarray(state.free)[: int(state.num_free)].tolist()) == list(range(num_pages))
         release = rng.rand(B) < 0.3
-        state = kvc.free_pages(state, jnp.asarray(release))
+        state = lay.free_pages(state, jnp.asarray(release))
         held = [0 if r else h for r, h in zip(release, held)]
 
 

@@ -116,8 +116,7 @@ def make_random_draft(path: str, kind: str, target, *, seed: int, draft_vocab: i
     import jax.numpy as jnp
     import numpy as np
 
-    from jspec.config import DraftConfig
-    from jspec.drafts import init_draft_weights
+    from jspec.drafts import Eagle3Draft, EagleDraft, StandaloneDraft
     from jspec.export import save_draft
 
     tc = target.config
@@ -126,14 +125,14 @@ def make_random_draft(path: str, kind: str, target, *, seed: int, draft_vocab: i
     if kind == "standalone":
         m = tc.replace(num_layers=2, hidden_size=32, intermediate_size=64, num_heads=2, num_kv_heads=1,
                        head_dim=16, sliding_windows=(0, 0))
-        d = DraftConfig("standalone", m)
+        d = StandaloneDraft(m)
     elif kind == "eagle":
-        d = DraftConfig("eagle", m, target_hidden_size=tc.hidden_size, draft_vocab_size=V, fc_bias=True)
+        d = EagleDraft(m, fc_bias=True)
     else:
         Vd = draft_vocab or V
-        d = DraftConfig("eagle3", m, target_hidden_size=tc.hidden_size, aux_layers=(1, 2, 3),
+        d = Eagle3Draft(m, target_hidden_size=tc.hidden_size, aux_layers=(1, 2, 3),
                         draft_vocab_size=Vd)
-    w = init_draft_weights(d, jax.random.key(seed), V)
+    w = d.init(jax.random.key(seed), V)
     w = jax.tree.map(lambda a: a * 10 if a.ndim == 2 else a, w)  # sharper random logits
     if "d2t" in w:
         ids = np.sort(np.random.RandomState(seed).choice(V, Vd, replace=False))
@@ -152,14 +151,12 @@ def make_permutation_family(root: str, *, vocab: int = VOCAB, hidden: int = 64, 
     later ones (which see the draft's own hidden) are not, so it accepts exactly 1 per round.
     """
     import jax
-    import jax.numpy as jnp
     import numpy as np
 
-    from jspec.config import DraftConfig, ModelConfig
-    from jspec.drafts import init_draft_weights
+    from jspec.config import ModelConfig
+    from jspec.drafts import Eagle3Draft, EagleDraft
     from jspec.export import save_draft, save_target
-    from jspec.models.llama import LlamaModel
-    from jspec.models import target as tgt
+    from jspec.models.llama import LLAMA
 
     rng = np.random.RandomState(seed)
     order = rng.permutation(vocab)
@@ -170,9 +167,7 @@ def make_permutation_family(root: str, *, vocab: int = VOCAB, hidden: int = 64, 
     e /= np.linalg.norm(e, axis=1, keepdims=True)
     cfg = ModelConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=128, num_layers=4, num_heads=4,
                       num_kv_heads=2, head_dim=16, bos_token_id=1, eos_token_ids=(2,))
-    meta = tgt.prefill_meta(jnp.full((1,), 2, jnp.int32), 2)
-    params = LlamaModel(cfg).init(jax.random.key(seed), jnp.zeros((1, 2), jnp.int32), None, meta,
-                                  method=LlamaModel.init_all)
+    params = LLAMA.init_weights(cfg, jax.random.key(seed))
     p = jax.tree.map(np.array, params["params"])
     p["embed_tokens"]["embedding"] = e
     p["lm_head"]["kernel"] = (2 * e[inv]).T
@@ -184,8 +179,8 @@ def make_permutation_family(root: str, *, vocab: int = VOCAB, hidden: int = 64, 
 
     m = cfg.replace(num_layers=1, sliding_windows=(0,))
     eye = np.eye(hidden, dtype=np.float32)
-    d1 = DraftConfig("eagle", m, target_hidden_size=hidden, draft_vocab_size=vocab, fc_bias=True)
-    w1 = jax.tree.map(np.array, init_draft_weights(d1, jax.random.key(1), vocab))
+    d1 = EagleDraft(m, fc_bias=True)
+    w1 = jax.tree.map(np.array, d1.init(jax.random.key(1), vocab))
     w1["params"]["fc"]["kernel"] = np.concatenate([8 * eye, 0 * eye], axis=1).T
     w1["params"]["fc"]["bias"][:] = 0
     w1["params"]["layers_0"]["self_attn"]["o_proj"]["kernel"][:] = 0
@@ -193,8 +188,8 @@ def make_permutation_family(root: str, *, vocab: int = VOCAB, hidden: int = 64, 
     e1dir = os.path.join(root, "eagle")
     save_draft(e1dir, d1, w1, vocab)
 
-    d3 = DraftConfig("eagle3", m, target_hidden_size=hidden, aux_layers=(1, 2, 3), draft_vocab_size=vocab)
-    w3 = jax.tree.map(np.array, init_draft_weights(d3, jax.random.key(2), vocab))
+    d3 = Eagle3Draft(m, target_hidden_size=hidden, aux_layers=(1, 2, 3), draft_vocab_size=vocab)
+    w3 = jax.tree.map(np.array, d3.init(jax.random.key(2), vocab))
     w3["params"]["fc"]["kernel"] = np.concatenate([8 * eye, 0 * eye, 0 * eye], axis=1).T
     w3["params"]["midlayer"]["self_attn"]["o_proj"]["kernel"][:] = 0
     w3["params"]["midlayer"]["mlp"]["down_proj"]["kernel"][:] = 0

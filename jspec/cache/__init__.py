@@ -1,6 +1,7 @@
-"""KV caches as pytrees: dense (a region per request) and paged (a shared page pool)."""
-from jspec.cache.kv import (AttnMeta, KVCache, PageState, alloc_pages, free_pages, init_kv_cache,
-                            init_page_state, make_meta, move_slots, read_kv, write_kv)
+"""Caches: slot layouts shared by every kind (`layout`), and the cache kinds (`kv`: GQA keys
+and values). A cache kind allocates its buffers for a layout, says what room a forward
+needs past its tokens, and commits a round's accepted path."""
+from jspec.cache.kv import KVCache, KVCacheKind
+from jspec.cache.layout import AttnMeta, CacheLayout, PageState
 
-__all__ = ["AttnMeta", "KVCache", "PageState", "alloc_pages", "free_pages", "init_kv_cache",
-           "init_page_state", "make_meta", "move_slots", "read_kv", "write_kv"]
+__all__ = ["AttnMeta", "CacheLayout", "KVCache", "KVCacheKind", "PageState"]

@@ -1,35 +1,25 @@
-"""KV cache storage, addressing, page allocation and compaction.
+"""The GQA key/value cache kind: per-head keys and values of every token, dense or paged.
 
-Both cache kinds address a request's tokens by *slot* (0, 1, 2, ... in sequence order):
-
-- dense: per layer one buffer [B, S + 1, 2, Hkv, Dh]; slot s < S of request b lives at
-  [b, s].
-- paged: per layer one buffer [num_pages + 1, P, 2, Hkv, Dh] shared by all requests; slot
-  s of request b lives in page `page_table[b, s // P]` at offset `s % P`. Pages are handed
-  out on device by `alloc_pages` as sequences grow and returned by `free_pages`.
-
-A slot holds its keys ([..., 0, :, :]) and values ([..., 1, :, :]) side by side, so writing
-or moving a token is one operation per layer, not two.
-
-The extra slot of each dense row and the extra page of a pool are *trash*: a write that
-must not land (a finished request, a slot past the capacity, an unallocated page) goes
-there instead of being dropped. Every write index is then in bounds, so a one-token write
-is a plain in-place update; XLA turns a dropping scatter into a read, a select and an
-update, three kernels per layer in batch-1 decoding. Nothing ever reads the trash.
-
-A forward pass over T new tokens writes them to consecutive slots and attends to a
-*prefix* (slots < prefix_len, all visible) plus a *local block* (the Tl slots from
-prefix_len on, visible per `local_mask`). That one rule covers prefill, decode, chain and
-tree verification and tree drafting. Target and draft caches share one page table.
+One buffer per layer: dense [B, C + 1, 2, Hkv, Dh] or paged [num_pages + 1, P, 2, Hkv, Dh]
+(slots and the trash row/page as in `jspec.cache.layout`). A slot holds its keys
+([..., 0, :, :]) and values ([..., 1, :, :]) side by side, so writing or moving a token is
+one operation per layer, not two.
 
 A dense cache may also carry a forward's queries for the attention kernel, parked in the
-slots after its new tokens by the same write (`with_queries`, `query_slots`).
+slots after its new tokens by the same write (`with_queries`, `query_slots`); the kind
+asks the loop for that room through `extra_slots`, and only `jspec.kernels.attention`
+decides to park. Nothing else sees it.
 """
 from __future__ import annotations
+
+import dataclasses
 
 import jax
 import jax.numpy as jnp
 from flax import struct
+
+from jspec.cache.layout import AttnMeta, CacheLayout, PageState, slot_index
+from jspec.util import cdiv
 
 
 @struct.dataclass
@@ -41,54 +31,37 @@ class KVCache:
     kv: tuple
 
 
-def cache_capacity(buf: jax.Array, paged: bool) -> int:
-    """Usable size of one layer's buffer: slots per row (dense) or pages (paged)."""
-    return buf.shape[0 if paged else 1] - 1
+@dataclasses.dataclass(frozen=True)
+class KVCacheKind:
+    """The cache a GQA model needs: per layer, keys and values of Hkv heads of Dh values.
 
+    num_heads (H) sizes the parked queries (`extra_slots`)."""
 
-@struct.dataclass
-class PageState:
-    """Page table shared by the target and draft caches of a batch.
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    dtype: str
 
-    page_table [B, G]: physical page of each logical page (num_pages = unallocated).
-    num_alloc [B]: pages held by each request. free [num_pages]: a stack of free pages,
-    the first `num_free` entries valid.
-    """
+    def init(self, layout: CacheLayout, batch: int) -> KVCache:
+        return init_kv_cache(self.num_layers, self.num_kv_heads, self.head_dim, jnp.dtype(self.dtype),
+                             **({"num_pages": layout.num_pages, "page_size": layout.page_size} if layout.paged
+                                else {"batch": batch, "max_len": layout.capacity}))
 
-    page_table: jax.Array
-    num_alloc: jax.Array
-    free: jax.Array
-    num_free: jax.Array
+    def extra_slots(self, T: int, paged: bool) -> int:
+        """Slots past the T written ones that a forward may use: a dense cache parks the
+        forward's queries there for the attention kernel (`with_queries`)."""
+        return 0 if paged else query_slots(T, self.num_heads, self.num_kv_heads)
 
-
-@struct.dataclass
-class AttnMeta:
-    """How the T new tokens of one forward pass meet the cache (see the module docstring).
-
-    positions [B, T]: RoPE positions. prefix_len [B]: slots before the local block.
-    local_mask [B, T, Tl]: which local-block slots each new token sees (new tokens are the
-    last T of the Tl). local_positions [B, Tl]: positions of the local slots (for sliding
-    windows). write_index [B, T]: flat cache index of each new token (out of range: not
-    written). page_table [B, G] or None (dense).
-    """
-
-    positions: jax.Array
-    prefix_len: jax.Array
-    local_mask: jax.Array
-    local_positions: jax.Array
-    write_index: jax.Array
-    page_table: jax.Array | None
-    page_size: int = struct.field(pytree_node=False, default=0)
-    # Prefill: the prefix is empty, so attention reads only the new keys (no cache read).
-    prefill: bool = struct.field(pytree_node=False, default=False)
-    # Dense caches only: the slots right after the local block are free and in capacity
-    # for `query_slots(T, H, Hkv)` more slots, so a layer may park its queries there, in
-    # the same write as its keys and values (see `query_slots`).
-    q_room: bool = struct.field(pytree_node=False, default=False)
-
-    @property
-    def local_len(self) -> int:
-        return self.local_mask.shape[-1]
+    def commit(self, cache: KVCache, layout: CacheLayout, pages: PageState | None, L, path, accept_len,
+               active) -> KVCache:
+        """Tree commit: the accepted path's keys and values move from slots L + path[d] to
+        L + d (d < accept_len [B]; path [B, S+1] node indices, L [B] committed slots)."""
+        d = jnp.arange(path.shape[1], dtype=jnp.int32)[None, :]
+        move = active[:, None] & (d < accept_len[:, None]) & (path != d)
+        src = layout.slot_index(L[:, None] + path, move, pages)
+        dst = layout.slot_index(L[:, None] + d, move, pages)
+        return move_slots(cache, src, dst)
 
 
 def init_kv_cache(num_layers, num_kv_heads, head_dim, dtype, *, batch=0, max_len=0,
@@ -100,108 +73,13 @@ def init_kv_cache(num_layers, num_kv_heads, head_dim, dtype, *, batch=0, max_len
     return KVCache(kv=tuple(jnp.zeros(shape, dtype) for _ in range(num_layers)))
 
 
-def init_page_state(batch: int, pages_per_seq: int, num_pages: int) -> PageState:
-    return PageState(page_table=jnp.full((batch, pages_per_seq), num_pages, jnp.int32),
-                     num_alloc=jnp.zeros((batch,), jnp.int32),
-                     free=jnp.arange(num_pages, dtype=jnp.int32)[::-1],
-                     num_free=jnp.int32(num_pages))
-
-
-def alloc_pages(state: PageState, need_len: jax.Array, active: jax.Array, page_size: int,
-                max_new_pages: int) -> tuple[PageState, jax.Array]:
-    """Gives each active request enough pages to hold `need_len` [B] slots.
-
-    Requests are served in batch order; one that does not fit gets nothing and is reported
-    in the returned `ok` [B] = False, as is every later one that needs pages.
-    `max_new_pages` is a static bound on pages one request may need in this call.
-    """
-    B, G = state.page_table.shape
-    num_pages = state.free.shape[0]
-    want = jnp.minimum((need_len + page_size - 1) // page_size, G)
-    need = jnp.where(active, jnp.maximum(want - state.num_alloc, 0), 0)  # [B]
-    overflow = active & ((need_len + page_size - 1) // page_size > G)
-    need = jnp.where(overflow, 0, need)
-    cum = jnp.cumsum(need)
-    ok = ((need == 0) | (cum <= state.num_free)) & ~overflow
-    need = jnp.where(ok, need, 0)
-    start = jnp.cumsum(need) - need  # exclusive prefix sum
-    j = jnp.arange(max_new_pages, dtype=jnp.int32)[None, :]  # [1, M]
-    take = j < need[:, None]  # [B, M]
-    stack_pos = state.num_free - 1 - (start[:, None] + j)
-    pages = state.free[jnp.clip(stack_pos, 0, num_pages - 1)]
-    cols = jnp.where(take, state.num_alloc[:, None] + j, G)  # G: dropped
-    rows = jnp.broadcast_to(jnp.arange(B)[:, None], cols.shape)
-    table = state.page_table.at[rows, cols].set(pages, mode="drop")
-    new = state.replace(page_table=table, num_alloc=state.num_alloc + need,
-                        num_free=state.num_free - need.sum())
-    return new, ok | ~active
-
-
-def free_pages(state: PageState, release: jax.Array) -> PageState:
-    """Returns the pages of requests with `release` [B] = True to the free stack."""
-    B, G = state.page_table.shape
-    num_pages = state.free.shape[0]
-    held = release[:, None] & (jnp.arange(G)[None, :] < state.num_alloc[:, None])  # [B, G]
-    flat = held.reshape(-1)
-    dest = state.num_free + jnp.cumsum(flat) - 1
-    dest = jnp.where(flat, dest, num_pages)
-    free = state.free.at[dest].set(state.page_table.reshape(-1), mode="drop")
-    table = jnp.where(release[:, None], num_pages, state.page_table)
-    return state.replace(page_table=table, num_alloc=jnp.where(release, 0, state.num_alloc),
-                         free=free, num_free=state.num_free + flat.sum())
-
-
-def slot_index(slots: jax.Array, valid: jax.Array, *, batch_capacity: int = 0,
-               page_table: jax.Array | None = None, page_size: int = 0,
-               num_pages: int = 0) -> jax.Array:
-    """Flat cache index of `slots` [B, T] (dense: S = batch_capacity slots per row; paged:
-    num_pages usable pages). Invalid slots map to the trash: slot S of their row (dense),
-    or the first slot of page num_pages (paged)."""
-    B = slots.shape[0]
-    valid = valid & (slots >= 0)
-    if page_table is None:
-        row = jnp.arange(B, dtype=jnp.int32)[:, None] * (batch_capacity + 1)
-        valid = valid & (slots < batch_capacity)
-        return jnp.where(valid, row + slots, row + batch_capacity).astype(jnp.int32)
-    G = page_table.shape[1]
-    logical = slots // page_size
-    page = jnp.take_along_axis(page_table, jnp.clip(logical, 0, G - 1), axis=1)
-    valid = valid & (logical < G) & (page < num_pages)
-    return jnp.where(valid, page * page_size + slots % page_size, num_pages * page_size).astype(jnp.int32)
-
-
 def query_slots(T: int, num_heads: int, num_kv_heads: int) -> int:
     """Slots that hold the queries of T tokens (a slot has 2 * Hkv head vectors).
 
     The Pallas attention kernel can read its queries from the cache: writing them in the
     same update as the new keys and values saves the separate kernel that would prepare
     the query tile, ~1.7 us a layer in batch-1 decoding on the H200."""
-    return -(-T * num_heads // (2 * num_kv_heads))
-
-
-def make_meta(cache: KVCache, *, positions, prefix_len, local_mask, write_valid,
-              local_positions=None, page_state: PageState | None = None, page_size: int = 0,
-              prefill: bool = False, q_room: bool = False) -> AttnMeta:
-    """Builds the AttnMeta of a forward pass; the T new tokens go to the last T local slots."""
-    B, T = positions.shape
-    Tl = local_mask.shape[-1]
-    slots = prefix_len[:, None] + (Tl - T) + jnp.arange(T, dtype=jnp.int32)[None, :]
-    buf0 = cache.kv[0]
-    if page_state is None:
-        index = slot_index(slots, write_valid, batch_capacity=cache_capacity(buf0, False))
-        table = None
-    else:
-        table = page_state.page_table
-        index = slot_index(slots, write_valid, page_table=table, page_size=page_size,
-                           num_pages=cache_capacity(buf0, True))
-    if local_positions is None:
-        if T != Tl:
-            raise ValueError("local_positions is required when T != Tl")
-        local_positions = positions
-    return AttnMeta(positions=positions.astype(jnp.int32), prefix_len=prefix_len.astype(jnp.int32),
-                    local_mask=local_mask, local_positions=local_positions.astype(jnp.int32),
-                    write_index=index, page_table=table, page_size=page_size, prefill=prefill,
-                    q_room=q_room and page_state is None and not prefill)
+    return cdiv(T * num_heads, 2 * num_kv_heads)
 
 
 def with_queries(new: jax.Array, q: jax.Array, meta: AttnMeta, buf: jax.Array):
@@ -220,7 +98,7 @@ def with_queries(new: jax.Array, q: jax.Array, meta: AttnMeta, buf: jax.Array):
     flat = jnp.pad(flat, ((0, 0), (0, Qs * 2 * Hkv * Dh - T * H * Dh)))
     rows = jnp.concatenate([new, flat.reshape(B, Qs, 2, Hkv, Dh)], axis=1)
     slots = meta.prefix_len[:, None] + meta.local_len + jnp.arange(Qs, dtype=jnp.int32)[None, :]
-    index = slot_index(slots, jnp.ones(slots.shape, bool), batch_capacity=cache_capacity(buf, False))
+    index = slot_index(slots, jnp.ones(slots.shape, bool), batch_capacity=buf.shape[1] - 1)
     return rows, jnp.concatenate([meta.write_index, index], axis=1)
 
 

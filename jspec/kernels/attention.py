@@ -1,6 +1,7 @@
-"""Attention over the KV cache: the pure-jnp reference and the dispatch point.
+"""Attention over the KV cache: the pure-jnp reference, the dispatch point, and
+`cached_attention`, the one call a model makes (write the new keys and values, attend).
 
-The mask rule (see jspec.cache.kv): a query sees every prefix slot (< prefix_len) and the
+The mask rule (see jspec.cache.layout): a query sees every prefix slot (< prefix_len) and the
 local-block slots its `local_mask` row allows; a sliding window W additionally hides keys
 whose position is <= the query position - W.
 """
@@ -9,7 +10,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from jspec.cache.kv import AttnMeta, read_kv
+from jspec.cache.kv import read_kv, with_queries, write_kv
+from jspec.cache.layout import AttnMeta
 from jspec.kernels import dispatch
 
 NEG_INF = -1e30
@@ -37,7 +39,8 @@ def _window_ok(q_pos, k_pos, window: int):
 def attention_reference(q, k_new, v_new, kv_buf, meta: AttnMeta, *, window: int = 0,
                         scale: float):
     """q [B,T,H,Dh]; k_new/v_new [B,T,Hkv,Dh]; kv_buf: the layer's cache buffer (see
-    jspec.cache.kv), already holding the new keys and values. Returns [B,T,H,Dh]."""
+    jspec.cache.kv), already holding the new keys and values (None for prefill). Returns
+    [B,T,H,Dh]; `scale` is the softmax scale."""
     if meta.prefill:
         mask = meta.local_mask & _window_ok(meta.positions, meta.local_positions, window)
         return _softmax_attend(q, k_new, v_new, mask, scale)
@@ -78,3 +81,23 @@ def attention(q, k_new, v_new, kv_buf, meta: AttnMeta, *, window: int = 0, scale
 
         return da.paged_decode_attention(q, kv_buf, meta, window=window, scale=scale, q_in_cache=q_in_cache)
     return attention_reference(q, k_new, v_new, kv_buf, meta, window=window, scale=scale)
+
+
+def cached_attention(q, k, v, kv_buf, meta: AttnMeta, *, window: int = 0, scale: float):
+    """Writes the new keys and values into the layer's cache and attends over it.
+
+    q [B,T,H,Dh]; k/v [B,T,Hkv,Dh]; kv_buf: the layer's buffer (jspec.cache.kv) or None
+    (prefill without a cache: the block attends to itself). -> (out [B,T,H,Dh], buffer).
+    When the Pallas kernel will run on a dense cache with room reserved (meta.q_room), the
+    queries are parked in the cache by the same write (`jspec.cache.kv.with_queries`) and
+    the kernel reads them there: no kernel of their own prepares the query tile."""
+    if kv_buf is None:
+        if not meta.prefill:
+            raise ValueError("attention without a cache needs a prefill AttnMeta")
+        return attention_reference(q, k, v, None, meta, window=window, scale=scale), None
+    park = meta.q_room and uses_kernel(q, kv_buf, meta, window=window)
+    rows, index = jnp.stack([k, v], axis=2), meta.write_index  # a slot's keys and values: one write
+    if park:
+        rows, index = with_queries(rows, q, meta, kv_buf)
+    kv_buf = write_kv(kv_buf, rows, index, meta.page_table is None)
+    return attention(q, k, v, kv_buf, meta, window=window, scale=scale, q_in_cache=park), kv_buf

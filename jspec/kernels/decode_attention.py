@@ -40,7 +40,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
-from jspec.cache.kv import AttnMeta
+from jspec.cache.layout import AttnMeta
 from jspec.kernels.attention import attention_reference
 
 NEG_INF = -1e30
@@ -48,7 +48,6 @@ MIN_ROWS = 16  # smallest M of a tensor-core dot in Triton
 MAX_ROWS = 64  # query rows per program (more: split over programs, keeps registers in check)
 DEFAULT_BLOCK_K = 128  # batch-1 decode on the H200: 128 beat 64, 32 and 16 (docs/benchmarks.md)
 TARGET_PROGRAMS = 256  # about two waves of programs on an H200 (132 SMs)
-MIN_BLOCKS_PER_SPLIT = 1
 
 
 def decode_attention_reference(q, kv_buf, meta: AttnMeta, *, window: int = 0, scale: float):
@@ -367,7 +366,7 @@ def paged_decode_attention(q, kv_buf, meta: AttnMeta, *, window: int = 0, scale:
     if num_splits is None:
         _, R, BR = _row_tiling(T * (H // Hkv))  # row blocks also make programs
         want = pl.cdiv(TARGET_PROGRAMS, B * Hkv * (R // BR))
-        num_splits = max(1, min(want, pl.cdiv(max_blocks, MIN_BLOCKS_PER_SPLIT)))
+        num_splits = max(1, min(want, max_blocks))
     if not (isinstance(num_splits, int) and num_splits >= 1):
         raise ValueError(f"num_splits must be an int >= 1, got {num_splits!r}")
     num_splits = min(num_splits, max_blocks)

@@ -42,7 +42,3 @@ def want_pallas(supported: bool) -> bool:
     """Whether to call the Pallas kernel; `supported`: the kernel takes these arguments."""
     mode = backend()
     return mode == "pallas" or (mode == "auto" and supported and jax.default_backend() == "gpu")
-
-
-def interpret() -> bool:
-    return jax.default_backend() != "gpu"

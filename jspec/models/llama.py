@@ -12,9 +12,12 @@ import jax.numpy as jnp
 import numpy as np
 from flax import linen as nn
 
-from jspec.cache.kv import AttnMeta, KVCache, with_queries, write_kv
+from jspec.cache.kv import KVCache, KVCacheKind
+from jspec.cache.layout import AttnMeta, prefill_meta
 from jspec.config import ModelConfig
-from jspec.kernels.attention import attention, uses_kernel
+from jspec.kernels.attention import cached_attention
+from jspec.models import llama_hf
+from jspec.models.family import TargetFamily
 
 _init = nn.initializers.normal(0.02)
 
@@ -29,16 +32,16 @@ class Linear(nn.Module):
     float32_out: bool = False  # keep the float32 accumulator (LM heads)
 
     @nn.compact
-    def __call__(self, x, scale=None):
-        """x [..., in] -> [..., out]; `scale` [..., 1] float32 multiplies the product
+    def __call__(self, x, norm_factor=None):
+        """x [..., in] -> [..., out]; `norm_factor` [..., 1] float32 multiplies the product
         before the bias (a deferred RMSNorm factor, see `RMSNorm`)."""
         w = self.param("kernel", _init, (x.shape[-1], self.features), jnp.dtype(self.dtype))
         # Products accumulate in float32 either way; asking for a float32 result only where
         # it is kept avoids a separate conversion pass after every matrix-vector product.
         y = jax.lax.dot_general(x.astype(w.dtype), w, (((x.ndim - 1,), (0,)), ((), ())),
                                 preferred_element_type=jnp.float32 if self.float32_out else None)
-        if scale is not None:  # fuses into the product's consumer
-            y = (y.astype(jnp.float32) * scale).astype(y.dtype)
+        if norm_factor is not None:  # fuses into the product's consumer
+            y = (y.astype(jnp.float32) * norm_factor).astype(y.dtype)
         if self.use_bias:
             y = y + self.param("bias", nn.initializers.zeros, (self.features,), jnp.dtype(self.dtype)).astype(y.dtype)
         return y
@@ -84,13 +87,13 @@ class Attention(nn.Module):
     window: int = 0
 
     @nn.compact
-    def __call__(self, x, kv, meta: AttnMeta, scale=None):
-        """x [B,T,D]; kv: the layer's cache buffer (see jspec.cache.kv) or None; scale: a
-        deferred input-norm factor [B,T,1] (see `RMSNorm`). -> (out [B,T,D], new buffer)."""
+    def __call__(self, x, kv, meta: AttnMeta, norm_factor=None):
+        """x [B,T,D]; kv: the layer's cache buffer (see jspec.cache.kv) or None; norm_factor:
+        a deferred input-norm factor [B,T,1] (see `RMSNorm`). -> (out [B,T,D], new buffer)."""
         c = self.cfg
         B, T, _ = x.shape
         H, Hkv, Dh = c.num_heads, c.num_kv_heads, c.head_dim
-        qkv = Linear((H + 2 * Hkv) * Dh, c.qkv_bias, c.dtype, name="qkv_proj")(x, scale)
+        qkv = Linear((H + 2 * Hkv) * Dh, c.qkv_bias, c.dtype, name="qkv_proj")(x, norm_factor)
         q = qkv[..., : H * Dh].reshape(B, T, H, Dh)
         k = qkv[..., H * Dh: (H + Hkv) * Dh].reshape(B, T, Hkv, Dh)
         v = qkv[..., (H + Hkv) * Dh:].reshape(B, T, Hkv, Dh)
@@ -100,18 +103,7 @@ class Attention(nn.Module):
         inv_freq = c.rope.inv_freq(Dh)
         q = apply_rope(q, meta.positions, inv_freq)
         k = apply_rope(k, meta.positions, inv_freq)
-        # The kernel can read the queries from the cache: parked there in the same write as
-        # the keys and values, they need no kernel of their own (jspec.cache.kv.query_slots).
-        park = kv is not None and meta.q_room and uses_kernel(q, kv, meta, window=self.window)
-        if kv is None:  # no cache: the block attends to itself only
-            if not meta.prefill:
-                raise ValueError("attention without a cache needs a prefill AttnMeta")
-        else:  # keys and values of a slot sit side by side: one write
-            rows, index = jnp.stack([k, v], axis=2), meta.write_index
-            if park:
-                rows, index = with_queries(rows, q, meta, kv)
-            kv = write_kv(kv, rows, index, meta.page_table is None)
-        o = attention(q, k, v, kv, meta, window=self.window, scale=Dh ** -0.5, q_in_cache=park)
+        o, kv = cached_attention(q, k, v, kv, meta, window=self.window, scale=Dh ** -0.5)
         out = Linear(c.hidden_size, c.o_bias, c.dtype, name="o_proj")(o.reshape(B, T, H * Dh))
         return out, kv
 
@@ -120,10 +112,10 @@ class MLP(nn.Module):
     cfg: ModelConfig
 
     @nn.compact
-    def __call__(self, x, scale=None):
+    def __call__(self, x, norm_factor=None):
         c = self.cfg
         F = c.intermediate_size
-        gu = Linear(2 * F, c.mlp_bias, c.dtype, name="gate_up_proj")(x, scale)
+        gu = Linear(2 * F, c.mlp_bias, c.dtype, name="gate_up_proj")(x, norm_factor)
         return Linear(c.hidden_size, c.mlp_bias, c.dtype, name="down_proj")(nn.silu(gu[..., :F]) * gu[..., F:])
 
 
@@ -188,3 +180,45 @@ class LlamaModel(nn.Module):
     def init_all(self, tokens, cache, meta):
         """Touches every parameter (for `init`): the forward pass and the LM head."""
         return self.logits(self(tokens, cache, meta)[0])
+
+
+class LlamaFamily(TargetFamily):
+    """The target-family protocol (`jspec.models.family`) for Llama-architecture decoders."""
+
+    config_type = ModelConfig
+
+    architectures = tuple(llama_hf.TARGET_ARCHITECTURES)
+
+    def config_from_hf(self, cfg_json: dict, dtype: str | None) -> ModelConfig:
+        return llama_hf.model_config_from_hf(cfg_json, dtype=dtype)
+
+    def weights_from_hf(self, tensors: dict, cfg: ModelConfig, where: str):
+        return llama_hf.target_weights_from_tensors(tensors, cfg, where)
+
+    def weights_to_hf(self, cfg: ModelConfig, weights) -> tuple[dict, dict]:
+        return llama_hf.hf_config(cfg), llama_hf.target_tensors(cfg, weights)
+
+    def init_weights(self, cfg: ModelConfig, key):
+        tokens = jnp.zeros((1, 2), jnp.int32)
+        return LlamaModel(cfg).init(key, tokens, None, prefill_meta(jnp.full((1,), 2, jnp.int32), 2),
+                                    method=LlamaModel.init_all)
+
+    def cache_kind(self, cfg: ModelConfig) -> KVCacheKind:
+        return KVCacheKind(cfg.num_layers, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.dtype)
+
+    def forward(self, cfg: ModelConfig, weights, tokens, cache: KVCache | None, meta: AttnMeta,
+                capture: tuple[int, ...] = ()):
+        """tokens [B,T] -> (hidden [B,T,D] after the final norm, {layer: its input [B,T,D]}
+        for the `capture` layers, cache)."""
+        return LlamaModel(cfg).apply(weights, tokens, cache, meta, capture)
+
+    def logits(self, cfg: ModelConfig, weights, hidden):
+        """hidden [..., D] -> float32 logits [..., V]."""
+        return LlamaModel(cfg).apply(weights, hidden, method=LlamaModel.logits)
+
+    def embed(self, cfg: ModelConfig, weights, tokens):
+        """tokens [...] -> embeddings [..., D]."""
+        return LlamaModel(cfg).apply(weights, tokens, method=LlamaModel.embed)
+
+
+LLAMA = LlamaFamily()

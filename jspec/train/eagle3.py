@@ -20,14 +20,12 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from jspec import drafts as dr
-from jspec.cache import kv as kvc
-from jspec.config import DraftConfig
-from jspec.drafts import eagle3_aux_layers, init_draft_weights
+from jspec.cache.layout import CacheLayout, make_meta, prefill_meta
+from jspec.drafts.eagle3 import Eagle3Draft, eagle3_aux_layers
 from jspec.export import save_draft
 from jspec.kernels.dispatch import use_backend
-from jspec.loading import DraftParams, Params
-from jspec.models import target as tgt
+from jspec.models import family_for
+from jspec.params import DraftParams, Params
 from jspec.train import common, data as data_mod
 
 
@@ -58,7 +56,7 @@ class Eagle3TrainConfig:
             raise ValueError(f"compute_dtype must be float32, bfloat16 or float16, got {self.compute_dtype!r}")
 
 
-def head_config(target: Params, cfg: Eagle3TrainConfig, aux_layers=None) -> DraftConfig:
+def head_config(target: Params, cfg: Eagle3TrainConfig, aux_layers=None) -> Eagle3Draft:
     tc = target.config
     V = tc.vocab_size
     Vd = cfg.draft_vocab_size or min(V, 32000)
@@ -71,7 +69,7 @@ def head_config(target: Params, cfg: Eagle3TrainConfig, aux_layers=None) -> Draf
     m = tc.replace(num_layers=1, sliding_windows=(0,), intermediate_size=cfg.intermediate_size or tc.intermediate_size,
                    tie_word_embeddings=False, qkv_bias=False, o_bias=False, mlp_bias=False, qk_norm=False,
                    architecture="LlamaForCausalLMEagle3", model_type="llama")
-    return DraftConfig("eagle3", m, target_hidden_size=tc.hidden_size, aux_layers=aux, draft_vocab_size=Vd)
+    return Eagle3Draft(m, target_hidden_size=tc.hidden_size, aux_layers=aux, draft_vocab_size=Vd)
 
 
 def draft_vocab(counts: np.ndarray, Vd: int) -> np.ndarray:
@@ -81,10 +79,10 @@ def draft_vocab(counts: np.ndarray, Vd: int) -> np.ndarray:
     return (ids - np.arange(Vd)).astype(np.int32)
 
 
-def init_head(target: Params, d: DraftConfig, d2t: np.ndarray, seed: int) -> dict:
+def init_head(target: Params, d: Eagle3Draft, d2t: np.ndarray, seed: int) -> dict:
     """Random head; its LM head and final norm start from the target's (rows of the draft
     vocabulary), which speeds training up."""
-    w = init_draft_weights(d, jax.random.key(seed), target.config.vocab_size)
+    w = d.init(jax.random.key(seed), target.config.vocab_size)
     p = jax.tree.map(lambda a: jnp.asarray(a, jnp.float32), w["params"])
     tp = target.weights["params"]
     ids = np.arange(d.draft_vocab_size) + d2t
@@ -97,13 +95,14 @@ def init_head(target: Params, d: DraftConfig, d2t: np.ndarray, seed: int) -> dic
     return p
 
 
-def ttt_logits(params, d: DraftConfig, d2t, tw, tc, tokens, feats, ttt_steps: int, compute_dtype):
+def ttt_logits(params, d: Eagle3Draft, d2t, tw, tc, tokens, feats, ttt_steps: int, compute_dtype):
     """Unrolled drafting: tokens [B,T], target features [B,T,F] -> logits [K][B,T,Vd]."""
     B, T = tokens.shape
     m = d.model.replace(dtype=jnp.dtype(compute_dtype).name)
     dc = dataclasses.replace(d, model=m)
     dw = {"params": common.cast_floats(params, compute_dtype), "d2t": d2t}
-    cache = kvc.init_kv_cache(1, m.num_kv_heads, m.head_dim, compute_dtype, batch=B, max_len=ttt_steps * T)
+    layout = CacheLayout(paged=False, capacity=ttt_steps * T)
+    cache = dc.cache_kind().init(layout, B)
     causal, eye = jnp.tril(jnp.ones((T, T), bool)), jnp.eye(T, dtype=bool)
     ar = jnp.arange(T, dtype=jnp.int32)
     hidden, out = feats.astype(compute_dtype), []
@@ -112,15 +111,15 @@ def ttt_logits(params, d: DraftConfig, d2t, tw, tc, tokens, feats, ttt_steps: in
         local = jnp.concatenate([causal] + [eye] * k, axis=1)[None]  # [1, T, (k+1)T]
         pos = jnp.broadcast_to(ar + k, (B, T))
         local_pos = jnp.broadcast_to(jnp.concatenate([ar + j for j in range(k + 1)]), (B, (k + 1) * T))
-        meta = kvc.make_meta(cache, positions=pos, prefix_len=jnp.zeros((B,), jnp.int32),
-                             local_mask=jnp.broadcast_to(local, (B, T, (k + 1) * T)), local_positions=local_pos,
-                             write_valid=jnp.ones((B, T), bool))
-        hidden, cache = dr.draft_forward(dc, dw, tw, tc, tok_in, hidden, cache, meta, k == 0)
-        out.append(dr.draft_logits(dc, dw, tw, tc, hidden))
+        meta = make_meta(layout, None, positions=pos, prefix_len=jnp.zeros((B,), jnp.int32),
+                         local_mask=jnp.broadcast_to(local, (B, T, (k + 1) * T)), local_positions=local_pos,
+                         write_valid=jnp.ones((B, T), bool))
+        hidden, cache = dc.forward(tc, tw, dw, tok_in, hidden, cache, meta, k == 0)
+        out.append(dc.logits(tc, tw, dw, hidden))
     return out
 
 
-def ttt_loss(params, d: DraftConfig, d2t, tw, tc, tokens, ttt_steps: int, compute_dtype=jnp.float32):
+def ttt_loss(params, d: Eagle3Draft, d2t, tw, tc, tokens, ttt_steps: int, compute_dtype=jnp.float32):
     """(loss, metrics): mean over steps of the cross-entropy to the target's restricted
     distribution; acc{k}: how often step k's draft equals the target's greedy token.
     Attention runs the differentiable jnp reference (the Pallas kernel has no gradient)."""
@@ -130,10 +129,11 @@ def ttt_loss(params, d: DraftConfig, d2t, tw, tc, tokens, ttt_steps: int, comput
 
 def _ttt_loss(params, d, d2t, tw, tc, tokens, ttt_steps, compute_dtype):
     B, T = tokens.shape
-    meta = tgt.prefill_meta(jnp.full((B,), T, jnp.int32), T)
-    hidden, aux, _ = tgt.forward(tw, tc, tokens, None, meta, dr.target_capture(d))
-    feats = jax.lax.stop_gradient(dr.target_features(d, hidden, aux))
-    t_logits = jax.lax.stop_gradient(tgt.logits(tw, tc, hidden))  # [B,T,V]
+    family = family_for(tc)
+    hidden, aux, _ = family.forward(tc, tw, tokens, None, prefill_meta(jnp.full((B,), T, jnp.int32), T),
+                                    d.target_layers)
+    feats = jax.lax.stop_gradient(d.target_features(hidden, aux))
+    t_logits = jax.lax.stop_gradient(family.logits(tc, tw, hidden))  # [B,T,V]
     ids = jnp.arange(d.draft_vocab_size) + d2t
     p = jax.nn.softmax(t_logits[..., ids], axis=-1)  # [B,T,Vd]
     greedy = jnp.argmax(t_logits, axis=-1)
@@ -221,7 +221,7 @@ def train_eagle3(target: Params | str, data, out_dir: str | None = None, config:
     dtype = export_dtype or tc.dtype
     out_cfg = dataclasses.replace(d, model=d.model.replace(dtype=dtype))
     weights = {"params": common.cast_floats(params, jnp.dtype(dtype)), "d2t": d2t_j}
-    draft = DraftParams(config=out_cfg, weights=weights, path=out_dir)
+    draft = DraftParams(config=out_cfg, weights=weights)
     if out_dir:
         save_draft(out_dir, out_cfg, weights, tc.vocab_size)
     return draft, history

@@ -8,24 +8,21 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from jspec.cache.layout import prefill_meta
 from jspec.config import ModelConfig
-from jspec.models import target as tgt
-from jspec.models.llama import LlamaModel
+from jspec.models.llama import LLAMA
 from jspec.train import common
 
 
 def init_lm(cfg: ModelConfig, seed: int = 0):
-    meta = tgt.prefill_meta(jnp.ones((1,), jnp.int32), 2)
-    return LlamaModel(cfg).init(jax.random.key(seed), jnp.zeros((1, 2), jnp.int32), None, meta,
-                                method=LlamaModel.init_all)
+    return LLAMA.init_weights(cfg, jax.random.key(seed))
 
 
 def lm_logits(weights, cfg: ModelConfig, tokens):
     """tokens [B,T] -> float32 logits [B,T,V] (causal, no cache)."""
     B, T = tokens.shape
-    meta = tgt.prefill_meta(jnp.full((B,), T, jnp.int32), T)
-    hidden, _, _ = tgt.forward(weights, cfg, tokens, None, meta)
-    return tgt.logits(weights, cfg, hidden)
+    hidden, _, _ = LLAMA.forward(cfg, weights, tokens, None, prefill_meta(jnp.full((B,), T, jnp.int32), T))
+    return LLAMA.logits(cfg, weights, hidden)
 
 
 def lm_loss(params, cfg: ModelConfig, tokens, teacher_logits=None, compute_dtype=jnp.float32):

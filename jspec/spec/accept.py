@@ -1,4 +1,4 @@
-"""Greedy acceptance: the longest draft path the target agrees with, plus the bonus token.
+"""The accept phase, greedy: the longest draft path the target agrees with, plus the bonus token.
 
 Given the target's choice `a` [B,N] at every node (its argmax after that node), a node is
 correct when its token equals its parent's choice and its parent is correct. The deepest

@@ -1,0 +1,26 @@
+"""Draft kinds, one file each, behind the protocol in `jspec.drafts.base`.
+
+Registering a kind is one line in DRAFT_KINDS (checkpoints are recognised in this order).
+"""
+from __future__ import annotations
+
+from jspec.drafts.base import Draft
+from jspec.drafts.eagle import EagleDraft
+from jspec.drafts.eagle3 import Eagle3Draft
+from jspec.drafts.standalone import StandaloneDraft
+
+DRAFT_KINDS: tuple[type[Draft], ...] = (Eagle3Draft, EagleDraft, StandaloneDraft)
+
+
+def kind_of_checkpoint(cfg_json: dict, tensors: dict, where: str) -> type[Draft]:
+    """The draft kind that recognises a checkpoint (config.json, tensors by name)."""
+    for kind in DRAFT_KINDS:
+        if kind.recognises(cfg_json, tensors):
+            return kind
+    archs = cfg_json.get("architectures") or []
+    raise ValueError(f"{where}: unknown draft architecture {archs!r}; expected an EAGLE head "
+                     f"(LlamaForCausalLMEagle), an EAGLE-3 head (LlamaForCausalLMEagle3) or a Llama-family "
+                     f"model")
+
+
+__all__ = ["DRAFT_KINDS", "Draft", "Eagle3Draft", "EagleDraft", "StandaloneDraft", "kind_of_checkpoint"]

@@ -1,0 +1,92 @@
+"""The draft protocol: everything the loop, loading and export need of a draft kind.
+
+A draft kind is a frozen, hashable dataclass (a static jit argument) holding the draft's
+configuration; its methods are the only way the loop, the API, loading and export touch a
+draft, so none of them asks which kind it runs. Weight arguments come in the order
+(target weights, draft weights) everywhere, after the target's config.
+
+Per-token features: an EAGLE-family head reads, with token i+1, a feature of position i
+(the target's hidden state, or EAGLE-3's concatenated layer inputs); after its first step
+it reads its own output instead. A standalone draft reads tokens only. `lag` says how
+many slots the draft's cache runs ahead of the target's (see `Draft.lag`).
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, ClassVar
+
+from jspec.cache.kv import KVCacheKind
+from jspec.config import ModelConfig
+
+
+def strip_model_prefix(tensors: dict) -> dict:
+    """EAGLE checkpoints in the wild name their tensors with or without "model."."""
+    return {(k[6:] if k.startswith("model.") else k): v for k, v in tensors.items()}
+
+
+@dataclasses.dataclass(frozen=True)
+class Draft:
+    """Base class of draft kinds. `model` is the draft's own decoder (for EAGLE heads,
+    num_layers counts the head's layers)."""
+
+    kind: ClassVar[str]  # a name for messages; never compared outside the kind's own file
+    model: ModelConfig
+
+    @property
+    def lag(self) -> int:
+        """How many slots ahead of an EAGLE head this draft's cache runs (0 or 1): an EAGLE
+        head's slot i pairs token i+1 with the target's feature at i; a standalone draft's
+        slot i holds token i itself, so it also holds the current root token."""
+        return 0
+
+    @property
+    def hidden_size(self) -> int:
+        """Width Dd of the hidden state `forward` returns."""
+        return self.model.hidden_size
+
+    @property
+    def target_layers(self) -> tuple[int, ...]:
+        """Target layers whose inputs `target_features` reads (captured in the forward)."""
+        return ()
+
+    def target_features(self, hidden, aux):
+        """The target's final-norm hidden [B,T,D] and captured layer inputs {i: [B,T,D]} ->
+        the per-token feature [B,T,F] the draft reads (None: it reads none)."""
+        return None
+
+    def cache_kind(self) -> KVCacheKind:
+        m = self.model
+        return KVCacheKind(m.num_layers, m.num_heads, m.num_kv_heads, m.head_dim, m.dtype)
+
+    def forward(self, tcfg, tw, dw, tokens, feats, cache, meta, from_target: bool):
+        """tokens [B,T] (target ids), feats [B,T,F] -> (hidden [B,T,Dd], cache).
+
+        from_target: feats are `target_features` (True) or the draft's own hidden from its
+        previous step (False)."""
+        raise NotImplementedError
+
+    def logits(self, tcfg, tw, dw, hidden):
+        """hidden [..., Dd] -> float32 logits [..., Vd] over the draft vocabulary."""
+        raise NotImplementedError
+
+    def to_target_ids(self, dw, ids):
+        """Draft-vocabulary ids -> target ids (identity unless the vocabulary is reduced)."""
+        return ids
+
+    def init(self, key, target_vocab: int) -> Any:
+        """Random weights (normal(0.02), norms at one)."""
+        raise NotImplementedError
+
+    @classmethod
+    def recognises(cls, cfg_json: dict, tensors: dict) -> bool:
+        """Whether a checkpoint (config.json, tensors by name) is of this kind."""
+        raise NotImplementedError
+
+    @classmethod
+    def from_hf(cls, cfg_json: dict, tensors: dict, tcfg, where: str) -> tuple["Draft", Any]:
+        """A checkpoint checked against its target's config -> (draft, weights)."""
+        raise NotImplementedError
+
+    def to_hf(self, weights, target_vocab: int) -> tuple[dict, dict]:
+        """-> (config.json dict, {tensor name: numpy array}) in the format its loaders read."""
+        raise NotImplementedError

@@ -1,0 +1,54 @@
+"""The target-family protocol: what the loop, loading and export need of a model family.
+
+A family (Llama-architecture GQA decoders today; DeepSeek MLA + MoE and hybrid linear
+attention later) is one object whose methods take the family's frozen config first:
+it parses its config from a Hugging Face config.json, converts weights from and to
+Hugging Face tensors, runs forward over T tokens with its cache, and names the cache kind
+it needs. The loop never asks which family it runs. A new family adds its own files and
+one line in `jspec.models.FAMILIES`.
+"""
+from __future__ import annotations
+
+from typing import Any, ClassVar
+
+
+class TargetFamily:
+    """Base class of a family; `config_type` is the frozen config class it owns and
+    `architectures` the Hugging Face `architectures` entries it loads."""
+
+    config_type: ClassVar[type]
+    architectures: ClassVar[tuple[str, ...]]
+
+    def config_from_hf(self, cfg_json: dict, dtype: str | None) -> Any:
+        """config.json dict -> the family's config (dtype None: the checkpoint's)."""
+        raise NotImplementedError
+
+    def weights_from_hf(self, tensors: dict, cfg, where: str) -> Any:
+        """Hugging Face tensors {name: numpy array} -> weights (a pytree); `where` names the
+        directory in errors. Missing, extra and mis-shaped tensors fail naming them."""
+        raise NotImplementedError
+
+    def weights_to_hf(self, cfg, weights) -> tuple[dict, dict]:
+        """-> (config.json dict, {tensor name: numpy array}) that transformers loads."""
+        raise NotImplementedError
+
+    def init_weights(self, cfg, key) -> Any:
+        """Random weights (for tests and benchmarks)."""
+        raise NotImplementedError
+
+    def cache_kind(self, cfg) -> Any:
+        """The cache kind (jspec.cache) whose caches `forward` reads and writes."""
+        raise NotImplementedError
+
+    def forward(self, cfg, weights, tokens, cache, meta, capture: tuple[int, ...] = ()):
+        """tokens [B,T] -> (hidden [B,T,D] after the final norm, {layer i: its input
+        [B,T,D]} for the `capture` layers (i = num_layers: the last layer's output), cache)."""
+        raise NotImplementedError
+
+    def logits(self, cfg, weights, hidden):
+        """hidden [..., D] -> float32 logits [..., V]."""
+        raise NotImplementedError
+
+    def embed(self, cfg, weights, tokens):
+        """tokens [...] -> input embeddings [..., D] (EAGLE heads share the target's)."""
+        raise NotImplementedError
