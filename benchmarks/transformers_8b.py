@@ -1,8 +1,10 @@
 """transformers' decode step on the Llama-3.1-8B shape (random bf16 weights, H200), as a
-peer figure beside benchmarks/bench_8b.py: static cache and `torch.compile(mode=
-"reduce-overhead", fullgraph=True)` on the model's forward, greedy `generate` from a 1k
-prompt; ms per step = the time difference of two lengths over their step difference (so the
-prefill cancels), batch 1 and 32.
+peer figure beside benchmarks/bench_8b.py: greedy `generate` from a 1k prompt with a static
+cache, which makes transformers compile its decoding forward itself (`CompileConfig(
+fullgraph=True, mode="reduce-overhead")`: torch.compile with CUDA graphs); ms per step = the
+time difference of two lengths over their step difference (so the prefill cancels), batch
+1 and 32. (Compiling `model.forward` by hand instead failed in transformers 5.17: CUDA-graph
+outputs overwritten, then a segmentation fault.)
 
 Run: PYTHONPATH=. python3 benchmarks/transformers_8b.py [batch ...]
 """
@@ -33,13 +35,7 @@ def main(batches):
         model = transformers.LlamaForCausalLM(cfg).eval()
     print(f"weights ready in {time.perf_counter() - t0:.1f}s", flush=True)
     model.generation_config.cache_implementation = "static"
-    compiled = torch.compile(model.forward, mode="reduce-overhead", fullgraph=True)
-
-    def forward(*args, **kwargs):  # each call is a new CUDA-graph step (generate keeps the last outputs)
-        torch.compiler.cudagraph_mark_step_begin()
-        return compiled(*args, **kwargs)
-
-    model.forward = forward
+    model.generation_config.compile_config = transformers.CompileConfig(fullgraph=True, mode="reduce-overhead")
     for batch in batches:
         ids = torch.tensor(prompts(batch), device="cuda")
 
@@ -56,7 +52,8 @@ def main(batches):
         run(SHORT), run(LONG)  # compiles
         compile_s = time.perf_counter() - t0
         per = min((run(LONG) - run(SHORT)) / (LONG - SHORT) for _ in range(3))
-        row = {"batch": batch, "ms_per_step": per * 1e3, "tokens_per_s": batch / per, "warmup_s": compile_s}
+        row = {"batch": batch, "ms_per_step": per * 1e3, "tokens_per_s": batch / per, "warmup_s": compile_s,
+               "compiled": hasattr(model, "_compiled_call")}
         res["rows"][f"b{batch}"] = row
         print("transformers decode", row, flush=True)
         save_json("transformers_8b.json", res)

@@ -3,6 +3,8 @@ from __future__ import annotations
 
 import os
 
+import pytest
+
 import jspec
 from jspec import bundle
 
@@ -22,6 +24,7 @@ def test_bundle_is_complete_and_small():
     assert p.draft.config.draft_vocab_size < p.config.vocab_size and "d2t" in p.draft.weights
 
 
+@pytest.mark.slow
 def test_bundle_speculation_is_exact_and_accepts(capsys):
     """On code, the trained EAGLE-3 head accepts well over one token per round, and the
     output equals plain greedy decoding (float32 on CPU)."""

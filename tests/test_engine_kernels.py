@@ -12,6 +12,7 @@ from jspec.cache.layout import CacheLayout, make_meta
 from conftest import PROMPTS
 
 
+@pytest.mark.slow
 def test_model_through_pallas_kernels_equals_reference(target, monkeypatch, fresh_compiles):
     """Greedy generation with every kernel forced to Pallas (interpret) equals the
     reference path token for token (float32)."""
@@ -50,7 +51,8 @@ def _parked_case(B, T, prefix):
     return q, meta, kvc.write_kv(buf, rows, index, True), kvc.write_kv(buf, new, meta.write_index, True)
 
 
-@pytest.mark.parametrize("B,T,prefix", [(1, 1, [9]), (1, 3, [20]), (3, 2, [0, 17, 30])])
+@pytest.mark.parametrize("B,T,prefix", [pytest.param(1, 1, [9], marks=pytest.mark.slow), (1, 3, [20]),
+                                        pytest.param(3, 2, [0, 17, 30], marks=pytest.mark.slow)])
 def test_parked_queries_equal_passed_queries(B, T, prefix):
     """The kernel reading queries parked in the cache (after the local block) gives what
     it gives with the queries passed in, and the parking leaves every key slot the
@@ -80,6 +82,7 @@ def test_kernel_takes_the_cache_once_in_its_own_shape(q_in_cache):
     assert big == [(parked.shape[0] * parked.shape[1],) + parked.shape[2:]], shapes
 
 
+@pytest.mark.slow
 def test_spec_and_batch1_through_pallas_kernels_park_queries(target, with_draft, hf_greedy, monkeypatch,
                                                               fresh_compiles):
     """Batch-1 decoding, a chain and a tree with the kernels forced to Pallas (interpret)

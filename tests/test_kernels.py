@@ -171,6 +171,7 @@ def test_with_make_meta_and_allocated_pages():
 
 # --------------------------------------------------------------------------- property test
 
+@pytest.mark.slow
 @settings(max_examples=5, deadline=None, suppress_health_check=list(HealthCheck))
 @given(st.data())
 def test_random_shapes(data):

@@ -19,7 +19,8 @@ def _with_draft(target, path):
     return target.with_draft(load_draft(path, target))
 
 
-@pytest.mark.parametrize("cache", list(CACHES))
+@pytest.mark.parametrize("cache", ["dense", pytest.param("paged1", marks=pytest.mark.slow),
+                                   pytest.param("paged16", marks=pytest.mark.slow)])
 @pytest.mark.parametrize("kind", ["eagle", "eagle3", "eagle3_reduced", "standalone"])
 def test_chain_greedy_equals_target(with_draft, hf_greedy, kind, cache):
     p = with_draft(kind)
@@ -29,8 +30,9 @@ def test_chain_greedy_equals_target(with_draft, hf_greedy, kind, cache):
     assert all(1 <= a <= 4 for row in out.stats.accept_lengths for a in row)
 
 
-@pytest.mark.parametrize("steps", [1, 5])
-@pytest.mark.parametrize("kind,cache", [("eagle3_reduced", "dense"), ("standalone", "dense"), ("eagle", "dense"),
+@pytest.mark.parametrize("steps", [1, pytest.param(5, marks=pytest.mark.slow)])
+@pytest.mark.parametrize("kind,cache", [pytest.param("eagle3_reduced", "dense", marks=pytest.mark.slow), ("standalone", "dense"),
+                                        pytest.param("eagle", "dense", marks=pytest.mark.slow),
                                         ("eagle3", "paged1"), ("eagle3", "paged16")])
 def test_chain_steps(with_draft, hf_greedy, kind, cache, steps):
     """The shortest (S = 1: one draft token from draft-extend alone, no draft step) and a long
@@ -75,8 +77,9 @@ def _program(p, spec, cache="dense"):
     return _primitives(closed.jaxpr), rounds, conds
 
 
-@pytest.mark.parametrize("cache", ["dense", "paged16"])
-@pytest.mark.parametrize("kind", ["eagle", "eagle3_reduced", "standalone"])
+@pytest.mark.parametrize("cache", ["dense", pytest.param("paged16", marks=pytest.mark.slow)])
+@pytest.mark.parametrize("kind", [pytest.param("eagle", marks=pytest.mark.slow), "eagle3_reduced",
+                                  pytest.param("standalone", marks=pytest.mark.slow)])
 def test_chain_round_has_no_topk_or_sort(with_draft, kind, cache):
     """A chain (K = 1) round does no top-k or sort over candidates (argmax only); the same
     check on a tree (K > 1) finds them, so the check can see them."""
@@ -99,8 +102,10 @@ def _pi_continuation(pi, prompt, n):
     return out
 
 
-@pytest.mark.parametrize("kind,steps,cache", [("eagle", 1, "dense"), ("eagle", 3, "paged1"), ("eagle", 5, "paged16"),
-                                              ("eagle3", 3, "dense"), ("standalone", 5, "paged1")])
+@pytest.mark.parametrize("kind,steps,cache", [("eagle", 1, "dense"), ("eagle", 3, "paged1"),
+                                              pytest.param("eagle", 5, "paged16", marks=pytest.mark.slow),
+                                              ("eagle3", 3, "dense"),
+                                              pytest.param("standalone", 5, "paged1", marks=pytest.mark.slow)])
 def test_agreeing_drafts_accept_long_runs(perm, kind, steps, cache):
     """Drafts that agree with the target: every round accepts all S drafts plus the bonus
     (EAGLE, standalone), or exactly the first draft (the EAGLE-3 head built to be right only

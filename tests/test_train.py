@@ -24,6 +24,8 @@ from jspec.train.eagle3 import draft_vocab, head_config, init_head
 from jspec.export import save_target
 from jspec.models import family_for
 
+pytestmark = pytest.mark.slow  # training runs: CI runs them, the fast subset leaves them out
+
 
 @pytest.fixture(scope="module")
 def corpus(tmp_path_factory):

@@ -20,11 +20,12 @@ from jspec.spec import accept, loop
 from jspec.spec.tree import Tree, ancestors, select_tree, vocab_top_k
 from conftest import CACHES, PROMPTS
 
-SHAPES = [(2, 2, 4), (3, 4, 8), (5, 4, 16), (6, 10, 60)]
+SHAPES = [pytest.param((2, 2, 4), marks=pytest.mark.slow), (3, 4, 8),
+          pytest.param((5, 4, 16), marks=pytest.mark.slow), pytest.param((6, 10, 60), marks=pytest.mark.slow)]
 
 
 @pytest.mark.parametrize("shape", SHAPES)
-@pytest.mark.parametrize("kind,cache", [("eagle3", "dense"), ("standalone", "paged1")])
+@pytest.mark.parametrize("kind,cache", [("eagle3", "dense"), pytest.param("standalone", "paged1", marks=pytest.mark.slow)])
 def test_tree_greedy_equals_target(with_draft, hf_greedy, kind, cache, shape):
     S, K, N = shape
     p = with_draft(kind)
@@ -34,7 +35,7 @@ def test_tree_greedy_equals_target(with_draft, hf_greedy, kind, cache, shape):
 
 
 @pytest.mark.parametrize("shape", SHAPES)
-@pytest.mark.parametrize("kind,cache", [("standalone", "paged16"), ("eagle", "paged1")])
+@pytest.mark.parametrize("kind,cache", [pytest.param("standalone", "paged16", marks=pytest.mark.slow), ("eagle", "paged1")])
 def test_tree_with_agreeing_draft_accepts_whole_depth(perm, kind, cache, shape):
     S, K, N = shape
     p = jspec.load(perm["target"], draft=perm[kind])
@@ -107,9 +108,11 @@ def test_tree_too_many_nodes_fails_early():
 # ------------------------------------------------------------------ cache invariant
 
 @pytest.mark.parametrize("kind,shape,cache,prompts", [
-    ("eagle3", (3, 4, 8), "dense", PROMPTS), ("eagle3", (3, 4, 8), "paged1", PROMPTS),
-    ("eagle3", (3, 4, 8), "paged16", PROMPTS), ("standalone", (5, 4, 16), "paged16", PROMPTS),
-    ("standalone", (3, 4, 8), "dense", PROMPTS[:1])],  # one dense row: block writes, not scatters
+    pytest.param("eagle3", (3, 4, 8), "dense", PROMPTS, marks=pytest.mark.slow),
+    pytest.param("eagle3", (3, 4, 8), "paged1", PROMPTS, marks=pytest.mark.slow),
+    pytest.param("eagle3", (3, 4, 8), "paged16", PROMPTS, marks=pytest.mark.slow),
+    pytest.param("standalone", (5, 4, 16), "paged16", PROMPTS, marks=pytest.mark.slow),
+    pytest.param("standalone", (3, 4, 8), "dense", PROMPTS[:1], marks=pytest.mark.slow)],  # one dense row: block writes, not scatters
     ids=["eagle3-3x4x8-dense", "eagle3-3x4x8-paged1", "eagle3-3x4x8-paged16", "standalone-5x4x16-paged16",
          "standalone-3x4x8-dense-one-row"])
 def test_cache_holds_what_plain_decoding_writes(with_draft, kind, shape, cache, prompts):
@@ -208,6 +211,7 @@ def candidate_sets(draw):
     return S, np.array(tokens, np.int32), np.array(scores, np.float32), np.array(parents, np.int32), n
 
 
+@pytest.mark.slow
 @settings(max_examples=25, deadline=None)
 @given(candidate_sets())
 def test_select_tree_matches_python(case):
@@ -229,6 +233,7 @@ def random_trees(draw):
     return parents, tokens, choice
 
 
+@pytest.mark.slow
 @settings(max_examples=40, deadline=None)
 @given(random_trees())
 def test_accept_tree_matches_python(case):

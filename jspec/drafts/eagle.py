@@ -16,6 +16,16 @@ from jspec.tensors import Tensors, hf_linear, to_numpy
 ARCHITECTURES = ("LlamaForCausalLMEagle", "EagleLlamaForCausalLM")
 
 
+def head_model_config(cfg_json, tcfg, where):
+    """An EAGLE-family head's decoder config, in the target's dtype, checked against the
+    target's vocabulary."""
+    m = model_config_from_hf(cfg_json, dtype=tcfg.dtype, require_architecture=False)
+    if m.vocab_size != tcfg.vocab_size:
+        raise ValueError(f"{where}: draft vocab_size ({m.vocab_size}) differs from the target's "
+                         f"({tcfg.vocab_size})")
+    return m
+
+
 def embed_tokens(tcfg, tw, dw, tokens):
     """An EAGLE-family head's input embeddings: its own table if it has one, else the target's."""
     table = dw.get("embed")
@@ -54,10 +64,7 @@ class EagleDraft(Draft):
 
     @classmethod
     def from_hf(cls, cfg_json, tensors, tcfg, where):
-        m = model_config_from_hf(cfg_json, dtype=tcfg.dtype, require_architecture=False)
-        if m.vocab_size != tcfg.vocab_size:
-            raise ValueError(f"{where}: draft vocab_size ({m.vocab_size}) differs from the target's "
-                             f"({tcfg.vocab_size})")
+        m = head_model_config(cfg_json, tcfg, where)
         D = m.hidden_size
         if D != tcfg.hidden_size:
             raise ValueError(f"{where}: EAGLE head hidden size {D} differs from the target's {tcfg.hidden_size}")

@@ -11,9 +11,9 @@ import numpy as np
 
 from jspec.cache.layout import prefill_meta
 from jspec.drafts.base import Draft, strip_model_prefix
-from jspec.drafts.eagle import embed_tokens
+from jspec.drafts.eagle import embed_tokens, head_model_config
 from jspec.models.eagle import Eagle3Head
-from jspec.models.llama_hf import decoder_layer_params, hf_config, layer_tensors, model_config_from_hf
+from jspec.models.llama_hf import decoder_layer_params, hf_config, layer_tensors
 from jspec.tensors import Tensors, hf_linear, to_numpy
 
 ARCHITECTURES = ("LlamaForCausalLMEagle3", "Eagle3LlamaForCausalLM")
@@ -79,10 +79,7 @@ class Eagle3Draft(Draft):
 
     @classmethod
     def from_hf(cls, cfg_json, tensors, tcfg, where):
-        m = model_config_from_hf(cfg_json, dtype=tcfg.dtype, require_architecture=False)
-        if m.vocab_size != tcfg.vocab_size:
-            raise ValueError(f"{where}: draft vocab_size ({m.vocab_size}) differs from the target's "
-                             f"({tcfg.vocab_size})")
+        m = head_model_config(cfg_json, tcfg, where)
         D, V = m.hidden_size, tcfg.vocab_size
         Dt = int(cfg_json.get("target_hidden_size") or D)
         if Dt != tcfg.hidden_size:

@@ -16,6 +16,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
+from jspec.util import cdiv
+
 
 @struct.dataclass
 class Tree:
@@ -66,7 +68,7 @@ def vocab_top_k(x, k: int, chunk: int = 512):
     V = x.shape[-1]
     if V < 8 * chunk or k > chunk:
         return jax.lax.top_k(x, k)
-    C = -(-V // chunk)
+    C = cdiv(V, chunk)
     lead = x.shape[:-1]
     xp = jnp.pad(x, [(0, 0)] * len(lead) + [(0, C * chunk - V)], constant_values=-jnp.inf)
     v1, i1 = jax.lax.top_k(xp.reshape(lead + (C, chunk)), k)  # [..., C, k]

@@ -7,6 +7,8 @@ from typing import Iterable, Iterator, Sequence
 
 import numpy as np
 
+from jspec.util import cdiv
+
 
 def _read_text(path: str) -> str:
     try:
@@ -81,7 +83,7 @@ def tokenize(tokenizer, docs: Iterable[str], eos_id: int | None) -> np.ndarray:
 def batches(stream: np.ndarray, batch: int, seq_len: int, seed: int, start_step: int = 0) -> Iterator[np.ndarray]:
     """Endless [batch, seq_len] windows at random offsets (deterministic per step)."""
     if stream.size < seq_len + 1:
-        reps = -(-(seq_len + 1) // stream.size)
+        reps = cdiv(seq_len + 1, stream.size)
         stream = np.tile(stream, reps)
     step = start_step
     while True:
