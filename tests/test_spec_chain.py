@@ -31,9 +31,10 @@ def test_chain_greedy_equals_target(with_draft, hf_greedy, kind, cache):
 
 
 @pytest.mark.parametrize("steps", [1, pytest.param(5, marks=pytest.mark.slow)])
-@pytest.mark.parametrize("kind,cache", [pytest.param("eagle3_reduced", "dense", marks=pytest.mark.slow), ("standalone", "dense"),
+@pytest.mark.parametrize("kind,cache", [pytest.param("eagle3_reduced", "dense", marks=pytest.mark.slow),
+                                        pytest.param("standalone", "dense", marks=pytest.mark.slow),
                                         pytest.param("eagle", "dense", marks=pytest.mark.slow),
-                                        ("eagle3", "paged1"), ("eagle3", "paged16")])
+                                        ("eagle3", "paged1"), pytest.param("eagle3", "paged16", marks=pytest.mark.slow)])
 def test_chain_steps(with_draft, hf_greedy, kind, cache, steps):
     """The shortest (S = 1: one draft token from draft-extend alone, no draft step) and a long
     chain, for every draft kind; full-vocabulary EAGLE-3 also on pages of 1 and 16 tokens."""
@@ -102,7 +103,7 @@ def _pi_continuation(pi, prompt, n):
     return out
 
 
-@pytest.mark.parametrize("kind,steps,cache", [("eagle", 1, "dense"), ("eagle", 3, "paged1"),
+@pytest.mark.parametrize("kind,steps,cache", [("eagle", 1, "dense"), pytest.param("eagle", 3, "paged1", marks=pytest.mark.slow),
                                               pytest.param("eagle", 5, "paged16", marks=pytest.mark.slow),
                                               ("eagle3", 3, "dense"),
                                               pytest.param("standalone", 5, "paged1", marks=pytest.mark.slow)])
@@ -177,6 +178,7 @@ def test_spec_stats(perm, tmp_path):
     assert out.timing["new_tokens"] == sum(max_new)
 
 
+@pytest.mark.slow
 def test_eagle3_default_aux_layers(target, drafts, hf_greedy, tmp_path):
     """An EAGLE-3 config.json with no eagle_config reads the inputs of target layers
     (2, n//2, n-3) (SGLang's default): here n = 4, so (2, 2, 1), repeated and unsorted."""

@@ -52,6 +52,7 @@ def test_tree_with_agreeing_draft_accepts_whole_depth(perm, kind, cache, shape):
     assert all(a == S + 1 for row in out.stats.accept_lengths for a in row)
 
 
+@pytest.mark.slow
 def test_tree_reduced_vocab_draft_equals_target(with_draft, hf_greedy):
     """A tree from an EAGLE-3 head over a reduced draft vocabulary (candidates mapped to
     target ids through d2t) still decodes exactly the target's greedy output."""
@@ -301,6 +302,7 @@ def test_compaction_matches_python(seed, page_size):
         np.testing.assert_array_equal(logical(b), seqs[b])
 
 
+@pytest.mark.slow
 @settings(max_examples=25, deadline=None)
 @given(st.integers(0, 2 ** 31 - 1))
 def test_page_allocation_matches_python(seed):
