@@ -21,7 +21,8 @@ def _with_draft(target, path):
 
 @pytest.mark.parametrize("cache", ["dense", pytest.param("paged1", marks=pytest.mark.slow),
                                    pytest.param("paged16", marks=pytest.mark.slow)])
-@pytest.mark.parametrize("kind", ["eagle", "eagle3", "eagle3_reduced", "standalone"])
+@pytest.mark.parametrize("kind", ["eagle", "eagle3", pytest.param("eagle3_reduced", marks=pytest.mark.slow),
+                                  "standalone"])
 def test_chain_greedy_equals_target(with_draft, hf_greedy, kind, cache):
     p = with_draft(kind)
     out = jspec.generate(p, PROMPTS, max_new_tokens=12, stop_token_ids=[], cache=CACHES[cache],
@@ -211,6 +212,7 @@ def test_spec_loop_no_transfer_no_retrace(with_draft, monkeypatch, fresh_compile
     assert again.tokens[2] == first.tokens[0][: len(again.tokens[2])]
 
 
+@pytest.mark.slow
 def test_bad_spec_configurations(target, with_draft, perm, tmp_path):
     with pytest.raises(ValueError, match="num_draft_tokens must be num_steps\\+1 = 4"):
         jspec.SpecConfig(num_steps=3, topk=1, num_draft_tokens=6)
