@@ -44,9 +44,9 @@ class KVCacheKind:
     dtype: str
 
     def init(self, layout: CacheLayout, batch: int) -> KVCache:
-        return init_kv_cache(self.num_layers, self.num_kv_heads, self.head_dim, jnp.dtype(self.dtype),
-                             **({"num_pages": layout.num_pages, "page_size": layout.page_size} if layout.paged
-                                else {"batch": batch, "max_len": layout.capacity}))
+        """Zero buffers, one per layer, trash row or page included."""
+        shape = layout.buffer_shape(batch) + (2, self.num_kv_heads, self.head_dim)
+        return KVCache(kv=tuple(jnp.zeros(shape, self.dtype) for _ in range(self.num_layers)))
 
     def extra_slots(self, T: int, paged: bool) -> int:
         """Slots past the T written ones that a forward may use: a dense cache parks the
