@@ -6,7 +6,13 @@ the EAGLE-3 chain at S = 3, 4, 5, trees at S = 5, the standalone draft, and toke
 against plain decoding of the same target (batch 1 and the whole batch), plus the share of
 prompts whose speculative output equals plain decoding and where the first difference is.
 
-Run: PYTHONPATH=. python3 benchmarks/bundle_eval.py [--prompts 16] [--dtype float32]
+With --temperature T [T ...] it samples instead (seeds per prompt), at each temperature:
+plain sampling, EAGLE-3 and standalone chains verified target-only and with sampled
+drafts (SpecConfig(sample_drafts=True)), and an EAGLE-3 tree. Target-only verification
+emits the tokens plain sampling emits for the same seed (up to rounding), so its `match`
+is the share of prompts where rounding never changed a draw.
+
+Run: PYTHONPATH=. python3 benchmarks/bundle_eval.py [--prompts 16] [--dtype float32] [--temperature 0.7 1.0]
 """
 from __future__ import annotations
 
@@ -56,6 +62,8 @@ def main():
     ap.add_argument("--bundle", default=None)
     ap.add_argument("--out", default=os.environ.get("OUT", "/tmp"))
     ap.add_argument("--only", nargs="*", default=None, help="run only configurations whose name has one of these")
+    ap.add_argument("--temperature", type=float, nargs="*", default=[0.0], help="0: greedy (the default)")
+    ap.add_argument("--top-p", type=float, default=1.0)
     args = ap.parse_args()
     dtype = args.dtype or ("float32" if jax.default_backend() == "cpu" else "bfloat16")
     root = args.bundle or bundle_path()
@@ -66,28 +74,51 @@ def main():
     res = {"jax": jax.__version__, "device": getattr(jax.devices()[0], "device_kind", "cpu"), "dtype": dtype,
            "date": time.strftime("%Y-%m-%d"), "prompts": len(prompts), "prompt_tokens": PROMPT, "new_tokens": NEW,
            "rows": []}
-    kw = dict(max_new_tokens=NEW, stop_token_ids=[])
+    for temperature in args.temperature:
+        kw = dict(max_new_tokens=NEW, stop_token_ids=[])
+        if temperature > 0:
+            kw.update(temperature=temperature, top_p=args.top_p, seed=list(range(len(prompts))))
+        res["rows"] += evaluate(args, prompts, target, with_e3, with_sa, kw)
+    tag = "" if args.temperature == [0.0] else "_sampled"
+    name = f"bundle_eval_{jax.default_backend()}_{dtype}{tag}.json"
+    with open(os.path.join(args.out, name), "w") as f:
+        json.dump(res, f, indent=1)
+
+
+def evaluate(args, prompts, target, with_e3, with_sa, kw):
+    """One row per configuration at the sampling values of kw (the first: plain decoding)."""
+    T = kw.get("temperature", 0.0)
 
     def measure(name, params, spec):
         jspec.generate(params, prompts, spec=spec, **kw)  # compile
         out = jspec.generate(params, prompts, spec=spec, **kw)
-        jspec.generate(params, prompts[0], spec=spec, **kw)  # compile batch 1
+        one = dict(kw, seed=0) if "seed" in kw else kw
+        jspec.generate(params, prompts[0], spec=spec, **one)  # compile batch 1
         toks, secs = 0, 0.0
-        for p in prompts[: args.batch1]:
-            o = jspec.generate(params, p, spec=spec, **kw)
+        for i, p in enumerate(prompts[: args.batch1]):
+            o = jspec.generate(params, p, spec=spec, **(dict(kw, seed=i) if "seed" in kw else kw))
             toks += len(o.tokens)
             secs += o.timing["run_s"]
-        row = {"name": name, "tau": out.stats.mean_accept_length, "tok_s_batch": out.timing["tokens_per_s"],
+        row = {"name": name, "temperature": T, "top_p": kw.get("top_p", 1.0), "tau": out.stats.mean_accept_length, "tok_s_batch": out.timing["tokens_per_s"],
                "tok_s_b1": toks / secs, "tokens": out.tokens}
         return row
 
     plain = measure("plain", target, None)
     rows = [plain]
-    configs = [("eagle3 chain S=3", with_e3, jspec.SpecConfig(3)), ("eagle3 chain S=4", with_e3, jspec.SpecConfig(4)),
-               ("eagle3 chain S=5", with_e3, jspec.SpecConfig(5)),
-               ("eagle3 tree S=5 K=4 N=16", with_e3, jspec.SpecConfig(5, 4, 16)),
-               ("eagle3 tree S=5 K=8 N=32", with_e3, jspec.SpecConfig(5, 8, 32)),
-               ("standalone chain S=4", with_sa, jspec.SpecConfig(4))]
+    if T == 0:
+        configs = [("eagle3 chain S=3", with_e3, jspec.SpecConfig(3)), ("eagle3 chain S=4", with_e3, jspec.SpecConfig(4)),
+                   ("eagle3 chain S=5", with_e3, jspec.SpecConfig(5)),
+                   ("eagle3 tree S=5 K=4 N=16", with_e3, jspec.SpecConfig(5, 4, 16)),
+                   ("eagle3 tree S=5 K=8 N=32", with_e3, jspec.SpecConfig(5, 8, 32)),
+                   ("standalone chain S=4", with_sa, jspec.SpecConfig(4))]
+    else:
+        configs = [("eagle3 chain S=3 target-only", with_e3, jspec.SpecConfig(3)),
+                   ("eagle3 chain S=3 sampled drafts", with_e3, jspec.SpecConfig(3, sample_drafts=True)),
+                   ("eagle3 chain S=4 target-only", with_e3, jspec.SpecConfig(4)),
+                   ("eagle3 chain S=4 sampled drafts", with_e3, jspec.SpecConfig(4, sample_drafts=True)),
+                   ("eagle3 tree S=5 K=4 N=16 target-only", with_e3, jspec.SpecConfig(5, 4, 16)),
+                   ("standalone chain S=4 target-only", with_sa, jspec.SpecConfig(4)),
+                   ("standalone chain S=4 sampled drafts", with_sa, jspec.SpecConfig(4, sample_drafts=True))]
     for name, params, spec in configs:
         if args.only and not any(o in name for o in args.only):
             continue
@@ -100,13 +131,10 @@ def main():
         r["speedup_b1"] = r["tok_s_b1"] / plain["tok_s_b1"]
         r["speedup_batch"] = r["tok_s_batch"] / plain["tok_s_batch"]
         del r["tokens"]
-        print(f"{r['name']:28s} tau {r['tau']:.2f}  tok/s b1 {r['tok_s_b1']:8.1f} ({r['speedup_b1']:.2f}x)  "
+        print(f"T={T} {r['name']:36s} tau {r['tau']:.2f}  tok/s b1 {r['tok_s_b1']:8.1f} ({r['speedup_b1']:.2f}x)  "
               f"batch {r['tok_s_batch']:8.1f} ({r['speedup_batch']:.2f}x)  match {r['match']:.2f} {r['first_diff'][:5]}",
               flush=True)
-    res["rows"] = rows
-    name = f"bundle_eval_{jax.default_backend()}_{dtype}.json"
-    with open(os.path.join(args.out, name), "w") as f:
-        json.dump(res, f, indent=1)
+    return rows
 
 
 if __name__ == "__main__":

@@ -104,23 +104,25 @@ class Runner:
     """Runs one compiled generation loop (`jspec.compile`) with chosen per-request limits,
     so that two lengths share one program and their time difference is per-round cost."""
 
-    def __init__(self, params, prompts, max_new: int, spec=None, cache=None):
-        self.prog = jspec.compile(params, prompts, max_new_tokens=max_new, stop_token_ids=[], cache=cache, spec=spec)
+    def __init__(self, params, prompts, max_new: int, spec=None, cache=None, **sampling):
+        self.prog = jspec.compile(params, prompts, max_new_tokens=max_new, stop_token_ids=[], cache=cache, spec=spec,
+                                  **sampling)
         self.compile_s = self.prog.compile_s
         self.plan = self.prog.plan
 
-    def run(self, max_new: int):
-        """(seconds, GenerateOutput) of the compiled prompts with max_new_tokens=max_new."""
-        out = self.prog.run(max_new_tokens=max_new)
+    def run(self, max_new: int, **sampling):
+        """(seconds, GenerateOutput) of the compiled prompts with max_new_tokens=max_new
+        (sampling values: as compiled, unless given)."""
+        out = self.prog.run(max_new_tokens=max_new, **sampling)
         return out.timing["run_s"], out
 
-    def per_round(self, short: int, long: int, reps: int = 3):
+    def per_round(self, short: int, long: int, reps: int = 3, **sampling):
         """(seconds per round, rounds, tokens) from the difference of two runs."""
-        self.run(short)
+        self.run(short, **sampling)
         best = None
         for _ in range(reps):
-            ts, rs = self.run(short)
-            tl, rl = self.run(long)
+            ts, rs = self.run(short, **sampling)
+            tl, rl = self.run(long, **sampling)
             rounds = max(rl.stats.rounds) - max(rs.stats.rounds)
             toks = rl.timing["new_tokens"] - rs.timing["new_tokens"]
             per = (tl - ts) / rounds

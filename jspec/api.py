@@ -23,6 +23,7 @@ from jspec.config import CacheConfig, SpecConfig
 from jspec.kernels import dispatch
 from jspec.models import family_for
 from jspec.params import Params
+from jspec.sampling import SamplingParams
 from jspec.spec import loop
 from jspec.spec.plan import LoopInputs, Plan, round_slack
 from jspec.util import cdiv, round_up
@@ -198,26 +199,43 @@ class _Requests:
     prompts: list
     is_batch: bool
     max_new: list
-    temperature: list
-    top_k: list
-    top_p: list
-    seed: list
+    sampling: dict  # SamplingParams field -> one value per prompt
     stop_ids: list
 
 
-def _requests(params: Params, prompt, max_new_tokens, temperature, top_k, top_p, seed,
-              stop_token_ids) -> _Requests:
+# The sampling arguments: (neutral value, type, check -> message or None). `generate`,
+# `compile` and `Compiled.run` take each one value or one per prompt.
+SAMPLING_ARGS = {
+    "temperature": (0.0, float, lambda v: None if math.isfinite(v) and v >= 0 else "must be finite and >= 0"),
+    "top_k": (0, int, lambda v: None if v >= 0 else "must be >= 0"),
+    "top_p": (1.0, float, lambda v: None if 0 < v <= 1 else "must be in (0, 1]"),
+    "min_p": (0.0, float, lambda v: None if 0 <= v <= 1 else "must be in [0, 1]"),
+    "repetition_penalty": (1.0, float, lambda v: None if math.isfinite(v) and v > 0 else "must be finite and > 0"),
+    "presence_penalty": (0.0, float, lambda v: None if math.isfinite(v) else "must be finite"),
+    "frequency_penalty": (0.0, float, lambda v: None if math.isfinite(v) else "must be finite"),
+    "seed": (0, int, lambda v: None if 0 <= v < 2 ** 31 else "must be in [0, 2**31)"),
+}
+
+
+def _check_sampling_names(sampling: dict) -> None:
+    unknown = sorted(set(sampling) - set(SAMPLING_ARGS))
+    if unknown:
+        raise TypeError(f"unexpected argument {unknown[0]!r}; the sampling arguments are {', '.join(SAMPLING_ARGS)}")
+
+
+def _requests(params: Params, prompt, max_new_tokens, stop_token_ids, sampling: dict) -> _Requests:
+    """sampling: {name in SAMPLING_ARGS: value or one per prompt}; missing names are neutral."""
+    _check_sampling_names(sampling)
     prompts, is_batch = _prompts(params, prompt)
     n = len(prompts)
+    values = {}
+    for name, (neutral, kind, check) in SAMPLING_ARGS.items():
+        v = sampling.get(name)
+        values[name] = _per_request(neutral if v is None else v, n, name, kind, check)
     return _Requests(
         prompts=prompts, is_batch=is_batch,
         max_new=_per_request(max_new_tokens, n, "max_new_tokens", int, lambda v: "must be >= 1" if v < 1 else None),
-        temperature=_per_request(temperature, n, "temperature", float,
-                                 lambda v: "must be finite and >= 0" if not (math.isfinite(v) and v >= 0) else None),
-        top_k=_per_request(top_k, n, "top_k", int, lambda v: "must be >= 0" if v < 0 else None),
-        top_p=_per_request(top_p, n, "top_p", float, lambda v: "must be in (0, 1]" if not 0 < v <= 1 else None),
-        seed=_per_request(seed, n, "seed", int, lambda v: "must be in [0, 2**31)" if not 0 <= v < 2 ** 31 else None),
-        stop_ids=_stop_ids(params, stop_token_ids))
+        sampling=values, stop_ids=_stop_ids(params, stop_token_ids))
 
 
 def _cache_config(cache) -> CacheConfig:
@@ -228,16 +246,13 @@ def _cache_config(cache) -> CacheConfig:
     return cache
 
 
-def _spec_config(params: Params, spec, reqs: _Requests) -> SpecConfig | None:
+def _spec_config(params: Params, spec) -> SpecConfig | None:
     if spec is not None and not isinstance(spec, SpecConfig):
         raise TypeError(f"spec must be a jspec.SpecConfig or None, got {type(spec).__name__}")
     if spec is not None and params.draft is None:
         raise ValueError("spec was given but params has no draft; load one with jspec.load(target, draft=...)")
     if params.draft is not None and spec is None:
         spec = DEFAULT_SPEC
-    if spec is not None and any(t > 0 for t in reqs.temperature):
-        raise ValueError("speculative decoding is greedy-only for now (temperature must be 0); "
-                         "sampling runs without a draft")
     return spec
 
 
@@ -300,6 +315,9 @@ def _inputs(plan: Plan, reqs: _Requests, cache: CacheConfig) -> LoopInputs:
         a[:n] = vals
         return a
 
+    sp = {name: col(reqs.sampling[name], neutral, np.int32 if kind is int else np.float32)
+          for name, (neutral, kind, _) in SAMPLING_ARGS.items()}
+
     prompt_arr = np.zeros((B, plan.prompt_len), np.int32)
     for i, p in enumerate(reqs.prompts):
         prompt_arr[i, : len(p)] = p
@@ -307,9 +325,7 @@ def _inputs(plan: Plan, reqs: _Requests, cache: CacheConfig) -> LoopInputs:
     stop_arr[: len(reqs.stop_ids)] = reqs.stop_ids
     return LoopInputs(prompt=prompt_arr, prompt_len=col(lens, 1, np.int32), max_new=col(max_new, 1, np.int32),
                       room_bound=col(room_bound, False, bool), slot_limit=col(limits, 0, np.int32),
-                      real=col([True] * n, False, bool), temperature=col(reqs.temperature, 0.0, np.float32),
-                      top_k=col(reqs.top_k, 0, np.int32), top_p=col(reqs.top_p, 1.0, np.float32),
-                      seed=col(reqs.seed, 0, np.int32), stop_ids=stop_arr)
+                      real=col([True] * n, False, bool), sampling=SamplingParams(**sp), stop_ids=stop_arr)
 
 
 _COMPILED: dict = {}  # (plan, weight shapes, kernel backend) -> compiled loop
@@ -350,38 +366,30 @@ class Compiled:
         """(target weights, draft weights or None): the loop's weight arguments."""
         return self.params.weights, self.params.draft.weights if self.params.draft is not None else None
 
-    def requests(self, prompt=None, *, max_new_tokens=None, temperature=None, top_k=None, top_p=None,
-                 seed=None, stop_token_ids=None) -> _Requests:
-        """Checked requests; arguments left None keep the compiled call's (the prompt
-        included). A new prompt with no max_new_tokens etc. takes the defaults of `generate`."""
-        if prompt is None and all(v is None for v in (max_new_tokens, temperature, top_k, top_p, seed,
-                                                      stop_token_ids)):
+    def requests(self, prompt=None, *, max_new_tokens=None, stop_token_ids=None, **sampling) -> _Requests:
+        """Checked requests; arguments left out keep the compiled call's (the prompt
+        included). A new prompt takes the defaults of `generate` for what is left out."""
+        _check_sampling_names(sampling)
+        sampling = {k: v for k, v in sampling.items() if v is not None}
+        if prompt is None and max_new_tokens is None and stop_token_ids is None and not sampling:
             return self._reqs
         base = self._reqs if prompt is None else None
-
-        def pick(value, name, default):
-            return value if value is not None else (getattr(base, name) if base else default)
-
+        if base is not None:
+            sampling = {**base.sampling, **sampling}
         reqs = _requests(self.params, self._reqs.prompts if prompt is None else prompt,
-                         pick(max_new_tokens, "max_new", 64), pick(temperature, "temperature", 0.0),
-                         pick(top_k, "top_k", 0), pick(top_p, "top_p", 1.0), pick(seed, "seed", 0),
-                         stop_token_ids if stop_token_ids is not None else (base.stop_ids if base else None))
+                         max_new_tokens if max_new_tokens is not None else (base.max_new if base else 64),
+                         stop_token_ids if stop_token_ids is not None else (base.stop_ids if base else None), sampling)
         if prompt is None:
             reqs = dataclasses.replace(reqs, is_batch=self._reqs.is_batch)
-        if self.spec is not None and any(t > 0 for t in reqs.temperature):
-            raise ValueError("speculative decoding is greedy-only for now (temperature must be 0); "
-                             "sampling runs without a draft")
         return reqs
 
     def inputs(self, prompt=None, **kw) -> LoopInputs:
         """The host-side LoopInputs `run` would pass (same arguments as `run`)."""
         return _inputs(self.plan, self.requests(prompt, **kw), self.cache)
 
-    def run(self, prompt=None, *, max_new_tokens=None, temperature=None, top_k=None, top_p=None, seed=None,
-            stop_token_ids=None) -> GenerateOutput:
-        """Runs requests through the compiled loop (None: the compiled call's values)."""
-        reqs = self.requests(prompt, max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k,
-                             top_p=top_p, seed=seed, stop_token_ids=stop_token_ids)
+    def run(self, prompt=None, *, max_new_tokens=None, stop_token_ids=None, **sampling) -> GenerateOutput:
+        """Runs requests through the compiled loop (arguments left out: the compiled call's)."""
+        reqs = self.requests(prompt, max_new_tokens=max_new_tokens, stop_token_ids=stop_token_ids, **sampling)
         inp = jax.device_put(_inputs(self.plan, reqs, self.cache))
         tw, dw = self.weights
         t0 = time.perf_counter()
@@ -393,35 +401,36 @@ class Compiled:
 
 
 def compile(params: Params, prompt, *, max_new_tokens: int | Sequence[int] = 64,
-            temperature: float | Sequence[float] = 0.0, top_k: int | Sequence[int] = 0,
-            top_p: float | Sequence[float] = 1.0, seed: int | Sequence[int] = 0,
             stop_token_ids: Sequence[int] | None = None, cache: CacheConfig | str | None = None,
-            spec: SpecConfig | None = None) -> Compiled:
+            spec: SpecConfig | None = None, **sampling) -> Compiled:
     """Compiles the generation loop for these requests' shape (same arguments as
     `generate`) and returns a `Compiled` whose `run(...)` takes requests of that shape.
     Programs are cached: compiling an equal plan again costs nothing."""
     _check_params(params)
-    reqs = _requests(params, prompt, max_new_tokens, temperature, top_k, top_p, seed, stop_token_ids)
+    reqs = _requests(params, prompt, max_new_tokens, stop_token_ids, sampling)
     cache = _cache_config(cache)
-    spec = _spec_config(params, spec, reqs)
+    spec = _spec_config(params, spec)
     return Compiled(params, reqs, cache, spec)
 
 
 def generate(params: Params, prompt, *, max_new_tokens: int | Sequence[int] = 64,
-             temperature: float | Sequence[float] = 0.0, top_k: int | Sequence[int] = 0,
-             top_p: float | Sequence[float] = 1.0, seed: int | Sequence[int] = 0,
              stop_token_ids: Sequence[int] | None = None, cache: CacheConfig | str | None = None,
-             spec: SpecConfig | None = None) -> GenerateOutput:
+             spec: SpecConfig | None = None, **sampling) -> GenerateOutput:
     """Generates from one prompt or a batch; with a draft in `params`, speculatively.
 
     prompt: a string, a list of token ids, or a list of either (unequal lengths are fine).
-    max_new_tokens, temperature (0: greedy), top_k (0: off), top_p (1.0: off) and seed
-    take one value or one per prompt. stop_token_ids: None uses the model's EOS ids.
-    cache: a CacheConfig, 'dense' or 'paged'. spec: a SpecConfig (needs a draft); None uses
-    a default chain when there is a draft.
+    max_new_tokens: one value or one per prompt. stop_token_ids: None uses the model's EOS
+    ids. cache: a CacheConfig, 'dense' or 'paged'. spec: a SpecConfig (needs a draft); None
+    uses a default chain when there is a draft.
+
+    Sampling, each one value or one per prompt (new values never recompile): temperature
+    (0, the default: greedy), top_k (0: off), top_p (1: off), min_p (0: off),
+    repetition_penalty (1: off; on prompt and generated tokens), presence_penalty and
+    frequency_penalty (0: off; on generated tokens), seed. Speculative output has exactly
+    the distribution of plain sampling with the same values (see `jspec.sampling`).
     """
-    return compile(params, prompt, max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k,
-                   top_p=top_p, seed=seed, stop_token_ids=stop_token_ids, cache=cache, spec=spec).run()
+    return compile(params, prompt, max_new_tokens=max_new_tokens, stop_token_ids=stop_token_ids, cache=cache,
+                   spec=spec, **sampling).run()
 
 
 def _outputs(params, plan, res, lens, is_batch, *, compile_s, run_s) -> GenerateOutput:

@@ -104,11 +104,18 @@ class SpecConfig:
 
     topk=1 is a chain (N must be S+1); topk>1 builds a tree from the best N-1 of the
     K + (S-1)K^2 candidates, root included in N. Default N: S+1 (chain), S*K+1 (tree).
+
+    sample_drafts (chains only): sampled requests draw the draft's tokens from its own
+    processed distribution q and accept each with probability min(1, p/q), drawing the
+    correction from max(0, p - q). Off (the default), drafts are the draft's argmax (or its
+    top-k tree) and the target's own sample at each node decides (target-only verification).
+    Both give exactly the target's distribution; greedy requests are unaffected.
     """
 
     num_steps: int = 3
     topk: int = 1
     num_draft_tokens: int | None = None
+    sample_drafts: bool = False
 
     def __post_init__(self):
         for name in ("num_steps", "topk"):
@@ -124,6 +131,11 @@ class SpecConfig:
         if self.topk == 1 and n != self.num_steps + 1:
             raise ValueError(f"with topk=1 (a chain) num_draft_tokens must be num_steps+1 = "
                              f"{self.num_steps + 1}, got {n}")
+        if not isinstance(self.sample_drafts, bool):
+            raise ValueError(f"SpecConfig.sample_drafts must be a bool, got {self.sample_drafts!r}")
+        if self.sample_drafts and self.topk != 1:
+            raise ValueError("SpecConfig.sample_drafts is for chains (topk=1); trees verify their top-k "
+                             f"drafts with the target's own samples, got topk={self.topk}")
         if n - 1 > self.max_candidates:
             raise ValueError(f"num_draft_tokens-1 = {n - 1} exceeds the {self.max_candidates} candidates "
                              f"that num_steps={self.num_steps}, topk={self.topk} produce (K + (S-1)K^2)")

@@ -124,8 +124,8 @@ def test_sampled_tokens_follow_the_target_distribution(target):
 
 def test_filter_logits_top_k_top_p():
     logits = np.log(np.array([[0.5, 0.2, 0.15, 0.1, 0.05]] * 3, np.float32))
-    x = sampling.filter_logits(logits, np.ones(3, np.float32), np.array([2, 0, 0]), np.array([1.0, 0.6, 0.71],
-                                                                                          np.float32))
+    x = sampling.filter_logits(logits, np.array([2, 0, 0]), np.array([1.0, 0.6, 0.71], np.float32),
+                               np.zeros(3, np.float32))
     kept = np.isfinite(np.asarray(x))
     assert kept.tolist() == [[True, True, False, False, False], [True, True, False, False, False],
                              [True, True, True, False, False]]

@@ -1,15 +1,25 @@
-"""The accept phase, greedy: the longest draft path the target agrees with, plus the bonus token.
+"""The accept phase: the longest draft path the target agrees with, plus the bonus token.
 
-Given the target's choice `a` [B,N] at every node (its argmax after that node), a node is
-correct when its token equals its parent's choice and its parent is correct. The deepest
-correct node ends the accepted path; the target's choice there is the bonus token.
-Returns accept_len [B] (nodes committed: root + accepted drafts), path [B,S+1] (node
+Target-only verification (`accept_chain`, `accept_tree`): given the target's choice [B,N]
+at every node (its argmax after that node for greedy rows, one draw from its processed
+distribution for sampled rows), a node is correct when its token equals its parent's
+choice and its parent is correct. The deepest correct node ends the accepted path; the
+target's choice there is the bonus token. Every correct node lies on the one sequence of
+the target's own choices, so what is emitted is exactly that sequence.
+
+Sampled drafts (`accept_sampled_chain`): the draft token drawn from q at node i is kept
+with probability min(1, p/q); at the first rejection the correction is drawn from
+max(0, p - q) normalised; after a fully accepted chain the bonus is drawn from p.
+
+Each returns accept_len [B] (nodes committed: root + accepted drafts), path [B,S+1] (node
 indices, valid up to accept_len) and bonus [B].
 """
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
 
+from jspec import sampling
 from jspec.spec.tree import Tree
 
 
@@ -43,3 +53,34 @@ def accept_tree(tree: Tree, choice, max_depth: int):
                                                      mode="drop")
     bonus = jnp.take_along_axis(choice, best[:, None], axis=1)[:, 0]
     return accept_len.astype(jnp.int32), path, bonus
+
+
+def accept_sampled_chain(tokens, logits, logq, sp: sampling.SamplingParams, L):
+    """A chain with sampled drafts. tokens [B,N]; logits [B,N,V] penalised target logits;
+    logq [B,S,V] the draft's log q of each drafted token's draw; L [B] (the root's
+    position). Greedy rows are verified target-only against the argmax."""
+    B, N = tokens.shape
+    S = N - 1
+    greedy_len, path, greedy_bonus = accept_chain(tokens, jnp.argmax(logits, axis=-1).astype(jnp.int32))
+
+    def sampled(_):
+        logp = sampling.log_probs(logits, sp)  # [B,N,V]
+        drafted = tokens[:, 1:, None]
+        lp = jnp.take_along_axis(logp[:, :S], drafted, axis=2)[..., 0]  # [B,S] p_i(d_i+1)
+        lq = jnp.take_along_axis(logq, drafted, axis=2)[..., 0]
+        u = sampling.uniform(sp.seed, L[:, None] + 1 + jnp.arange(S)[None], sampling.ACCEPT)
+        keep = u * jnp.exp(lq) < jnp.exp(lp)  # p = 0: never kept; u in [0, 1)
+        m = jnp.sum(jnp.cumprod(keep.astype(jnp.int32), axis=1), axis=1)  # [B] accepted drafts
+        p_m = jnp.exp(jnp.take_along_axis(logp, m[:, None, None], axis=1)[:, 0])  # [B,V]
+        logq_end = jnp.concatenate([logq, jnp.full((B, 1, logq.shape[2]), -jnp.inf, logq.dtype)], axis=1)
+        q_m = jnp.exp(jnp.take_along_axis(logq_end, m[:, None, None], axis=1)[:, 0])  # 0 past the chain
+        resid = jnp.maximum(p_m - q_m, 0)
+        # p == q leaves no residual (a rejection there has probability 0): draw from p then.
+        resid = jnp.where(jnp.sum(resid, axis=-1, keepdims=True) > 0, resid, p_m)
+        bonus = sampling.draw_from(jnp.log(resid), sp.seed, L + m + 1)
+        on = sp.temperature > 0
+        return jnp.where(on, m + 1, greedy_len).astype(jnp.int32), jnp.where(on, bonus, greedy_bonus)
+
+    accept_len, bonus = jax.lax.cond(jnp.any(sp.temperature > 0), sampled, lambda _: (greedy_len, greedy_bonus),
+                                     None)
+    return accept_len, path, bonus

@@ -49,8 +49,10 @@ class LoopState:
     tcache: object  # the target's cache (its family's cache kind)
     dcache: object  # the draft's cache, or None
     pages: PageState | None  # the page table both caches share (paged layouts)
+    history: sampling.History  # what the penalties read: prompt tokens, generated counts [B, V]
     first_tokens: jax.Array  # [B, K] the root's children drafted by the last extend (target ids)
     first_probs: jax.Array  # [B, K] their draft probabilities
+    first_logq: jax.Array  # [B, V] the draft's log q of the first's draw (sampled drafts; else [B, 0])
     draft_hidden: jax.Array  # [B, Dd] the draft hidden that produced them
     rounds: jax.Array  # [B] verify rounds run
     hist: jax.Array  # [B, R] accept length per round ([B, 0] without a draft: always 1)
@@ -86,17 +88,19 @@ def reserve_room(plan: Plan, inp: LoopInputs, st: LoopState, need_len, active, m
     return st, active & ~full
 
 
-def draft_phase(plan: Plan, tw, dw, st: LoopState, active) -> tuple[LoopState, Tree]:
-    """The draft proposes a chain or a tree under the root (plain decoding: the root alone)."""
+def draft_phase(plan: Plan, tw, dw, inp: LoopInputs, st: LoopState, active):
+    """The draft proposes a chain or a tree under the root (plain decoding: the root alone)
+    -> (state, tree, the draft's log q [B,S,V] of sampled drafts or None)."""
     if plan.draft is None:
-        return st, chain_tree(st.root[:, None])
+        return st, chain_tree(st.root[:, None]), None
+    logq = None
     if plan.K == 1:
-        dcache, tree = propose_chain(plan, tw, dw, st.pages, st.dcache, st.first_tokens, st.draft_hidden,
-                                     st.L, st.root, active)
+        dcache, tree, logq = propose_chain(plan, tw, dw, st.pages, st.dcache, st.first_tokens, st.first_logq,
+                                           st.draft_hidden, st.L, st.root, active, inp.sampling)
     else:
         dcache, tree = propose_tree(plan, tw, dw, st.pages, st.dcache, st.first_tokens, st.first_probs,
                                     st.draft_hidden, st.L, st.root, active)
-    return st.replace(dcache=dcache), tree
+    return st.replace(dcache=dcache), tree, logq
 
 
 def verify_phase(plan: Plan, tw, st: LoopState, tree: Tree, active) -> tuple[LoopState, Verified]:
@@ -111,16 +115,18 @@ def verify_phase(plan: Plan, tw, st: LoopState, tree: Tree, active) -> tuple[Loo
     return st.replace(tcache=tcache), Verified(hidden=hidden, aux=aux, logits=logits)
 
 
-def accept_phase(plan: Plan, inp: LoopInputs, st: LoopState, tree: Tree, logits) -> Accepted:
-    """Plain decoding samples (or takes the argmax of) the root's logits; speculative
-    rounds keep the longest path the target's greedy choices agree with."""
-    B = plan.batch
-    if plan.draft is None:
-        bonus = sampling.sample(logits[:, 0], inp.temperature, inp.top_k, inp.top_p, inp.seed, st.step + 1)
-        zero = jnp.zeros((B, 1), jnp.int32)
-        return Accepted(accept_len=jnp.ones((B,), jnp.int32), path=zero, path_tokens=tree.tokens, bonus=bonus)
-    choice = jnp.argmax(logits, axis=-1).astype(jnp.int32)
-    if plan.K == 1:  # the path is 0..S: no gathers along it
+def accept_phase(plan: Plan, inp: LoopInputs, st: LoopState, tree: Tree, logits, logq) -> Accepted:
+    """The target's logits at every node are penalised for that node's context; then either
+    the target's own choice at every node (its argmax, or a draw for sampled rows) walks the
+    tree, or sampled drafts (logq [B,S,V]) are accepted with probability min(1, p/q).
+    Plain decoding is the tree of the root alone: its choice is the next token."""
+    sp = inp.sampling
+    logits = sampling.penalise(logits, sp, st.history, tree.tokens, tree.anc)
+    if plan.sample_drafts:
+        accept_len, path, bonus = accept.accept_sampled_chain(tree.tokens, logits, logq, sp, st.L)
+        return Accepted(accept_len=accept_len, path=path, path_tokens=tree.tokens, bonus=bonus)
+    choice = sampling.choose(logits, sp, st.L[:, None] + tree.depth + 1)  # [B,N] at the next position
+    if plan.K == 1:  # a chain (or the root alone): the path is 0..S, no gathers along it
         accept_len, path, bonus = accept.accept_chain(tree.tokens, choice)
         path_tokens = tree.tokens
     else:
@@ -150,8 +156,8 @@ def commit_phase(plan: Plan, inp: LoopInputs, st: LoopState, acc: Accepted, acti
                       rounds=st.rounds + active.astype(jnp.int32))
 
 
-def extend_phase(plan: Plan, tw, dw, st: LoopState, start, path_tokens, feats, n_path, bonus, live,
-                 prefill: bool = False) -> LoopState:
+def extend_phase(plan: Plan, tw, dw, inp: LoopInputs, st: LoopState, start, path_tokens, feats, n_path, bonus,
+                 live, prefill: bool = False) -> LoopState:
     """Feeds the newly committed tokens (and the bonus) to the draft, with the target's
     features along the path; keeps the next round's first level for `live` rows.
 
@@ -169,10 +175,12 @@ def extend_phase(plan: Plan, tw, dw, st: LoopState, start, path_tokens, feats, n
                             prefill=prefill)
     hidden, dcache = d.forward(plan.target, tw, dw, ext, feats, st.dcache, meta, True)
     last = jnp.take_along_axis(hidden, (count - 1)[:, None, None], axis=1)[:, 0]  # [B, Dd]
-    tokens, probs = first_level(plan, dw, d.logits(plan.target, tw, dw, last))
+    # The root is at L (already moved past the path): the first draft is the token at L + 1.
+    tokens, probs, logq = first_level(plan, dw, d.logits(plan.target, tw, dw, last), inp.sampling, st.L + 1)
     keep = live[:, None]
     return st.replace(dcache=dcache, first_tokens=jnp.where(keep, tokens, st.first_tokens),
                       first_probs=jnp.where(keep, probs, st.first_probs),
+                      first_logq=jnp.where(keep, logq, st.first_logq),
                       draft_hidden=jnp.where(keep, last.astype(st.draft_hidden.dtype), st.draft_hidden))
 
 
@@ -208,12 +216,14 @@ def emit(plan: Plan, inp: LoopInputs, st: LoopState, emitted, count, active) -> 
     pos = jnp.where(j < n[:, None], st.L[:, None] + 1 + j, st.tokens.shape[1])
     tokens = st.tokens.at[jnp.arange(B)[:, None], pos].set(emitted, mode="drop")
     generated = st.generated + n
+    history = sampling.record(st.history, emitted, j < n[:, None])
     hit_stop = active & (first_stop < n)
     at_len = active & (generated >= inp.max_new)
     # max_new is cut to the cache's room when that is smaller (inp.room_bound).
     reason = jnp.where(hit_stop, STOP, jnp.where(at_len, jnp.where(inp.room_bound, CACHE_FULL, LENGTH),
                                                  st.reason))
-    return st.replace(tokens=tokens, generated=generated, finished=st.finished | hit_stop | at_len, reason=reason)
+    return st.replace(tokens=tokens, generated=generated, history=history, finished=st.finished | hit_stop | at_len,
+                      reason=reason)
 
 
 def release_pages(plan: Plan, st: LoopState, done) -> LoopState:
@@ -228,16 +238,16 @@ def round_step(plan: Plan, tw, dw, inp: LoopInputs, st: LoopState) -> LoopState:
     active = ~st.finished
     st, active = reserve_room(plan, inp, st, st.L + plan.slack, active,
                               cdiv(plan.slack, max(plan.layout.page_size, 1)) + 1)
-    st, tree = draft_phase(plan, tw, dw, st, active)
+    st, tree, logq = draft_phase(plan, tw, dw, inp, st, active)
     st, verified = verify_phase(plan, tw, st, tree, active)
-    acc = accept_phase(plan, inp, st, tree, verified.logits)
+    acc = accept_phase(plan, inp, st, tree, verified.logits, logq)
     st = commit_phase(plan, inp, st, acc, active)
     newly_done = active & st.finished
     if plan.draft is not None:
         feats = plan.draft.target_features(verified.hidden, verified.aux)
         if feats is not None and plan.K > 1:
             feats = jnp.take_along_axis(feats, acc.path[:, :, None], axis=1)
-        st = extend_phase(plan, tw, dw, st, st.L - acc.accept_len, acc.path_tokens, feats, acc.accept_len,
+        st = extend_phase(plan, tw, dw, inp, st, st.L - acc.accept_len, acc.path_tokens, feats, acc.accept_len,
                           acc.bonus, active & ~st.finished)
     return release_pages(plan, st, newly_done).replace(step=st.step + 1)
 
@@ -257,17 +267,14 @@ def prefill(plan: Plan, tw, dw, inp: LoopInputs, st: LoopState) -> LoopState:
     capture = plan.draft.target_layers if plan.draft else ()
     hidden, aux, tcache = plan.family.forward(plan.target, tw, inp.prompt, st.tcache, meta, capture)
     last = jnp.take_along_axis(hidden, (lens - 1)[:, None, None], axis=1)[:, 0]
-    logits = plan.family.logits(plan.target, tw, last)
-    if plan.draft is None:
-        first = sampling.sample(logits, inp.temperature, inp.top_k, inp.top_p, inp.seed, 0)
-    else:  # speculative programs are greedy (api refuses a temperature): no sampling branch to compile
-        first = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    logits = sampling.penalise(plan.family.logits(plan.target, tw, last)[:, None], inp.sampling, st.history)
+    first = sampling.choose(logits, inp.sampling, lens[:, None])[:, 0]  # the token at position len
     st = st.replace(tcache=tcache, tokens=st.tokens.at[:, :T].set(inp.prompt), L=lens - 1)  # emit writes after L
     st = emit(plan, inp, st, first[:, None], jnp.ones((B,), jnp.int32), active)
     st = st.replace(L=lens, root=first)
     if plan.draft is not None:
         feats = plan.draft.target_features(hidden, aux)
-        st = extend_phase(plan, tw, dw, st, jnp.zeros_like(lens), inp.prompt, feats, lens, first,
+        st = extend_phase(plan, tw, dw, inp, st, jnp.zeros_like(lens), inp.prompt, feats, lens, first,
                           active & ~st.finished, prefill=True)
     return release_pages(plan, st, active & st.finished)
 
@@ -279,11 +286,14 @@ def init_state(plan: Plan, inp: LoopInputs) -> LoopState:
     tcache = plan.family.cache_kind(plan.target).init(plan.layout, B)
     dcache = plan.draft.cache_kind().init(plan.layout, B) if plan.draft else None
     Dd = plan.draft.hidden_size if plan.draft else 1
+    V = plan.target.vocab_size
     return LoopState(
         tokens=jnp.zeros((B, plan.buffer_len), jnp.int32), root=jnp.zeros((B,), jnp.int32),
         L=jnp.zeros((B,), jnp.int32), generated=jnp.zeros((B,), jnp.int32), finished=~inp.real,
         reason=jnp.zeros((B,), jnp.int32), tcache=tcache, dcache=dcache, pages=plan.layout.init_pages(B),
+        history=sampling.init_history(inp.prompt, inp.prompt_len, V),
         first_tokens=jnp.zeros((B, plan.K), jnp.int32), first_probs=jnp.zeros((B, plan.K), jnp.float32),
+        first_logq=jnp.zeros((B, V if plan.sample_drafts else 0), jnp.float32),
         draft_hidden=jnp.zeros((B, Dd), jnp.dtype(plan.target.dtype)), rounds=jnp.zeros((B,), jnp.int32),
         hist=jnp.zeros((B, plan.max_rounds if plan.draft else 0), jnp.int32), step=jnp.int32(0))
 

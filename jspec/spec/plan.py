@@ -19,6 +19,7 @@ from jspec.cache.layout import CacheLayout
 from jspec.config import SpecConfig
 from jspec.drafts.base import Draft
 from jspec.models import family_for
+from jspec.sampling import SamplingParams
 
 
 @dataclasses.dataclass(frozen=True)
@@ -52,6 +53,10 @@ class Plan:
     @property
     def K(self) -> int:
         return self.spec.topk if self.spec else 1
+
+    @property
+    def sample_drafts(self) -> bool:
+        return bool(self.spec and self.spec.sample_drafts)
 
     @property
     def lag(self) -> int:
@@ -94,8 +99,5 @@ class LoopInputs:
     room_bound: jax.Array  # [B] bool: max_new was cut to the cache's room (ends as cache_full)
     slot_limit: jax.Array  # [B] int32 slots the request may use (beyond: cache_full)
     real: jax.Array  # [B] bool: a request, not batch padding
-    temperature: jax.Array  # [B] float32 (0: greedy)
-    top_k: jax.Array  # [B] int32 (0: off)
-    top_p: jax.Array  # [B] float32 (1: off)
-    seed: jax.Array  # [B] int32
+    sampling: SamplingParams  # [B] each: temperature, top-k/p, min-p, penalties, seed
     stop_ids: jax.Array  # [Ks] int32 (-1: unused slot)

@@ -8,20 +8,40 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from jspec import sampling
 from jspec.spec.plan import Plan
 from jspec.spec.tree import chain_tree, select_tree, vocab_top_k
 
 
-def first_level(plan: Plan, dw, logits_d):
-    """Draft logits [B,Vd] at the newest slot -> the root's children: target ids [B,K]
-    and draft probabilities [B,K] (a chain takes the argmax and needs no probabilities)."""
+def first_level(plan: Plan, dw, logits_d, sp: sampling.SamplingParams, position):
+    """Draft logits [B,Vd] at the newest slot -> the root's children: target ids [B,K],
+    draft probabilities [B,K] (a tree's scores), and with sampled drafts the draft's
+    processed log-probabilities over the target vocabulary [B,V] (else [B,0]). A chain
+    takes the argmax, or with sampled drafts a draw for the token at `position` [B]."""
     d = plan.draft
+    B = logits_d.shape[0]
+    if plan.sample_drafts:
+        tok, logq = draw_draft(plan, dw, logits_d[:, None], sp, position[:, None])
+        return tok, jnp.ones((B, 1), jnp.float32), logq[:, 0]
+    none = jnp.zeros((B, 0), jnp.float32)
     if plan.K == 1:
         tok = d.to_target_ids(dw, jnp.argmax(logits_d, axis=-1).astype(jnp.int32))
-        return tok[:, None], jnp.ones_like(tok, jnp.float32)[:, None]
+        return tok[:, None], jnp.ones_like(tok, jnp.float32)[:, None], none
     vals, idx = vocab_top_k(logits_d, plan.K)
     probs = jnp.exp(vals - jax.nn.logsumexp(logits_d, axis=-1, keepdims=True))
-    return d.to_target_ids(dw, idx.astype(jnp.int32)), probs
+    return d.to_target_ids(dw, idx.astype(jnp.int32)), probs, none
+
+
+def draw_draft(plan: Plan, dw, logits_d, sp: sampling.SamplingParams, positions):
+    """Sampled drafts: draft logits [B,M,Vd] -> target ids [B,M] drawn from the draft's
+    processed distribution q (its argmax for greedy rows; no penalties: q may be any
+    distribution) and log q over the target vocabulary [B,M,V] (-inf off the draft's)."""
+    d = plan.draft
+    tok, logq_d = sampling.choose_with_log_probs(logits_d, sp, positions, sampling.DRAFT)
+    V, Vd = plan.target.vocab_size, logits_d.shape[-1]
+    ids = d.to_target_ids(dw, jnp.arange(Vd, dtype=jnp.int32))
+    logq = jnp.full(logits_d.shape[:2] + (V,), -jnp.inf, jnp.float32).at[..., ids].set(logq_d)
+    return d.to_target_ids(dw, tok), logq
 
 
 def _draft_step(plan: Plan, tw, dw, pages, dcache, tokens, hidden, positions, prefix_len, local_mask, live):
@@ -39,20 +59,28 @@ def _draft_step(plan: Plan, tw, dw, pages, dcache, tokens, hidden, positions, pr
     return d.logits(plan.target, tw, dw, h), h, dcache
 
 
-def propose_chain(plan: Plan, tw, dw, pages, dcache, first_tokens, draft_hidden, L, root, live):
+def propose_chain(plan: Plan, tw, dw, pages, dcache, first_tokens, first_logq, draft_hidden, L, root, live,
+                  sp: sampling.SamplingParams):
     """root [B], first_tokens [B,1], draft_hidden [B,Dd], L [B] -> (draft cache, chain Tree
-    of S+1 nodes)."""
+    of S+1 nodes, the draft's log q [B,S,V] of each drafted token's draw, or None unless
+    drafts are sampled; first_logq [B,V] is the first's)."""
     tok, h = first_tokens[:, 0], draft_hidden
-    out = [root, tok]
+    out, logqs = [root, tok], [first_logq]
     one = jnp.ones((root.shape[0], 1, 1), bool)
     for j in range(1, plan.S):
         pos = L + plan.lag + j - 1
         logits_d, hs, dcache = _draft_step(plan, tw, dw, pages, dcache, tok[:, None], h[:, None], pos[:, None],
                                            pos, one, live)
-        tok = plan.draft.to_target_ids(dw, jnp.argmax(logits_d[:, 0], axis=-1).astype(jnp.int32))
+        if plan.sample_drafts:  # the token at sequence position L + j + 1
+            t, logq = draw_draft(plan, dw, logits_d, sp, (L + j + 1)[:, None])
+            tok = t[:, 0]
+            logqs.append(logq[:, 0])
+        else:
+            tok = plan.draft.to_target_ids(dw, jnp.argmax(logits_d[:, 0], axis=-1).astype(jnp.int32))
         h = hs[:, 0]
         out.append(tok)
-    return dcache, chain_tree(jnp.stack(out, axis=1).astype(jnp.int32))
+    logq = jnp.stack(logqs, axis=1) if plan.sample_drafts else None
+    return dcache, chain_tree(jnp.stack(out, axis=1).astype(jnp.int32)), logq
 
 
 def propose_tree(plan: Plan, tw, dw, pages, dcache, first_tokens, first_probs, draft_hidden, L, root, live):
