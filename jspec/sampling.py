@@ -15,10 +15,11 @@ G generated before it (the same at every position a loop verifies, drafts includ
   6. min-p m (0: off): keep x >= max(x) + log(m);
 and the token is drawn from softmax(x) over what is kept. Ties at a threshold are kept.
 
-Top-k and top-p find their thresholds without sorting: a 16-ary search over the 32 bits
-of the values' order-preserving integer keys (8 passes over the vocabulary, each counting
-16 candidate thresholds at once) gives the exact threshold; each search runs only when some
-row asks for it.
+Top-k and top-p find their thresholds without sorting the vocabulary: from each row's 64
+largest values (a two-stage top-k) when those suffice (k <= 64; the mass top-p needs lies
+among them), else by an exact 16-ary search over the 32 bits of the values'
+order-preserving integer keys (8 passes over the row, each weighing 16 thresholds at
+once), which runs only when some row needs it.
 
 Randomness is keyed by (seed, position, stream): the noise for the token at sequence
 position t of a request comes from fold_in(fold_in(key(seed), t), stream) alone, so a
@@ -34,8 +35,11 @@ import jax
 import jax.numpy as jnp
 from flax import struct
 
+from jspec.spec.tree import vocab_top_k
+
 TARGET, DRAFT, ACCEPT = 0, 1, 2  # noise streams
 _PROBES = 16  # candidate thresholds per search pass (4 bits)
+CANDIDATES = 64  # largest values per row from which top-k and top-p are read when they suffice
 
 
 @struct.dataclass
@@ -125,36 +129,63 @@ def _order_keys(x):
     return jnp.where(bits >> 31 == 1, ~bits, bits | jnp.uint32(1 << 31))
 
 
-def _largest_key_reaching(keys, weight, target):
-    """keys [R,V] uint32, weight [R,V], target [R] -> the largest key t with
-    sum(weight where keys >= t) >= target (the search's invariant: key 0 reaches it).
-    Eight passes, each weighing 16 candidates for the next 4 bits."""
-    found = jnp.zeros(keys.shape[:1], jnp.uint32)
+def _from_order_key(k):
+    """Inverse of `_order_keys`."""
+    bits = jnp.where(k >> 31 == 1, k & jnp.uint32(0x7FFFFFFF), ~k)
+    return jax.lax.bitcast_convert_type(bits, jnp.float32)
+
+
+def _largest_value_reaching(x, weigh, target):
+    """x [R,V], weigh(x) -> weights [R,V] (computed inside each pass: only x is read),
+    target [R] -> the largest value t with sum(weigh(x) where x >= t) >= target (the
+    search's invariant: the lowest key reaches it). Eight passes, each weighing 16
+    candidates for the next 4 bits of t's order key."""
+    found = jnp.zeros(x.shape[:1], jnp.uint32)
     digits = jnp.arange(_PROBES, dtype=jnp.uint32)
     for shift in range(28, -1, -4):
         probes = found[:, None] | (digits[None, :] << shift)  # [R,16]
-        mass = jnp.sum(jnp.where(keys[:, :, None] >= probes[:, None, :], weight[:, :, None], 0), axis=1)
+        keys, w = _order_keys(x), weigh(x)
+        mass = jnp.sum(jnp.where(keys[:, :, None] >= probes[:, None, :], w[:, :, None], 0), axis=1)
         reach = jnp.sum((mass >= target[:, None]).astype(jnp.int32), axis=1)  # reaching probes: a prefix
         found = found | (jnp.maximum(reach - 1, 0).astype(jnp.uint32) << shift)
-    return found
+    # Key 0 lies below every value: only a target that rounding put out of reach ends there.
+    return jnp.where(found == 0, -jnp.inf, _from_order_key(found))
 
 
 def filter_logits(x, top_k, top_p, min_p):
     """Scaled logits x [R,V] -> x with what top-k, top-p and min-p drop at -inf (rows [R]
-    of parameters; the neutral values keep everything)."""
-    R, V = x.shape
+    of parameters; the neutral values keep everything).
 
-    def by_top_k(x):
-        k = jnp.where(top_k > 0, jnp.minimum(top_k, V), V).astype(jnp.float32)
-        t = _largest_key_reaching(_order_keys(x), jnp.ones_like(x), k)
-        return jnp.where((top_k[:, None] > 0) & (_order_keys(x) < t[:, None]), -jnp.inf, x)
+    Both thresholds come first from the row's CANDIDATES largest values (a two-stage
+    top-k, no sort of the row): top-k when k <= CANDIDATES, top-p when those candidates
+    hold the mass it needs. Rows beyond that (a large k; a flat distribution under top-p)
+    take the exact search over the whole row, which runs only when some row needs it."""
+    R, V = x.shape
+    C = min(CANDIDATES, V)
+    cand, _ = vocab_top_k(x, C)  # [R,C] descending
+    k = jnp.where(top_k > 0, jnp.minimum(top_k, V), V)
+    t_k = jnp.take_along_axis(cand, jnp.clip(k - 1, 0, C - 1)[:, None], axis=1)[:, 0]
+    t_k = jax.lax.cond(jnp.any((top_k > 0) & (k > C)),
+                       lambda: jnp.where(k > C, _largest_value_reaching(x, jnp.ones_like, k.astype(jnp.float32)),
+                                         t_k),
+                       lambda: t_k)
+    t_k = jnp.where(top_k > 0, t_k, -jnp.inf)
+    x = jnp.where(x >= t_k[:, None], x, -jnp.inf)
 
     def by_top_p(x):
-        e = jnp.exp(x - jnp.max(x, axis=-1, keepdims=True))
-        t = _largest_key_reaching(_order_keys(x), e, top_p * jnp.sum(e, axis=-1))
-        return jnp.where((top_p[:, None] < 1) & (_order_keys(x) < t[:, None]), -jnp.inf, x)
+        top = jnp.max(x, axis=-1, keepdims=True)
+        need = top_p * jnp.sum(jnp.exp(x - top), axis=-1)  # [R] the mass top-p keeps
+        e = jnp.exp(jnp.where(cand >= t_k[:, None], cand, -jnp.inf) - top)  # the candidates still kept
+        before = jnp.cumsum(e, axis=-1) - e
+        n = jnp.sum((before < need[:, None]).astype(jnp.int32), axis=-1)  # >= 1
+        t_p = jnp.take_along_axis(cand, (n - 1)[:, None], axis=1)[:, 0]
+        covered = jnp.sum(e, axis=-1) >= need
+        t_p = jax.lax.cond(jnp.any((top_p < 1) & ~covered),
+                           lambda: jnp.where(covered, t_p, _largest_value_reaching(x, lambda v: jnp.exp(v - top),
+                                                                                   need)),
+                           lambda: t_p)
+        return jnp.where((top_p[:, None] < 1) & (x < t_p[:, None]), -jnp.inf, x)
 
-    x = jax.lax.cond(jnp.any(top_k > 0), by_top_k, lambda x: x, x)
     x = jax.lax.cond(jnp.any(top_p < 1), by_top_p, lambda x: x, x)
     floor = jnp.max(x, axis=-1, keepdims=True) + jnp.log(min_p)[:, None]  # log(0) = -inf: off
     return jnp.where(x >= floor, x, -jnp.inf)

@@ -1,0 +1,474 @@
+"""Statistical exactness of sampling, plain and speculative.
+
+A tiny Llama target (vocabulary 32, peaky next-token distributions) and, for it, drafts of
+every kind: random EAGLE, EAGLE-3 and EAGLE-3 over a reduced vocabulary of 16 (as
+`tiny_models.make_random_draft` makes them) and a standalone draft that is the target with
+perturbed weights (so that it agrees with the target often and long paths get accepted).
+
+- The exact joint distribution of the first 3 generated tokens from one prompt is
+  enumerated from the target itself: one batched `jspec.logits` call over every prefix of up
+  to 2 generated tokens, processed by an independent numpy reference of the documented
+  processing (repetition / frequency / presence penalties, temperature, top-k, top-p,
+  min-p; the penalties read the path's own earlier tokens). 8192 seeded samples through
+  `jspec.compile(...).run(seed=...)` (2048 per processing configuration; the four
+  configurations share one batch, each row carrying its own values) must fit it: a
+  chi-square p-value > 1e-4 and a total-variation distance within a bound derived from the
+  sample count (`tv_bound`). Against the exact distribution at another temperature
+  (T * 1.25) the same samples must give p < 1e-6: the test has power. Plain decoding, chain
+  and tree with target-only verification (every draft kind), chains with sampled drafts
+  (every draft kind), dense and paged caches.
+- The acceptance length of the first round, with the standalone draft and target-only
+  verification (chain and tree): its exact distribution is a mixture over the prefill's
+  token y0 of the probabilities, under the target's processed distributions, that the
+  target's own draw at each node hits one of the node's drafted children (the draft's
+  tree is rebuilt from the draft's own logits: greedy chain, or EAGLE-2 selection).
+  Chi-square and TV as above, and the wrong-temperature reference must fail.
+
+Samples are drawn once per generation mode and shared by the tests of that mode.
+"""
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import math
+
+import jax
+import numpy as np
+import pytest
+from scipy import stats
+
+import jspec
+from conftest import CACHES
+from jspec.config import ModelConfig
+from jspec.drafts import Eagle3Draft, EagleDraft
+from jspec.export import save_draft, save_target
+from jspec.loading import load_draft
+from jspec.models.llama import LLAMA
+
+V = 32
+PROMPT = [3, 17, 9, 25, 4]
+DEPTH = 3  # generated tokens whose joint distribution is enumerated
+CONFIGS = {  # processing configurations (unnamed values neutral)
+    "T1": dict(temperature=1.0),
+    "T0.7-topk5": dict(temperature=0.7, top_k=5),
+    "topp0.8-minp0.05": dict(temperature=1.0, top_p=0.8, min_p=0.05),
+    "T0.8-penalties": dict(temperature=0.8, repetition_penalty=1.3, presence_penalty=0.5, frequency_penalty=0.3),
+}
+NEUTRAL = dict(top_k=0, top_p=1.0, min_p=0.0, repetition_penalty=1.0, presence_penalty=0.0, frequency_penalty=0.0)
+ROWS = 1024  # rows per run
+P_MIN = 1e-4  # a right reference must give a chi-square p-value above this
+P_POWER = 1e-6  # a wrong reference must give one below this
+TV_DELTA = 1e-6  # the TV bound holds with probability >= 1 - TV_DELTA
+WRONG_T_JOINT = 1.25  # the wrong reference's temperature factor, joint distributions
+WRONG_T_ACCEPT = 1.5  # ... and accept lengths (3 outcomes: a coarser statistic needs a larger shift)
+
+
+@dataclasses.dataclass(frozen=True)
+class Mode:
+    """How samples are drawn: a draft kind (None: plain decoding), SpecConfig arguments, a
+    cache, the configurations its rows carry (row i: configs[i % len(configs)]) and runs
+    of ROWS rows (ROWS * runs / len(configs) samples per configuration)."""
+
+    kind: str | None
+    spec: dict | None
+    cache: str
+    configs: tuple
+    runs: int = 2
+
+
+CHAIN = dict(num_steps=2)
+TREE = dict(num_steps=2, topk=2, num_draft_tokens=4)
+SAMPLED = dict(num_steps=2, sample_drafts=True)
+# Every compile costs seconds on CPU (and each spec run of 1024 rows about one), so each
+# speculative mode carries two configurations, rotated so that every configuration meets
+# every verification kind; every draft kind (EAGLE, EAGLE-3 over the full and a reduced
+# vocabulary, standalone) drafts chains, trees and sampled chains. The position of a mode
+# in this table fixes its seeds (distinct across modes, runs and rows).
+MODES = {
+    "plain": Mode(None, None, "dense", tuple(CONFIGS), runs=4),
+    "sampled-standalone": Mode("standalone", SAMPLED, "dense", ("T1", "topp0.8-minp0.05")),
+    "tree-standalone": Mode("standalone", TREE, "dense", ("T0.7-topk5", "T0.8-penalties")),
+    "plain-paged16": Mode(None, None, "paged16", ("T0.7-topk5", "T0.8-penalties")),
+    "chain-standalone": Mode("standalone", CHAIN, "dense", ("T1", "T0.8-penalties")),
+    "chain-eagle-paged1": Mode("eagle", CHAIN, "paged1", ("T0.7-topk5", "topp0.8-minp0.05")),
+    "chain-eagle3_reduced": Mode("eagle3_reduced", CHAIN, "dense", ("T1", "T0.8-penalties")),
+    "tree-eagle-paged16": Mode("eagle", TREE, "paged16", ("T1", "topp0.8-minp0.05")),
+    "tree-eagle3": Mode("eagle3", TREE, "dense", ("T0.7-topk5", "T0.8-penalties")),
+    "sampled-eagle": Mode("eagle", SAMPLED, "dense", ("T0.7-topk5", "T0.8-penalties")),
+    "sampled-eagle3_reduced-paged1": Mode("eagle3_reduced", SAMPLED, "paged1", ("T1", "topp0.8-minp0.05")),
+}
+FAST = ("plain", "sampled-standalone", "tree-standalone")
+
+
+def mode_params(names):
+    return [n if n in FAST else pytest.param(n, marks=pytest.mark.slow) for n in names]
+
+
+# ----------------------------------------------------------------------------- models
+
+def random_weights(shapes, rng, std: float):
+    """Weights for a tree of shapes (jax.eval_shape of an init): matrices N(0, std^2),
+    norm weights 1 + 0.1 N(0, 1), biases 0.1 N(0, 1). Filled in numpy: no eager init to run."""
+    def fill(path, leaf):
+        name = jax.tree_util.keystr(path)
+        if leaf.ndim == 2:
+            return (std * rng.randn(*leaf.shape)).astype(leaf.dtype)
+        if "bias" in name:
+            return (0.1 * rng.randn(*leaf.shape)).astype(leaf.dtype)
+        return (1 + 0.1 * rng.randn(*leaf.shape)).astype(leaf.dtype)
+    return jax.tree_util.tree_map_with_path(fill, shapes)
+
+
+def make_target(path: str, *, seed: int) -> jspec.Params:
+    """A 3-layer Llama of width 32 over V = 32 tokens with weights of std 0.5 (like
+    transformers' initializer_range 0.5): next-token entropy ~1.4 nats, so 2048 samples
+    spread over ~50 cells of the 3-token joint with expected count >= 5."""
+    cfg = ModelConfig(vocab_size=V, hidden_size=32, intermediate_size=64, num_layers=3, num_heads=4, num_kv_heads=2,
+                      head_dim=8)
+    shapes = jax.eval_shape(lambda: LLAMA.init_weights(cfg, jax.random.key(0)))
+    save_target(path, cfg, random_weights(shapes, np.random.RandomState(seed), 0.5))
+    return jspec.load(path)
+
+
+def make_random_draft(path: str, kind: str, target, *, seed: int, draft_vocab: int | None = None) -> str:
+    """`tiny_models.make_random_draft` without its eager init: an EAGLE head (one layer) or
+    an EAGLE-3 head reading target layers 1, 2, 3 (over a draft vocabulary of draft_vocab
+    mapped by d2t); matrices N(0, 0.2^2) (its init's 0.02 times its 10)."""
+    tc = target.config
+    m = tc.replace(num_layers=1, sliding_windows=(0,))
+    if kind == "eagle":
+        d = EagleDraft(m, fc_bias=True)
+    else:
+        d = Eagle3Draft(m, target_hidden_size=tc.hidden_size, aux_layers=(1, 2, 3),
+                        draft_vocab_size=draft_vocab or V)
+    rng = np.random.RandomState(seed)
+    w = random_weights(jax.eval_shape(lambda: d.init(jax.random.key(seed), V)), rng, 0.2)
+    if "d2t" in w:
+        Vd = w["d2t"].shape[0]
+        w["d2t"] = (np.sort(rng.choice(V, Vd, replace=False)) - np.arange(Vd)).astype(np.int32)
+    save_draft(path, d, w, V)
+    return path
+
+
+def make_perturbed_copy(target, path: str, *, eps: float, seed: int) -> str:
+    """The target with every matrix perturbed by eps * its std * N(0, 1), saved as a Llama
+    checkpoint: a standalone draft that agrees with the target often, not always (first-round
+    accept lengths 1, 2, 3 about 0.4, 0.4, 0.2 at T = 1)."""
+    rng = np.random.RandomState(seed)
+
+    def perturb(a):
+        a = np.asarray(a)
+        return a + (eps * a.std() * rng.randn(*a.shape)).astype(a.dtype) if a.ndim == 2 else a
+
+    save_target(path, target.config, jax.tree.map(perturb, target.weights))
+    return path
+
+
+@dataclasses.dataclass
+class Family:
+    target: jspec.Params
+    drafts: dict  # kind name -> draft directory
+    standalone: jspec.Params  # the standalone draft loaded as a target (for its logits)
+    loaded: dict = dataclasses.field(default_factory=dict)
+
+    def with_draft(self, name):
+        if name not in self.loaded:
+            self.loaded[name] = self.target.with_draft(load_draft(self.drafts[name], self.target))
+        return self.loaded[name]
+
+
+@pytest.fixture(scope="module")
+def family(tmp_path_factory):
+    root = tmp_path_factory.mktemp("exact")
+    target = make_target(str(root / "target"), seed=2)
+    drafts = {name: make_random_draft(str(root / name), name.split("_")[0], target, seed=i + 1, **kw)
+              for i, (name, kw) in enumerate([("eagle", {}), ("eagle3", {}), ("eagle3_reduced", {"draft_vocab": 16})])}
+    drafts["standalone"] = make_perturbed_copy(target, str(root / "standalone"), eps=0.02, seed=0)
+    return Family(target, drafts, jspec.load(drafts["standalone"]))
+
+
+# ------------------------------------------------------------------- numpy reference
+
+def process(z, prompt, gens, cfg):
+    """Raw logits z [M,V] at M positions, the generated tokens before each (gens[m], a
+    tuple) -> the processed distributions [M,V] (float64) that the sampler must draw from:
+    1. repetition penalty r on tokens of the prompt or gens[m]: z / r where z > 0, else z * r;
+    2. frequency f, presence pr on generated tokens: z - f * count - pr * [count > 0];
+    3. x = z / T; 4. top-k: keep x >= the k-th largest; 5. top-p over the renormalised
+    top-k set: keep an entry iff the mass strictly before it (sorted descending) < p, ties
+    at the threshold kept; 6. min-p: keep x >= max(x) + log(m); 7. softmax over the kept."""
+    cfg = {"top_k": 0, "top_p": 1.0, "min_p": 0.0, "repetition_penalty": 1.0, "presence_penalty": 0.0,
+           "frequency_penalty": 0.0, **cfg}
+    z = np.asarray(z, np.float64)
+    counts = np.zeros(z.shape)
+    for m, g in enumerate(gens):
+        for t in g:
+            counts[m, t] += 1
+    in_prompt = np.zeros(z.shape[1], bool)
+    in_prompt[list(prompt)] = True
+    r = cfg["repetition_penalty"]
+    z = np.where(in_prompt[None] | (counts > 0), np.where(z > 0, z / r, z * r), z)
+    z = z - cfg["frequency_penalty"] * counts - cfg["presence_penalty"] * (counts > 0)
+    x = z / cfg["temperature"]
+    keep = np.ones(x.shape, bool)
+    if cfg["top_k"] > 0:
+        keep &= x >= -np.sort(-x, axis=1)[:, cfg["top_k"] - 1: cfg["top_k"]]
+    if cfg["top_p"] < 1:
+        xs = np.where(keep, x, -np.inf)
+        order = np.argsort(-xs, axis=1, kind="stable")
+        srt = np.take_along_axis(xs, order, axis=1)
+        probs = np.exp(srt - srt[:, :1])
+        probs /= probs.sum(1, keepdims=True)
+        kept = (np.cumsum(probs, axis=1) - probs) < cfg["top_p"]
+        keep &= x >= np.min(np.where(kept, srt, np.inf), axis=1, keepdims=True)
+    if cfg["min_p"] > 0:
+        keep &= x >= x.max(1, keepdims=True) + np.log(cfg["min_p"])
+    xs = np.where(keep, x, -np.inf)
+    e = np.exp(xs - xs.max(1, keepdims=True))
+    return e / e.sum(1, keepdims=True)
+
+
+class Enumerated:
+    """Raw logits of a model after PROMPT + every prefix g of up to DEPTH-1 generated tokens
+    (one batched jspec.logits call): z[g] [V]."""
+
+    def __init__(self, params):
+        self.prefixes = [g for d in range(DEPTH) for g in itertools.product(range(V), repeat=d)]
+        lg = np.asarray(jspec.logits(params, [PROMPT + list(g) for g in self.prefixes]))
+        self.z = {g: lg[i, len(PROMPT) + len(g) - 1] for i, g in enumerate(self.prefixes)}
+        self._probs = {}
+
+    def probs(self, cfg) -> dict:
+        """{prefix g: the processed distribution after PROMPT + g, with g generated}."""
+        key = tuple(sorted(cfg.items()))
+        if key not in self._probs:
+            p = process(np.stack([self.z[g] for g in self.prefixes]), PROMPT, self.prefixes, cfg)
+            self._probs[key] = dict(zip(self.prefixes, p))
+        return self._probs[key]
+
+    def joint(self, cfg):
+        """The exact joint distribution [V]*DEPTH of the first DEPTH generated tokens."""
+        p = self.probs(cfg)
+        out = p[()]
+        for d in range(1, DEPTH):
+            cond = np.stack([p[g] for g in itertools.product(range(V), repeat=d)]).reshape((V,) * (d + 1))
+            out = out[..., None] * cond
+        return out
+
+
+def draft_nodes(draft: Enumerated, y0: int, spec: dict) -> list[tuple]:
+    """The deterministic draft's tree under root y0 (nodes as token paths below the root),
+    from the draft's softmax at temperature 1 over its raw logits: a chain is the greedy
+    continuation; a tree keeps the root's K most probable children, expands each with its K
+    most probable children scored by the product of probabilities, and keeps the N-1
+    best-scored candidates (EAGLE-2; with S = 2 there is no intermediate pruning)."""
+    S, K, N = spec["num_steps"], spec.get("topk", 1), spec.get("num_draft_tokens", spec["num_steps"] + 1)
+    assert S == 2, "the enumeration holds the draft's logits to depth 2"
+
+    def children(path, score):
+        z = draft.z[(y0,) + path].astype(np.float64)
+        q = np.exp(z - z.max())
+        q /= q.sum()
+        top = np.argsort(-q, kind="stable")[:K]
+        return [(path + (int(t),), score * q[t]) for t in top]
+
+    level1 = children((), 1.0)
+    cands = level1 + [c for path, s in level1 for c in children(path, s)]
+    return [path for path, _ in sorted(cands, key=lambda c: -c[1])[: N - 1]]
+
+
+def accept_distribution(target: Enumerated, draft: Enumerated, spec: dict, cfg) -> np.ndarray:
+    """Exact P(first round's accept length = 1..S+1) under target-only verification: the
+    prefill draws y0 ~ p(.|PROMPT); at each node the target's draw continues the path iff it
+    is one of the node's drafted children: P(go to child c | at node v) = p_v(c)."""
+    S = spec["num_steps"]
+    p = target.probs(cfg)
+    out = np.zeros(S + 1)
+    for y0 in range(V):
+        if p[()][y0] == 0:
+            continue
+        nodes = draft_nodes(draft, y0, spec)
+
+        def visit(path, reach):
+            kids = {n[-1] for n in nodes if len(n) == len(path) + 1 and n[:-1] == path}
+            if not kids:  # a leaf: the path ends here
+                out[len(path)] += reach
+                return
+            pv = p[(y0,) + path]
+            out[len(path)] += reach * (1 - sum(pv[c] for c in kids))
+            for c in kids:
+                visit(path + (c,), reach * pv[c])
+
+        visit((), p[()][y0])
+    return out
+
+
+# ----------------------------------------------------------------------------- statistics
+
+def chi_square_p(counts, probs) -> float:
+    """Pearson's chi-square p-value of counts against probs (flat, over every outcome).
+    Cells with expected count >= 5 stand alone; the rest are lumped into one cell, topped up
+    with the smallest cells until its expected count reaches 5 (dof: cells - 1)."""
+    counts, probs = np.asarray(counts, np.float64).ravel(), np.asarray(probs, np.float64).ravel()
+    n = counts.sum()
+    exp = n * probs
+    lumped = exp < 5
+    order = np.argsort(exp, kind="stable")
+    while exp[lumped].sum() < 5 and not lumped.all():  # top up with the smallest cells
+        lumped[order[lumped.sum()]] = True
+    obs = np.append(counts[~lumped], counts[lumped].sum())
+    e = np.append(exp[~lumped], exp[lumped].sum())
+    if e[-1] == 0:  # nothing lumped (or only impossible outcomes, which are checked apart)
+        obs, e = obs[:-1], e[:-1]
+    if len(e) < 2:
+        return 1.0
+    return float(stats.chi2.sf(np.sum((obs - e) ** 2 / e), len(e) - 1))
+
+
+def tv_bound(probs, n: int) -> float:
+    """A bound that TV(empirical of n samples, probs) exceeds with probability < TV_DELTA:
+    E|p^_i - p_i| <= sqrt(p_i (1 - p_i) / n) (Jensen), so E[TV] <= 1/2 sum_i of that; TV
+    moves by at most 1/n when one sample changes, so by McDiarmid
+    P(TV >= E[TV] + t) <= exp(-2 n t^2): t = sqrt(ln(1/TV_DELTA) / (2n))."""
+    p = np.asarray(probs, np.float64).ravel()
+    return 0.5 * np.sum(np.sqrt(p * (1 - p) / n)) + math.sqrt(math.log(1 / TV_DELTA) / (2 * n))
+
+
+def check_fit(counts, exact, wrong, what: str):
+    """counts of outcomes against the exact distribution (must fit: no impossible outcome,
+    p > P_MIN, TV within tv_bound) and the wrong one (must not: p < P_POWER)."""
+    counts, exact = np.asarray(counts).ravel(), np.asarray(exact).ravel()
+    n = int(counts.sum())
+    assert counts[exact == 0].sum() == 0, f"{what}: {counts[exact == 0].sum()} samples of impossible outcomes"
+    p = chi_square_p(counts, exact)
+    tv = 0.5 * np.abs(counts / n - exact).sum()
+    bound = tv_bound(exact, n)
+    p_wrong = chi_square_p(counts, wrong)
+    assert p > P_MIN, f"{what}: chi-square p = {p:.3g} against the exact distribution (n = {n})"
+    assert tv <= bound, f"{what}: TV {tv:.4f} > {bound:.4f} (n = {n})"
+    assert p_wrong < P_POWER, f"{what}: the wrong reference was not rejected: p = {p_wrong:.3g}"
+
+
+# ----------------------------------------------------------------------------- sampling
+
+@dataclasses.dataclass
+class Samples:
+    tokens: np.ndarray  # [n, DEPTH] the first generated tokens
+    first_accept: np.ndarray  # [n] accept length of the first round (1 without a draft)
+    config: np.ndarray  # [n] configuration names
+
+
+def draw(fam: Family, name: str) -> Samples:
+    """The mode's runs of ROWS rows of PROMPT through one compiled program; each row carries
+    its configuration and its own seed (distinct across rows, runs and modes)."""
+    mode = MODES[name]
+    params = fam.target if mode.kind is None else fam.with_draft(mode.kind)
+    cfg_of_row = [mode.configs[i % len(mode.configs)] for i in range(ROWS)]
+    per_row = {k: [{**NEUTRAL, **CONFIGS[c]}[k] for c in cfg_of_row] for k in ("temperature", *NEUTRAL)}
+    # Speculative modes: room for the whole first round (y0, then up to S+1 tokens), so
+    # that its accept length is never cut.
+    max_new = DEPTH if mode.spec is None else max(DEPTH, mode.spec["num_steps"] + 2)
+    base = list(MODES).index(name) * 100_000
+    seeds = lambda r: [base + r * ROWS + i for i in range(ROWS)]
+    prog = jspec.compile(params, [PROMPT] * ROWS, max_new_tokens=max_new, stop_token_ids=[],
+                         cache=CACHES[mode.cache], spec=None if mode.spec is None else jspec.SpecConfig(**mode.spec),
+                         seed=seeds(0), **per_row)
+    toks, acc = [], []
+    for r in range(mode.runs):
+        out = prog.run(seed=seeds(r))
+        assert all(len(t) == max_new for t in out.tokens)
+        toks += [t[:DEPTH] for t in out.tokens]
+        acc += [a[0] for a in out.stats.accept_lengths]
+    return Samples(np.array(toks), np.array(acc), np.array(cfg_of_row * mode.runs))
+
+
+@pytest.fixture(scope="module")
+def samples(family):
+    """samples(mode) -> Samples, drawn once per mode for the module."""
+    drawn = {}
+
+    def get(mode):
+        if mode not in drawn:
+            drawn[mode] = draw(family, mode)
+        return drawn[mode]
+    return get
+
+
+@pytest.fixture(scope="module")
+def exact(family):
+    return Enumerated(family.target)
+
+
+@pytest.fixture(scope="module")
+def draft_logits(family):
+    return Enumerated(family.standalone)
+
+
+# ----------------------------------------------------------------------------- tests
+
+def test_reference_processing():
+    """The numpy reference on hand-made logits (what the statistical tests lean on)."""
+    z = np.log(np.array([[0.5, 0.2, 0.15, 0.1, 0.05]]))
+    kept = lambda **cfg: (process(z, [], [()], dict(temperature=1.0, **cfg)) > 0)[0].tolist()
+    assert kept(top_k=2) == [True, True, False, False, False]
+    assert kept(top_p=0.7) == [True, True, False, False, False]  # mass before the 3rd: 0.7, not < 0.7
+    assert kept(top_p=0.71) == [True, True, True, False, False]
+    assert kept(top_k=3, top_p=0.7) == [True, True, False, False, False]  # 0.7 / 0.85 of the top 3 before
+    assert kept(top_k=4, top_p=0.8) == [True, True, True, False, False]  # renormalised on the top 4
+    assert kept(min_p=0.25) == [True, True, True, False, False]  # p >= 0.5 * 0.25
+    np.testing.assert_allclose(process(z, [], [()], dict(temperature=1.0))[0], [0.5, 0.2, 0.15, 0.1, 0.05])
+    # Penalties: repetition on prompt and generated tokens, the others on generated ones only.
+    z = np.array([[2.0, -1.0, 0.5, 0.0]])
+    x = np.log(process(z, [0], [(1, 1)], dict(temperature=2.0, repetition_penalty=2.0, frequency_penalty=0.5,
+                                             presence_penalty=0.25)))[0]
+    want = np.array([2.0 / 2, -1.0 * 2 - 0.5 * 2 - 0.25, 0.5, 0.0]) / 2.0
+    np.testing.assert_allclose(x - x[3], want - want[3])
+
+
+def test_statistics_helpers():
+    """The chi-square and the TV bound are calibrated: samples from the distribution pass,
+    samples from a neighbour fail."""
+    rng = np.random.RandomState(0)
+    p = rng.dirichlet(np.full(40, 0.3))
+    q = rng.dirichlet(np.full(40, 0.3))
+    ps, tvs = [], []
+    for _ in range(200):
+        c = rng.multinomial(2000, p)
+        ps.append(chi_square_p(c, p))
+        tvs.append(0.5 * np.abs(c / 2000 - p).sum())
+    assert 0.3 < np.mean(np.array(ps) < 0.5) < 0.7  # roughly uniform p-values under the null
+    assert max(tvs) <= tv_bound(p, 2000)
+    assert chi_square_p(rng.multinomial(2000, 0.8 * p + 0.2 * q), p) < P_POWER
+
+
+@pytest.mark.parametrize("mode", mode_params(MODES))
+def test_first_tokens_follow_the_exact_joint(exact, samples, mode):
+    """The first DEPTH tokens of each configuration's rows fit the enumerated joint
+    distribution (chi-square, TV) and reject it at the wrong temperature (T * 1.25); a
+    speculative mode also accepted drafts (some first rounds longer than 1)."""
+    s = samples(mode)
+    for name in MODES[mode].configs:
+        cfg = CONFIGS[name]
+        counts = np.zeros((V,) * DEPTH, np.int64)
+        np.add.at(counts, tuple(s.tokens[s.config == name].T), 1)
+        wrong = dict(cfg, temperature=cfg["temperature"] * WRONG_T_JOINT)
+        check_fit(counts, exact.joint(cfg), exact.joint(wrong), f"{mode}, {name}")
+    if MODES[mode].kind is not None:
+        hist = np.bincount(s.first_accept, minlength=MODES[mode].spec["num_steps"] + 2)[1:]
+        assert hist.sum() == len(s.first_accept) and hist[1:].sum() > 0, f"{mode}: first-round accept lengths {hist}"
+
+
+@pytest.mark.parametrize("mode", mode_params(["tree-standalone", "chain-standalone"]))
+def test_first_round_accept_length_is_exact(exact, draft_logits, samples, mode):
+    """Target-only verification with a deterministic draft: the first round's accept length
+    follows its exact distribution from the target's probabilities of the drafted children
+    (chi-square, TV), and not the one at the wrong temperature (T * 1.5)."""
+    spec = MODES[mode].spec
+    assert MODES[mode].kind == "standalone" and not spec.get("sample_drafts")
+    s = samples(mode)
+    for name in MODES[mode].configs:
+        cfg = CONFIGS[name]
+        counts = np.bincount(s.first_accept[s.config == name] - 1, minlength=spec["num_steps"] + 1)
+        wrong = dict(cfg, temperature=cfg["temperature"] * WRONG_T_ACCEPT)
+        check_fit(counts, accept_distribution(exact, draft_logits, spec, cfg),
+                  accept_distribution(exact, draft_logits, spec, wrong), f"{mode} accept lengths, {name}")
