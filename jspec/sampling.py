@@ -15,11 +15,10 @@ G generated before it (the same at every position a loop verifies, drafts includ
   6. min-p m (0: off): keep x >= max(x) + log(m);
 and the token is drawn from softmax(x) over what is kept. Ties at a threshold are kept.
 
-Top-k and top-p find their thresholds without sorting the vocabulary: from each row's 64
-largest values (a two-stage top-k) when those suffice (k <= 64; the mass top-p needs lies
-among them), else by an exact 16-ary search over the 32 bits of the values'
-order-preserving integer keys (8 passes over the row, each weighing 16 thresholds at
-once), which runs only when some row needs it.
+Top-k and top-p find their thresholds without sorting: an exact 16-ary search over the 32
+bits of the values' order-preserving integer keys, 8 passes over the row that each read
+only the logits and weigh 16 thresholds at once (a full-row top-k or sort would cost far
+more at 128k entries); each search runs only when some row asks for it.
 
 Randomness is keyed by (seed, position, stream): the noise for the token at sequence
 position t of a request comes from fold_in(fold_in(key(seed), t), stream) alone, so a
@@ -35,11 +34,8 @@ import jax
 import jax.numpy as jnp
 from flax import struct
 
-from jspec.spec.tree import vocab_top_k
-
 TARGET, DRAFT, ACCEPT = 0, 1, 2  # noise streams
 _PROBES = 16  # candidate thresholds per search pass (4 bits)
-CANDIDATES = 64  # largest values per row from which top-k and top-p are read when they suffice
 
 
 @struct.dataclass
@@ -154,38 +150,22 @@ def _largest_value_reaching(x, weigh, target):
 
 def filter_logits(x, top_k, top_p, min_p):
     """Scaled logits x [R,V] -> x with what top-k, top-p and min-p drop at -inf (rows [R]
-    of parameters; the neutral values keep everything).
+    of parameters; the neutral values keep everything). Each threshold search runs only
+    when some row asks for it."""
+    V = x.shape[-1]
 
-    Both thresholds come first from the row's CANDIDATES largest values (a two-stage
-    top-k, no sort of the row): top-k when k <= CANDIDATES, top-p when those candidates
-    hold the mass it needs. Rows beyond that (a large k; a flat distribution under top-p)
-    take the exact search over the whole row, which runs only when some row needs it."""
-    R, V = x.shape
-    C = min(CANDIDATES, V)
-    cand, _ = vocab_top_k(x, C)  # [R,C] descending
-    k = jnp.where(top_k > 0, jnp.minimum(top_k, V), V)
-    t_k = jnp.take_along_axis(cand, jnp.clip(k - 1, 0, C - 1)[:, None], axis=1)[:, 0]
-    t_k = jax.lax.cond(jnp.any((top_k > 0) & (k > C)),
-                       lambda: jnp.where(k > C, _largest_value_reaching(x, jnp.ones_like, k.astype(jnp.float32)),
-                                         t_k),
-                       lambda: t_k)
-    t_k = jnp.where(top_k > 0, t_k, -jnp.inf)
-    x = jnp.where(x >= t_k[:, None], x, -jnp.inf)
+    def by_top_k(x):
+        k = jnp.where(top_k > 0, jnp.minimum(top_k, V), V).astype(jnp.float32)
+        t = _largest_value_reaching(x, jnp.ones_like, k)
+        return jnp.where((top_k[:, None] > 0) & (x < t[:, None]), -jnp.inf, x)
 
     def by_top_p(x):
         top = jnp.max(x, axis=-1, keepdims=True)
-        need = top_p * jnp.sum(jnp.exp(x - top), axis=-1)  # [R] the mass top-p keeps
-        e = jnp.exp(jnp.where(cand >= t_k[:, None], cand, -jnp.inf) - top)  # the candidates still kept
-        before = jnp.cumsum(e, axis=-1) - e
-        n = jnp.sum((before < need[:, None]).astype(jnp.int32), axis=-1)  # >= 1
-        t_p = jnp.take_along_axis(cand, (n - 1)[:, None], axis=1)[:, 0]
-        covered = jnp.sum(e, axis=-1) >= need
-        t_p = jax.lax.cond(jnp.any((top_p < 1) & ~covered),
-                           lambda: jnp.where(covered, t_p, _largest_value_reaching(x, lambda v: jnp.exp(v - top),
-                                                                                   need)),
-                           lambda: t_p)
-        return jnp.where((top_p[:, None] < 1) & (x < t_p[:, None]), -jnp.inf, x)
+        weigh = lambda v: jnp.exp(v - top)
+        t = _largest_value_reaching(x, weigh, top_p * jnp.sum(weigh(x), axis=-1))
+        return jnp.where((top_p[:, None] < 1) & (x < t[:, None]), -jnp.inf, x)
 
+    x = jax.lax.cond(jnp.any(top_k > 0), by_top_k, lambda x: x, x)
     x = jax.lax.cond(jnp.any(top_p < 1), by_top_p, lambda x: x, x)
     floor = jnp.max(x, axis=-1, keepdims=True) + jnp.log(min_p)[:, None]  # log(0) = -inf: off
     return jnp.where(x >= floor, x, -jnp.inf)
