@@ -78,8 +78,14 @@ def record(hist: History, tokens, valid) -> History:
 
 # --------------------------------------------------------------------------- penalties
 
-def _any_penalty(sp: SamplingParams):
-    return jnp.any((sp.repetition_penalty != 1) | (sp.presence_penalty != 0) | (sp.frequency_penalty != 0))
+def any_processing(sp: SamplingParams, penalties: bool = True):
+    """Does some row sample (or, with penalties, have one)? Else the argmax of the raw
+    logits is every row's choice: the loop branches on this once per choice, so greedy
+    batches skip everything else."""
+    some = jnp.any(sp.temperature > 0)
+    if penalties:
+        some |= jnp.any((sp.repetition_penalty != 1) | (sp.presence_penalty != 0) | (sp.frequency_penalty != 0))
+    return some
 
 
 def _penalise(z, count, seen, r, pres, freq):
@@ -92,29 +98,25 @@ def _penalise(z, count, seen, r, pres, freq):
 def penalise(logits, sp: SamplingParams, hist: History, tokens=None, anc=None):
     """logits [B,N,V] at the N nodes of a tree -> penalised logits. The context of node i
     is the history plus the nodes on its path below the root (anc [B,N,N], tokens [B,N];
-    None: no nodes beyond the history). Runs only when some row has a penalty."""
+    None: no nodes beyond the history)."""
     B, N, V = logits.shape
     col = lambda a: a[:, None, None]
-
-    def apply(z):
-        out = _penalise(z, hist.counts[:, None, :], (hist.in_prompt | (hist.counts > 0))[:, None, :],
-                        col(sp.repetition_penalty), col(sp.presence_penalty), col(sp.frequency_penalty))
-        if tokens is None or N == 1:
-            return out
-        # Node i's path adds its tokens t_j (j an ancestor-or-self of i, not the root): their
-        # entries of row i are recomputed from the raw logits with the path's counts.
-        on_path = anc & (jnp.arange(N) > 0)[None, None, :]  # [B,N(i),N(j)]
-        same = tokens[:, :, None] == tokens[:, None, :]  # [B,N(j),N(k)]
-        extra = jnp.einsum("bik,bjk->bij", on_path.astype(jnp.int32), same.astype(jnp.int32))  # [B,i,j]
-        count = jnp.take_along_axis(hist.counts, tokens, axis=1)[:, None, :] + extra  # [B,i,j]
-        raw = jnp.take_along_axis(z, jnp.broadcast_to(tokens[:, None, :], (B, N, N)), axis=2)  # z[b,i,t_j]
-        fixed = _penalise(raw, count, count > 0, col(sp.repetition_penalty), col(sp.presence_penalty),
-                          col(sp.frequency_penalty))
-        bi = (jnp.arange(B)[:, None, None], jnp.arange(N)[None, :, None])
-        dest = jnp.where(on_path, tokens[:, None, :], V)
-        return out.at[bi[0], bi[1], dest].set(fixed, mode="drop")
-
-    return jax.lax.cond(_any_penalty(sp), apply, lambda z: z, logits)
+    out = _penalise(logits, hist.counts[:, None, :], (hist.in_prompt | (hist.counts > 0))[:, None, :],
+                    col(sp.repetition_penalty), col(sp.presence_penalty), col(sp.frequency_penalty))
+    if tokens is None or N == 1:
+        return out
+    # Node i's path adds its tokens t_j (j an ancestor-or-self of i, not the root): their
+    # entries of row i are recomputed from the raw logits with the path's counts.
+    on_path = anc & (jnp.arange(N) > 0)[None, None, :]  # [B,N(i),N(j)]
+    same = tokens[:, :, None] == tokens[:, None, :]  # [B,N(j),N(k)]
+    extra = jnp.einsum("bik,bjk->bij", on_path.astype(jnp.int32), same.astype(jnp.int32))  # [B,i,j]
+    count = jnp.take_along_axis(hist.counts, tokens, axis=1)[:, None, :] + extra  # [B,i,j]
+    raw = jnp.take_along_axis(logits, jnp.broadcast_to(tokens[:, None, :], (B, N, N)), axis=2)  # z[b,i,t_j]
+    fixed = _penalise(raw, count, count > 0, col(sp.repetition_penalty), col(sp.presence_penalty),
+                      col(sp.frequency_penalty))
+    bi = (jnp.arange(B)[:, None, None], jnp.arange(N)[None, :, None])
+    dest = jnp.where(on_path, tokens[:, None, :], V)
+    return out.at[bi[0], bi[1], dest].set(fixed, mode="drop")
 
 
 # --------------------------------------------------------------------------- filters
@@ -205,17 +207,18 @@ def uniform(seed, positions, stream: int):
 
 # --------------------------------------------------------------------------- choice
 
-def choose(logits, sp: SamplingParams, positions, stream: int = TARGET):
-    """Penalised logits [B,N,V] -> a token per node [B,N] int32: the argmax for greedy rows,
-    a draw from the processed distribution (noise of `stream` at `positions` [B,N]) for
-    sampled rows. The sampling branch runs only when some row samples."""
-    greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+def choose(logits, sp: SamplingParams, positions, hist: History, tokens=None, anc=None):
+    """The target's choice at every node: logits [B,N,V] -> [B,N] int32, after the
+    penalties for each node's context (`penalise`): the argmax for greedy rows, a draw from
+    the processed distribution (the target's noise for `positions` [B,N]) for sampled rows."""
+    def processed_choice(_):
+        z = penalise(logits, sp, hist, tokens, anc)
+        x = processed(z, sp) + gumbel(sp.seed, positions, TARGET, logits.shape[-1])
+        drawn = jnp.argmax(x, axis=-1).astype(jnp.int32)
+        return jnp.where(sp.temperature[:, None] > 0, drawn, jnp.argmax(z, axis=-1).astype(jnp.int32))
 
-    def draw(_):
-        x = processed(logits, sp) + gumbel(sp.seed, positions, stream, logits.shape[-1])
-        return jnp.where(sp.temperature[:, None] > 0, jnp.argmax(x, axis=-1).astype(jnp.int32), greedy)
-
-    return jax.lax.cond(jnp.any(sp.temperature > 0), draw, lambda _: greedy, None)
+    return jax.lax.cond(any_processing(sp), processed_choice,
+                        lambda _: jnp.argmax(logits, axis=-1).astype(jnp.int32), None)
 
 
 def log_probs(logits, sp: SamplingParams):
@@ -225,8 +228,8 @@ def log_probs(logits, sp: SamplingParams):
 
 
 def choose_with_log_probs(logits, sp: SamplingParams, positions, stream: int):
-    """`choose`, also returning the processed log-probabilities [B,N,V] the draws came
-    from (zeros when no row samples: then nothing reads them)."""
+    """`choose` without penalties, also returning the processed log-probabilities [B,N,V]
+    the draws came from (zeros when no row samples: then nothing reads them)."""
     greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
 
     def draw(_):

@@ -27,6 +27,10 @@ def sp_rows(B, **kw):
     return sampling.SamplingParams(**{k: jnp.broadcast_to(jnp.asarray(v, dt(k)), (B,)) for k, v in base.items()})
 
 
+def no_history(B, V):
+    return sampling.History(in_prompt=jnp.zeros((B, V), bool), counts=jnp.zeros((B, V), jnp.int32))
+
+
 # ----------------------------------------------------------------------------- processing
 
 def reference_keep(x, k, p, m):
@@ -112,7 +116,7 @@ def test_a_lone_kept_token_always_wins():
     B, V = 64, 40
     logits = jnp.full((B, 1, V), -1e9).at[:, 0, 17].set(-5.0)
     sp = sp_rows(B, min_p=1e-3, seed=np.arange(B))
-    got = sampling.choose(logits, sp, jnp.zeros((B, 1), jnp.int32))
+    got = sampling.choose(logits, sp, jnp.zeros((B, 1), jnp.int32), no_history(B, V))
     assert (np.asarray(got) == 17).all()
 
 
@@ -131,7 +135,9 @@ def _sampled_chain_rows(p0, p1, q0, n, u=None, monkeypatch=None, q_told=None):
     if u is not None:
         monkeypatch.setattr(sampling, "uniform", lambda seed, pos, stream: jnp.full(pos.shape, u, jnp.float32))
     sp = sp_rows(n, seed=np.arange(n))
-    acc_len, _, bonus = accept.accept_sampled_chain(tokens, logits, logq, sp, jnp.zeros((n,), jnp.int32))
+    anc = jnp.broadcast_to(jnp.tril(jnp.ones((2, 2), bool)), (n, 2, 2))
+    acc_len, _, bonus = accept.accept_sampled_chain(tokens, logits, logq, sp, no_history(n, V), anc,
+                                                    jnp.zeros((n,), jnp.int32))
     acc_len, bonus = np.asarray(acc_len), np.asarray(bonus)
     return np.where(acc_len > 1, d, bonus), acc_len
 

@@ -55,16 +55,23 @@ def accept_tree(tree: Tree, choice, max_depth: int):
     return accept_len.astype(jnp.int32), path, bonus
 
 
-def accept_sampled_chain(tokens, logits, logq, sp: sampling.SamplingParams, L):
-    """A chain with sampled drafts. tokens [B,N]; logits [B,N,V] penalised target logits;
-    logq [B,S,V] the draft's log q of each drafted token's draw; L [B] (the root's
-    position). Greedy rows are verified target-only against the argmax."""
+def accept_sampled_chain(tokens, logits, logq, sp: sampling.SamplingParams, hist: sampling.History, anc, L):
+    """A chain with sampled drafts. tokens [B,N]; logits [B,N,V] the target's; logq
+    [B,S,V] the draft's log q of each drafted token's draw; hist, anc [B,N,N] the
+    penalties' context; L [B] (the root's position). Greedy rows are verified target-only
+    against the argmax of their penalised logits."""
     B, N = tokens.shape
     S = N - 1
-    greedy_len, path, greedy_bonus = accept_chain(tokens, jnp.argmax(logits, axis=-1).astype(jnp.int32))
+    path = jnp.broadcast_to(jnp.arange(N, dtype=jnp.int32)[None], (B, N))
 
-    def sampled(_):
-        logp = sampling.log_probs(logits, sp)  # [B,N,V]
+    def greedy(_):
+        accept_len, _, bonus = accept_chain(tokens, jnp.argmax(logits, axis=-1).astype(jnp.int32))
+        return accept_len, bonus
+
+    def processed(_):
+        z = sampling.penalise(logits, sp, hist, tokens, anc)
+        greedy_len, _, greedy_bonus = accept_chain(tokens, jnp.argmax(z, axis=-1).astype(jnp.int32))
+        logp = sampling.log_probs(z, sp)  # [B,N,V]
         drafted = tokens[:, 1:, None]
         lp = jnp.take_along_axis(logp[:, :S], drafted, axis=2)[..., 0]  # [B,S] p_i(d_i+1)
         lq = jnp.take_along_axis(logq, drafted, axis=2)[..., 0]
@@ -81,6 +88,5 @@ def accept_sampled_chain(tokens, logits, logq, sp: sampling.SamplingParams, L):
         on = sp.temperature > 0
         return jnp.where(on, m + 1, greedy_len).astype(jnp.int32), jnp.where(on, bonus, greedy_bonus)
 
-    accept_len, bonus = jax.lax.cond(jnp.any(sp.temperature > 0), sampled, lambda _: (greedy_len, greedy_bonus),
-                                     None)
+    accept_len, bonus = jax.lax.cond(sampling.any_processing(sp), processed, greedy, None)
     return accept_len, path, bonus

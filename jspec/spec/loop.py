@@ -121,11 +121,12 @@ def accept_phase(plan: Plan, inp: LoopInputs, st: LoopState, tree: Tree, logits,
     tree, or sampled drafts (logq [B,S,V]) are accepted with probability min(1, p/q).
     Plain decoding is the tree of the root alone: its choice is the next token."""
     sp = inp.sampling
-    logits = sampling.penalise(logits, sp, st.history, tree.tokens, tree.anc)
     if plan.sample_drafts:
-        accept_len, path, bonus = accept.accept_sampled_chain(tree.tokens, logits, logq, sp, st.L)
+        accept_len, path, bonus = accept.accept_sampled_chain(tree.tokens, logits, logq, sp, st.history, tree.anc,
+                                                              st.L)
         return Accepted(accept_len=accept_len, path=path, path_tokens=tree.tokens, bonus=bonus)
-    choice = sampling.choose(logits, sp, st.L[:, None] + tree.depth + 1)  # [B,N] at the next position
+    # The choice at node i is the token at position L + depth_i + 1.
+    choice = sampling.choose(logits, sp, st.L[:, None] + tree.depth + 1, st.history, tree.tokens, tree.anc)
     if plan.K == 1:  # a chain (or the root alone): the path is 0..S, no gathers along it
         accept_len, path, bonus = accept.accept_chain(tree.tokens, choice)
         path_tokens = tree.tokens
@@ -267,8 +268,8 @@ def prefill(plan: Plan, tw, dw, inp: LoopInputs, st: LoopState) -> LoopState:
     capture = plan.draft.target_layers if plan.draft else ()
     hidden, aux, tcache = plan.family.forward(plan.target, tw, inp.prompt, st.tcache, meta, capture)
     last = jnp.take_along_axis(hidden, (lens - 1)[:, None, None], axis=1)[:, 0]
-    logits = sampling.penalise(plan.family.logits(plan.target, tw, last)[:, None], inp.sampling, st.history)
-    first = sampling.choose(logits, inp.sampling, lens[:, None])[:, 0]  # the token at position len
+    logits = plan.family.logits(plan.target, tw, last)[:, None]
+    first = sampling.choose(logits, inp.sampling, lens[:, None], st.history)[:, 0]  # the token at position len
     st = st.replace(tcache=tcache, tokens=st.tokens.at[:, :T].set(inp.prompt), L=lens - 1)  # emit writes after L
     st = emit(plan, inp, st, first[:, None], jnp.ones((B,), jnp.int32), active)
     st = st.replace(L=lens, root=first)
