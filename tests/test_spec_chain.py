@@ -218,9 +218,8 @@ def test_bad_spec_configurations(target, with_draft, perm, tmp_path):
         jspec.SpecConfig(num_steps=3, topk=1, num_draft_tokens=6)
     with pytest.raises(ValueError, match="num_steps"):
         jspec.SpecConfig(num_steps=0)
-    p = with_draft("eagle3")
-    with pytest.raises(ValueError, match="greedy-only"):
-        jspec.generate(p, PROMPTS[0], temperature=0.5)
+    with pytest.raises(ValueError, match="sample_drafts is for chains"):
+        jspec.SpecConfig(num_steps=3, topk=2, sample_drafts=True)
     # A draft built for another target: hidden size and vocabulary checks.
     with pytest.raises(ValueError, match="hidden size"):
         jspec.load(perm["target"].replace("target", "target"), draft=_other_width_eagle(tmp_path))
