@@ -237,7 +237,8 @@ def choose_with_log_probs(logits, sp: SamplingParams, positions, stream: int):
         drawn = jnp.argmax(logp + gumbel(sp.seed, positions, stream, logits.shape[-1]), axis=-1).astype(jnp.int32)
         return jnp.where(sp.temperature[:, None] > 0, drawn, greedy), logp
 
-    return jax.lax.cond(jnp.any(sp.temperature > 0), draw, lambda _: (greedy, jnp.zeros(logits.shape, jnp.float32)),
+    return jax.lax.cond(any_processing(sp, penalties=False), draw,
+                        lambda _: (greedy, jnp.zeros(logits.shape, jnp.float32)),
                         None)
 
 
