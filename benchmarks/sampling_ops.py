@@ -1,6 +1,8 @@
 """Cost of the sampling operations alone on [R, 128256] float32 logits (H200): Gumbel
-noise, the top-k and top-p threshold searches (and variants of their reduction), and a
-full-row sort for scale.
+noise, the top-k and top-p threshold searches (and variants of their reduction), the
+filters as `filter_logits` runs them (over candidates, and over whole rows), and a
+full-row sort for scale. Rows are N(0, 2^2) (flat: top-p alone must search whole rows)
+or N(0, 10^2) (peaked: top-p 0.9 lies among the candidates).
 
 Run: PYTHONPATH=. python3 benchmarks/sampling_ops.py
 """
@@ -49,15 +51,22 @@ def main():
             "search top-k chunked": jax.jit(lambda x: search_chunked(x, jnp.ones_like, k)),
             "search top-k chunked 4 probes": jax.jit(lambda x: search_chunked(x, jnp.ones_like, k, probes=4)),
             "search top-k chunked 512": jax.jit(lambda x: search_chunked(x, jnp.ones_like, k, chunk=512)),
-            "filter top-p 0.9": jax.jit(lambda x: sampling.filter_logits(x, jnp.zeros((R,), jnp.int32),
-                                                                         jnp.full((R,), 0.9), jnp.zeros((R,)))),
+            "filter top-p 0.9": jax.jit(lambda x: filt(x, 0, 0.9)),
+            "filter top-p 0.9 peaked rows": jax.jit(lambda x: filt(x * 5, 0, 0.9)),
+            "filter top-k 50 top-p 0.9 min-p 0.05": jax.jit(lambda x: filt(x, 50, 0.9, 0.05)),
+            "same over whole rows": jax.jit(lambda x: rows_only(x, 50, 0.9, 0.05)),
             "lax.top_k 64": jax.jit(lambda x: jax.lax.top_k(x, 64)[0]),
             "sort": jax.jit(lambda x: jnp.sort(x, axis=-1)),
         }
+        filt = lambda x, k, p, m=0.0: sampling.filter_logits(x, jnp.full((R,), k, jnp.int32), jnp.full((R,), p),
+                                                             jnp.full((R,), m))
+        rows_only = lambda x, k, p, m=0.0: sampling.filter_logits(x, jnp.full((R,), k, jnp.int32), jnp.full((R,), p),
+                                                                  jnp.full((R,), m), cap=V)
+        differ = int(jnp.sum(jnp.isfinite(filt(x, 50, 0.9, 0.05)) != jnp.isfinite(rows_only(x, 50, 0.9, 0.05))))
         want = sampling._largest_value_reaching(x, jnp.ones_like, k)
         assert (search_chunked(x, jnp.ones_like, k) == want).all()
         assert (search_chunked(x, jnp.ones_like, k, probes=4) == want).all()
-        row = {"rows": R}
+        row = {"rows": R, "entries kept differently, candidates vs whole rows": differ}
         for name, f in ops.items():
             row[name + " us"] = median_time(f, x) * 1e6
         res["rows"].append(row)

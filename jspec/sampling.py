@@ -16,9 +16,17 @@ G generated before it (the same at every position a loop verifies, drafts includ
 and the token is drawn from softmax(x) over what is kept. Ties at a threshold are kept.
 
 Top-k and top-p find their thresholds without sorting: an exact 16-ary search over the 32
-bits of the values' order-preserving integer keys, 8 passes over the row that each read
-only the logits and weigh 16 thresholds at once (a full-row top-k or sort would cost far
-more at 128k entries); each search runs only when some row asks for it.
+bits of the values' order-preserving integer keys, 8 passes that each weigh 16 thresholds
+at once (a full-row top-k or sort would cost far more at 128k entries); each search runs
+only when some row asks for it. When every filtering row has 0 < top-k <= 64 (the common
+case), the searches read candidates, not the row: the row is cut into groups of 128, and
+the 64 groups with the largest maxima hold every value above the 64th largest maximum m
+(a group whose maximum is below m holds nothing above 64 larger values), and the top-k
+threshold is >= m. So a pass for the group maxima, a gather of 8192 values and a pass or
+two summing masses replace 16 passes over 128k. Rows with top-p alone use the candidates
+too when the values >= m reach p of the row's mass; a row that is not covered is searched
+whole (and only then do whole rows get searched). Which way a row takes depends on that
+row alone.
 
 Randomness is keyed by (seed, position, stream): the noise for the token at sequence
 position t of a request comes from fold_in(fold_in(key(seed), t), stream) alone, so a
@@ -36,6 +44,8 @@ from flax import struct
 
 TARGET, DRAFT, ACCEPT = 0, 1, 2  # noise streams
 _PROBES = 16  # candidate thresholds per search pass (4 bits)
+_TOP_K_CAP = 64  # top-k at or below this searches candidates only
+_GROUP = 128  # values per group when picking candidates
 
 
 @struct.dataclass
@@ -150,27 +160,76 @@ def _largest_value_reaching(x, weigh, target):
     return jnp.where(found == 0, -jnp.inf, _from_order_key(found))
 
 
-def filter_logits(x, top_k, top_p, min_p):
+def _candidates(x, cap: int, group: int):
+    """x [R,V] -> (c [R, cap*group]: the values of the cap groups of `group` consecutive
+    entries with the largest maxima, lowest [R]: the smallest of those maxima). Every value
+    above lowest is in c (ties with it may lie outside), and c holds >= cap values >= lowest."""
+    R, V = x.shape
+    G = -(-V // group)
+    xg = jnp.pad(x, ((0, 0), (0, G * group - V)), constant_values=-jnp.inf).reshape(R, G, group)
+    maxima, best = jax.lax.top_k(jnp.max(xg, axis=-1), cap)  # [R,cap]
+    return jnp.take_along_axis(xg, best[:, :, None], axis=1).reshape(R, cap * group), maxima[:, -1]
+
+
+def _mass_from(x, t, top):
+    """sum(exp(x - top) where x >= t) per row: x [R,V], t [R], top [R]."""
+    return jnp.sum(jnp.where(x >= t[:, None], jnp.exp(x - top[:, None]), 0), axis=-1)
+
+
+def _top_k_threshold(c, top_k):
+    """The k-th largest of c [R,C] (-inf where top_k is 0)."""
+    k = jnp.where(top_k > 0, jnp.minimum(top_k, c.shape[-1]), c.shape[-1]).astype(jnp.float32)
+    return jnp.where(top_k > 0, _largest_value_reaching(c, jnp.ones_like, k), -jnp.inf)
+
+
+def _top_p_threshold(c, top_p, t_k, top, mass):
+    """The lowest value top-p keeps of the top-k-kept distribution (values >= t_k), whose
+    whole mass sum(exp(x - top)) is `mass` [R], searched over c [R,C]; t_k where top_p is 1."""
+    c = jnp.where(c >= t_k[:, None], c, -jnp.inf)
+    t_p = _largest_value_reaching(c, lambda v: jnp.exp(v - top[:, None]), top_p * mass)
+    return jnp.where(top_p < 1, jnp.maximum(t_p, t_k), t_k)
+
+
+def _row_thresholds(x, top_k, top_p):
+    """x [R,V] -> [R] the lowest value top-k and then top-p keep (-inf: everything),
+    searching whole rows; each search runs only when some row asks for it."""
+    top = jnp.max(x, axis=-1)
+    t_k = jax.lax.cond(jnp.any(top_k > 0), lambda: _top_k_threshold(x, top_k), lambda: jnp.full_like(top, -jnp.inf))
+    return jax.lax.cond(jnp.any(top_p < 1), lambda: _top_p_threshold(x, top_p, t_k, top, _mass_from(x, t_k, top)),
+                        lambda: t_k)
+
+
+def _thresholds(x, top_k, top_p, cap: int, group: int):
+    """`_row_thresholds`, searching candidates instead for the rows they cover: rows with
+    0 < top-k <= cap, and rows with top-p alone whose values >= lowest reach p of the mass
+    (then the top-p threshold is >= lowest, and above lowest c holds every value). The
+    masses are summed over whole rows (single passes), the searches over c; whole rows are
+    searched only when some row is not covered, and only its result is taken from them."""
+    if cap * group >= x.shape[-1]:
+        return _row_thresholds(x, top_k, top_p)
+    c, lowest = _candidates(x, cap, group)
+    top = jnp.max(c, axis=-1)  # the row's max
+    reach = _mass_from(x, lowest, top) >= top_p * _mass_from(x, jnp.full_like(top, -jnp.inf), top)
+    covered = jnp.where(top_k > 0, top_k <= cap, (top_p >= 1) | reach)
+
+    def from_candidates():
+        t_k = _top_k_threshold(c, top_k)  # >= lowest: c holds >= cap values >= lowest
+        t_p = _top_p_threshold(c, top_p, t_k, top, _mass_from(x, t_k, top))
+        return jnp.where(top_p < 1, jnp.maximum(t_p, lowest), t_k)  # ties with lowest outside c
+
+    rows = jax.lax.cond(jnp.all(covered), lambda: jnp.full_like(top, -jnp.inf),
+                        lambda: _row_thresholds(x, top_k, top_p))
+    return jnp.where(covered, from_candidates(), rows)
+
+
+def filter_logits(x, top_k, top_p, min_p, cap: int = _TOP_K_CAP, group: int = _GROUP):
     """Scaled logits x [R,V] -> x with what top-k, top-p and min-p drop at -inf (rows [R]
-    of parameters; the neutral values keep everything). Each threshold search runs only
-    when some row asks for it."""
-    V = x.shape[-1]
-
-    def by_top_k(x):
-        k = jnp.where(top_k > 0, jnp.minimum(top_k, V), V).astype(jnp.float32)
-        t = _largest_value_reaching(x, jnp.ones_like, k)
-        return jnp.where((top_k[:, None] > 0) & (x < t[:, None]), -jnp.inf, x)
-
-    def by_top_p(x):
-        top = jnp.max(x, axis=-1, keepdims=True)
-        weigh = lambda v: jnp.exp(v - top)
-        t = _largest_value_reaching(x, weigh, top_p * jnp.sum(weigh(x), axis=-1))
-        return jnp.where((top_p[:, None] < 1) & (x < t[:, None]), -jnp.inf, x)
-
-    x = jax.lax.cond(jnp.any(top_k > 0), by_top_k, lambda x: x, x)
-    x = jax.lax.cond(jnp.any(top_p < 1), by_top_p, lambda x: x, x)
-    floor = jnp.max(x, axis=-1, keepdims=True) + jnp.log(min_p)[:, None]  # log(0) = -inf: off
-    return jnp.where(x >= floor, x, -jnp.inf)
+    of parameters; the neutral values keep everything). The threshold searches run only
+    when some row asks for one, over candidates where they cover the batch (`_thresholds`)."""
+    t = jax.lax.cond(jnp.any(top_k > 0) | jnp.any(top_p < 1), lambda x: _thresholds(x, top_k, top_p, cap, group),
+                     lambda x: jnp.full(x.shape[:1], -jnp.inf), x)
+    floor = jnp.max(x, axis=-1) + jnp.log(min_p)  # log(0) = -inf: off; top-k and top-p keep the max
+    return jnp.where(x >= jnp.maximum(t, floor)[:, None], x, -jnp.inf)
 
 
 def processed(logits, sp: SamplingParams):

@@ -68,6 +68,37 @@ def test_filters_equal_a_sorting_reference():
     assert got[12].sum() == 1
 
 
+def test_candidate_search_equals_the_sorting_reference():
+    """Rows with 0 < top-k <= cap, and rows with top-p alone whose candidates surely reach
+    p of the mass, search only the values of the cap groups with the largest maxima; with
+    ties (integer logits) and masked rows, the thresholds equal the full-row reference, in
+    a batch of covered rows and in one with rows the candidates do not cover (top-k beyond
+    the cap, or top-p over a flat row: searched whole)."""
+    rng = np.random.RandomState(1)
+    R, V, cap, group = 96, 203, 8, 4  # 51 groups, the last one padded
+    x = rng.randn(R, V).astype(np.float32) * rng.choice([0.5, 8.0], size=(R, 1)).astype(np.float32)
+    x[:32] = np.round(x[:32])  # ties within and across groups
+    x[40:44, 7:] = -np.inf
+    k = rng.choice([0, 0, 1, 2, 5, 8], size=R).astype(np.int32)
+    p = rng.choice([1.0, 1e-6, 0.3, 0.8, 0.95], size=R).astype(np.float32)
+    m = rng.choice([0.0, 0.05, 0.5], size=R).astype(np.float32)
+    _, lowest = sampling._candidates(jnp.asarray(x), cap, group)
+    top = x.max(axis=1, keepdims=True)
+    total = np.exp(x - top).sum(axis=1)
+    reach = np.array([np.exp(x[r][x[r] >= float(lowest[r])] - top[r]).sum() >= p[r] * total[r] for r in range(R)])
+    covered = (k > 0) | (p >= 1) | reach
+    assert ((k == 0) & (p < 1) & reach).sum() >= 10 and (~covered).sum() >= 5
+    kk = k.copy()
+    kk[np.flatnonzero(covered)[0]] = cap + 1
+    no_m = np.zeros_like(m)  # min-p off: it would hide a wrong top-p threshold
+    for rows, kk, mm in ((covered, k, no_m), (covered, k, m), (slice(None), k, m), (slice(None), kk, m)):
+        got = np.isfinite(np.asarray(sampling.filter_logits(jnp.asarray(x[rows]), jnp.asarray(kk[rows]),
+                                                            jnp.asarray(p[rows]), jnp.asarray(mm[rows]),
+                                                            cap=cap, group=group)))
+        for r, row in enumerate(np.arange(R)[rows]):
+            assert (got[r] == reference_keep(x[row], kk[row], p[row], mm[row])).all(), (row, kk[row], p[row], mm[row])
+
+
 def test_order_keys_keep_the_float_order():
     x = np.array([-np.inf, -3e38, -1.5, -1e-40, 0.0, 1e-40, 1e-30, 0.5, 2.0, 3e38, np.inf], np.float32)
     keys = sampling._order_keys(jnp.asarray(x))
