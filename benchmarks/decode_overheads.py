@@ -1,47 +1,52 @@
-"""Where the plain decode step's time outside the model goes (8B shape, batch 1, H200):
-the step as built, then with parts of the per-step sampling machinery replaced by their
-greedy-only form (choose without its lax.cond, no history recording), each its own
-compiled program, side by side. On the GPU a lax.cond inside the loop waits for its
-predicate on the host, so each one costs a pipeline drain per step.
+"""What the plain decode step pays for sampling (8B shape, random weights, H200), side by
+side, each its own compiled program:
+  greedy program        requests all greedy: no sampling step (`Plan.sampling` False)
+  branch in the loop    the same with the choice under a lax.cond on "does any row
+                        sample" (the design before `Plan.sampling`): on the GPU the
+                        branch waits for its predicate on the host every step
+  sampling program      compiled for sampled requests, run with greedy ones (every row
+                        goes through the processing and takes the penalised argmax)
+  sampling, T=0.7       the same program sampling
 
 Run: PYTHONPATH=. python3 benchmarks/decode_overheads.py
 """
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
 
 import jspec
-
 from benchmarks.bench_8b import LONG, SHORT, prompts
 from benchmarks.common import LLAMA31_8B, Runner, env_info, random_params, save_json
 from jspec import sampling
 
-REAL = {"choose": sampling.choose, "record": sampling.record}
-VARIANTS = {
-    "as built": {},
-    "choose without cond": {"choose": lambda logits, *a, **k: jnp.argmax(logits, axis=-1).astype(jnp.int32)},
-    "no history record": {"record": lambda hist, tokens, valid: hist},
-    "both": {"choose": lambda logits, *a, **k: jnp.argmax(logits, axis=-1).astype(jnp.int32),
-             "record": lambda hist, tokens, valid: hist},
-}
+REAL_CHOOSE = sampling.choose
+
+
+def branching_choose(samples, logits, sp, *args, **kw):
+    return jax.lax.cond(jnp.any(sp.temperature > 0), lambda: REAL_CHOOSE(True, logits, sp, *args, **kw),
+                        lambda: jnp.argmax(logits, axis=-1).astype(jnp.int32))
 
 
 def main():
     res = {"env": env_info(), "rows": []}
     print(res["env"], flush=True)
     target = random_params(LLAMA31_8B)
-    for name, patch in VARIANTS.items():
-        for attr, fn in REAL.items():
-            setattr(sampling, attr, patch.get(attr, fn))
-        jspec.clear_caches()
-        for batch in (1,):
-            r = Runner(target, prompts(batch), LONG)
-            per, rounds, _ = r.per_round(SHORT, LONG)
+    greedy, sampled = dict(temperature=0.0), dict(temperature=0.7)
+    variants = [("greedy program", REAL_CHOOSE, greedy, greedy),
+                ("branch in the loop", branching_choose, sampled, greedy),
+                ("sampling program", REAL_CHOOSE, sampled, greedy),
+                ("sampling, T=0.7", REAL_CHOOSE, sampled, sampled)]
+    for batch in (1, 32):
+        for name, choose, compiled_with, run_with in variants:
+            sampling.choose = choose
+            jspec.clear_caches()
+            r = Runner(target, prompts(batch), LONG, **compiled_with)
+            per, _, _ = r.per_round(SHORT, LONG, **run_with)
             res["rows"].append({"variant": name, "batch": batch, "ms_per_step": per * 1e3})
-            print(name, batch, round(per * 1e3, 4), flush=True)
+            print(batch, name, round(per * 1e3, 4), flush=True)
             del r
-    for attr, fn in REAL.items():
-        setattr(sampling, attr, fn)
+    sampling.choose = REAL_CHOOSE
     print("saved", save_json("decode_overheads.json", res))
 
 

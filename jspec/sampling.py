@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import struct
 
 TARGET, DRAFT, ACCEPT = 0, 1, 2  # noise streams
@@ -88,14 +89,12 @@ def record(hist: History, tokens, valid) -> History:
 
 # --------------------------------------------------------------------------- penalties
 
-def any_processing(sp: SamplingParams, penalties: bool = True):
-    """Does some row sample (or, with penalties, have one)? Else the argmax of the raw
-    logits is every row's choice: the loop branches on this once per choice, so greedy
-    batches skip everything else."""
-    some = jnp.any(sp.temperature > 0)
-    if penalties:
-        some |= jnp.any((sp.repetition_penalty != 1) | (sp.presence_penalty != 0) | (sp.frequency_penalty != 0))
-    return some
+def any_processing(sp: SamplingParams) -> bool:
+    """Does some row sample or carry a penalty (host-side, on numpy values)? Else the argmax
+    of the raw logits is every row's choice, and the program leaves the sampling steps out
+    (`Plan.sampling`): a branch inside the loop would cost a device-to-host wait per round."""
+    return bool(np.any(np.asarray(sp.temperature) > 0) or np.any(np.asarray(sp.repetition_penalty) != 1)
+                or np.any(np.asarray(sp.presence_penalty) != 0) or np.any(np.asarray(sp.frequency_penalty) != 0))
 
 
 def _penalise(z, count, seen, r, pres, freq):
@@ -266,18 +265,16 @@ def uniform(seed, positions, stream: int):
 
 # --------------------------------------------------------------------------- choice
 
-def choose(logits, sp: SamplingParams, positions, hist: History, tokens=None, anc=None):
+def choose(samples: bool, logits, sp: SamplingParams, positions, hist: History, tokens=None, anc=None):
     """The target's choice at every node: logits [B,N,V] -> [B,N] int32, after the
     penalties for each node's context (`penalise`): the argmax for greedy rows, a draw from
-    the processed distribution (the target's noise for `positions` [B,N]) for sampled rows."""
-    def processed_choice(_):
-        z = penalise(logits, sp, hist, tokens, anc)
-        x = processed(z, sp) + gumbel(sp.seed, positions, TARGET, logits.shape[-1])
-        drawn = jnp.argmax(x, axis=-1).astype(jnp.int32)
-        return jnp.where(sp.temperature[:, None] > 0, drawn, jnp.argmax(z, axis=-1).astype(jnp.int32))
-
-    return jax.lax.cond(any_processing(sp), processed_choice,
-                        lambda _: jnp.argmax(logits, axis=-1).astype(jnp.int32), None)
+    the processed distribution (the target's noise for `positions` [B,N]) for sampled rows.
+    samples (static, `Plan.sampling`) False: no row samples or has penalties: the argmax."""
+    if not samples:
+        return jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    z = penalise(logits, sp, hist, tokens, anc)
+    drawn = jnp.argmax(processed(z, sp) + gumbel(sp.seed, positions, TARGET, logits.shape[-1]), axis=-1)
+    return jnp.where(sp.temperature[:, None] > 0, drawn, jnp.argmax(z, axis=-1)).astype(jnp.int32)
 
 
 def log_probs(logits, sp: SamplingParams):
@@ -288,17 +285,10 @@ def log_probs(logits, sp: SamplingParams):
 
 def choose_with_log_probs(logits, sp: SamplingParams, positions, stream: int):
     """`choose` without penalties, also returning the processed log-probabilities [B,N,V]
-    the draws came from (zeros when no row samples: then nothing reads them)."""
-    greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
-
-    def draw(_):
-        logp = log_probs(logits, sp)
-        drawn = jnp.argmax(logp + gumbel(sp.seed, positions, stream, logits.shape[-1]), axis=-1).astype(jnp.int32)
-        return jnp.where(sp.temperature[:, None] > 0, drawn, greedy), logp
-
-    return jax.lax.cond(any_processing(sp, penalties=False), draw,
-                        lambda _: (greedy, jnp.zeros(logits.shape, jnp.float32)),
-                        None)
+    the draws came from (greedy rows take the argmax; nothing reads their log q)."""
+    logp = log_probs(logits, sp)
+    drawn = jnp.argmax(logp + gumbel(sp.seed, positions, stream, logits.shape[-1]), axis=-1)
+    return jnp.where(sp.temperature[:, None] > 0, drawn, jnp.argmax(logits, axis=-1)).astype(jnp.int32), logp
 
 
 def draw_from(logp, seed, positions, stream: int = TARGET):

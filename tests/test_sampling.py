@@ -146,7 +146,7 @@ def test_a_lone_kept_token_always_wins():
     B, V = 64, 40
     logits = jnp.full((B, 1, V), -1e9).at[:, 0, 17].set(-5.0)
     sp = sp_rows(B, min_p=1e-3, seed=np.arange(B))
-    got = sampling.choose(logits, sp, jnp.zeros((B, 1), jnp.int32), no_history(B, V))
+    got = sampling.choose(True, logits, sp, jnp.zeros((B, 1), jnp.int32), no_history(B, V))
     assert (np.asarray(got) == 17).all()
 
 

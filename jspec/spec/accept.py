@@ -16,7 +16,6 @@ indices, valid up to accept_len) and bonus [B].
 """
 from __future__ import annotations
 
-import jax
 import jax.numpy as jnp
 
 from jspec import sampling
@@ -63,30 +62,21 @@ def accept_sampled_chain(tokens, logits, logq, sp: sampling.SamplingParams, hist
     B, N = tokens.shape
     S = N - 1
     path = jnp.broadcast_to(jnp.arange(N, dtype=jnp.int32)[None], (B, N))
-
-    def greedy(_):
-        accept_len, _, bonus = accept_chain(tokens, jnp.argmax(logits, axis=-1).astype(jnp.int32))
-        return accept_len, bonus
-
-    def processed(_):
-        z = sampling.penalise(logits, sp, hist, tokens, anc)
-        greedy_len, _, greedy_bonus = accept_chain(tokens, jnp.argmax(z, axis=-1).astype(jnp.int32))
-        logp = sampling.log_probs(z, sp)  # [B,N,V]
-        drafted = tokens[:, 1:, None]
-        lp = jnp.take_along_axis(logp[:, :S], drafted, axis=2)[..., 0]  # [B,S] p_i(d_i+1)
-        lq = jnp.take_along_axis(logq, drafted, axis=2)[..., 0]
-        u = sampling.uniform(sp.seed, L[:, None] + 1 + jnp.arange(S)[None], sampling.ACCEPT)
-        keep = u * jnp.exp(lq) < jnp.exp(lp)  # p = 0: never kept; u in [0, 1)
-        m = jnp.sum(jnp.cumprod(keep.astype(jnp.int32), axis=1), axis=1)  # [B] accepted drafts
-        p_m = jnp.exp(jnp.take_along_axis(logp, m[:, None, None], axis=1)[:, 0])  # [B,V]
-        logq_end = jnp.concatenate([logq, jnp.full((B, 1, logq.shape[2]), -jnp.inf, logq.dtype)], axis=1)
-        q_m = jnp.exp(jnp.take_along_axis(logq_end, m[:, None, None], axis=1)[:, 0])  # 0 past the chain
-        resid = jnp.maximum(p_m - q_m, 0)
-        # p == q leaves no residual (a rejection there has probability 0): draw from p then.
-        resid = jnp.where(jnp.sum(resid, axis=-1, keepdims=True) > 0, resid, p_m)
-        bonus = sampling.draw_from(jnp.log(resid), sp.seed, L + m + 1)
-        on = sp.temperature > 0
-        return jnp.where(on, m + 1, greedy_len).astype(jnp.int32), jnp.where(on, bonus, greedy_bonus)
-
-    accept_len, bonus = jax.lax.cond(sampling.any_processing(sp), processed, greedy, None)
-    return accept_len, path, bonus
+    z = sampling.penalise(logits, sp, hist, tokens, anc)
+    greedy_len, _, greedy_bonus = accept_chain(tokens, jnp.argmax(z, axis=-1).astype(jnp.int32))
+    logp = sampling.log_probs(z, sp)  # [B,N,V]
+    drafted = tokens[:, 1:, None]
+    lp = jnp.take_along_axis(logp[:, :S], drafted, axis=2)[..., 0]  # [B,S] p_i(d_i+1)
+    lq = jnp.take_along_axis(logq, drafted, axis=2)[..., 0]
+    u = sampling.uniform(sp.seed, L[:, None] + 1 + jnp.arange(S)[None], sampling.ACCEPT)
+    keep = u * jnp.exp(lq) < jnp.exp(lp)  # p = 0: never kept; u in [0, 1)
+    m = jnp.sum(jnp.cumprod(keep.astype(jnp.int32), axis=1), axis=1)  # [B] accepted drafts
+    p_m = jnp.exp(jnp.take_along_axis(logp, m[:, None, None], axis=1)[:, 0])  # [B,V]
+    logq_end = jnp.concatenate([logq, jnp.full((B, 1, logq.shape[2]), -jnp.inf, logq.dtype)], axis=1)
+    q_m = jnp.exp(jnp.take_along_axis(logq_end, m[:, None, None], axis=1)[:, 0])  # 0 past the chain
+    resid = jnp.maximum(p_m - q_m, 0)
+    # p == q leaves no residual (a rejection there has probability 0): draw from p then.
+    resid = jnp.where(jnp.sum(resid, axis=-1, keepdims=True) > 0, resid, p_m)
+    bonus = sampling.draw_from(jnp.log(resid), sp.seed, L + m + 1)
+    on = sp.temperature > 0
+    return jnp.where(on, m + 1, greedy_len).astype(jnp.int32), path, jnp.where(on, bonus, greedy_bonus)

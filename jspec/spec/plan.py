@@ -27,7 +27,9 @@ class Plan:
     """target: the target's config (its family's config class); draft: the draft kind or
     None (plain decoding); spec: the draft's shape (None without a draft); layout: the
     caches' static shape; batch: B (bucketed); prompt_len: Tp (bucketed); max_rounds:
-    the loop's round budget (bucketed); num_stop: Ks, stop-id slots (bucketed)."""
+    the loop's round budget (bucketed); num_stop: Ks, stop-id slots (bucketed); sampling:
+    does the program sample (False: every row greedy without penalties, and the sampling
+    steps are left out; True: they run for every row, greedy rows included)."""
 
     target: object
     draft: Draft | None
@@ -37,6 +39,7 @@ class Plan:
     prompt_len: int
     max_rounds: int
     num_stop: int
+    sampling: bool = False
 
     @property
     def family(self):
@@ -56,7 +59,7 @@ class Plan:
 
     @property
     def sample_drafts(self) -> bool:
-        return bool(self.spec and self.spec.sample_drafts)
+        return bool(self.spec and self.spec.sample_drafts and self.sampling)
 
     @property
     def lag(self) -> int:
