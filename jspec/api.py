@@ -11,8 +11,9 @@ from __future__ import annotations
 import dataclasses
 import math
 import numbers
+import os
 import time
-from typing import Any, Sequence
+from typing import Any, Iterator, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -23,9 +24,11 @@ from jspec.config import CacheConfig, SpecConfig
 from jspec.kernels import dispatch
 from jspec.models import family_for
 from jspec.params import Params
-from jspec.sampling import SamplingParams
+from jspec.sampling import SamplingParams, any_processing
 from jspec.spec import loop
 from jspec.spec.plan import LoopInputs, Plan, round_slack
+from jspec.streaming import StreamChunk
+from jspec.streaming import chunks as stream_chunks
 from jspec.util import cdiv, round_up
 
 DEFAULT_SPEC = SpecConfig(num_steps=3, topk=1, num_draft_tokens=4)
@@ -202,6 +205,11 @@ class _Requests:
     sampling: dict  # SamplingParams field -> one value per prompt
     stop_ids: list
 
+    @property
+    def samples(self) -> bool:
+        """Does some request sample or carry a penalty (`Plan.sampling`)?"""
+        return any_processing(SamplingParams(**{k: np.asarray(v) for k, v in self.sampling.items()}))
+
 
 # The sampling arguments: (neutral value, type, check -> message or None). `generate`,
 # `compile` and `Compiled.run` take each one value or one per prompt.
@@ -253,6 +261,10 @@ def _spec_config(params: Params, spec) -> SpecConfig | None:
         raise ValueError("spec was given but params has no draft; load one with jspec.load(target, draft=...)")
     if params.draft is not None and spec is None:
         spec = DEFAULT_SPEC
+    if spec is not None and spec.topk > params.draft.config.vocab_size:  # top-k of Vd draft logits
+        Vd = params.draft.config.vocab_size
+        raise ValueError(f"SpecConfig.topk={spec.topk} exceeds the draft's vocabulary of {Vd} tokens; "
+                         f"topk must be at most {Vd}")
     return spec
 
 
@@ -291,8 +303,62 @@ def _plan(params: Params, reqs: _Requests, cache: CacheConfig, spec: SpecConfig 
         layout = CacheLayout(paged=True, capacity=capacity, page_size=P, num_pages=num_pages)
     else:
         layout = CacheLayout(paged=False, capacity=round_up(max(max(limits), Tp), 64))
-    return Plan(target=params.config, draft=draft, spec=spec, layout=layout, batch=B, prompt_len=Tp,
-                max_rounds=_pow2(max(max_new), 8), num_stop=_pow2(len(reqs.stop_ids), 4))
+    plan = Plan(target=params.config, draft=draft, spec=spec, layout=layout, batch=B, prompt_len=Tp,
+                max_rounds=_pow2(max(max_new), 8), num_stop=_pow2(len(reqs.stop_ids), 4), sampling=reqs.samples)
+    _check_memory(params, plan, max(reqs.max_new))
+    return plan
+
+
+def _nbytes(tree) -> int:
+    """Bytes of a pytree of arrays (or of shape-dtype structs)."""
+    return sum(math.prod(a.shape) * np.dtype(a.dtype).itemsize for a in jax.tree.leaves(tree))
+
+
+def _plan_bytes(plan: Plan) -> int:
+    """Bytes of the loop's buffers that grow with the plan: the target's and the draft's
+    caches (as their cache kinds allocate them, dense or paged), the token buffer and the
+    accept-length history. Activations are left out: this is a lower bound."""
+    B = plan.batch
+    kinds = [plan.family.cache_kind(plan.target)] + ([plan.draft.cache_kind()] if plan.draft else [])
+    caches = jax.eval_shape(lambda: [k.init(plan.layout, B) for k in kinds])  # shapes only, nothing allocated
+    hist = plan.max_rounds if plan.draft else 0
+    return _nbytes(caches) + 4 * B * (plan.buffer_len + hist)  # tokens [B, buffer_len], hist [B, R] int32
+
+
+def _device_memory() -> tuple[int, str] | None:
+    """(bytes, what) generation may fill: the default device's `bytes_limit` where jax
+    reports one (GPUs), else the machine's physical memory (CPU); None if neither is known."""
+    dev = jax.devices()[0]
+    try:
+        limit = (dev.memory_stats() or {}).get("bytes_limit")
+    except Exception:  # backends without memory statistics
+        limit = None
+    if limit:
+        return int(limit), f"{dev.platform.upper()} device {dev.id}"
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"), "this machine's physical memory"
+    except (AttributeError, OSError, ValueError):
+        return None
+
+
+def _check_memory(params: Params, plan: Plan, max_new: int) -> None:
+    """Refuses a plan whose caches and token buffers, with the weights, exceed the device's
+    memory: a clear error now instead of an out-of-memory error from XLA after compiling."""
+    have = _device_memory()
+    if have is None:
+        return
+    limit, where = have
+    need = _plan_bytes(plan)
+    weights = _nbytes((params.weights, params.draft.weights if params.draft is not None else None))
+    if need + weights > limit:
+        gib = lambda b: f"{b / 2 ** 30:,.1f} GiB"
+        lay = plan.layout
+        what = (f"a pool of {lay.num_pages} pages of {lay.page_size} tokens" if lay.paged else
+                f"{plan.batch} request slots of {lay.capacity} tokens")
+        raise ValueError(f"max_new_tokens={max_new} does not fit in memory: the caches and token buffers ({what}) "
+                         f"need about {gib(need)} plus {gib(weights)} of weights, but {where} has {gib(limit)}; "
+                         f"ask for a smaller max_new_tokens, or cap each request with CacheConfig(max_len=...)"
+                         + (" or the pool with a smaller num_pages" if lay.paged else ""))
 
 
 def _inputs(plan: Plan, reqs: _Requests, cache: CacheConfig) -> LoopInputs:
@@ -344,22 +410,41 @@ class Compiled:
     `run` takes new requests (prompts, limits, sampling values, seeds, stop ids) and runs
     them without recompiling, as long as they fit the compiled shape: at most `plan.batch`
     prompts of at most `plan.prompt_len` tokens, max_new_tokens <= `plan.max_rounds`, the
-    cache's slots, and at most `plan.num_stop` stop ids.
+    cache's slots, and at most `plan.num_stop` stop ids. A program compiled for greedy
+    requests (`plan.sampling` False) compiles the sampling program once, at its first run
+    with a temperature or a penalty, and keeps it.
     """
 
-    def __init__(self, params: Params, reqs: _Requests, cache: CacheConfig, spec: SpecConfig | None):
+    def __init__(self, params: Params, reqs: _Requests, cache: CacheConfig, spec: SpecConfig | None,
+                 eager: bool = True):
         self.params, self.cache, self.spec = params, cache, spec
-        self.plan = _plan(params, reqs, cache, spec)
         self._reqs = reqs
-        tw, dw = self.weights
-        key = (self.plan, jax.tree.structure((tw, dw)), tuple((a.shape, a.dtype) for a in jax.tree.leaves((tw, dw))),
-               dispatch.backend())
         self.compile_s = 0.0
+        self.plan = _plan(params, reqs, cache, spec)
+        if eager:
+            self.executable
+
+    @property
+    def executable(self):
+        """The compiled generation loop (jax.stages.Compiled) for `plan`."""
+        return self.program(loop.generate_jit, self._reqs)
+
+    def program(self, entry, reqs: _Requests, *args):
+        """A loop entry point (`loop.generate_jit`, `start_jit`, `advance_jit`) compiled for
+        `plan`, once per equal plan and weight shapes; args: its arguments after the inputs."""
+        tw, dw = self.weights
+        key = (entry, self.plan, jax.tree.structure((tw, dw)),
+               tuple((a.shape, a.dtype) for a in jax.tree.leaves((tw, dw))), dispatch.backend())
         if key not in _COMPILED:
             t0 = time.perf_counter()
-            _COMPILED[key] = loop.generate_jit.lower(self.plan, tw, dw, _inputs(self.plan, reqs, cache)).compile()
-            self.compile_s = time.perf_counter() - t0
-        self.executable = _COMPILED[key]  # the compiled XLA program (jax.stages.Compiled)
+            _COMPILED[key] = entry.lower(self.plan, tw, dw, _inputs(self.plan, reqs, self.cache), *args).compile()
+            self.compile_s += time.perf_counter() - t0
+        return _COMPILED[key]
+
+    def fit(self, reqs: _Requests):
+        """Moves a greedy program to its sampling twin when these requests sample."""
+        if reqs.samples and not self.plan.sampling:
+            self.plan = dataclasses.replace(self.plan, sampling=True)
 
     @property
     def weights(self):
@@ -390,14 +475,23 @@ class Compiled:
     def run(self, prompt=None, *, max_new_tokens=None, stop_token_ids=None, **sampling) -> GenerateOutput:
         """Runs requests through the compiled loop (arguments left out: the compiled call's)."""
         reqs = self.requests(prompt, max_new_tokens=max_new_tokens, stop_token_ids=stop_token_ids, **sampling)
+        self.fit(reqs)
+        executable = self.program(loop.generate_jit, reqs)
         inp = jax.device_put(_inputs(self.plan, reqs, self.cache))
         tw, dw = self.weights
         t0 = time.perf_counter()
-        res = jax.device_get(self.executable(tw, dw, inp))
+        res = jax.device_get(executable(tw, dw, inp))
         run_s = time.perf_counter() - t0
         compile_s, self.compile_s = self.compile_s, 0.0  # reported by the first run only
         return _outputs(self.params, self.plan, res, [len(p) for p in reqs.prompts], reqs.is_batch,
                         compile_s=compile_s, run_s=run_s)
+
+    def stream(self, prompt=None, *, rounds_per_chunk: int = 4, max_new_tokens=None, stop_token_ids=None,
+               **sampling) -> Iterator[StreamChunk]:
+        """`run`, streamed: yields a `StreamChunk` every `rounds_per_chunk` rounds (see
+        `jspec.stream`)."""
+        reqs = self.requests(prompt, max_new_tokens=max_new_tokens, stop_token_ids=stop_token_ids, **sampling)
+        return stream_chunks(self, reqs, rounds_per_chunk)
 
 
 def compile(params: Params, prompt, *, max_new_tokens: int | Sequence[int] = 64,
@@ -423,14 +517,35 @@ def generate(params: Params, prompt, *, max_new_tokens: int | Sequence[int] = 64
     ids. cache: a CacheConfig, 'dense' or 'paged'. spec: a SpecConfig (needs a draft); None
     uses a default chain when there is a draft.
 
-    Sampling, each one value or one per prompt (new values never recompile): temperature
+    Sampling, each one value or one per prompt: temperature
     (0, the default: greedy), top_k (0: off), top_p (1: off), min_p (0: off),
     repetition_penalty (1: off; on prompt and generated tokens), presence_penalty and
     frequency_penalty (0: off; on generated tokens), seed. Speculative output has exactly
-    the distribution of plain sampling with the same values (see `jspec.sampling`).
+    the distribution of plain sampling with the same values (see `jspec.sampling`). A
+    program compiled for greedy requests leaves the sampling steps out; one that samples
+    takes any values (greedy rows included) without recompiling, and a greedy `Compiled`
+    compiles its sampling twin once, at its first sampled run.
     """
     return compile(params, prompt, max_new_tokens=max_new_tokens, stop_token_ids=stop_token_ids, cache=cache,
                    spec=spec, **sampling).run()
+
+
+def stream(params: Params, prompt, *, rounds_per_chunk: int = 4, max_new_tokens: int | Sequence[int] = 64,
+           stop_token_ids: Sequence[int] | None = None, cache: CacheConfig | str | None = None,
+           spec: SpecConfig | None = None, **sampling) -> Iterator[StreamChunk]:
+    """`generate`, streamed (same arguments): yields a `StreamChunk` with each request's new
+    tokens and text after the prefill and after every `rounds_per_chunk` rounds, the last
+    one carrying the `GenerateOutput` that `generate` returns. The chunks concatenate to
+    `generate`'s tokens; nothing recompiles between chunks; breaking out of the loop early
+    releases the caches.
+
+        for chunk in jspec.stream(params, "def fib(n):", max_new_tokens=64):
+            print(chunk.text, end="", flush=True)
+    """
+    _check_params(params)
+    reqs = _requests(params, prompt, max_new_tokens, stop_token_ids, sampling)
+    prog = Compiled(params, reqs, _cache_config(cache), _spec_config(params, spec), eager=False)
+    return stream_chunks(prog, reqs, rounds_per_chunk)
 
 
 def _outputs(params, plan, res, lens, is_batch, *, compile_s, run_s) -> GenerateOutput:

@@ -79,8 +79,9 @@ def test_dense_max_len_limits_and_errors(target, hf_greedy):
 
 
 def test_sampling_no_recompile_no_transfer_and_seeds(target, monkeypatch, fresh_compiles):
-    # Count traces of the loop: new sampling values must reuse the one compiled program.
-    monkeypatch.setattr(loop, "generate_jit", jax.jit(chex.assert_max_traces(loop.generate_fn, n=1),
+    # Count traces of the loop: new sampling values reuse the sampling program; greedy
+    # requests have their own (without the sampling steps), compiled once.
+    monkeypatch.setattr(loop, "generate_jit", jax.jit(chex.assert_max_traces(loop.generate_fn, n=2),
                                                       static_argnums=0))
     chex.clear_trace_counter()
     kw = dict(max_new_tokens=8, stop_token_ids=[])
@@ -91,7 +92,12 @@ def test_sampling_no_recompile_no_transfer_and_seeds(target, monkeypatch, fresh_
                            top_p=[1.0, 0.9, 0.5], seed=[1, 2, 3], **kw)
         c = jspec.generate(target, PROMPTS, temperature=0.9, top_k=0, top_p=1.0, seed=[7, 8, 9], **kw)
         g = jspec.generate(target, PROMPTS, temperature=[0.0, 0.0, 0.0], seed=[1, 2, 3], **kw)
-    assert b.timing["compile_s"] == 0 and c.timing["compile_s"] == 0
+    assert b.timing["compile_s"] == 0 and c.timing["compile_s"] == 0 and g.timing["compile_s"] > 0
+    # A greedy Compiled takes sampled requests: its sampling twin is the program above.
+    prog = jspec.compile(target, PROMPTS, **kw)
+    assert not prog.plan.sampling and prog.compile_s == 0
+    again = prog.run(temperature=[0.7, 1.0, 1.3], top_k=[0, 5, 50], top_p=[1.0, 0.9, 0.5], seed=[1, 2, 3])
+    assert prog.plan.sampling and again.tokens == a.tokens and again.timing["compile_s"] == 0
     assert a.tokens == b.tokens  # same seeds, same output
     assert a.tokens != c.tokens
     greedy = jspec.generate(target, PROMPTS, **kw)

@@ -126,7 +126,8 @@ def accept_phase(plan: Plan, inp: LoopInputs, st: LoopState, tree: Tree, logits,
                                                               st.L)
         return Accepted(accept_len=accept_len, path=path, path_tokens=tree.tokens, bonus=bonus)
     # The choice at node i is the token at position L + depth_i + 1.
-    choice = sampling.choose(logits, sp, st.L[:, None] + tree.depth + 1, st.history, tree.tokens, tree.anc)
+    choice = sampling.choose(plan.sampling, logits, sp, st.L[:, None] + tree.depth + 1, st.history, tree.tokens,
+                             tree.anc)
     if plan.K == 1:  # a chain (or the root alone): the path is 0..S, no gathers along it
         accept_len, path, bonus = accept.accept_chain(tree.tokens, choice)
         path_tokens = tree.tokens
@@ -269,7 +270,7 @@ def prefill(plan: Plan, tw, dw, inp: LoopInputs, st: LoopState) -> LoopState:
     hidden, aux, tcache = plan.family.forward(plan.target, tw, inp.prompt, st.tcache, meta, capture)
     last = jnp.take_along_axis(hidden, (lens - 1)[:, None, None], axis=1)[:, 0]
     logits = plan.family.logits(plan.target, tw, last)[:, None]
-    first = sampling.choose(logits, inp.sampling, lens[:, None], st.history)[:, 0]  # the token at position len
+    first = sampling.choose(plan.sampling, logits, inp.sampling, lens[:, None], st.history)[:, 0]  # the token at position len
     st = st.replace(tcache=tcache, tokens=st.tokens.at[:, :T].set(inp.prompt), L=lens - 1)  # emit writes after L
     st = emit(plan, inp, st, first[:, None], jnp.ones((B,), jnp.int32), active)
     st = st.replace(L=lens, root=first)
@@ -299,17 +300,48 @@ def init_state(plan: Plan, inp: LoopInputs) -> LoopState:
         hist=jnp.zeros((B, plan.max_rounds if plan.draft else 0), jnp.int32), step=jnp.int32(0))
 
 
+def start(plan: Plan, tw, dw, inp: LoopInputs) -> LoopState:
+    """A fresh state, prefilled: the first token of every request is emitted."""
+    return prefill(plan, tw, dw, inp, init_state(plan, inp))
+
+
+def advance(plan: Plan, tw, dw, inp: LoopInputs, st: LoopState, until) -> LoopState:
+    """Rounds until every request has finished or `until` (a traced int32) rounds have run."""
+    until = jnp.minimum(until, plan.max_rounds)
+    return jax.lax.while_loop(lambda s: jnp.any(~s.finished) & (s.step < until),
+                              lambda s: round_step(plan, tw, dw, inp, s), st)
+
+
 def run(plan: Plan, tw, dw, inp: LoopInputs) -> LoopState:
     """Prefill and the loop of rounds -> the final state."""
-    st = prefill(plan, tw, dw, inp, init_state(plan, inp))
-    return jax.lax.while_loop(lambda s: jnp.any(~s.finished) & (s.step < plan.max_rounds),
-                              lambda s: round_step(plan, tw, dw, inp, s), st)
+    return advance(plan, tw, dw, inp, start(plan, tw, dw, inp), plan.max_rounds)
 
 
 def generate_fn(plan: Plan, tw, dw, inp: LoopInputs):
     """run, returning only what the API reads back."""
-    st = run(plan, tw, dw, inp)
-    return dict(tokens=st.tokens, generated=st.generated, reason=st.reason, rounds=st.rounds, hist=st.hist)
+    return readback(run(plan, tw, dw, inp))
+
+
+def readback(st: LoopState) -> dict:
+    """What the API reads back from a state."""
+    return dict(tokens=st.tokens, generated=st.generated, reason=st.reason, rounds=st.rounds, hist=st.hist,
+                finished=st.finished, step=st.step)
+
+
+def start_fn(plan: Plan, tw, dw, inp: LoopInputs):
+    """`start`, returning the state and what the API reads back."""
+    st = start(plan, tw, dw, inp)
+    return st, readback(st)
+
+
+def advance_fn(plan: Plan, tw, dw, inp: LoopInputs, st: LoopState, until):
+    """`advance`, returning the state and what the API reads back."""
+    st = advance(plan, tw, dw, inp, st, until)
+    return st, readback(st)
 
 
 generate_jit = jax.jit(generate_fn, static_argnums=0)
+# Streaming (`jspec.stream`) runs the same rounds in bounded chunks, the state (caches
+# included) carried from call to call and donated, so each chunk updates it in place.
+start_jit = jax.jit(start_fn, static_argnums=0)
+advance_jit = jax.jit(advance_fn, static_argnums=0, donate_argnums=4)
