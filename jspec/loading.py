@@ -20,7 +20,20 @@ from jspec.models import family_for_hf
 from jspec.params import DraftParams, Params
 
 
-def read_config(model_dir: str) -> dict:
+class ConfigJSON(dict):
+    """A config.json dict that knows its path: reading a field it lacks (`cfg["hidden_size"]`)
+    is a ValueError naming the file and the field, not a bare KeyError. `.get` is unchanged,
+    so optional fields keep their defaults."""
+
+    def __init__(self, fields: dict, path: str):
+        super().__init__(fields)
+        self.path = path
+
+    def __missing__(self, key):
+        raise ValueError(f"{self.path}: missing required field {key!r}")
+
+
+def read_config(model_dir: str) -> ConfigJSON:
     if not isinstance(model_dir, (str, os.PathLike)):
         raise TypeError(f"expected a model directory path, got {type(model_dir).__name__}")
     model_dir = os.fspath(model_dir)
@@ -36,16 +49,20 @@ def read_config(model_dir: str) -> dict:
         raise ValueError(f"{path}: cannot read config.json ({e})") from None
     if not isinstance(cfg, dict):
         raise ValueError(f"{path}: config.json is not a JSON object")
-    return cfg
+    return ConfigJSON(cfg, path)
 
 
 def read_tensors(model_dir: str) -> dict[str, np.ndarray]:
     """Every tensor of the directory's safetensors files (single file or sharded index)."""
     index = os.path.join(model_dir, "model.safetensors.index.json")
     if os.path.isfile(index):
-        with open(index) as f:
-            weight_map = json.load(f).get("weight_map", {})
-        files = sorted(set(weight_map.values()))
+        try:
+            with open(index) as f:
+                weight_map = json.load(f)["weight_map"]
+            files = sorted(set(weight_map.values()))
+        except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
+            raise ValueError(f"{index}: not a safetensors index (a JSON object with a 'weight_map' of "
+                             f"tensor -> file): {type(e).__name__}: {e}") from None
         missing = [f for f in files if not os.path.isfile(os.path.join(model_dir, f))]
         if missing:
             raise ValueError(f"{model_dir!r}: shards listed in the index are missing: {missing}")

@@ -21,24 +21,35 @@ def read_header(path: str) -> dict:
     with open(path, "rb") as f:
         head = f.read(8)
         if len(head) < 8:
-            raise ValueError(f"{path}: not a safetensors file (too short)")
+            raise ValueError(f"{path}: not a safetensors file (only {len(head)} bytes: empty or cut short)")
         (n,) = struct.unpack("<Q", head)
         if n > 100_000_000:
             raise ValueError(f"{path}: not a safetensors file (header length {n})")
+        blob = f.read(n)
+        if len(blob) < n:
+            raise ValueError(f"{path}: the header needs {8 + n} bytes but the file has only {8 + len(blob)} "
+                             f"bytes (the file is cut short)")
         try:
-            header = json.loads(f.read(n))
+            header = json.loads(blob)
         except ValueError as e:
-            raise ValueError(f"{path}: not a safetensors file ({e})") from None
+            raise ValueError(f"{path}: not a safetensors file (its header is not valid JSON: {e})") from None
+    if not isinstance(header, dict):
+        raise ValueError(f"{path}: not a safetensors file (its header is not a JSON object)")
     header.pop("__metadata__", None)
+    for name, info in header.items():
+        if not (isinstance(info, dict) and {"dtype", "shape", "data_offsets"} <= set(info)):
+            raise ValueError(f"{path}: tensor {name!r} has a malformed header entry {info!r} (expected "
+                             f"dtype, shape and data_offsets)")
     return header
 
 
 def load(path: str) -> dict[str, np.ndarray]:
     """All tensors of one file as numpy arrays backed by a read-only memory map."""
     header = read_header(path)
+    size = os.path.getsize(path)
     with open(path, "rb") as f:
         n = struct.unpack("<Q", f.read(8))[0]
-        mm = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) if os.path.getsize(path) > 8 + n else None
+        mm = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) if size > 8 + n else None
     out = {}
     for name, info in header.items():
         dtype = _DTYPES.get(info["dtype"])
@@ -49,7 +60,11 @@ def load(path: str) -> dict[str, np.ndarray]:
         count = int(np.prod(shape)) if shape else 1
         if end - begin != count * np.dtype(dtype).itemsize:
             raise ValueError(f"{path}: tensor {name!r} has {end - begin} bytes for shape {shape}")
-        arr = np.frombuffer(mm, dtype=dtype, count=count, offset=8 + n + begin) if count else np.zeros(0, dtype)
+        start = 8 + n + begin  # data follows the 8-byte length and the header
+        if start + end - begin > size:  # a download or copy that stopped early
+            raise ValueError(f"{path}: tensor {name!r} needs {end - begin} bytes at offset {start} but the "
+                             f"file has only {size} bytes (the file is cut short)")
+        arr = np.frombuffer(mm, dtype=dtype, count=count, offset=start) if count else np.zeros(0, dtype)
         out[name] = arr.reshape(shape)
     return out
 

@@ -40,6 +40,11 @@ class Draft:
         return 0
 
     @property
+    def vocab_size(self) -> int:
+        """Vd: the vocabulary `logits` ranges over (the draft's own; EAGLE-3 may reduce it)."""
+        return self.model.vocab_size
+
+    @property
     def hidden_size(self) -> int:
         """Width Dd of the hidden state `forward` returns."""
         return self.model.hidden_size

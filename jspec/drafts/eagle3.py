@@ -41,6 +41,10 @@ class Eagle3Draft(Draft):
     draft_vocab_size: int = 0
 
     @property
+    def vocab_size(self) -> int:
+        return self.draft_vocab_size or self.model.vocab_size
+
+    @property
     def target_layers(self):
         return tuple(sorted(set(self.aux_layers)))
 
