@@ -1,51 +1,196 @@
 """`python -m jspec [PROMPT]`: speculative code generation with the bundled models.
 
+    python -m jspec [PROMPT] [--target DIR] [--draft NAME|DIR] [--steps S --topk K --tokens N]
+                    [--temperature T --top-p P --top-k K --seed S --sample-drafts] [--dtype D]
+    python -m jspec bench [--target DIR --draft DIR] [--batch B ...] [--spec S,K,N ...]
+                          [--prompts FILE] [--max-new-tokens N] [--repeats R]
+
 Loads the bundled target (a small model trained on the Python standard library) with its
-EAGLE-3 head, continues PROMPT (greedy, or sampled with --temperature/--top-p/--top-k),
-and prints the text, the mean accepted length per round and tokens/s, next to plain
-decoding of the same target with the same settings.
+EAGLE-3 head, or your own local target and draft, continues PROMPT (greedy, or sampled with
+--temperature/--top-p/--top-k), and prints the text, the mean accepted length per round and
+tokens/s, next to plain decoding of the same target with the same settings.
+
+`bench` (only as the very first argument) times plain decoding against several chains and
+trees per batch size and prints a table (`jspec.bench`). A prompt that is literally "bench"
+goes after `--`: `python -m jspec -- bench`.
+
+Bad input (a flag's value, a missing directory, what jspec.generate refuses) is reported
+as one line, `python -m jspec: error: ...`, with exit status 2.
 """
 from __future__ import annotations
 
 import argparse
+import math
+import os
 import sys
 
+from jspec.config import DTYPES, SpecConfig
 
-def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m jspec", description=__doc__.splitlines()[0])
-    ap.add_argument("prompt", nargs="?", default="def fibonacci(n):\n")
-    ap.add_argument("--max-new-tokens", type=int, default=160)
-    ap.add_argument("--draft", choices=["eagle3", "standalone"], default="eagle3")
-    ap.add_argument("--steps", type=int, default=4, help="draft steps per round (a chain)")
-    ap.add_argument("--topk", type=int, default=1, help="branches per draft step (>1: a tree)")
-    ap.add_argument("--tokens", type=int, default=None, help="tree nodes verified per round (topk > 1)")
-    ap.add_argument("--dtype", default=None, help="float32 (default on CPU) or bfloat16")
-    ap.add_argument("--temperature", type=float, default=0.0, help="0 (the default): greedy")
-    ap.add_argument("--top-p", type=float, default=1.0)
-    ap.add_argument("--top-k", type=int, default=0)
-    ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--sample-drafts", action="store_true",
-                    help="sampled requests draw the drafts from the draft's distribution (chains)")
-    args = ap.parse_args(argv)
+PROG = "python -m jspec"
+BUNDLED_DRAFTS = ("eagle3", "standalone")
 
+
+class _Parser(argparse.ArgumentParser):
+    """argparse, but an error is one line on stderr (`prog: error: ...`) and exit status 2."""
+
+    def error(self, message):
+        self.exit(2, f"{self.prog}: error: {message}\n")
+
+
+# ----------------------------------------------------------------------------- flag types
+
+def _int(lo: int, hi: int | None = None):
+    def parse(text: str) -> int:
+        try:
+            v = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+        if v < lo or (hi is not None and v >= hi):
+            raise argparse.ArgumentTypeError(f"must be >= {lo}" + ("" if hi is None else f" and < {hi}")
+                                             + f", got {v}")
+        return v
+    return parse
+
+
+def _float(check, what: str):
+    def parse(text: str) -> float:
+        try:
+            v = float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+        if not check(v):
+            raise argparse.ArgumentTypeError(f"must be {what}, got {text}")
+        return v
+    return parse
+
+
+def _directory(text: str) -> str:
+    if not os.path.isdir(text):
+        raise argparse.ArgumentTypeError(f"no such directory: {text!r}")
+    return text
+
+
+def _spec(text: str) -> SpecConfig:
+    from jspec.bench import parse_spec
+    try:
+        return parse_spec(text)
+    except ValueError as err:
+        raise argparse.ArgumentTypeError(str(err)) from None
+
+
+def _prompt_file(path: str) -> list[str]:
+    from jspec.bench import read_prompts
+    try:
+        return read_prompts(path)
+    except (OSError, UnicodeDecodeError) as err:
+        raise argparse.ArgumentTypeError(f"cannot read {path!r}: {getattr(err, 'strerror', None) or err}") from None
+    except ValueError as err:
+        raise argparse.ArgumentTypeError(str(err)) from None
+
+
+def _model_args(ap: argparse.ArgumentParser, draft_help: str):
+    ap.add_argument("--target", type=_directory, default=None, metavar="DIR",
+                    help="a local Hugging Face target directory (default: the bundled target)")
+    ap.add_argument("--draft", default=None, metavar="NAME|DIR",
+                    help=draft_help)
+    ap.add_argument("--dtype", default=None, choices=DTYPES,
+                    help="weights and activations (default: float32 on CPU, else the checkpoint's)")
+
+
+def _load(ap: argparse.ArgumentParser, args):
+    """-> (params, draft label or None); bad directories are usage errors."""
     import jax
 
     import jspec
     from jspec import bundle
 
+    draft = args.draft
+    if args.target is None and draft is None:
+        draft = "eagle3"
+    if draft == "none":
+        draft = None
+    if draft is not None and not (args.target is None and draft in BUNDLED_DRAFTS) and not os.path.isdir(draft):
+        why = (" ('eagle3' and 'standalone' name the bundled drafts, which go with the bundled target)"
+               if draft in BUNDLED_DRAFTS else "")
+        ap.error(f"argument --draft: no such directory: {draft!r}{why}")
     dtype = args.dtype or ("float32" if jax.default_backend() == "cpu" else None)
-    params = bundle.load(args.draft, dtype=dtype)
-    spec = jspec.SpecConfig(num_steps=args.steps, topk=args.topk, num_draft_tokens=args.tokens,
-                            sample_drafts=args.sample_drafts)
+    try:
+        if args.target is None and (draft is None or draft in BUNDLED_DRAFTS):
+            params = bundle.load(draft, dtype=dtype)
+        else:
+            params = jspec.load(args.target or os.path.join(bundle.bundle_path(), "target"), draft=draft,
+                                dtype=dtype)
+    except (ValueError, TypeError, OSError) as err:
+        ap.error(str(err))
+    return params, draft
+
+
+# ----------------------------------------------------------------------------- commands
+
+def _generate_parser() -> _Parser:
+    ap = _Parser(prog=PROG, description=__doc__.splitlines()[0],
+                 epilog="Benchmark: `python -m jspec bench --help`. A prompt that is literally 'bench' "
+                        "goes after `--`.")
+    ap.add_argument("prompt", nargs="?", default="def fibonacci(n):\n",
+                    help="the text to continue (default: 'def fibonacci(n):\\n')")
+    ap.add_argument("--max-new-tokens", type=_int(1), default=160)
+    _model_args(ap, "a draft directory, 'none' (plain decoding only), or with the bundled target 'eagle3' "
+                    "or 'standalone' (default: eagle3 with the bundled target, none with --target)")
+    ap.add_argument("--steps", type=_int(1), default=4, help="draft steps per round (a chain)")
+    ap.add_argument("--topk", type=_int(1), default=1, help="branches per draft step (>1: a tree)")
+    ap.add_argument("--tokens", type=_int(2), default=None, help="tree nodes verified per round (topk > 1)")
+    ap.add_argument("--temperature", type=_float(lambda v: math.isfinite(v) and v >= 0, "finite and >= 0"),
+                    default=0.0, help="0 (the default): greedy")
+    ap.add_argument("--top-p", type=_float(lambda v: 0 < v <= 1, "in (0, 1]"), default=1.0)
+    ap.add_argument("--top-k", type=_int(0), default=0, help="0 (the default): off")
+    ap.add_argument("--seed", type=_int(0, 2 ** 31), default=0)
+    ap.add_argument("--sample-drafts", action="store_true",
+                    help="sampled requests draw the drafts from the draft's distribution (chains)")
+    return ap
+
+
+def _stream_text(params, prompt, **kw) -> None:
+    """Prints the continuation as `jspec.stream` commits it."""
+    import jspec
+    print(prompt, end="", flush=True)
+    for chunk in jspec.stream(params, prompt, **kw):
+        print(chunk.text or "", end="", flush=True)
+    print()
+
+
+def _generate(argv) -> int:
+    import jspec
+
+    ap = _generate_parser()
+    args = ap.parse_args(argv)
+    try:
+        spec = SpecConfig(num_steps=args.steps, topk=args.topk, num_draft_tokens=args.tokens,
+                          sample_drafts=args.sample_drafts)
+    except ValueError as err:
+        ap.error(f"--steps/--topk/--tokens: {err}")
+    params, draft = _load(ap, args)
+    if draft is None:
+        spec = None
     kw = dict(max_new_tokens=args.max_new_tokens, stop_token_ids=[], temperature=args.temperature,
               top_p=args.top_p, top_k=args.top_k, seed=args.seed)
-    jspec.generate(params, args.prompt, spec=spec, **kw)  # compile once, then time
-    out = jspec.generate(params, args.prompt, spec=spec, **kw)
-    jspec.generate(params.with_draft(None), args.prompt, **kw)
-    plain = jspec.generate(params.with_draft(None), args.prompt, **kw)
-    print(args.prompt + out.text)
+    plain_params = params.with_draft(None)
+    try:  # jspec checks its arguments before compiling: a refusal is a usage error
+        prog = jspec.compile(params, args.prompt, spec=spec, **kw)
+        plain_prog = jspec.compile(plain_params, args.prompt, **kw)
+    except (ValueError, TypeError) as err:
+        ap.error(str(err))
+    _stream_text(params, args.prompt, spec=spec, **kw)  # the text as rounds commit; then timed runs
+    prog.run()  # warm-up, then timed
+    out = prog.run()
+    plain = out
+    if draft is not None:
+        plain_prog.run()
+        plain = plain_prog.run()
     print("-" * 72)
-    print(f"speculative ({args.draft}, S={spec.num_steps}, K={spec.topk}, N={spec.num_draft_tokens}): "
+    if draft is None:
+        print(f"plain decoding (no draft): {len(out.tokens)} tokens, {out.timing['tokens_per_s']:.0f} tokens/s")
+        return 0
+    print(f"speculative ({draft}, S={spec.num_steps}, K={spec.topk}, N={spec.num_draft_tokens}): "
           f"{len(out.tokens)} tokens, mean accepted length {out.stats.mean_accept_length:.2f}, "
           f"{out.timing['tokens_per_s']:.0f} tokens/s")
     print(f"plain decoding: {plain.timing['tokens_per_s']:.0f} tokens/s "
@@ -54,6 +199,55 @@ def main(argv=None) -> int:
           + ("" if args.temperature == 0 else " (sampled: the same distribution; target-only verification draws "
                                               "the same tokens for the same seed up to rounding)"))
     return 0
+
+
+def _bench_parser() -> _Parser:
+    from jspec.bench import DEFAULT_SPECS
+    defaults = " ".join(f"{s.num_steps},{s.topk},{s.num_draft_tokens}" for s in DEFAULT_SPECS)
+    ap = _Parser(prog=f"{PROG} bench",
+                 description="Times plain decoding against speculative chains and trees, per batch size "
+                             "(greedy, no stop tokens), and prints tau, tokens/s and the speed-up.")
+    _model_args(ap, "a draft directory (needed with --target), or with the bundled target 'eagle3' "
+                    "(the default) or 'standalone'")
+    ap.add_argument("--batch", type=_int(1), nargs="+", default=[1], metavar="B", help="batch sizes (default: 1)")
+    ap.add_argument("--spec", type=_spec, nargs="+", default=None, metavar="S,K,N",
+                    help=f"draft steps, topk, verified tokens; K=1 is a chain (default: {defaults})")
+    ap.add_argument("--prompts", type=_prompt_file, default=None, metavar="FILE",
+                    help="one prompt per line (a line in JSON quotes may hold \\n); default: a few code prompts")
+    ap.add_argument("--max-new-tokens", type=_int(1), default=64)
+    ap.add_argument("--repeats", type=_int(1), default=3, help="timed passes after a warm-up (median reported)")
+    return ap
+
+
+def _bench(argv) -> int:
+    import jax
+
+    from jspec.bench import BUILTIN_PROMPTS, format_table, run_bench
+
+    ap = _bench_parser()
+    args = ap.parse_args(argv)
+    if args.draft == "none" or (args.target is not None and args.draft is None):
+        ap.error("bench compares speculative decoding with plain decoding: give --draft DIR")
+    params, draft = _load(ap, args)
+    prompts = args.prompts or list(BUILTIN_PROMPTS)
+    try:
+        rows = run_bench(params, prompts, batches=args.batch, specs=args.spec, max_new_tokens=args.max_new_tokens,
+                         repeats=args.repeats)
+    except (ValueError, TypeError) as err:
+        ap.error(str(err))
+    dev = jax.devices()[0]
+    print(f"target {args.target or 'bundled'}, draft {draft}, {params.config.dtype}; "
+          f"{getattr(dev, 'device_kind', dev.platform)}, jax {jax.__version__}; {len(prompts)} prompts, "
+          f"{args.max_new_tokens} new tokens each, greedy; tokens/s: median of {args.repeats} timed passes")
+    print(format_table(rows))
+    return 0
+
+
+def main(argv=None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv and argv[0] == "bench":
+        return _bench(argv[1:])
+    return _generate(argv)
 
 
 if __name__ == "__main__":

@@ -1,0 +1,135 @@
+"""`python -m jspec`: bad input is a one-line usage error (exit status 2), `bench` prints its
+table, and the text is streamed (`jspec.stream`). Runs `main(argv)` in-process
+on the tiny 4-layer Llama with a random EAGLE-3 head; the bench and generate runs share
+one plan per configuration, so the file compiles two loops."""
+from __future__ import annotations
+
+import types
+
+import pytest
+
+import jspec
+import tiny_models
+from jspec.__main__ import main
+from jspec.bench import BenchRow, format_table, parse_spec, read_prompts
+
+PROMPT = "def f(x):"  # byte tokens: one prompt-length bucket with the bench prompts
+
+
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory, llama_dir, target):
+    """(target dir, EAGLE-3 draft dir) of the tiny Llama."""
+    path = str(tmp_path_factory.mktemp("cli_eagle3"))
+    tiny_models.make_random_draft(path, "eagle3", target, seed=7)
+    return llama_dir[0], path
+
+
+def _usage_error(capsys, argv, *needles):
+    with pytest.raises(SystemExit) as exc:
+        main(argv)
+    assert exc.value.code == 2
+    out, err = capsys.readouterr()
+    assert out == ""
+    assert err.count("\n") == 1 and err.endswith("\n"), err  # one line
+    assert err.startswith(("python -m jspec: error: ", "python -m jspec bench: error: ")), err
+    for n in needles:
+        assert n in err, err
+    return err
+
+
+@pytest.mark.parametrize("argv, needles", [
+    (["--steps", "0"], ["--steps", ">= 1"]),
+    (["--topk", "-1"], ["--topk"]),
+    (["--tokens", "1"], ["--tokens"]),
+    (["--steps", "two"], ["--steps", "integer"]),
+    (["--dtype", "float64"], ["--dtype", "float64"]),
+    (["--max-new-tokens", "-5"], ["--max-new-tokens"]),
+    (["--temperature", "-0.5"], ["--temperature"]),
+    (["--temperature", "nan"], ["--temperature"]),
+    (["--top-p", "0"], ["--top-p", "(0, 1]"]),
+    (["--top-p", "1.5"], ["--top-p"]),
+    (["--top-k", "-2"], ["--top-k"]),
+    (["--seed", "-1"], ["--seed"]),
+    (["--target", "/no/such/dir"], ["--target", "/no/such/dir"]),
+    (["--draft", "/no/such/draft"], ["--draft"]),
+    (["--steps", "4", "--tokens", "9"], ["num_draft_tokens"]),  # SpecConfig's own check
+    (["--no-such-flag"], ["--no-such-flag"]),
+    (["bench", "--batch", "0"], ["--batch"]),
+    (["bench", "--spec", "3,2,40"], ["--spec", "num_draft_tokens"]),
+    (["bench", "--spec", "a,b"], ["--spec"]),
+    (["bench", "--repeats", "0"], ["--repeats"]),
+    (["bench", "--prompts", "/no/such/file"], ["--prompts"]),
+    (["bench", "--draft", "none"], ["--draft"]),
+])
+def test_bad_flags_are_one_line_usage_errors(capsys, argv, needles):
+    _usage_error(capsys, argv, *needles)
+
+
+def test_bad_directories_and_refused_input(capsys, tmp_path, pair):
+    t, d = pair
+    _usage_error(capsys, ["--target", str(tmp_path)], "config.json")  # not a model directory
+    _usage_error(capsys, ["--target", t, "--draft", str(tmp_path)], "config.json")
+    _usage_error(capsys, ["--target", t, "--draft", "eagle3"], "bundled")
+    _usage_error(capsys, ["bench", "--target", t], "--draft")
+    # refused by jspec.compile's own checks (before anything compiles)
+    _usage_error(capsys, ["", "--target", t, "--draft", d], "empty")
+    (tmp_path / "empty.txt").write_text("\n\n")
+    _usage_error(capsys, ["bench", "--prompts", str(tmp_path / "empty.txt")], "no prompts")
+
+
+def test_bench_prints_table(capsys, tmp_path, pair):
+    t, d = pair
+    f = tmp_path / "prompts.txt"
+    f.write_text(f'{PROMPT}\n\n"x = 1\\ny ="\n')
+    assert read_prompts(str(f)) == [PROMPT, "x = 1\ny ="]
+    assert main(["bench", "--target", t, "--draft", d, "--spec", "2,1,3", "--prompts", str(f),
+                 "--max-new-tokens", "8", "--repeats", "1"]) == 0
+    out = capsys.readouterr().out.strip().splitlines()
+    assert "2 prompts" in out[0] and "8 new tokens" in out[0]
+    head = [c.strip() for c in out[1].strip("|").split("|")]
+    assert head == ["batch", "decoding", "S,K,N", "tau", "tokens/s", "speed-up", "same output", "compile s"]
+    rows = [[c.strip() for c in line.strip("|").split("|")] for line in out[3:]]
+    assert [r[:3] for r in rows] == [["1", "plain", "-"], ["1", "chain", "2,1,3"]]
+    plain, chain = rows
+    assert plain[3] == "1.00" and plain[5] == "1.00x"
+    assert 1.0 <= float(chain[3]) <= 3.0 and float(chain[4]) > 0
+    assert chain[6] == "100%"  # float32: speculative output == plain decoding's
+
+
+def test_generate_prints_text_and_stats(capsys, monkeypatch, pair):
+    t, d = pair
+    argv = [PROMPT, "--target", t, "--draft", d, "--steps", "2", "--max-new-tokens", "8"]
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    streamed = out.split("\n" + "-" * 72)[0]
+    want = jspec.generate(jspec.load(t, draft=d), PROMPT, max_new_tokens=8, stop_token_ids=[],
+                          spec=jspec.SpecConfig(num_steps=2))
+    assert streamed == PROMPT + want.text
+    assert "mean accepted length" in out and "outputs identical" in out
+
+    seen = {}
+
+    def fake_stream(params, prompt, **kw):  # the interface the CLI expects of jspec.stream
+        seen.update(kw, prompt=prompt)
+        yield types.SimpleNamespace(text="<one>", tokens=[1])
+        yield types.SimpleNamespace(text="<two>", tokens=[2])
+
+    monkeypatch.setattr(jspec, "stream", fake_stream, raising=False)
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    assert out.startswith(PROMPT + "<one><two>\n")
+    assert seen["prompt"] == PROMPT and seen["spec"] == jspec.SpecConfig(num_steps=2) and seen["max_new_tokens"] == 8
+    assert "mean accepted length" in out
+
+
+def test_parse_spec_and_format_table():
+    assert parse_spec("5,8,16") == jspec.SpecConfig(num_steps=5, topk=8, num_draft_tokens=16)
+    assert parse_spec("3") == jspec.SpecConfig(num_steps=3)
+    for bad in ("", "1,2,3,4", "x"):
+        with pytest.raises(ValueError):
+            parse_spec(bad)
+    rows = [BenchRow(4, None, 1.0, 100.0, 1.0, 1.0, 2.0, (100.0,)),
+            BenchRow(4, parse_spec("5,8,16"), 3.5, 250.0, 2.5, 0.75, 3.0, (250.0,))]
+    lines = format_table(rows).splitlines()
+    assert len(lines) == 4 and len({len(line) for line in lines}) == 1  # aligned
+    assert "| tree " in lines[3] and "5,8,16" in lines[3] and "2.50x" in lines[3] and "75%" in lines[3]
