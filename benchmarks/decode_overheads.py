@@ -8,9 +8,11 @@ side, each its own compiled program:
                         goes through the processing and takes the penalised argmax)
   sampling, T=0.7       the same program sampling
 
-Run: PYTHONPATH=. python3 benchmarks/decode_overheads.py
+Run: PYTHONPATH=. python3 benchmarks/decode_overheads.py [BATCH ...]
 """
 from __future__ import annotations
+
+import sys
 
 import jax
 import jax.numpy as jnp
@@ -21,6 +23,7 @@ from benchmarks.common import LLAMA31_8B, Runner, env_info, random_params, save_
 from jspec import sampling
 
 REAL_CHOOSE = sampling.choose
+BATCHES = [int(b) for b in sys.argv[1:]] or [1, 32]
 
 
 def branching_choose(samples, logits, sp, *args, **kw):
@@ -37,7 +40,7 @@ def main():
                 ("branch in the loop", branching_choose, sampled, greedy),
                 ("sampling program", REAL_CHOOSE, sampled, greedy),
                 ("sampling, T=0.7", REAL_CHOOSE, sampled, sampled)]
-    for batch in (1, 32):
+    for batch in BATCHES:
         for name, choose, compiled_with, run_with in variants:
             sampling.choose = choose
             jspec.clear_caches()

@@ -1,0 +1,95 @@
+"""A round's fixed cost: the time of one speculative round of the bundled pair minus its
+model work (the target's forward over the N nodes and the draft's forwards: S-1 draft
+steps and the draft-extend over the committed tokens), on this machine, for the CLI's
+default chain. The model work is timed as separate jitted forwards over the loop's own
+caches; the round from two generation lengths through one compiled program.
+
+Run: PYTHONPATH=. python3 benchmarks/round_cost.py [--dtype float32] [--steps 4]
+"""
+from __future__ import annotations
+
+import argparse
+
+import jax
+import jax.numpy as jnp
+
+import jspec
+from benchmarks.common import Runner, env_info, median_time, save_json
+from jspec import bundle
+from jspec.cache.layout import causal_mask
+from jspec.spec import loop
+from jspec.spec.propose import _draft_step
+
+PROMPT = "def fibonacci(n):"
+
+
+def model_work(prog) -> dict:
+    """Seconds of the target's verify forward (N nodes) and the draft's forwards of a round."""
+    plan, (tw, dw) = prog.plan, prog.weights
+    inp = jax.device_put(prog.inputs())
+    st = jax.jit(loop.start, static_argnums=0)(plan, tw, dw, inp)
+    B, N, S = plan.batch, plan.N, plan.S
+    L = st.L
+    live = jnp.ones((B,), bool)
+
+    @jax.jit
+    def verify(tw, st):
+        pos = L[:, None] + jnp.arange(N)[None]
+        meta = plan.layout.meta(st.pages, positions=pos, prefix_len=L, local_mask=causal_mask(jnp.full((B,), N), N),
+                                write_valid=jnp.ones((B, N), bool))
+        capture = plan.draft.target_layers
+        hidden, aux, tcache = plan.family.forward(plan.target, tw, st.tokens[:, :N], st.tcache, meta, capture)
+        return plan.family.logits(plan.target, tw, hidden), plan.draft.target_features(hidden, aux), tcache
+
+    @jax.jit
+    def draft_steps(tw, dw, st):
+        tok, h, dcache, out = st.first_tokens, st.draft_hidden[:, None], st.dcache, []
+        one = jnp.ones((B, 1, 1), bool)
+        for j in range(1, S):
+            pos = L + plan.lag + j - 1
+            logits, hs, dcache = _draft_step(plan, tw, dw, st.pages, dcache, tok, h, pos[:, None], pos, one, live)
+            tok, h = jnp.argmax(logits, axis=-1).astype(jnp.int32), hs
+            out.append(tok)
+        return out, dcache
+
+    T = S + 1 + plan.lag
+    feats = verify(tw, st)[1]
+    feats = None if feats is None else jnp.pad(feats, ((0, 0), (0, max(T - N, 0)), (0, 0)))[:, :T]
+
+    @jax.jit
+    def extend(tw, dw, st, feats):
+        meta = plan.layout.meta(st.pages, positions=L[:, None] + jnp.arange(T)[None], prefix_len=L,
+                                local_mask=causal_mask(jnp.full((B,), T), T), write_valid=jnp.ones((B, T), bool))
+        hidden, dcache = plan.draft.forward(plan.target, tw, dw, st.tokens[:, :T], feats, st.dcache, meta, True)
+        return plan.draft.logits(plan.target, tw, dw, hidden[:, -1]), dcache
+
+    parts = {"target verify": median_time(verify, tw, st), "draft steps": median_time(draft_steps, tw, dw, st)}
+    parts["draft extend"] = median_time(extend, tw, dw, st, feats)
+    return parts
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--dtype", default=None)
+    ap.add_argument("--steps", type=int, default=4)
+    ap.add_argument("--max-new", type=int, default=160)
+    args = ap.parse_args()
+    dtype = args.dtype or ("float32" if jax.default_backend() == "cpu" else "bfloat16")
+    pair = bundle.load("eagle3", dtype=dtype)
+    spec = jspec.SpecConfig(num_steps=args.steps, topk=1, num_draft_tokens=args.steps + 1)
+    res = {"env": env_info(), "dtype": dtype, "spec": [spec.num_steps, spec.topk, spec.num_draft_tokens]}
+    plain = Runner(pair.with_draft(None), [PROMPT], args.max_new)
+    step, _, _ = plain.per_round(16, args.max_new)
+    r = Runner(pair, [PROMPT], args.max_new, spec=spec)
+    per, rounds, toks = r.per_round(16, args.max_new)
+    work = model_work(r.prog)
+    model = sum(work.values())
+    res.update(plain_step_ms=step * 1e3, round_ms=per * 1e3, tokens_per_round=toks / rounds,
+               model_work_ms={k: v * 1e3 for k, v in work.items()}, fixed_ms=(per - model) * 1e3,
+               speedup=(toks / rounds) * step / per)
+    print({k: (round(v, 3) if isinstance(v, float) else v) for k, v in res.items()}, flush=True)
+    print("saved", save_json(f"round_cost_{jax.default_backend()}.json", res))
+
+
+if __name__ == "__main__":
+    main()
