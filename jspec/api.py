@@ -421,8 +421,8 @@ class Compiled:
         self._reqs = reqs
         self.compile_s = 0.0
         self.plan = _plan(params, reqs, cache, spec)
-        if eager:
-            self.executable
+        if eager:  # jspec.compile compiles now; jspec.stream compiles its own programs at its first chunk
+            self.program(loop.generate_jit, reqs)
 
     @property
     def executable(self):

@@ -44,7 +44,8 @@ class _TextDiff:
         text = self.tokenizer.decode(tokens, skip_special_tokens=True)
         if not final:
             text = text.rstrip("\ufffd")
-        if not text.startswith(self.shown):  # a decoder that rewrote earlier text: show the rest
+        if not text.startswith(self.shown):  # a decoder that rewrote earlier text: go on from here
+            self.shown = text
             return ""
         new, self.shown = text[len(self.shown):], text
         return new
