@@ -146,6 +146,8 @@ def _generate_parser() -> _Parser:
     ap.add_argument("--seed", type=_int(0, 2 ** 31), default=0)
     ap.add_argument("--sample-drafts", action="store_true",
                     help="sampled requests draw the drafts from the draft's distribution (chains)")
+    ap.add_argument("--repeats", type=_int(1), default=5,
+                    help="timed runs of each program after a warm-up, alternating (median reported; default 5)")
     return ap
 
 
@@ -156,6 +158,19 @@ def _stream_text(params, prompt, **kw) -> None:
     for chunk in jspec.stream(params, prompt, **kw):
         print(chunk.text or "", end="", flush=True)
     print()
+
+
+def _timed(progs, repeats: int):
+    """-> [(last output, median tokens/s)] per program: a warm-up run of each, then
+    `repeats` rounds that run each program once in turn, so all see the machine alike."""
+    import statistics
+    outs = [p.run() for p in progs]
+    tps = [[] for _ in progs]
+    for _ in range(repeats):
+        for i, p in enumerate(progs):
+            outs[i] = p.run()
+            tps[i].append(outs[i].timing["tokens_per_s"])
+    return [(o, statistics.median(t)) for o, t in zip(outs, tps)]
 
 
 def _generate(argv) -> int:
@@ -176,25 +191,23 @@ def _generate(argv) -> int:
     plain_params = params.with_draft(None)
     try:  # jspec checks its arguments before compiling: a refusal is a usage error
         prog = jspec.compile(params, args.prompt, spec=spec, **kw)
-        plain_prog = jspec.compile(plain_params, args.prompt, **kw)
+        plain_prog = jspec.compile(plain_params, args.prompt, **kw) if draft is not None else None
     except (ValueError, TypeError) as err:
         ap.error(str(err))
     _stream_text(params, args.prompt, spec=spec, **kw)  # the text as rounds commit; then timed runs
-    prog.run()  # warm-up, then timed
-    out = prog.run()
-    plain = out
-    if draft is not None:
-        plain_prog.run()
-        plain = plain_prog.run()
+    if draft is None:
+        [(out, tps)] = _timed([prog], args.repeats)
+    else:
+        (out, tps), (plain, plain_tps) = _timed([prog, plain_prog], args.repeats)
     print("-" * 72)
     if draft is None:
-        print(f"plain decoding (no draft): {len(out.tokens)} tokens, {out.timing['tokens_per_s']:.0f} tokens/s")
+        print(f"plain decoding (no draft): {len(out.tokens)} tokens, {tps:.0f} tokens/s")
         return 0
     print(f"speculative ({draft}, S={spec.num_steps}, K={spec.topk}, N={spec.num_draft_tokens}): "
           f"{len(out.tokens)} tokens, mean accepted length {out.stats.mean_accept_length:.2f}, "
-          f"{out.timing['tokens_per_s']:.0f} tokens/s")
-    print(f"plain decoding: {plain.timing['tokens_per_s']:.0f} tokens/s "
-          f"(speed-up {out.timing['tokens_per_s'] / plain.timing['tokens_per_s']:.2f}x); "
+          f"{tps:.0f} tokens/s")
+    print(f"plain decoding: {plain_tps:.0f} tokens/s (speed-up {tps / plain_tps:.2f}x; tokens/s: medians of "
+          f"{args.repeats} timed runs each); "
           f"outputs {'identical' if plain.tokens == out.tokens else 'differ'}"
           + ("" if args.temperature == 0 else " (sampled: the same distribution; target-only verification draws "
                                               "the same tokens for the same seed up to rounding)"))

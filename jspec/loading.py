@@ -85,8 +85,23 @@ def load_tokenizer(model_dir: str):
     names = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
     if not any(os.path.isfile(os.path.join(model_dir, n)) for n in names):
         return None
-    from transformers import AutoTokenizer
-    return AutoTokenizer.from_pretrained(model_dir)
+    return _auto_tokenizer().from_pretrained(model_dir)
+
+
+def _auto_tokenizer():
+    """transformers' AutoTokenizer. jspec uses only its tokenizers, so transformers' advice
+    at import that PyTorch is missing (an advisory warning) is silenced for that import."""
+    key = "TRANSFORMERS_NO_ADVISORY_WARNINGS"
+    before = os.environ.get(key)
+    os.environ[key] = "1"
+    try:
+        from transformers import AutoTokenizer
+    finally:
+        if before is None:
+            del os.environ[key]
+        else:
+            os.environ[key] = before
+    return AutoTokenizer
 
 
 def _check_dtype(dtype):

@@ -4,6 +4,8 @@ on the tiny 4-layer Llama with a random EAGLE-3 head; the bench and generate run
 one plan per configuration, so the file compiles two loops."""
 from __future__ import annotations
 
+import subprocess
+import sys
 import types
 
 import pytest
@@ -106,6 +108,7 @@ def test_generate_prints_text_and_stats(capsys, monkeypatch, pair):
                           spec=jspec.SpecConfig(num_steps=2))
     assert streamed == PROMPT + want.text
     assert "mean accepted length" in out and "outputs identical" in out
+    assert "medians of 5 timed runs" in out
 
     seen = {}
 
@@ -133,3 +136,15 @@ def test_parse_spec_and_format_table():
     lines = format_table(rows).splitlines()
     assert len(lines) == 4 and len({len(line) for line in lines}) == 1  # aligned
     assert "| tree " in lines[3] and "5,8,16" in lines[3] and "2.50x" in lines[3] and "75%" in lines[3]
+
+
+def test_loading_prints_no_warnings_without_pytorch():
+    """jspec needs no PyTorch: loading the bundle (its tokenizer imports transformers) on a
+    machine without it prints nothing; transformers' advice about it would go to stderr."""
+    code = ("import importlib.util\n"
+            "find = importlib.util.find_spec\n"  # as if torch were not installed
+            "importlib.util.find_spec = lambda n, *a: None if n.split('.')[0] == 'torch' else find(n, *a)\n"
+            "from jspec import bundle\n"
+            "assert bundle.load('eagle3').tokenizer is not None\n")
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0 and run.stderr == "", run.stderr
