@@ -4,11 +4,15 @@ steps and the draft-extend over the committed tokens), on this machine, for the 
 default chain. The model work is timed as separate jitted forwards over the loop's own
 caches; the round from two generation lengths through one compiled program.
 
-Run: PYTHONPATH=. python3 benchmarks/round_cost.py [--dtype float32] [--steps 4]
+On a GPU it also traces one run of each program: kernels per step and per round, the
+time some kernel runs, and the idle time between kernels (launch and host waits).
+
+Run: PYTHONPATH=. python3 benchmarks/round_cost.py [--dtype float32] [--steps 4] [--topk K --tokens N]
 """
 from __future__ import annotations
 
 import argparse
+import tempfile
 
 import jax
 import jax.numpy as jnp
@@ -68,27 +72,48 @@ def model_work(prog) -> dict:
     return parts
 
 
+def trace(r, max_new: int) -> dict:
+    """GPU kernels of one run: per round (or step) kernels, busy us and idle us."""
+    from benchmarks.profile_decode import busy_and_gaps, kernel_spans
+    r.run(max_new)
+    d = tempfile.mkdtemp()
+    jax.profiler.start_trace(d)
+    _, res = r.run(max_new)
+    jax.profiler.stop_trace()
+    stats, spans = kernel_spans(d)
+    busy, gaps = busy_and_gaps(spans)
+    n = max(res.stats.rounds)
+    gaps = sorted(gaps)[:-2]  # the two largest: around the prefill
+    return {"rounds": n, "kernels_per_round": sum(v[0] for v in stats.values()) / n,
+            "busy_us_per_round": busy / n, "idle_us_per_round": sum(gaps) / n}
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--dtype", default=None)
     ap.add_argument("--steps", type=int, default=4)
+    ap.add_argument("--topk", type=int, default=1)
+    ap.add_argument("--tokens", type=int, default=None)
     ap.add_argument("--max-new", type=int, default=160)
     args = ap.parse_args()
     dtype = args.dtype or ("float32" if jax.default_backend() == "cpu" else "bfloat16")
     pair = bundle.load("eagle3", dtype=dtype)
-    spec = jspec.SpecConfig(num_steps=args.steps, topk=1, num_draft_tokens=args.steps + 1)
+    spec = jspec.SpecConfig(num_steps=args.steps, topk=args.topk, num_draft_tokens=args.tokens)
     res = {"env": env_info(), "dtype": dtype, "spec": [spec.num_steps, spec.topk, spec.num_draft_tokens]}
     plain = Runner(pair.with_draft(None), [PROMPT], args.max_new)
     step, _, _ = plain.per_round(16, args.max_new)
     r = Runner(pair, [PROMPT], args.max_new, spec=spec)
     per, rounds, toks = r.per_round(16, args.max_new)
-    work = model_work(r.prog)
+    work = model_work(r.prog) if spec.topk == 1 else {}
     model = sum(work.values())
     res.update(plain_step_ms=step * 1e3, round_ms=per * 1e3, tokens_per_round=toks / rounds,
-               model_work_ms={k: v * 1e3 for k, v in work.items()}, fixed_ms=(per - model) * 1e3,
+               model_work_ms={k: v * 1e3 for k, v in work.items()}, fixed_ms=(per - model) * 1e3 if work else None,
                speedup=(toks / rounds) * step / per)
+    if jax.default_backend() == "gpu":
+        res["trace"] = {"plain step": trace(plain, args.max_new), "round": trace(r, args.max_new)}
     print({k: (round(v, 3) if isinstance(v, float) else v) for k, v in res.items()}, flush=True)
-    print("saved", save_json(f"round_cost_{jax.default_backend()}.json", res))
+    tag = f"_{spec.num_steps}x{spec.topk}x{spec.num_draft_tokens}" if spec.topk > 1 else ""
+    print("saved", save_json(f"round_cost_{jax.default_backend()}{tag}.json", res))
 
 
 if __name__ == "__main__":
