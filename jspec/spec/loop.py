@@ -240,17 +240,22 @@ def round_step(plan: Plan, tw, dw, inp: LoopInputs, st: LoopState) -> LoopState:
     active = ~st.finished
     st, active = reserve_room(plan, inp, st, st.L + plan.slack, active,
                               cdiv(plan.slack, max(plan.layout.page_size, 1)) + 1)
-    st, tree, logq = draft_phase(plan, tw, dw, inp, st, active)
-    st, verified = verify_phase(plan, tw, st, tree, active)
-    acc = accept_phase(plan, inp, st, tree, verified.logits, logq)
-    st = commit_phase(plan, inp, st, acc, active)
+    with jax.named_scope("draft"):  # the scopes name each phase's kernels in profiles
+        st, tree, logq = draft_phase(plan, tw, dw, inp, st, active)
+    with jax.named_scope("verify"):
+        st, verified = verify_phase(plan, tw, st, tree, active)
+    with jax.named_scope("accept"):
+        acc = accept_phase(plan, inp, st, tree, verified.logits, logq)
+    with jax.named_scope("commit"):
+        st = commit_phase(plan, inp, st, acc, active)
     newly_done = active & st.finished
     if plan.draft is not None:
-        feats = plan.draft.target_features(verified.hidden, verified.aux)
-        if feats is not None and plan.K > 1:
-            feats = jnp.take_along_axis(feats, acc.path[:, :, None], axis=1)
-        st = extend_phase(plan, tw, dw, inp, st, st.L - acc.accept_len, acc.path_tokens, feats, acc.accept_len,
-                          acc.bonus, active & ~st.finished)
+        with jax.named_scope("extend"):
+            feats = plan.draft.target_features(verified.hidden, verified.aux)
+            if feats is not None and plan.K > 1:
+                feats = jnp.take_along_axis(feats, acc.path[:, :, None], axis=1)
+            st = extend_phase(plan, tw, dw, inp, st, st.L - acc.accept_len, acc.path_tokens, feats, acc.accept_len,
+                              acc.bonus, active & ~st.finished)
     return release_pages(plan, st, newly_done).replace(step=st.step + 1)
 
 
