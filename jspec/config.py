@@ -17,14 +17,40 @@ DTYPES = ("float32", "bfloat16", "float16")
 
 @dataclasses.dataclass(frozen=True)
 class RopeConfig:
-    """Rotary embedding: base `theta` and an optional scaling rule (`linear`, `llama3`)."""
+    """Rotary embedding: base `theta` and an optional scaling rule (`linear`, `llama3`,
+    `yarn`). YaRN also scales cos and sin (`attention_factor`), and DeepSeek's attention
+    multiplies its softmax scale by `softmax_mscale()`."""
 
     theta: float = 10000.0
-    kind: str = "default"  # default | linear | llama3
+    kind: str = "default"  # default | linear | llama3 | yarn
     factor: float = 1.0
     low_freq_factor: float = 1.0
     high_freq_factor: float = 4.0
     original_max_position_embeddings: int = 8192
+    beta_fast: float = 32.0  # yarn
+    beta_slow: float = 1.0
+    mscale: float = 0.0  # yarn: 0 = not given
+    mscale_all_dim: float = 0.0
+    attention_factor: float | None = None  # yarn: None = from factor, mscale, mscale_all_dim
+    truncate: bool = True
+
+    def cos_sin_scale(self) -> float:
+        """The factor on cos and sin (YaRN's attention factor; 1 otherwise)."""
+        if self.kind != "yarn":
+            return 1.0
+        if self.attention_factor is not None:
+            return float(self.attention_factor)
+        if self.mscale and self.mscale_all_dim:
+            return float(_yarn_mscale(self.factor, self.mscale) / _yarn_mscale(self.factor, self.mscale_all_dim))
+        return _yarn_mscale(self.factor)
+
+    def softmax_mscale(self) -> float:
+        """DeepSeek's factor on the softmax scale: mscale(factor, mscale_all_dim) squared
+        for a scaled RoPE with `mscale_all_dim`, else 1."""
+        if self.kind == "default" or not self.mscale_all_dim:
+            return 1.0
+        m = _yarn_mscale(self.factor, self.mscale_all_dim)
+        return m * m
 
     def inv_freq(self, head_dim: int) -> np.ndarray:
         """Inverse frequencies [Dh/2] in float32, computed as transformers does."""
@@ -42,7 +68,33 @@ class RopeConfig:
             smoothed = (1 - smooth) * scaled / self.factor + smooth * scaled
             medium = ~(wavelen < high_wavelen) & ~(wavelen > low_wavelen)
             inv = np.where(medium, smoothed, scaled).astype(np.float32)
+        elif self.kind == "yarn":
+            inv = self._yarn_inv_freq(inv, head_dim)
         return inv
+
+    def _yarn_inv_freq(self, extrapolation: np.ndarray, dim: int) -> np.ndarray:
+        """YaRN: interpolated (divided by factor) low frequencies, the original high ones,
+        and a linear ramp between the correction dimensions (as transformers computes it)."""
+        base, old = self.theta, self.original_max_position_embeddings
+
+        def correction_dim(rotations):
+            return (dim * math.log(old / (rotations * 2 * math.pi))) / (2 * math.log(base))
+
+        low, high = correction_dim(self.beta_fast), correction_dim(self.beta_slow)
+        if self.truncate:
+            low, high = math.floor(low), math.ceil(high)
+        low, high = max(low, 0), min(high, dim - 1)
+        if low == high:
+            high += 0.001
+        ramp = np.clip((np.arange(dim // 2, dtype=np.float32) - np.float32(low)) / np.float32(high - low), 0, 1)
+        keep = (np.float32(1) - ramp.astype(np.float32)).astype(np.float32)  # weight of the original frequency
+        pos_freqs = np.float32(base) ** (np.arange(0, dim, 2, dtype=np.int64).astype(np.float32) / np.float32(dim))
+        interpolation = (np.float32(1) / (np.float32(self.factor) * pos_freqs.astype(np.float32))).astype(np.float32)
+        return (interpolation * (np.float32(1) - keep) + extrapolation * keep).astype(np.float32)
+
+
+def _yarn_mscale(scale: float, mscale: float = 1.0) -> float:
+    return 1.0 if scale <= 1 else 0.1 * mscale * math.log(scale) + 1.0
 
 
 @dataclasses.dataclass(frozen=True)

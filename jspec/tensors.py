@@ -33,11 +33,16 @@ class Tensors:
             raise ValueError(f"{self.where}: tensor {name!r} has shape {tuple(a.shape)}, expected {tuple(shape)}")
         return a
 
-    def param(self, *names_shapes, axis=0):
-        """Takes one or more tensors, concatenates them along `axis`, converts to jax."""
+    def param(self, *names_shapes, axis=0, dtype=None):
+        """Takes one or more tensors, concatenates them along `axis`, converts to jax (in
+        the weights' dtype, or `dtype`)."""
         parts = [self.take(n, s) for n, s in names_shapes]
         a = parts[0] if len(parts) == 1 else np.concatenate(parts, axis=axis)
-        return jnp.asarray(a, dtype=self.dtype)
+        return self.as_param(a, dtype)
+
+    def as_param(self, a: np.ndarray, dtype=None):
+        """A host array built from taken tensors, as a jax array (the weights' dtype, or `dtype`)."""
+        return jnp.asarray(a, dtype=self.dtype if dtype is None else dtype)
 
     def linear(self, *names_shapes):
         """A projection: Hugging Face [out, in] tensors, concatenated along `out`, as the

@@ -225,5 +225,5 @@ def test_dynamic_rope_scaling_is_refused(llama_dir, tmp_path, style):
         cfg["rope_scaling"], cfg["rope_theta"] = {"type": "dynamic", "factor": 2.0}, 10000.0
     json.dump(cfg, open(os.path.join(d, "config.json"), "w"))
     with pytest.raises(ValueError, match=r"unsupported rope scaling type 'dynamic' \(supported: default, linear, "
-                                         r"llama3\)"):
+                                         r"llama3, yarn\)"):
         jspec.load(d)

@@ -38,7 +38,8 @@ def test_logits_match_transformers(tmp_path, family, tie):
 
 @pytest.mark.parametrize("rope", [{"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                                    "original_max_position_embeddings": 16},
-                                  {"rope_type": "linear", "factor": 2.0}])
+                                  {"rope_type": "linear", "factor": 2.0},
+                                  {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 16}])
 def test_rope_scaling_matches_transformers(tmp_path, rope):
     model = tiny_models.make_model(str(tmp_path), "llama", rope_scaling=rope)
     params = jspec.load(str(tmp_path))

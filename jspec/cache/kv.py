@@ -57,11 +57,16 @@ class KVCacheKind:
                active) -> KVCache:
         """Tree commit: the accepted path's keys and values move from slots L + path[d] to
         L + d (d < accept_len [B]; path [B, S+1] node indices, L [B] committed slots)."""
-        d = jnp.arange(path.shape[1], dtype=jnp.int32)[None, :]
-        move = active[:, None] & (d < accept_len[:, None]) & (path != d)
-        src = layout.slot_index(L[:, None] + path, move, pages)
-        dst = layout.slot_index(L[:, None] + d, move, pages)
-        return move_slots(cache, src, dst)
+        return move_slots(cache, *path_moves(layout, pages, L, path, accept_len, active))
+
+
+def path_moves(layout: CacheLayout, pages: PageState | None, L, path, accept_len, active):
+    """A tree commit's moves for any cache kind -> flat (src, dst) [B, S+1]: slot L + path[d]
+    to L + d for d < accept_len on active rows; the rest (and nodes already in place) have
+    both ends in the trash."""
+    d = jnp.arange(path.shape[1], dtype=jnp.int32)[None, :]
+    move = active[:, None] & (d < accept_len[:, None]) & (path != d)
+    return layout.slot_index(L[:, None] + path, move, pages), layout.slot_index(L[:, None] + d, move, pages)
 
 
 def init_kv_cache(num_layers, num_kv_heads, head_dim, dtype, *, batch=0, max_len=0,
@@ -103,8 +108,8 @@ def with_queries(new: jax.Array, q: jax.Array, meta: AttnMeta, buf: jax.Array):
 
 
 def write_kv(buf: jax.Array, new: jax.Array, write_index: jax.Array, dense: bool = False) -> jax.Array:
-    """Writes new [B, T, 2, Hkv, Dh] (keys and values) at flat indices [B, T] (in bounds: see
-    `slot_index`).
+    """Writes new [B, T, ...] (a slot's entries: keys and values [2, Hkv, Dh], or another
+    kind's, e.g. the MLA latent) at flat indices [B, T] (in bounds: see `slot_index`).
 
     The T tokens of a forward pass go to consecutive slots, so one token, or a dense
     cache of one row, is one in-place block update (a scatter costs more). A dense row
@@ -115,11 +120,11 @@ def write_kv(buf: jax.Array, new: jax.Array, write_index: jax.Array, dense: bool
     rows = new.astype(buf.dtype)
     if dense and B == 1 and T <= shape[1]:
         start = write_index[0, 0]  # flat index of row 0 = its slot
-        return jax.lax.dynamic_update_slice(buf, rows, (0, start, 0, 0, 0))
-    flat = buf.reshape((-1,) + shape[-3:])
-    rows = rows.reshape((-1,) + shape[-3:])
+        return jax.lax.dynamic_update_slice(buf, rows, (0, start) + (0,) * (buf.ndim - 2))
+    flat = buf.reshape((-1,) + shape[2:])
+    rows = rows.reshape((-1,) + shape[2:])
     if B * T == 1:
-        flat = jax.lax.dynamic_update_slice(flat, rows, (write_index.reshape(()), 0, 0, 0))
+        flat = jax.lax.dynamic_update_slice(flat, rows, (write_index.reshape(()),) + (0,) * (flat.ndim - 1))
     else:
         flat = flat.at[write_index.reshape(-1)].set(rows, mode="promise_in_bounds")
     return flat.reshape(shape)
@@ -137,9 +142,14 @@ def read_kv(buf: jax.Array, page_table: jax.Array | None) -> jax.Array:
 def move_slots(cache: KVCache, src_index: jax.Array, dst_index: jax.Array) -> KVCache:
     """Copies every layer's entries at flat src [B, M] to flat dst [B, M] (gather, then set;
     moves that must not happen have both ends in the trash)."""
+    return KVCache(kv=move_buffers(cache.kv, src_index, dst_index))
+
+
+def move_buffers(bufs: tuple, src_index: jax.Array, dst_index: jax.Array) -> tuple:
+    """`move_slots` over per-layer buffers [rows, slots, ...] of any cache kind."""
     def move(buf):
         shape = buf.shape
-        flat = buf.reshape((-1,) + shape[-3:])
+        flat = buf.reshape((-1,) + shape[2:])
         vals = flat[src_index.reshape(-1)]
         return flat.at[dst_index.reshape(-1)].set(vals, mode="promise_in_bounds").reshape(shape)
-    return KVCache(kv=tuple(move(b) for b in cache.kv))
+    return tuple(move(b) for b in bufs)

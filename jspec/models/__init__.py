@@ -6,9 +6,10 @@ config by its type; `family_for_hf(cfg_json)` by the checkpoint's `architectures
 from __future__ import annotations
 
 from jspec.models.family import TargetFamily
+from jspec.models.deepseek import DEEPSEEK
 from jspec.models.llama import LLAMA
 
-FAMILIES: tuple[TargetFamily, ...] = (LLAMA,)
+FAMILIES: tuple[TargetFamily, ...] = (LLAMA, DEEPSEEK)
 
 
 def family_for(cfg) -> TargetFamily:

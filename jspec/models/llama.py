@@ -69,12 +69,13 @@ class RMSNorm(nn.Module):
         return w * (xf * r).astype(x.dtype)
 
 
-def apply_rope(x, positions, inv_freq: np.ndarray):
+def apply_rope(x, positions, inv_freq: np.ndarray, scale: float = 1.0):
     """x [B,T,h,Dh] rotated by positions [B,T] (rotate-half layout, as transformers:
-    x * [cos, cos] + [-x2, x1] * [sin, sin], computed per half with the same roundings)."""
+    x * [cos, cos] + [-x2, x1] * [sin, sin], computed per half with the same roundings);
+    `scale` multiplies cos and sin (YaRN's attention factor)."""
     freqs = positions.astype(jnp.float32)[..., None] * jnp.asarray(inv_freq)[None, None, :]  # [B,T,Dh/2]
-    cos = jnp.cos(freqs).astype(x.dtype)[:, :, None, :]
-    sin = jnp.sin(freqs).astype(x.dtype)[:, :, None, :]
+    cos = (jnp.cos(freqs) * scale).astype(x.dtype)[:, :, None, :]
+    sin = (jnp.sin(freqs) * scale).astype(x.dtype)[:, :, None, :]
     half = x.shape[-1] // 2
     x1, x2 = x[..., :half], x[..., half:]
     return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
@@ -101,8 +102,8 @@ class Attention(nn.Module):
             q = RMSNorm(c.rms_norm_eps, c.dtype, name="q_norm")(q)
             k = RMSNorm(c.rms_norm_eps, c.dtype, name="k_norm")(k)
         inv_freq = c.rope.inv_freq(Dh)
-        q = apply_rope(q, meta.positions, inv_freq)
-        k = apply_rope(k, meta.positions, inv_freq)
+        q = apply_rope(q, meta.positions, inv_freq, c.rope.cos_sin_scale())
+        k = apply_rope(k, meta.positions, inv_freq, c.rope.cos_sin_scale())
         o, kv = cached_attention(q, k, v, kv, meta, window=self.window, scale=Dh ** -0.5)
         out = Linear(c.hidden_size, c.o_bias, c.dtype, name="o_proj")(o.reshape(B, T, H * Dh))
         return out, kv

@@ -37,7 +37,17 @@ def rope_from_hf(cfg: Mapping[str, Any]) -> RopeConfig:
                           low_freq_factor=float(params["low_freq_factor"]),
                           high_freq_factor=float(params["high_freq_factor"]),
                           original_max_position_embeddings=int(params["original_max_position_embeddings"]))
-    raise ValueError(f"unsupported rope scaling type {kind!r} (supported: default, linear, llama3)")
+    if kind == "yarn":
+        old = int(params["original_max_position_embeddings"])
+        factor = params.get("factor")
+        factor = float(factor) if factor is not None else float(cfg["max_position_embeddings"]) / old
+        att = params.get("attention_factor")
+        return RopeConfig(theta=theta, kind="yarn", factor=factor, original_max_position_embeddings=old,
+                          beta_fast=float(params.get("beta_fast") or 32), beta_slow=float(params.get("beta_slow") or 1),
+                          mscale=float(params.get("mscale") or 0), mscale_all_dim=float(params.get("mscale_all_dim") or 0),
+                          attention_factor=None if att is None else float(att),
+                          truncate=bool(params.get("truncate", True)))
+    raise ValueError(f"unsupported rope scaling type {kind!r} (supported: default, linear, llama3, yarn)")
 
 
 def model_config_from_hf(cfg: Mapping[str, Any], *, dtype: str | None = None,

@@ -1,0 +1,52 @@
+"""The MLA latent cache kind (DeepSeek-V2/V3): per token and layer only the normalised KV
+latent (kv_lora_rank values) and the roped key part shared by all heads (qk_rope_head_dim
+values), side by side in one slot: 512 + 64 = 576 values for DeepSeek-V3, no per-head keys
+or values.
+
+One buffer per layer: dense [B, C + 1, Dc + Dr] or paged [num_pages + 1, P, Dc + Dr], in
+the slot layout of `jspec.cache.layout` (trash row or page included). Writes, reads and
+tree compaction are the GQA cache's (`jspec.cache.kv`), which work on any slot entry.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import jax.numpy as jnp
+from flax import struct
+
+from jspec.cache.kv import move_buffers, path_moves
+from jspec.cache.layout import CacheLayout, PageState
+
+
+@struct.dataclass
+class LatentCache:
+    """Per-layer latent rows [rows, slots, Dc + Dr]: the normalised latent, then the roped key."""
+
+    latent: tuple
+
+
+@dataclasses.dataclass(frozen=True)
+class LatentCacheKind:
+    """The cache an MLA model needs: per layer, Dc latent and Dr roped key values a token."""
+
+    num_layers: int
+    kv_lora_rank: int
+    rope_dim: int
+    dtype: str
+
+    @property
+    def entry_size(self) -> int:
+        """Values a token keeps per layer."""
+        return self.kv_lora_rank + self.rope_dim
+
+    def init(self, layout: CacheLayout, batch: int) -> LatentCache:
+        shape = layout.buffer_shape(batch) + (self.entry_size,)
+        return LatentCache(latent=tuple(jnp.zeros(shape, self.dtype) for _ in range(self.num_layers)))
+
+    def extra_slots(self, T: int, paged: bool) -> int:
+        return 0
+
+    def commit(self, cache: LatentCache, layout: CacheLayout, pages: PageState | None, L, path, accept_len,
+               active) -> LatentCache:
+        """Tree commit: the accepted path's latent rows move from slots L + path[d] to L + d."""
+        return LatentCache(latent=move_buffers(cache.latent, *path_moves(layout, pages, L, path, accept_len, active)))

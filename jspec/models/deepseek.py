@@ -1,0 +1,251 @@
+"""DeepSeek-V2/V3 decoders (MLA attention, MoE MLPs) as Flax modules, behind the
+target-family protocol (`jspec.models.family`).
+
+Attention keeps only the latent in the cache (`jspec.cache.latent`). A prefill computes
+keys and values from the latent as the model defines them; decoding and verification
+attend in the absorbed form (`jspec.kernels.mla_attention`): the key up-projection W_UK
+is folded into the query and the value up-projection W_UV applied after attention, so
+the cache is read once for all heads.
+
+MoE layers route each token to k of E experts (V2: softmax scores, `greedy` or
+`group_limited_greedy`; V3: sigmoid scores with `e_score_correction_bias` used for the
+choice only, groups, `norm_topk_prob`, `routed_scaling_factor`). When a forward has fewer
+(token, expert) pairs than experts (decoding, verification), each pair gathers its
+expert's weights, so only chosen experts are read; otherwise (prefill) the pairs are
+sorted by expert and run as grouped products (`jax.lax.ragged_dot`).
+"""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import linen as nn
+
+from jspec.cache.latent import LatentCache, LatentCacheKind
+from jspec.cache.layout import AttnMeta, prefill_meta
+from jspec.kernels.attention import attention_reference
+from jspec.kernels.mla_attention import cached_mla_attention
+from jspec.cache.kv import write_kv
+from jspec.models import deepseek_hf
+from jspec.models.deepseek_hf import DeepseekConfig
+from jspec.models.family import TargetFamily
+from jspec.models.llama import Linear, RMSNorm, apply_rope
+
+_init = nn.initializers.normal(0.02)
+LATENT_NORM_EPS = 1e-6  # the q/kv latent norms use RMSNorm's default, not rms_norm_eps
+
+
+def rope_pairs(x, positions, c: DeepseekConfig):
+    """x [B,T,h,Dr] rotated by positions [B,T]. Interleaved checkpoints rotate the pairs
+    (x0, x1), (x2, x3), ...; the result is laid out [evens, odds] (as transformers' V3 does;
+    queries and keys share the layout, so scores are those of V2's complex form)."""
+    inv = c.rope.inv_freq(c.qk_rope_head_dim)
+    scale = c.rope.cos_sin_scale()
+    if not c.rope_interleave:
+        return apply_rope(x, positions, inv, scale)
+    freqs = positions.astype(jnp.float32)[..., None] * jnp.asarray(inv)[None, None, :]  # [B,T,Dr/2]
+    cos = (jnp.cos(freqs) * scale)[:, :, None, :]
+    sin = (jnp.sin(freqs) * scale)[:, :, None, :]
+    xf = x.astype(jnp.float32)
+    x1, x2 = xf[..., 0::2], xf[..., 1::2]
+    return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1).astype(x.dtype)
+
+
+class MLAttention(nn.Module):
+    """Multi-head latent attention over the latent cache."""
+
+    cfg: DeepseekConfig
+
+    @nn.compact
+    def __call__(self, x, buf, meta: AttnMeta):
+        """x [B,T,D] (normed); buf: the layer's latent buffer or None. -> (out [B,T,D], buffer)."""
+        c = self.cfg
+        B, T, _ = x.shape
+        H, Dn, Dr, Dv, Dc = c.num_heads, c.qk_nope_head_dim, c.qk_rope_head_dim, c.v_head_dim, c.kv_lora_rank
+        if c.q_lora_rank:
+            q = Linear(c.q_lora_rank, c.attention_bias, c.dtype, name="q_a_proj")(x)
+            q = RMSNorm(LATENT_NORM_EPS, c.dtype, name="q_a_layernorm")(q)
+            q = Linear(H * (Dn + Dr), False, c.dtype, name="q_b_proj")(q)
+        else:
+            q = Linear(H * (Dn + Dr), False, c.dtype, name="q_proj")(x)
+        q = q.reshape(B, T, H, Dn + Dr)
+        q_nope, q_pe = q[..., :Dn], rope_pairs(q[..., Dn:], meta.positions, c)
+        ckv = Linear(Dc + Dr, c.attention_bias, c.dtype, name="kv_a_proj_with_mqa")(x)
+        latent = RMSNorm(LATENT_NORM_EPS, c.dtype, name="kv_a_layernorm")(ckv[..., :Dc])  # [B,T,Dc]
+        k_pe = rope_pairs(ckv[..., None, Dc:], meta.positions, c)[:, :, 0]  # [B,T,Dr], shared by the heads
+        kv_b = self.param("kv_b_proj", lambda k, s, d: {"kernel": _init(k, s, d)}, (Dc, H * (Dn + Dv)),
+                          jnp.dtype(c.dtype))["kernel"].reshape(Dc, H, Dn + Dv)
+        w_uk, w_uv = kv_b[..., :Dn], kv_b[..., Dn:]  # [Dc,H,Dn], [Dc,H,Dv]
+        rows = jnp.concatenate([latent, k_pe], axis=-1)  # [B,T,Dc+Dr]: what the cache keeps
+        if meta.prefill:  # keys and values from the latent, as the model computes them
+            if buf is not None:
+                buf = write_kv(buf, rows, meta.write_index, meta.page_table is None)
+            k_nope = jnp.einsum("btc,chn->bthn", latent, w_uk)
+            v = jnp.einsum("btc,chv->bthv", latent, w_uv)
+            k = jnp.concatenate([k_nope, jnp.broadcast_to(k_pe[:, :, None], (B, T, H, Dr))], axis=-1)
+            o = attention_reference(jnp.concatenate([q_nope, q_pe], axis=-1), k, v, None, meta,
+                                    scale=c.softmax_scale)  # [B,T,H,Dv]
+        else:  # absorbed: attend over the latent rows, then up-project the values
+            q_lat = jnp.einsum("bthn,chn->bthc", q_nope, w_uk, preferred_element_type=jnp.float32).astype(q.dtype)
+            o_lat, buf = cached_mla_attention(q_lat, q_pe, rows, buf, meta, scale=c.softmax_scale)
+            o = jnp.einsum("bthc,chv->bthv", o_lat.astype(q.dtype), w_uv)
+        out = Linear(c.hidden_size, c.attention_bias, c.dtype, name="o_proj")(o.reshape(B, T, H * Dv))
+        return out, buf
+
+
+class MLP(nn.Module):
+    width: int
+    dtype: str
+
+    @nn.compact
+    def __call__(self, x):
+        gu = Linear(2 * self.width, False, self.dtype, name="gate_up_proj")(x)
+        return Linear(x.shape[-1], False, self.dtype, name="down_proj")(nn.silu(gu[..., :self.width])
+                                                                        * gu[..., self.width:])
+
+
+def route(c: DeepseekConfig, logits, bias):
+    """Router logits [N,E] float32 (and V3's score-correction bias [E]) -> (weights [N,k]
+    float32, expert ids [N,k])."""
+    N, E = logits.shape
+    k, G = c.num_experts_per_tok, c.n_group
+    scores = jax.nn.sigmoid(logits) if c.scoring == "sigmoid" else jax.nn.softmax(logits, axis=-1)
+    choice = scores + bias if bias is not None else scores
+    if c.topk_method != "greedy" and G > 1:  # keep the topk_group best groups
+        grouped = choice.reshape(N, G, E // G)
+        if c.topk_method == "noaux_tc":
+            group_score = jax.lax.top_k(grouped, 2)[0].sum(-1)
+        else:
+            group_score = grouped.max(-1)
+        keep = jax.lax.top_k(group_score, c.topk_group)[1]  # [N, topk_group]
+        group_ok = jnp.zeros((N, G), bool).at[jnp.arange(N)[:, None], keep].set(True)
+        hidden = -jnp.inf if c.topk_method == "noaux_tc" else 0.0
+        choice = jnp.where(jnp.repeat(group_ok, E // G, axis=1), choice, hidden)
+    ids = jax.lax.top_k(choice, k)[1]
+    weights = jnp.take_along_axis(scores, ids, axis=1)
+    if c.norm_topk_prob and k > 1:
+        weights = weights / (weights.sum(-1, keepdims=True) + 1e-20)
+    return weights * c.routed_scaling_factor, ids
+
+
+class MoE(nn.Module):
+    """Routed experts (grouped products over the tokens each expert got) plus shared experts."""
+
+    cfg: DeepseekConfig
+
+    @nn.compact
+    def __call__(self, x):
+        c = self.cfg
+        B, T, D = x.shape
+        E, Fm, k = c.n_routed_experts, c.moe_intermediate_size, c.num_experts_per_tok
+        dt = jnp.dtype(c.dtype)
+        router = self.param("router", lambda key: {"kernel": _init(key, (D, E), jnp.float32)}
+                            | ({"bias": jnp.zeros((E,), jnp.float32)} if c.scoring == "sigmoid" else {}))
+        experts = self.param("experts", lambda key: {"gate_up": _init(key, (E, D, 2 * Fm), dt),
+                                                     "down": _init(jax.random.fold_in(key, 1), (E, Fm, D), dt)})
+        xs = x.reshape(B * T, D)
+        weights, ids = route(c, xs.astype(jnp.float32) @ router["kernel"], router.get("bias"))
+        if B * T * k < E:  # decode and verification: read the chosen experts' weights only
+            gu = jnp.einsum("nd,nkdf->nkf", xs, experts["gate_up"][ids])  # [N, k, 2Fm]
+            y = jnp.einsum("nkf,nkfd->nkd", nn.silu(gu[..., :Fm]) * gu[..., Fm:], experts["down"][ids])
+        else:  # prefill: (token, expert) pairs sorted by expert, grouped products
+            flat = ids.reshape(-1)  # [N*k] expert of each (token, slot)
+            order = jnp.argsort(flat, stable=True)
+            sizes = jnp.bincount(flat, length=E).astype(jnp.int32)
+            h = jax.lax.ragged_dot(xs[order // k], experts["gate_up"], sizes)  # [N*k, 2Fm]
+            h = jax.lax.ragged_dot(nn.silu(h[:, :Fm]) * h[:, Fm:], experts["down"], sizes)  # [N*k, D]
+            y = jnp.zeros_like(h).at[order].set(h).reshape(B * T, k, D)
+        out = jnp.einsum("nkd,nk->nd", y.astype(jnp.float32), weights).astype(x.dtype).reshape(B, T, D)
+        if c.n_shared_experts:
+            out = out + MLP(Fm * c.n_shared_experts, c.dtype, name="shared_experts")(x)
+        return out
+
+
+class DecoderLayer(nn.Module):
+    cfg: DeepseekConfig
+    layer: int
+
+    @nn.compact
+    def __call__(self, x, buf, meta):
+        c = self.cfg
+        h = RMSNorm(c.rms_norm_eps, c.dtype, name="input_layernorm")(x)
+        h, buf = MLAttention(c, name="self_attn")(h, buf, meta)
+        x = x + h
+        h = RMSNorm(c.rms_norm_eps, c.dtype, name="post_attention_layernorm")(x)
+        mlp = MoE(c, name="mlp") if c.is_moe(self.layer) else MLP(c.intermediate_size, c.dtype, name="mlp")
+        return x + mlp(h), buf
+
+
+class DeepseekModel(nn.Module):
+    """Token ids -> final-norm hidden states; `logits` applies the LM head."""
+
+    cfg: DeepseekConfig
+
+    def setup(self):
+        c = self.cfg
+        self.embed_tokens = nn.Embed(c.vocab_size, c.hidden_size, embedding_init=_init, dtype=c.jnp_dtype,
+                                     param_dtype=c.jnp_dtype)
+        self.layers = [DecoderLayer(c, i, name=f"layers_{i}") for i in range(c.num_layers)]
+        self.norm = RMSNorm(c.rms_norm_eps, c.dtype)
+        if not c.tie_word_embeddings:
+            self.lm_head = Linear(c.vocab_size, False, c.dtype, float32_out=True)
+
+    def __call__(self, tokens, cache: LatentCache | None, meta: AttnMeta, capture: tuple[int, ...] = ()):
+        x = self.embed_tokens(tokens)
+        aux, bufs = {}, []
+        for i, layer in enumerate(self.layers):
+            if i in capture:
+                aux[i] = x
+            x, buf = layer(x, None if cache is None else cache.latent[i], meta)
+            bufs.append(buf)
+        if self.cfg.num_layers in capture:
+            aux[self.cfg.num_layers] = x
+        return self.norm(x), aux, None if cache is None else LatentCache(latent=tuple(bufs))
+
+    def logits(self, hidden):
+        if self.cfg.tie_word_embeddings:
+            w = self.embed_tokens.embedding
+            return jax.lax.dot_general(hidden.astype(w.dtype), w, (((hidden.ndim - 1,), (1,)), ((), ())),
+                                       preferred_element_type=jnp.float32)
+        return self.lm_head(hidden)
+
+    def embed(self, tokens):
+        return self.embed_tokens(tokens)
+
+    def init_all(self, tokens, cache, meta):
+        return self.logits(self(tokens, cache, meta)[0])
+
+
+class DeepseekFamily(TargetFamily):
+    """The target-family protocol for DeepSeek-V2/V3 (MLA + MoE) decoders."""
+
+    config_type = DeepseekConfig
+    architectures = deepseek_hf.TARGET_ARCHITECTURES
+
+    def config_from_hf(self, cfg_json: dict, dtype: str | None) -> DeepseekConfig:
+        return deepseek_hf.config_from_hf(cfg_json, dtype)
+
+    def weights_from_hf(self, tensors: dict, cfg: DeepseekConfig, where: str):
+        return deepseek_hf.target_weights_from_tensors(tensors, cfg, where)
+
+    def weights_to_hf(self, cfg: DeepseekConfig, weights) -> tuple[dict, dict]:
+        return deepseek_hf.hf_config(cfg), deepseek_hf.target_tensors(cfg, weights)
+
+    def init_weights(self, cfg: DeepseekConfig, key):
+        tokens = jnp.zeros((1, 2), jnp.int32)
+        return DeepseekModel(cfg).init(key, tokens, None, prefill_meta(jnp.full((1,), 2, jnp.int32), 2),
+                                       method=DeepseekModel.init_all)
+
+    def cache_kind(self, cfg: DeepseekConfig) -> LatentCacheKind:
+        return LatentCacheKind(cfg.num_layers, cfg.kv_lora_rank, cfg.qk_rope_head_dim, cfg.dtype)
+
+    def forward(self, cfg: DeepseekConfig, weights, tokens, cache, meta: AttnMeta, capture: tuple[int, ...] = ()):
+        return DeepseekModel(cfg).apply(weights, tokens, cache, meta, capture)
+
+    def logits(self, cfg: DeepseekConfig, weights, hidden):
+        return DeepseekModel(cfg).apply(weights, hidden, method=DeepseekModel.logits)
+
+    def embed(self, cfg: DeepseekConfig, weights, tokens):
+        return DeepseekModel(cfg).apply(weights, tokens, method=DeepseekModel.embed)
+
+
+DEEPSEEK = DeepseekFamily()

@@ -1,0 +1,276 @@
+"""DeepSeek-V2/V3 checkpoints in Hugging Face's format: `DeepseekConfig` from config.json
+(both the `rope_parameters` and the older `rope_scaling` + `rope_theta` forms) and weights
+in both directions. Routed experts are read as they are on disk, one tensor per expert
+and projection (`mlp.experts.{e}.{gate,up,down}_proj.weight`), and stacked per layer."""
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Mapping
+
+import numpy as np
+
+from jspec.config import DTYPES, RopeConfig
+from jspec.models.llama_hf import rope_from_hf
+from jspec.tensors import Tensors, hf_linear, to_numpy
+
+TARGET_ARCHITECTURES = ("DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM")
+TOPK_METHODS = ("greedy", "group_limited_greedy", "noaux_tc")
+
+
+@dataclasses.dataclass(frozen=True)
+class DeepseekConfig:
+    """A DeepSeek-V2/V3 decoder: MLA attention and (after the first `first_k_dense_replace`
+    dense layers) MoE MLPs. Letters: V vocab, D width, H heads, Dn/Dr/Dv the query-key
+    nope/rope and value head dims, Dc the KV latent (kv_lora_rank), Rq the query latent
+    (q_lora_rank, 0: a plain q_proj), E routed experts, k experts a token, Fm expert width."""
+
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int  # dense layers' MLP width
+    num_layers: int
+    num_heads: int
+    kv_lora_rank: int
+    q_lora_rank: int  # 0: no query latent (V2-Lite)
+    qk_nope_head_dim: int
+    qk_rope_head_dim: int
+    v_head_dim: int
+    moe_intermediate_size: int
+    n_routed_experts: int
+    n_shared_experts: int
+    num_experts_per_tok: int
+    first_k_dense_replace: int
+    scoring: str = "sigmoid"  # sigmoid (V3) | softmax (V2)
+    topk_method: str = "noaux_tc"  # noaux_tc (V3) | greedy | group_limited_greedy (V2)
+    n_group: int = 1
+    topk_group: int = 1
+    norm_topk_prob: bool = True
+    routed_scaling_factor: float = 1.0
+    rms_norm_eps: float = 1e-6
+    rope: RopeConfig = RopeConfig()
+    rope_interleave: bool = True  # rope pairs (x0, x1), (x2, x3), ... (V2 always)
+    attention_bias: bool = False
+    max_position_embeddings: int = 4096
+    tie_word_embeddings: bool = False
+    num_nextn_predict_layers: int = 0  # MTP layers stored after the decoder layers
+    dtype: str = "float32"
+    model_type: str = "deepseek_v3"
+    architecture: str = "DeepseekV3ForCausalLM"
+    bos_token_id: int | None = None
+    eos_token_ids: tuple[int, ...] = ()
+
+    def __post_init__(self):
+        if self.dtype not in DTYPES:
+            raise ValueError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
+        if self.topk_method not in TOPK_METHODS:
+            raise ValueError(f"unsupported topk_method {self.topk_method!r} (supported: {TOPK_METHODS})")
+        if self.n_routed_experts % self.n_group:
+            raise ValueError(f"n_routed_experts ({self.n_routed_experts}) must be a multiple of n_group "
+                             f"({self.n_group})")
+
+    @property
+    def qk_head_dim(self) -> int:
+        return self.qk_nope_head_dim + self.qk_rope_head_dim
+
+    @property
+    def softmax_scale(self) -> float:
+        return self.qk_head_dim ** -0.5 * self.rope.softmax_mscale()
+
+    def is_moe(self, layer: int) -> bool:
+        return layer >= self.first_k_dense_replace and self.n_routed_experts > 0
+
+    @property
+    def jnp_dtype(self):
+        import jax.numpy as jnp
+        return jnp.dtype(self.dtype)
+
+    def replace(self, **kw) -> "DeepseekConfig":
+        return dataclasses.replace(self, **kw)
+
+
+def _get(cfg: Mapping[str, Any], where: str, name: str, default=None, required: bool = False):
+    if name not in cfg or cfg[name] is None:
+        if required:
+            raise ValueError(f"{where}: config.json lacks {name!r}")
+        return default
+    return cfg[name]
+
+
+def config_from_hf(cfg: Mapping[str, Any], dtype: str | None = None, where: str = "config.json") -> DeepseekConfig:
+    archs = cfg.get("architectures") or []
+    arch = next(a for a in archs if a in TARGET_ARCHITECTURES)
+    v3 = arch == "DeepseekV3ForCausalLM"
+    act = cfg.get("hidden_act", "silu")
+    if act not in ("silu", "swish"):
+        raise ValueError(f"{where}: unsupported hidden_act {act!r} (jspec supports silu)")
+    if int(cfg.get("moe_layer_freq", 1) or 1) != 1:
+        raise ValueError(f"{where}: moe_layer_freq != 1 is not supported")
+    req = lambda n: _get(cfg, where, n, required=True)  # noqa: E731
+    experts = _get(cfg, where, "n_routed_experts", 0) or 0
+    method = _get(cfg, where, "topk_method", "noaux_tc" if v3 else "greedy")
+    if dtype is None:
+        dtype = cfg.get("dtype") or cfg.get("torch_dtype") or "float32"
+        dtype = dtype if dtype in DTYPES else "float32"
+    eos = cfg.get("eos_token_id")
+    eos = tuple(int(e) for e in (eos if isinstance(eos, (list, tuple)) else [eos] if eos is not None else []))
+    return DeepseekConfig(
+        vocab_size=int(req("vocab_size")), hidden_size=int(req("hidden_size")),
+        intermediate_size=int(req("intermediate_size")), num_layers=int(req("num_hidden_layers")),
+        num_heads=int(req("num_attention_heads")), kv_lora_rank=int(req("kv_lora_rank")),
+        q_lora_rank=int(_get(cfg, where, "q_lora_rank", 0) or 0), qk_nope_head_dim=int(req("qk_nope_head_dim")),
+        qk_rope_head_dim=int(req("qk_rope_head_dim")), v_head_dim=int(req("v_head_dim")),
+        moe_intermediate_size=int(_get(cfg, where, "moe_intermediate_size", 0) or 0), n_routed_experts=int(experts),
+        n_shared_experts=int(_get(cfg, where, "n_shared_experts", 0) or 0),
+        num_experts_per_tok=int(_get(cfg, where, "num_experts_per_tok", 1) or 1),
+        first_k_dense_replace=int(_get(cfg, where, "first_k_dense_replace", 0) or 0),
+        scoring="sigmoid" if v3 else "softmax", topk_method=method,
+        n_group=int(_get(cfg, where, "n_group", 1) or 1), topk_group=int(_get(cfg, where, "topk_group", 1) or 1),
+        norm_topk_prob=bool(_get(cfg, where, "norm_topk_prob", v3)),
+        routed_scaling_factor=float(_get(cfg, where, "routed_scaling_factor", 1.0)),
+        rms_norm_eps=float(_get(cfg, where, "rms_norm_eps", 1e-6)), rope=rope_from_hf(cfg),
+        rope_interleave=bool(cfg.get("rope_interleave", True)) if v3 else True,
+        attention_bias=bool(cfg.get("attention_bias", False)),
+        max_position_embeddings=int(cfg.get("max_position_embeddings", 4096)),
+        tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+        num_nextn_predict_layers=int(cfg.get("num_nextn_predict_layers", 0) or 0), dtype=dtype,
+        model_type="deepseek_v3" if v3 else "deepseek_v2", architecture=arch,
+        bos_token_id=cfg.get("bos_token_id"), eos_token_ids=eos)
+
+
+def _mlp_params(t: Tensors, prefix: str, D: int, F: int) -> dict:
+    return {"gate_up_proj": t.linear((prefix + "gate_proj.weight", (F, D)), (prefix + "up_proj.weight", (F, D))),
+            "down_proj": t.linear((prefix + "down_proj.weight", (D, F)))}
+
+
+def layer_params(t: Tensors, prefix: str, c: DeepseekConfig, layer: int) -> dict:
+    """One decoder layer's params from `prefix`-named tensors."""
+    D, H = c.hidden_size, c.num_heads
+    a = prefix + "self_attn."
+    attn: dict[str, Any] = {}
+    if c.q_lora_rank:
+        attn["q_a_proj"] = t.linear((a + "q_a_proj.weight", (c.q_lora_rank, D)))
+        attn["q_a_layernorm"] = {"weight": t.param((a + "q_a_layernorm.weight", (c.q_lora_rank,)))}
+        attn["q_b_proj"] = t.linear((a + "q_b_proj.weight", (H * c.qk_head_dim, c.q_lora_rank)))
+        if c.attention_bias:
+            attn["q_a_proj"]["bias"] = t.param((a + "q_a_proj.bias", (c.q_lora_rank,)))
+    else:
+        attn["q_proj"] = t.linear((a + "q_proj.weight", (H * c.qk_head_dim, D)))
+    Dcr = c.kv_lora_rank + c.qk_rope_head_dim
+    attn["kv_a_proj_with_mqa"] = t.linear((a + "kv_a_proj_with_mqa.weight", (Dcr, D)))
+    attn["kv_a_layernorm"] = {"weight": t.param((a + "kv_a_layernorm.weight", (c.kv_lora_rank,)))}
+    attn["kv_b_proj"] = t.linear((a + "kv_b_proj.weight", (H * (c.qk_nope_head_dim + c.v_head_dim), c.kv_lora_rank)))
+    attn["o_proj"] = t.linear((a + "o_proj.weight", (D, H * c.v_head_dim)))
+    if c.attention_bias:
+        attn["kv_a_proj_with_mqa"]["bias"] = t.param((a + "kv_a_proj_with_mqa.bias", (Dcr,)))
+        attn["o_proj"]["bias"] = t.param((a + "o_proj.bias", (D,)))
+    m = prefix + "mlp."
+    if c.is_moe(layer):
+        E, Fm = c.n_routed_experts, c.moe_intermediate_size
+        gate_up = np.stack([np.concatenate([t.take(f"{m}experts.{e}.gate_proj.weight", (Fm, D)),
+                                            t.take(f"{m}experts.{e}.up_proj.weight", (Fm, D))], axis=0).T
+                            for e in range(E)])  # [E, D, 2Fm]
+        down = np.stack([t.take(f"{m}experts.{e}.down_proj.weight", (D, Fm)).T for e in range(E)])  # [E, Fm, D]
+        mlp: dict[str, Any] = {"router": {"kernel": t.param((m + "gate.weight", (E, D))).T.astype("float32")},
+                               "experts": {"gate_up": t.as_param(gate_up), "down": t.as_param(down)}}
+        if c.scoring == "sigmoid":
+            mlp["router"]["bias"] = t.param((m + "gate.e_score_correction_bias", (E,)), dtype="float32")
+        if c.n_shared_experts:
+            mlp["shared_experts"] = _mlp_params(t, m + "shared_experts.", D, Fm * c.n_shared_experts)
+    else:
+        mlp = _mlp_params(t, m, D, c.intermediate_size)
+    return {"self_attn": attn, "mlp": mlp,
+            "input_layernorm": {"weight": t.param((prefix + "input_layernorm.weight", (D,)))},
+            "post_attention_layernorm": {"weight": t.param((prefix + "post_attention_layernorm.weight", (D,)))}}
+
+
+def target_weights_from_tensors(tensors: dict[str, np.ndarray], c: DeepseekConfig, where: str) -> dict:
+    t = Tensors(tensors, where, c.dtype)
+    D, V = c.hidden_size, c.vocab_size
+    p: dict[str, Any] = {"embed_tokens": {"embedding": t.param(("model.embed_tokens.weight", (V, D)))}}
+    for i in range(c.num_layers):
+        p[f"layers_{i}"] = layer_params(t, f"model.layers.{i}.", c, i)
+    p["norm"] = {"weight": t.param(("model.norm.weight", (D,)))}
+    if c.tie_word_embeddings:
+        t.ignore("lm_head.weight")
+    else:
+        p["lm_head"] = t.linear(("lm_head.weight", (V, D)))
+    # The MTP (NextN) layers after the decoder layers belong to the MTP draft.
+    t.ignore(*[k for k in list(t.tensors) if k.startswith(tuple(f"model.layers.{c.num_layers + j}."
+                                                                for j in range(c.num_nextn_predict_layers)))])
+    t.finish()
+    return {"params": p}
+
+
+def hf_config(c: DeepseekConfig) -> dict:
+    """A config.json dict that transformers loads as this model."""
+    rope: dict[str, Any] = {"rope_type": c.rope.kind, "rope_theta": c.rope.theta}
+    if c.rope.kind == "yarn":
+        rope.update(factor=c.rope.factor, original_max_position_embeddings=c.rope.original_max_position_embeddings,
+                    beta_fast=c.rope.beta_fast, beta_slow=c.rope.beta_slow, mscale=c.rope.mscale,
+                    mscale_all_dim=c.rope.mscale_all_dim)
+    elif c.rope.kind != "default":
+        raise ValueError(f"export of rope kind {c.rope.kind!r} is not supported for DeepSeek")
+    cfg = {"architectures": [c.architecture], "model_type": c.model_type, "vocab_size": c.vocab_size,
+           "hidden_size": c.hidden_size, "intermediate_size": c.intermediate_size,
+           "moe_intermediate_size": c.moe_intermediate_size, "num_hidden_layers": c.num_layers,
+           "num_attention_heads": c.num_heads, "num_key_value_heads": c.num_heads,
+           "kv_lora_rank": c.kv_lora_rank, "q_lora_rank": c.q_lora_rank or None,
+           "qk_nope_head_dim": c.qk_nope_head_dim, "qk_rope_head_dim": c.qk_rope_head_dim,
+           "v_head_dim": c.v_head_dim, "n_routed_experts": c.n_routed_experts,
+           "n_shared_experts": c.n_shared_experts, "num_experts_per_tok": c.num_experts_per_tok,
+           "first_k_dense_replace": c.first_k_dense_replace, "topk_method": c.topk_method,
+           "n_group": c.n_group, "topk_group": c.topk_group, "norm_topk_prob": c.norm_topk_prob,
+           "routed_scaling_factor": c.routed_scaling_factor, "rms_norm_eps": c.rms_norm_eps,
+           "rope_parameters": rope, "attention_bias": c.attention_bias, "hidden_act": "silu",
+           "max_position_embeddings": c.max_position_embeddings, "tie_word_embeddings": c.tie_word_embeddings,
+           "num_nextn_predict_layers": c.num_nextn_predict_layers, "dtype": c.dtype, "torch_dtype": c.dtype}
+    if c.model_type == "deepseek_v3":
+        cfg["rope_interleave"] = c.rope_interleave
+    if c.bos_token_id is not None:
+        cfg["bos_token_id"] = c.bos_token_id
+    if c.eos_token_ids:
+        cfg["eos_token_id"] = c.eos_token_ids[0] if len(c.eos_token_ids) == 1 else list(c.eos_token_ids)
+    return cfg
+
+
+def _mlp_tensors(p: dict, prefix: str, F: int, out: dict, dt: str):
+    gate, up = np.split(hf_linear(p["gate_up_proj"], dt), [F], axis=0)
+    out.update({prefix + "gate_proj.weight": gate, prefix + "up_proj.weight": up,
+                prefix + "down_proj.weight": hf_linear(p["down_proj"], dt)})
+
+
+def target_tensors(c: DeepseekConfig, weights) -> dict:
+    """Weights as `Deepseek{V2,V3}ForCausalLM` tensors (experts one tensor each, as on disk)."""
+    p, dt = weights["params"], c.dtype
+    out = {"model.embed_tokens.weight": to_numpy(p["embed_tokens"]["embedding"], dt),
+           "model.norm.weight": to_numpy(p["norm"]["weight"], dt)}
+    if not c.tie_word_embeddings:
+        out["lm_head.weight"] = hf_linear(p["lm_head"], dt)
+    for i in range(c.num_layers):
+        pre, lp = f"model.layers.{i}.", p[f"layers_{i}"]
+        for name, sub in lp["self_attn"].items():
+            key = f"{pre}self_attn.{name}."
+            if "kernel" in sub:
+                out[key + "weight"] = hf_linear(sub, dt)
+                if "bias" in sub:
+                    out[key + "bias"] = to_numpy(sub["bias"], dt)
+            else:
+                out[key + "weight"] = to_numpy(sub["weight"], dt)
+        for norm in ("input_layernorm", "post_attention_layernorm"):
+            out[f"{pre}{norm}.weight"] = to_numpy(lp[norm]["weight"], dt)
+        m, mp = pre + "mlp.", lp["mlp"]
+        if not c.is_moe(i):
+            _mlp_tensors(mp, m, c.intermediate_size, out, dt)
+            continue
+        Fm = c.moe_intermediate_size
+        out[m + "gate.weight"] = np.ascontiguousarray(to_numpy(mp["router"]["kernel"], "float32").T).astype(
+            to_numpy(p["norm"]["weight"], dt).dtype)
+        if "bias" in mp["router"]:
+            out[m + "gate.e_score_correction_bias"] = to_numpy(mp["router"]["bias"], "float32")
+        gate_up, down = to_numpy(mp["experts"]["gate_up"], dt), to_numpy(mp["experts"]["down"], dt)
+        for e in range(c.n_routed_experts):
+            out[f"{m}experts.{e}.gate_proj.weight"] = np.ascontiguousarray(gate_up[e, :, :Fm].T)
+            out[f"{m}experts.{e}.up_proj.weight"] = np.ascontiguousarray(gate_up[e, :, Fm:].T)
+            out[f"{m}experts.{e}.down_proj.weight"] = np.ascontiguousarray(down[e].T)
+        if "shared_experts" in mp:
+            _mlp_tensors(mp["shared_experts"], m + "shared_experts.", Fm * c.n_shared_experts, out, dt)
+    return out

@@ -1,0 +1,229 @@
+"""DeepSeek-V2/V3 targets (MLA + MoE) against transformers, and speculative decoding over
+their MLA latent cache: logits, greedy generation, chains and trees over dense and paged
+latent caches, the cache invariant after tree compaction, and the latent's size."""
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import torch
+from transformers import DeepseekV2Config, DeepseekV2ForCausalLM, DeepseekV3Config, DeepseekV3ForCausalLM
+
+import jspec
+from jspec.cache import kv as kvc
+from jspec.cache import layout as lay
+from jspec.config import ModelConfig
+from jspec.drafts import StandaloneDraft
+from jspec.export import save_draft, save_target
+from jspec.models import family_for
+from jspec.models.deepseek_hf import DeepseekConfig
+from jspec.spec import loop
+from conftest import PROMPTS
+
+VOCAB = 128
+COMMON = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, moe_intermediate_size=32, num_attention_heads=4,
+              n_shared_experts=1, n_routed_experts=8, num_experts_per_tok=2, first_k_dense_replace=1,
+              kv_lora_rank=32, qk_rope_head_dim=8, v_head_dim=16, qk_nope_head_dim=16, max_position_embeddings=256)
+YARN = {"type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64, "beta_fast": 32, "beta_slow": 1,
+        "mscale": 0.707, "mscale_all_dim": 1.0}
+VARIANTS = {  # name -> (transformers class, config)
+    "v3": (DeepseekV3ForCausalLM, lambda: DeepseekV3Config(num_hidden_layers=3, num_key_value_heads=4, n_group=2,
+                                                           topk_group=1, q_lora_rank=48, rope_scaling=YARN, **COMMON)),
+    "v3-rotate-half": (DeepseekV3ForCausalLM, lambda: DeepseekV3Config(
+        num_hidden_layers=2, num_key_value_heads=4, n_group=1, topk_group=1, q_lora_rank=None, rope_interleave=False,
+        norm_topk_prob=False, **COMMON)),
+    "v2-group-limited": (DeepseekV2ForCausalLM, lambda: DeepseekV2Config(
+        num_hidden_layers=2, q_lora_rank=None, topk_method="group_limited_greedy", n_group=2, topk_group=1,
+        routed_scaling_factor=1.5, **COMMON)),
+    "v2-greedy-yarn": (DeepseekV2ForCausalLM, lambda: DeepseekV2Config(
+        num_hidden_layers=2, q_lora_rank=24, topk_method="greedy", rope_scaling=YARN, **COMMON)),
+}
+
+
+def _make(path: str, name: str, seed: int = 0):
+    cls, cfg = VARIANTS[name]
+    torch.manual_seed(seed)
+    model = cls(cfg()).eval()
+    with torch.no_grad():
+        for mod in model.modules():
+            if hasattr(mod, "e_score_correction_bias"):  # non-zero: the choice must use it, the weights not
+                mod.e_score_correction_bias.copy_(torch.randn_like(mod.e_score_correction_bias) * 0.1)
+            if isinstance(mod, torch.nn.Module) and hasattr(mod, "variance_epsilon"):
+                mod.weight.copy_(1 + 0.1 * torch.randn_like(mod.weight))
+    model.save_pretrained(path)
+    return model
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    """name -> (directory, transformers model)."""
+    out = {}
+    for name in VARIANTS:
+        path = str(tmp_path_factory.mktemp(name))
+        out[name] = (path, _make(path, name))
+    return out
+
+
+@pytest.mark.parametrize("name", list(VARIANTS))
+def test_logits_equal_transformers(models, name):
+    path, model = models[name]
+    toks = np.random.RandomState(1).randint(0, VOCAB, (2, 13))
+    with torch.no_grad():
+        want = model(torch.tensor(toks)).logits.numpy()
+    got = np.asarray(jspec.logits(jspec.load(path, dtype="float32"), toks.tolist()))
+    assert np.abs(got - want).max() <= 1e-4 * np.abs(want).max()
+
+
+def test_config_forms_and_cache_size(models):
+    """rope_scaling + rope_theta (the older form) reads as rope_parameters; the latent cache
+    keeps Dc + Dr values a token and layer: 576 for DeepSeek-V3's shape."""
+    p = jspec.load(models["v3"][0], dtype="float32")
+    c = p.config
+    assert isinstance(c, DeepseekConfig) and c.rope.kind == "yarn" and c.q_lora_rank == 48 and c.n_group == 2
+    old = dict(family_for(c).weights_to_hf(c, p.weights)[0])
+    old.pop("rope_parameters")
+    old.update(rope_theta=c.rope.theta, rope_scaling={"type": "yarn", "factor": 4.0, "beta_fast": 32, "beta_slow": 1,
+                                                      "original_max_position_embeddings": 64, "mscale": 0.707,
+                                                      "mscale_all_dim": 1.0})
+    assert family_for(c).config_from_hf(old, "float32") == c
+    v3 = c.replace(kv_lora_rank=512, qk_rope_head_dim=64, num_layers=61, dtype="bfloat16")
+    kind = family_for(v3).cache_kind(v3)
+    layout = lay.CacheLayout(paged=True, capacity=128, page_size=64, num_pages=4)
+    bufs = jax.eval_shape(lambda: kind.init(layout, 2)).latent
+    assert len(bufs) == 61 and all(b.shape == (5, 64, 576) for b in bufs)
+    per_token_layer = bufs[0].size * bufs[0].dtype.itemsize // (5 * 64)
+    assert per_token_layer == 576 * 2  # bytes: no per-head keys or values
+
+
+def test_export_round_trip(models, tmp_path):
+    p = jspec.load(models["v2-greedy-yarn"][0], dtype="float32")
+    save_target(str(tmp_path), p.config, p.weights)
+    back = DeepseekV2ForCausalLM.from_pretrained(str(tmp_path)).eval()
+    toks = [[3, 14, 15, 92, 65, 35]]
+    with torch.no_grad():
+        want = back(torch.tensor(toks)).logits.numpy()
+    np.testing.assert_allclose(np.asarray(jspec.logits(p, toks)), want, atol=1e-4)
+
+
+def test_moe_reads_only_routed_experts(models):
+    """An expert no token routes to may hold NaNs: the grouped products never touch it.
+    Each expert of layer 1 is poisoned in turn; the logits stay finite (and unchanged)
+    exactly for the experts the tokens did not choose."""
+    p = jspec.load(models["v3"][0], dtype="float32")
+    toks = [[5, 6, 7]]
+    base = np.asarray(jspec.logits(p, toks))
+    gate_up = np.asarray(p.weights["params"]["layers_1"]["mlp"]["experts"]["gate_up"])
+    unused = []
+    for e in range(p.config.n_routed_experts):
+        poisoned = jax.tree.map(lambda a: a, p.weights)
+        gu = gate_up.copy()
+        gu[e] = np.nan
+        poisoned["params"]["layers_1"]["mlp"]["experts"]["gate_up"] = jnp.asarray(gu)
+        out = np.asarray(jspec.logits(dataclasses.replace(p, weights=poisoned), toks))
+        if np.isfinite(out).all():
+            unused.append(e)
+            np.testing.assert_array_equal(out, base)
+    assert 0 < len(unused) < p.config.n_routed_experts
+
+
+def _standalone_draft(path: str, target, seed: int = 3):
+    cfg = ModelConfig(vocab_size=target.config.vocab_size, hidden_size=32, intermediate_size=64, num_layers=2,
+                      num_heads=2, num_kv_heads=1, head_dim=16)
+    d = StandaloneDraft(cfg)
+    w = jax.tree.map(lambda a: a * 10 if a.ndim == 2 else a, d.init(jax.random.key(seed), cfg.vocab_size))
+    save_draft(path, d, w, cfg.vocab_size)
+    return path
+
+
+@pytest.fixture(scope="module")
+def with_draft(models, tmp_path_factory):
+    path = models["v3"][0]
+    target = jspec.load(path, dtype="float32")
+    return jspec.load(path, draft=_standalone_draft(str(tmp_path_factory.mktemp("ds_draft")), target), dtype="float32")
+
+
+def _hf(model, prompt, n):
+    with torch.no_grad():
+        out = model.generate(torch.tensor([prompt]), max_new_tokens=n, do_sample=False, eos_token_id=None,
+                             pad_token_id=0)
+    return out[0, len(prompt):].tolist()
+
+
+@pytest.mark.parametrize("spec,cache", [
+    (None, jspec.CacheConfig("dense")),
+    ((3, 1, 4), jspec.CacheConfig("paged", page_size=16)),
+    ((3, 4, 8), jspec.CacheConfig("dense")),
+    pytest.param((3, 4, 8), jspec.CacheConfig("paged", page_size=1), marks=pytest.mark.slow),
+    pytest.param((2, 1, 3), jspec.CacheConfig("paged", page_size=64), marks=pytest.mark.slow),
+], ids=["plain-dense", "chain-paged16", "tree-dense", "tree-paged1", "chain-paged64"])
+def test_greedy_equals_transformers(models, with_draft, spec, cache):
+    """Batches of unequal prompts: plain and speculative greedy output equal transformers'."""
+    model = models["v3"][1]
+    params = with_draft if spec else with_draft.with_draft(None)
+    sc = None if spec is None else jspec.SpecConfig(num_steps=spec[0], topk=spec[1], num_draft_tokens=spec[2])
+    out = jspec.generate(params, PROMPTS, max_new_tokens=16, stop_token_ids=[], spec=sc, cache=cache)
+    for prompt, got in zip(PROMPTS, out.tokens):
+        assert got == _hf(model, prompt, 16)
+    if spec:
+        assert out.stats.mean_accept_length >= 1.0
+
+
+def test_latent_cache_holds_what_plain_decoding_writes(with_draft):
+    """After tree rounds over a paged latent cache, latent slots [0, L) of every request
+    equal a fresh prefill of its committed tokens (the dense layout's moves: the test below)."""
+    cfg = jspec.CacheConfig("paged", page_size=16)
+    p = with_draft
+    prog = jspec.compile(p, PROMPTS, max_new_tokens=30, stop_token_ids=[], cache=cfg,
+                         spec=jspec.SpecConfig(num_steps=3, topk=4, num_draft_tokens=8))
+    plan = dataclasses.replace(prog.plan, max_rounds=4)
+    st = jax.jit(loop.run, static_argnums=0)(plan, *prog.weights, prog.inputs())
+    c = p.config
+    family = family_for(c)
+    for b, prompt in enumerate(PROMPTS):
+        L = int(st.L[b])
+        assert not st.finished[b] and L >= len(prompt) + 4
+        layout = lay.CacheLayout(paged=False, capacity=L)
+        pm = lay.prefill_meta(jnp.array([L], jnp.int32), L)
+        meta = lay.make_meta(layout, None, positions=pm.positions, prefix_len=jnp.zeros(1, jnp.int32),
+                             local_mask=pm.local_mask, write_valid=jnp.ones((1, L), bool), prefill=True)
+        _, _, fresh = family.forward(c, p.weights, st.tokens[b: b + 1, :L], family.cache_kind(c).init(layout, 1), meta)
+        table = st.pages.page_table[b: b + 1] if plan.layout.paged else None
+        for layer, (buf, want) in enumerate(zip(st.tcache.latent, fresh.latent)):
+            got = kvc.read_kv(buf if table is not None else buf[b: b + 1], table)[0, :L]
+            np.testing.assert_allclose(np.asarray(got), np.asarray(want[0, :L]), atol=2e-5,
+                                       err_msg=f"layer {layer}, request {b}")
+
+
+@pytest.mark.parametrize("paged", [False, True])
+def test_latent_commit_moves_the_accepted_path(paged):
+    """Tree compaction over latent rows: slot L + path[d] moves to L + d for d < accept_len on
+    active rows, nothing else changes (against a plain-Python reference)."""
+    from jspec.cache.latent import LatentCacheKind
+    rng = np.random.RandomState(0)
+    B, C, P = 3, 24, 4
+    layout = lay.CacheLayout(paged=True, capacity=C, page_size=P, num_pages=B * C // P) if paged else \
+        lay.CacheLayout(paged=False, capacity=C)
+    kind = LatentCacheKind(num_layers=2, kv_lora_rank=5, rope_dim=3, dtype="float32")
+    pages = None
+    if paged:  # row b holds pages b, b+B, b+2B, ... (interleaved, so slot order differs from pool order)
+        table = np.array([[b + B * g for g in range(C // P)] for b in range(B)], np.int32)
+        pages = lay.init_page_state(B, C // P, layout.num_pages).replace(page_table=jnp.asarray(table))
+    cache = kind.init(layout, B)
+    cache = cache.replace(latent=tuple(jnp.asarray(rng.randn(*b.shape).astype(np.float32)) for b in cache.latent))
+    L = np.array([3, 7, 10], np.int32)
+    path = np.array([[0, 2, 5, 6], [0, 1, 3, 4], [0, 3, 4, 7]], np.int32)
+    accept = np.array([4, 3, 2], np.int32)
+    active = np.array([True, True, False])
+    out = kind.commit(cache, layout, pages, jnp.asarray(L), jnp.asarray(path), jnp.asarray(accept), jnp.asarray(active))
+    for buf, got in zip(cache.latent, out.latent):
+        rows = lambda a, b: (kvc.read_kv(a, pages.page_table[b: b + 1]) if paged else a[b: b + 1])[0]  # noqa: E731
+        for b in range(B):
+            want = np.asarray(rows(buf, b)).copy()
+            if active[b]:
+                src = want.copy()
+                for d in range(accept[b]):
+                    want[L[b] + d] = src[L[b] + path[b, d]]
+            np.testing.assert_array_equal(np.asarray(rows(got, b))[:C], want[:C])
