@@ -21,14 +21,13 @@ import jax.numpy as jnp
 from flax import linen as nn
 
 from jspec.cache.latent import LatentCache, LatentCacheKind
-from jspec.cache.layout import AttnMeta, prefill_meta
+from jspec.cache.layout import AttnMeta
 from jspec.kernels.attention import attention_reference
 from jspec.kernels.mla_attention import cached_mla_attention
 from jspec.cache.kv import write_kv
 from jspec.models import deepseek_hf
 from jspec.models.deepseek_hf import DeepseekConfig
-from jspec.models.family import TargetFamily
-from jspec.models.llama import Linear, RMSNorm, apply_rope
+from jspec.models.llama import DecoderLM, FlaxFamily, Linear, RMSNorm, apply_rope
 
 _init = nn.initializers.normal(0.02)
 LATENT_NORM_EPS = 1e-6  # the q/kv latent norms use RMSNorm's default, not rms_norm_eps
@@ -175,7 +174,7 @@ class DecoderLayer(nn.Module):
         return x + mlp(h), buf
 
 
-class DeepseekModel(nn.Module):
+class DeepseekModel(DecoderLM):
     """Token ids -> final-norm hidden states; `logits` applies the LM head."""
 
     cfg: DeepseekConfig
@@ -201,24 +200,12 @@ class DeepseekModel(nn.Module):
             aux[self.cfg.num_layers] = x
         return self.norm(x), aux, None if cache is None else LatentCache(latent=tuple(bufs))
 
-    def logits(self, hidden):
-        if self.cfg.tie_word_embeddings:
-            w = self.embed_tokens.embedding
-            return jax.lax.dot_general(hidden.astype(w.dtype), w, (((hidden.ndim - 1,), (1,)), ((), ())),
-                                       preferred_element_type=jnp.float32)
-        return self.lm_head(hidden)
 
-    def embed(self, tokens):
-        return self.embed_tokens(tokens)
-
-    def init_all(self, tokens, cache, meta):
-        return self.logits(self(tokens, cache, meta)[0])
-
-
-class DeepseekFamily(TargetFamily):
+class DeepseekFamily(FlaxFamily):
     """The target-family protocol for DeepSeek-V2/V3 (MLA + MoE) decoders."""
 
     config_type = DeepseekConfig
+    model = DeepseekModel
     architectures = deepseek_hf.TARGET_ARCHITECTURES
 
     def config_from_hf(self, cfg_json: dict, dtype: str | None) -> DeepseekConfig:
@@ -230,22 +217,8 @@ class DeepseekFamily(TargetFamily):
     def weights_to_hf(self, cfg: DeepseekConfig, weights) -> tuple[dict, dict]:
         return deepseek_hf.hf_config(cfg), deepseek_hf.target_tensors(cfg, weights)
 
-    def init_weights(self, cfg: DeepseekConfig, key):
-        tokens = jnp.zeros((1, 2), jnp.int32)
-        return DeepseekModel(cfg).init(key, tokens, None, prefill_meta(jnp.full((1,), 2, jnp.int32), 2),
-                                       method=DeepseekModel.init_all)
-
     def cache_kind(self, cfg: DeepseekConfig) -> LatentCacheKind:
         return LatentCacheKind(cfg.num_layers, cfg.kv_lora_rank, cfg.qk_rope_head_dim, cfg.dtype)
-
-    def forward(self, cfg: DeepseekConfig, weights, tokens, cache, meta: AttnMeta, capture: tuple[int, ...] = ()):
-        return DeepseekModel(cfg).apply(weights, tokens, cache, meta, capture)
-
-    def logits(self, cfg: DeepseekConfig, weights, hidden):
-        return DeepseekModel(cfg).apply(weights, hidden, method=DeepseekModel.logits)
-
-    def embed(self, cfg: DeepseekConfig, weights, tokens):
-        return DeepseekModel(cfg).apply(weights, tokens, method=DeepseekModel.embed)
 
 
 DEEPSEEK = DeepseekFamily()

@@ -138,7 +138,29 @@ class DecoderLayer(nn.Module):
         return x + MLP(c, name="mlp")(h, r), kv
 
 
-class LlamaModel(nn.Module):
+class DecoderLM(nn.Module):
+    """What decoder families share: the embedding and the LM head (tied to the embedding or
+    a `lm_head` Linear). A subclass's `setup` makes `embed_tokens` (and `lm_head` when
+    untied) and its `__call__` runs tokens -> (final-norm hidden, aux, cache)."""
+
+    def logits(self, hidden):
+        """hidden [..., D] -> float32 logits [..., V]."""
+        if self.cfg.tie_word_embeddings:
+            w = self.embed_tokens.embedding
+            return jax.lax.dot_general(hidden.astype(w.dtype), w, (((hidden.ndim - 1,), (1,)), ((), ())),
+                                       preferred_element_type=jnp.float32)
+        return self.lm_head(hidden)
+
+    def embed(self, tokens):
+        return self.embed_tokens(tokens)
+
+    def init_all(self, tokens, cache, meta):
+        """Touches every parameter (for `init`): the forward pass and the LM head."""
+        return self.logits(self(tokens, cache, meta)[0])
+
+
+
+class LlamaModel(DecoderLM):
     """Token ids -> final-norm hidden states; `logits` applies the LM head."""
 
     cfg: ModelConfig
@@ -167,26 +189,36 @@ class LlamaModel(nn.Module):
         new_cache = None if cache is None else KVCache(kv=tuple(kvs))
         return self.norm(x), aux, new_cache
 
-    def logits(self, hidden):
+class FlaxFamily(TargetFamily):
+    """The protocol's model methods for a family whose model is a `DecoderLM` subclass
+    (`model`) taking its config as its one field."""
+
+    model: type
+
+    def init_weights(self, cfg, key):
+        tokens = jnp.zeros((1, 2), jnp.int32)
+        return self.model(cfg).init(key, tokens, None, prefill_meta(jnp.full((1,), 2, jnp.int32), 2),
+                                    method=self.model.init_all)
+
+    def forward(self, cfg, weights, tokens, cache, meta: AttnMeta, capture: tuple[int, ...] = ()):
+        """tokens [B,T] -> (hidden [B,T,D] after the final norm, {layer: its input [B,T,D]}
+        for the `capture` layers, cache)."""
+        return self.model(cfg).apply(weights, tokens, cache, meta, capture)
+
+    def logits(self, cfg, weights, hidden):
         """hidden [..., D] -> float32 logits [..., V]."""
-        if self.cfg.tie_word_embeddings:
-            w = self.embed_tokens.embedding
-            return jax.lax.dot_general(hidden.astype(w.dtype), w, (((hidden.ndim - 1,), (1,)), ((), ())),
-                                       preferred_element_type=jnp.float32)
-        return self.lm_head(hidden)
+        return self.model(cfg).apply(weights, hidden, method=self.model.logits)
 
-    def embed(self, tokens):
-        return self.embed_tokens(tokens)
-
-    def init_all(self, tokens, cache, meta):
-        """Touches every parameter (for `init`): the forward pass and the LM head."""
-        return self.logits(self(tokens, cache, meta)[0])
+    def embed(self, cfg, weights, tokens):
+        """tokens [...] -> embeddings [..., D]."""
+        return self.model(cfg).apply(weights, tokens, method=self.model.embed)
 
 
-class LlamaFamily(TargetFamily):
+class LlamaFamily(FlaxFamily):
     """The target-family protocol (`jspec.models.family`) for Llama-architecture decoders."""
 
     config_type = ModelConfig
+    model = LlamaModel
 
     architectures = tuple(llama_hf.TARGET_ARCHITECTURES)
 
@@ -199,27 +231,8 @@ class LlamaFamily(TargetFamily):
     def weights_to_hf(self, cfg: ModelConfig, weights) -> tuple[dict, dict]:
         return llama_hf.hf_config(cfg), llama_hf.target_tensors(cfg, weights)
 
-    def init_weights(self, cfg: ModelConfig, key):
-        tokens = jnp.zeros((1, 2), jnp.int32)
-        return LlamaModel(cfg).init(key, tokens, None, prefill_meta(jnp.full((1,), 2, jnp.int32), 2),
-                                    method=LlamaModel.init_all)
-
     def cache_kind(self, cfg: ModelConfig) -> KVCacheKind:
         return KVCacheKind(cfg.num_layers, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.dtype)
-
-    def forward(self, cfg: ModelConfig, weights, tokens, cache: KVCache | None, meta: AttnMeta,
-                capture: tuple[int, ...] = ()):
-        """tokens [B,T] -> (hidden [B,T,D] after the final norm, {layer: its input [B,T,D]}
-        for the `capture` layers, cache)."""
-        return LlamaModel(cfg).apply(weights, tokens, cache, meta, capture)
-
-    def logits(self, cfg: ModelConfig, weights, hidden):
-        """hidden [..., D] -> float32 logits [..., V]."""
-        return LlamaModel(cfg).apply(weights, hidden, method=LlamaModel.logits)
-
-    def embed(self, cfg: ModelConfig, weights, tokens):
-        """tokens [...] -> embeddings [..., D]."""
-        return LlamaModel(cfg).apply(weights, tokens, method=LlamaModel.embed)
 
 
 LLAMA = LlamaFamily()
