@@ -103,13 +103,16 @@ def _load(ap: argparse.ArgumentParser, args):
 
     import jspec
     from jspec import bundle
+    from jspec.drafts import EMBEDDED_DRAFTS
 
     draft = args.draft
     if args.target is None and draft is None:
         draft = "eagle3"
     if draft == "none":
         draft = None
-    if draft is not None and not (args.target is None and draft in BUNDLED_DRAFTS) and not os.path.isdir(draft):
+    embedded = args.target is not None and draft in EMBEDDED_DRAFTS  # e.g. a DeepSeek checkpoint's own MTP layer
+    if draft is not None and not embedded and not (args.target is None and draft in BUNDLED_DRAFTS) \
+            and not os.path.isdir(draft):
         why = (" ('eagle3' and 'standalone' name the bundled drafts, which go with the bundled target)"
                if draft in BUNDLED_DRAFTS else "")
         ap.error(f"argument --draft: no such directory: {draft!r}{why}")
@@ -134,8 +137,9 @@ def _generate_parser() -> _Parser:
     ap.add_argument("prompt", nargs="?", default="def fibonacci(n):\n",
                     help="the text to continue (default: 'def fibonacci(n):\\n')")
     ap.add_argument("--max-new-tokens", type=_int(1), default=160)
-    _model_args(ap, "a draft directory, 'none' (plain decoding only), or with the bundled target 'eagle3' "
-                    "or 'standalone' (default: eagle3 with the bundled target, none with --target)")
+    _model_args(ap, "a draft directory, 'none' (plain decoding only), 'mtp' (the MTP layer in a --target "
+                    "DeepSeek-V3 checkpoint), or with the bundled target 'eagle3' or 'standalone' (default: eagle3 "
+                    "with the bundled target, none with --target)")
     ap.add_argument("--steps", type=_int(1), default=4, help="draft steps per round (a chain)")
     ap.add_argument("--topk", type=_int(1), default=1, help="branches per draft step (>1: a tree)")
     ap.add_argument("--tokens", type=_int(2), default=None, help="tree nodes verified per round (topk > 1)")
@@ -220,7 +224,7 @@ def _bench_parser() -> _Parser:
     ap = _Parser(prog=f"{PROG} bench",
                  description="Times plain decoding against speculative chains and trees, per batch size "
                              "(greedy, no stop tokens), and prints tau, tokens/s and the speed-up.")
-    _model_args(ap, "a draft directory (needed with --target), or with the bundled target 'eagle3' "
+    _model_args(ap, "a draft directory or 'mtp' (needed with --target), or with the bundled target 'eagle3' "
                     "(the default) or 'standalone'")
     ap.add_argument("--batch", type=_int(1), nargs="+", default=[1], metavar="B", help="batch sizes (default: 1)")
     ap.add_argument("--spec", type=_spec, nargs="+", default=None, metavar="S,K,N",

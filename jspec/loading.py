@@ -15,7 +15,7 @@ import numpy as np
 
 from jspec import safetensors_io
 from jspec.config import DTYPES
-from jspec.drafts import kind_of_checkpoint
+from jspec.drafts import EMBEDDED_DRAFTS, kind_of_checkpoint
 from jspec.models import family_for_hf
 from jspec.params import DraftParams, Params
 
@@ -109,14 +109,21 @@ def _check_dtype(dtype):
         raise ValueError(f"dtype must be one of {DTYPES} or None, got {dtype!r}")
 
 
-def load_target(model_dir: str, dtype: str | None = None) -> Params:
+def load_target(model_dir: str, dtype: str | None = None, embedded_draft: str | None = None) -> Params:
+    """A target; embedded_draft: also the draft kept in its checkpoint (`EMBEDDED_DRAFTS`),
+    from the same tensors."""
     _check_dtype(dtype)
     cfg_json = read_config(model_dir)
     where = os.fspath(model_dir)
     family = family_for_hf(cfg_json, where)
     config = family.config_from_hf(cfg_json, dtype)
-    weights = family.weights_from_hf(read_tensors(model_dir), config, where)
-    return Params(config=config, weights=weights, tokenizer=load_tokenizer(model_dir))
+    tensors = read_tensors(model_dir)
+    params = Params(config=config, weights=family.weights_from_hf(tensors, config, where),
+                    tokenizer=load_tokenizer(model_dir))
+    if embedded_draft is not None:
+        draft, weights = EMBEDDED_DRAFTS[embedded_draft].from_target_checkpoint(tensors, config, where)
+        params = params.with_draft(DraftParams(draft, weights))
+    return params
 
 
 def load_draft(draft_dir: str, target: Params) -> DraftParams:
@@ -133,9 +140,12 @@ def load_draft(draft_dir: str, target: Params) -> DraftParams:
 def load(target_dir: str, *, draft: str | None = None, dtype: str | None = None) -> Params:
     """Loads a target (and optionally a draft) from local Hugging Face directories.
 
-    dtype: 'float32', 'bfloat16' or 'float16' for the weights and activations; None keeps
-    the checkpoint's declared dtype.
+    draft: a draft's directory, or "mtp" for the MTP (NextN) layer inside the target's own
+    checkpoint (a directory named mtp: "./mtp"). dtype: 'float32', 'bfloat16' or 'float16'
+    for the weights and activations; None keeps the checkpoint's declared dtype.
     """
+    if isinstance(draft, str) and draft in EMBEDDED_DRAFTS:
+        return load_target(target_dir, dtype, embedded_draft=draft)
     params = load_target(target_dir, dtype)
     if draft is not None:
         params = params.with_draft(load_draft(draft, params))

@@ -1,15 +1,19 @@
 """Draft kinds, one file each, behind the protocol in `jspec.drafts.base`.
 
 Registering a kind is one line in DRAFT_KINDS (checkpoints are recognised in this order).
+EMBEDDED_DRAFTS names the kinds that live inside a target's own checkpoint
+(`jspec.load(dir, draft="mtp")`).
 """
 from __future__ import annotations
 
 from jspec.drafts.base import Draft
 from jspec.drafts.eagle import EagleDraft
 from jspec.drafts.eagle3 import Eagle3Draft
+from jspec.drafts.mtp import MtpDraft
 from jspec.drafts.standalone import StandaloneDraft
 
-DRAFT_KINDS: tuple[type[Draft], ...] = (Eagle3Draft, EagleDraft, StandaloneDraft)
+DRAFT_KINDS: tuple[type[Draft], ...] = (Eagle3Draft, EagleDraft, MtpDraft, StandaloneDraft)
+EMBEDDED_DRAFTS: dict[str, type[Draft]] = {"mtp": MtpDraft}
 
 
 def kind_of_checkpoint(cfg_json: dict, tensors: dict, where: str) -> type[Draft]:
@@ -19,8 +23,9 @@ def kind_of_checkpoint(cfg_json: dict, tensors: dict, where: str) -> type[Draft]
             return kind
     archs = cfg_json.get("architectures") or []
     raise ValueError(f"{where}: unknown draft architecture {archs!r}; expected an EAGLE head "
-                     f"(LlamaForCausalLMEagle), an EAGLE-3 head (LlamaForCausalLMEagle3) or a Llama-family "
-                     f"model")
+                     f"(LlamaForCausalLMEagle), an EAGLE-3 head (LlamaForCausalLMEagle3), a NextN layer "
+                     f"(DeepseekV3ForCausalLMNextN) or a model of a target family")
 
 
-__all__ = ["DRAFT_KINDS", "Draft", "Eagle3Draft", "EagleDraft", "StandaloneDraft", "kind_of_checkpoint"]
+__all__ = ["DRAFT_KINDS", "EMBEDDED_DRAFTS", "Draft", "Eagle3Draft", "EagleDraft", "MtpDraft", "StandaloneDraft",
+           "kind_of_checkpoint"]

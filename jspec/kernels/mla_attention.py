@@ -7,7 +7,8 @@ latent rows directly (q_lat . c + q_pe . k_pe), and the softmax-weighted latent 
 read once for all heads: a slot is Dc + Dr values (jspec.cache.latent).
 
 `mla_attention_reference` is the jnp reference; the mask rule is the GQA cache's
-(`jspec.kernels.attention.cache_mask`).
+(`jspec.kernels.attention.cache_mask`). `mla_attention` dispatches (jspec.kernels.dispatch)
+to the Pallas kernel `jspec.kernels.mla_decode.paged_mla_attention` or the reference.
 """
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ import jax.numpy as jnp
 
 from jspec.cache.kv import read_kv, write_kv
 from jspec.cache.layout import AttnMeta
+from jspec.kernels import dispatch
 from jspec.kernels.attention import NEG_INF, cache_mask
 
 
@@ -33,8 +35,29 @@ def mla_attention_reference(q_lat, q_pe, latent_buf, meta: AttnMeta, *, scale: f
     return jnp.einsum("bhts,bsc->bthc", p, c, preferred_element_type=jnp.float32)
 
 
+def uses_kernel(q_lat, q_pe, latent_buf, meta: AttnMeta) -> bool:
+    """Whether `mla_attention` takes the Pallas kernel for these arguments (see the dispatch)."""
+    if meta.prefill or dispatch.backend() == "reference":
+        return False
+    from jspec.kernels import mla_decode  # imports this module
+
+    return dispatch.want_pallas(dispatch.backend() == "pallas"
+                                or mla_decode.is_supported(q_lat, q_pe, latent_buf, meta))
+
+
+def mla_attention(q_lat, q_pe, latent_buf, meta: AttnMeta, *, scale: float):
+    """Dispatch: the Pallas kernel for non-prefill calls it supports, else the reference
+    (same arguments and result as `mla_attention_reference`). JSPEC_KERNELS=pallas forces
+    the kernel (and raises for arguments it does not take)."""
+    if uses_kernel(q_lat, q_pe, latent_buf, meta):
+        from jspec.kernels import mla_decode
+
+        return mla_decode.paged_mla_attention(q_lat, q_pe, latent_buf, meta, scale=scale)
+    return mla_attention_reference(q_lat, q_pe, latent_buf, meta, scale=scale)
+
+
 def cached_mla_attention(q_lat, q_pe, latent_new, latent_buf, meta: AttnMeta, *, scale: float):
     """Writes the new latent rows latent_new [B,T,Dc+Dr] and attends over the cache.
     -> (o_lat [B,T,H,Dc] float32, buffer)."""
     latent_buf = write_kv(latent_buf, latent_new, meta.write_index, meta.page_table is None)
-    return mla_attention_reference(q_lat, q_pe, latent_buf, meta, scale=scale), latent_buf
+    return mla_attention(q_lat, q_pe, latent_buf, meta, scale=scale), latent_buf

@@ -201,6 +201,27 @@ class DeepseekModel(DecoderLM):
         return self.norm(x), aux, None if cache is None else LatentCache(latent=tuple(bufs))
 
 
+class MtpLayer(nn.Module):
+    """A DeepSeek-V3 multi-token-prediction (NextN) layer, the MTP draft's whole model.
+
+    (embeds [B,T,D] of tokens t+1, feats [B,T,D]: the hidden state that predicted t+1) ->
+    hidden [B,T,D]: eh_proj([enorm(embeds); hnorm(feats)]) through one decoder block, then
+    shared_head.norm. The target's final-norm hidden state is the first feature; each later
+    draft step reads this layer's own output (as SGLang's and transformers' MTP do)."""
+
+    cfg: DeepseekConfig  # the layer's config: num_layers 1, MoE when the model has experts
+
+    @nn.compact
+    def __call__(self, embeds, feats, cache: LatentCache | None, meta: AttnMeta):
+        c = self.cfg
+        h = jnp.concatenate([RMSNorm(c.rms_norm_eps, c.dtype, name="enorm")(embeds),
+                             RMSNorm(c.rms_norm_eps, c.dtype, name="hnorm")(feats)], axis=-1)
+        x = Linear(c.hidden_size, False, c.dtype, name="eh_proj")(h)
+        x, buf = DecoderLayer(c, 0, name="block")(x, None if cache is None else cache.latent[0], meta)
+        out = RMSNorm(c.rms_norm_eps, c.dtype, name="shared_head_norm")(x)
+        return out, None if cache is None else LatentCache(latent=(buf,))
+
+
 class DeepseekFamily(FlaxFamily):
     """The target-family protocol for DeepSeek-V2/V3 (MLA + MoE) decoders."""
 

@@ -15,6 +15,8 @@ from jspec.tensors import Tensors, hf_linear, to_numpy
 
 TARGET_ARCHITECTURES = ("DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM")
 TOPK_METHODS = ("greedy", "group_limited_greedy", "noaux_tc")
+# A NextN directory (SGLang's export of a checkpoint's MTP layer) -> the model it came from.
+NEXTN_ARCHITECTURES = {"DeepseekV3ForCausalLMNextN": "DeepseekV3ForCausalLM"}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -96,8 +98,10 @@ def _get(cfg: Mapping[str, Any], where: str, name: str, default=None, required: 
 
 
 def config_from_hf(cfg: Mapping[str, Any], dtype: str | None = None, where: str = "config.json") -> DeepseekConfig:
-    archs = cfg.get("architectures") or []
-    arch = next(a for a in archs if a in TARGET_ARCHITECTURES)
+    archs = [NEXTN_ARCHITECTURES.get(a, a) for a in cfg.get("architectures") or []]
+    arch = next((a for a in archs if a in TARGET_ARCHITECTURES), None)
+    if arch is None:
+        raise ValueError(f"{where}: architectures {archs!r} name no DeepSeek model {TARGET_ARCHITECTURES}")
     v3 = arch == "DeepseekV3ForCausalLM"
     act = cfg.get("hidden_act", "silu")
     if act not in ("silu", "swish"):
@@ -246,31 +250,37 @@ def target_tensors(c: DeepseekConfig, weights) -> dict:
     if not c.tie_word_embeddings:
         out["lm_head.weight"] = hf_linear(p["lm_head"], dt)
     for i in range(c.num_layers):
-        pre, lp = f"model.layers.{i}.", p[f"layers_{i}"]
-        for name, sub in lp["self_attn"].items():
-            key = f"{pre}self_attn.{name}."
-            if "kernel" in sub:
-                out[key + "weight"] = hf_linear(sub, dt)
-                if "bias" in sub:
-                    out[key + "bias"] = to_numpy(sub["bias"], dt)
-            else:
-                out[key + "weight"] = to_numpy(sub["weight"], dt)
-        for norm in ("input_layernorm", "post_attention_layernorm"):
-            out[f"{pre}{norm}.weight"] = to_numpy(lp[norm]["weight"], dt)
-        m, mp = pre + "mlp.", lp["mlp"]
-        if not c.is_moe(i):
-            _mlp_tensors(mp, m, c.intermediate_size, out, dt)
-            continue
-        Fm = c.moe_intermediate_size
-        out[m + "gate.weight"] = np.ascontiguousarray(to_numpy(mp["router"]["kernel"], "float32").T).astype(
-            to_numpy(p["norm"]["weight"], dt).dtype)
-        if "bias" in mp["router"]:
-            out[m + "gate.e_score_correction_bias"] = to_numpy(mp["router"]["bias"], "float32")
-        gate_up, down = to_numpy(mp["experts"]["gate_up"], dt), to_numpy(mp["experts"]["down"], dt)
-        for e in range(c.n_routed_experts):
-            out[f"{m}experts.{e}.gate_proj.weight"] = np.ascontiguousarray(gate_up[e, :, :Fm].T)
-            out[f"{m}experts.{e}.up_proj.weight"] = np.ascontiguousarray(gate_up[e, :, Fm:].T)
-            out[f"{m}experts.{e}.down_proj.weight"] = np.ascontiguousarray(down[e].T)
-        if "shared_experts" in mp:
-            _mlp_tensors(mp["shared_experts"], m + "shared_experts.", Fm * c.n_shared_experts, out, dt)
+        layer_tensors(p[f"layers_{i}"], f"model.layers.{i}.", c, i, out)
+    return out
+
+
+def layer_tensors(lp: dict, pre: str, c: DeepseekConfig, layer: int, out: dict) -> dict:
+    """One decoder layer's params -> `pre`-named tensors in `out` (experts one tensor each)."""
+    dt = c.dtype
+    for name, sub in lp["self_attn"].items():
+        key = f"{pre}self_attn.{name}."
+        if "kernel" in sub:
+            out[key + "weight"] = hf_linear(sub, dt)
+            if "bias" in sub:
+                out[key + "bias"] = to_numpy(sub["bias"], dt)
+        else:
+            out[key + "weight"] = to_numpy(sub["weight"], dt)
+    for norm in ("input_layernorm", "post_attention_layernorm"):
+        out[f"{pre}{norm}.weight"] = to_numpy(lp[norm]["weight"], dt)
+    m, mp = pre + "mlp.", lp["mlp"]
+    if not c.is_moe(layer):
+        _mlp_tensors(mp, m, c.intermediate_size, out, dt)
+        return out
+    Fm = c.moe_intermediate_size
+    out[m + "gate.weight"] = np.ascontiguousarray(to_numpy(mp["router"]["kernel"], "float32").T).astype(
+        to_numpy(lp["input_layernorm"]["weight"], dt).dtype)
+    if "bias" in mp["router"]:
+        out[m + "gate.e_score_correction_bias"] = to_numpy(mp["router"]["bias"], "float32")
+    gate_up, down = to_numpy(mp["experts"]["gate_up"], dt), to_numpy(mp["experts"]["down"], dt)
+    for e in range(c.n_routed_experts):
+        out[f"{m}experts.{e}.gate_proj.weight"] = np.ascontiguousarray(gate_up[e, :, :Fm].T)
+        out[f"{m}experts.{e}.up_proj.weight"] = np.ascontiguousarray(gate_up[e, :, Fm:].T)
+        out[f"{m}experts.{e}.down_proj.weight"] = np.ascontiguousarray(down[e].T)
+    if "shared_experts" in mp:
+        _mlp_tensors(mp["shared_experts"], m + "shared_experts.", Fm * c.n_shared_experts, out, dt)
     return out

@@ -1,0 +1,245 @@
+"""The Pallas MLA decode/verify kernel (interpret mode) against mla_attention_reference."""
+from __future__ import annotations
+
+import functools
+
+import chex
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jspec.cache import kv as kvc
+from jspec.cache import layout as lay
+from jspec.kernels import dispatch
+from jspec.kernels import mla_attention as mla
+from jspec.kernels import mla_decode as md
+
+
+def _tree_mask(rng, Tl):
+    """A random tree over the Tl local slots (node j's parent < j): [Tl, Tl] ancestor-or-self
+    mask (not causal in general) and each node's depth."""
+    parent = [-1] + [int(rng.integers(-1, j)) for j in range(1, Tl)]
+    mask = np.eye(Tl, dtype=bool)
+    depth = np.zeros(Tl, np.int32)
+    for j in range(1, Tl):
+        if parent[j] >= 0:
+            mask[j] |= mask[parent[j]]
+            depth[j] = depth[parent[j]] + 1
+    return mask, depth
+
+
+def make_case(seed, *, B=3, T=1, Tl=None, H=4, Dc=32, Dr=16, S=64, page_size=0, prefix=None,
+              dtype=jnp.float32):
+    """q_lat [B,T,H,Dc], q_pe [B,T,H,Dr], a latent buffer and meta for T new tokens (the
+    last T of Tl local slots, a random tree) after ragged prefixes; a paged pool gets
+    shuffled pages, unallocated table tails and a trash page."""
+    rng = np.random.default_rng(seed)
+    Tl = T if Tl is None else Tl
+    if prefix is None:
+        prefix = rng.integers(0, S - Tl + 1, size=B)
+    prefix = np.asarray(prefix, np.int32)
+    masks, depths = zip(*(_tree_mask(rng, Tl) for _ in range(B)))
+    local_mask = np.stack(masks)[:, Tl - T:]  # [B, T, Tl]
+    local_pos = prefix[:, None] + np.stack(depths)  # [B, Tl]
+    if page_size:
+        Gp = -(-S // page_size)
+        num_pages = B * Gp + 3
+        perm = rng.permutation(num_pages)
+        table = np.full((B, Gp), num_pages, np.int32)  # num_pages: unallocated (the trash)
+        for b in range(B):
+            used = -(-(prefix[b] + Tl) // page_size)
+            table[b, :used] = perm[b * Gp:b * Gp + used]
+        shape = (num_pages + 1, page_size, Dc + Dr)
+    else:
+        table = None
+        shape = (B, S, Dc + Dr)
+    meta = lay.AttnMeta(
+        positions=jnp.asarray(local_pos[:, Tl - T:], jnp.int32), prefix_len=jnp.asarray(prefix),
+        local_mask=jnp.asarray(local_mask), local_positions=jnp.asarray(local_pos, jnp.int32),
+        write_index=jnp.zeros((B, T), jnp.int32),
+        page_table=None if table is None else jnp.asarray(table), page_size=page_size)
+    cast = lambda x: jnp.asarray(x, dtype)
+    q_lat = cast(rng.standard_normal((B, T, H, Dc)))
+    q_pe = cast(rng.standard_normal((B, T, H, Dr)))
+    buf = cast(rng.standard_normal(shape))
+    return q_lat, q_pe, buf, meta
+
+
+def _fast_jit(fn, *args, **static):
+    """jit + run with XLA's backend optimisations off (interpret-mode kernels compile in
+    about half the time)."""
+    f = jax.jit(functools.partial(fn, **static))
+    return f.trace(*args).lower().compile({"xla_backend_optimization_level": 0})(*args)
+
+
+def _scale(q_lat, q_pe):
+    return (q_lat.shape[-1] + q_pe.shape[-1]) ** -0.5
+
+
+def _kernel(q_lat, q_pe, buf, meta, **kw):
+    return md.paged_mla_attention(q_lat, q_pe, buf, meta, scale=_scale(q_lat, q_pe),
+                                  interpret=True, **kw)
+
+
+def _reference(q_lat, q_pe, buf, meta):
+    return md.mla_decode_reference(q_lat, q_pe, buf, meta, scale=_scale(q_lat, q_pe))
+
+
+def check(q_lat, q_pe, buf, meta, *, atol=1e-5, rtol=1e-5, **kw):
+    """The kernel against the reference; 16-bit inputs against the reference on their float32
+    values (the yardstick; also, XLA:CPU of jax 0.10.2 runs no bf16 x bf16 -> f32 batched
+    dot of the reference's value product's layout)."""
+    out = _fast_jit(_kernel, q_lat, q_pe, buf, meta, **kw)
+    up = lambda x: x.astype(jnp.float32)
+    ref = _fast_jit(_reference, up(q_lat), up(q_pe), up(buf), meta)
+    assert out.dtype == jnp.float32
+    chex.assert_shape(out, q_lat.shape)
+    chex.assert_trees_all_close(out, ref, atol=atol, rtol=rtol)
+
+
+# --------------------------------------------------------------------------- fixed cases
+
+CASES = [  # (page_size, T, H, Dc, num_splits); page_size 0: dense; T > 1: a tree block
+    (0, 1, 4, 32, None), (0, 4, 2, 64, 3),
+    (1, 1, 2, 32, 2), (1, 3, 4, 32, None),
+    (16, 1, 8, 64, 1), (16, 5, 4, 32, 2),  # 20 query rows: two row blocks of 16, padded
+    (64, 4, 4, 32, None),
+]
+
+
+@pytest.mark.parametrize("page_size,T,H,Dc,num_splits", CASES)
+def test_matches_reference(page_size, T, H, Dc, num_splits):
+    # Row 0: empty prefix; row 1: ragged; row 2: the local block ends the cache.
+    S = 128 if page_size == 64 else 72
+    q_lat, q_pe, buf, meta = make_case(page_size * 100 + T * 10 + H, T=T, H=H, Dc=Dc, S=S,
+                                       page_size=page_size, prefix=[0, 23, S - T])
+    check(q_lat, q_pe, buf, meta, num_splits=num_splits, block_k=16, block_rows=16)
+
+
+@pytest.mark.parametrize("page_size", [0, 16])
+def test_bfloat16(page_size):
+    q_lat, q_pe, buf, meta = make_case(4, T=4, H=4, S=80, page_size=page_size, prefix=[0, 31, 76],
+                                       dtype=jnp.bfloat16)
+    check(q_lat, q_pe, buf, meta, num_splits=2, block_k=16, atol=2e-2, rtol=2e-2)
+
+
+def test_deepseek_dims():
+    """The real latent rank and rope dim (512, 64), a tree of 3 over a paged pool, bf16,
+    default tiles (two row blocks of 32 after padding 48 rows)."""
+    q_lat, q_pe, buf, meta = make_case(5, B=2, T=3, H=16, Dc=512, Dr=64, S=96, page_size=16,
+                                       prefix=[70, 5], dtype=jnp.bfloat16)
+    check(q_lat, q_pe, buf, meta, num_splits=2, atol=2e-2, rtol=2e-2)
+
+
+def test_dense_capacity_not_multiple_of_block():
+    q_lat, q_pe, buf, meta = make_case(1, B=2, T=3, S=37, prefix=[34, 5])  # S % 16 != 0, full row 0
+    check(q_lat, q_pe, buf, meta, block_k=16)
+    check(q_lat, q_pe, buf, meta, block_k=64)  # one block larger than the cache
+
+
+def test_local_block_longer_than_new_tokens():  # tree drafting: Tl > T
+    q_lat, q_pe, buf, meta = make_case(2, B=2, T=3, Tl=9, S=48, page_size=3, prefix=[0, 39])
+    check(q_lat, q_pe, buf, meta, num_splits=2, block_k=16)
+
+
+def test_cached_mla_attention_engine_layout():
+    """The pool filled the way the engine does it (alloc_pages, make_meta, the write inside
+    cached_mla_attention): the forced kernel equals the reference."""
+    B, T, H, Dc, Dr, P, Gp, num_pages = 2, 4, 4, 32, 16, 4, 8, 20
+
+    def setup(key):
+        kp, kn, kq, kr = jax.random.split(key, 4)
+        prefix = jnp.array([9, 0], jnp.int32)
+        buf = jax.random.normal(kp, (num_pages + 1, P, Dc + Dr))  # + the trash page
+        pages = lay.init_page_state(B, Gp, num_pages)
+        pages, ok = lay.alloc_pages(pages, prefix + T, jnp.ones((B,), bool), P, Gp)
+        positions = prefix[:, None] + jnp.arange(T, dtype=jnp.int32)
+        causal = jnp.broadcast_to(jnp.tril(jnp.ones((T, T), bool)), (B, T, T))
+        layout = lay.CacheLayout(paged=True, capacity=Gp * P, page_size=P, num_pages=num_pages)
+        meta = lay.make_meta(layout, pages, positions=positions, prefix_len=prefix,
+                             local_mask=causal, write_valid=jnp.ones((B, T), bool))
+        return (jax.random.normal(kq, (B, T, H, Dc)), jax.random.normal(kr, (B, T, H, Dr)),
+                jax.random.normal(kn, (B, T, Dc + Dr)), buf, meta, ok)
+
+    q_lat, q_pe, new, buf, meta, ok = _fast_jit(setup, jax.random.key(5))
+    assert bool(ok.all())
+    outs = {}
+    for mode in ("reference", "pallas"):
+        with dispatch.use_backend(mode):
+            outs[mode] = _fast_jit(lambda *a: mla.cached_mla_attention(*a, scale=0.2),
+                                   q_lat, q_pe, new, buf, meta)
+    chex.assert_trees_all_close(outs["pallas"], outs["reference"], atol=1e-5, rtol=1e-5)
+    # The new rows landed where make_meta put them.
+    flat = outs["pallas"][1].reshape(-1, Dc + Dr)
+    chex.assert_trees_all_close(flat[meta.write_index], new)
+
+
+# --------------------------------------------------------------------------- dispatch, errors
+
+def test_dispatch_env(monkeypatch):
+    q_lat, q_pe, buf, meta = make_case(6, T=2, H=2, S=40, page_size=3)
+    calls = []
+    real = md.paged_mla_attention
+    monkeypatch.setattr(md, "paged_mla_attention", lambda *a, **kw: calls.append(1) or real(*a, **kw))
+
+    def run(meta):  # a fresh jit per call: JSPEC_KERNELS is read at trace time
+        fn = lambda *a: mla.mla_attention(*a, scale=0.3)
+        return _fast_jit(fn, q_lat, q_pe, buf, meta)
+
+    outs = {}
+    for mode, used in [("reference", False), ("auto", jax.default_backend() == "gpu"),
+                       ("pallas", True)]:
+        monkeypatch.setenv("JSPEC_KERNELS", mode)
+        calls.clear()
+        outs[mode] = run(meta)
+        assert bool(calls) == used, mode
+    chex.assert_trees_all_close(outs["pallas"], outs["reference"], atol=1e-5, rtol=1e-5)
+    assert not mla.uses_kernel(q_lat, q_pe, buf, meta.replace(prefill=True))
+
+
+def test_validation():
+    q_lat, q_pe, buf, meta = make_case(7, B=2, T=2, H=2, S=32, page_size=4)
+    call = lambda q_lat=q_lat, q_pe=q_pe, buf=buf, meta=meta, **kw: md.paged_mla_attention(
+        q_lat, q_pe, buf, meta, scale=1.0, interpret=True, **kw)
+    with pytest.raises(ValueError, match="prefill"):
+        call(meta=meta.replace(prefill=True))
+    with pytest.raises(ValueError, match="cache buffer"):
+        call(buf=None)
+    with pytest.raises(TypeError, match="dtypes differ"):
+        call(buf=buf.astype(jnp.bfloat16))
+    with pytest.raises(TypeError, match="dtype"):
+        call(q_lat.astype(jnp.int32), q_pe.astype(jnp.int32), buf.astype(jnp.int32))
+    with pytest.raises(ValueError, match="latent rank"):
+        call(q_lat[..., :24], buf=buf[..., 8:])
+    with pytest.raises(ValueError, match="rope dim"):
+        call(q_pe=q_pe[..., :8], buf=buf[..., :40])
+    with pytest.raises(ValueError, match="Dc \\+ Dr"):
+        call(buf=buf[..., :40])
+    with pytest.raises(ValueError, match="differ in"):
+        call(q_pe=q_pe[:, :, :1])
+    with pytest.raises(ValueError, match="latent cache"):  # a GQA-shaped buffer
+        call(buf=buf[:, :, None])
+    with pytest.raises(ValueError, match="block_k"):
+        call(block_k=24)
+    with pytest.raises(ValueError, match="block_rows"):
+        call(block_rows=8)
+    with pytest.raises(ValueError, match="num_splits"):
+        call(num_splits=0)
+    with pytest.raises(TypeError, match="scale"):
+        md.paged_mla_attention(q_lat, q_pe, buf, meta, scale=jnp.float32(1.0), interpret=True)
+    with pytest.raises(ValueError, match="page_table"):
+        call(meta=meta.replace(page_table=meta.page_table[:1]))
+    with pytest.raises(TypeError, match="page_table"):
+        call(meta=meta.replace(page_table=meta.page_table.astype(jnp.float32)))
+    with pytest.raises(ValueError, match="page_size"):
+        call(meta=meta.replace(page_size=8))
+    with pytest.raises(ValueError, match="local_mask"):
+        call(meta=meta.replace(local_mask=meta.local_mask[:, :1]))
+    with pytest.raises(TypeError, match="local_mask"):
+        call(meta=meta.replace(local_mask=meta.local_mask.astype(jnp.int32)))
+    with pytest.raises(ValueError, match="batch"):
+        call(buf=buf[:1, :32], meta=meta.replace(page_table=None))
+    assert md.is_supported(q_lat, q_pe, buf, meta)
+    assert not md.is_supported(q_lat, q_pe, buf, meta.replace(prefill=True))
+    assert not md.is_supported(q_lat, q_pe, buf.astype(jnp.bfloat16), meta)
