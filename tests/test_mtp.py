@@ -188,3 +188,15 @@ def test_mtp_errors(mtp_target, llama_dir, tmp_path):
     (nextn / "config.json").write_text(json.dumps(cfg))
     with pytest.raises(ValueError, match="hidden_size"):
         jspec.load(path, draft=str(nextn))
+
+
+def test_mtp_sampling_emits_plain_sampling(mtp_target):
+    """Sampled requests with the MTP draft (target-only verification of a tree over a paged
+    latent cache) emit what plain sampling emits for the same seeds, token for token."""
+    p = jspec.load(mtp_target[0], draft="mtp", dtype="float32")
+    kw = dict(max_new_tokens=10, stop_token_ids=[], temperature=[0.0, 1.0, 0.8], top_p=[1.0, 1.0, 0.9],
+              repetition_penalty=[1.0, 1.0, 1.2], seed=[0, 1, 2])
+    want = jspec.generate(p.with_draft(None), PROMPTS, **kw).tokens
+    out = jspec.generate(p, PROMPTS, spec=jspec.SpecConfig(num_steps=2, topk=2, num_draft_tokens=4),
+                         cache=jspec.CacheConfig("paged", page_size=16), **kw)
+    assert out.tokens == want

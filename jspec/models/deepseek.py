@@ -11,8 +11,9 @@ MoE layers route each token to k of E experts (V2: softmax scores, `greedy` or
 `group_limited_greedy`; V3: sigmoid scores with `e_score_correction_bias` used for the
 choice only, groups, `norm_topk_prob`, `routed_scaling_factor`). When a forward has fewer
 (token, expert) pairs than experts (decoding, verification), each pair gathers its
-expert's weights, so only chosen experts are read; otherwise (prefill) the pairs are
-sorted by expert and run as grouped products (`jax.lax.ragged_dot`).
+expert's weights straight from the stacked arrays (`jspec.kernels.moe_experts`: a Pallas
+kernel on the GPU, a gather elsewhere), so only chosen experts are read; otherwise
+(prefill) the pairs are sorted by expert and run as grouped products (`jax.lax.ragged_dot`).
 """
 from __future__ import annotations
 
@@ -24,6 +25,7 @@ from jspec.cache.latent import LatentCache, LatentCacheKind
 from jspec.cache.layout import AttnMeta
 from jspec.kernels.attention import attention_reference
 from jspec.kernels.mla_attention import cached_mla_attention
+from jspec.kernels.moe_experts import moe_experts
 from jspec.cache.kv import write_kv
 from jspec.models import deepseek_hf
 from jspec.models.deepseek_hf import DeepseekConfig
@@ -144,8 +146,8 @@ class MoE(nn.Module):
         xs = x.reshape(B * T, D)
         weights, ids = route(c, xs.astype(jnp.float32) @ router["kernel"], router.get("bias"))
         if B * T * k < E:  # decode and verification: read the chosen experts' weights only
-            gu = jnp.einsum("nd,nkdf->nkf", xs, experts["gate_up"][ids])  # [N, k, 2Fm]
-            y = jnp.einsum("nkf,nkfd->nkd", nn.silu(gu[..., :Fm]) * gu[..., Fm:], experts["down"][ids])
+            pairs = jnp.repeat(xs, k, axis=0)  # [N*k, D]: pair n*k + j is token n's j-th expert
+            y = moe_experts(pairs, ids.reshape(-1), experts["gate_up"], experts["down"]).reshape(B * T, k, D)
         else:  # prefill: (token, expert) pairs sorted by expert, grouped products
             flat = ids.reshape(-1)  # [N*k] expert of each (token, slot)
             order = jnp.argsort(flat, stable=True)

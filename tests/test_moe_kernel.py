@@ -1,0 +1,89 @@
+"""The Pallas MoE expert kernel (interpret mode) against the gather reference."""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jspec.kernels import dispatch
+from jspec.kernels import moe_experts as me
+
+
+def _case(seed, *, E, Din, Dout, P, dtype, ids=None):
+    rng = np.random.default_rng(seed)
+    x = jnp.asarray(rng.standard_normal((P, Din)), dtype)
+    w = jnp.asarray(rng.standard_normal((E, Din, Dout)) / np.sqrt(Din), dtype)
+    if ids is None:
+        ids = rng.integers(0, E, P)
+    return x, jnp.asarray(ids, jnp.int32), w
+
+
+@pytest.mark.parametrize("E,Din,Dout,P,dtype,ids,tiles", [
+    # repeated experts, Dout 96 = a 64-column tile and an overlapping last one
+    (8, 64, 96, 7, jnp.float32, [3, 3, 0, 7, 3, 1, 7], {}),
+    # one pair; Din 80 not a multiple of the 32-row chunk; two K splits
+    (8, 80, 96, 1, jnp.float32, [5], dict(block_k=32, num_splits=2)),
+    # bfloat16, 16-row chunks over four K splits (uneven), 32-column tiles
+    (4, 112, 48, 7, jnp.bfloat16, [0, 1, 2, 3, 3, 2, 0], dict(block_k=16, block_n=32, num_splits=4)),
+])
+def test_expert_matmul_matches_reference(E, Din, Dout, P, dtype, ids, tiles):
+    x, ids, w = _case(0, E=E, Din=Din, Dout=Dout, P=P, dtype=dtype, ids=ids)
+    got = me.expert_matmul(x, ids, w, interpret=True, **tiles)
+    assert got.shape == (P, Dout) and got.dtype == jnp.float32
+    # float32 products of the same inputs either way: only the summation order differs
+    np.testing.assert_allclose(np.asarray(got), np.asarray(me.expert_matmul_reference(x, ids, w)),
+                               rtol=1e-5, atol=1e-5)
+
+
+def test_out_of_range_ids_are_clamped():
+    x, _, w = _case(1, E=4, Din=32, Dout=32, P=2, dtype=jnp.float32)
+    got = me.expert_matmul(x, jnp.asarray([-1, 9], jnp.int32), w, interpret=True)
+    want = me.expert_matmul_reference(x, jnp.asarray([0, 3], jnp.int32), w)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("dtype,tol", [(jnp.float32, 1e-5), (jnp.bfloat16, 3e-2)])
+def test_routed_experts_matches_reference(dtype, tol):
+    """k = 3 experts for each of 2 tokens (pair n*k + j: token n), an expert shared by
+    both tokens; D 64, Fm 48 (gate_up 96 columns: an overlapping tile)."""
+    E, D, Fm, k = 8, 64, 48, 3
+    rng = np.random.default_rng(2)
+    xs = jnp.asarray(rng.standard_normal((2, D)), dtype)
+    pairs = jnp.repeat(xs, k, axis=0)
+    ids = jnp.asarray([1, 6, 4, 6, 0, 2], jnp.int32)
+    gate_up = jnp.asarray(rng.standard_normal((E, D, 2 * Fm)) / np.sqrt(D), dtype)
+    down = jnp.asarray(rng.standard_normal((E, Fm, D)) / np.sqrt(Fm), dtype)
+    want = np.asarray(me.routed_experts_reference(pairs, ids, gate_up, down))
+    got = me.routed_experts(pairs, ids, gate_up, down, interpret=True)
+    assert got.shape == (6, D) and got.dtype == jnp.float32
+    np.testing.assert_allclose(np.asarray(got), want, rtol=tol, atol=tol * np.abs(want).max())
+
+    # the dispatch: the reference on CPU ("auto"), the kernel in interpret mode when forced
+    assert not me.uses_kernel(pairs, ids, gate_up, down) or jax.default_backend() == "gpu"
+    with dispatch.use_backend("reference"):
+        np.testing.assert_array_equal(np.asarray(me.moe_experts(pairs, ids, gate_up, down)), want)
+    with dispatch.use_backend("pallas"):
+        assert me.uses_kernel(pairs, ids, gate_up, down)
+        np.testing.assert_array_equal(np.asarray(me.moe_experts(pairs, ids, gate_up, down)), np.asarray(got))
+
+
+def test_validation():
+    x, ids, w = _case(3, E=4, Din=32, Dout=32, P=3, dtype=jnp.float32)
+    with pytest.raises(ValueError, match="ids has 2 entries for 3 pairs"):
+        me.expert_matmul(x, ids[:2], w, interpret=True)
+    with pytest.raises(ValueError, match="weights take 32 inputs, x has 16"):
+        me.expert_matmul(x[:, :16], ids, w, interpret=True)
+    with pytest.raises(TypeError, match="ids must be integer"):
+        me.expert_matmul(x, ids.astype(jnp.float32), w, interpret=True)
+    with pytest.raises(ValueError, match="block_n must be a power of two"):
+        me.expert_matmul(x, ids, w, block_n=48, interpret=True)
+    with pytest.raises(ValueError, match=">= 16"):
+        me.expert_matmul(x[:, :8], ids, w[:, :8], interpret=True)
+    gate_up, down = jnp.zeros((4, 32, 64)), jnp.zeros((4, 32, 16))
+    with pytest.raises(ValueError, match="does not match gate_up"):
+        me.routed_experts(x, ids, gate_up, down, interpret=True)
+    assert not me.is_supported(x, ids, gate_up, down)
+    assert me.is_supported(x, ids, gate_up, jnp.zeros((4, 32, 32)))
+    with dispatch.use_backend("pallas"), pytest.raises(ValueError, match="does not match gate_up"):
+        me.moe_experts(x, ids, gate_up, down)
