@@ -9,7 +9,6 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jspec.cache import kv as kvc
 from jspec.cache import layout as lay
 from jspec.kernels import dispatch
 from jspec.kernels import mla_attention as mla
@@ -126,7 +125,7 @@ def test_bfloat16(page_size):
 
 def test_deepseek_dims():
     """The real latent rank and rope dim (512, 64), a tree of 3 over a paged pool, bf16,
-    default tiles (two row blocks of 32 after padding 48 rows)."""
+    default tiles (48 query rows padded to one block of 64)."""
     q_lat, q_pe, buf, meta = make_case(5, B=2, T=3, H=16, Dc=512, Dr=64, S=96, page_size=16,
                                        prefix=[70, 5], dtype=jnp.bfloat16)
     check(q_lat, q_pe, buf, meta, num_splits=2, atol=2e-2, rtol=2e-2)

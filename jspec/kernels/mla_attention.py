@@ -32,7 +32,9 @@ def mla_attention_reference(q_lat, q_pe, latent_buf, meta: AttnMeta, *, scale: f
     mask = cache_mask(meta, rows.shape[1], q_lat.shape[1])
     s = jnp.where(mask[:, None], s, NEG_INF)
     p = jax.nn.softmax(s, axis=-1).astype(c.dtype)
-    return jnp.einsum("bhts,bsc->bthc", p, c, preferred_element_type=jnp.float32)
+    # p rounded to the cache dtype; products of two such values are exact in float32 (and
+    # XLA's CPU dot has no bf16 x bf16 -> f32 form for this contraction)
+    return jnp.einsum("bhts,bsc->bthc", p.astype(jnp.float32), c.astype(jnp.float32))
 
 
 def uses_kernel(q_lat, q_pe, latent_buf, meta: AttnMeta) -> bool:

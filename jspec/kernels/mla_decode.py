@@ -27,8 +27,11 @@ Design (flash decoding):
   take an int8 mask [BR, BK] gathered from `tail_mask` [B, T, NL*BK] (one row per token,
   not per head), which the wrapper builds with the exact rule of the reference.
 
-Registers: the float32 accumulator [BR, Dc] (Dc = 512) dominates; with BR = 32 and 8 warps
-it is 64 values a thread. Larger BR needs more warps or spills (see benchmarks).
+Registers: the float32 accumulator [BR, Dc] (Dc = 512) dominates: 128 values a thread with
+BR = 64 and 8 warps. On the H200 (benchmarks/mla_kernel_check.py, bf16, 2026-11-23) BR = 64
+beat BR = 32 by 20-28% at H = 128 with batch 32 or T = 16 (fewer row blocks re-reading the
+keys, bigger tensor-core tiles) and was within 20% of it, either way, at batch 1 and T = 1;
+block_k 32 with 3 stages was slower.
 
 A query row that sees no key at all gets zeros (the reference gives a meaningless uniform
 average there).
@@ -49,7 +52,7 @@ from jspec.kernels.mla_attention import mla_attention_reference
 
 NEG_INF = -1e30
 MIN_ROWS = 16  # smallest M of a tensor-core dot in Triton
-DEFAULT_BLOCK_ROWS = 32  # query rows a program (H200, see benchmarks/mla_kernel_check.py)
+DEFAULT_BLOCK_ROWS = 64  # query rows a program (H200: beat 32 at H=128, see the docstring)
 DEFAULT_BLOCK_K = 64  # key slots a block, 16-bit caches (float32: half)
 TARGET_PROGRAMS = 264  # about two waves of programs on an H200 (132 SMs)
 
@@ -87,7 +90,7 @@ def _mla_kernel(bounds_ref, table_ref, tail_mask_ref, lat_ref, qc_ref, qr_ref, o
     qr = qr_ref[...]  # [BR, Dr]
     BR = qc.shape[0]
     offs = jnp.arange(block_k, dtype=jnp.int32)  # [BK]
-    tok = jnp.minimum((jnp.arange(BR, dtype=jnp.int32)) // num_heads, num_tokens - 1)  # [BR]
+    tok = jnp.minimum((r * BR + jnp.arange(BR, dtype=jnp.int32)) // num_heads, num_tokens - 1)  # [BR]
 
     def load(blk):
         slot = jnp.minimum(blk * block_k + offs, num_keys - 1)  # [BK], clamped in range
