@@ -200,3 +200,33 @@ def test_mtp_sampling_emits_plain_sampling(mtp_target):
     out = jspec.generate(p, PROMPTS, spec=jspec.SpecConfig(num_steps=2, topk=2, num_draft_tokens=4),
                          cache=jspec.CacheConfig("paged", page_size=16), **kw)
     assert out.tokens == want
+
+
+@pytest.mark.slow
+def test_deepseek_and_mtp_through_pallas_kernels(monkeypatch, fresh_compiles):
+    """A DeepSeek target and its MTP draft with the MLA and MoE kernels forced (interpret
+    mode) give the reference path's greedy tokens; both kernels run in the loop."""
+    from jspec.kernels import mla_decode, moe_experts
+    from jspec.models import family_for
+    from jspec.models.deepseek_hf import DeepseekConfig
+    cfg = DeepseekConfig(vocab_size=96, hidden_size=32, intermediate_size=48, num_layers=2, num_heads=2,
+                         kv_lora_rank=32, q_lora_rank=0, qk_nope_head_dim=16, qk_rope_head_dim=16, v_head_dim=16,
+                         moe_intermediate_size=16, n_routed_experts=8, n_shared_experts=1, num_experts_per_tok=2,
+                         first_k_dense_replace=1, num_nextn_predict_layers=1)
+    draft = MtpDraft(layer_config(cfg))
+    scale = lambda w: jax.tree.map(lambda a: a * 8 if a.ndim >= 2 else a, w)  # noqa: E731  (peaked logits)
+    p = jspec.Params(cfg, scale(family_for(cfg).init_weights(cfg, jax.random.key(0)))).with_draft(
+        jspec.DraftParams(draft, scale(draft.init(jax.random.key(1), cfg.vocab_size))))
+    kw = dict(max_new_tokens=5, stop_token_ids=[], spec=jspec.SpecConfig(num_steps=2),
+              cache=jspec.CacheConfig("paged", page_size=16))
+    monkeypatch.setenv("JSPEC_KERNELS", "reference")
+    want = jspec.generate(p, PROMPTS[:2], **kw).tokens
+    calls = []
+    for mod, name in ((mla_decode, "paged_mla_attention"), (moe_experts, "expert_matmul")):
+        real = getattr(mod, name)
+        monkeypatch.setattr(mod, name, lambda *a, _r=real, _n=name, **k: calls.append(_n) or _r(*a, **k))
+    monkeypatch.setenv("JSPEC_KERNELS", "pallas")
+    jspec.clear_caches()
+    assert jspec.generate(p, PROMPTS[:2], **kw).tokens == want
+    assert {"paged_mla_attention", "expert_matmul"} <= set(calls)
+    jax.clear_caches()
