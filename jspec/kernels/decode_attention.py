@@ -295,6 +295,15 @@ def _check_args(q, kv_buf, meta: AttnMeta, window) -> None:
         raise ValueError(f"cache head_dim {kv_buf.shape[4]} != q head_dim {Dh}")
     if H % Hkv:
         raise ValueError(f"num_heads {H} is not a multiple of num_kv_heads {Hkv}")
+    check_meta(meta, kv_buf, B, T)
+    if isinstance(window, bool) or not isinstance(window, numbers.Integral) or window < 0:
+        raise ValueError(f"window must be a static int >= 0, got {window!r}")
+
+
+def check_meta(meta: AttnMeta, buf, B: int, T: int) -> None:
+    """Raises ValueError / TypeError unless `meta` describes T new tokens of B rows over the
+    cache buffer `buf` (dense [B, S, ...] or a pool [num_pages, P, ...]); shared by the
+    cache-reading kernels."""
     Tl = meta.local_len
     for name, shape in (("positions", (B, T)), ("prefix_len", (B,)),
                         ("local_mask", (B, T, Tl)), ("local_positions", (B, Tl))):
@@ -307,18 +316,16 @@ def _check_args(q, kv_buf, meta: AttnMeta, window) -> None:
             raise TypeError(f"meta.{name} must be {'bool' if want_bool else 'integer'}, "
                             f"got {arr.dtype}")
     if meta.page_table is None:
-        if kv_buf.shape[0] != B:
-            raise ValueError(f"dense cache batch {kv_buf.shape[0]} != q batch {B}")
+        if buf.shape[0] != B:
+            raise ValueError(f"dense cache batch {buf.shape[0]} != q batch {B}")
     else:
         table = meta.page_table
         if table.ndim != 2 or table.shape[0] != B:
             raise ValueError(f"meta.page_table has shape {table.shape}, expected ({B}, G)")
         if not jnp.issubdtype(table.dtype, jnp.integer):
             raise TypeError(f"meta.page_table must be integer, got {table.dtype}")
-        if meta.page_size and meta.page_size != kv_buf.shape[1]:
-            raise ValueError(f"meta.page_size {meta.page_size} != pool page size {kv_buf.shape[1]}")
-    if isinstance(window, bool) or not isinstance(window, numbers.Integral) or window < 0:
-        raise ValueError(f"window must be a static int >= 0, got {window!r}")
+        if meta.page_size and meta.page_size != buf.shape[1]:
+            raise ValueError(f"meta.page_size {meta.page_size} != pool page size {buf.shape[1]}")
 
 
 def is_supported(q, kv_buf, meta: AttnMeta, *, window: int = 0) -> bool:

@@ -47,7 +47,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 from jspec.cache.layout import AttnMeta
-from jspec.kernels.decode_attention import merge_splits
+from jspec.kernels.decode_attention import check_meta, merge_splits
 from jspec.kernels.mla_attention import mla_attention_reference
 
 NEG_INF = -1e30
@@ -260,28 +260,7 @@ def _check_args(q_lat, q_pe, latent_buf, meta: AttnMeta) -> None:
     if latent_buf.shape[2] != Dc + Dr:
         raise ValueError(f"latent cache rows hold {latent_buf.shape[2]} values, expected "
                          f"Dc + Dr = {Dc} + {Dr}")
-    Tl = meta.local_len
-    for name, shape in (("positions", (B, T)), ("prefix_len", (B,)),
-                        ("local_mask", (B, T, Tl)), ("local_positions", (B, Tl))):
-        arr = getattr(meta, name)
-        if arr.shape != shape:
-            raise ValueError(f"meta.{name} has shape {arr.shape}, expected {shape}")
-        want_bool = name == "local_mask"
-        ok = arr.dtype == jnp.bool_ if want_bool else jnp.issubdtype(arr.dtype, jnp.integer)
-        if not ok:
-            raise TypeError(f"meta.{name} must be {'bool' if want_bool else 'integer'}, "
-                            f"got {arr.dtype}")
-    if meta.page_table is None:
-        if latent_buf.shape[0] != B:
-            raise ValueError(f"dense latent cache batch {latent_buf.shape[0]} != q batch {B}")
-    else:
-        table = meta.page_table
-        if table.ndim != 2 or table.shape[0] != B:
-            raise ValueError(f"meta.page_table has shape {table.shape}, expected ({B}, G)")
-        if not jnp.issubdtype(table.dtype, jnp.integer):
-            raise TypeError(f"meta.page_table must be integer, got {table.dtype}")
-        if meta.page_size and meta.page_size != latent_buf.shape[1]:
-            raise ValueError(f"meta.page_size {meta.page_size} != pool page size {latent_buf.shape[1]}")
+    check_meta(meta, latent_buf, B, T)
 
 
 def is_supported(q_lat, q_pe, latent_buf, meta: AttnMeta) -> bool:
