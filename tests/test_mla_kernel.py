@@ -13,19 +13,8 @@ from jspec.cache import layout as lay
 from jspec.kernels import dispatch
 from jspec.kernels import mla_attention as mla
 from jspec.kernels import mla_decode as md
+from test_kernels import _tree_mask  # noqa: E402  (the GQA kernel tests' random tree)
 
-
-def _tree_mask(rng, Tl):
-    """A random tree over the Tl local slots (node j's parent < j): [Tl, Tl] ancestor-or-self
-    mask (not causal in general) and each node's depth."""
-    parent = [-1] + [int(rng.integers(-1, j)) for j in range(1, Tl)]
-    mask = np.eye(Tl, dtype=bool)
-    depth = np.zeros(Tl, np.int32)
-    for j in range(1, Tl):
-        if parent[j] >= 0:
-            mask[j] |= mask[parent[j]]
-            depth[j] = depth[parent[j]] + 1
-    return mask, depth
 
 
 def make_case(seed, *, B=3, T=1, Tl=None, H=4, Dc=32, Dr=16, S=64, page_size=0, prefix=None,
