@@ -10,7 +10,7 @@
 from jspec.config import CacheConfig, ModelConfig, SpecConfig
 from jspec.api import Compiled, GenerateOutput, SpecStats, clear_caches, compile, generate, logits, stream
 from jspec.drafts import Draft, Eagle3Draft, EagleDraft, MtpDraft, StandaloneDraft
-from jspec.loading import load, load_draft
+from jspec.loading import load, load_draft, shard
 from jspec.params import DraftParams, Params
 from jspec.streaming import StreamChunk
 
@@ -18,4 +18,4 @@ __version__ = "0.1.0"
 
 __all__ = ["CacheConfig", "Compiled", "Draft", "DraftParams", "Eagle3Draft", "EagleDraft", "GenerateOutput",
            "ModelConfig", "MtpDraft", "Params", "SpecConfig", "SpecStats", "StandaloneDraft", "StreamChunk", "clear_caches", "compile", "generate",
-           "load", "load_draft", "logits", "stream"]
+           "load", "load_draft", "logits", "shard", "stream"]

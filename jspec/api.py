@@ -8,6 +8,7 @@ explicitly, runs the loop and fetches the result. `generate` is `compile` then `
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
 import numbers
@@ -19,6 +20,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jspec import sharding
 from jspec.cache.layout import CacheLayout, prefill_meta
 from jspec.config import CacheConfig, SpecConfig
 from jspec.kernels import dispatch
@@ -183,7 +185,14 @@ def logits(params: Params, token_ids) -> jax.Array:
     for i, p in enumerate(batch):
         arr[i, : len(p)] = p
     lens = np.array([len(p) for p in batch], np.int32)
-    return _logits_jit(params.config, params.weights, jnp.asarray(arr), jnp.asarray(lens))
+    with _mesh(params):
+        tokens, lens = sharding.replicated(params.mesh, (arr, lens))
+        return _logits_jit(params.config, params.weights, tokens, lens)
+
+
+def _mesh(params: Params):
+    """The context to trace and run a program in: under the params' mesh, if they are split."""
+    return contextlib.nullcontext() if params.mesh is None else jax.set_mesh(params.mesh)
 
 
 def _logits_fn(cfg, weights, tokens, lens):
@@ -314,6 +323,12 @@ def _nbytes(tree) -> int:
     return sum(math.prod(a.shape) * np.dtype(a.dtype).itemsize for a in jax.tree.leaves(tree))
 
 
+def _shard_bytes(a) -> int:
+    """Bytes of an array on one device: its first shard's (all of it when not split)."""
+    shards = getattr(a, "addressable_shards", None)
+    return shards[0].data.nbytes if shards else _nbytes(a)
+
+
 def _plan_bytes(plan: Plan) -> int:
     """Bytes of the loop's buffers that grow with the plan: the target's and the draft's
     caches (as their cache kinds allocate them, dense or paged), the token buffer and the
@@ -348,8 +363,10 @@ def _check_memory(params: Params, plan: Plan, max_new: int) -> None:
     if have is None:
         return
     limit, where = have
-    need = _plan_bytes(plan)
-    weights = _nbytes((params.weights, params.draft.weights if params.draft is not None else None))
+    n = 1 if params.mesh is None else params.mesh.size  # the caches are split by KV head
+    need = _plan_bytes(plan) // n
+    weights = sum(_shard_bytes(a) for a in jax.tree.leaves((params.weights, params.draft.weights
+                                                             if params.draft is not None else None)))
     if need + weights > limit:
         gib = lambda b: f"{b / 2 ** 30:,.1f} GiB"
         lay = plan.layout
@@ -434,12 +451,18 @@ class Compiled:
         `plan`, once per equal plan and weight shapes; args: its arguments after the inputs."""
         tw, dw = self.weights
         key = (entry, self.plan, jax.tree.structure((tw, dw)),
-               tuple((a.shape, a.dtype) for a in jax.tree.leaves((tw, dw))), dispatch.backend())
+               tuple((a.shape, a.dtype) for a in jax.tree.leaves((tw, dw))), dispatch.backend(), self.params.mesh)
         if key not in _COMPILED:
             t0 = time.perf_counter()
-            _COMPILED[key] = entry.lower(self.plan, tw, dw, _inputs(self.plan, reqs, self.cache), *args).compile()
+            with _mesh(self.params):
+                inp = self.put(_inputs(self.plan, reqs, self.cache))
+                _COMPILED[key] = entry.lower(self.plan, tw, dw, inp, *args).compile()
             self.compile_s += time.perf_counter() - t0
         return _COMPILED[key]
+
+    def put(self, tree):
+        """Host inputs on the device (on every device of the params' mesh)."""
+        return sharding.replicated(self.params.mesh, tree)
 
     def fit(self, reqs: _Requests):
         """Moves a greedy program to its sampling twin when these requests sample."""
@@ -477,7 +500,7 @@ class Compiled:
         reqs = self.requests(prompt, max_new_tokens=max_new_tokens, stop_token_ids=stop_token_ids, **sampling)
         self.fit(reqs)
         executable = self.program(loop.generate_jit, reqs)
-        inp = jax.device_put(_inputs(self.plan, reqs, self.cache))
+        inp = self.put(_inputs(self.plan, reqs, self.cache))
         tw, dw = self.weights
         t0 = time.perf_counter()
         res = jax.device_get(executable(tw, dw, inp))

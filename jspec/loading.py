@@ -13,11 +13,12 @@ import os
 
 import numpy as np
 
-from jspec import safetensors_io
+from jspec import safetensors_io, sharding
 from jspec.config import DTYPES
 from jspec.drafts import EMBEDDED_DRAFTS, kind_of_checkpoint
-from jspec.models import family_for_hf
+from jspec.models import family_for, family_for_hf
 from jspec.params import DraftParams, Params
+from jspec.tensors import place
 
 
 class ConfigJSON(dict):
@@ -109,44 +110,85 @@ def _check_dtype(dtype):
         raise ValueError(f"dtype must be one of {DTYPES} or None, got {dtype!r}")
 
 
-def load_target(model_dir: str, dtype: str | None = None, embedded_draft: str | None = None) -> Params:
+def _split_target(config, weights, mesh, where: str = "target"):
+    """A target's config and weights (HostParams or arrays) -> split over `mesh` and placed
+    (None: whole, on the default device)."""
+    if mesh is None:
+        return config, place(weights)
+    try:
+        config, weights, specs = family_for(config).split(config, weights, mesh.size)
+    except ValueError as e:
+        raise ValueError(f"{where}: {e}") from None
+    return config, place(weights, sharding.shardings(mesh, specs))
+
+
+def _split_draft(draft: DraftParams, mesh, where: str = "draft") -> DraftParams:
+    if mesh is None:
+        return DraftParams(draft.config, place(draft.weights))
+    try:
+        kind, weights, specs = draft.config.split(draft.weights, mesh.size)
+    except ValueError as e:
+        raise ValueError(f"{where} ({draft.config.kind} draft): {e}") from None
+    return DraftParams(kind, place(weights, sharding.shardings(mesh, specs)))
+
+
+def load_target(model_dir: str, dtype: str | None = None, embedded_draft: str | None = None,
+                mesh=None) -> Params:
     """A target; embedded_draft: also the draft kept in its checkpoint (`EMBEDDED_DRAFTS`),
-    from the same tensors."""
+    from the same tensors; mesh: split over its devices (`jspec.sharding`)."""
     _check_dtype(dtype)
     cfg_json = read_config(model_dir)
     where = os.fspath(model_dir)
     family = family_for_hf(cfg_json, where)
     config = family.config_from_hf(cfg_json, dtype)
     tensors = read_tensors(model_dir)
-    params = Params(config=config, weights=family.weights_from_hf(tensors, config, where),
-                    tokenizer=load_tokenizer(model_dir))
+    config, weights = _split_target(config, family.weights_from_hf(tensors, config, where), mesh, where)
+    params = Params(config=config, weights=weights, tokenizer=load_tokenizer(model_dir), mesh=mesh)
     if embedded_draft is not None:
-        draft, weights = EMBEDDED_DRAFTS[embedded_draft].from_target_checkpoint(tensors, config, where)
-        params = params.with_draft(DraftParams(draft, weights))
+        draft = EMBEDDED_DRAFTS[embedded_draft].from_target_checkpoint(tensors, config, where)
+        params = params.with_draft(_split_draft(DraftParams(*draft), mesh, where))
     return params
 
 
 def load_draft(draft_dir: str, target: Params) -> DraftParams:
     """Loads a draft and checks it against its target; the kind is recognised from the
-    checkpoint (EAGLE, EAGLE-3, standalone: `jspec.drafts.DRAFT_KINDS`)."""
+    checkpoint (EAGLE, EAGLE-3, standalone: `jspec.drafts.DRAFT_KINDS`). It is split over
+    the target's mesh, if it has one."""
     cfg_json = read_config(draft_dir)
     where = os.fspath(draft_dir)
     tensors = read_tensors(draft_dir)
     kind = kind_of_checkpoint(cfg_json, tensors, where)
-    draft, weights = kind.from_hf(cfg_json, tensors, target.config, where)
-    return DraftParams(draft, weights)
+    return _split_draft(DraftParams(*kind.from_hf(cfg_json, tensors, target.config, where)), target.mesh, where)
 
 
-def load(target_dir: str, *, draft: str | None = None, dtype: str | None = None) -> Params:
+def load(target_dir: str, *, draft: str | None = None, dtype: str | None = None, devices=None) -> Params:
     """Loads a target (and optionally a draft) from local Hugging Face directories.
 
     draft: a draft's directory, or "mtp" for the MTP (NextN) layer inside the target's own
     checkpoint (a directory named mtp: "./mtp"). dtype: 'float32', 'bfloat16' or 'float16'
     for the weights and activations; None keeps the checkpoint's declared dtype.
+    devices: split target and draft over several devices (tensor parallelism, see
+    `jspec.sharding`): a count (the first n of `jax.devices()`), a list of devices or a
+    1-D `jax.sharding.Mesh` with the axis "tp". Each device reads only its own part of
+    every weight from the safetensors files.
     """
+    mesh = None if devices is None else sharding.make_mesh(devices)
     if isinstance(draft, str) and draft in EMBEDDED_DRAFTS:
-        return load_target(target_dir, dtype, embedded_draft=draft)
-    params = load_target(target_dir, dtype)
+        return load_target(target_dir, dtype, embedded_draft=draft, mesh=mesh)
+    params = load_target(target_dir, dtype, mesh=mesh)
     if draft is not None:
         params = params.with_draft(load_draft(draft, params))
     return params
+
+
+def shard(params: Params, devices) -> Params:
+    """Weights already in memory (one device) split over `devices` as `load(...,
+    devices=)` splits them: for models built or trained in Python."""
+    if not isinstance(params, Params):
+        raise TypeError(f"params must be a jspec.Params, got {type(params).__name__}")
+    if params.mesh is not None:
+        raise ValueError("these params are split over devices already")
+    mesh = sharding.make_mesh(devices)
+    config, weights = _split_target(params.config, params.weights, mesh)
+    draft = None if params.draft is None else _split_draft(params.draft, mesh)
+    return Params(config, weights, params.tokenizer, draft, mesh)

@@ -15,12 +15,14 @@ class DraftParams:
 
 @dataclasses.dataclass(frozen=True, eq=False)
 class Params:
-    """A target's config (its family's config class), weights and tokenizer, and a draft."""
+    """A target's config (its family's config class), weights and tokenizer, and a draft;
+    `mesh`: the 1-D device mesh both are split over (`jspec.sharding`), None on one device."""
 
     config: Any
     weights: Any
     tokenizer: Any = None
     draft: DraftParams | None = None
+    mesh: Any = None
 
     def with_draft(self, draft: DraftParams | None) -> "Params":
         return dataclasses.replace(self, draft=draft)

@@ -66,7 +66,7 @@ def _chunks(prog, reqs, rounds_per_chunk: int) -> Iterator[StreamChunk]:
     prog.fit(reqs)
     plan, (tw, dw) = prog.plan, prog.weights
     start = prog.program(loop.start_jit, reqs)
-    inp = jax.device_put(_inputs(plan, reqs, prog.cache))
+    inp = prog.put(_inputs(plan, reqs, prog.cache))
     state_shape = jax.eval_shape(lambda tw, dw, inp: loop.start(plan, tw, dw, inp), tw, dw, inp)
     advance = prog.program(loop.advance_jit, reqs, state_shape, np.int32(0))
     compile_s, prog.compile_s = prog.compile_s, 0.0

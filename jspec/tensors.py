@@ -3,6 +3,12 @@
 `Tensors` takes tensors by name with shape checks, then reports anything left over, so a
 missing, extra or mis-shaped tensor fails naming it. Projections are Hugging Face [out, in]
 on disk and [in, out] (`kernel`) in jspec.
+
+What `Tensors` hands out is a `HostParam`: a description of a weight (which rows of which
+memory-mapped tensors, transposed or not, in which dtype) that reads nothing until
+`read(index)` asks for a block of it. `place` turns a tree of them into jax arrays, whole
+on one device or block by block onto the devices of a sharding (`jspec.sharding`), so a
+model split over several GPUs is never assembled in host memory or on one GPU.
 """
 from __future__ import annotations
 
@@ -12,6 +18,96 @@ import ml_dtypes
 import numpy as np
 
 _NP_DTYPES = {"float32": np.float32, "bfloat16": ml_dtypes.bfloat16, "float16": np.float16}
+
+
+class HostParam:
+    """A weight still on the host: rows `order` of the concatenation of `parts` along axis
+    0 (numpy arrays, usually memory maps of safetensors files), transposed when
+    `transposed` (2-D only), as `dtype`. `read` reads only the block it is asked for."""
+
+    def __init__(self, parts, dtype, order=None, transposed: bool = False):
+        self.parts = tuple(parts)
+        self.dtype = np.dtype(dtype)
+        rows = sum(p.shape[0] for p in self.parts)
+        self.order = None if order is None else np.asarray(order, np.int64)
+        n = rows if self.order is None else len(self.order)
+        self.source_shape = (n,) + tuple(self.parts[0].shape[1:])
+        self.transposed = transposed
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return self.source_shape[::-1] if self.transposed else self.source_shape
+
+    @property
+    def ndim(self) -> int:
+        return len(self.source_shape)
+
+    @property
+    def nbytes(self) -> int:
+        return int(np.prod(self.shape)) * self.dtype.itemsize
+
+    def _replace(self, **kw) -> "HostParam":
+        args = dict(parts=self.parts, dtype=self.dtype, order=self.order, transposed=self.transposed)
+        args.update(kw)
+        return HostParam(**args)
+
+    @property
+    def T(self) -> "HostParam":
+        if self.ndim != 2:
+            raise ValueError(f"only 2-D weights transpose, this one has shape {self.shape}")
+        return self._replace(transposed=not self.transposed)
+
+    def astype(self, dtype) -> "HostParam":
+        return self._replace(dtype=dtype)
+
+    def take_rows(self, index) -> "HostParam":
+        """The source rows `index` (axis 0 before any transpose: a kernel's columns)."""
+        base = np.arange(self.source_shape[0]) if self.order is None else self.order
+        return self._replace(order=base[np.asarray(index, np.int64)])
+
+    def read(self, index: tuple = ()) -> np.ndarray:
+        """The block `index` (a tuple of slices over `shape`, as `jax.make_array_from_callback`
+        passes) as a contiguous numpy array."""
+        index = tuple(index) + (slice(None),) * (self.ndim - len(index))
+        src = index[::-1] if self.transposed else index
+        rows = np.arange(self.source_shape[0])[src[0]]
+        if self.order is not None:
+            rows = self.order[rows]
+        rest = tuple(len(range(*s.indices(n))) for s, n in zip(src[1:], self.source_shape[1:]))
+        out = np.empty((len(rows),) + rest, self.parts[0].dtype)
+        start = 0
+        for part in self.parts:
+            n = part.shape[0]
+            hit = (rows >= start) & (rows < start + n)
+            if hit.any():
+                local = rows[hit] - start
+                if hit.all() and np.array_equal(local, np.arange(local[0], local[0] + len(local))):
+                    out = part[(slice(local[0], local[0] + len(local)),) + src[1:]]  # one contiguous read
+                else:
+                    out[hit] = part[(local,) + src[1:]]
+            start += n
+        if self.transposed:
+            out = out.T
+        return np.ascontiguousarray(out.astype(self.dtype, copy=False))
+
+    def __array__(self, dtype=None, copy=None):
+        a = self.read()
+        return a if dtype is None else a.astype(dtype)
+
+
+def place(tree, shardings=None):
+    """A tree whose leaves may be `HostParam`s -> the same tree of jax arrays: whole on the
+    default device (shardings None), or each block read straight onto its device
+    (`shardings`: a matching tree of `jax.sharding.Sharding`s)."""
+    is_host = lambda x: isinstance(x, HostParam)
+    if shardings is None:
+        return jax.tree.map(lambda x: jnp.asarray(x.read()) if is_host(x) else x, tree, is_leaf=is_host)
+
+    def put(x, sharding):
+        if is_host(x):
+            return jax.make_array_from_callback(x.shape, sharding, x.read)
+        return jax.device_put(x, sharding)
+    return jax.tree.map(put, tree, shardings, is_leaf=is_host)
 
 
 class Tensors:
@@ -33,21 +129,20 @@ class Tensors:
             raise ValueError(f"{self.where}: tensor {name!r} has shape {tuple(a.shape)}, expected {tuple(shape)}")
         return a
 
-    def param(self, *names_shapes, axis=0, dtype=None):
-        """Takes one or more tensors, concatenates them along `axis`, converts to jax (in
-        the weights' dtype, or `dtype`)."""
+    def param(self, *names_shapes, order=None, dtype=None) -> HostParam:
+        """One or more tensors concatenated along axis 0 (rows `order` of that, if given),
+        in the weights' dtype or `dtype`."""
         parts = [self.take(n, s) for n, s in names_shapes]
-        a = parts[0] if len(parts) == 1 else np.concatenate(parts, axis=axis)
-        return self.as_param(a, dtype)
+        return HostParam(parts, self.dtype if dtype is None else dtype, order)
 
-    def as_param(self, a: np.ndarray, dtype=None):
-        """A host array built from taken tensors, as a jax array (the weights' dtype, or `dtype`)."""
-        return jnp.asarray(a, dtype=self.dtype if dtype is None else dtype)
+    def as_param(self, a: np.ndarray, dtype=None) -> HostParam:
+        """A host array built from taken tensors (the weights' dtype, or `dtype`)."""
+        return HostParam([a], self.dtype if dtype is None else dtype)
 
-    def linear(self, *names_shapes):
-        """A projection: Hugging Face [out, in] tensors, concatenated along `out`, as the
-        [in, out] `kernel` that `jspec.models.llama.Linear` uses (transposed on device)."""
-        return {"kernel": self.param(*names_shapes).T}
+    def linear(self, *names_shapes, order=None):
+        """A projection: Hugging Face [out, in] tensors, concatenated along `out` (rows
+        `order` of that), as the [in, out] `kernel` that `jspec.models.llama.Linear` uses."""
+        return {"kernel": self.param(*names_shapes, order=order).T}
 
     def ignore(self, *names):
         for n in names:

@@ -12,7 +12,9 @@ import sys
 import pytest
 
 sys.path.insert(0, os.path.dirname(__file__))
-os.environ.setdefault("XLA_FLAGS", "--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true")
+# Four CPU devices for the tensor-parallel tests (test_sharding); the rest use the first.
+os.environ.setdefault("XLA_FLAGS", "--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true "
+                      "--xla_force_host_platform_device_count=4")
 
 import tiny_models  # noqa: E402
 

@@ -230,3 +230,10 @@ def test_latent_commit_moves_the_accepted_path(paged):
                 for d in range(accept[b]):
                     want[L[b] + d] = src[L[b] + path[b, d]]
             np.testing.assert_array_equal(np.asarray(rows(got, b))[:C], want[:C])
+
+
+def test_split_over_devices_is_refused(models):
+    """Tensor parallelism covers Llama-architecture targets only: a DeepSeek target asked to
+    split says so before reading any weight onto a device."""
+    with pytest.raises(ValueError, match="cannot be split over devices yet"):
+        jspec.load(models["v3-rotate-half"][0], devices=2)

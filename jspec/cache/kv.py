@@ -19,6 +19,7 @@ import jax.numpy as jnp
 from flax import struct
 
 from jspec.cache.layout import AttnMeta, CacheLayout, PageState, slot_index
+from jspec.sharding import constrain_heads
 from jspec.util import cdiv
 
 
@@ -44,9 +45,10 @@ class KVCacheKind:
     dtype: str
 
     def init(self, layout: CacheLayout, batch: int) -> KVCache:
-        """Zero buffers, one per layer, trash row or page included."""
+        """Zero buffers, one per layer, trash row or page included; split by KV head over
+        the devices of a mesh (`jspec.sharding`)."""
         shape = layout.buffer_shape(batch) + (2, self.num_kv_heads, self.head_dim)
-        return KVCache(kv=tuple(jnp.zeros(shape, self.dtype) for _ in range(self.num_layers)))
+        return KVCache(kv=tuple(constrain_heads(jnp.zeros(shape, self.dtype), -2) for _ in range(self.num_layers)))
 
     def extra_slots(self, T: int, paged: bool) -> int:
         """Slots past the T written ones that a forward may use: a dense cache parks the

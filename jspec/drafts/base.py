@@ -17,6 +17,7 @@ from typing import Any, ClassVar
 
 from jspec.cache.kv import KVCacheKind
 from jspec.config import ModelConfig
+from jspec.models.llama import split_llama
 
 
 def strip_model_prefix(tensors: dict) -> dict:
@@ -95,3 +96,18 @@ class Draft:
     def to_hf(self, weights, target_vocab: int) -> tuple[dict, dict]:
         """-> (config.json dict, {tensor name: numpy array}) in the format its loaders read."""
         raise NotImplementedError
+
+    def split(self, weights, n: int) -> tuple["Draft", Any, Any]:
+        """The draft for n devices (`jspec.sharding`) -> (draft, weights, PartitionSpec
+        tree); weights may hold `jspec.tensors.HostParam`s, which must stay unread."""
+        raise ValueError(f"{self.kind} drafts cannot be split over devices yet")
+
+
+@dataclasses.dataclass(frozen=True)
+class LlamaDraft(Draft):
+    """A draft kind whose weights are Llama-architecture modules (EAGLE, EAGLE-3,
+    standalone Llama-family drafts): split over devices as the Llama targets are."""
+
+    def split(self, weights, n: int):
+        model, weights, specs = split_llama(self.model, weights, n)
+        return dataclasses.replace(self, model=model), weights, specs

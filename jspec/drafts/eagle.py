@@ -7,7 +7,7 @@ import dataclasses
 import jax.numpy as jnp
 
 from jspec.cache.layout import prefill_meta
-from jspec.drafts.base import Draft, strip_model_prefix
+from jspec.drafts.base import LlamaDraft, strip_model_prefix
 from jspec.models import family_for
 from jspec.models.eagle import Eagle1Head
 from jspec.models.llama_hf import decoder_layer_params, hf_config, layer_tensors, model_config_from_hf
@@ -33,7 +33,7 @@ def embed_tokens(tcfg, tw, dw, tokens):
 
 
 @dataclasses.dataclass(frozen=True)
-class EagleDraft(Draft):
+class EagleDraft(LlamaDraft):
     """An EAGLE-1/2 head; its feature is the target's final-norm hidden state (width D)."""
 
     kind = "eagle"

@@ -10,7 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jspec.cache.layout import prefill_meta
-from jspec.drafts.base import Draft, strip_model_prefix
+from jspec.drafts.base import LlamaDraft, strip_model_prefix
 from jspec.drafts.eagle import embed_tokens, head_model_config
 from jspec.models.eagle import Eagle3Head
 from jspec.models.llama_hf import decoder_layer_params, hf_config, layer_tensors
@@ -31,7 +31,7 @@ def eagle3_aux_layers(cfg_json: dict, num_target_layers: int) -> tuple[int, ...]
 
 
 @dataclasses.dataclass(frozen=True)
-class Eagle3Draft(Draft):
+class Eagle3Draft(LlamaDraft):
     """target_hidden_size: the target's width Dt; aux_layers: the target layers whose
     inputs form the feature [B,T,3*Dt]; draft_vocab_size: Vd (< V needs `d2t`)."""
 

@@ -28,6 +28,10 @@ class StandaloneDraft(Draft):
     def cache_kind(self):
         return family_for(self.model).cache_kind(self.model)
 
+    def split(self, weights, n: int):
+        model, weights, specs = family_for(self.model).split(self.model, weights, n)
+        return dataclasses.replace(self, model=model), weights, specs
+
     def init(self, key, target_vocab: int):
         return family_for(self.model).init_weights(self.model, key)
 

@@ -7,9 +7,12 @@ whose position is <= the query position - W.
 """
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 
+from jspec import sharding
 from jspec.cache.kv import read_kv, with_queries, write_kv
 from jspec.cache.layout import AttnMeta
 from jspec.kernels import dispatch
@@ -102,6 +105,14 @@ def cached_attention(q, k, v, kv_buf, meta: AttnMeta, *, window: int = 0, scale:
         if not meta.prefill:
             raise ValueError("attention without a cache needs a prefill AttnMeta")
         return attention_reference(q, k, v, None, meta, window=window, scale=scale), None
+    if sharding.tp_size() and uses_kernel(q, kv_buf, meta, window=window):
+        # Split over devices: each runs the kernel on its own heads (XLA cannot split a Pallas call).
+        local = functools.partial(_write_and_attend, window=window, scale=scale)
+        return sharding.over_heads(local, q, k, v, kv_buf, meta)
+    return _write_and_attend(q, k, v, kv_buf, meta, window=window, scale=scale)
+
+
+def _write_and_attend(q, k, v, kv_buf, meta: AttnMeta, *, window: int, scale: float):
     park = meta.q_room and uses_kernel(q, kv_buf, meta, window=window)
     rows, index = jnp.stack([k, v], axis=2), meta.write_index  # a slot's keys and values: one write
     if park:

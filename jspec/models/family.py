@@ -52,3 +52,8 @@ class TargetFamily:
     def embed(self, cfg, weights, tokens):
         """tokens [...] -> input embeddings [..., D] (EAGLE heads share the target's)."""
         raise NotImplementedError
+
+    def split(self, cfg, weights, n: int) -> tuple[Any, Any, Any]:
+        """The model for n devices (`jspec.sharding`) -> (config, weights, PartitionSpec
+        tree); weights may hold `jspec.tensors.HostParam`s, which must stay unread."""
+        raise ValueError(f"{type(self).__name__}: this family's targets cannot be split over devices yet")

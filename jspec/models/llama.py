@@ -1,23 +1,28 @@
 """The Llama-family decoder (Llama 2/3/3.1, Qwen2/2.5, Qwen3, Mistral) as Flax modules.
 
 Projection weights are stored [in, out] (`kernel`, Hugging Face's [out, in] transposed at
-load time); q/k/v and gate/up are fused into one matrix each (`qkv_proj`, `gate_up_proj`)
-so a decode step reads them in one pass. Layers are unrolled in Python: a scanned layer
-stack copies weight slices and loses bandwidth.
+load time); q/k/v and gate/up are fused into one matrix each (`qkv_proj`, `gate_up_proj`;
+column order in `llama_hf`) so a decode step reads them in one pass. Layers are unrolled
+in Python: a scanned layer stack copies weight slices and loses bandwidth.
 """
 from __future__ import annotations
+
+import dataclasses
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import linen as nn
+from jax.sharding import PartitionSpec as P
 
 from jspec.cache.kv import KVCache, KVCacheKind
 from jspec.cache.layout import AttnMeta, prefill_meta
 from jspec.config import ModelConfig
 from jspec.kernels.attention import cached_attention
+from jspec import sharding
 from jspec.models import llama_hf
 from jspec.models.family import TargetFamily
+from jspec.tensors import HostParam
 
 _init = nn.initializers.normal(0.02)
 
@@ -94,10 +99,11 @@ class Attention(nn.Module):
         c = self.cfg
         B, T, _ = x.shape
         H, Hkv, Dh = c.num_heads, c.num_kv_heads, c.head_dim
+        G = H // Hkv
         qkv = Linear((H + 2 * Hkv) * Dh, c.qkv_bias, c.dtype, name="qkv_proj")(x, norm_factor)
-        q = qkv[..., : H * Dh].reshape(B, T, H, Dh)
-        k = qkv[..., H * Dh: (H + Hkv) * Dh].reshape(B, T, Hkv, Dh)
-        v = qkv[..., (H + Hkv) * Dh:].reshape(B, T, Hkv, Dh)
+        qkv = qkv.reshape(B, T, Hkv, G + 2, Dh)  # per KV head: its G query heads, key, value
+        q = qkv[:, :, :, :G].reshape(B, T, H, Dh)
+        k, v = qkv[:, :, :, G], qkv[:, :, :, G + 1]
         if c.qk_norm:
             q = RMSNorm(c.rms_norm_eps, c.dtype, name="q_norm")(q)
             k = RMSNorm(c.rms_norm_eps, c.dtype, name="k_norm")(k)
@@ -117,7 +123,8 @@ class MLP(nn.Module):
         c = self.cfg
         F = c.intermediate_size
         gu = Linear(2 * F, c.mlp_bias, c.dtype, name="gate_up_proj")(x, norm_factor)
-        return Linear(c.hidden_size, c.mlp_bias, c.dtype, name="down_proj")(nn.silu(gu[..., :F]) * gu[..., F:])
+        gu = gu.reshape(gu.shape[:-1] + (F, 2))  # gate and up column i side by side
+        return Linear(c.hidden_size, c.mlp_bias, c.dtype, name="down_proj")(nn.silu(gu[..., 0]) * gu[..., 1])
 
 
 class DecoderLayer(nn.Module):
@@ -189,6 +196,55 @@ class LlamaModel(DecoderLM):
         new_cache = None if cache is None else KVCache(kv=tuple(kvs))
         return self.norm(x), aux, new_cache
 
+# Tensor parallelism (`jspec.sharding`): how a Llama-architecture module's weights split,
+# by the last two keys of their path (a one-key path: an EAGLE-3 head's own embedding).
+TP_SPLITS = {
+    ("qkv_proj", "kernel"): P(None, sharding.AXIS), ("qkv_proj", "bias"): P(sharding.AXIS),
+    ("gate_up_proj", "kernel"): P(None, sharding.AXIS), ("gate_up_proj", "bias"): P(sharding.AXIS),
+    ("o_proj", "kernel"): P(sharding.AXIS, None), ("down_proj", "kernel"): P(sharding.AXIS, None),
+    ("embed_tokens", "embedding"): P(sharding.AXIS, None), ("lm_head", "kernel"): P(None, sharding.AXIS),
+    ("embed",): P(sharding.AXIS, None),
+}
+VOCAB_SPLITS = (("embed_tokens", "embedding"), ("lm_head", "kernel"), ("embed",))
+
+
+def kv_groups(cfg: ModelConfig, n: int) -> int:
+    """KV heads of the model split over n devices: Hkv, or n when the devices outnumber the
+    KV heads (each KV head is then repeated n / Hkv times, as SGLang and vLLM do)."""
+    H, Hkv = cfg.num_heads, cfg.num_kv_heads
+    if H % n:
+        raise ValueError(f"{H} attention heads cannot be split over {n} devices")
+    if cfg.intermediate_size % n:
+        raise ValueError(f"an MLP of width {cfg.intermediate_size} cannot be split over {n} devices")
+    if Hkv % n == 0:
+        return Hkv
+    if n % Hkv:
+        raise ValueError(f"{Hkv} KV heads cannot be split over {n} devices, nor repeated ({n} is not a "
+                         f"multiple of {Hkv})")
+    return n
+
+
+def split_llama(cfg: ModelConfig, weights, n: int):
+    """A Llama-architecture module for n devices -> (config, weights, PartitionSpec tree):
+    Megatron's split (`TP_SPLITS`). With more devices than KV heads each KV head's key and
+    value columns are repeated and the config has n KV heads; the repeated heads hold the
+    same keys and values, so outputs do not change."""
+    groups = kv_groups(cfg, n)
+    if groups != cfg.num_kv_heads:
+        H, Hkv, Dh = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        cols = np.argsort(llama_hf.qkv_order(H, Hkv, Dh))[llama_hf.qkv_order(H, Hkv, Dh, groups)]
+
+        def repeat(keys, w):
+            if keys[-2:-1] != ("qkv_proj",):
+                return w
+            if isinstance(w, HostParam):
+                return w.take_rows(cols)  # a kernel's columns are its source rows
+            return jnp.take(w, jnp.asarray(cols), axis=w.ndim - 1)
+        weights = sharding.map_weights(repeat, weights)
+        cfg = dataclasses.replace(cfg, num_kv_heads=groups)
+    return cfg, weights, sharding.weight_specs(weights, n, TP_SPLITS, VOCAB_SPLITS)
+
+
 class FlaxFamily(TargetFamily):
     """The protocol's model methods for a family whose model is a `DecoderLM` subclass
     (`model`) taking its config as its one field."""
@@ -233,6 +289,9 @@ class LlamaFamily(FlaxFamily):
 
     def cache_kind(self, cfg: ModelConfig) -> KVCacheKind:
         return KVCacheKind(cfg.num_layers, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.dtype)
+
+    def split(self, cfg: ModelConfig, weights, n: int):
+        return split_llama(cfg, weights, n)
 
 
 LLAMA = LlamaFamily()

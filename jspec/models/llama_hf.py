@@ -1,5 +1,12 @@
 """Llama-family checkpoints in Hugging Face's format: config.json parsing and weights in
-both directions (q/k/v and gate/up fused on load, split again on export)."""
+both directions (q/k/v and gate/up fused on load, split again on export).
+
+The fused matrices keep whatever belongs together next to each other, so that any even
+split of their columns over devices (`jspec.sharding`) gives each device whole pieces:
+`qkv_proj` holds, per KV head g, the query heads that read it, then its key head, then
+its value head ([Hkv, H/Hkv + 2, Dh] columns); `gate_up_proj` interleaves the gate and up
+columns ([F, 2]).
+"""
 from __future__ import annotations
 
 from typing import Any, Mapping
@@ -99,27 +106,47 @@ def model_config_from_hf(cfg: Mapping[str, Any], *, dtype: str | None = None,
         bos_token_id=cfg.get("bos_token_id"), eos_token_ids=eos)
 
 
+def qkv_order(H: int, Hkv: int, Dh: int, groups: int | None = None) -> np.ndarray:
+    """Rows of Hugging Face's concatenated [q; k; v] weights ([(H + 2 Hkv) Dh] rows) in the
+    fused order: for each of `groups` KV groups (default Hkv), its H / groups query heads,
+    then the key head and the value head they read. groups = n Hkv repeats each KV head n
+    times (for more devices than KV heads: `jspec.sharding`)."""
+    groups = groups or Hkv
+    G, per_kv = H // groups, groups // Hkv
+    heads = []
+    for j in range(groups):
+        heads += list(range(j * G, (j + 1) * G)) + [H + j // per_kv, H + Hkv + j // per_kv]
+    return (np.asarray(heads)[:, None] * Dh + np.arange(Dh)[None, :]).reshape(-1)
+
+
+def gate_up_order(F: int) -> np.ndarray:
+    """Rows of [gate; up] ([2F] rows) in the fused order: gate and up column i side by side."""
+    return np.stack([np.arange(F), F + np.arange(F)], axis=1).reshape(-1)
+
+
 def decoder_layer_params(t: Tensors, prefix: str, c: ModelConfig, attn_in: int | None = None) -> dict:
     """One decoder layer's params from `prefix`-named HF tensors (q/k/v and gate/up fused)."""
     D, F, H, Hkv, Dh = c.hidden_size, c.intermediate_size, c.num_heads, c.num_kv_heads, c.head_dim
     a_in = attn_in or D
     att = f"{prefix}self_attn."
+    qkv = qkv_order(H, Hkv, Dh)
     attn = {"qkv_proj": t.linear((att + "q_proj.weight", (H * Dh, a_in)), (att + "k_proj.weight", (Hkv * Dh, a_in)),
-                                 (att + "v_proj.weight", (Hkv * Dh, a_in))),
+                                 (att + "v_proj.weight", (Hkv * Dh, a_in)), order=qkv),
             "o_proj": t.linear((att + "o_proj.weight", (D, H * Dh)))}
     if c.qkv_bias:
         attn["qkv_proj"]["bias"] = t.param((att + "q_proj.bias", (H * Dh,)), (att + "k_proj.bias", (Hkv * Dh,)),
-                                           (att + "v_proj.bias", (Hkv * Dh,)))
+                                           (att + "v_proj.bias", (Hkv * Dh,)), order=qkv)
     if c.o_bias:
         attn["o_proj"]["bias"] = t.param((att + "o_proj.bias", (D,)))
     if c.qk_norm:
         attn["q_norm"] = {"weight": t.param((att + "q_norm.weight", (Dh,)))}
         attn["k_norm"] = {"weight": t.param((att + "k_norm.weight", (Dh,)))}
     mlp_p = f"{prefix}mlp."
-    mlp = {"gate_up_proj": t.linear((mlp_p + "gate_proj.weight", (F, D)), (mlp_p + "up_proj.weight", (F, D))),
+    gu = gate_up_order(F)
+    mlp = {"gate_up_proj": t.linear((mlp_p + "gate_proj.weight", (F, D)), (mlp_p + "up_proj.weight", (F, D)), order=gu),
            "down_proj": t.linear((mlp_p + "down_proj.weight", (D, F)))}
     if c.mlp_bias:
-        mlp["gate_up_proj"]["bias"] = t.param((mlp_p + "gate_proj.bias", (F,)), (mlp_p + "up_proj.bias", (F,)))
+        mlp["gate_up_proj"]["bias"] = t.param((mlp_p + "gate_proj.bias", (F,)), (mlp_p + "up_proj.bias", (F,)), order=gu)
         mlp["down_proj"]["bias"] = t.param((mlp_p + "down_proj.bias", (D,)))
     return {"self_attn": attn, "mlp": mlp,
             "post_attention_layernorm": {"weight": t.param((prefix + "post_attention_layernorm.weight", (D,)))}}
@@ -176,17 +203,18 @@ def layer_tensors(p: dict, prefix: str, c: ModelConfig, out: dict, dtype: str):
     """Un-fuses one decoder layer's params into Hugging Face tensor names."""
     H, Hkv, Dh, F = c.num_heads, c.num_kv_heads, c.head_dim, c.intermediate_size
     att, mlp = p["self_attn"], p["mlp"]
-    qkv = hf_linear(att["qkv_proj"], dtype)
-    q, k, v = np.split(qkv, [H * Dh, (H + Hkv) * Dh], axis=0)
+    unqkv = np.argsort(qkv_order(H, Hkv, Dh))  # fused order -> [q; k; v]
+    q, k, v = np.split(hf_linear(att["qkv_proj"], dtype)[unqkv], [H * Dh, (H + Hkv) * Dh], axis=0)
     a = prefix + "self_attn."
     out.update({a + "q_proj.weight": q, a + "k_proj.weight": k, a + "v_proj.weight": v,
                 a + "o_proj.weight": hf_linear(att["o_proj"], dtype)})
     if "bias" in att["qkv_proj"]:
-        qb, kb, vb = np.split(to_numpy(att["qkv_proj"]["bias"], dtype), [H * Dh, (H + Hkv) * Dh])
+        qb, kb, vb = np.split(to_numpy(att["qkv_proj"]["bias"], dtype)[unqkv], [H * Dh, (H + Hkv) * Dh])
         out.update({a + "q_proj.bias": qb, a + "k_proj.bias": kb, a + "v_proj.bias": vb})
     if "bias" in att["o_proj"]:
         out[a + "o_proj.bias"] = to_numpy(att["o_proj"]["bias"], dtype)
-    gate, up = np.split(hf_linear(mlp["gate_up_proj"], dtype), [F], axis=0)
+    ungu = np.argsort(gate_up_order(F))
+    gate, up = np.split(hf_linear(mlp["gate_up_proj"], dtype)[ungu], [F], axis=0)
     out.update({prefix + "mlp.gate_proj.weight": gate, prefix + "mlp.up_proj.weight": up,
                 prefix + "mlp.down_proj.weight": hf_linear(mlp["down_proj"], dtype)})
     for norm in ("input_layernorm", "post_attention_layernorm", "hidden_norm"):

@@ -1,0 +1,118 @@
+"""Tensor parallelism: a target and its draft split over a 1-D mesh of devices.
+
+The split is Megatron's: attention heads and MLP columns are divided among the devices
+(`qkv_proj` and `gate_up_proj` column-parallel, `o_proj` and `down_proj` row-parallel, so
+each layer needs one all-reduce after attention and one after the MLP), the embedding and
+the LM head are divided over the vocabulary, norms are replicated, and every KV cache is
+divided by KV head. jspec adds no communication of its own: the weights and caches carry
+`NamedSharding`s over the mesh axis `AXIS`, the loop is traced under `jax.set_mesh`, and
+XLA's SPMD partitioner inserts the collectives. The one exception is the Pallas attention
+kernel, which runs per device under `shard_map` (`over_heads`).
+
+Which weight is split how is the family's (or draft kind's) business: `split` in its
+protocol returns its config and weights for n devices and a PartitionSpec tree
+(`weight_specs`); Llama-architecture modules share `jspec.models.llama.split_llama`.
+"""
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+import jax
+import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+from jspec.tensors import HostParam
+
+AXIS = "tp"
+
+
+def make_mesh(devices: int | Sequence[Any] | Mesh) -> Mesh:
+    """A 1-D mesh over `AXIS`: the first n devices (an int), these devices, or a mesh with
+    that one axis."""
+    if isinstance(devices, Mesh):
+        if devices.axis_names != (AXIS,):
+            raise ValueError(f"mesh must have the one axis {AXIS!r}, got {devices.axis_names}")
+        return devices
+    if isinstance(devices, (int, np.integer)) and not isinstance(devices, bool):
+        have = jax.devices()
+        if not 1 <= devices <= len(have):
+            raise ValueError(f"devices={devices}: this process has {len(have)} {have[0].platform} device(s)")
+        devices = have[:devices]
+    devices = list(devices)
+    if not devices or not all(isinstance(d, jax.Device) for d in devices):
+        raise TypeError("devices must be a count, a list of jax devices, or a jax.sharding.Mesh")
+    if len(set(devices)) != len(devices):
+        raise ValueError(f"devices lists a device twice: {devices}")
+    return Mesh(np.asarray(devices), (AXIS,))
+
+
+def tp_size() -> int:
+    """Devices along `AXIS` in the mesh the current function is traced under (0: none)."""
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh is None or mesh.empty or AXIS not in mesh.axis_names:
+        return 0
+    return int(mesh.shape[AXIS])
+
+
+def constrain_heads(buf: jax.Array, head_axis: int) -> jax.Array:
+    """A cache buffer laid out by head on `head_axis`, split over `AXIS` when traced under a
+    mesh (unchanged otherwise)."""
+    if not tp_size():
+        return buf
+    spec = [None] * buf.ndim
+    spec[head_axis] = AXIS
+    return jax.lax.with_sharding_constraint(buf, P(*spec))
+
+
+def over_heads(fn, q, k, v, kv_buf, meta):
+    """fn(q, k, v, kv_buf, meta) -> (out, kv_buf) run per device on its own heads:
+    q [B,T,H,Dh], k/v [B,T,Hkv,Dh], out [B,T,H,Dh] split on axis 2, the cache buffer on its
+    KV-head axis (-2), meta replicated."""
+    heads = P(None, None, AXIS, None)
+    cache = P(*([None] * (kv_buf.ndim - 2)), AXIS, None)
+    return jax.shard_map(fn, in_specs=(heads, heads, heads, cache, P()), out_specs=(heads, cache),
+                         check_vma=False)(q, k, v, kv_buf, meta)
+
+
+# --------------------------------------------------------------------------- weights
+
+def _keys(path) -> tuple[str, ...]:
+    return tuple(str(getattr(k, "key", getattr(k, "name", k))) for k in path)
+
+
+def weight_specs(weights, n: int, splits: dict, vocab_splits: tuple = ()):
+    """The PartitionSpec tree of a weight tree over n devices: a weight whose path ends
+    with a key pair (or equals a key tuple) of `splits` gets that split, the rest are
+    replicated. A split that does not divide is an error, except for paths in
+    `vocab_splits` (embeddings and heads), which are then replicated."""
+    def spec(path, w):
+        keys = _keys(path)
+        key = keys[-2:] if keys[-2:] in splits else keys
+        s = splits.get(key)
+        if s is None:
+            return P()
+        axis = list(s).index(AXIS)
+        if w.shape[axis] % n:
+            if key in vocab_splits:
+                return P()
+            raise ValueError(f"weight {'/'.join(keys)} of shape {tuple(w.shape)} cannot be split over {n} devices")
+        return s
+    return jax.tree_util.tree_map_with_path(spec, weights, is_leaf=lambda x: isinstance(x, HostParam))
+
+
+def map_weights(fn, weights):
+    """fn(path keys, weight) over a weight tree whose leaves may be `HostParam`s."""
+    return jax.tree_util.tree_map_with_path(lambda path, w: fn(_keys(path), w), weights,
+                                            is_leaf=lambda x: isinstance(x, HostParam))
+
+
+def shardings(mesh: Mesh, specs):
+    """A PartitionSpec tree -> NamedShardings over `mesh`."""
+    return jax.tree.map(lambda s: NamedSharding(mesh, s), specs, is_leaf=lambda x: isinstance(x, P))
+
+
+def replicated(mesh: Mesh | None, tree):
+    """Host arrays (loop inputs) on every device of `mesh` (on the default device if None)."""
+    if mesh is None:
+        return jax.device_put(tree)
+    return jax.device_put(tree, NamedSharding(mesh, P()))
