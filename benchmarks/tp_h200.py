@@ -1,0 +1,148 @@
+"""Tensor parallelism on H200s: a Llama target (and an EAGLE-3-shaped head) split over n GPUs.
+
+For each device count n (one process, one run): random bf16 weights made directly in
+their split layout (`jspec.sharding`; nothing is assembled on one GPU), then
+- decode: ms/step at batch 1 and 32, context 1k, and bandwidth utilisation: the bytes a
+  step reads (weights + KV cache, all devices together) / step time / (n x one GPU's copy
+  bandwidth);
+- rounds: chain S=3 and tree (5,8,16) at batch 1 as a ratio to one AR step;
+- allreduce: one all-reduce of a [B, D] bf16 activation (the two per layer), timed as the
+  mean of 64 chained in one program; a step has 2 L + 1 of them (embedding included).
+n = 0 runs the unsplit path (no mesh), the baseline for n = 1.
+
+Run: PYTHONPATH=. python3 benchmarks/tp_h200.py --shape 8b --devices 0,1,2 [--layers L] [decode rounds allreduce]
+Result: $OUT/tp_<shape>_h200.json
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+import jspec
+from benchmarks.bench_8b import CTX, LONG, SHORT, kv_bytes, prompts, weight_bytes
+from benchmarks.common import LLAMA31_8B, Runner, copy_bandwidth, env_info, save_json
+from jspec import sharding
+from jspec.models import family_for
+from jspec.models.llama import TP_SPLITS, VOCAB_SPLITS, kv_groups
+
+LLAMA31_70B = dataclasses.replace(LLAMA31_8B, hidden_size=8192, intermediate_size=28672, num_layers=80,
+                                  num_heads=64, num_kv_heads=8, sliding_windows=(0,) * 80)
+TINY = dataclasses.replace(LLAMA31_8B, vocab_size=128256, hidden_size=256, intermediate_size=512, num_layers=4,
+                           num_heads=8, num_kv_heads=2, head_dim=32, sliding_windows=(0,) * 4)  # a CPU smoke test of this script
+SHAPES = {"8b": LLAMA31_8B, "70b": LLAMA31_70B, "tiny": TINY}
+
+
+def split_init(init, n: int, mesh, key):
+    """Random weights made on their devices: init under jit with the split's out_shardings."""
+    if mesh is None:
+        return jax.jit(init)(key)
+    specs = sharding.weight_specs(jax.eval_shape(init, key), n, TP_SPLITS, VOCAB_SPLITS)
+    return jax.jit(init, out_shardings=sharding.shardings(mesh, specs))(key)
+
+
+def random_split_params(cfg, n: int, with_head: bool) -> jspec.Params:
+    jax.config.update("jax_default_prng_impl", "rbg")
+    mesh = sharding.make_mesh(n) if n else None
+    if n:
+        cfg = cfg.replace(num_kv_heads=kv_groups(cfg, n))
+    family = family_for(cfg)
+    w = split_init(lambda k: family.init_weights(cfg, k), n, mesh, jax.random.key(0))
+    params = jspec.Params(config=cfg, weights=w, mesh=mesh)
+    if with_head:
+        m = cfg.replace(num_layers=1, sliding_windows=(0,))
+        L = cfg.num_layers
+        d = jspec.Eagle3Draft(m, target_hidden_size=cfg.hidden_size, aux_layers=(2, L // 2, L - 3),
+                              draft_vocab_size=32000)
+        dw = split_init(lambda k: d.init(k, cfg.vocab_size), n, mesh, jax.random.key(1))
+        params = params.with_draft(jspec.DraftParams(d, dw))
+    return params
+
+
+def allreduce_us(n: int, batch: int, D: int, reps: int = 64) -> float:
+    """Mean time of one all-reduce of [batch, D] bf16 over n devices (64 chained)."""
+    mesh = sharding.make_mesh(n)
+
+    def body(x):
+        def one(_, y):
+            return jax.lax.psum(y, sharding.AXIS) * 0.5
+        return jax.lax.fori_loop(0, reps, one, x)
+    f = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P(sharding.AXIS), out_specs=P(sharding.AXIS),
+                              check_vma=False))
+    x = jax.device_put(jnp.ones((n * batch, D), jnp.bfloat16), NamedSharding(mesh, P(sharding.AXIS)))
+    jax.block_until_ready(f(x))
+    ts = []
+    for _ in range(10):
+        t = time.perf_counter()
+        jax.block_until_ready(f(x))
+        ts.append(time.perf_counter() - t)
+    return float(np.median(ts)) / reps * 1e6
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--shape", default="8b", choices=sorted(SHAPES))
+    ap.add_argument("--devices", default="0,1")
+    ap.add_argument("--layers", type=int, default=0, help="fewer layers than the shape's (0: all)")
+    ap.add_argument("parts", nargs="*", default=["decode", "rounds", "allreduce"])
+    args = ap.parse_args()
+    cfg = SHAPES[args.shape]
+    if args.layers:
+        cfg = cfg.replace(num_layers=args.layers, sliding_windows=(0,) * args.layers)
+    name = f"tp_{args.shape}{'_L' + str(args.layers) if args.layers else ''}_h200.json"
+    res = {"env": env_info(), "shape": args.shape, "layers": cfg.num_layers, "gpus": len(jax.devices())}
+    bw = copy_bandwidth(2 << 30 if jax.default_backend() == "gpu" else 2 << 20)
+    one_gpu = bw.get("cudaMemcpy_d2d", bw["xla_elementwise"])
+    res["copy_bandwidth_one_gpu"] = one_gpu
+    print(res, flush=True)
+    for n in [int(x) for x in args.devices.split(",")]:
+        if n > len(jax.devices()):
+            print(f"skip n={n}: only {len(jax.devices())} devices", flush=True)
+            continue
+        row = res[f"n{n}"] = {}
+        t0 = time.perf_counter()
+        params = random_split_params(cfg, n, with_head="rounds" in args.parts)
+        wb = weight_bytes(params)
+        row.update(weight_bytes=wb, init_s=time.perf_counter() - t0)
+        print(f"n={n}: weights ready in {row['init_s']:.1f}s, {wb / 1e9:.2f} GB read per step", flush=True)
+        ar = {}
+        for batch in ((1, 32) if "decode" in args.parts else (1,) if "rounds" in args.parts else ()):
+            target = dataclasses.replace(params, draft=None)
+            r = Runner(target, prompts(batch), LONG)
+            per, _, _ = r.per_round(SHORT, LONG)
+            ar[batch] = per
+            ctx = CTX + (SHORT + LONG) / 2
+            read = wb + kv_bytes(params.config, batch, ctx)
+            row[f"decode_b{batch}"] = d = {"ms_per_step": per * 1e3, "ms_per_token": per * 1e3 / batch,
+                                           "bandwidth_util": read / per / (max(n, 1) * one_gpu),
+                                           "compile_s": r.compile_s}
+            print(f"n={n} decode b{batch}", {k: round(v, 4) for k, v in d.items()}, flush=True)
+            save_json(name, res)
+            del r
+        if "rounds" in args.parts:
+            for S, K, N in ((3, 1, 4), (5, 8, 16)):
+                r = Runner(params, prompts(1), LONG, spec=jspec.SpecConfig(num_steps=S, topk=K, num_draft_tokens=N))
+                per, _, _ = r.per_round(SHORT, LONG)
+                row[f"round_S{S}_K{K}_N{N}"] = d = {"ms_per_round": per * 1e3, "ratio_to_ar_step": per / ar[1]}
+                print(f"n={n} round", (S, K, N), {k: round(v, 4) for k, v in d.items()}, flush=True)
+                save_json(name, res)
+                del r
+        if "allreduce" in args.parts and n >= 2:
+            for batch in (1, 32):
+                us = allreduce_us(n, batch, cfg.hidden_size)
+                row[f"allreduce_b{batch}_us"] = us
+                row[f"allreduce_per_step_b{batch}_ms"] = us * (2 * cfg.num_layers + 1) / 1e3
+                print(f"n={n} all-reduce b{batch}: {us:.1f} us, per step {us * (2 * cfg.num_layers + 1) / 1e3:.3f} ms",
+                      flush=True)
+        save_json(name, res)
+        del params
+    print("saved", save_json(name, res))
+
+
+if __name__ == "__main__":
+    main()
