@@ -17,7 +17,6 @@ import time
 from typing import Any, Iterator, Sequence
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 from jspec import sharding
