@@ -85,8 +85,7 @@ def weight_specs(weights, n: int, splits: dict, vocab_splits: tuple = ()):
     with a key pair (or equals a key tuple) of `splits` gets that split, the rest are
     replicated. A split that does not divide is an error, except for paths in
     `vocab_splits` (embeddings and heads), which are then replicated."""
-    def spec(path, w):
-        keys = _keys(path)
+    def spec(keys, w):
         key = keys[-2:] if keys[-2:] in splits else keys
         s = splits.get(key)
         if s is None:
@@ -97,7 +96,7 @@ def weight_specs(weights, n: int, splits: dict, vocab_splits: tuple = ()):
                 return P()
             raise ValueError(f"weight {'/'.join(keys)} of shape {tuple(w.shape)} cannot be split over {n} devices")
         return s
-    return jax.tree_util.tree_map_with_path(spec, weights, is_leaf=lambda x: isinstance(x, HostParam))
+    return map_weights(spec, weights)
 
 
 def map_weights(fn, weights):

@@ -95,13 +95,19 @@ class HostParam:
         return a if dtype is None else a.astype(dtype)
 
 
+def _whole(x: HostParam) -> jax.Array:
+    """A whole weight on the default device; a transposed one is read in its source layout
+    and transposed there (faster than numpy's strided copy)."""
+    return jnp.asarray(x.T.read()).T if x.transposed else jnp.asarray(x.read())
+
+
 def place(tree, shardings=None):
     """A tree whose leaves may be `HostParam`s -> the same tree of jax arrays: whole on the
     default device (shardings None), or each block read straight onto its device
     (`shardings`: a matching tree of `jax.sharding.Sharding`s)."""
     is_host = lambda x: isinstance(x, HostParam)
     if shardings is None:
-        return jax.tree.map(lambda x: jnp.asarray(x.read()) if is_host(x) else x, tree, is_leaf=is_host)
+        return jax.tree.map(lambda x: _whole(x) if is_host(x) else x, tree, is_leaf=is_host)
 
     def put(x, sharding):
         if is_host(x):
