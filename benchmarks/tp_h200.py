@@ -17,19 +17,24 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import os
 import time
 
-import jax
-import jax.numpy as jnp
-import numpy as np
-from jax.sharding import NamedSharding, PartitionSpec as P
+# NVLink multicast (NVLS) stays off: on shared hosts a program using it can take the GPUs
+# out of service (the lent machines set this already; keep it set here too).
+os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
 
-import jspec
-from benchmarks.bench_8b import CTX, LONG, SHORT, kv_bytes, prompts, weight_bytes
-from benchmarks.common import LLAMA31_8B, Runner, copy_bandwidth, env_info, save_json
-from jspec import sharding
-from jspec.models import family_for
-from jspec.models.llama import TP_SPLITS, VOCAB_SPLITS, kv_groups
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+from jax.sharding import NamedSharding, PartitionSpec as P  # noqa: E402
+
+import jspec  # noqa: E402
+from benchmarks.bench_8b import CTX, LONG, SHORT, kv_bytes, prompts, weight_bytes  # noqa: E402
+from benchmarks.common import LLAMA31_8B, Runner, copy_bandwidth, env_info, save_json  # noqa: E402
+from jspec import sharding  # noqa: E402
+from jspec.models import family_for  # noqa: E402
+from jspec.models.llama import TP_SPLITS, VOCAB_SPLITS, kv_groups  # noqa: E402
 
 LLAMA31_70B = dataclasses.replace(LLAMA31_8B, hidden_size=8192, intermediate_size=28672, num_layers=80,
                                   num_heads=64, num_kv_heads=8, sliding_windows=(0,) * 80)
