@@ -48,6 +48,7 @@ from jspec.drafts import Eagle3Draft, EagleDraft
 from jspec.export import save_draft, save_target
 from jspec.loading import load_draft
 from jspec.models.llama import LLAMA
+from jspec.models.llama_hf import gate_up_order, qkv_order
 
 V = 32
 PROMPT = [3, 17, 9, 25, 4]
@@ -110,13 +111,31 @@ def mode_params(names):
 
 # ----------------------------------------------------------------------------- models
 
-def random_weights(shapes, rng, std: float):
+def fused_order(path, cfg):
+    """jspec's column order of a fused matrix (`llama_hf.qkv_order`, `gate_up_order`) if
+    `path` names one, else None. The matrices here are drawn and perturbed in Hugging
+    Face's [q; k; v] and [gate; up] order, so the models (and the seeds chosen for them)
+    do not depend on how jspec orders fused columns."""
+    name = jax.tree_util.keystr(path)
+    if cfg is None or "kernel" not in name:
+        return None
+    if "qkv_proj" in name:
+        return qkv_order(cfg.num_heads, cfg.num_kv_heads, cfg.head_dim)
+    if "gate_up_proj" in name:
+        return gate_up_order(cfg.intermediate_size)
+    return None
+
+
+def random_weights(shapes, rng, std: float, cfg=None):
     """Weights for a tree of shapes (jax.eval_shape of an init): matrices N(0, std^2),
-    norm weights 1 + 0.1 N(0, 1), biases 0.1 N(0, 1). Filled in numpy: no eager init to run."""
+    norm weights 1 + 0.1 N(0, 1), biases 0.1 N(0, 1). Filled in numpy: no eager init to run.
+    With the model's config, fused matrices are drawn in Hugging Face's order (`fused_order`)."""
     def fill(path, leaf):
         name = jax.tree_util.keystr(path)
         if leaf.ndim == 2:
-            return (std * rng.randn(*leaf.shape)).astype(leaf.dtype)
+            a = (std * rng.randn(*leaf.shape)).astype(leaf.dtype)
+            order = fused_order(path, cfg)
+            return a if order is None else a[:, order]
         if "bias" in name:
             return (0.1 * rng.randn(*leaf.shape)).astype(leaf.dtype)
         return (1 + 0.1 * rng.randn(*leaf.shape)).astype(leaf.dtype)
@@ -132,7 +151,7 @@ def make_target(path: str, *, seed: int) -> jspec.Params:
     cfg = ModelConfig(vocab_size=V, hidden_size=32, intermediate_size=64, num_layers=3, num_heads=4, num_kv_heads=2,
                       head_dim=8)
     shapes = jax.eval_shape(lambda: LLAMA.init_weights(cfg, jax.random.key(0)))
-    save_target(path, cfg, random_weights(shapes, np.random.RandomState(seed), 0.5))
+    save_target(path, cfg, random_weights(shapes, np.random.RandomState(seed), 0.5, cfg))
     return jspec.load(path)
 
 
@@ -218,11 +237,16 @@ def make_perturbed_copy(target, path: str, *, eps: float, seed: int) -> str:
     first round's accept lengths 1, 2, 3 have probabilities 0.30, 0.26, 0.44 at T = 1)."""
     rng = np.random.RandomState(seed)
 
-    def perturb(a):
+    def perturb(path, a):
         a = np.asarray(a)
-        return a + (eps * a.std() * rng.randn(*a.shape)).astype(a.dtype) if a.ndim == 2 else a
+        if a.ndim != 2:
+            return a
+        order = fused_order(path, target.config)
+        a = a if order is None else a[:, np.argsort(order)]  # in Hugging Face's order
+        a = a + (eps * a.std() * rng.randn(*a.shape)).astype(a.dtype)
+        return a if order is None else a[:, order]
 
-    save_target(path, target.config, jax.tree.map(perturb, target.weights))
+    save_target(path, target.config, jax.tree_util.tree_map_with_path(perturb, target.weights))
     return path
 
 
