@@ -57,6 +57,23 @@ def decode_attention_reference(q, kv_buf, meta: AttnMeta, *, window: int = 0, sc
 
 # --------------------------------------------------------------------------- kernel
 
+def online_softmax_step(sc, mask, v, carry):
+    """One key block of a flash-decoding online softmax (shared by the GQA and MLA kernels):
+    scores sc [BR, BK] float32, already scaled; mask [BR, BK] or None (all visible); values
+    v [BK, Dv]; carry (acc [BR, Dv] float32, running max m [BR], denominator l [BR])."""
+    acc, m, l = carry
+    if mask is not None:
+        sc = jnp.where(mask, sc, NEG_INF)
+    m_new = jnp.maximum(m, jnp.max(sc, axis=1))
+    p = jnp.exp(sc - m_new[:, None])
+    if mask is not None:
+        p = jnp.where(mask, p, 0.0)
+    corr = jnp.exp(m - m_new)
+    l = l * corr + jnp.sum(p, axis=1)
+    pv = lax.dot_general(p.astype(v.dtype), v, (((1,), (0,)), ((), ())), preferred_element_type=jnp.float32)
+    return acc * corr[:, None] + pv, m_new, l
+
+
 def _decode_kernel(bounds_ref, table_ref, qpos_ref, tail_mask_ref, kv_ref, *refs,
                    scale: float, block_k: int, page_size: int, dense: bool,
                    num_pages: int, num_keys: int, window: int, num_splits: int,
@@ -108,22 +125,11 @@ def _decode_kernel(bounds_ref, table_ref, qpos_ref, tail_mask_ref, kv_ref, *refs
             row = jnp.clip(page, 0, num_pages - 1) * page_size + lax.rem(slot, page_size)
         return kv_ref[row, 0, h, :], kv_ref[row, 1, h, :]  # [BK, Dh] each
 
-    def step(blk, carry, mask):
-        acc, m, l = carry  # [BR, Dh], [BR], [BR]
+    def step(blk, carry, mask):  # carry: acc [BR, Dh], m [BR], l [BR]
         k, v = load_kv(blk)
         sc = lax.dot_general(q, k, (((1,), (1,)), ((), ())),
                              preferred_element_type=jnp.float32) * scale  # [BR, BK]
-        if mask is not None:
-            sc = jnp.where(mask, sc, NEG_INF)
-        m_new = jnp.maximum(m, jnp.max(sc, axis=1))
-        p = jnp.exp(sc - m_new[:, None])
-        if mask is not None:
-            p = jnp.where(mask, p, 0.0)
-        corr = jnp.exp(m - m_new)
-        l = l * corr + jnp.sum(p, axis=1)
-        pv = lax.dot_general(p.astype(v.dtype), v, (((1,), (0,)), ((), ())),
-                             preferred_element_type=jnp.float32)  # [BR, Dh]
-        return acc * corr[:, None] + pv, m_new, l
+        return online_softmax_step(sc, mask, v, carry)
 
     def prefix_block(blk, carry):  # only prefix keys: at most the window hides some
         mask = None

@@ -47,7 +47,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 from jspec.cache.layout import AttnMeta
-from jspec.kernels.decode_attention import check_meta, merge_splits
+from jspec.kernels.decode_attention import check_meta, merge_splits, online_softmax_step
 from jspec.kernels.mla_attention import mla_attention_reference
 
 NEG_INF = -1e30
@@ -102,22 +102,11 @@ def _mla_kernel(bounds_ref, table_ref, tail_mask_ref, lat_ref, qc_ref, qr_ref, o
         return lat_ref[row, pl.ds(0, Dc)], lat_ref[row, pl.ds(Dc, Dr)]  # [BK, Dc], [BK, Dr]
 
     def step(blk, carry, mask):
-        acc, m, l = carry  # [BR, Dc], [BR], [BR]
-        c, kr = load(blk)
+        c, kr = load(blk)  # carry: acc [BR, Dc], m [BR], l [BR]; the latent is also the value
         nt = (((1,), (1,)), ((), ()))
         sc = (lax.dot_general(qc, c, nt, preferred_element_type=jnp.float32)
               + lax.dot_general(qr, kr, nt, preferred_element_type=jnp.float32)) * scale  # [BR, BK]
-        if mask is not None:
-            sc = jnp.where(mask, sc, NEG_INF)
-        m_new = jnp.maximum(m, jnp.max(sc, axis=1))
-        p = jnp.exp(sc - m_new[:, None])
-        if mask is not None:
-            p = jnp.where(mask, p, 0.0)
-        corr = jnp.exp(m - m_new)
-        l = l * corr + jnp.sum(p, axis=1)
-        pv = lax.dot_general(p.astype(c.dtype), c, (((1,), (0,)), ((), ())),
-                             preferred_element_type=jnp.float32)  # [BR, Dc]
-        return acc * corr[:, None] + pv, m_new, l
+        return online_softmax_step(sc, mask, c, carry)
 
     def prefix_block(blk, carry):  # prefix slots only: all visible
         return step(blk, carry, None)
