@@ -1,8 +1,8 @@
 """Speculative decoding against plain decoding, on your model and prompts.
 
 `run_bench` compiles one program per batch size and configuration (`jspec.compile`), runs
-every prompt through it in groups of that batch size once to warm up, then `repeats` times
-timed, and returns one `BenchRow` per batch and configuration: tau (mean accepted length
+every prompt through it in groups of that batch size once to warm up, then `repeats` timed
+passes that alternate between the configurations, and returns one `BenchRow` per batch and configuration: tau (mean accepted length
 per round), tokens/s (median over the timed passes) and the speed-up over plain decoding at
 the same batch. `format_table` renders the rows; `python -m jspec bench` is the CLI.
 
@@ -132,6 +132,10 @@ def run_bench(params, prompts: Sequence | None = None, *, batches: Sequence[int]
     kw = dict(max_new_tokens=max_new_tokens, stop_token_ids=[], cache=cache)
 
     plain_params = params.with_draft(None)
+
+    def prog_run(prog, group):
+        return prog.run(group, max_new_tokens=max_new_tokens, stop_token_ids=[])
+
     configs = [None] + specs
     rows: list[BenchRow] = []
     bar = tqdm(total=len(batches) * len(configs) * (repeats + 2), desc="bench", unit="step",
@@ -142,36 +146,38 @@ def run_bench(params, prompts: Sequence | None = None, *, batches: Sequence[int]
             # Compile with the group holding the longest prompt, so every group fits the
             # program's prompt-length bucket.
             longest = max(groups, key=lambda g: max(_length(params, p) for p in g))
-            plain_tokens = None
-            plain_tps = None
+            progs, outs, passes = [], [], []
             for spec in configs:
                 label = f"batch {b}, " + ("plain" if spec is None else
                                           f"S,K,N={spec.num_steps},{spec.topk},{spec.num_draft_tokens}")
                 bar.set_description(f"{label}: compile")
-                p = plain_params if spec is None else params
-                prog = jspec.compile(p, longest, spec=spec, **kw)
-                compile_s = prog.compile_s
+                progs.append(jspec.compile(plain_params if spec is None else params, longest, spec=spec, **kw))
                 bar.update()
-                bar.set_description(f"{label}: run")
-                outs = [prog.run(g, max_new_tokens=max_new_tokens, stop_token_ids=[]) for g in groups]  # warm-up
+                bar.set_description(f"{label}: warm-up")
+                outs.append([prog_run(progs[-1], g) for g in groups])
+                passes.append([])
                 bar.update()
-                passes = []
-                for _ in range(repeats):
-                    outs = [prog.run(g, max_new_tokens=max_new_tokens, stop_token_ids=[]) for g in groups]
-                    tokens = sum(o.timing["new_tokens"] for o in outs)
-                    seconds = sum(o.timing["run_s"] for o in outs)
-                    passes.append(tokens / seconds if seconds > 0 else float("nan"))
+            # Timed passes alternate between the configurations, so a machine whose speed
+            # drifts (a shared CPU) slows them all alike.
+            for r in range(repeats):
+                bar.set_description(f"batch {b}: timed pass {r + 1}/{repeats}")
+                for i, prog in enumerate(progs):
+                    outs[i] = [prog_run(prog, g) for g in groups]
+                    tokens = sum(o.timing["new_tokens"] for o in outs[i])
+                    seconds = sum(o.timing["run_s"] for o in outs[i])
+                    passes[i].append(tokens / seconds if seconds > 0 else float("nan"))
                     bar.update()
-                toks = [t for o in outs for t in o.tokens]  # groups are batches: a list per request
-                rounds = [a for o in outs for row in o.stats.accept_lengths for a in row]
-                tps = statistics.median(passes)
-                if spec is None:
-                    plain_tokens, plain_tps = toks, tps
+            plain_tokens = [t for o in outs[0] for t in o.tokens]  # groups are batches: a list per request
+            plain_tps = statistics.median(passes[0])
+            for spec, prog, out, tps_runs in zip(configs, progs, outs, passes):
+                toks = [t for o in out for t in o.tokens]
+                rounds = [a for o in out for row in o.stats.accept_lengths for a in row]
+                tps = statistics.median(tps_runs)
                 rows.append(BenchRow(
                     batch=b, spec=spec, tau=sum(rounds) / len(rounds) if rounds else float("nan"),
                     tokens_per_s=tps, speedup=tps / plain_tps if plain_tps else float("nan"),
                     match=sum(x == y for x, y in zip(toks, plain_tokens)) / len(toks),
-                    compile_s=compile_s, runs_tokens_per_s=tuple(passes)))
+                    compile_s=prog.compile_s, runs_tokens_per_s=tuple(tps_runs)))
     finally:
         bar.close()
     return rows

@@ -20,7 +20,6 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 
@@ -30,6 +29,7 @@ from jspec.drafts.eagle import embed_tokens
 from jspec.models import family_for
 from jspec.models import deepseek_hf
 from jspec.models.deepseek import MtpLayer
+from jspec.models.llama import product
 from jspec.models.deepseek_hf import DeepseekConfig
 from jspec.tensors import Tensors, hf_linear, to_numpy
 
@@ -73,8 +73,7 @@ class MtpDraft(Draft):
         head = dw.get("head")  # [D, V]
         if head is None:
             return family_for(tcfg).logits(tcfg, tw, hidden)
-        return jax.lax.dot_general(hidden.astype(head.dtype), head, (((hidden.ndim - 1,), (0,)), ((), ())),
-                                   preferred_element_type=jnp.float32)
+        return product(hidden, head, float32_out=True)
 
     def init(self, key, target_vocab: int):
         m, T = self.model, 2

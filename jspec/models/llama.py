@@ -18,6 +18,7 @@ from jax.sharding import PartitionSpec as P
 from jspec.cache.kv import KVCache, KVCacheKind
 from jspec.cache.layout import AttnMeta, prefill_meta
 from jspec.config import ModelConfig
+from jspec.kernels import cpu_matmul
 from jspec.kernels.attention import cached_attention
 from jspec import sharding
 from jspec.models import llama_hf
@@ -25,6 +26,17 @@ from jspec.models.family import TargetFamily
 from jspec.tensors import HostParam
 
 _init = nn.initializers.normal(0.02)
+
+
+def product(x: jax.Array, w: jax.Array, transpose_w: bool = False, float32_out: bool = False) -> jax.Array:
+    """x [..., K] @ w [K, N] (or w [N, K] transposed: a tied head) -> [..., N], accumulated
+    in float32 (kept as float32 with `float32_out`). Few-row float32 products on the CPU
+    run jspec's native loops (`kernels.cpu_matmul`), everything else XLA's dot."""
+    x = x.astype(w.dtype)
+    if cpu_matmul.use_native(x, w):
+        return cpu_matmul.matmul(x, w, transpose_w=transpose_w)
+    return jax.lax.dot_general(x, w, (((x.ndim - 1,), (1 if transpose_w else 0,)), ((), ())),
+                               preferred_element_type=jnp.float32 if float32_out else None)
 
 
 class Linear(nn.Module):
@@ -43,8 +55,7 @@ class Linear(nn.Module):
         w = self.param("kernel", _init, (x.shape[-1], self.features), jnp.dtype(self.dtype))
         # Products accumulate in float32 either way; asking for a float32 result only where
         # it is kept avoids a separate conversion pass after every matrix-vector product.
-        y = jax.lax.dot_general(x.astype(w.dtype), w, (((x.ndim - 1,), (0,)), ((), ())),
-                                preferred_element_type=jnp.float32 if self.float32_out else None)
+        y = product(x.astype(w.dtype), w, float32_out=self.float32_out)
         if norm_factor is not None:  # fuses into the product's consumer
             y = (y.astype(jnp.float32) * norm_factor).astype(y.dtype)
         if self.use_bias:
@@ -153,9 +164,7 @@ class DecoderLM(nn.Module):
     def logits(self, hidden):
         """hidden [..., D] -> float32 logits [..., V]."""
         if self.cfg.tie_word_embeddings:
-            w = self.embed_tokens.embedding
-            return jax.lax.dot_general(hidden.astype(w.dtype), w, (((hidden.ndim - 1,), (1,)), ((), ())),
-                                       preferred_element_type=jnp.float32)
+            return product(hidden, self.embed_tokens.embedding, transpose_w=True, float32_out=True)
         return self.lm_head(hidden)
 
     def embed(self, tokens):
