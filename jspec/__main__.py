@@ -140,7 +140,9 @@ def _generate_parser() -> _Parser:
     _model_args(ap, "a draft directory, 'none' (plain decoding only), 'mtp' (the MTP layer in a --target "
                     "DeepSeek-V3 checkpoint), or with the bundled target 'eagle3' or 'standalone' (default: eagle3 "
                     "with the bundled target, none with --target)")
-    ap.add_argument("--steps", type=_int(1), default=4, help="draft steps per round (a chain)")
+    ap.add_argument("--steps", type=_int(1), default=None,
+                    help="draft steps per round (default: 2 on a CPU, 4 elsewhere: the fastest chains of the "
+                         "bundled pair, docs/benchmarks.md)")
     ap.add_argument("--topk", type=_int(1), default=1, help="branches per draft step (>1: a tree)")
     ap.add_argument("--tokens", type=_int(2), default=None, help="tree nodes verified per round (topk > 1)")
     ap.add_argument("--temperature", type=_float(lambda v: math.isfinite(v) and v >= 0, "finite and >= 0"),
@@ -153,6 +155,14 @@ def _generate_parser() -> _Parser:
     ap.add_argument("--repeats", type=_int(1), default=5,
                     help="timed runs of each program after a warm-up, alternating (median reported; default 5)")
     return ap
+
+
+def default_steps() -> int:
+    """Draft steps per round when --steps is not given. On a 2-core CPU a draft step of the
+    bundled EAGLE-3 head costs about a quarter of a target step, so S=2 is its fastest
+    chain there; on the H200 S=3-4 (docs/benchmarks.md, "The first run")."""
+    import jax
+    return 2 if jax.default_backend() == "cpu" else 4
 
 
 def _stream_text(params, prompt, **kw) -> None:
@@ -183,7 +193,7 @@ def _generate(argv) -> int:
     ap = _generate_parser()
     args = ap.parse_args(argv)
     try:
-        spec = SpecConfig(num_steps=args.steps, topk=args.topk, num_draft_tokens=args.tokens,
+        spec = SpecConfig(num_steps=args.steps or default_steps(), topk=args.topk, num_draft_tokens=args.tokens,
                           sample_drafts=args.sample_drafts)
     except ValueError as err:
         ap.error(f"--steps/--topk/--tokens: {err}")

@@ -146,12 +146,13 @@ def run_bench(params, prompts: Sequence | None = None, *, batches: Sequence[int]
             # Compile with the group holding the longest prompt, so every group fits the
             # program's prompt-length bucket.
             longest = max(groups, key=lambda g: max(_length(params, p) for p in g))
-            progs, outs, passes = [], [], []
+            progs, compile_s, outs, passes = [], [], [], []
             for spec in configs:
                 label = f"batch {b}, " + ("plain" if spec is None else
                                           f"S,K,N={spec.num_steps},{spec.topk},{spec.num_draft_tokens}")
                 bar.set_description(f"{label}: compile")
                 progs.append(jspec.compile(plain_params if spec is None else params, longest, spec=spec, **kw))
+                compile_s.append(progs[-1].compile_s)  # a run resets it
                 bar.update()
                 bar.set_description(f"{label}: warm-up")
                 outs.append([prog_run(progs[-1], g) for g in groups])
@@ -169,7 +170,7 @@ def run_bench(params, prompts: Sequence | None = None, *, batches: Sequence[int]
                     bar.update()
             plain_tokens = [t for o in outs[0] for t in o.tokens]  # groups are batches: a list per request
             plain_tps = statistics.median(passes[0])
-            for spec, prog, out, tps_runs in zip(configs, progs, outs, passes):
+            for spec, secs, out, tps_runs in zip(configs, compile_s, outs, passes):
                 toks = [t for o in out for t in o.tokens]
                 rounds = [a for o in out for row in o.stats.accept_lengths for a in row]
                 tps = statistics.median(tps_runs)
@@ -177,7 +178,7 @@ def run_bench(params, prompts: Sequence | None = None, *, batches: Sequence[int]
                     batch=b, spec=spec, tau=sum(rounds) / len(rounds) if rounds else float("nan"),
                     tokens_per_s=tps, speedup=tps / plain_tps if plain_tps else float("nan"),
                     match=sum(x == y for x, y in zip(toks, plain_tokens)) / len(toks),
-                    compile_s=prog.compile_s, runs_tokens_per_s=tuple(tps_runs)))
+                    compile_s=secs, runs_tokens_per_s=tuple(tps_runs)))
     finally:
         bar.close()
     return rows

@@ -10,6 +10,7 @@ import types
 
 import pytest
 
+import jax
 import jspec
 import tiny_models
 from jspec.__main__ import main
@@ -123,6 +124,13 @@ def test_generate_prints_text_and_stats(capsys, monkeypatch, pair):
     assert out.startswith(PROMPT + "<one><two>\n")
     assert seen["prompt"] == PROMPT and seen["spec"] == jspec.SpecConfig(num_steps=2) and seen["max_new_tokens"] == 8
     assert "mean accepted length" in out
+
+    # Without --steps the chain has the device's default length: 2 on a CPU.
+    assert main([a for a in argv if a not in ("--steps", "2")]) == 0
+    assert "S=2, K=1, N=3" in capsys.readouterr().out
+    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+    from jspec.__main__ import default_steps
+    assert default_steps() == 4
 
 
 def test_parse_spec_and_format_table():
