@@ -281,7 +281,8 @@ def paged_mla_attention(q_lat, q_pe, latent_buf, meta: AttnMeta, *, scale: float
     [B,G]. Returns o_lat [B,T,H,Dc] float32. Dc and Dr: powers of two >= 16.
     interpret None: interpret mode unless the default backend is a GPU. block_k: key slots
     a block (power of two >= 16; default DEFAULT_BLOCK_K, half that for float32).
-    block_rows: query rows a program (power of two >= 16; default DEFAULT_BLOCK_ROWS).
+    block_rows: query rows a program (power of two >= 16; default DEFAULT_BLOCK_ROWS, half
+    that for float32).
     num_splits: key splits per (batch row, row block) (default: enough programs to fill the
     GPU). num_warps (default 4, or 8 for row tiles above 16 x 512) and num_stages are
     Triton's.
@@ -300,7 +301,9 @@ def paged_mla_attention(q_lat, q_pe, latent_buf, meta: AttnMeta, *, scale: float
     if block_k is None:
         block_k = DEFAULT_BLOCK_K if jnp.dtype(q_lat.dtype).itemsize == 2 else DEFAULT_BLOCK_K // 2
     block_k = _check_block("block_k", block_k)
-    block_rows = _check_block("block_rows", DEFAULT_BLOCK_ROWS if block_rows is None else block_rows)
+    if block_rows is None:  # float32 tiles of 64 x 512 queries do not fit shared memory beside the keys
+        block_rows = DEFAULT_BLOCK_ROWS if jnp.dtype(q_lat.dtype).itemsize == 2 else DEFAULT_BLOCK_ROWS // 2
+    block_rows = _check_block("block_rows", block_rows)
     max_blocks = pl.cdiv(num_keys, block_k)
     BR, R = _row_tiling(T * H, block_rows)
     if num_splits is None:
