@@ -55,7 +55,7 @@ def _cpu_flags() -> str:
 def _build() -> Path | None:
     """The compiled library for this source, jaxlib and CPU (built if missing), or None."""
     cxx = os.environ.get("CXX") or shutil.which("c++") or shutil.which("g++") or shutil.which("clang++")
-    if cxx is None or platform.machine().lower() not in ("x86_64", "amd64"):
+    if cxx is None or platform.machine().lower() not in ("x86_64", "amd64") or not _SOURCE.is_file():
         return None
     include = jax.ffi.include_dir()
     key = hashlib.sha256(b"\0".join([_SOURCE.read_bytes(), jax.__version__.encode(), include.encode(),
