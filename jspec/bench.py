@@ -1,10 +1,10 @@
 """Speculative decoding against plain decoding, on your model and prompts.
 
 `run_bench` compiles one program per batch size and configuration (`jspec.compile`), runs
-every prompt through it in groups of that batch size once to warm up, then `repeats` timed
-passes that alternate between the configurations, and returns one `BenchRow` per batch and configuration: tau (mean accepted length
-per round), tokens/s (median over the timed passes) and the speed-up over plain decoding at
-the same batch. `format_table` renders the rows; `python -m jspec bench` is the CLI.
+every prompt through it in groups of that batch size once to warm up, then makes `repeats`
+timed passes that alternate between the configurations, and returns one `BenchRow` per
+batch and configuration: tau (mean accepted length per round), tokens/s (median over the
+timed passes) and the speed-up over plain decoding at the same batch. `format_table` renders the rows; `python -m jspec bench` is the CLI.
 
 Greedy, with no stop tokens: every request generates exactly `max_new_tokens`, so each
 configuration does the same work and the outputs can be compared token for token.

@@ -29,8 +29,8 @@ from jspec.drafts.eagle import embed_tokens
 from jspec.models import family_for
 from jspec.models import deepseek_hf
 from jspec.models.deepseek import MtpLayer
-from jspec.models.llama import product
 from jspec.models.deepseek_hf import DeepseekConfig
+from jspec.models.llama import product
 from jspec.tensors import Tensors, hf_linear, to_numpy
 
 NEXTN_ARCHITECTURE = "DeepseekV3ForCausalLMNextN"

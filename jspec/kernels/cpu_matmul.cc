@@ -32,7 +32,7 @@ namespace ffi = xla::ffi;
 namespace {
 
 constexpr int ROWS = 6;   // rows a pass keeps in registers: 2 x ROWS accumulators of 8 lanes
-constexpr int64_t KB = 8;  // nn: weight rows a pass over the strips reads (4 sequential streams)
+constexpr int64_t KB = 8;  // nn: weight rows a pass over the strips reads (8 sequential streams)
 constexpr int64_t PREFETCH = 16;  // nn: weight rows ahead that a strip prefetches
 constexpr int64_t MIN_COLS = 64;  // fewest output columns worth a thread
 
@@ -58,7 +58,7 @@ inline void nn_strip(const float* x, const float* w, float* y, int64_t K, int64_
     }
   const float* wr = w + k0 * N + n;
   for (int64_t k = k0; k < k1; ++k, wr += N) {
-    _mm_prefetch(reinterpret_cast<const char*>(wr + PREFETCH * N), _MM_HINT_T0);
+    if (k + PREFETCH < K) _mm_prefetch(reinterpret_cast<const char*>(wr + PREFETCH * N), _MM_HINT_T0);
     __m256 wv[V];
     for (int v = 0; v < V; ++v)
       wv[v] = (v == V - 1 && tail < 8) ? _mm256_maskload_ps(wr + 8 * v, mask) : _mm256_loadu_ps(wr + 8 * v);

@@ -124,12 +124,12 @@ def _matmul_fwd(kind, x, w):
 
 
 def _matmul_bwd(kind, res, g):
+    """Gradients through XLA's products: g [..., N]; w [K, N] (nn) or [N, K] (nt)."""
     x, w = res
-    wt = w if kind == "nt" else w.T  # [N, K]
-    dx = g @ wt
-    dw = jnp.einsum("...n,...k->nk" if kind == "nt" else "...k,...n->kn",
-                    g if kind == "nt" else x, x if kind == "nt" else g)
-    return dx, dw
+    g2, x2 = g.reshape(-1, g.shape[-1]), x.reshape(-1, x.shape[-1])  # [R, N], [R, K]
+    if kind == "nt":
+        return g @ w, g2.T @ x2
+    return g @ w.T, x2.T @ g2
 
 
 _matmul.defvjp(_matmul_fwd, _matmul_bwd)

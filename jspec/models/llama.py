@@ -55,7 +55,7 @@ class Linear(nn.Module):
         w = self.param("kernel", _init, (x.shape[-1], self.features), jnp.dtype(self.dtype))
         # Products accumulate in float32 either way; asking for a float32 result only where
         # it is kept avoids a separate conversion pass after every matrix-vector product.
-        y = product(x.astype(w.dtype), w, float32_out=self.float32_out)
+        y = product(x, w, float32_out=self.float32_out)
         if norm_factor is not None:  # fuses into the product's consumer
             y = (y.astype(jnp.float32) * norm_factor).astype(y.dtype)
         if self.use_bias:
