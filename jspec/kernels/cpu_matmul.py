@@ -63,23 +63,24 @@ def _build() -> Path | None:
     lib = _cache_dir() / f"cpu_matmul-{key}.so"
     if lib.exists():
         return lib
-    lib.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(suffix=".so", dir=lib.parent)
-    os.close(fd)
     cmd = [cxx, "-O3", "-march=native", "-ffp-contract=off", "-std=c++17", "-shared", "-fPIC",
-           "-w", "-I", include, str(_SOURCE), "-o", tmp]
+           "-w", "-I", include, str(_SOURCE), "-o"]
+    tmp = None
     try:
-        done = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+        lib.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(suffix=".so", dir=lib.parent)
+        os.close(fd)
+        done = subprocess.run(cmd + [tmp], capture_output=True, text=True, timeout=300)
         if done.returncode != 0:
             _log.info("jspec: CPU products not built (%s): %s", " ".join(cmd), done.stderr[-2000:])
             return None
         os.replace(tmp, lib)  # atomic: concurrent builders agree
         return lib
-    except (OSError, subprocess.SubprocessError) as e:
+    except (OSError, subprocess.SubprocessError) as e:  # no compiler, a cache directory not writable
         _log.info("jspec: CPU products not built: %s", e)
         return None
     finally:
-        if os.path.exists(tmp):
+        if tmp is not None and os.path.exists(tmp):
             os.unlink(tmp)
 
 
@@ -91,9 +92,13 @@ def available() -> bool:
     path = _build()
     if path is None:
         return False
-    lib = ctypes.cdll.LoadLibrary(str(path))
-    for name, symbol in _TARGETS.values():
-        jax.ffi.register_ffi_target(name, jax.ffi.pycapsule(getattr(lib, symbol)), platform="cpu")
+    try:
+        lib = ctypes.cdll.LoadLibrary(str(path))
+        for name, symbol in _TARGETS.values():
+            jax.ffi.register_ffi_target(name, jax.ffi.pycapsule(getattr(lib, symbol)), platform="cpu")
+    except (OSError, AttributeError) as e:  # a damaged cached library
+        _log.info("jspec: CPU products not loaded from %s: %s", path, e)
+        return False
     return True
 
 
