@@ -10,17 +10,14 @@ import argparse
 import time
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 import jspec
 from benchmarks.common import Runner, env_info, save_json
+from benchmarks.round_cost import PROMPT, target_verify
 from jspec import bundle
-from jspec.cache.layout import causal_mask
 from jspec.kernels.dispatch import use_backend
 from jspec.spec import loop
-
-PROMPT = "def fibonacci(n):"
 
 
 def main():
@@ -32,18 +29,10 @@ def main():
     r = Runner(pair, [PROMPT], 160, spec=jspec.SpecConfig(num_steps=max(args.nodes) - 1, topk=1))
     plan, (tw, dw) = r.prog.plan, r.prog.weights
     st = jax.jit(loop.start, static_argnums=0)(plan, tw, dw, jax.device_put(r.prog.inputs()))
-    B, L = plan.batch, st.L
 
     def compiled(N: int, mode: str):
-        def verify(tw, st):
-            pos = L[:, None] + jnp.arange(N)[None]
-            meta = plan.layout.meta(st.pages, positions=pos, prefix_len=L,
-                                    local_mask=causal_mask(jnp.full((B,), N), N), write_valid=jnp.ones((B, N), bool))
-            hidden, _, cache = plan.family.forward(plan.target, tw, st.tokens[:, :N], st.tcache, meta,
-                                                   plan.draft.target_layers)
-            return plan.family.logits(plan.target, tw, hidden), cache
         with use_backend(mode):
-            return jax.jit(verify).lower(tw, st).compile()
+            return jax.jit(lambda tw, st: target_verify(plan, tw, st, N)).lower(tw, st).compile()
 
     fns = {(N, m): compiled(N, m) for N in args.nodes for m in ("auto", "reference")}
     times = {k: [] for k in fns}

@@ -27,6 +27,18 @@ from jspec.spec.propose import _draft_step
 PROMPT = "def fibonacci(n):"
 
 
+def target_verify(plan, tw, st, N: int):
+    """The target's forward over the first N tokens of the loop state `st` (as a round's
+    verification): -> (float32 logits [B, N, V], draft features, target cache)."""
+    B, L = plan.batch, st.L
+    pos = L[:, None] + jnp.arange(N)[None]
+    meta = plan.layout.meta(st.pages, positions=pos, prefix_len=L, local_mask=causal_mask(jnp.full((B,), N), N),
+                            write_valid=jnp.ones((B, N), bool))
+    hidden, aux, tcache = plan.family.forward(plan.target, tw, st.tokens[:, :N], st.tcache, meta,
+                                              plan.draft.target_layers)
+    return plan.family.logits(plan.target, tw, hidden), plan.draft.target_features(hidden, aux), tcache
+
+
 def model_work(prog) -> dict:
     """Seconds of the target's verify forward (N nodes) and the draft's forwards of a round."""
     plan, (tw, dw) = prog.plan, prog.weights
@@ -38,12 +50,7 @@ def model_work(prog) -> dict:
 
     @jax.jit
     def verify(tw, st):
-        pos = L[:, None] + jnp.arange(N)[None]
-        meta = plan.layout.meta(st.pages, positions=pos, prefix_len=L, local_mask=causal_mask(jnp.full((B,), N), N),
-                                write_valid=jnp.ones((B, N), bool))
-        capture = plan.draft.target_layers
-        hidden, aux, tcache = plan.family.forward(plan.target, tw, st.tokens[:, :N], st.tcache, meta, capture)
-        return plan.family.logits(plan.target, tw, hidden), plan.draft.target_features(hidden, aux), tcache
+        return target_verify(plan, tw, st, N)
 
     @jax.jit
     def draft_steps(tw, dw, st):

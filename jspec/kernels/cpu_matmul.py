@@ -28,6 +28,7 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 
+from jspec import sharding
 from jspec.kernels import dispatch
 
 MAX_ROWS = 32  # above this (prefill) XLA's GEMM is the faster one
@@ -105,8 +106,6 @@ def available() -> bool:
 def use_native(x: jax.Array, w: jax.Array) -> bool:
     """Whether `matmul(x, w)` runs the native loops here: float32, at most MAX_ROWS rows,
     the CPU backend with kernels on "auto", no mesh (XLA cannot split a custom call)."""
-    from jspec import sharding
-
     rows = x.size // max(x.shape[-1], 1)
     return (x.dtype == jnp.float32 and w.dtype == jnp.float32 and w.ndim == 2 and 0 < rows <= MAX_ROWS
             and dispatch.backend() == "auto" and jax.default_backend() == "cpu"
