@@ -5,11 +5,17 @@ the Python standard library's own source files (a fixed ~5% of files held out).
     PYTHONPATH=. python3 scripts/make_bundle.py --out jspec/bundle          # the real recipe (GPU)
     PYTHONPATH=. python3 scripts/make_bundle.py --out /tmp/b --smoke        # minutes on a CPU
 
-Steps: tokenizer (4096 tokens) -> target (6 layers, width 320, tied embeddings, ~7.7M
+Steps: tokenizer (4096 tokens) -> target (20 layers, width 256, tied embeddings, ~16.1M
 parameters, 800 steps: more memorises the ~3M-token corpus) -> EAGLE-3 head (features of
-layers 1, 3, 5; draft vocabulary 2048, 5 training-time-test steps) ->
+layers 2, 10, 17; draft vocabulary 2048, 5 training-time-test steps) ->
 standalone draft (2 layers, width 128, distilled from the target). Weights are saved in
 bfloat16. Timings and losses go to <out>/recipe.json.
+
+The target is deep and narrow so that the one-layer head costs little beside it: a draft
+step reads about a tenth of the target's weights and runs a twentieth of its layers.
+
+--keep reuses the parts already in <out> (target, eagle3, standalone) and trains only
+the missing ones, so the recipe can run in pieces.
 """
 from __future__ import annotations
 
@@ -40,7 +46,7 @@ def target_config(vocab: int, eos: int, smoke: bool) -> ModelConfig:
         return ModelConfig(vocab_size=vocab, hidden_size=64, intermediate_size=128, num_layers=4, num_heads=2,
                            num_kv_heads=1, head_dim=32, tie_word_embeddings=True, eos_token_ids=(eos,),
                            max_position_embeddings=2048, rms_norm_eps=1e-5)
-    return ModelConfig(vocab_size=vocab, hidden_size=320, intermediate_size=864, num_layers=6, num_heads=5,
+    return ModelConfig(vocab_size=vocab, hidden_size=256, intermediate_size=768, num_layers=20, num_heads=4,
                        num_kv_heads=1, head_dim=64, tie_word_embeddings=True, eos_token_ids=(eos,),
                        max_position_embeddings=2048, rms_norm_eps=1e-5, rope=RopeConfig(theta=10000.0))
 
@@ -57,64 +63,90 @@ def main():
     ap.add_argument("--out", default="jspec/bundle")
     ap.add_argument("--smoke", action="store_true", help="tiny settings for a CPU check")
     ap.add_argument("--stdlib", default=None, help="standard library directory (default: this Python's)")
+    ap.add_argument("--keep", action="store_true", help="reuse the parts already in --out; train the rest")
     args = ap.parse_args()
     s = SMOKE if args.smoke else FULL
     quiet = dict(progress=False, print_every=max(s["target_steps"] // 10, 1))
     cdt = "float32" if args.smoke else "bfloat16"
-    log = {"jax": jax.__version__, "device": str(jax.devices()[0]), "settings": s, "date": time.strftime("%Y-%m-%d")}
+    recipe = os.path.join(args.out, "recipe.json")
+    log = {}
+    if args.keep and os.path.isfile(recipe):
+        with open(recipe) as f:
+            log = json.load(f)
+    log.update({"jax": jax.__version__, "device": str(jax.devices()[0]), "settings": s,
+                "date": time.strftime("%Y-%m-%d")})
     t_all = time.perf_counter()
+    tdir, hdir, sdir = (os.path.join(args.out, part) for part in ("target", "eagle3", "standalone"))
+
+    def kept(d):
+        return args.keep and os.path.isfile(os.path.join(d, "config.json"))
+
+    def save_log():
+        os.makedirs(args.out, exist_ok=True)
+        with open(recipe, "w") as f:
+            json.dump(log, f, indent=1, default=str)
 
     train_files, held = split(args.stdlib)
     if args.smoke:
         train_files = train_files[:40]
     docs = data_mod.read_corpus(train_files)
     log["files"] = {"train": len(train_files), "held_out": len(held), "train_bytes": sum(len(d) for d in docs)}
-    t = time.perf_counter()
-    tok = train_bpe(docs, s["vocab"])
-    eos = tok.eos_token_id
-    stream = data_mod.tokenize(tok, docs, eos)
-    log["tokenizer"] = {"vocab": len(tok), "train_tokens": int(stream.size), "s": time.perf_counter() - t}
-    print(log["tokenizer"], flush=True)
+    if kept(tdir):
+        target = jspec.load(tdir, dtype=cdt)
+        tok, tc = target.tokenizer, target.config
+        stream = data_mod.tokenize(tok, docs, tok.eos_token_id)
+        print("kept", tdir, flush=True)
+    else:
+        t = time.perf_counter()
+        tok = train_bpe(docs, s["vocab"])
+        eos = tok.eos_token_id
+        stream = data_mod.tokenize(tok, docs, eos)
+        log["tokenizer"] = {"vocab": len(tok), "train_tokens": int(stream.size), "s": time.perf_counter() - t}
+        print(log["tokenizer"], flush=True)
+        tc = target_config(len(tok), eos, args.smoke)
+        log["target_params"] = tc.num_params()
+        t = time.perf_counter()
+        tw, hist = train_lm(tc, data_mod.batches(stream, s["target_batch"], s["seq"], seed=0), s["target_steps"],
+                            lr=2e-3, warmup=100 if not args.smoke else 5, compute_dtype=cdt, desc="target", **quiet)
+        log["target"] = {"s": time.perf_counter() - t, "final": hist[-1],
+                         "held_out_loss": held_out_loss(tw, tc, tok, held, s["seq"], args.smoke)}
+        print("target", log["target"], flush=True)
+        save_target(tdir, tc.replace(dtype="bfloat16"), jax.tree.map(lambda a: a.astype(jnp.bfloat16), tw), tok)
+        save_log()
+        target = jspec.load(tdir, dtype=cdt)
 
-    tc = target_config(len(tok), eos, args.smoke)
-    log["target_params"] = tc.num_params()
-    t = time.perf_counter()
-    tw, hist = train_lm(tc, data_mod.batches(stream, s["target_batch"], s["seq"], seed=0), s["target_steps"],
-                        lr=2e-3, warmup=100 if not args.smoke else 5, compute_dtype=cdt, desc="target", **quiet)
-    log["target"] = {"s": time.perf_counter() - t, "final": hist[-1],
-                     "held_out_loss": held_out_loss(tw, tc, tok, held, s["seq"], args.smoke)}
-    print("target", log["target"], flush=True)
-    tdir = os.path.join(args.out, "target")
-    save_target(tdir, tc.replace(dtype="bfloat16"), jax.tree.map(lambda a: a.astype(jnp.bfloat16), tw), tok)
-    target = jspec.load(tdir, dtype=cdt)
+    if kept(hdir):
+        print("kept", hdir, flush=True)
+    else:
+        t = time.perf_counter()
+        hcfg = Eagle3TrainConfig(steps=s["head_steps"], batch_size=s["head_batch"], seq_len=s["seq"], lr=6e-4,
+                                 warmup=100 if not args.smoke else 5, ttt_steps=5 if not args.smoke else 3,
+                                 draft_vocab_size=min(2048, len(tok)), compute_dtype=cdt,
+                                 checkpoint_every=10 ** 9)
+        # Low, middle and high features, each the input of a layer as SGLang captures them:
+        # the default (2, n/2, n-3) for the 20-layer target, distinct layers for the smoke's 4.
+        _, hist = train_eagle3(target, stream, hdir, hcfg, export_dtype="bfloat16", resume=False,
+                               aux_layers=(1, 2, 3) if args.smoke else None, **quiet)
+        log["eagle3"] = {"s": time.perf_counter() - t, "final": hist[-1]}
+        print("eagle3", log["eagle3"], flush=True)
+        _rm_checkpoint(hdir)
+        save_log()
 
-    t = time.perf_counter()
-    hcfg = Eagle3TrainConfig(steps=s["head_steps"], batch_size=s["head_batch"], seq_len=s["seq"], lr=6e-4,
-                             warmup=100 if not args.smoke else 5, ttt_steps=5 if not args.smoke else 3,
-                             draft_vocab_size=min(2048, len(tok)), compute_dtype=cdt,
-                             checkpoint_every=10 ** 9)
-    # Distinct low, middle and high features (the default (2, n/2, n-3) repeats a layer at
-    # n = 6); each is the input of a layer, as SGLang captures them.
-    aux = (1, 2, 3) if args.smoke else (1, 3, 5)
-    _, hist = train_eagle3(target, stream, os.path.join(args.out, "eagle3"), hcfg, export_dtype="bfloat16",
-                           resume=False, aux_layers=aux, **quiet)
-    log["eagle3"] = {"s": time.perf_counter() - t, "final": hist[-1]}
-    print("eagle3", log["eagle3"], flush=True)
-    _rm_checkpoint(os.path.join(args.out, "eagle3"))
-
-    t = time.perf_counter()
-    dc = draft_config(tc, args.smoke)
-    dw, hist = train_lm(dc, data_mod.batches(stream, s["draft_batch"], s["seq"], seed=1), s["draft_steps"],
-                        lr=2e-3, warmup=100 if not args.smoke else 5, compute_dtype=cdt, teacher=target,
-                        desc="standalone", **quiet)
-    log["standalone"] = {"s": time.perf_counter() - t, "final": hist[-1], "params": dc.num_params()}
-    print("standalone", log["standalone"], flush=True)
-    save_target(os.path.join(args.out, "standalone"), dc.replace(dtype="bfloat16"),
-                jax.tree.map(lambda a: a.astype(jnp.bfloat16), dw), tok)
-    log["total_s"] = time.perf_counter() - t_all
-    with open(os.path.join(args.out, "recipe.json"), "w") as f:
-        json.dump(log, f, indent=1, default=str)
-    print("done in", round(log["total_s"]), "s", flush=True)
+    if kept(sdir):
+        print("kept", sdir, flush=True)
+    else:
+        t = time.perf_counter()
+        dc = draft_config(tc, args.smoke)
+        dw, hist = train_lm(dc, data_mod.batches(stream, s["draft_batch"], s["seq"], seed=1), s["draft_steps"],
+                            lr=2e-3, warmup=100 if not args.smoke else 5, compute_dtype=cdt, teacher=target,
+                            desc="standalone", **quiet)
+        log["standalone"] = {"s": time.perf_counter() - t, "final": hist[-1], "params": dc.num_params()}
+        print("standalone", log["standalone"], flush=True)
+        save_target(sdir, dc.replace(dtype="bfloat16"), jax.tree.map(lambda a: a.astype(jnp.bfloat16), dw), tok)
+    log["last_run_s"] = time.perf_counter() - t_all
+    log["total_s"] = sum(log[k]["s"] for k in ("tokenizer", "target", "eagle3", "standalone") if k in log)
+    save_log()
+    print("done in", round(log["last_run_s"]), "s", flush=True)
 
 
 def held_out_loss(weights, cfg, tok, held, seq, smoke) -> float:
