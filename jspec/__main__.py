@@ -134,14 +134,14 @@ def _generate_parser() -> _Parser:
     ap = _Parser(prog=PROG, description=__doc__.splitlines()[0],
                  epilog="Benchmark: `python -m jspec bench --help`. A prompt that is literally 'bench' "
                         "goes after `--`.")
-    ap.add_argument("prompt", nargs="?", default="def fibonacci(n):\n",
-                    help="the text to continue (default: 'def fibonacci(n):\\n')")
+    ap.add_argument("prompt", nargs="?", default="def fibonacci(n):",
+                    help="the text to continue (default: 'def fibonacci(n):', the README's first run)")
     ap.add_argument("--max-new-tokens", type=_int(1), default=160)
     _model_args(ap, "a draft directory, 'none' (plain decoding only), 'mtp' (the MTP layer in a --target "
                     "DeepSeek-V3 checkpoint), or with the bundled target 'eagle3' or 'standalone' (default: eagle3 "
                     "with the bundled target, none with --target)")
     ap.add_argument("--steps", type=_int(1), default=None,
-                    help="draft steps per round (default: 2 on a CPU, 4 elsewhere: the fastest chains of the "
+                    help="draft steps per round (default: 2 on a CPU, 5 elsewhere: the fastest chains of the "
                          "bundled pair, docs/benchmarks.md)")
     ap.add_argument("--topk", type=_int(1), default=1, help="branches per draft step (>1: a tree)")
     ap.add_argument("--tokens", type=_int(2), default=None, help="tree nodes verified per round (topk > 1)")
@@ -158,11 +158,11 @@ def _generate_parser() -> _Parser:
 
 
 def default_steps() -> int:
-    """Draft steps per round when --steps is not given. On a 2-core CPU a draft step of the
-    bundled EAGLE-3 head costs about a quarter of a target step, so S=2 is its fastest
-    chain there; on the H200 S=3-4 (docs/benchmarks.md, "The first run")."""
+    """Draft steps per round when --steps is not given: the bundled pair's fastest chains
+    (docs/benchmarks.md, "The first run"). On a 2-core CPU S=2 to 4 are within the noise
+    of each other and S=2 compiles and runs least; on the H200 S=5 and 6 beat S=4."""
     import jax
-    return 2 if jax.default_backend() == "cpu" else 4
+    return 2 if jax.default_backend() == "cpu" else 5
 
 
 def _stream_text(params, prompt, **kw) -> None:

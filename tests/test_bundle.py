@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import os
 
+import jax
 import pytest
 
 import jspec
@@ -18,9 +19,13 @@ def test_bundle_is_complete_and_small():
     for part in ("target", "eagle3", "standalone"):
         assert os.path.isfile(os.path.join(root, part, "config.json"))
     assert _size(os.path.join(root, "target")) + _size(os.path.join(root, "eagle3")) + \
-        _size(os.path.join(root, "standalone")) <= 25 * 2 ** 20
+        _size(os.path.join(root, "standalone")) <= 40 * 2 ** 20
     p = bundle.load("eagle3", dtype="float32")
-    assert p.config.num_params() <= 10_000_000 and isinstance(p.draft.config, jspec.Eagle3Draft)
+    assert p.config.num_params() <= 20_000_000 and isinstance(p.draft.config, jspec.Eagle3Draft)
+    # The first run's speed-up rests on a head that is cheap beside its target: a draft step
+    # reads about a tenth of the target's weights (docs/benchmarks.md, "The first run").
+    head = sum(w.size for w in jax.tree.leaves(p.draft.weights["params"]))
+    assert head <= 0.12 * p.config.num_params() and p.config.num_layers >= 16
     assert p.draft.config.draft_vocab_size < p.config.vocab_size and "d2t" in p.draft.weights
 
 

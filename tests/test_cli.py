@@ -130,7 +130,7 @@ def test_generate_prints_text_and_stats(capsys, monkeypatch, pair):
     assert "S=2, K=1, N=3" in capsys.readouterr().out
     monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
     from jspec.__main__ import default_steps
-    assert default_steps() == 4
+    assert default_steps() == 5
 
 
 def test_parse_spec_and_format_table():
