@@ -81,6 +81,7 @@ def main():
         res["rows"] += evaluate(args, prompts, target, with_e3, with_sa, kw)
     tag = "" if args.temperature == [0.0] else "_sampled"
     name = f"bundle_eval_{jax.default_backend()}_{dtype}{tag}.json"
+    os.makedirs(args.out, exist_ok=True)
     with open(os.path.join(args.out, name), "w") as f:
         json.dump(res, f, indent=1)
 
