@@ -66,8 +66,6 @@ def main():
     ap.add_argument("--keep", action="store_true", help="reuse the parts already in --out; train the rest")
     args = ap.parse_args()
     s = SMOKE if args.smoke else FULL
-    quiet = dict(progress=False, print_every=max(s["target_steps"] // 10, 1))
-    cdt = "float32" if args.smoke else "bfloat16"
     recipe = os.path.join(args.out, "recipe.json")
     log = {}
     if args.keep and os.path.isfile(recipe):
@@ -76,10 +74,6 @@ def main():
     log.update({"jax": jax.__version__, "device": str(jax.devices()[0]), "settings": s,
                 "date": time.strftime("%Y-%m-%d")})
     t_all = time.perf_counter()
-    tdir, hdir, sdir = (os.path.join(args.out, part) for part in ("target", "eagle3", "standalone"))
-
-    def kept(d):
-        return args.keep and os.path.isfile(os.path.join(d, "config.json"))
 
     def save_log():
         os.makedirs(args.out, exist_ok=True)
@@ -91,62 +85,80 @@ def main():
         train_files = train_files[:40]
     docs = data_mod.read_corpus(train_files)
     log["files"] = {"train": len(train_files), "held_out": len(held), "train_bytes": sum(len(d) for d in docs)}
+    tdir, hdir, sdir = (os.path.join(args.out, part) for part in ("target", "eagle3", "standalone"))
+    kept = lambda d: args.keep and os.path.isfile(os.path.join(d, "config.json"))  # noqa: E731
+    cdt = "float32" if args.smoke else "bfloat16"
     if kept(tdir):
-        target = jspec.load(tdir, dtype=cdt)
-        tok, tc = target.tokenizer, target.config
-        stream = data_mod.tokenize(tok, docs, tok.eos_token_id)
         print("kept", tdir, flush=True)
+        target = jspec.load(tdir, dtype=cdt)
+        stream = data_mod.tokenize(target.tokenizer, docs, target.tokenizer.eos_token_id)
     else:
-        t = time.perf_counter()
-        tok = train_bpe(docs, s["vocab"])
-        eos = tok.eos_token_id
-        stream = data_mod.tokenize(tok, docs, eos)
-        log["tokenizer"] = {"vocab": len(tok), "train_tokens": int(stream.size), "s": time.perf_counter() - t}
-        print(log["tokenizer"], flush=True)
-        tc = target_config(len(tok), eos, args.smoke)
-        log["target_params"] = tc.num_params()
-        t = time.perf_counter()
-        tw, hist = train_lm(tc, data_mod.batches(stream, s["target_batch"], s["seq"], seed=0), s["target_steps"],
-                            lr=2e-3, warmup=100 if not args.smoke else 5, compute_dtype=cdt, desc="target", **quiet)
-        log["target"] = {"s": time.perf_counter() - t, "final": hist[-1],
-                         "held_out_loss": held_out_loss(tw, tc, tok, held, s["seq"], args.smoke)}
-        print("target", log["target"], flush=True)
-        save_target(tdir, tc.replace(dtype="bfloat16"), jax.tree.map(lambda a: a.astype(jnp.bfloat16), tw), tok)
+        stream = make_target(tdir, docs, held, s, args.smoke, log)
         save_log()
         target = jspec.load(tdir, dtype=cdt)
-
-    if kept(hdir):
-        print("kept", hdir, flush=True)
-    else:
-        t = time.perf_counter()
-        hcfg = Eagle3TrainConfig(steps=s["head_steps"], batch_size=s["head_batch"], seq_len=s["seq"], lr=6e-4,
-                                 warmup=100 if not args.smoke else 5, ttt_steps=5 if not args.smoke else 3,
-                                 draft_vocab_size=min(2048, len(tok)), compute_dtype=cdt,
-                                 checkpoint_every=10 ** 9)
-        # Low, middle and high features, each the input of a layer as SGLang captures them:
-        # the default (2, n/2, n-3) for the 20-layer target, distinct layers for the smoke's 4.
-        _, hist = train_eagle3(target, stream, hdir, hcfg, export_dtype="bfloat16", resume=False,
-                               aux_layers=(1, 2, 3) if args.smoke else None, **quiet)
-        log["eagle3"] = {"s": time.perf_counter() - t, "final": hist[-1]}
-        print("eagle3", log["eagle3"], flush=True)
-        _rm_checkpoint(hdir)
-        save_log()
-
-    if kept(sdir):
-        print("kept", sdir, flush=True)
-    else:
-        t = time.perf_counter()
-        dc = draft_config(tc, args.smoke)
-        dw, hist = train_lm(dc, data_mod.batches(stream, s["draft_batch"], s["seq"], seed=1), s["draft_steps"],
-                            lr=2e-3, warmup=100 if not args.smoke else 5, compute_dtype=cdt, teacher=target,
-                            desc="standalone", **quiet)
-        log["standalone"] = {"s": time.perf_counter() - t, "final": hist[-1], "params": dc.num_params()}
-        print("standalone", log["standalone"], flush=True)
-        save_target(sdir, dc.replace(dtype="bfloat16"), jax.tree.map(lambda a: a.astype(jnp.bfloat16), dw), tok)
+    for d, make in ((hdir, make_head), (sdir, make_standalone)):
+        if kept(d):
+            print("kept", d, flush=True)
+        else:
+            make(d, target, stream, s, args.smoke, log)
+            save_log()
     log["last_run_s"] = time.perf_counter() - t_all
     log["total_s"] = sum(log[k]["s"] for k in ("tokenizer", "target", "eagle3", "standalone") if k in log)
     save_log()
     print("done in", round(log["last_run_s"]), "s", flush=True)
+
+
+def _quiet(s):
+    return dict(progress=False, print_every=max(s["target_steps"] // 10, 1))
+
+
+def make_target(tdir, docs, held, s, smoke, log):
+    """Trains the tokenizer and the target and saves both to tdir -> the token stream."""
+    t = time.perf_counter()
+    tok = train_bpe(docs, s["vocab"])
+    stream = data_mod.tokenize(tok, docs, tok.eos_token_id)
+    log["tokenizer"] = {"vocab": len(tok), "train_tokens": int(stream.size), "s": time.perf_counter() - t}
+    print(log["tokenizer"], flush=True)
+    tc = target_config(len(tok), tok.eos_token_id, smoke)
+    log["target_params"] = tc.num_params()
+    t = time.perf_counter()
+    tw, hist = train_lm(tc, data_mod.batches(stream, s["target_batch"], s["seq"], seed=0), s["target_steps"],
+                        lr=2e-3, warmup=100 if not smoke else 5, compute_dtype="float32" if smoke else "bfloat16",
+                        desc="target", **_quiet(s))
+    log["target"] = {"s": time.perf_counter() - t, "final": hist[-1],
+                     "held_out_loss": held_out_loss(tw, tc, tok, held, s["seq"], smoke)}
+    print("target", log["target"], flush=True)
+    save_target(tdir, tc.replace(dtype="bfloat16"), jax.tree.map(lambda a: a.astype(jnp.bfloat16), tw), tok)
+    return stream
+
+
+def make_head(hdir, target, stream, s, smoke, log):
+    """Trains the EAGLE-3 head for the target and exports it to hdir."""
+    t = time.perf_counter()
+    hcfg = Eagle3TrainConfig(steps=s["head_steps"], batch_size=s["head_batch"], seq_len=s["seq"], lr=6e-4,
+                             warmup=100 if not smoke else 5, ttt_steps=5 if not smoke else 3,
+                             draft_vocab_size=min(2048, target.config.vocab_size),
+                             compute_dtype="float32" if smoke else "bfloat16", checkpoint_every=10 ** 9)
+    # Low, middle and high features, each the input of a layer as SGLang captures them:
+    # the default (2, n/2, n-3) for the 20-layer target, distinct layers for the smoke's 4.
+    _, hist = train_eagle3(target, stream, hdir, hcfg, export_dtype="bfloat16", resume=False,
+                           aux_layers=(1, 2, 3) if smoke else None, **_quiet(s))
+    log["eagle3"] = {"s": time.perf_counter() - t, "final": hist[-1]}
+    print("eagle3", log["eagle3"], flush=True)
+    _rm_checkpoint(hdir)
+
+
+def make_standalone(sdir, target, stream, s, smoke, log):
+    """Distils the standalone draft from the target and saves it to sdir."""
+    t = time.perf_counter()
+    dc = draft_config(target.config, smoke)
+    dw, hist = train_lm(dc, data_mod.batches(stream, s["draft_batch"], s["seq"], seed=1), s["draft_steps"],
+                        lr=2e-3, warmup=100 if not smoke else 5, compute_dtype="float32" if smoke else "bfloat16",
+                        teacher=target, desc="standalone", **_quiet(s))
+    log["standalone"] = {"s": time.perf_counter() - t, "final": hist[-1], "params": dc.num_params()}
+    print("standalone", log["standalone"], flush=True)
+    save_target(sdir, dc.replace(dtype="bfloat16"), jax.tree.map(lambda a: a.astype(jnp.bfloat16), dw),
+                target.tokenizer)
 
 
 def held_out_loss(weights, cfg, tok, held, seq, smoke) -> float:
