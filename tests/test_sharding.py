@@ -205,3 +205,22 @@ def test_split_errors(llama_dir, drafts):
     with pytest.raises(ValueError, match="one axis 'tp'"):
         jspec.load(llama_dir[0], devices=mesh)
     assert sharding.make_mesh(jax.devices()[2:4]).devices.tolist() == jax.devices()[2:4]
+
+
+@pytest.mark.parametrize("n", [2, 4])
+def test_lookup_rows_is_the_tables_rows_per_device(n):
+    """Under a mesh, an embedding lookup runs per device on its share of the vocabulary (no
+    gather of the table) and returns exactly the table's rows, across the shard edges; a
+    vocabulary the mesh does not divide falls back to a plain lookup."""
+    mesh = sharding.make_mesh(n)
+    table = jax.random.normal(jax.random.key(0), (64, 8), dtype=np.float32)
+    ids = np.array([[0, 15, 16, 17, 31, 32, 47, 48, 63, 5]], np.int32)
+    split_table = jax.device_put(table, jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(sharding.AXIS)))
+    with jax.set_mesh(mesh):
+        f = jax.jit(sharding.lookup_rows)
+        got = f(split_table, ids)
+        hlo = f.lower(split_table, ids).compile().as_text()
+        odd = sharding.lookup_rows(table[:63], ids[:, :8])
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(table)[ids])
+    np.testing.assert_array_equal(np.asarray(odd), np.asarray(table)[ids[:, :8]])
+    assert "all-gather" not in hlo and "all-reduce" in hlo

@@ -6,6 +6,7 @@ import dataclasses
 
 import jax.numpy as jnp
 
+from jspec import sharding
 from jspec.cache.layout import prefill_meta
 from jspec.drafts.base import LlamaDraft, strip_model_prefix
 from jspec.models import family_for
@@ -29,7 +30,7 @@ def head_model_config(cfg_json, tcfg, where):
 def embed_tokens(tcfg, tw, dw, tokens):
     """An EAGLE-family head's input embeddings: its own table if it has one, else the target's."""
     table = dw.get("embed")
-    return family_for(tcfg).embed(tcfg, tw, tokens) if table is None else table[tokens]
+    return family_for(tcfg).embed(tcfg, tw, tokens) if table is None else sharding.lookup_rows(table, tokens)
 
 
 @dataclasses.dataclass(frozen=True)

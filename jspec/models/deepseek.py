@@ -191,7 +191,7 @@ class DeepseekModel(DecoderLM):
             self.lm_head = Linear(c.vocab_size, False, c.dtype, float32_out=True)
 
     def __call__(self, tokens, cache: LatentCache | None, meta: AttnMeta, capture: tuple[int, ...] = ()):
-        x = self.embed_tokens(tokens)
+        x = self.embed(tokens)
         aux, bufs = {}, []
         for i, layer in enumerate(self.layers):
             if i in capture:

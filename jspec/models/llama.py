@@ -168,7 +168,8 @@ class DecoderLM(nn.Module):
         return self.lm_head(hidden)
 
     def embed(self, tokens):
-        return self.embed_tokens(tokens)
+        """tokens [...] -> embeddings [..., D] (`sharding.lookup_rows`: per device under a mesh)."""
+        return sharding.lookup_rows(self.embed_tokens.embedding, tokens).astype(self.cfg.jnp_dtype)
 
     def init_all(self, tokens, cache, meta):
         """Touches every parameter (for `init`): the forward pass and the LM head."""
@@ -193,7 +194,7 @@ class LlamaModel(DecoderLM):
     def __call__(self, tokens, cache: KVCache | None, meta: AttnMeta, capture: tuple[int, ...] = ()):
         """tokens [B,T] -> (hidden [B,T,D] after the final norm, {layer: its input [B,T,D]}
         for the `capture` layers (index num_layers: the last layer's output), cache)."""
-        x = self.embed_tokens(tokens)
+        x = self.embed(tokens)
         aux, kvs = {}, []
         for i, layer in enumerate(self.layers):
             if i in capture:
