@@ -264,3 +264,32 @@ def test_training_bad_input(target, llama_dir, corpus, tmp_path):
     # The CLI reports errors without a traceback.
     assert cli_main(["eagle3", "--target", llama_dir[0], "--data", str(empty), "--out", str(tmp_path / "o"),
                      "--steps", "1"]) == 2
+    # Invalid settings are refused before any training, and nothing is exported.
+    for bad_cfg in (dict(lr=float("nan")), dict(lr=-1e-3), dict(lr=0.0), dict(clip=float("inf")),
+                    dict(weight_decay=-0.1), dict(draft_vocab_size=0), dict(intermediate_size=0)):
+        with pytest.raises(ValueError, match=next(iter(bad_cfg))):
+            Eagle3TrainConfig(**bad_cfg)
+    a_file = tmp_path / "a_file"
+    a_file.write_text("keep me")
+    with pytest.raises(ValueError, match="not a directory"):
+        train_eagle3(target, corpus, str(a_file), cfg, progress=False)
+    assert a_file.read_text() == "keep me"
+    for aux in ((0, 1, 2), (1, 2, 5)):
+        with pytest.raises(ValueError, match="auxiliary layers"):
+            train_eagle3(target, corpus, str(tmp_path / "h"), cfg, aux_layers=aux, progress=False)
+    assert not (tmp_path / "h").exists()
+    for flags in (["--lr", "nan"], ["--lr", "-1"], ["--draft-vocab", "0"], ["--aux-layer-ids", "-1", "1", "2"]):
+        out = str(tmp_path / "cli_out")
+        assert cli_main(["eagle3", "--target", llama_dir[0], "--data", str(corpus), "--out", out, "--steps", "1",
+                         *flags]) == 2, flags
+        assert not os.path.exists(out)
+    # A target too shallow for the default layers (2, n/2, n-3) trains with chosen ones.
+    shallow = str(tmp_path / "shallow")
+    tiny_models.make_model(shallow, "llama", layers=2, tokenizer=True)
+    with pytest.raises(ValueError, match="aux-layer-ids"):
+        train_eagle3(shallow, corpus, None, cfg, progress=False)
+    out = str(tmp_path / "shallow_head")
+    assert cli_main(["eagle3", "--target", shallow, "--data", str(corpus), "--out", out, "--steps", "1",
+                     "--batch-size", "1", "--seq-len", "8", "--dtype", "float32", "--aux-layer-ids", "0", "1"]) == 0
+    with open(os.path.join(out, "config.json")) as f:
+        assert json.load(f)["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == [0, 1]

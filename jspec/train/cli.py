@@ -27,6 +27,9 @@ def main(argv=None) -> int:
     e.add_argument("--warmup", type=int, default=100)
     e.add_argument("--ttt-steps", type=int, default=4, help="draft steps unrolled in training")
     e.add_argument("--draft-vocab", type=int, default=None, help="draft vocabulary size (most frequent tokens)")
+    e.add_argument("--aux-layer-ids", type=int, nargs="+", default=None, metavar="ID",
+                   help="target layers whose outputs feed the head, 0-based, as SGLang's "
+                        "eagle_aux_hidden_state_layer_ids (default: 1, n/2 - 1, n - 4 for an n-layer target)")
     e.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16", "float16"],
                    help="compute dtype (master weights stay float32)")
     e.add_argument("--checkpoint-every", type=int, default=500)
@@ -38,7 +41,8 @@ def main(argv=None) -> int:
         cfg = Eagle3TrainConfig(steps=args.steps, batch_size=args.batch_size, seq_len=args.seq_len, lr=args.lr,
                                 warmup=args.warmup, ttt_steps=args.ttt_steps, draft_vocab_size=args.draft_vocab,
                                 compute_dtype=args.dtype, checkpoint_every=args.checkpoint_every)
-        _, history = train_eagle3(args.target, args.data, args.out, cfg, extensions=args.ext,
+        aux = None if args.aux_layer_ids is None else [i + 1 for i in args.aux_layer_ids]
+        _, history = train_eagle3(args.target, args.data, args.out, cfg, aux_layers=aux, extensions=args.ext,
                                   resume=not args.no_resume)
     except (ValueError, TypeError) as err:
         print(f"jspec-train: error: {err}", file=sys.stderr)

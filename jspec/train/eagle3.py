@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 import os
 
 import jax
@@ -21,7 +22,7 @@ import numpy as np
 import optax
 
 from jspec.cache.layout import CacheLayout, make_meta, prefill_meta
-from jspec.drafts.eagle3 import Eagle3Draft, eagle3_aux_layers
+from jspec.drafts.eagle3 import Eagle3Draft
 from jspec.export import save_draft
 from jspec.kernels.dispatch import use_backend
 from jspec.models import family_for
@@ -54,18 +55,31 @@ class Eagle3TrainConfig:
             raise ValueError(f"seq_len ({self.seq_len}) must exceed ttt_steps + 1 ({self.ttt_steps + 1})")
         if self.compute_dtype not in ("float32", "bfloat16", "float16"):
             raise ValueError(f"compute_dtype must be float32, bfloat16 or float16, got {self.compute_dtype!r}")
+        for name, low in (("lr", None), ("weight_decay", 0.0), ("clip", None)):
+            v = getattr(self, name)
+            ok = isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+            if not ok or (v <= 0 if low is None else v < low):
+                raise ValueError(f"Eagle3TrainConfig.{name} must be a finite {'positive' if low is None else 'non-negative'}"
+                                 f" number, got {v!r}")
+        for name in ("draft_vocab_size", "intermediate_size"):
+            v = getattr(self, name)
+            if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < 1):
+                raise ValueError(f"Eagle3TrainConfig.{name} must be a positive int or None (the default), got {v!r}")
 
 
 def head_config(target: Params, cfg: Eagle3TrainConfig, aux_layers=None) -> Eagle3Draft:
     tc = target.config
     V = tc.vocab_size
-    Vd = cfg.draft_vocab_size or min(V, 32000)
+    Vd = min(V, 32000) if cfg.draft_vocab_size is None else cfg.draft_vocab_size
     if not 0 < Vd <= V:
         raise ValueError(f"draft_vocab_size must be in [1, {V}], got {Vd}")
     n = tc.num_layers
-    aux = tuple(aux_layers) if aux_layers else eagle3_aux_layers({}, n)
-    if any(not 0 <= i <= n for i in aux):
-        raise ValueError(f"auxiliary layers {aux} do not fit a {n}-layer target")
+    aux = tuple(aux_layers) if aux_layers else (2, n // 2, n - 3)
+    # Layer i's input is layer i-1's output: SGLang's eagle_aux_hidden_state_layer_ids
+    # (exported as i - 1) must be target layers, 0 .. n-1.
+    if not aux or any(not 1 <= i <= n for i in aux):
+        raise ValueError(f"auxiliary layers {aux} (the inputs of these layers) do not fit a {n}-layer target: "
+                         f"each must be in 1..{n}; choose them with aux_layers (jspec-train --aux-layer-ids)")
     m = tc.replace(num_layers=1, sliding_windows=(0,), intermediate_size=cfg.intermediate_size or tc.intermediate_size,
                    tie_word_embeddings=False, qkv_bias=False, o_bias=False, mlp_bias=False, qk_norm=False,
                    architecture="LlamaForCausalLMEagle3", model_type="llama")
@@ -170,6 +184,9 @@ def train_eagle3(target: Params | str, data, out_dir: str | None = None, config:
     if not isinstance(target, Params):
         raise TypeError(f"target must be a model directory or jspec.Params, got {type(target).__name__}")
     tc = target.config
+    if out_dir and os.path.exists(out_dir) and not os.path.isdir(out_dir):
+        raise ValueError(f"out_dir {out_dir!r} exists and is not a directory")
+    d = head_config(target, cfg, aux_layers)
     if isinstance(data, np.ndarray):
         stream = data.astype(np.int32)
         if stream.ndim != 1 or stream.size < 2:
@@ -182,7 +199,6 @@ def train_eagle3(target: Params | str, data, out_dir: str | None = None, config:
         docs = data_mod.read_corpus(data, extensions=extensions)
         eos = getattr(target.tokenizer, "eos_token_id", None)
         stream = data_mod.tokenize(target.tokenizer, docs, eos)
-    d = head_config(target, cfg, aux_layers)
     d2t = draft_vocab(data_mod.token_counts(stream, tc.vocab_size), d.draft_vocab_size)
     params = init_head(target, d, d2t, cfg.seed)
     opt = common.make_optimizer(cfg.lr, cfg.steps, cfg.warmup, cfg.weight_decay, cfg.clip)
