@@ -87,7 +87,7 @@ def main():
     log["files"] = {"train": len(train_files), "held_out": len(held), "train_bytes": sum(len(d) for d in docs)}
     tdir, hdir, sdir = (os.path.join(args.out, part) for part in ("target", "eagle3", "standalone"))
     kept = lambda d: args.keep and os.path.isfile(os.path.join(d, "config.json"))  # noqa: E731
-    cdt = "float32" if args.smoke else "bfloat16"
+    cdt = _dtype(args.smoke)
     if kept(tdir):
         print("kept", tdir, flush=True)
         target = jspec.load(tdir, dtype=cdt)
@@ -108,6 +108,11 @@ def main():
     print("done in", round(log["last_run_s"]), "s", flush=True)
 
 
+def _dtype(smoke):
+    """The training compute dtype: float32 for the CPU smoke run, bfloat16 for the recipe."""
+    return "float32" if smoke else "bfloat16"
+
+
 def _quiet(s):
     return dict(progress=False, print_every=max(s["target_steps"] // 10, 1))
 
@@ -123,7 +128,7 @@ def make_target(tdir, docs, held, s, smoke, log):
     log["target_params"] = tc.num_params()
     t = time.perf_counter()
     tw, hist = train_lm(tc, data_mod.batches(stream, s["target_batch"], s["seq"], seed=0), s["target_steps"],
-                        lr=2e-3, warmup=100 if not smoke else 5, compute_dtype="float32" if smoke else "bfloat16",
+                        lr=2e-3, warmup=100 if not smoke else 5, compute_dtype=_dtype(smoke),
                         desc="target", **_quiet(s))
     log["target"] = {"s": time.perf_counter() - t, "final": hist[-1],
                      "held_out_loss": held_out_loss(tw, tc, tok, held, s["seq"], smoke)}
@@ -138,7 +143,7 @@ def make_head(hdir, target, stream, s, smoke, log):
     hcfg = Eagle3TrainConfig(steps=s["head_steps"], batch_size=s["head_batch"], seq_len=s["seq"], lr=6e-4,
                              warmup=100 if not smoke else 5, ttt_steps=5 if not smoke else 3,
                              draft_vocab_size=min(2048, target.config.vocab_size),
-                             compute_dtype="float32" if smoke else "bfloat16", checkpoint_every=10 ** 9)
+                             compute_dtype=_dtype(smoke), checkpoint_every=10 ** 9)
     # Low, middle and high features, each the input of a layer as SGLang captures them:
     # the default (2, n/2, n-3) for the 20-layer target, distinct layers for the smoke's 4.
     _, hist = train_eagle3(target, stream, hdir, hcfg, export_dtype="bfloat16", resume=False,
@@ -153,7 +158,7 @@ def make_standalone(sdir, target, stream, s, smoke, log):
     t = time.perf_counter()
     dc = draft_config(target.config, smoke)
     dw, hist = train_lm(dc, data_mod.batches(stream, s["draft_batch"], s["seq"], seed=1), s["draft_steps"],
-                        lr=2e-3, warmup=100 if not smoke else 5, compute_dtype="float32" if smoke else "bfloat16",
+                        lr=2e-3, warmup=100 if not smoke else 5, compute_dtype=_dtype(smoke),
                         teacher=target, desc="standalone", **_quiet(s))
     log["standalone"] = {"s": time.perf_counter() - t, "final": hist[-1], "params": dc.num_params()}
     print("standalone", log["standalone"], flush=True)

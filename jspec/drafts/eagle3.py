@@ -19,11 +19,17 @@ from jspec.tensors import Tensors, hf_linear, to_numpy
 ARCHITECTURES = ("LlamaForCausalLMEagle3", "Eagle3LlamaForCausalLM")
 
 
+def default_aux_layers(num_target_layers: int) -> tuple[int, ...]:
+    """SGLang's default EAGLE-3 features: the inputs of layers 2, n/2 and n-3."""
+    n = num_target_layers
+    return (2, n // 2, n - 3)
+
+
 def eagle3_aux_layers(cfg_json: dict, num_target_layers: int) -> tuple[int, ...]:
     """Target layers whose inputs an EAGLE-3 head reads (SGLang's convention)."""
     ids = (cfg_json.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids")
     n = num_target_layers
-    layers = tuple(i + 1 for i in ids) if ids else (2, n // 2, n - 3)
+    layers = tuple(i + 1 for i in ids) if ids else default_aux_layers(n)
     if any(not 0 <= i <= n for i in layers):
         raise ValueError(f"EAGLE-3 auxiliary layers {layers} do not fit a {n}-layer target; set "
                          f"eagle_config.eagle_aux_hidden_state_layer_ids in the draft's config.json")

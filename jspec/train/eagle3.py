@@ -22,7 +22,7 @@ import numpy as np
 import optax
 
 from jspec.cache.layout import CacheLayout, make_meta, prefill_meta
-from jspec.drafts.eagle3 import Eagle3Draft
+from jspec.drafts.eagle3 import Eagle3Draft, default_aux_layers
 from jspec.export import save_draft
 from jspec.kernels.dispatch import use_backend
 from jspec.models import family_for
@@ -74,7 +74,7 @@ def head_config(target: Params, cfg: Eagle3TrainConfig, aux_layers=None) -> Eagl
     if not 0 < Vd <= V:
         raise ValueError(f"draft_vocab_size must be in [1, {V}], got {Vd}")
     n = tc.num_layers
-    aux = tuple(aux_layers) if aux_layers else (2, n // 2, n - 3)
+    aux = tuple(aux_layers) if aux_layers else default_aux_layers(n)
     # Layer i's input is layer i-1's output: SGLang's eagle_aux_hidden_state_layer_ids
     # (exported as i - 1) must be target layers, 0 .. n-1.
     if not aux or any(not 1 <= i <= n for i in aux):
