@@ -10,7 +10,13 @@ their split layout (`jspec.sharding`; nothing is assembled on one GPU), then
   mean of 64 chained in one program; a step has 2 L + 1 of them (embedding included).
 n = 0 runs the unsplit path (no mesh), the baseline for n = 1.
 
-Run: PYTHONPATH=. python3 benchmarks/tp_h200.py --shape 8b --devices 0,1,2 [--layers L] [decode rounds allreduce]
+--variants repeats decode and allreduce under other XLA options for the all-reduces
+(`VARIANTS`, set through `jspec.kernels.dispatch.GPU_XLA_OPTIONS`), same weights, same process;
+the decode rows of a variant other than "xla" are named decode_b<B>_<variant>, and each
+records whether its tokens equal the first variant's.
+
+Run: PYTHONPATH=. python3 benchmarks/tp_h200.py --shape 8b --devices 0,1,2 [--layers L]
+     [--variants xla,one_shot,sync,one_shot_sync] [--batches 1,32] [decode rounds allreduce]
 Result: $OUT/tp_<shape>_h200.json
 """
 from __future__ import annotations
@@ -33,6 +39,7 @@ import jspec  # noqa: E402
 from benchmarks.bench_8b import CTX, LONG, SHORT, kv_bytes, prompts, weight_bytes  # noqa: E402
 from benchmarks.common import LLAMA31_8B, Runner, copy_bandwidth, env_info, save_json  # noqa: E402
 from jspec import sharding  # noqa: E402
+from jspec.kernels import dispatch  # noqa: E402
 from jspec.models import family_for  # noqa: E402
 from jspec.models.llama import TP_SPLITS, VOCAB_SPLITS, kv_groups  # noqa: E402
 
@@ -41,6 +48,12 @@ LLAMA31_70B = dataclasses.replace(LLAMA31_8B, hidden_size=8192, intermediate_siz
 TINY = dataclasses.replace(LLAMA31_8B, vocab_size=128256, hidden_size=256, intermediate_size=512, num_layers=4,
                            num_heads=8, num_kv_heads=2, head_dim=32, sliding_windows=(0,) * 4)  # a CPU smoke test of this script
 SHAPES = {"8b": LLAMA31_8B, "70b": LLAMA31_70B, "tiny": TINY}
+# XLA options the loop is compiled with (`jspec.kernels.dispatch.GPU_XLA_OPTIONS`):
+# XLA's defaults (jax 0.11.2 already runs these small all-reduces as its Triton one-shot
+# kernel), that kernel asked for explicitly, the all-reduces on the compute stream, both.
+ONE_SHOT = {"xla_gpu_unsupported_use_all_reduce_one_shot_kernel": True}
+SYNC = {"xla_gpu_disable_async_collectives": "ALLREDUCE"}
+VARIANTS = {"xla": {}, "one_shot": ONE_SHOT, "sync": SYNC, "one_shot_sync": {**ONE_SHOT, **SYNC}}
 
 
 def split_init(init, n: int, mesh, key):
@@ -69,18 +82,24 @@ def random_split_params(cfg, n: int, with_head: bool) -> jspec.Params:
     return params
 
 
-def allreduce_us(n: int, batch: int, D: int, reps: int = 64) -> float:
-    """Mean time of one all-reduce of [batch, D] bf16 over n devices (64 chained)."""
+def allreduce_us(n: int, batch: int, D: int, options: dict, reps: int = 64) -> float:
+    """Mean time of one all-reduce of [batch, D] bf16 over n devices (64 chained), compiled
+    with these XLA options; checks the sums."""
     mesh = sharding.make_mesh(n)
 
     def body(x):
         def one(_, y):
-            return jax.lax.psum(y, sharding.AXIS) * 0.5
+            return jax.lax.psum(y, sharding.AXIS) * (1.0 / n)
         return jax.lax.fori_loop(0, reps, one, x)
-    f = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P(sharding.AXIS), out_specs=P(sharding.AXIS),
-                              check_vma=False))
     x = jax.device_put(jnp.ones((n * batch, D), jnp.bfloat16), NamedSharding(mesh, P(sharding.AXIS)))
-    jax.block_until_ready(f(x))
+    f = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P(sharding.AXIS), out_specs=P(sharding.AXIS),
+                              check_vma=False)).lower(x).compile(options or None)
+    x = x.at[0, 0].set(2.0)  # one value that a wrong reduction would change
+    y = np.asarray(jax.block_until_ready(f(x)), np.float32)
+    want = np.ones_like(y)
+    want[::batch, 0] = (n + 1) / n  # every device's block gets the same sums
+    if not np.allclose(y, want, rtol=1e-2):
+        raise AssertionError(f"all-reduce with {options} gave wrong sums")
     ts = []
     for _ in range(10):
         t = time.perf_counter()
@@ -94,13 +113,22 @@ def main():
     ap.add_argument("--shape", default="8b", choices=sorted(SHAPES))
     ap.add_argument("--devices", default="0,1")
     ap.add_argument("--layers", type=int, default=0, help="fewer layers than the shape's (0: all)")
+    ap.add_argument("--variants", default="xla", help=f"XLA options to compare, of {sorted(VARIANTS)}")
+    ap.add_argument("--batches", default="1,32", help="decode batches")
     ap.add_argument("parts", nargs="*", default=["decode", "rounds", "allreduce"])
     args = ap.parse_args()
     cfg = SHAPES[args.shape]
     if args.layers:
         cfg = cfg.replace(num_layers=args.layers, sliding_windows=(0,) * args.layers)
+    variants = args.variants.split(",")
+    if not set(variants) <= set(VARIANTS):
+        ap.error(f"--variants: each of {sorted(VARIANTS)}")
+    batches = [int(b) for b in args.batches.split(",")] if "decode" in args.parts else []
+    if "rounds" in args.parts and 1 not in batches:
+        batches = [1] + batches  # the rounds' AR step
     name = f"tp_{args.shape}{'_L' + str(args.layers) if args.layers else ''}_h200.json"
-    res = {"env": env_info(), "shape": args.shape, "layers": cfg.num_layers, "gpus": len(jax.devices())}
+    res = {"env": env_info(), "shape": args.shape, "layers": cfg.num_layers, "gpus": len(jax.devices()),
+           "variants": {v: VARIANTS[v] for v in variants}}
     bw = copy_bandwidth(2 << 30 if jax.default_backend() == "gpu" else 2 << 20)
     one_gpu = bw.get("cudaMemcpy_d2d", bw["xla_elementwise"])
     res["copy_bandwidth_one_gpu"] = one_gpu
@@ -110,40 +138,64 @@ def main():
             print(f"skip n={n}: only {len(jax.devices())} devices", flush=True)
             continue
         row = res[f"n{n}"] = {}
+        if "allreduce" in args.parts and n >= 2:
+            for v in variants:
+                tag = "" if v == "xla" else "_" + v
+                for batch in (1, 32):
+                    try:
+                        us = allreduce_us(n, batch, cfg.hidden_size, VARIANTS[v])
+                    except Exception as e:  # noqa: BLE001  (an option this XLA does not take)
+                        row[f"allreduce_b{batch}{tag}_error"] = repr(e)[:300]
+                        print(f"n={n} all-reduce b{batch} {v}: {e!r}"[:400], flush=True)
+                        continue
+                    per_step = us * (2 * cfg.num_layers + 1) / 1e3
+                    row[f"allreduce_b{batch}{tag}_us"] = us
+                    row[f"allreduce_per_step_b{batch}{tag}_ms"] = per_step
+                    print(f"n={n} all-reduce b{batch} {v}: {us:.1f} us, per step {per_step:.3f} ms", flush=True)
+            save_json(name, res)
+        if not batches:
+            continue
         t0 = time.perf_counter()
         params = random_split_params(cfg, n, with_head="rounds" in args.parts)
         wb = weight_bytes(params)
         row.update(weight_bytes=wb, init_s=time.perf_counter() - t0)
         print(f"n={n}: weights ready in {row['init_s']:.1f}s, {wb / 1e9:.2f} GB read per step", flush=True)
-        ar = {}
-        for batch in ((1, 32) if "decode" in args.parts else (1,) if "rounds" in args.parts else ()):
-            target = dataclasses.replace(params, draft=None)
-            r = Runner(target, prompts(batch), LONG)
-            per, _, _ = r.per_round(SHORT, LONG)
-            ar[batch] = per
-            ctx = CTX + (SHORT + LONG) / 2
-            read = wb + kv_bytes(params.config, batch, ctx)
-            row[f"decode_b{batch}"] = d = {"ms_per_step": per * 1e3, "ms_per_token": per * 1e3 / batch,
-                                           "bandwidth_util": read / per / (max(n, 1) * one_gpu),
-                                           "compile_s": r.compile_s}
-            print(f"n={n} decode b{batch}", {k: round(v, 4) for k, v in d.items()}, flush=True)
-            save_json(name, res)
-            del r
-        if "rounds" in args.parts:
-            for S, K, N in ((3, 1, 4), (5, 8, 16)):
-                r = Runner(params, prompts(1), LONG, spec=jspec.SpecConfig(num_steps=S, topk=K, num_draft_tokens=N))
-                per, _, _ = r.per_round(SHORT, LONG)
-                row[f"round_S{S}_K{K}_N{N}"] = d = {"ms_per_round": per * 1e3, "ratio_to_ar_step": per / ar[1]}
-                print(f"n={n} round", (S, K, N), {k: round(v, 4) for k, v in d.items()}, flush=True)
+        first_tokens = {}
+        for v in variants:
+            tag = "" if v == "xla" else "_" + v
+            dispatch.GPU_XLA_OPTIONS = VARIANTS[v]
+            ar = {}
+            for batch in batches:
+                target = dataclasses.replace(params, draft=None)
+                try:
+                    r = Runner(target, prompts(batch), LONG)
+                    per, _, _ = r.per_round(SHORT, LONG)
+                    tokens = r.run(SHORT)[1].tokens
+                except Exception as e:  # noqa: BLE001
+                    row[f"decode_b{batch}{tag}_error"] = repr(e)[:300]
+                    print(f"n={n} decode b{batch} {v}: {e!r}"[:400], flush=True)
+                    continue
+                first_tokens.setdefault(batch, tokens)
+                ar[batch] = per
+                ctx = CTX + (SHORT + LONG) / 2
+                read = wb + kv_bytes(params.config, batch, ctx)
+                row[f"decode_b{batch}{tag}"] = d = {"ms_per_step": per * 1e3, "ms_per_token": per * 1e3 / batch,
+                                                    "bandwidth_util": read / per / (max(n, 1) * one_gpu),
+                                                    "compile_s": r.compile_s,
+                                                    "tokens_equal_first_variant": tokens == first_tokens[batch]}
+                print(f"n={n} decode b{batch} {v}", {k: round(x, 4) for k, x in d.items()}, flush=True)
                 save_json(name, res)
                 del r
-        if "allreduce" in args.parts and n >= 2:
-            for batch in (1, 32):
-                us = allreduce_us(n, batch, cfg.hidden_size)
-                row[f"allreduce_b{batch}_us"] = us
-                row[f"allreduce_per_step_b{batch}_ms"] = us * (2 * cfg.num_layers + 1) / 1e3
-                print(f"n={n} all-reduce b{batch}: {us:.1f} us, per step {us * (2 * cfg.num_layers + 1) / 1e3:.3f} ms",
-                      flush=True)
+            if "rounds" in args.parts and 1 in ar:
+                for S, K, N in ((3, 1, 4), (5, 8, 16)):
+                    r = Runner(params, prompts(1), LONG,
+                               spec=jspec.SpecConfig(num_steps=S, topk=K, num_draft_tokens=N))
+                    per, _, _ = r.per_round(SHORT, LONG)
+                    row[f"round_S{S}_K{K}_N{N}{tag}"] = d = {"ms_per_round": per * 1e3, "ratio_to_ar_step": per / ar[1]}
+                    print(f"n={n} round {v}", (S, K, N), {k: round(x, 4) for k, x in d.items()}, flush=True)
+                    save_json(name, res)
+                    del r
+        dispatch.GPU_XLA_OPTIONS = {}
         save_json(name, res)
         del params
     print("saved", save_json(name, res))

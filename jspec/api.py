@@ -437,6 +437,7 @@ class Compiled:
         self._reqs = reqs
         self.compile_s = 0.0
         self.plan = _plan(params, reqs, cache, spec)
+        self.xla_options = dispatch.compiler_options()
         if eager:  # jspec.compile compiles now; jspec.stream compiles its own programs at its first chunk
             self.program(loop.generate_jit, reqs)
 
@@ -449,13 +450,15 @@ class Compiled:
         """A loop entry point (`loop.generate_jit`, `start_jit`, `advance_jit`) compiled for
         `plan`, once per equal plan and weight shapes; args: its arguments after the inputs."""
         tw, dw = self.weights
+        options = self.xla_options
         key = (entry, self.plan, jax.tree.structure((tw, dw)),
-               tuple((a.shape, a.dtype) for a in jax.tree.leaves((tw, dw))), dispatch.backend(), self.params.mesh)
+               tuple((a.shape, a.dtype) for a in jax.tree.leaves((tw, dw))), dispatch.backend(), self.params.mesh,
+               tuple(sorted(options.items())))
         if key not in _COMPILED:
             t0 = time.perf_counter()
             with _mesh(self.params):
                 inp = self.put(_inputs(self.plan, reqs, self.cache))
-                _COMPILED[key] = entry.lower(self.plan, tw, dw, inp, *args).compile()
+                _COMPILED[key] = entry.lower(self.plan, tw, dw, inp, *args).compile(options or None)
             self.compile_s += time.perf_counter() - t0
         return _COMPILED[key]
 

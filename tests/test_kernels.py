@@ -194,6 +194,18 @@ def test_random_shapes(data):
 
 # --------------------------------------------------------------------------- dispatch, errors
 
+def test_gpu_xla_options_apply_on_gpu_only(monkeypatch):
+    from jspec.kernels import dispatch
+    monkeypatch.setattr(dispatch, "GPU_XLA_OPTIONS", {"xla_gpu_disable_async_collectives": "ALLREDUCE"})
+    monkeypatch.setattr(jax, "default_backend", lambda: "cpu")
+    assert dispatch.compiler_options() == {}
+    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+    opts = dispatch.compiler_options()
+    assert opts == {"xla_gpu_disable_async_collectives": "ALLREDUCE"}
+    opts["x"] = 1  # a copy: the module's options stay as they are
+    assert "x" not in dispatch.GPU_XLA_OPTIONS
+
+
 def test_dispatch_env(monkeypatch):
     q, k, v, meta = make_case(6, T=4, Gq=2, S=40, page_size=3)
     scale = q.shape[-1] ** -0.5

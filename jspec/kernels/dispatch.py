@@ -15,6 +15,9 @@ import jax
 MODES = ("auto", "pallas", "reference")
 _FORCED: list[str] = []
 
+# XLA options every program of the loop is compiled with on a GPU (`compiler_options`).
+GPU_XLA_OPTIONS: dict[str, bool | int | str] = {}
+
 
 @contextlib.contextmanager
 def use_backend(mode: str):
@@ -42,3 +45,9 @@ def want_pallas(supported: bool) -> bool:
     """Whether to call the Pallas kernel; `supported`: the kernel takes these arguments."""
     mode = backend()
     return mode == "pallas" or (mode == "auto" and supported and jax.default_backend() == "gpu")
+
+
+def compiler_options() -> dict[str, bool | int | str]:
+    """The XLA options the loop's programs are compiled with: `GPU_XLA_OPTIONS` on a GPU
+    backend, none elsewhere."""
+    return dict(GPU_XLA_OPTIONS) if jax.default_backend() == "gpu" else {}
