@@ -237,3 +237,31 @@ def test_split_over_devices_is_refused(models):
     split says so before reading any weight onto a device."""
     with pytest.raises(ValueError, match="cannot be split over devices yet"):
         jspec.load(models["v3-rotate-half"][0], devices=2)
+
+
+
+def test_one_row_products_padded_to_two_rows(models, monkeypatch):
+    """The GPU's one-row padding (`llama.pad_one_row`: XLA would turn these products into a
+    multiply plus a reduction), forced on here for every size: a product gives the values
+    of the plain product, and batch-1 greedy decoding of a bfloat16 model (whose
+    projections all take the padding) the same tokens."""
+    from jspec.models import llama
+
+    x = jax.random.normal(jax.random.key(0), (1, 1, 64), jnp.bfloat16)
+    w = jax.random.normal(jax.random.key(1), (64, 48), jnp.bfloat16)
+    params = jspec.load(models["v3"][0], dtype="bfloat16", draft=None)
+
+    def run():
+        jspec.clear_caches()
+        out = jspec.generate(params, [PROMPTS[0]], max_new_tokens=8, stop_token_ids=[])
+        return llama.product(x, w, float32_out=True), out.tokens[0]
+
+    plain = run()
+    monkeypatch.setattr(llama, "TWO_ROW_BACKENDS", (jax.default_backend(),))
+    monkeypatch.setattr(llama, "GPU_TWO_ROW_ELEMENTS", (1, 1 << 40))
+    assert llama.pad_one_row(1, w.size) and not llama.pad_one_row(2, w.size)
+    padded = run()
+    jspec.clear_caches()
+    assert padded[0].shape == (1, 1, 48)
+    np.testing.assert_allclose(np.asarray(padded[0]), np.asarray(plain[0]), rtol=1e-6, atol=1e-6)
+    assert padded[1] == plain[1]

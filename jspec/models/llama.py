@@ -28,15 +28,36 @@ from jspec.tensors import HostParam
 _init = nn.initializers.normal(0.02)
 
 
+# XLA's GPU compiler rewrites a one-row product whose operands hold fewer than 10M elements
+# (`IsMatrixMultiplicationTooSmallForRewriting`) as an elementwise multiply that writes the
+# whole [K, N] product and a reduction that reads it back: 18.5 us instead of ~4 for
+# DeepSeek-V2-Lite's 2048x3072 query projection. With a second row of zeros it stays a
+# matrix product. Weights of this many elements ([lo, hi)) get that padding on a GPU
+# (docs/benchmarks.md, "One-row products"); jax 0.11 has no option to turn the rewrite off.
+GPU_TWO_ROW_ELEMENTS = (1 << 20, 10_000_000)
+TWO_ROW_BACKENDS = ("gpu",)
+
+
+def pad_one_row(rows: int, weight_elements: int) -> bool:
+    """Whether a product of `rows` rows with a weight of `weight_elements` elements runs
+    padded to two rows (`GPU_TWO_ROW_ELEMENTS`)."""
+    lo, hi = GPU_TWO_ROW_ELEMENTS
+    return rows == 1 and lo <= weight_elements < hi and jax.default_backend() in TWO_ROW_BACKENDS
+
+
 def product(x: jax.Array, w: jax.Array, transpose_w: bool = False, float32_out: bool = False) -> jax.Array:
     """x [..., K] @ w [K, N] (or w [N, K] transposed: a tied head) -> [..., N], accumulated
     in float32 (kept as float32 with `float32_out`). Few-row float32 products on the CPU
-    run jspec's native loops (`kernels.cpu_matmul`), everything else XLA's dot."""
+    run jspec's native loops (`kernels.cpu_matmul`), everything else XLA's dot (one-row
+    products with mid-sized weights on the GPU padded to two rows: `pad_one_row`)."""
     x = x.astype(w.dtype)
     if cpu_matmul.use_native(x, w):
         return cpu_matmul.matmul(x, w, transpose_w=transpose_w)
-    return jax.lax.dot_general(x, w, (((x.ndim - 1,), (1 if transpose_w else 0,)), ((), ())),
-                               preferred_element_type=jnp.float32 if float32_out else None)
+    pad = pad_one_row(x.size // x.shape[-1], w.size)
+    xs = jnp.pad(x.reshape(1, -1), ((0, 1), (0, 0))) if pad else x
+    y = jax.lax.dot_general(xs, w, (((xs.ndim - 1,), (1 if transpose_w else 0,)), ((), ())),
+                            preferred_element_type=jnp.float32 if float32_out else None)
+    return y[:1].reshape(x.shape[:-1] + y.shape[-1:]) if pad else y
 
 
 class Linear(nn.Module):
