@@ -9,7 +9,8 @@ the cache is read once for all heads.
 
 MoE layers route each token to k of E experts (V2: softmax scores, `greedy` or
 `group_limited_greedy`; V3: sigmoid scores with `e_score_correction_bias` used for the
-choice only, groups, `norm_topk_prob`, `routed_scaling_factor`). When a forward has fewer
+choice only, groups, `norm_topk_prob`, `routed_scaling_factor`) and to the shared experts,
+which are stored as S more experts of the same width. When a forward has fewer
 (token, expert) pairs than experts (decoding, verification), each pair gathers its
 expert's weights straight from the stacked arrays (`jspec.kernels.moe_experts`: a Pallas
 kernel on the GPU, a gather elsewhere), so only chosen experts are read; otherwise
@@ -129,7 +130,11 @@ def route(c: DeepseekConfig, logits, bias):
 
 
 class MoE(nn.Module):
-    """Routed experts (grouped products over the tokens each expert got) plus shared experts."""
+    """Routed experts plus shared experts, all in one stacked array: the S shared experts
+    (one MLP of width S*Fm in the checkpoint) are split into S experts of width Fm, stored
+    after the E routed ones (`deepseek_hf`), and every token is sent to them with weight 1,
+    so they run in the same expert products as the routed ones (SGLang's shared-experts
+    fusion)."""
 
     cfg: DeepseekConfig
 
@@ -137,28 +142,29 @@ class MoE(nn.Module):
     def __call__(self, x):
         c = self.cfg
         B, T, D = x.shape
-        E, Fm, k = c.n_routed_experts, c.moe_intermediate_size, c.num_experts_per_tok
+        E, S, Fm, k = c.n_routed_experts, c.n_shared_experts, c.moe_intermediate_size, c.num_experts_per_tok
         dt = jnp.dtype(c.dtype)
         router = self.param("router", lambda key: {"kernel": _init(key, (D, E), jnp.float32)}
                             | ({"bias": jnp.zeros((E,), jnp.float32)} if c.scoring == "sigmoid" else {}))
-        experts = self.param("experts", lambda key: {"gate_up": _init(key, (E, D, 2 * Fm), dt),
-                                                     "down": _init(jax.random.fold_in(key, 1), (E, Fm, D), dt)})
+        experts = self.param("experts", lambda key: {"gate_up": _init(key, (E + S, D, 2 * Fm), dt),
+                                                     "down": _init(jax.random.fold_in(key, 1), (E + S, Fm, D), dt)})
         xs = x.reshape(B * T, D)
-        weights, ids = route(c, xs.astype(jnp.float32) @ router["kernel"], router.get("bias"))
+        weights, ids = route(c, xs.astype(jnp.float32) @ router["kernel"], router.get("bias"))  # [N,k] each
+        ks = k + S  # slots a token: its k routed experts, then the S shared ones
+        ids = jnp.concatenate([ids, jnp.broadcast_to(jnp.arange(E, E + S, dtype=ids.dtype), (B * T, S))], axis=1)
+        weights = jnp.concatenate([weights, jnp.ones((B * T, S), weights.dtype)], axis=1)  # [N,ks]
         if B * T * k < E:  # decode and verification: read the chosen experts' weights only
-            pairs = jnp.repeat(xs, k, axis=0)  # [N*k, D]: pair n*k + j is token n's j-th expert
-            y = moe_experts(pairs, ids.reshape(-1), experts["gate_up"], experts["down"]).reshape(B * T, k, D)
+            pairs = jnp.repeat(xs, ks, axis=0)  # [N*ks, D]: pair n*ks + j is token n's j-th expert
+            y = moe_experts(pairs, ids.reshape(-1), experts["gate_up"], experts["down"]).reshape(B * T, ks, D)
         else:  # prefill: (token, expert) pairs sorted by expert, grouped products
-            flat = ids.reshape(-1)  # [N*k] expert of each (token, slot)
+            flat = ids.reshape(-1)  # [N*ks] expert of each (token, slot)
             order = jnp.argsort(flat, stable=True)
-            sizes = jnp.bincount(flat, length=E).astype(jnp.int32)
-            h = jax.lax.ragged_dot(xs[order // k], experts["gate_up"], sizes)  # [N*k, 2Fm]
-            h = jax.lax.ragged_dot(nn.silu(h[:, :Fm]) * h[:, Fm:], experts["down"], sizes)  # [N*k, D]
-            y = jnp.zeros_like(h).at[order].set(h).reshape(B * T, k, D)
-        out = jnp.einsum("nkd,nk->nd", y.astype(jnp.float32), weights).astype(x.dtype).reshape(B, T, D)
-        if c.n_shared_experts:
-            out = out + MLP(Fm * c.n_shared_experts, c.dtype, name="shared_experts")(x)
-        return out
+            sizes = jnp.bincount(flat, length=E + S).astype(jnp.int32)
+            h = jax.lax.ragged_dot(xs[order // ks], experts["gate_up"], sizes)  # [N*ks, 2Fm]
+            h = jax.lax.ragged_dot(nn.silu(h[:, :Fm]) * h[:, Fm:], experts["down"], sizes)  # [N*ks, D]
+            y = jnp.zeros_like(h).at[order].set(h).reshape(B * T, ks, D)
+        out = jnp.einsum("nkd,nk->nd", y.astype(jnp.float32), weights)
+        return out.astype(x.dtype).reshape(B, T, D)
 
 
 class DecoderLayer(nn.Module):

@@ -1,7 +1,9 @@
 """DeepSeek-V2/V3 checkpoints in Hugging Face's format: `DeepseekConfig` from config.json
 (both the `rope_parameters` and the older `rope_scaling` + `rope_theta` forms) and weights
 in both directions. Routed experts are read as they are on disk, one tensor per expert
-and projection (`mlp.experts.{e}.{gate,up,down}_proj.weight`), and stacked per layer."""
+and projection (`mlp.experts.{e}.{gate,up,down}_proj.weight`), and stacked per layer; the
+shared experts' MLP (`mlp.shared_experts.*`, width S*Fm) is stacked after them as S
+experts of width Fm."""
 from __future__ import annotations
 
 import dataclasses
@@ -168,17 +170,21 @@ def layer_params(t: Tensors, prefix: str, c: DeepseekConfig, layer: int) -> dict
         attn["o_proj"]["bias"] = t.param((a + "o_proj.bias", (D,)))
     m = prefix + "mlp."
     if c.is_moe(layer):
-        E, Fm = c.n_routed_experts, c.moe_intermediate_size
-        gate_up = np.stack([np.concatenate([t.take(f"{m}experts.{e}.gate_proj.weight", (Fm, D)),
-                                            t.take(f"{m}experts.{e}.up_proj.weight", (Fm, D))], axis=0).T
-                            for e in range(E)])  # [E, D, 2Fm]
-        down = np.stack([t.take(f"{m}experts.{e}.down_proj.weight", (D, Fm)).T for e in range(E)])  # [E, Fm, D]
+        E, S, Fm = c.n_routed_experts, c.n_shared_experts, c.moe_intermediate_size
+        gates = [t.take(f"{m}experts.{e}.gate_proj.weight", (Fm, D)) for e in range(E)]
+        ups = [t.take(f"{m}experts.{e}.up_proj.weight", (Fm, D)) for e in range(E)]
+        downs = [t.take(f"{m}experts.{e}.down_proj.weight", (D, Fm)) for e in range(E)]
+        if S:  # the shared MLP of width S*Fm as S more experts (see `models.deepseek.MoE`)
+            sh = m + "shared_experts."
+            gates += np.split(t.take(sh + "gate_proj.weight", (S * Fm, D)), S, axis=0)
+            ups += np.split(t.take(sh + "up_proj.weight", (S * Fm, D)), S, axis=0)
+            downs += np.split(t.take(sh + "down_proj.weight", (D, S * Fm)), S, axis=1)
+        gate_up = np.stack([np.concatenate([g, u], axis=0).T for g, u in zip(gates, ups)])  # [E+S, D, 2Fm]
+        down = np.stack([d.T for d in downs])  # [E+S, Fm, D]
         mlp: dict[str, Any] = {"router": {"kernel": t.param((m + "gate.weight", (E, D))).T.astype("float32")},
                                "experts": {"gate_up": t.as_param(gate_up), "down": t.as_param(down)}}
         if c.scoring == "sigmoid":
             mlp["router"]["bias"] = t.param((m + "gate.e_score_correction_bias", (E,)), dtype="float32")
-        if c.n_shared_experts:
-            mlp["shared_experts"] = _mlp_params(t, m + "shared_experts.", D, Fm * c.n_shared_experts)
     else:
         mlp = _mlp_params(t, m, D, c.intermediate_size)
     return {"self_attn": attn, "mlp": mlp,
@@ -277,10 +283,14 @@ def layer_tensors(lp: dict, pre: str, c: DeepseekConfig, layer: int, out: dict) 
     if "bias" in mp["router"]:
         out[m + "gate.e_score_correction_bias"] = to_numpy(mp["router"]["bias"], "float32")
     gate_up, down = to_numpy(mp["experts"]["gate_up"], dt), to_numpy(mp["experts"]["down"], dt)
-    for e in range(c.n_routed_experts):
+    E = c.n_routed_experts
+    for e in range(E):
         out[f"{m}experts.{e}.gate_proj.weight"] = np.ascontiguousarray(gate_up[e, :, :Fm].T)
         out[f"{m}experts.{e}.up_proj.weight"] = np.ascontiguousarray(gate_up[e, :, Fm:].T)
         out[f"{m}experts.{e}.down_proj.weight"] = np.ascontiguousarray(down[e].T)
-    if "shared_experts" in mp:
-        _mlp_tensors(mp["shared_experts"], m + "shared_experts.", Fm * c.n_shared_experts, out, dt)
+    if c.n_shared_experts:  # experts E.. back into one MLP of width S*Fm
+        sh = m + "shared_experts."
+        out[sh + "gate_proj.weight"] = np.concatenate(list(gate_up[E:, :, :Fm].transpose(0, 2, 1)), axis=0)
+        out[sh + "up_proj.weight"] = np.concatenate(list(gate_up[E:, :, Fm:].transpose(0, 2, 1)), axis=0)
+        out[sh + "down_proj.weight"] = np.concatenate(list(down[E:].transpose(0, 2, 1)), axis=1)
     return out
