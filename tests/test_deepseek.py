@@ -265,3 +265,18 @@ def test_one_row_products_padded_to_two_rows(models, monkeypatch):
     assert padded[0].shape == (1, 1, 48)
     np.testing.assert_allclose(np.asarray(padded[0]), np.asarray(plain[0]), rtol=1e-6, atol=1e-6)
     assert padded[1] == plain[1]
+
+
+@pytest.mark.parametrize("name", ["v2-greedy-yarn", "v3"])
+def test_one_token_equals_transformers(models, name):
+    """One token (batch-1 decoding's shape): the shared experts run in the routed experts'
+    products (`MoE`'s fused path); the logits and the greedy output still equal
+    transformers'."""
+    path, model = models[name]
+    params = jspec.load(path, dtype="float32")
+    with torch.no_grad():
+        want = model(torch.tensor([[5]])).logits.numpy()
+    got = np.asarray(jspec.logits(params, [[5]]))
+    assert np.abs(got - want).max() <= 1e-4 * np.abs(want).max()
+    out = jspec.generate(params, [PROMPTS[1]], max_new_tokens=12, stop_token_ids=[])
+    assert out.tokens[0] == _hf(model, PROMPTS[1], 12)

@@ -132,9 +132,10 @@ def route(c: DeepseekConfig, logits, bias):
 class MoE(nn.Module):
     """Routed experts plus shared experts, all in one stacked array: the S shared experts
     (one MLP of width S*Fm in the checkpoint) are split into S experts of width Fm, stored
-    after the E routed ones (`deepseek_hf`), and every token is sent to them with weight 1,
-    so they run in the same expert products as the routed ones (SGLang's shared-experts
-    fusion)."""
+    after the E routed ones (`deepseek_hf`). A single token (batch-1 decoding) is sent to
+    them with weight 1, so they run in the same expert products as its routed experts
+    (SGLang's shared-experts fusion: two fewer products a layer); several tokens compute
+    them as dense products over all the tokens, which read each shared expert once."""
 
     cfg: DeepseekConfig
 
@@ -150,20 +151,26 @@ class MoE(nn.Module):
                                                      "down": _init(jax.random.fold_in(key, 1), (E + S, Fm, D), dt)})
         xs = x.reshape(B * T, D)
         weights, ids = route(c, xs.astype(jnp.float32) @ router["kernel"], router.get("bias"))  # [N,k] each
-        ks = k + S  # slots a token: its k routed experts, then the S shared ones
-        ids = jnp.concatenate([ids, jnp.broadcast_to(jnp.arange(E, E + S, dtype=ids.dtype), (B * T, S))], axis=1)
-        weights = jnp.concatenate([weights, jnp.ones((B * T, S), weights.dtype)], axis=1)  # [N,ks]
-        if B * T * k < E:  # decode and verification: read the chosen experts' weights only
+        fused = S and B * T == 1  # one token: the shared experts run in the routed experts' products
+        if B * T * k < E:  # decode and verification: read the chosen (and shared) experts only
+            if fused:  # slots k.. are the S shared experts, weight 1
+                ids = jnp.concatenate([ids, jnp.arange(E, E + S, dtype=ids.dtype)[None]], axis=1)
+                weights = jnp.concatenate([weights, jnp.ones((1, S), weights.dtype)], axis=1)
+            ks = ids.shape[1]
             pairs = jnp.repeat(xs, ks, axis=0)  # [N*ks, D]: pair n*ks + j is token n's j-th expert
             y = moe_experts(pairs, ids.reshape(-1), experts["gate_up"], experts["down"]).reshape(B * T, ks, D)
         else:  # prefill: (token, expert) pairs sorted by expert, grouped products
-            flat = ids.reshape(-1)  # [N*ks] expert of each (token, slot)
+            flat = ids.reshape(-1)  # [N*k] expert of each (token, slot)
             order = jnp.argsort(flat, stable=True)
-            sizes = jnp.bincount(flat, length=E + S).astype(jnp.int32)
-            h = jax.lax.ragged_dot(xs[order // ks], experts["gate_up"], sizes)  # [N*ks, 2Fm]
-            h = jax.lax.ragged_dot(nn.silu(h[:, :Fm]) * h[:, Fm:], experts["down"], sizes)  # [N*ks, D]
-            y = jnp.zeros_like(h).at[order].set(h).reshape(B * T, ks, D)
+            sizes = jnp.bincount(flat, length=E + S).astype(jnp.int32)  # the shared experts' groups empty
+            h = jax.lax.ragged_dot(xs[order // k], experts["gate_up"], sizes)  # [N*k, 2Fm]
+            h = jax.lax.ragged_dot(nn.silu(h[:, :Fm]) * h[:, Fm:], experts["down"], sizes)  # [N*k, D]
+            y = jnp.zeros_like(h).at[order].set(h).reshape(B * T, k, D)
         out = jnp.einsum("nkd,nk->nd", y.astype(jnp.float32), weights)
+        if S and not fused:  # several tokens: each shared expert as one dense product over them
+            h = jnp.einsum("nd,sdf->nsf", xs, experts["gate_up"][E:])  # [N,S,2Fm]
+            out = out + jnp.einsum("nsf,sfd->nd", nn.silu(h[..., :Fm]) * h[..., Fm:], experts["down"][E:],
+                                   preferred_element_type=jnp.float32)
         return out.astype(x.dtype).reshape(B, T, D)
 
 
