@@ -6,7 +6,7 @@ Parts (arguments; default: all):
   copy bandwidth. Bytes: every weight but the embedding table and the routed experts,
   plus the routed experts the batch's tokens were sent to (their expected number of
   distinct experts under uniform routing, which random weights give:
-  E * (1 - (1 - k/E)^B) per MoE layer) and the shared experts, plus the latent cache.
+  E * (1 - (1 - k/E)^B) per MoE layer), plus the latent cache.
 - mtp: a random MTP layer of the same shape as the draft; chain S = 1..3 and tree
   (3,2,4) rounds at batch 1 as ratios to one AR step, with the routed experts a verify
   of N tokens reads (expected distinct experts per MoE layer for N tokens).
@@ -63,8 +63,7 @@ def distinct_experts(c: DeepseekConfig, tokens: int) -> float:
 
 
 def fixed_bytes(params) -> int:
-    """Weights every step reads, except the embedding table and the stacked experts (routed
-    and shared)."""
+    """Weights every step reads: all but the embedding table and the routed experts."""
     w = params.weights["params"]
     total = sum(x.nbytes for x in jax.tree.leaves(w)) - w["embed_tokens"]["embedding"].nbytes
     return total - sum(x.nbytes for path, x in jax.tree_util.tree_leaves_with_path(w)
@@ -75,8 +74,7 @@ def step_bytes(params, tokens: int, batch: int, ctx: float) -> float:
     c = params.config
     moe_layers = sum(c.is_moe(i) for i in range(c.num_layers))
     latent = batch * ctx * (c.kv_lora_rank + c.qk_rope_head_dim) * 2 * c.num_layers
-    experts = distinct_experts(c, tokens) + c.n_shared_experts  # the shared ones are stacked with them
-    return fixed_bytes(params) + moe_layers * experts * expert_bytes(c) + latent
+    return fixed_bytes(params) + moe_layers * distinct_experts(c, tokens) * expert_bytes(c) + latent
 
 
 def _row(d):
@@ -135,7 +133,7 @@ def v3_layers(res, ceiling, name):
         if layers == 3:
             w = target.weights["params"]["layers_1"]
             attn = sum(x.nbytes for x in jax.tree.leaves(w["self_attn"]))
-            shared = cfg.n_shared_experts * expert_bytes(cfg)
+            shared = sum(x.nbytes for x in jax.tree.leaves(w["mlp"]["shared_experts"]))
             router = sum(x.nbytes for x in jax.tree.leaves(w["mlp"]["router"]))
             latent = (CTX + (SHORT + LONG) / 2) * 576 * 2
             nbytes = attn + shared + router + cfg.num_experts_per_tok * expert_bytes(cfg) + latent

@@ -43,6 +43,28 @@ def test_out_of_range_ids_are_clamped():
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-5)
 
 
+def test_extra_experts_follow_the_stacked_ones():
+    """ids E.. name the experts of `extra` (DeepSeek's shared experts): the kernel equals the
+    reference over the concatenated stack, product by product and for the routed chain;
+    the reference's two-array gather equals its gather from one array."""
+    E, E2, D, Fm = 4, 2, 64, 48
+    rng = np.random.default_rng(5)
+    x = jnp.asarray(rng.standard_normal((6, D)), jnp.float32)
+    ids = jnp.asarray([5, 0, 4, 3, 5, 1], jnp.int32)
+    gu = [jnp.asarray(rng.standard_normal((n, D, 2 * Fm)) / 8, jnp.float32) for n in (E, E2)]
+    dn = [jnp.asarray(rng.standard_normal((n, Fm, D)) / 7, jnp.float32) for n in (E, E2)]
+    got = me.expert_matmul(x, ids, gu[0], gu[1], interpret=True)
+    want = me.expert_matmul_reference(x, ids, jnp.concatenate(gu))
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-5)
+    whole = np.asarray(me.routed_experts_reference(x, ids, jnp.concatenate(gu), jnp.concatenate(dn)))
+    np.testing.assert_allclose(np.asarray(me.routed_experts_reference(x, ids, gu[0], dn[0], (gu[1], dn[1]))),
+                               whole, rtol=1e-6, atol=1e-6)
+    got = me.routed_experts(x, ids, gu[0], dn[0], (gu[1], dn[1]), interpret=True)
+    np.testing.assert_allclose(np.asarray(got), whole, rtol=1e-5, atol=1e-5 * np.abs(whole).max())
+    with pytest.raises(ValueError, match="extra experts"):
+        me.expert_matmul(x, ids, gu[0], gu[1][:, :32], interpret=True)
+
+
 @pytest.mark.parametrize("dtype,tol", [(jnp.float32, 1e-5), (jnp.bfloat16, 3e-2)])
 def test_routed_experts_matches_reference(dtype, tol):
     """k = 3 experts for each of 2 tokens (pair n*k + j: token n), an expert shared by

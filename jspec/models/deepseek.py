@@ -9,8 +9,8 @@ the cache is read once for all heads.
 
 MoE layers route each token to k of E experts (V2: softmax scores, `greedy` or
 `group_limited_greedy`; V3: sigmoid scores with `e_score_correction_bias` used for the
-choice only, groups, `norm_topk_prob`, `routed_scaling_factor`) and to the shared experts,
-which are stored as S more experts of the same width. When a forward has fewer
+choice only, groups, `norm_topk_prob`, `routed_scaling_factor`), and to the shared experts,
+stored as S experts of the same width. When a forward has fewer
 (token, expert) pairs than experts (decoding, verification), each pair gathers its
 expert's weights straight from the stacked arrays (`jspec.kernels.moe_experts`: a Pallas
 kernel on the GPU, a gather elsewhere), so only chosen experts are read; otherwise
@@ -130,12 +130,12 @@ def route(c: DeepseekConfig, logits, bias):
 
 
 class MoE(nn.Module):
-    """Routed experts plus shared experts, all in one stacked array: the S shared experts
-    (one MLP of width S*Fm in the checkpoint) are split into S experts of width Fm, stored
-    after the E routed ones (`deepseek_hf`). A single token (batch-1 decoding) is sent to
-    them with weight 1, so they run in the same expert products as its routed experts
-    (SGLang's shared-experts fusion: two fewer products a layer); several tokens compute
-    them as dense products over all the tokens, which read each shared expert once."""
+    """Routed experts plus shared experts. The S shared experts (one MLP of width S*Fm in
+    the checkpoint) are stored as S experts of width Fm (`deepseek_hf`). A single token
+    (batch-1 decoding) is sent to them with weight 1 as experts E.. E+S-1, so they run in
+    the same expert products as its routed experts (SGLang's shared-experts fusion: two
+    products a layer fewer); several tokens compute them as dense products over all the
+    tokens, which read each shared expert once."""
 
     cfg: DeepseekConfig
 
@@ -145,31 +145,39 @@ class MoE(nn.Module):
         B, T, D = x.shape
         E, S, Fm, k = c.n_routed_experts, c.n_shared_experts, c.moe_intermediate_size, c.num_experts_per_tok
         dt = jnp.dtype(c.dtype)
+
+        def stacked(n):
+            return lambda key: {"gate_up": _init(key, (n, D, 2 * Fm), dt),
+                                "down": _init(jax.random.fold_in(key, 1), (n, Fm, D), dt)}
+
         router = self.param("router", lambda key: {"kernel": _init(key, (D, E), jnp.float32)}
                             | ({"bias": jnp.zeros((E,), jnp.float32)} if c.scoring == "sigmoid" else {}))
-        experts = self.param("experts", lambda key: {"gate_up": _init(key, (E + S, D, 2 * Fm), dt),
-                                                     "down": _init(jax.random.fold_in(key, 1), (E + S, Fm, D), dt)})
+        experts = self.param("experts", stacked(E))
+        shared = self.param("shared_experts", stacked(S)) if S else None
         xs = x.reshape(B * T, D)
         weights, ids = route(c, xs.astype(jnp.float32) @ router["kernel"], router.get("bias"))  # [N,k] each
         fused = S and B * T == 1  # one token: the shared experts run in the routed experts' products
         if B * T * k < E:  # decode and verification: read the chosen (and shared) experts only
+            extra = None
             if fused:  # slots k.. are the S shared experts, weight 1
                 ids = jnp.concatenate([ids, jnp.arange(E, E + S, dtype=ids.dtype)[None]], axis=1)
                 weights = jnp.concatenate([weights, jnp.ones((1, S), weights.dtype)], axis=1)
+                extra = (shared["gate_up"], shared["down"])
             ks = ids.shape[1]
             pairs = jnp.repeat(xs, ks, axis=0)  # [N*ks, D]: pair n*ks + j is token n's j-th expert
-            y = moe_experts(pairs, ids.reshape(-1), experts["gate_up"], experts["down"]).reshape(B * T, ks, D)
+            y = moe_experts(pairs, ids.reshape(-1), experts["gate_up"], experts["down"], extra)
+            y = y.reshape(B * T, ks, D)
         else:  # prefill: (token, expert) pairs sorted by expert, grouped products
             flat = ids.reshape(-1)  # [N*k] expert of each (token, slot)
             order = jnp.argsort(flat, stable=True)
-            sizes = jnp.bincount(flat, length=E + S).astype(jnp.int32)  # the shared experts' groups empty
+            sizes = jnp.bincount(flat, length=E).astype(jnp.int32)
             h = jax.lax.ragged_dot(xs[order // k], experts["gate_up"], sizes)  # [N*k, 2Fm]
             h = jax.lax.ragged_dot(nn.silu(h[:, :Fm]) * h[:, Fm:], experts["down"], sizes)  # [N*k, D]
             y = jnp.zeros_like(h).at[order].set(h).reshape(B * T, k, D)
         out = jnp.einsum("nkd,nk->nd", y.astype(jnp.float32), weights)
         if S and not fused:  # several tokens: each shared expert as one dense product over them
-            h = jnp.einsum("nd,sdf->nsf", xs, experts["gate_up"][E:])  # [N,S,2Fm]
-            out = out + jnp.einsum("nsf,sfd->nd", nn.silu(h[..., :Fm]) * h[..., Fm:], experts["down"][E:],
+            h = jnp.einsum("nd,sdf->nsf", xs, shared["gate_up"])  # [N,S,2Fm]
+            out = out + jnp.einsum("nsf,sfd->nd", nn.silu(h[..., :Fm]) * h[..., Fm:], shared["down"],
                                    preferred_element_type=jnp.float32)
         return out.astype(x.dtype).reshape(B, T, D)
 

@@ -2,7 +2,7 @@
 (both the `rope_parameters` and the older `rope_scaling` + `rope_theta` forms) and weights
 in both directions. Routed experts are read as they are on disk, one tensor per expert
 and projection (`mlp.experts.{e}.{gate,up,down}_proj.weight`), and stacked per layer; the
-shared experts' MLP (`mlp.shared_experts.*`, width S*Fm) is stacked after them as S
+shared experts' MLP (`mlp.shared_experts.*`, width S*Fm) is stacked the same way as S
 experts of width Fm."""
 from __future__ import annotations
 
@@ -147,6 +147,21 @@ def _mlp_params(t: Tensors, prefix: str, D: int, F: int) -> dict:
             "down_proj": t.linear((prefix + "down_proj.weight", (D, F)))}
 
 
+def _stacked(t: Tensors, tensors: list) -> dict:
+    """Experts' (gate [Fm, D], up [Fm, D], down [D, Fm]) tensors, in that order per expert ->
+    {"gate_up": [n, D, 2Fm], "down": [n, Fm, D]}."""
+    gate_up = np.stack([np.concatenate([g, u], axis=0).T for g, u in zip(tensors[0::3], tensors[1::3])])
+    return {"gate_up": t.as_param(gate_up), "down": t.as_param(np.stack([d.T for d in tensors[2::3]]))}
+
+
+def _unstacked(p: dict, dt: str) -> list:
+    """`_stacked`'s inverse: [(gate, up, down)] per expert, as on disk."""
+    gate_up, down = to_numpy(p["gate_up"], dt), to_numpy(p["down"], dt)
+    Fm = down.shape[1]
+    return [(np.ascontiguousarray(gate_up[e, :, :Fm].T), np.ascontiguousarray(gate_up[e, :, Fm:].T),
+             np.ascontiguousarray(down[e].T)) for e in range(down.shape[0])]
+
+
 def layer_params(t: Tensors, prefix: str, c: DeepseekConfig, layer: int) -> dict:
     """One decoder layer's params from `prefix`-named tensors."""
     D, H = c.hidden_size, c.num_heads
@@ -171,18 +186,15 @@ def layer_params(t: Tensors, prefix: str, c: DeepseekConfig, layer: int) -> dict
     m = prefix + "mlp."
     if c.is_moe(layer):
         E, S, Fm = c.n_routed_experts, c.n_shared_experts, c.moe_intermediate_size
-        gates = [t.take(f"{m}experts.{e}.gate_proj.weight", (Fm, D)) for e in range(E)]
-        ups = [t.take(f"{m}experts.{e}.up_proj.weight", (Fm, D)) for e in range(E)]
-        downs = [t.take(f"{m}experts.{e}.down_proj.weight", (D, Fm)) for e in range(E)]
-        if S:  # the shared MLP of width S*Fm as S more experts (see `models.deepseek.MoE`)
-            sh = m + "shared_experts."
-            gates += np.split(t.take(sh + "gate_proj.weight", (S * Fm, D)), S, axis=0)
-            ups += np.split(t.take(sh + "up_proj.weight", (S * Fm, D)), S, axis=0)
-            downs += np.split(t.take(sh + "down_proj.weight", (D, S * Fm)), S, axis=1)
-        gate_up = np.stack([np.concatenate([g, u], axis=0).T for g, u in zip(gates, ups)])  # [E+S, D, 2Fm]
-        down = np.stack([d.T for d in downs])  # [E+S, Fm, D]
         mlp: dict[str, Any] = {"router": {"kernel": t.param((m + "gate.weight", (E, D))).T.astype("float32")},
-                               "experts": {"gate_up": t.as_param(gate_up), "down": t.as_param(down)}}
+                               "experts": _stacked(
+                                   t, [t.take(f"{m}experts.{e}.{n}_proj.weight", (D, Fm) if n == "down" else (Fm, D))
+                                       for e in range(E) for n in ("gate", "up", "down")])}
+        if S:  # the shared MLP of width S*Fm as S experts of width Fm (see `models.deepseek.MoE`)
+            sh = m + "shared_experts."
+            gate, up = (np.split(t.take(f"{sh}{n}_proj.weight", (S * Fm, D)), S, axis=0) for n in ("gate", "up"))
+            down = np.split(t.take(sh + "down_proj.weight", (D, S * Fm)), S, axis=1)
+            mlp["shared_experts"] = _stacked(t, [w for parts in zip(gate, up, down) for w in parts])
         if c.scoring == "sigmoid":
             mlp["router"]["bias"] = t.param((m + "gate.e_score_correction_bias", (E,)), dtype="float32")
     else:
@@ -277,20 +289,16 @@ def layer_tensors(lp: dict, pre: str, c: DeepseekConfig, layer: int, out: dict) 
     if not c.is_moe(layer):
         _mlp_tensors(mp, m, c.intermediate_size, out, dt)
         return out
-    Fm = c.moe_intermediate_size
     out[m + "gate.weight"] = np.ascontiguousarray(to_numpy(mp["router"]["kernel"], "float32").T).astype(
         to_numpy(lp["input_layernorm"]["weight"], dt).dtype)
     if "bias" in mp["router"]:
         out[m + "gate.e_score_correction_bias"] = to_numpy(mp["router"]["bias"], "float32")
-    gate_up, down = to_numpy(mp["experts"]["gate_up"], dt), to_numpy(mp["experts"]["down"], dt)
-    E = c.n_routed_experts
-    for e in range(E):
-        out[f"{m}experts.{e}.gate_proj.weight"] = np.ascontiguousarray(gate_up[e, :, :Fm].T)
-        out[f"{m}experts.{e}.up_proj.weight"] = np.ascontiguousarray(gate_up[e, :, Fm:].T)
-        out[f"{m}experts.{e}.down_proj.weight"] = np.ascontiguousarray(down[e].T)
-    if c.n_shared_experts:  # experts E.. back into one MLP of width S*Fm
-        sh = m + "shared_experts."
-        out[sh + "gate_proj.weight"] = np.concatenate(list(gate_up[E:, :, :Fm].transpose(0, 2, 1)), axis=0)
-        out[sh + "up_proj.weight"] = np.concatenate(list(gate_up[E:, :, Fm:].transpose(0, 2, 1)), axis=0)
-        out[sh + "down_proj.weight"] = np.concatenate(list(down[E:].transpose(0, 2, 1)), axis=1)
+    for e, ws in enumerate(_unstacked(mp["experts"], dt)):
+        for n, w in zip(("gate", "up", "down"), ws):
+            out[f"{m}experts.{e}.{n}_proj.weight"] = w
+    if "shared_experts" in mp:  # the S experts back into one MLP of width S*Fm
+        gate, up, down = zip(*_unstacked(mp["shared_experts"], dt))
+        out.update({m + "shared_experts.gate_proj.weight": np.concatenate(gate, axis=0),
+                    m + "shared_experts.up_proj.weight": np.concatenate(up, axis=0),
+                    m + "shared_experts.down_proj.weight": np.concatenate(down, axis=1)})
     return out
