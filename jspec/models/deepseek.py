@@ -131,11 +131,11 @@ def route(c: DeepseekConfig, logits, bias):
 
 class MoE(nn.Module):
     """Routed experts plus shared experts. The S shared experts (one MLP of width S*Fm in
-    the checkpoint) are stored as S experts of width Fm (`deepseek_hf`). A single token
-    (batch-1 decoding) is sent to them with weight 1 as experts E.. E+S-1, so they run in
-    the same expert products as its routed experts (SGLang's shared-experts fusion: two
-    products a layer fewer); several tokens compute them as dense products over all the
-    tokens, which read each shared expert once."""
+    the checkpoint) are stored as S experts of width Fm (`deepseek_hf`). Decoding and
+    verification send every token to them with weight 1 as experts E.. E+S-1, so they run
+    in the same expert kernel as the routed experts (SGLang's shared-experts fusion: two
+    products a layer fewer; a shared expert's later reads for other tokens come from L2);
+    a prefill computes them as dense products over the tokens."""
 
     cfg: DeepseekConfig
 
@@ -156,12 +156,13 @@ class MoE(nn.Module):
         shared = self.param("shared_experts", stacked(S)) if S else None
         xs = x.reshape(B * T, D)
         weights, ids = route(c, xs.astype(jnp.float32) @ router["kernel"], router.get("bias"))  # [N,k] each
-        fused = S and B * T == 1  # one token: the shared experts run in the routed experts' products
-        if B * T * k < E:  # decode and verification: read the chosen (and shared) experts only
+        kernel_path = B * T * k < E
+        if kernel_path:  # decode and verification: read the chosen and the shared experts only
             extra = None
-            if fused:  # slots k.. are the S shared experts, weight 1
-                ids = jnp.concatenate([ids, jnp.arange(E, E + S, dtype=ids.dtype)[None]], axis=1)
-                weights = jnp.concatenate([weights, jnp.ones((1, S), weights.dtype)], axis=1)
+            if S:  # slots k.. are the S shared experts, weight 1
+                shared_ids = jnp.broadcast_to(jnp.arange(E, E + S, dtype=ids.dtype), (B * T, S))
+                ids = jnp.concatenate([ids, shared_ids], axis=1)
+                weights = jnp.concatenate([weights, jnp.ones((B * T, S), weights.dtype)], axis=1)
                 extra = (shared["gate_up"], shared["down"])
             ks = ids.shape[1]
             pairs = jnp.repeat(xs, ks, axis=0)  # [N*ks, D]: pair n*ks + j is token n's j-th expert
@@ -175,7 +176,7 @@ class MoE(nn.Module):
             h = jax.lax.ragged_dot(nn.silu(h[:, :Fm]) * h[:, Fm:], experts["down"], sizes)  # [N*k, D]
             y = jnp.zeros_like(h).at[order].set(h).reshape(B * T, k, D)
         out = jnp.einsum("nkd,nk->nd", y.astype(jnp.float32), weights)
-        if S and not fused:  # several tokens: each shared expert as one dense product over them
+        if S and not kernel_path:  # prefill: each shared expert as one dense product over the tokens
             h = jnp.einsum("nd,sdf->nsf", xs, shared["gate_up"])  # [N,S,2Fm]
             out = out + jnp.einsum("nsf,sfd->nd", nn.silu(h[..., :Fm]) * h[..., Fm:], shared["down"],
                                    preferred_element_type=jnp.float32)
