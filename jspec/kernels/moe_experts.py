@@ -247,11 +247,11 @@ def _check_experts(x_pairs, ids, gate_up, down, extra=None) -> None:
     if gate_up.dtype != down.dtype:
         raise TypeError(f"gate_up and down dtypes differ: {gate_up.dtype}, {down.dtype}")
     extra_gu, extra_down = (None, None) if extra is None else extra
-    if extra is not None and (getattr(extra_gu, "shape", (0,))[0] != getattr(extra_down, "shape", (None,))[0]):
-        raise ValueError(f"extra experts: gate_up {getattr(extra_gu, 'shape', extra_gu)} and down "
-                         f"{getattr(extra_down, 'shape', extra_down)} hold different numbers of experts")
     _check_matmul(x_pairs, ids, gate_up, extra_gu)
     _check_matmul(jax.ShapeDtypeStruct((x_pairs.shape[0], F2 // 2), x_pairs.dtype), ids, down, extra_down)
+    if extra is not None and extra_gu.shape[0] != extra_down.shape[0]:
+        raise ValueError(f"extra experts: gate_up {extra_gu.shape} and down {extra_down.shape} hold "
+                         f"different numbers of experts")
 
 
 def is_supported(x_pairs, ids, gate_up, down, extra=None) -> bool:

@@ -30,7 +30,7 @@ _init = nn.initializers.normal(0.02)
 
 # XLA's GPU compiler rewrites a one-row product whose operands hold fewer than 10M elements
 # (`IsMatrixMultiplicationTooSmallForRewriting`) as an elementwise multiply that writes the
-# whole [K, N] product and a reduction that reads it back: 18.5 us instead of ~4 for
+# whole [K, N] product and a reduction that reads it back: 18.5 us instead of 6.2 for
 # DeepSeek-V2-Lite's 2048x3072 query projection. With a second row of zeros it stays a
 # matrix product. Weights of this many elements ([lo, hi)) get that padding on a GPU
 # (docs/benchmarks.md, "One-row products"); jax 0.11 has no option to turn the rewrite off.
