@@ -13,6 +13,7 @@ from jspec.cache import layout as lay
 from jspec.kernels import dispatch
 from jspec.kernels import mla_attention as mla
 from jspec.kernels import mla_decode as md
+from jspec.kernels import mla_output as mo
 from test_kernels import _tree_mask  # noqa: E402  (the GQA kernel tests' random tree)
 
 
@@ -151,29 +152,99 @@ def test_cached_mla_attention_engine_layout():
                 jax.random.normal(kn, (B, T, Dc + Dr)), buf, meta, ok)
 
     q_lat, q_pe, new, buf, meta, ok = _fast_jit(setup, jax.random.key(5))
+    w_uv = jax.random.normal(jax.random.key(6), (H, 16, Dc))
     assert bool(ok.all())
     outs = {}
     for mode in ("reference", "pallas"):
         with dispatch.use_backend(mode):
             outs[mode] = _fast_jit(lambda *a: mla.cached_mla_attention(*a, scale=0.2),
-                                   q_lat, q_pe, new, buf, meta)
+                                   q_lat, q_pe, new, buf, meta, w_uv)
+    chex.assert_shape(outs["pallas"][0], (B, T, H, 16))
     chex.assert_trees_all_close(outs["pallas"], outs["reference"], atol=1e-5, rtol=1e-5)
     # The new rows landed where make_meta put them.
     flat = outs["pallas"][1].reshape(-1, Dc + Dr)
     chex.assert_trees_all_close(flat[meta.write_index], new)
 
 
+# --------------------------------------------------------------------------- merge + W_UV
+
+def make_splits(seed, *, B=2, NS=3, T=2, H=3, R=None, Dc=32, Dv=16, dtype=jnp.float32):
+    """Random MLA kernel splits (o, lse) with padding rows, rows that saw no key at all and
+    splits that saw none, and a w_uv whose heads differ."""
+    rng = np.random.default_rng(seed)
+    R = 16 * -(-(T * H) // 16) if R is None else R
+    o = rng.standard_normal((B, NS, R, Dc)).astype(np.float32)
+    lse = rng.uniform(-3, 3, (B, NS, R)).astype(np.float32)
+    lse[0, :, 1] = mo.NEG_INF  # row 1 of batch row 0 saw no key in any split
+    o[0, :, 1] = 0.0
+    if NS > 1:
+        lse[1, 0, :] = mo.NEG_INF  # split 0 of batch row 1 saw no key
+        o[1, 0, :] = 0.0
+    w_uv = jnp.asarray(rng.standard_normal((H, Dv, Dc)), dtype)
+    return jnp.asarray(o), jnp.asarray(lse), w_uv
+
+
+@pytest.mark.parametrize("NS,T,H,Dv,block_n", [(1, 1, 4, 16, None), (3, 2, 3, 16, 8), (20, 1, 16, 32, 16),
+                                               (5, 3, 2, 24, 16)])  # Dv 24: overlapping last tile
+def test_mla_output_matches_reference(NS, T, H, Dv, block_n):
+    o, lse, w_uv = make_splits(NS * 10 + T, NS=NS, T=T, H=H, Dv=Dv)
+    out = _fast_jit(functools.partial(mo.mla_output, num_tokens=T, block_n=block_n, interpret=True), o, lse, w_uv)
+    ref = mo.mla_output_reference(o, lse, w_uv, num_tokens=T, dtype=w_uv.dtype)
+    chex.assert_shape(out, (2, T, H, Dv))
+    assert out.dtype == w_uv.dtype
+    chex.assert_trees_all_close(out, ref, atol=1e-5, rtol=1e-5)
+    assert float(jnp.abs(out[0, 0, 1]).max()) == 0.0  # the row that saw nothing
+    # The weights are per head: the same product with the heads' weights rolled differs.
+    wrong = mo.mla_output_reference(o, lse, jnp.roll(w_uv, 1, axis=0), num_tokens=T, dtype=w_uv.dtype)
+    assert float(jnp.abs(out - wrong).max()) > 1e-2
+
+
+def test_mla_output_bfloat16():
+    """bf16 weights: the merged latent is rounded to bf16 before the product, as the
+    reference does, and the result is bf16."""
+    o, lse, w_uv = make_splits(3, NS=4, T=3, H=4, Dc=64, Dv=32, dtype=jnp.bfloat16)
+    out = _fast_jit(functools.partial(mo.mla_output, num_tokens=3, interpret=True), o, lse, w_uv)
+    ref = mo.mla_output_reference(o, lse, w_uv, num_tokens=3, dtype=jnp.bfloat16)
+    assert out.dtype == jnp.bfloat16
+    chex.assert_trees_all_close(out.astype(jnp.float32), ref.astype(jnp.float32), atol=3e-2, rtol=2e-2)
+
+
+def test_mla_output_validation():
+    o, lse, w_uv = make_splits(4)
+    call = lambda o=o, lse=lse, w_uv=w_uv, num_tokens=2, **kw: mo.mla_output(o, lse, w_uv, num_tokens=num_tokens,
+                                                                            interpret=True, **kw)
+    with pytest.raises(ValueError, match="lse"):
+        call(lse=lse[:, :1])
+    with pytest.raises(ValueError, match="latent values"):
+        call(w_uv=w_uv[..., :16])
+    with pytest.raises(ValueError, match="rows"):
+        call(num_tokens=6)
+    with pytest.raises(ValueError, match="Dv"):
+        call(w_uv=w_uv[:, :8])
+    with pytest.raises(ValueError, match="power of two"):
+        call(o=o[..., :24], w_uv=w_uv[..., :24])
+    with pytest.raises(TypeError, match="float32"):
+        call(o=o.astype(jnp.bfloat16))
+    with pytest.raises(TypeError, match="dtype"):
+        call(w_uv=w_uv.astype(jnp.int32))
+    with pytest.raises(ValueError, match="block_n"):
+        call(block_n=12)
+    with pytest.raises(ValueError, match="needs"):
+        call(o=o[0])
+
+
 # --------------------------------------------------------------------------- dispatch, errors
 
 def test_dispatch_env(monkeypatch):
     q_lat, q_pe, buf, meta = make_case(6, T=2, H=2, S=40, page_size=3)
+    w_uv = jnp.asarray(np.random.default_rng(6).standard_normal((2, 16, q_lat.shape[-1])), jnp.float32)
     calls = []
-    real = md.paged_mla_attention
-    monkeypatch.setattr(md, "paged_mla_attention", lambda *a, **kw: calls.append(1) or real(*a, **kw))
+    real = md.paged_mla_attention_splits
+    monkeypatch.setattr(md, "paged_mla_attention_splits", lambda *a, **kw: calls.append(1) or real(*a, **kw))
 
     def run(meta):  # a fresh jit per call: JSPEC_KERNELS is read at trace time
         fn = lambda *a: mla.mla_attention(*a, scale=0.3)
-        return _fast_jit(fn, q_lat, q_pe, buf, meta)
+        return _fast_jit(fn, q_lat, q_pe, buf, meta, w_uv)
 
     outs = {}
     for mode, used in [("reference", False), ("auto", jax.default_backend() == "gpu"),

@@ -90,10 +90,53 @@ def test_routed_experts_matches_reference(dtype, tol):
         np.testing.assert_array_equal(np.asarray(me.moe_experts(pairs, ids, gate_up, down)), np.asarray(got))
 
 
+def test_routing_table_with_token_rows():
+    """A routing table [N, KP] of which the first `slots` columns are used (the rest is
+    padding, here out-of-range ids that must not be read) and x with a row per token: the
+    kernel equals the reference over the pairs it spells out, product by product and for
+    the routed chain (whose second product takes the first one's K splits, gated)."""
+    E, D, Fm, N, slots = 8, 64, 48, 3, 3
+    rng = np.random.default_rng(7)
+    x = jnp.asarray(rng.standard_normal((N, D)), jnp.float32)
+    table = jnp.asarray([[1, 6, 4, 99], [6, 0, 2, -5], [7, 7, 3, 99]], jnp.int32)
+    pairs, pair_ids = me.pairs_of(x, table, slots)
+    np.testing.assert_array_equal(np.asarray(pair_ids), [1, 6, 4, 6, 0, 2, 7, 7, 3])
+    np.testing.assert_array_equal(np.asarray(pairs[4]), np.asarray(x[1]))
+    gate_up = jnp.asarray(rng.standard_normal((E, D, 2 * Fm)) / np.sqrt(D), jnp.float32)
+    down = jnp.asarray(rng.standard_normal((E, Fm, D)) / np.sqrt(Fm), jnp.float32)
+    got = me.expert_matmul(x, table, gate_up, slots=slots, interpret=True)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(me.expert_matmul_reference(pairs, pair_ids, gate_up)),
+                               rtol=1e-5, atol=1e-5)
+    h = me.expert_matmul(x, table, gate_up, slots=slots, sum_splits=False, num_splits=2, block_k=16,
+                         interpret=True)
+    assert h.shape == (2, N * slots, 2 * Fm)
+    gated = me.expert_matmul(h, table, down, slots=slots, gated=jnp.float32, interpret=True)
+    a = me.silu_mul(h.sum(0)[:, :Fm], h.sum(0)[:, Fm:])
+    np.testing.assert_allclose(np.asarray(gated), np.asarray(me.expert_matmul_reference(a, pair_ids, down)),
+                               rtol=1e-5, atol=1e-5)
+    want = np.asarray(me.routed_experts_reference(pairs, pair_ids, gate_up, down))
+    np.testing.assert_allclose(np.asarray(me.routed_experts_reference(x, table, gate_up, down, slots=slots)),
+                               want, rtol=1e-6, atol=1e-6)
+    got = me.routed_experts(x, table, gate_up, down, slots=slots, interpret=True)
+    np.testing.assert_allclose(np.asarray(got), want, rtol=1e-5, atol=1e-5 * np.abs(want).max())
+    # a wrong routing (the padding column used) gives something else
+    wrong = me.routed_experts_reference(x, jnp.clip(table[:, 1:], 0, E - 1), gate_up, down, slots=slots)
+    assert np.abs(np.asarray(wrong) - want).max() > 1e-2
+
+
 def test_validation():
     x, ids, w = _case(3, E=4, Din=32, Dout=32, P=3, dtype=jnp.float32)
-    with pytest.raises(ValueError, match="ids has 2 entries for 3 pairs"):
+    with pytest.raises(ValueError, match="x has 3 rows for 2 tokens x 1 slots"):
         me.expert_matmul(x, ids[:2], w, interpret=True)
+    table = jnp.zeros((3, 4), jnp.int32)
+    with pytest.raises(ValueError, match="slots must be an int in \\[1, 4\\]"):
+        me.expert_matmul(x, table, w, slots=5, interpret=True)
+    with pytest.raises(ValueError, match="routing table"):
+        me.expert_matmul(x, table[None], w, interpret=True)
+    with pytest.raises(ValueError, match="gated x must be float32"):
+        me.expert_matmul(x[None], ids, w, gated=jnp.float32, interpret=True)
+    with pytest.raises(TypeError, match="gated must be"):
+        me.expert_matmul(jnp.zeros((1, 3, 64)), ids, w, gated=jnp.int32, interpret=True)
     with pytest.raises(ValueError, match="weights take 32 inputs, x has 16"):
         me.expert_matmul(x[:, :16], ids, w, interpret=True)
     with pytest.raises(TypeError, match="ids must be integer"):

@@ -205,8 +205,8 @@ def test_mtp_sampling_emits_plain_sampling(mtp_target):
 @pytest.mark.slow
 def test_deepseek_and_mtp_through_pallas_kernels(monkeypatch, fresh_compiles):
     """A DeepSeek target and its MTP draft with the MLA and MoE kernels forced (interpret
-    mode) give the reference path's greedy tokens; both kernels run in the loop."""
-    from jspec.kernels import mla_decode, moe_experts
+    mode) give the reference path's greedy tokens; every kernel runs in the loop."""
+    from jspec.kernels import mla_decode, mla_output, moe_experts
     from jspec.models import family_for
     from jspec.models.deepseek_hf import DeepseekConfig
     cfg = DeepseekConfig(vocab_size=96, hidden_size=32, intermediate_size=48, num_layers=2, num_heads=2,
@@ -222,11 +222,12 @@ def test_deepseek_and_mtp_through_pallas_kernels(monkeypatch, fresh_compiles):
     monkeypatch.setenv("JSPEC_KERNELS", "reference")
     want = jspec.generate(p, PROMPTS[:2], **kw).tokens
     calls = []
-    for mod, name in ((mla_decode, "paged_mla_attention"), (moe_experts, "expert_matmul")):
+    kernels = ((mla_decode, "paged_mla_attention_splits"), (mla_output, "mla_output"), (moe_experts, "expert_matmul"))
+    for mod, name in kernels:
         real = getattr(mod, name)
         monkeypatch.setattr(mod, name, lambda *a, _r=real, _n=name, **k: calls.append(_n) or _r(*a, **k))
     monkeypatch.setenv("JSPEC_KERNELS", "pallas")
     jspec.clear_caches()
     assert jspec.generate(p, PROMPTS[:2], **kw).tokens == want
-    assert {"paged_mla_attention", "expert_matmul"} <= set(calls)
+    assert {name for _, name in kernels} <= set(calls)
     jax.clear_caches()

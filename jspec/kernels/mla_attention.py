@@ -3,12 +3,14 @@
 A decode or verification step attends in the absorbed form: the key up-projection is
 folded into the query (q_lat = q_nope W_UK, per head [Dc]), every head scores the cached
 latent rows directly (q_lat . c + q_pe . k_pe), and the softmax-weighted latent o_lat
-[B,T,H,Dc] leaves here; the caller applies the value up-projection W_UV. The cache is
-read once for all heads: a slot is Dc + Dr values (jspec.cache.latent).
+[B,T,H,Dc] is up-projected per head by W_UV. The cache is read once for all heads: a
+slot is Dc + Dr values (jspec.cache.latent).
 
-`mla_attention_reference` is the jnp reference; the mask rule is the GQA cache's
-(`jspec.kernels.attention.cache_mask`). `mla_attention` dispatches (jspec.kernels.dispatch)
-to the Pallas kernel `jspec.kernels.mla_decode.paged_mla_attention` or the reference.
+`mla_attention_reference` is the jnp reference of the attention; the mask rule is the GQA
+cache's (`jspec.kernels.attention.cache_mask`). `mla_attention` applies W_UV as well and
+dispatches (jspec.kernels.dispatch) to two Pallas kernels, `jspec.kernels.mla_decode`
+(attention, key splits unmerged) and `jspec.kernels.mla_output` (merge and up-projection),
+or to the references.
 """
 from __future__ import annotations
 
@@ -47,19 +49,31 @@ def uses_kernel(q_lat, q_pe, latent_buf, meta: AttnMeta) -> bool:
                                 or mla_decode.is_supported(q_lat, q_pe, latent_buf, meta))
 
 
-def mla_attention(q_lat, q_pe, latent_buf, meta: AttnMeta, *, scale: float):
-    """Dispatch: the Pallas kernel for non-prefill calls it supports, else the reference
-    (same arguments and result as `mla_attention_reference`). JSPEC_KERNELS=pallas forces
-    the kernel (and raises for arguments it does not take)."""
-    if uses_kernel(q_lat, q_pe, latent_buf, meta):
-        from jspec.kernels import mla_decode
+def mla_attention(q_lat, q_pe, latent_buf, meta: AttnMeta, w_uv, *, scale: float):
+    """Attention in the absorbed form, then the value up-projection: q_lat [B,T,H,Dc],
+    q_pe [B,T,H,Dr], w_uv [H, Dv, Dc] -> o [B,T,H,Dv] in w_uv's dtype (the attention's
+    float32 latent rounded to that dtype before the product, `mla_output.up_project`).
 
-        return mla_decode.paged_mla_attention(q_lat, q_pe, latent_buf, meta, scale=scale)
-    return mla_attention_reference(q_lat, q_pe, latent_buf, meta, scale=scale)
+    Dispatch: for non-prefill calls the Pallas kernels support, `mla_decode` attends and
+    returns its key splits unmerged and `mla_output` merges them and applies W_UV in one
+    kernel; otherwise the references. JSPEC_KERNELS=pallas forces the kernels (and raises
+    for arguments they do not take)."""
+    from jspec.kernels import mla_output
+
+    if not uses_kernel(q_lat, q_pe, latent_buf, meta):
+        o_lat = mla_attention_reference(q_lat, q_pe, latent_buf, meta, scale=scale)
+        return mla_output.up_project(o_lat, w_uv, w_uv.dtype)
+    from jspec.kernels import mla_decode
+
+    o, lse = mla_decode.paged_mla_attention_splits(q_lat, q_pe, latent_buf, meta, scale=scale)
+    T = q_lat.shape[1]
+    if dispatch.backend() == "pallas" or mla_output.is_supported(o, lse, w_uv, T):
+        return mla_output.mla_output(o, lse, w_uv, num_tokens=T)
+    return mla_output.mla_output_reference(o, lse, w_uv, num_tokens=T, dtype=w_uv.dtype)
 
 
-def cached_mla_attention(q_lat, q_pe, latent_new, latent_buf, meta: AttnMeta, *, scale: float):
-    """Writes the new latent rows latent_new [B,T,Dc+Dr] and attends over the cache.
-    -> (o_lat [B,T,H,Dc] float32, buffer)."""
+def cached_mla_attention(q_lat, q_pe, latent_new, latent_buf, meta: AttnMeta, w_uv, *, scale: float):
+    """Writes the new latent rows latent_new [B,T,Dc+Dr] and attends over the cache (see
+    `mla_attention`). -> (o [B,T,H,Dv] in w_uv's dtype, buffer)."""
     latent_buf = write_kv(latent_buf, latent_new, meta.write_index, meta.page_table is None)
-    return mla_attention(q_lat, q_pe, latent_buf, meta, scale=scale), latent_buf
+    return mla_attention(q_lat, q_pe, latent_buf, meta, w_uv, scale=scale), latent_buf

@@ -153,7 +153,8 @@ def _mla_call(q_lat, q_pe, lat_flat, table, meta: AttnMeta, *, page_size: int, n
               scale: float, block_k: int, block_rows: int, num_splits: int, interpret: bool,
               num_warps: int | None, num_stages: int):
     """q_lat [B,T,H,Dc], q_pe [B,T,H,Dr]; lat_flat [num_pages*P, Dc+Dr]; table [B, G].
-    -> o_lat [B,T,H,Dc] float32."""
+    -> (o [B, NS, R, Dc] float32: each split's latent normalised over its keys, lse
+    [B, NS, R] float32), R >= T*H rows (row r: token r // H, head r % H; the rest padding)."""
     B, T, H, Dc = q_lat.shape
     Dr = q_pe.shape[-1]
     rows = T * H
@@ -207,12 +208,7 @@ def _mla_call(q_lat, q_pe, lat_flat, table, meta: AttnMeta, *, page_size: int, n
         compiler_params=params,
         name="jspec_mla_decode",
     )(bounds, table.astype(jnp.int32), tail_mask, lat_flat, qc, qr)
-
-    if num_splits == 1:
-        o = o[:, 0, :rows]  # already normalised; rows that saw nothing are 0
-    else:
-        o = merge_splits(o[:, None, :, :rows], lse[:, None, :, :rows])[:, 0]  # [B, rows, Dc]
-    return o.reshape(B, T, H, Dc)
+    return o, lse
 
 
 # --------------------------------------------------------------------------- public
@@ -269,16 +265,33 @@ def _check_block(name: str, value) -> int:
     return int(value)
 
 
-def paged_mla_attention(q_lat, q_pe, latent_buf, meta: AttnMeta, *, scale: float,
-                        interpret: bool | None = None, block_k: int | None = None,
-                        block_rows: int | None = None, num_splits: int | None = None,
-                        num_warps: int | None = None, num_stages: int = 2):
+def paged_mla_attention(q_lat, q_pe, latent_buf, meta: AttnMeta, *, scale: float, **tiling):
+    """MLA attention (absorbed form) of q_lat [B,T,H,Dc] and q_pe [B,T,H,Dr] over a latent
+    cache that already holds the new rows -> o_lat [B,T,H,Dc] float32: the key splits of
+    `paged_mla_attention_splits` (same arguments) merged."""
+    o, lse = paged_mla_attention_splits(q_lat, q_pe, latent_buf, meta, scale=scale, **tiling)
+    B, T, H, Dc = q_lat.shape
+    rows = T * H
+    if o.shape[1] == 1:
+        o = o[:, 0, :rows]  # already normalised; rows that saw nothing are 0
+    else:
+        o = merge_splits(o[:, None, :, :rows], lse[:, None, :, :rows])[:, 0]  # [B, rows, Dc]
+    return o.reshape(B, T, H, Dc)
+
+
+def paged_mla_attention_splits(q_lat, q_pe, latent_buf, meta: AttnMeta, *, scale: float,
+                               interpret: bool | None = None, block_k: int | None = None,
+                               block_rows: int | None = None, num_splits: int | None = None,
+                               num_warps: int | None = None, num_stages: int = 2):
     """MLA attention (absorbed form) of q_lat [B,T,H,Dc] and q_pe [B,T,H,Dr] over a latent
     cache that already holds the new rows.
 
     latent_buf: per slot the latent c [Dc] then the roped key k_pe [Dr]; dense [B,S,Dc+Dr]
     (meta.page_table None) or a paged pool [num_pages(+trash),P,Dc+Dr] with meta.page_table
-    [B,G]. Returns o_lat [B,T,H,Dc] float32. Dc and Dr: powers of two >= 16.
+    [B,G]. Returns the key splits unmerged: (o [B, NS, R, Dc] float32, each split's latent
+    normalised over its keys, lse [B, NS, R] float32, the log of its softmax denominator,
+    NEG_INF where it saw no key); row r < T*H is token r // H, head r % H, rows from T*H on
+    are padding. Dc and Dr: powers of two >= 16.
     interpret None: interpret mode unless the default backend is a GPU. block_k: key slots
     a block (power of two >= 16; default DEFAULT_BLOCK_K, half that for float32).
     block_rows: query rows a program (power of two >= 16; default DEFAULT_BLOCK_ROWS, half

@@ -6,7 +6,12 @@ products, memory bound: the only real cost is reading the chosen experts' weight
 gather formulation (`routed_experts_reference`: `w[ids]`, then batched products) first
 copies every pair's expert into a new array, which XLA did at 0.3-0.7 TB/s on the H200.
 
-Kernel (`expert_matmul`): out[p, :] = x[p, :] @ w[ids[p], :, :] in float32.
+Kernel (`expert_matmul`): out[p, :] = x[row(p), :] @ w[e(p), :, :] in float32.
+- Pairs come from a routing table ids [N, KP] (each token's experts, padded to KP
+  columns) and a number of slots per token: pair p = n * slots + j is token n's j-th
+  expert, e(p) = ids[n, j] (a 1-D ids [P] is one slot a token). x holds a row per token
+  (row(p) = n: the routed and shared experts of a token read its activation without a
+  copy per pair) or a row per pair (row(p) = p).
 - Grid (P, Dout tiles, K splits); the pair axis varies fastest, so the programs that read
   one tile of the same expert for different pairs run together and the repeats hit L2.
 - A program takes BN output columns of one pair and walks its share of the Din rows in
@@ -30,7 +35,9 @@ Kernel (`expert_matmul`): out[p, :] = x[p, :] @ w[ids[p], :, :] in float32.
 
 `routed_experts` chains two of them as DeepSeek's routed experts do: h = x @ gate_up
 (rounded to the activations' dtype, as the reference's product is), silu(h_gate) * h_up
-in that dtype, then @ down, kept in float32.
+in that dtype, then @ down, kept in float32. The second product takes the first one's K
+splits as they are (`gated`): each program sums its chunk of them, rounds, and applies
+silu(gate) * up while loading its activations, so no kernel runs between the two.
 """
 from __future__ import annotations
 
@@ -67,21 +74,39 @@ def _gather(w, extra, ids):
     return jnp.where((ids < E)[:, None, None], got, extra[jnp.clip(ids - E, 0, extra.shape[0] - 1)])
 
 
-def routed_experts_reference(x_pairs, ids, gate_up, down, extra=None):
-    """x_pairs [P, D] (each pair's token), ids [P] (each pair's expert), gate_up
-    [E, D, 2Fm], down [E, Fm, D], extra: (gate_up, down) of experts E.. -> [P, D] float32:
-    the gather formulation (copies each pair's expert weights, then batched products in
-    the activations' dtype)."""
+def pairs_of(x, ids, slots: int | None = None):
+    """The (token, expert) pairs of a routing table: x [N, D] (a row per token) or [P, D]
+    (a row per pair), ids [N, KP] (or [P]: one slot a token) -> (x_pairs [P, D], pair ids
+    [P]), P = N * slots, pair n * slots + j being token n's j-th expert."""
+    ids2 = ids.reshape(-1, 1) if ids.ndim == 1 else ids
+    slots = ids2.shape[1] if slots is None else slots
+    flat = ids2[:, :slots].reshape(-1)
+    return (x if x.shape[0] == flat.shape[0] else jnp.repeat(x, slots, axis=0)), flat
+
+
+def silu_mul(gate, up):
+    """DeepSeek's expert activation silu(gate) * up, in the inputs' dtype."""
+    return jax.nn.silu(gate) * up
+
+
+def routed_experts_reference(x, ids, gate_up, down, extra=None, slots: int | None = None):
+    """x [N, D] (each token) or [P, D] (each pair), ids [N, KP] (each token's experts; or
+    [P]) and `slots` as `pairs_of`, gate_up [E, D, 2Fm], down [E, Fm, D], extra: (gate_up,
+    down) of experts E.. -> [P, D] float32: the gather formulation (copies each pair's
+    expert weights, then batched products in the activations' dtype)."""
+    x_pairs, ids = pairs_of(x, ids, slots)
     Fm = down.shape[1]
     extra_gu, extra_down = (None, None) if extra is None else extra
     h = jnp.einsum("pd,pdf->pf", x_pairs, _gather(gate_up, extra_gu, ids))  # [P, 2Fm]
-    a = jax.nn.silu(h[:, :Fm]) * h[:, Fm:]
+    a = silu_mul(h[:, :Fm], h[:, Fm:])
     return jnp.einsum("pf,pfd->pd", a, _gather(down, extra_down, ids)).astype(jnp.float32)
 
 
-def expert_matmul_reference(x, ids, w):
-    """x [P, Din], ids [P], w [E, Din, Dout] -> [P, Dout] float32 (float32 products)."""
-    return jnp.einsum("pd,pdf->pf", x.astype(jnp.float32), w[ids].astype(jnp.float32),
+def expert_matmul_reference(x, ids, w, slots: int | None = None):
+    """x [N or P, Din], ids [N, KP] or [P] (see `pairs_of`), w [E, Din, Dout] -> [P, Dout]
+    float32 (float32 products)."""
+    x_pairs, ids = pairs_of(x, ids, slots)
+    return jnp.einsum("pd,pdf->pf", x_pairs.astype(jnp.float32), w[ids].astype(jnp.float32),
                       precision=lax.Precision.HIGHEST)
 
 
@@ -89,15 +114,18 @@ def expert_matmul_reference(x, ids, w):
 
 def _kernel(ids_ref, x_ref, w_ref, *rest, din: int, dout: int, num_experts: int, num_extra: int,
             block_k: int, block_n: int, chunks_per_split: int, num_chunks: int,
-            reduce_each_step: bool):
+            reduce_each_step: bool, slots: int, token_rows: bool, gated):
     """One (pair p, column tile j, K split s).
 
-    ids_ref [P] int32; x_ref [P, Din]; w_ref [E, Din, Dout] and, with `num_extra`, the
-    extra experts' [E2, Din, Dout] (ids E.. E+E2-1) (whole arrays); o_ref [S, P, Dout]
-    float32 (whole; this program writes [s, p, n0:n0+BN])."""
+    ids_ref [N, KP] int32 (pair p: ids[p // slots, p % slots]); x_ref [N, Din] (token_rows)
+    or [P, Din], or with `gated` (the activations' dtype) [S1, P, 2 Din] float32: a
+    product's K splits, whose sum's halves give silu(gate) * up; w_ref [E, Din, Dout] and,
+    with `num_extra`, the extra experts' [E2, Din, Dout] (ids E.. E+E2-1) (whole arrays);
+    o_ref [S, P, Dout] float32 (whole; this program writes [s, p, n0:n0+BN])."""
     extra_ref, o_ref = rest if num_extra else (None, rest[0])
     p, j, s = pl.program_id(0), pl.program_id(1), pl.program_id(2)
-    e = jnp.clip(ids_ref[p], 0, num_experts + num_extra - 1)
+    e = jnp.clip(ids_ref[p // slots, p % slots], 0, num_experts + num_extra - 1)
+    row = p // slots if token_rows else p
     n0 = j * block_n
     if dout % block_n:  # the last tile overlaps its neighbour instead of running past Dout
         n0 = jnp.minimum(n0, dout - block_n)
@@ -105,16 +133,22 @@ def _kernel(ids_ref, x_ref, w_ref, *rest, din: int, dout: int, num_experts: int,
     hi = jnp.minimum(lo + chunks_per_split, num_chunks)
     rows = jnp.arange(block_k, dtype=jnp.int32)
 
-    def product(ref, expert):  # this program's share of x[p] @ ref[expert][:, n0:n0+BN]
+    def activations(kc):  # [BK] float32: inputs kc .. kc + BK of this pair
+        if gated is None:
+            return x_ref[row, pl.ds(kc, block_k)].astype(jnp.float32)
+        gate = sum(x_ref[i, row, pl.ds(kc, block_k)] for i in range(x_ref.shape[0]))
+        up = sum(x_ref[i, row, pl.ds(din + kc, block_k)] for i in range(x_ref.shape[0]))
+        return silu_mul(gate.astype(gated), up.astype(gated)).astype(jnp.float32)
+
+    def product(ref, expert):  # this program's share of x[row] @ ref[expert][:, n0:n0+BN]
         def step(c, acc):
             k0 = c * block_k
             if din % block_k:  # the last chunk overlaps: zero the rows an earlier one took
                 kc = jnp.minimum(k0, din - block_k)
-                xv = x_ref[p, pl.ds(kc, block_k)].astype(jnp.float32)
-                xv = jnp.where(kc + rows >= k0, xv, 0.0)
+                xv = jnp.where(kc + rows >= k0, activations(kc), 0.0)
             else:
                 kc = k0
-                xv = x_ref[p, pl.ds(kc, block_k)].astype(jnp.float32)
+                xv = activations(kc)
             wv = ref[expert, pl.ds(kc, block_k), pl.ds(n0, block_n)].astype(jnp.float32)
             if reduce_each_step:
                 return acc + jnp.sum(xv[:, None] * wv, axis=0)
@@ -145,25 +179,48 @@ def _is_pow2(n) -> bool:
     return isinstance(n, int) and n >= 1 and n & (n - 1) == 0
 
 
-def _check_matmul(x, ids, w, extra=None) -> None:
-    """Raises ValueError / TypeError for arguments `expert_matmul` does not take."""
+def _table(ids, slots):
+    """ids [N, KP] or [P] and slots -> (ids [N, KP], slots); raises for a bad table."""
+    if getattr(ids, "ndim", None) not in (1, 2):
+        raise ValueError(f"ids must be a routing table [N, KP] or pair ids [P], got shape "
+                         f"{getattr(ids, 'shape', ids)}")
+    ids2 = ids.reshape(-1, 1) if ids.ndim == 1 else ids
+    slots = ids2.shape[1] if slots is None else slots
+    if isinstance(slots, bool) or not isinstance(slots, int) or not 1 <= slots <= ids2.shape[1]:
+        raise ValueError(f"slots must be an int in [1, {ids2.shape[1]}] (the table's columns), got {slots!r}")
+    return ids2, slots
+
+
+def _check_matmul(x, ids, w, extra=None, slots=None, gated=None) -> tuple[int, bool]:
+    """Raises ValueError / TypeError for arguments `expert_matmul` does not take; else
+    -> (pairs P, whether x has a row per token)."""
     if extra is not None:
         if getattr(extra, "ndim", None) != 3 or getattr(w, "ndim", None) != 3 or extra.shape[1:] != w.shape[1:]:
             raise ValueError(f"extra experts must be [E2, Din, Dout] like w {getattr(w, 'shape', w)}, got "
                              f"{getattr(extra, 'shape', extra)}")
         if extra.dtype != w.dtype:
             raise TypeError(f"extra experts' dtype {extra.dtype} differs from w's {w.dtype}")
-    if getattr(x, "ndim", None) != 2 or getattr(ids, "ndim", None) != 1 or getattr(w, "ndim", None) != 3:
-        raise ValueError(f"expert_matmul needs x [P, Din], ids [P] and w [E, Din, Dout], got shapes "
-                         f"{getattr(x, 'shape', x)}, {getattr(ids, 'shape', ids)}, {getattr(w, 'shape', w)}")
-    P, Din = x.shape
-    E, Din_w, Dout = w.shape
-    if ids.shape[0] != P:
-        raise ValueError(f"ids has {ids.shape[0]} entries for {P} pairs (x rows)")
-    if Din_w != Din:
-        raise ValueError(f"weights take {Din_w} inputs, x has {Din}")
-    if P < 1 or E < 1:
-        raise ValueError(f"no pairs or no experts: x {x.shape}, w {w.shape}")
+    if getattr(w, "ndim", None) != 3 or getattr(x, "ndim", None) != (3 if gated is not None else 2):
+        want = "[S1, P, 2 Din] (gated)" if gated is not None else "[N or P, Din]"
+        raise ValueError(f"expert_matmul needs x {want} and w [E, Din, Dout], got shapes "
+                         f"{getattr(x, 'shape', x)} and {getattr(w, 'shape', w)}")
+    ids2, slots = _table(ids, slots)
+    N = ids2.shape[0]
+    P = N * slots
+    E, Din, Dout = w.shape
+    rows, Din_x = x.shape[-2:]
+    if gated is not None:
+        if x.dtype != jnp.float32 or Din_x != 2 * Din or rows != P:
+            raise ValueError(f"gated x must be float32 [S1, {P}, {2 * Din}] (a product's K splits of the "
+                             f"gate and up halves), got {x.dtype} {x.shape}")
+        if jnp.dtype(gated) not in map(jnp.dtype, _DTYPES):
+            raise TypeError(f"gated must be the activations' dtype, got {gated!r}")
+    elif rows not in (N, P):
+        raise ValueError(f"x has {rows} rows for {N} tokens x {slots} slots (want a row per token or per pair)")
+    elif Din_x != Din:
+        raise ValueError(f"weights take {Din} inputs, x has {Din_x}")
+    if N < 1 or E < 1:
+        raise ValueError(f"no pairs or no experts: ids {ids.shape}, w {w.shape}")
     if Din < 16 or Dout < 16:
         raise ValueError(f"Din and Dout must be >= 16 (Triton tiles), got {Din} and {Dout}")
     if not jnp.issubdtype(ids.dtype, jnp.integer):
@@ -171,16 +228,25 @@ def _check_matmul(x, ids, w, extra=None) -> None:
     for name, a in (("x", x), ("w", w)):
         if jnp.dtype(a.dtype) not in map(jnp.dtype, _DTYPES):
             raise TypeError(f"{name} dtype {a.dtype} is not float32, bfloat16 or float16")
+    return P, gated is None and rows == N and slots > 1
 
 
-def expert_matmul(x, ids, w, extra=None, *, block_n: int | None = None, block_k: int | None = None,
-                  num_splits: int | None = None, num_warps: int | None = None,
-                  num_stages: int | None = None, reduce_each_step: bool = False,
-                  interpret: bool | None = None):
-    """out[p] = x[p] @ w[ids[p]]: x [P, Din], ids [P] int, w [E, Din, Dout] -> [P, Dout]
-    float32, reading only the experts ids names (out-of-range ids are clamped). extra
-    [E2, Din, Dout]: more experts, which ids E.. E+E2-1 name (DeepSeek's shared experts
-    beside the routed ones, without a concatenated copy).
+def expert_matmul(x, ids, w, extra=None, *, slots: int | None = None, gated=None, sum_splits: bool = True,
+                  block_n: int | None = None, block_k: int | None = None, num_splits: int | None = None,
+                  num_warps: int | None = None, num_stages: int | None = None,
+                  reduce_each_step: bool = False, interpret: bool | None = None):
+    """out[p] = x[row(p)] @ w[e(p)] for the pairs of a routing table: ids [N, KP] int
+    (token n's experts; or [P], one a token), slots (pairs a token, default KP): pair
+    p = n * slots + j has expert e(p) = ids[n, j]; x [N, Din] (a row per token) or [P, Din]
+    (a row per pair); w [E, Din, Dout] -> [P, Dout] float32, reading only the experts the
+    table names (out-of-range ids are clamped). extra [E2, Din, Dout]: more experts, which
+    ids E.. E+E2-1 name (DeepSeek's shared experts beside the routed ones, without a
+    concatenated copy).
+
+    gated (the activations' dtype): x is instead [S1, P, 2 Din] float32, the K splits of a
+    product whose sum holds each pair's gate and up halves; the input is silu(gate) * up
+    of that sum rounded to `gated` (`routed_experts`). sum_splits False: return this
+    product's own K splits [S, P, Dout] unsummed (what a gated product takes).
 
     block_n: output columns per program, block_k: weight rows per loop step (powers of
     two; capped at Dout and Din). num_splits: programs sharing one (pair, tile)'s rows
@@ -188,9 +254,9 @@ def expert_matmul(x, ids, w, extra=None, *, block_n: int | None = None, block_k:
     reduce_each_step: sum each step's [BK, BN] products over rows at once (a [BN]
     accumulator) instead of accumulating the tile and summing it at the end.
     interpret None: interpret mode unless the default backend is a GPU."""
-    _check_matmul(x, ids, w, extra)
-    P, Din = x.shape
-    E, _, Dout = w.shape
+    P, token_rows = _check_matmul(x, ids, w, extra, slots, gated)
+    ids2, slots = _table(ids, slots)
+    E, Din, Dout = w.shape
     E2 = 0 if extra is None else extra.shape[0]
     block_n = DEFAULT_BLOCK_N if block_n is None else block_n
     block_k = DEFAULT_BLOCK_K if block_k is None else block_k
@@ -213,7 +279,8 @@ def expert_matmul(x, ids, w, extra=None, *, block_n: int | None = None, block_k:
 
     kernel = functools.partial(_kernel, din=Din, dout=Dout, num_experts=E, num_extra=E2, block_k=BK,
                                block_n=BN, chunks_per_split=per_split, num_chunks=num_chunks,
-                               reduce_each_step=bool(reduce_each_step))
+                               reduce_each_step=bool(reduce_each_step), slots=slots, token_rows=token_rows,
+                               gated=None if gated is None else jnp.dtype(gated))
     params = None
     if not interpret:
         from jax.experimental.pallas import triton as plt
@@ -229,13 +296,15 @@ def expert_matmul(x, ids, w, extra=None, *, block_n: int | None = None, block_k:
         interpret=interpret,
         compiler_params=params,
         name="jspec_expert_matmul",
-    )(ids.astype(jnp.int32), x, w, *(() if extra is None else (extra,)))
+    )(ids2.astype(jnp.int32), x, w, *(() if extra is None else (extra,)))
+    if not sum_splits:
+        return out
     return out[0] if S == 1 else jnp.sum(out, axis=0)
 
 
 # --------------------------------------------------------------------------- routed experts
 
-def _check_experts(x_pairs, ids, gate_up, down, extra=None) -> None:
+def _check_experts(x, ids, gate_up, down, extra=None, slots=None) -> None:
     """Raises ValueError / TypeError for arguments `routed_experts` does not take."""
     if getattr(gate_up, "ndim", None) != 3 or getattr(down, "ndim", None) != 3:
         raise ValueError(f"gate_up must be [E, D, 2Fm] and down [E, Fm, D], got "
@@ -247,52 +316,54 @@ def _check_experts(x_pairs, ids, gate_up, down, extra=None) -> None:
     if gate_up.dtype != down.dtype:
         raise TypeError(f"gate_up and down dtypes differ: {gate_up.dtype}, {down.dtype}")
     extra_gu, extra_down = (None, None) if extra is None else extra
-    _check_matmul(x_pairs, ids, gate_up, extra_gu)
-    _check_matmul(jax.ShapeDtypeStruct((x_pairs.shape[0], F2 // 2), x_pairs.dtype), ids, down, extra_down)
+    P, _ = _check_matmul(x, ids, gate_up, extra_gu, slots)
+    _check_matmul(jax.ShapeDtypeStruct((1, P, F2), jnp.float32), ids, down, extra_down, slots, gated=x.dtype)
     if extra is not None and extra_gu.shape[0] != extra_down.shape[0]:
         raise ValueError(f"extra experts: gate_up {extra_gu.shape} and down {extra_down.shape} hold "
                          f"different numbers of experts")
 
 
-def is_supported(x_pairs, ids, gate_up, down, extra=None) -> bool:
+def is_supported(x, ids, gate_up, down, extra=None, slots=None) -> bool:
     """Whether `routed_experts` takes these arguments (the dispatch falls back to the
     reference when not)."""
     try:
-        _check_experts(x_pairs, ids, gate_up, down, extra)
+        _check_experts(x, ids, gate_up, down, extra, slots)
     except (TypeError, ValueError):
         return False
     return True
 
 
-def routed_experts(x_pairs, ids, gate_up, down, extra=None, *, interpret: bool | None = None,
+def routed_experts(x, ids, gate_up, down, extra=None, slots: int | None = None, *, interpret: bool | None = None,
                    gate_up_tiles: dict | None = None, down_tiles: dict | None = None):
-    """The routed experts of (token, expert) pairs with the Pallas kernel: x_pairs [P, D]
-    (each pair's token activation), ids [P] int (its expert), gate_up [E, D, 2Fm], down
-    [E, Fm, D] -> [P, D] float32; extra: (gate_up [E2, D, 2Fm], down [E2, Fm, D]) of
-    experts E.. E+E2-1 (shared experts), read in the same products. Same roundings as
-    `routed_experts_reference` up to the last product, which stays float32. *_tiles:
-    `expert_matmul`'s tiling arguments for each product (default: its defaults)."""
-    _check_experts(x_pairs, ids, gate_up, down, extra)
+    """The routed experts of a routing table's (token, expert) pairs with the Pallas
+    kernel: x [N, D] (each token's activation; or [P, D], each pair's), ids [N, KP] int
+    (each token's experts; or [P]) and slots as `expert_matmul`, gate_up [E, D, 2Fm], down
+    [E, Fm, D] -> [P, D] float32; extra: (gate_up [E2, D, 2Fm], down [E2, Fm, D]) of experts
+    E.. E+E2-1 (shared experts), read in the same products. Same roundings as
+    `routed_experts_reference` up to the last product, which stays float32: the second
+    product sums the first one's K splits, rounds them to x's dtype and applies silu(gate)
+    * up as it loads them. *_tiles: `expert_matmul`'s tiling arguments for each product
+    (default: its defaults)."""
+    _check_experts(x, ids, gate_up, down, extra, slots)
     extra_gu, extra_down = (None, None) if extra is None else extra
-    Fm = down.shape[1]
-    h = expert_matmul(x_pairs, ids, gate_up, extra_gu, interpret=interpret, **(gate_up_tiles or {}))
-    h = h.astype(x_pairs.dtype)  # the reference's product is in the activations' dtype
-    a = jax.nn.silu(h[:, :Fm]) * h[:, Fm:]
-    return expert_matmul(a, ids, down, extra_down, interpret=interpret, **(down_tiles or {}))
+    h = expert_matmul(x, ids, gate_up, extra_gu, slots=slots, sum_splits=False, interpret=interpret,
+                      **(gate_up_tiles or {}))  # [S1, P, 2Fm]: K splits
+    return expert_matmul(h, ids, down, extra_down, slots=slots, gated=x.dtype, interpret=interpret,
+                         **(down_tiles or {}))
 
 
-def uses_kernel(x_pairs, ids, gate_up, down, extra=None) -> bool:
+def uses_kernel(x, ids, gate_up, down, extra=None, slots=None) -> bool:
     """Whether `moe_experts` takes the Pallas kernel for these arguments (see the dispatch)."""
     if dispatch.backend() == "reference":
         return False
     return dispatch.want_pallas(dispatch.backend() == "pallas" or
-                                is_supported(x_pairs, ids, gate_up, down, extra))
+                                is_supported(x, ids, gate_up, down, extra, slots))
 
 
-def moe_experts(x_pairs, ids, gate_up, down, extra=None):
+def moe_experts(x, ids, gate_up, down, extra=None, slots: int | None = None):
     """Dispatch: `routed_experts` (the kernel) where `uses_kernel`, else
     `routed_experts_reference`; same arguments, [P, D] float32. JSPEC_KERNELS=pallas forces
     the kernel (interpret mode off GPU; raises for arguments it does not take)."""
-    if uses_kernel(x_pairs, ids, gate_up, down, extra):
-        return routed_experts(x_pairs, ids, gate_up, down, extra)
-    return routed_experts_reference(x_pairs, ids, gate_up, down, extra)
+    if uses_kernel(x, ids, gate_up, down, extra, slots):
+        return routed_experts(x, ids, gate_up, down, extra, slots)
+    return routed_experts_reference(x, ids, gate_up, down, extra, slots)

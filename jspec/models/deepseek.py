@@ -26,11 +26,12 @@ from jspec.cache.latent import LatentCache, LatentCacheKind
 from jspec.cache.layout import AttnMeta
 from jspec.kernels.attention import attention_reference
 from jspec.kernels.mla_attention import cached_mla_attention
-from jspec.kernels.moe_experts import moe_experts
+from jspec.kernels.moe_experts import moe_experts, silu_mul
+from jspec.kernels.moe_route import route
 from jspec.cache.kv import write_kv
 from jspec.models import deepseek_hf
 from jspec.models.deepseek_hf import DeepseekConfig
-from jspec.models.llama import DecoderLM, FlaxFamily, Linear, RMSNorm, apply_rope
+from jspec.models.llama import TWO_ROW_BACKENDS, DecoderLM, FlaxFamily, Linear, RMSNorm, apply_rope
 
 _init = nn.initializers.normal(0.02)
 LATENT_NORM_EPS = 1e-6  # the q/kv latent norms use RMSNorm's default, not rms_norm_eps
@@ -74,22 +75,23 @@ class MLAttention(nn.Module):
         ckv = Linear(Dc + Dr, c.attention_bias, c.dtype, name="kv_a_proj_with_mqa")(x)
         latent = RMSNorm(LATENT_NORM_EPS, c.dtype, name="kv_a_layernorm")(ckv[..., :Dc])  # [B,T,Dc]
         k_pe = rope_pairs(ckv[..., None, Dc:], meta.positions, c)[:, :, 0]  # [B,T,Dr], shared by the heads
-        kv_b = self.param("kv_b_proj", lambda k, s, d: {"kernel": _init(k, s, d)}, (Dc, H * (Dn + Dv)),
-                          jnp.dtype(c.dtype))["kernel"].reshape(Dc, H, Dn + Dv)
-        w_uk, w_uv = kv_b[..., :Dn], kv_b[..., Dn:]  # [Dc,H,Dn], [Dc,H,Dv]
+        # kv_b_proj as its two halves (`deepseek_hf`): W_UK [Dc,H,Dn] and W_UV [H,Dv,Dc], the
+        # latter so that each head's rows are contiguous for `kernels.mla_output`
+        dt = jnp.dtype(c.dtype)
+        w_uk = self.param("w_uk", _init, (Dc, H, Dn), dt)
+        w_uv = self.param("w_uv", _init, (H, Dv, Dc), dt)
         rows = jnp.concatenate([latent, k_pe], axis=-1)  # [B,T,Dc+Dr]: what the cache keeps
         if meta.prefill:  # keys and values from the latent, as the model computes them
             if buf is not None:
                 buf = write_kv(buf, rows, meta.write_index, meta.page_table is None)
             k_nope = jnp.einsum("btc,chn->bthn", latent, w_uk)
-            v = jnp.einsum("btc,chv->bthv", latent, w_uv)
+            v = jnp.einsum("btc,hvc->bthv", latent, w_uv)
             k = jnp.concatenate([k_nope, jnp.broadcast_to(k_pe[:, :, None], (B, T, H, Dr))], axis=-1)
             o = attention_reference(jnp.concatenate([q_nope, q_pe], axis=-1), k, v, None, meta,
                                     scale=c.softmax_scale)  # [B,T,H,Dv]
         else:  # absorbed: attend over the latent rows, then up-project the values
             q_lat = jnp.einsum("bthn,chn->bthc", q_nope, w_uk, preferred_element_type=jnp.float32).astype(q.dtype)
-            o_lat, buf = cached_mla_attention(q_lat, q_pe, rows, buf, meta, scale=c.softmax_scale)
-            o = jnp.einsum("bthc,chv->bthv", o_lat.astype(q.dtype), w_uv)
+            o, buf = cached_mla_attention(q_lat, q_pe, rows, buf, meta, w_uv, scale=c.softmax_scale)
         out = Linear(c.hidden_size, c.attention_bias, c.dtype, name="o_proj")(o.reshape(B, T, H * Dv))
         return out, buf
 
@@ -105,37 +107,29 @@ class MLP(nn.Module):
                                                                         * gu[..., self.width:])
 
 
-def route(c: DeepseekConfig, logits, bias):
-    """Router logits [N,E] float32 (and V3's score-correction bias [E]) -> (weights [N,k]
-    float32, expert ids [N,k])."""
-    N, E = logits.shape
-    k, G = c.num_experts_per_tok, c.n_group
-    scores = jax.nn.sigmoid(logits) if c.scoring == "sigmoid" else jax.nn.softmax(logits, axis=-1)
-    choice = scores + bias if bias is not None else scores
-    if c.topk_method != "greedy" and G > 1:  # keep the topk_group best groups
-        grouped = choice.reshape(N, G, E // G)
-        if c.topk_method == "noaux_tc":
-            group_score = jax.lax.top_k(grouped, 2)[0].sum(-1)
-        else:
-            group_score = grouped.max(-1)
-        keep = jax.lax.top_k(group_score, c.topk_group)[1]  # [N, topk_group]
-        group_ok = jnp.zeros((N, G), bool).at[jnp.arange(N)[:, None], keep].set(True)
-        hidden = -jnp.inf if c.topk_method == "noaux_tc" else 0.0
-        choice = jnp.where(jnp.repeat(group_ok, E // G, axis=1), choice, hidden)
-    ids = jax.lax.top_k(choice, k)[1]
-    weights = jnp.take_along_axis(scores, ids, axis=1)
-    if c.norm_topk_prob and k > 1:
-        weights = weights / (weights.sum(-1, keepdims=True) + 1e-20)
-    return weights * c.routed_scaling_factor, ids
+def router_logits(xs, w):
+    """xs [N, D] -> router logits [N, E] float32, products in float32 exactly (w [D, E]
+    float32). XLA rewrites a one-row product as a multiply writing [D, E] and a reduction
+    reading it back (5.7 us for DeepSeek-V2-Lite's router on the H200); on a GPU one row
+    is padded to two, which stays a matrix product (as `llama.pad_one_row`)."""
+    x = xs.astype(jnp.float32)
+    pad = x.shape[0] == 1 and jax.default_backend() in TWO_ROW_BACKENDS
+    if pad:
+        x = jnp.pad(x, ((0, 1), (0, 0)))
+    y = jnp.dot(x, w, precision=jax.lax.Precision.HIGHEST)
+    return y[:1] if pad else y
 
 
 class MoE(nn.Module):
     """Routed experts plus shared experts. The S shared experts (one MLP of width S*Fm in
-    the checkpoint) are stored as S experts of width Fm (`deepseek_hf`). Decoding and
-    verification send every token to them with weight 1 as experts E.. E+S-1, so they run
-    in the same expert kernel as the routed experts (SGLang's shared-experts fusion: two
+    the checkpoint) are stored as S experts of width Fm (`deepseek_hf`). The router's
+    logits give each token a row of the routing table (`kernels.moe_route`: its k experts
+    and weights, then the shared experts E.. E+S-1 with weight 1). Decoding and
+    verification run every (token, slot) pair of the table through the expert kernel
+    (`kernels.moe_experts`), shared experts included (SGLang's shared-experts fusion: two
     products a layer fewer; a shared expert's later reads for other tokens come from L2);
-    a prefill computes them as dense products over the tokens."""
+    a prefill groups the routed pairs by expert and computes the shared experts as dense
+    products over the tokens."""
 
     cfg: DeepseekConfig
 
@@ -155,31 +149,24 @@ class MoE(nn.Module):
         experts = self.param("experts", stacked(E))
         shared = self.param("shared_experts", stacked(S)) if S else None
         xs = x.reshape(B * T, D)
-        weights, ids = route(c, xs.astype(jnp.float32) @ router["kernel"], router.get("bias"))  # [N,k] each
-        kernel_path = B * T * k < E
-        if kernel_path:  # decode and verification: read the chosen and the shared experts only
-            extra = None
-            if S:  # slots k.. are the S shared experts, weight 1
-                shared_ids = jnp.broadcast_to(jnp.arange(E, E + S, dtype=ids.dtype), (B * T, S))
-                ids = jnp.concatenate([ids, shared_ids], axis=1)
-                weights = jnp.concatenate([weights, jnp.ones((B * T, S), weights.dtype)], axis=1)
-                extra = (shared["gate_up"], shared["down"])
-            ks = ids.shape[1]
-            pairs = jnp.repeat(xs, ks, axis=0)  # [N*ks, D]: pair n*ks + j is token n's j-th expert
-            y = moe_experts(pairs, ids.reshape(-1), experts["gate_up"], experts["down"], extra)
-            y = y.reshape(B * T, ks, D)
+        r = c.routing
+        weights, ids = route(r, router_logits(xs, router["kernel"]), router.get("bias"))  # [N, KP] each
+        if B * T * k < E:  # decode and verification: read the chosen and the shared experts only
+            extra = (shared["gate_up"], shared["down"]) if S else None
+            y = moe_experts(xs, ids, experts["gate_up"], experts["down"], extra, r.slots)  # [N*(k+S), D]
+            out = jnp.einsum("nsd,ns->nd", y.reshape(B * T, r.slots, D), weights[:, :r.slots])
         else:  # prefill: (token, expert) pairs sorted by expert, grouped products
-            flat = ids.reshape(-1)  # [N*k] expert of each (token, slot)
+            flat = ids[:, :k].reshape(-1)  # [N*k] expert of each (token, slot)
             order = jnp.argsort(flat, stable=True)
             sizes = jnp.bincount(flat, length=E).astype(jnp.int32)
             h = jax.lax.ragged_dot(xs[order // k], experts["gate_up"], sizes)  # [N*k, 2Fm]
-            h = jax.lax.ragged_dot(nn.silu(h[:, :Fm]) * h[:, Fm:], experts["down"], sizes)  # [N*k, D]
+            h = jax.lax.ragged_dot(silu_mul(h[:, :Fm], h[:, Fm:]), experts["down"], sizes)  # [N*k, D]
             y = jnp.zeros_like(h).at[order].set(h).reshape(B * T, k, D)
-        out = jnp.einsum("nkd,nk->nd", y.astype(jnp.float32), weights)
-        if S and not kernel_path:  # prefill: each shared expert as one dense product over the tokens
-            h = jnp.einsum("nd,sdf->nsf", xs, shared["gate_up"])  # [N,S,2Fm]
-            out = out + jnp.einsum("nsf,sfd->nd", nn.silu(h[..., :Fm]) * h[..., Fm:], shared["down"],
-                                   preferred_element_type=jnp.float32)
+            out = jnp.einsum("nkd,nk->nd", y.astype(jnp.float32), weights[:, :k])
+            if S:  # each shared expert as one dense product over the tokens
+                h = jnp.einsum("nd,sdf->nsf", xs, shared["gate_up"])  # [N,S,2Fm]
+                out = out + jnp.einsum("nsf,sfd->nd", silu_mul(h[..., :Fm], h[..., Fm:]), shared["down"],
+                                       preferred_element_type=jnp.float32)
         return out.astype(x.dtype).reshape(B, T, D)
 
 

@@ -12,6 +12,7 @@ from typing import Any, Mapping
 import numpy as np
 
 from jspec.config import DTYPES, RopeConfig
+from jspec.kernels.moe_route import Routing
 from jspec.models.llama_hf import rope_from_hf
 from jspec.tensors import Tensors, hf_linear, to_numpy
 
@@ -70,6 +71,16 @@ class DeepseekConfig:
         if self.n_routed_experts % self.n_group:
             raise ValueError(f"n_routed_experts ({self.n_routed_experts}) must be a multiple of n_group "
                              f"({self.n_group})")
+        if self.n_routed_experts:
+            self.routing  # noqa: B018  (raises for a routing no token can follow)
+
+    @property
+    def routing(self) -> Routing:
+        """The MoE layers' routing rule, the shared experts as the extra slots."""
+        return Routing(self.n_routed_experts, self.num_experts_per_tok, scoring=self.scoring,
+                       method=self.topk_method, n_group=self.n_group, topk_group=self.topk_group,
+                       norm_topk_prob=self.norm_topk_prob, scaling=self.routed_scaling_factor,
+                       num_extra=self.n_shared_experts)
 
     @property
     def qk_head_dim(self) -> int:
@@ -162,6 +173,22 @@ def _unstacked(p: dict, dt: str) -> list:
              np.ascontiguousarray(down[e].T)) for e in range(down.shape[0])]
 
 
+def kv_b_params(t: Tensors, name: str, c: DeepseekConfig) -> dict:
+    """kv_b_proj [H*(Dn+Dv), Dc] -> its halves as `models.deepseek.MLAttention` keeps them:
+    {"w_uk": [Dc, H, Dn], "w_uv": [H, Dv, Dc]}."""
+    H, Dn, Dv, Dc = c.num_heads, c.qk_nope_head_dim, c.v_head_dim, c.kv_lora_rank
+    kv_b = t.take(name, (H * (Dn + Dv), Dc)).reshape(H, Dn + Dv, Dc)
+    return {"w_uk": t.as_param(np.ascontiguousarray(kv_b[:, :Dn].transpose(2, 0, 1))),
+            "w_uv": t.as_param(np.ascontiguousarray(kv_b[:, Dn:]))}
+
+
+def kv_b_tensor(attn: dict, dt: str) -> np.ndarray:
+    """`kv_b_params`' inverse: kv_b_proj.weight [H*(Dn+Dv), Dc]."""
+    w_uk, w_uv = to_numpy(attn["w_uk"], dt), to_numpy(attn["w_uv"], dt)  # [Dc,H,Dn], [H,Dv,Dc]
+    kv_b = np.concatenate([w_uk.transpose(1, 2, 0), w_uv], axis=1)  # [H, Dn+Dv, Dc]
+    return np.ascontiguousarray(kv_b.reshape(-1, kv_b.shape[-1]))
+
+
 def layer_params(t: Tensors, prefix: str, c: DeepseekConfig, layer: int) -> dict:
     """One decoder layer's params from `prefix`-named tensors."""
     D, H = c.hidden_size, c.num_heads
@@ -178,7 +205,7 @@ def layer_params(t: Tensors, prefix: str, c: DeepseekConfig, layer: int) -> dict
     Dcr = c.kv_lora_rank + c.qk_rope_head_dim
     attn["kv_a_proj_with_mqa"] = t.linear((a + "kv_a_proj_with_mqa.weight", (Dcr, D)))
     attn["kv_a_layernorm"] = {"weight": t.param((a + "kv_a_layernorm.weight", (c.kv_lora_rank,)))}
-    attn["kv_b_proj"] = t.linear((a + "kv_b_proj.weight", (H * (c.qk_nope_head_dim + c.v_head_dim), c.kv_lora_rank)))
+    attn.update(kv_b_params(t, a + "kv_b_proj.weight", c))
     attn["o_proj"] = t.linear((a + "o_proj.weight", (D, H * c.v_head_dim)))
     if c.attention_bias:
         attn["kv_a_proj_with_mqa"]["bias"] = t.param((a + "kv_a_proj_with_mqa.bias", (Dcr,)))
@@ -275,8 +302,11 @@ def target_tensors(c: DeepseekConfig, weights) -> dict:
 def layer_tensors(lp: dict, pre: str, c: DeepseekConfig, layer: int, out: dict) -> dict:
     """One decoder layer's params -> `pre`-named tensors in `out` (experts one tensor each)."""
     dt = c.dtype
+    out[f"{pre}self_attn.kv_b_proj.weight"] = kv_b_tensor(lp["self_attn"], dt)
     for name, sub in lp["self_attn"].items():
         key = f"{pre}self_attn.{name}."
+        if name in ("w_uk", "w_uv"):
+            continue
         if "kernel" in sub:
             out[key + "weight"] = hf_linear(sub, dt)
             if "bias" in sub:

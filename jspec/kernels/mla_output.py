@@ -1,0 +1,159 @@
+"""Pallas (Triton) kernel that finishes MLA attention: it merges the MLA kernel's key
+splits and applies the value up-projection W_UV, in one pass.
+
+After `jspec.kernels.mla_decode` each query row (token t, head h) holds NS partial
+results: the softmax-weighted latent o_lat [Dc] normalised over one split's keys, and the
+log of that split's softmax denominator lse. The model then needs
+    o[t, h] = round(merge(o_lat)) @ W_UV[h]    -> [Dv]
+(rounded to the activations' dtype first, as `mla_output_reference` does). In XLA that is
+three kernels for the merge (the weights, the weighted sum, a transpose) and two for the
+product (a one-row product per head of a 1M-element weight, which XLA rewrites as a
+multiply writing the whole [Dc, H, Dv] product and a reduction reading it back): five
+kernels of 1-2.5 us each at batch 1 on the H200.
+
+Kernel: grid (B, rows, Dv tiles), rows = T*H in the MLA kernel's order (row r: token
+r // H, head r % H). A program merges its row's NS splits into o_lat [Dc] in one pass (a
+running maximum and rescaled sums: `decode_attention.merge_splits` online), rounds it, and
+multiplies it by the BN rows W_UV[h, n0:n0+BN, :] [BN, Dc] of its head (w_uv is stored
+[H, Dv, Dc], so a program reads BN contiguous rows of Dc values), summing over Dc in
+float32. A row that saw
+no key (every lse NEG_INF) gets zeros, as the reference's merge gives. Dv not a multiple
+of BN: the last tile starts at Dv - BN and overlaps its neighbour (both write the same
+values).
+"""
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+
+from jspec.kernels.decode_attention import merge_splits
+
+NEG_INF = -1e30
+DEFAULT_BLOCK_N = 16  # output columns a program: 16 x Dc=512 float32 weights, 64 a thread
+DEFAULT_WARPS = 4
+
+_DTYPES = (jnp.float32, jnp.bfloat16, jnp.float16)
+
+
+# --------------------------------------------------------------------------- reference
+
+def up_project(o_lat, w_uv, dtype):
+    """o_lat [B,T,H,Dc] float32, w_uv [H, Dv, Dc] -> [B,T,H,Dv] in `dtype`: o_lat rounded to
+    `dtype`, then the product (float32 accumulation)."""
+    return jnp.einsum("bthc,hvc->bthv", o_lat.astype(dtype), w_uv.astype(dtype),
+                      preferred_element_type=jnp.float32).astype(dtype)
+
+
+def mla_output_reference(o, lse, w_uv, *, num_tokens: int, dtype):
+    """The reference for `mla_output`: o [B, NS, R, Dc] float32 and lse [B, NS, R] float32
+    (the MLA kernel's splits, R >= T*H rows), w_uv [H, Dv, Dc] -> [B, T, H, Dv] in `dtype`."""
+    B, _, _, Dc = o.shape
+    H = w_uv.shape[0]
+    rows = num_tokens * H
+    o_lat = merge_splits(o[:, None, :, :rows], lse[:, None, :, :rows])[:, 0]  # [B, rows, Dc]
+    return up_project(o_lat.reshape(B, num_tokens, H, Dc), w_uv, dtype)
+
+
+# --------------------------------------------------------------------------- kernel
+
+def _kernel(o_ref, lse_ref, w_ref, out_ref, *, num_splits: int, num_heads: int, block_n: int, dv: int):
+    """One (batch row b, query row r, column tile j).
+
+    o_ref [B, NS, R, Dc] float32, lse_ref [B, NS, R] float32 (whole arrays); w_ref
+    [H, Dv, Dc] (whole); out_ref [B, rows, Dv] (this program writes [b, r, n0:n0+BN])."""
+    b, r, j = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    h = lax.rem(r, num_heads)
+    n0 = j * block_n
+    if dv % block_n:  # the last tile overlaps its neighbour instead of running past Dv
+        n0 = jnp.minimum(n0, dv - block_n)
+
+    def merge(s, carry):  # online: running maximum m, rescaled sum acc and denominator l
+        acc, m, l = carry
+        ls = lse_ref[b, s, r]
+        m_new = jnp.maximum(m, ls)
+        a, w = jnp.exp(m - m_new), jnp.exp(ls - m_new)
+        return acc * a + w * o_ref[b, s, r, :], m_new, l * a + w
+
+    Dc = o_ref.shape[-1]
+    acc, _, l = lax.fori_loop(0, num_splits, merge, (jnp.zeros((Dc,), jnp.float32),
+                                                     jnp.float32(NEG_INF), jnp.float32(0.0)))
+    x = (acc / l).astype(w_ref.dtype).astype(jnp.float32)  # [Dc], rounded as the reference's
+    wt = w_ref[h, pl.ds(n0, block_n), :].astype(jnp.float32)  # [BN, Dc]
+    out_ref[b, r, pl.ds(n0, block_n)] = jnp.sum(wt * x[None, :], axis=1).astype(out_ref.dtype)
+
+
+def _pow2_floor(n: int) -> int:
+    return 1 << (n.bit_length() - 1)
+
+
+def _check_args(o, lse, w_uv, num_tokens) -> None:
+    """Raises ValueError / TypeError for arguments `mla_output` does not take."""
+    if getattr(o, "ndim", None) != 4 or getattr(lse, "ndim", None) != 3 or getattr(w_uv, "ndim", None) != 3:
+        raise ValueError(f"mla_output needs o [B, NS, R, Dc], lse [B, NS, R] and w_uv [H, Dv, Dc], got "
+                         f"{getattr(o, 'shape', o)}, {getattr(lse, 'shape', lse)}, {getattr(w_uv, 'shape', w_uv)}")
+    B, NS, R, Dc = o.shape
+    H, Dv, Dc_w = w_uv.shape
+    if lse.shape != (B, NS, R):
+        raise ValueError(f"lse {lse.shape} does not match o {o.shape} (want {(B, NS, R)})")
+    if Dc_w != Dc:
+        raise ValueError(f"w_uv takes {Dc_w} latent values, o has {Dc}")
+    if not isinstance(num_tokens, int) or num_tokens < 1 or num_tokens * H > R:
+        raise ValueError(f"num_tokens {num_tokens!r} x {H} heads does not fit the {R} rows of o")
+    if Dc < 16 or Dc & (Dc - 1):
+        raise ValueError(f"latent rank Dc {Dc} is not a power of two >= 16 (Triton tiles)")
+    if Dv < 16:
+        raise ValueError(f"Dv must be >= 16 (Triton tiles), got {Dv}")
+    if o.dtype != jnp.float32 or lse.dtype != jnp.float32:
+        raise TypeError(f"o and lse must be float32, got {o.dtype} and {lse.dtype}")
+    if jnp.dtype(w_uv.dtype) not in map(jnp.dtype, _DTYPES):
+        raise TypeError(f"w_uv dtype {w_uv.dtype} is not float32, bfloat16 or float16")
+
+
+def is_supported(o, lse, w_uv, num_tokens) -> bool:
+    """Whether `mla_output` takes these arguments."""
+    try:
+        _check_args(o, lse, w_uv, num_tokens)
+    except (TypeError, ValueError):
+        return False
+    return True
+
+
+def mla_output(o, lse, w_uv, *, num_tokens: int, block_n: int | None = None,
+               num_warps: int | None = None, interpret: bool | None = None):
+    """Merges the MLA kernel's splits and up-projects the values: o [B, NS, R, Dc] float32
+    (split s of row r normalised over its keys; row r is token r // H, head r % H; rows
+    from T*H on are padding), lse [B, NS, R] float32, w_uv [H, Dv, Dc] -> [B, T, H, Dv] in
+    w_uv's dtype (see `mla_output_reference`). block_n: output columns a program (a power
+    of two, capped at Dv); num_warps: Triton's. interpret None: interpret mode unless the
+    default backend is a GPU."""
+    _check_args(o, lse, w_uv, num_tokens)
+    B, NS, R, Dc = o.shape
+    H, Dv, _ = w_uv.shape
+    block_n = DEFAULT_BLOCK_N if block_n is None else block_n
+    if not (isinstance(block_n, int) and block_n >= 1 and block_n & (block_n - 1) == 0):
+        raise ValueError(f"block_n must be a power of two, got {block_n!r}")
+    BN = min(block_n, _pow2_floor(Dv))
+    rows = num_tokens * H
+    if interpret is None:
+        interpret = jax.default_backend() != "gpu"
+    params = None
+    if not interpret:
+        from jax.experimental.pallas import triton as plt
+        params = plt.CompilerParams(num_warps=DEFAULT_WARPS if num_warps is None else num_warps, num_stages=1)
+    kernel = functools.partial(_kernel, num_splits=NS, num_heads=H, block_n=BN, dv=Dv)
+    whole = pl.BlockSpec()  # whole arrays, indexed inside the kernel
+    out = pl.pallas_call(
+        kernel,
+        grid=(B, rows, pl.cdiv(Dv, BN)),
+        in_specs=[whole] * 3,
+        out_specs=whole,
+        out_shape=jax.ShapeDtypeStruct((B, rows, Dv), w_uv.dtype),
+        interpret=interpret,
+        compiler_params=params,
+        name="jspec_mla_output",
+    )(o, lse, w_uv)
+    return out.reshape(B, num_tokens, H, Dv)

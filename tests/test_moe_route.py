@@ -1,0 +1,90 @@
+"""The Pallas MoE routing kernel (interpret mode) against its reference."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import jax.numpy as jnp
+
+from jspec.kernels import dispatch
+from jspec.kernels import moe_route as mr
+
+ROUTINGS = {  # V2-Lite, V2 (160 experts in 8 groups of 20), V3; small and real sizes
+    "v2lite": mr.Routing(64, 6, num_extra=2),
+    "v2": mr.Routing(160, 6, method="group_limited_greedy", n_group=8, topk_group=3, scaling=16.0, num_extra=2),
+    "v3": mr.Routing(256, 8, scoring="sigmoid", method="noaux_tc", n_group=8, topk_group=4, norm_topk_prob=True,
+                     scaling=2.5, num_extra=1),
+    "tiny_v3": mr.Routing(8, 2, scoring="sigmoid", method="noaux_tc", n_group=4, topk_group=2, norm_topk_prob=True,
+                          num_extra=1),
+    "tiny_greedy_norm": mr.Routing(8, 3, norm_topk_prob=True, scaling=1.5),
+}
+
+
+def _case(r: mr.Routing, N: int, seed: int, ties: bool):
+    rng = np.random.default_rng(seed)
+    logits = rng.standard_normal((N, r.num_experts)).astype(np.float32)
+    if ties:  # few distinct values: many exact ties, inside and across groups
+        logits = np.round(logits * 2) / 2
+    bias = None
+    if r.scoring == "sigmoid":
+        bias = rng.uniform(-0.1, 0.1, r.num_experts).astype(np.float32)
+        if ties:
+            bias = np.zeros_like(bias)
+    return jnp.asarray(logits), None if bias is None else jnp.asarray(bias)
+
+
+@pytest.mark.parametrize("name", list(ROUTINGS))
+@pytest.mark.parametrize("ties", [False, True])
+def test_kernel_matches_reference(name, ties):
+    r = ROUTINGS[name]
+    logits, bias = _case(r, 5, len(name) + ties, ties)
+    w_ref, ids_ref = mr.route_reference(r, logits, bias)
+    w, ids = mr.route_kernel(r, logits, bias, interpret=True)
+    assert ids.shape == w.shape == (5, r.table_width) and ids.dtype == jnp.int32 and w.dtype == jnp.float32
+    np.testing.assert_array_equal(np.asarray(ids), np.asarray(ids_ref))
+    np.testing.assert_allclose(np.asarray(w), np.asarray(w_ref), rtol=2e-6, atol=1e-7)
+    # the extra slots and the padding
+    k, s = r.top_k, r.slots
+    np.testing.assert_array_equal(np.asarray(ids[:, k:s]), np.broadcast_to(np.arange(r.num_experts, r.num_experts
+                                                                                     + r.num_extra), (5, s - k)))
+    assert np.all(np.asarray(w[:, k:s]) == 1.0) and np.all(np.asarray(w[:, s:]) == 0.0)
+    # each token's k experts are distinct and the best first
+    assert all(len(set(row)) == k for row in np.asarray(ids[:, :k]).tolist())
+
+
+def test_reference_picks_what_the_rules_say():
+    """The reference on a hand-made case: V3's rule keeps the 2 groups with the best
+    top-2 sums (not the best maximum), then the 2 best experts in them; the weights are
+    the sigmoid scores without the bias, normalised, scaled."""
+    r = mr.Routing(8, 2, scoring="sigmoid", method="noaux_tc", n_group=4, topk_group=2, norm_topk_prob=True,
+                   scaling=2.0)
+    logits = jnp.asarray([[3.0, -5.0, 1.0, 1.0, 0.5, 0.4, -1.0, 2.5]], jnp.float32)
+    # group sums of the two best sigmoids: g0 0.95+0.007, g1 0.73+0.73, g2 0.62+0.60, g3 0.92+0.27
+    w, ids = mr.route_reference(r, logits, jnp.zeros((8,), jnp.float32))
+    assert np.asarray(ids)[0, :2].tolist() == [2, 3]  # group 1 (best sum) and group 2 kept: not expert 0
+    np.testing.assert_allclose(np.asarray(w)[0, :2], [1.0, 1.0], rtol=1e-6)  # two equal scores: 0.5 * 2 each
+    w_k, ids_k = mr.route_kernel(r, logits, jnp.zeros((8,), jnp.float32), interpret=True)
+    assert np.asarray(ids_k)[0, :2].tolist() == [2, 3]
+
+
+def test_dispatch_and_validation():
+    r = ROUTINGS["v2lite"]
+    logits, _ = _case(r, 2, 0, False)
+    with dispatch.use_backend("pallas"):
+        w, ids = mr.route(r, logits)
+    np.testing.assert_array_equal(np.asarray(ids), np.asarray(mr.route_reference(r, logits)[1]))
+    with pytest.raises(ValueError, match="logits must be"):
+        mr.route_kernel(r, logits[:, :32], interpret=True)
+    with pytest.raises(TypeError, match="float32"):
+        mr.route_kernel(r, logits.astype(jnp.bfloat16), interpret=True)
+    with pytest.raises(ValueError, match="bias"):
+        mr.route_kernel(r, logits, jnp.zeros((3,), jnp.float32), interpret=True)
+    odd = mr.Routing(12, 2, method="group_limited_greedy", n_group=3, topk_group=2)
+    assert not mr.is_supported(odd, jnp.zeros((1, 12), jnp.float32))
+    with pytest.raises(ValueError, match="power-of-two number of groups"):
+        mr.route_kernel(odd, jnp.zeros((1, 12), jnp.float32), interpret=True)
+    with pytest.raises(ValueError, match="scoring"):
+        mr.Routing(8, 2, scoring="relu")
+    with pytest.raises(ValueError, match="cannot give"):
+        mr.Routing(8, 5, method="noaux_tc", n_group=4, topk_group=2)
+    with pytest.raises(ValueError, match="top_k"):
+        mr.Routing(8, 9)
