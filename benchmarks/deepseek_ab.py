@@ -1,0 +1,84 @@
+"""Batch-1 decoding of a DeepSeek-V2-Lite-shaped model with few layers (random bf16
+weights, context 1k) under several settings in one process on the same weights
+(`jspec.clear_caches()` between): ms a step from two run lengths' difference, and whether
+the tokens equal the first setting's. Settings change module constants of the kernels
+before the program is traced:
+- default: the code as it is;
+- splits2x: the expert kernel aims at twice as many programs (more K splits);
+- stages4: the expert kernel's loads 4 stages deep;
+- bn64: the expert kernel's tiles 64 columns wide;
+- out32: `mla_output` with 32 columns a program.
+The script only uses what older versions of jspec also have, so the same file measures an
+older checkout for a side-by-side comparison (its settings other than default may not
+apply there and are then skipped).
+
+Run: PYTHONPATH=. python3 benchmarks/deepseek_ab.py [layers] [setting ...]   (default 6 default)
+"""
+from __future__ import annotations
+
+import importlib
+import json
+import os
+import subprocess
+import sys
+
+import jspec
+from benchmarks.common import Runner, env_info, random_params, save_json
+from benchmarks.deepseek_h200 import V2_LITE, prompts
+
+SETTINGS = {  # name -> [(module, constant, value)]
+    "default": [],
+    "splits2x": [("jspec.kernels.moe_experts", "TARGET_PROGRAMS", 528)],
+    "stages4": [("jspec.kernels.moe_experts", "DEFAULT_STAGES", 4)],
+    "bn64": [("jspec.kernels.moe_experts", "DEFAULT_BLOCK_N", 64)],
+    "out32": [("jspec.kernels.mla_output", "DEFAULT_BLOCK_N", 32)],
+}
+
+
+def apply(changes):
+    """Sets the constants; -> the previous values, or None when a module or constant is missing."""
+    kept = []
+    for mod, name, value in changes:
+        try:
+            m = importlib.import_module(mod)
+        except ImportError:
+            return None
+        if not hasattr(m, name):
+            return None
+        kept.append((m, name, getattr(m, name)))
+    for (m, name, _), (_, _, value) in zip(kept, changes):
+        setattr(m, name, value)
+    return kept
+
+
+def main(layers: int, names: list[str]):
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
+    tag = os.environ.get("JSPEC_BENCH_TAG", commit or "tree")
+    cfg = V2_LITE.replace(num_layers=layers)
+    target = random_params(cfg)
+    res = {"env": env_info(), "layers": layers, "code": tag, "rows": []}
+    tokens = None
+    for name in names:
+        kept = apply(SETTINGS[name])
+        if kept is None:
+            print(f"{name}: not in this version of jspec, skipped", flush=True)
+            continue
+        jspec.clear_caches()
+        r = Runner(target, prompts(1, cfg.vocab_size), 112)
+        per = r.per_round(16, 112, reps=3)[0]
+        out = r.run(16)[1].tokens
+        tokens = tokens or out
+        row = {"setting": name, "ms_per_step": round(per * 1e3, 4), "same_tokens": out == tokens}
+        res["rows"].append(row)
+        print(f"[{tag}] {layers} layers, batch 1, {name}: {per * 1e3:.3f} ms/step, tokens "
+              f"{'identical' if out == tokens else 'DIFFER'}", flush=True)
+        for m, const, value in kept:
+            setattr(m, const, value)
+    save_json(f"deepseek_ab_{tag}_{layers}l.json", res)
+    print(json.dumps(res["rows"]))
+
+
+if __name__ == "__main__":
+    args = sys.argv[1:]
+    n = int(args.pop(0)) if args and args[0].isdigit() else 6
+    main(n, args or ["default"])
