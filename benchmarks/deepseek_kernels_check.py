@@ -85,7 +85,8 @@ def check_experts():
             table = np.zeros((N, KP), np.int32)
             table[:, :k], table[:, k:k + S] = routed, np.arange(E, E + S)
             table = jnp.asarray(table)
-            got = jax.jit(lambda x, t: me.routed_experts(x, t, gu, dn, (sgu, sdn), k + S))(x, table)
+            got = jax.jit(lambda x, t, gu, dn, sgu, sdn: me.routed_experts(x, t, gu, dn, (sgu, sdn), k + S))(
+                x, table, gu, dn, sgu, sdn)
             ref = me.routed_experts_reference(x, table, gu, dn, (sgu, sdn), k + S)
             f32 = lambda a: a.astype(jnp.float32)  # noqa: E731
             chain = me.routed_experts_reference(f32(x), table, f32(gu), f32(dn), (f32(sgu), f32(sdn)), k + S)

@@ -89,6 +89,17 @@ def silu_mul(gate, up):
     return jax.nn.silu(gate) * up
 
 
+def _silu_mul_float32(gate, up, dtype):
+    """`silu_mul` of gate and up (float32 values of `dtype` numbers) computed in float32,
+    each operation's result rounded to `dtype` as jax's `silu_mul` on `dtype` arrays rounds
+    it (sigmoid as exp, add, divide; then the two products): the kernel's form, since
+    Triton has no 16-bit division."""
+    def rnd(v):
+        return v.astype(dtype).astype(jnp.float32)
+    sigmoid = rnd(1.0 / rnd(1.0 + rnd(jnp.exp(-gate))))
+    return rnd(rnd(gate * sigmoid) * up)
+
+
 def routed_experts_reference(x, ids, gate_up, down, extra=None, slots: int | None = None):
     """x [N, D] (each token) or [P, D] (each pair), ids [N, KP] (each token's experts; or
     [P]) and `slots` as `pairs_of`, gate_up [E, D, 2Fm], down [E, Fm, D], extra: (gate_up,
@@ -138,7 +149,8 @@ def _kernel(ids_ref, x_ref, w_ref, *rest, din: int, dout: int, num_experts: int,
             return x_ref[row, pl.ds(kc, block_k)].astype(jnp.float32)
         gate = sum(x_ref[i, row, pl.ds(kc, block_k)] for i in range(x_ref.shape[0]))
         up = sum(x_ref[i, row, pl.ds(din + kc, block_k)] for i in range(x_ref.shape[0]))
-        return silu_mul(gate.astype(gated), up.astype(gated)).astype(jnp.float32)
+        return _silu_mul_float32(gate.astype(gated).astype(jnp.float32), up.astype(gated).astype(jnp.float32),
+                                 gated)
 
     def product(ref, expert):  # this program's share of x[row] @ ref[expert][:, n0:n0+BN]
         def step(c, acc):
