@@ -7,7 +7,7 @@ before the program is traced:
 - splits2x: the expert kernel aims at twice as many programs (more K splits);
 - stages4: the expert kernel's loads 4 stages deep;
 - bn64: the expert kernel's tiles 64 columns wide;
-- out32: `mla_output` with 32 columns a program.
+- out32, out64: `mla_output` with 32 or 64 columns a program.
 The script only uses what older versions of jspec also have, so the same file measures an
 older checkout for a side-by-side comparison (its settings other than default may not
 apply there and are then skipped).
@@ -32,6 +32,7 @@ SETTINGS = {  # name -> [(module, constant, value)]
     "stages4": [("jspec.kernels.moe_experts", "DEFAULT_STAGES", 4)],
     "bn64": [("jspec.kernels.moe_experts", "DEFAULT_BLOCK_N", 64)],
     "out32": [("jspec.kernels.mla_output", "DEFAULT_BLOCK_N", 32)],
+    "out64": [("jspec.kernels.mla_output", "DEFAULT_BLOCK_N", 64)],
 }
 
 

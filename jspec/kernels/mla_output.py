@@ -12,11 +12,12 @@ multiply writing the whole [Dc, H, Dv] product and a reduction reading it back):
 kernels of 1-2.5 us each at batch 1 on the H200.
 
 Kernel: grid (B, rows, Dv tiles), rows = T*H in the MLA kernel's order (row r: token
-r // H, head r % H). A program merges its row's NS splits into o_lat [Dc] in one pass (a
-running maximum and rescaled sums: `decode_attention.merge_splits` online), rounds it, and
-multiplies it by the BN rows W_UV[h, n0:n0+BN, :] [BN, Dc] of its head (w_uv is stored
-[H, Dv, Dc], so a program reads BN contiguous rows of Dc values), summing over Dc in
-float32. A row that saw
+r // H, head r % H). A program loads the lse of its row's NS splits as one vector (padded
+to a power of two), weighs the splits as `decode_attention.merge_splits` does, and walks
+the latent in chunks of LATENT_CHUNK: it loads that chunk of every split at once (a
+[NS, chunk] tile: no loop of dependent loads), merges and rounds it, and multiplies it by
+the chunk of its head's BN rows W_UV[h, n0:n0+BN, :] (w_uv is stored [H, Dv, Dc], so a
+program reads BN contiguous rows), accumulating [BN] in float32. A row that saw
 no key (every lse NEG_INF) gets zeros, as the reference's merge gives. Dv not a multiple
 of BN: the last tile starts at Dv - BN and overlaps its neighbour (both write the same
 values).
@@ -35,6 +36,7 @@ from jspec.kernels.decode_attention import merge_splits
 NEG_INF = -1e30
 DEFAULT_BLOCK_N = 16  # output columns a program: 16 x Dc=512 float32 weights, 64 a thread
 DEFAULT_WARPS = 4
+LATENT_CHUNK = 128  # latent values a step: [NS, 128] splits and [BN, 128] weights in registers
 
 _DTYPES = (jnp.float32, jnp.bfloat16, jnp.float16)
 
@@ -60,30 +62,33 @@ def mla_output_reference(o, lse, w_uv, *, num_tokens: int, dtype):
 
 # --------------------------------------------------------------------------- kernel
 
-def _kernel(o_ref, lse_ref, w_ref, out_ref, *, num_splits: int, num_heads: int, block_n: int, dv: int):
+def _kernel(o_ref, lse_ref, w_ref, out_ref, *, num_splits: int, num_heads: int, num_rows: int,
+            block_n: int, dv: int, chunk: int):
     """One (batch row b, query row r, column tile j).
 
-    o_ref [B, NS, R, Dc] float32, lse_ref [B, NS, R] float32 (whole arrays); w_ref
-    [H, Dv, Dc] (whole); out_ref [B, rows, Dv] (this program writes [b, r, n0:n0+BN])."""
+    o_ref [B * NS * R, Dc] float32 and lse_ref [B * NS, R] float32: the splits (whole
+    arrays; split s of row r of batch row b is row (b * NS + s) * R + r); w_ref [H, Dv, Dc]
+    (whole); out_ref [B, rows, Dv] (this program writes [b, r, n0:n0+BN])."""
     b, r, j = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     h = lax.rem(r, num_heads)
     n0 = j * block_n
     if dv % block_n:  # the last tile overlaps its neighbour instead of running past Dv
         n0 = jnp.minimum(n0, dv - block_n)
-
-    def merge(s, carry):  # online: running maximum m, rescaled sum acc and denominator l
-        acc, m, l = carry
-        ls = lse_ref[b, s, r]
-        m_new = jnp.maximum(m, ls)
-        a, w = jnp.exp(m - m_new), jnp.exp(ls - m_new)
-        return acc * a + w * o_ref[b, s, r, :], m_new, l * a + w
-
-    Dc = o_ref.shape[-1]
-    acc, _, l = lax.fori_loop(0, num_splits, merge, (jnp.zeros((Dc,), jnp.float32),
-                                                     jnp.float32(NEG_INF), jnp.float32(0.0)))
-    x = (acc / l).astype(w_ref.dtype).astype(jnp.float32)  # [Dc], rounded as the reference's
-    wt = w_ref[h, pl.ds(n0, block_n), :].astype(jnp.float32)  # [BN, Dc]
-    out_ref[b, r, pl.ds(n0, block_n)] = jnp.sum(wt * x[None, :], axis=1).astype(out_ref.dtype)
+    nsp = max(2, 1 << (num_splits - 1).bit_length())  # the splits as a power-of-two tile
+    split = jnp.arange(nsp, dtype=jnp.int32)
+    valid = split < num_splits
+    first = b * num_splits + jnp.minimum(split, num_splits - 1)  # [NSP], clamped in range
+    lse = jnp.where(valid, lse_ref[first, r], NEG_INF)
+    w = jnp.where(valid, jnp.exp(lse - jnp.max(lse)), 0.0)  # [NSP]
+    inv_l = 1.0 / jnp.sum(w)
+    out = jnp.zeros((block_n,), jnp.float32)
+    for c0 in range(0, o_ref.shape[-1], chunk):  # the latent in chunks: independent loads
+        o = o_ref[first * num_rows + r, pl.ds(c0, chunk)]  # [NSP, chunk]
+        x = jnp.sum(w[:, None] * o, axis=0) * inv_l  # the merged latent's chunk
+        x = x.astype(w_ref.dtype).astype(jnp.float32)  # rounded as the reference's
+        wt = w_ref[h, pl.ds(n0, block_n), pl.ds(c0, chunk)].astype(jnp.float32)  # [BN, chunk]
+        out = out + jnp.sum(wt * x[None, :], axis=1)
+    out_ref[b, r, pl.ds(n0, block_n)] = out.astype(out_ref.dtype)
 
 
 def _pow2_floor(n: int) -> int:
@@ -144,7 +149,8 @@ def mla_output(o, lse, w_uv, *, num_tokens: int, block_n: int | None = None,
     if not interpret:
         from jax.experimental.pallas import triton as plt
         params = plt.CompilerParams(num_warps=DEFAULT_WARPS if num_warps is None else num_warps, num_stages=1)
-    kernel = functools.partial(_kernel, num_splits=NS, num_heads=H, block_n=BN, dv=Dv)
+    kernel = functools.partial(_kernel, num_splits=NS, num_heads=H, num_rows=R, block_n=BN, dv=Dv,
+                               chunk=min(LATENT_CHUNK, Dc))
     whole = pl.BlockSpec()  # whole arrays, indexed inside the kernel
     out = pl.pallas_call(
         kernel,
@@ -155,5 +161,5 @@ def mla_output(o, lse, w_uv, *, num_tokens: int, block_n: int | None = None,
         interpret=interpret,
         compiler_params=params,
         name="jspec_mla_output",
-    )(o, lse, w_uv)
+    )(o.reshape(B * NS * R, Dc), lse.reshape(B * NS, R), w_uv)
     return out.reshape(B, num_tokens, H, Dv)
