@@ -15,9 +15,11 @@ Parts (arguments; default: all):
   batch 1 = the difference / 2, and its bandwidth utilisation.
 
 Run: PYTHONPATH=. python3 benchmarks/deepseek_h200.py [decode] [mtp] [v3layer]
+(DEEPSEEK_BATCHES=1,32: the decode batches; mtp needs batch 1 first for its ratios)
 """
 from __future__ import annotations
 
+import os
 import sys
 import time
 
@@ -88,7 +90,8 @@ def decode_and_mtp(parts, res, ceiling, name):
     print(f"V2-Lite shape ready in {time.perf_counter() - t0:.1f}s: {n / 1e9:.2f}B parameters", flush=True)
     res["v2lite_parameters"] = n
     ar = {}
-    for batch in ((1, 32) if "decode" in parts else (1,)):
+    batches = tuple(int(b) for b in os.environ.get("DEEPSEEK_BATCHES", "1,32").split(","))
+    for batch in (batches if "decode" in parts else (1,)):
         r = Runner(target, prompts(batch, V2_LITE.vocab_size), LONG)
         per, _, _ = r.per_round(SHORT, LONG, reps=2)
         ctx = CTX + (SHORT + LONG) / 2

@@ -66,11 +66,30 @@ def test_reference_picks_what_the_rules_say():
     assert np.asarray(ids_k)[0, :2].tolist() == [2, 3]
 
 
+@pytest.mark.parametrize("name,N", [("v2lite", 1), ("v3", 3), ("v2lite", 20), ("tiny_v3", 2)])
+def test_route_from_activations(name, N):
+    """`route` from the activations and the router weight: with the kernels forced, the
+    product as K splits of the expert kernel (few tokens) or XLA's (many; 8 experts, under
+    the expert kernel's tiles), then the routing kernel; the table equals the reference's."""
+    r = ROUTINGS[name]
+    rng = np.random.default_rng(N)
+    D = 128
+    x = jnp.asarray(rng.standard_normal((N, D)), jnp.bfloat16)
+    w = jnp.asarray(rng.standard_normal((D, r.num_experts)) / 8, jnp.float32)
+    bias = jnp.asarray(rng.uniform(-0.1, 0.1, r.num_experts), jnp.float32) if r.scoring == "sigmoid" else None
+    w_ref, ids_ref = mr.route_reference(r, mr.router_logits(x, w), bias)
+    with dispatch.use_backend("reference"):
+        np.testing.assert_array_equal(np.asarray(mr.route(r, x, w, bias)[1]), np.asarray(ids_ref))
+    with dispatch.use_backend("pallas"):
+        got_w, got_ids = mr.route(r, x, w, bias)
+    np.testing.assert_array_equal(np.asarray(got_ids), np.asarray(ids_ref))
+    np.testing.assert_allclose(np.asarray(got_w), np.asarray(w_ref), rtol=1e-5, atol=1e-6)
+
+
 def test_dispatch_and_validation():
     r = ROUTINGS["v2lite"]
     logits, _ = _case(r, 2, 0, False)
-    with dispatch.use_backend("pallas"):
-        w, ids = mr.route(r, logits)
+    w, ids = mr.route_kernel(r, jnp.stack([logits * 0.25, logits * 0.75]), interpret=True)  # K splits
     np.testing.assert_array_equal(np.asarray(ids), np.asarray(mr.route_reference(r, logits)[1]))
     with pytest.raises(ValueError, match="logits must be"):
         mr.route_kernel(r, logits[:, :32], interpret=True)

@@ -27,6 +27,8 @@ from jax.experimental import pallas as pl
 from jspec.kernels import dispatch
 
 SCORINGS = ("softmax", "sigmoid")
+KERNEL_PRODUCT_TOKENS = 16  # up to this many tokens the router product runs in the expert kernel
+ROUTER_BLOCK_K = 64  # its rows a program
 METHODS = ("greedy", "group_limited_greedy", "noaux_tc")
 
 
@@ -81,9 +83,18 @@ class Routing:
 
 # --------------------------------------------------------------------------- reference
 
+def router_logits(x, w):
+    """x [N, D] (the normalised activations), w [D, E] float32 -> logits [N, E] float32,
+    the products in float32."""
+    return jnp.dot(x.astype(jnp.float32), w, precision=lax.Precision.HIGHEST)
+
+
 def route_reference(r: Routing, logits, bias=None):
-    """Router logits [N, E] float32 (and V3's score-correction bias [E]) -> the routing
-    table (weights [N, KP] float32, ids [N, KP] int32); see the module docstring."""
+    """Router logits [N, E] float32, or K splits of them [S, N, E] (and V3's
+    score-correction bias [E]) -> the routing table (weights [N, KP] float32, ids [N, KP]
+    int32); see the module docstring."""
+    if logits.ndim == 3:  # K splits of the logits
+        logits = jnp.sum(logits, axis=0)
     N, E = logits.shape
     k, G = r.top_k, r.n_group
     scores = jax.nn.sigmoid(logits) if r.scoring == "sigmoid" else jax.nn.softmax(logits, axis=-1)
@@ -114,12 +125,12 @@ def route_reference(r: Routing, logits, bias=None):
 # --------------------------------------------------------------------------- kernel
 
 def _kernel(logits_ref, *rest, r: Routing, group_size: int):
-    """One token n. logits_ref [N, G, EGp] float32 (the token's logits by group, columns
-    from group_size on padding at -inf); with a bias, bias_ref [G, EGp] float32; w_ref and
-    ids_ref [N, KP] (whole; this program writes row n)."""
+    """One token n. logits_ref [S, N, G, EGp] float32 (K splits of the token's logits by
+    group, summed here; columns from group_size on padding at -inf); with a bias, bias_ref
+    [G, EGp] float32; w_ref and ids_ref [N, KP] (whole; this program writes row n)."""
     bias_ref, w_ref, ids_ref = rest if len(rest) == 3 else (None,) + rest
     n = pl.program_id(0)
-    x = logits_ref[n]  # [G, EGp]
+    x = sum(logits_ref[i, n] for i in range(logits_ref.shape[0]))  # [G, EGp]
     G, EGp = x.shape
     KP = w_ref.shape[1]
     col = lax.broadcasted_iota(jnp.int32, (G, EGp), 1)
@@ -179,8 +190,9 @@ def _check(r: Routing, logits, bias) -> None:
     """Raises ValueError / TypeError for arguments `route_kernel` does not take."""
     if not isinstance(r, Routing):
         raise TypeError(f"routing must be a Routing, got {type(r).__name__}")
-    if getattr(logits, "ndim", None) != 2 or logits.shape[1] != r.num_experts or logits.shape[0] < 1:
-        raise ValueError(f"logits must be [N, {r.num_experts}], got {getattr(logits, 'shape', logits)}")
+    if getattr(logits, "ndim", None) not in (2, 3) or logits.shape[-1] != r.num_experts or 0 in logits.shape:
+        raise ValueError(f"logits must be [N, {r.num_experts}] or its K splits [S, N, {r.num_experts}], got "
+                         f"{getattr(logits, 'shape', logits)}")
     if logits.dtype != jnp.float32:
         raise TypeError(f"logits must be float32, got {logits.dtype}")
     if bias is not None and (getattr(bias, "shape", None) != (r.num_experts,) or bias.dtype != jnp.float32):
@@ -204,7 +216,9 @@ def route_kernel(r: Routing, logits, bias=None, *, interpret: bool | None = None
     """`route_reference` (same arguments and result) as one Pallas kernel, a program per
     token. interpret None: interpret mode unless the default backend is a GPU."""
     _check(r, logits, bias)
-    N, E = logits.shape
+    if logits.ndim == 2:
+        logits = logits[None]
+    _, N, E = logits.shape
     G = r.n_group if r.grouped else 1
     EG = E // G
     EGp = max(2, _pow2_ceil(EG))
@@ -235,10 +249,33 @@ def route_kernel(r: Routing, logits, bias=None, *, interpret: bool | None = None
     return weights, ids
 
 
-def route(r: Routing, logits, bias=None):
-    """Dispatch: `route_kernel` where supported on a GPU (or forced with
-    JSPEC_KERNELS=pallas), else `route_reference`; same arguments and result."""
-    if dispatch.backend() != "reference" and dispatch.want_pallas(
-            dispatch.backend() == "pallas" or is_supported(r, logits, bias)):
-        return route_kernel(r, logits, bias)
-    return route_reference(r, logits, bias)
+def uses_kernel(r: Routing, logits, bias=None) -> bool:
+    """Whether `route` takes the Pallas kernels (see `jspec.kernels.dispatch`)."""
+    if dispatch.backend() == "reference":
+        return False
+    return dispatch.want_pallas(dispatch.backend() == "pallas" or is_supported(r, logits, bias))
+
+
+def route(r: Routing, x, w, bias=None):
+    """The routing table of x [N, D] (the normalised activations) with the router w [D, E]
+    float32 (and V3's score-correction bias [E]): (weights [N, KP] float32, ids [N, KP]
+    int32), see the module docstring.
+
+    Dispatch: with the kernels, up to KERNEL_PRODUCT_TOKENS tokens take the router product
+    from the expert kernel (`moe_experts.expert_matmul`, w as one expert, float32 products)
+    as K splits that `route_kernel` sums: two kernels, where XLA's one-row product is a
+    padded product, a reduction of its splits and a slice. More tokens take XLA's product,
+    then `route_kernel`. Without: `router_logits`, then `route_reference`."""
+    N, E = x.shape[0], w.shape[1]
+    probe = jax.ShapeDtypeStruct((N, E), jnp.float32)
+    if not uses_kernel(r, probe, bias):
+        return route_reference(r, router_logits(x, w), bias)
+    if N > KERNEL_PRODUCT_TOKENS or min(E, x.shape[1]) < 16:  # (the expert kernel's smallest tiles)
+        return route_kernel(r, router_logits(x, w), bias)
+    from jspec.kernels.moe_experts import expert_matmul
+
+    D = x.shape[1]
+    splits = max(1, D // ROUTER_BLOCK_K)  # a program per chunk of rows: the weight is read by many SMs
+    partials = expert_matmul(x, jnp.zeros((N, 1), jnp.int32), w[None], sum_splits=False, num_splits=splits,
+                             block_k=ROUTER_BLOCK_K)  # [S, N, E]
+    return route_kernel(r, partials, bias)

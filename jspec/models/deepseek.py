@@ -31,7 +31,7 @@ from jspec.kernels.moe_route import route
 from jspec.cache.kv import write_kv
 from jspec.models import deepseek_hf
 from jspec.models.deepseek_hf import DeepseekConfig
-from jspec.models.llama import TWO_ROW_BACKENDS, DecoderLM, FlaxFamily, Linear, RMSNorm, apply_rope
+from jspec.models.llama import DecoderLM, FlaxFamily, Linear, RMSNorm, apply_rope
 
 _init = nn.initializers.normal(0.02)
 LATENT_NORM_EPS = 1e-6  # the q/kv latent norms use RMSNorm's default, not rms_norm_eps
@@ -107,19 +107,6 @@ class MLP(nn.Module):
                                                                         * gu[..., self.width:])
 
 
-def router_logits(xs, w):
-    """xs [N, D] -> router logits [N, E] float32, products in float32 exactly (w [D, E]
-    float32). XLA rewrites a one-row product as a multiply writing [D, E] and a reduction
-    reading it back (5.7 us for DeepSeek-V2-Lite's router on the H200); on a GPU one row
-    is padded to two, which stays a matrix product (as `llama.pad_one_row`)."""
-    x = xs.astype(jnp.float32)
-    pad = x.shape[0] == 1 and jax.default_backend() in TWO_ROW_BACKENDS
-    if pad:
-        x = jnp.pad(x, ((0, 1), (0, 0)))
-    y = jnp.dot(x, w, precision=jax.lax.Precision.HIGHEST)
-    return y[:1] if pad else y
-
-
 class MoE(nn.Module):
     """Routed experts plus shared experts. The S shared experts (one MLP of width S*Fm in
     the checkpoint) are stored as S experts of width Fm (`deepseek_hf`). The router's
@@ -150,7 +137,7 @@ class MoE(nn.Module):
         shared = self.param("shared_experts", stacked(S)) if S else None
         xs = x.reshape(B * T, D)
         r = c.routing
-        weights, ids = route(r, router_logits(xs, router["kernel"]), router.get("bias"))  # [N, KP] each
+        weights, ids = route(r, xs, router["kernel"], router.get("bias"))  # [N, KP] each
         if B * T * k < E:  # decode and verification: read the chosen and the shared experts only
             extra = (shared["gate_up"], shared["down"]) if S else None
             y = moe_experts(xs, ids, experts["gate_up"], experts["down"], extra, r.slots)  # [N*(k+S), D]
