@@ -231,6 +231,9 @@ def test_mla_output_validation():
         call(block_n=12)
     with pytest.raises(ValueError, match="needs"):
         call(o=o[0])
+    assert mo.is_supported(o, lse, w_uv, 2)
+    many = jnp.zeros((mo.KERNEL_MAX_TOKENS + 1, 1, 16, 32), jnp.float32)  # batch rows of one token each
+    assert not mo.is_supported(many, many[..., 0], w_uv, 1)  # past the tokens it pays for: XLA's product
 
 
 # --------------------------------------------------------------------------- dispatch, errors

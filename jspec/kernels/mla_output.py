@@ -36,6 +36,11 @@ from jspec.kernels.decode_attention import merge_splits
 NEG_INF = -1e30
 DEFAULT_BLOCK_N = 16  # output columns a program: 16 x Dc=512 float32 weights, 64 a thread
 DEFAULT_WARPS = 4
+# A program per (query row, column tile) re-reads its head's W_UV tile for every token:
+# (B*T) x 2 MB of L2 reads a layer at DeepSeek's shapes. Past this many tokens XLA's
+# batched product (W_UV read once) is faster: on the H200 a batch-32 V2-Lite step took
+# 12.93 ms with the kernel, 12.29 without (docs/experiments.md).
+KERNEL_MAX_TOKENS = 16
 LATENT_CHUNK = 128  # latent values a step: [NS, 128] splits and [BN, 128] weights in registers
 
 _DTYPES = (jnp.float32, jnp.bfloat16, jnp.float16)
@@ -119,12 +124,13 @@ def _check_args(o, lse, w_uv, num_tokens) -> None:
 
 
 def is_supported(o, lse, w_uv, num_tokens) -> bool:
-    """Whether `mla_output` takes these arguments."""
+    """Whether `mla_output` takes these arguments and pays (at most KERNEL_MAX_TOKENS
+    tokens in all)."""
     try:
         _check_args(o, lse, w_uv, num_tokens)
     except (TypeError, ValueError):
         return False
-    return True
+    return o.shape[0] * num_tokens <= KERNEL_MAX_TOKENS
 
 
 def mla_output(o, lse, w_uv, *, num_tokens: int, block_n: int | None = None,
