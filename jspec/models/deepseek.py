@@ -7,14 +7,15 @@ attend in the absorbed form (`jspec.kernels.mla_attention`): the key up-projecti
 is folded into the query and the value up-projection W_UV applied after attention, so
 the cache is read once for all heads.
 
-MoE layers route each token to k of E experts (V2: softmax scores, `greedy` or
-`group_limited_greedy`; V3: sigmoid scores with `e_score_correction_bias` used for the
-choice only, groups, `norm_topk_prob`, `routed_scaling_factor`), and to the shared experts,
-stored as S experts of the same width. When a forward has fewer
-(token, expert) pairs than experts (decoding, verification), each pair gathers its
-expert's weights straight from the stacked arrays (`jspec.kernels.moe_experts`: a Pallas
-kernel on the GPU, a gather elsewhere), so only chosen experts are read; otherwise
-(prefill) the pairs are sorted by expert and run as grouped products (`jax.lax.ragged_dot`).
+MoE layers route each token to k of E experts (`jspec.kernels.moe_route`; V2: softmax
+scores, `greedy` or `group_limited_greedy`; V3: sigmoid scores with
+`e_score_correction_bias` used for the choice only, groups, `norm_topk_prob`,
+`routed_scaling_factor`), and to the shared experts, stored as S experts of the same
+width. When a forward has fewer (token, expert) pairs than experts (decoding,
+verification), each pair reads its expert's weights straight from the stacked arrays
+(`jspec.kernels.moe_experts`: a Pallas kernel on the GPU, a gather elsewhere), so only
+chosen experts are read; otherwise (prefill) the pairs are sorted by expert and run as
+grouped products (`jax.lax.ragged_dot`).
 """
 from __future__ import annotations
 
