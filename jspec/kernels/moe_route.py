@@ -25,6 +25,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 from jspec.kernels import dispatch
+from jspec.kernels.moe_experts import expert_matmul
 
 SCORINGS = ("softmax", "sigmoid")
 KERNEL_PRODUCT_TOKENS = 16  # up to this many tokens the router product runs in the expert kernel
@@ -272,8 +273,6 @@ def route(r: Routing, x, w, bias=None):
         return route_reference(r, router_logits(x, w), bias)
     if N > KERNEL_PRODUCT_TOKENS or min(E, x.shape[1]) < 16:  # (the expert kernel's smallest tiles)
         return route_kernel(r, router_logits(x, w), bias)
-    from jspec.kernels.moe_experts import expert_matmul
-
     D = x.shape[1]
     splits = max(1, D // ROUTER_BLOCK_K)  # a program per chunk of rows: the weight is read by many SMs
     partials = expert_matmul(x, jnp.zeros((N, 1), jnp.int32), w[None], sum_splits=False, num_splits=splits,
