@@ -203,9 +203,9 @@ def _table(ids, slots):
     return ids2, slots
 
 
-def _check_matmul(x, ids, w, extra=None, slots=None, gated=None) -> tuple[int, bool]:
+def _check_matmul(x, ids, w, extra=None, slots=None, gated=None):
     """Raises ValueError / TypeError for arguments `expert_matmul` does not take; else
-    -> (pairs P, whether x has a row per token)."""
+    -> (ids as a table [N, KP], slots, pairs P, whether x has a row per token)."""
     if extra is not None:
         if getattr(extra, "ndim", None) != 3 or getattr(w, "ndim", None) != 3 or extra.shape[1:] != w.shape[1:]:
             raise ValueError(f"extra experts must be [E2, Din, Dout] like w {getattr(w, 'shape', w)}, got "
@@ -240,7 +240,7 @@ def _check_matmul(x, ids, w, extra=None, slots=None, gated=None) -> tuple[int, b
     for name, a in (("x", x), ("w", w)):
         if jnp.dtype(a.dtype) not in map(jnp.dtype, _DTYPES):
             raise TypeError(f"{name} dtype {a.dtype} is not float32, bfloat16 or float16")
-    return P, gated is None and rows == N and slots > 1
+    return ids2, slots, P, gated is None and rows == N and slots > 1
 
 
 def expert_matmul(x, ids, w, extra=None, *, slots: int | None = None, gated=None, sum_splits: bool = True,
@@ -266,8 +266,7 @@ def expert_matmul(x, ids, w, extra=None, *, slots: int | None = None, gated=None
     reduce_each_step: sum each step's [BK, BN] products over rows at once (a [BN]
     accumulator) instead of accumulating the tile and summing it at the end.
     interpret None: interpret mode unless the default backend is a GPU."""
-    P, token_rows = _check_matmul(x, ids, w, extra, slots, gated)
-    ids2, slots = _table(ids, slots)
+    ids2, slots, P, token_rows = _check_matmul(x, ids, w, extra, slots, gated)
     E, Din, Dout = w.shape
     E2 = 0 if extra is None else extra.shape[0]
     block_n = DEFAULT_BLOCK_N if block_n is None else block_n
@@ -328,7 +327,7 @@ def _check_experts(x, ids, gate_up, down, extra=None, slots=None) -> None:
     if gate_up.dtype != down.dtype:
         raise TypeError(f"gate_up and down dtypes differ: {gate_up.dtype}, {down.dtype}")
     extra_gu, extra_down = (None, None) if extra is None else extra
-    P, _ = _check_matmul(x, ids, gate_up, extra_gu, slots)
+    _, _, P, _ = _check_matmul(x, ids, gate_up, extra_gu, slots)
     _check_matmul(jax.ShapeDtypeStruct((1, P, F2), jnp.float32), ids, down, extra_down, slots, gated=x.dtype)
     if extra is not None and extra_gu.shape[0] != extra_down.shape[0]:
         raise ValueError(f"extra experts: gate_up {extra_gu.shape} and down {extra_down.shape} hold "
