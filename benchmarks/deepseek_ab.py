@@ -4,10 +4,14 @@ weights, context 1k) under several settings in one process on the same weights
 the tokens equal the first setting's. Settings change module constants of the kernels
 before the program is traced:
 - default: the code as it is;
-- splits2x: the expert kernel aims at twice as many programs (more K splits);
+- splits_half: the expert kernel aims at half as many programs (fewer K splits);
 - stages4: the expert kernel's loads 4 stages deep;
 - bn64: the expert kernel's tiles 64 columns wide;
-- out32, out64: `mla_output` with 32 or 64 columns a program.
+- out32, out64: `mla_output` with 32 or 64 columns a program;
+- xla_rows: one-row dense products as XLA's (padded) products instead of `matvec`;
+- splits2x: twice the target programs; min2: K splits of 2 chunks allowed (more
+  splits for the dense products); matvec_auto: `matvec` with the expert kernel's default
+  tiles (128 columns, K splits by its rule) instead of its own.
 The script only uses what older versions of jspec also have, so the same file measures an
 older checkout for a side-by-side comparison (its settings other than default may not
 apply there and are then skipped).
@@ -28,11 +32,16 @@ from benchmarks.deepseek_h200 import V2_LITE, prompts
 
 SETTINGS = {  # name -> [(module, constant, value)]
     "default": [],
-    "splits2x": [("jspec.kernels.moe_experts", "TARGET_PROGRAMS", 528)],
+    "splits_half": [("jspec.kernels.moe_experts", "TARGET_PROGRAMS", 264)],
     "stages4": [("jspec.kernels.moe_experts", "DEFAULT_STAGES", 4)],
     "bn64": [("jspec.kernels.moe_experts", "DEFAULT_BLOCK_N", 64)],
     "out32": [("jspec.kernels.mla_output", "DEFAULT_BLOCK_N", 32)],
     "out64": [("jspec.kernels.mla_output", "DEFAULT_BLOCK_N", 64)],
+    "xla_rows": [("jspec.kernels.moe_experts", "MATVEC_MAX_ROWS", 0)],
+    "splits2x": [("jspec.kernels.moe_experts", "TARGET_PROGRAMS", 1056)],
+    "min2": [("jspec.kernels.moe_experts", "MIN_SPLIT_CHUNKS", 2)],
+    "matvec_auto": [("jspec.kernels.moe_experts", "MATVEC_BLOCK_N", 128),
+                    ("jspec.kernels.moe_experts", "MATVEC_SPLITS", None)],
 }
 
 

@@ -15,7 +15,8 @@ Parts (arguments; default: all):
   batch 1 = the difference / 2, and its bandwidth utilisation.
 
 Run: PYTHONPATH=. python3 benchmarks/deepseek_h200.py [decode] [mtp] [v3layer]
-(DEEPSEEK_BATCHES=1,32: the decode batches; mtp needs batch 1 first for its ratios)
+(DEEPSEEK_BATCHES=1,32: the decode batches; mtp needs batch 1 first for its ratios;
+DEEPSEEK_SETTING: one of `benchmarks/deepseek_ab.py`'s settings, default the code as it is)
 """
 from __future__ import annotations
 
@@ -149,8 +150,12 @@ def v3_layers(res, ceiling, name):
 
 
 def main(parts):
-    name = "deepseek_h200.json"
-    res = {"env": env_info(), "kernels": __import__("os").environ.get("JSPEC_KERNELS", "auto")}
+    from benchmarks.deepseek_ab import SETTINGS, apply
+
+    setting = os.environ.get("DEEPSEEK_SETTING", "default")
+    apply(SETTINGS[setting])
+    name = "deepseek_h200.json" if setting == "default" else f"deepseek_h200_{setting}.json"
+    res = {"env": env_info(), "kernels": os.environ.get("JSPEC_KERNELS", "auto"), "setting": setting}
     print(res["env"], flush=True)
     bw = copy_bandwidth()
     res["copy_bandwidth"] = bw

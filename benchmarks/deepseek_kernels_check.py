@@ -6,6 +6,8 @@
   reference's, weights' largest difference;
 - routed_experts with the routing table (token rows, the gated second product): V2-Lite
   and V3 expert shapes, 1 and 4 tokens, against a float32 chain;
+- matvec (the few-row products through the expert kernel, the input norm in its
+  prologue) against a float32 product, and the dense MLP as one expert;
 - a 4-layer V2-Lite model, batch 1: 48 greedy tokens with the kernels and with the
   references (JSPEC_KERNELS=reference), and where they first differ (bf16: near-ties may
   flip).
@@ -73,10 +75,10 @@ def check_route():
 def check_experts():
     for name, (E, k, D, Fm, S) in (("v2lite", (64, 6, 2048, 1408, 2)), ("v3", (256, 8, 7168, 2048, 1))):
         key = jax.random.key(3)
-        gu = jax.random.normal(key, (E, D, 2 * Fm), jnp.bfloat16) / np.sqrt(D)
-        dn = jax.random.normal(jax.random.fold_in(key, 1), (E, Fm, D), jnp.bfloat16) / np.sqrt(Fm)
-        sgu = jax.random.normal(jax.random.fold_in(key, 2), (S, D, 2 * Fm), jnp.bfloat16) / np.sqrt(D)
-        sdn = jax.random.normal(jax.random.fold_in(key, 3), (S, Fm, D), jnp.bfloat16) / np.sqrt(Fm)
+        gu = jax.random.normal(key, (E, D, 2 * Fm), jnp.bfloat16) / float(np.sqrt(D))
+        dn = jax.random.normal(jax.random.fold_in(key, 1), (E, Fm, D), jnp.bfloat16) / float(np.sqrt(Fm))
+        sgu = jax.random.normal(jax.random.fold_in(key, 2), (S, D, 2 * Fm), jnp.bfloat16) / float(np.sqrt(D))
+        sdn = jax.random.normal(jax.random.fold_in(key, 3), (S, Fm, D), jnp.bfloat16) / float(np.sqrt(Fm))
         for N in (1, 4):
             rng = np.random.default_rng(N)
             x = jnp.asarray(rng.standard_normal((N, D)), jnp.bfloat16)
@@ -92,6 +94,33 @@ def check_experts():
             chain = me.routed_experts_reference(f32(x), table, f32(gu), f32(dn), (f32(sgu), f32(sdn)), k + S)
             log(f"experts_{name}_N{N}", {"kernel_vs_f32": rel(got, chain), "bf16_reference_vs_f32": rel(ref, chain),
                                          "ok": rel(got, chain) < 2e-2})
+
+
+def check_matvec():
+    """`matvec` with the input norm in its prologue: V2-Lite's fused query/latent
+    projection and output projection, the dense layer's MLP as one expert."""
+    key = jax.random.key(5)
+    for name, (K, N, norm) in (("qkv_a", (2048, 3648, True)), ("o_proj", (2048, 2048, False)),
+                               ("v3_qkv_a", (7168, 2112, True))):
+        x = (jax.random.normal(key, (1, K)) * 3).astype(jnp.bfloat16)
+        w = jax.random.normal(jax.random.fold_in(key, 1), (K, N), jnp.bfloat16) / float(np.sqrt(K))
+        nw = (1 + 0.1 * jax.random.normal(jax.random.fold_in(key, 2), (K,))).astype(jnp.bfloat16)
+        nm = (nw, 1e-6) if norm else None
+        got = jax.jit(lambda x, w, nw: me.matvec(x, w, (nw, 1e-6) if norm else None, float32_out=True))(x, w, nw)
+        xin = me.rms_norm(x, *nm) if norm else x
+        ref = jnp.dot(xin.astype(jnp.float32), w.astype(jnp.float32), precision=jax.lax.Precision.HIGHEST)
+        log(f"matvec_{name}", {"kernel_vs_f32": rel(got, ref), "ok": rel(got, ref) < 1e-5})
+    D, F = 2048, 10944
+    x = jax.random.normal(key, (1, D), jnp.bfloat16)
+    gu = jax.random.normal(jax.random.fold_in(key, 3), (1, D, 2 * F), jnp.bfloat16) / float(np.sqrt(D))
+    dn = jax.random.normal(jax.random.fold_in(key, 4), (1, F, D), jnp.bfloat16) / float(np.sqrt(F))
+    one = jnp.zeros((1,), jnp.int32)
+    got = jax.jit(me.routed_experts)(x, one, gu, dn)
+    ref = me.routed_experts_reference(x, one, gu, dn)
+    f32 = lambda a: a.astype(jnp.float32)  # noqa: E731
+    chain = me.routed_experts_reference(f32(x), one, f32(gu), f32(dn))
+    log("dense_mlp_one_expert", {"kernel_vs_f32": rel(got, chain), "bf16_reference_vs_f32": rel(ref, chain),
+                                 "ok": rel(got, chain) < 2e-2})
 
 
 def check_model():
@@ -112,5 +141,6 @@ if __name__ == "__main__":
     check_mla_output()
     check_route()
     check_experts()
+    check_matvec()
     check_model()
     print("all ok:", all(v.get("ok", True) for v in RES.values() if isinstance(v, dict)))

@@ -2,7 +2,8 @@
 generation loop (random bf16 weights, `layers` decoder layers: the first dense, the rest
 MoE), GPU kernels grouped by name, per step.
 
-Run: PYTHONPATH=. python3 benchmarks/deepseek_profile.py [layers]   (default 4)
+Run: PYTHONPATH=. python3 benchmarks/deepseek_profile.py [layers] [setting]   (default 4 default;
+settings as `benchmarks/deepseek_ab.py`)
 """
 from __future__ import annotations
 
@@ -11,12 +12,14 @@ import tempfile
 
 import jax
 
+from benchmarks.deepseek_ab import SETTINGS, apply
 from benchmarks.common import Runner, random_params, save_json
 from benchmarks.deepseek_h200 import V2_LITE, prompts
 from benchmarks.profile_decode import busy_and_gaps, kernel_spans
 
 
-def main(layers: int):
+def main(layers: int, setting: str = "default"):
+    apply(SETTINGS[setting])
     cfg = V2_LITE.replace(num_layers=layers)
     r = Runner(random_params(cfg), prompts(1, cfg.vocab_size), 144)
     per, _, _ = r.per_round(16, 144, reps=2)
@@ -34,10 +37,10 @@ def main(layers: int):
           f"{busy_us / steps:.0f} us/step; idle gaps {sum(gaps) / steps:.0f} us/step")
     for t, n, name in rows[:30]:
         print(f"{t / steps:9.1f} us {n / steps:6.1f}x  {name[:100]}")
-    save_json(f"deepseek_profile_{layers}l.json", {"layers": layers, "ms_per_step": per * 1e3, "kernels_per_step": kernels,
+    save_json(f"deepseek_profile_{layers}l_{setting}.json", {"layers": layers, "setting": setting, "ms_per_step": per * 1e3, "kernels_per_step": kernels,
                                                   "busy_us_per_step": busy_us / steps,
                                                   "kernels": [(name, n / steps, t / steps) for t, n, name in rows]})
 
 
 if __name__ == "__main__":
-    main(int(sys.argv[1]) if len(sys.argv) > 1 else 4)
+    main(int(sys.argv[1]) if len(sys.argv) > 1 else 4, *sys.argv[2:3])

@@ -280,3 +280,60 @@ def test_one_token_equals_transformers(models, name):
     assert np.abs(got - want).max() <= 1e-4 * np.abs(want).max()
     out = jspec.generate(params, [PROMPTS[1]], max_new_tokens=12, stop_token_ids=[])
     assert out.tokens[0] == _hf(model, PROMPTS[1], 12)
+
+
+@pytest.mark.slow
+def test_batch_one_through_row_kernels(monkeypatch, fresh_compiles):
+    """Batch-1 decoding with the kernels forced (interpret mode): the fused query/latent
+    projection with the input norm in its prologue and the output projection run as
+    `matvec`, the dense first layer's MLP as one expert of `routed_experts`; the greedy
+    tokens equal the reference path's."""
+    from jspec.kernels import moe_experts
+
+    cfg = DeepseekConfig(vocab_size=96, hidden_size=32, intermediate_size=48, num_layers=2, num_heads=2,
+                         kv_lora_rank=32, q_lora_rank=24, qk_nope_head_dim=16, qk_rope_head_dim=16, v_head_dim=16,
+                         moe_intermediate_size=16, n_routed_experts=8, n_shared_experts=1, num_experts_per_tok=2,
+                         first_k_dense_replace=1)
+    weights = jax.tree.map(lambda a: a * 8 if a.ndim >= 2 else a,  # peaked logits
+                           family_for(cfg).init_weights(cfg, jax.random.key(0)))
+    params = jspec.Params(cfg, weights)
+    kw = dict(max_new_tokens=5, stop_token_ids=[])
+    monkeypatch.setenv("JSPEC_KERNELS", "reference")
+    want = jspec.generate(params, [PROMPTS[1]], **kw).tokens
+    calls = []  # (function, experts for routed_experts / output columns for matvec)
+    for name in ("matvec", "routed_experts"):
+        real = getattr(moe_experts, name)
+        monkeypatch.setattr(moe_experts, name, lambda *a, _r=real, _n=name, **k:
+                            calls.append((_n, a[2].shape[0] if _n == "routed_experts" else a[1].shape[1]))
+                            or _r(*a, **k))
+    monkeypatch.setenv("JSPEC_KERNELS", "pallas")
+    jspec.clear_caches()
+    assert jspec.generate(params, [PROMPTS[1]], **kw).tokens == want
+    # qkv_a_proj: q_lora 24 + latent 32 + rope 16 columns, o_proj: hidden 32; the dense MLP: one expert
+    assert {("matvec", 72), ("matvec", 32), ("routed_experts", 1), ("routed_experts", 8)} <= set(calls)
+    jax.clear_caches()
+
+
+def test_export_round_trip_with_attention_biases(tmp_path):
+    """attention_bias: q_a_proj's and kv_a_proj_with_mqa's biases live in the fused
+    `qkv_a_proj` and come back apart on export (q_proj has none)."""
+    for q_lora in (24, None):
+        cfg = DeepseekV2Config(num_hidden_layers=2, q_lora_rank=q_lora, attention_bias=True, topk_method="greedy",
+                               **COMMON)
+        torch.manual_seed(4)
+        model = DeepseekV2ForCausalLM(cfg).eval()
+        with torch.no_grad():
+            for name, t in model.named_parameters():
+                if name.endswith(".bias"):
+                    t.copy_(torch.randn_like(t) * 0.5)
+        src, dst = tmp_path / f"src{q_lora}", tmp_path / f"dst{q_lora}"
+        model.save_pretrained(str(src))
+        p = jspec.load(str(src), dtype="float32")
+        toks = [[3, 14, 15, 92, 65, 35]]
+        with torch.no_grad():
+            want = model(torch.tensor(toks)).logits.numpy()
+        assert np.abs(np.asarray(jspec.logits(p, toks)) - want).max() <= 1e-4 * np.abs(want).max()
+        save_target(str(dst), p.config, p.weights)
+        back = DeepseekV2ForCausalLM.from_pretrained(str(dst)).eval()
+        for name, t in model.state_dict().items():
+            np.testing.assert_array_equal(back.state_dict()[name].numpy(), t.numpy(), err_msg=name)

@@ -165,3 +165,27 @@ def test_kernel_activation_rounds_as_the_reference(dtype):
     got = np.asarray(jax.jit(lambda g, u: me._silu_mul_float32(g.astype(jnp.float32), u.astype(jnp.float32),
                                                                dtype))(g, u))
     np.testing.assert_array_equal(got, want)
+
+
+@pytest.mark.parametrize("dtype,Din,tiles", [
+    (jnp.float32, 80, dict(block_k=32, num_splits=2)),  # a last chunk overlapping its neighbour
+    (jnp.bfloat16, 128, dict(block_k=32, num_splits=3)),
+])
+def test_expert_matmul_norm_prologue(dtype, Din, tiles):
+    """norm=(weight, eps): the kernel RMS-norms each row first, as `rms_norm` (the models'
+    RMSNorm) does, rounding included; without the norm the result differs."""
+    rng = np.random.default_rng(9)
+    x = jnp.asarray(rng.standard_normal((3, Din)) * 3, dtype)
+    w = jnp.asarray(rng.standard_normal((2, Din, 48)) / np.sqrt(Din), dtype)
+    weight = jnp.asarray(rng.uniform(0.5, 1.5, Din), dtype)
+    ids = jnp.asarray([1, 0, 1], jnp.int32)
+    got = np.asarray(me.expert_matmul(x, ids, w, norm=(weight, 1e-6), interpret=True, **tiles))
+    want = np.asarray(me.expert_matmul_reference(me.rms_norm(x, weight, 1e-6), ids, w))
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(np.asarray(me.expert_matmul_reference(x, ids, w, norm=(weight, 1e-6))), want,
+                               rtol=1e-6, atol=1e-6)
+    assert not np.allclose(got, np.asarray(me.expert_matmul_reference(x, ids, w)), rtol=1e-2, atol=1e-2)
+    with pytest.raises(ValueError, match="norm weight"):
+        me.expert_matmul(x, ids, w, norm=(weight[:-1], 1e-6), interpret=True)
+    with pytest.raises(ValueError, match="eps"):
+        me.expert_matmul(x, ids, w, norm=(weight, -1.0), interpret=True)

@@ -57,8 +57,17 @@ DEFAULT_BLOCK_N = 128  # output columns per program
 DEFAULT_BLOCK_K = 64  # weight rows per loop step
 DEFAULT_WARPS = 2  # beat 4 warps by 5-20% on every product measured
 DEFAULT_STAGES = 3
-TARGET_PROGRAMS = 264  # two programs per SM on an H200 (132 SMs): more K splits below that
+TARGET_PROGRAMS = 528  # four programs per SM on an H200 (132 SMs): more K splits below that
 MIN_SPLIT_CHUNKS = 4  # a K split walks at least this many chunks
+MATVEC_MAX_ROWS = 1  # `matvec` runs the kernel for products of at most this many rows
+# `matvec`'s tiles: 64 columns a program and 16 K splits were the fastest of 21 tilings for
+# V2-Lite's 2048 x 3648 and 2048 x 2048 products (benchmarks/matvec_configs.py)
+MATVEC_BLOCK_N = 64
+MATVEC_SPLITS = 16
+# Larger weights stay XLA's products, which stream them faster (DeepSeek-V3's 16384 x 7168
+# output projection: 0.44 ms a V3 layer through `matvec`, 0.36 through XLA; below 10M
+# elements XLA pads the row, see `models.llama.pad_one_row`)
+MATVEC_MAX_ELEMENTS = 10_000_000
 
 _DTYPES = (jnp.float32, jnp.bfloat16, jnp.float16)
 
@@ -113,9 +122,19 @@ def routed_experts_reference(x, ids, gate_up, down, extra=None, slots: int | Non
     return jnp.einsum("pf,pfd->pd", a, _gather(down, extra_down, ids)).astype(jnp.float32)
 
 
-def expert_matmul_reference(x, ids, w, slots: int | None = None):
+def rms_norm(x, weight, eps: float):
+    """RMSNorm of x's rows [..., D] with weight [D] as `models.llama.RMSNorm` computes it
+    (the factor in float32, the normed row rounded to x's dtype, then times the weight)."""
+    xf = x.astype(jnp.float32)
+    r = lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
+    return weight * (xf * r).astype(x.dtype)
+
+
+def expert_matmul_reference(x, ids, w, slots: int | None = None, norm=None):
     """x [N or P, Din], ids [N, KP] or [P] (see `pairs_of`), w [E, Din, Dout] -> [P, Dout]
-    float32 (float32 products)."""
+    float32 (float32 products); norm (weight [Din], eps): x's rows RMS-normed first."""
+    if norm is not None:
+        x = rms_norm(x, *norm)
     x_pairs, ids = pairs_of(x, ids, slots)
     return jnp.einsum("pd,pdf->pf", x_pairs.astype(jnp.float32), w[ids].astype(jnp.float32),
                       precision=lax.Precision.HIGHEST)
@@ -125,15 +144,19 @@ def expert_matmul_reference(x, ids, w, slots: int | None = None):
 
 def _kernel(ids_ref, x_ref, w_ref, *rest, din: int, dout: int, num_experts: int, num_extra: int,
             block_k: int, block_n: int, chunks_per_split: int, num_chunks: int,
-            reduce_each_step: bool, slots: int, token_rows: bool, gated):
+            reduce_each_step: bool, slots: int, token_rows: bool, gated, norm_eps):
     """One (pair p, column tile j, K split s).
 
     ids_ref [N, KP] int32 (pair p: ids[p // slots, p % slots]); x_ref [N, Din] (token_rows)
     or [P, Din], or with `gated` (the activations' dtype) [S1, P, 2 Din] float32: a
     product's K splits, whose sum's halves give silu(gate) * up; w_ref [E, Din, Dout] and,
     with `num_extra`, the extra experts' [E2, Din, Dout] (ids E.. E+E2-1) (whole arrays);
+    with `norm_eps`, norm_ref [Din]: x's rows RMS-normed with that weight first;
     o_ref [S, P, Dout] float32 (whole; this program writes [s, p, n0:n0+BN])."""
-    extra_ref, o_ref = rest if num_extra else (None, rest[0])
+    rest = list(rest)
+    norm_ref = rest.pop(0) if norm_eps is not None else None
+    extra_ref = rest.pop(0) if num_extra else None
+    o_ref, = rest
     p, j, s = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     e = jnp.clip(ids_ref[p // slots, p % slots], 0, num_experts + num_extra - 1)
     row = p // slots if token_rows else p
@@ -144,9 +167,30 @@ def _kernel(ids_ref, x_ref, w_ref, *rest, din: int, dout: int, num_experts: int,
     hi = jnp.minimum(lo + chunks_per_split, num_chunks)
     rows = jnp.arange(block_k, dtype=jnp.int32)
 
+    def chunk_start(c):  # -> (first input of chunk c, mask of the inputs no earlier chunk took)
+        k0 = c * block_k
+        if din % block_k:  # the last chunk overlaps its neighbour instead of running past Din
+            kc = jnp.minimum(k0, din - block_k)
+            return kc, kc + rows >= k0
+        return k0, None
+
+    if norm_eps is not None:  # RMSNorm's factor of this row: the whole row's sum of squares,
+        # loaded as Din's power-of-two pieces (independent loads, one latency, not a loop's)
+        total, start = jnp.zeros((), jnp.float32), 0
+        for size in (1 << b for b in reversed(range(din.bit_length())) if din >> b & 1):
+            xv = x_ref[row, pl.ds(start, size)].astype(jnp.float32)
+            total, start = total + jnp.sum(xv * xv), start + size
+        rstd = lax.rsqrt(total / din + norm_eps)
+
+    def rounded(v):  # float32 v rounded to x's dtype, as the reference's normed row is
+        return v.astype(x_ref.dtype).astype(jnp.float32)
+
     def activations(kc):  # [BK] float32: inputs kc .. kc + BK of this pair
         if gated is None:
-            return x_ref[row, pl.ds(kc, block_k)].astype(jnp.float32)
+            xv = x_ref[row, pl.ds(kc, block_k)].astype(jnp.float32)
+            if norm_eps is None:
+                return xv
+            return rounded(norm_ref[pl.ds(kc, block_k)].astype(jnp.float32) * rounded(xv * rstd))
         gate = sum(x_ref[i, row, pl.ds(kc, block_k)] for i in range(x_ref.shape[0]))
         up = sum(x_ref[i, row, pl.ds(din + kc, block_k)] for i in range(x_ref.shape[0]))
         return _silu_mul_float32(gate.astype(gated).astype(jnp.float32), up.astype(gated).astype(jnp.float32),
@@ -154,13 +198,8 @@ def _kernel(ids_ref, x_ref, w_ref, *rest, din: int, dout: int, num_experts: int,
 
     def product(ref, expert):  # this program's share of x[row] @ ref[expert][:, n0:n0+BN]
         def step(c, acc):
-            k0 = c * block_k
-            if din % block_k:  # the last chunk overlaps: zero the rows an earlier one took
-                kc = jnp.minimum(k0, din - block_k)
-                xv = jnp.where(kc + rows >= k0, activations(kc), 0.0)
-            else:
-                kc = k0
-                xv = activations(kc)
+            kc, fresh = chunk_start(c)
+            xv = activations(kc) if fresh is None else jnp.where(fresh, activations(kc), 0.0)
             wv = ref[expert, pl.ds(kc, block_k), pl.ds(n0, block_n)].astype(jnp.float32)
             if reduce_each_step:
                 return acc + jnp.sum(xv[:, None] * wv, axis=0)
@@ -203,9 +242,18 @@ def _table(ids, slots):
     return ids2, slots
 
 
-def _check_matmul(x, ids, w, extra=None, slots=None, gated=None):
+def _check_matmul(x, ids, w, extra=None, slots=None, gated=None, norm=None):
     """Raises ValueError / TypeError for arguments `expert_matmul` does not take; else
     -> (ids as a table [N, KP], slots, pairs P, whether x has a row per token)."""
+    if norm is not None:
+        if gated is not None:
+            raise ValueError("norm and gated exclude each other (a gated input is a product's K splits)")
+        weight, eps = norm
+        if getattr(weight, "shape", None) != (w.shape[1],) or weight.dtype != x.dtype:
+            raise ValueError(f"norm weight must be [{w.shape[1]}] of x's dtype {x.dtype}, got "
+                             f"{getattr(weight, 'dtype', None)} {getattr(weight, 'shape', weight)}")
+        if isinstance(eps, bool) or not isinstance(eps, (int, float)) or eps < 0:
+            raise ValueError(f"norm eps must be a float >= 0, got {eps!r}")
     if extra is not None:
         if getattr(extra, "ndim", None) != 3 or getattr(w, "ndim", None) != 3 or extra.shape[1:] != w.shape[1:]:
             raise ValueError(f"extra experts must be [E2, Din, Dout] like w {getattr(w, 'shape', w)}, got "
@@ -243,7 +291,8 @@ def _check_matmul(x, ids, w, extra=None, slots=None, gated=None):
     return ids2, slots, P, gated is None and rows == N and slots > 1
 
 
-def expert_matmul(x, ids, w, extra=None, *, slots: int | None = None, gated=None, sum_splits: bool = True,
+def expert_matmul(x, ids, w, extra=None, *, slots: int | None = None, gated=None, norm=None,
+                  sum_splits: bool = True,
                   block_n: int | None = None, block_k: int | None = None, num_splits: int | None = None,
                   num_warps: int | None = None, num_stages: int | None = None,
                   reduce_each_step: bool = False, interpret: bool | None = None):
@@ -257,7 +306,9 @@ def expert_matmul(x, ids, w, extra=None, *, slots: int | None = None, gated=None
 
     gated (the activations' dtype): x is instead [S1, P, 2 Din] float32, the K splits of a
     product whose sum holds each pair's gate and up halves; the input is silu(gate) * up
-    of that sum rounded to `gated` (`routed_experts`). sum_splits False: return this
+    of that sum rounded to `gated` (`routed_experts`). norm (weight [Din] of x's dtype,
+    eps): each program RMS-norms x's row first, as `rms_norm` does (so a decoder's norm
+    needs no kernel of its own before its product). sum_splits False: return this
     product's own K splits [S, P, Dout] unsummed (what a gated product takes).
 
     block_n: output columns per program, block_k: weight rows per loop step (powers of
@@ -266,7 +317,7 @@ def expert_matmul(x, ids, w, extra=None, *, slots: int | None = None, gated=None
     reduce_each_step: sum each step's [BK, BN] products over rows at once (a [BN]
     accumulator) instead of accumulating the tile and summing it at the end.
     interpret None: interpret mode unless the default backend is a GPU."""
-    ids2, slots, P, token_rows = _check_matmul(x, ids, w, extra, slots, gated)
+    ids2, slots, P, token_rows = _check_matmul(x, ids, w, extra, slots, gated, norm)
     E, Din, Dout = w.shape
     E2 = 0 if extra is None else extra.shape[0]
     block_n = DEFAULT_BLOCK_N if block_n is None else block_n
@@ -291,7 +342,8 @@ def expert_matmul(x, ids, w, extra=None, *, slots: int | None = None, gated=None
     kernel = functools.partial(_kernel, din=Din, dout=Dout, num_experts=E, num_extra=E2, block_k=BK,
                                block_n=BN, chunks_per_split=per_split, num_chunks=num_chunks,
                                reduce_each_step=bool(reduce_each_step), slots=slots, token_rows=token_rows,
-                               gated=None if gated is None else jnp.dtype(gated))
+                               gated=None if gated is None else jnp.dtype(gated),
+                               norm_eps=None if norm is None else float(norm[1]))
     params = None
     if not interpret:
         from jax.experimental.pallas import triton as plt
@@ -301,16 +353,44 @@ def expert_matmul(x, ids, w, extra=None, *, slots: int | None = None, gated=None
     out = pl.pallas_call(
         kernel,
         grid=(P, tiles, S),
-        in_specs=[whole] * (4 if E2 else 3),
+        in_specs=[whole] * (3 + (norm is not None) + (E2 > 0)),
         out_specs=whole,
         out_shape=jax.ShapeDtypeStruct((S, P, Dout), jnp.float32),
         interpret=interpret,
         compiler_params=params,
         name="jspec_expert_matmul",
-    )(ids2.astype(jnp.int32), x, w, *(() if extra is None else (extra,)))
+    )(ids2.astype(jnp.int32), x, w, *(() if norm is None else (norm[0],)), *(() if extra is None else (extra,)))
     if not sum_splits:
         return out
     return out[0] if S == 1 else jnp.sum(out, axis=0)
+
+
+# --------------------------------------------------------------------------- dense rows
+
+def uses_matvec(x, w, max_elements: int | None = MATVEC_MAX_ELEMENTS) -> bool:
+    """Whether `matvec` runs the kernel for x [..., K] @ w [K, N]: at most
+    MATVEC_MAX_ROWS rows and a weight of fewer than `max_elements` elements (None: any),
+    on a GPU (see the dispatch; a 2-D float weight)."""
+    rows = x.size // x.shape[-1]
+    if dispatch.backend() == "reference" or getattr(w, "ndim", None) != 2 or not 1 <= rows <= MATVEC_MAX_ROWS:
+        return False  # more rows: XLA's product (the limits hold under JSPEC_KERNELS=pallas too)
+    if max_elements is not None and w.size >= max_elements:
+        return False
+    return dispatch.want_pallas(jnp.dtype(w.dtype) in map(jnp.dtype, _DTYPES) and min(w.shape) >= 16)
+
+
+def matvec(x, w, norm=None, *, float32_out: bool = False, interpret: bool | None = None):
+    """x [..., K] @ w [K, N] for a few rows through the expert kernel (w as one expert,
+    one pair a row) -> [..., N] in w's dtype (float32 with `float32_out`); norm (weight,
+    eps): x's rows RMS-normed first, in the kernel. XLA runs a one-row product with split-K
+    partials and a copy of x padded to two rows (`models.llama.pad_one_row`); here the K
+    splits are summed by the consumer's fusion and the norm needs no kernel of its own."""
+    if norm is not None and not x.dtype == norm[0].dtype == w.dtype:  # the prologue rounds in one dtype
+        x, norm = rms_norm(x, *norm), None
+    rows = x.reshape(-1, x.shape[-1]).astype(w.dtype)
+    y = expert_matmul(rows, jnp.zeros((rows.shape[0],), jnp.int32), w[None], norm=norm, block_n=MATVEC_BLOCK_N,
+                      num_splits=MATVEC_SPLITS, interpret=interpret)
+    return y.astype(jnp.float32 if float32_out else w.dtype).reshape(x.shape[:-1] + (w.shape[1],))
 
 
 # --------------------------------------------------------------------------- routed experts

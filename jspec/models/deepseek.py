@@ -27,12 +27,13 @@ from jspec.cache.latent import LatentCache, LatentCacheKind
 from jspec.cache.layout import AttnMeta
 from jspec.kernels.attention import attention_reference
 from jspec.kernels.mla_attention import cached_mla_attention
-from jspec.kernels.moe_experts import moe_experts, silu_mul
+from jspec.kernels import moe_experts
+from jspec.kernels.moe_experts import silu_mul
 from jspec.kernels.moe_route import route
 from jspec.cache.kv import write_kv
 from jspec.models import deepseek_hf
 from jspec.models.deepseek_hf import DeepseekConfig
-from jspec.models.llama import DecoderLM, FlaxFamily, Linear, RMSNorm, apply_rope
+from jspec.models.llama import DecoderLM, FlaxFamily, Linear, RMSNorm, apply_rope, product
 
 _init = nn.initializers.normal(0.02)
 LATENT_NORM_EPS = 1e-6  # the q/kv latent norms use RMSNorm's default, not rms_norm_eps
@@ -60,20 +61,22 @@ class MLAttention(nn.Module):
     cfg: DeepseekConfig
 
     @nn.compact
-    def __call__(self, x, buf, meta: AttnMeta):
-        """x [B,T,D] (normed); buf: the layer's latent buffer or None. -> (out [B,T,D], buffer)."""
+    def __call__(self, x, norm, buf, meta: AttnMeta):
+        """x [B,T,D] with its input norm (weight, eps) not yet applied (`qkv_a_proj` applies
+        it); buf: the layer's latent buffer or None. -> (out [B,T,D], buffer)."""
         c = self.cfg
         B, T, _ = x.shape
         H, Dn, Dr, Dv, Dc = c.num_heads, c.qk_nope_head_dim, c.qk_rope_head_dim, c.v_head_dim, c.kv_lora_rank
+        # The products of the normed input, q_proj (or q_a_proj) and kv_a_proj_with_mqa, as
+        # one matrix [D, Q + Dc + Dr] (`deepseek_hf`): one pass over x's weights.
+        Q = c.q_lora_rank or H * (Dn + Dr)
+        qkv = Linear(Q + Dc + Dr, c.attention_bias, c.dtype, row_kernel=True, name="qkv_a_proj")(x, norm=norm)
+        q, ckv = qkv[..., :Q], qkv[..., Q:]
         if c.q_lora_rank:
-            q = Linear(c.q_lora_rank, c.attention_bias, c.dtype, name="q_a_proj")(x)
             q = RMSNorm(LATENT_NORM_EPS, c.dtype, name="q_a_layernorm")(q)
             q = Linear(H * (Dn + Dr), False, c.dtype, name="q_b_proj")(q)
-        else:
-            q = Linear(H * (Dn + Dr), False, c.dtype, name="q_proj")(x)
         q = q.reshape(B, T, H, Dn + Dr)
         q_nope, q_pe = q[..., :Dn], rope_pairs(q[..., Dn:], meta.positions, c)
-        ckv = Linear(Dc + Dr, c.attention_bias, c.dtype, name="kv_a_proj_with_mqa")(x)
         latent = RMSNorm(LATENT_NORM_EPS, c.dtype, name="kv_a_layernorm")(ckv[..., :Dc])  # [B,T,Dc]
         k_pe = rope_pairs(ckv[..., None, Dc:], meta.positions, c)[:, :, 0]  # [B,T,Dr], shared by the heads
         # kv_b_proj as its two halves (`deepseek_hf`): W_UK [Dc,H,Dn] and W_UV [H,Dv,Dc], the
@@ -93,19 +96,30 @@ class MLAttention(nn.Module):
         else:  # absorbed: attend over the latent rows, then up-project the values
             q_lat = jnp.einsum("bthn,chn->bthc", q_nope, w_uk, preferred_element_type=jnp.float32).astype(q.dtype)
             o, buf = cached_mla_attention(q_lat, q_pe, rows, buf, meta, w_uv, scale=c.softmax_scale)
-        out = Linear(c.hidden_size, c.attention_bias, c.dtype, name="o_proj")(o.reshape(B, T, H * Dv))
+        out = Linear(c.hidden_size, c.attention_bias, c.dtype, row_kernel=True, name="o_proj")(o.reshape(B, T, H * Dv))
         return out, buf
 
 
 class MLP(nn.Module):
+    """A dense SwiGLU MLP (the first `first_k_dense_replace` layers). A few rows run as
+    one expert of the expert kernel (`moe_experts.routed_experts`: the activation is
+    applied while the second product loads its input), else two XLA products."""
+
     width: int
     dtype: str
 
     @nn.compact
     def __call__(self, x):
-        gu = Linear(2 * self.width, False, self.dtype, name="gate_up_proj")(x)
-        return Linear(x.shape[-1], False, self.dtype, name="down_proj")(nn.silu(gu[..., :self.width])
-                                                                        * gu[..., self.width:])
+        D, F, dt = x.shape[-1], self.width, jnp.dtype(self.dtype)
+        gate_up = self.param("gate_up_proj", lambda key: {"kernel": _init(key, (D, 2 * F), dt)})["kernel"]
+        down = self.param("down_proj", lambda key: {"kernel": _init(key, (F, D), dt)})["kernel"]
+        rows = x.reshape(-1, D)
+        one = jnp.zeros((rows.shape[0],), jnp.int32)  # every row to expert 0
+        if moe_experts.uses_matvec(x, gate_up, max_elements=None) and moe_experts.uses_kernel(rows, one, gate_up[None], down[None]):
+            y = moe_experts.routed_experts(rows, one, gate_up[None], down[None])
+            return y.astype(x.dtype).reshape(x.shape)
+        gu = product(x, gate_up)
+        return product(silu_mul(gu[..., :F], gu[..., F:]), down)
 
 
 class MoE(nn.Module):
@@ -141,7 +155,7 @@ class MoE(nn.Module):
         weights, ids = route(r, xs, router["kernel"], router.get("bias"))  # [N, KP] each
         if B * T * k < E:  # decode and verification: read the chosen and the shared experts only
             extra = (shared["gate_up"], shared["down"]) if S else None
-            y = moe_experts(xs, ids, experts["gate_up"], experts["down"], extra, r.slots)  # [N*(k+S), D]
+            y = moe_experts.moe_experts(xs, ids, experts["gate_up"], experts["down"], extra, r.slots)  # [N*(k+S), D]
             out = jnp.einsum("nsd,ns->nd", y.reshape(B * T, r.slots, D), weights[:, :r.slots])
         else:  # prefill: (token, expert) pairs sorted by expert, grouped products
             flat = ids[:, :k].reshape(-1)  # [N*k] expert of each (token, slot)
@@ -165,8 +179,8 @@ class DecoderLayer(nn.Module):
     @nn.compact
     def __call__(self, x, buf, meta):
         c = self.cfg
-        h = RMSNorm(c.rms_norm_eps, c.dtype, name="input_layernorm")(x)
-        h, buf = MLAttention(c, name="self_attn")(h, buf, meta)
+        norm = RMSNorm(c.rms_norm_eps, c.dtype, name="input_layernorm")(x, unapplied=True)
+        h, buf = MLAttention(c, name="self_attn")(x, norm, buf, meta)
         x = x + h
         h = RMSNorm(c.rms_norm_eps, c.dtype, name="post_attention_layernorm")(x)
         mlp = MoE(c, name="mlp") if c.is_moe(self.layer) else MLP(c.intermediate_size, c.dtype, name="mlp")
@@ -215,7 +229,7 @@ class MtpLayer(nn.Module):
         c = self.cfg
         h = jnp.concatenate([RMSNorm(c.rms_norm_eps, c.dtype, name="enorm")(embeds),
                              RMSNorm(c.rms_norm_eps, c.dtype, name="hnorm")(feats)], axis=-1)
-        x = Linear(c.hidden_size, False, c.dtype, name="eh_proj")(h)
+        x = Linear(c.hidden_size, False, c.dtype, row_kernel=True, name="eh_proj")(h)
         x, buf = DecoderLayer(c, 0, name="block")(x, None if cache is None else cache.latent[0], meta)
         out = RMSNorm(c.rms_norm_eps, c.dtype, name="shared_head_norm")(x)
         return out, None if cache is None else LatentCache(latent=(buf,))

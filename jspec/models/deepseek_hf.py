@@ -189,26 +189,33 @@ def kv_b_tensor(attn: dict, dt: str) -> np.ndarray:
     return np.ascontiguousarray(kv_b.reshape(-1, kv_b.shape[-1]))
 
 
+def _q_input_proj(c: DeepseekConfig) -> tuple[str, int]:
+    """The query's first projection, whose columns lead `qkv_a_proj`: (name, width)."""
+    if c.q_lora_rank:
+        return "q_a_proj", c.q_lora_rank
+    return "q_proj", c.num_heads * c.qk_head_dim
+
+
 def layer_params(t: Tensors, prefix: str, c: DeepseekConfig, layer: int) -> dict:
     """One decoder layer's params from `prefix`-named tensors."""
     D, H = c.hidden_size, c.num_heads
     a = prefix + "self_attn."
     attn: dict[str, Any] = {}
+    Dcr = c.kv_lora_rank + c.qk_rope_head_dim
+    q_name, Q = _q_input_proj(c)
+    # q_proj (or q_a_proj) and kv_a_proj_with_mqa read the same normed input: one matrix
+    attn["qkv_a_proj"] = t.linear((a + q_name + ".weight", (Q, D)), (a + "kv_a_proj_with_mqa.weight", (Dcr, D)))
+    if c.attention_bias:  # q_proj has no bias in either model (q_a_proj has)
+        q_bias = t.take(a + q_name + ".bias", (Q,)) if c.q_lora_rank else np.zeros((Q,), np.float32)
+        attn["qkv_a_proj"]["bias"] = t.as_param(
+            np.concatenate([q_bias.astype(np.float32), t.take(a + "kv_a_proj_with_mqa.bias", (Dcr,)).astype(np.float32)]))
     if c.q_lora_rank:
-        attn["q_a_proj"] = t.linear((a + "q_a_proj.weight", (c.q_lora_rank, D)))
         attn["q_a_layernorm"] = {"weight": t.param((a + "q_a_layernorm.weight", (c.q_lora_rank,)))}
         attn["q_b_proj"] = t.linear((a + "q_b_proj.weight", (H * c.qk_head_dim, c.q_lora_rank)))
-        if c.attention_bias:
-            attn["q_a_proj"]["bias"] = t.param((a + "q_a_proj.bias", (c.q_lora_rank,)))
-    else:
-        attn["q_proj"] = t.linear((a + "q_proj.weight", (H * c.qk_head_dim, D)))
-    Dcr = c.kv_lora_rank + c.qk_rope_head_dim
-    attn["kv_a_proj_with_mqa"] = t.linear((a + "kv_a_proj_with_mqa.weight", (Dcr, D)))
     attn["kv_a_layernorm"] = {"weight": t.param((a + "kv_a_layernorm.weight", (c.kv_lora_rank,)))}
     attn.update(kv_b_params(t, a + "kv_b_proj.weight", c))
     attn["o_proj"] = t.linear((a + "o_proj.weight", (D, H * c.v_head_dim)))
     if c.attention_bias:
-        attn["kv_a_proj_with_mqa"]["bias"] = t.param((a + "kv_a_proj_with_mqa.bias", (Dcr,)))
         attn["o_proj"]["bias"] = t.param((a + "o_proj.bias", (D,)))
     m = prefix + "mlp."
     if c.is_moe(layer):
@@ -303,9 +310,15 @@ def layer_tensors(lp: dict, pre: str, c: DeepseekConfig, layer: int, out: dict) 
     """One decoder layer's params -> `pre`-named tensors in `out` (experts one tensor each)."""
     dt = c.dtype
     out[f"{pre}self_attn.kv_b_proj.weight"] = kv_b_tensor(lp["self_attn"], dt)
+    q_name, Q = _q_input_proj(c)
+    qkv = lp["self_attn"]["qkv_a_proj"]
+    for name, rows in ((q_name, slice(0, Q)), ("kv_a_proj_with_mqa", slice(Q, None))):
+        out[f"{pre}self_attn.{name}.weight"] = np.ascontiguousarray(hf_linear(qkv, dt)[rows])
+        if "bias" in qkv and (name != "q_proj"):
+            out[f"{pre}self_attn.{name}.bias"] = to_numpy(qkv["bias"], dt)[rows]
     for name, sub in lp["self_attn"].items():
         key = f"{pre}self_attn.{name}."
-        if name in ("w_uk", "w_uv"):
+        if name in ("w_uk", "w_uv", "qkv_a_proj"):
             continue
         if "kernel" in sub:
             out[key + "weight"] = hf_linear(sub, dt)

@@ -18,7 +18,7 @@ from jax.sharding import PartitionSpec as P
 from jspec.cache.kv import KVCache, KVCacheKind
 from jspec.cache.layout import AttnMeta, prefill_meta
 from jspec.config import ModelConfig
-from jspec.kernels import cpu_matmul
+from jspec.kernels import cpu_matmul, moe_experts
 from jspec.kernels.attention import cached_attention
 from jspec import sharding
 from jspec.models import llama_hf
@@ -68,15 +68,24 @@ class Linear(nn.Module):
     use_bias: bool = False
     dtype: str = "float32"
     float32_out: bool = False  # keep the float32 accumulator (LM heads)
+    row_kernel: bool = False  # few-row products through `moe_experts.matvec` where it applies
 
     @nn.compact
-    def __call__(self, x, norm_factor=None):
+    def __call__(self, x, norm_factor=None, norm=None):
         """x [..., in] -> [..., out]; `norm_factor` [..., 1] float32 multiplies the product
-        before the bias (a deferred RMSNorm factor, see `RMSNorm`)."""
+        before the bias (a deferred RMSNorm factor, see `RMSNorm`); `norm` (weight, eps):
+        x is RMS-normed first (`RMSNorm(..., unapplied=True)`; in the row kernel's
+        prologue when it runs)."""
         w = self.param("kernel", _init, (x.shape[-1], self.features), jnp.dtype(self.dtype))
-        # Products accumulate in float32 either way; asking for a float32 result only where
-        # it is kept avoids a separate conversion pass after every matrix-vector product.
-        y = product(x, w, float32_out=self.float32_out)
+        if self.row_kernel and moe_experts.uses_matvec(x, w):
+            y = moe_experts.matvec(x, w, norm, float32_out=self.float32_out)
+        else:
+            if norm is not None:
+                x = moe_experts.rms_norm(x, *norm)
+            # Products accumulate in float32 either way; asking for a float32 result only
+            # where it is kept avoids a separate conversion pass after every matrix-vector
+            # product.
+            y = product(x, w, float32_out=self.float32_out)
         if norm_factor is not None:  # fuses into the product's consumer
             y = (y.astype(jnp.float32) * norm_factor).astype(y.dtype)
         if self.use_bias:
@@ -91,19 +100,23 @@ class RMSNorm(nn.Module):
     caller to apply after its projection: W (w * x * r) = r * W (w * x). XLA then computes
     the gain product in the same kernel as the sum of squares and applies r in the
     projection's consumer, one kernel fewer per norm in a decode step.
+
+    unapplied=True returns the norm as (weight, eps) for a `Linear(...)(x, norm=...)`,
+    which norms x itself (in the row kernel's prologue: no kernel for the norm).
     """
 
     eps: float
     dtype: str = "float32"
 
     @nn.compact
-    def __call__(self, x, deferred: bool = False):
+    def __call__(self, x, deferred: bool = False, unapplied: bool = False):
         w = self.param("weight", nn.initializers.ones, (x.shape[-1],), jnp.dtype(self.dtype))
-        xf = x.astype(jnp.float32)
-        r = jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + self.eps)
+        if unapplied:
+            return w, self.eps
         if deferred:
-            return w * x, r
-        return w * (xf * r).astype(x.dtype)
+            xf = x.astype(jnp.float32)
+            return w * x, jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + self.eps)
+        return moe_experts.rms_norm(x, w, self.eps)
 
 
 def apply_rope(x, positions, inv_freq: np.ndarray, scale: float = 1.0):
