@@ -113,11 +113,12 @@ class MLP(nn.Module):
         D, F, dt = x.shape[-1], self.width, jnp.dtype(self.dtype)
         gate_up = self.param("gate_up_proj", lambda key: {"kernel": _init(key, (D, 2 * F), dt)})["kernel"]
         down = self.param("down_proj", lambda key: {"kernel": _init(key, (F, D), dt)})["kernel"]
-        rows = x.reshape(-1, D)
-        one = jnp.zeros((rows.shape[0],), jnp.int32)  # every row to expert 0
-        if moe_experts.uses_matvec(x, gate_up, max_elements=None) and moe_experts.uses_kernel(rows, one, gate_up[None], down[None]):
-            y = moe_experts.routed_experts(rows, one, gate_up[None], down[None])
-            return y.astype(x.dtype).reshape(x.shape)
+        if moe_experts.uses_matvec(x, gate_up, max_elements=None):
+            rows = x.reshape(-1, D)
+            one = jnp.zeros((rows.shape[0],), jnp.int32)  # every row to expert 0
+            if moe_experts.uses_kernel(rows, one, gate_up[None], down[None]):
+                y = moe_experts.routed_experts(rows, one, gate_up[None], down[None])
+                return y.astype(x.dtype).reshape(x.shape)
         gu = product(x, gate_up)
         return product(silu_mul(gu[..., :F], gu[..., F:]), down)
 

@@ -312,9 +312,10 @@ def layer_tensors(lp: dict, pre: str, c: DeepseekConfig, layer: int, out: dict) 
     out[f"{pre}self_attn.kv_b_proj.weight"] = kv_b_tensor(lp["self_attn"], dt)
     q_name, Q = _q_input_proj(c)
     qkv = lp["self_attn"]["qkv_a_proj"]
+    weight = hf_linear(qkv, dt)  # [Q + Dc + Dr, D]
     for name, rows in ((q_name, slice(0, Q)), ("kv_a_proj_with_mqa", slice(Q, None))):
-        out[f"{pre}self_attn.{name}.weight"] = np.ascontiguousarray(hf_linear(qkv, dt)[rows])
-        if "bias" in qkv and (name != "q_proj"):
+        out[f"{pre}self_attn.{name}.weight"] = np.ascontiguousarray(weight[rows])
+        if "bias" in qkv and name != "q_proj":
             out[f"{pre}self_attn.{name}.bias"] = to_numpy(qkv["bias"], dt)[rows]
     for name, sub in lp["self_attn"].items():
         key = f"{pre}self_attn.{name}."
