@@ -6,7 +6,8 @@ before the program is traced:
 - default: the code as it is;
 - splits_half: the expert kernel aims at half as many programs (fewer K splits);
 - stages4: the expert kernel's loads 4 stages deep;
-- bn64: the expert kernel's tiles 64 columns wide;
+- bn64: the expert kernel's tiles 64 columns wide; down_bn128: the gated second
+  product's 128 wide (64 by default);
 - out32, out64: `mla_output` with 32 or 64 columns a program;
 - xla_rows: one-row dense products as XLA's (padded) products instead of `matvec`;
 - splits2x: twice the target programs; min2: K splits of 2 chunks allowed (more
@@ -35,6 +36,7 @@ SETTINGS = {  # name -> [(module, constant, value)]
     "splits_half": [("jspec.kernels.moe_experts", "TARGET_PROGRAMS", 264)],
     "stages4": [("jspec.kernels.moe_experts", "DEFAULT_STAGES", 4)],
     "bn64": [("jspec.kernels.moe_experts", "DEFAULT_BLOCK_N", 64)],
+    "down_bn128": [("jspec.kernels.moe_experts", "GATED_BLOCK_N", 128)],
     "out32": [("jspec.kernels.mla_output", "DEFAULT_BLOCK_N", 32)],
     "out64": [("jspec.kernels.mla_output", "DEFAULT_BLOCK_N", 64)],
     "xla_rows": [("jspec.kernels.moe_experts", "MATVEC_MAX_ROWS", 0)],

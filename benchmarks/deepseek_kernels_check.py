@@ -6,6 +6,9 @@
   reference's, weights' largest difference;
 - routed_experts with the routing table (token rows, the gated second product): V2-Lite
   and V3 expert shapes, 1 and 4 tokens, against a float32 chain;
+- mla_inputs (the projection's K splits -> absorbed query, roped query part, cache row)
+  at V2-Lite's shape (16 heads, Dn 128, Dr 64, Dc 512, 16 splits), both RoPE layouts,
+  against the reference on the splits' rounded sum;
 - matvec (the few-row products through the expert kernel, the input norm in its
   prologue) against a float32 product, and the dense MLP as one expert;
 - a 4-layer V2-Lite model, batch 1: 48 greedy tokens with the kernels and with the
@@ -25,6 +28,7 @@ import jspec
 from benchmarks.common import env_info, random_params, save_json
 from benchmarks.deepseek_h200 import V2_LITE, prompts
 from jspec.kernels import dispatch
+from jspec.kernels import mla_inputs as mi
 from jspec.kernels import mla_output as mo
 from jspec.kernels import moe_experts as me
 from jspec.kernels import moe_route as mr
@@ -123,6 +127,25 @@ def check_matvec():
                                  "ok": rel(got, chain) < 2e-2})
 
 
+def check_mla_inputs():
+    H, Dn, Dr, Dc, S = 16, 128, 64, 512, 16
+    rng = np.random.default_rng(11)
+    parts = jnp.asarray(rng.standard_normal((S, 1, H * (Dn + Dr) + Dc + Dr)) / 4, jnp.float32)
+    angle = rng.uniform(0, 6, (1, Dr // 2))
+    cos, sin = (jnp.asarray(f(angle), jnp.float32) for f in (np.cos, np.sin))
+    norm = jnp.asarray(1 + 0.1 * rng.standard_normal(Dc), jnp.bfloat16)
+    w_uk = jnp.asarray(rng.standard_normal((Dc, H, Dn)) / 11, jnp.bfloat16)
+    qkv = jnp.sum(parts, axis=0).astype(jnp.bfloat16)
+    Q = H * (Dn + Dr)
+    for inter in (True, False):
+        got = jax.jit(lambda *a: mi.mla_inputs(*a, interleaved=inter, eps=1e-6))(parts, cos, sin, norm, w_uk)
+        ref = mi.mla_inputs_reference(qkv[:, :Q].reshape(1, H, -1), qkv[:, Q:], cos, sin, norm, w_uk,
+                                      interleaved=inter, eps=1e-6)
+        errs = [rel(g.astype(jnp.float32), r.astype(jnp.float32)) for g, r in zip(got, ref)]
+        log(f"mla_inputs_interleaved_{inter}", {"q_lat": errs[0], "q_pe": errs[1], "rows": errs[2],
+                                                "ok": max(errs) < 1e-2})
+
+
 def check_model():
     cfg = V2_LITE.replace(num_layers=4)
     target = random_params(cfg)
@@ -139,6 +162,7 @@ def check_model():
 
 if __name__ == "__main__":
     check_mla_output()
+    check_mla_inputs()
     check_route()
     check_experts()
     check_matvec()

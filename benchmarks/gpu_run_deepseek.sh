@@ -8,6 +8,20 @@ check)
   timeout 100 python3 benchmarks/deepseek_profile.py 4 2>&1 | grep -v Warning | head -3
   timeout 100 python3 benchmarks/deepseek_profile.py 4 xla_rows 2>&1 | grep -v Warning | head -3
   timeout 330 python3 benchmarks/deepseek_h200.py decode 2>&1 | grep -v Warning | tail -4 ;;
+ab)  # this tree against a copy of the previous commit's jspec in prev/ (git archive HEAD jspec)
+  timeout 150 python3 benchmarks/deepseek_kernels_check.py 2>&1 | grep -v Warning | grep "ok"
+  for i in 1 2; do
+    JSPEC_BENCH_TAG=new timeout 150 python3 benchmarks/deepseek_ab.py 6 default 2>&1 | grep "^\["
+    OUT=/tmp/prev JSPEC_BENCH_TAG=prev PYTHONPATH=prev:. timeout 150 python3 benchmarks/deepseek_ab.py 6 default 2>&1 | grep "^\["
+  done
+  timeout 100 python3 benchmarks/deepseek_profile.py 4 2>&1 | grep -v Warning | head -3
+  OUT=$OUT/prev PYTHONPATH=prev:. timeout 100 python3 benchmarks/deepseek_profile.py 4 2>&1 | grep -v Warning | head -3 ;;
+decode)
+  timeout 100 python3 benchmarks/deepseek_profile.py 4 2>&1 | grep -v Warning | head -3
+  timeout 100 python3 benchmarks/deepseek_profile.py 4 down_bn128 2>&1 | grep -v Warning | head -3
+  timeout 330 python3 benchmarks/deepseek_h200.py decode 2>&1 | grep -v Warning | tail -4 ;;
+tiles)
+  MATVEC_BUDGET_S=150 timeout 200 python3 benchmarks/matvec_configs.py down 2>&1 | grep "^{" ;;
 mtp)
   DEEPSEEK_BATCHES=1 timeout 580 python3 benchmarks/deepseek_h200.py mtp 2>&1 | grep -v Warning | tail -8 ;;
 v3)

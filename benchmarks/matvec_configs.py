@@ -1,16 +1,18 @@
 """Tilings of the expert kernel for DeepSeek-V2-Lite's batch-1 products (H200): the dense
 products `matvec` runs (the fused query/latent projection with the input norm in its
 prologue, the output projection) beside XLA's product as `models.llama.Linear` runs it
-(norm kernel, two-row padding), and the routed experts' first product (6 routed + 2
-shared experts of one token). Time a call: the GPU kernels' summed durations in a
+(norm kernel, two-row padding), and the routed experts' two products (6 routed + 2 shared
+experts of one token; the second, gated one takes the first one's 3 K splits). Time a call: the GPU kernels' summed durations in a
 profiler trace of NSETS calls chained in one program, each on its own weight copy (no
 call reads another's weights from L2), over 3 runs (`device_time`). Time-boxed by MATVEC_BUDGET_S.
 
-Run: PYTHONPATH=. python3 benchmarks/matvec_configs.py   (result: $OUT/matvec_configs.json)
+Run: PYTHONPATH=. python3 benchmarks/matvec_configs.py [dense] [gate_up] [down]   (default: all;
+result: $OUT/matvec_configs.json)
 """
 from __future__ import annotations
 
 import os
+import sys
 import time
 
 import jax
@@ -113,7 +115,51 @@ def experts():
              "us": round(t * 1e6, 2), "TB/s": round(mb / 1e6 / t, 2) if t > 0 else None})
 
 
+DOWN_CONFIGS = [  # the gated product's tilings: (block_n, block_k, num_warps, num_stages, num_splits)
+    (128, 64, 2, 3, None), (128, 64, 2, 3, 2), (128, 64, 2, 3, 3), (128, 64, 2, 3, 8), (64, 64, 2, 3, None),
+    (64, 64, 2, 3, 3), (128, 32, 2, 3, None), (128, 128, 4, 3, None), (128, 128, 4, 3, 3), (256, 64, 4, 3, None),
+    (256, 64, 4, 3, 3), (128, 64, 4, 3, None), (128, 64, 1, 3, None), (128, 64, 2, 4, None), (128, 64, 2, 2, None),
+    (64, 128, 2, 3, None),
+]
+
+
+def down():
+    """The gated second product: 8 experts' [1408, 2048] weights, the first product's 3 K
+    splits [3, 8, 2816] as input (silu(gate) * up applied while loading)."""
+    E, k, D, Fm, S = 64, 6, 2048, 1408, 2
+    key = jax.random.key(8)
+    dn = jax.random.normal(key, (E, Fm, D), jnp.bfloat16)
+    sdn = jax.random.normal(jax.random.fold_in(key, 2), (S, Fm, D), jnp.bfloat16)
+    h = jax.random.normal(jax.random.fold_in(key, 3), (3, k + S, 2 * Fm), jnp.float32)
+    rng = np.random.default_rng(1)
+    tables = np.zeros((NSETS, 1, 8), np.int32)
+    for r in range(NSETS):
+        tables[r, 0, :k] = rng.permutation(E)[:k]
+        tables[r, 0, k:] = (E, E + 1)
+    tables = jnp.asarray(tables)
+    mb = (k + S) * Fm * D * 2 / 1e6
+    for bn, bk, warps, stages, splits in DOWN_CONFIGS:
+        if time.perf_counter() - T0 > BUDGET_S:
+            return
+
+        def kern(h, t, dn, sdn):
+            return me.expert_matmul(h, t, dn, sdn, gated=jnp.bfloat16, block_n=bn, block_k=bk, num_warps=warps,
+                                    num_stages=stages, num_splits=splits)
+        try:
+            t = device_time(kern, h, tables, dn, sdn)
+        except Exception as e:  # noqa: BLE001  (a tiling Triton refuses)
+            log({"product": "v2lite_down_8_experts", "tiles": [bn, bk, warps, stages, splits], "error": str(e)[:200]})
+            continue
+        log({"product": "v2lite_down_8_experts", "tiles": [bn, bk, warps, stages, splits],
+             "us": round(t * 1e6, 2), "TB/s": round(mb / 1e6 / t, 2) if t > 0 else None})
+
+
 if __name__ == "__main__":
-    dense("v2lite_qkv_a_norm", 2048, 3648, True)
-    dense("v2lite_o_proj", 2048, 2048, False)
-    experts()
+    which = set(sys.argv[1:]) or {"dense", "gate_up", "down"}
+    if "dense" in which:
+        dense("v2lite_qkv_a_norm", 2048, 3648, True)
+        dense("v2lite_o_proj", 2048, 2048, False)
+    if "gate_up" in which:
+        experts()
+    if "down" in which:
+        down()

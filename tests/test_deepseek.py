@@ -283,15 +283,18 @@ def test_one_token_equals_transformers(models, name):
 
 
 @pytest.mark.slow
-def test_batch_one_through_row_kernels(monkeypatch, fresh_compiles):
+@pytest.mark.parametrize("q_lora", [24, None])
+def test_batch_one_through_row_kernels(monkeypatch, fresh_compiles, q_lora):
     """Batch-1 decoding with the kernels forced (interpret mode): the fused query/latent
     projection with the input norm in its prologue and the output projection run as
-    `matvec`, the dense first layer's MLP as one expert of `routed_experts`; the greedy
-    tokens equal the reference path's."""
-    from jspec.kernels import moe_experts
+    `matvec`, the dense first layer's MLP as one expert of `routed_experts` with the
+    post-attention norm in its prologue; without q_lora the projection's K splits go to
+    `mla_inputs` (query absorption, RoPE, latent norm); the greedy tokens equal the
+    reference path's."""
+    from jspec.kernels import mla_inputs, moe_experts
 
     cfg = DeepseekConfig(vocab_size=96, hidden_size=32, intermediate_size=48, num_layers=2, num_heads=2,
-                         kv_lora_rank=32, q_lora_rank=24, qk_nope_head_dim=16, qk_rope_head_dim=16, v_head_dim=16,
+                         kv_lora_rank=32, q_lora_rank=q_lora, qk_nope_head_dim=16, qk_rope_head_dim=16, v_head_dim=16,
                          moe_intermediate_size=16, n_routed_experts=8, n_shared_experts=1, num_experts_per_tok=2,
                          first_k_dense_replace=1)
     weights = jax.tree.map(lambda a: a * 8 if a.ndim >= 2 else a,  # peaked logits
@@ -300,17 +303,21 @@ def test_batch_one_through_row_kernels(monkeypatch, fresh_compiles):
     kw = dict(max_new_tokens=5, stop_token_ids=[])
     monkeypatch.setenv("JSPEC_KERNELS", "reference")
     want = jspec.generate(params, [PROMPTS[1]], **kw).tokens
-    calls = []  # (function, experts for routed_experts / output columns for matvec)
-    for name in ("matvec", "routed_experts"):
-        real = getattr(moe_experts, name)
-        monkeypatch.setattr(moe_experts, name, lambda *a, _r=real, _n=name, **k:
-                            calls.append((_n, a[2].shape[0] if _n == "routed_experts" else a[1].shape[1]))
-                            or _r(*a, **k))
+    calls = []  # (function, experts for routed_experts / output columns for matvec / heads)
+    for module, name, what in ((moe_experts, "matvec", lambda a: a[1].shape[1]),
+                               (moe_experts, "routed_experts", lambda a: a[2].shape[0]),
+                               (mla_inputs, "mla_inputs", lambda a: a[4].shape[1])):
+        real = getattr(module, name)
+        monkeypatch.setattr(module, name, lambda *a, _r=real, _n=name, _w=what, **k:
+                            calls.append((_n, _w(a))) or _r(*a, **k))
     monkeypatch.setenv("JSPEC_KERNELS", "pallas")
     jspec.clear_caches()
     assert jspec.generate(params, [PROMPTS[1]], **kw).tokens == want
-    # qkv_a_proj: q_lora 24 + latent 32 + rope 16 columns, o_proj: hidden 32; the dense MLP: one expert
-    assert {("matvec", 72), ("matvec", 32), ("routed_experts", 1), ("routed_experts", 8)} <= set(calls)
+    # qkv_a_proj: q (q_lora 24, or 2 heads x 32) + latent 32 + rope 16 columns, o_proj: hidden 32;
+    # the dense MLP: one expert
+    expect = {("matvec", (q_lora or 64) + 48), ("matvec", 32), ("routed_experts", 1), ("routed_experts", 8)}
+    assert expect <= set(calls)
+    assert (("mla_inputs", 2) in calls) == (q_lora is None)
     jax.clear_caches()
 
 

@@ -13,6 +13,7 @@ from jspec.cache import layout as lay
 from jspec.kernels import dispatch
 from jspec.kernels import mla_attention as mla
 from jspec.kernels import mla_decode as md
+from jspec.kernels import mla_inputs as mi
 from jspec.kernels import mla_output as mo
 from test_kernels import _tree_mask  # noqa: E402  (the GQA kernel tests' random tree)
 
@@ -234,6 +235,75 @@ def test_mla_output_validation():
     assert mo.is_supported(o, lse, w_uv, 2)
     many = jnp.zeros((mo.KERNEL_MAX_TOKENS + 1, 1, 16, 32), jnp.float32)  # batch rows of one token each
     assert not mo.is_supported(many, many[..., 0], w_uv, 1)  # past the tokens it pays for: XLA's product
+
+
+# --------------------------------------------------------------------------- mla_inputs
+
+
+def make_inputs(seed, *, S=3, N=2, H=4, Dn=16, Dr=8, Dc=32, dtype=jnp.float32):
+    """K splits of a projection [q | c | k_r], RoPE tables, the latent norm and W_UK."""
+    rng = np.random.default_rng(seed)
+    parts = jnp.asarray(rng.standard_normal((S, N, H * (Dn + Dr) + Dc + Dr)), jnp.float32)
+    angle = rng.uniform(0, 6, (N, Dr // 2))
+    cos, sin = (jnp.asarray(f(angle) * 1.2, jnp.float32) for f in (np.cos, np.sin))
+    norm = jnp.asarray(1 + 0.2 * rng.standard_normal(Dc), dtype)
+    w_uk = jnp.asarray(0.3 * rng.standard_normal((Dc, H, Dn)), dtype)
+    return parts, cos, sin, norm, w_uk
+
+
+def inputs_reference(parts, cos, sin, norm, w_uk, interleaved):
+    Dc, H, Dn = w_uk.shape
+    qkv = jnp.sum(parts, axis=0).astype(w_uk.dtype)
+    Q = H * (Dn + 2 * cos.shape[1])
+    return mi.mla_inputs_reference(qkv[:, :Q].reshape(qkv.shape[0], H, -1), qkv[:, Q:], cos, sin, norm, w_uk,
+                                   interleaved=interleaved, eps=1e-6)
+
+
+@pytest.mark.parametrize("interleaved", [True, False])
+@pytest.mark.parametrize("dtype,block_c", [(jnp.float32, 8), (jnp.bfloat16, None)])
+def test_mla_inputs_matches_reference(interleaved, dtype, block_c):
+    """The absorbed query, the roped query part and the cache row from the projection's K
+    splits equal the reference's (bf16: bit for bit but the absorption product's
+    summation order); swapping RoPE's layout or the heads' W_UK is caught."""
+    args = make_inputs(7, dtype=dtype)
+    got = _fast_jit(functools.partial(mi.mla_inputs, interleaved=interleaved, eps=1e-6, block_c=block_c,
+                                      interpret=True), *args)
+    want = inputs_reference(*args, interleaved)
+    for g, w, shape in zip(got, want, [(2, 4, 32), (2, 4, 8), (2, 40)]):
+        chex.assert_shape(g, shape)
+        assert g.dtype == dtype
+    tol = 1e-5 if dtype == jnp.float32 else 2e-2
+    chex.assert_trees_all_close(jax.tree.map(lambda a: a.astype(jnp.float32), got),
+                                jax.tree.map(lambda a: a.astype(jnp.float32), want), atol=tol, rtol=tol)
+    if dtype == jnp.bfloat16:  # the q_pe and cache rows: the same roundings
+        np.testing.assert_array_equal(np.asarray(got[1], np.float32), np.asarray(want[1], np.float32))
+        np.testing.assert_array_equal(np.asarray(got[2], np.float32), np.asarray(want[2], np.float32))
+    other = inputs_reference(*args, not interleaved)
+    assert float(jnp.abs(got[1].astype(jnp.float32) - other[1].astype(jnp.float32)).max()) > 0.1
+    rolled = inputs_reference(*args[:4], jnp.roll(args[4], 1, axis=1), interleaved)
+    assert float(jnp.abs(got[0].astype(jnp.float32) - rolled[0].astype(jnp.float32)).max()) > 0.1
+
+
+def test_mla_inputs_validation():
+    parts, cos, sin, norm, w_uk = make_inputs(1)
+    call = lambda parts=parts, cos=cos, sin=sin, norm=norm, w_uk=w_uk, **kw: mi.mla_inputs(
+        parts, cos, sin, norm, w_uk, interleaved=True, eps=1e-6, interpret=True, **kw)
+    with pytest.raises(ValueError, match="need"):
+        call(parts=parts[..., :-2])
+    with pytest.raises(ValueError, match="cos"):
+        call(sin=sin[:1])
+    with pytest.raises(ValueError, match="latent_norm"):
+        call(norm=norm[:8])
+    with pytest.raises(ValueError, match="power of two"):
+        call(parts=parts[..., :-4 * 4], w_uk=w_uk[..., :12])  # Dn 12
+    with pytest.raises(TypeError, match="float32"):
+        call(parts=parts.astype(jnp.bfloat16))
+    with pytest.raises(TypeError, match="share"):
+        call(norm=norm.astype(jnp.bfloat16))
+    with pytest.raises(ValueError, match="block_c"):
+        call(block_c=12)
+    assert mi.is_supported(parts, cos, sin, norm, w_uk)
+    assert not mi.is_supported(parts[0], cos, sin, norm, w_uk)
 
 
 # --------------------------------------------------------------------------- dispatch, errors

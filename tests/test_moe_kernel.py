@@ -167,6 +167,31 @@ def test_kernel_activation_rounds_as_the_reference(dtype):
     np.testing.assert_array_equal(got, want)
 
 
+def test_routed_experts_norm_prologue():
+    """routed_experts(norm=...) norms the tokens in the first product's prologue: equal to
+    the reference on RMS-normed rows (also through the dispatch `moe_experts`), unlike the
+    unnormed rows'; a norm weight of another dtype is applied before the kernel."""
+    rng = np.random.default_rng(3)
+    E, D, Fm, N = 4, 64, 32, 2
+    x = jnp.asarray(rng.standard_normal((N, D)) * 4, jnp.float32)
+    gate_up = jnp.asarray(rng.standard_normal((E, D, 2 * Fm)) / 8, jnp.float32)
+    down = jnp.asarray(rng.standard_normal((E, Fm, D)) / 6, jnp.float32)
+    ids = jnp.asarray([[2, 0], [1, 3]], jnp.int32)
+    norm = (jnp.asarray(rng.uniform(0.5, 1.5, D), jnp.float32), 1e-6)
+    want = np.asarray(me.routed_experts_reference(me.rms_norm(x, *norm), ids, gate_up, down))
+    got = np.asarray(me.routed_experts(x, ids, gate_up, down, norm=norm, interpret=True))
+    np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5)
+    for mode in ("reference", "pallas"):
+        with dispatch.use_backend(mode):
+            np.testing.assert_allclose(np.asarray(me.moe_experts(x, ids, gate_up, down, norm=norm)), want,
+                                       rtol=1e-4, atol=1e-5)
+    half = (norm[0].astype(jnp.bfloat16), norm[1])
+    np.testing.assert_allclose(np.asarray(me.routed_experts(x, ids, gate_up, down, norm=half, interpret=True)),
+                               np.asarray(me.routed_experts_reference(me.rms_norm(x, *half), ids, gate_up, down)),
+                               rtol=1e-4, atol=1e-5)
+    assert not np.allclose(got, np.asarray(me.routed_experts_reference(x, ids, gate_up, down)), rtol=1e-2)
+
+
 @pytest.mark.parametrize("dtype,Din,tiles", [
     (jnp.float32, 80, dict(block_k=32, num_splits=2)),  # a last chunk overlapping its neighbour
     (jnp.bfloat16, 128, dict(block_k=32, num_splits=3)),

@@ -7,6 +7,7 @@ import jax.numpy as jnp
 
 from jspec.kernels import dispatch
 from jspec.kernels import moe_route as mr
+from jspec.kernels.moe_experts import rms_norm
 
 ROUTINGS = {  # V2-Lite, V2 (160 experts in 8 groups of 20), V3; small and real sizes
     "v2lite": mr.Routing(64, 6, num_extra=2),
@@ -84,6 +85,17 @@ def test_route_from_activations(name, N):
         got_w, got_ids = mr.route(r, x, w, bias)
     np.testing.assert_array_equal(np.asarray(got_ids), np.asarray(ids_ref))
     np.testing.assert_allclose(np.asarray(got_w), np.asarray(w_ref), rtol=1e-5, atol=1e-6)
+    # norm=(weight, eps): x RMS-normed first (in the expert kernel's prologue for few tokens)
+    norm = (jnp.asarray(rng.uniform(0.5, 1.5, D), jnp.bfloat16), 1e-6)
+    xn = jnp.asarray(rng.standard_normal((N, D)) * 5, jnp.bfloat16)
+    w_ref, ids_ref = mr.route_reference(r, mr.router_logits(rms_norm(xn, *norm), w), bias)
+    for mode in ("reference", "pallas"):
+        with dispatch.use_backend(mode):
+            got_w, got_ids = mr.route(r, xn, w, bias, norm=norm)
+        np.testing.assert_array_equal(np.asarray(got_ids), np.asarray(ids_ref))
+        np.testing.assert_allclose(np.asarray(got_w), np.asarray(w_ref), rtol=1e-5, atol=1e-6)
+    unnormed = mr.route_reference(r, mr.router_logits(xn, w), bias)[0]
+    assert not np.allclose(np.asarray(got_w), np.asarray(unnormed), rtol=1e-3)
 
 
 def test_dispatch_and_validation():

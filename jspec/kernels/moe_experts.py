@@ -57,6 +57,10 @@ DEFAULT_BLOCK_N = 128  # output columns per program
 DEFAULT_BLOCK_K = 64  # weight rows per loop step
 DEFAULT_WARPS = 2  # beat 4 warps by 5-20% on every product measured
 DEFAULT_STAGES = 3
+# The gated second product (`routed_experts`) takes 64-column tiles: V2-Lite's 8 experts of
+# one token 15.7 us instead of 17.7 with 128 (benchmarks/matvec_configs.py down, H200); the
+# first product stays at 128 (26.0 us against 27.8 with 64).
+GATED_BLOCK_N = 64
 TARGET_PROGRAMS = 528  # four programs per SM on an H200 (132 SMs): more K splits below that
 MIN_SPLIT_CHUNKS = 4  # a K split walks at least this many chunks
 MATVEC_MAX_ROWS = 1  # `matvec` runs the kernel for products of at most this many rows
@@ -128,6 +132,14 @@ def rms_norm(x, weight, eps: float):
     xf = x.astype(jnp.float32)
     r = lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
     return weight * (xf * r).astype(x.dtype)
+
+
+def prologue_norm(x, norm):
+    """(x, norm) for a kernel with the norm in its prologue: the prologue rounds in x's
+    dtype, so a norm weight of another dtype is applied here instead -> (x, norm or None)."""
+    if norm is None or norm[0].dtype == x.dtype:
+        return x, norm
+    return rms_norm(x, *norm), None
 
 
 def expert_matmul_reference(x, ids, w, slots: int | None = None, norm=None):
@@ -379,17 +391,21 @@ def uses_matvec(x, w, max_elements: int | None = MATVEC_MAX_ELEMENTS) -> bool:
     return dispatch.want_pallas(jnp.dtype(w.dtype) in map(jnp.dtype, _DTYPES) and min(w.shape) >= 16)
 
 
-def matvec(x, w, norm=None, *, float32_out: bool = False, interpret: bool | None = None):
+def matvec(x, w, norm=None, *, float32_out: bool = False, sum_splits: bool = True, interpret: bool | None = None):
     """x [..., K] @ w [K, N] for a few rows through the expert kernel (w as one expert,
     one pair a row) -> [..., N] in w's dtype (float32 with `float32_out`); norm (weight,
     eps): x's rows RMS-normed first, in the kernel. XLA runs a one-row product with split-K
     partials and a copy of x padded to two rows (`models.llama.pad_one_row`); here the K
-    splits are summed by the consumer's fusion and the norm needs no kernel of its own."""
+    splits are summed by the consumer's fusion and the norm needs no kernel of its own.
+    sum_splits False: -> the K splits [S, rows, N] float32 unsummed, for a kernel that sums
+    them as it loads them (`kernels.mla_inputs`)."""
     if norm is not None and not x.dtype == norm[0].dtype == w.dtype:  # the prologue rounds in one dtype
         x, norm = rms_norm(x, *norm), None
     rows = x.reshape(-1, x.shape[-1]).astype(w.dtype)
     y = expert_matmul(rows, jnp.zeros((rows.shape[0],), jnp.int32), w[None], norm=norm, block_n=MATVEC_BLOCK_N,
-                      num_splits=MATVEC_SPLITS, interpret=interpret)
+                      num_splits=MATVEC_SPLITS, sum_splits=sum_splits, interpret=interpret)
+    if not sum_splits:
+        return y
     return y.astype(jnp.float32 if float32_out else w.dtype).reshape(x.shape[:-1] + (w.shape[1],))
 
 
@@ -424,8 +440,8 @@ def is_supported(x, ids, gate_up, down, extra=None, slots=None) -> bool:
     return True
 
 
-def routed_experts(x, ids, gate_up, down, extra=None, slots: int | None = None, *, interpret: bool | None = None,
-                   gate_up_tiles: dict | None = None, down_tiles: dict | None = None):
+def routed_experts(x, ids, gate_up, down, extra=None, slots: int | None = None, *, norm=None,
+                   interpret: bool | None = None, gate_up_tiles: dict | None = None, down_tiles: dict | None = None):
     """The routed experts of a routing table's (token, expert) pairs with the Pallas
     kernel: x [N, D] (each token's activation; or [P, D], each pair's), ids [N, KP] int
     (each token's experts; or [P]) and slots as `expert_matmul`, gate_up [E, D, 2Fm], down
@@ -433,14 +449,16 @@ def routed_experts(x, ids, gate_up, down, extra=None, slots: int | None = None, 
     E.. E+E2-1 (shared experts), read in the same products. Same roundings as
     `routed_experts_reference` up to the last product, which stays float32: the second
     product sums the first one's K splits, rounds them to x's dtype and applies silu(gate)
-    * up as it loads them. *_tiles: `expert_matmul`'s tiling arguments for each product
-    (default: its defaults)."""
+    * up as it loads them. norm (weight [D], eps): x's rows RMS-normed first, in the first
+    product's prologue (`expert_matmul`). *_tiles: `expert_matmul`'s tiling arguments for
+    each product (default: `expert_matmul`'s, the second's tiles GATED_BLOCK_N wide)."""
     _check_experts(x, ids, gate_up, down, extra, slots)
+    x, norm = prologue_norm(x, norm)
     extra_gu, extra_down = (None, None) if extra is None else extra
-    h = expert_matmul(x, ids, gate_up, extra_gu, slots=slots, sum_splits=False, interpret=interpret,
+    h = expert_matmul(x, ids, gate_up, extra_gu, slots=slots, sum_splits=False, norm=norm, interpret=interpret,
                       **(gate_up_tiles or {}))  # [S1, P, 2Fm]: K splits
     return expert_matmul(h, ids, down, extra_down, slots=slots, gated=x.dtype, interpret=interpret,
-                         **(down_tiles or {}))
+                         **({"block_n": GATED_BLOCK_N} | (down_tiles or {})))
 
 
 def uses_kernel(x, ids, gate_up, down, extra=None, slots=None) -> bool:
@@ -451,10 +469,13 @@ def uses_kernel(x, ids, gate_up, down, extra=None, slots=None) -> bool:
                                 is_supported(x, ids, gate_up, down, extra, slots))
 
 
-def moe_experts(x, ids, gate_up, down, extra=None, slots: int | None = None):
+def moe_experts(x, ids, gate_up, down, extra=None, slots: int | None = None, norm=None):
     """Dispatch: `routed_experts` (the kernel) where `uses_kernel`, else
-    `routed_experts_reference`; same arguments, [P, D] float32. JSPEC_KERNELS=pallas forces
-    the kernel (interpret mode off GPU; raises for arguments it does not take)."""
+    `routed_experts_reference`; same arguments, [P, D] float32; norm (weight, eps): x's rows
+    RMS-normed first (`rms_norm`; the kernel's prologue). JSPEC_KERNELS=pallas forces the
+    kernel (interpret mode off GPU; raises for arguments it does not take)."""
     if uses_kernel(x, ids, gate_up, down, extra, slots):
-        return routed_experts(x, ids, gate_up, down, extra, slots)
+        return routed_experts(x, ids, gate_up, down, extra, slots, norm=norm)
+    if norm is not None:
+        x = rms_norm(x, *norm)
     return routed_experts_reference(x, ids, gate_up, down, extra, slots)

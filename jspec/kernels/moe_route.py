@@ -25,7 +25,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 from jspec.kernels import dispatch
-from jspec.kernels.moe_experts import expert_matmul
+from jspec.kernels.moe_experts import expert_matmul, prologue_norm, rms_norm
 
 SCORINGS = ("softmax", "sigmoid")
 KERNEL_PRODUCT_TOKENS = 16  # up to this many tokens the router product runs in the expert kernel
@@ -257,8 +257,9 @@ def uses_kernel(r: Routing, logits, bias=None) -> bool:
     return dispatch.want_pallas(dispatch.backend() == "pallas" or is_supported(r, logits, bias))
 
 
-def route(r: Routing, x, w, bias=None):
-    """The routing table of x [N, D] (the normalised activations) with the router w [D, E]
+def route(r: Routing, x, w, bias=None, norm=None):
+    """The routing table of x [N, D] (the normalised activations; or, with norm (weight
+    [D], eps), the activations that RMSNorm normalises first) with the router w [D, E]
     float32 (and V3's score-correction bias [E]): (weights [N, KP] float32, ids [N, KP]
     int32), see the module docstring.
 
@@ -266,15 +267,19 @@ def route(r: Routing, x, w, bias=None):
     from the expert kernel (`moe_experts.expert_matmul`, w as one expert, float32 products)
     as K splits that `route_kernel` sums: two kernels, where XLA's one-row product is a
     padded product, a reduction of its splits and a slice. More tokens take XLA's product,
-    then `route_kernel`. Without: `router_logits`, then `route_reference`."""
+    then `route_kernel`. Without: `router_logits`, then `route_reference`. The norm runs
+    in the expert kernel's prologue where that product runs, else before the product."""
     N, E = x.shape[0], w.shape[1]
     probe = jax.ShapeDtypeStruct((N, E), jnp.float32)
-    if not uses_kernel(r, probe, bias):
-        return route_reference(r, router_logits(x, w), bias)
-    if N > KERNEL_PRODUCT_TOKENS or min(E, x.shape[1]) < 16:  # (the expert kernel's smallest tiles)
-        return route_kernel(r, router_logits(x, w), bias)
+    kernel_product = uses_kernel(r, probe, bias) and N <= KERNEL_PRODUCT_TOKENS and min(E, x.shape[1]) >= 16
+    if not kernel_product:  # (16: the expert kernel's smallest tiles)
+        if norm is not None:
+            x = rms_norm(x, *norm)
+        logits = router_logits(x, w)
+        return route_kernel(r, logits, bias) if uses_kernel(r, probe, bias) else route_reference(r, logits, bias)
     D = x.shape[1]
+    x, norm = prologue_norm(x, norm)
     splits = max(1, D // ROUTER_BLOCK_K)  # a program per chunk of rows: the weight is read by many SMs
     partials = expert_matmul(x, jnp.zeros((N, 1), jnp.int32), w[None], sum_splits=False, num_splits=splits,
-                             block_k=ROUTER_BLOCK_K)  # [S, N, E]
+                             block_k=ROUTER_BLOCK_K, norm=norm)  # [S, N, E]
     return route_kernel(r, partials, bias)

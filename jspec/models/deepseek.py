@@ -26,6 +26,7 @@ from flax import linen as nn
 from jspec.cache.latent import LatentCache, LatentCacheKind
 from jspec.cache.layout import AttnMeta
 from jspec.kernels.attention import attention_reference
+from jspec.kernels import mla_inputs
 from jspec.kernels.mla_attention import cached_mla_attention
 from jspec.kernels import moe_experts
 from jspec.kernels.moe_experts import silu_mul
@@ -33,26 +34,18 @@ from jspec.kernels.moe_route import route
 from jspec.cache.kv import write_kv
 from jspec.models import deepseek_hf
 from jspec.models.deepseek_hf import DeepseekConfig
-from jspec.models.llama import DecoderLM, FlaxFamily, Linear, RMSNorm, apply_rope, product
+from jspec.models.llama import DecoderLM, FlaxFamily, Linear, RMSNorm, product
 
 _init = nn.initializers.normal(0.02)
 LATENT_NORM_EPS = 1e-6  # the q/kv latent norms use RMSNorm's default, not rms_norm_eps
 
 
-def rope_pairs(x, positions, c: DeepseekConfig):
-    """x [B,T,h,Dr] rotated by positions [B,T]. Interleaved checkpoints rotate the pairs
-    (x0, x1), (x2, x3), ...; the result is laid out [evens, odds] (as transformers' V3 does;
-    queries and keys share the layout, so scores are those of V2's complex form)."""
+def rope_tables(positions, c: DeepseekConfig):
+    """positions [B,T] -> (cos, sin) [B,T,Dr/2] float32, YaRN's scale included."""
     inv = c.rope.inv_freq(c.qk_rope_head_dim)
+    freqs = positions.astype(jnp.float32)[..., None] * jnp.asarray(inv)[None, None, :]
     scale = c.rope.cos_sin_scale()
-    if not c.rope_interleave:
-        return apply_rope(x, positions, inv, scale)
-    freqs = positions.astype(jnp.float32)[..., None] * jnp.asarray(inv)[None, None, :]  # [B,T,Dr/2]
-    cos = (jnp.cos(freqs) * scale)[:, :, None, :]
-    sin = (jnp.sin(freqs) * scale)[:, :, None, :]
-    xf = x.astype(jnp.float32)
-    x1, x2 = xf[..., 0::2], xf[..., 1::2]
-    return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1).astype(x.dtype)
+    return jnp.cos(freqs) * scale, jnp.sin(freqs) * scale
 
 
 class MLAttention(nn.Module):
@@ -70,31 +63,47 @@ class MLAttention(nn.Module):
         # The products of the normed input, q_proj (or q_a_proj) and kv_a_proj_with_mqa, as
         # one matrix [D, Q + Dc + Dr] (`deepseek_hf`): one pass over x's weights.
         Q = c.q_lora_rank or H * (Dn + Dr)
-        qkv = Linear(Q + Dc + Dr, c.attention_bias, c.dtype, row_kernel=True, name="qkv_a_proj")(x, norm=norm)
-        q, ckv = qkv[..., :Q], qkv[..., Q:]
-        if c.q_lora_rank:
-            q = RMSNorm(LATENT_NORM_EPS, c.dtype, name="q_a_layernorm")(q)
-            q = Linear(H * (Dn + Dr), False, c.dtype, name="q_b_proj")(q)
-        q = q.reshape(B, T, H, Dn + Dr)
-        q_nope, q_pe = q[..., :Dn], rope_pairs(q[..., Dn:], meta.positions, c)
-        latent = RMSNorm(LATENT_NORM_EPS, c.dtype, name="kv_a_layernorm")(ckv[..., :Dc])  # [B,T,Dc]
-        k_pe = rope_pairs(ckv[..., None, Dc:], meta.positions, c)[:, :, 0]  # [B,T,Dr], shared by the heads
+        proj = Linear(Q + Dc + Dr, c.attention_bias, c.dtype, row_kernel=True, name="qkv_a_proj")
         # kv_b_proj as its two halves (`deepseek_hf`): W_UK [Dc,H,Dn] and W_UV [H,Dv,Dc], the
         # latter so that each head's rows are contiguous for `kernels.mla_output`
         dt = jnp.dtype(c.dtype)
         w_uk = self.param("w_uk", _init, (Dc, H, Dn), dt)
         w_uv = self.param("w_uv", _init, (H, Dv, Dc), dt)
-        rows = jnp.concatenate([latent, k_pe], axis=-1)  # [B,T,Dc+Dr]: what the cache keeps
+        latent_norm, _ = RMSNorm(LATENT_NORM_EPS, c.dtype, name="kv_a_layernorm")(
+            jax.ShapeDtypeStruct((Dc,), dt), unapplied=True)
+        cos, sin = rope_tables(meta.positions, c)  # [B,T,Dr/2]
+        absorb = not meta.prefill
+        flat = (cos.reshape(B * T, -1), sin.reshape(B * T, -1))
+        if (absorb and not c.q_lora_rank and proj.uses_splits(x) and mla_inputs.uses_kernel(
+                jax.ShapeDtypeStruct((1, B * T, Q + Dc + Dr), jnp.float32), *flat, latent_norm, w_uk)):
+            # one row: the projection's K splits go straight to the kernel that sums them and
+            # makes the absorbed query, the roped query part and the cache row
+            parts = proj(x, norm=norm, splits=True)  # [S, B*T, Q+Dc+Dr]
+            q_lat, q_pe, rows = mla_inputs.mla_inputs(parts, *flat, latent_norm, w_uk, interleaved=c.rope_interleave,
+                                                      eps=LATENT_NORM_EPS)
+            q_lat, q_pe, rows = q_lat.reshape(B, T, H, Dc), q_pe.reshape(B, T, H, Dr), rows.reshape(B, T, -1)
+        else:
+            qkv = proj(x, norm=norm)
+            q, ckv = qkv[..., :Q], qkv[..., Q:]
+            if c.q_lora_rank:
+                q = RMSNorm(LATENT_NORM_EPS, c.dtype, name="q_a_layernorm")(q)
+                q = Linear(H * (Dn + Dr), False, c.dtype, name="q_b_proj")(q)
+            # q_first: the absorbed query [B,T,H,Dc] (decoding) or q_nope [B,T,H,Dn] (prefill);
+            # rows [B,T,Dc+Dr]: what the cache keeps (the normed latent, the roped key part)
+            q_first, q_pe, rows = mla_inputs.mla_inputs_reference(q.reshape(B, T, H, Dn + Dr), ckv, cos, sin, latent_norm,
+                                                       w_uk if absorb else None, interleaved=c.rope_interleave,
+                                                       eps=LATENT_NORM_EPS)
+            q_lat = q_nope = q_first
         if meta.prefill:  # keys and values from the latent, as the model computes them
             if buf is not None:
                 buf = write_kv(buf, rows, meta.write_index, meta.page_table is None)
+            latent, k_pe = rows[..., :Dc], rows[..., Dc:]
             k_nope = jnp.einsum("btc,chn->bthn", latent, w_uk)
             v = jnp.einsum("btc,hvc->bthv", latent, w_uv)
             k = jnp.concatenate([k_nope, jnp.broadcast_to(k_pe[:, :, None], (B, T, H, Dr))], axis=-1)
             o = attention_reference(jnp.concatenate([q_nope, q_pe], axis=-1), k, v, None, meta,
                                     scale=c.softmax_scale)  # [B,T,H,Dv]
         else:  # absorbed: attend over the latent rows, then up-project the values
-            q_lat = jnp.einsum("bthn,chn->bthc", q_nope, w_uk, preferred_element_type=jnp.float32).astype(q.dtype)
             o, buf = cached_mla_attention(q_lat, q_pe, rows, buf, meta, w_uv, scale=c.softmax_scale)
         out = Linear(c.hidden_size, c.attention_bias, c.dtype, row_kernel=True, name="o_proj")(o.reshape(B, T, H * Dv))
         return out, buf
@@ -109,7 +118,9 @@ class MLP(nn.Module):
     dtype: str
 
     @nn.compact
-    def __call__(self, x):
+    def __call__(self, x, norm):
+        """x [B,T,D] with its norm (weight, eps) not yet applied (the kernel's prologue
+        applies it) -> [B,T,D]."""
         D, F, dt = x.shape[-1], self.width, jnp.dtype(self.dtype)
         gate_up = self.param("gate_up_proj", lambda key: {"kernel": _init(key, (D, 2 * F), dt)})["kernel"]
         down = self.param("down_proj", lambda key: {"kernel": _init(key, (F, D), dt)})["kernel"]
@@ -117,8 +128,9 @@ class MLP(nn.Module):
             rows = x.reshape(-1, D)
             one = jnp.zeros((rows.shape[0],), jnp.int32)  # every row to expert 0
             if moe_experts.uses_kernel(rows, one, gate_up[None], down[None]):
-                y = moe_experts.routed_experts(rows, one, gate_up[None], down[None])
+                y = moe_experts.routed_experts(rows, one, gate_up[None], down[None], norm=norm)
                 return y.astype(x.dtype).reshape(x.shape)
+        x = moe_experts.rms_norm(x, *norm)
         gu = product(x, gate_up)
         return product(silu_mul(gu[..., :F], gu[..., F:]), down)
 
@@ -137,7 +149,9 @@ class MoE(nn.Module):
     cfg: DeepseekConfig
 
     @nn.compact
-    def __call__(self, x):
+    def __call__(self, x, norm):
+        """x [B,T,D] with its norm (weight, eps) not yet applied (the router's and the
+        expert kernel's prologues apply it when they run) -> [B,T,D]."""
         c = self.cfg
         B, T, D = x.shape
         E, S, Fm, k = c.n_routed_experts, c.n_shared_experts, c.moe_intermediate_size, c.num_experts_per_tok
@@ -153,12 +167,14 @@ class MoE(nn.Module):
         shared = self.param("shared_experts", stacked(S)) if S else None
         xs = x.reshape(B * T, D)
         r = c.routing
-        weights, ids = route(r, xs, router["kernel"], router.get("bias"))  # [N, KP] each
+        weights, ids = route(r, xs, router["kernel"], router.get("bias"), norm=norm)  # [N, KP] each
         if B * T * k < E:  # decode and verification: read the chosen and the shared experts only
             extra = (shared["gate_up"], shared["down"]) if S else None
-            y = moe_experts.moe_experts(xs, ids, experts["gate_up"], experts["down"], extra, r.slots)  # [N*(k+S), D]
+            y = moe_experts.moe_experts(xs, ids, experts["gate_up"], experts["down"], extra, r.slots,
+                                        norm=norm)  # [N*(k+S), D]
             out = jnp.einsum("nsd,ns->nd", y.reshape(B * T, r.slots, D), weights[:, :r.slots])
         else:  # prefill: (token, expert) pairs sorted by expert, grouped products
+            xs = moe_experts.rms_norm(xs, *norm)
             flat = ids[:, :k].reshape(-1)  # [N*k] expert of each (token, slot)
             order = jnp.argsort(flat, stable=True)
             sizes = jnp.bincount(flat, length=E).astype(jnp.int32)
@@ -183,9 +199,9 @@ class DecoderLayer(nn.Module):
         norm = RMSNorm(c.rms_norm_eps, c.dtype, name="input_layernorm")(x, unapplied=True)
         h, buf = MLAttention(c, name="self_attn")(x, norm, buf, meta)
         x = x + h
-        h = RMSNorm(c.rms_norm_eps, c.dtype, name="post_attention_layernorm")(x)
+        norm = RMSNorm(c.rms_norm_eps, c.dtype, name="post_attention_layernorm")(x, unapplied=True)
         mlp = MoE(c, name="mlp") if c.is_moe(self.layer) else MLP(c.intermediate_size, c.dtype, name="mlp")
-        return x + mlp(h), buf
+        return x + mlp(x, norm), buf
 
 
 class DeepseekModel(DecoderLM):

@@ -71,12 +71,17 @@ class Linear(nn.Module):
     row_kernel: bool = False  # few-row products through `moe_experts.matvec` where it applies
 
     @nn.compact
-    def __call__(self, x, norm_factor=None, norm=None):
+    def __call__(self, x, norm_factor=None, norm=None, splits: bool = False):
         """x [..., in] -> [..., out]; `norm_factor` [..., 1] float32 multiplies the product
         before the bias (a deferred RMSNorm factor, see `RMSNorm`); `norm` (weight, eps):
         x is RMS-normed first (`RMSNorm(..., unapplied=True)`; in the row kernel's
-        prologue when it runs)."""
+        prologue when it runs). splits: return the row kernel's K splits [S, rows, out]
+        float32 unsummed (`moe_experts.matvec`; only where `uses_splits`)."""
         w = self.param("kernel", _init, (x.shape[-1], self.features), jnp.dtype(self.dtype))
+        if splits:
+            if not self.uses_splits(x):
+                raise ValueError("Linear(splits=True) needs the row kernel for this product and no bias")
+            return moe_experts.matvec(x, w, norm, sum_splits=False)
         if self.row_kernel and moe_experts.uses_matvec(x, w):
             y = moe_experts.matvec(x, w, norm, float32_out=self.float32_out)
         else:
@@ -91,6 +96,13 @@ class Linear(nn.Module):
         if self.use_bias:
             y = y + self.param("bias", nn.initializers.zeros, (self.features,), jnp.dtype(self.dtype)).astype(y.dtype)
         return y
+
+
+    def uses_splits(self, x) -> bool:
+        """Whether `__call__(x, splits=True)` applies: the row kernel runs x's product and
+        there is no bias to add."""
+        w = jax.ShapeDtypeStruct((x.shape[-1], self.features), jnp.dtype(self.dtype))
+        return self.row_kernel and not self.use_bias and moe_experts.uses_matvec(x, w)
 
 
 class RMSNorm(nn.Module):
