@@ -16,7 +16,8 @@ Parts (arguments; default: all):
 
 Run: PYTHONPATH=. python3 benchmarks/deepseek_h200.py [decode] [mtp] [v3layer]
 (DEEPSEEK_BATCHES=1,32: the decode batches; mtp needs batch 1 first for its ratios;
-DEEPSEEK_SETTING: one of `benchmarks/deepseek_ab.py`'s settings, default the code as it is)
+DEEPSEEK_SETTING: one of `benchmarks/deepseek_ab.py`'s settings, default the code as it is;
+DEEPSEEK_ROUNDS=SxKxN,...: the MTP rounds, default 1x1x2,2x1x3,3x1x4,3x2x4)
 """
 from __future__ import annotations
 
@@ -108,7 +109,8 @@ def decode_and_mtp(parts, res, ceiling, name):
         draft = MtpDraft(layer_config(V2_LITE))
         dw = jax.jit(lambda k: draft.init(k, V2_LITE.vocab_size))(jax.random.key(1))
         spec_params = target.with_draft(jspec.DraftParams(draft, dw))
-        for S, K, N in ((1, 1, 2), (2, 1, 3), (3, 1, 4), (3, 2, 4)):
+        rounds = os.environ.get("DEEPSEEK_ROUNDS", "1x1x2,2x1x3,3x1x4,3x2x4")
+        for S, K, N in (tuple(int(v) for v in r.split("x")) for r in rounds.split(",")):
             r = Runner(spec_params, prompts(1, V2_LITE.vocab_size), LONG,
                        spec=jspec.SpecConfig(num_steps=S, topk=K, num_draft_tokens=N))
             per, _, _ = r.per_round(SHORT, LONG, reps=2)

@@ -20,6 +20,11 @@ decode)
   timeout 100 python3 benchmarks/deepseek_profile.py 4 2>&1 | grep -v Warning | head -3
   timeout 100 python3 benchmarks/deepseek_profile.py 4 down_bn128 2>&1 | grep -v Warning | head -3
   timeout 330 python3 benchmarks/deepseek_h200.py decode 2>&1 | grep -v Warning | tail -4 ;;
+mtpab)  # the 4-token verify rounds with the gated product's 64- and 128-column tiles
+  for setting in default down_bn128; do
+    DEEPSEEK_SETTING=$setting DEEPSEEK_BATCHES=1 DEEPSEEK_ROUNDS=3x1x4,3x2x4 timeout 290 \
+      python3 benchmarks/deepseek_h200.py mtp 2>&1 | grep -v Warning | tail -3
+  done ;;
 tiles)
   MATVEC_BUDGET_S=150 timeout 200 python3 benchmarks/matvec_configs.py down 2>&1 | grep "^{" ;;
 mtp)
