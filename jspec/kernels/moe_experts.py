@@ -57,9 +57,10 @@ DEFAULT_BLOCK_N = 128  # output columns per program
 DEFAULT_BLOCK_K = 64  # weight rows per loop step
 DEFAULT_WARPS = 2  # beat 4 warps by 5-20% on every product measured
 DEFAULT_STAGES = 3
-# The gated second product (`routed_experts`) takes 64-column tiles: V2-Lite's 8 experts of
-# one token 15.7 us instead of 17.7 with 128 (benchmarks/matvec_configs.py down, H200); the
-# first product stays at 128 (26.0 us against 27.8 with 64).
+# The gated second product (`routed_experts`) of one token takes 64-column tiles: V2-Lite's
+# 8 experts 15.7 us instead of 17.7 with 128 (benchmarks/matvec_configs.py down, H200); the
+# first product stays at 128 (26.0 us against 27.8 with 64). At 4 tokens (32 pairs) 64 made
+# an MTP round 5% slower (benchmarks/gpu_run_deepseek.sh PART=mtpab), so more tokens keep 128.
 GATED_BLOCK_N = 64
 TARGET_PROGRAMS = 528  # four programs per SM on an H200 (132 SMs): more K splits below that
 MIN_SPLIT_CHUNKS = 4  # a K split walks at least this many chunks
@@ -451,14 +452,15 @@ def routed_experts(x, ids, gate_up, down, extra=None, slots: int | None = None, 
     product sums the first one's K splits, rounds them to x's dtype and applies silu(gate)
     * up as it loads them. norm (weight [D], eps): x's rows RMS-normed first, in the first
     product's prologue (`expert_matmul`). *_tiles: `expert_matmul`'s tiling arguments for
-    each product (default: `expert_matmul`'s, the second's tiles GATED_BLOCK_N wide)."""
+    each product (default: `expert_matmul`'s; one token's second product GATED_BLOCK_N wide)."""
     _check_experts(x, ids, gate_up, down, extra, slots)
     x, norm = prologue_norm(x, norm)
     extra_gu, extra_down = (None, None) if extra is None else extra
     h = expert_matmul(x, ids, gate_up, extra_gu, slots=slots, sum_splits=False, norm=norm, interpret=interpret,
                       **(gate_up_tiles or {}))  # [S1, P, 2Fm]: K splits
+    narrow = {"block_n": GATED_BLOCK_N} if ids.shape[0] == 1 else {}  # one token: see GATED_BLOCK_N
     return expert_matmul(h, ids, down, extra_down, slots=slots, gated=x.dtype, interpret=interpret,
-                         **({"block_n": GATED_BLOCK_N} | (down_tiles or {})))
+                         **(narrow | (down_tiles or {})))
 
 
 def uses_kernel(x, ids, gate_up, down, extra=None, slots=None) -> bool:
