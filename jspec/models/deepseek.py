@@ -38,6 +38,15 @@ from jspec.models.llama import DecoderLM, FlaxFamily, Linear, RMSNorm, product
 
 _init = nn.initializers.normal(0.02)
 LATENT_NORM_EPS = 1e-6  # the q/kv latent norms use RMSNorm's default, not rms_norm_eps
+# The post-attention norm runs in the prologues of the kernels that read the MLP's input (the
+# router product, the first expert product) where they run; False: as XLA's kernels first
+# (`benchmarks/deepseek_ab.py` norm_outside).
+MLP_NORM_IN_KERNEL = True
+
+
+def normed(x, norm):
+    """x RMS-normed by norm (weight, eps); x itself when norm is None."""
+    return x if norm is None else moe_experts.rms_norm(x, *norm)
 
 
 def rope_tables(positions, c: DeepseekConfig):
@@ -119,8 +128,8 @@ class MLP(nn.Module):
 
     @nn.compact
     def __call__(self, x, norm):
-        """x [B,T,D] with its norm (weight, eps) not yet applied (the kernel's prologue
-        applies it) -> [B,T,D]."""
+        """x [B,T,D] with its norm (weight, eps; None: x is normed) not yet applied (the
+        kernel's prologue applies it) -> [B,T,D]."""
         D, F, dt = x.shape[-1], self.width, jnp.dtype(self.dtype)
         gate_up = self.param("gate_up_proj", lambda key: {"kernel": _init(key, (D, 2 * F), dt)})["kernel"]
         down = self.param("down_proj", lambda key: {"kernel": _init(key, (F, D), dt)})["kernel"]
@@ -133,7 +142,7 @@ class MLP(nn.Module):
                 y = moe_experts.routed_experts(rows, one, gate_up[None], down[None], norm=norm,
                                                down_tiles={"block_n": moe_experts.DEFAULT_BLOCK_N})
                 return y.astype(x.dtype).reshape(x.shape)
-        x = moe_experts.rms_norm(x, *norm)
+        x = normed(x, norm)
         gu = product(x, gate_up)
         return product(silu_mul(gu[..., :F], gu[..., F:]), down)
 
@@ -153,8 +162,8 @@ class MoE(nn.Module):
 
     @nn.compact
     def __call__(self, x, norm):
-        """x [B,T,D] with its norm (weight, eps) not yet applied (the router's and the
-        expert kernel's prologues apply it when they run) -> [B,T,D]."""
+        """x [B,T,D] with its norm (weight, eps; None: x is normed) not yet applied (the
+        router's and the expert kernel's prologues apply it when they run) -> [B,T,D]."""
         c = self.cfg
         B, T, D = x.shape
         E, S, Fm, k = c.n_routed_experts, c.n_shared_experts, c.moe_intermediate_size, c.num_experts_per_tok
@@ -177,7 +186,7 @@ class MoE(nn.Module):
                                         norm=norm)  # [N*(k+S), D]
             out = jnp.einsum("nsd,ns->nd", y.reshape(B * T, r.slots, D), weights[:, :r.slots])
         else:  # prefill: (token, expert) pairs sorted by expert, grouped products
-            xs = moe_experts.rms_norm(xs, *norm)
+            xs = normed(xs, norm)
             flat = ids[:, :k].reshape(-1)  # [N*k] expert of each (token, slot)
             order = jnp.argsort(flat, stable=True)
             sizes = jnp.bincount(flat, length=E).astype(jnp.int32)
@@ -204,7 +213,7 @@ class DecoderLayer(nn.Module):
         x = x + h
         norm = RMSNorm(c.rms_norm_eps, c.dtype, name="post_attention_layernorm")(x, unapplied=True)
         mlp = MoE(c, name="mlp") if c.is_moe(self.layer) else MLP(c.intermediate_size, c.dtype, name="mlp")
-        return x + mlp(x, norm), buf
+        return x + (mlp(x, norm) if MLP_NORM_IN_KERNEL else mlp(normed(x, norm), None)), buf
 
 
 class DeepseekModel(DecoderLM):
