@@ -7,8 +7,8 @@ before the program is traced:
 - splits_half: the expert kernel aims at half as many programs (fewer K splits);
 - stages4: the expert kernel's loads 4 stages deep;
 - bn64: the expert kernel's tiles 64 columns wide; down_bn128: the gated second
-  product's 128 wide (64 by default); norm_outside: the post-attention norm as XLA's
-  kernels before the MLP instead of in the router's and expert kernel's prologues;
+  product's 128 wide (64 by default); norm_inside: the post-attention norm in the
+  router's and expert kernel's prologues instead of XLA's kernels before the MLP;
 - out32, out64: `mla_output` with 32 or 64 columns a program;
 - xla_rows: one-row dense products as XLA's (padded) products instead of `matvec`;
 - splits2x: twice the target programs; min2: K splits of 2 chunks allowed (more
@@ -38,7 +38,7 @@ SETTINGS = {  # name -> [(module, constant, value)]
     "stages4": [("jspec.kernels.moe_experts", "DEFAULT_STAGES", 4)],
     "bn64": [("jspec.kernels.moe_experts", "DEFAULT_BLOCK_N", 64)],
     "down_bn128": [("jspec.kernels.moe_experts", "GATED_BLOCK_N", 128)],
-    "norm_outside": [("jspec.models.deepseek", "MLP_NORM_IN_KERNEL", False)],
+    "norm_inside": [("jspec.models.deepseek", "MLP_NORM_IN_KERNEL", True)],
     "out32": [("jspec.kernels.mla_output", "DEFAULT_BLOCK_N", 32)],
     "out64": [("jspec.kernels.mla_output", "DEFAULT_BLOCK_N", 64)],
     "xla_rows": [("jspec.kernels.moe_experts", "MATVEC_MAX_ROWS", 0)],

@@ -31,7 +31,7 @@ final)  # the 27-layer decode and the V3 layer shape
   timeout 280 python3 benchmarks/deepseek_h200.py v3layer 2>&1 | grep -v Warning | tail -3
   mv $OUT/deepseek_h200.json $OUT/deepseek_h200_v3layer.json 2>/dev/null ;;
 v3ab)  # the V3 layer shape with the post-attention norm in the kernels' prologues or not
-  for setting in default norm_outside; do
+  for setting in norm_inside default; do
     DEEPSEEK_SETTING=$setting timeout 280 python3 benchmarks/deepseek_h200.py v3layer 2>&1 | grep "v3 layer"
   done ;;
 tiles)

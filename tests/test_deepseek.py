@@ -287,12 +287,14 @@ def test_one_token_equals_transformers(models, name):
 def test_batch_one_through_row_kernels(monkeypatch, fresh_compiles, q_lora):
     """Batch-1 decoding with the kernels forced (interpret mode): the fused query/latent
     projection with the input norm in its prologue and the output projection run as
-    `matvec`, the dense first layer's MLP as one expert of `routed_experts` with the
-    post-attention norm in its prologue; without q_lora the projection's K splits go to
+    `matvec`, the dense first layer's MLP as one expert of `routed_experts` (the
+    post-attention norm in its prologue or before it); without q_lora the projection's K splits go to
     `mla_inputs` (query absorption, RoPE, latent norm); the greedy tokens equal the
     reference path's."""
     from jspec.kernels import mla_inputs, moe_experts
+    from jspec.models import deepseek
 
+    monkeypatch.setattr(deepseek, "MLP_NORM_IN_KERNEL", q_lora is None)  # both ways of the MLP's norm
     cfg = DeepseekConfig(vocab_size=96, hidden_size=32, intermediate_size=48, num_layers=2, num_heads=2,
                          kv_lora_rank=32, q_lora_rank=q_lora, qk_nope_head_dim=16, qk_rope_head_dim=16, v_head_dim=16,
                          moe_intermediate_size=16, n_routed_experts=8, n_shared_experts=1, num_experts_per_tok=2,

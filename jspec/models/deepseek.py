@@ -38,10 +38,12 @@ from jspec.models.llama import DecoderLM, FlaxFamily, Linear, RMSNorm, product
 
 _init = nn.initializers.normal(0.02)
 LATENT_NORM_EPS = 1e-6  # the q/kv latent norms use RMSNorm's default, not rms_norm_eps
-# The post-attention norm runs in the prologues of the kernels that read the MLP's input (the
-# router product, the first expert product) where they run; False: as XLA's kernels first
-# (`benchmarks/deepseek_ab.py` norm_outside).
-MLP_NORM_IN_KERNEL = True
+# Whether the post-attention norm runs in the prologues of the kernels that read the MLP's
+# input (the router product, the first expert product) instead of as XLA's kernels first.
+# Off: on the H200 the V3 layer shape (hidden 7168, every program of the expert kernel
+# summing the row's squares before its weights stream) took 0.416 ms a layer with it and
+# 0.349 without; V2-Lite's 4-layer step gained 0.6 us a layer (docs/experiments.md).
+MLP_NORM_IN_KERNEL = False
 
 
 def normed(x, norm):
