@@ -135,6 +135,11 @@ def rms_norm(x, weight, eps: float):
     return weight * (xf * r).astype(x.dtype)
 
 
+def normed(x, norm):
+    """x RMS-normed by norm (weight, eps) as `rms_norm` does; x itself when norm is None."""
+    return x if norm is None else rms_norm(x, *norm)
+
+
 def prologue_norm(x, norm):
     """(x, norm) for a kernel with the norm in its prologue: the prologue rounds in x's
     dtype, so a norm weight of another dtype is applied here instead -> (x, norm or None)."""
@@ -478,6 +483,4 @@ def moe_experts(x, ids, gate_up, down, extra=None, slots: int | None = None, nor
     kernel (interpret mode off GPU; raises for arguments it does not take)."""
     if uses_kernel(x, ids, gate_up, down, extra, slots):
         return routed_experts(x, ids, gate_up, down, extra, slots, norm=norm)
-    if norm is not None:
-        x = rms_norm(x, *norm)
-    return routed_experts_reference(x, ids, gate_up, down, extra, slots)
+    return routed_experts_reference(normed(x, norm), ids, gate_up, down, extra, slots)

@@ -25,7 +25,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 from jspec.kernels import dispatch
-from jspec.kernels.moe_experts import expert_matmul, prologue_norm, rms_norm
+from jspec.kernels.moe_experts import expert_matmul, normed, prologue_norm
 
 SCORINGS = ("softmax", "sigmoid")
 KERNEL_PRODUCT_TOKENS = 16  # up to this many tokens the router product runs in the expert kernel
@@ -271,12 +271,10 @@ def route(r: Routing, x, w, bias=None, norm=None):
     in the expert kernel's prologue where that product runs, else before the product."""
     N, E = x.shape[0], w.shape[1]
     probe = jax.ShapeDtypeStruct((N, E), jnp.float32)
-    kernel_product = uses_kernel(r, probe, bias) and N <= KERNEL_PRODUCT_TOKENS and min(E, x.shape[1]) >= 16
-    if not kernel_product:  # (16: the expert kernel's smallest tiles)
-        if norm is not None:
-            x = rms_norm(x, *norm)
-        logits = router_logits(x, w)
-        return route_kernel(r, logits, bias) if uses_kernel(r, probe, bias) else route_reference(r, logits, bias)
+    kernels = uses_kernel(r, probe, bias)
+    if not (kernels and N <= KERNEL_PRODUCT_TOKENS and min(E, x.shape[1]) >= 16):  # (16: the expert kernel's tiles)
+        logits = router_logits(normed(x, norm), w)
+        return route_kernel(r, logits, bias) if kernels else route_reference(r, logits, bias)
     D = x.shape[1]
     x, norm = prologue_norm(x, norm)
     splits = max(1, D // ROUTER_BLOCK_K)  # a program per chunk of rows: the weight is read by many SMs

@@ -29,7 +29,7 @@ from jspec.kernels.attention import attention_reference
 from jspec.kernels import mla_inputs
 from jspec.kernels.mla_attention import cached_mla_attention
 from jspec.kernels import moe_experts
-from jspec.kernels.moe_experts import silu_mul
+from jspec.kernels.moe_experts import normed, silu_mul
 from jspec.kernels.moe_route import route
 from jspec.cache.kv import write_kv
 from jspec.models import deepseek_hf
@@ -44,11 +44,6 @@ LATENT_NORM_EPS = 1e-6  # the q/kv latent norms use RMSNorm's default, not rms_n
 # summing the row's squares before its weights stream) took 0.416 ms a layer with it and
 # 0.349 without; V2-Lite's 4-layer step gained 0.6 us a layer (docs/experiments.md).
 MLP_NORM_IN_KERNEL = False
-
-
-def normed(x, norm):
-    """x RMS-normed by norm (weight, eps); x itself when norm is None."""
-    return x if norm is None else moe_experts.rms_norm(x, *norm)
 
 
 def rope_tables(positions, c: DeepseekConfig):

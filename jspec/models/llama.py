@@ -85,8 +85,7 @@ class Linear(nn.Module):
         if self.row_kernel and moe_experts.uses_matvec(x, w):
             y = moe_experts.matvec(x, w, norm, float32_out=self.float32_out)
         else:
-            if norm is not None:
-                x = moe_experts.rms_norm(x, *norm)
+            x = moe_experts.normed(x, norm)
             # Products accumulate in float32 either way; asking for a float32 result only
             # where it is kept avoids a separate conversion pass after every matrix-vector
             # product.
@@ -96,7 +95,6 @@ class Linear(nn.Module):
         if self.use_bias:
             y = y + self.param("bias", nn.initializers.zeros, (self.features,), jnp.dtype(self.dtype)).astype(y.dtype)
         return y
-
 
     def uses_splits(self, x) -> bool:
         """Whether `__call__(x, splits=True)` applies: the row kernel runs x's product and
