@@ -9,7 +9,9 @@ before the program is traced:
 - bn64: the expert kernel's tiles 64 columns wide; down_bn128: the gated second
   product's 128 wide (64 by default); norm_inside: the post-attention norm in the
   router's and expert kernel's prologues instead of XLA's kernels before the MLP;
-- out32, out64: `mla_output` with 32 or 64 columns a program;
+- out32, out64: `mla_output` with 32 or 64 columns a program; out_warps8: with 8 warps;
+  chunk128: its latent in 128-wide chunks whatever the splits;
+- first_bn128: one token's first expert product 128 columns wide whatever its input width;
 - xla_rows: one-row dense products as XLA's (padded) products instead of `matvec`;
 - splits2x: twice the target programs; min2: K splits of 2 chunks allowed (more
   splits for the dense products); matvec_auto: `matvec` with the expert kernel's default
@@ -44,6 +46,9 @@ SETTINGS = {  # name -> [(module, constant, value)]
     "xla_rows": [("jspec.kernels.moe_experts", "MATVEC_MAX_ROWS", 0)],
     "splits2x": [("jspec.kernels.moe_experts", "TARGET_PROGRAMS", 1056)],
     "min2": [("jspec.kernels.moe_experts", "MIN_SPLIT_CHUNKS", 2)],
+    "first_bn128": [("jspec.kernels.moe_experts", "NARROW_FIRST_MIN_DIN", 1 << 30)],
+    "chunk128": [("jspec.kernels.mla_output", "SPLIT_TILE", 0)],
+    "out_warps8": [("jspec.kernels.mla_output", "DEFAULT_WARPS", 8)],
     "matvec_auto": [("jspec.kernels.moe_experts", "MATVEC_BLOCK_N", 128),
                     ("jspec.kernels.moe_experts", "MATVEC_SPLITS", None)],
 }

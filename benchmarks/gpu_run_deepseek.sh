@@ -16,6 +16,10 @@ ab)  # this tree against a copy of the previous commit's jspec in prev/ (git arc
   done
   timeout 100 python3 benchmarks/deepseek_profile.py 4 2>&1 | grep -v Warning | head -3
   OUT=$OUT/prev PYTHONPATH=prev:. timeout 100 python3 benchmarks/deepseek_profile.py 4 2>&1 | grep -v Warning | head -3 ;;
+out)  # MLA output's latent chunks and warps (kernel pair, then the 6-layer model), the profile
+  timeout 230 python3 benchmarks/mla_b1_configs.py mla 2>&1 | grep "^{" | cut -c1-330
+  timeout 230 python3 benchmarks/deepseek_ab.py 6 default chunk128 out_warps8 default 2>&1 | grep "^\["
+  timeout 100 python3 benchmarks/deepseek_profile.py 4 2>&1 | grep -v Warning | head -3 ;;
 decode)
   timeout 100 python3 benchmarks/deepseek_profile.py 4 2>&1 | grep -v Warning | head -3
   timeout 100 python3 benchmarks/deepseek_profile.py 4 down_bn128 2>&1 | grep -v Warning | head -3

@@ -200,6 +200,20 @@ def test_mla_output_matches_reference(NS, T, H, Dv, block_n):
     assert float(jnp.abs(out - wrong).max()) > 1e-2
 
 
+def test_mla_output_latent_chunks(monkeypatch):
+    """The latent walked in several chunks (a small SPLIT_TILE) gives the reference's result;
+    the chunk rule: 32 splits take V2-Lite's whole 512-wide latent in one step, 200 splits
+    128-wide chunks."""
+    assert mo.latent_chunk(19, 512) == 512 and mo.latent_chunk(200, 512) == 128 and mo.latent_chunk(3, 64) == 64
+    monkeypatch.setattr(mo, "SPLIT_TILE", 64)
+    monkeypatch.setattr(mo, "MIN_CHUNK", 16)
+    assert mo.latent_chunk(4, 64) == 16  # four chunks of 16
+    o, lse, w_uv = make_splits(11, NS=4, T=2, H=3, Dc=64, Dv=16)
+    out = _fast_jit(functools.partial(mo.mla_output, num_tokens=2, interpret=True), o, lse, w_uv)
+    ref = mo.mla_output_reference(o, lse, w_uv, num_tokens=2, dtype=w_uv.dtype)
+    chex.assert_trees_all_close(out, ref, atol=1e-5, rtol=1e-5)
+
+
 def test_mla_output_bfloat16():
     """bf16 weights: the merged latent is rounded to bf16 before the product, as the
     reference does, and the result is bf16."""

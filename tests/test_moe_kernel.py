@@ -65,6 +65,27 @@ def test_extra_experts_follow_the_stacked_ones():
         me.expert_matmul(x, ids, gu[0], gu[1][:, :32], interpret=True)
 
 
+@pytest.mark.parametrize("din_min,first_bn", [(64, 32), (128, None)])
+def test_one_token_tiles(monkeypatch, din_min, first_bn):
+    """One token: the second product takes GATED_BLOCK_N-wide tiles, the first one too from
+    NARROW_FIRST_MIN_DIN inputs on (D 64 here); both equal the reference (Fm 40: 80 columns,
+    an overlapping last tile of 32)."""
+    monkeypatch.setattr(me, "GATED_BLOCK_N", 32)
+    monkeypatch.setattr(me, "NARROW_FIRST_MIN_DIN", din_min)
+    seen, matmul = [], me.expert_matmul
+    monkeypatch.setattr(me, "expert_matmul", lambda *a, **kw: seen.append(kw.get("block_n")) or matmul(*a, **kw))
+    E, D, Fm = 6, 64, 40
+    rng = np.random.default_rng(4)
+    x = jnp.asarray(rng.standard_normal((1, D)), jnp.float32)
+    ids = jnp.asarray([[4, 1, 5]], jnp.int32)
+    gate_up = jnp.asarray(rng.standard_normal((E, D, 2 * Fm)) / 8, jnp.float32)
+    down = jnp.asarray(rng.standard_normal((E, Fm, D)) / 7, jnp.float32)
+    got = me.routed_experts(x, ids, gate_up, down, interpret=True)
+    assert seen == [first_bn, 32]
+    want = np.asarray(me.routed_experts_reference(x, ids, gate_up, down))
+    np.testing.assert_allclose(np.asarray(got), want, rtol=1e-5, atol=1e-5 * np.abs(want).max())
+
+
 @pytest.mark.parametrize("dtype,tol", [(jnp.float32, 1e-5), (jnp.bfloat16, 3e-2)])
 def test_routed_experts_matches_reference(dtype, tol):
     """k = 3 experts for each of 2 tokens (pair n*k + j: token n), an expert shared by

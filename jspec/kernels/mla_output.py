@@ -14,7 +14,7 @@ kernels of 1-2.5 us each at batch 1 on the H200.
 Kernel: grid (B, rows, Dv tiles), rows = T*H in the MLA kernel's order (row r: token
 r // H, head r % H). A program loads the lse of its row's NS splits as one vector (padded
 to a power of two), weighs the splits as `decode_attention.merge_splits` does, and walks
-the latent in chunks of LATENT_CHUNK: it loads that chunk of every split at once (a
+the latent in chunks (SPLIT_TILE): it loads that chunk of every split at once (a
 [NS, chunk] tile: no loop of dependent loads), merges and rounds it, and multiplies it by
 the chunk of its head's BN rows W_UV[h, n0:n0+BN, :] (w_uv is stored [H, Dv, Dc], so a
 program reads BN contiguous rows), accumulating [BN] in float32. A row that saw
@@ -41,7 +41,13 @@ DEFAULT_WARPS = 4
 # batched product (W_UV read once) is faster: on the H200 a batch-32 V2-Lite step took
 # 12.93 ms with the kernel, 12.29 without (docs/experiments.md).
 KERNEL_MAX_TOKENS = 16
-LATENT_CHUNK = 128  # latent values a step: [NS, 128] splits and [BN, 128] weights in registers
+# The latent is walked in chunks of SPLIT_TILE // NSP values (at least MIN_CHUNK, at most
+# Dc), NSP the splits as a power of two: the [NSP, chunk] float32 tile of the splits stays
+# about SPLIT_TILE values. At V2-Lite's batch-1 decode (19 splits, NSP 32: one 512-wide
+# chunk) that took 3.5 us against 6.3 us with 128-wide chunks (benchmarks/mla_b1_configs.py,
+# H200); 128 or more splits keep 128-wide chunks.
+SPLIT_TILE = 16384
+MIN_CHUNK = 128
 
 _DTYPES = (jnp.float32, jnp.bfloat16, jnp.float16)
 
@@ -79,8 +85,7 @@ def _kernel(o_ref, lse_ref, w_ref, out_ref, *, num_splits: int, num_heads: int, 
     n0 = j * block_n
     if dv % block_n:  # the last tile overlaps its neighbour instead of running past Dv
         n0 = jnp.minimum(n0, dv - block_n)
-    nsp = max(2, 1 << (num_splits - 1).bit_length())  # the splits as a power-of-two tile
-    split = jnp.arange(nsp, dtype=jnp.int32)
+    split = jnp.arange(_split_rows(num_splits), dtype=jnp.int32)
     valid = split < num_splits
     first = b * num_splits + jnp.minimum(split, num_splits - 1)  # [NSP], clamped in range
     lse = jnp.where(valid, lse_ref[first, r], NEG_INF)
@@ -98,6 +103,16 @@ def _kernel(o_ref, lse_ref, w_ref, out_ref, *, num_splits: int, num_heads: int, 
 
 def _pow2_floor(n: int) -> int:
     return 1 << (n.bit_length() - 1)
+
+
+def _split_rows(num_splits: int) -> int:
+    """NSP: the splits as a power-of-two tile (at least 2)."""
+    return max(2, 1 << (num_splits - 1).bit_length())
+
+
+def latent_chunk(num_splits: int, latent_dim: int) -> int:
+    """Latent values a step of the kernel's walk for `num_splits` splits (see SPLIT_TILE)."""
+    return min(latent_dim, max(MIN_CHUNK, _pow2_floor(max(1, SPLIT_TILE // _split_rows(num_splits)))))
 
 
 def _check_args(o, lse, w_uv, num_tokens) -> None:
@@ -156,7 +171,7 @@ def mla_output(o, lse, w_uv, *, num_tokens: int, block_n: int | None = None,
         from jax.experimental.pallas import triton as plt
         params = plt.CompilerParams(num_warps=DEFAULT_WARPS if num_warps is None else num_warps, num_stages=1)
     kernel = functools.partial(_kernel, num_splits=NS, num_heads=H, num_rows=R, block_n=BN, dv=Dv,
-                               chunk=min(LATENT_CHUNK, Dc))
+                               chunk=latent_chunk(NS, Dc))
     whole = pl.BlockSpec()  # whole arrays, indexed inside the kernel
     out = pl.pallas_call(
         kernel,

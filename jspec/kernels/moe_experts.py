@@ -62,6 +62,10 @@ DEFAULT_STAGES = 3
 # first product stays at 128 (26.0 us against 27.8 with 64). At 4 tokens (32 pairs) 64 made
 # an MTP round 5% slower (benchmarks/gpu_run_deepseek.sh PART=mtpab), so more tokens keep 128.
 GATED_BLOCK_N = 64
+# The first product of one token takes GATED_BLOCK_N-wide tiles too when its input is at
+# least this wide: DeepSeek-V3's 9 experts [7168, 4096] 144 us against 168 us with 128
+# (3.7 against 3.1 TB/s, benchmarks/mla_b1_configs.py, H200); V2-Lite's [2048, 2816] keep 128.
+NARROW_FIRST_MIN_DIN = 4096
 TARGET_PROGRAMS = 528  # four programs per SM on an H200 (132 SMs): more K splits below that
 MIN_SPLIT_CHUNKS = 4  # a K split walks at least this many chunks
 MATVEC_MAX_ROWS = 1  # `matvec` runs the kernel for products of at most this many rows
@@ -457,15 +461,18 @@ def routed_experts(x, ids, gate_up, down, extra=None, slots: int | None = None, 
     product sums the first one's K splits, rounds them to x's dtype and applies silu(gate)
     * up as it loads them. norm (weight [D], eps): x's rows RMS-normed first, in the first
     product's prologue (`expert_matmul`). *_tiles: `expert_matmul`'s tiling arguments for
-    each product (default: `expert_matmul`'s; one token's second product GATED_BLOCK_N wide)."""
+    each product (default: `expert_matmul`'s; one token's second product, and its first
+    one from NARROW_FIRST_MIN_DIN inputs on, GATED_BLOCK_N wide)."""
     _check_experts(x, ids, gate_up, down, extra, slots)
     x, norm = prologue_norm(x, norm)
     extra_gu, extra_down = (None, None) if extra is None else extra
+    one_token = ids.shape[0] == 1  # see GATED_BLOCK_N and NARROW_FIRST_MIN_DIN
+    narrow = {"block_n": GATED_BLOCK_N}
+    first = narrow if one_token and gate_up.shape[1] >= NARROW_FIRST_MIN_DIN else {}
     h = expert_matmul(x, ids, gate_up, extra_gu, slots=slots, sum_splits=False, norm=norm, interpret=interpret,
-                      **(gate_up_tiles or {}))  # [S1, P, 2Fm]: K splits
-    narrow = {"block_n": GATED_BLOCK_N} if ids.shape[0] == 1 else {}  # one token: see GATED_BLOCK_N
+                      **(first | (gate_up_tiles or {})))  # [S1, P, 2Fm]: K splits
     return expert_matmul(h, ids, down, extra_down, slots=slots, gated=x.dtype, interpret=interpret,
-                         **(narrow | (down_tiles or {})))
+                         **((narrow if one_token else {}) | (down_tiles or {})))
 
 
 def uses_kernel(x, ids, gate_up, down, extra=None, slots=None) -> bool:
