@@ -17,6 +17,7 @@ Parts (arguments; default: all):
 Run: PYTHONPATH=. python3 benchmarks/deepseek_h200.py [decode] [mtp] [v3layer]
 (DEEPSEEK_BATCHES=1,32: the decode batches; mtp needs batch 1 first for its ratios;
 DEEPSEEK_SETTING: one of `benchmarks/deepseek_ab.py`'s settings, default the code as it is;
+DEEPSEEK_V3_SETTINGS=a,b: v3layer under each of these settings on the same weights;
 DEEPSEEK_ROUNDS=SxKxN,...: the MTP rounds, default 1x1x2,2x1x3,3x1x4,3x2x4)
 """
 from __future__ import annotations
@@ -127,15 +128,26 @@ def decode_and_mtp(parts, res, ceiling, name):
 
 
 def v3_layers(res, ceiling, name):
+    """Per-layer decode time of the V3 layer shape under each of DEEPSEEK_V3_SETTINGS
+    (comma-separated `deepseek_ab` settings, default "default"), on the same weights."""
+    from benchmarks.deepseek_ab import SETTINGS, apply
+
+    settings = os.environ.get("DEEPSEEK_V3_SETTINGS", "default").split(",")
     times = {}
     for layers in (1, 3):
         cfg = V3_LAYER.replace(num_layers=layers)
         target = random_params(cfg)
-        r = Runner(target, prompts(1, cfg.vocab_size), LONG)
-        per, _, _ = r.per_round(SHORT, LONG, reps=2)
-        times[layers] = per
-        res[f"v3_{layers}layers_ms_per_step"] = per * 1e3
-        print(f"V3 shape, {layers} layers: {per * 1e3:.3f} ms/step", flush=True)
+        for setting in settings:
+            kept = apply(SETTINGS[setting])
+            jspec.clear_caches()
+            r = Runner(target, prompts(1, cfg.vocab_size), LONG)
+            per, _, _ = r.per_round(SHORT, LONG, reps=2)
+            times[setting, layers] = per
+            res[f"v3_{layers}layers_ms_per_step" + ("" if setting == "default" else f"_{setting}")] = per * 1e3
+            print(f"V3 shape, {layers} layers, {setting}: {per * 1e3:.3f} ms/step", flush=True)
+            for m, const, value in kept:
+                setattr(m, const, value)
+            del r
         if layers == 3:
             w = target.weights["params"]["layers_1"]
             attn = sum(x.nbytes for x in jax.tree.leaves(w["self_attn"]))
@@ -143,11 +155,13 @@ def v3_layers(res, ceiling, name):
             router = sum(x.nbytes for x in jax.tree.leaves(w["mlp"]["router"]))
             latent = (CTX + (SHORT + LONG) / 2) * 576 * 2
             nbytes = attn + shared + router + cfg.num_experts_per_tok * expert_bytes(cfg) + latent
-        del r, target
-    per_layer = (times[3] - times[1]) / 2
-    row = {"ms_per_layer": per_layer * 1e3, "GB_per_layer": nbytes / 1e9, "bandwidth_util": nbytes / per_layer / ceiling}
-    res["v3_layer_decode_b1"] = row
-    print("v3 layer", _row(row), flush=True)
+        del target
+    for setting in settings:
+        per_layer = (times[setting, 3] - times[setting, 1]) / 2
+        row = {"ms_per_layer": per_layer * 1e3, "GB_per_layer": nbytes / 1e9,
+               "bandwidth_util": nbytes / per_layer / ceiling}
+        res["v3_layer_decode_b1" + ("" if setting == "default" else f"_{setting}")] = row
+        print(f"v3 layer, {setting}", _row(row), flush=True)
     save_json(name, res)
 
 

@@ -20,6 +20,10 @@ out)  # MLA output's latent chunks and warps (kernel pair, then the 6-layer mode
   timeout 230 python3 benchmarks/mla_b1_configs.py mla 2>&1 | grep "^{" | cut -c1-330
   timeout 230 python3 benchmarks/deepseek_ab.py 6 default chunk128 out_warps8 default 2>&1 | grep "^\["
   timeout 100 python3 benchmarks/deepseek_profile.py 4 2>&1 | grep -v Warning | head -3 ;;
+ab2)  # V2-Lite 6 layers: the post-attention norm in the prologues or not; V3 layer: first product 64 or 128 wide
+  timeout 200 python3 benchmarks/deepseek_ab.py 6 default norm_inside out_warps8 default 2>&1 | grep "^\["
+  DEEPSEEK_V3_SETTINGS=default,first_bn128,norm_inside timeout 380 python3 benchmarks/deepseek_h200.py v3layer 2>&1 \
+    | grep "V3 shape\|v3 layer" ;;
 decode)
   timeout 100 python3 benchmarks/deepseek_profile.py 4 2>&1 | grep -v Warning | head -3
   timeout 100 python3 benchmarks/deepseek_profile.py 4 down_bn128 2>&1 | grep -v Warning | head -3
