@@ -33,7 +33,8 @@ mtpab)  # the 4-token verify rounds with the gated product's 64- and 128-column 
     DEEPSEEK_SETTING=$setting DEEPSEEK_BATCHES=1 DEEPSEEK_ROUNDS=3x1x4,3x2x4 timeout 290 \
       python3 benchmarks/deepseek_h200.py mtp 2>&1 | grep -v Warning | tail -3
   done ;;
-final)  # the 27-layer decode and the V3 layer shape
+final)  # the 27-layer decode, the V3 layer shape, the 4-layer profile
+  timeout 90 python3 benchmarks/deepseek_profile.py 4 2>&1 | grep -v Warning | head -3
   timeout 300 python3 benchmarks/deepseek_h200.py decode 2>&1 | grep -v Warning | tail -3
   mv $OUT/deepseek_h200.json $OUT/deepseek_h200_decode.json
   timeout 280 python3 benchmarks/deepseek_h200.py v3layer 2>&1 | grep -v Warning | tail -3

@@ -40,10 +40,10 @@ _init = nn.initializers.normal(0.02)
 LATENT_NORM_EPS = 1e-6  # the q/kv latent norms use RMSNorm's default, not rms_norm_eps
 # Whether the post-attention norm runs in the prologues of the kernels that read the MLP's
 # input (the router product, the first expert product) instead of as XLA's kernels first.
-# Off: on the H200 the V3 layer shape (hidden 7168, every program of the expert kernel
-# summing the row's squares before its weights stream) took 0.416 ms a layer with it and
-# 0.349 without; V2-Lite's 4-layer step gained 0.6 us a layer (docs/experiments.md).
-MLP_NORM_IN_KERNEL = False
+# On: in one H200 call on the same weights, V2-Lite's 6-layer step 0.567 ms with it against
+# 0.581-0.583 without, the V3 layer shape 0.348 against 0.372 ms a layer (with the first
+# expert product 64 columns wide; at 128 it had cost V3 0.416 against 0.349 ms).
+MLP_NORM_IN_KERNEL = True
 
 
 def rope_tables(positions, c: DeepseekConfig):
