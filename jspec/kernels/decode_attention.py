@@ -42,6 +42,7 @@ from jax.experimental import pallas as pl
 
 from jspec.cache.layout import AttnMeta
 from jspec.kernels.attention import attention_reference
+from jspec.kernels.tiling import is_pow2, pow2_ceil
 
 NEG_INF = -1e30
 MIN_ROWS = 16  # smallest M of a tensor-core dot in Triton
@@ -156,7 +157,7 @@ def _decode_kernel(bounds_ref, table_ref, qpos_ref, tail_mask_ref, kv_ref, *refs
 
 def _row_tiling(rows: int) -> tuple[int, int, int]:
     """Query rows per kv head -> (rows, R: padded to a power of two >= 16, BR: per program)."""
-    R = max(MIN_ROWS, 1 << (rows - 1).bit_length())
+    R = max(MIN_ROWS, pow2_ceil(rows))
     return rows, R, min(R, MAX_ROWS)
 
 
@@ -276,10 +277,6 @@ def merge_splits(o, lse):
 _DTYPES = (jnp.float32, jnp.bfloat16, jnp.float16)
 
 
-def _is_pow2(n: int) -> bool:
-    return n >= 1 and n & (n - 1) == 0
-
-
 def _check_args(q, kv_buf, meta: AttnMeta, window) -> None:
     """Raises ValueError / TypeError for arguments the kernel does not take."""
     if meta.prefill:
@@ -295,7 +292,7 @@ def _check_args(q, kv_buf, meta: AttnMeta, window) -> None:
         raise TypeError(f"q and cache dtypes differ: {q.dtype}, {kv_buf.dtype}")
     B, T, H, Dh = q.shape
     Hkv = kv_buf.shape[3]
-    if not (_is_pow2(Dh) and Dh >= 16):
+    if not (is_pow2(Dh) and Dh >= 16):
         raise ValueError(f"head_dim {Dh} is not a power of two >= 16 (Triton tiles)")
     if kv_buf.shape[4] != Dh:
         raise ValueError(f"cache head_dim {kv_buf.shape[4]} != q head_dim {Dh}")
@@ -373,7 +370,7 @@ def paged_decode_attention(q, kv_buf, meta: AttnMeta, *, window: int = 0, scale:
     num_keys = table.shape[1] * page_size  # slots a row can address (S when dense)
 
     block_k = DEFAULT_BLOCK_K if block_k is None else block_k
-    if not (_is_pow2(block_k) and block_k >= 16):
+    if not (is_pow2(block_k) and block_k >= 16):
         raise ValueError(f"block_k must be a power of two >= 16, got {block_k}")
     max_blocks = pl.cdiv(num_keys, block_k)
     if num_splits is None:

@@ -49,6 +49,7 @@ from jax.experimental import pallas as pl
 from jspec.cache.layout import AttnMeta
 from jspec.kernels.decode_attention import check_meta, merge_splits, online_softmax_step
 from jspec.kernels.mla_attention import mla_attention_reference
+from jspec.kernels.tiling import is_pow2, pow2_ceil
 
 NEG_INF = -1e30
 MIN_ROWS = 16  # smallest M of a tensor-core dot in Triton
@@ -145,7 +146,7 @@ def _tail_mask(meta: AttnMeta, pblk, *, block_k: int, num_tail: int, num_keys: i
 
 def _row_tiling(rows: int, block_rows: int) -> tuple[int, int]:
     """T*H query rows -> (BR: rows a program, R: rows padded to a multiple of BR)."""
-    BR = min(block_rows, max(MIN_ROWS, 1 << (rows - 1).bit_length()))
+    BR = min(block_rows, max(MIN_ROWS, pow2_ceil(rows)))
     return BR, pl.cdiv(rows, BR) * BR
 
 
@@ -216,10 +217,6 @@ def _mla_call(q_lat, q_pe, lat_flat, table, meta: AttnMeta, *, page_size: int, n
 _DTYPES = (jnp.float32, jnp.bfloat16, jnp.float16)
 
 
-def _is_pow2(n: int) -> bool:
-    return n >= 1 and n & (n - 1) == 0
-
-
 def _check_args(q_lat, q_pe, latent_buf, meta: AttnMeta) -> None:
     """Raises ValueError / TypeError for arguments the kernel does not take."""
     if meta.prefill:
@@ -240,7 +237,7 @@ def _check_args(q_lat, q_pe, latent_buf, meta: AttnMeta) -> None:
     B, T, H, Dc = q_lat.shape
     Dr = q_pe.shape[-1]
     for name, d in (("latent rank Dc", Dc), ("rope dim Dr", Dr)):
-        if not (_is_pow2(d) and d >= 16):
+        if not (is_pow2(d) and d >= 16):
             raise ValueError(f"{name} {d} is not a power of two >= 16 (Triton tiles)")
     if latent_buf.shape[2] != Dc + Dr:
         raise ValueError(f"latent cache rows hold {latent_buf.shape[2]} values, expected "
@@ -260,7 +257,7 @@ def is_supported(q_lat, q_pe, latent_buf, meta: AttnMeta) -> bool:
 
 def _check_block(name: str, value) -> int:
     if isinstance(value, bool) or not isinstance(value, numbers.Integral) or not (
-            _is_pow2(int(value)) and value >= 16):
+            is_pow2(int(value)) and value >= 16):
         raise ValueError(f"{name} must be a power of two >= 16, got {value!r}")
     return int(value)
 

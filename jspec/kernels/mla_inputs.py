@@ -33,6 +33,7 @@ from jax.experimental import pallas as pl
 
 from jspec.kernels import dispatch
 from jspec.kernels.moe_experts import rms_norm
+from jspec.kernels.tiling import is_pow2
 
 DEFAULT_BLOCK_C = 64  # latent values of q_lat a program: [64, Dn] of W_UK
 DEFAULT_WARPS = 4
@@ -123,10 +124,6 @@ def _kernel(parts_ref, cos_ref, sin_ref, norm_ref, wuk_ref, qlat_ref, qpe_ref, r
         rope(start + dc, rows_ref, n, dc)
 
 
-def _is_pow2(n) -> bool:
-    return isinstance(n, int) and n >= 1 and n & (n - 1) == 0
-
-
 def _check_args(parts, cos, sin, latent_norm, w_uk) -> None:
     """Raises ValueError / TypeError for arguments `mla_inputs` does not take."""
     if getattr(parts, "ndim", None) != 3 or getattr(w_uk, "ndim", None) != 3 or getattr(cos, "ndim", None) != 2:
@@ -144,7 +141,7 @@ def _check_args(parts, cos, sin, latent_norm, w_uk) -> None:
     if getattr(latent_norm, "shape", None) != (Dc,):
         raise ValueError(f"latent_norm must be [{Dc}], got {getattr(latent_norm, 'shape', latent_norm)}")
     for name, v in (("Dn", Dn), ("Dr/2", Dr // 2), ("Dc", Dc)):
-        if not _is_pow2(v):
+        if not is_pow2(v):
             raise ValueError(f"{name} = {v} is not a power of two (Triton tiles)")
     if parts.dtype != jnp.float32 or cos.dtype != jnp.float32 or sin.dtype != jnp.float32:
         raise TypeError(f"parts, cos and sin must be float32, got {parts.dtype}, {cos.dtype}, {sin.dtype}")
@@ -180,7 +177,7 @@ def mla_inputs(parts, cos, sin, latent_norm, w_uk, *, interleaved: bool, eps: fl
     Dc, H, Dn = w_uk.shape
     Dr = 2 * cos.shape[1]
     block_c = DEFAULT_BLOCK_C if block_c is None else block_c
-    if not _is_pow2(block_c):
+    if not is_pow2(block_c):
         raise ValueError(f"block_c must be a power of two, got {block_c!r}")
     BC = min(block_c, Dc)
     if interpret is None:

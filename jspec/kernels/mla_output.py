@@ -32,6 +32,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 from jspec.kernels.decode_attention import merge_splits
+from jspec.kernels.tiling import is_pow2, pow2_ceil, pow2_floor
 
 NEG_INF = -1e30
 DEFAULT_BLOCK_N = 16  # output columns a program: 16 x Dc=512 float32 weights, 64 a thread
@@ -101,18 +102,14 @@ def _kernel(o_ref, lse_ref, w_ref, out_ref, *, num_splits: int, num_heads: int, 
     out_ref[b, r, pl.ds(n0, block_n)] = out.astype(out_ref.dtype)
 
 
-def _pow2_floor(n: int) -> int:
-    return 1 << (n.bit_length() - 1)
-
-
 def _split_rows(num_splits: int) -> int:
     """NSP: the splits as a power-of-two tile (at least 2)."""
-    return max(2, 1 << (num_splits - 1).bit_length())
+    return max(2, pow2_ceil(num_splits))
 
 
 def latent_chunk(num_splits: int, latent_dim: int) -> int:
     """Latent values a step of the kernel's walk for `num_splits` splits (see SPLIT_TILE)."""
-    return min(latent_dim, max(MIN_CHUNK, _pow2_floor(max(1, SPLIT_TILE // _split_rows(num_splits)))))
+    return min(latent_dim, max(MIN_CHUNK, pow2_floor(max(1, SPLIT_TILE // _split_rows(num_splits)))))
 
 
 def _check_args(o, lse, w_uv, num_tokens) -> None:
@@ -128,7 +125,7 @@ def _check_args(o, lse, w_uv, num_tokens) -> None:
         raise ValueError(f"w_uv takes {Dc_w} latent values, o has {Dc}")
     if not isinstance(num_tokens, int) or num_tokens < 1 or num_tokens * H > R:
         raise ValueError(f"num_tokens {num_tokens!r} x {H} heads does not fit the {R} rows of o")
-    if Dc < 16 or Dc & (Dc - 1):
+    if Dc < 16 or not is_pow2(Dc):
         raise ValueError(f"latent rank Dc {Dc} is not a power of two >= 16 (Triton tiles)")
     if Dv < 16:
         raise ValueError(f"Dv must be >= 16 (Triton tiles), got {Dv}")
@@ -160,9 +157,9 @@ def mla_output(o, lse, w_uv, *, num_tokens: int, block_n: int | None = None,
     B, NS, R, Dc = o.shape
     H, Dv, _ = w_uv.shape
     block_n = DEFAULT_BLOCK_N if block_n is None else block_n
-    if not (isinstance(block_n, int) and block_n >= 1 and block_n & (block_n - 1) == 0):
+    if not is_pow2(block_n):
         raise ValueError(f"block_n must be a power of two, got {block_n!r}")
-    BN = min(block_n, _pow2_floor(Dv))
+    BN = min(block_n, pow2_floor(Dv))
     rows = num_tokens * H
     if interpret is None:
         interpret = jax.default_backend() != "gpu"

@@ -49,6 +49,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 from jspec.kernels import dispatch
+from jspec.kernels.tiling import is_pow2, pow2_floor
 
 # Defaults measured on the H200 (benchmarks/moe_kernel_check.py, device time of the routed
 # experts, bf16): 3.3 TB/s at V3 N=1, 3.5-3.7 TB/s at N=4..16, 1.9 TB/s at V2-Lite N=1.
@@ -244,14 +245,6 @@ def _kernel(ids_ref, x_ref, w_ref, *rest, din: int, dout: int, num_experts: int,
         product(extra_ref, jnp.maximum(e - num_experts, 0))
 
 
-def _pow2_floor(n: int) -> int:
-    return 1 << (n.bit_length() - 1)
-
-
-def _is_pow2(n) -> bool:
-    return isinstance(n, int) and n >= 1 and n & (n - 1) == 0
-
-
 def _table(ids, slots):
     """ids [N, KP] or [P] and slots -> (ids [N, KP], slots); raises for a bad table."""
     if getattr(ids, "ndim", None) not in (1, 2):
@@ -345,10 +338,10 @@ def expert_matmul(x, ids, w, extra=None, *, slots: int | None = None, gated=None
     block_n = DEFAULT_BLOCK_N if block_n is None else block_n
     block_k = DEFAULT_BLOCK_K if block_k is None else block_k
     for name, v in (("block_n", block_n), ("block_k", block_k)):
-        if not _is_pow2(v):
+        if not is_pow2(v):
             raise ValueError(f"{name} must be a power of two, got {v!r}")
-    BN = min(block_n, _pow2_floor(Dout))
-    BK = min(block_k, _pow2_floor(Din))
+    BN = min(block_n, pow2_floor(Dout))
+    BK = min(block_k, pow2_floor(Din))
     tiles = pl.cdiv(Dout, BN)
     num_chunks = pl.cdiv(Din, BK)
     if num_splits is None:

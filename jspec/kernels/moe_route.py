@@ -26,6 +26,7 @@ from jax.experimental import pallas as pl
 
 from jspec.kernels import dispatch
 from jspec.kernels.moe_experts import expert_matmul, normed, prologue_norm
+from jspec.kernels.tiling import is_pow2, pow2_ceil
 
 SCORINGS = ("softmax", "sigmoid")
 KERNEL_PRODUCT_TOKENS = 16  # up to this many tokens the router product runs in the expert kernel
@@ -79,7 +80,7 @@ class Routing:
     @property
     def table_width(self) -> int:
         """KP: columns of the routing table (a power of two >= slots)."""
-        return 1 << (self.slots - 1).bit_length()
+        return pow2_ceil(self.slots)
 
 
 # --------------------------------------------------------------------------- reference
@@ -183,10 +184,6 @@ def _kernel(logits_ref, *rest, r: Routing, group_size: int):
     w_ref[n, :] = jnp.where(extra, 1.0, weights)
 
 
-def _pow2_ceil(n: int) -> int:
-    return 1 << (n - 1).bit_length()
-
-
 def _check(r: Routing, logits, bias) -> None:
     """Raises ValueError / TypeError for arguments `route_kernel` does not take."""
     if not isinstance(r, Routing):
@@ -200,7 +197,7 @@ def _check(r: Routing, logits, bias) -> None:
         raise ValueError(f"bias must be float32 [{r.num_experts}], got {getattr(bias, 'dtype', '')} "
                          f"{getattr(bias, 'shape', bias)}")
     G = r.n_group if r.grouped else 1
-    if G & (G - 1):
+    if not is_pow2(G):
         raise ValueError(f"the kernel takes a power-of-two number of groups, got {G}")
 
 
@@ -222,7 +219,7 @@ def route_kernel(r: Routing, logits, bias=None, *, interpret: bool | None = None
     _, N, E = logits.shape
     G = r.n_group if r.grouped else 1
     EG = E // G
-    EGp = max(2, _pow2_ceil(EG))
+    EGp = max(2, pow2_ceil(EG))
 
     def by_group(v):  # [..., E] -> [..., G, EGp], padding at -inf
         v = v.reshape(v.shape[:-1] + (G, EG))
