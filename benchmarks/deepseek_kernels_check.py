@@ -8,7 +8,7 @@
   and V3 expert shapes, 1 and 4 tokens, against a float32 chain;
 - mla_inputs (the projection's K splits -> absorbed query, roped query part, cache row)
   at V2-Lite's shape (16 heads, Dn 128, Dr 64, Dc 512, 16 splits), both RoPE layouts,
-  against the reference on the splits' rounded sum;
+  against the reference on the splits' rounded sum, and the row written into a cache;
 - matvec (the few-row products through the expert kernel, the input norm in its
   prologue) against a float32 product, and the dense MLP as one expert;
 - a 4-layer V2-Lite model, batch 1: 48 greedy tokens with the kernels and with the
@@ -144,6 +144,18 @@ def check_mla_inputs():
         errs = [rel(g.astype(jnp.float32), r.astype(jnp.float32)) for g, r in zip(got, ref)]
         log(f"mla_inputs_interleaved_{inter}", {"q_lat": errs[0], "q_pe": errs[1], "rows": errs[2],
                                                 "ok": max(errs) < 1e-2})
+    # the row written into a latent cache [1, 1217, 576] at slot 1040 (the buffer donated,
+    # so updated in place) equals the rows output; every other slot unchanged
+    cache = jnp.asarray(rng.standard_normal((1, 1217, Dc + Dr)), jnp.bfloat16)
+    before = np.asarray(cache, np.float32)
+    slot = jnp.asarray([[1040]], jnp.int32)
+    rows = np.asarray(jax.jit(lambda *a: mi.mla_inputs(*a, interleaved=True, eps=1e-6))(parts, cos, sin, norm,
+                                                                                        w_uk)[2], np.float32)
+    write = jax.jit(lambda c, *a: mi.mla_inputs(*a, interleaved=True, eps=1e-6, cache=c, write_index=slot)[2],
+                    donate_argnums=0)
+    got = np.asarray(write(cache, parts, cos, sin, norm, w_uk), np.float32)
+    before[0, 1040] = rows[0]
+    log("mla_inputs_cache_write", {"ok": bool((got == before).all())})
 
 
 def check_model():

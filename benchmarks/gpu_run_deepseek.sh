@@ -53,4 +53,23 @@ v3)
 v3b)
   timeout 280 python3 benchmarks/deepseek_h200.py v3layer 2>&1 | grep -v Warning | tail -2
   DEEPSEEK_SETTING=splits_half timeout 280 python3 benchmarks/deepseek_h200.py v3layer 2>&1 | grep -v Warning | tail -2 ;;
+cachewrite)  # the latent row written by mla_inputs or by XLA's update after it, in one process
+  timeout 130 python3 benchmarks/deepseek_kernels_check.py 2>&1 | grep -v Warning | grep "ok"
+  timeout 170 python3 benchmarks/deepseek_ab.py 6 default cache_write_off default 2>&1 | grep "^\[" ;;
+rows)  # the MLA kernel's query rows a program, then the 27-layer decode
+  timeout 150 python3 benchmarks/mla_b1_configs.py rows 2>&1 | grep "^{" | cut -c1-300
+  timeout 330 python3 benchmarks/deepseek_h200.py decode 2>&1 | grep -v Warning | tail -3
+  mv $OUT/deepseek_h200.json $OUT/deepseek_h200_decode.json ;;
+final2)  # the V3 layer shape, then the 27-layer decode at batch 1 and 32
+  timeout 260 python3 benchmarks/deepseek_h200.py v3layer 2>&1 | grep -v Warning | tail -3
+  mv $OUT/deepseek_h200.json $OUT/deepseek_h200_v3layer.json 2>/dev/null
+  timeout 320 python3 benchmarks/deepseek_h200.py decode 2>&1 | grep -v Warning | tail -3
+  mv $OUT/deepseek_h200.json $OUT/deepseek_h200_decode.json ;;
+abrows)  # the V3 layer with 16 or 64 MLA query rows a program; V2-Lite 6 layers with the cache write in or out
+  DEEPSEEK_V3_SETTINGS=default,rows64,default timeout 330 python3 benchmarks/deepseek_h200.py v3layer 2>&1 \
+    | grep "V3 shape\|v3 layer"
+  timeout 170 python3 benchmarks/deepseek_ab.py 6 default cache_write_off default 2>&1 | grep "^\[" ;;
+mtp2)  # the 4-layer profile, then the MTP rounds at batch 1
+  timeout 90 python3 benchmarks/deepseek_profile.py 4 2>&1 | grep -v Warning | head -3
+  DEEPSEEK_BATCHES=1 timeout 490 python3 benchmarks/deepseek_h200.py mtp 2>&1 | grep -v Warning | tail -8 ;;
 esac

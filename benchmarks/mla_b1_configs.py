@@ -6,7 +6,8 @@ decode benchmark's). Also the V3 expert products' column tiles. Device time: the
 kernels' summed durations in a profiler trace of NSETS calls chained in one program, each
 on its own inputs, over 3 runs.
 
-Run: PYTHONPATH=. python3 benchmarks/mla_b1_configs.py [mla] [v3]   (default both; result:
+Run: PYTHONPATH=. python3 benchmarks/mla_b1_configs.py [mla] [v3] [rows]   (default mla and v3;
+rows: the MLA kernel's query rows a program at 2-4 tokens and at 128 heads; result:
 $OUT/mla_b1_configs.json)
 """
 from __future__ import annotations
@@ -61,15 +62,16 @@ def run(name, f, per_call, **kw):
     log({"case": name, **kw, "us": round(t * 1e6, 2), "kernels": per})
 
 
-def mla_inputs(T: int, seed: int):
+def mla_inputs(T: int, seed: int, heads: int = H):
     k = jax.random.split(jax.random.key(seed), 4)
     prefix = jnp.full((1,), CTX - T, jnp.int32)
     pos = prefix[:, None] + jnp.arange(T, dtype=jnp.int32)[None]
     meta = AttnMeta(positions=pos, prefix_len=prefix, local_mask=jnp.tril(jnp.ones((1, T, T), bool)),
                     local_positions=pos, write_index=jnp.zeros((1, T), jnp.int32), page_table=None)
-    return (jax.random.normal(k[0], (1, T, H, DC), jnp.bfloat16), jax.random.normal(k[1], (1, T, H, DR), jnp.bfloat16),
+    return (jax.random.normal(k[0], (1, T, heads, DC), jnp.bfloat16),
+            jax.random.normal(k[1], (1, T, heads, DR), jnp.bfloat16),
             jax.random.normal(k[2], (1, CAPACITY, DC + DR), jnp.bfloat16), meta,
-            jax.random.normal(k[3], (H, DV, DC), jnp.bfloat16) * 0.05)
+            jax.random.normal(k[3], (heads, DV, DC), jnp.bfloat16) * 0.05)
 
 
 def mla(T: int, configs):
@@ -85,6 +87,17 @@ def mla(T: int, configs):
         run(f"mla_T{T}", f, per_call, tiles=dict(splits=splits, block_k=bk, stages=stages, block_n=bn,
                                                  split_tile=tile, warps=warps))
     mo.SPLIT_TILE = default_tile
+
+
+def mla_rows(T: int, heads: int, block_rows):
+    """The MLA kernel (and the output kernel, default tiles) with block_rows query rows a
+    program (None: the default rule), T tokens of `heads` heads."""
+    per_call = [mla_inputs(T, r, heads) for r in range(4 * NSETS)]
+    for br in block_rows:
+        def f(q, r, c, meta, w, br=br):
+            o, lse = md.paged_mla_attention_splits(q, r, c, meta, scale=0.07, block_rows=br)
+            return mo.mla_output(o, lse, w, num_tokens=T)
+        run(f"mla_rows_T{T}_H{heads}", f, per_call, block_rows=br)
 
 
 def v3_experts(Din, Dout, gated: bool, configs):
@@ -114,6 +127,9 @@ if __name__ == "__main__":
         for T in (1, 4):
             mla(T, [(None, 64, 2, 16, 16384, 4), (None, 64, 2, 16, 16384, 8), (None, 64, 2, 16, 0, 4),
                     (None, 64, 2, 32, 16384, 8), (None, 64, 2, 16, 16384, 4)])
+    if "rows" in which:  # query rows a program for verify-sized T and V3's 128 heads
+        for T, heads in ((2, 16), (4, 16), (1, 128), (4, 128)):
+            mla_rows(T, heads, [None, 16, 32, 64])
     if "v3" in which:
         v3_experts(2048, 7168, True, [(128, 64, None), (64, 64, None), (128, 64, None)])
         v3_experts(7168, 4096, False, [(128, 64, None), (64, 64, None), (32, 64, None), (64, 64, 2),

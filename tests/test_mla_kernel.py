@@ -115,11 +115,20 @@ def test_bfloat16(page_size):
 
 
 def test_deepseek_dims():
-    """The real latent rank and rope dim (512, 64), a tree of 3 over a paged pool, bf16,
-    default tiles (48 query rows padded to one block of 64)."""
+    """The real latent rank and rope dim (512, 64), a tree of 3 over a paged pool, bf16:
+    default tiles (96 query rows in all: three row blocks of 16 a batch row), and 48 query
+    rows padded to one block of 64."""
     q_lat, q_pe, buf, meta = make_case(5, B=2, T=3, H=16, Dc=512, Dr=64, S=96, page_size=16,
                                        prefix=[70, 5], dtype=jnp.bfloat16)
     check(q_lat, q_pe, buf, meta, num_splits=2, atol=2e-2, rtol=2e-2)
+    check(q_lat, q_pe, buf, meta, num_splits=2, block_rows=64, atol=2e-2, rtol=2e-2)
+
+
+def test_default_block_rows():
+    """16 query rows a program up to SMALL_ROWS_MAX rows in all, then 64 (float32: 32)."""
+    assert md.default_block_rows(md.SMALL_ROWS_MAX, 2) == md.MIN_ROWS == 16
+    assert md.default_block_rows(md.SMALL_ROWS_MAX + 1, 2) == md.DEFAULT_BLOCK_ROWS == 64
+    assert md.default_block_rows(4096, 4) == 32
 
 
 def test_dense_capacity_not_multiple_of_block():
@@ -298,6 +307,26 @@ def test_mla_inputs_matches_reference(interleaved, dtype, block_c):
     assert float(jnp.abs(got[0].astype(jnp.float32) - rolled[0].astype(jnp.float32)).max()) > 0.1
 
 
+@pytest.mark.parametrize("cache_shape", [(2, 6, 40), (5, 4, 40)])  # dense [B, S+1, C], paged [pages, P, C]
+def test_mla_inputs_writes_the_cache(cache_shape):
+    """With a cache and flat write slots the kernel writes each token's cache row there
+    (the rows the kernel otherwise returns, in the cache's dtype) and leaves every other
+    slot as it was; q_lat and q_pe are unchanged."""
+    args = make_inputs(3, dtype=jnp.bfloat16)
+    cache = jnp.asarray(np.random.default_rng(0).standard_normal(cache_shape), jnp.float32)
+    slots = jnp.asarray([[7], [2]], jnp.int32)  # [B, T] flat slots of the two tokens
+    run = functools.partial(mi.mla_inputs, interleaved=True, eps=1e-6, interpret=True)
+    q_lat, q_pe, rows = _fast_jit(run, *args)
+    got_lat, got_pe, got = _fast_jit(lambda *a: run(*a[:5], cache=a[5], write_index=a[6]), *args, cache, slots)
+    chex.assert_shape(got, cache_shape)
+    want = cache.reshape(-1, 40).at[slots.reshape(-1)].set(rows.astype(jnp.float32)).reshape(cache_shape)
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+    np.testing.assert_array_equal(np.asarray(got_lat, np.float32), np.asarray(q_lat, np.float32))
+    np.testing.assert_array_equal(np.asarray(got_pe, np.float32), np.asarray(q_pe, np.float32))
+    swapped = cache.reshape(-1, 40).at[slots[::-1].reshape(-1)].set(rows.astype(jnp.float32)).reshape(cache_shape)
+    assert not np.array_equal(np.asarray(got), np.asarray(swapped))
+
+
 def test_mla_inputs_validation():
     parts, cos, sin, norm, w_uk = make_inputs(1)
     call = lambda parts=parts, cos=cos, sin=sin, norm=norm, w_uk=w_uk, **kw: mi.mla_inputs(
@@ -316,6 +345,13 @@ def test_mla_inputs_validation():
         call(norm=norm.astype(jnp.bfloat16))
     with pytest.raises(ValueError, match="block_c"):
         call(block_c=12)
+    cache = jnp.zeros((1, 8, 40), jnp.float32)
+    with pytest.raises(ValueError, match="go together"):
+        call(cache=cache)
+    with pytest.raises(ValueError, match="latent buffer"):
+        call(cache=cache[..., :32], write_index=jnp.zeros((2,), jnp.int32))
+    with pytest.raises(ValueError, match="write_index"):
+        call(cache=cache, write_index=jnp.zeros((3,), jnp.int32))
     assert mi.is_supported(parts, cos, sin, norm, w_uk)
     assert not mi.is_supported(parts[0], cos, sin, norm, w_uk)
 

@@ -11,7 +11,7 @@ first Dc columns, so one load of a key block serves both matrix products.
 Design (flash decoding):
 - The T*H query rows of a batch row (row r: token r // H, head r % H, the natural order
   of q_lat, so no transpose) are taken BR at a time (BR a power of two >= 16, default
-  DEFAULT_BLOCK_ROWS) as a [BR, Dc] latent tile and a [BR, Dr] rope tile; rows are padded
+  `default_block_rows`) as a [BR, Dc] latent tile and a [BR, Dr] rope tile; rows are padded
   to a multiple of BR only when T*H is not one already.
 - Grid (R // BR, num_splits, B), the row blocks fastest: the programs that run side by
   side share their key blocks through L2, so the cache is read from memory about once
@@ -30,8 +30,9 @@ Design (flash decoding):
 Registers: the float32 accumulator [BR, Dc] (Dc = 512) dominates: 128 values a thread with
 BR = 64 and 8 warps. On the H200 (benchmarks/mla_kernel_check.py, bf16, 2026-11-23) BR = 64
 beat BR = 32 by 20-28% at H = 128 with batch 32 or T = 16 (fewer row blocks re-reading the
-keys, bigger tensor-core tiles) and was within 20% of it, either way, at batch 1 and T = 1;
-block_k 32 with 3 stages was slower.
+keys, bigger tensor-core tiles); block_k 32 with 3 stages was slower. With few query rows
+in all (B*T*H <= SMALL_ROWS_MAX: batch 1 decode and verify) BR = 16 is faster: the
+programs are shorter and more of them run at once (`default_block_rows`).
 
 A query row that sees no key at all gets zeros (the reference gives a meaningless uniform
 average there).
@@ -54,6 +55,11 @@ from jspec.kernels.tiling import is_pow2, pow2_ceil
 NEG_INF = -1e30
 MIN_ROWS = 16  # smallest M of a tensor-core dot in Triton
 DEFAULT_BLOCK_ROWS = 64  # query rows a program (H200: beat 32 at H=128, see the docstring)
+# Up to this many query rows in all (B*T*H) a program takes MIN_ROWS rows: at batch 1 on the
+# H200 (benchmarks/mla_b1_configs.py rows, 1k context) the MLA kernel took 6.2 against 12.7
+# us for 4 tokens of 16 heads, 6.2 against 9.0 for 2, 8.1 against 13.2 for 1 token of 128
+# heads and 17.7 against 26.6 for 4 of them, with 64 rows a program.
+SMALL_ROWS_MAX = 512
 DEFAULT_BLOCK_K = 64  # key slots a block, 16-bit caches (float32: half)
 TARGET_PROGRAMS = 264  # about two waves of programs on an H200 (132 SMs)
 
@@ -142,6 +148,16 @@ def _tail_mask(meta: AttnMeta, pblk, *, block_k: int, num_tail: int, num_keys: i
     visible = (rel < 0)[:, None, :] | (((rel >= 0) & (rel < Tl))[:, None, :] & local)
     visible = visible & (slot < num_keys)[:, None, :]
     return visible.astype(jnp.int8)
+
+
+def default_block_rows(total_rows: int, itemsize: int) -> int:
+    """Query rows a program when the caller gives none, for B*T*H query rows in all: up to
+    SMALL_ROWS_MAX rows, MIN_ROWS (more, shorter programs); more rows, DEFAULT_BLOCK_ROWS
+    (fewer row blocks re-reading the keys), half that for float32 (64 x 512 float32
+    queries do not fit shared memory beside the keys)."""
+    if total_rows <= SMALL_ROWS_MAX:
+        return MIN_ROWS
+    return DEFAULT_BLOCK_ROWS if itemsize == 2 else DEFAULT_BLOCK_ROWS // 2
 
 
 def _row_tiling(rows: int, block_rows: int) -> tuple[int, int]:
@@ -291,8 +307,7 @@ def paged_mla_attention_splits(q_lat, q_pe, latent_buf, meta: AttnMeta, *, scale
     are padding. Dc and Dr: powers of two >= 16.
     interpret None: interpret mode unless the default backend is a GPU. block_k: key slots
     a block (power of two >= 16; default DEFAULT_BLOCK_K, half that for float32).
-    block_rows: query rows a program (power of two >= 16; default DEFAULT_BLOCK_ROWS, half
-    that for float32).
+    block_rows: query rows a program (power of two >= 16; default `default_block_rows`).
     num_splits: key splits per (batch row, row block) (default: enough programs to fill the
     GPU). num_warps (default 4, or 8 for row tiles above 16 x 512) and num_stages are
     Triton's.
@@ -311,8 +326,8 @@ def paged_mla_attention_splits(q_lat, q_pe, latent_buf, meta: AttnMeta, *, scale
     if block_k is None:
         block_k = DEFAULT_BLOCK_K if jnp.dtype(q_lat.dtype).itemsize == 2 else DEFAULT_BLOCK_K // 2
     block_k = _check_block("block_k", block_k)
-    if block_rows is None:  # float32 tiles of 64 x 512 queries do not fit shared memory beside the keys
-        block_rows = DEFAULT_BLOCK_ROWS if jnp.dtype(q_lat.dtype).itemsize == 2 else DEFAULT_BLOCK_ROWS // 2
+    if block_rows is None:
+        block_rows = default_block_rows(B * T * H, jnp.dtype(q_lat.dtype).itemsize)
     block_rows = _check_block("block_rows", block_rows)
     max_blocks = pl.cdiv(num_keys, block_k)
     BR, R = _row_tiling(T * H, block_rows)

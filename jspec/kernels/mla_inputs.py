@@ -16,7 +16,10 @@ RoPE, the concatenation, the absorption product); at batch 1 each costs 1-2 us.
 Kernel: grid (N, H, Dc / BC). Program (n, h, j) sums its head's Dn nope values over the
 splits and multiplies them by W_UK's [BC, Dn] tile (W_UK stored [Dc, H, Dn], read as
 [Dc, H*Dn]), writing q_lat[n, h, j*BC: (j+1)*BC]. Program (n, h, 0) also writes q_pe[n,
-h]; program (n, 0, last) also writes the cache row. RoPE takes cos and sin [N, Dr/2]
+h]; program (n, 0, last) also writes the cache row: into a rows array [N, Dc+Dr], or
+straight into the layer's latent cache at the token's slot (the cache aliased to the
+output: no update kernel after this one; on the H200 that update was a 1.2 us kernel a
+layer at batch 1). RoPE takes cos and sin [N, Dr/2]
 float32 (the YaRN scale included); interleaved checkpoints rotate the pairs (x0, x1),
 (x2, x3), ... in float32 and lay the result out [evens, odds] (DeepSeek-V2/V3's layout in
 jspec, `models.deepseek.rope_pairs`); otherwise the halves are rotated in the
@@ -77,11 +80,14 @@ def mla_inputs_reference(q, ckv, cos, sin, latent_norm, w_uk=None, *, interleave
 
 # --------------------------------------------------------------------------- kernel
 
-def _kernel(parts_ref, cos_ref, sin_ref, norm_ref, wuk_ref, qlat_ref, qpe_ref, rows_ref, *, num_heads: int,
+def _kernel(parts_ref, cos_ref, sin_ref, norm_ref, wuk_ref, where_ref, *refs, num_heads: int,
             dn: int, dr: int, dc: int, block_c: int, interleaved: bool, eps: float):
     """One (token n, head h, latent tile j); see the module docstring. parts_ref [S, N, W]
-    float32, cos_ref / sin_ref [N, Dr/2], norm_ref [Dc], wuk_ref [Dc, H*Dn]; outputs
-    q_lat [N, H, Dc], q_pe [N, H, Dr], rows [N, Dc+Dr] (whole arrays)."""
+    float32, cos_ref / sin_ref [N, Dr/2], norm_ref [Dc], wuk_ref [Dc, H*Dn], where_ref [N]
+    int32 (the row of rows_ref that takes token n's cache row); outputs q_lat [N, H, Dc],
+    q_pe [N, H, Dr], rows [R, Dc+Dr] (whole arrays; with a cache, its rows, aliased to an
+    input that refs holds first)."""
+    qlat_ref, qpe_ref, rows_ref = refs[-3:]
     n, h, j = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     dtype = qlat_ref.dtype
     half = dr // 2
@@ -102,8 +108,8 @@ def _kernel(parts_ref, cos_ref, sin_ref, norm_ref, wuk_ref, qlat_ref, qpe_ref, r
         else:  # in the activations' dtype: each product and sum rounded
             x1, x2, cos, sin = summed(start, half), summed(start + half, half), rnd(cos), rnd(sin)
             first, second = rnd(x1 * cos) - rnd(x2 * sin), rnd(x2 * cos) + rnd(x1 * sin)
-        out_ref[(*lead, pl.ds(off, half))] = first.astype(dtype)
-        out_ref[(*lead, pl.ds(off + half, half))] = second.astype(dtype)
+        out_ref[(*lead, pl.ds(off, half))] = first.astype(dtype).astype(out_ref.dtype)
+        out_ref[(*lead, pl.ds(off + half, half))] = second.astype(dtype).astype(out_ref.dtype)
 
     q0 = h * (dn + dr)
     c0 = j * block_c
@@ -120,11 +126,13 @@ def _kernel(parts_ref, cos_ref, sin_ref, norm_ref, wuk_ref, qlat_ref, qpe_ref, r
         start = num_heads * (dn + dr)
         latent = summed(start, dc)
         rstd = lax.rsqrt(jnp.sum(latent * latent) / dc + eps)
-        rows_ref[n, pl.ds(0, dc)] = (norm_ref[...].astype(jnp.float32) * rnd(latent * rstd)).astype(dtype)
-        rope(start + dc, rows_ref, n, dc)
+        row = where_ref[n]
+        rows_ref[row, pl.ds(0, dc)] = (norm_ref[...].astype(jnp.float32) * rnd(latent * rstd)).astype(dtype).astype(
+            rows_ref.dtype)
+        rope(start + dc, rows_ref, row, dc)
 
 
-def _check_args(parts, cos, sin, latent_norm, w_uk) -> None:
+def _check_args(parts, cos, sin, latent_norm, w_uk, cache=None, write_index=None) -> None:
     """Raises ValueError / TypeError for arguments `mla_inputs` does not take."""
     if getattr(parts, "ndim", None) != 3 or getattr(w_uk, "ndim", None) != 3 or getattr(cos, "ndim", None) != 2:
         raise ValueError(f"mla_inputs needs parts [S, N, W], cos/sin [N, Dr/2] and w_uk [Dc, H, Dn], got "
@@ -147,32 +155,49 @@ def _check_args(parts, cos, sin, latent_norm, w_uk) -> None:
         raise TypeError(f"parts, cos and sin must be float32, got {parts.dtype}, {cos.dtype}, {sin.dtype}")
     if jnp.dtype(w_uk.dtype) not in map(jnp.dtype, _DTYPES) or latent_norm.dtype != w_uk.dtype:
         raise TypeError(f"w_uk and latent_norm must share a float dtype, got {w_uk.dtype} and {latent_norm.dtype}")
+    if (cache is None) != (write_index is None):
+        raise ValueError("cache and write_index go together")
+    if cache is not None:
+        if getattr(cache, "ndim", 0) < 2 or cache.shape[-1] != Dc + Dr:
+            raise ValueError(f"cache must be a latent buffer [..., {Dc + Dr}], got {getattr(cache, 'shape', cache)}")
+        if jnp.dtype(cache.dtype) not in map(jnp.dtype, _DTYPES):
+            raise TypeError(f"cache dtype {cache.dtype} is not float32, bfloat16 or float16")
+        if getattr(write_index, "size", None) != N or not jnp.issubdtype(write_index.dtype, jnp.integer):
+            raise ValueError(f"write_index must hold {N} integer slots, got {getattr(write_index, 'dtype', '')} "
+                             f"{getattr(write_index, 'shape', write_index)}")
 
 
-def is_supported(parts, cos, sin, latent_norm, w_uk) -> bool:
+def is_supported(parts, cos, sin, latent_norm, w_uk, cache=None, write_index=None) -> bool:
     try:
-        _check_args(parts, cos, sin, latent_norm, w_uk)
+        _check_args(parts, cos, sin, latent_norm, w_uk, cache, write_index)
     except (TypeError, ValueError):
         return False
     return True
 
 
-def uses_kernel(parts, cos, sin, latent_norm, w_uk) -> bool:
+def uses_kernel(parts, cos, sin, latent_norm, w_uk, cache=None, write_index=None) -> bool:
     """Whether `mla_inputs` takes the kernel (see `jspec.kernels.dispatch`)."""
     if dispatch.backend() == "reference":
         return False
-    return dispatch.want_pallas(dispatch.backend() == "pallas" or is_supported(parts, cos, sin, latent_norm, w_uk))
+    return dispatch.want_pallas(dispatch.backend() == "pallas"
+                                or is_supported(parts, cos, sin, latent_norm, w_uk, cache, write_index))
 
 
-def mla_inputs(parts, cos, sin, latent_norm, w_uk, *, interleaved: bool, eps: float, block_c: int | None = None,
-               num_warps: int | None = None, interpret: bool | None = None):
+def mla_inputs(parts, cos, sin, latent_norm, w_uk, *, interleaved: bool, eps: float, cache=None, write_index=None,
+               block_c: int | None = None, num_warps: int | None = None, interpret: bool | None = None):
     """parts [S, N, W] float32 (K splits of the projection [q | c | k_r], see the module
     docstring), cos, sin [N, Dr/2] float32, latent_norm [Dc] and w_uk [Dc, H, Dn] of the
     activations' dtype -> (q_lat [N, H, Dc], q_pe [N, H, Dr], rows [N, Dc+Dr]) in that
-    dtype, as `mla_inputs_reference` computes them from the splits' rounded sum. block_c:
-    q_lat values a program (a power of two, capped at Dc); num_warps: Triton's. interpret
-    None: interpret mode unless the default backend is a GPU."""
-    _check_args(parts, cos, sin, latent_norm, w_uk)
+    dtype, as `mla_inputs_reference` computes them from the splits' rounded sum.
+
+    cache (a layer's latent buffer [..., Dc+Dr], dense or paged) with write_index [N] (or
+    [B, T]: flat slots, in bounds, as `jspec.cache.kv.write_kv` takes them): the kernel
+    writes each token's row into the cache itself (the buffer is aliased to the output,
+    so XLA updates it in place where it may) and returns the cache instead of the rows.
+
+    block_c: q_lat values a program (a power of two, capped at Dc); num_warps: Triton's.
+    interpret None: interpret mode unless the default backend is a GPU."""
+    _check_args(parts, cos, sin, latent_norm, w_uk, cache, write_index)
     S, N, W = parts.shape
     Dc, H, Dn = w_uk.shape
     Dr = 2 * cos.shape[1]
@@ -189,15 +214,23 @@ def mla_inputs(parts, cos, sin, latent_norm, w_uk, *, interleaved: bool, eps: fl
     kernel = functools.partial(_kernel, num_heads=H, dn=Dn, dr=Dr, dc=Dc, block_c=BC, interleaved=bool(interleaved),
                                eps=float(eps))
     dt = w_uk.dtype
+    args = [parts, cos, sin, latent_norm, w_uk.reshape(Dc, H * Dn)]
+    if cache is None:
+        args.append(jnp.arange(N, dtype=jnp.int32))
+        rows_shape = jax.ShapeDtypeStruct((N, Dc + Dr), dt)
+    else:
+        args += [write_index.reshape(N).astype(jnp.int32), cache.reshape(-1, Dc + Dr)]
+        rows_shape = jax.ShapeDtypeStruct(args[-1].shape, cache.dtype)
     whole = pl.BlockSpec()  # whole arrays, indexed inside the kernel
-    return pl.pallas_call(
+    q_lat, q_pe, rows = pl.pallas_call(
         kernel,
         grid=(N, H, Dc // BC),
-        in_specs=[whole] * 5,
+        in_specs=[whole] * len(args),
         out_specs=[whole] * 3,
-        out_shape=[jax.ShapeDtypeStruct((N, H, Dc), dt), jax.ShapeDtypeStruct((N, H, Dr), dt),
-                   jax.ShapeDtypeStruct((N, Dc + Dr), dt)],
+        out_shape=[jax.ShapeDtypeStruct((N, H, Dc), dt), jax.ShapeDtypeStruct((N, H, Dr), dt), rows_shape],
+        input_output_aliases={} if cache is None else {len(args) - 1: 2},
         interpret=interpret,
         compiler_params=params,
         name="jspec_mla_inputs",
-    )(parts, cos, sin, latent_norm, w_uk.reshape(Dc, H * Dn))
+    )(*args)
+    return q_lat, q_pe, rows if cache is None else rows.reshape(cache.shape)

@@ -27,7 +27,7 @@ from jspec.cache.latent import LatentCache, LatentCacheKind
 from jspec.cache.layout import AttnMeta
 from jspec.kernels.attention import attention_reference
 from jspec.kernels import mla_inputs
-from jspec.kernels.mla_attention import cached_mla_attention
+from jspec.kernels.mla_attention import cached_mla_attention, mla_attention
 from jspec.kernels import moe_experts
 from jspec.kernels.moe_experts import normed, silu_mul
 from jspec.kernels.moe_route import route
@@ -44,6 +44,9 @@ LATENT_NORM_EPS = 1e-6  # the q/kv latent norms use RMSNorm's default, not rms_n
 # 0.581-0.583 without, the V3 layer shape 0.348 against 0.372 ms a layer (with the first
 # expert product 64 columns wide; at 128 it had cost V3 0.416 against 0.349 ms).
 MLP_NORM_IN_KERNEL = True
+# Whether `kernels.mla_inputs` writes a decoding token's latent row into the cache itself
+# (where it runs: one row, no q_lora_rank) instead of an update kernel after it.
+CACHE_WRITE_IN_KERNEL = True
 
 
 def rope_tables(positions, c: DeepseekConfig):
@@ -83,11 +86,15 @@ class MLAttention(nn.Module):
         if (absorb and not c.q_lora_rank and proj.uses_splits(x) and mla_inputs.uses_kernel(
                 jax.ShapeDtypeStruct((1, B * T, Q + Dc + Dr), jnp.float32), *flat, latent_norm, w_uk)):
             # one row: the projection's K splits go straight to the kernel that sums them and
-            # makes the absorbed query, the roped query part and the cache row
+            # makes the absorbed query, the roped query part and the cache row, which it
+            # writes into the cache itself
             parts = proj(x, norm=norm, splits=True)  # [S, B*T, Q+Dc+Dr]
+            written = buf is not None and CACHE_WRITE_IN_KERNEL
             q_lat, q_pe, rows = mla_inputs.mla_inputs(parts, *flat, latent_norm, w_uk, interleaved=c.rope_interleave,
-                                                      eps=LATENT_NORM_EPS)
-            q_lat, q_pe, rows = q_lat.reshape(B, T, H, Dc), q_pe.reshape(B, T, H, Dr), rows.reshape(B, T, -1)
+                                                      eps=LATENT_NORM_EPS, cache=buf if written else None,
+                                                      write_index=meta.write_index if written else None)
+            q_lat, q_pe = q_lat.reshape(B, T, H, Dc), q_pe.reshape(B, T, H, Dr)
+            buf, rows = (rows, None) if written else (buf, rows.reshape(B, T, -1))
         else:
             qkv = proj(x, norm=norm)
             q, ckv = qkv[..., :Q], qkv[..., Q:]
@@ -109,6 +116,8 @@ class MLAttention(nn.Module):
             k = jnp.concatenate([k_nope, jnp.broadcast_to(k_pe[:, :, None], (B, T, H, Dr))], axis=-1)
             o = attention_reference(jnp.concatenate([q_nope, q_pe], axis=-1), k, v, None, meta,
                                     scale=c.softmax_scale)  # [B,T,H,Dv]
+        elif rows is None:  # absorbed, the rows already in the cache
+            o = mla_attention(q_lat, q_pe, buf, meta, w_uv, scale=c.softmax_scale)
         else:  # absorbed: attend over the latent rows, then up-project the values
             o, buf = cached_mla_attention(q_lat, q_pe, rows, buf, meta, w_uv, scale=c.softmax_scale)
         out = Linear(c.hidden_size, c.attention_bias, c.dtype, row_kernel=True, name="o_proj")(o.reshape(B, T, H * Dv))
