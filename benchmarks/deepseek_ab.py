@@ -12,6 +12,7 @@ before the program is traced:
 - out32, out64: `mla_output` with 32 or 64 columns a program; out_warps8: with 8 warps;
   chunk128: its latent in 128-wide chunks whatever the splits;
 - first_bn128: one token's first expert product 128 columns wide whatever its input width;
+- matvec4: `matvec` (and so `mla_inputs`) for products of up to 4 rows (verify), not 1;
 - rows64: the MLA kernel with 64 query rows a program whatever the rows in all (16 up to
   `mla_decode.SMALL_ROWS_MAX` by default);
 - cache_write_off: the latent row written to the cache by XLA's update after
@@ -53,6 +54,7 @@ SETTINGS = {  # name -> [(module, constant, value)]
     "first_bn128": [("jspec.kernels.moe_experts", "NARROW_FIRST_MIN_DIN", 1 << 30)],
     "chunk128": [("jspec.kernels.mla_output", "SPLIT_TILE", 0)],
     "out_warps8": [("jspec.kernels.mla_output", "DEFAULT_WARPS", 8)],
+    "matvec4": [("jspec.kernels.moe_experts", "MATVEC_MAX_ROWS", 4)],
     "rows64": [("jspec.kernels.mla_decode", "SMALL_ROWS_MAX", 0)],
     "cache_write_off": [("jspec.models.deepseek", "CACHE_WRITE_IN_KERNEL", False)],
     "matvec_auto": [("jspec.kernels.moe_experts", "MATVEC_BLOCK_N", 128),

@@ -18,10 +18,12 @@ Run: PYTHONPATH=. python3 benchmarks/deepseek_h200.py [decode] [mtp] [v3layer]
 (DEEPSEEK_BATCHES=1,32: the decode batches; mtp needs batch 1 first for its ratios;
 DEEPSEEK_SETTING: one of `benchmarks/deepseek_ab.py`'s settings, default the code as it is;
 DEEPSEEK_V3_SETTINGS=a,b: v3layer under each of these settings on the same weights;
-DEEPSEEK_ROUNDS=SxKxN,...: the MTP rounds, default 1x1x2,2x1x3,3x1x4,3x2x4)
+DEEPSEEK_ROUNDS=SxKxN,...: the MTP rounds, default 1x1x2,2x1x3,3x1x4,3x2x4;
+DEEPSEEK_MTP_SETTINGS=a,b: each round under each of these settings, same weights)
 """
 from __future__ import annotations
 
+import itertools
 import os
 import sys
 import time
@@ -87,6 +89,8 @@ def _row(d):
 
 
 def decode_and_mtp(parts, res, ceiling, name):
+    from benchmarks.deepseek_ab import SETTINGS, apply
+
     t0 = time.perf_counter()
     target = random_params(V2_LITE)
     n = sum(x.size for x in jax.tree.leaves(target.weights))
@@ -111,18 +115,24 @@ def decode_and_mtp(parts, res, ceiling, name):
         dw = jax.jit(lambda k: draft.init(k, V2_LITE.vocab_size))(jax.random.key(1))
         spec_params = target.with_draft(jspec.DraftParams(draft, dw))
         rounds = os.environ.get("DEEPSEEK_ROUNDS", "1x1x2,2x1x3,3x1x4,3x2x4")
-        for S, K, N in (tuple(int(v) for v in r.split("x")) for r in rounds.split(",")):
+        settings = os.environ.get("DEEPSEEK_MTP_SETTINGS", "default").split(",")
+        for (S, K, N), setting in itertools.product((tuple(int(v) for v in r.split("x")) for r in rounds.split(",")),
+                                                    settings):
+            kept = apply(SETTINGS[setting])
+            jspec.clear_caches()
             r = Runner(spec_params, prompts(1, V2_LITE.vocab_size), LONG,
                        spec=jspec.SpecConfig(num_steps=S, topk=K, num_draft_tokens=N))
             per, _, _ = r.per_round(SHORT, LONG, reps=2)
+            for m, const, value in kept:
+                setattr(m, const, value)
             moe_layers = V2_LITE.num_layers - V2_LITE.first_k_dense_replace
             row = {"S": S, "K": K, "N": N, "ms_per_round": per * 1e3, "ratio_to_ar_step": per / ar[1],
                    "verify_experts_per_layer": distinct_experts(V2_LITE, N),
                    "verify_expert_GB": moe_layers * distinct_experts(V2_LITE, N) * expert_bytes(V2_LITE) / 1e9,
                    "draft_expert_GB_per_step": distinct_experts(V2_LITE, K) * expert_bytes(V2_LITE) / 1e9,
                    "compile_s": r.compile_s}
-            res[f"v2lite_mtp_S{S}_K{K}_N{N}"] = row
-            print("mtp round", _row(row), flush=True)
+            res[f"v2lite_mtp_S{S}_K{K}_N{N}" + ("" if setting == "default" else f"_{setting}")] = row
+            print("mtp round", setting, _row(row), flush=True)
             save_json(name, res)
             del r
 

@@ -72,4 +72,7 @@ abrows)  # the V3 layer with 16 or 64 MLA query rows a program; V2-Lite 6 layers
 mtp2)  # the 4-layer profile, then the MTP rounds at batch 1
   timeout 90 python3 benchmarks/deepseek_profile.py 4 2>&1 | grep -v Warning | head -3
   DEEPSEEK_BATCHES=1 timeout 490 python3 benchmarks/deepseek_h200.py mtp 2>&1 | grep -v Warning | tail -8 ;;
+mtpmv)  # MTP rounds with matvec / mla_inputs for the verify's 2-4 rows or not, same weights
+  DEEPSEEK_BATCHES=1 DEEPSEEK_ROUNDS=1x1x2,3x1x4 DEEPSEEK_MTP_SETTINGS=default,matvec4 timeout 570 \
+    python3 benchmarks/deepseek_h200.py mtp 2>&1 | grep -v Warning | tail -6 ;;
 esac
