@@ -1,7 +1,8 @@
 """Batch-1 decoding of a DeepSeek-V2-Lite-shaped model with few layers (random bf16
 weights, context 1k) under several settings in one process on the same weights
-(`jspec.clear_caches()` between): ms a step from two run lengths' difference, and whether
-the tokens equal the first setting's. Settings change module constants of the kernels
+(`jspec.clear_caches()` between): ms a step from two run lengths' difference, a 16-token
+run's time (median of 5) and what of it is not its steps, and whether the tokens equal the
+first setting's. Settings change module constants of the kernels
 before the program is traced:
 - default: the code as it is;
 - splits_half: the expert kernel aims at half as many programs (fewer K splits);
@@ -17,6 +18,12 @@ before the program is traced:
   `mla_decode.SMALL_ROWS_MAX` by default);
 - cache_write_off: the latent row written to the cache by XLA's update after
   `mla_inputs` instead of by `mla_inputs` itself;
+- grouped_off: prefill's routed experts through `jax.lax.ragged_dot` instead of the
+  grouped kernel (`kernels.moe_grouped`);
+- graphs_off: the loop compiled with XLA's default command buffers instead of the
+  family's (`deepseek.GPU_XLA_OPTIONS`: graphs over the while loop and its conditionals,
+  and of single kernels); graphs_loop_only: the loop's graphs without single kernels';
+  no_graphs: no command buffers at all;
 - xla_rows: one-row dense products as XLA's (padded) products instead of `matvec`;
 - splits2x: twice the target programs; min2: K splits of 2 chunks allowed (more
   splits for the dense products); matvec_auto: `matvec` with the expert kernel's default
@@ -39,6 +46,7 @@ import jspec
 from benchmarks.common import Runner, env_info, random_params, save_json
 from benchmarks.deepseek_h200 import V2_LITE, prompts
 
+GRAPHS = "FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN,WHILE,CONDITIONAL"  # command buffer kinds
 SETTINGS = {  # name -> [(module, constant, value)]
     "default": [],
     "splits_half": [("jspec.kernels.moe_experts", "TARGET_PROGRAMS", 264)],
@@ -57,6 +65,10 @@ SETTINGS = {  # name -> [(module, constant, value)]
     "matvec4": [("jspec.kernels.moe_experts", "MATVEC_MAX_ROWS", 4)],
     "rows64": [("jspec.kernels.mla_decode", "SMALL_ROWS_MAX", 0)],
     "cache_write_off": [("jspec.models.deepseek", "CACHE_WRITE_IN_KERNEL", False)],
+    "grouped_off": [("jspec.kernels.moe_grouped", "KERNEL", False)],
+    "graphs_off": [("jspec.models.deepseek", "GPU_XLA_OPTIONS", {})],
+    "graphs_loop_only": [("jspec.models.deepseek", "GPU_XLA_OPTIONS", {"xla_gpu_enable_command_buffer": GRAPHS})],
+    "no_graphs": [("jspec.models.deepseek", "GPU_XLA_OPTIONS", {"xla_gpu_enable_command_buffer": ""})],
     "matvec_auto": [("jspec.kernels.moe_experts", "MATVEC_BLOCK_N", 128),
                     ("jspec.kernels.moe_experts", "MATVEC_SPLITS", None)],
 }
@@ -93,11 +105,15 @@ def main(layers: int, names: list[str]):
         jspec.clear_caches()
         r = Runner(target, prompts(1, cfg.vocab_size), 112)
         per = r.per_round(16, 112, reps=3)[0]
+        runs = sorted(r.run(16)[0] for _ in range(5))
         out = r.run(16)[1].tokens
         tokens = tokens or out
-        row = {"setting": name, "ms_per_step": round(per * 1e3, 4), "same_tokens": out == tokens}
+        fixed = runs[2] - 16 * per  # a run's time beside its steps (inputs, prefill, outputs)
+        row = {"setting": name, "ms_per_step": round(per * 1e3, 4), "same_tokens": out == tokens,
+               "ms_16_token_runs": [round(t * 1e3, 2) for t in runs], "ms_fixed_per_run": round(fixed * 1e3, 2)}
         res["rows"].append(row)
-        print(f"[{tag}] {layers} layers, batch 1, {name}: {per * 1e3:.3f} ms/step, tokens "
+        print(f"[{tag}] {layers} layers, batch 1, {name}: {per * 1e3:.3f} ms/step, a 16-token run "
+              f"{runs[2] * 1e3:.1f} ms (median of 5; {fixed * 1e3:.1f} ms beside the steps), tokens "
               f"{'identical' if out == tokens else 'DIFFER'}", flush=True)
         for m, const, value in kept:
             setattr(m, const, value)

@@ -19,7 +19,8 @@ Run: PYTHONPATH=. python3 benchmarks/deepseek_h200.py [decode] [mtp] [v3layer]
 DEEPSEEK_SETTING: one of `benchmarks/deepseek_ab.py`'s settings, default the code as it is;
 DEEPSEEK_V3_SETTINGS=a,b: v3layer under each of these settings on the same weights;
 DEEPSEEK_ROUNDS=SxKxN,...: the MTP rounds, default 1x1x2,2x1x3,3x1x4,3x2x4;
-DEEPSEEK_MTP_SETTINGS=a,b: each round under each of these settings, same weights)
+DEEPSEEK_MTP_SETTINGS=a,b: each round under each of these settings, same weights, and
+whether its tokens equal the first setting's)
 """
 from __future__ import annotations
 
@@ -116,6 +117,7 @@ def decode_and_mtp(parts, res, ceiling, name):
         spec_params = target.with_draft(jspec.DraftParams(draft, dw))
         rounds = os.environ.get("DEEPSEEK_ROUNDS", "1x1x2,2x1x3,3x1x4,3x2x4")
         settings = os.environ.get("DEEPSEEK_MTP_SETTINGS", "default").split(",")
+        first_tokens = None
         for (S, K, N), setting in itertools.product((tuple(int(v) for v in r.split("x")) for r in rounds.split(",")),
                                                     settings):
             kept = apply(SETTINGS[setting])
@@ -123,6 +125,8 @@ def decode_and_mtp(parts, res, ceiling, name):
             r = Runner(spec_params, prompts(1, V2_LITE.vocab_size), LONG,
                        spec=jspec.SpecConfig(num_steps=S, topk=K, num_draft_tokens=N))
             per, _, _ = r.per_round(SHORT, LONG, reps=2)
+            tokens = r.run(LONG)[1].tokens
+            first_tokens = first_tokens if setting != settings[0] else tokens
             for m, const, value in kept:
                 setattr(m, const, value)
             moe_layers = V2_LITE.num_layers - V2_LITE.first_k_dense_replace
@@ -130,7 +134,7 @@ def decode_and_mtp(parts, res, ceiling, name):
                    "verify_experts_per_layer": distinct_experts(V2_LITE, N),
                    "verify_expert_GB": moe_layers * distinct_experts(V2_LITE, N) * expert_bytes(V2_LITE) / 1e9,
                    "draft_expert_GB_per_step": distinct_experts(V2_LITE, K) * expert_bytes(V2_LITE) / 1e9,
-                   "compile_s": r.compile_s}
+                   "compile_s": r.compile_s, "same_tokens_as_" + settings[0]: tokens == first_tokens}
             res[f"v2lite_mtp_S{S}_K{K}_N{N}" + ("" if setting == "default" else f"_{setting}")] = row
             print("mtp round", setting, _row(row), flush=True)
             save_json(name, res)

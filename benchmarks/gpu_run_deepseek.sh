@@ -43,6 +43,23 @@ v3ab)  # the V3 layer shape with the post-attention norm in the kernels' prologu
   for setting in norm_inside default; do
     DEEPSEEK_SETTING=$setting timeout 280 python3 benchmarks/deepseek_h200.py v3layer 2>&1 | grep "v3 layer"
   done ;;
+graphs)  # command buffers over the loop (the family's default) or XLA's: the MTP rounds, the 6-layer step
+  DEEPSEEK_BATCHES=1 DEEPSEEK_ROUNDS=1x1x2,3x1x4,3x2x4 DEEPSEEK_MTP_SETTINGS=default,graphs_off timeout 480 \
+    python3 benchmarks/deepseek_h200.py mtp 2>&1 | grep -v Warning | grep "mtp round\|decode\|rror"
+  timeout 100 python3 benchmarks/deepseek_ab.py 6 default graphs_off graphs_loop_only default graphs_off 2>&1 | grep "^\[\|rror" ;;
+graphs27)  # the 27-layer batch-1 step with and without graphs of single kernels, alternating in one process
+  timeout 420 python3 benchmarks/deepseek_ab.py 27 graphs_off default graphs_off default graphs_off default 2>&1 \
+    | grep "^\[\|rror" ;;
+grouped)  # prefill's grouped expert kernel against ragged_dot: the routed experts, then the 27-layer model's runs
+  MOE_PATHS_N=32,1024 MOE_PATHS=ragged,dense,grouped timeout 200 python3 benchmarks/moe_paths.py v2lite 2>&1 | grep "^{'shape"
+  timeout 330 python3 benchmarks/deepseek_ab.py 27 default grouped_off default grouped_off 2>&1 | grep "^\[\|rror" ;;
+grouped2)  # the grouped kernel's tilings at 32 and 1024 tokens, V2-Lite and V3 expert shapes
+  MOE_PATHS_N=32,1024 MOE_PATHS=ragged,grouped timeout 400 python3 benchmarks/moe_paths.py v2lite v3 2>&1 | grep "^{'shape" \
+    | cut -c1-200 ;;
+final3)  # ragged_dot against the grouped kernel between 48 and 192 tokens, then the 27-layer decode (b1, b32)
+  MOE_PATHS_N=48,96,192 MOE_PATHS=ragged,grouped MOE_PATHS_TILES=0 timeout 150 python3 benchmarks/moe_paths.py v2lite \
+    2>&1 | grep "^{'shape" | cut -c1-200
+  timeout 330 python3 benchmarks/deepseek_h200.py decode 2>&1 | grep -v Warning | tail -3 ;;
 tiles)
   MATVEC_BUDGET_S=150 timeout 200 python3 benchmarks/matvec_configs.py down 2>&1 | grep "^{" ;;
 mtp)

@@ -7,13 +7,19 @@ V3: E=256, k=8, D=7168, Fm=2048), times the routed part of an MoE layer:
 - slots: an unrolled loop over the pairs, each a dynamic slice of the expert's weights
   feeding its product (XLA may fuse the slice into the product's operand read);
 - ragged: pairs sorted by expert, `jax.lax.ragged_dot`;
-- dense: every expert over every token, weighted by the routing (zero for unchosen).
+- dense: every expert over every token, weighted by the routing (zero for unchosen);
+- grouped: `jspec.kernels.moe_grouped` (pairs grouped by expert in tiles, the Pallas
+  kernel on the tensor cores); from 32 tokens on also its tilings (`GROUPED_TILES`).
 Bytes: the distinct experts' weights the pairs need; GB/s = those bytes / time.
 
-Run: PYTHONPATH=. python3 benchmarks/moe_paths.py [v2lite|v3 ...]
+Run: PYTHONPATH=. python3 benchmarks/moe_paths.py [v2lite|v3 ...]   (MOE_PATHS_N=1,4,...: the token
+counts, default 1,4,16,32,1024; MOE_PATHS=a,b: the paths, default all; MOE_PATHS_TILES=0: no
+tilings of the grouped kernel)
 """
 from __future__ import annotations
 
+import functools
+import os
 import sys
 
 import jax
@@ -21,6 +27,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from benchmarks.common import env_info, median_time, save_json
+from jspec.kernels import moe_grouped as mg
 
 SHAPES = {"v2lite": (64, 6, 2048, 1408), "v3": (256, 8, 7168, 2048)}
 
@@ -68,6 +75,21 @@ def dense(x, ids, w, gu, dn):
     return jnp.einsum("end,ne->nd", y.astype(jnp.float32), we)
 
 
+def grouped(x, ids, w, gu, dn, block_m=None, **tiles):
+    """The grouped kernel (block_m None: `moe_grouped.block_rows`)."""
+    N, k = ids.shape
+    y = mg.grouped_experts(x, ids, gu, dn, block_m=block_m, **tiles).reshape(N, k, -1)
+    return jnp.einsum("nkd,nk->nd", y.astype(jnp.float32), w)
+
+
+GROUPED_TILES = {  # (block_m, block_n, block_k, num_warps, num_stages) from 256 tokens on, and below
+    "large": [(64, 128, 64, 4, 3), (128, 128, 64, 8, 3), (128, 256, 64, 8, 3), (128, 128, 32, 8, 4),
+              (128, 256, 32, 8, 4), (128, 256, 64, 8, 4), (128, 128, 64, 4, 3), (256, 128, 64, 8, 3)],
+    "small": [(16, 128, 64, 4, 3), (16, 64, 128, 4, 3), (16, 128, 128, 4, 4), (16, 64, 64, 2, 3),
+              (16, 256, 64, 4, 3), (32, 128, 64, 4, 3), (16, 64, 256, 4, 3), (16, 128, 64, 2, 4)],
+}
+
+
 def main(names):
     res = {"env": env_info()}
     print(res["env"], flush=True)
@@ -79,14 +101,24 @@ def main(names):
         dn = (jax.random.normal(jax.random.fold_in(key, 1), (E, Fm, D), jnp.float32) * 0.02).astype(jnp.bfloat16)
         per_expert = (gu.nbytes + dn.nbytes) // E
         rng = np.random.RandomState(0)
-        for N in (1, 4, 16, 32, 1024):
+        counts = [int(v) for v in os.environ.get("MOE_PATHS_N", "1,4,16,32,1024").split(",")]
+        paths = [("gather", gather), ("slots", slots), ("ragged", ragged), ("dense", dense), ("grouped", grouped)]
+        if "MOE_PATHS" in os.environ:
+            paths = [p for p in paths if p[0] in os.environ["MOE_PATHS"].split(",")]
+        if "grouped" in [p[0] for p in paths] and os.environ.get("MOE_PATHS_TILES", "1") != "0":
+            paths += [(f"grouped_{size}_{t}", functools.partial(grouped, block_m=t[0], tiles=dict(
+                block_n=t[1], block_k=t[2], num_warps=t[3], num_stages=t[4])))
+                for size, tiles in GROUPED_TILES.items() for t in tiles]
+        for N in counts:
             ids = np.stack([rng.choice(E, k, replace=False) for _ in range(N)]).astype(np.int32)
             distinct = len(np.unique(ids))
             x = jnp.asarray(rng.randn(N, D), jnp.bfloat16)
             w = jnp.asarray(rng.rand(N, k), jnp.float32)
             want = None
-            for fname, f in (("gather", gather), ("slots", slots), ("ragged", ragged), ("dense", dense)):
-                if (fname == "slots" and N * k > 64) or (fname == "gather" and N * k * per_expert > 8e9):
+            for fname, f in paths:
+                if ((fname == "slots" and N * k > 64) or (fname == "gather" and N * k * per_expert > 8e9)
+                        or (fname.startswith("grouped_") and fname.split("_")[1] != ("large" if N >= 256 else "small"))
+                        or (fname.startswith("grouped_") and N < 32)):
                     continue
                 try:
                     fj = jax.jit(f)

@@ -437,7 +437,7 @@ class Compiled:
         self._reqs = reqs
         self.compile_s = 0.0
         self.plan = _plan(params, reqs, cache, spec)
-        self.xla_options = dispatch.compiler_options()
+        self.xla_options = dispatch.compiler_options(family_for(params.config).gpu_xla_options(params.config))
         if eager:  # jspec.compile compiles now; jspec.stream compiles its own programs at its first chunk
             self.program(loop.generate_jit, reqs)
 

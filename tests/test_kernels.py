@@ -204,6 +204,22 @@ def test_gpu_xla_options_apply_on_gpu_only(monkeypatch):
     assert opts == {"xla_gpu_disable_async_collectives": "ALLREDUCE"}
     opts["x"] = 1  # a copy: the module's options stay as they are
     assert "x" not in dispatch.GPU_XLA_OPTIONS
+    # a family's options, under the module's where both set one
+    family = {"xla_gpu_graph_min_graph_size": 1, "xla_gpu_disable_async_collectives": "ALLGATHER"}
+    assert dispatch.compiler_options(family) == {"xla_gpu_graph_min_graph_size": 1,
+                                                 "xla_gpu_disable_async_collectives": "ALLREDUCE"}
+    assert family["xla_gpu_disable_async_collectives"] == "ALLGATHER"
+    monkeypatch.setattr(jax, "default_backend", lambda: "cpu")
+    assert dispatch.compiler_options(family) == {}
+
+
+def test_family_gpu_xla_options():
+    """DeepSeek's loop asks for command buffers over the whole while loop; Llama's for none."""
+    from jspec.models import deepseek, llama
+    opts = deepseek.DEEPSEEK.gpu_xla_options(None)
+    assert "WHILE" in opts["xla_gpu_enable_command_buffer"].split(",") and opts == deepseek.GPU_XLA_OPTIONS
+    assert opts is not deepseek.GPU_XLA_OPTIONS
+    assert llama.LLAMA.gpu_xla_options(None) == {}
 
 
 def test_dispatch_env(monkeypatch):

@@ -47,7 +47,9 @@ def want_pallas(supported: bool) -> bool:
     return mode == "pallas" or (mode == "auto" and supported and jax.default_backend() == "gpu")
 
 
-def compiler_options() -> dict[str, bool | int | str]:
-    """The XLA options the loop's programs are compiled with: `GPU_XLA_OPTIONS` on a GPU
-    backend, none elsewhere."""
-    return dict(GPU_XLA_OPTIONS) if jax.default_backend() == "gpu" else {}
+def compiler_options(family_options: dict | None = None) -> dict[str, bool | int | str]:
+    """The XLA options the loop's programs are compiled with: on a GPU backend the target
+    family's (`TargetFamily.gpu_xla_options`) updated with `GPU_XLA_OPTIONS`, none elsewhere."""
+    if jax.default_backend() != "gpu":
+        return {}
+    return dict(family_options or {}) | GPU_XLA_OPTIONS

@@ -165,6 +165,38 @@ def expert_matmul_reference(x, ids, w, slots: int | None = None, norm=None):
 
 # --------------------------------------------------------------------------- kernel
 
+def _chunk_start(c, size: int, total: int):
+    """Chunk c of `size` along an axis of `total` -> (its first index, mask [size] of the
+    indices no earlier chunk took, or None when `size` divides `total`): the last chunk
+    overlaps its neighbour instead of running past the end."""
+    k0 = c * size
+    if total % size == 0:
+        return k0, None
+    kc = jnp.minimum(k0, total - size)
+    return kc, kc + jnp.arange(size, dtype=jnp.int32) >= k0
+
+
+def _row_rstd(x_ref, row, din: int, eps: float):
+    """RMSNorm's factor of x_ref's row: the whole row's sum of squares, loaded as Din's
+    power-of-two pieces (independent loads, one latency, not a loop's) -> float32 scalar."""
+    total, start = jnp.zeros((), jnp.float32), 0
+    for size in (1 << b for b in reversed(range(din.bit_length())) if din >> b & 1):
+        xv = x_ref[row, pl.ds(start, size)].astype(jnp.float32)
+        total, start = total + jnp.sum(xv * xv), start + size
+    return lax.rsqrt(total / din + eps)
+
+
+def _row_chunk(x_ref, norm_ref, row, kc, size: int, rstd):
+    """[size] float32: x_ref[row, kc:kc+size], RMS-normed with norm_ref's weight and the
+    factor rstd (None: as it is), each step rounded to x's dtype as `rms_norm` rounds."""
+    xv = x_ref[row, pl.ds(kc, size)].astype(jnp.float32)
+    if rstd is None:
+        return xv
+
+    def rounded(v):
+        return v.astype(x_ref.dtype).astype(jnp.float32)
+    return rounded(norm_ref[pl.ds(kc, size)].astype(jnp.float32) * rounded(xv * rstd))
+
 def _kernel(ids_ref, x_ref, w_ref, *rest, din: int, dout: int, num_experts: int, num_extra: int,
             block_k: int, block_n: int, chunks_per_split: int, num_chunks: int,
             reduce_each_step: bool, slots: int, token_rows: bool, gated, norm_eps):
@@ -188,32 +220,11 @@ def _kernel(ids_ref, x_ref, w_ref, *rest, din: int, dout: int, num_experts: int,
         n0 = jnp.minimum(n0, dout - block_n)
     lo = s * chunks_per_split
     hi = jnp.minimum(lo + chunks_per_split, num_chunks)
-    rows = jnp.arange(block_k, dtype=jnp.int32)
-
-    def chunk_start(c):  # -> (first input of chunk c, mask of the inputs no earlier chunk took)
-        k0 = c * block_k
-        if din % block_k:  # the last chunk overlaps its neighbour instead of running past Din
-            kc = jnp.minimum(k0, din - block_k)
-            return kc, kc + rows >= k0
-        return k0, None
-
-    if norm_eps is not None:  # RMSNorm's factor of this row: the whole row's sum of squares,
-        # loaded as Din's power-of-two pieces (independent loads, one latency, not a loop's)
-        total, start = jnp.zeros((), jnp.float32), 0
-        for size in (1 << b for b in reversed(range(din.bit_length())) if din >> b & 1):
-            xv = x_ref[row, pl.ds(start, size)].astype(jnp.float32)
-            total, start = total + jnp.sum(xv * xv), start + size
-        rstd = lax.rsqrt(total / din + norm_eps)
-
-    def rounded(v):  # float32 v rounded to x's dtype, as the reference's normed row is
-        return v.astype(x_ref.dtype).astype(jnp.float32)
+    rstd = None if norm_eps is None else _row_rstd(x_ref, row, din, norm_eps)
 
     def activations(kc):  # [BK] float32: inputs kc .. kc + BK of this pair
         if gated is None:
-            xv = x_ref[row, pl.ds(kc, block_k)].astype(jnp.float32)
-            if norm_eps is None:
-                return xv
-            return rounded(norm_ref[pl.ds(kc, block_k)].astype(jnp.float32) * rounded(xv * rstd))
+            return _row_chunk(x_ref, norm_ref, row, kc, block_k, rstd)
         gate = sum(x_ref[i, row, pl.ds(kc, block_k)] for i in range(x_ref.shape[0]))
         up = sum(x_ref[i, row, pl.ds(din + kc, block_k)] for i in range(x_ref.shape[0]))
         return _silu_mul_float32(gate.astype(gated).astype(jnp.float32), up.astype(gated).astype(jnp.float32),
@@ -221,7 +232,7 @@ def _kernel(ids_ref, x_ref, w_ref, *rest, din: int, dout: int, num_experts: int,
 
     def product(ref, expert):  # this program's share of x[row] @ ref[expert][:, n0:n0+BN]
         def step(c, acc):
-            kc, fresh = chunk_start(c)
+            kc, fresh = _chunk_start(c, block_k, din)
             xv = activations(kc) if fresh is None else jnp.where(fresh, activations(kc), 0.0)
             wv = ref[expert, pl.ds(kc, block_k), pl.ds(n0, block_n)].astype(jnp.float32)
             if reduce_each_step:
@@ -484,3 +495,4 @@ def moe_experts(x, ids, gate_up, down, extra=None, slots: int | None = None, nor
     if uses_kernel(x, ids, gate_up, down, extra, slots):
         return routed_experts(x, ids, gate_up, down, extra, slots, norm=norm)
     return routed_experts_reference(normed(x, norm), ids, gate_up, down, extra, slots)
+

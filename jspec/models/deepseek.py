@@ -28,7 +28,7 @@ from jspec.cache.layout import AttnMeta
 from jspec.kernels.attention import attention_reference
 from jspec.kernels import mla_inputs
 from jspec.kernels.mla_attention import cached_mla_attention, mla_attention
-from jspec.kernels import moe_experts
+from jspec.kernels import moe_experts, moe_grouped
 from jspec.kernels.moe_experts import normed, silu_mul
 from jspec.kernels.moe_route import route
 from jspec.cache.kv import write_kv
@@ -47,6 +47,15 @@ MLP_NORM_IN_KERNEL = True
 # Whether `kernels.mla_inputs` writes a decoding token's latent row into the cache itself
 # (where it runs: one row, no q_lora_rank) instead of an update kernel after it.
 CACHE_WRITE_IN_KERNEL = True
+# XLA options of the loop's programs on a GPU (`DeepseekFamily.gpu_xla_options`): CUDA-graph
+# command buffers that take in the while loop and its conditionals (no host round trip a
+# step) and single kernels too. A step runs about 300 short kernels; V2-Lite's 27-layer
+# batch-1 step took 2.034-2.054 ms with them against 2.066-2.095 ms with XLA's defaults,
+# three times each, alternating in one H200 process (benchmarks/deepseek_ab.py, setting
+# graphs_off). The 8B Llama step did not gain from them (docs/experiments.md), so only
+# this family asks for them.
+GPU_XLA_OPTIONS = {"xla_gpu_enable_command_buffer": "FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN,WHILE,CONDITIONAL",
+                   "xla_gpu_graph_min_graph_size": 1}
 
 
 def rope_tables(positions, c: DeepseekConfig):
@@ -191,14 +200,9 @@ class MoE(nn.Module):
             y = moe_experts.moe_experts(xs, ids, experts["gate_up"], experts["down"], extra, r.slots,
                                         norm=norm)  # [N*(k+S), D]
             out = jnp.einsum("nsd,ns->nd", y.reshape(B * T, r.slots, D), weights[:, :r.slots])
-        else:  # prefill: (token, expert) pairs sorted by expert, grouped products
+        else:  # prefill (and large batches): (token, expert) pairs grouped by expert
             xs = normed(xs, norm)
-            flat = ids[:, :k].reshape(-1)  # [N*k] expert of each (token, slot)
-            order = jnp.argsort(flat, stable=True)
-            sizes = jnp.bincount(flat, length=E).astype(jnp.int32)
-            h = jax.lax.ragged_dot(xs[order // k], experts["gate_up"], sizes)  # [N*k, 2Fm]
-            h = jax.lax.ragged_dot(silu_mul(h[:, :Fm], h[:, Fm:]), experts["down"], sizes)  # [N*k, D]
-            y = jnp.zeros_like(h).at[order].set(h).reshape(B * T, k, D)
+            y = moe_grouped.grouped(xs, ids[:, :k], experts["gate_up"], experts["down"]).reshape(B * T, k, D)
             out = jnp.einsum("nkd,nk->nd", y.astype(jnp.float32), weights[:, :k])
             if S:  # each shared expert as one dense product over the tokens
                 h = jnp.einsum("nd,sdf->nsf", xs, shared["gate_up"])  # [N,S,2Fm]
@@ -285,6 +289,9 @@ class DeepseekFamily(FlaxFamily):
 
     def weights_to_hf(self, cfg: DeepseekConfig, weights) -> tuple[dict, dict]:
         return deepseek_hf.hf_config(cfg), deepseek_hf.target_tensors(cfg, weights)
+
+    def gpu_xla_options(self, cfg: DeepseekConfig) -> dict:
+        return dict(GPU_XLA_OPTIONS)
 
     def cache_kind(self, cfg: DeepseekConfig) -> LatentCacheKind:
         return LatentCacheKind(cfg.num_layers, cfg.kv_lora_rank, cfg.qk_rope_head_dim, cfg.dtype)

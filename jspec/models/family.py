@@ -53,6 +53,11 @@ class TargetFamily:
         """tokens [...] -> input embeddings [..., D] (EAGLE heads share the target's)."""
         raise NotImplementedError
 
+    def gpu_xla_options(self, cfg) -> dict:
+        """XLA options this family's loop programs are compiled with on a GPU, under
+        `jspec.kernels.dispatch.GPU_XLA_OPTIONS` (which wins where both set one)."""
+        return {}
+
     def split(self, cfg, weights, n: int) -> tuple[Any, Any, Any]:
         """The model for n devices (`jspec.sharding`) -> (config, weights, PartitionSpec
         tree); weights may hold `jspec.tensors.HostParam`s, which must stay unread."""

@@ -1,0 +1,230 @@
+"""Grouped expert products for MoE prefill (and batches of many pairs an expert): the
+(token, expert) pairs sorted by expert, each expert's group padded to whole
+tiles of BM rows, and one Pallas (Triton) program per (tile, column block) multiplying
+its BM rows by its expert's weights on the tensor cores.
+
+Layout (`group_layout`, XLA ops): pair p of P = N*k has expert flat[p]; the pairs of
+expert e take rows [start_e, start_e + size_e) of a padded array of R rows, start_e a
+multiple of BM, so every tile of BM rows belongs to one expert (`tile_expert[t]`; -1: a
+tile past the last group, which its programs skip). R = P + E*(BM-1) rounded up to BM
+bounds the padded groups whatever the routing, so shapes are static; rows no pair took
+are zeros in the input and are never read back from the output.
+
+Kernel (`grouped_matmul`): out[t*BM:(t+1)*BM, n0:n0+BN] = x[t*BM:(t+1)*BM, :] @
+w[tile_expert[t], :, n0:n0+BN], float32 accumulation over BK-row chunks of Din, rounded to
+x's dtype as `jax.lax.ragged_dot` rounds its result. Din or Dout not a multiple of the
+tile: the last chunk / column block overlaps its neighbour (the chunk's repeated inputs
+are zeroed), as in `kernels.moe_experts`.
+
+`grouped_experts` runs DeepSeek's routed experts this way (gate_up, silu(gate) * up in
+the activations' dtype, down), the same roundings as the `ragged_dot` formulation
+(`grouped_experts_reference`), which the CPU and `JSPEC_KERNELS=reference` use.
+"""
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+
+from jspec.kernels import dispatch
+from jspec.kernels.moe_experts import silu_mul
+from jspec.kernels.tiling import is_pow2, pow2_floor
+
+# The kernel runs from this many (token, expert) pairs an expert on; below, ragged_dot.
+# V2-Lite's routed experts on the H200 (benchmarks/moe_paths.py), ragged_dot against the
+# kernel: 32 tokens (3 pairs an expert) 490 against 589-653 us, 48 tokens 1002 against 583,
+# 192 tokens 2192 against 862, 1024 tokens 9.3 against 1.05 ms (V3: 32 tokens 7.6 against
+# 4.1 ms, 1024 tokens 340 against 9.2 ms).
+MIN_PAIRS_PER_EXPERT = 4
+# Rows a tile: 16 while the pairs are few against the experts (little padding: each
+# group's tiles read its expert once), 64 from LARGE_FROM_PAIRS_PER_EXPERT pairs an expert.
+SMALL_BLOCK_M = 16
+LARGE_BLOCK_M = 64
+LARGE_FROM_PAIRS_PER_EXPERT = 16
+DEFAULT_BLOCK_N = 128
+DEFAULT_BLOCK_K = 64
+DEFAULT_WARPS = 4
+DEFAULT_STAGES = 3
+KERNEL = True  # False: `grouped` takes `jax.lax.ragged_dot` on a GPU at any size (benchmark A/Bs)
+
+_DTYPES = (jnp.float32, jnp.bfloat16, jnp.float16)
+
+
+def block_rows(pairs: int, num_experts: int) -> int:
+    """BM for `pairs` (token, expert) pairs over `num_experts` experts (see SMALL_BLOCK_M)."""
+    return LARGE_BLOCK_M if pairs >= LARGE_FROM_PAIRS_PER_EXPERT * num_experts else SMALL_BLOCK_M
+
+
+def padded_rows(pairs: int, num_experts: int, block_m: int) -> int:
+    """R: the rows that hold any routing's groups, each padded to whole tiles of block_m."""
+    return pl.cdiv(pairs + num_experts * (block_m - 1), block_m) * block_m
+
+
+def group_layout(flat, num_experts: int, block_m: int):
+    """flat [P] int: each pair's expert -> (rows [P] int32: each pair's row in the padded
+    layout, tile_expert [R / block_m] int32: each tile's expert, -1 past the last group)."""
+    P = flat.shape[0]
+    flat = jnp.clip(flat.astype(jnp.int32), 0, num_experts - 1)
+    order = jnp.argsort(flat, stable=True)  # pairs by expert
+    sizes = jnp.bincount(flat, length=num_experts).astype(jnp.int32)
+    padded = pl.cdiv(sizes, block_m) * block_m
+    start, pstart = jnp.cumsum(sizes) - sizes, jnp.cumsum(padded) - padded  # unpadded, padded group starts
+    expert = flat[order]
+    rows = jnp.zeros((P,), jnp.int32).at[order].set(pstart[expert] + jnp.arange(P, dtype=jnp.int32) - start[expert])
+    R = padded_rows(P, num_experts, block_m)
+    ends = jnp.cumsum(padded)  # [E]: where each padded group ends
+    tile_start = jnp.arange(R // block_m, dtype=jnp.int32) * block_m
+    tile_expert = jnp.searchsorted(ends, tile_start, side="right").astype(jnp.int32)
+    return rows, jnp.where(tile_start < ends[-1], tile_expert, -1)
+
+
+def grouped_matmul_reference(x, tile_expert, w, block_m: int):
+    """x [R, Din], tile_expert [R / block_m], w [E, Din, Dout] -> [R, Dout] in x's dtype
+    (float32 accumulation); tiles of expert -1 give zeros."""
+    R, Din = x.shape
+    tiles = x.reshape(R // block_m, block_m, Din)
+    ws = w[jnp.clip(tile_expert, 0, w.shape[0] - 1)]  # [T, Din, Dout]
+    out = jnp.einsum("tmd,tdf->tmf", tiles, ws, preferred_element_type=jnp.float32)
+    out = jnp.where((tile_expert >= 0)[:, None, None], out, 0.0)
+    return out.reshape(R, -1).astype(x.dtype)
+
+
+def _kernel(tile_ref, x_ref, w_ref, o_ref, *, din: int, dout: int, num_experts: int, block_m: int, block_k: int,
+            block_n: int, interpret: bool):
+    """One (tile t, column block j): o[t rows, j columns] = x[t rows] @ w[tile_expert[t]]."""
+    t, j = pl.program_id(0), pl.program_id(1)
+    e = tile_ref[t]
+    m0 = t * block_m
+    n0 = j * block_n
+    if dout % block_n:  # the last block overlaps its neighbour instead of running past Dout
+        n0 = jnp.minimum(n0, dout - block_n)
+
+    @pl.when(e >= 0)
+    def _():
+        expert = jnp.minimum(e, num_experts - 1)
+
+        def step(c, acc):
+            k0 = c * block_k
+            kc = jnp.minimum(k0, din - block_k) if din % block_k else k0
+            xv = x_ref[pl.ds(m0, block_m), pl.ds(kc, block_k)]
+            if din % block_k:  # the inputs an earlier chunk took count zero
+                fresh = kc + jnp.arange(block_k, dtype=jnp.int32) >= k0
+                xv = jnp.where(fresh[None, :], xv, jnp.zeros_like(xv))
+            wv = w_ref[expert, pl.ds(kc, block_k), pl.ds(n0, block_n)]
+            if interpret:  # the CPU has no 16-bit dot with a float32 result; the products are exact in float32
+                xv, wv = xv.astype(jnp.float32), wv.astype(jnp.float32)
+            return acc + lax.dot(xv, wv, preferred_element_type=jnp.float32)
+
+        acc = lax.fori_loop(0, pl.cdiv(din, block_k), step, jnp.zeros((block_m, block_n), jnp.float32))
+        o_ref[pl.ds(m0, block_m), pl.ds(n0, block_n)] = acc.astype(o_ref.dtype)
+
+
+def grouped_matmul(x, tile_expert, w, *, block_m: int, block_n: int | None = None, block_k: int | None = None,
+                   num_warps: int | None = None, num_stages: int | None = None, interpret: bool | None = None):
+    """x [R, Din] (tiles of block_m rows, see the module doc), tile_expert [R / block_m]
+    int, w [E, Din, Dout] -> [R, Dout] in x's dtype; rows of tiles with expert -1 are left
+    unwritten. block_n, block_k: output columns a program and Din rows a loop step
+    (powers of two, capped at Dout and Din); num_warps, num_stages: Triton's. interpret
+    None: interpret mode unless the default backend is a GPU."""
+    if getattr(x, "ndim", None) != 2 or getattr(w, "ndim", None) != 3 or x.shape[1] != w.shape[1]:
+        raise ValueError(f"grouped_matmul needs x [R, Din] and w [E, Din, Dout], got {getattr(x, 'shape', x)} "
+                         f"and {getattr(w, 'shape', w)}")
+    R, Din = x.shape
+    E, _, Dout = w.shape
+    if not (isinstance(block_m, int) and block_m >= 16 and is_pow2(block_m)) or R % block_m:
+        raise ValueError(f"block_m must be a power of two >= 16 dividing the {R} rows, got {block_m!r}")
+    if getattr(tile_expert, "shape", None) != (R // block_m,) or not jnp.issubdtype(tile_expert.dtype, jnp.integer):
+        raise ValueError(f"tile_expert must be int [{R // block_m}], got {getattr(tile_expert, 'dtype', None)} "
+                         f"{getattr(tile_expert, 'shape', tile_expert)}")
+    if Din < 16 or Dout < 16:
+        raise ValueError(f"Din and Dout must be >= 16 (Triton tiles), got {Din} and {Dout}")
+    for name, a in (("x", x), ("w", w)):
+        if jnp.dtype(a.dtype) not in map(jnp.dtype, _DTYPES):
+            raise TypeError(f"{name} dtype {a.dtype} is not float32, bfloat16 or float16")
+    if x.dtype != w.dtype:
+        raise TypeError(f"x and w dtypes differ: {x.dtype}, {w.dtype}")
+    block_n = DEFAULT_BLOCK_N if block_n is None else block_n
+    block_k = DEFAULT_BLOCK_K if block_k is None else block_k
+    for name, v in (("block_n", block_n), ("block_k", block_k)):
+        if not is_pow2(v):
+            raise ValueError(f"{name} must be a power of two, got {v!r}")
+    BN, BK = min(block_n, pow2_floor(Dout)), min(block_k, pow2_floor(Din))
+    if interpret is None:
+        interpret = jax.default_backend() != "gpu"
+    kernel = functools.partial(_kernel, din=Din, dout=Dout, num_experts=E, block_m=block_m, block_k=BK, block_n=BN,
+                               interpret=interpret)
+    params = None
+    if not interpret:
+        from jax.experimental.pallas import triton as plt
+        params = plt.CompilerParams(num_warps=DEFAULT_WARPS if num_warps is None else num_warps,
+                                    num_stages=DEFAULT_STAGES if num_stages is None else num_stages)
+    whole = pl.BlockSpec()  # whole arrays, indexed inside the kernel
+    return pl.pallas_call(
+        kernel,
+        grid=(R // block_m, pl.cdiv(Dout, BN)),
+        in_specs=[whole] * 3,
+        out_specs=whole,
+        out_shape=jax.ShapeDtypeStruct((R, Dout), x.dtype),
+        interpret=interpret,
+        compiler_params=params,
+        name="jspec_grouped_matmul",
+    )(tile_expert.astype(jnp.int32), x, w)
+
+
+def grouped_experts_reference(xs, ids, gate_up, down):
+    """xs [N, D], ids [N, k] (each token's routed experts), gate_up [E, D, 2Fm], down
+    [E, Fm, D] -> [N*k, D] in xs' dtype (pair n*k + j: token n's j-th expert): the pairs
+    sorted by expert through `jax.lax.ragged_dot`, then put back in pair order."""
+    N, k = ids.shape
+    E, Fm = gate_up.shape[0], down.shape[1]
+    flat = jnp.clip(ids.reshape(-1), 0, E - 1)
+    order = jnp.argsort(flat, stable=True)
+    sizes = jnp.bincount(flat, length=E).astype(jnp.int32)
+    h = lax.ragged_dot(xs[order // k], gate_up, sizes)  # [N*k, 2Fm]
+    h = lax.ragged_dot(silu_mul(h[:, :Fm], h[:, Fm:]), down, sizes)  # [N*k, D]
+    return jnp.zeros_like(h).at[order].set(h)
+
+
+def grouped_experts(xs, ids, gate_up, down, *, block_m: int | None = None, tiles: dict | None = None,
+                    interpret: bool | None = None):
+    """`grouped_experts_reference` with the kernel: the pairs laid out by `group_layout`,
+    both products as `grouped_matmul` (block_m None: `block_rows`; tiles: its other
+    tiling arguments), silu(gate) * up in xs' dtype between them (an XLA fusion) -> [N*k, D] in
+    xs' dtype."""
+    N, k = ids.shape
+    E, D, F2 = gate_up.shape
+    Fm = F2 // 2
+    P = N * k
+    block_m = block_rows(P, E) if block_m is None else block_m
+    rows, tile_expert = group_layout(ids.reshape(-1), E, block_m)
+    R = padded_rows(P, E, block_m)
+    x = jnp.zeros((R, D), xs.dtype).at[rows].set(jnp.repeat(xs, k, axis=0))  # [R, D]
+    tiles = tiles or {}
+    h = grouped_matmul(x, tile_expert, gate_up, block_m=block_m, interpret=interpret, **tiles)  # [R, 2Fm]
+    h = grouped_matmul(silu_mul(h[:, :Fm], h[:, Fm:]), tile_expert, down, block_m=block_m, interpret=interpret,
+                       **tiles)  # [R, D]
+    return h[rows]
+
+
+def uses_kernel(xs, ids, gate_up, down) -> bool:
+    """Whether `grouped` takes the kernel for these arguments (see the dispatch): at least
+    MIN_PAIRS_PER_EXPERT pairs an expert, 16-bit or float32 arrays of one dtype, widths
+    >= 16 (and KERNEL)."""
+    if dispatch.backend() == "reference" or not KERNEL:
+        return False
+    ok = (ids.size >= MIN_PAIRS_PER_EXPERT * gate_up.shape[0] and xs.dtype == gate_up.dtype == down.dtype
+          and jnp.dtype(xs.dtype) in map(jnp.dtype, _DTYPES) and min(gate_up.shape[1:]) >= 16
+          and min(down.shape[1:]) >= 16)
+    return dispatch.want_pallas(ok)
+
+
+def grouped(xs, ids, gate_up, down):
+    """Dispatch: `grouped_experts` (the kernel) where `uses_kernel`, else
+    `grouped_experts_reference`; same arguments and result. JSPEC_KERNELS=pallas forces the
+    kernel (interpret mode off GPU)."""
+    if uses_kernel(xs, ids, gate_up, down):
+        return grouped_experts(xs, ids, gate_up, down)
+    return grouped_experts_reference(xs, ids, gate_up, down)

@@ -1,0 +1,131 @@
+"""The grouped expert kernel for MoE prefill (`jspec.kernels.moe_grouped`, interpret mode):
+the padded layout, the tile products against their reference, the routed experts against
+the `ragged_dot` formulation, the dispatch's threshold, and a DeepSeek prefill through
+it against transformers."""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import torch
+
+import jspec
+from jspec.kernels import moe_grouped as mg
+
+
+@pytest.mark.parametrize("seed,P,E,bm", [(0, 10, 6, 16), (1, 40, 4, 16), (2, 300, 8, 32), (3, 5, 64, 16)])
+def test_group_layout(seed, P, E, bm):
+    """Every pair gets its own row inside a tile of its expert; tiles past the groups are -1;
+    each expert's tiles are as few as its pairs need."""
+    flat = np.random.RandomState(seed).randint(0, E, P)
+    rows, tiles = (np.asarray(a) for a in mg.group_layout(jnp.asarray(flat), E, bm))
+    R = mg.padded_rows(P, E, bm)
+    assert tiles.shape == (R // bm,) and R % bm == 0
+    assert len(set(rows.tolist())) == P and rows.min() >= 0 and rows.max() < R
+    np.testing.assert_array_equal(tiles[rows // bm], flat)  # each pair's tile belongs to its expert
+    sizes = np.bincount(flat, minlength=E)
+    used = -(-sizes // bm)
+    for e in range(E):
+        assert (tiles == e).sum() == used[e]
+    assert (tiles[used.sum():] == -1).all() and (tiles[:used.sum()] >= 0).all()
+
+
+@pytest.mark.parametrize("dtype,Din,Dout,tiles", [
+    (jnp.float32, 64, 48, dict(block_n=32, block_k=16)),  # Dout overlaps its last block
+    (jnp.float32, 40, 64, dict(block_n=64, block_k=32)),  # Din overlaps its last chunk
+    (jnp.bfloat16, 64, 64, dict(block_n=32, block_k=32)),
+])
+def test_grouped_matmul_matches_reference(dtype, Din, Dout, tiles):
+    key = jax.random.key(0)
+    E, bm = 3, 16
+    x = jax.random.normal(key, (4 * bm, Din)).astype(dtype)
+    w = jax.random.normal(jax.random.fold_in(key, 1), (E, Din, Dout)).astype(dtype)
+    tile_expert = jnp.asarray([2, 0, 2, -1], jnp.int32)
+    got = np.asarray(mg.grouped_matmul(x, tile_expert, w, block_m=bm, interpret=True, **tiles), np.float32)
+    want = np.asarray(mg.grouped_matmul_reference(x, tile_expert, w, bm), np.float32)
+    tol = 1e-5 if dtype == jnp.float32 else 1e-2
+    np.testing.assert_allclose(got[:3 * bm], want[:3 * bm], rtol=tol, atol=tol)  # the -1 tile is unwritten
+    wrong = np.asarray(mg.grouped_matmul_reference(x, jnp.asarray([0, 0, 2, -1]), w, bm), np.float32)
+    assert not np.allclose(got[:bm], wrong[:bm], rtol=0.1, atol=0.1)
+
+
+@pytest.mark.parametrize("dtype,tol", [(jnp.float32, 1e-5), (jnp.bfloat16, 2e-2)])
+@pytest.mark.parametrize("N,bm", [(9, 16), (40, 32)])
+def test_grouped_experts_match_ragged_dot(dtype, tol, N, bm):
+    """The routed experts of N tokens x k experts through the kernel equal the ragged_dot
+    formulation (pairs in token-major order), and not the experts of other ids."""
+    E, D, Fm, k = 5, 48, 40, 3
+    key = jax.random.key(N)
+    gate_up = (jax.random.normal(key, (E, D, 2 * Fm)) / np.sqrt(D)).astype(dtype)
+    down = (jax.random.normal(jax.random.fold_in(key, 1), (E, Fm, D)) / np.sqrt(Fm)).astype(dtype)
+    xs = jax.random.normal(jax.random.fold_in(key, 2), (N, D)).astype(dtype)
+    ids = jnp.asarray(np.stack([np.random.RandomState(N + n).permutation(E)[:k] for n in range(N)]), jnp.int32)
+    got = np.asarray(mg.grouped_experts(xs, ids, gate_up, down, block_m=bm, interpret=True), np.float32)
+    want = np.asarray(mg.grouped_experts_reference(xs, ids, gate_up, down), np.float32)
+    assert got.shape == (N * k, D)
+    scale = np.abs(want).max()
+    assert np.abs(got - want).max() <= tol * scale
+    other = np.asarray(mg.grouped_experts_reference(xs, (ids + 1) % E, gate_up, down), np.float32)
+    assert np.abs(got - other).max() > 0.1 * scale
+
+
+def test_validation():
+    x = jnp.zeros((32, 16), jnp.float32)
+    w = jnp.zeros((2, 16, 16), jnp.float32)
+    tiles = jnp.zeros((2,), jnp.int32)
+    with pytest.raises(ValueError, match="block_m"):
+        mg.grouped_matmul(x, tiles, w, block_m=24, interpret=True)
+    with pytest.raises(ValueError, match="block_m"):
+        mg.grouped_matmul(x[:24], tiles, w, block_m=16, interpret=True)
+    with pytest.raises(ValueError, match="tile_expert"):
+        mg.grouped_matmul(x, tiles[:1], w, block_m=16, interpret=True)
+    with pytest.raises(ValueError, match="tile_expert"):
+        mg.grouped_matmul(x, tiles.astype(jnp.float32), w, block_m=16, interpret=True)
+    with pytest.raises(ValueError, match="Din"):
+        mg.grouped_matmul(x, tiles, w[:, :8], block_m=16, interpret=True)
+    with pytest.raises(TypeError, match="differ"):
+        mg.grouped_matmul(x, tiles, w.astype(jnp.bfloat16), block_m=16, interpret=True)
+    with pytest.raises(ValueError, match="power of two"):
+        mg.grouped_matmul(x, tiles, w, block_m=16, block_n=24, interpret=True)
+
+
+def test_dispatch_threshold(monkeypatch):
+    """On a GPU the kernel runs from MIN_PAIRS_PER_EXPERT pairs an expert on; on the CPU
+    only when forced; KERNEL False keeps ragged_dot."""
+    E, D, Fm = 8, 32, 16
+    gate_up, down = jnp.zeros((E, D, 2 * Fm), jnp.bfloat16), jnp.zeros((E, Fm, D), jnp.bfloat16)
+    xs = jnp.zeros((64, D), jnp.bfloat16)
+    few, many = jnp.zeros((15, 2), jnp.int32), jnp.zeros((16, 2), jnp.int32)  # 30 and 32 pairs, 4 an expert from 32
+    assert not mg.uses_kernel(xs, many, gate_up, down)  # the CPU
+    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+    assert mg.uses_kernel(xs, many, gate_up, down) and not mg.uses_kernel(xs, few, gate_up, down)
+    assert not mg.uses_kernel(xs.astype(jnp.float32), many, gate_up, down)  # mixed dtypes
+    monkeypatch.setattr(mg, "KERNEL", False)
+    assert not mg.uses_kernel(xs, many, gate_up, down)
+    assert mg.block_rows(16 * E - 1, E) == mg.SMALL_BLOCK_M and mg.block_rows(16 * E, E) == mg.LARGE_BLOCK_M
+
+
+def test_prefill_through_the_kernel_equals_transformers(monkeypatch, fresh_compiles, tmp_path):
+    """A DeepSeek-V3 prefill with the kernels forced (interpret mode): the MoE layers'
+    routed experts go through `grouped_experts`; logits equal transformers' (float32)."""
+    from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
+
+    cfg = DeepseekV3Config(vocab_size=96, hidden_size=32, intermediate_size=48, moe_intermediate_size=16,
+                           num_attention_heads=2, num_key_value_heads=2, n_shared_experts=1, n_routed_experts=4,
+                           num_experts_per_tok=2, first_k_dense_replace=1, n_group=1, topk_group=1, kv_lora_rank=16,
+                           q_lora_rank=None, qk_rope_head_dim=8, v_head_dim=8, qk_nope_head_dim=8,
+                           num_hidden_layers=2, max_position_embeddings=64)
+    torch.manual_seed(0)
+    model = DeepseekV3ForCausalLM(cfg).eval()
+    model.save_pretrained(str(tmp_path))
+    toks = np.random.RandomState(2).randint(0, 96, (2, 9))
+    with torch.no_grad():
+        want = model(torch.tensor(toks)).logits.numpy()
+    calls = []
+    real = mg.grouped_experts
+    monkeypatch.setattr(mg, "grouped_experts", lambda *a, **k: calls.append(a[1].shape) or real(*a, **k))
+    monkeypatch.setenv("JSPEC_KERNELS", "pallas")
+    got = np.asarray(jspec.logits(jspec.load(str(tmp_path), dtype="float32"), toks.tolist()))
+    assert calls == [(18, 2)]  # one MoE layer: 2 x 9 tokens, 2 experts each
+    assert np.abs(got - want).max() <= 1e-4 * np.abs(want).max()
