@@ -42,7 +42,7 @@ from jax.experimental import pallas as pl
 
 from jspec.cache.layout import AttnMeta
 from jspec.kernels.attention import attention_reference
-from jspec.kernels.tiling import is_pow2, pow2_ceil
+from jspec.kernels.tiling import KERNEL_DTYPES, is_pow2, pow2_ceil
 
 NEG_INF = -1e30
 MIN_ROWS = 16  # smallest M of a tensor-core dot in Triton
@@ -274,8 +274,6 @@ def merge_splits(o, lse):
 
 # --------------------------------------------------------------------------- public
 
-_DTYPES = (jnp.float32, jnp.bfloat16, jnp.float16)
-
 
 def _check_args(q, kv_buf, meta: AttnMeta, window) -> None:
     """Raises ValueError / TypeError for arguments the kernel does not take."""
@@ -286,7 +284,7 @@ def _check_args(q, kv_buf, meta: AttnMeta, window) -> None:
     if q.ndim != 4 or kv_buf.ndim != 5 or kv_buf.shape[2] != 2:
         raise ValueError(f"q must be [B,T,H,Dh] and the cache [.., .., 2, Hkv, Dh], got {q.shape} "
                          f"and {kv_buf.shape}")
-    if jnp.dtype(q.dtype) not in map(jnp.dtype, _DTYPES):
+    if jnp.dtype(q.dtype) not in map(jnp.dtype, KERNEL_DTYPES):
         raise TypeError(f"q dtype {q.dtype} is not float32, bfloat16 or float16")
     if q.dtype != kv_buf.dtype:
         raise TypeError(f"q and cache dtypes differ: {q.dtype}, {kv_buf.dtype}")

@@ -50,7 +50,7 @@ from jax.experimental import pallas as pl
 from jspec.cache.layout import AttnMeta
 from jspec.kernels.decode_attention import check_meta, merge_splits, online_softmax_step
 from jspec.kernels.mla_attention import mla_attention_reference
-from jspec.kernels.tiling import is_pow2, pow2_ceil
+from jspec.kernels.tiling import KERNEL_DTYPES, is_pow2, pow2_ceil
 
 NEG_INF = -1e30
 MIN_ROWS = 16  # smallest M of a tensor-core dot in Triton
@@ -230,8 +230,6 @@ def _mla_call(q_lat, q_pe, lat_flat, table, meta: AttnMeta, *, page_size: int, n
 
 # --------------------------------------------------------------------------- public
 
-_DTYPES = (jnp.float32, jnp.bfloat16, jnp.float16)
-
 
 def _check_args(q_lat, q_pe, latent_buf, meta: AttnMeta) -> None:
     """Raises ValueError / TypeError for arguments the kernel does not take."""
@@ -245,7 +243,7 @@ def _check_args(q_lat, q_pe, latent_buf, meta: AttnMeta) -> None:
     if q_lat.shape[:3] != q_pe.shape[:3]:
         raise ValueError(f"q_lat {q_lat.shape} and q_pe {q_pe.shape} differ in [B,T,H]")
     for name, arr in (("q_lat", q_lat), ("q_pe", q_pe), ("latent cache", latent_buf)):
-        if jnp.dtype(arr.dtype) not in map(jnp.dtype, _DTYPES):
+        if jnp.dtype(arr.dtype) not in map(jnp.dtype, KERNEL_DTYPES):
             raise TypeError(f"{name} dtype {arr.dtype} is not float32, bfloat16 or float16")
     if not q_lat.dtype == q_pe.dtype == latent_buf.dtype:
         raise TypeError(f"q_lat, q_pe and latent cache dtypes differ: {q_lat.dtype}, {q_pe.dtype}, "

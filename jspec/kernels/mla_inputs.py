@@ -36,12 +36,10 @@ from jax.experimental import pallas as pl
 
 from jspec.kernels import dispatch
 from jspec.kernels.moe_experts import rms_norm
-from jspec.kernels.tiling import is_pow2
+from jspec.kernels.tiling import KERNEL_DTYPES, is_pow2
 
 DEFAULT_BLOCK_C = 64  # latent values of q_lat a program: [64, Dn] of W_UK
 DEFAULT_WARPS = 4
-
-_DTYPES = (jnp.float32, jnp.bfloat16, jnp.float16)
 
 
 # --------------------------------------------------------------------------- reference
@@ -153,14 +151,14 @@ def _check_args(parts, cos, sin, latent_norm, w_uk, cache=None, write_index=None
             raise ValueError(f"{name} = {v} is not a power of two (Triton tiles)")
     if parts.dtype != jnp.float32 or cos.dtype != jnp.float32 or sin.dtype != jnp.float32:
         raise TypeError(f"parts, cos and sin must be float32, got {parts.dtype}, {cos.dtype}, {sin.dtype}")
-    if jnp.dtype(w_uk.dtype) not in map(jnp.dtype, _DTYPES) or latent_norm.dtype != w_uk.dtype:
+    if jnp.dtype(w_uk.dtype) not in map(jnp.dtype, KERNEL_DTYPES) or latent_norm.dtype != w_uk.dtype:
         raise TypeError(f"w_uk and latent_norm must share a float dtype, got {w_uk.dtype} and {latent_norm.dtype}")
     if (cache is None) != (write_index is None):
         raise ValueError("cache and write_index go together")
     if cache is not None:
         if getattr(cache, "ndim", 0) < 2 or cache.shape[-1] != Dc + Dr:
             raise ValueError(f"cache must be a latent buffer [..., {Dc + Dr}], got {getattr(cache, 'shape', cache)}")
-        if jnp.dtype(cache.dtype) not in map(jnp.dtype, _DTYPES):
+        if jnp.dtype(cache.dtype) not in map(jnp.dtype, KERNEL_DTYPES):
             raise TypeError(f"cache dtype {cache.dtype} is not float32, bfloat16 or float16")
         if getattr(write_index, "size", None) != N or not jnp.issubdtype(write_index.dtype, jnp.integer):
             raise ValueError(f"write_index must hold {N} integer slots, got {getattr(write_index, 'dtype', '')} "

@@ -32,7 +32,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 from jspec.kernels.decode_attention import merge_splits
-from jspec.kernels.tiling import is_pow2, pow2_ceil, pow2_floor
+from jspec.kernels.tiling import KERNEL_DTYPES, is_pow2, pow2_ceil, pow2_floor
 
 NEG_INF = -1e30
 DEFAULT_BLOCK_N = 16  # output columns a program: 16 x Dc=512 float32 weights, 64 a thread
@@ -49,8 +49,6 @@ KERNEL_MAX_TOKENS = 16
 # H200); 128 or more splits keep 128-wide chunks.
 SPLIT_TILE = 16384
 MIN_CHUNK = 128
-
-_DTYPES = (jnp.float32, jnp.bfloat16, jnp.float16)
 
 
 # --------------------------------------------------------------------------- reference
@@ -131,7 +129,7 @@ def _check_args(o, lse, w_uv, num_tokens) -> None:
         raise ValueError(f"Dv must be >= 16 (Triton tiles), got {Dv}")
     if o.dtype != jnp.float32 or lse.dtype != jnp.float32:
         raise TypeError(f"o and lse must be float32, got {o.dtype} and {lse.dtype}")
-    if jnp.dtype(w_uv.dtype) not in map(jnp.dtype, _DTYPES):
+    if jnp.dtype(w_uv.dtype) not in map(jnp.dtype, KERNEL_DTYPES):
         raise TypeError(f"w_uv dtype {w_uv.dtype} is not float32, bfloat16 or float16")
 
 

@@ -49,7 +49,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 from jspec.kernels import dispatch
-from jspec.kernels.tiling import is_pow2, pow2_floor
+from jspec.kernels.tiling import KERNEL_DTYPES, chunk_start, is_pow2, pow2_floor
 
 # Defaults measured on the H200 (benchmarks/moe_kernel_check.py, device time of the routed
 # experts, bf16): 3.3 TB/s at V3 N=1, 3.5-3.7 TB/s at N=4..16, 1.9 TB/s at V2-Lite N=1.
@@ -78,8 +78,6 @@ MATVEC_SPLITS = 16
 # output projection: 0.44 ms a V3 layer through `matvec`, 0.36 through XLA; below 10M
 # elements XLA pads the row, see `models.llama.pad_one_row`)
 MATVEC_MAX_ELEMENTS = 10_000_000
-
-_DTYPES = (jnp.float32, jnp.bfloat16, jnp.float16)
 
 
 # --------------------------------------------------------------------------- reference
@@ -165,17 +163,6 @@ def expert_matmul_reference(x, ids, w, slots: int | None = None, norm=None):
 
 # --------------------------------------------------------------------------- kernel
 
-def _chunk_start(c, size: int, total: int):
-    """Chunk c of `size` along an axis of `total` -> (its first index, mask [size] of the
-    indices no earlier chunk took, or None when `size` divides `total`): the last chunk
-    overlaps its neighbour instead of running past the end."""
-    k0 = c * size
-    if total % size == 0:
-        return k0, None
-    kc = jnp.minimum(k0, total - size)
-    return kc, kc + jnp.arange(size, dtype=jnp.int32) >= k0
-
-
 def _row_rstd(x_ref, row, din: int, eps: float):
     """RMSNorm's factor of x_ref's row: the whole row's sum of squares, loaded as Din's
     power-of-two pieces (independent loads, one latency, not a loop's) -> float32 scalar."""
@@ -232,7 +219,7 @@ def _kernel(ids_ref, x_ref, w_ref, *rest, din: int, dout: int, num_experts: int,
 
     def product(ref, expert):  # this program's share of x[row] @ ref[expert][:, n0:n0+BN]
         def step(c, acc):
-            kc, fresh = _chunk_start(c, block_k, din)
+            kc, fresh = chunk_start(c, block_k, din)
             xv = activations(kc) if fresh is None else jnp.where(fresh, activations(kc), 0.0)
             wv = ref[expert, pl.ds(kc, block_k), pl.ds(n0, block_n)].astype(jnp.float32)
             if reduce_each_step:
@@ -299,7 +286,7 @@ def _check_matmul(x, ids, w, extra=None, slots=None, gated=None, norm=None):
         if x.dtype != jnp.float32 or Din_x != 2 * Din or rows != P:
             raise ValueError(f"gated x must be float32 [S1, {P}, {2 * Din}] (a product's K splits of the "
                              f"gate and up halves), got {x.dtype} {x.shape}")
-        if jnp.dtype(gated) not in map(jnp.dtype, _DTYPES):
+        if jnp.dtype(gated) not in map(jnp.dtype, KERNEL_DTYPES):
             raise TypeError(f"gated must be the activations' dtype, got {gated!r}")
     elif rows not in (N, P):
         raise ValueError(f"x has {rows} rows for {N} tokens x {slots} slots (want a row per token or per pair)")
@@ -312,7 +299,7 @@ def _check_matmul(x, ids, w, extra=None, slots=None, gated=None, norm=None):
     if not jnp.issubdtype(ids.dtype, jnp.integer):
         raise TypeError(f"ids must be integer, got {ids.dtype}")
     for name, a in (("x", x), ("w", w)):
-        if jnp.dtype(a.dtype) not in map(jnp.dtype, _DTYPES):
+        if jnp.dtype(a.dtype) not in map(jnp.dtype, KERNEL_DTYPES):
             raise TypeError(f"{name} dtype {a.dtype} is not float32, bfloat16 or float16")
     return ids2, slots, P, gated is None and rows == N and slots > 1
 
@@ -402,7 +389,7 @@ def uses_matvec(x, w, max_elements: int | None = MATVEC_MAX_ELEMENTS) -> bool:
         return False  # more rows: XLA's product (the limits hold under JSPEC_KERNELS=pallas too)
     if max_elements is not None and w.size >= max_elements:
         return False
-    return dispatch.want_pallas(jnp.dtype(w.dtype) in map(jnp.dtype, _DTYPES) and min(w.shape) >= 16)
+    return dispatch.want_pallas(jnp.dtype(w.dtype) in map(jnp.dtype, KERNEL_DTYPES) and min(w.shape) >= 16)
 
 
 def matvec(x, w, norm=None, *, float32_out: bool = False, sum_splits: bool = True, interpret: bool | None = None):

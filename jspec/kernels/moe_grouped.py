@@ -31,7 +31,7 @@ from jax.experimental import pallas as pl
 
 from jspec.kernels import dispatch
 from jspec.kernels.moe_experts import silu_mul
-from jspec.kernels.tiling import is_pow2, pow2_floor
+from jspec.kernels.tiling import KERNEL_DTYPES, chunk_start, is_pow2, pow2_floor
 
 # The kernel runs from this many (token, expert) pairs an expert on; below, ragged_dot.
 # V2-Lite's routed experts on the H200 (benchmarks/moe_paths.py), ragged_dot against the
@@ -49,8 +49,6 @@ DEFAULT_BLOCK_K = 64
 DEFAULT_WARPS = 4
 DEFAULT_STAGES = 3
 KERNEL = True  # False: `grouped` takes `jax.lax.ragged_dot` on a GPU at any size (benchmark A/Bs)
-
-_DTYPES = (jnp.float32, jnp.bfloat16, jnp.float16)
 
 
 def block_rows(pairs: int, num_experts: int) -> int:
@@ -107,11 +105,9 @@ def _kernel(tile_ref, x_ref, w_ref, o_ref, *, din: int, dout: int, num_experts: 
         expert = jnp.minimum(e, num_experts - 1)
 
         def step(c, acc):
-            k0 = c * block_k
-            kc = jnp.minimum(k0, din - block_k) if din % block_k else k0
+            kc, fresh = chunk_start(c, block_k, din)
             xv = x_ref[pl.ds(m0, block_m), pl.ds(kc, block_k)]
-            if din % block_k:  # the inputs an earlier chunk took count zero
-                fresh = kc + jnp.arange(block_k, dtype=jnp.int32) >= k0
+            if fresh is not None:  # the inputs an earlier chunk took count zero
                 xv = jnp.where(fresh[None, :], xv, jnp.zeros_like(xv))
             wv = w_ref[expert, pl.ds(kc, block_k), pl.ds(n0, block_n)]
             if interpret:  # the CPU has no 16-bit dot with a float32 result; the products are exact in float32
@@ -142,7 +138,7 @@ def grouped_matmul(x, tile_expert, w, *, block_m: int, block_n: int | None = Non
     if Din < 16 or Dout < 16:
         raise ValueError(f"Din and Dout must be >= 16 (Triton tiles), got {Din} and {Dout}")
     for name, a in (("x", x), ("w", w)):
-        if jnp.dtype(a.dtype) not in map(jnp.dtype, _DTYPES):
+        if jnp.dtype(a.dtype) not in map(jnp.dtype, KERNEL_DTYPES):
             raise TypeError(f"{name} dtype {a.dtype} is not float32, bfloat16 or float16")
     if x.dtype != w.dtype:
         raise TypeError(f"x and w dtypes differ: {x.dtype}, {w.dtype}")
@@ -216,7 +212,7 @@ def uses_kernel(xs, ids, gate_up, down) -> bool:
     if dispatch.backend() == "reference" or not KERNEL:
         return False
     ok = (ids.size >= MIN_PAIRS_PER_EXPERT * gate_up.shape[0] and xs.dtype == gate_up.dtype == down.dtype
-          and jnp.dtype(xs.dtype) in map(jnp.dtype, _DTYPES) and min(gate_up.shape[1:]) >= 16
+          and jnp.dtype(xs.dtype) in map(jnp.dtype, KERNEL_DTYPES) and min(gate_up.shape[1:]) >= 16
           and min(down.shape[1:]) >= 16)
     return dispatch.want_pallas(ok)
 

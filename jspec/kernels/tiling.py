@@ -1,7 +1,12 @@
-"""Powers of two for the kernels' tile sizes (Triton tiles are powers of two)."""
+"""What the kernels share about tiles: powers of two (Triton tiles are powers of two), the
+last chunk of an axis that a tile does not divide, and the dtypes the kernels take."""
 from __future__ import annotations
 
 import numbers
+
+import jax.numpy as jnp
+
+KERNEL_DTYPES = (jnp.float32, jnp.bfloat16, jnp.float16)  # the array dtypes the Pallas kernels take
 
 
 def is_pow2(n) -> bool:
@@ -17,3 +22,14 @@ def pow2_floor(n: int) -> int:
 def pow2_ceil(n: int) -> int:
     """The smallest power of two >= n (n >= 1)."""
     return 1 << (int(n) - 1).bit_length()
+
+
+def chunk_start(c, size: int, total: int):
+    """Chunk c of `size` along an axis of `total` -> (its first index, mask [size] of the
+    indices no earlier chunk took, or None when `size` divides `total`): the last chunk
+    overlaps its neighbour instead of running past the end (no out-of-bounds loads)."""
+    k0 = c * size
+    if total % size == 0:
+        return k0, None
+    kc = jnp.minimum(k0, total - size)
+    return kc, kc + jnp.arange(size, dtype=jnp.int32) >= k0
