@@ -20,6 +20,8 @@ before the program is traced:
   `mla_inputs` instead of by `mla_inputs` itself;
 - grouped_off: prefill's routed experts through `jax.lax.ragged_dot` instead of the
   grouped kernel (`kernels.moe_grouped`);
+  large_experts_ragged: `jax.lax.ragged_dot` below 4 pairs an expert whatever the
+  experts' size (the grouped kernel's rule before `LARGE_EXPERT_ELEMENTS`);
 - graphs_off: the loop compiled with XLA's default command buffers instead of the
   family's (`deepseek.GPU_XLA_OPTIONS`: graphs over the while loop and its conditionals,
   and of single kernels); graphs_loop_only: the loop's graphs without single kernels';
@@ -28,7 +30,7 @@ before the program is traced:
 - splits2x: twice the target programs; min2: K splits of 2 chunks allowed (more
   splits for the dense products); matvec_auto: `matvec` with the expert kernel's default
   tiles (128 columns, K splits by its rule) instead of its own.
-The script only uses what older versions of jspec also have, so the same file measures an
+Settings join with "+" (no_graphs+prefetch_off: both). The script only uses what older versions of jspec also have, so the same file measures an
 older checkout for a side-by-side comparison (its settings other than default may not
 apply there and are then skipped).
 
@@ -66,6 +68,7 @@ SETTINGS = {  # name -> [(module, constant, value)]
     "rows64": [("jspec.kernels.mla_decode", "SMALL_ROWS_MAX", 0)],
     "cache_write_off": [("jspec.models.deepseek", "CACHE_WRITE_IN_KERNEL", False)],
     "grouped_off": [("jspec.kernels.moe_grouped", "KERNEL", False)],
+    "large_experts_ragged": [("jspec.kernels.moe_grouped", "LARGE_EXPERT_ELEMENTS", 1 << 62)],
     "graphs_off": [("jspec.models.deepseek", "GPU_XLA_OPTIONS", {})],
     "graphs_loop_only": [("jspec.models.deepseek", "GPU_XLA_OPTIONS", {"xla_gpu_enable_command_buffer": GRAPHS})],
     "no_graphs": [("jspec.models.deepseek", "GPU_XLA_OPTIONS", {"xla_gpu_enable_command_buffer": ""})],
@@ -74,8 +77,16 @@ SETTINGS = {  # name -> [(module, constant, value)]
 }
 
 
+def changes_of(name: str):
+    """A setting's changes; "a+b" combines settings a and b."""
+    return [c for part in name.split("+") for c in SETTINGS[part]]
+
+
 def apply(changes):
-    """Sets the constants; -> the previous values, or None when a module or constant is missing."""
+    """Sets the constants (a list of changes, or a setting's name); -> the previous values,
+    or None when a module or constant is missing."""
+    if isinstance(changes, str):
+        changes = changes_of(changes)
     kept = []
     for mod, name, value in changes:
         try:
@@ -98,7 +109,7 @@ def main(layers: int, names: list[str]):
     res = {"env": env_info(), "layers": layers, "code": tag, "rows": []}
     tokens = None
     for name in names:
-        kept = apply(SETTINGS[name])
+        kept = apply(name)
         if kept is None:
             print(f"{name}: not in this version of jspec, skipped", flush=True)
             continue

@@ -12,12 +12,14 @@ Parts (arguments; default: all):
   of N tokens reads (expected distinct experts per MoE layer for N tokens).
 - v3layer: the DeepSeek-V3 layer shape (hidden 7168, 128 heads, q_lora 1536, 256 experts,
   top-8, expert width 2048), models of 1 and 3 MoE layers; per-layer decode time at
-  batch 1 = the difference / 2, and its bandwidth utilisation.
+  batch 1 (DEEPSEEK_V3_BATCH: another batch) = the difference / 2, and its bandwidth
+  utilisation (the routed experts: their expected distinct number for the batch).
 
 Run: PYTHONPATH=. python3 benchmarks/deepseek_h200.py [decode] [mtp] [v3layer]
 (DEEPSEEK_BATCHES=1,32: the decode batches; mtp needs batch 1 first for its ratios;
 DEEPSEEK_SETTING: one of `benchmarks/deepseek_ab.py`'s settings, default the code as it is;
 DEEPSEEK_V3_SETTINGS=a,b: v3layer under each of these settings on the same weights;
+DEEPSEEK_V3_BATCH: v3layer's batch, default 1;
 DEEPSEEK_ROUNDS=SxKxN,...: the MTP rounds, default 1x1x2,2x1x3,3x1x4,3x2x4;
 DEEPSEEK_MTP_SETTINGS=a,b: each round under each of these settings, same weights, and
 whether its tokens equal the first setting's)
@@ -90,7 +92,7 @@ def _row(d):
 
 
 def decode_and_mtp(parts, res, ceiling, name):
-    from benchmarks.deepseek_ab import SETTINGS, apply
+    from benchmarks.deepseek_ab import apply
 
     t0 = time.perf_counter()
     target = random_params(V2_LITE)
@@ -120,7 +122,7 @@ def decode_and_mtp(parts, res, ceiling, name):
         first_tokens = None
         for (S, K, N), setting in itertools.product((tuple(int(v) for v in r.split("x")) for r in rounds.split(",")),
                                                     settings):
-            kept = apply(SETTINGS[setting])
+            kept = apply(setting)
             jspec.clear_caches()
             r = Runner(spec_params, prompts(1, V2_LITE.vocab_size), LONG,
                        spec=jspec.SpecConfig(num_steps=S, topk=K, num_draft_tokens=N))
@@ -144,21 +146,23 @@ def decode_and_mtp(parts, res, ceiling, name):
 def v3_layers(res, ceiling, name):
     """Per-layer decode time of the V3 layer shape under each of DEEPSEEK_V3_SETTINGS
     (comma-separated `deepseek_ab` settings, default "default"), on the same weights."""
-    from benchmarks.deepseek_ab import SETTINGS, apply
+    from benchmarks.deepseek_ab import apply
 
     settings = os.environ.get("DEEPSEEK_V3_SETTINGS", "default").split(",")
+    batch = int(os.environ.get("DEEPSEEK_V3_BATCH", "1"))
+    tag = "" if batch == 1 else f"_b{batch}"
     times = {}
     for layers in (1, 3):
         cfg = V3_LAYER.replace(num_layers=layers)
         target = random_params(cfg)
         for setting in settings:
-            kept = apply(SETTINGS[setting])
+            kept = apply(setting)
             jspec.clear_caches()
-            r = Runner(target, prompts(1, cfg.vocab_size), LONG)
+            r = Runner(target, prompts(batch, cfg.vocab_size), LONG)
             per, _, _ = r.per_round(SHORT, LONG, reps=2)
             times[setting, layers] = per
-            res[f"v3_{layers}layers_ms_per_step" + ("" if setting == "default" else f"_{setting}")] = per * 1e3
-            print(f"V3 shape, {layers} layers, {setting}: {per * 1e3:.3f} ms/step", flush=True)
+            res[f"v3_{layers}layers{tag}_ms_per_step" + ("" if setting == "default" else f"_{setting}")] = per * 1e3
+            print(f"V3 shape, {layers} layers, batch {batch}, {setting}: {per * 1e3:.3f} ms/step", flush=True)
             for m, const, value in kept:
                 setattr(m, const, value)
             del r
@@ -167,23 +171,23 @@ def v3_layers(res, ceiling, name):
             attn = sum(x.nbytes for x in jax.tree.leaves(w["self_attn"]))
             shared = sum(x.nbytes for x in jax.tree.leaves(w["mlp"]["shared_experts"]))
             router = sum(x.nbytes for x in jax.tree.leaves(w["mlp"]["router"]))
-            latent = (CTX + (SHORT + LONG) / 2) * 576 * 2
-            nbytes = attn + shared + router + cfg.num_experts_per_tok * expert_bytes(cfg) + latent
+            latent = batch * (CTX + (SHORT + LONG) / 2) * 576 * 2
+            nbytes = attn + shared + router + distinct_experts(cfg, batch) * expert_bytes(cfg) + latent
         del target
     for setting in settings:
         per_layer = (times[setting, 3] - times[setting, 1]) / 2
         row = {"ms_per_layer": per_layer * 1e3, "GB_per_layer": nbytes / 1e9,
                "bandwidth_util": nbytes / per_layer / ceiling}
-        res["v3_layer_decode_b1" + ("" if setting == "default" else f"_{setting}")] = row
-        print(f"v3 layer, {setting}", _row(row), flush=True)
+        res[f"v3_layer_decode_b{batch}" + ("" if setting == "default" else f"_{setting}")] = row
+        print(f"v3 layer, batch {batch}, {setting}", _row(row), flush=True)
     save_json(name, res)
 
 
 def main(parts):
-    from benchmarks.deepseek_ab import SETTINGS, apply
+    from benchmarks.deepseek_ab import apply
 
     setting = os.environ.get("DEEPSEEK_SETTING", "default")
-    apply(SETTINGS[setting])
+    apply(setting)
     name = "deepseek_h200.json" if setting == "default" else f"deepseek_h200_{setting}.json"
     res = {"env": env_info(), "kernels": os.environ.get("JSPEC_KERNELS", "auto"), "setting": setting}
     print(res["env"], flush=True)

@@ -12,14 +12,14 @@ import tempfile
 
 import jax
 
-from benchmarks.deepseek_ab import SETTINGS, apply
+from benchmarks.deepseek_ab import apply
 from benchmarks.common import Runner, random_params, save_json
 from benchmarks.deepseek_h200 import V2_LITE, prompts
 from benchmarks.profile_decode import busy_and_gaps, kernel_spans
 
 
 def main(layers: int, setting: str = "default"):
-    apply(SETTINGS[setting])
+    apply(setting)
     cfg = V2_LITE.replace(num_layers=layers)
     r = Runner(random_params(cfg), prompts(1, cfg.vocab_size), 144)
     per, _, _ = r.per_round(16, 144, reps=2)
@@ -33,8 +33,10 @@ def main(layers: int, setting: str = "default"):
     steps = max(res.stats.rounds)
     rows = sorted(((v[1], v[0], k) for k, v in stats.items()), reverse=True)
     kernels = sum(v[0] for v in stats.values()) / steps
+    kernel_us = sum(v[1] for v in stats.values())
     print(f"{layers} layers: {per * 1e3:.3f} ms/step timed; {kernels:.0f} kernels/step; GPU busy "
-          f"{busy_us / steps:.0f} us/step; idle gaps {sum(gaps) / steps:.0f} us/step")
+          f"{busy_us / steps:.0f} us/step (kernel time {kernel_us / steps:.0f}: more when streams overlap); "
+          f"idle gaps {sum(gaps) / steps:.0f} us/step")
     for t, n, name in rows[:30]:
         print(f"{t / steps:9.1f} us {n / steps:6.1f}x  {name[:100]}")
     save_json(f"deepseek_profile_{layers}l_{setting}.json", {"layers": layers, "setting": setting, "ms_per_step": per * 1e3, "kernels_per_step": kernels,

@@ -9,7 +9,9 @@ V3: E=256, k=8, D=7168, Fm=2048), times the routed part of an MoE layer:
 - ragged: pairs sorted by expert, `jax.lax.ragged_dot`;
 - dense: every expert over every token, weighted by the routing (zero for unchosen);
 - grouped: `jspec.kernels.moe_grouped` (pairs grouped by expert in tiles, the Pallas
-  kernel on the tensor cores); from 32 tokens on also its tilings (`GROUPED_TILES`).
+  kernel on the tensor cores); from 32 tokens on also its tilings (`GROUPED_TILES`);
+- pairs: `jspec.kernels.moe_experts.routed_experts`, the decode path's kernel (a program
+  per pair and column tile; an expert's repeated reads for other pairs come from L2).
 Bytes: the distinct experts' weights the pairs need; GB/s = those bytes / time.
 
 Run: PYTHONPATH=. python3 benchmarks/moe_paths.py [v2lite|v3 ...]   (MOE_PATHS_N=1,4,...: the token
@@ -27,7 +29,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from benchmarks.common import env_info, median_time, save_json
-from jspec.kernels import moe_grouped as mg
+from jspec.kernels import moe_experts, moe_grouped as mg
 
 SHAPES = {"v2lite": (64, 6, 2048, 1408), "v3": (256, 8, 7168, 2048)}
 
@@ -82,6 +84,12 @@ def grouped(x, ids, w, gu, dn, block_m=None, **tiles):
     return jnp.einsum("nkd,nk->nd", y.astype(jnp.float32), w)
 
 
+def pairs(x, ids, w, gu, dn):
+    N, k = ids.shape
+    y = moe_experts.routed_experts(x, ids, gu, dn).reshape(N, k, -1)
+    return jnp.einsum("nkd,nk->nd", y, w)
+
+
 GROUPED_TILES = {  # (block_m, block_n, block_k, num_warps, num_stages) from 256 tokens on, and below
     "large": [(64, 128, 64, 4, 3), (128, 128, 64, 8, 3), (128, 256, 64, 8, 3), (128, 128, 32, 8, 4),
               (128, 256, 32, 8, 4), (128, 256, 64, 8, 4), (128, 128, 64, 4, 3), (256, 128, 64, 8, 3)],
@@ -102,7 +110,8 @@ def main(names):
         per_expert = (gu.nbytes + dn.nbytes) // E
         rng = np.random.RandomState(0)
         counts = [int(v) for v in os.environ.get("MOE_PATHS_N", "1,4,16,32,1024").split(",")]
-        paths = [("gather", gather), ("slots", slots), ("ragged", ragged), ("dense", dense), ("grouped", grouped)]
+        paths = [("gather", gather), ("slots", slots), ("ragged", ragged), ("dense", dense), ("grouped", grouped),
+                 ("pairs", pairs)]
         if "MOE_PATHS" in os.environ:
             paths = [p for p in paths if p[0] in os.environ["MOE_PATHS"].split(",")]
         if "grouped" in [p[0] for p in paths] and os.environ.get("MOE_PATHS_TILES", "1") != "0":
