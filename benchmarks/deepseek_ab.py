@@ -20,8 +20,8 @@ before the program is traced:
   `mla_inputs` instead of by `mla_inputs` itself;
 - grouped_off: prefill's routed experts through `jax.lax.ragged_dot` instead of the
   grouped kernel (`kernels.moe_grouped`);
-  large_experts_ragged: `jax.lax.ragged_dot` below 4 pairs an expert whatever the
-  experts' size (the grouped kernel's rule before `LARGE_EXPERT_ELEMENTS`);
+  few_pairs_ragged: `jax.lax.ragged_dot` below 4 pairs an expert (the grouped kernel's
+  earlier threshold, V3's large experts included);
 - graphs_off: the loop compiled with XLA's default command buffers instead of the
   family's (`deepseek.GPU_XLA_OPTIONS`: graphs over the while loop and its conditionals,
   and of single kernels); graphs_loop_only: the loop's graphs without single kernels';
@@ -34,7 +34,8 @@ Settings join with "+" (no_graphs+prefetch_off: both). The script only uses what
 older checkout for a side-by-side comparison (its settings other than default may not
 apply there and are then skipped).
 
-Run: PYTHONPATH=. python3 benchmarks/deepseek_ab.py [layers] [setting ...]   (default 6 default)
+Run: PYTHONPATH=. python3 benchmarks/deepseek_ab.py [layers] [setting ...]   (default 6 default;
+DEEPSEEK_AB_BATCH: the batch, default 1)
 """
 from __future__ import annotations
 
@@ -68,7 +69,7 @@ SETTINGS = {  # name -> [(module, constant, value)]
     "rows64": [("jspec.kernels.mla_decode", "SMALL_ROWS_MAX", 0)],
     "cache_write_off": [("jspec.models.deepseek", "CACHE_WRITE_IN_KERNEL", False)],
     "grouped_off": [("jspec.kernels.moe_grouped", "KERNEL", False)],
-    "large_experts_ragged": [("jspec.kernels.moe_grouped", "LARGE_EXPERT_ELEMENTS", 1 << 62)],
+    "few_pairs_ragged": [("jspec.kernels.moe_grouped", "MIN_PAIRS_PER_EXPERT", 4)],
     "graphs_off": [("jspec.models.deepseek", "GPU_XLA_OPTIONS", {})],
     "graphs_loop_only": [("jspec.models.deepseek", "GPU_XLA_OPTIONS", {"xla_gpu_enable_command_buffer": GRAPHS})],
     "no_graphs": [("jspec.models.deepseek", "GPU_XLA_OPTIONS", {"xla_gpu_enable_command_buffer": ""})],
@@ -106,7 +107,8 @@ def main(layers: int, names: list[str]):
     tag = os.environ.get("JSPEC_BENCH_TAG", commit or "tree")
     cfg = V2_LITE.replace(num_layers=layers)
     target = random_params(cfg)
-    res = {"env": env_info(), "layers": layers, "code": tag, "rows": []}
+    batch = int(os.environ.get("DEEPSEEK_AB_BATCH", "1"))
+    res = {"env": env_info(), "layers": layers, "batch": batch, "code": tag, "rows": []}
     tokens = None
     for name in names:
         kept = apply(name)
@@ -114,7 +116,7 @@ def main(layers: int, names: list[str]):
             print(f"{name}: not in this version of jspec, skipped", flush=True)
             continue
         jspec.clear_caches()
-        r = Runner(target, prompts(1, cfg.vocab_size), 112)
+        r = Runner(target, prompts(batch, cfg.vocab_size), 112)
         per = r.per_round(16, 112, reps=3)[0]
         runs = sorted(r.run(16)[0] for _ in range(5))
         out = r.run(16)[1].tokens
@@ -123,12 +125,12 @@ def main(layers: int, names: list[str]):
         row = {"setting": name, "ms_per_step": round(per * 1e3, 4), "same_tokens": out == tokens,
                "ms_16_token_runs": [round(t * 1e3, 2) for t in runs], "ms_fixed_per_run": round(fixed * 1e3, 2)}
         res["rows"].append(row)
-        print(f"[{tag}] {layers} layers, batch 1, {name}: {per * 1e3:.3f} ms/step, a 16-token run "
+        print(f"[{tag}] {layers} layers, batch {batch}, {name}: {per * 1e3:.3f} ms/step, a 16-token run "
               f"{runs[2] * 1e3:.1f} ms (median of 5; {fixed * 1e3:.1f} ms beside the steps), tokens "
               f"{'identical' if out == tokens else 'DIFFER'}", flush=True)
         for m, const, value in kept:
             setattr(m, const, value)
-    save_json(f"deepseek_ab_{tag}_{layers}l.json", res)
+    save_json(f"deepseek_ab_{tag}_{layers}l" + ("" if batch == 1 else f"_b{batch}") + ".json", res)
     print(json.dumps(res["rows"]))
 
 

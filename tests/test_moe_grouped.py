@@ -91,21 +91,20 @@ def test_validation():
 
 
 def test_dispatch_threshold(monkeypatch):
-    """On a GPU the kernel runs from MIN_PAIRS_PER_EXPERT pairs an expert on, or at any
-    count for experts of LARGE_EXPERT_ELEMENTS; on the CPU only when forced; KERNEL False
-    keeps ragged_dot."""
+    """On a GPU the kernel runs from MIN_PAIRS_PER_EXPERT pairs an expert on; on the CPU
+    only when forced; KERNEL False keeps ragged_dot."""
     E, D, Fm = 8, 32, 16
     gate_up, down = jnp.zeros((E, D, 2 * Fm), jnp.bfloat16), jnp.zeros((E, Fm, D), jnp.bfloat16)
     xs = jnp.zeros((64, D), jnp.bfloat16)
-    few, many = jnp.zeros((15, 2), jnp.int32), jnp.zeros((16, 2), jnp.int32)  # 30 and 32 pairs, 4 an expert from 32
+    assert mg.MIN_PAIRS_PER_EXPERT == 1  # the kernel from E pairs on
+    few, many = jnp.zeros((3, 2), jnp.int32), jnp.zeros((4, 2), jnp.int32)  # 6 and 8 pairs
     assert not mg.uses_kernel(xs, many, gate_up, down)  # the CPU
     monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
     assert mg.uses_kernel(xs, many, gate_up, down) and not mg.uses_kernel(xs, few, gate_up, down)
     assert not mg.uses_kernel(xs.astype(jnp.float32), many, gate_up, down)  # mixed dtypes
-    monkeypatch.setattr(mg, "LARGE_EXPERT_ELEMENTS", D * 2 * Fm)  # these experts count as large
-    assert mg.uses_kernel(xs, few, gate_up, down) and mg.uses_kernel(xs, many, gate_up, down)
-    monkeypatch.setattr(mg, "LARGE_EXPERT_ELEMENTS", D * 2 * Fm + 1)
-    assert not mg.uses_kernel(xs, few, gate_up, down)
+    monkeypatch.setattr(mg, "MIN_PAIRS_PER_EXPERT", 4)
+    assert not mg.uses_kernel(xs, many, gate_up, down) and mg.uses_kernel(xs, jnp.zeros((16, 2), jnp.int32),
+                                                                        gate_up, down)
     monkeypatch.setattr(mg, "KERNEL", False)
     assert not mg.uses_kernel(xs, many, gate_up, down)
     assert mg.block_rows(16 * E - 1, E) == mg.SMALL_BLOCK_M and mg.block_rows(16 * E, E) == mg.LARGE_BLOCK_M

@@ -1,4 +1,4 @@
-"""Grouped expert products for MoE prefill (and batches of many pairs an expert): the
+"""Grouped expert products for MoE prefill and batches of at least one pair an expert: the
 (token, expert) pairs sorted by expert, each expert's group padded to whole
 tiles of BM rows, and one Pallas (Triton) program per (tile, column block) multiplying
 its BM rows by its expert's weights on the tensor cores.
@@ -33,16 +33,15 @@ from jspec.kernels import dispatch
 from jspec.kernels.moe_experts import silu_mul
 from jspec.kernels.tiling import KERNEL_DTYPES, chunk_start, is_pow2, pow2_floor
 
-# The kernel runs from this many (token, expert) pairs an expert on, and at any count for
-# experts of at least LARGE_EXPERT_ELEMENTS gate_up weights; below both, ragged_dot.
-# Routed experts on the H200 (benchmarks/moe_paths.py), ragged_dot against the kernel:
-# V2-Lite ([2048, 2816] gate_up, 5.8M): 16 tokens 479 against 553 us, 32 tokens (3 pairs an
-# expert) 490-525 against 589-692, 48 tokens 709-1002 against 583-680, 192 tokens 2192
-# against 862, 1024 tokens 9.3 against 1.05 ms; V3 ([7168, 4096], 29M): 32 tokens (one pair
-# an expert) 7.6-7.8 against 4.1-4.2 ms, 64 tokens 16.1 against 5.6 ms, 1024 tokens 340
-# against 9.2 ms.
-MIN_PAIRS_PER_EXPERT = 4
-LARGE_EXPERT_ELEMENTS = 16_000_000
+# The kernel runs from this many (token, expert) pairs an expert on (so wherever the model
+# groups pairs: it does from E pairs on); below, ragged_dot. Kernel time a call in the
+# profiler, H200 (benchmarks/moe_profile.py): V2-Lite's routed experts at 32 tokens (3 pairs
+# an expert) 322 us (the two products 175 + 90 us, 3.7-3.8 TB/s over the distinct
+# experts) against 367 for ragged_dot; V3 at 32 tokens (one pair an expert) 3.6 ms against
+# 7.8 (wall). Wall-clock timings of these calls outside a CUDA graph (benchmarks/moe_paths.py)
+# favour ragged_dot at 16-32 V2-Lite tokens only through the grouped path's 47 kernel
+# launches against 13, which the decode loop's command buffers do not pay.
+MIN_PAIRS_PER_EXPERT = 1
 # Rows a tile: 16 while the pairs are few against the experts (little padding: each
 # group's tiles read its expert once), 64 from LARGE_FROM_PAIRS_PER_EXPERT pairs an expert.
 SMALL_BLOCK_M = 16
@@ -211,13 +210,11 @@ def grouped_experts(xs, ids, gate_up, down, *, block_m: int | None = None, tiles
 
 def uses_kernel(xs, ids, gate_up, down) -> bool:
     """Whether `grouped` takes the kernel for these arguments (see the dispatch): at least
-    MIN_PAIRS_PER_EXPERT pairs an expert or experts of LARGE_EXPERT_ELEMENTS, 16-bit or
-    float32 arrays of one dtype, widths >= 16 (and KERNEL)."""
+    MIN_PAIRS_PER_EXPERT pairs an expert, 16-bit or float32 arrays of one dtype, widths
+    >= 16 (and KERNEL)."""
     if dispatch.backend() == "reference" or not KERNEL:
         return False
-    E, D, F2 = gate_up.shape
-    enough = ids.size >= MIN_PAIRS_PER_EXPERT * E or D * F2 >= LARGE_EXPERT_ELEMENTS
-    ok = (enough and xs.dtype == gate_up.dtype == down.dtype
+    ok = (ids.size >= MIN_PAIRS_PER_EXPERT * gate_up.shape[0] and xs.dtype == gate_up.dtype == down.dtype
           and jnp.dtype(xs.dtype) in map(jnp.dtype, KERNEL_DTYPES) and min(gate_up.shape[1:]) >= 16
           and min(down.shape[1:]) >= 16)
     return dispatch.want_pallas(ok)
