@@ -21,7 +21,7 @@ before the program is traced:
 - grouped_off: prefill's routed experts through `jax.lax.ragged_dot` instead of the
   grouped kernel (`kernels.moe_grouped`);
   few_pairs_ragged: `jax.lax.ragged_dot` below 4 pairs an expert (the grouped kernel's
-  earlier threshold, V3's large experts included);
+  earlier threshold);
 - graphs_off: the loop compiled with XLA's default command buffers instead of the
   family's (`deepseek.GPU_XLA_OPTIONS`: graphs over the while loop and its conditionals,
   and of single kernels); graphs_loop_only: the loop's graphs without single kernels';
@@ -30,8 +30,8 @@ before the program is traced:
 - splits2x: twice the target programs; min2: K splits of 2 chunks allowed (more
   splits for the dense products); matvec_auto: `matvec` with the expert kernel's default
   tiles (128 columns, K splits by its rule) instead of its own.
-Settings join with "+" (no_graphs+prefetch_off: both). The script only uses what older versions of jspec also have, so the same file measures an
-older checkout for a side-by-side comparison (its settings other than default may not
+Settings join with "+" (no_graphs+grouped_off: both). The script only uses what older
+versions of jspec also have, so the same file measures an older checkout for a side-by-side comparison (its settings other than default may not
 apply there and are then skipped).
 
 Run: PYTHONPATH=. python3 benchmarks/deepseek_ab.py [layers] [setting ...]   (default 6 default;

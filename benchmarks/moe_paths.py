@@ -98,15 +98,29 @@ GROUPED_TILES = {  # (block_m, block_n, block_k, num_warps, num_stages) from 256
 }
 
 
+def expert_weights(name: str):
+    """Random bf16 routed experts of a shape -> (gate_up [E, D, 2Fm], down [E, Fm, D])."""
+    E, k, D, Fm = SHAPES[name]
+    jax.config.update("jax_default_prng_impl", "rbg")
+    key = jax.random.key(0)
+    gu = (jax.random.normal(key, (E, D, 2 * Fm), jnp.float32) * 0.02).astype(jnp.bfloat16)
+    dn = (jax.random.normal(jax.random.fold_in(key, 1), (E, Fm, D), jnp.float32) * 0.02).astype(jnp.bfloat16)
+    return gu, dn
+
+
+def token_inputs(name: str, N: int, rng: np.random.RandomState):
+    """N tokens' routing and activations -> (ids [N, k] numpy, x [N, D] bf16, weights [N, k])."""
+    E, k, D, Fm = SHAPES[name]
+    ids = np.stack([rng.choice(E, k, replace=False) for _ in range(N)]).astype(np.int32)
+    return ids, jnp.asarray(rng.randn(N, D), jnp.bfloat16), jnp.asarray(rng.rand(N, k), jnp.float32)
+
+
 def main(names):
     res = {"env": env_info()}
     print(res["env"], flush=True)
     for name in names:
         E, k, D, Fm = SHAPES[name]
-        jax.config.update("jax_default_prng_impl", "rbg")
-        key = jax.random.key(0)
-        gu = (jax.random.normal(key, (E, D, 2 * Fm), jnp.float32) * 0.02).astype(jnp.bfloat16)
-        dn = (jax.random.normal(jax.random.fold_in(key, 1), (E, Fm, D), jnp.float32) * 0.02).astype(jnp.bfloat16)
+        gu, dn = expert_weights(name)
         per_expert = (gu.nbytes + dn.nbytes) // E
         rng = np.random.RandomState(0)
         counts = [int(v) for v in os.environ.get("MOE_PATHS_N", "1,4,16,32,1024").split(",")]
@@ -119,10 +133,8 @@ def main(names):
                 block_n=t[1], block_k=t[2], num_warps=t[3], num_stages=t[4])))
                 for size, tiles in GROUPED_TILES.items() for t in tiles]
         for N in counts:
-            ids = np.stack([rng.choice(E, k, replace=False) for _ in range(N)]).astype(np.int32)
+            ids, x, w = token_inputs(name, N, rng)
             distinct = len(np.unique(ids))
-            x = jnp.asarray(rng.randn(N, D), jnp.bfloat16)
-            w = jnp.asarray(rng.rand(N, k), jnp.float32)
             want = None
             for fname, f in paths:
                 if ((fname == "slots" and N * k > 64) or (fname == "gather" and N * k * per_expert > 8e9)

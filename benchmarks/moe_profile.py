@@ -21,15 +21,9 @@ CALLS = 10
 
 
 def main(shape: str, N: int, names: list[str]):
-    E, k, D, Fm = moe_paths.SHAPES[shape]
-    jax.config.update("jax_default_prng_impl", "rbg")
-    key = jax.random.key(0)
-    gu = (jax.random.normal(key, (E, D, 2 * Fm), jnp.float32) * 0.02).astype(jnp.bfloat16)
-    dn = (jax.random.normal(jax.random.fold_in(key, 1), (E, Fm, D), jnp.float32) * 0.02).astype(jnp.bfloat16)
-    rng = np.random.RandomState(0)
-    ids = jnp.asarray(np.stack([rng.choice(E, k, replace=False) for _ in range(N)]).astype(np.int32))
-    x = jnp.asarray(rng.randn(N, D), jnp.bfloat16)
-    w = jnp.asarray(rng.rand(N, k), jnp.float32)
+    gu, dn = moe_paths.expert_weights(shape)
+    ids, x, w = moe_paths.token_inputs(shape, N, np.random.RandomState(0))
+    ids = jnp.asarray(ids)
     res = {"env": env_info()}
     for name in names:
         f = jax.jit(getattr(moe_paths, name))
