@@ -2,6 +2,11 @@
 set -x
 export PYTHONPATH=.
 case "${PART:-check}" in
+barrier)  # a grid barrier in one kernel against a kernel boundary; two dependent products in one persistent
+         # kernel; the batch-1 expert products' kernel variants
+  timeout 60 python3 benchmarks/grid_barrier.py 2>&1 | grep "^{\|rror"
+  timeout 90 python3 benchmarks/persistent_poc.py 2>&1 | grep "^{\|rror"
+  MATVEC_BUDGET_S=250 timeout 330 python3 benchmarks/matvec_configs.py variants 2>&1 | grep "^{\|rror" ;;
 check)
   timeout 150 python3 benchmarks/deepseek_kernels_check.py 2>&1 | grep -v Warning | grep "ok"
   timeout 200 python3 benchmarks/deepseek_ab.py 6 default xla_rows matvec_auto default xla_rows 2>&1 | grep "^\["

@@ -6,7 +6,8 @@ experts of one token; the second, gated one takes the first one's 3 K splits). T
 profiler trace of NSETS calls chained in one program, each on its own weight copy (no
 call reads another's weights from L2), over 3 runs (`device_time`). Time-boxed by MATVEC_BUDGET_S.
 
-Run: PYTHONPATH=. python3 benchmarks/matvec_configs.py [dense] [gate_up] [down]   (default: all;
+Run: PYTHONPATH=. python3 benchmarks/matvec_configs.py [dense] [gate_up] [down] [variants]
+(default: the first three;
 result: $OUT/matvec_configs.json)
 """
 from __future__ import annotations
@@ -154,8 +155,74 @@ def down():
              "us": round(t * 1e6, 2), "TB/s": round(mb / 1e6 / t, 2) if t > 0 else None})
 
 
+def _tables(rng, E, k, S):
+    """NSETS routing tables [1, 8]: distinct routed experts per call, each call its own
+    shared experts (E + S r ..), as each layer has its own: none of them in L2 from a call before."""
+    tables = np.zeros((NSETS, 1, 8), np.int32)
+    for r in range(NSETS):
+        tables[r, 0, :k] = rng.permutation(E)[:k]
+        tables[r, 0, k:k + S] = E + S * r + np.arange(S)
+    return jnp.asarray(tables)
+
+
+VARIANTS = [  # (label, expert_matmul keywords; num_splits "x2" / "half": of the default's)
+    ("default", {}), ("reduce_each_step", {"reduce_each_step": True}),
+    ("reduce_each_step_bk128", {"reduce_each_step": True, "block_k": 128}),
+    ("reduce_each_step_bk128_w4", {"reduce_each_step": True, "block_k": 128, "num_warps": 4}),
+    ("bn256_w4", {"block_n": 256, "num_warps": 4}), ("stages5", {"num_stages": 5}),
+    ("splits_x2", {"num_splits": "x2"}), ("splits_half", {"num_splits": "half"}), ("no_norm", {"norm": None}),
+]
+
+
+def variants():
+    """V2-Lite's two expert products of one token (6 routed + 2 shared experts), the first
+    with the post-attention norm in its prologue as the model runs it, in kernel variants
+    (VARIANTS); and XLA's sum over as many bytes, a reading-speed reference."""
+    E, k, D, Fm, S = 64, 6, 2048, 1408, 2
+    key = jax.random.key(9)
+    gu = jax.random.normal(key, (E, D, 2 * Fm), jnp.bfloat16)
+    sgu = jax.random.normal(jax.random.fold_in(key, 1), (NSETS * S, D, 2 * Fm), jnp.bfloat16)
+    dn = jax.random.normal(jax.random.fold_in(key, 2), (E, Fm, D), jnp.bfloat16)
+    sdn = jax.random.normal(jax.random.fold_in(key, 3), (NSETS * S, Fm, D), jnp.bfloat16)
+    x = jax.random.normal(key, (1, D), jnp.bfloat16)
+    nw = jnp.ones((D,), jnp.bfloat16)
+    tables = _tables(np.random.default_rng(2), E, k, S)
+    mb = (k + S) * D * 2 * Fm * 2 / 1e6
+    ref = jax.random.normal(key, (NSETS, (k + S) * D, 2 * Fm), jnp.bfloat16)
+    t = device_time(lambda x, i, a: jnp.sum(a[i].astype(jnp.float32), axis=0), x, jnp.arange(NSETS), ref)
+    log({"product": "xla_sum_same_bytes", "us": round(t * 1e6, 2), "TB/s": round(mb / 1e6 / t, 2)})
+    del ref
+    h = me.expert_matmul(x, tables[0], gu, sgu, sum_splits=False, norm=(nw, 1e-6))
+    splits = {"gate_up": h.shape[0], "down": me.expert_matmul(h, tables[0], dn, sdn, gated=jnp.bfloat16,
+                                                                  sum_splits=False).shape[0]}
+    for label, kw in VARIANTS:
+        for which in ("gate_up", "down"):
+            if time.perf_counter() - T0 > BUDGET_S or (which == "down" and "norm" in kw):
+                continue
+            kw2 = dict(kw)
+            if kw2.get("num_splits") == "x2":
+                kw2["num_splits"] = 2 * splits[which]
+            elif kw2.get("num_splits") == "half":
+                kw2["num_splits"] = max(1, splits[which] // 2)
+            try:
+                if which == "gate_up":
+                    kw2.setdefault("norm", (nw, 1e-6))
+                    t = device_time(lambda x, tb, gu, sgu: me.expert_matmul(x, tb, gu, sgu, sum_splits=False, **kw2),
+                                    x, tables, gu, sgu)
+                else:
+                    t = device_time(lambda h, tb, dn, sdn: me.expert_matmul(h, tb, dn, sdn, gated=jnp.bfloat16, **kw2),
+                                    h, tables, dn, sdn)
+            except Exception as e:  # noqa: BLE001  (a variant Triton refuses)
+                log({"product": which, "variant": label, "error": str(e)[:200]})
+                continue
+            log({"product": which, "variant": label, "us": round(t * 1e6, 2),
+                 "TB/s": round(mb / (1 if which == "gate_up" else 2) / 1e6 / t, 2)})
+
+
 if __name__ == "__main__":
     which = set(sys.argv[1:]) or {"dense", "gate_up", "down"}
+    if "variants" in which:
+        variants()
     if "dense" in which:
         dense("v2lite_qkv_a_norm", 2048, 3648, True)
         dense("v2lite_o_proj", 2048, 2048, False)
