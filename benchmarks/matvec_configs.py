@@ -38,6 +38,17 @@ RES: dict = {"env": env_info(), "rows": []}
 T0 = time.perf_counter()
 
 
+def _tables(rng, E, k, S, own_shared: bool):
+    """NSETS routing tables [1, k + S]: distinct routed experts per call; the S shared
+    experts E.. E+S-1 in every call (in L2 after the first), or with `own_shared` each
+    call its own (E + S r ..), as each layer has its own."""
+    tables = np.zeros((NSETS, 1, k + S), np.int32)
+    for r in range(NSETS):
+        tables[r, 0, :k] = rng.permutation(E)[:k]
+        tables[r, 0, k:] = E + (S * r if own_shared else 0) + np.arange(S)
+    return jnp.asarray(tables)
+
+
 def device_time(f, x, id_sets, *ws, **_) -> float:
     """Seconds of GPU kernel time a call of f(x, id_sets[r], *ws) (see the module doc)."""
     import tempfile
@@ -97,12 +108,7 @@ def experts():
     gu = jax.random.normal(key, (E, D, 2 * Fm), jnp.bfloat16)
     sgu = jax.random.normal(jax.random.fold_in(key, 2), (S, D, 2 * Fm), jnp.bfloat16)
     x = jax.random.normal(key, (1, D), jnp.bfloat16)
-    rng = np.random.default_rng(0)
-    tables = np.zeros((NSETS, 1, 8), np.int32)
-    for r in range(NSETS):  # distinct routed experts per call (the shared two repeat: in L2 after the first)
-        tables[r, 0, :k] = rng.permutation(E)[:k]
-        tables[r, 0, k:] = (E, E + 1)
-    tables = jnp.asarray(tables)
+    tables = _tables(np.random.default_rng(0), E, k, S, own_shared=False)
     mb = (k + S) * D * 2 * Fm * 2 / 1e6
     for bn, bk, warps, stages, splits in CONFIGS[:12]:
         if time.perf_counter() - T0 > BUDGET_S:
@@ -132,12 +138,7 @@ def down():
     dn = jax.random.normal(key, (E, Fm, D), jnp.bfloat16)
     sdn = jax.random.normal(jax.random.fold_in(key, 2), (S, Fm, D), jnp.bfloat16)
     h = jax.random.normal(jax.random.fold_in(key, 3), (3, k + S, 2 * Fm), jnp.float32)
-    rng = np.random.default_rng(1)
-    tables = np.zeros((NSETS, 1, 8), np.int32)
-    for r in range(NSETS):
-        tables[r, 0, :k] = rng.permutation(E)[:k]
-        tables[r, 0, k:] = (E, E + 1)
-    tables = jnp.asarray(tables)
+    tables = _tables(np.random.default_rng(1), E, k, S, own_shared=False)
     mb = (k + S) * Fm * D * 2 / 1e6
     for bn, bk, warps, stages, splits in DOWN_CONFIGS:
         if time.perf_counter() - T0 > BUDGET_S:
@@ -153,16 +154,6 @@ def down():
             continue
         log({"product": "v2lite_down_8_experts", "tiles": [bn, bk, warps, stages, splits],
              "us": round(t * 1e6, 2), "TB/s": round(mb / 1e6 / t, 2) if t > 0 else None})
-
-
-def _tables(rng, E, k, S):
-    """NSETS routing tables [1, 8]: distinct routed experts per call, each call its own
-    shared experts (E + S r ..), as each layer has its own: none of them in L2 from a call before."""
-    tables = np.zeros((NSETS, 1, 8), np.int32)
-    for r in range(NSETS):
-        tables[r, 0, :k] = rng.permutation(E)[:k]
-        tables[r, 0, k:k + S] = E + S * r + np.arange(S)
-    return jnp.asarray(tables)
 
 
 VARIANTS = [  # (label, expert_matmul keywords; num_splits "x2" / "half": of the default's)
@@ -186,7 +177,7 @@ def variants():
     sdn = jax.random.normal(jax.random.fold_in(key, 3), (NSETS * S, Fm, D), jnp.bfloat16)
     x = jax.random.normal(key, (1, D), jnp.bfloat16)
     nw = jnp.ones((D,), jnp.bfloat16)
-    tables = _tables(np.random.default_rng(2), E, k, S)
+    tables = _tables(np.random.default_rng(2), E, k, S, own_shared=True)
     mb = (k + S) * D * 2 * Fm * 2 / 1e6
     ref = jax.random.normal(key, (NSETS, (k + S) * D, 2 * Fm), jnp.bfloat16)
     t = device_time(lambda x, i, a: jnp.sum(a[i].astype(jnp.float32), axis=0), x, jnp.arange(NSETS), ref)
