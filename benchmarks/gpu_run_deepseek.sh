@@ -7,9 +7,11 @@ barrier)  # a grid barrier in one kernel against a kernel boundary; two dependen
   timeout 60 python3 benchmarks/grid_barrier.py 2>&1 | grep "^{\|rror"
   timeout 90 python3 benchmarks/persistent_poc.py 2>&1 | grep "^{\|rror"
   MATVEC_BUDGET_S=250 timeout 330 python3 benchmarks/matvec_configs.py variants 2>&1 | grep "^{\|rror" ;;
-pdl)  # programmatic dependent launch: Triton and Mosaic GPU kernel pairs; dependent weight-streaming chains
+pdl)  # programmatic dependent launch: Triton and Mosaic GPU kernel pairs; dependent weight-streaming chains;
+     # dependent one-row products as hand-written CUDA kernels in one FFI call against XLA's products
   timeout 280 python3 benchmarks/pdl_probe.py 2>&1 | grep "^{\|rror\|alone"
-  timeout 380 python3 benchmarks/pdl_stream.py 2>&1 | grep "^{\|rror" ;;
+  timeout 380 python3 benchmarks/pdl_stream.py 2>&1 | grep "^{\|rror"
+  timeout 180 python3 benchmarks/cuda_pdl_chain.py 2>&1 | grep "^{\|rror" ;;
 check)
   timeout 150 python3 benchmarks/deepseek_kernels_check.py 2>&1 | grep -v Warning | grep "ok"
   timeout 200 python3 benchmarks/deepseek_ab.py 6 default xla_rows matvec_auto default xla_rows 2>&1 | grep "^\["
