@@ -3,9 +3,11 @@ dependent launch (PDL), inside one XLA FFI call: what a hand-written per-layer k
 sequence could gain over XLA's products for DeepSeek's batch-1 step.
 
 `benchmarks/cuda_pdl_chain.cu` (built here with nvcc) runs L dependent products
-y = W[l] y of K x K bf16 weights (K = 1024, 1536, 2048: 2.1, 4.7, 8.4 MB each; L of them
-exceed L2) as L kernels launched in one FFI call; with `pdl` each kernel loads its weights,
-then waits for its predecessor. Beside it, in the same process: the same chain as XLA
+y = W[l] y as L kernels launched in one FFI call; with `pdl` each kernel loads its first
+weights, then waits for its predecessor. Cases: K x K bf16 weights (K = 1024, 1536, 2048:
+2.1, 4.7, 8.4 MB each; L of them exceed L2), each product shape of a DeepSeek-V2-Lite MoE
+layer at batch 1 repeated, and the products of two such layers in order (`V2LITE_LAYER`,
+166 MB a layer: every weight the layer reads but the latent cache). Beside it, in the same process: the same chain as XLA
 products (each one-row product padded to two rows as `models.llama.pad_one_row` does).
 All compiled with DeepSeek's command buffers (the FFI call is captured into the graph) and
 without. Checked against a float32 chain in jnp.
@@ -44,25 +46,52 @@ def build_and_register() -> None:
     jax.ffi.register_ffi_target(NAME, jax.ffi.pycapsule(handler), platform="CUDA")
 
 
-def cuda_chain(x, w, *, pdl: bool):
-    k = x.shape[0]
-    y, _ = jax.ffi.ffi_call(NAME, (jax.ShapeDtypeStruct((k,), jnp.float32),
-                                   jax.ShapeDtypeStruct((2, k), jnp.float32)))(x, w, pdl=np.int32(pdl))
+def cuda_chain(x, w_flat, *, shapes, pdl: bool):
+    """shapes: the products' [out, in], in order; w_flat: their bf16 weights, packed."""
+    ns = np.array([n for n, _ in shapes], np.int64)
+    ks = np.array([k for _, k in shapes], np.int64)
+    y, _ = jax.ffi.ffi_call(NAME, (jax.ShapeDtypeStruct((int(ns[-1]),), jnp.float32),
+                                   jax.ShapeDtypeStruct((2 * int(ns.max()),), jnp.float32)))(
+        x, w_flat, ns=ns, ks=ks, pdl=np.int32(pdl))
     return y
 
 
+def fit(v, k):
+    """v cut or zero-padded to length k (a product's input from the previous output)."""
+    return v[..., :k] if v.shape[-1] >= k else jnp.pad(v, [(0, 0)] * (v.ndim - 1) + [(0, k - v.shape[-1])])
+
+
 def xla_chain(x, ws):
-    """ws: L separate [K, K] weights ([out, in]); each product padded to two rows."""
+    """ws: the products' weights ([out, in]); each product padded to two rows."""
     rows = jnp.zeros((2, x.shape[0]), jnp.float32).at[0].set(x)
     for wl in ws:
-        rows = jnp.dot(rows.astype(jnp.bfloat16), wl.T, preferred_element_type=jnp.float32)
+        rows = jnp.dot(fit(rows, wl.shape[1]).astype(jnp.bfloat16), wl.T, preferred_element_type=jnp.float32)
     return rows[0]
 
 
-def reference(x, w):
-    for wl in np.asarray(w.astype(jnp.float32)):
-        x = wl @ x
+def reference(x, ws):
+    for wl in ws:
+        wl = np.asarray(wl.astype(jnp.float32))
+        x = wl @ np.asarray(fit(jnp.asarray(x), wl.shape[1]))
     return x
+
+
+# The weights one DeepSeek-V2-Lite MoE layer reads at batch 1, as products [out, in]: the
+# query and latent projections, W_UK's and W_UV's bytes, the output projection, the
+# router, the 8 experts' first products as one (8 x 2816 rows), their second products as
+# one (each row reads its 8 experts' 1408 inputs).
+V2LITE_LAYER = ((3648, 2048), (2048, 512), (2048, 512), (2048, 2048), (64, 2048), (8 * 2816, 2048), (2048, 8 * 1408))
+
+
+def cases():
+    """(name, the products' shapes, how many layers or products the time is divided by)"""
+    for k in (1024, 1536, 2048):
+        count = max(16, (160 << 20) // (2 * k * k))
+        yield f"square_{k}", ((k, k),) * count, count
+    for n, k in sorted(set(V2LITE_LAYER)):
+        count = min(80, max(2, (160 << 20) // (2 * n * k)))
+        yield f"product_{n}x{k}", ((n, k),) * count, count
+    yield "v2lite_layer", V2LITE_LAYER * 2, 2
 
 
 def timed(f, *args, calls: int = 50) -> float:
@@ -80,12 +109,14 @@ def timed(f, *args, calls: int = 50) -> float:
 def main():
     build_and_register()
     res = {"env": env_info(), "rows": []}
-    for k in (1024, 1536, 2048):
-        layers = max(16, (160 << 20) // (2 * k * k))
-        w = (jax.random.normal(jax.random.key(k), (layers, k, k), jnp.float32) / np.sqrt(k)).astype(jnp.bfloat16)
-        ws = [w[i] + 0 for i in range(layers)]
-        x = jax.random.normal(jax.random.key(1), (k,), jnp.float32)
-        want = reference(np.asarray(x), w)
+    for name, shapes, layers in cases():
+        key = jax.random.key(len(shapes))
+        widths = [min(k, n_in) for (_, k), n_in in zip(shapes, [shapes[0][1]] + [n for n, _ in shapes[:-1]])]
+        ws = [(jax.random.normal(jax.random.fold_in(key, i), shape, jnp.float32) / np.sqrt(width)).astype(
+            jnp.bfloat16) for i, (shape, width) in enumerate(zip(shapes, widths))]
+        w_flat = jnp.concatenate([wl.reshape(-1) for wl in ws])
+        x = jax.random.normal(jax.random.key(1), (shapes[0][1],), jnp.float32)
+        want = reference(np.asarray(x), ws)
         scale = float(np.max(np.abs(want)))
         for options_name, options in (("command_buffers", dict(GPU_XLA_OPTIONS)),
                                       ("no_command_buffers", {"xla_gpu_enable_command_buffer": ""})):
@@ -93,15 +124,18 @@ def main():
                 if way == "xla":
                     f, args = jax.jit(xla_chain).lower(x, ws).compile(options), (x, ws)
                 else:
-                    f = jax.jit(functools.partial(cuda_chain, pdl=way == "cuda_pdl")).lower(x, w).compile(options)
-                    args = (x, w)
+                    f = jax.jit(functools.partial(cuda_chain, shapes=shapes, pdl=way == "cuda_pdl")).lower(
+                        x, w_flat).compile(options)
+                    args = (x, w_flat)
                 t = timed(f, *args)
                 err = float(np.max(np.abs(np.asarray(f(*args)) - want))) / scale
-                row = {"k": k, "mb_per_product": round(2 * k * k / 1e6, 2), "products": layers,
-                       "options": options_name, "way": way, "us_per_product": round(t / layers * 1e6, 2),
-                       "tb_per_s": round(w.nbytes / t / 1e12, 3), "rel_err": err}
+                row = {"case": name, "products": len(shapes), "mb": round(2 * w_flat.size / 1e6, 1),
+                       "options": options_name, "way": way, "us_per_product": round(t / len(shapes) * 1e6, 2),
+                       "us_per_layer": round(t / layers * 1e6, 2), "tb_per_s": round(2 * w_flat.size / t / 1e12, 3),
+                       "rel_err": err}
                 res["rows"].append(row)
                 print(row, flush=True)
+        del ws, w_flat
     save_json("cuda_pdl_chain.json", res)
 
 
