@@ -8,7 +8,8 @@
 // (`griddepcontrol.wait`), and only then reads the previous kernel's output, so a kernel's
 // weight reads can overlap its predecessor. Without `pdl` the kernels run one after the
 // other as usual. The kernels are launched with programmatic stream serialization when
-// `pdl` is set.
+// `pdl` is set. Products of 2048 inputs and many rows use a persistent kernel
+// (matvec_stream).
 //
 // Benchmark code (benchmarks/cuda_pdl_chain.py builds it with nvcc); not part of jspec.
 #include <cuda_bf16.h>
@@ -24,7 +25,7 @@ namespace ffi = xla::ffi;
 namespace {
 
 constexpr int WARPS = 8;
-constexpr int ROWS = 2;                     // output rows a warp computes
+constexpr int ROWS = 2;                   // output rows a warp computes
 constexpr int BLOCK_ROWS = WARPS * ROWS;  // output rows a block computes
 
 // y[n] = sum_k w[n, k] x[k] for n < N (w [N, k] bf16, rows contiguous), x read as zero at

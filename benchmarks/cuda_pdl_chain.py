@@ -7,10 +7,11 @@ y = W[l] y as L kernels launched in one FFI call; with `pdl` each kernel loads i
 weights, then waits for its predecessor. Cases: K x K bf16 weights (K = 1024, 1536, 2048:
 2.1, 4.7, 8.4 MB each; L of them exceed L2), each product shape of a DeepSeek-V2-Lite MoE
 layer at batch 1 repeated, and the products of two such layers in order (`V2LITE_LAYER`,
-166 MB a layer: every weight the layer reads but the latent cache). Beside it, in the same process: the same chain as XLA
-products (each one-row product padded to two rows as `models.llama.pad_one_row` does).
+166 MB a layer: every weight the layer reads but the latent cache). Beside it, in the
+same process: the same chain as XLA products (each one-row product padded to two rows as
+`models.llama.pad_one_row` does).
 All compiled with DeepSeek's command buffers (the FFI call is captured into the graph) and
-without. Checked against a float32 chain in jnp.
+without. Checked against a float32 chain in numpy.
 
 Needs nvcc (CUDA 12.4+) and a Hopper GPU.
 Run: PYTHONPATH=. python3 benchmarks/cuda_pdl_chain.py   (result $OUT/cuda_pdl_chain.json)
