@@ -28,6 +28,35 @@ constexpr int WARPS = 8;
 constexpr int ROWS = 2;                   // output rows a warp computes
 constexpr int BLOCK_ROWS = WARPS * ROWS;  // output rows a block computes
 
+// acc += the 8 bf16 weights of piece . the 8 inputs xs.
+__device__ __forceinline__ float dot8(const uint4& piece, const float* xs, float acc) {
+  const __nv_bfloat162* p = reinterpret_cast<const __nv_bfloat162*>(&piece);
+#pragma unroll
+  for (int j = 0; j < 4; ++j) {
+    const float2 f = __bfloat1622float2(p[j]);
+    acc = fmaf(f.x, xs[2 * j], acc);
+    acc = fmaf(f.y, xs[2 * j + 1], acc);
+  }
+  return acc;
+}
+
+// xs = src[0..8) (16-byte aligned).
+__device__ __forceinline__ void load8(const float* src, float* xs) {
+  const float4 a = *reinterpret_cast<const float4*>(src);
+  const float4 b = *reinterpret_cast<const float4*>(src + 4);
+  xs[0] = a.x; xs[1] = a.y; xs[2] = a.z; xs[3] = a.w; xs[4] = b.x; xs[5] = b.y; xs[6] = b.z; xs[7] = b.w;
+}
+
+// Sums each row's lane partials over the warp; lane 0 writes y[row0 + r].
+__device__ __forceinline__ void store_rows(float (&acc)[ROWS], float* y, int64_t row0, int lane) {
+#pragma unroll
+  for (int r = 0; r < ROWS; ++r) {
+#pragma unroll
+    for (int off = 16; off > 0; off /= 2) acc[r] += __shfl_xor_sync(0xffffffffu, acc[r], off);
+    if (lane == 0) y[row0 + r] = acc[r];
+  }
+}
+
 // y[n] = sum_k w[n, k] x[k] for n < N (w [N, k] bf16, rows contiguous), x read as zero at
 // k >= xk. A warp owns ROWS rows and walks k in steps of CH * 256 inputs, loading the next
 // step's weights before it multiplies the current one's; the first step's weights are
@@ -58,31 +87,19 @@ __global__ void __launch_bounds__(WARPS * 32) matvec(const float* x, int xk, con
       float xs[8];
       if (ONE) {
         if (xk == STEP || kk + 8 <= xk) {
-          const float4 xa = *reinterpret_cast<const float4*>(x + kk);
-          const float4 xb = *reinterpret_cast<const float4*>(x + kk + 4);
-          xs[0] = xa.x; xs[1] = xa.y; xs[2] = xa.z; xs[3] = xa.w; xs[4] = xb.x; xs[5] = xb.y; xs[6] = xb.z; xs[7] = xb.w;
+          load8(x + kk, xs);
         } else {
 #pragma unroll
           for (int j = 0; j < 8; ++j) xs[j] = kk + j < xk ? x[kk + j] : 0.0f;
         }
       } else if (kk < k) {
-        const float4 xa = *reinterpret_cast<const float4*>(xsm + kk);
-        const float4 xb = *reinterpret_cast<const float4*>(xsm + kk + 4);
-        xs[0] = xa.x; xs[1] = xa.y; xs[2] = xa.z; xs[3] = xa.w; xs[4] = xb.x; xs[5] = xb.y; xs[6] = xb.z; xs[7] = xb.w;
+        load8(xsm + kk, xs);
       } else {
 #pragma unroll
         for (int j = 0; j < 8; ++j) xs[j] = 0.0f;
       }
 #pragma unroll
-      for (int r = 0; r < ROWS; ++r) {
-        const __nv_bfloat162* p = reinterpret_cast<const __nv_bfloat162*>(&buf[r][c]);
-#pragma unroll
-        for (int j = 0; j < 4; ++j) {
-          const float2 f = __bfloat1622float2(p[j]);
-          acc[r] = fmaf(f.x, xs[2 * j], acc[r]);
-          acc[r] = fmaf(f.y, xs[2 * j + 1], acc[r]);
-        }
-      }
+      for (int r = 0; r < ROWS; ++r) acc[r] = dot8(buf[r][c], xs, acc[r]);
     }
   };
   uint4 even[ROWS][CH];
@@ -106,12 +123,7 @@ __global__ void __launch_bounds__(WARPS * 32) matvec(const float* x, int xk, con
       }
     }
   }
-#pragma unroll
-  for (int r = 0; r < ROWS; ++r) {
-#pragma unroll
-    for (int off = 16; off > 0; off /= 2) acc[r] += __shfl_xor_sync(0xffffffffu, acc[r], off);
-    if (lane == 0) y[row0 + r] = acc[r];
-  }
+  store_rows(acc, y, row0, lane);
 }
 
 // The same product for many rows and k = CH * 256: a persistent kernel. Each block keeps
@@ -136,21 +148,8 @@ __global__ void __launch_bounds__(WARPS * 32, 1) matvec_stream(const float* x, i
 #pragma unroll
     for (int c = 0; c < CH; ++c)
 #pragma unroll
-      for (int r = 0; r < ROWS; ++r) {
-        const __nv_bfloat162* p = reinterpret_cast<const __nv_bfloat162*>(&buf[r][c]);
-#pragma unroll
-        for (int j = 0; j < 4; ++j) {
-          const float2 f = __bfloat1622float2(p[j]);
-          acc[r] = fmaf(f.x, xs[c][2 * j], acc[r]);
-          acc[r] = fmaf(f.y, xs[c][2 * j + 1], acc[r]);
-        }
-      }
-#pragma unroll
-    for (int r = 0; r < ROWS; ++r) {
-#pragma unroll
-      for (int off = 16; off > 0; off /= 2) acc[r] += __shfl_xor_sync(0xffffffffu, acc[r], off);
-      if (lane == 0) y[int64_t(g) * BLOCK_ROWS + warp * ROWS + r] = acc[r];
-    }
+      for (int r = 0; r < ROWS; ++r) acc[r] = dot8(buf[r][c], xs[c], acc[r]);
+    store_rows(acc, y, int64_t(g) * BLOCK_ROWS + warp * ROWS, lane);
   };
   uint4 a[ROWS][CH], b[ROWS][CH];
   int g = blockIdx.x;

@@ -22,13 +22,12 @@ import ctypes
 import functools
 import os
 import subprocess
-import time
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from benchmarks.common import env_info, save_json
+from benchmarks.common import best_call_time, env_info, save_json
 from jspec.models.deepseek import GPU_XLA_OPTIONS
 
 NAME = "jspec_pdl_chain"
@@ -95,18 +94,6 @@ def cases():
     yield "v2lite_layer", V2LITE_LAYER * 2, 2
 
 
-def timed(f, *args, calls: int = 50) -> float:
-    jax.block_until_ready(f(*args))
-    best = float("inf")
-    for _ in range(3):
-        t = time.perf_counter()
-        for _ in range(calls):
-            out = f(*args)
-        jax.block_until_ready(out)
-        best = min(best, (time.perf_counter() - t) / calls)
-    return best
-
-
 def main():
     build_and_register()
     res = {"env": env_info(), "rows": []}
@@ -128,8 +115,8 @@ def main():
                     f = jax.jit(functools.partial(cuda_chain, shapes=shapes, pdl=way == "cuda_pdl")).lower(
                         x, w_flat).compile(options)
                     args = (x, w_flat)
-                t = timed(f, *args)
-                err = float(np.max(np.abs(np.asarray(f(*args)) - want))) / scale
+                t, out = best_call_time(f, *args)
+                err = float(np.max(np.abs(np.asarray(out) - want))) / scale
                 row = {"case": name, "products": len(shapes), "mb": round(2 * w_flat.size / 1e6, 1),
                        "options": options_name, "way": way, "us_per_product": round(t / len(shapes) * 1e6, 2),
                        "us_per_layer": round(t / layers * 1e6, 2), "tb_per_s": round(2 * w_flat.size / t / 1e12, 3),

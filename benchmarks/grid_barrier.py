@@ -16,7 +16,6 @@ Run: PYTHONPATH=. python3 benchmarks/grid_barrier.py   (GPU only; result $OUT/gr
 from __future__ import annotations
 
 import functools
-import time
 
 import jax
 import jax.numpy as jnp
@@ -24,7 +23,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 
-from benchmarks.common import env_info, save_json
+from benchmarks.common import best_call_time, env_info, save_json
 from benchmarks.persistent_poc import grid_barrier
 from jspec.models.deepseek import GPU_XLA_OPTIONS
 
@@ -68,17 +67,10 @@ def chain(x, rounds: int):
     return x
 
 
-def timed(fn, x, rounds: int, calls: int = 200) -> float:
+def timed(fn, x, rounds: int) -> float:
     f = jax.jit(functools.partial(fn, rounds=rounds)).lower(x).compile(dict(GPU_XLA_OPTIONS))
-    out = jax.block_until_ready(f(x))
+    best, out = best_call_time(f, x, calls=200)
     assert float(out[0]) == rounds, (fn.__name__, rounds, float(out[0]))
-    best = float("inf")
-    for _ in range(3):
-        t = time.perf_counter()
-        for _ in range(calls):
-            out = f(x)
-        jax.block_until_ready(out)
-        best = min(best, (time.perf_counter() - t) / calls)
     return best
 
 

@@ -18,7 +18,6 @@ Run: PYTHONPATH=. python3 benchmarks/pdl_probe.py   (GPU only; result $OUT/pdl_p
 from __future__ import annotations
 
 import functools
-import time
 
 import jax
 import jax.numpy as jnp
@@ -26,7 +25,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 
-from benchmarks.common import env_info, save_json
+from benchmarks.common import best_call_time, env_info, save_json
 from jspec.models.deepseek import GPU_XLA_OPTIONS
 
 TRIGGER = "griddepcontrol.launch_dependents;\n\tmov.b32 $0, $1;"
@@ -141,18 +140,6 @@ def mosaic_chain(x, *, steps, trigger, wait, chain):
     return x
 
 
-def timed(f, x, calls=100):
-    out = jax.block_until_ready(f(x))
-    best = float("inf")
-    for _ in range(3):
-        t = time.perf_counter()
-        for _ in range(calls):
-            out = f(x)
-        jax.block_until_ready(out)
-        best = min(best, (time.perf_counter() - t) / calls)
-    return best, out
-
-
 def main():
     steps, P, chain = 5000, 132, 8
     x = jnp.arange(P, dtype=jnp.float32)
@@ -163,7 +150,7 @@ def main():
         for trigger, wait in ((False, "none"), (True, "start"), (True, "after"), (True, "none"), (False, "after")):
             fn = functools.partial(pair, steps=steps, trigger=trigger, wait=wait, chain=chain)
             f = jax.jit(fn).lower(x).compile(options)
-            t, out = timed(f, x)
+            t, out = best_call_time(f, x, calls=100)
             row = {"options": options_name, "trigger": trigger, "wait": wait, "us_per_pair": round(t / chain * 1e6, 2),
                    "exact": bool(jnp.all(out == want)), "max_err": float(jnp.max(jnp.abs(out - want)))}
             res["rows"].append(row)
@@ -180,7 +167,7 @@ def main():
             try:
                 f = jax.jit(functools.partial(fn, steps=steps, trigger=trigger, wait=wait, chain=chain)).lower(
                     xm).compile(options)
-                t, out = timed(f, xm)
+                t, out = best_call_time(f, xm, calls=100)
                 ref = jax.jit(functools.partial(fn, steps=steps, trigger=False, wait="start", chain=chain))(xm)
                 row = {"options": options_name, "what": what, "trigger": trigger, "wait": wait,
                        "us_per_step": round(t / chain * 1e6, 2), "exact": bool(jnp.all(out == ref))}
@@ -191,7 +178,7 @@ def main():
     for which in ("a", "b"):
         one = jax.jit(functools.partial(only, steps=steps, which=which, chain=chain)).lower(x).compile(
             dict(GPU_XLA_OPTIONS))
-        res[f"kernel_{which}_us"] = round(timed(one, x)[0] / chain * 1e6, 2)
+        res[f"kernel_{which}_us"] = round(best_call_time(one, x, calls=100)[0] / chain * 1e6, 2)
         print(f"kernel {which} alone, us", res[f"kernel_{which}_us"], flush=True)
     save_json("pdl_probe.json", res)
 

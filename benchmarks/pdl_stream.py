@@ -20,7 +20,6 @@ Run: PYTHONPATH=. python3 benchmarks/pdl_stream.py   (result $OUT/pdl_stream.jso
 from __future__ import annotations
 
 import functools
-import time
 
 import jax
 import jax.numpy as jnp
@@ -29,7 +28,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from benchmarks.common import copy_bandwidth, env_info, save_json
+from benchmarks.common import best_call_time, copy_bandwidth, env_info, save_json
 from jspec.models.deepseek import GPU_XLA_OPTIONS
 
 WIDTH = 256  # values a block reads from its predecessor, and the slab's row length
@@ -77,18 +76,6 @@ def reference(w, x):
     return x + jnp.sum(first_rows.astype(jnp.float32), axis=0)
 
 
-def timed(f, *args, calls: int = 50) -> float:
-    jax.block_until_ready(f(*args))
-    best = float("inf")
-    for _ in range(3):
-        t = time.perf_counter()
-        for _ in range(calls):
-            out = f(*args)
-        jax.block_until_ready(out)
-        best = min(best, (time.perf_counter() - t) / calls)
-    return best
-
-
 def main():
     blocks = 128
     res = {"env": env_info(), "blocks": blocks, "copy": {k: v / 1e12 for k, v in copy_bandwidth().items()
@@ -104,8 +91,8 @@ def main():
                                       ("no_command_buffers", {"xla_gpu_enable_command_buffer": ""})):
             for way in ("serial", "pdl", "pdl_wait_first"):
                 f = jax.jit(functools.partial(chain, way=way)).lower(w, x).compile(options)
-                t = timed(f, w, x)
-                err = float(np.max(np.abs(np.asarray(f(w, x)) - want)))
+                t, out = best_call_time(f, w, x)
+                err = float(np.max(np.abs(np.asarray(out) - want)))
                 row = {"mb_per_kernel": mb, "kernels": layers, "options": options_name, "way": way,
                        "us_per_kernel": round(t / layers * 1e6, 2), "tb_per_s": round(w.nbytes / t / 1e12, 3),
                        "max_err": err}
