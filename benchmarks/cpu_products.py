@@ -17,7 +17,7 @@ from benchmarks.common import Runner, env_info, save_json
 from benchmarks.round_cost import PROMPT, target_verify
 from jspec import bundle
 from jspec.kernels.dispatch import use_backend
-from jspec.spec import loop
+from jspec.loop import loop
 
 
 def main():

@@ -26,7 +26,7 @@ from jspec import sampling
 from jspec.cache.layout import CacheLayout, make_meta
 from jspec.kernels import decode_attention as da
 from jspec.kernels import dispatch
-from jspec.spec import loop
+from jspec.loop import loop
 
 # name -> keyword overrides for paged_decode_attention ("reference": XLA attention)
 VARIANTS = {

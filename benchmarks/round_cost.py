@@ -21,8 +21,8 @@ import jspec
 from benchmarks.common import Runner, env_info, median_time, save_json
 from jspec import bundle
 from jspec.cache.layout import causal_mask
-from jspec.spec import loop
-from jspec.spec.propose import _draft_step
+from jspec.loop import loop
+from jspec.loop.propose import _draft_step
 
 PROMPT = "def fibonacci(n):"
 

@@ -26,8 +26,8 @@ from jspec.kernels import dispatch
 from jspec.models import family_for
 from jspec.params import Params
 from jspec.sampling import SamplingParams, any_processing
-from jspec.spec import loop
-from jspec.spec.plan import LoopInputs, Plan, round_slack
+from jspec.loop import loop
+from jspec.loop.plan import LoopInputs, Plan, round_slack
 from jspec.streaming import StreamChunk
 from jspec.streaming import chunks as stream_chunks
 from jspec.util import cdiv, round_up

@@ -15,7 +15,7 @@ from typing import Any, Iterator
 import jax
 import numpy as np
 
-from jspec.spec import loop
+from jspec.loop import loop
 
 
 @dataclasses.dataclass

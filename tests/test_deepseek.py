@@ -20,7 +20,7 @@ from jspec.drafts import StandaloneDraft
 from jspec.export import save_draft, save_target
 from jspec.models import family_for
 from jspec.models.deepseek_hf import DeepseekConfig
-from jspec.spec import loop
+from jspec.loop import loop
 from conftest import PROMPTS
 
 VOCAB = 128

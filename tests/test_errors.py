@@ -19,7 +19,7 @@ from jspec import api, safetensors_io
 from jspec.config import ModelConfig
 from jspec.drafts import Eagle3Draft
 from jspec.params import DraftParams
-from jspec.spec import loop
+from jspec.loop import loop
 
 DRAFT_KINDS = ["eagle", "eagle3", "standalone"]
 

@@ -13,7 +13,7 @@ import pytest
 
 import jspec
 from jspec import sampling
-from jspec.spec import loop
+from jspec.loop import loop
 import tiny_models
 from conftest import CACHES, PROMPTS
 

@@ -21,7 +21,7 @@ from jspec.cache.layout import prefill_meta
 from jspec.drafts import MtpDraft
 from jspec.drafts.mtp import layer_config
 from jspec.export import save_draft
-from jspec.spec import loop
+from jspec.loop import loop
 from conftest import PROMPTS
 from test_deepseek import COMMON, YARN, _hf
 

@@ -13,8 +13,8 @@ from conftest import CACHES, PROMPTS
 
 import jspec
 from jspec import sampling
-from jspec.spec import accept
-from jspec.spec.tree import Tree, ancestors
+from jspec.loop import accept
+from jspec.loop.tree import Tree, ancestors
 
 
 def sp_rows(B, **kw):

@@ -14,7 +14,7 @@ import tiny_models
 from conftest import CACHES, PROMPTS
 from jspec import sharding
 from jspec.kernels import dispatch
-from jspec.spec import loop
+from jspec.loop import loop
 from jspec.tensors import HostParam
 
 pytestmark = pytest.mark.skipif(len(jax.devices()) < 4, reason="needs 4 devices "

@@ -11,7 +11,7 @@ import pytest
 import jspec
 from jspec import api
 from jspec.loading import load_draft
-from jspec.spec import loop
+from jspec.loop import loop
 from conftest import CACHES, PROMPTS
 
 

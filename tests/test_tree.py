@@ -16,8 +16,8 @@ from jspec.cache import kv as kvc
 from jspec.cache import layout as lay
 from jspec.loading import load_draft
 from jspec.models import family_for
-from jspec.spec import accept, loop
-from jspec.spec.tree import Tree, ancestors, select_tree, vocab_top_k
+from jspec.loop import accept, loop
+from jspec.loop.tree import Tree, ancestors, select_tree, vocab_top_k
 from conftest import CACHES, PROMPTS
 
 SHAPES = [pytest.param((2, 2, 4), marks=pytest.mark.slow), (3, 4, 8),

@@ -19,7 +19,7 @@ from __future__ import annotations
 import jax.numpy as jnp
 
 from jspec import sampling
-from jspec.spec.tree import Tree
+from jspec.loop.tree import Tree
 
 
 def accept_chain(tokens, choice):

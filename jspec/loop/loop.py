@@ -28,10 +28,10 @@ from flax import struct
 
 from jspec import sampling
 from jspec.cache.layout import PageState, causal_mask, free_pages, reserve
-from jspec.spec import accept
-from jspec.spec.plan import LoopInputs, Plan
-from jspec.spec.propose import first_level, propose_chain, propose_tree
-from jspec.spec.tree import Tree, chain_tree
+from jspec.loop import accept
+from jspec.loop.plan import LoopInputs, Plan
+from jspec.loop.propose import first_level, propose_chain, propose_tree
+from jspec.loop.tree import Tree, chain_tree
 from jspec.util import cdiv
 
 RUNNING, STOP, LENGTH, CACHE_FULL = 0, 1, 2, 3

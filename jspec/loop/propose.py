@@ -9,8 +9,8 @@ import jax
 import jax.numpy as jnp
 
 from jspec import sampling
-from jspec.spec.plan import Plan
-from jspec.spec.tree import chain_tree, select_tree, vocab_top_k
+from jspec.loop.plan import Plan
+from jspec.loop.tree import chain_tree, select_tree, vocab_top_k
 
 
 def first_level(plan: Plan, dw, logits_d, sp: sampling.SamplingParams, position):
