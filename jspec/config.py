@@ -3,7 +3,8 @@
 `ModelConfig` describes a Llama-family decoder as Hugging Face defines it (Llama 2/3/3.1,
 Qwen2/2.5, Qwen3, Mistral); its family (`jspec.models.llama`) parses it from config.json.
 Draft kinds are their own frozen classes (`jspec.drafts`). `SpecConfig` and `CacheConfig`
-are the user-facing knobs of generation.
+are the user-facing knobs of generation; `Tuning` holds the settings that tune kernels and
+compilation (part of every compile key, passed down as arguments).
 """
 from __future__ import annotations
 
@@ -225,3 +226,20 @@ class CacheConfig:
                 raise ValueError(f"CacheConfig.{name} must be a positive int or None, got {v!r}")
         if not isinstance(self.page_size, int) or isinstance(self.page_size, bool) or self.page_size < 1:
             raise ValueError(f"CacheConfig.page_size must be an int >= 1, got {self.page_size!r}")
+
+
+@dataclasses.dataclass(frozen=True)
+class Tuning:
+    """Settings that change how a program is computed, never what it computes: kernel tiles,
+    kernel-prologue switches, padding rules and XLA options. Part of the compile key (a
+    field of the loop's `Plan`) and passed down as arguments to the models and kernels, as
+    JAX's Pallas ops take tiles as keyword arguments. The defaults are the measured best
+    (docs/benchmarks.md); benchmarks compare settings by passing tunings.
+
+    xla_options: (name, value) pairs of XLA options for the loop's programs on a GPU, on top
+    of the target family's own (`TargetFamily.gpu_xla_options`)."""
+
+    xla_options: tuple[tuple[str, bool | int | str], ...] = ()
+
+
+DEFAULT_TUNING = Tuning()

@@ -16,7 +16,7 @@ import dataclasses
 from typing import Any, ClassVar
 
 from jspec.cache.kv import KVCacheKind
-from jspec.config import ModelConfig
+from jspec.config import DEFAULT_TUNING, ModelConfig
 from jspec.models.llama import split_llama
 
 
@@ -64,14 +64,14 @@ class Draft:
         m = self.model
         return KVCacheKind(m.num_layers, m.num_heads, m.num_kv_heads, m.head_dim, m.dtype)
 
-    def forward(self, tcfg, tw, dw, tokens, feats, cache, meta, from_target: bool):
+    def forward(self, tcfg, tw, dw, tokens, feats, cache, meta, from_target: bool, tuning=DEFAULT_TUNING):
         """tokens [B,T] (target ids), feats [B,T,F] -> (hidden [B,T,Dd], cache).
 
         from_target: feats are `target_features` (True) or the draft's own hidden from its
         previous step (False)."""
         raise NotImplementedError
 
-    def logits(self, tcfg, tw, dw, hidden):
+    def logits(self, tcfg, tw, dw, hidden, tuning=DEFAULT_TUNING):
         """hidden [..., Dd] -> float32 logits [..., Vd] over the draft vocabulary."""
         raise NotImplementedError
 

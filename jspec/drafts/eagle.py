@@ -13,6 +13,7 @@ from jspec.models import family_for
 from jspec.models.eagle import Eagle1Head
 from jspec.models.llama_hf import decoder_layer_params, hf_config, layer_tensors, model_config_from_hf
 from jspec.tensors import Tensors, hf_linear, to_numpy
+from jspec.config import DEFAULT_TUNING
 
 ARCHITECTURES = ("LlamaForCausalLMEagle", "EagleLlamaForCausalLM")
 
@@ -43,12 +44,12 @@ class EagleDraft(LlamaDraft):
     def target_features(self, hidden, aux):
         return hidden
 
-    def forward(self, tcfg, tw, dw, tokens, feats, cache, meta, from_target: bool):
+    def forward(self, tcfg, tw, dw, tokens, feats, cache, meta, from_target: bool, tuning=DEFAULT_TUNING):
         embeds = embed_tokens(tcfg, tw, dw, tokens)
         return Eagle1Head(self.model, self.fc_bias).apply({"params": dw["params"]}, embeds,
                                                           feats.astype(embeds.dtype), cache, meta)
 
-    def logits(self, tcfg, tw, dw, hidden):
+    def logits(self, tcfg, tw, dw, hidden, tuning=DEFAULT_TUNING):
         return family_for(tcfg).logits(tcfg, tw, hidden)
 
     def init(self, key, target_vocab: int):

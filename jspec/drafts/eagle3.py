@@ -15,6 +15,7 @@ from jspec.drafts.eagle import embed_tokens, head_model_config
 from jspec.models.eagle import Eagle3Head
 from jspec.models.llama_hf import decoder_layer_params, hf_config, layer_tensors
 from jspec.tensors import Tensors, hf_linear, to_numpy
+from jspec.config import DEFAULT_TUNING
 
 ARCHITECTURES = ("LlamaForCausalLMEagle3", "Eagle3LlamaForCausalLM")
 
@@ -60,12 +61,12 @@ class Eagle3Draft(LlamaDraft):
     def _head(self):
         return Eagle3Head(self.model, self.draft_vocab_size)
 
-    def forward(self, tcfg, tw, dw, tokens, feats, cache, meta, from_target: bool):
+    def forward(self, tcfg, tw, dw, tokens, feats, cache, meta, from_target: bool, tuning=DEFAULT_TUNING):
         embeds = embed_tokens(tcfg, tw, dw, tokens)
         return self._head().apply({"params": dw["params"]}, embeds, feats.astype(embeds.dtype), cache, meta,
                                   from_target)
 
-    def logits(self, tcfg, tw, dw, hidden):
+    def logits(self, tcfg, tw, dw, hidden, tuning=DEFAULT_TUNING):
         return self._head().apply({"params": dw["params"]}, hidden, method=Eagle3Head.head)
 
     def to_target_ids(self, dw, ids):

@@ -32,6 +32,7 @@ from jspec.models.deepseek import MtpLayer
 from jspec.models.deepseek_hf import DeepseekConfig
 from jspec.models.llama import product
 from jspec.tensors import Tensors, hf_linear, to_numpy
+from jspec.config import DEFAULT_TUNING
 
 NEXTN_ARCHITECTURE = "DeepseekV3ForCausalLMNextN"
 _OWN = ("enorm", "hnorm", "eh_proj", "shared_head.norm")  # the layer's tensors besides its block
@@ -65,11 +66,11 @@ class MtpDraft(Draft):
     def cache_kind(self):
         return family_for(self.model).cache_kind(self.model)
 
-    def forward(self, tcfg, tw, dw, tokens, feats, cache, meta, from_target: bool):
+    def forward(self, tcfg, tw, dw, tokens, feats, cache, meta, from_target: bool, tuning=DEFAULT_TUNING):
         embeds = embed_tokens(tcfg, tw, dw, tokens)
         return MtpLayer(self.model).apply({"params": dw["params"]}, embeds, feats.astype(embeds.dtype), cache, meta)
 
-    def logits(self, tcfg, tw, dw, hidden):
+    def logits(self, tcfg, tw, dw, hidden, tuning=DEFAULT_TUNING):
         head = dw.get("head")  # [D, V]
         if head is None:
             return family_for(tcfg).logits(tcfg, tw, hidden)

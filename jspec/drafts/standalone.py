@@ -5,6 +5,7 @@ import dataclasses
 
 from jspec.drafts.base import Draft
 from jspec.models import FAMILIES, family_for, family_for_hf
+from jspec.config import DEFAULT_TUNING
 
 
 @dataclasses.dataclass(frozen=True)
@@ -18,11 +19,11 @@ class StandaloneDraft(Draft):
     def lag(self) -> int:
         return 1
 
-    def forward(self, tcfg, tw, dw, tokens, feats, cache, meta, from_target: bool):
+    def forward(self, tcfg, tw, dw, tokens, feats, cache, meta, from_target: bool, tuning=DEFAULT_TUNING):
         hidden, _, cache = family_for(self.model).forward(self.model, dw, tokens, cache, meta)
         return hidden, cache
 
-    def logits(self, tcfg, tw, dw, hidden):
+    def logits(self, tcfg, tw, dw, hidden, tuning=DEFAULT_TUNING):
         return family_for(self.model).logits(self.model, dw, hidden)
 
     def cache_kind(self):

@@ -10,6 +10,7 @@ one line in `jspec.models.FAMILIES`.
 from __future__ import annotations
 
 from typing import Any, ClassVar
+from jspec.config import DEFAULT_TUNING
 
 
 class TargetFamily:
@@ -40,12 +41,12 @@ class TargetFamily:
         """The cache kind (jspec.cache) whose caches `forward` reads and writes."""
         raise NotImplementedError
 
-    def forward(self, cfg, weights, tokens, cache, meta, capture: tuple[int, ...] = ()):
+    def forward(self, cfg, weights, tokens, cache, meta, capture: tuple[int, ...] = (), tuning=DEFAULT_TUNING):
         """tokens [B,T] -> (hidden [B,T,D] after the final norm, {layer i: its input
         [B,T,D]} for the `capture` layers (i = num_layers: the last layer's output), cache)."""
         raise NotImplementedError
 
-    def logits(self, cfg, weights, hidden):
+    def logits(self, cfg, weights, hidden, tuning=DEFAULT_TUNING):
         """hidden [..., D] -> float32 logits [..., V]."""
         raise NotImplementedError
 

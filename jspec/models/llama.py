@@ -17,7 +17,7 @@ from jax.sharding import PartitionSpec as P
 
 from jspec.cache.kv import KVCache, KVCacheKind
 from jspec.cache.layout import AttnMeta, prefill_meta
-from jspec.config import ModelConfig
+from jspec.config import DEFAULT_TUNING, ModelConfig
 from jspec.kernels import cpu_matmul, moe_experts
 from jspec.kernels.attention import cached_attention
 from jspec import sharding
@@ -310,12 +310,13 @@ class FlaxFamily(TargetFamily):
         return self.model(cfg).init(key, tokens, None, prefill_meta(jnp.full((1,), 2, jnp.int32), 2),
                                     method=self.model.init_all)
 
-    def forward(self, cfg, weights, tokens, cache, meta: AttnMeta, capture: tuple[int, ...] = ()):
+    def forward(self, cfg, weights, tokens, cache, meta: AttnMeta, capture: tuple[int, ...] = (),
+                tuning=DEFAULT_TUNING):
         """tokens [B,T] -> (hidden [B,T,D] after the final norm, {layer: its input [B,T,D]}
         for the `capture` layers, cache)."""
         return self.model(cfg).apply(weights, tokens, cache, meta, capture)
 
-    def logits(self, cfg, weights, hidden):
+    def logits(self, cfg, weights, hidden, tuning=DEFAULT_TUNING):
         """hidden [..., D] -> float32 logits [..., V]."""
         return self.model(cfg).apply(weights, hidden, method=self.model.logits)
 
