@@ -1,21 +1,23 @@
 """jspec: speculative decoding for LLMs in JAX/XLA.
 
-    params = jspec.load(target_dir, draft=draft_dir)
+    params = jspec.load(target_dir, draft=draft_dir)         # or draft="ngram": prompt lookup
     out = jspec.generate(params, "def fib(n):", max_new_tokens=64)
     prog = jspec.compile(params, prompts, max_new_tokens=64)   # compile once, run many times
     out = prog.run(other_prompts)
     for chunk in jspec.stream(params, "def fib(n):"):          # tokens and text as rounds commit
         print(chunk.text, end="")
 """
-from jspec.config import CacheConfig, ModelConfig, SpecConfig
+from jspec.config import CacheConfig, ModelConfig, SpecConfig, Tuning
 from jspec.api import Compiled, GenerateOutput, SpecStats, clear_caches, compile, generate, logits, stream
 from jspec.drafts import Draft, Eagle3Draft, EagleDraft, MtpDraft, StandaloneDraft
 from jspec.loading import load, load_draft, shard
+from jspec.loop.proposers.ngram import NgramDraft
 from jspec.params import DraftParams, Params
 from jspec.streaming import StreamChunk
 
 __version__ = "0.1.0"
 
 __all__ = ["CacheConfig", "Compiled", "Draft", "DraftParams", "Eagle3Draft", "EagleDraft", "GenerateOutput",
-           "ModelConfig", "MtpDraft", "Params", "SpecConfig", "SpecStats", "StandaloneDraft", "StreamChunk", "clear_caches", "compile", "generate",
-           "load", "load_draft", "logits", "shard", "stream"]
+           "ModelConfig", "MtpDraft", "NgramDraft", "Params", "SpecConfig", "SpecStats", "StandaloneDraft",
+           "StreamChunk", "Tuning", "clear_caches", "compile", "generate", "load", "load_draft", "logits", "shard",
+           "stream"]

@@ -111,8 +111,8 @@ def _load(ap: argparse.ArgumentParser, args):
     if draft == "none":
         draft = None
     embedded = args.target is not None and draft in EMBEDDED_DRAFTS  # e.g. a DeepSeek checkpoint's own MTP layer
-    if draft is not None and not embedded and not (args.target is None and draft in BUNDLED_DRAFTS) \
-            and not os.path.isdir(draft):
+    named = draft == "ngram" or embedded or (args.target is None and draft in BUNDLED_DRAFTS)  # no directory
+    if draft is not None and not named and not os.path.isdir(draft):
         why = (" ('eagle3' and 'standalone' name the bundled drafts, which go with the bundled target)"
                if draft in BUNDLED_DRAFTS else "")
         ap.error(f"argument --draft: no such directory: {draft!r}{why}")
@@ -137,9 +137,9 @@ def _generate_parser() -> _Parser:
     ap.add_argument("prompt", nargs="?", default="def fibonacci(n):",
                     help="the text to continue (default: 'def fibonacci(n):', the README's first run)")
     ap.add_argument("--max-new-tokens", type=_int(1), default=160)
-    _model_args(ap, "a draft directory, 'none' (plain decoding only), 'mtp' (the MTP layer in a --target "
-                    "DeepSeek-V3 checkpoint), or with the bundled target 'eagle3' or 'standalone' (default: eagle3 "
-                    "with the bundled target, none with --target)")
+    _model_args(ap, "a draft directory, 'none' (plain decoding only), 'ngram' (prompt lookup in the text "
+                    "itself), 'mtp' (the MTP layer in a --target DeepSeek-V3 checkpoint), or with the bundled target "
+                    "'eagle3' or 'standalone' (default: eagle3 with the bundled target, none with --target)")
     ap.add_argument("--steps", type=_int(1), default=None,
                     help="draft steps per round (default: 2 on a CPU, 5 elsewhere: the fastest chains of the "
                          "bundled pair, docs/benchmarks.md)")
@@ -234,8 +234,8 @@ def _bench_parser() -> _Parser:
     ap = _Parser(prog=f"{PROG} bench",
                  description="Times plain decoding against speculative chains and trees, per batch size "
                              "(greedy, no stop tokens), and prints tau, tokens/s and the speed-up.")
-    _model_args(ap, "a draft directory or 'mtp' (needed with --target), or with the bundled target 'eagle3' "
-                    "(the default) or 'standalone'")
+    _model_args(ap, "a draft directory, 'ngram' or 'mtp' (needed with --target), or with the bundled target "
+                    "'eagle3' (the default), 'standalone' or 'ngram'")
     ap.add_argument("--batch", type=_int(1), nargs="+", default=[1], metavar="B", help="batch sizes (default: 1)")
     ap.add_argument("--spec", type=_spec, nargs="+", default=None, metavar="S,K,N",
                     help=f"draft steps, topk, verified tokens; K=1 is a chain (default: {defaults})")

@@ -16,6 +16,7 @@ import numpy as np
 from jspec import safetensors_io, sharding
 from jspec.config import DTYPES
 from jspec.drafts import EMBEDDED_DRAFTS, kind_of_checkpoint
+from jspec.loop.proposers.ngram import NgramDraft
 from jspec.models import family_for, family_for_hf
 from jspec.params import DraftParams, Params
 from jspec.tensors import place
@@ -123,6 +124,8 @@ def _split_target(config, weights, mesh, where: str = "target"):
 
 
 def _split_draft(draft: DraftParams, mesh, where: str = "draft") -> DraftParams:
+    if draft.weights is None:  # a proposer without weights (n-gram drafts): nothing to place
+        return draft
     if mesh is None:
         return DraftParams(draft.config, place(draft.weights))
     try:
@@ -161,11 +164,14 @@ def load_draft(draft_dir: str, target: Params) -> DraftParams:
     return _split_draft(DraftParams(*kind.from_hf(cfg_json, tensors, target.config, where)), target.mesh, where)
 
 
-def load(target_dir: str, *, draft: str | None = None, dtype: str | None = None, devices=None) -> Params:
+def load(target_dir: str, *, draft: str | NgramDraft | None = None, dtype: str | None = None,
+         devices=None) -> Params:
     """Loads a target (and optionally a draft) from local Hugging Face directories.
 
-    draft: a draft's directory, or "mtp" for the MTP (NextN) layer inside the target's own
-    checkpoint (a directory named mtp: "./mtp"). dtype: 'float32', 'bfloat16' or 'float16'
+    draft: a draft's directory; "mtp" for the MTP (NextN) layer inside the target's own
+    checkpoint; "ngram" for n-gram (prompt lookup) drafts with their defaults, or a
+    `jspec.NgramDraft(min_n=..., max_n=...)` (a directory named mtp or ngram: "./mtp").
+    dtype: 'float32', 'bfloat16' or 'float16'
     for the weights and activations; None keeps the checkpoint's declared dtype.
     devices: split target and draft over several devices (tensor parallelism, see
     `jspec.sharding`): a count (the first n of `jax.devices()`), a list of devices or a
@@ -173,6 +179,12 @@ def load(target_dir: str, *, draft: str | None = None, dtype: str | None = None,
     every weight from the safetensors files.
     """
     mesh = None if devices is None else sharding.make_mesh(devices)
+    if draft == "ngram":
+        draft = NgramDraft()
+    if isinstance(draft, NgramDraft):
+        return load_target(target_dir, dtype, mesh=mesh).with_draft(draft)
+    if draft is not None and not isinstance(draft, (str, os.PathLike)):
+        raise TypeError(f"draft must be a directory, 'mtp', 'ngram' or a jspec.NgramDraft, got {type(draft).__name__}")
     if isinstance(draft, str) and draft in EMBEDDED_DRAFTS:
         return load_target(target_dir, dtype, embedded_draft=draft, mesh=mesh)
     params = load_target(target_dir, dtype, mesh=mesh)

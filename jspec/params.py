@@ -24,5 +24,9 @@ class Params:
     draft: DraftParams | None = None
     mesh: Any = None
 
-    def with_draft(self, draft: DraftParams | None) -> "Params":
+    def with_draft(self, draft) -> "Params":
+        """These params with another draft: a `DraftParams`, a draft without weights (a
+        `jspec.NgramDraft`), or None (plain decoding)."""
+        if draft is not None and not isinstance(draft, DraftParams):
+            draft = DraftParams(draft, None)
         return dataclasses.replace(self, draft=draft)

@@ -63,6 +63,16 @@ class SamplingParams:
     seed: jax.Array  # int32
 
 
+NEUTRAL = dict(temperature=0.0, top_k=0, top_p=1.0, min_p=0.0, repetition_penalty=1.0, presence_penalty=0.0,
+               frequency_penalty=0.0, seed=0)  # each field's value that turns its step off
+
+
+def neutral(batch: int) -> SamplingParams:
+    """[batch] rows of neutral values (greedy, no filters, no penalties, seed 0)."""
+    return SamplingParams(**{k: jnp.full((batch,), v, jnp.int32 if isinstance(v, int) else jnp.float32)
+                             for k, v in NEUTRAL.items()})
+
+
 @struct.dataclass
 class History:
     """What the penalties read: per request, the prompt's tokens and the generated counts."""

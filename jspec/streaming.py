@@ -1,10 +1,11 @@
 """Streaming: `jspec.stream` yields each request's new tokens and text as rounds commit.
 
-It runs the generation loop's own rounds in bounded chunks: one compiled program prefills
-(`loop.start`), another runs up to `rounds_per_chunk` rounds (`loop.advance`), and the
-state, caches included, is carried from call to call (donated: updated in place). Values
-never recompile between chunks, and the concatenated chunks are `generate`'s output.
-Closing the generator early (a `break`, or dropping it) releases the state.
+It runs the generation loop's own rounds in bounded chunks: one compiled program admits
+the requests into a fresh state (`programs.start`), another runs up to `rounds_per_chunk`
+rounds (`programs.advance`), and the state, caches included, is carried from call to call
+(donated: updated in place). Values never recompile between chunks, and the concatenated
+chunks are `generate`'s output. Closing the generator early (a `break`, or dropping it)
+releases the state.
 """
 from __future__ import annotations
 
@@ -15,7 +16,9 @@ from typing import Any, Iterator
 import jax
 import numpy as np
 
-from jspec.loop import loop
+from jspec.loop import programs
+from jspec.loop.state import init_state
+from jspec.results import generate_output
 
 
 @dataclasses.dataclass
@@ -31,7 +34,7 @@ class StreamChunk:
     output: Any = None
 
 
-class _TextDiff:
+class TextDiff:
     """A request's new text as tokens arrive: the decoded text's growth, holding back a
     trailing replacement character (a multi-byte character cut between tokens)."""
 
@@ -52,8 +55,8 @@ class _TextDiff:
 
 
 def chunks(prog, reqs, rounds_per_chunk: int) -> Iterator[StreamChunk]:
-    """The stream of `prog` (a `Compiled`) over checked requests `reqs` (checked here, at
-    the call; the programs compile at the first chunk)."""
+    """The stream of `prog` (a `jspec.Compiled`) over checked requests `reqs` (checked
+    here, at the call; the programs compile at the first chunk)."""
     if isinstance(rounds_per_chunk, bool) or not (isinstance(rounds_per_chunk, (int, np.integer))
                                                   and rounds_per_chunk >= 1):
         raise ValueError(f"rounds_per_chunk must be an int >= 1, got {rounds_per_chunk!r}")
@@ -61,21 +64,19 @@ def chunks(prog, reqs, rounds_per_chunk: int) -> Iterator[StreamChunk]:
 
 
 def _chunks(prog, reqs, rounds_per_chunk: int) -> Iterator[StreamChunk]:
-    from jspec.api import _inputs, _outputs  # the API module imports this one
-
     prog.fit(reqs)
-    plan, (tw, dw) = prog.plan, prog.weights
-    start = prog.program(loop.start_jit, reqs)
-    inp = prog.put(_inputs(plan, reqs, prog.cache))
-    state_shape = jax.eval_shape(lambda tw, dw, inp: loop.start(plan, tw, dw, inp), tw, dw, inp)
-    advance = prog.program(loop.advance_jit, reqs, state_shape, np.int32(0))
+    plan, (tw, pw) = prog.plan, prog.weights
+    rows, adm = prog.device_inputs(reqs)
+    start = prog.program(programs.start_jit, rows, adm)
+    state_shape = jax.eval_shape(lambda: init_state(plan))
+    advance = prog.program(programs.advance_jit, state_shape, np.int32(0))
     compile_s, prog.compile_s = prog.compile_s, 0.0
-    lens = [len(p) for p in reqs.prompts]
+    lens = reqs.lens
     n = len(lens)
     shown = [0] * n
-    texts = [_TextDiff(prog.params.tokenizer) for _ in range(n)]
+    texts = [TextDiff(prog.params.tokenizer) for _ in range(n)]
     run_s, t0 = 0.0, time.perf_counter()
-    st, back = start(tw, dw, inp)
+    st, back = start(tw, pw, rows, adm)
     try:
         while True:
             back = jax.device_get(back)
@@ -88,8 +89,8 @@ def _chunks(prog, reqs, rounds_per_chunk: int) -> Iterator[StreamChunk]:
                 text.append(texts[i].new([int(t) for t in back["tokens"][i, l: l + g]], done))
                 shown[i] = g
             finished = [bool(f) or done for f in back["finished"][:n]]
-            output = _outputs(prog.params, plan, back, lens, reqs.is_batch, compile_s=compile_s,
-                              run_s=run_s) if done else None
+            output = generate_output(prog.params, plan, back, lens, reqs.is_batch, compile_s=compile_s,
+                                     run_s=run_s) if done else None
             if reqs.is_batch:
                 yield StreamChunk(tokens, text, finished, output)
             else:
@@ -97,6 +98,6 @@ def _chunks(prog, reqs, rounds_per_chunk: int) -> Iterator[StreamChunk]:
             if done:
                 return
             t0 = time.perf_counter()
-            st, back = advance(tw, dw, inp, st, np.int32(int(back["step"]) + rounds_per_chunk))
+            st, back = advance(tw, pw, st, np.int32(int(back["step"]) + rounds_per_chunk))
     finally:
         del st, back  # the caches go with the last reference

@@ -20,7 +20,7 @@ from jspec.drafts import StandaloneDraft
 from jspec.export import save_draft, save_target
 from jspec.models import family_for
 from jspec.models.deepseek_hf import DeepseekConfig
-from jspec.loop import loop
+from jspec.loop import programs
 from conftest import PROMPTS
 
 VOCAB = 128
@@ -178,7 +178,7 @@ def test_latent_cache_holds_what_plain_decoding_writes(with_draft):
     prog = jspec.compile(p, PROMPTS, max_new_tokens=30, stop_token_ids=[], cache=cfg,
                          spec=jspec.SpecConfig(num_steps=3, topk=4, num_draft_tokens=8))
     plan = dataclasses.replace(prog.plan, max_rounds=4)
-    st = jax.jit(loop.run, static_argnums=0)(plan, *prog.weights, prog.inputs())
+    st = jax.jit(programs.run, static_argnums=0)(plan, *prog.weights, *prog.inputs())
     c = p.config
     family = family_for(c)
     Ls = np.asarray(st.L)

@@ -15,11 +15,13 @@ import jax.numpy as jnp
 import pytest
 
 import jspec
-from jspec import api, safetensors_io
+from jspec import requests as rq
+from jspec import safetensors_io
 from jspec.config import ModelConfig
 from jspec.drafts import Eagle3Draft
 from jspec.params import DraftParams
-from jspec.loop import loop
+from jspec.loop import plan as plan_module
+from jspec.loop import programs
 
 DRAFT_KINDS = ["eagle", "eagle3", "standalone"]
 
@@ -28,7 +30,7 @@ DRAFT_KINDS = ["eagle", "eagle3", "standalone"]
 def no_compiling(monkeypatch):
     def no_compile(*a, **k):
         raise AssertionError("compiled despite bad input")
-    monkeypatch.setattr(loop.generate_jit, "lower", no_compile)
+    monkeypatch.setattr(programs.generate_jit, "lower", no_compile)
 
 
 def _copy(src: str, tmp_path, name: str = "model") -> str:
@@ -166,7 +168,7 @@ def test_topk_beyond_draft_vocabulary(with_draft, no_compiling, name, vocab):
         with pytest.raises(ValueError, match=f"^{re.escape(msg)}$"):
             fn(params, [1, 2, 3], max_new_tokens=4, spec=spec)
     # topk == Vd is allowed (checked without compiling).
-    assert api._spec_config(params, jspec.SpecConfig(num_steps=2, topk=vocab)).topk == vocab
+    assert rq.spec_config(params, jspec.SpecConfig(num_steps=2, topk=vocab)).topk == vocab
 
 
 @pytest.mark.parametrize("name,cache", [(None, "dense"), (None, "paged"), ("eagle3", "dense"),
@@ -188,8 +190,7 @@ def test_max_new_tokens_beyond_memory(target, with_draft, no_compiling, name, ca
 
 def test_max_new_tokens_capped_by_max_len_is_not_refused(target):
     """With a cache max_len, max_new_tokens is cut to the cache's room: nothing to refuse."""
-    reqs = api._requests(target, [1, 2, 3], 10 ** 9, [], {})
-    plan = api._plan(target, reqs, jspec.CacheConfig("dense", max_len=64), None)
+    plan = _plan(target, [1, 2, 3], 10 ** 9, jspec.CacheConfig("dense", max_len=64), None)
     assert plan.layout.capacity <= 128
 
 
@@ -201,7 +202,13 @@ def test_device_memory_reads_gpu_bytes_limit(monkeypatch):
             return {"bytes_limit": 106 * 2 ** 30, "bytes_in_use": 0}
 
     monkeypatch.setattr(jax, "devices", lambda *a: [FakeGPU()])
-    assert api._device_memory() == (106 * 2 ** 30, "GPU device 0")
+    assert plan_module.device_memory() == (106 * 2 ** 30, "GPU device 0")
+
+
+def _plan(params, prompts, max_new, cache, spec):
+    """The Plan `jspec.compile` makes for these requests (nothing compiled)."""
+    reqs = rq.check_requests(params, prompts, max_new, [], {})
+    return plan_module.make_plan(params, reqs.lens, reqs.max_new, 0, reqs.samples, rq.cache_config(cache), spec)
 
 
 LLAMA3_8B = ModelConfig(vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_layers=32, num_heads=32,
@@ -226,24 +233,20 @@ def test_8b_batch32_plans_fit_an_h200(monkeypatch, cache, spec):
     """What runs today must still pass: 8B shapes, batch 32, 1k-token prompts and a few
     thousand new tokens fit the ~106 GiB jax may use of a 141 GB H200 (its default 75%);
     a million new tokens do not."""
-    monkeypatch.setattr(api, "_device_memory", lambda: (106 * 2 ** 30, "GPU device 0"))
+    monkeypatch.setattr(plan_module, "device_memory", lambda: (106 * 2 ** 30, "GPU device 0"))
     params = _params_8b(draft=spec is not None)
     prompts = [[1] * 1024] * 32
     for max_new in (1024, 4096):
-        reqs = api._requests(params, prompts, max_new, [], {})
-        plan = api._plan(params, reqs, api._cache_config(cache), spec)
-        assert plan.batch == 32
-    reqs = api._requests(params, prompts, 10 ** 6, [], {})
+        assert _plan(params, prompts, max_new, cache, spec).batch == 32
     with pytest.raises(ValueError, match="max_new_tokens=1000000 does not fit in memory.* but GPU device 0 has "
                                          "106.0 GiB"):
-        api._plan(params, reqs, api._cache_config(cache), spec)
+        _plan(params, prompts, 10 ** 6, cache, spec)
 
 
 def test_plan_bytes_counts_caches_and_token_buffers():
     """Dense 8B target alone: keys and values of 32 layers x 8 heads x 128 in bf16 for every
     slot (trash included), plus the int32 token buffer."""
     params = _params_8b(draft=False)
-    reqs = api._requests(params, [[1] * 1024] * 32, 1024, [], {})
-    plan = api._plan(params, reqs, api._cache_config("dense"), None)
+    plan = _plan(params, [[1] * 1024] * 32, 1024, "dense", None)
     B, C = plan.batch, plan.layout.capacity
-    assert api._plan_bytes(plan) == 32 * 2 * 8 * 128 * 2 * B * (C + 1) + 4 * B * plan.buffer_len
+    assert plan_module.plan_bytes(plan) == 32 * 2 * 8 * 128 * 2 * B * (C + 1) + 4 * B * plan.buffer_len

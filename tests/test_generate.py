@@ -13,7 +13,7 @@ import pytest
 
 import jspec
 from jspec import sampling
-from jspec.loop import loop
+from jspec.loop import programs
 import tiny_models
 from conftest import CACHES, PROMPTS
 
@@ -81,7 +81,7 @@ def test_dense_max_len_limits_and_errors(target, hf_greedy):
 def test_sampling_no_recompile_no_transfer_and_seeds(target, monkeypatch, fresh_compiles):
     # Count traces of the loop: new sampling values reuse the sampling program; greedy
     # requests have their own (without the sampling steps), compiled once.
-    monkeypatch.setattr(loop, "generate_jit", jax.jit(chex.assert_max_traces(loop.generate_fn, n=2),
+    monkeypatch.setattr(programs, "generate_jit", jax.jit(chex.assert_max_traces(programs.generate_fn, n=2),
                                                       static_argnums=0))
     chex.clear_trace_counter()
     kw = dict(max_new_tokens=8, stop_token_ids=[])
@@ -130,7 +130,7 @@ def test_filter_logits_top_k_top_p():
 def no_compiling(monkeypatch):
     def no_compile(*a, **k):
         raise AssertionError("compiled despite bad input")
-    monkeypatch.setattr(loop.generate_jit, "lower", no_compile)
+    monkeypatch.setattr(programs.generate_jit, "lower", no_compile)
 
 
 BAD_INPUTS = [
@@ -192,7 +192,7 @@ def test_bad_params_fail_before_compiling(target, no_compiling):
 def test_compile_once_run_many(target, hf_greedy, monkeypatch, fresh_compiles):
     """jspec.compile compiles once; run() takes new prompts, limits and seeds that fit
     the compiled shape without tracing again, and refuses ones that do not fit."""
-    monkeypatch.setattr(loop, "generate_jit", jax.jit(chex.assert_max_traces(loop.generate_fn, n=1),
+    monkeypatch.setattr(programs, "generate_jit", jax.jit(chex.assert_max_traces(programs.generate_fn, n=1),
                                                       static_argnums=0))
     chex.clear_trace_counter()
     prog = jspec.compile(target, PROMPTS, max_new_tokens=12, stop_token_ids=[])

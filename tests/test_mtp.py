@@ -21,7 +21,7 @@ from jspec.cache.layout import prefill_meta
 from jspec.drafts import MtpDraft
 from jspec.drafts.mtp import layer_config
 from jspec.export import save_draft
-from jspec.loop import loop
+from jspec.loop import programs
 from conftest import PROMPTS
 from test_deepseek import COMMON, YARN, _hf
 
@@ -115,8 +115,8 @@ def test_first_draft_matches_transformers_mtp(mtp_target):
     K = 4
     prog = jspec.compile(p, PROMPTS, max_new_tokens=4, stop_token_ids=[],
                          spec=jspec.SpecConfig(num_steps=2, topk=K, num_draft_tokens=5))
-    st = jax.jit(loop.run, static_argnums=0)(dataclasses.replace(prog.plan, max_rounds=0), *prog.weights,
-                                             prog.inputs())
+    st = jax.jit(programs.run, static_argnums=0)(dataclasses.replace(prog.plan, max_rounds=0), *prog.weights,
+                                                 *prog.inputs())
     for b, prompt in enumerate(PROMPTS):
         with torch.no_grad():
             out = model(torch.tensor([prompt]), output_hidden_states=True)

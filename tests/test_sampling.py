@@ -167,7 +167,7 @@ def _sampled_chain_rows(p0, p1, q0, n, u=None, monkeypatch=None, q_told=None):
     sp = sp_rows(n, seed=np.arange(n))
     anc = jnp.broadcast_to(jnp.tril(jnp.ones((2, 2), bool)), (n, 2, 2))
     acc_len, _, bonus = accept.accept_sampled_chain(tokens, logits, logq, sp, no_history(n, V), anc,
-                                                    jnp.zeros((n,), jnp.int32))
+                                                    jnp.zeros((n,), jnp.int32), jnp.ones((n, 2), bool))
     acc_len, bonus = np.asarray(acc_len), np.asarray(bonus)
     return np.where(acc_len > 1, d, bonus), acc_len
 
@@ -212,7 +212,8 @@ def test_duplicate_siblings_emit_the_choice_sequence():
     tokens are the target's choices in order."""
     parents = jnp.asarray([[-1, 0, 0, 2, 1]])
     depth, anc = ancestors(parents, 3)
-    tree = Tree(tokens=jnp.asarray([[9, 4, 4, 6, 7]]), parents=parents, depth=depth, anc=anc)
+    tree = Tree(tokens=jnp.asarray([[9, 4, 4, 6, 7]]), parents=parents, depth=depth, anc=anc,
+                valid=jnp.ones((1, 5), bool))
     # choice at node: root -> 4; node 1 -> 5 (its child 7 is wrong); node 2 -> 6; node 3 -> 8
     choice = jnp.asarray([[4, 5, 6, 8, 0]])
     acc_len, path, bonus = accept.accept_tree(tree, choice, 2)

@@ -14,7 +14,7 @@ import tiny_models
 from conftest import CACHES, PROMPTS
 from jspec import sharding
 from jspec.kernels import dispatch
-from jspec.loop import loop
+from jspec.loop import programs
 from jspec.tensors import HostParam
 
 pytestmark = pytest.mark.skipif(len(jax.devices()) < 4, reason="needs 4 devices "
@@ -123,7 +123,7 @@ def test_weights_and_caches_are_split(split, single):
     # Caches: the target's and the draft's split by KV head.
     prog = jspec.compile(pn, PROMPTS, max_new_tokens=6, cache=CACHES["paged16"], spec=CHAIN)
     tw, dw = prog.weights
-    st, _ = prog.program(loop.start_jit, prog._reqs)(tw, dw, prog.put(prog.inputs()))
+    st, _ = prog.program(programs.start_jit, *prog.device_inputs(prog.requests()))(tw, dw, *prog.device_inputs(prog.requests()))
     for cache in (st.tcache.kv[0], st.dcache.kv[0]):
         assert _spec(cache)[-2:] == ("tp", None)
         Hkv = cache.shape[-2]

@@ -9,9 +9,8 @@ import numpy as np
 import pytest
 
 import jspec
-from jspec import api
 from jspec.loading import load_draft
-from jspec.loop import loop
+from jspec.loop import programs
 from conftest import CACHES, PROMPTS
 
 
@@ -66,7 +65,7 @@ def _program(p, spec, cache="dense"):
     """(whole program, the loop of rounds, the top-level conds) of one generation, traced
     the way jspec.compile builds it."""
     prog = jspec.compile(p, PROMPTS, max_new_tokens=12, stop_token_ids=[], cache=CACHES[cache], spec=spec)
-    closed = jax.make_jaxpr(loop.generate_fn, static_argnums=0)(prog.plan, *prog.weights, prog.inputs())
+    closed = jax.make_jaxpr(programs.generate_fn, static_argnums=0)(prog.plan, *prog.weights, *prog.inputs())
     top = closed.jaxpr.eqns
     whiles = [e for e in top if e.primitive.name == "while"]
     assert whiles, "no while loop of rounds in the program"
@@ -130,7 +129,7 @@ def test_default_chain_stop_token_and_limits(perm):
     out = jspec.generate(p, [[5, 7, 9], [5, 7, 9]], max_new_tokens=[30, 4], stop_token_ids=[stop])
     assert out.tokens == [cont[:7], cont[:4]]  # a stop inside an accepted run ends it there
     assert out.finish_reasons == ["stop", "length"]
-    assert max(out.stats.accept_lengths[0]) == api.DEFAULT_SPEC.num_steps + 1
+    assert max(out.stats.accept_lengths[0]) == jspec.SpecConfig().num_steps + 1
 
 
 def _half_agreeing_standalone(perm, path, bad):
@@ -151,7 +150,7 @@ def test_spec_stats(perm, tmp_path):
     pi = perm["pi"]
     bad = set(np.random.RandomState(0).choice(len(pi), len(pi) // 4, replace=False).tolist())
     p = _half_agreeing_standalone(perm, str(tmp_path / "draft"), bad)
-    S = api.DEFAULT_SPEC.num_steps
+    S = jspec.SpecConfig().num_steps
     prompts, max_new = [[5, 7, 9], [20, 21, 22, 23, 24, 25, 26]], [20, 9]
     out = jspec.generate(p, prompts, max_new_tokens=max_new, stop_token_ids=[])
     want = []
@@ -201,7 +200,7 @@ def test_eagle3_default_aux_layers(target, drafts, hf_greedy, tmp_path):
 
 def test_spec_loop_no_transfer_no_retrace(with_draft, monkeypatch, fresh_compiles):
     p = with_draft("eagle3")
-    monkeypatch.setattr(loop, "generate_jit", jax.jit(chex.assert_max_traces(loop.generate_fn, n=1),
+    monkeypatch.setattr(programs, "generate_jit", jax.jit(chex.assert_max_traces(programs.generate_fn, n=1),
                                                       static_argnums=0))
     chex.clear_trace_counter()
     spec = jspec.SpecConfig(num_steps=2)

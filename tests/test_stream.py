@@ -30,20 +30,20 @@ def test_stream_equals_generate(with_draft, sampled):
     if sampled:
         kw.update(temperature=[0.8, 0.0, 1.2], top_p=0.9, seed=[3, 4, 5])
     want = jspec.generate(p, PROMPTS, **kw)
-    n_programs = len(api._COMPILED)
+    n_programs = api.compiled_programs()
     chunks = jspec.stream(p, PROMPTS, rounds_per_chunk=1, **kw)
     first = next(chunks)  # the prefill's token, before any round
     assert [len(t) for t in first.tokens] == [1, 1, 1] and first.output is None
-    assert len(api._COMPILED) == n_programs + 2  # start and advance, compiled once
+    assert api.compiled_programs() == n_programs + 2  # start and advance, compiled once
     tokens, count, out = _joined([first, *chunks])
-    assert len(api._COMPILED) == n_programs + 2
+    assert api.compiled_programs() == n_programs + 2
     assert tokens == want.tokens and out.tokens == want.tokens
     assert out.finish_reasons == want.finish_reasons == ["length"] * 3
     assert out.stats.accept_lengths == want.stats.accept_lengths
     assert count == 1 + max(out.stats.rounds)  # one chunk per round after the prefill's
     # Larger chunks: the same tokens, fewer chunks, the same programs.
     tokens3, count3, _ = _joined(jspec.stream(p, PROMPTS, rounds_per_chunk=3, **kw))
-    assert tokens3 == want.tokens and count3 < count and len(api._COMPILED) == n_programs + 2
+    assert tokens3 == want.tokens and count3 < count and api.compiled_programs() == n_programs + 2
 
 
 def test_stream_one_prompt_text_and_stop(target):

@@ -16,7 +16,7 @@ from jspec.cache import kv as kvc
 from jspec.cache import layout as lay
 from jspec.loading import load_draft
 from jspec.models import family_for
-from jspec.loop import accept, loop
+from jspec.loop import accept, programs
 from jspec.loop.tree import Tree, ancestors, select_tree, vocab_top_k
 from conftest import CACHES, PROMPTS
 
@@ -127,7 +127,7 @@ def test_cache_holds_what_plain_decoding_writes(with_draft, kind, shape, cache, 
     spec = jspec.SpecConfig(num_steps=S, topk=K, num_draft_tokens=N)
     prog = jspec.compile(p, prompts, max_new_tokens=30, stop_token_ids=[], cache=CACHES[cache], spec=spec)
     plan = dataclasses.replace(prog.plan, max_rounds=4)  # stop while every request still runs
-    st = jax.jit(loop.run, static_argnums=0)(plan, *prog.weights, prog.inputs())
+    st = jax.jit(programs.run, static_argnums=0)(plan, *prog.weights, *prog.inputs())
     lens = [len(q) for q in prompts]
     c, d = p.config, p.draft.config
     paged = plan.layout.paged
@@ -254,7 +254,7 @@ def test_accept_tree_matches_python(case):
         path.append(node)
     p = jnp.array([parents], jnp.int32)
     d, anc = ancestors(p, max(S, 1))
-    tree = Tree(tokens=jnp.array([tokens], jnp.int32), parents=p, depth=d, anc=anc)
+    tree = Tree(tokens=jnp.array([tokens], jnp.int32), parents=p, depth=d, anc=anc, valid=jnp.ones((1, n), bool))
     acc, got_path, bonus = accept.accept_tree(tree, jnp.array([choice], jnp.int32), max(S, 1))
     acc = int(acc[0])
     got = got_path[0, :acc].tolist()

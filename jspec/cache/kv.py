@@ -56,9 +56,12 @@ class KVCacheKind:
         return 0 if paged else query_slots(T, self.num_heads, self.num_kv_heads)
 
     def commit(self, cache: KVCache, layout: CacheLayout, pages: PageState | None, L, path, accept_len,
-               active) -> KVCache:
-        """Tree commit: the accepted path's keys and values move from slots L + path[d] to
-        L + d (d < accept_len [B]; path [B, S+1] node indices, L [B] committed slots)."""
+               active, in_place: bool = False) -> KVCache:
+        """A round's commit: the accepted path's keys and values move from slots L + path[d]
+        to L + d (d < accept_len [B]; path [B, S+1] node indices, L [B] committed slots).
+        in_place (static, a chain): the path is already there and nothing moves."""
+        if in_place:
+            return cache
         return move_slots(cache, *path_moves(layout, pages, L, path, accept_len, active))
 
 
@@ -116,11 +119,12 @@ def write_kv(buf: jax.Array, new: jax.Array, write_index: jax.Array, dense: bool
     The T tokens of a forward pass go to consecutive slots, so one token, or a dense
     cache of one row, is one in-place block update (a scatter costs more). A dense row
     whose writes are invalid (a finished request) may then get garbage past its committed
-    slots, which nothing reads before it is written again."""
+    slots, which nothing reads before it is written again: only when the cache holds no
+    other row."""
     B, T = write_index.shape
     shape = buf.shape
     rows = new.astype(buf.dtype)
-    if dense and B == 1 and T <= shape[1]:
+    if dense and B == 1 and shape[0] == 1 and T <= shape[1]:
         start = write_index[0, 0]  # flat index of row 0 = its slot
         return jax.lax.dynamic_update_slice(buf, rows, (0, start) + (0,) * (buf.ndim - 2))
     flat = buf.reshape((-1,) + shape[2:])

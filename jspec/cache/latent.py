@@ -47,6 +47,9 @@ class LatentCacheKind:
         return 0
 
     def commit(self, cache: LatentCache, layout: CacheLayout, pages: PageState | None, L, path, accept_len,
-               active) -> LatentCache:
-        """Tree commit: the accepted path's latent rows move from slots L + path[d] to L + d."""
+               active, in_place: bool = False) -> LatentCache:
+        """A round's commit: the accepted path's latent rows move from slots L + path[d] to
+        L + d; nothing moves for a path already in place (a chain)."""
+        if in_place:
+            return cache
         return LatentCache(latent=move_buffers(cache.latent, *path_moves(layout, pages, L, path, accept_len, active)))

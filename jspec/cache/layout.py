@@ -55,20 +55,23 @@ class CacheLayout:
         """Leading [rows, slots] of one layer's buffer, trash included."""
         return (self.num_pages + 1, self.page_size) if self.paged else (batch, self.capacity + 1)
 
-    def slot_index(self, slots, valid, pages: PageState | None):
-        """Flat cache index of slots [B, T] (invalid: the trash), see `slot_index`."""
+    def slot_index(self, slots, valid, pages: PageState | None, rows=None):
+        """Flat cache index of slots [B, T] (invalid: the trash), see `slot_index`. rows [B]:
+        the request rows the B rows of `slots` are (None: rows 0..B-1); a row index past
+        the batch must have no valid slot."""
         if self.paged:
-            return slot_index(slots, valid, page_table=pages.page_table, page_size=self.page_size,
+            return slot_index(slots, valid, page_table=row_pages(pages, rows), page_size=self.page_size,
                               num_pages=self.num_pages)
-        return slot_index(slots, valid, batch_capacity=self.capacity)
+        return slot_index(slots, valid, batch_capacity=self.capacity, rows=rows)
 
     def meta(self, pages: PageState | None, *, positions, prefix_len, local_mask, write_valid,
-             local_positions=None, prefill: bool = False) -> AttnMeta:
+             local_positions=None, prefill: bool = False, rows=None, parents=None, node_valid=None) -> AttnMeta:
         """The AttnMeta of a forward pass of the loop. Dense rows keep room after the local
-        block for what a cache kind asks (`extra_slots`), so `q_room` is set for them."""
+        block for what a cache kind asks (`extra_slots`), so `q_room` is set for them.
+        rows [B]: which request rows the pass's B rows are (admission); None: all of them."""
         return make_meta(self, pages, positions=positions, prefix_len=prefix_len, local_mask=local_mask,
                          write_valid=write_valid, local_positions=local_positions, prefill=prefill,
-                         q_room=not self.paged)
+                         q_room=not self.paged, rows=rows, parents=parents, node_valid=node_valid)
 
 
 @struct.dataclass
@@ -95,6 +98,10 @@ class AttnMeta:
     last T of the Tl). local_positions [B, Tl]: positions of the local slots (for sliding
     windows). write_index [B, T]: flat cache index of each new token (out of range: not
     written). page_table [B, G] or None (dense).
+    parents [B, T]: each new token's parent among the T (-1: the newest token before the
+    block, none in a prefill): t - 1 in a sequence, the tree's parent in a verification;
+    a layer that is not attention (a recurrent state) follows it. valid [B, T]: the token
+    is real (a prompt token, a proposed node of a live row); a layer may skip the rest.
     """
 
     positions: jax.Array
@@ -103,6 +110,8 @@ class AttnMeta:
     local_positions: jax.Array
     write_index: jax.Array
     page_table: jax.Array | None
+    parents: jax.Array
+    valid: jax.Array
     page_size: int = struct.field(pytree_node=False, default=0)
     # Prefill: the prefix is empty, so attention reads only the new keys (no cache read).
     prefill: bool = struct.field(pytree_node=False, default=False)
@@ -125,7 +134,8 @@ def prefill_meta(lengths, T: int) -> AttnMeta:
     """Causal self-attention over a right-padded block, no cache (rows valid < lengths)."""
     pos = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32)[None, :], (lengths.shape[0], T))
     return AttnMeta(positions=pos, prefix_len=jnp.zeros_like(lengths), local_mask=causal_mask(lengths, T),
-                    local_positions=pos, write_index=jnp.zeros_like(pos), page_table=None, prefill=True)
+                    local_positions=pos, write_index=jnp.zeros_like(pos), page_table=None, parents=pos - 1,
+                    valid=pos < lengths[:, None], prefill=True)
 
 
 def init_page_state(batch: int, pages_per_seq: int, num_pages: int) -> PageState:
@@ -162,6 +172,14 @@ def alloc_pages(state: PageState, need_len: jax.Array, active: jax.Array, page_s
     new = state.replace(page_table=table, num_alloc=state.num_alloc + need,
                         num_free=state.num_free - need.sum())
     return new, ok | ~active
+
+
+def row_pages(state: PageState, rows=None) -> jax.Array:
+    """The page-table rows [R, G] of request rows `rows` [R] (None: every row; an index past
+    the batch reads the last row, whose slots the caller marks invalid)."""
+    if rows is None:
+        return state.page_table
+    return state.page_table[jnp.minimum(rows, state.page_table.shape[0] - 1)]
 
 
 def free_pages(state: PageState, release: jax.Array) -> PageState:
@@ -205,14 +223,17 @@ def reserve(layout: CacheLayout, pages: PageState | None, need_len, active, cap,
 
 def slot_index(slots: jax.Array, valid: jax.Array, *, batch_capacity: int = 0,
                page_table: jax.Array | None = None, page_size: int = 0,
-               num_pages: int = 0) -> jax.Array:
-    """Flat cache index of `slots` [B, T] (dense: C = batch_capacity slots per row; paged:
-    num_pages usable pages). Invalid slots map to the trash: slot C of their row (dense),
-    or the first slot of page num_pages (paged)."""
+               num_pages: int = 0, rows: jax.Array | None = None) -> jax.Array:
+    """Flat cache index of `slots` [B, T] (dense: C = batch_capacity slots per row, the B
+    rows being request rows `rows` [B] (None: 0..B-1); paged: num_pages usable pages, the
+    page table's rows those of the slots). Invalid slots map to the trash: slot C of their
+    row (dense; row 0 for a row index that is no row), or the first slot of page
+    num_pages (paged)."""
     B = slots.shape[0]
     valid = valid & (slots >= 0)
     if page_table is None:
-        row = jnp.arange(B, dtype=jnp.int32)[:, None] * (batch_capacity + 1)
+        row_ids = jnp.arange(B, dtype=jnp.int32) if rows is None else jnp.where(valid.any(axis=1), rows, 0)
+        row = row_ids.astype(jnp.int32)[:, None] * (batch_capacity + 1)
         valid = valid & (slots < batch_capacity)
         return jnp.where(valid, row + slots, row + batch_capacity).astype(jnp.int32)
     G = page_table.shape[1]
@@ -223,19 +244,25 @@ def slot_index(slots: jax.Array, valid: jax.Array, *, batch_capacity: int = 0,
 
 
 def make_meta(layout: CacheLayout, pages: PageState | None, *, positions, prefix_len, local_mask,
-              write_valid, local_positions=None, prefill: bool = False, q_room: bool = False) -> AttnMeta:
+              write_valid, local_positions=None, prefill: bool = False, q_room: bool = False, rows=None,
+              parents=None, node_valid=None) -> AttnMeta:
     """Builds the AttnMeta of a forward pass; the T new tokens go to the last T local slots.
-    q_room: see `AttnMeta` (only a caller that reserved that room may set it)."""
+    q_room: see `AttnMeta` (only a caller that reserved that room may set it). rows [B]:
+    the request rows of the pass (None: all, in order). parents [B, T] (None: a sequence,
+    t - 1) and node_valid [B, T] (None: write_valid): see `AttnMeta`."""
     B, T = positions.shape
     Tl = local_mask.shape[-1]
     slots = prefix_len[:, None] + (Tl - T) + jnp.arange(T, dtype=jnp.int32)[None, :]
-    index = layout.slot_index(slots, write_valid, pages)
+    index = layout.slot_index(slots, write_valid, pages, rows)
     if local_positions is None:
         if T != Tl:
             raise ValueError("local_positions is required when T != Tl")
         local_positions = positions
+    table = row_pages(pages, rows) if layout.paged else None
+    if parents is None:
+        parents = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32)[None, :] - 1, (B, T))
     return AttnMeta(positions=positions.astype(jnp.int32), prefix_len=prefix_len.astype(jnp.int32),
                     local_mask=local_mask, local_positions=local_positions.astype(jnp.int32),
-                    write_index=index, page_table=pages.page_table if layout.paged else None,
-                    page_size=layout.page_size, prefill=prefill,
-                    q_room=q_room and not layout.paged and not prefill)
+                    write_index=index, page_table=table, parents=parents.astype(jnp.int32),
+                    valid=write_valid if node_valid is None else node_valid, page_size=layout.page_size,
+                    prefill=prefill, q_room=q_room and not layout.paged and not prefill)

@@ -22,10 +22,10 @@ from jspec import sampling
 from jspec.loop.tree import Tree
 
 
-def accept_chain(tokens, choice):
-    """tokens/choice [B,N] of a chain -> (accept_len, path, bonus); no gathers over nodes."""
+def accept_chain(tokens, choice, valid):
+    """tokens/choice/valid [B,N] of a chain -> (accept_len, path, bonus); no gathers over nodes."""
     B, N = tokens.shape
-    ok = tokens[:, 1:] == choice[:, :-1]  # [B,S]
+    ok = (tokens[:, 1:] == choice[:, :-1]) & valid[:, 1:]  # [B,S]
     m = jnp.sum(jnp.cumprod(ok.astype(jnp.int32), axis=1), axis=1)  # accepted drafts
     bonus = jnp.take_along_axis(choice, m[:, None], axis=1)[:, 0]
     path = jnp.broadcast_to(jnp.arange(N, dtype=jnp.int32)[None], (B, N))
@@ -37,7 +37,7 @@ def accept_tree(tree: Tree, choice, max_depth: int):
     B, N = tree.tokens.shape
     p = jnp.maximum(tree.parents, 0)
     is_root = tree.parents < 0
-    ok_self = is_root | (tree.tokens == jnp.take_along_axis(choice, p, axis=1))
+    ok_self = is_root | ((tree.tokens == jnp.take_along_axis(choice, p, axis=1)) & tree.valid)
     correct = ok_self
     for _ in range(max_depth):
         correct = ok_self & (is_root | jnp.take_along_axis(correct, p, axis=1))
@@ -54,7 +54,7 @@ def accept_tree(tree: Tree, choice, max_depth: int):
     return accept_len.astype(jnp.int32), path, bonus
 
 
-def accept_sampled_chain(tokens, logits, logq, sp: sampling.SamplingParams, hist: sampling.History, anc, L):
+def accept_sampled_chain(tokens, logits, logq, sp: sampling.SamplingParams, hist: sampling.History, anc, L, valid):
     """A chain with sampled drafts. tokens [B,N]; logits [B,N,V] the target's; logq
     [B,S,V] the draft's log q of each drafted token's draw; hist, anc [B,N,N] the
     penalties' context; L [B] (the root's position). Greedy rows are verified target-only
@@ -63,13 +63,13 @@ def accept_sampled_chain(tokens, logits, logq, sp: sampling.SamplingParams, hist
     S = N - 1
     path = jnp.broadcast_to(jnp.arange(N, dtype=jnp.int32)[None], (B, N))
     z = sampling.penalise(logits, sp, hist, tokens, anc)
-    greedy_len, _, greedy_bonus = accept_chain(tokens, jnp.argmax(z, axis=-1).astype(jnp.int32))
+    greedy_len, _, greedy_bonus = accept_chain(tokens, jnp.argmax(z, axis=-1).astype(jnp.int32), valid)
     logp = sampling.log_probs(z, sp)  # [B,N,V]
     drafted = tokens[:, 1:, None]
     lp = jnp.take_along_axis(logp[:, :S], drafted, axis=2)[..., 0]  # [B,S] p_i(d_i+1)
     lq = jnp.take_along_axis(logq, drafted, axis=2)[..., 0]
     u = sampling.uniform(sp.seed, L[:, None] + 1 + jnp.arange(S)[None], sampling.ACCEPT)
-    keep = u * jnp.exp(lq) < jnp.exp(lp)  # p = 0: never kept; u in [0, 1)
+    keep = (u * jnp.exp(lq) < jnp.exp(lp)) & valid[:, 1:]  # p = 0: never kept; u in [0, 1)
     m = jnp.sum(jnp.cumprod(keep.astype(jnp.int32), axis=1), axis=1)  # [B] accepted drafts
     p_m = jnp.exp(jnp.take_along_axis(logp, m[:, None, None], axis=1)[:, 0])  # [B,V]
     logq_end = jnp.concatenate([logq, jnp.full((B, 1, logq.shape[2]), -jnp.inf, logq.dtype)], axis=1)

@@ -1,38 +1,44 @@
-"""What is static about one compiled generation (`Plan`) and its per-request inputs
-(`LoopInputs`).
+"""What is static about one compiled loop (`Plan`), and the one place a Plan is made
+(`make_plan`).
 
 Every field of a Plan is part of the compile key: two calls share a program exactly when
-their Plans are equal (and their weights have the same shapes and dtypes). The API builds
-the Plan, by keyword, in one place (`jspec.api`), bucketing what varies from call to call
-(batch, prompt length, round budget, stop-id count) so that similar calls share it.
-Everything else a request brings is an array in `LoopInputs`, so new values never
-recompile.
+their Plans are equal (and their weights have the same shapes and dtypes). `make_plan`
+buckets what varies from call to call (batch, prompt length, round budget, stop-id count)
+so that similar calls share it, sizes the caches and refuses a plan that cannot fit in
+memory. Everything a request brings is a row of the loop state (`jspec.loop.state`), so
+new values never recompile.
 """
 from __future__ import annotations
 
 import dataclasses
+import math
+import os
 
 import jax
-from flax import struct
+import numpy as np
 
 from jspec.cache.layout import CacheLayout
-from jspec.config import SpecConfig
+from jspec.config import DEFAULT_TUNING, CacheConfig, SpecConfig, Tuning
 from jspec.drafts.base import Draft
+from jspec.loop.proposers.base import Proposer
+from jspec.loop.proposers.neural import NeuralProposer
 from jspec.models import family_for
-from jspec.sampling import SamplingParams
+from jspec.util import cdiv, round_up
 
 
 @dataclasses.dataclass(frozen=True)
 class Plan:
-    """target: the target's config (its family's config class); draft: the draft kind or
-    None (plain decoding); spec: the draft's shape (None without a draft); layout: the
-    caches' static shape; batch: B (bucketed); prompt_len: Tp (bucketed); max_rounds:
-    the loop's round budget (bucketed); num_stop: Ks, stop-id slots (bucketed); sampling:
-    does the program sample (False: every row greedy without penalties, and the sampling
-    steps are left out; True: they run for every row, greedy rows included)."""
+    """target: the target's config (its family's config class); proposer: the draft side
+    of a round (None: plain decoding); spec: the drafts' shape (None without a proposer);
+    layout: the caches' static shape; batch: B, request rows (bucketed); prompt_len: Tp,
+    the longest prompt an admission takes (bucketed); max_rounds: rounds a row keeps in
+    its accept-length history, and the round budget of `generate` (bucketed); num_stop:
+    Ks, stop-id slots per row (bucketed); sampling: does the program sample (False: every
+    row greedy without penalties, and the sampling steps are left out; True: they run for
+    every row, greedy rows included); tuning: how kernels and XLA compute it."""
 
     target: object
-    draft: Draft | None
+    proposer: Proposer | None
     spec: SpecConfig | None
     layout: CacheLayout
     batch: int
@@ -40,6 +46,7 @@ class Plan:
     max_rounds: int
     num_stop: int
     sampling: bool = False
+    tuning: Tuning = DEFAULT_TUNING
 
     @property
     def family(self):
@@ -62,12 +69,13 @@ class Plan:
         return bool(self.spec and self.spec.sample_drafts and self.sampling)
 
     @property
-    def lag(self) -> int:
-        return self.draft.lag if self.draft else 0
+    def capture(self) -> tuple[int, ...]:
+        """Target layers whose inputs the verification captures for the proposer."""
+        return self.proposer.target_layers() if self.proposer is not None else ()
 
     @property
     def slack(self) -> int:
-        return round_slack(self.target, self.draft, self.spec, self.layout.paged)
+        return round_slack(self.target, self.proposer, self.spec, self.layout.paged)
 
     @property
     def buffer_len(self) -> int:
@@ -75,32 +83,132 @@ class Plan:
         return self.layout.capacity + self.S + 2
 
 
-def round_slack(target, draft: Draft | None, spec: SpecConfig | None, paged: bool) -> int:
-    """Slots past L that one round may write (verify, draft steps, draft-extend), plus the
-    room each cache kind asks past a forward's tokens (`extra_slots`)."""
-    kinds = [family_for(target).cache_kind(target)] + ([draft.cache_kind()] if draft else [])
-
-    def extra(T: int) -> int:  # room a forward writing T slots asks past them
-        return max(k.extra_slots(T, paged) for k in kinds)
-
-    if spec is None:
-        return 1 + extra(1)
-    S, K, N, lag = spec.num_steps, spec.topk, spec.num_draft_tokens, draft.lag
-    # verify: N slots from L; draft-extend: S+1+lag from L; tree drafting: the K slots of
-    # level j at L + lag + (j-1)K, j < S.
-    return max(N + extra(N), S + 1 + lag + extra(S + 1 + lag), lag + (S - 1) * K + extra(K))
+def proposer_for(draft) -> Proposer | None:
+    """The proposer of a loaded draft's config: a draft model kind is wrapped by the
+    neural proposer; a proposer (`jspec.NgramDraft`) is itself; None: plain decoding."""
+    if draft is None or isinstance(draft, Proposer):
+        return draft
+    if isinstance(draft, Draft):
+        return NeuralProposer(draft)
+    raise TypeError(f"not a draft: {type(draft).__name__}")
 
 
-@struct.dataclass
-class LoopInputs:
-    """Per-request inputs of the loop (B rows, padded to the batch bucket; padding rows
-    have real = False). Host numpy arrays until `jax.device_put`."""
+def round_slack(target, proposer: Proposer | None, spec: SpecConfig | None, paged: bool) -> int:
+    """Slots past L that one round may write (the verification's N, the proposer's own
+    forwards), plus the room each cache kind asks past a forward's tokens (`extra_slots`)."""
+    N = spec.num_draft_tokens if spec else 1
+    verify = N + family_for(target).cache_kind(target).extra_slots(N, paged)
+    return max(verify, proposer.slack(spec, paged)) if proposer is not None else verify
 
-    prompt: jax.Array  # [B, Tp] int32, right-padded
-    prompt_len: jax.Array  # [B] int32
-    max_new: jax.Array  # [B] int32 tokens to generate at most
-    room_bound: jax.Array  # [B] bool: max_new was cut to the cache's room (ends as cache_full)
-    slot_limit: jax.Array  # [B] int32 slots the request may use (beyond: cache_full)
-    real: jax.Array  # [B] bool: a request, not batch padding
-    sampling: SamplingParams  # [B] each: temperature, top-k/p, min-p, penalties, seed
-    stop_ids: jax.Array  # [Ks] int32 (-1: unused slot)
+
+def pow2(n: int, lo: int = 1) -> int:
+    return max(lo, 1 << (max(n, 1) - 1).bit_length())
+
+
+def prompt_bucket(n: int) -> int:
+    return pow2(n, 16) if n <= 512 else round_up(n, 256)
+
+
+def slot_limits(cache: CacheConfig, lens: list[int], max_new: list[int], slack: int):
+    """-> (slots each request may use, max_new cut to the cache's room, was it cut)."""
+    if cache.max_len is None:
+        return [l + m + slack for l, m in zip(lens, max_new)], list(max_new), [False] * len(lens)
+    too_long = [i for i, l in enumerate(lens) if l >= cache.max_len]
+    if too_long:
+        i = too_long[0]
+        raise ValueError(f"prompt {i} has {lens[i]} tokens, which does not fit a cache of max_len="
+                         f"{cache.max_len} (it needs room for at least one generated token)")
+    room = [cache.max_len - l for l in lens]  # a request holds at most max_len tokens
+    return ([cache.max_len + slack] * len(lens), [min(r, m) for r, m in zip(room, max_new)],
+            [r < m for r, m in zip(room, max_new)])
+
+
+def make_plan(params, lens: list[int], max_new: list[int], num_stop: int, samples: bool, cache: CacheConfig,
+              spec: SpecConfig | None, tuning: Tuning = DEFAULT_TUNING) -> Plan:
+    """The Plan for requests of these prompt lengths and limits: buckets for batch, prompt
+    length, rounds and stop ids; caches sized for them (or for `cache`'s max_len and
+    num_pages); refused with a ValueError when it cannot fit in memory."""
+    proposer = proposer_for(params.draft.config if params.draft is not None else None)
+    paged = cache.kind == "paged"
+    slack = round_slack(params.config, proposer, spec, paged)
+    limits, max_new, _ = slot_limits(cache, lens, max_new, slack)
+    B = pow2(len(lens))
+    Tp = prompt_bucket(max(lens))
+    P = cache.page_size
+    if paged:
+        capacity = round_up(max(max(limits), Tp), P)
+        num_pages = cache.num_pages if cache.num_pages is not None else capacity // P * B
+        for i, l in enumerate(lens):
+            if cdiv(l + slack, P) > num_pages:
+                raise ValueError(f"prompt {i} needs {cdiv(l + slack, P)} pages of {P} tokens but the pool "
+                                 f"has num_pages={num_pages}")
+        layout = CacheLayout(paged=True, capacity=capacity, page_size=P, num_pages=num_pages)
+    else:
+        layout = CacheLayout(paged=False, capacity=round_up(max(max(limits), Tp), 64))
+    plan = Plan(target=params.config, proposer=proposer, spec=spec, layout=layout, batch=B, prompt_len=Tp,
+                max_rounds=pow2(max(max_new), 8), num_stop=pow2(num_stop, 4), sampling=samples, tuning=tuning)
+    check_memory(params, plan, max(max_new))
+    return plan
+
+
+# ----------------------------------------------------------------------------- memory
+
+def nbytes(tree) -> int:
+    """Bytes of a pytree of arrays (or of shape-dtype structs)."""
+    return sum(math.prod(a.shape) * np.dtype(a.dtype).itemsize for a in jax.tree.leaves(tree))
+
+
+def shard_bytes(a) -> int:
+    """Bytes of an array on one device: its first shard's (all of it when not split)."""
+    shards = getattr(a, "addressable_shards", None)
+    return shards[0].data.nbytes if shards else nbytes(a)
+
+
+def plan_bytes(plan: Plan) -> int:
+    """Bytes of the loop's buffers that grow with the plan: the target's cache and the
+    proposer's state (a draft's cache, dense or paged, as the kinds allocate them), the
+    token buffer and the accept-length history. Activations are left out: a lower bound."""
+    B = plan.batch
+    kind = plan.family.cache_kind(plan.target)
+    shapes = jax.eval_shape(lambda: (kind.init(plan.layout, B),  # shapes only, nothing allocated
+                                     plan.proposer.init(plan, B) if plan.proposer is not None else None))
+    hist = plan.max_rounds if plan.proposer is not None else 0
+    return nbytes(shapes) + 4 * B * (plan.buffer_len + hist)  # tokens [B, buffer_len], hist [B, R] int32
+
+
+def device_memory() -> tuple[int, str] | None:
+    """(bytes, what) generation may fill: the default device's `bytes_limit` where jax
+    reports one (GPUs), else the machine's physical memory (CPU); None if neither is known."""
+    dev = jax.devices()[0]
+    try:
+        limit = (dev.memory_stats() or {}).get("bytes_limit")
+    except Exception:  # backends without memory statistics
+        limit = None
+    if limit:
+        return int(limit), f"{dev.platform.upper()} device {dev.id}"
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"), "this machine's physical memory"
+    except (AttributeError, OSError, ValueError):
+        return None
+
+
+def check_memory(params, plan: Plan, max_new: int) -> None:
+    """Refuses a plan whose caches and token buffers, with the weights, exceed the device's
+    memory: a clear error now instead of an out-of-memory error from XLA after compiling."""
+    have = device_memory()
+    if have is None:
+        return
+    limit, where = have
+    n = 1 if params.mesh is None else params.mesh.size  # the caches are split by KV head
+    need = plan_bytes(plan) // n
+    weights = sum(shard_bytes(a) for a in jax.tree.leaves((params.weights, params.draft.weights
+                                                           if params.draft is not None else None)))
+    if need + weights > limit:
+        gib = lambda b: f"{b / 2 ** 30:,.1f} GiB"  # noqa: E731
+        lay = plan.layout
+        what = (f"a pool of {lay.num_pages} pages of {lay.page_size} tokens" if lay.paged else
+                f"{plan.batch} request slots of {lay.capacity} tokens")
+        raise ValueError(f"max_new_tokens={max_new} does not fit in memory: the caches and token buffers ({what}) "
+                         f"need about {gib(need)} plus {gib(weights)} of weights, but {where} has {gib(limit)}; "
+                         f"ask for a smaller max_new_tokens, or cap each request with CacheConfig(max_len=...)"
+                         + (" or the pool with a smaller num_pages" if lay.paged else ""))

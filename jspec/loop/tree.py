@@ -5,6 +5,8 @@ A tree of N nodes (node 0 = the root, the last committed-but-unverified token) i
   parents [B,N]  parent node index (-1 for the root); parents precede children
   depth [B,N]    0 for the root
   anc [B,N,N]    anc[b, i, j]: node j is node i or one of its ancestors
+  valid [B,N]    the node was proposed (the root always is); a node that was not is a
+                 placeholder under the root that acceptance never takes
 A chain is the tree 0 <- 1 <- ... <- S; its structure is a constant.
 """
 from __future__ import annotations
@@ -25,6 +27,7 @@ class Tree:
     parents: jax.Array
     depth: jax.Array
     anc: jax.Array
+    valid: jax.Array
 
 
 @functools.lru_cache(maxsize=None)
@@ -36,11 +39,13 @@ def chain_structure(num_nodes: int):
     return parents, depth, anc
 
 
-def chain_tree(tokens) -> Tree:
+def chain_tree(tokens, valid=None) -> Tree:
+    """tokens [B,N] of a chain; valid [B,N] (None: every node proposed)."""
     B, N = tokens.shape
     parents, depth, anc = chain_structure(N)
     bc = lambda a: jnp.broadcast_to(jnp.asarray(a), (B,) + a.shape)  # host-ok: a numpy constant, traced in
-    return Tree(tokens=tokens, parents=bc(parents), depth=bc(depth), anc=bc(anc))
+    valid = bc(np.ones((N,), bool)) if valid is None else valid
+    return Tree(tokens=tokens, parents=bc(parents), depth=bc(depth), anc=bc(anc), valid=valid)
 
 
 def ancestors(parents, max_depth: int):
@@ -94,4 +99,4 @@ def select_tree(root, cand_tokens, cand_scores, cand_parents, num_nodes: int, ma
     parents = jnp.concatenate([jnp.full((B, 1), -1, jnp.int32), parent_node.astype(jnp.int32)], axis=1)
     depth, anc = ancestors(parents, max_depth)
     return Tree(tokens=jnp.concatenate([root[:, None], tokens], axis=1).astype(jnp.int32),
-                parents=parents, depth=depth, anc=anc)
+                parents=parents, depth=depth, anc=anc, valid=jnp.ones((B, num_nodes), bool))

@@ -1,0 +1,59 @@
+"""The loop's compiled entry points (static argument: the `Plan`).
+
+  run       a fresh state, every request admitted, rounds to the end -> the state
+  generate  `run` -> what the host reads
+  start     a fresh state with requests admitted -> (state, readback)
+  admit     requests into rows of a running state -> (state, readback)
+  advance   rounds until every row finishes or a step count -> (state, readback)
+  evict     rows freed -> state
+
+`generate`, `Compiled.run` and `stream` are clients of these; a serving engine calls
+`admit`, `advance` and `evict` between chunks. The state is donated to the calls that
+take one, so each updates it in place.
+"""
+from __future__ import annotations
+
+import jax
+
+from jspec.loop.plan import Plan
+from jspec.loop.round import advance
+from jspec.loop.rows import admit, evict
+from jspec.loop.state import Admission, LoopState, init_state, readback
+
+
+def run(plan: Plan, tw, pw, rows, adm: Admission) -> LoopState:
+    """A fresh state, the requests admitted into `rows`, rounds until every row finishes
+    (or plan.max_rounds rounds) -> the final state."""
+    st = admit(plan, tw, pw, init_state(plan), rows, adm)
+    return advance(plan, tw, pw, st, plan.max_rounds)
+
+
+def generate_fn(plan: Plan, tw, pw, rows, adm: Admission) -> dict:
+    return readback(run(plan, tw, pw, rows, adm))
+
+
+def start_fn(plan: Plan, tw, pw, rows, adm: Admission):
+    st = admit(plan, tw, pw, init_state(plan), rows, adm)
+    return st, readback(st)
+
+
+def admit_fn(plan: Plan, tw, pw, st: LoopState, rows, adm: Admission):
+    st = admit(plan, tw, pw, st, rows, adm)
+    return st, readback(st)
+
+
+def advance_fn(plan: Plan, tw, pw, st: LoopState, until):
+    st = advance(plan, tw, pw, st, until)
+    return st, readback(st)
+
+
+def evict_fn(plan: Plan, st: LoopState, rows) -> LoopState:
+    return evict(plan, st, rows)
+
+
+generate_jit = jax.jit(generate_fn, static_argnums=0)
+start_jit = jax.jit(start_fn, static_argnums=0)
+admit_jit = jax.jit(admit_fn, static_argnums=0, donate_argnums=3)
+advance_jit = jax.jit(advance_fn, static_argnums=0, donate_argnums=3)
+evict_jit = jax.jit(evict_fn, static_argnums=0, donate_argnums=1)
+init_jit = jax.jit(init_state, static_argnums=0)

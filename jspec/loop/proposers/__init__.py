@@ -1,0 +1,12 @@
+"""Proposers: the draft side of a round, behind one protocol (`base.Proposer`).
+
+`neural.NeuralProposer` runs a draft model (`jspec.drafts`: EAGLE, EAGLE-3, standalone,
+MTP); `ngram.NgramDraft` looks the row's own tokens up. A new proposer is a file here
+with a frozen class implementing the protocol; `jspec.loop.plan.proposer_for` maps a
+loaded draft's config to its proposer.
+"""
+from jspec.loop.proposers.base import Observation, Proposer
+from jspec.loop.proposers.neural import NeuralProposer
+from jspec.loop.proposers.ngram import NgramDraft
+
+__all__ = ["NeuralProposer", "NgramDraft", "Observation", "Proposer"]

@@ -1,0 +1,250 @@
+"""Requests on the host: checking what a caller passes (clear errors naming the argument,
+before anything compiles) and packing checked requests into the arrays a compiled loop
+admits (`jspec.loop.state.Admission`).
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+import numbers
+
+import numpy as np
+
+from jspec.config import DEFAULT_TUNING, CacheConfig, SpecConfig, Tuning
+from jspec.loop.plan import Plan, proposer_for, slot_limits
+from jspec.loop.state import Admission, RequestRows
+from jspec.params import Params
+from jspec.sampling import NEUTRAL, SamplingParams, any_processing
+
+# The sampling arguments: (type, check -> message or None); each is one value or one per
+# prompt in `generate`, `compile`, `stream` and `Compiled.run`; left out: its neutral value.
+SAMPLING_ARGS = {
+    "temperature": (float, lambda v: None if math.isfinite(v) and v >= 0 else "must be finite and >= 0"),
+    "top_k": (int, lambda v: None if v >= 0 else "must be >= 0"),
+    "top_p": (float, lambda v: None if 0 < v <= 1 else "must be in (0, 1]"),
+    "min_p": (float, lambda v: None if 0 <= v <= 1 else "must be in [0, 1]"),
+    "repetition_penalty": (float, lambda v: None if math.isfinite(v) and v > 0 else "must be finite and > 0"),
+    "presence_penalty": (float, lambda v: None if math.isfinite(v) else "must be finite"),
+    "frequency_penalty": (float, lambda v: None if math.isfinite(v) else "must be finite"),
+    "seed": (int, lambda v: None if 0 <= v < 2 ** 31 else "must be in [0, 2**31)"),
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class Requests:
+    """Checked requests, one entry per prompt (host values)."""
+
+    prompts: list  # token id lists
+    is_batch: bool  # the caller passed a batch (outputs are lists)
+    max_new: list
+    sampling: dict  # SamplingParams field -> one value per prompt
+    stop_ids: list  # one list of stop token ids per prompt
+
+    @property
+    def lens(self) -> list[int]:
+        return [len(p) for p in self.prompts]
+
+    @property
+    def samples(self) -> bool:
+        """Does some request sample or carry a penalty (`Plan.sampling`)?"""
+        return any_processing(SamplingParams(**{k: np.asarray(v) for k, v in self.sampling.items()}))
+
+
+# ----------------------------------------------------------------------------- checks
+
+def is_int(x) -> bool:
+    return isinstance(x, (numbers.Integral, np.integer)) and not isinstance(x, (bool, np.bool_))
+
+
+def check_params(params) -> None:
+    if not isinstance(params, Params):
+        raise TypeError(f"params must be what jspec.load returns (jspec.Params), got {type(params).__name__}")
+
+
+def token_list(seq, vocab: int, what: str) -> list[int]:
+    """A sequence of token ids checked against the vocabulary."""
+    if isinstance(seq, np.ndarray):
+        if seq.ndim != 1 or not np.issubdtype(seq.dtype, np.integer):
+            raise TypeError(f"{what} must be a 1-D integer array, got {seq.dtype} with shape {seq.shape}")
+        seq = seq.tolist()
+    if not isinstance(seq, (list, tuple)):
+        raise TypeError(f"{what} must be a string or a list of token ids, got {type(seq).__name__}")
+    if len(seq) == 0:
+        raise ValueError(f"{what} is empty")
+    for t in seq:
+        if not is_int(t):
+            raise TypeError(f"{what} holds {t!r} ({type(t).__name__}); token ids must be ints")
+        if not 0 <= t < vocab:
+            raise ValueError(f"{what} holds token id {t}, outside the vocabulary [0, {vocab})")
+    return [int(t) for t in seq]
+
+
+def prompts(params: Params, prompt) -> tuple[list[list[int]], bool]:
+    """A prompt or a batch (strings, token id lists or arrays) -> (token lists, was it a batch)."""
+    V = params.config.vocab_size
+
+    def encode(s: str, what: str) -> list[int]:
+        if params.tokenizer is None:
+            raise ValueError("a string prompt needs a tokenizer, and this model directory has none; "
+                             "pass token ids instead")
+        if not s:
+            raise ValueError(f"{what} is an empty string")
+        return token_list(list(params.tokenizer(s)["input_ids"]), V, what)
+
+    if isinstance(prompt, str):
+        return [encode(prompt, "prompt")], False
+    if isinstance(prompt, np.ndarray) and prompt.ndim == 2:
+        prompt = list(prompt)
+    if isinstance(prompt, (list, tuple)) and prompt and all(isinstance(p, (str, list, tuple, np.ndarray))
+                                                            for p in prompt):
+        out = []
+        for i, p in enumerate(prompt):
+            what = f"prompt[{i}]"
+            out.append(encode(p, what) if isinstance(p, str) else token_list(p, V, what))
+        return out, True
+    if isinstance(prompt, (list, tuple, np.ndarray)):
+        return [token_list(prompt, V, "prompt")], False
+    raise TypeError(f"prompt must be a string, a list of token ids, or a list of either; got {type(prompt).__name__}")
+
+
+def per_request(value, n: int, name: str, kind, check) -> list:
+    """One value or one per prompt -> n checked values."""
+    vals = list(value) if isinstance(value, (list, tuple, np.ndarray)) else [value] * n
+    if len(vals) != n:
+        raise ValueError(f"{name} has {len(vals)} entries for {n} prompts")
+    out = []
+    for v in vals:
+        if kind is int and not is_int(v):
+            raise TypeError(f"{name} must be an int (or one per prompt), got {v!r}")
+        if kind is float and (isinstance(v, bool) or not isinstance(v, (numbers.Real, np.floating, np.integer))):
+            raise TypeError(f"{name} must be a number (or one per prompt), got {v!r}")
+        v = kind(v)
+        msg = check(v)
+        if msg:
+            raise ValueError(f"{name} {msg}, got {v!r}")
+        out.append(v)
+    return out
+
+
+def _id_list(ids, vocab: int, what: str) -> list[int]:
+    if is_int(ids):
+        ids = [ids]
+    if not isinstance(ids, (list, tuple, set, np.ndarray)):
+        raise TypeError(f"{what} must be a list of ints or None, got {type(ids).__name__}")
+    out = []
+    for t in ids:
+        if not is_int(t):
+            raise TypeError(f"{what} holds {t!r}; token ids must be ints")
+        if not 0 <= t < vocab:
+            raise ValueError(f"stop token id {t} is outside the vocabulary [0, {vocab})")
+        out.append(int(t))
+    return sorted(set(out))
+
+
+def stop_ids(params: Params, stop_token_ids, n: int) -> list[list[int]]:
+    """One stop list per prompt: None -> the model's EOS ids; a list of ints -> that list
+    for every prompt; a list of n lists -> one per prompt."""
+    V = params.config.vocab_size
+    if stop_token_ids is None:
+        ids = set(params.config.eos_token_ids)
+        tok = params.tokenizer
+        if tok is not None and getattr(tok, "eos_token_id", None) is not None:
+            ids.add(int(tok.eos_token_id))
+        return [sorted(i for i in ids if 0 <= i < V)] * n
+    if isinstance(stop_token_ids, (list, tuple)) and stop_token_ids and all(
+            isinstance(s, (list, tuple, set, np.ndarray)) for s in stop_token_ids):
+        if len(stop_token_ids) != n:
+            raise ValueError(f"stop_token_ids has {len(stop_token_ids)} lists for {n} prompts")
+        return [_id_list(s, V, f"stop_token_ids[{i}]") for i, s in enumerate(stop_token_ids)]
+    return [_id_list(stop_token_ids, V, "stop_token_ids")] * n
+
+
+def check_sampling_names(sampling: dict) -> None:
+    unknown = sorted(set(sampling) - set(SAMPLING_ARGS))
+    if unknown:
+        raise TypeError(f"unexpected argument {unknown[0]!r}; the sampling arguments are {', '.join(SAMPLING_ARGS)}")
+
+
+def check_requests(params: Params, prompt, max_new_tokens, stop_token_ids, sampling: dict) -> Requests:
+    """sampling: {name in SAMPLING_ARGS: value or one per prompt}; missing names are neutral."""
+    check_sampling_names(sampling)
+    token_lists, is_batch = prompts(params, prompt)
+    n = len(token_lists)
+    values = {}
+    for name, (kind, check) in SAMPLING_ARGS.items():
+        v = sampling.get(name)
+        values[name] = per_request(NEUTRAL[name] if v is None else v, n, name, kind, check)
+    return Requests(
+        prompts=token_lists, is_batch=is_batch,
+        max_new=per_request(max_new_tokens, n, "max_new_tokens", int, lambda v: "must be >= 1" if v < 1 else None),
+        sampling=values, stop_ids=stop_ids(params, stop_token_ids, n))
+
+
+def cache_config(cache) -> CacheConfig:
+    if cache is None or isinstance(cache, str):
+        cache = CacheConfig(kind=cache or "dense")
+    if not isinstance(cache, CacheConfig):
+        raise TypeError(f"cache must be a CacheConfig, 'dense', 'paged' or None, got {type(cache).__name__}")
+    return cache
+
+
+def spec_config(params: Params, spec) -> SpecConfig | None:
+    """The SpecConfig a call runs: the given one checked against the draft (its proposer
+    says what suits it), the proposer's default when none is given, None for plain decoding."""
+    if spec is not None and not isinstance(spec, SpecConfig):
+        raise TypeError(f"spec must be a jspec.SpecConfig or None, got {type(spec).__name__}")
+    proposer = proposer_for(params.draft.config if params.draft is not None else None)
+    if proposer is None:
+        if spec is not None:
+            raise ValueError("spec was given but params has no draft; load one with jspec.load(target, draft=...)")
+        return None
+    spec = proposer.default_spec() if spec is None else spec
+    proposer.check_spec(spec)
+    return spec
+
+
+def tuning_config(tuning) -> Tuning:
+    if tuning is None:
+        return DEFAULT_TUNING
+    if not isinstance(tuning, Tuning):
+        raise TypeError(f"tuning must be a jspec.Tuning or None, got {type(tuning).__name__}")
+    return tuning
+
+
+# ----------------------------------------------------------------------------- packing
+
+def pack(plan: Plan, reqs: Requests, cache: CacheConfig) -> tuple[np.ndarray, Admission]:
+    """Host arrays admitting `reqs` into rows 0..n-1 of a batch of `plan` -> (rows [B]
+    (padding entries: B, no row), Admission [B]); ValueError if they do not fit the plan."""
+    n, B = len(reqs.prompts), plan.batch
+    lens = reqs.lens
+    limits, max_new, room_bound = slot_limits(cache, lens, reqs.max_new, plan.slack)
+    num_stop = max(len(s) for s in reqs.stop_ids)
+    misfits = [(n > B, f"{n} prompts (it holds {B})"),
+               (max(lens) > plan.prompt_len, f"a prompt of {max(lens)} tokens (it holds {plan.prompt_len})"),
+               (max(max_new) > plan.max_rounds, f"max_new_tokens={max(max_new)} (it allows {plan.max_rounds})"),
+               (max(limits) > plan.layout.capacity, f"{max(limits)} cache slots per request (it has "
+                                                    f"{plan.layout.capacity})"),
+               (num_stop > plan.num_stop, f"{num_stop} stop ids (it holds {plan.num_stop})")]
+    for bad, what in misfits:
+        if bad:
+            raise ValueError(f"these requests do not fit the compiled program: {what}; compile with them instead")
+
+    def col(vals, fill, dtype):
+        a = np.full((B,), fill, dtype)
+        a[:n] = vals
+        return a
+
+    sp = {name: col(reqs.sampling[name], NEUTRAL[name], np.int32 if kind is int else np.float32)
+          for name, (kind, _) in SAMPLING_ARGS.items()}
+    prompt = np.zeros((B, plan.prompt_len), np.int32)
+    stops = np.full((B, plan.num_stop), -1, np.int32)
+    for i, (p, s) in enumerate(zip(reqs.prompts, reqs.stop_ids)):
+        prompt[i, : len(p)] = p
+        stops[i, : len(s)] = s
+    request = RequestRows(prompt_len=col(lens, 1, np.int32), max_new=col(max_new, 1, np.int32),
+                          room_bound=col(room_bound, False, bool), slot_limit=col(limits, 0, np.int32),
+                          sampling=SamplingParams(**sp), stop_ids=stops)
+    rows = np.full((B,), B, np.int32)
+    rows[:n] = np.arange(n)
+    return rows, Admission(prompt=prompt, request=request)
