@@ -250,3 +250,18 @@ def test_plan_bytes_counts_caches_and_token_buffers():
     plan = _plan(params, [[1] * 1024] * 32, 1024, "dense", None)
     B, C = plan.batch, plan.layout.capacity
     assert plan_module.plan_bytes(plan) == 32 * 2 * 8 * 128 * 2 * B * (C + 1) + 4 * B * plan.buffer_len
+
+
+def test_eagle3_default_aux_layers_fit_any_depth():
+    """One rule for loading and training: inputs of layers 1..n. The defaults are SGLang's
+    (2, n/2, n-3) from four layers on and stay inside 1..n below."""
+    from jspec.drafts.eagle3 import check_aux_layers, default_aux_layers
+    for n in range(1, 80):
+        layers = default_aux_layers(n)
+        assert check_aux_layers(layers, n, "") == layers and len(layers) == 3
+        if n >= 4:
+            assert layers == (2, n // 2, n - 3)
+    assert default_aux_layers(3) == (2, 1, 1) and default_aux_layers(1) == (1, 1, 1)
+    for bad in ((0, 1, 2), (1, 2, 5), ()):
+        with pytest.raises(ValueError, match="each must be in 1..4 .ids 0..3.; fix it"):
+            check_aux_layers(bad, 4, "fix it")

@@ -17,8 +17,9 @@ a standalone draft that is the target with perturbed weights.
   derived from the sample count (`tv_bound`, exceeded with probability < 1e-6). Against the
   exact distribution at another temperature (T * 1.25) the same samples must give
   p < 1e-6: the test has power. Modes: plain decoding; chains and trees verified by the
-  target's own samples and chains with sampled drafts, each with every draft kind; dense
-  caches and pages of 1 and 16 tokens.
+  target's own samples and chains with sampled drafts, each with every draft kind (n-gram
+  drafts, which have no distribution to sample, in chains and trees); dense caches and
+  pages of 1 and 16 tokens.
 - The accept length of the first round, with the standalone draft and target-only
   verification (chain and tree): its exact distribution is a mixture over the prefill's
   token y0 of the probabilities, under the target's processed distributions, that the
@@ -101,6 +102,8 @@ MODES = {
     "tree-eagle3": Mode("eagle3", TREE, "dense", ("T0.7-topk5", "T0.8-penalties")),
     "sampled-eagle": Mode("eagle", SAMPLED, "dense", ("T0.7-topk5", "T0.8-penalties")),
     "sampled-eagle3_reduced-paged1": Mode("eagle3_reduced", SAMPLED, "paged1", ("T1", "T1.2-topk6-topp0.9-minp0.15")),
+    "chain-ngram": Mode("ngram", CHAIN, "dense", ("T1", "T0.8-penalties")),
+    "tree-ngram-paged16": Mode("ngram", TREE, "paged16", ("T0.7-topk5", "T1.2-topk6-topp0.9-minp0.15")),
 }
 FAST = ("plain", "sampled-standalone", "tree-standalone")
 
@@ -258,8 +261,9 @@ class Family:
     loaded: dict = dataclasses.field(default_factory=dict)
 
     def with_draft(self, name):
-        if name not in self.loaded:
-            self.loaded[name] = self.target.with_draft(load_draft(self.drafts[name], self.target))
+        if name not in self.loaded:  # n-gram drafts look the prompt up from one token on
+            draft = jspec.NgramDraft(min_n=1, max_n=2) if name == "ngram" else load_draft(self.drafts[name], self.target)
+            self.loaded[name] = self.target.with_draft(draft)
         return self.loaded[name]
 
 

@@ -283,11 +283,30 @@ def test_training_bad_input(target, llama_dir, corpus, tmp_path):
         assert cli_main(["eagle3", "--target", llama_dir[0], "--data", str(corpus), "--out", out, "--steps", "1",
                          *flags]) == 2, flags
         assert not os.path.exists(out)
-    # A target too shallow for the default layers (2, n/2, n-3) trains with chosen ones.
+    # Loading follows the same rule: a head reading the embeddings (id -1) is refused.
+    with open(os.path.join(head, "config.json")) as f:
+        head_cfg = json.load(f)
+    head_cfg["eagle_config"]["eagle_aux_hidden_state_layer_ids"] = [-1, 1, 2]
+    with open(os.path.join(head, "config.json"), "w") as f:
+        json.dump(head_cfg, f)
+    with pytest.raises(ValueError, match=r"EAGLE-3 auxiliary layers \(0, 2, 3\) .* do not fit a 4-layer target: "
+                                         r"each must be in 1..4 \(ids 0..3\); set eagle_config"):
+        jspec.load(other, draft=head)
+    # Shallow targets: the defaults fit any depth. A new user's first try on a 3-layer model
+    # trains, and the head loads and drafts.
+    three = str(tmp_path / "three")
+    tiny_models.make_model(three, "llama", layers=3, tokenizer=True)
+    out = str(tmp_path / "three_head")
+    assert cli_main(["eagle3", "--target", three, "--data", str(corpus), "--out", out, "--steps", "1",
+                     "--batch-size", "1", "--seq-len", "8"]) == 0
+    with open(os.path.join(out, "config.json")) as f:
+        assert json.load(f)["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == [1, 0, 0]
+    p3 = jspec.load(three, draft=out)
+    assert p3.draft.config.aux_layers == (2, 1, 1)
+    assert len(jspec.generate(p3, [5, 6, 7], max_new_tokens=3, stop_token_ids=[]).tokens) == 3
+    # and chosen ones, on a 2-layer target
     shallow = str(tmp_path / "shallow")
     tiny_models.make_model(shallow, "llama", layers=2, tokenizer=True)
-    with pytest.raises(ValueError, match="aux-layer-ids"):
-        train_eagle3(shallow, corpus, None, cfg, progress=False)
     out = str(tmp_path / "shallow_head")
     assert cli_main(["eagle3", "--target", shallow, "--data", str(corpus), "--out", out, "--steps", "1",
                      "--batch-size", "1", "--seq-len", "8", "--dtype", "float32", "--aux-layer-ids", "0", "1"]) == 0

@@ -130,41 +130,53 @@ def test_cache_holds_what_plain_decoding_writes(with_draft, kind, shape, cache, 
     st = jax.jit(programs.run, static_argnums=0)(plan, *prog.weights, *prog.inputs())
     lens = [len(q) for q in prompts]
     c, d = p.config, p.draft.config
-    paged = plan.layout.paged
-
-    def fresh_prefill(n, cache_kind):
-        layout = lay.CacheLayout(paged=False, capacity=n)
-        meta = lay.prefill_meta(jnp.array([n], jnp.int32), n)
-        return cache_kind.init(layout, 1), lay.make_meta(
-            layout, None, positions=meta.positions, prefix_len=jnp.zeros(1, jnp.int32), local_mask=meta.local_mask,
-            write_valid=jnp.ones((1, n), bool), prefill=True)
-
-    def check(got_cache, want_cache, b, n, what):
-        table = st.pages.page_table[b: b + 1] if paged else None
-        assert len(got_cache.kv) == len(want_cache.kv)
-        for layer, (buf, want) in enumerate(zip(got_cache.kv, want_cache.kv)):
-            got = kvc.read_kv(buf if paged else buf[b: b + 1], table)[0, :n]  # [n, 2, Hkv, Dh]
-            for part, name in enumerate(("keys", "values")):
-                np.testing.assert_allclose(np.asarray(got[:, part]), np.asarray(want[0, :n, part]), atol=2e-5,
-                                           err_msg=f"{what} {name} layer {layer}, request {b}")
-
     for b, n in enumerate(lens):
-        L = int(st.L[b])
-        seq = np.asarray(st.tokens[b, : L + 1])
-        assert not st.finished[b] and L >= n + 4
-        family = family_for(c)
-        fresh, fresh_meta = fresh_prefill(L, family.cache_kind(c))
-        hidden, aux, fresh = family.forward(c, p.weights, jnp.asarray(seq[None, :L]), fresh, fresh_meta,
-                                            capture=d.target_layers)
-        check(st.tcache, fresh, b, L, "target")
+        assert not st.finished[b] and int(st.L[b]) >= n + 4
+        seq, hidden, aux = check_target_cache(st, plan, p, b, d.target_layers)
         # The draft: slot i pairs token i+1 with the target feature at i (EAGLE-3, lag 0),
         # or holds token i itself (standalone, lag 1).
+        L = len(seq) - 1
         feats = d.target_features(hidden, aux)
         nd = L + d.lag
         dfresh, dmeta = fresh_prefill(nd, d.cache_kind())
         _, dfresh = d.forward(c, p.weights, p.draft.weights, jnp.asarray(seq[None, 1 - d.lag: L + 1]), feats,
                               dfresh, dmeta, True)
-        check(st.dcache, dfresh, b, nd, "draft")
+        check_cache(st, plan, st.proposal.cache, dfresh, b, nd, "draft")
+
+
+def fresh_prefill(n, cache_kind):
+    """An empty one-row cache of n slots and the AttnMeta of a prefill of n tokens into it."""
+    layout = lay.CacheLayout(paged=False, capacity=n)
+    meta = lay.prefill_meta(jnp.array([n], jnp.int32), n)
+    return cache_kind.init(layout, 1), lay.make_meta(
+        layout, None, positions=meta.positions, prefix_len=jnp.zeros(1, jnp.int32), local_mask=meta.local_mask,
+        write_valid=jnp.ones((1, n), bool), prefill=True)
+
+
+def check_cache(st, plan, got_cache, want_cache, b, n, what):
+    """Slots [0, n) of row b of a loop's KV cache equal a one-row cache's."""
+    paged = plan.layout.paged
+    table = st.pages.page_table[b: b + 1] if paged else None
+    assert len(got_cache.kv) == len(want_cache.kv)
+    for layer, (buf, want) in enumerate(zip(got_cache.kv, want_cache.kv)):
+        got = kvc.read_kv(buf if paged else buf[b: b + 1], table)[0, :n]  # [n, 2, Hkv, Dh]
+        for part, name in enumerate(("keys", "values")):
+            np.testing.assert_allclose(np.asarray(got[:, part]), np.asarray(want[0, :n, part]), atol=2e-5,
+                                       err_msg=f"{what} {name} layer {layer}, request {b}")
+
+
+def check_target_cache(st, plan, params, b, capture=()):
+    """Target cache slots [0, L) of row b equal a fresh prefill of its committed tokens ->
+    (the tokens up to the root, the prefill's hidden states and captured layer inputs)."""
+    L = int(st.L[b])
+    seq = np.asarray(st.tokens[b, : L + 1])
+    c = params.config
+    family = family_for(c)
+    fresh, fresh_meta = fresh_prefill(L, family.cache_kind(c))
+    hidden, aux, fresh = family.forward(c, params.weights, jnp.asarray(seq[None, :L]), fresh, fresh_meta,
+                                        capture=capture)
+    check_cache(st, plan, st.tcache, fresh, b, L, "target")
+    return seq, hidden, aux
 
 
 # ------------------------------------------------------------------ property tests

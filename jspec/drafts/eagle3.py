@@ -20,21 +20,38 @@ from jspec.config import DEFAULT_TUNING
 ARCHITECTURES = ("LlamaForCausalLMEagle3", "Eagle3LlamaForCausalLM")
 
 
+# The one rule for EAGLE-3 features, in loading and training alike: a head reads the
+# inputs of target layers i in 1..n (i = n: the last layer's output, before the final
+# norm), which SGLang's and vLLM's `eagle_aux_hidden_state_layer_ids` name as the outputs
+# of layers i - 1 (0..n-1); the embeddings (i = 0) are not a layer's output and are refused.
+
+
 def default_aux_layers(num_target_layers: int) -> tuple[int, ...]:
-    """SGLang's default EAGLE-3 features: the inputs of layers 2, n/2 and n-3."""
+    """The default EAGLE-3 features: SGLang's, the inputs of layers 2, n/2 and n-3 (the
+    outputs of layers 1, n/2 - 1, n - 4), each moved into 1..n for targets of fewer than
+    four layers (a 3-layer target: 2, 1, 1)."""
     n = num_target_layers
-    return (2, n // 2, n - 3)
+    return tuple(min(max(i, 1), n) for i in (2, n // 2, n - 3))
+
+
+def check_aux_layers(layers, num_target_layers: int, fix: str) -> tuple[int, ...]:
+    """Auxiliary layers checked against an n-layer target (each in 1..n); `fix` says where
+    to choose others."""
+    n = num_target_layers
+    layers = tuple(int(i) for i in layers)
+    if not layers or any(not 1 <= i <= n for i in layers):
+        raise ValueError(f"EAGLE-3 auxiliary layers {layers} (the inputs of these target layers; "
+                         f"eagle_aux_hidden_state_layer_ids {[i - 1 for i in layers]}) do not fit a {n}-layer target: "
+                         f"each must be in 1..{n} (ids 0..{n - 1}); {fix}")
+    return layers
 
 
 def eagle3_aux_layers(cfg_json: dict, num_target_layers: int) -> tuple[int, ...]:
     """Target layers whose inputs an EAGLE-3 head reads (SGLang's convention)."""
     ids = (cfg_json.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids")
-    n = num_target_layers
-    layers = tuple(i + 1 for i in ids) if ids else default_aux_layers(n)
-    if any(not 0 <= i <= n for i in layers):
-        raise ValueError(f"EAGLE-3 auxiliary layers {layers} do not fit a {n}-layer target; set "
-                         f"eagle_config.eagle_aux_hidden_state_layer_ids in the draft's config.json")
-    return layers
+    layers = tuple(i + 1 for i in ids) if ids else default_aux_layers(num_target_layers)
+    return check_aux_layers(layers, num_target_layers,
+                            "set eagle_config.eagle_aux_hidden_state_layer_ids in the draft's config.json")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -29,7 +29,8 @@ def main(argv=None) -> int:
     e.add_argument("--draft-vocab", type=int, default=None, help="draft vocabulary size (most frequent tokens)")
     e.add_argument("--aux-layer-ids", type=int, nargs="+", default=None, metavar="ID",
                    help="target layers whose outputs feed the head, 0-based, as SGLang's "
-                        "eagle_aux_hidden_state_layer_ids (default: 1, n/2 - 1, n - 4 for an n-layer target)")
+                        "eagle_aux_hidden_state_layer_ids (default: 1, n/2 - 1, n - 4 for an n-layer target, each "
+                        "clamped into 0..n-1)")
     e.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16", "float16"],
                    help="compute dtype (master weights stay float32)")
     e.add_argument("--checkpoint-every", type=int, default=500)

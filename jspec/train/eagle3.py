@@ -22,7 +22,7 @@ import numpy as np
 import optax
 
 from jspec.cache.layout import CacheLayout, make_meta, prefill_meta
-from jspec.drafts.eagle3 import Eagle3Draft, default_aux_layers
+from jspec.drafts.eagle3 import Eagle3Draft, check_aux_layers, default_aux_layers
 from jspec.export import save_draft
 from jspec.kernels.dispatch import use_backend
 from jspec.models import family_for
@@ -74,12 +74,8 @@ def head_config(target: Params, cfg: Eagle3TrainConfig, aux_layers=None) -> Eagl
     if not 0 < Vd <= V:
         raise ValueError(f"draft_vocab_size must be in [1, {V}], got {Vd}")
     n = tc.num_layers
-    aux = tuple(aux_layers) if aux_layers else default_aux_layers(n)
-    # Layer i's input is layer i-1's output: SGLang's eagle_aux_hidden_state_layer_ids
-    # (exported as i - 1) must be target layers, 0 .. n-1.
-    if not aux or any(not 1 <= i <= n for i in aux):
-        raise ValueError(f"auxiliary layers {aux} (the inputs of these layers) do not fit a {n}-layer target: "
-                         f"each must be in 1..{n}; choose them with aux_layers (jspec-train --aux-layer-ids)")
+    aux = check_aux_layers(aux_layers if aux_layers else default_aux_layers(n), n,
+                           "choose them with aux_layers (jspec-train --aux-layer-ids)")
     m = tc.replace(num_layers=1, sliding_windows=(0,), intermediate_size=cfg.intermediate_size or tc.intermediate_size,
                    tie_word_embeddings=False, qkv_bias=False, o_bias=False, mlp_bias=False, qk_norm=False,
                    architecture="LlamaForCausalLMEagle3", model_type="llama")

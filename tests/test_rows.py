@@ -1,0 +1,205 @@
+"""Requests joining and leaving a running batch (`jspec.loop.rows`: admit, evict).
+
+- A request admitted into a running batch produces exactly the tokens it produces alone
+  (greedy, and sampled with the same seed), for every proposer, dense and paged: the
+  batch runs, requests are admitted into free rows between chunks of rounds, finished
+  rows are evicted and reused; every request's tokens equal its run alone in an empty
+  batch, in another row.
+- admit and evict leave every other row bit for bit as it was (state rows, cache slots
+  and pages, proposer state).
+- After 1,000 admit/evict cycles (some running rounds in between) every page is back in
+  the pool.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import numpy as np
+import pytest
+
+import jspec
+from conftest import CACHES
+from jspec import requests as rq
+from jspec.loop import programs
+from jspec.loop.plan import make_plan
+from jspec.loop.state import init_state
+
+B = 4
+MAX_NEW = 14
+PROMPTS = [[5, 7, 9, 11, 13, 5, 7], [20, 21, 22], list(range(30, 45)), [8, 9, 8, 9, 8], [40, 41], [3, 100, 7, 3]]
+
+
+class Batch:
+    """A running batch driven the way a serving engine drives it: requests admitted into
+    rows between chunks of rounds, rows evicted once read."""
+
+    def __init__(self, params, cache, spec=None, samples=False):
+        self.params, self.cache = params, cache
+        reqs = rq.check_requests(params, PROMPTS, MAX_NEW, [], {"temperature": 0.7 if samples else 0.0})
+        self.plan = make_plan(params, reqs.lens, reqs.max_new, 0, samples, cache, rq.spec_config(params, spec))
+        self.weights = (params.weights, params.draft.weights if params.draft is not None else None)
+
+    def fresh(self):
+        return programs.init_jit(self.plan)
+
+    def admit(self, st, row: int, i: int, **sampling):
+        """Request i (PROMPTS[i]) into `row`."""
+        reqs = rq.check_requests(self.params, [PROMPTS[i]], MAX_NEW, [], sampling)
+        rows, adm = rq.pack(self.plan, reqs, self.cache)
+        rows[0] = row
+        return programs.admit_jit(self.plan, *self.weights, st, rows, adm)
+
+    def advance(self, st, rounds: int):
+        return programs.advance_jit(self.plan, *self.weights, st, st.step + rounds)
+
+    def evict(self, st, row: int):
+        return programs.evict_jit(self.plan, st, np.array([row], np.int32))
+
+    def output(self, back, row: int, i: int):
+        back = jax.device_get(back)
+        n = len(PROMPTS[i])
+        assert back["finished"][row]
+        return back["tokens"][row, n: n + back["generated"][row]].tolist()
+
+    def alone(self, i: int, row: int, **sampling):
+        st, back = self.admit(self.fresh(), row, i, **sampling)
+        st, back = self.advance(st, MAX_NEW)
+        return self.output(back, row, i)
+
+
+def run_interleaved(b: Batch, seeds=None):
+    """Requests 0..5 through B = 4 rows: 0, 1, 2 start; 3 joins after 2 rounds; each
+    finished row is read, evicted and given the next waiting request -> {request: tokens}."""
+    def sampling(i):
+        return {} if seeds is None else {"temperature": 0.7, "seed": seeds[i]}
+    st = b.fresh()
+    for row, i in enumerate((0, 1, 2)):
+        st, back = b.admit(st, row, i, **sampling(i))
+    st, back = b.advance(st, 2)
+    st, back = b.admit(st, 3, 3, **sampling(3))
+    holder, waiting, outputs = {0: 0, 1: 1, 2: 2, 3: 3}, [4, 5], {}
+    while holder:
+        st, back = b.advance(st, 1)
+        done = jax.device_get(back["finished"])
+        for row in [r for r in holder if done[r]]:
+            i = holder.pop(row)
+            outputs[i] = b.output(back, row, i)
+            st = b.evict(st, row)
+            if waiting:
+                j = waiting.pop(0)
+                st, back = b.admit(st, row, j, **sampling(j))
+                holder[row] = j
+    return outputs
+
+
+CASES = [("plain", "dense"), ("eagle3", "paged16"), ("ngram", "dense"),
+         pytest.param("eagle", "paged1", marks=pytest.mark.slow), pytest.param("standalone", "dense",
+                                                                                marks=pytest.mark.slow),
+         pytest.param("eagle3", "dense", marks=pytest.mark.slow), pytest.param("ngram", "paged16",
+                                                                               marks=pytest.mark.slow)]
+
+
+def _params(target, with_draft, kind):
+    if kind == "plain":
+        return target
+    if kind == "ngram":
+        return target.with_draft(jspec.NgramDraft(min_n=1, max_n=3))
+    return with_draft(kind)
+
+
+@pytest.mark.parametrize("kind,cache", CASES)
+def test_admitted_request_equals_alone(target, with_draft, kind, cache):
+    b = Batch(_params(target, with_draft, kind), CACHES[cache])
+    together = run_interleaved(b)
+    for i in range(len(PROMPTS)):
+        assert together[i] == b.alone(i, row=(i + 1) % B), i
+        assert len(together[i]) == MAX_NEW
+
+
+@pytest.mark.parametrize("kind,cache", [("eagle3", "dense"), pytest.param("ngram", "paged16", marks=pytest.mark.slow)])
+def test_sampled_request_equals_alone(target, with_draft, kind, cache):
+    b = Batch(_params(target, with_draft, kind), CACHES[cache], samples=True)
+    seeds = [11, 12, 13, 14, 15, 16]
+    together = run_interleaved(b, seeds)
+    for i in range(len(PROMPTS)):
+        assert together[i] == b.alone(i, row=(i + 2) % B, temperature=0.7, seed=seeds[i]), i
+
+
+def _rows_of(st, plan, rows):
+    """The parts of a state that belong to `rows`: every [B, ...] leaf's rows, each dense
+    cache row's slots (the trash slot aside), and for a paged pool the pages those rows
+    hold -> a list of numpy arrays."""
+    B = plan.batch
+    out = []
+    for path, leaf in jax.tree_util.tree_leaves_with_path(st):
+        a = np.asarray(leaf)
+        name = jax.tree_util.keystr(path)
+        if "cache" in name or ".kv" in name:
+            if plan.layout.paged:  # [num_pages + 1, P, ...]: the rows' pages
+                table = np.asarray(st.pages.page_table)[rows]
+                pages = np.unique(table[table < plan.layout.num_pages])
+                out.append(a[pages])
+            else:  # [B, C + 1, ...]
+                out.append(a[rows, : plan.layout.capacity])
+        elif "pages" in name:  # the rows' page-table rows and page counts (the free stack is shared)
+            if "page_table" in name or "num_alloc" in name:
+                out.append(a[rows])
+        elif a.ndim and a.shape[0] == B:
+            out.append(a[rows])
+    return out
+
+
+@pytest.mark.parametrize("cache", ["dense", "paged16"])
+def test_admit_and_evict_leave_other_rows_alone(target, with_draft, cache):
+    """Rows 0, 1 and 3 run; row 2 is admitted, later evicted: every part of rows 0, 1, 3
+    (their state rows, cache slots, pages and page-table rows, the draft's cache and
+    first level) is bit for bit what it was."""
+    b = Batch(with_draft("eagle3"), CACHES[cache])
+    st = b.fresh()
+    for row, i in ((0, 0), (1, 1), (3, 2)):
+        st, _ = b.admit(st, row, i)
+    st, _ = b.advance(st, 2)
+    others = [0, 1, 3]
+    before = _rows_of(st, b.plan, others)
+    st, _ = b.admit(st, 2, 3)
+    after = _rows_of(st, b.plan, others)
+    assert len(before) == len(after) > 10
+    for x, y in zip(before, after):
+        np.testing.assert_array_equal(x, y)
+    st = b.evict(st, 2)
+    for x, y in zip(before, _rows_of(st, b.plan, others)):
+        np.testing.assert_array_equal(x, y)
+
+
+def test_thousand_admit_evict_cycles_return_every_page(target):
+    """Paged pool, plain and n-gram rows: 1,000 single-row admissions of random prompts,
+    every tenth followed by a few rounds, each evicted (some mid-generation, some
+    finished) -> the free stack holds every page exactly once, and while rows run the
+    pool's count matches the pages they hold."""
+    params = target.with_draft(jspec.NgramDraft())
+    cache = jspec.CacheConfig("paged", page_size=4)
+    b = Batch(params, cache)
+    plan = b.plan
+    admit = jax.jit(lambda st, rows, adm: programs.admit_fn(plan, *b.weights, st, rows, adm)[0], donate_argnums=0)
+    evict = jax.jit(lambda st, rows: programs.evict_fn(plan, st, rows), donate_argnums=0)
+    rng = np.random.RandomState(0)
+    st = b.fresh()
+    for cycle in range(1000):
+        row = cycle % B
+        prompt = rng.randint(3, 200, size=rng.randint(1, 16)).tolist()
+        reqs = rq.check_requests(params, [prompt], int(rng.randint(1, MAX_NEW + 1)), [], {})
+        rows, adm = rq.pack(plan, reqs, cache)
+        one = jax.tree.map(lambda a: a[:1], adm)
+        st = admit(st, np.array([row], np.int32), one)
+        if cycle % 10 == 9:
+            st, _ = b.advance(st, 3)
+            held = np.asarray(st.pages.num_alloc).sum()
+            assert int(st.pages.num_free) + held == plan.layout.num_pages
+        if cycle % 3:  # the rest stay until their row is reused (admit returns a row's old pages)
+            st = evict(st, np.array([row], np.int32))
+    st = evict(st, np.arange(B, dtype=np.int32))
+    pages = st.pages
+    assert int(pages.num_free) == plan.layout.num_pages
+    assert sorted(np.asarray(pages.free).tolist()) == list(range(plan.layout.num_pages))
+    assert (np.asarray(pages.page_table) == plan.layout.num_pages).all() and not np.asarray(pages.num_alloc).any()
