@@ -115,10 +115,6 @@ def test_bad_settings(kw, msg):
 
 
 def test_refused_specs_before_compiling(llama_dir, monkeypatch):
-    from jspec import requests as rq
-from jspec.loop import programs
-from jspec.loop.plan import make_plan
-
     def no_compile(*a, **k):
         raise AssertionError("compiled despite bad input")
     monkeypatch.setattr(programs.generate_jit, "lower", no_compile)
