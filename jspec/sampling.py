@@ -140,19 +140,19 @@ def penalise(logits, sp: SamplingParams, hist: History, tokens=None, anc=None):
 
 # --------------------------------------------------------------------------- filters
 
-def _order_keys(x):
+def order_keys(x):
     """float32 -> uint32 keys with the same order (-inf lowest)."""
     bits = jax.lax.bitcast_convert_type(x.astype(jnp.float32), jnp.uint32)
     return jnp.where(bits >> 31 == 1, ~bits, bits | jnp.uint32(1 << 31))
 
 
-def _from_order_key(k):
-    """Inverse of `_order_keys`."""
+def from_order_key(k):
+    """Inverse of `order_keys`."""
     bits = jnp.where(k >> 31 == 1, k & jnp.uint32(0x7FFFFFFF), ~k)
     return jax.lax.bitcast_convert_type(bits, jnp.float32)
 
 
-def _largest_value_reaching(x, weigh, target):
+def largest_value_reaching(x, weigh, target):
     """x [R,V], weigh(x) -> weights [R,V] (computed inside each pass: only x is read),
     target [R] -> the largest value t with sum(weigh(x) where x >= t) >= target (the
     search's invariant: the lowest key reaches it). Eight passes, each weighing 16
@@ -161,15 +161,15 @@ def _largest_value_reaching(x, weigh, target):
     digits = jnp.arange(_PROBES, dtype=jnp.uint32)
     for shift in range(28, -1, -4):
         probes = found[:, None] | (digits[None, :] << shift)  # [R,16]
-        keys, w = _order_keys(x), weigh(x)
+        keys, w = order_keys(x), weigh(x)
         mass = jnp.sum(jnp.where(keys[:, :, None] >= probes[:, None, :], w[:, :, None], 0), axis=1)
         reach = jnp.sum((mass >= target[:, None]).astype(jnp.int32), axis=1)  # reaching probes: a prefix
         found = found | (jnp.maximum(reach - 1, 0).astype(jnp.uint32) << shift)
     # Key 0 lies below every value: only a target that rounding put out of reach ends there.
-    return jnp.where(found == 0, -jnp.inf, _from_order_key(found))
+    return jnp.where(found == 0, -jnp.inf, from_order_key(found))
 
 
-def _candidates(x, cap: int, group: int):
+def candidates(x, cap: int, group: int):
     """x [R,V] -> (c [R, cap*group]: the values of the cap groups of `group` consecutive
     entries with the largest maxima, lowest [R]: the smallest of those maxima). Every value
     above lowest is in c (ties with it may lie outside), and c holds >= cap values >= lowest."""
@@ -188,14 +188,14 @@ def _mass_from(x, t, top):
 def _top_k_threshold(c, top_k):
     """The k-th largest of c [R,C] (-inf where top_k is 0)."""
     k = jnp.where(top_k > 0, jnp.minimum(top_k, c.shape[-1]), c.shape[-1]).astype(jnp.float32)
-    return jnp.where(top_k > 0, _largest_value_reaching(c, jnp.ones_like, k), -jnp.inf)
+    return jnp.where(top_k > 0, largest_value_reaching(c, jnp.ones_like, k), -jnp.inf)
 
 
 def _top_p_threshold(c, top_p, t_k, top, mass):
     """The lowest value top-p keeps of the top-k-kept distribution (values >= t_k), whose
     whole mass sum(exp(x - top)) is `mass` [R], searched over c [R,C]; t_k where top_p is 1."""
     c = jnp.where(c >= t_k[:, None], c, -jnp.inf)
-    t_p = _largest_value_reaching(c, lambda v: jnp.exp(v - top[:, None]), top_p * mass)
+    t_p = largest_value_reaching(c, lambda v: jnp.exp(v - top[:, None]), top_p * mass)
     return jnp.where(top_p < 1, jnp.maximum(t_p, t_k), t_k)
 
 
@@ -216,7 +216,7 @@ def _thresholds(x, top_k, top_p, cap: int, group: int):
     searched only when some row is not covered, and only its result is taken from them."""
     if cap * group >= x.shape[-1]:
         return _row_thresholds(x, top_k, top_p)
-    c, lowest = _candidates(x, cap, group)
+    c, lowest = candidates(x, cap, group)
     top = jnp.max(c, axis=-1)  # the row's max
     reach = _mass_from(x, lowest, top) >= top_p * _mass_from(x, jnp.full_like(top, -jnp.inf), top)
     covered = jnp.where(top_k > 0, top_k <= cap, (top_p >= 1) | reach)

@@ -78,6 +78,8 @@ def test_bad_directories_and_refused_input(capsys, tmp_path, pair):
     _usage_error(capsys, ["", "--target", t, "--draft", d], "empty")
     (tmp_path / "empty.txt").write_text("\n\n")
     _usage_error(capsys, ["bench", "--prompts", str(tmp_path / "empty.txt")], "no prompts")
+    _usage_error(capsys, [PROMPT, "--target", t, "--draft", "ngram", "--temperature", "0.5", "--sample-drafts"],
+                 "sample_drafts", "n-gram drafts have none")
 
 
 def test_bench_prints_table(capsys, tmp_path, pair):
@@ -97,6 +99,18 @@ def test_bench_prints_table(capsys, tmp_path, pair):
     assert plain[3] == "1.00" and plain[5] == "1.00x"
     assert 1.0 <= float(chain[3]) <= 3.0 and float(chain[4]) > 0
     assert chain[6] == "100%"  # float32: speculative output == plain decoding's
+
+
+def test_bench_with_ngram_drafts(capsys, pair):
+    """`--draft ngram` with any target: prompt lookup, benchmarked against plain decoding."""
+    t, _ = pair
+    assert main(["bench", "--target", t, "--draft", "ngram", "--spec", "2,1,3", "--max-new-tokens", "8",
+                 "--repeats", "1"]) == 0
+    out = capsys.readouterr().out.strip().splitlines()
+    assert out[0].startswith(f"target {t}, draft ngram, float32")
+    rows = [[c.strip() for c in line.strip("|").split("|")] for line in out[3:]]
+    assert [r[:3] for r in rows] == [["1", "plain", "-"], ["1", "chain", "2,1,3"]]
+    assert rows[1][6] == "100%"  # speculative output == plain decoding's
 
 
 def test_generate_prints_text_and_stats(capsys, monkeypatch, pair):

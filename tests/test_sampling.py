@@ -82,7 +82,7 @@ def test_candidate_search_equals_the_sorting_reference():
     k = rng.choice([0, 0, 1, 2, 5, 8], size=R).astype(np.int32)
     p = rng.choice([1.0, 1e-6, 0.3, 0.8, 0.95], size=R).astype(np.float32)
     m = rng.choice([0.0, 0.05, 0.5], size=R).astype(np.float32)
-    _, lowest = sampling._candidates(jnp.asarray(x), cap, group)
+    _, lowest = sampling.candidates(jnp.asarray(x), cap, group)
     top = x.max(axis=1, keepdims=True)
     total = np.exp(x - top).sum(axis=1)
     reach = np.array([np.exp(x[r][x[r] >= float(lowest[r])] - top[r]).sum() >= p[r] * total[r] for r in range(R)])
@@ -101,9 +101,9 @@ def test_candidate_search_equals_the_sorting_reference():
 
 def test_order_keys_keep_the_float_order():
     x = np.array([-np.inf, -3e38, -1.5, -1e-40, 0.0, 1e-40, 1e-30, 0.5, 2.0, 3e38, np.inf], np.float32)
-    keys = sampling._order_keys(jnp.asarray(x))
+    keys = sampling.order_keys(jnp.asarray(x))
     assert (np.diff(np.asarray(keys).astype(np.int64)) > 0).all()
-    assert (np.asarray(sampling._from_order_key(keys)) == x).all()
+    assert (np.asarray(sampling.from_order_key(keys)) == x).all()
 
 
 def _random_tree(rng, B, N, V):

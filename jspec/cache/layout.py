@@ -110,8 +110,8 @@ class AttnMeta:
     local_positions: jax.Array
     write_index: jax.Array
     page_table: jax.Array | None
-    parents: jax.Array
-    valid: jax.Array
+    parents: jax.Array | None = None  # None: not given (a kernel test's hand-made meta)
+    valid: jax.Array | None = None
     page_size: int = struct.field(pytree_node=False, default=0)
     # Prefill: the prefix is empty, so attention reads only the new keys (no cache read).
     prefill: bool = struct.field(pytree_node=False, default=False)
