@@ -124,7 +124,7 @@ def test_first_draft_matches_transformers_mtp(mtp_target):
             pos = torch.arange(1, len(prompt) + 1)[None]
             logits = mtp._project_to_logits(mtp.forward_layer(0, out.hidden_states[-1], pos, None, input_ids=ids))
         want = torch.topk(logits[0, -1], K).indices.tolist()
-        assert sorted(np.asarray(st.first_tokens[b]).tolist()) == sorted(want), b
+        assert sorted(np.asarray(st.proposal.first_tokens[b]).tolist()) == sorted(want), b
 
 
 @pytest.mark.parametrize("spec,cache", [

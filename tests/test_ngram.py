@@ -14,6 +14,7 @@ import pytest
 
 import jspec
 from conftest import CACHES
+from jspec import api
 from jspec import requests as rq
 from jspec.loop import programs
 from jspec.loop.plan import make_plan
@@ -202,3 +203,21 @@ def test_cache_holds_what_plain_decoding_writes(cycle_case, cache):
     for b in range(len(prompts)):
         assert not st.finished[b]
         check_target_cache(st, plan, params, b)
+
+
+def test_compile_and_stream_with_stops_per_request(cycle_case):
+    """`jspec.compile` reruns other prompts without recompiling, and `jspec.stream`'s chunks
+    concatenate to `generate`'s tokens; each request stops at its own stop ids."""
+    target, prompts, plain = cycle_case
+    params = target.with_draft(jspec.NgramDraft(min_n=2))
+    stops = [[plain[0][9]], [], [plain[2][3], plain[2][4]], [1]]
+    kw = dict(max_new_tokens=MAX_NEW, stop_token_ids=stops, spec=jspec.SpecConfig(num_steps=4))
+    want = jspec.generate(params, prompts, **kw)
+    assert want.tokens[0] == plain[0][:10] and want.tokens[1] == plain[1] and want.tokens[2] == plain[2][:4]
+    assert want.finish_reasons[:3] == ["stop", "length", "stop"]
+    chunks = list(jspec.stream(params, prompts, rounds_per_chunk=2, **kw))
+    assert [[t for c in chunks for t in c.tokens[i]] for i in range(len(prompts))] == want.tokens
+    prog = jspec.compile(params, prompts, **kw)
+    programs_before = api.compiled_programs()
+    again = prog.run(prompts[::-1], stop_token_ids=stops[::-1], max_new_tokens=MAX_NEW)
+    assert again.tokens == want.tokens[::-1] and api.compiled_programs() == programs_before

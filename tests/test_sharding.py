@@ -124,7 +124,7 @@ def test_weights_and_caches_are_split(split, single):
     prog = jspec.compile(pn, PROMPTS, max_new_tokens=6, cache=CACHES["paged16"], spec=CHAIN)
     tw, dw = prog.weights
     st, _ = prog.program(programs.start_jit, *prog.device_inputs(prog.requests()))(tw, dw, *prog.device_inputs(prog.requests()))
-    for cache in (st.tcache.kv[0], st.dcache.kv[0]):
+    for cache in (st.tcache.kv[0], st.proposal.cache.kv[0]):
         assert _spec(cache)[-2:] == ("tp", None)
         Hkv = cache.shape[-2]
         assert all(s.data.shape[-2] == Hkv // n for s in cache.addressable_shards)
