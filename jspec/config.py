@@ -4,7 +4,9 @@
 Qwen2/2.5, Qwen3, Mistral); its family (`jspec.models.llama`) parses it from config.json.
 Draft kinds are their own frozen classes (`jspec.drafts`). `SpecConfig` and `CacheConfig`
 are the user-facing knobs of generation; `Tuning` holds the settings that tune kernels and
-compilation (part of every compile key, passed down as arguments).
+compilation (part of every compile key, passed down as arguments), one group of tiles per
+kernel (`ExpertTiles`, `GroupedTiles`, `RouteTiles`, `MlaInputsTiles`, `MlaDecodeTiles`,
+`MlaOutputTiles`, `AttentionTiles`).
 """
 from __future__ import annotations
 
@@ -228,18 +230,235 @@ class CacheConfig:
             raise ValueError(f"CacheConfig.page_size must be an int >= 1, got {self.page_size!r}")
 
 
+# --------------------------------------------------------------------------- tuning
+# Settings that change how a program is computed, never what it computes. Each group is one
+# kernel's (its module named in the docstring); a kernel's public function takes its group
+# as `tiles=` (None: these defaults) and its single tiles as keyword arguments, which win.
+# The defaults are the measured best; the figures are the measurements behind them.
+
+
+@dataclasses.dataclass(frozen=True)
+class ExpertTiles:
+    """`jspec.kernels.moe_experts`: the expert kernel (decode and verification's routed and
+    shared experts, DeepSeek's dense MLP and router product at a few rows) and `matvec`, the
+    same kernel for few-row dense products (`models.llama.Linear(row_kernel=True)`).
+
+    Measured on the H200 (benchmarks/moe_kernel_check.py, device time of the routed
+    experts, bf16): 3.3 TB/s at V3 N=1, 3.5-3.7 TB/s at N=4..16, 1.9 TB/s at V2-Lite N=1.
+    Sizes tuned one by one gained 2-9% at most (BK=32, 4 warps, 4 stages at V3 N>=4)."""
+
+    block_n: int = 128  # output columns per program
+    block_k: int = 64  # weight rows per loop step
+    num_warps: int = 2  # beat 4 warps by 5-20% on every product measured
+    num_stages: int = 3
+    # The gated second product (`routed_experts`) of one token takes 64-column tiles:
+    # V2-Lite's 8 experts 15.7 us instead of 17.7 with 128 (benchmarks/matvec_configs.py
+    # down, H200); the first product stays at 128 (26.0 us against 27.8 with 64). At 4 tokens
+    # (32 pairs) 64 made an MTP round 5% slower (benchmarks/gpu_run_deepseek.sh PART=mtpab),
+    # so more tokens keep block_n.
+    gated_block_n: int = 64
+    # The first product of one token takes gated_block_n-wide tiles too when its input is at
+    # least this wide: DeepSeek-V3's 9 experts [7168, 4096] 144 us against 168 us with 128
+    # (3.7 against 3.1 TB/s, benchmarks/mla_b1_configs.py, H200); V2-Lite's [2048, 2816]
+    # keep block_n.
+    narrow_first_min_din: int = 4096
+    target_programs: int = 528  # four programs per SM on an H200 (132 SMs): more K splits below that
+    min_split_chunks: int = 4  # a K split walks at least this many chunks
+    # DeepSeek's dense MLP at a few rows runs as one wide expert; its second product keeps
+    # 128-column tiles (H200: 15.8 us against 18.0 with gated_block_n 64,
+    # benchmarks/deepseek_profile.py down_bn128).
+    dense_down_block_n: int = 128
+    matvec_max_rows: int = 1  # `matvec` runs the kernel for products of at most this many rows
+    # `matvec`'s tiles: 64 columns a program and 16 K splits were the fastest of 21 tilings
+    # for V2-Lite's 2048 x 3648 and 2048 x 2048 products (benchmarks/matvec_configs.py);
+    # matvec_splits None: from target_programs and min_split_chunks.
+    matvec_block_n: int = 64
+    matvec_splits: int | None = 16
+    # Larger weights stay XLA's products, which stream them faster (DeepSeek-V3's 16384 x
+    # 7168 output projection: 0.44 ms a V3 layer through `matvec`, 0.36 through XLA; below
+    # 10M elements XLA pads the row, see `Tuning.two_row_elements`).
+    matvec_max_elements: int = 10_000_000
+
+
+@dataclasses.dataclass(frozen=True)
+class GroupedTiles:
+    """`jspec.kernels.moe_grouped`: the grouped expert kernel (prefill and batches of at
+    least one (token, expert) pair an expert)."""
+
+    # False: `grouped` takes `jax.lax.ragged_dot` on a GPU at any size (benchmark A/Bs).
+    kernel: bool = True
+    # The kernel runs from this many pairs an expert on (so wherever the model groups
+    # pairs: it does from E pairs on); below, ragged_dot. Kernel time a call in the
+    # profiler, H200 (benchmarks/moe_profile.py): V2-Lite's routed experts at 32 tokens (3
+    # pairs an expert) 322 us (the two products 175 + 90 us, 3.7-3.8 TB/s over the distinct
+    # experts) against 367 for ragged_dot; V3 at 32 tokens (one pair an expert) 3.6 ms
+    # against 7.8 (wall). Wall-clock timings of these calls outside a CUDA graph
+    # (benchmarks/moe_paths.py) favour ragged_dot at 16-32 V2-Lite tokens only through the
+    # grouped path's 47 kernel launches against 13, which the decode loop's command
+    # buffers do not pay.
+    min_pairs_per_expert: int = 1
+    # Rows a tile: small_block_m while the pairs are few against the experts (little
+    # padding: each group's tiles read its expert once), large_block_m from
+    # large_from_pairs_per_expert pairs an expert on.
+    small_block_m: int = 16
+    large_block_m: int = 64
+    large_from_pairs_per_expert: int = 16
+    block_n: int = 128  # output columns a program
+    block_k: int = 64  # input rows a loop step
+    num_warps: int = 4
+    num_stages: int = 3
+
+
+@dataclasses.dataclass(frozen=True)
+class RouteTiles:
+    """`jspec.kernels.moe_route`: where the router product runs (the routing kernel itself
+    has no tiles)."""
+
+    kernel_product_tokens: int = 16  # up to this many tokens the router product runs in the expert kernel
+    block_k: int = 64  # its rows a program (K splits: the router weight is read by many SMs)
+
+
+@dataclasses.dataclass(frozen=True)
+class MlaInputsTiles:
+    """`jspec.kernels.mla_inputs`: query absorption, RoPE and the cache row of one token."""
+
+    block_c: int = 64  # latent values of q_lat a program: [64, Dn] of W_UK
+    num_warps: int = 4
+
+
+@dataclasses.dataclass(frozen=True)
+class MlaDecodeTiles:
+    """`jspec.kernels.mla_decode`: MLA attention over the latent cache (flash decoding).
+
+    On the H200 (benchmarks/mla_kernel_check.py, bf16, 2026-11-23) 64 query rows a program
+    beat 32 by 20-28% at H = 128 with batch 32 or T = 16 (fewer row blocks re-reading the
+    keys, bigger tensor-core tiles); block_k 32 with 3 stages was slower."""
+
+    block_rows: int = 64  # query rows a program above small_rows_max rows in all (float32: half)
+    # Up to this many query rows in all (B*T*H) a program takes 16 rows (the smallest
+    # tensor-core M): at batch 1 on the H200 (benchmarks/mla_b1_configs.py rows, 1k context)
+    # the MLA kernel took 6.2 against 12.7 us for 4 tokens of 16 heads, 6.2 against 9.0 for
+    # 2, 8.1 against 13.2 for 1 token of 128 heads and 17.7 against 26.6 for 4 of them,
+    # with 64 rows a program.
+    small_rows_max: int = 512
+    block_k: int = 64  # key slots a block, 16-bit caches (float32: half)
+    target_programs: int = 264  # about two waves of programs on an H200 (132 SMs)
+    num_warps: int | None = None  # None: 4, or 8 for row tiles above 16 x 512
+    num_stages: int = 2
+
+
+@dataclasses.dataclass(frozen=True)
+class MlaOutputTiles:
+    """`jspec.kernels.mla_output`: the merge of the MLA kernel's key splits and W_UV."""
+
+    block_n: int = 16  # output columns a program: 16 x Dc=512 float32 weights, 64 a thread
+    num_warps: int = 4
+    # A program per (query row, column tile) re-reads its head's W_UV tile for every token:
+    # (B*T) x 2 MB of L2 reads a layer at DeepSeek's shapes. Past this many tokens XLA's
+    # batched product (W_UV read once) is faster: on the H200 a batch-32 V2-Lite step took
+    # 12.93 ms with the kernel, 12.29 without (docs/experiments.md).
+    kernel_max_tokens: int = 16
+    # The latent is walked in chunks of split_tile // NSP values (at least min_chunk, at
+    # most Dc), NSP the splits as a power of two: the [NSP, chunk] float32 tile of the
+    # splits stays about split_tile values. At V2-Lite's batch-1 decode (19 splits, NSP 32:
+    # one 512-wide chunk) that took 3.5 us against 6.3 us with 128-wide chunks
+    # (benchmarks/mla_b1_configs.py, H200); 128 or more splits keep 128-wide chunks.
+    split_tile: int = 16384
+    min_chunk: int = 128
+
+
+@dataclasses.dataclass(frozen=True)
+class AttentionTiles:
+    """`jspec.kernels.decode_attention`: GQA attention over the KV cache (flash decoding)."""
+
+    block_k: int = 128  # batch-1 decode on the H200: 128 beat 64, 32 and 16 (docs/benchmarks.md)
+    target_programs: int = 256  # about two waves of programs on an H200 (132 SMs)
+    max_rows: int = 64  # query rows per program (more: split over programs, keeps registers in check)
+    num_warps: int | None = None  # None: 4, or 8 for row tiles above 32 x 128
+    num_stages: int = 2
+
+
+_XLA_VALUE = (bool, int, str)
+
+
 @dataclasses.dataclass(frozen=True)
 class Tuning:
     """Settings that change how a program is computed, never what it computes: kernel tiles,
     kernel-prologue switches, padding rules and XLA options. Part of the compile key (a
     field of the loop's `Plan`) and passed down as arguments to the models and kernels, as
     JAX's Pallas ops take tiles as keyword arguments. The defaults are the measured best
-    (docs/benchmarks.md); benchmarks compare settings by passing tunings.
+    (docs/benchmarks.md); benchmarks compare settings by passing tunings, e.g.
+    `Tuning(experts=ExpertTiles(num_stages=4), cache_write_in_kernel=False)`.
+
+    One group of tiles per kernel (see each class): experts, grouped, route, mla_inputs,
+    mla_decode, mla_output, attention. The rest:
+
+    mlp_norm_in_kernel: DeepSeek's post-attention norm runs in the prologues of the kernels
+    that read the MLP's input (the router product, the first expert product) instead of as
+    XLA's kernels first. On: in one H200 call on the same weights, V2-Lite's 6-layer step
+    0.567 ms with it against 0.581-0.583 without, the V3 layer shape 0.348 against 0.372 ms
+    a layer (with the first expert product 64 columns wide; at 128 it had cost V3 0.416
+    against 0.349 ms).
+
+    cache_write_in_kernel: `kernels.mla_inputs` writes a decoding token's latent row into
+    the cache itself (where it runs: one row, no q_lora_rank) instead of an update kernel
+    after it (on the H200 that update was a 1.2 us kernel a layer at batch 1).
+
+    two_row_elements, two_row_backends: XLA's GPU compiler rewrites a one-row product whose
+    operands hold fewer than 10M elements (`IsMatrixMultiplicationTooSmallForRewriting`) as
+    an elementwise multiply that writes the whole [K, N] product and a reduction that reads
+    it back: 18.5 us instead of 6.2 for DeepSeek-V2-Lite's 2048x3072 query projection. With
+    a second row of zeros it stays a matrix product. Weights of [lo, hi) elements get that
+    padding on these backends (`models.llama.pad_one_row`; docs/benchmarks.md, "One-row
+    products"); jax 0.11 has no option to turn the rewrite off.
+
+    cpu_matmul_max_rows: float32 products of up to this many rows run jspec's native loops
+    on the CPU (`kernels.cpu_matmul`); above (prefill) XLA's GEMM is the faster one.
 
     xla_options: (name, value) pairs of XLA options for the loop's programs on a GPU, on top
-    of the target family's own (`TargetFamily.gpu_xla_options`)."""
+    of the target family's own (`TargetFamily.gpu_xla_options`), which family_xla_options
+    False leaves out (XLA's defaults but for xla_options); see
+    `jspec.kernels.dispatch.compiler_options`. A dict is taken as its items."""
 
+    experts: ExpertTiles = ExpertTiles()
+    grouped: GroupedTiles = GroupedTiles()
+    route: RouteTiles = RouteTiles()
+    mla_inputs: MlaInputsTiles = MlaInputsTiles()
+    mla_decode: MlaDecodeTiles = MlaDecodeTiles()
+    mla_output: MlaOutputTiles = MlaOutputTiles()
+    attention: AttentionTiles = AttentionTiles()
+    mlp_norm_in_kernel: bool = True
+    cache_write_in_kernel: bool = True
+    two_row_elements: tuple[int, int] = (1 << 20, 10_000_000)
+    two_row_backends: tuple[str, ...] = ("gpu",)
+    cpu_matmul_max_rows: int = 32
     xla_options: tuple[tuple[str, bool | int | str], ...] = ()
+    family_xla_options: bool = True
+
+    def __post_init__(self):
+        for f in dataclasses.fields(self):
+            v = getattr(self, f.name)
+            if dataclasses.is_dataclass(f.default) and not isinstance(v, type(f.default)):
+                raise TypeError(f"Tuning.{f.name} must be of type {type(f.default).__name__}, got {v!r}")
+            if isinstance(f.default, bool) and not isinstance(v, bool):
+                raise TypeError(f"Tuning.{f.name} must be a bool, got {v!r}")
+        opts = self.xla_options
+        if isinstance(opts, dict):
+            opts = tuple(opts.items())
+        if not isinstance(opts, (tuple, list)) or not all(
+                isinstance(p, (tuple, list)) and len(p) == 2 and isinstance(p[0], str) and isinstance(p[1], _XLA_VALUE)
+                for p in opts):
+            raise TypeError(f"Tuning.xla_options must be (name, value) pairs with bool, int or str values, "
+                            f"got {self.xla_options!r}")
+        object.__setattr__(self, "xla_options", tuple((k, v) for k, v in opts))
+        lo_hi = self.two_row_elements
+        if not (isinstance(lo_hi, tuple) and len(lo_hi) == 2 and all(isinstance(v, int) for v in lo_hi)):
+            raise TypeError(f"Tuning.two_row_elements must be a pair of ints (lo, hi), got {lo_hi!r}")
+        if not (isinstance(self.two_row_backends, tuple) and all(isinstance(b, str) for b in self.two_row_backends)):
+            raise TypeError(f"Tuning.two_row_backends must be a tuple of backend names, got {self.two_row_backends!r}")
+
+    def replace(self, **kw) -> "Tuning":
+        return dataclasses.replace(self, **kw)
 
 
 DEFAULT_TUNING = Tuning()
