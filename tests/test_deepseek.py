@@ -15,7 +15,7 @@ from transformers import DeepseekV2Config, DeepseekV2ForCausalLM, DeepseekV3Conf
 import jspec
 from jspec.cache import kv as kvc
 from jspec.cache import layout as lay
-from jspec.config import ModelConfig
+from jspec.config import ModelConfig, Tuning
 from jspec.drafts import StandaloneDraft
 from jspec.export import save_draft, save_target
 from jspec.models import family_for
@@ -240,10 +240,10 @@ def test_split_over_devices_is_refused(models):
 
 
 
-def test_one_row_products_padded_to_two_rows(models, monkeypatch):
+def test_one_row_products_padded_to_two_rows(models):
     """The GPU's one-row padding (`llama.pad_one_row`: XLA would turn these products into a
-    multiply plus a reduction), forced on here for every size: a product gives the values
-    of the plain product, and batch-1 greedy decoding of a bfloat16 model (whose
+    multiply plus a reduction), forced on here for every size by a tuning: a product gives
+    the values of the plain product, and batch-1 greedy decoding of a bfloat16 model (whose
     projections all take the padding) the same tokens."""
     from jspec.models import llama
 
@@ -251,17 +251,19 @@ def test_one_row_products_padded_to_two_rows(models, monkeypatch):
     w = jax.random.normal(jax.random.key(1), (64, 48), jnp.bfloat16)
     params = jspec.load(models["v3"][0], dtype="bfloat16", draft=None)
 
-    def run():
+    def run(tuning):
         jspec.clear_caches()
-        out = jspec.generate(params, [PROMPTS[0]], max_new_tokens=8, stop_token_ids=[])
-        return llama.product(x, w, float32_out=True), out.tokens[0]
+        out = jspec.generate(params, [PROMPTS[0]], max_new_tokens=8, stop_token_ids=[], tuning=tuning)
+        hlo = jax.jit(lambda x, w: llama.product(x, w, float32_out=True, tuning=tuning)).lower(x, w).as_text()
+        return llama.product(x, w, float32_out=True, tuning=tuning), out.tokens[0], hlo
 
-    plain = run()
-    monkeypatch.setattr(llama, "TWO_ROW_BACKENDS", (jax.default_backend(),))
-    monkeypatch.setattr(llama, "GPU_TWO_ROW_ELEMENTS", (1, 1 << 40))
-    assert llama.pad_one_row(1, w.size) and not llama.pad_one_row(2, w.size)
-    padded = run()
+    plain = run(Tuning())
+    everywhere = Tuning(two_row_backends=(jax.default_backend(),), two_row_elements=(1, 1 << 40))
+    assert not llama.pad_one_row(1, w.size)  # by default from 1M elements on, and on GPUs only
+    assert llama.pad_one_row(1, w.size, everywhere) and not llama.pad_one_row(2, w.size, everywhere)
+    padded = run(everywhere)
     jspec.clear_caches()
+    assert "tensor<2x64xbf16>" in padded[2] and "tensor<2x64xbf16>" not in plain[2]  # the padded rows
     assert padded[0].shape == (1, 1, 48)
     np.testing.assert_allclose(np.asarray(padded[0]), np.asarray(plain[0]), rtol=1e-6, atol=1e-6)
     assert padded[1] == plain[1]
@@ -282,19 +284,63 @@ def test_one_token_equals_transformers(models, name):
     assert out.tokens[0] == _hf(model, PROMPTS[1], 12)
 
 
+def test_tuning_reaches_the_kernels(monkeypatch):
+    """With the kernels forced, a decoding step and a prefill of the DeepSeek family hand a
+    tuning's groups to every kernel they run: the MLA inputs, attention and output
+    kernels, the row products and the expert kernel, the grouped kernel (traced only)."""
+    from jspec.config import ExpertTiles, GroupedTiles, MlaDecodeTiles, MlaInputsTiles, MlaOutputTiles, RouteTiles
+    from jspec.kernels import mla_decode, mla_inputs, mla_output, moe_experts, moe_grouped, moe_route
+
+    tuning = Tuning(experts=ExpertTiles(block_k=32), grouped=GroupedTiles(block_k=32), route=RouteTiles(block_k=32),
+                    mla_inputs=MlaInputsTiles(block_c=16), mla_decode=MlaDecodeTiles(block_k=32),
+                    mla_output=MlaOutputTiles(block_n=32))
+    cfg = DeepseekConfig(vocab_size=96, hidden_size=32, intermediate_size=48, num_layers=2, num_heads=2,
+                         kv_lora_rank=32, q_lora_rank=None, qk_nope_head_dim=16, qk_rope_head_dim=16, v_head_dim=16,
+                         moe_intermediate_size=16, n_routed_experts=16, n_shared_experts=1, num_experts_per_tok=2,
+                         first_k_dense_replace=1)
+    family = family_for(cfg)
+    weights = family.init_weights(cfg, jax.random.key(0))
+    seen = {}  # kernel -> the tiles (or block_c) it was handed
+    for module, name, key in ((mla_inputs, "mla_inputs", "block_c"), (mla_decode, "paged_mla_attention_splits", "tiles"),
+                              (mla_output, "mla_output", "tiles"), (moe_experts, "expert_matmul", "tiles"),
+                              (moe_grouped, "grouped_experts", "tiles")):
+        real = getattr(module, name)
+        monkeypatch.setattr(module, name, lambda *a, _r=real, _n=name, _k=key, **k:
+                            seen.setdefault(_n, set()).add(k.get(_k)) or _r(*a, **k))
+    route_products = []
+    real_route = moe_route.expert_matmul  # the router product: expert_matmul as moe_route imported it
+    monkeypatch.setattr(moe_route, "expert_matmul", lambda *a, **k: route_products.append(k) or real_route(*a, **k))
+    monkeypatch.setenv("JSPEC_KERNELS", "pallas")
+    layout = lay.CacheLayout(paged=False, capacity=16)
+    cache = family.cache_kind(cfg).init(layout, 1)
+    step = lay.make_meta(layout, None, positions=jnp.full((1, 1), 3), prefix_len=jnp.full((1,), 3),
+                         local_mask=jnp.ones((1, 1, 1), bool), write_valid=jnp.ones((1, 1), bool))
+    T = 8  # a prefill of 8 tokens x 2 experts: grouped (16 experts)
+    prefill = lay.make_meta(layout, None, positions=jnp.arange(T)[None], prefix_len=jnp.zeros((1,), jnp.int32),
+                            local_mask=jnp.tril(jnp.ones((T, T), bool))[None], write_valid=jnp.ones((1, T), bool),
+                            prefill=True)
+    jax.make_jaxpr(lambda w, c: family.forward(cfg, w, jnp.ones((1, 1), jnp.int32), c, step, tuning=tuning))(
+        weights, cache)
+    jax.make_jaxpr(lambda w, c: family.forward(cfg, w, jnp.ones((1, T), jnp.int32), c, prefill, tuning=tuning))(
+        weights, cache)
+    assert seen == {"mla_inputs": {16}, "paged_mla_attention_splits": {tuning.mla_decode},
+                    "mla_output": {tuning.mla_output}, "expert_matmul": {tuning.experts},
+                    "grouped_experts": {tuning.grouped}}
+    assert route_products and all(k["tiles"] == tuning.experts and k["block_k"] == 32 for k in route_products)
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("q_lora", [24, None])
 def test_batch_one_through_row_kernels(monkeypatch, fresh_compiles, q_lora):
     """Batch-1 decoding with the kernels forced (interpret mode): the fused query/latent
     projection with the input norm in its prologue and the output projection run as
     `matvec`, the dense first layer's MLP as one expert of `routed_experts` (the
-    post-attention norm in its prologue or before it); without q_lora the projection's K splits go to
-    `mla_inputs` (query absorption, RoPE, latent norm); the greedy tokens equal the
-    reference path's."""
+    post-attention norm in its prologue or before it, `Tuning.mlp_norm_in_kernel`); without
+    q_lora the projection's K splits go to `mla_inputs` (query absorption, RoPE, latent
+    norm); the greedy tokens equal the reference path's."""
     from jspec.kernels import mla_inputs, moe_experts
-    from jspec.models import deepseek
 
-    monkeypatch.setattr(deepseek, "MLP_NORM_IN_KERNEL", q_lora is None)  # both ways of the MLP's norm
+    tuning = Tuning(mlp_norm_in_kernel=q_lora is None)  # both ways of the MLP's norm
     cfg = DeepseekConfig(vocab_size=96, hidden_size=32, intermediate_size=48, num_layers=2, num_heads=2,
                          kv_lora_rank=32, q_lora_rank=q_lora, qk_nope_head_dim=16, qk_rope_head_dim=16, v_head_dim=16,
                          moe_intermediate_size=16, n_routed_experts=8, n_shared_experts=1, num_experts_per_tok=2,
@@ -302,7 +348,7 @@ def test_batch_one_through_row_kernels(monkeypatch, fresh_compiles, q_lora):
     weights = jax.tree.map(lambda a: a * 8 if a.ndim >= 2 else a,  # peaked logits
                            family_for(cfg).init_weights(cfg, jax.random.key(0)))
     params = jspec.Params(cfg, weights)
-    kw = dict(max_new_tokens=5, stop_token_ids=[])
+    kw = dict(max_new_tokens=5, stop_token_ids=[], tuning=tuning)
     monkeypatch.setenv("JSPEC_KERNELS", "reference")
     want = jspec.generate(params, [PROMPTS[1]], **kw).tokens
     calls = []  # (function, experts for routed_experts / output columns for matvec / heads)

@@ -1,6 +1,7 @@
 """The Pallas decode/verify attention kernel (interpret mode) against attention_reference."""
 from __future__ import annotations
 
+import dataclasses
 import functools
 import importlib
 
@@ -120,6 +121,33 @@ def test_matches_reference(page_size, T, Gq, num_splits):
     check(q, k, v, meta, num_splits=num_splits)
 
 
+def pallas_grids(fn, *args):
+    """The grids of the Pallas calls `fn(*args)` makes (from its jaxpr)."""
+    eqns = jax.make_jaxpr(fn)(*args).jaxpr.eqns
+    return [e.params["grid_mapping"].grid for e in eqns if e.primitive.name == "pallas_call"]
+
+
+def test_tiles_of_a_tuning():
+    """The kernel takes its tiles from an `AttentionTiles` (`Tuning.attention`): 16 query
+    rows a program (64 rows a kv head: four row blocks), 32 key slots a block, splits for 8
+    programs; keyword tiles win over it. The result is the reference's either way."""
+    from jspec.config import AttentionTiles
+    q, k, v, meta = make_case(7, T=16, Gq=4, S=72, page_size=3, prefix=[0, 23, 56])
+    tiles = AttentionTiles(block_k=32, max_rows=16, target_programs=8)
+
+    def kernel(q, kv, meta, **kw):
+        return da.paged_decode_attention(q, kv, meta, scale=0.25, interpret=True, tiles=tiles, **kw)
+
+    kv = stack(k, v)
+    assert pallas_grids(kernel, q, kv, meta) == [(3, 2, 4, 1)]  # (B, Hkv, row blocks, splits)
+    assert pallas_grids(functools.partial(kernel, num_splits=2), q, kv, meta) == [(3, 2, 4, 2)]
+    assert pallas_grids(lambda q, kv, meta: da.paged_decode_attention(q, kv, meta, scale=0.25, interpret=True),
+                        q, kv, meta) == [(3, 2, 1, 1)]  # the defaults: 64 rows a program, 128-slot blocks
+    out = _fast_jit(kernel, q, kv, meta)
+    ref = da.decode_attention_reference(q, kv, meta, scale=0.25)
+    chex.assert_trees_all_close(out, ref, atol=1e-5, rtol=1e-5)
+
+
 def test_dense_capacity_not_multiple_of_block():
     q, k, v, meta = make_case(1, B=2, T=3, S=37, prefix=[34, 5])  # S % 16 != 0, full row 0
     check(q, k, v, meta, block_k=16)
@@ -195,22 +223,46 @@ def test_random_shapes(data):
 # --------------------------------------------------------------------------- dispatch, errors
 
 def test_gpu_xla_options_apply_on_gpu_only(monkeypatch):
+    from jspec.config import Tuning
     from jspec.kernels import dispatch
-    monkeypatch.setattr(dispatch, "GPU_XLA_OPTIONS", {"xla_gpu_disable_async_collectives": "ALLREDUCE"})
+    tuning = Tuning(xla_options=(("xla_gpu_disable_async_collectives", "ALLREDUCE"),))
     monkeypatch.setattr(jax, "default_backend", lambda: "cpu")
-    assert dispatch.compiler_options() == {}
+    assert dispatch.compiler_options() == {} and dispatch.compiler_options(None, tuning) == {}
     monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
-    opts = dispatch.compiler_options()
+    assert dispatch.compiler_options() == {}
+    opts = dispatch.compiler_options(None, tuning)
     assert opts == {"xla_gpu_disable_async_collectives": "ALLREDUCE"}
-    opts["x"] = 1  # a copy: the module's options stay as they are
-    assert "x" not in dispatch.GPU_XLA_OPTIONS
-    # a family's options, under the module's where both set one
+    opts["x"] = 1  # a copy: the tuning stays as it is
+    assert dict(tuning.xla_options) == {"xla_gpu_disable_async_collectives": "ALLREDUCE"}
+    # a family's options, under the tuning's where both set one
     family = {"xla_gpu_graph_min_graph_size": 1, "xla_gpu_disable_async_collectives": "ALLGATHER"}
-    assert dispatch.compiler_options(family) == {"xla_gpu_graph_min_graph_size": 1,
-                                                 "xla_gpu_disable_async_collectives": "ALLREDUCE"}
+    assert dispatch.compiler_options(family) == family and dispatch.compiler_options(family) is not family
+    assert dispatch.compiler_options(family, tuning) == {"xla_gpu_graph_min_graph_size": 1,
+                                                         "xla_gpu_disable_async_collectives": "ALLREDUCE"}
     assert family["xla_gpu_disable_async_collectives"] == "ALLGATHER"
+    # family_xla_options False: the tuning's alone
+    assert dispatch.compiler_options(family, tuning.replace(family_xla_options=False)) == dict(tuning.xla_options)
+    assert dispatch.compiler_options(family, Tuning(family_xla_options=False)) == {}
     monkeypatch.setattr(jax, "default_backend", lambda: "cpu")
-    assert dispatch.compiler_options(family) == {}
+    assert dispatch.compiler_options(family, tuning) == {}
+
+
+def test_tuning_is_a_hashable_value():
+    """A tuning is frozen and hashable (a compile key), equal tunings are one key, a dict of
+    XLA options is taken as its pairs, and wrong types fail naming the field."""
+    from jspec.config import DEFAULT_TUNING, AttentionTiles, ExpertTiles, Tuning
+    assert Tuning() == DEFAULT_TUNING and hash(Tuning()) == hash(DEFAULT_TUNING)
+    a = Tuning(experts=ExpertTiles(num_stages=4), xla_options={"xla_gpu_graph_min_graph_size": 1})
+    assert a == Tuning(experts=ExpertTiles(num_stages=4), xla_options=(("xla_gpu_graph_min_graph_size", 1),))
+    assert len({a, Tuning(), Tuning(attention=AttentionTiles(block_k=64))}) == 3
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        a.mlp_norm_in_kernel = False
+    with pytest.raises(TypeError, match="experts"):
+        Tuning(experts={"block_n": 64})
+    with pytest.raises(TypeError, match="xla_options"):
+        Tuning(xla_options=[("xla_gpu_graph_min_graph_size", [1])])
+    with pytest.raises(TypeError, match="cache_write_in_kernel"):
+        Tuning(cache_write_in_kernel=0)
 
 
 def test_family_gpu_xla_options():

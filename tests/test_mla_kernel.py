@@ -10,12 +10,13 @@ import numpy as np
 import pytest
 
 from jspec.cache import layout as lay
+from jspec.config import DEFAULT_TUNING, MlaDecodeTiles, MlaOutputTiles, Tuning
 from jspec.kernels import dispatch
 from jspec.kernels import mla_attention as mla
 from jspec.kernels import mla_decode as md
 from jspec.kernels import mla_inputs as mi
 from jspec.kernels import mla_output as mo
-from test_kernels import _tree_mask  # noqa: E402  (the GQA kernel tests' random tree)
+from test_kernels import _tree_mask, pallas_grids  # noqa: E402  (the GQA kernel tests' random tree)
 
 
 
@@ -125,10 +126,15 @@ def test_deepseek_dims():
 
 
 def test_default_block_rows():
-    """16 query rows a program up to SMALL_ROWS_MAX rows in all, then 64 (float32: 32)."""
-    assert md.default_block_rows(md.SMALL_ROWS_MAX, 2) == md.MIN_ROWS == 16
-    assert md.default_block_rows(md.SMALL_ROWS_MAX + 1, 2) == md.DEFAULT_BLOCK_ROWS == 64
+    """16 query rows a program up to `small_rows_max` rows in all (512), then `block_rows`
+    (64; float32: 32); a tuning's tiles move both."""
+    t = DEFAULT_TUNING.mla_decode
+    assert (t.small_rows_max, t.block_rows) == (512, 64)
+    assert md.default_block_rows(512, 2) == md.MIN_ROWS == 16
+    assert md.default_block_rows(513, 2) == 64
     assert md.default_block_rows(4096, 4) == 32
+    tiles = MlaDecodeTiles(small_rows_max=0, block_rows=128)
+    assert md.default_block_rows(1, 2, tiles) == 128 and md.default_block_rows(1, 4, tiles) == 64
 
 
 def test_dense_capacity_not_multiple_of_block():
@@ -209,16 +215,15 @@ def test_mla_output_matches_reference(NS, T, H, Dv, block_n):
     assert float(jnp.abs(out - wrong).max()) > 1e-2
 
 
-def test_mla_output_latent_chunks(monkeypatch):
-    """The latent walked in several chunks (a small SPLIT_TILE) gives the reference's result;
-    the chunk rule: 32 splits take V2-Lite's whole 512-wide latent in one step, 200 splits
-    128-wide chunks."""
+def test_mla_output_latent_chunks():
+    """The latent walked in several chunks (a small `split_tile`) gives the reference's
+    result; the chunk rule: 32 splits take V2-Lite's whole 512-wide latent in one step, 200
+    splits 128-wide chunks."""
     assert mo.latent_chunk(19, 512) == 512 and mo.latent_chunk(200, 512) == 128 and mo.latent_chunk(3, 64) == 64
-    monkeypatch.setattr(mo, "SPLIT_TILE", 64)
-    monkeypatch.setattr(mo, "MIN_CHUNK", 16)
-    assert mo.latent_chunk(4, 64) == 16  # four chunks of 16
+    tiles = MlaOutputTiles(split_tile=64, min_chunk=16)
+    assert mo.latent_chunk(4, 64) == 64 and mo.latent_chunk(4, 64, tiles) == 16  # four chunks of 16
     o, lse, w_uv = make_splits(11, NS=4, T=2, H=3, Dc=64, Dv=16)
-    out = _fast_jit(functools.partial(mo.mla_output, num_tokens=2, interpret=True), o, lse, w_uv)
+    out = _fast_jit(functools.partial(mo.mla_output, num_tokens=2, interpret=True, tiles=tiles), o, lse, w_uv)
     ref = mo.mla_output_reference(o, lse, w_uv, num_tokens=2, dtype=w_uv.dtype)
     chex.assert_trees_all_close(out, ref, atol=1e-5, rtol=1e-5)
 
@@ -256,8 +261,12 @@ def test_mla_output_validation():
     with pytest.raises(ValueError, match="needs"):
         call(o=o[0])
     assert mo.is_supported(o, lse, w_uv, 2)
-    many = jnp.zeros((mo.KERNEL_MAX_TOKENS + 1, 1, 16, 32), jnp.float32)  # batch rows of one token each
+    many = jnp.zeros((17, 1, 16, 32), jnp.float32)  # batch rows of one token each
+    assert DEFAULT_TUNING.mla_output.kernel_max_tokens == 16
     assert not mo.is_supported(many, many[..., 0], w_uv, 1)  # past the tokens it pays for: XLA's product
+    assert mo.is_supported(many, many[..., 0], w_uv, 1, MlaOutputTiles(kernel_max_tokens=17))
+    assert mo.is_supported(many[:16], many[:16, ..., 0], w_uv, 1)
+    assert not mo.is_supported(many[:16], many[:16, ..., 0], w_uv, 1, MlaOutputTiles(kernel_max_tokens=15))
 
 
 # --------------------------------------------------------------------------- mla_inputs
@@ -378,6 +387,26 @@ def test_dispatch_env(monkeypatch):
         assert bool(calls) == used, mode
     chex.assert_trees_all_close(outs["pallas"], outs["reference"], atol=1e-5, rtol=1e-5)
     assert not mla.uses_kernel(q_lat, q_pe, buf, meta.replace(prefill=True))
+
+
+def test_tuning_reaches_both_kernels(monkeypatch):
+    """`mla_attention(tuning=...)` hands `tuning.mla_decode` to the attention kernel (here
+    splits for 3 programs: one a batch row) and `tuning.mla_output` to the output kernel
+    (8 columns a program: two tiles of Dv 16); the result stays the reference's."""
+    q_lat, q_pe, buf, meta = make_case(6, T=2, H=2, S=40, page_size=3)
+    w_uv = jnp.asarray(np.random.default_rng(6).standard_normal((2, 16, q_lat.shape[-1])), jnp.float32)
+    tuning = Tuning(mla_decode=MlaDecodeTiles(target_programs=3), mla_output=MlaOutputTiles(block_n=8))
+    monkeypatch.setenv("JSPEC_KERNELS", "pallas")
+    grids = {}
+    for name, t in (("default", None), ("tuned", tuning)):
+        fn = functools.partial(mla.mla_attention, scale=0.3, tuning=t)
+        grids[name] = pallas_grids(fn, q_lat, q_pe, buf, meta, w_uv)
+        out = _fast_jit(fn, q_lat, q_pe, buf, meta, w_uv)
+    # (row blocks, splits, B) of the attention, (B, rows, column tiles) of the output
+    assert grids == {"default": [(1, 2, 3), (3, 4, 1)], "tuned": [(1, 1, 3), (3, 4, 2)]}
+    monkeypatch.setenv("JSPEC_KERNELS", "reference")
+    ref = _fast_jit(functools.partial(mla.mla_attention, scale=0.3), q_lat, q_pe, buf, meta, w_uv)
+    chex.assert_trees_all_close(out, ref, atol=1e-5, rtol=1e-5)
 
 
 def test_validation():

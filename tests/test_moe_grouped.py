@@ -11,6 +11,7 @@ import pytest
 import torch
 
 import jspec
+from jspec.config import DEFAULT_TUNING, GroupedTiles
 from jspec.kernels import moe_grouped as mg
 
 
@@ -51,17 +52,18 @@ def test_grouped_matmul_matches_reference(dtype, Din, Dout, tiles):
 
 
 @pytest.mark.parametrize("dtype,tol", [(jnp.float32, 1e-5), (jnp.bfloat16, 2e-2)])
-@pytest.mark.parametrize("N,bm", [(9, 16), (40, 32)])
-def test_grouped_experts_match_ragged_dot(dtype, tol, N, bm):
-    """The routed experts of N tokens x k experts through the kernel equal the ragged_dot
-    formulation (pairs in token-major order), and not the experts of other ids."""
+@pytest.mark.parametrize("N,bm,tiles", [(9, 16, None), (40, 32, GroupedTiles(block_n=32, block_k=16))])
+def test_grouped_experts_match_ragged_dot(dtype, tol, N, bm, tiles):
+    """The routed experts of N tokens x k experts through the kernel (default tiles, or a
+    tuning's: overlapping last blocks) equal the ragged_dot formulation (pairs in
+    token-major order), and not the experts of other ids."""
     E, D, Fm, k = 5, 48, 40, 3
     key = jax.random.key(N)
     gate_up = (jax.random.normal(key, (E, D, 2 * Fm)) / np.sqrt(D)).astype(dtype)
     down = (jax.random.normal(jax.random.fold_in(key, 1), (E, Fm, D)) / np.sqrt(Fm)).astype(dtype)
     xs = jax.random.normal(jax.random.fold_in(key, 2), (N, D)).astype(dtype)
     ids = jnp.asarray(np.stack([np.random.RandomState(N + n).permutation(E)[:k] for n in range(N)]), jnp.int32)
-    got = np.asarray(mg.grouped_experts(xs, ids, gate_up, down, block_m=bm, interpret=True), np.float32)
+    got = np.asarray(mg.grouped_experts(xs, ids, gate_up, down, block_m=bm, tiles=tiles, interpret=True), np.float32)
     want = np.asarray(mg.grouped_experts_reference(xs, ids, gate_up, down), np.float32)
     assert got.shape == (N * k, D)
     scale = np.abs(want).max()
@@ -91,23 +93,25 @@ def test_validation():
 
 
 def test_dispatch_threshold(monkeypatch):
-    """On a GPU the kernel runs from MIN_PAIRS_PER_EXPERT pairs an expert on; on the CPU
-    only when forced; KERNEL False keeps ragged_dot."""
+    """On a GPU the kernel runs from `min_pairs_per_expert` pairs an expert on (1: from E
+    pairs); on the CPU only when forced; `kernel` False keeps ragged_dot. Tiles of 16 rows,
+    64 from 16 pairs an expert on."""
     E, D, Fm = 8, 32, 16
     gate_up, down = jnp.zeros((E, D, 2 * Fm), jnp.bfloat16), jnp.zeros((E, Fm, D), jnp.bfloat16)
     xs = jnp.zeros((64, D), jnp.bfloat16)
-    assert mg.MIN_PAIRS_PER_EXPERT == 1  # the kernel from E pairs on
+    assert DEFAULT_TUNING.grouped.min_pairs_per_expert == 1  # the kernel from E pairs on
     few, many = jnp.zeros((3, 2), jnp.int32), jnp.zeros((4, 2), jnp.int32)  # 6 and 8 pairs
     assert not mg.uses_kernel(xs, many, gate_up, down)  # the CPU
     monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
     assert mg.uses_kernel(xs, many, gate_up, down) and not mg.uses_kernel(xs, few, gate_up, down)
     assert not mg.uses_kernel(xs.astype(jnp.float32), many, gate_up, down)  # mixed dtypes
-    monkeypatch.setattr(mg, "MIN_PAIRS_PER_EXPERT", 4)
-    assert not mg.uses_kernel(xs, many, gate_up, down) and mg.uses_kernel(xs, jnp.zeros((16, 2), jnp.int32),
-                                                                        gate_up, down)
-    monkeypatch.setattr(mg, "KERNEL", False)
-    assert not mg.uses_kernel(xs, many, gate_up, down)
-    assert mg.block_rows(16 * E - 1, E) == mg.SMALL_BLOCK_M and mg.block_rows(16 * E, E) == mg.LARGE_BLOCK_M
+    four = GroupedTiles(min_pairs_per_expert=4)
+    assert not mg.uses_kernel(xs, many, gate_up, down, four) and mg.uses_kernel(
+        xs, jnp.zeros((16, 2), jnp.int32), gate_up, down, four)
+    assert not mg.uses_kernel(xs, many, gate_up, down, GroupedTiles(kernel=False))
+    assert mg.block_rows(16 * E - 1, E) == 16 and mg.block_rows(16 * E, E) == 64
+    tiles = GroupedTiles(small_block_m=32, large_block_m=128, large_from_pairs_per_expert=2)
+    assert mg.block_rows(2 * E - 1, E, tiles) == 32 and mg.block_rows(2 * E, E, tiles) == 128
 
 
 def test_prefill_through_the_kernel_equals_transformers(monkeypatch, fresh_compiles, tmp_path):

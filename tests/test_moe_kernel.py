@@ -6,6 +6,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from jspec.config import ExpertTiles
 from jspec.kernels import dispatch
 from jspec.kernels import moe_experts as me
 
@@ -67,11 +68,10 @@ def test_extra_experts_follow_the_stacked_ones():
 
 @pytest.mark.parametrize("din_min,first_bn", [(64, 32), (128, None)])
 def test_one_token_tiles(monkeypatch, din_min, first_bn):
-    """One token: the second product takes GATED_BLOCK_N-wide tiles, the first one too from
-    NARROW_FIRST_MIN_DIN inputs on (D 64 here); both equal the reference (Fm 40: 80 columns,
-    an overlapping last tile of 32)."""
-    monkeypatch.setattr(me, "GATED_BLOCK_N", 32)
-    monkeypatch.setattr(me, "NARROW_FIRST_MIN_DIN", din_min)
+    """One token: the second product takes `gated_block_n`-wide tiles, the first one too
+    from `narrow_first_min_din` inputs on (D 64 here); both equal the reference (Fm 40: 80
+    columns, an overlapping last tile of 32)."""
+    tiles = ExpertTiles(gated_block_n=32, narrow_first_min_din=din_min)
     seen, matmul = [], me.expert_matmul
     monkeypatch.setattr(me, "expert_matmul", lambda *a, **kw: seen.append(kw.get("block_n")) or matmul(*a, **kw))
     E, D, Fm = 6, 64, 40
@@ -80,10 +80,39 @@ def test_one_token_tiles(monkeypatch, din_min, first_bn):
     ids = jnp.asarray([[4, 1, 5]], jnp.int32)
     gate_up = jnp.asarray(rng.standard_normal((E, D, 2 * Fm)) / 8, jnp.float32)
     down = jnp.asarray(rng.standard_normal((E, Fm, D)) / 7, jnp.float32)
-    got = me.routed_experts(x, ids, gate_up, down, interpret=True)
+    got = me.routed_experts(x, ids, gate_up, down, interpret=True, tiles=tiles)
     assert seen == [first_bn, 32]
     want = np.asarray(me.routed_experts_reference(x, ids, gate_up, down))
     np.testing.assert_allclose(np.asarray(got), want, rtol=1e-5, atol=1e-5 * np.abs(want).max())
+
+
+def test_tiles_set_the_splits_and_the_row_products():
+    """`ExpertTiles` sets the kernel's default K splits (enough programs for
+    `target_programs`, each walking at least `min_split_chunks` chunks), `matvec`'s tiles,
+    and which few-row products `uses_matvec` takes."""
+    from test_kernels import pallas_grids
+    x, ids, w = _case(0, E=4, Din=512, Dout=64, P=2, dtype=jnp.float32)
+
+    def grid(**kw):
+        return pallas_grids(lambda x, ids, w: me.expert_matmul(x, ids, w, interpret=True, **kw), x, ids, w)
+
+    assert grid() == [(2, 1, 2)]  # 8 chunks of 64 rows, at least 4 a split: 2 splits
+    assert grid(tiles=ExpertTiles(min_split_chunks=1)) == [(2, 1, 8)]
+    assert grid(tiles=ExpertTiles(min_split_chunks=1, target_programs=4)) == [(2, 1, 2)]
+    assert grid(tiles=ExpertTiles(block_n=32, block_k=128)) == [(2, 2, 1)]
+    assert grid(tiles=ExpertTiles(block_n=32), block_n=16, num_splits=3) == [(2, 4, 3)]  # keywords win
+    row, w2 = x[:1], w[0]
+    with dispatch.use_backend("pallas"):
+        assert pallas_grids(lambda x, w: me.matvec(x, w, interpret=True), row, w2) == [(1, 1, 8)]
+        tiles = ExpertTiles(matvec_block_n=16, matvec_splits=2)
+        assert pallas_grids(lambda x, w: me.matvec(x, w, interpret=True, tiles=tiles), row, w2) == [(1, 4, 2)]
+        assert me.uses_matvec(row, w2) and not me.uses_matvec(x, w2)  # one row, by default
+        assert me.uses_matvec(x, w2, ExpertTiles(matvec_max_rows=2))
+        assert not me.uses_matvec(row, w2, ExpertTiles(matvec_max_rows=0))
+        small = ExpertTiles(matvec_max_elements=w2.size)
+        assert not me.uses_matvec(row, w2, small) and me.uses_matvec(row, w2, small, any_size=True)
+    np.testing.assert_allclose(np.asarray(me.matvec(row, w2, interpret=True, tiles=tiles)), np.asarray(row @ w2),
+                               rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("dtype,tol", [(jnp.float32, 1e-5), (jnp.bfloat16, 3e-2)])

@@ -68,11 +68,13 @@ class Draft:
         """tokens [B,T] (target ids), feats [B,T,F] -> (hidden [B,T,Dd], cache).
 
         from_target: feats are `target_features` (True) or the draft's own hidden from its
-        previous step (False)."""
+        previous step (False). tuning (`jspec.config.Tuning`): passed down to the modules
+        and kernels the draft runs."""
         raise NotImplementedError
 
     def logits(self, tcfg, tw, dw, hidden, tuning=DEFAULT_TUNING):
-        """hidden [..., Dd] -> float32 logits [..., Vd] over the draft vocabulary."""
+        """hidden [..., Dd] -> float32 logits [..., Vd] over the draft vocabulary (tuning
+        as `forward`)."""
         raise NotImplementedError
 
     def to_target_ids(self, dw, ids):

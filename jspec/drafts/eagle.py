@@ -46,11 +46,11 @@ class EagleDraft(LlamaDraft):
 
     def forward(self, tcfg, tw, dw, tokens, feats, cache, meta, from_target: bool, tuning=DEFAULT_TUNING):
         embeds = embed_tokens(tcfg, tw, dw, tokens)
-        return Eagle1Head(self.model, self.fc_bias).apply({"params": dw["params"]}, embeds,
-                                                          feats.astype(embeds.dtype), cache, meta)
+        return Eagle1Head(self.model, self.fc_bias, tuning).apply({"params": dw["params"]}, embeds,
+                                                                  feats.astype(embeds.dtype), cache, meta)
 
     def logits(self, tcfg, tw, dw, hidden, tuning=DEFAULT_TUNING):
-        return family_for(tcfg).logits(tcfg, tw, hidden)
+        return family_for(tcfg).logits(tcfg, tw, hidden, tuning=tuning)
 
     def init(self, key, target_vocab: int):
         m, T = self.model, 2

@@ -75,16 +75,16 @@ class Eagle3Draft(LlamaDraft):
     def target_features(self, hidden, aux):
         return jnp.concatenate([aux[i] for i in self.aux_layers], axis=-1)
 
-    def _head(self):
-        return Eagle3Head(self.model, self.draft_vocab_size)
+    def _head(self, tuning=DEFAULT_TUNING):
+        return Eagle3Head(self.model, self.draft_vocab_size, tuning)
 
     def forward(self, tcfg, tw, dw, tokens, feats, cache, meta, from_target: bool, tuning=DEFAULT_TUNING):
         embeds = embed_tokens(tcfg, tw, dw, tokens)
-        return self._head().apply({"params": dw["params"]}, embeds, feats.astype(embeds.dtype), cache, meta,
-                                  from_target)
+        return self._head(tuning).apply({"params": dw["params"]}, embeds, feats.astype(embeds.dtype), cache, meta,
+                                        from_target)
 
     def logits(self, tcfg, tw, dw, hidden, tuning=DEFAULT_TUNING):
-        return self._head().apply({"params": dw["params"]}, hidden, method=Eagle3Head.head)
+        return self._head(tuning).apply({"params": dw["params"]}, hidden, method=Eagle3Head.head)
 
     def to_target_ids(self, dw, ids):
         d2t = dw.get("d2t")

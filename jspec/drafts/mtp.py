@@ -68,13 +68,14 @@ class MtpDraft(Draft):
 
     def forward(self, tcfg, tw, dw, tokens, feats, cache, meta, from_target: bool, tuning=DEFAULT_TUNING):
         embeds = embed_tokens(tcfg, tw, dw, tokens)
-        return MtpLayer(self.model).apply({"params": dw["params"]}, embeds, feats.astype(embeds.dtype), cache, meta)
+        return MtpLayer(self.model, tuning).apply({"params": dw["params"]}, embeds, feats.astype(embeds.dtype),
+                                                  cache, meta)
 
     def logits(self, tcfg, tw, dw, hidden, tuning=DEFAULT_TUNING):
         head = dw.get("head")  # [D, V]
         if head is None:
-            return family_for(tcfg).logits(tcfg, tw, hidden)
-        return product(hidden, head, float32_out=True)
+            return family_for(tcfg).logits(tcfg, tw, hidden, tuning=tuning)
+        return product(hidden, head, float32_out=True, tuning=tuning)
 
     def init(self, key, target_vocab: int):
         m, T = self.model, 2

@@ -20,11 +20,11 @@ class StandaloneDraft(Draft):
         return 1
 
     def forward(self, tcfg, tw, dw, tokens, feats, cache, meta, from_target: bool, tuning=DEFAULT_TUNING):
-        hidden, _, cache = family_for(self.model).forward(self.model, dw, tokens, cache, meta)
+        hidden, _, cache = family_for(self.model).forward(self.model, dw, tokens, cache, meta, tuning=tuning)
         return hidden, cache
 
     def logits(self, tcfg, tw, dw, hidden, tuning=DEFAULT_TUNING):
-        return family_for(self.model).logits(self.model, dw, hidden)
+        return family_for(self.model).logits(self.model, dw, hidden, tuning=tuning)
 
     def cache_kind(self):
         return family_for(self.model).cache_kind(self.model)

@@ -3,7 +3,8 @@
 XLA's CPU dot handles a one-row product as a matrix-vector product that streams the weight,
 but every product of 2 or more rows goes to a general GEMM that first copies the whole
 weight; a 5-token verification then costs 2-3 plain steps although both only read the
-weights. `matmul(x, w)` computes up to `MAX_ROWS` rows in loops that read the weight once
+weights. `matmul(x, w)` computes a few rows (up to `Tuning.cpu_matmul_max_rows`, 32; above,
+in prefill, XLA's GEMM is the faster one) in loops that read the weight once
 (docs/benchmarks.md, "The first run"), and each row's result is bit for bit independent
 of the other rows.
 
@@ -29,9 +30,9 @@ import jax
 import jax.numpy as jnp
 
 from jspec import sharding
+from jspec.config import DEFAULT_TUNING
 from jspec.kernels import dispatch
 
-MAX_ROWS = 32  # above this (prefill) XLA's GEMM is the faster one
 _SOURCE = Path(__file__).with_name("cpu_matmul.cc")
 _TARGETS = {"nn": ("jspec_matmul_nn", "JspecMatmulNN"), "nt": ("jspec_matmul_nt", "JspecMatmulNT")}
 _log = logging.getLogger(__name__)
@@ -103,11 +104,13 @@ def available() -> bool:
     return True
 
 
-def use_native(x: jax.Array, w: jax.Array) -> bool:
-    """Whether `matmul(x, w)` runs the native loops here: float32, at most MAX_ROWS rows,
-    the CPU backend with kernels on "auto", no mesh (XLA cannot split a custom call)."""
+def use_native(x: jax.Array, w: jax.Array, max_rows: int | None = None) -> bool:
+    """Whether `matmul(x, w)` runs the native loops here: float32, at most max_rows rows
+    (None: `Tuning.cpu_matmul_max_rows`' default), the CPU backend with kernels on "auto",
+    no mesh (XLA cannot split a custom call)."""
+    max_rows = DEFAULT_TUNING.cpu_matmul_max_rows if max_rows is None else max_rows
     rows = x.size // max(x.shape[-1], 1)
-    return (x.dtype == jnp.float32 and w.dtype == jnp.float32 and w.ndim == 2 and 0 < rows <= MAX_ROWS
+    return (x.dtype == jnp.float32 and w.dtype == jnp.float32 and w.ndim == 2 and 0 < rows <= max_rows
             and dispatch.backend() == "auto" and jax.default_backend() == "cpu"
             and not sharding.tp_size() and available())
 

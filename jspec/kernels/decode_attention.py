@@ -9,8 +9,8 @@ Design (flash decoding):
   query rows of that head and one contiguous share of the row's key blocks, and runs an
   online softmax over them.
 - The Gq*T query rows of a kv head (Gq = H // Hkv query heads per kv head) are padded to
-  R, a power of two >= 16, and taken BR = min(R, 64) at a time as a [BR, Dh] tile, so both
-  matmuls run on tensor cores (usually BR = R: one program sees all of them).
+  R, a power of two >= 16, and taken BR = min(R, max_rows = 64) at a time as a [BR, Dh]
+  tile, so both matmuls run on tensor cores (usually BR = R: one program sees all of them).
 - Keys come in blocks of BK slots. Each block is gathered row by row through the page
   table (slot -> page_table[b, slot // P] * P + slot % P), so any page size works and a
   block may span several small pages. A dense cache [B, S, 2, Hkv, Dh] is the same thing
@@ -29,6 +29,9 @@ Design (flash decoding):
 
 A query row that sees no key at all gets zeros (the reference gives a meaningless
 uniform average there).
+
+Tiles: `jspec.config.AttentionTiles` (`Tuning.attention`), taken as `tiles=` (None: the
+defaults, with the measurements behind them).
 """
 from __future__ import annotations
 
@@ -41,14 +44,12 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 from jspec.cache.layout import AttnMeta
+from jspec.config import DEFAULT_TUNING, AttentionTiles
 from jspec.kernels.attention import attention_reference
 from jspec.kernels.tiling import KERNEL_DTYPES, is_pow2, pow2_ceil
 
 NEG_INF = -1e30
 MIN_ROWS = 16  # smallest M of a tensor-core dot in Triton
-MAX_ROWS = 64  # query rows per program (more: split over programs, keeps registers in check)
-DEFAULT_BLOCK_K = 128  # batch-1 decode on the H200: 128 beat 64, 32 and 16 (docs/benchmarks.md)
-TARGET_PROGRAMS = 256  # about two waves of programs on an H200 (132 SMs)
 
 
 def decode_attention_reference(q, kv_buf, meta: AttnMeta, *, window: int = 0, scale: float):
@@ -155,10 +156,11 @@ def _decode_kernel(bounds_ref, table_ref, qpos_ref, tail_mask_ref, kv_ref, *refs
 
 # --------------------------------------------------------------------------- wrapper
 
-def _row_tiling(rows: int) -> tuple[int, int, int]:
-    """Query rows per kv head -> (rows, R: padded to a power of two >= 16, BR: per program)."""
+def _row_tiling(rows: int, max_rows: int) -> tuple[int, int, int]:
+    """Query rows per kv head -> (rows, R: padded to a power of two >= 16, BR: per program,
+    at most max_rows)."""
     R = max(MIN_ROWS, pow2_ceil(rows))
-    return rows, R, min(R, MAX_ROWS)
+    return rows, R, min(R, max_rows)
 
 
 def _tail_mask(meta: AttnMeta, pblk, rows_t, *, window: int, block_k: int, num_tail: int,
@@ -184,14 +186,14 @@ def _tail_mask(meta: AttnMeta, pblk, rows_t, *, window: int, block_k: int, num_t
 
 def _decode_call(q, kv_flat, table, meta: AttnMeta, *, page_size: int, num_keys: int,
                  window: int, scale: float, block_k: int, num_splits: int, interpret: bool,
-                 num_warps: int | None, num_stages: int, q_in_cache: bool):
+                 num_warps: int | None, num_stages: int, q_in_cache: bool, max_rows: int):
     """q [B,T,H,Dh]; kv_flat [num_pages*P, 2, Hkv, Dh]; table [B, G]. -> [B,T,H,Dh].
     q_in_cache: the queries are read from the (dense) cache instead; q gives shapes only."""
     B, T, H, Dh = q.shape
     Hkv = kv_flat.shape[2]
     Gq = H // Hkv  # query heads per kv head
     Tl = meta.local_len
-    rows, R, BR = _row_tiling(T * Gq)
+    rows, R, BR = _row_tiling(T * Gq, max_rows)
     num_tail = pl.cdiv(Tl + block_k - 1, block_k)  # blocks the local block can touch
 
     # Row r of kv head h's tile is query token r // Gq, query head h * Gq + r % Gq.
@@ -342,15 +344,18 @@ def is_supported(q, kv_buf, meta: AttnMeta, *, window: int = 0) -> bool:
 def paged_decode_attention(q, kv_buf, meta: AttnMeta, *, window: int = 0, scale: float,
                            interpret: bool | None = None, block_k: int | None = None,
                            num_splits: int | None = None, num_warps: int | None = None,
-                           num_stages: int = 2, q_in_cache: bool = False):
+                           num_stages: int | None = None, q_in_cache: bool = False,
+                           tiles: AttentionTiles | None = None):
     """Attention of q [B,T,H,Dh] over a cache that already holds the new keys.
 
     kv_buf: keys and values, dense [B,S,2,Hkv,Dh] (meta.page_table None) or a paged pool
     [num_pages,P,2,Hkv,Dh] with meta.page_table [B,G]. Returns [B,T,H,Dh] in q's dtype.
     interpret None: interpret mode unless the default backend is a GPU. block_k: keys
-    per block (power of two >= 16; default DEFAULT_BLOCK_K). num_splits: key splits per (row, kv
-    head) (default: enough programs to fill the GPU). num_warps (default 4, or 8 for big
-    row tiles) and num_stages are Triton's. q_in_cache: a dense cache already holds the
+    per block (power of two >= 16; default `tiles.block_k`). num_splits: key splits per
+    (row, kv head) (default: enough programs to fill the GPU, `tiles.target_programs`).
+    num_warps (default `tiles.num_warps`, None: 4, or 8 for big row tiles) and num_stages
+    (default `tiles.num_stages`) are Triton's. tiles: `AttentionTiles` (None: the
+    defaults; `max_rows` query rows a program). q_in_cache: a dense cache already holds the
     queries in the `query_slots(T, H, Hkv)` slots after the local block (see
     `jspec.cache.kv.query_slots`); q then gives only shapes and dtype.
     """
@@ -367,13 +372,14 @@ def paged_decode_attention(q, kv_buf, meta: AttnMeta, *, window: int = 0, scale:
         table = meta.page_table
     num_keys = table.shape[1] * page_size  # slots a row can address (S when dense)
 
-    block_k = DEFAULT_BLOCK_K if block_k is None else block_k
+    t = DEFAULT_TUNING.attention if tiles is None else tiles
+    block_k = t.block_k if block_k is None else block_k
     if not (is_pow2(block_k) and block_k >= 16):
         raise ValueError(f"block_k must be a power of two >= 16, got {block_k}")
     max_blocks = pl.cdiv(num_keys, block_k)
     if num_splits is None:
-        _, R, BR = _row_tiling(T * (H // Hkv))  # row blocks also make programs
-        want = pl.cdiv(TARGET_PROGRAMS, B * Hkv * (R // BR))
+        _, R, BR = _row_tiling(T * (H // Hkv), t.max_rows)  # row blocks also make programs
+        want = pl.cdiv(t.target_programs, B * Hkv * (R // BR))
         num_splits = max(1, min(want, max_blocks))
     if not (isinstance(num_splits, int) and num_splits >= 1):
         raise ValueError(f"num_splits must be an int >= 1, got {num_splits!r}")
@@ -384,5 +390,7 @@ def paged_decode_attention(q, kv_buf, meta: AttnMeta, *, window: int = 0, scale:
     kv_flat = kv_buf.reshape((-1, 2, Hkv, Dh))  # [num_pages * P, 2, Hkv, Dh] (dense: [B * S, ...])
     return _decode_call(q, kv_flat, table, meta, page_size=page_size, num_keys=num_keys,
                         window=window, scale=float(scale), block_k=block_k,
-                        num_splits=num_splits, interpret=interpret, num_warps=num_warps,
-                        num_stages=num_stages, q_in_cache=q_in_cache)
+                        num_splits=num_splits, interpret=interpret,
+                        num_warps=t.num_warps if num_warps is None else num_warps,
+                        num_stages=t.num_stages if num_stages is None else num_stages,
+                        q_in_cache=q_in_cache, max_rows=t.max_rows)

@@ -12,11 +12,10 @@ import os
 
 import jax
 
+from jspec.config import DEFAULT_TUNING, Tuning
+
 MODES = ("auto", "pallas", "reference")
 _FORCED: list[str] = []
-
-# XLA options every program of the loop is compiled with on a GPU (`compiler_options`).
-GPU_XLA_OPTIONS: dict[str, bool | int | str] = {}
 
 
 @contextlib.contextmanager
@@ -47,9 +46,13 @@ def want_pallas(supported: bool) -> bool:
     return mode == "pallas" or (mode == "auto" and supported and jax.default_backend() == "gpu")
 
 
-def compiler_options(family_options: dict | None = None) -> dict[str, bool | int | str]:
+def compiler_options(family_options: dict | None = None, tuning: Tuning | None = None) -> dict[str, bool | int | str]:
     """The XLA options the loop's programs are compiled with: on a GPU backend the target
-    family's (`TargetFamily.gpu_xla_options`) updated with `GPU_XLA_OPTIONS`, none elsewhere."""
+    family's (`TargetFamily.gpu_xla_options`; left out where `tuning.family_xla_options`
+    is False) updated with `tuning.xla_options` (None: the default tuning), none elsewhere.
+    Returns a new dict."""
     if jax.default_backend() != "gpu":
         return {}
-    return dict(family_options or {}) | GPU_XLA_OPTIONS
+    tuning = DEFAULT_TUNING if tuning is None else tuning
+    base = dict(family_options or {}) if tuning.family_xla_options else {}
+    return base | dict(tuning.xla_options)

@@ -19,6 +19,7 @@ import jax.numpy as jnp
 
 from jspec.cache.kv import read_kv, write_kv
 from jspec.cache.layout import AttnMeta
+from jspec.config import DEFAULT_TUNING, Tuning
 from jspec.kernels import dispatch
 from jspec.kernels.attention import NEG_INF, cache_mask
 
@@ -49,15 +50,17 @@ def uses_kernel(q_lat, q_pe, latent_buf, meta: AttnMeta) -> bool:
                                 or mla_decode.is_supported(q_lat, q_pe, latent_buf, meta))
 
 
-def mla_attention(q_lat, q_pe, latent_buf, meta: AttnMeta, w_uv, *, scale: float):
+def mla_attention(q_lat, q_pe, latent_buf, meta: AttnMeta, w_uv, *, scale: float, tuning: Tuning | None = None):
     """Attention in the absorbed form, then the value up-projection: q_lat [B,T,H,Dc],
     q_pe [B,T,H,Dr], w_uv [H, Dv, Dc] -> o [B,T,H,Dv] in w_uv's dtype (the attention's
     float32 latent rounded to that dtype before the product, `mla_output.up_project`).
 
     Dispatch: for non-prefill calls the Pallas kernels support, `mla_decode` attends and
     returns its key splits unmerged and `mla_output` merges them and applies W_UV in one
-    kernel; otherwise the references. JSPEC_KERNELS=pallas forces the kernels (and raises
-    for arguments they do not take)."""
+    kernel (up to `tuning.mla_output.kernel_max_tokens` tokens); otherwise the references.
+    JSPEC_KERNELS=pallas forces the kernels (and raises for arguments they do not take).
+    tuning: the kernels' tiles, `tuning.mla_decode` and `tuning.mla_output` (None: the
+    defaults)."""
     from jspec.kernels import mla_output
 
     if not uses_kernel(q_lat, q_pe, latent_buf, meta):
@@ -65,15 +68,18 @@ def mla_attention(q_lat, q_pe, latent_buf, meta: AttnMeta, w_uv, *, scale: float
         return mla_output.up_project(o_lat, w_uv, w_uv.dtype)
     from jspec.kernels import mla_decode
 
-    o, lse = mla_decode.paged_mla_attention_splits(q_lat, q_pe, latent_buf, meta, scale=scale)
+    tuning = DEFAULT_TUNING if tuning is None else tuning
+    o, lse = mla_decode.paged_mla_attention_splits(q_lat, q_pe, latent_buf, meta, scale=scale,
+                                                   tiles=tuning.mla_decode)
     T = q_lat.shape[1]
-    if dispatch.backend() == "pallas" or mla_output.is_supported(o, lse, w_uv, T):
-        return mla_output.mla_output(o, lse, w_uv, num_tokens=T)
+    if dispatch.backend() == "pallas" or mla_output.is_supported(o, lse, w_uv, T, tuning.mla_output):
+        return mla_output.mla_output(o, lse, w_uv, num_tokens=T, tiles=tuning.mla_output)
     return mla_output.mla_output_reference(o, lse, w_uv, num_tokens=T, dtype=w_uv.dtype)
 
 
-def cached_mla_attention(q_lat, q_pe, latent_new, latent_buf, meta: AttnMeta, w_uv, *, scale: float):
+def cached_mla_attention(q_lat, q_pe, latent_new, latent_buf, meta: AttnMeta, w_uv, *, scale: float,
+                         tuning: Tuning | None = None):
     """Writes the new latent rows latent_new [B,T,Dc+Dr] and attends over the cache (see
-    `mla_attention`). -> (o [B,T,H,Dv] in w_uv's dtype, buffer)."""
+    `mla_attention`, which takes `tuning`). -> (o [B,T,H,Dv] in w_uv's dtype, buffer)."""
     latent_buf = write_kv(latent_buf, latent_new, meta.write_index, meta.page_table is None)
-    return mla_attention(q_lat, q_pe, latent_buf, meta, w_uv, scale=scale), latent_buf
+    return mla_attention(q_lat, q_pe, latent_buf, meta, w_uv, scale=scale, tuning=tuning), latent_buf

@@ -28,11 +28,10 @@ Design (flash decoding):
   not per head), which the wrapper builds with the exact rule of the reference.
 
 Registers: the float32 accumulator [BR, Dc] (Dc = 512) dominates: 128 values a thread with
-BR = 64 and 8 warps. On the H200 (benchmarks/mla_kernel_check.py, bf16, 2026-11-23) BR = 64
-beat BR = 32 by 20-28% at H = 128 with batch 32 or T = 16 (fewer row blocks re-reading the
-keys, bigger tensor-core tiles); block_k 32 with 3 stages was slower. With few query rows
-in all (B*T*H <= SMALL_ROWS_MAX: batch 1 decode and verify) BR = 16 is faster: the
-programs are shorter and more of them run at once (`default_block_rows`).
+BR = 64 and 8 warps. BR = 64 (fewer row blocks re-reading the keys, bigger tensor-core
+tiles) for many query rows in all, BR = 16 for few (batch 1 decode and verify: the
+programs are shorter and more of them run at once), `default_block_rows`. The tiles and
+their measurements: `jspec.config.MlaDecodeTiles` (`Tuning.mla_decode`), taken as `tiles=`.
 
 A query row that sees no key at all gets zeros (the reference gives a meaningless uniform
 average there).
@@ -48,20 +47,13 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 from jspec.cache.layout import AttnMeta
+from jspec.config import DEFAULT_TUNING, MlaDecodeTiles
 from jspec.kernels.decode_attention import check_meta, merge_splits, online_softmax_step
 from jspec.kernels.mla_attention import mla_attention_reference
 from jspec.kernels.tiling import KERNEL_DTYPES, is_pow2, pow2_ceil
 
 NEG_INF = -1e30
 MIN_ROWS = 16  # smallest M of a tensor-core dot in Triton
-DEFAULT_BLOCK_ROWS = 64  # query rows a program (H200: beat 32 at H=128, see the docstring)
-# Up to this many query rows in all (B*T*H) a program takes MIN_ROWS rows: at batch 1 on the
-# H200 (benchmarks/mla_b1_configs.py rows, 1k context) the MLA kernel took 6.2 against 12.7
-# us for 4 tokens of 16 heads, 6.2 against 9.0 for 2, 8.1 against 13.2 for 1 token of 128
-# heads and 17.7 against 26.6 for 4 of them, with 64 rows a program.
-SMALL_ROWS_MAX = 512
-DEFAULT_BLOCK_K = 64  # key slots a block, 16-bit caches (float32: half)
-TARGET_PROGRAMS = 264  # about two waves of programs on an H200 (132 SMs)
 
 
 def mla_decode_reference(q_lat, q_pe, latent_buf, meta: AttnMeta, *, scale: float):
@@ -150,14 +142,16 @@ def _tail_mask(meta: AttnMeta, pblk, *, block_k: int, num_tail: int, num_keys: i
     return visible.astype(jnp.int8)
 
 
-def default_block_rows(total_rows: int, itemsize: int) -> int:
+def default_block_rows(total_rows: int, itemsize: int, tiles: MlaDecodeTiles | None = None) -> int:
     """Query rows a program when the caller gives none, for B*T*H query rows in all: up to
-    SMALL_ROWS_MAX rows, MIN_ROWS (more, shorter programs); more rows, DEFAULT_BLOCK_ROWS
-    (fewer row blocks re-reading the keys), half that for float32 (64 x 512 float32
-    queries do not fit shared memory beside the keys)."""
-    if total_rows <= SMALL_ROWS_MAX:
+    `tiles.small_rows_max` rows, MIN_ROWS (more, shorter programs); more rows,
+    `tiles.block_rows` (fewer row blocks re-reading the keys), half that for float32 (64 x
+    512 float32 queries do not fit shared memory beside the keys). tiles None: the
+    defaults."""
+    t = DEFAULT_TUNING.mla_decode if tiles is None else tiles
+    if total_rows <= t.small_rows_max:
         return MIN_ROWS
-    return DEFAULT_BLOCK_ROWS if itemsize == 2 else DEFAULT_BLOCK_ROWS // 2
+    return t.block_rows if itemsize == 2 else t.block_rows // 2
 
 
 def _row_tiling(rows: int, block_rows: int) -> tuple[int, int]:
@@ -293,7 +287,8 @@ def paged_mla_attention(q_lat, q_pe, latent_buf, meta: AttnMeta, *, scale: float
 def paged_mla_attention_splits(q_lat, q_pe, latent_buf, meta: AttnMeta, *, scale: float,
                                interpret: bool | None = None, block_k: int | None = None,
                                block_rows: int | None = None, num_splits: int | None = None,
-                               num_warps: int | None = None, num_stages: int = 2):
+                               num_warps: int | None = None, num_stages: int | None = None,
+                               tiles: MlaDecodeTiles | None = None):
     """MLA attention (absorbed form) of q_lat [B,T,H,Dc] and q_pe [B,T,H,Dr] over a latent
     cache that already holds the new rows.
 
@@ -304,11 +299,12 @@ def paged_mla_attention_splits(q_lat, q_pe, latent_buf, meta: AttnMeta, *, scale
     NEG_INF where it saw no key); row r < T*H is token r // H, head r % H, rows from T*H on
     are padding. Dc and Dr: powers of two >= 16.
     interpret None: interpret mode unless the default backend is a GPU. block_k: key slots
-    a block (power of two >= 16; default DEFAULT_BLOCK_K, half that for float32).
+    a block (power of two >= 16; default `tiles.block_k`, half that for float32).
     block_rows: query rows a program (power of two >= 16; default `default_block_rows`).
     num_splits: key splits per (batch row, row block) (default: enough programs to fill the
-    GPU). num_warps (default 4, or 8 for row tiles above 16 x 512) and num_stages are
-    Triton's.
+    GPU, `tiles.target_programs`). num_warps (default `tiles.num_warps`, None: 4, or 8 for
+    row tiles above 16 x 512) and num_stages (default `tiles.num_stages`) are Triton's.
+    tiles: `MlaDecodeTiles` (None: the defaults).
     """
     _check_args(q_lat, q_pe, latent_buf, meta)
     if isinstance(scale, bool) or not isinstance(scale, numbers.Real):
@@ -321,16 +317,17 @@ def paged_mla_attention_splits(q_lat, q_pe, latent_buf, meta: AttnMeta, *, scale
         table = meta.page_table
     num_keys = table.shape[1] * page_size  # slots a row can address (S when dense)
 
+    t = DEFAULT_TUNING.mla_decode if tiles is None else tiles
     if block_k is None:
-        block_k = DEFAULT_BLOCK_K if jnp.dtype(q_lat.dtype).itemsize == 2 else DEFAULT_BLOCK_K // 2
+        block_k = t.block_k if jnp.dtype(q_lat.dtype).itemsize == 2 else t.block_k // 2
     block_k = _check_block("block_k", block_k)
     if block_rows is None:
-        block_rows = default_block_rows(B * T * H, jnp.dtype(q_lat.dtype).itemsize)
+        block_rows = default_block_rows(B * T * H, jnp.dtype(q_lat.dtype).itemsize, t)
     block_rows = _check_block("block_rows", block_rows)
     max_blocks = pl.cdiv(num_keys, block_k)
     BR, R = _row_tiling(T * H, block_rows)
     if num_splits is None:
-        want = pl.cdiv(TARGET_PROGRAMS, B * (R // BR))
+        want = pl.cdiv(t.target_programs, B * (R // BR))
         num_splits = max(1, min(want, max_blocks))
     if isinstance(num_splits, bool) or not isinstance(num_splits, numbers.Integral) or num_splits < 1:
         raise ValueError(f"num_splits must be an int >= 1, got {num_splits!r}")
@@ -341,5 +338,6 @@ def paged_mla_attention_splits(q_lat, q_pe, latent_buf, meta: AttnMeta, *, scale
     lat_flat = latent_buf.reshape((-1, latent_buf.shape[2]))  # [num_pages * P, Dc + Dr]
     return _mla_call(q_lat, q_pe, lat_flat, table, meta, page_size=page_size, num_keys=num_keys,
                      scale=float(scale), block_k=block_k, block_rows=block_rows,
-                     num_splits=num_splits, interpret=interpret, num_warps=num_warps,
-                     num_stages=num_stages)
+                     num_splits=num_splits, interpret=interpret,
+                     num_warps=t.num_warps if num_warps is None else num_warps,
+                     num_stages=t.num_stages if num_stages is None else num_stages)

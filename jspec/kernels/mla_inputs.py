@@ -34,12 +34,11 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
+from jspec.config import DEFAULT_TUNING
 from jspec.kernels import dispatch
 from jspec.kernels.moe_experts import rms_norm
 from jspec.kernels.tiling import KERNEL_DTYPES, is_pow2
 
-DEFAULT_BLOCK_C = 64  # latent values of q_lat a program: [64, Dn] of W_UK
-DEFAULT_WARPS = 4
 
 
 # --------------------------------------------------------------------------- reference
@@ -193,13 +192,15 @@ def mla_inputs(parts, cos, sin, latent_norm, w_uk, *, interleaved: bool, eps: fl
     writes each token's row into the cache itself (the buffer is aliased to the output,
     so XLA updates it in place where it may) and returns the cache instead of the rows.
 
-    block_c: q_lat values a program (a power of two, capped at Dc); num_warps: Triton's.
-    interpret None: interpret mode unless the default backend is a GPU."""
+    block_c: q_lat values a program (a power of two, capped at Dc); num_warps: Triton's;
+    each None: `jspec.config.MlaInputsTiles`' default. interpret None: interpret mode
+    unless the default backend is a GPU."""
     _check_args(parts, cos, sin, latent_norm, w_uk, cache, write_index)
     S, N, W = parts.shape
     Dc, H, Dn = w_uk.shape
     Dr = 2 * cos.shape[1]
-    block_c = DEFAULT_BLOCK_C if block_c is None else block_c
+    t = DEFAULT_TUNING.mla_inputs
+    block_c = t.block_c if block_c is None else block_c
     if not is_pow2(block_c):
         raise ValueError(f"block_c must be a power of two, got {block_c!r}")
     BC = min(block_c, Dc)
@@ -208,7 +209,7 @@ def mla_inputs(parts, cos, sin, latent_norm, w_uk, *, interleaved: bool, eps: fl
     params = None
     if not interpret:
         from jax.experimental.pallas import triton as plt
-        params = plt.CompilerParams(num_warps=DEFAULT_WARPS if num_warps is None else num_warps, num_stages=1)
+        params = plt.CompilerParams(num_warps=t.num_warps if num_warps is None else num_warps, num_stages=1)
     kernel = functools.partial(_kernel, num_heads=H, dn=Dn, dr=Dr, dc=Dc, block_c=BC, interleaved=bool(interleaved),
                                eps=float(eps))
     dt = w_uk.dtype

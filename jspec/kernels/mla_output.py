@@ -14,13 +14,16 @@ kernels of 1-2.5 us each at batch 1 on the H200.
 Kernel: grid (B, rows, Dv tiles), rows = T*H in the MLA kernel's order (row r: token
 r // H, head r % H). A program loads the lse of its row's NS splits as one vector (padded
 to a power of two), weighs the splits as `decode_attention.merge_splits` does, and walks
-the latent in chunks (SPLIT_TILE): it loads that chunk of every split at once (a
+the latent in chunks (`latent_chunk`): it loads that chunk of every split at once (a
 [NS, chunk] tile: no loop of dependent loads), merges and rounds it, and multiplies it by
 the chunk of its head's BN rows W_UV[h, n0:n0+BN, :] (w_uv is stored [H, Dv, Dc], so a
 program reads BN contiguous rows), accumulating [BN] in float32. A row that saw
 no key (every lse NEG_INF) gets zeros, as the reference's merge gives. Dv not a multiple
 of BN: the last tile starts at Dv - BN and overlaps its neighbour (both write the same
 values).
+
+Tiles and the token limit are `jspec.config.MlaOutputTiles` (`Tuning.mla_output`), taken
+as `tiles=` (None: the defaults, with the measurements behind them).
 """
 from __future__ import annotations
 
@@ -31,24 +34,11 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
+from jspec.config import DEFAULT_TUNING, MlaOutputTiles
 from jspec.kernels.decode_attention import merge_splits
 from jspec.kernels.tiling import KERNEL_DTYPES, is_pow2, pow2_ceil, pow2_floor
 
 NEG_INF = -1e30
-DEFAULT_BLOCK_N = 16  # output columns a program: 16 x Dc=512 float32 weights, 64 a thread
-DEFAULT_WARPS = 4
-# A program per (query row, column tile) re-reads its head's W_UV tile for every token:
-# (B*T) x 2 MB of L2 reads a layer at DeepSeek's shapes. Past this many tokens XLA's
-# batched product (W_UV read once) is faster: on the H200 a batch-32 V2-Lite step took
-# 12.93 ms with the kernel, 12.29 without (docs/experiments.md).
-KERNEL_MAX_TOKENS = 16
-# The latent is walked in chunks of SPLIT_TILE // NSP values (at least MIN_CHUNK, at most
-# Dc), NSP the splits as a power of two: the [NSP, chunk] float32 tile of the splits stays
-# about SPLIT_TILE values. At V2-Lite's batch-1 decode (19 splits, NSP 32: one 512-wide
-# chunk) that took 3.5 us against 6.3 us with 128-wide chunks (benchmarks/mla_b1_configs.py,
-# H200); 128 or more splits keep 128-wide chunks.
-SPLIT_TILE = 16384
-MIN_CHUNK = 128
 
 
 # --------------------------------------------------------------------------- reference
@@ -105,9 +95,12 @@ def _split_rows(num_splits: int) -> int:
     return max(2, pow2_ceil(num_splits))
 
 
-def latent_chunk(num_splits: int, latent_dim: int) -> int:
-    """Latent values a step of the kernel's walk for `num_splits` splits (see SPLIT_TILE)."""
-    return min(latent_dim, max(MIN_CHUNK, pow2_floor(max(1, SPLIT_TILE // _split_rows(num_splits)))))
+def latent_chunk(num_splits: int, latent_dim: int, tiles: MlaOutputTiles | None = None) -> int:
+    """Latent values a step of the kernel's walk for `num_splits` splits: about
+    `tiles.split_tile` values of the splits at once, at least `tiles.min_chunk`, at most the
+    latent (see `MlaOutputTiles`; None: the defaults)."""
+    t = DEFAULT_TUNING.mla_output if tiles is None else tiles
+    return min(latent_dim, max(t.min_chunk, pow2_floor(max(1, t.split_tile // _split_rows(num_splits)))))
 
 
 def _check_args(o, lse, w_uv, num_tokens) -> None:
@@ -133,28 +126,31 @@ def _check_args(o, lse, w_uv, num_tokens) -> None:
         raise TypeError(f"w_uv dtype {w_uv.dtype} is not float32, bfloat16 or float16")
 
 
-def is_supported(o, lse, w_uv, num_tokens) -> bool:
-    """Whether `mla_output` takes these arguments and pays (at most KERNEL_MAX_TOKENS
-    tokens in all)."""
+def is_supported(o, lse, w_uv, num_tokens, tiles: MlaOutputTiles | None = None) -> bool:
+    """Whether `mla_output` takes these arguments and pays (at most
+    `tiles.kernel_max_tokens` tokens in all; None: the defaults)."""
+    t = DEFAULT_TUNING.mla_output if tiles is None else tiles
     try:
         _check_args(o, lse, w_uv, num_tokens)
     except (TypeError, ValueError):
         return False
-    return o.shape[0] * num_tokens <= KERNEL_MAX_TOKENS
+    return o.shape[0] * num_tokens <= t.kernel_max_tokens
 
 
 def mla_output(o, lse, w_uv, *, num_tokens: int, block_n: int | None = None,
-               num_warps: int | None = None, interpret: bool | None = None):
+               num_warps: int | None = None, interpret: bool | None = None, tiles: MlaOutputTiles | None = None):
     """Merges the MLA kernel's splits and up-projects the values: o [B, NS, R, Dc] float32
     (split s of row r normalised over its keys; row r is token r // H, head r % H; rows
     from T*H on are padding), lse [B, NS, R] float32, w_uv [H, Dv, Dc] -> [B, T, H, Dv] in
     w_uv's dtype (see `mla_output_reference`). block_n: output columns a program (a power
-    of two, capped at Dv); num_warps: Triton's. interpret None: interpret mode unless the
-    default backend is a GPU."""
+    of two, capped at Dv); num_warps: Triton's; each None: `tiles`' (`MlaOutputTiles`,
+    which also sets the latent's chunks, `latent_chunk`; None: the defaults). interpret
+    None: interpret mode unless the default backend is a GPU."""
     _check_args(o, lse, w_uv, num_tokens)
     B, NS, R, Dc = o.shape
     H, Dv, _ = w_uv.shape
-    block_n = DEFAULT_BLOCK_N if block_n is None else block_n
+    t = DEFAULT_TUNING.mla_output if tiles is None else tiles
+    block_n = t.block_n if block_n is None else block_n
     if not is_pow2(block_n):
         raise ValueError(f"block_n must be a power of two, got {block_n!r}")
     BN = min(block_n, pow2_floor(Dv))
@@ -164,9 +160,9 @@ def mla_output(o, lse, w_uv, *, num_tokens: int, block_n: int | None = None,
     params = None
     if not interpret:
         from jax.experimental.pallas import triton as plt
-        params = plt.CompilerParams(num_warps=DEFAULT_WARPS if num_warps is None else num_warps, num_stages=1)
+        params = plt.CompilerParams(num_warps=t.num_warps if num_warps is None else num_warps, num_stages=1)
     kernel = functools.partial(_kernel, num_splits=NS, num_heads=H, num_rows=R, block_n=BN, dv=Dv,
-                               chunk=latent_chunk(NS, Dc))
+                               chunk=latent_chunk(NS, Dc, t))
     whole = pl.BlockSpec()  # whole arrays, indexed inside the kernel
     out = pl.pallas_call(
         kernel,

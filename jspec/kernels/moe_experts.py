@@ -38,6 +38,9 @@ Kernel (`expert_matmul`): out[p, :] = x[row(p), :] @ w[e(p), :, :] in float32.
 in that dtype, then @ down, kept in float32. The second product takes the first one's K
 splits as they are (`gated`): each program sums its chunk of them, rounds, and applies
 silu(gate) * up while loading its activations, so no kernel runs between the two.
+
+Tiles and thresholds are `jspec.config.ExpertTiles` (`Tuning.experts`), taken as `tiles=`
+(None: the defaults, with the measurements behind them).
 """
 from __future__ import annotations
 
@@ -48,37 +51,9 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
+from jspec.config import DEFAULT_TUNING, ExpertTiles
 from jspec.kernels import dispatch
 from jspec.kernels.tiling import KERNEL_DTYPES, chunk_start, is_pow2, pow2_floor
-
-# Defaults measured on the H200 (benchmarks/moe_kernel_check.py, device time of the routed
-# experts, bf16): 3.3 TB/s at V3 N=1, 3.5-3.7 TB/s at N=4..16, 1.9 TB/s at V2-Lite N=1.
-# Sizes tuned one by one gained 2-9% at most (BK=32, 4 warps, 4 stages at V3 N>=4).
-DEFAULT_BLOCK_N = 128  # output columns per program
-DEFAULT_BLOCK_K = 64  # weight rows per loop step
-DEFAULT_WARPS = 2  # beat 4 warps by 5-20% on every product measured
-DEFAULT_STAGES = 3
-# The gated second product (`routed_experts`) of one token takes 64-column tiles: V2-Lite's
-# 8 experts 15.7 us instead of 17.7 with 128 (benchmarks/matvec_configs.py down, H200); the
-# first product stays at 128 (26.0 us against 27.8 with 64). At 4 tokens (32 pairs) 64 made
-# an MTP round 5% slower (benchmarks/gpu_run_deepseek.sh PART=mtpab), so more tokens keep 128.
-GATED_BLOCK_N = 64
-# The first product of one token takes GATED_BLOCK_N-wide tiles too when its input is at
-# least this wide: DeepSeek-V3's 9 experts [7168, 4096] 144 us against 168 us with 128
-# (3.7 against 3.1 TB/s, benchmarks/mla_b1_configs.py, H200); V2-Lite's [2048, 2816] keep 128.
-NARROW_FIRST_MIN_DIN = 4096
-TARGET_PROGRAMS = 528  # four programs per SM on an H200 (132 SMs): more K splits below that
-MIN_SPLIT_CHUNKS = 4  # a K split walks at least this many chunks
-MATVEC_MAX_ROWS = 1  # `matvec` runs the kernel for products of at most this many rows
-# `matvec`'s tiles: 64 columns a program and 16 K splits were the fastest of 21 tilings for
-# V2-Lite's 2048 x 3648 and 2048 x 2048 products (benchmarks/matvec_configs.py)
-MATVEC_BLOCK_N = 64
-MATVEC_SPLITS = 16
-# Larger weights stay XLA's products, which stream them faster (DeepSeek-V3's 16384 x 7168
-# output projection: 0.44 ms a V3 layer through `matvec`, 0.36 through XLA; below 10M
-# elements XLA pads the row, see `models.llama.pad_one_row`)
-MATVEC_MAX_ELEMENTS = 10_000_000
-
 
 # --------------------------------------------------------------------------- reference
 
@@ -308,7 +283,7 @@ def expert_matmul(x, ids, w, extra=None, *, slots: int | None = None, gated=None
                   sum_splits: bool = True,
                   block_n: int | None = None, block_k: int | None = None, num_splits: int | None = None,
                   num_warps: int | None = None, num_stages: int | None = None,
-                  reduce_each_step: bool = False, interpret: bool | None = None):
+                  reduce_each_step: bool = False, interpret: bool | None = None, tiles: ExpertTiles | None = None):
     """out[p] = x[row(p)] @ w[e(p)] for the pairs of a routing table: ids [N, KP] int
     (token n's experts; or [P], one a token), slots (pairs a token, default KP): pair
     p = n * slots + j has expert e(p) = ids[n, j]; x [N, Din] (a row per token) or [P, Din]
@@ -326,25 +301,28 @@ def expert_matmul(x, ids, w, extra=None, *, slots: int | None = None, gated=None
 
     block_n: output columns per program, block_k: weight rows per loop step (powers of
     two; capped at Dout and Din). num_splits: programs sharing one (pair, tile)'s rows
-    (default: enough programs to fill the GPU). num_warps, num_stages: Triton's.
+    (default: enough programs to fill the GPU, `tiles.target_programs`, each walking at
+    least `tiles.min_split_chunks` chunks). num_warps, num_stages: Triton's. Each None
+    takes `tiles`' value (`ExpertTiles`; None: the defaults).
     reduce_each_step: sum each step's [BK, BN] products over rows at once (a [BN]
     accumulator) instead of accumulating the tile and summing it at the end.
     interpret None: interpret mode unless the default backend is a GPU."""
     ids2, slots, P, token_rows = _check_matmul(x, ids, w, extra, slots, gated, norm)
     E, Din, Dout = w.shape
     E2 = 0 if extra is None else extra.shape[0]
-    block_n = DEFAULT_BLOCK_N if block_n is None else block_n
-    block_k = DEFAULT_BLOCK_K if block_k is None else block_k
+    t = DEFAULT_TUNING.experts if tiles is None else tiles
+    block_n = t.block_n if block_n is None else block_n
+    block_k = t.block_k if block_k is None else block_k
     for name, v in (("block_n", block_n), ("block_k", block_k)):
         if not is_pow2(v):
             raise ValueError(f"{name} must be a power of two, got {v!r}")
     BN = min(block_n, pow2_floor(Dout))
     BK = min(block_k, pow2_floor(Din))
-    tiles = pl.cdiv(Dout, BN)
+    col_tiles = pl.cdiv(Dout, BN)
     num_chunks = pl.cdiv(Din, BK)
     if num_splits is None:
-        want = pl.cdiv(TARGET_PROGRAMS, P * tiles)
-        num_splits = max(1, min(want, num_chunks // MIN_SPLIT_CHUNKS))
+        want = pl.cdiv(t.target_programs, P * col_tiles)
+        num_splits = max(1, min(want, num_chunks // t.min_split_chunks))
     if not (isinstance(num_splits, int) and num_splits >= 1):
         raise ValueError(f"num_splits must be an int >= 1, got {num_splits!r}")
     per_split = pl.cdiv(num_chunks, min(num_splits, num_chunks))
@@ -360,12 +338,12 @@ def expert_matmul(x, ids, w, extra=None, *, slots: int | None = None, gated=None
     params = None
     if not interpret:
         from jax.experimental.pallas import triton as plt
-        params = plt.CompilerParams(num_warps=DEFAULT_WARPS if num_warps is None else num_warps,
-                                    num_stages=DEFAULT_STAGES if num_stages is None else num_stages)
+        params = plt.CompilerParams(num_warps=t.num_warps if num_warps is None else num_warps,
+                                    num_stages=t.num_stages if num_stages is None else num_stages)
     whole = pl.BlockSpec()  # whole arrays, indexed inside the kernel
     out = pl.pallas_call(
         kernel,
-        grid=(P, tiles, S),
+        grid=(P, col_tiles, S),
         in_specs=[whole] * (3 + (norm is not None) + (E2 > 0)),
         out_specs=whole,
         out_shape=jax.ShapeDtypeStruct((S, P, Dout), jnp.float32),
@@ -380,31 +358,36 @@ def expert_matmul(x, ids, w, extra=None, *, slots: int | None = None, gated=None
 
 # --------------------------------------------------------------------------- dense rows
 
-def uses_matvec(x, w, max_elements: int | None = MATVEC_MAX_ELEMENTS) -> bool:
+def uses_matvec(x, w, tiles: ExpertTiles | None = None, *, any_size: bool = False) -> bool:
     """Whether `matvec` runs the kernel for x [..., K] @ w [K, N]: at most
-    MATVEC_MAX_ROWS rows and a weight of fewer than `max_elements` elements (None: any),
-    on a GPU (see the dispatch; a 2-D float weight)."""
+    `tiles.matvec_max_rows` rows and (unless any_size) a weight of fewer than
+    `tiles.matvec_max_elements` elements, on a GPU (see the dispatch; a 2-D float weight).
+    tiles None: the defaults."""
+    t = DEFAULT_TUNING.experts if tiles is None else tiles
     rows = x.size // x.shape[-1]
-    if dispatch.backend() == "reference" or getattr(w, "ndim", None) != 2 or not 1 <= rows <= MATVEC_MAX_ROWS:
+    if dispatch.backend() == "reference" or getattr(w, "ndim", None) != 2 or not 1 <= rows <= t.matvec_max_rows:
         return False  # more rows: XLA's product (the limits hold under JSPEC_KERNELS=pallas too)
-    if max_elements is not None and w.size >= max_elements:
+    if not any_size and w.size >= t.matvec_max_elements:
         return False
     return dispatch.want_pallas(jnp.dtype(w.dtype) in map(jnp.dtype, KERNEL_DTYPES) and min(w.shape) >= 16)
 
 
-def matvec(x, w, norm=None, *, float32_out: bool = False, sum_splits: bool = True, interpret: bool | None = None):
+def matvec(x, w, norm=None, *, float32_out: bool = False, sum_splits: bool = True, interpret: bool | None = None,
+           tiles: ExpertTiles | None = None):
     """x [..., K] @ w [K, N] for a few rows through the expert kernel (w as one expert,
     one pair a row) -> [..., N] in w's dtype (float32 with `float32_out`); norm (weight,
     eps): x's rows RMS-normed first, in the kernel. XLA runs a one-row product with split-K
     partials and a copy of x padded to two rows (`models.llama.pad_one_row`); here the K
     splits are summed by the consumer's fusion and the norm needs no kernel of its own.
     sum_splits False: -> the K splits [S, rows, N] float32 unsummed, for a kernel that sums
-    them as it loads them (`kernels.mla_inputs`)."""
+    them as it loads them (`kernels.mla_inputs`). tiles: `matvec_block_n` columns a
+    program, `matvec_splits` K splits, the rest as `expert_matmul` (None: the defaults)."""
+    t = DEFAULT_TUNING.experts if tiles is None else tiles
     if norm is not None and not x.dtype == norm[0].dtype == w.dtype:  # the prologue rounds in one dtype
         x, norm = rms_norm(x, *norm), None
     rows = x.reshape(-1, x.shape[-1]).astype(w.dtype)
-    y = expert_matmul(rows, jnp.zeros((rows.shape[0],), jnp.int32), w[None], norm=norm, block_n=MATVEC_BLOCK_N,
-                      num_splits=MATVEC_SPLITS, sum_splits=sum_splits, interpret=interpret)
+    y = expert_matmul(rows, jnp.zeros((rows.shape[0],), jnp.int32), w[None], norm=norm, block_n=t.matvec_block_n,
+                      num_splits=t.matvec_splits, sum_splits=sum_splits, interpret=interpret, tiles=t)
     if not sum_splits:
         return y
     return y.astype(jnp.float32 if float32_out else w.dtype).reshape(x.shape[:-1] + (w.shape[1],))
@@ -442,7 +425,8 @@ def is_supported(x, ids, gate_up, down, extra=None, slots=None) -> bool:
 
 
 def routed_experts(x, ids, gate_up, down, extra=None, slots: int | None = None, *, norm=None,
-                   interpret: bool | None = None, gate_up_tiles: dict | None = None, down_tiles: dict | None = None):
+                   interpret: bool | None = None, gate_up_tiles: dict | None = None, down_tiles: dict | None = None,
+                   tiles: ExpertTiles | None = None):
     """The routed experts of a routing table's (token, expert) pairs with the Pallas
     kernel: x [N, D] (each token's activation; or [P, D], each pair's), ids [N, KP] int
     (each token's experts; or [P]) and slots as `expert_matmul`, gate_up [E, D, 2Fm], down
@@ -451,18 +435,20 @@ def routed_experts(x, ids, gate_up, down, extra=None, slots: int | None = None, 
     `routed_experts_reference` up to the last product, which stays float32: the second
     product sums the first one's K splits, rounds them to x's dtype and applies silu(gate)
     * up as it loads them. norm (weight [D], eps): x's rows RMS-normed first, in the first
-    product's prologue (`expert_matmul`). *_tiles: `expert_matmul`'s tiling arguments for
-    each product (default: `expert_matmul`'s; one token's second product, and its first
-    one from NARROW_FIRST_MIN_DIN inputs on, GATED_BLOCK_N wide)."""
+    product's prologue (`expert_matmul`). tiles: `ExpertTiles` (None: the defaults); one
+    token's second product, and its first one from `tiles.narrow_first_min_din` inputs on,
+    take `tiles.gated_block_n`-wide tiles. *_tiles: `expert_matmul`'s keyword arguments
+    for each product, over those."""
     _check_experts(x, ids, gate_up, down, extra, slots)
+    t = DEFAULT_TUNING.experts if tiles is None else tiles
     x, norm = prologue_norm(x, norm)
     extra_gu, extra_down = (None, None) if extra is None else extra
-    one_token = ids.shape[0] == 1  # see GATED_BLOCK_N and NARROW_FIRST_MIN_DIN
-    narrow = {"block_n": GATED_BLOCK_N}
-    first = narrow if one_token and gate_up.shape[1] >= NARROW_FIRST_MIN_DIN else {}
+    one_token = ids.shape[0] == 1  # see ExpertTiles.gated_block_n and narrow_first_min_din
+    narrow = {"block_n": t.gated_block_n}
+    first = narrow if one_token and gate_up.shape[1] >= t.narrow_first_min_din else {}
     h = expert_matmul(x, ids, gate_up, extra_gu, slots=slots, sum_splits=False, norm=norm, interpret=interpret,
-                      **(first | (gate_up_tiles or {})))  # [S1, P, 2Fm]: K splits
-    return expert_matmul(h, ids, down, extra_down, slots=slots, gated=x.dtype, interpret=interpret,
+                      tiles=t, **(first | (gate_up_tiles or {})))  # [S1, P, 2Fm]: K splits
+    return expert_matmul(h, ids, down, extra_down, slots=slots, gated=x.dtype, interpret=interpret, tiles=t,
                          **((narrow if one_token else {}) | (down_tiles or {})))
 
 
@@ -474,12 +460,13 @@ def uses_kernel(x, ids, gate_up, down, extra=None, slots=None) -> bool:
                                 is_supported(x, ids, gate_up, down, extra, slots))
 
 
-def moe_experts(x, ids, gate_up, down, extra=None, slots: int | None = None, norm=None):
-    """Dispatch: `routed_experts` (the kernel) where `uses_kernel`, else
+def moe_experts(x, ids, gate_up, down, extra=None, slots: int | None = None, norm=None, *,
+                tiles: ExpertTiles | None = None):
+    """Dispatch: `routed_experts` (the kernel, with `tiles`) where `uses_kernel`, else
     `routed_experts_reference`; same arguments, [P, D] float32; norm (weight, eps): x's rows
     RMS-normed first (`rms_norm`; the kernel's prologue). JSPEC_KERNELS=pallas forces the
     kernel (interpret mode off GPU; raises for arguments it does not take)."""
     if uses_kernel(x, ids, gate_up, down, extra, slots):
-        return routed_experts(x, ids, gate_up, down, extra, slots, norm=norm)
+        return routed_experts(x, ids, gate_up, down, extra, slots, norm=norm, tiles=tiles)
     return routed_experts_reference(normed(x, norm), ids, gate_up, down, extra, slots)
 

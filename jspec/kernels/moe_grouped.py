@@ -19,6 +19,9 @@ are zeroed), as in `kernels.moe_experts`.
 `grouped_experts` runs DeepSeek's routed experts this way (gate_up, silu(gate) * up in
 the activations' dtype, down), the same roundings as the `ragged_dot` formulation
 (`grouped_experts_reference`), which the CPU and `JSPEC_KERNELS=reference` use.
+
+Tiles and thresholds are `jspec.config.GroupedTiles` (`Tuning.grouped`), taken as `tiles=`
+(None: the defaults, with the measurements behind them).
 """
 from __future__ import annotations
 
@@ -29,34 +32,18 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
+from jspec.config import DEFAULT_TUNING, GroupedTiles
 from jspec.kernels import dispatch
 from jspec.kernels.moe_experts import silu_mul
 from jspec.kernels.tiling import KERNEL_DTYPES, chunk_start, is_pow2, pow2_floor
 
-# The kernel runs from this many (token, expert) pairs an expert on (so wherever the model
-# groups pairs: it does from E pairs on); below, ragged_dot. Kernel time a call in the
-# profiler, H200 (benchmarks/moe_profile.py): V2-Lite's routed experts at 32 tokens (3 pairs
-# an expert) 322 us (the two products 175 + 90 us, 3.7-3.8 TB/s over the distinct
-# experts) against 367 for ragged_dot; V3 at 32 tokens (one pair an expert) 3.6 ms against
-# 7.8 (wall). Wall-clock timings of these calls outside a CUDA graph (benchmarks/moe_paths.py)
-# favour ragged_dot at 16-32 V2-Lite tokens only through the grouped path's 47 kernel
-# launches against 13, which the decode loop's command buffers do not pay.
-MIN_PAIRS_PER_EXPERT = 1
-# Rows a tile: 16 while the pairs are few against the experts (little padding: each
-# group's tiles read its expert once), 64 from LARGE_FROM_PAIRS_PER_EXPERT pairs an expert.
-SMALL_BLOCK_M = 16
-LARGE_BLOCK_M = 64
-LARGE_FROM_PAIRS_PER_EXPERT = 16
-DEFAULT_BLOCK_N = 128
-DEFAULT_BLOCK_K = 64
-DEFAULT_WARPS = 4
-DEFAULT_STAGES = 3
-KERNEL = True  # False: `grouped` takes `jax.lax.ragged_dot` on a GPU at any size (benchmark A/Bs)
 
-
-def block_rows(pairs: int, num_experts: int) -> int:
-    """BM for `pairs` (token, expert) pairs over `num_experts` experts (see SMALL_BLOCK_M)."""
-    return LARGE_BLOCK_M if pairs >= LARGE_FROM_PAIRS_PER_EXPERT * num_experts else SMALL_BLOCK_M
+def block_rows(pairs: int, num_experts: int, tiles: GroupedTiles | None = None) -> int:
+    """BM for `pairs` (token, expert) pairs over `num_experts` experts: `tiles.small_block_m`,
+    or `large_block_m` from `large_from_pairs_per_expert` pairs an expert on (None: the
+    defaults)."""
+    t = DEFAULT_TUNING.grouped if tiles is None else tiles
+    return t.large_block_m if pairs >= t.large_from_pairs_per_expert * num_experts else t.small_block_m
 
 
 def padded_rows(pairs: int, num_experts: int, block_m: int) -> int:
@@ -126,8 +113,9 @@ def grouped_matmul(x, tile_expert, w, *, block_m: int, block_n: int | None = Non
     """x [R, Din] (tiles of block_m rows, see the module doc), tile_expert [R / block_m]
     int, w [E, Din, Dout] -> [R, Dout] in x's dtype; rows of tiles with expert -1 are left
     unwritten. block_n, block_k: output columns a program and Din rows a loop step
-    (powers of two, capped at Dout and Din); num_warps, num_stages: Triton's. interpret
-    None: interpret mode unless the default backend is a GPU."""
+    (powers of two, capped at Dout and Din); num_warps, num_stages: Triton's; each None:
+    `GroupedTiles`' default. interpret None: interpret mode unless the default backend is
+    a GPU."""
     if getattr(x, "ndim", None) != 2 or getattr(w, "ndim", None) != 3 or x.shape[1] != w.shape[1]:
         raise ValueError(f"grouped_matmul needs x [R, Din] and w [E, Din, Dout], got {getattr(x, 'shape', x)} "
                          f"and {getattr(w, 'shape', w)}")
@@ -145,8 +133,9 @@ def grouped_matmul(x, tile_expert, w, *, block_m: int, block_n: int | None = Non
             raise TypeError(f"{name} dtype {a.dtype} is not float32, bfloat16 or float16")
     if x.dtype != w.dtype:
         raise TypeError(f"x and w dtypes differ: {x.dtype}, {w.dtype}")
-    block_n = DEFAULT_BLOCK_N if block_n is None else block_n
-    block_k = DEFAULT_BLOCK_K if block_k is None else block_k
+    t = DEFAULT_TUNING.grouped
+    block_n = t.block_n if block_n is None else block_n
+    block_k = t.block_k if block_k is None else block_k
     for name, v in (("block_n", block_n), ("block_k", block_k)):
         if not is_pow2(v):
             raise ValueError(f"{name} must be a power of two, got {v!r}")
@@ -158,8 +147,8 @@ def grouped_matmul(x, tile_expert, w, *, block_m: int, block_n: int | None = Non
     params = None
     if not interpret:
         from jax.experimental.pallas import triton as plt
-        params = plt.CompilerParams(num_warps=DEFAULT_WARPS if num_warps is None else num_warps,
-                                    num_stages=DEFAULT_STAGES if num_stages is None else num_stages)
+        params = plt.CompilerParams(num_warps=t.num_warps if num_warps is None else num_warps,
+                                    num_stages=t.num_stages if num_stages is None else num_stages)
     whole = pl.BlockSpec()  # whole arrays, indexed inside the kernel
     return pl.pallas_call(
         kernel,
@@ -187,43 +176,45 @@ def grouped_experts_reference(xs, ids, gate_up, down):
     return jnp.zeros_like(h).at[order].set(h)
 
 
-def grouped_experts(xs, ids, gate_up, down, *, block_m: int | None = None, tiles: dict | None = None,
+def grouped_experts(xs, ids, gate_up, down, *, block_m: int | None = None, tiles: GroupedTiles | None = None,
                     interpret: bool | None = None):
     """`grouped_experts_reference` with the kernel: the pairs laid out by `group_layout`,
-    both products as `grouped_matmul` (block_m None: `block_rows`; tiles: its other
-    tiling arguments), silu(gate) * up in xs' dtype between them (an XLA fusion) -> [N*k, D] in
-    xs' dtype."""
+    both products as `grouped_matmul` (block_m None: `block_rows`; tiles: `GroupedTiles`,
+    None: the defaults), silu(gate) * up in xs' dtype between them (an XLA fusion) ->
+    [N*k, D] in xs' dtype."""
     N, k = ids.shape
     E, D, F2 = gate_up.shape
     Fm = F2 // 2
     P = N * k
-    block_m = block_rows(P, E) if block_m is None else block_m
+    t = DEFAULT_TUNING.grouped if tiles is None else tiles
+    block_m = block_rows(P, E, t) if block_m is None else block_m
     rows, tile_expert = group_layout(ids.reshape(-1), E, block_m)
     R = padded_rows(P, E, block_m)
     x = jnp.zeros((R, D), xs.dtype).at[rows].set(jnp.repeat(xs, k, axis=0))  # [R, D]
-    tiles = tiles or {}
-    h = grouped_matmul(x, tile_expert, gate_up, block_m=block_m, interpret=interpret, **tiles)  # [R, 2Fm]
-    h = grouped_matmul(silu_mul(h[:, :Fm], h[:, Fm:]), tile_expert, down, block_m=block_m, interpret=interpret,
-                       **tiles)  # [R, D]
+    kw = dict(block_m=block_m, block_n=t.block_n, block_k=t.block_k, num_warps=t.num_warps,
+              num_stages=t.num_stages, interpret=interpret)
+    h = grouped_matmul(x, tile_expert, gate_up, **kw)  # [R, 2Fm]
+    h = grouped_matmul(silu_mul(h[:, :Fm], h[:, Fm:]), tile_expert, down, **kw)  # [R, D]
     return h[rows]
 
 
-def uses_kernel(xs, ids, gate_up, down) -> bool:
+def uses_kernel(xs, ids, gate_up, down, tiles: GroupedTiles | None = None) -> bool:
     """Whether `grouped` takes the kernel for these arguments (see the dispatch): at least
-    MIN_PAIRS_PER_EXPERT pairs an expert, 16-bit or float32 arrays of one dtype, widths
-    >= 16 (and KERNEL)."""
-    if dispatch.backend() == "reference" or not KERNEL:
+    `tiles.min_pairs_per_expert` pairs an expert, 16-bit or float32 arrays of one dtype,
+    widths >= 16 (and `tiles.kernel`; tiles None: the defaults)."""
+    t = DEFAULT_TUNING.grouped if tiles is None else tiles
+    if dispatch.backend() == "reference" or not t.kernel:
         return False
-    ok = (ids.size >= MIN_PAIRS_PER_EXPERT * gate_up.shape[0] and xs.dtype == gate_up.dtype == down.dtype
+    ok = (ids.size >= t.min_pairs_per_expert * gate_up.shape[0] and xs.dtype == gate_up.dtype == down.dtype
           and jnp.dtype(xs.dtype) in map(jnp.dtype, KERNEL_DTYPES) and min(gate_up.shape[1:]) >= 16
           and min(down.shape[1:]) >= 16)
     return dispatch.want_pallas(ok)
 
 
-def grouped(xs, ids, gate_up, down):
-    """Dispatch: `grouped_experts` (the kernel) where `uses_kernel`, else
+def grouped(xs, ids, gate_up, down, *, tiles: GroupedTiles | None = None):
+    """Dispatch: `grouped_experts` (the kernel, with `tiles`) where `uses_kernel`, else
     `grouped_experts_reference`; same arguments and result. JSPEC_KERNELS=pallas forces the
     kernel (interpret mode off GPU)."""
-    if uses_kernel(xs, ids, gate_up, down):
-        return grouped_experts(xs, ids, gate_up, down)
+    if uses_kernel(xs, ids, gate_up, down, tiles):
+        return grouped_experts(xs, ids, gate_up, down, tiles=tiles)
     return grouped_experts_reference(xs, ids, gate_up, down)

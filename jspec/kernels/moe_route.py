@@ -24,13 +24,12 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
+from jspec.config import DEFAULT_TUNING, Tuning
 from jspec.kernels import dispatch
 from jspec.kernels.moe_experts import expert_matmul, normed, prologue_norm
 from jspec.kernels.tiling import is_pow2, pow2_ceil
 
 SCORINGS = ("softmax", "sigmoid")
-KERNEL_PRODUCT_TOKENS = 16  # up to this many tokens the router product runs in the expert kernel
-ROUTER_BLOCK_K = 64  # its rows a program
 METHODS = ("greedy", "group_limited_greedy", "noaux_tc")
 
 
@@ -254,27 +253,31 @@ def uses_kernel(r: Routing, logits, bias=None) -> bool:
     return dispatch.want_pallas(dispatch.backend() == "pallas" or is_supported(r, logits, bias))
 
 
-def route(r: Routing, x, w, bias=None, norm=None):
+def route(r: Routing, x, w, bias=None, norm=None, *, tuning: Tuning | None = None):
     """The routing table of x [N, D] (the normalised activations; or, with norm (weight
     [D], eps), the activations that RMSNorm normalises first) with the router w [D, E]
     float32 (and V3's score-correction bias [E]): (weights [N, KP] float32, ids [N, KP]
     int32), see the module docstring.
 
-    Dispatch: with the kernels, up to KERNEL_PRODUCT_TOKENS tokens take the router product
-    from the expert kernel (`moe_experts.expert_matmul`, w as one expert, float32 products)
-    as K splits that `route_kernel` sums: two kernels, where XLA's one-row product is a
-    padded product, a reduction of its splits and a slice. More tokens take XLA's product,
-    then `route_kernel`. Without: `router_logits`, then `route_reference`. The norm runs
-    in the expert kernel's prologue where that product runs, else before the product."""
+    Dispatch: with the kernels, up to `tuning.route.kernel_product_tokens` tokens take the
+    router product from the expert kernel (`moe_experts.expert_matmul` with
+    `tuning.experts`, w as one expert, float32 products, `tuning.route.block_k` rows a
+    program) as K splits that `route_kernel` sums: two kernels, where XLA's one-row product
+    is a padded product, a reduction of its splits and a slice. More tokens take XLA's
+    product, then `route_kernel`. Without: `router_logits`, then `route_reference`. The norm
+    runs in the expert kernel's prologue where that product runs, else before the product.
+    tuning None: the defaults."""
+    tuning = DEFAULT_TUNING if tuning is None else tuning
+    t = tuning.route
     N, E = x.shape[0], w.shape[1]
     probe = jax.ShapeDtypeStruct((N, E), jnp.float32)
     kernels = uses_kernel(r, probe, bias)
-    if not (kernels and N <= KERNEL_PRODUCT_TOKENS and min(E, x.shape[1]) >= 16):  # (16: the expert kernel's tiles)
+    if not (kernels and N <= t.kernel_product_tokens and min(E, x.shape[1]) >= 16):  # (16: the expert kernel's tiles)
         logits = router_logits(normed(x, norm), w)
         return route_kernel(r, logits, bias) if kernels else route_reference(r, logits, bias)
     D = x.shape[1]
     x, norm = prologue_norm(x, norm)
-    splits = max(1, D // ROUTER_BLOCK_K)  # a program per chunk of rows: the weight is read by many SMs
+    splits = max(1, D // t.block_k)  # a program per chunk of rows: the weight is read by many SMs
     partials = expert_matmul(x, jnp.zeros((N, 1), jnp.int32), w[None], sum_splits=False, num_splits=splits,
-                             block_k=ROUTER_BLOCK_K, norm=norm)  # [S, N, E]
+                             block_k=t.block_k, norm=norm, tiles=tuning.experts)  # [S, N, E]
     return route_kernel(r, partials, bias)

@@ -16,6 +16,9 @@ verification), each pair reads its expert's weights straight from the stacked ar
 (`jspec.kernels.moe_experts`: a Pallas kernel on the GPU, a gather elsewhere), so only
 chosen experts are read; otherwise (prefill) the pairs are sorted by expert and run as
 grouped products (`jax.lax.ragged_dot`).
+
+Every module takes a `tuning` (`jspec.config.Tuning`) beside its config: the kernels'
+tiles and the switches (`mlp_norm_in_kernel`, `cache_write_in_kernel`) it passes down.
 """
 from __future__ import annotations
 
@@ -25,6 +28,7 @@ from flax import linen as nn
 
 from jspec.cache.latent import LatentCache, LatentCacheKind
 from jspec.cache.layout import AttnMeta
+from jspec.config import DEFAULT_TUNING, Tuning
 from jspec.kernels.attention import attention_reference
 from jspec.kernels import mla_inputs
 from jspec.kernels.mla_attention import cached_mla_attention, mla_attention
@@ -38,22 +42,14 @@ from jspec.models.llama import DecoderLM, FlaxFamily, Linear, RMSNorm, product
 
 _init = nn.initializers.normal(0.02)
 LATENT_NORM_EPS = 1e-6  # the q/kv latent norms use RMSNorm's default, not rms_norm_eps
-# Whether the post-attention norm runs in the prologues of the kernels that read the MLP's
-# input (the router product, the first expert product) instead of as XLA's kernels first.
-# On: in one H200 call on the same weights, V2-Lite's 6-layer step 0.567 ms with it against
-# 0.581-0.583 without, the V3 layer shape 0.348 against 0.372 ms a layer (with the first
-# expert product 64 columns wide; at 128 it had cost V3 0.416 against 0.349 ms).
-MLP_NORM_IN_KERNEL = True
-# Whether `kernels.mla_inputs` writes a decoding token's latent row into the cache itself
-# (where it runs: one row, no q_lora_rank) instead of an update kernel after it.
-CACHE_WRITE_IN_KERNEL = True
 # XLA options of the loop's programs on a GPU (`DeepseekFamily.gpu_xla_options`): CUDA-graph
 # command buffers that take in the while loop and its conditionals (no host round trip a
 # step) and single kernels too. A step runs about 300 short kernels; V2-Lite's 27-layer
 # batch-1 step took 2.034-2.054 ms with them against 2.066-2.095 ms with XLA's defaults,
 # three times each, alternating in one H200 process (benchmarks/deepseek_ab.py, setting
 # graphs_off). The 8B Llama step did not gain from them (docs/experiments.md), so only
-# this family asks for them.
+# this family asks for them. A tuning's `xla_options` go over them; `family_xla_options`
+# False leaves them out (`jspec.kernels.dispatch.compiler_options`).
 GPU_XLA_OPTIONS = {"xla_gpu_enable_command_buffer": "FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN,WHILE,CONDITIONAL",
                    "xla_gpu_graph_min_graph_size": 1}
 
@@ -70,18 +66,19 @@ class MLAttention(nn.Module):
     """Multi-head latent attention over the latent cache."""
 
     cfg: DeepseekConfig
+    tuning: Tuning = DEFAULT_TUNING
 
     @nn.compact
     def __call__(self, x, norm, buf, meta: AttnMeta):
         """x [B,T,D] with its input norm (weight, eps) not yet applied (`qkv_a_proj` applies
         it); buf: the layer's latent buffer or None. -> (out [B,T,D], buffer)."""
-        c = self.cfg
+        c, tuning = self.cfg, self.tuning
         B, T, _ = x.shape
         H, Dn, Dr, Dv, Dc = c.num_heads, c.qk_nope_head_dim, c.qk_rope_head_dim, c.v_head_dim, c.kv_lora_rank
         # The products of the normed input, q_proj (or q_a_proj) and kv_a_proj_with_mqa, as
         # one matrix [D, Q + Dc + Dr] (`deepseek_hf`): one pass over x's weights.
         Q = c.q_lora_rank or H * (Dn + Dr)
-        proj = Linear(Q + Dc + Dr, c.attention_bias, c.dtype, row_kernel=True, name="qkv_a_proj")
+        proj = Linear(Q + Dc + Dr, c.attention_bias, c.dtype, row_kernel=True, tuning=tuning, name="qkv_a_proj")
         # kv_b_proj as its two halves (`deepseek_hf`): W_UK [Dc,H,Dn] and W_UV [H,Dv,Dc], the
         # latter so that each head's rows are contiguous for `kernels.mla_output`
         dt = jnp.dtype(c.dtype)
@@ -98,10 +95,12 @@ class MLAttention(nn.Module):
             # makes the absorbed query, the roped query part and the cache row, which it
             # writes into the cache itself
             parts = proj(x, norm=norm, splits=True)  # [S, B*T, Q+Dc+Dr]
-            written = buf is not None and CACHE_WRITE_IN_KERNEL
+            written = buf is not None and tuning.cache_write_in_kernel
             q_lat, q_pe, rows = mla_inputs.mla_inputs(parts, *flat, latent_norm, w_uk, interleaved=c.rope_interleave,
                                                       eps=LATENT_NORM_EPS, cache=buf if written else None,
-                                                      write_index=meta.write_index if written else None)
+                                                      write_index=meta.write_index if written else None,
+                                                      block_c=tuning.mla_inputs.block_c,
+                                                      num_warps=tuning.mla_inputs.num_warps)
             q_lat, q_pe = q_lat.reshape(B, T, H, Dc), q_pe.reshape(B, T, H, Dr)
             buf, rows = (rows, None) if written else (buf, rows.reshape(B, T, -1))
         else:
@@ -109,7 +108,7 @@ class MLAttention(nn.Module):
             q, ckv = qkv[..., :Q], qkv[..., Q:]
             if c.q_lora_rank:
                 q = RMSNorm(LATENT_NORM_EPS, c.dtype, name="q_a_layernorm")(q)
-                q = Linear(H * (Dn + Dr), False, c.dtype, name="q_b_proj")(q)
+                q = Linear(H * (Dn + Dr), False, c.dtype, tuning=tuning, name="q_b_proj")(q)
             # q_first: the absorbed query [B,T,H,Dc] (decoding) or q_nope [B,T,H,Dn] (prefill);
             # rows [B,T,Dc+Dr]: what the cache keeps (the normed latent, the roped key part)
             q_first, q_pe, rows = mla_inputs.mla_inputs_reference(q.reshape(B, T, H, Dn + Dr), ckv, cos, sin, latent_norm,
@@ -126,10 +125,11 @@ class MLAttention(nn.Module):
             o = attention_reference(jnp.concatenate([q_nope, q_pe], axis=-1), k, v, None, meta,
                                     scale=c.softmax_scale)  # [B,T,H,Dv]
         elif rows is None:  # absorbed, the rows already in the cache
-            o = mla_attention(q_lat, q_pe, buf, meta, w_uv, scale=c.softmax_scale)
+            o = mla_attention(q_lat, q_pe, buf, meta, w_uv, scale=c.softmax_scale, tuning=tuning)
         else:  # absorbed: attend over the latent rows, then up-project the values
-            o, buf = cached_mla_attention(q_lat, q_pe, rows, buf, meta, w_uv, scale=c.softmax_scale)
-        out = Linear(c.hidden_size, c.attention_bias, c.dtype, row_kernel=True, name="o_proj")(o.reshape(B, T, H * Dv))
+            o, buf = cached_mla_attention(q_lat, q_pe, rows, buf, meta, w_uv, scale=c.softmax_scale, tuning=tuning)
+        out = Linear(c.hidden_size, c.attention_bias, c.dtype, row_kernel=True, tuning=tuning, name="o_proj")(
+            o.reshape(B, T, H * Dv))
         return out, buf
 
 
@@ -140,26 +140,27 @@ class MLP(nn.Module):
 
     width: int
     dtype: str
+    tuning: Tuning = DEFAULT_TUNING
 
     @nn.compact
     def __call__(self, x, norm):
         """x [B,T,D] with its norm (weight, eps; None: x is normed) not yet applied (the
         kernel's prologue applies it) -> [B,T,D]."""
         D, F, dt = x.shape[-1], self.width, jnp.dtype(self.dtype)
+        tiles = self.tuning.experts
         gate_up = self.param("gate_up_proj", lambda key: {"kernel": _init(key, (D, 2 * F), dt)})["kernel"]
         down = self.param("down_proj", lambda key: {"kernel": _init(key, (F, D), dt)})["kernel"]
-        if moe_experts.uses_matvec(x, gate_up, max_elements=None):
+        if moe_experts.uses_matvec(x, gate_up, tiles, any_size=True):
             rows = x.reshape(-1, D)
             one = jnp.zeros((rows.shape[0],), jnp.int32)  # every row to expert 0
             if moe_experts.uses_kernel(rows, one, gate_up[None], down[None]):
-                # the one wide expert's second product keeps 128-column tiles (H200: 15.8 us
-                # against 18.0 with the experts' 64, benchmarks/deepseek_profile.py down_bn128)
-                y = moe_experts.routed_experts(rows, one, gate_up[None], down[None], norm=norm,
-                                               down_tiles={"block_n": moe_experts.DEFAULT_BLOCK_N})
+                # the one wide expert's second product: `ExpertTiles.dense_down_block_n`
+                y = moe_experts.routed_experts(rows, one, gate_up[None], down[None], norm=norm, tiles=tiles,
+                                               down_tiles={"block_n": tiles.dense_down_block_n})
                 return y.astype(x.dtype).reshape(x.shape)
         x = normed(x, norm)
-        gu = product(x, gate_up)
-        return product(silu_mul(gu[..., :F], gu[..., F:]), down)
+        gu = product(x, gate_up, tuning=self.tuning)
+        return product(silu_mul(gu[..., :F], gu[..., F:]), down, tuning=self.tuning)
 
 
 class MoE(nn.Module):
@@ -174,6 +175,7 @@ class MoE(nn.Module):
     products over the tokens."""
 
     cfg: DeepseekConfig
+    tuning: Tuning = DEFAULT_TUNING
 
     @nn.compact
     def __call__(self, x, norm):
@@ -194,15 +196,17 @@ class MoE(nn.Module):
         shared = self.param("shared_experts", stacked(S)) if S else None
         xs = x.reshape(B * T, D)
         r = c.routing
-        weights, ids = route(r, xs, router["kernel"], router.get("bias"), norm=norm)  # [N, KP] each
+        tuning = self.tuning
+        weights, ids = route(r, xs, router["kernel"], router.get("bias"), norm=norm, tuning=tuning)  # [N, KP] each
         if B * T * k < E:  # decode and verification: read the chosen and the shared experts only
             extra = (shared["gate_up"], shared["down"]) if S else None
             y = moe_experts.moe_experts(xs, ids, experts["gate_up"], experts["down"], extra, r.slots,
-                                        norm=norm)  # [N*(k+S), D]
+                                        norm=norm, tiles=tuning.experts)  # [N*(k+S), D]
             out = jnp.einsum("nsd,ns->nd", y.reshape(B * T, r.slots, D), weights[:, :r.slots])
         else:  # prefill (and large batches): (token, expert) pairs grouped by expert
             xs = normed(xs, norm)
-            y = moe_grouped.grouped(xs, ids[:, :k], experts["gate_up"], experts["down"]).reshape(B * T, k, D)
+            y = moe_grouped.grouped(xs, ids[:, :k], experts["gate_up"], experts["down"],
+                                    tiles=tuning.grouped).reshape(B * T, k, D)
             out = jnp.einsum("nkd,nk->nd", y.astype(jnp.float32), weights[:, :k])
             if S:  # each shared expert as one dense product over the tokens
                 h = jnp.einsum("nd,sdf->nsf", xs, shared["gate_up"])  # [N,S,2Fm]
@@ -214,31 +218,34 @@ class MoE(nn.Module):
 class DecoderLayer(nn.Module):
     cfg: DeepseekConfig
     layer: int
+    tuning: Tuning = DEFAULT_TUNING
 
     @nn.compact
     def __call__(self, x, buf, meta):
-        c = self.cfg
+        c, tuning = self.cfg, self.tuning
         norm = RMSNorm(c.rms_norm_eps, c.dtype, name="input_layernorm")(x, unapplied=True)
-        h, buf = MLAttention(c, name="self_attn")(x, norm, buf, meta)
+        h, buf = MLAttention(c, tuning, name="self_attn")(x, norm, buf, meta)
         x = x + h
         norm = RMSNorm(c.rms_norm_eps, c.dtype, name="post_attention_layernorm")(x, unapplied=True)
-        mlp = MoE(c, name="mlp") if c.is_moe(self.layer) else MLP(c.intermediate_size, c.dtype, name="mlp")
-        return x + (mlp(x, norm) if MLP_NORM_IN_KERNEL else mlp(normed(x, norm), None)), buf
+        mlp = (MoE(c, tuning, name="mlp") if c.is_moe(self.layer)
+               else MLP(c.intermediate_size, c.dtype, tuning, name="mlp"))
+        return x + (mlp(x, norm) if tuning.mlp_norm_in_kernel else mlp(normed(x, norm), None)), buf
 
 
 class DeepseekModel(DecoderLM):
     """Token ids -> final-norm hidden states; `logits` applies the LM head."""
 
     cfg: DeepseekConfig
+    tuning: Tuning = DEFAULT_TUNING
 
     def setup(self):
         c = self.cfg
         self.embed_tokens = nn.Embed(c.vocab_size, c.hidden_size, embedding_init=_init, dtype=c.jnp_dtype,
                                      param_dtype=c.jnp_dtype)
-        self.layers = [DecoderLayer(c, i, name=f"layers_{i}") for i in range(c.num_layers)]
+        self.layers = [DecoderLayer(c, i, self.tuning, name=f"layers_{i}") for i in range(c.num_layers)]
         self.norm = RMSNorm(c.rms_norm_eps, c.dtype)
         if not c.tie_word_embeddings:
-            self.lm_head = Linear(c.vocab_size, False, c.dtype, float32_out=True)
+            self.lm_head = Linear(c.vocab_size, False, c.dtype, float32_out=True, tuning=self.tuning)
 
     def __call__(self, tokens, cache: LatentCache | None, meta: AttnMeta, capture: tuple[int, ...] = ()):
         x = self.embed(tokens)
@@ -262,14 +269,15 @@ class MtpLayer(nn.Module):
     draft step reads this layer's own output (as SGLang's and transformers' MTP do)."""
 
     cfg: DeepseekConfig  # the layer's config: num_layers 1, MoE when the model has experts
+    tuning: Tuning = DEFAULT_TUNING
 
     @nn.compact
     def __call__(self, embeds, feats, cache: LatentCache | None, meta: AttnMeta):
         c = self.cfg
         h = jnp.concatenate([RMSNorm(c.rms_norm_eps, c.dtype, name="enorm")(embeds),
                              RMSNorm(c.rms_norm_eps, c.dtype, name="hnorm")(feats)], axis=-1)
-        x = Linear(c.hidden_size, False, c.dtype, row_kernel=True, name="eh_proj")(h)
-        x, buf = DecoderLayer(c, 0, name="block")(x, None if cache is None else cache.latent[0], meta)
+        x = Linear(c.hidden_size, False, c.dtype, row_kernel=True, tuning=self.tuning, name="eh_proj")(h)
+        x, buf = DecoderLayer(c, 0, self.tuning, name="block")(x, None if cache is None else cache.latent[0], meta)
         out = RMSNorm(c.rms_norm_eps, c.dtype, name="shared_head_norm")(x)
         return out, None if cache is None else LatentCache(latent=(buf,))
 

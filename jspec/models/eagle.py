@@ -16,7 +16,7 @@ import jax.numpy as jnp
 from flax import linen as nn
 
 from jspec.cache.kv import KVCache
-from jspec.config import ModelConfig
+from jspec.config import DEFAULT_TUNING, ModelConfig, Tuning
 from jspec.models.llama import MLP, Attention, DecoderLayer, Linear, RMSNorm
 
 
@@ -25,14 +25,16 @@ class Eagle1Head(nn.Module):
 
     cfg: ModelConfig
     fc_bias: bool = True
+    tuning: Tuning = DEFAULT_TUNING
 
     @nn.compact
     def __call__(self, embeds, feats, cache: KVCache, meta):
         c = self.cfg
-        x = Linear(c.hidden_size, self.fc_bias, c.dtype, name="fc")(jnp.concatenate([embeds, feats], axis=-1))
+        x = Linear(c.hidden_size, self.fc_bias, c.dtype, tuning=self.tuning, name="fc")(
+            jnp.concatenate([embeds, feats], axis=-1))
         kvs = []
         for i in range(c.num_layers):
-            x, kv = DecoderLayer(c, c.sliding_windows[i], input_norm=i > 0, name=f"layers_{i}")(
+            x, kv = DecoderLayer(c, c.sliding_windows[i], input_norm=i > 0, tuning=self.tuning, name=f"layers_{i}")(
                 x, None if cache is None else cache.kv[i], meta)
             kvs.append(kv)
         return x, None if cache is None else KVCache(kv=tuple(kvs))
@@ -47,13 +49,14 @@ class Eagle3Head(nn.Module):
 
     cfg: ModelConfig
     draft_vocab_size: int
+    tuning: Tuning = DEFAULT_TUNING
 
     def setup(self):
         c = self.cfg
-        self.fc = Linear(c.hidden_size, False, c.dtype)
-        self.midlayer = Eagle3Layer(c)
+        self.fc = Linear(c.hidden_size, False, c.dtype, tuning=self.tuning)
+        self.midlayer = Eagle3Layer(c, self.tuning)
         self.norm = RMSNorm(c.rms_norm_eps, c.dtype)
-        self.lm_head = Linear(self.draft_vocab_size, False, c.dtype, float32_out=True)
+        self.lm_head = Linear(self.draft_vocab_size, False, c.dtype, float32_out=True, tuning=self.tuning)
 
     def __call__(self, embeds, feats, cache: KVCache, meta, project: bool):
         if project:
@@ -72,13 +75,14 @@ class Eagle3Head(nn.Module):
 
 class Eagle3Layer(nn.Module):
     cfg: ModelConfig
+    tuning: Tuning = DEFAULT_TUNING
 
     @nn.compact
     def __call__(self, embeds, feats, kv, meta):
         c = self.cfg
         h = jnp.concatenate([RMSNorm(c.rms_norm_eps, c.dtype, name="input_layernorm")(embeds),
                              RMSNorm(c.rms_norm_eps, c.dtype, name="hidden_norm")(feats)], axis=-1)
-        a, kv = Attention(c, c.sliding_windows[0], name="self_attn")(h, kv, meta)
+        a, kv = Attention(c, c.sliding_windows[0], self.tuning, name="self_attn")(h, kv, meta)
         r = a + feats
-        out = r + MLP(c, name="mlp")(RMSNorm(c.rms_norm_eps, c.dtype, name="post_attention_layernorm")(r))
+        out = r + MLP(c, self.tuning, name="mlp")(RMSNorm(c.rms_norm_eps, c.dtype, name="post_attention_layernorm")(r))
         return out, kv

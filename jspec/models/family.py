@@ -43,11 +43,12 @@ class TargetFamily:
 
     def forward(self, cfg, weights, tokens, cache, meta, capture: tuple[int, ...] = (), tuning=DEFAULT_TUNING):
         """tokens [B,T] -> (hidden [B,T,D] after the final norm, {layer i: its input
-        [B,T,D]} for the `capture` layers (i = num_layers: the last layer's output), cache)."""
+        [B,T,D]} for the `capture` layers (i = num_layers: the last layer's output), cache).
+        tuning (`jspec.config.Tuning`): how the layers and kernels compute, passed down."""
         raise NotImplementedError
 
     def logits(self, cfg, weights, hidden, tuning=DEFAULT_TUNING):
-        """hidden [..., D] -> float32 logits [..., V]."""
+        """hidden [..., D] -> float32 logits [..., V] (tuning as `forward`)."""
         raise NotImplementedError
 
     def embed(self, cfg, weights, tokens):
@@ -55,8 +56,9 @@ class TargetFamily:
         raise NotImplementedError
 
     def gpu_xla_options(self, cfg) -> dict:
-        """XLA options this family's loop programs are compiled with on a GPU, under
-        `jspec.kernels.dispatch.GPU_XLA_OPTIONS` (which wins where both set one)."""
+        """XLA options this family's loop programs are compiled with on a GPU, under a
+        tuning's `xla_options` (which win where both set one; `Tuning.family_xla_options`
+        False leaves these out), see `jspec.kernels.dispatch.compiler_options`."""
         return {}
 
     def split(self, cfg, weights, n: int) -> tuple[Any, Any, Any]:

@@ -17,7 +17,7 @@ from jax.sharding import PartitionSpec as P
 
 from jspec.cache.kv import KVCache, KVCacheKind
 from jspec.cache.layout import AttnMeta, prefill_meta
-from jspec.config import DEFAULT_TUNING, ModelConfig
+from jspec.config import DEFAULT_TUNING, ModelConfig, Tuning
 from jspec.kernels import cpu_matmul, moe_experts
 from jspec.kernels.attention import cached_attention
 from jspec import sharding
@@ -28,32 +28,26 @@ from jspec.tensors import HostParam
 _init = nn.initializers.normal(0.02)
 
 
-# XLA's GPU compiler rewrites a one-row product whose operands hold fewer than 10M elements
-# (`IsMatrixMultiplicationTooSmallForRewriting`) as an elementwise multiply that writes the
-# whole [K, N] product and a reduction that reads it back: 18.5 us instead of 6.2 for
-# DeepSeek-V2-Lite's 2048x3072 query projection. With a second row of zeros it stays a
-# matrix product. Weights of this many elements ([lo, hi)) get that padding on a GPU
-# (docs/benchmarks.md, "One-row products"); jax 0.11 has no option to turn the rewrite off.
-GPU_TWO_ROW_ELEMENTS = (1 << 20, 10_000_000)
-TWO_ROW_BACKENDS = ("gpu",)
-
-
-def pad_one_row(rows: int, weight_elements: int) -> bool:
+def pad_one_row(rows: int, weight_elements: int, tuning: Tuning = DEFAULT_TUNING) -> bool:
     """Whether a product of `rows` rows with a weight of `weight_elements` elements runs
-    padded to two rows (`GPU_TWO_ROW_ELEMENTS`)."""
-    lo, hi = GPU_TWO_ROW_ELEMENTS
-    return rows == 1 and lo <= weight_elements < hi and jax.default_backend() in TWO_ROW_BACKENDS
+    padded to two rows: one row, a weight of `tuning.two_row_elements` [lo, hi) elements,
+    a backend of `tuning.two_row_backends` (XLA's GPU compiler turns such products into a
+    multiply plus a reduction, see `Tuning`)."""
+    lo, hi = tuning.two_row_elements
+    return rows == 1 and lo <= weight_elements < hi and jax.default_backend() in tuning.two_row_backends
 
 
-def product(x: jax.Array, w: jax.Array, transpose_w: bool = False, float32_out: bool = False) -> jax.Array:
+def product(x: jax.Array, w: jax.Array, transpose_w: bool = False, float32_out: bool = False,
+            tuning: Tuning = DEFAULT_TUNING) -> jax.Array:
     """x [..., K] @ w [K, N] (or w [N, K] transposed: a tied head) -> [..., N], accumulated
     in float32 (kept as float32 with `float32_out`). Few-row float32 products on the CPU
-    run jspec's native loops (`kernels.cpu_matmul`), everything else XLA's dot (one-row
-    products with mid-sized weights on the GPU padded to two rows: `pad_one_row`)."""
+    run jspec's native loops (`kernels.cpu_matmul`, up to `tuning.cpu_matmul_max_rows`
+    rows), everything else XLA's dot (one-row products with mid-sized weights on the GPU
+    padded to two rows: `pad_one_row`)."""
     x = x.astype(w.dtype)
-    if cpu_matmul.use_native(x, w):
+    if cpu_matmul.use_native(x, w, tuning.cpu_matmul_max_rows):
         return cpu_matmul.matmul(x, w, transpose_w=transpose_w)
-    pad = pad_one_row(x.size // x.shape[-1], w.size)
+    pad = pad_one_row(x.size // x.shape[-1], w.size, tuning)
     xs = jnp.pad(x.reshape(1, -1), ((0, 1), (0, 0))) if pad else x
     y = jax.lax.dot_general(xs, w, (((xs.ndim - 1,), (1 if transpose_w else 0,)), ((), ())),
                             preferred_element_type=jnp.float32 if float32_out else None)
@@ -69,6 +63,7 @@ class Linear(nn.Module):
     dtype: str = "float32"
     float32_out: bool = False  # keep the float32 accumulator (LM heads)
     row_kernel: bool = False  # few-row products through `moe_experts.matvec` where it applies
+    tuning: Tuning = DEFAULT_TUNING  # the row kernel's tiles (`experts`) and `product`'s rules
 
     @nn.compact
     def __call__(self, x, norm_factor=None, norm=None, splits: bool = False):
@@ -81,15 +76,15 @@ class Linear(nn.Module):
         if splits:
             if not self.uses_splits(x):
                 raise ValueError("Linear(splits=True) needs the row kernel for this product and no bias")
-            return moe_experts.matvec(x, w, norm, sum_splits=False)
-        if self.row_kernel and moe_experts.uses_matvec(x, w):
-            y = moe_experts.matvec(x, w, norm, float32_out=self.float32_out)
+            return moe_experts.matvec(x, w, norm, sum_splits=False, tiles=self.tuning.experts)
+        if self.row_kernel and moe_experts.uses_matvec(x, w, self.tuning.experts):
+            y = moe_experts.matvec(x, w, norm, float32_out=self.float32_out, tiles=self.tuning.experts)
         else:
             x = moe_experts.normed(x, norm)
             # Products accumulate in float32 either way; asking for a float32 result only
             # where it is kept avoids a separate conversion pass after every matrix-vector
             # product.
-            y = product(x, w, float32_out=self.float32_out)
+            y = product(x, w, float32_out=self.float32_out, tuning=self.tuning)
         if norm_factor is not None:  # fuses into the product's consumer
             y = (y.astype(jnp.float32) * norm_factor).astype(y.dtype)
         if self.use_bias:
@@ -100,7 +95,7 @@ class Linear(nn.Module):
         """Whether `__call__(x, splits=True)` applies: the row kernel runs x's product and
         there is no bias to add."""
         w = jax.ShapeDtypeStruct((x.shape[-1], self.features), jnp.dtype(self.dtype))
-        return self.row_kernel and not self.use_bias and moe_experts.uses_matvec(x, w)
+        return self.row_kernel and not self.use_bias and moe_experts.uses_matvec(x, w, self.tuning.experts)
 
 
 class RMSNorm(nn.Module):
@@ -146,6 +141,7 @@ class Attention(nn.Module):
 
     cfg: ModelConfig
     window: int = 0
+    tuning: Tuning = DEFAULT_TUNING
 
     @nn.compact
     def __call__(self, x, kv, meta: AttnMeta, norm_factor=None):
@@ -155,7 +151,7 @@ class Attention(nn.Module):
         B, T, _ = x.shape
         H, Hkv, Dh = c.num_heads, c.num_kv_heads, c.head_dim
         G = H // Hkv
-        qkv = Linear((H + 2 * Hkv) * Dh, c.qkv_bias, c.dtype, name="qkv_proj")(x, norm_factor)
+        qkv = Linear((H + 2 * Hkv) * Dh, c.qkv_bias, c.dtype, tuning=self.tuning, name="qkv_proj")(x, norm_factor)
         qkv = qkv.reshape(B, T, Hkv, G + 2, Dh)  # per KV head: its G query heads, key, value
         q = qkv[:, :, :, :G].reshape(B, T, H, Dh)
         k, v = qkv[:, :, :, G], qkv[:, :, :, G + 1]
@@ -165,27 +161,31 @@ class Attention(nn.Module):
         inv_freq = c.rope.inv_freq(Dh)
         q = apply_rope(q, meta.positions, inv_freq, c.rope.cos_sin_scale())
         k = apply_rope(k, meta.positions, inv_freq, c.rope.cos_sin_scale())
-        o, kv = cached_attention(q, k, v, kv, meta, window=self.window, scale=Dh ** -0.5)
-        out = Linear(c.hidden_size, c.o_bias, c.dtype, name="o_proj")(o.reshape(B, T, H * Dh))
+        o, kv = cached_attention(q, k, v, kv, meta, window=self.window, scale=Dh ** -0.5,
+                                 tiles=self.tuning.attention)
+        out = Linear(c.hidden_size, c.o_bias, c.dtype, tuning=self.tuning, name="o_proj")(o.reshape(B, T, H * Dh))
         return out, kv
 
 
 class MLP(nn.Module):
     cfg: ModelConfig
+    tuning: Tuning = DEFAULT_TUNING
 
     @nn.compact
     def __call__(self, x, norm_factor=None):
         c = self.cfg
         F = c.intermediate_size
-        gu = Linear(2 * F, c.mlp_bias, c.dtype, name="gate_up_proj")(x, norm_factor)
+        gu = Linear(2 * F, c.mlp_bias, c.dtype, tuning=self.tuning, name="gate_up_proj")(x, norm_factor)
         gu = gu.reshape(gu.shape[:-1] + (F, 2))  # gate and up column i side by side
-        return Linear(c.hidden_size, c.mlp_bias, c.dtype, name="down_proj")(nn.silu(gu[..., 0]) * gu[..., 1])
+        return Linear(c.hidden_size, c.mlp_bias, c.dtype, tuning=self.tuning, name="down_proj")(
+            nn.silu(gu[..., 0]) * gu[..., 1])
 
 
 class DecoderLayer(nn.Module):
     cfg: ModelConfig
     window: int = 0
     input_norm: bool = True  # EAGLE-1 heads skip the first layer's input norm
+    tuning: Tuning = DEFAULT_TUNING
 
     @nn.compact
     def __call__(self, x, kv, meta):
@@ -194,21 +194,23 @@ class DecoderLayer(nn.Module):
         h, r = x, None
         if self.input_norm:
             h, r = RMSNorm(c.rms_norm_eps, c.dtype, name="input_layernorm")(x, deferred=True)
-        h, kv = Attention(c, self.window, name="self_attn")(h, kv, meta, r)
+        h, kv = Attention(c, self.window, self.tuning, name="self_attn")(h, kv, meta, r)
         x = x + h
         h, r = RMSNorm(c.rms_norm_eps, c.dtype, name="post_attention_layernorm")(x, deferred=True)
-        return x + MLP(c, name="mlp")(h, r), kv
+        return x + MLP(c, self.tuning, name="mlp")(h, r), kv
 
 
 class DecoderLM(nn.Module):
     """What decoder families share: the embedding and the LM head (tied to the embedding or
-    a `lm_head` Linear). A subclass's `setup` makes `embed_tokens` (and `lm_head` when
-    untied) and its `__call__` runs tokens -> (final-norm hidden, aux, cache)."""
+    a `lm_head` Linear). A subclass has the fields `cfg` and `tuning` (passed down to its
+    layers); its `setup` makes `embed_tokens` (and `lm_head` when untied) and its
+    `__call__` runs tokens -> (final-norm hidden, aux, cache)."""
 
     def logits(self, hidden):
         """hidden [..., D] -> float32 logits [..., V]."""
         if self.cfg.tie_word_embeddings:
-            return product(hidden, self.embed_tokens.embedding, transpose_w=True, float32_out=True)
+            return product(hidden, self.embed_tokens.embedding, transpose_w=True, float32_out=True,
+                           tuning=self.tuning)
         return self.lm_head(hidden)
 
     def embed(self, tokens):
@@ -225,15 +227,17 @@ class LlamaModel(DecoderLM):
     """Token ids -> final-norm hidden states; `logits` applies the LM head."""
 
     cfg: ModelConfig
+    tuning: Tuning = DEFAULT_TUNING
 
     def setup(self):
         c = self.cfg
         self.embed_tokens = nn.Embed(c.vocab_size, c.hidden_size, embedding_init=_init,
                                      dtype=c.jnp_dtype, param_dtype=c.jnp_dtype)
-        self.layers = [DecoderLayer(c, c.sliding_windows[i], name=f"layers_{i}") for i in range(c.num_layers)]
+        self.layers = [DecoderLayer(c, c.sliding_windows[i], tuning=self.tuning, name=f"layers_{i}")
+                       for i in range(c.num_layers)]
         self.norm = RMSNorm(c.rms_norm_eps, c.dtype)
         if not c.tie_word_embeddings:
-            self.lm_head = Linear(c.vocab_size, False, c.dtype, float32_out=True)
+            self.lm_head = Linear(c.vocab_size, False, c.dtype, float32_out=True, tuning=self.tuning)
 
     def __call__(self, tokens, cache: KVCache | None, meta: AttnMeta, capture: tuple[int, ...] = ()):
         """tokens [B,T] -> (hidden [B,T,D] after the final norm, {layer: its input [B,T,D]}
@@ -301,7 +305,7 @@ def split_llama(cfg: ModelConfig, weights, n: int):
 
 class FlaxFamily(TargetFamily):
     """The protocol's model methods for a family whose model is a `DecoderLM` subclass
-    (`model`) taking its config as its one field."""
+    (`model`) taking its config and a `Tuning` as its fields."""
 
     model: type
 
@@ -313,12 +317,12 @@ class FlaxFamily(TargetFamily):
     def forward(self, cfg, weights, tokens, cache, meta: AttnMeta, capture: tuple[int, ...] = (),
                 tuning=DEFAULT_TUNING):
         """tokens [B,T] -> (hidden [B,T,D] after the final norm, {layer: its input [B,T,D]}
-        for the `capture` layers, cache)."""
-        return self.model(cfg).apply(weights, tokens, cache, meta, capture)
+        for the `capture` layers, cache); `tuning` goes down to the layers and kernels."""
+        return self.model(cfg, tuning).apply(weights, tokens, cache, meta, capture)
 
     def logits(self, cfg, weights, hidden, tuning=DEFAULT_TUNING):
         """hidden [..., D] -> float32 logits [..., V]."""
-        return self.model(cfg).apply(weights, hidden, method=self.model.logits)
+        return self.model(cfg, tuning).apply(weights, hidden, method=self.model.logits)
 
     def embed(self, cfg, weights, tokens):
         """tokens [...] -> embeddings [..., D]."""
