@@ -8,6 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from jspec.config import Tuning
 from jspec.kernels import cpu_matmul
 from jspec.kernels.dispatch import use_backend
 from jspec.models.llama import product
@@ -86,6 +87,8 @@ def test_where_it_is_used(monkeypatch):
     assert _uses_native(x, w.T, transpose_w=True)
     assert _uses_native(jnp.ones((2, 16, 16)), w)  # 32 rows
     assert not _uses_native(jnp.ones((33, 16)), w)  # prefill: XLA's GEMM
+    assert _uses_native(jnp.ones((33, 16)), w, tuning=Tuning(cpu_matmul_max_rows=64))  # a tuning's limit
+    assert not _uses_native(x, w, tuning=Tuning(cpu_matmul_max_rows=4))
     assert not _uses_native(x.astype(jnp.bfloat16), w.astype(jnp.bfloat16))
     with use_backend("reference"):
         assert not _uses_native(x, w)

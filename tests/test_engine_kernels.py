@@ -34,6 +34,33 @@ def test_model_through_pallas_kernels_equals_reference(target, monkeypatch, fres
     jax.clear_caches()
 
 
+def test_tuning_reaches_the_attention_kernel(target, with_draft, monkeypatch):
+    """A decoding step of the target and of an EAGLE-3 head hands `tuning.attention` to the
+    attention kernel of every layer (traced with the kernels forced)."""
+    from jspec.config import AttentionTiles, Tuning
+    from jspec.kernels import decode_attention
+    from jspec.models.llama import LLAMA
+    seen = []
+    real = decode_attention.paged_decode_attention
+    monkeypatch.setattr(decode_attention, "paged_decode_attention",
+                        lambda *a, **k: seen.append(k.get("tiles")) or real(*a, **k))
+    monkeypatch.setenv("JSPEC_KERNELS", "pallas")
+    tuning = Tuning(attention=AttentionTiles(block_k=32, max_rows=16))
+    p = with_draft("eagle3")
+    c, d = p.config, p.draft.config
+    layout = CacheLayout(paged=False, capacity=16)
+    meta = make_meta(layout, None, positions=jnp.full((1, 1), 3), prefix_len=jnp.full((1,), 3),
+                     local_mask=jnp.ones((1, 1, 1), bool), write_valid=jnp.ones((1, 1), bool))
+    tokens = jnp.ones((1, 1), jnp.int32)
+    jax.make_jaxpr(lambda w, cache: LLAMA.forward(c, w, tokens, cache, meta, tuning=tuning))(
+        p.weights, LLAMA.cache_kind(c).init(layout, 1))
+    assert seen == [tuning.attention] * c.num_layers
+    feats = jnp.zeros((1, 1, d.hidden_size), c.jnp_dtype)  # its own previous hidden
+    jax.make_jaxpr(lambda tw, dw, cache: d.forward(c, tw, dw, tokens, feats, cache, meta, False, tuning=tuning))(
+        p.weights, p.draft.weights, d.cache_kind().init(layout, 1))
+    assert seen == [tuning.attention] * (c.num_layers + 1)
+
+
 def _parked_case(B, T, prefix):
     """A dense cache with T new tokens written after `prefix` [B], their queries parked."""
     H, Hkv, Dh, S = 6, 2, 16, 40  # 3 query heads per kv head; T * 6 heads fill slots unevenly

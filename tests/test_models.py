@@ -14,8 +14,8 @@ import torch
 import jspec
 import tiny_models
 from jspec.cache import kv as kvc
-from jspec.cache.layout import CacheLayout, make_meta
-from jspec.config import ModelConfig, RopeConfig
+from jspec.cache.layout import CacheLayout, make_meta, prefill_meta
+from jspec.config import ModelConfig, RopeConfig, Tuning
 from jspec.models.llama import LLAMA
 
 
@@ -132,6 +132,43 @@ def test_forward_shapes_with_cache(target):
     for part in (0, 1):  # keys and values of the T prompt slots written, nothing else
         buf = new.kv[0][:, :, part]
         assert float(jnp.abs(buf[:, :T]).sum()) > 0 and float(jnp.abs(buf[:, T:]).sum()) == 0
+
+
+def native_products(fn, *args) -> bool:
+    """Whether the program of fn(*args) has a product on the native CPU loops
+    (`kernels.cpu_matmul`); skips the test where those are not built."""
+    from jspec.kernels import cpu_matmul
+    if jax.default_backend() != "cpu" or not cpu_matmul.available():
+        pytest.skip("the native CPU products are not built here")
+    return "jspec_matmul" in jax.jit(fn).lower(*args).as_text()
+
+
+@pytest.mark.parametrize("name", [None, "eagle", "eagle3", "standalone"])
+def test_tuning_reaches_every_product(target, with_draft, name):
+    """The family's and the drafts' forward and logits pass their tuning down to every
+    layer: with `cpu_matmul_max_rows=0` no product of the program runs the native CPU
+    loops, with the default tuning (few float32 rows) they do."""
+    p = target if name is None else with_draft(name)
+    c, T = p.config, 3
+    meta = prefill_meta(jnp.full((1,), T, jnp.int32), T)
+    tokens = jnp.ones((1, T), jnp.int32)
+
+    def uses(tuning):
+        if name is None:
+            def fn(w, tokens):
+                return LLAMA.logits(c, w, LLAMA.forward(c, w, tokens, None, meta, tuning=tuning)[0], tuning=tuning)
+            return native_products(fn, p.weights, tokens)
+        d = p.draft.config
+        hidden, aux, _ = LLAMA.forward(c, p.weights, tokens, None, meta, d.target_layers)
+        feats = d.target_features(hidden, aux)
+
+        def fn(tw, dw, tokens, feats):
+            h, _ = d.forward(c, tw, dw, tokens, feats, None, meta, True, tuning=tuning)
+            return d.logits(c, tw, dw, h, tuning=tuning)
+        return native_products(fn, p.weights, p.draft.weights, tokens, feats)
+
+    assert uses(Tuning())
+    assert not uses(Tuning(cpu_matmul_max_rows=0))
 
 
 def _count_primitives(jaxpr, counts=None):

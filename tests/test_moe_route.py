@@ -5,6 +5,7 @@ import numpy as np
 import pytest
 import jax.numpy as jnp
 
+from jspec.config import ExpertTiles, RouteTiles, Tuning
 from jspec.kernels import dispatch
 from jspec.kernels import moe_route as mr
 from jspec.kernels.moe_experts import rms_norm
@@ -119,3 +120,28 @@ def test_dispatch_and_validation():
         mr.Routing(8, 5, method="noaux_tc", n_group=4, topk_group=2)
     with pytest.raises(ValueError, match="top_k"):
         mr.Routing(8, 9)
+
+
+def test_route_tiles_from_a_tuning():
+    """`tuning.route`: the router product's rows a program (K splits D / block_k) and up to
+    how many tokens it runs in the expert kernel; `tuning.experts` tiles that kernel."""
+    from test_kernels import pallas_grids
+    r = ROUTINGS["v2lite"]
+    rng = np.random.default_rng(0)
+    x = jnp.asarray(rng.standard_normal((2, 128)), jnp.bfloat16)
+    w = jnp.asarray(rng.standard_normal((128, r.num_experts)) / 8, jnp.float32)
+
+    def grids(tuning):
+        with dispatch.use_backend("pallas"):
+            return pallas_grids(lambda x, w: mr.route(r, x, w, tuning=tuning), x, w)
+
+    E = r.num_experts
+    route_grid = (2,)  # the routing kernel: a program a token
+    assert grids(None) == [(2, -(-E // 128), 2), route_grid]  # (pairs, column tiles, K splits)
+    assert grids(Tuning(route=RouteTiles(block_k=32))) == [(2, -(-E // 128), 4), route_grid]
+    assert grids(Tuning(experts=ExpertTiles(block_n=16))) == [(2, -(-E // 16), 2), route_grid]
+    assert grids(Tuning(route=RouteTiles(kernel_product_tokens=1))) == [route_grid]  # XLA's product
+    ids = mr.route_reference(r, mr.router_logits(x, w))[1]
+    for tuning in (Tuning(route=RouteTiles(block_k=32)), Tuning(route=RouteTiles(kernel_product_tokens=1))):
+        with dispatch.use_backend("pallas"):
+            np.testing.assert_array_equal(np.asarray(mr.route(r, x, w, tuning=tuning)[1]), np.asarray(ids))

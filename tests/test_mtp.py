@@ -102,6 +102,38 @@ def test_mtp_layer_equals_transformers(mtp_target):
     np.testing.assert_allclose(got, want, atol=1e-4 * np.abs(want).max())
 
 
+def test_tuning_reaches_every_product(mtp_target):
+    """The DeepSeek family's and the MTP draft's forward and logits pass their tuning down
+    to every layer (MLA, the dense MLP, the MoE layer, the MTP layer, the LM heads): with
+    `cpu_matmul_max_rows=0` no product of the program runs the native CPU loops, with the
+    default tuning (few float32 rows) they do."""
+    from jspec.config import Tuning
+    from jspec.models import family_for
+    from test_models import native_products
+    p = jspec.load(mtp_target[0], draft="mtp", dtype="float32")
+    c, d, T = p.config, p.draft.config, 3
+    family = family_for(c)
+    meta = prefill_meta(jnp.full((1,), T, jnp.int32), T)
+    tokens = jnp.ones((1, T), jnp.int32)
+    hidden = family.forward(c, p.weights, tokens, None, meta)[0]
+    draft_weights = dict(p.draft.weights, head=p.weights["params"]["lm_head"]["kernel"])  # its own head too
+
+    def target(tuning):
+        def fn(w, tokens):
+            return family.logits(c, w, family.forward(c, w, tokens, None, meta, tuning=tuning)[0], tuning=tuning)
+        return native_products(fn, p.weights, tokens)
+
+    def draft(tuning, dw):
+        def fn(tw, dw, tokens, feats):
+            h, _ = d.forward(c, tw, dw, tokens, feats, None, meta, True, tuning=tuning)
+            return d.logits(c, tw, dw, h, tuning=tuning)
+        return native_products(fn, p.weights, dw, tokens, hidden)
+
+    assert target(Tuning()) and not target(Tuning(cpu_matmul_max_rows=0))
+    for dw in (p.draft.weights, draft_weights):  # the target's LM head, its own
+        assert draft(Tuning(), dw) and not draft(Tuning(cpu_matmul_max_rows=0), dw)
+
+
 def test_first_draft_matches_transformers_mtp(mtp_target):
     """The hidden-state convention inside the loop: after the prompt's prefill and draft
     extend, the draft's first-level candidates are the top-K of transformers' MtpModel fed
