@@ -12,7 +12,6 @@
 """
 from __future__ import annotations
 
-import dataclasses
 
 import jax
 import numpy as np
@@ -23,7 +22,6 @@ from conftest import CACHES
 from jspec import requests as rq
 from jspec.loop import programs
 from jspec.loop.plan import make_plan
-from jspec.loop.state import init_state
 
 B = 4
 MAX_NEW = 14

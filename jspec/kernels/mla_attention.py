@@ -6,46 +6,26 @@ latent rows directly (q_lat . c + q_pe . k_pe), and the softmax-weighted latent 
 [B,T,H,Dc] is up-projected per head by W_UV. The cache is read once for all heads: a
 slot is Dc + Dr values (jspec.cache.latent).
 
-`mla_attention_reference` is the jnp reference of the attention; the mask rule is the GQA
-cache's (`jspec.kernels.attention.cache_mask`). `mla_attention` applies W_UV as well and
+`mla_decode.mla_attention_reference` is the jnp reference of the attention; the mask rule
+is the GQA cache's (`jspec.kernels.decode_attention.cache_mask`). `mla_attention` applies W_UV as well and
 dispatches (jspec.kernels.dispatch) to two Pallas kernels, `jspec.kernels.mla_decode`
 (attention, key splits unmerged) and `jspec.kernels.mla_output` (merge and up-projection),
 or to the references.
 """
 from __future__ import annotations
 
-import jax
-import jax.numpy as jnp
 
-from jspec.cache.kv import read_kv, write_kv
+from jspec.cache.kv import write_kv
 from jspec.cache.layout import AttnMeta
 from jspec.config import DEFAULT_TUNING, Tuning
-from jspec.kernels import dispatch
-from jspec.kernels.attention import NEG_INF, cache_mask
-
-
-def mla_attention_reference(q_lat, q_pe, latent_buf, meta: AttnMeta, *, scale: float):
-    """q_lat [B,T,H,Dc], q_pe [B,T,H,Dr]; latent_buf: the layer's buffer, already holding
-    the new rows. -> o_lat [B,T,H,Dc] float32 (softmax in float32)."""
-    Dc = q_lat.shape[-1]
-    rows = read_kv(latent_buf, meta.page_table)  # [B, Sk, Dc + Dr]
-    c, k_pe = rows[..., :Dc], rows[..., Dc:]
-    s = (jnp.einsum("bthc,bsc->bhts", q_lat, c, preferred_element_type=jnp.float32)
-         + jnp.einsum("bthr,bsr->bhts", q_pe, k_pe, preferred_element_type=jnp.float32)) * scale
-    mask = cache_mask(meta, rows.shape[1], q_lat.shape[1])
-    s = jnp.where(mask[:, None], s, NEG_INF)
-    p = jax.nn.softmax(s, axis=-1).astype(c.dtype)
-    # p rounded to the cache dtype; products of two such values are exact in float32 (and
-    # XLA's CPU dot has no bf16 x bf16 -> f32 form for this contraction)
-    return jnp.einsum("bhts,bsc->bthc", p.astype(jnp.float32), c.astype(jnp.float32))
+from jspec.kernels import dispatch, mla_decode, mla_output
+from jspec.kernels.mla_decode import mla_attention_reference
 
 
 def uses_kernel(q_lat, q_pe, latent_buf, meta: AttnMeta) -> bool:
     """Whether `mla_attention` takes the Pallas kernel for these arguments (see the dispatch)."""
     if meta.prefill or dispatch.backend() == "reference":
         return False
-    from jspec.kernels import mla_decode  # imports this module
-
     return dispatch.want_pallas(dispatch.backend() == "pallas"
                                 or mla_decode.is_supported(q_lat, q_pe, latent_buf, meta))
 
@@ -61,13 +41,9 @@ def mla_attention(q_lat, q_pe, latent_buf, meta: AttnMeta, w_uv, *, scale: float
     JSPEC_KERNELS=pallas forces the kernels (and raises for arguments they do not take).
     tuning: the kernels' tiles, `tuning.mla_decode` and `tuning.mla_output` (None: the
     defaults)."""
-    from jspec.kernels import mla_output
-
     if not uses_kernel(q_lat, q_pe, latent_buf, meta):
         o_lat = mla_attention_reference(q_lat, q_pe, latent_buf, meta, scale=scale)
         return mla_output.up_project(o_lat, w_uv, w_uv.dtype)
-    from jspec.kernels import mla_decode
-
     tuning = DEFAULT_TUNING if tuning is None else tuning
     o, lse = mla_decode.paged_mla_attention_splits(q_lat, q_pe, latent_buf, meta, scale=scale,
                                                    tiles=tuning.mla_decode)

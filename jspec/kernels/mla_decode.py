@@ -46,14 +46,30 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
+from jspec.cache.kv import read_kv
 from jspec.cache.layout import AttnMeta
 from jspec.config import DEFAULT_TUNING, MlaDecodeTiles
-from jspec.kernels.decode_attention import check_meta, merge_splits, online_softmax_step
-from jspec.kernels.mla_attention import mla_attention_reference
+from jspec.kernels.decode_attention import cache_mask, check_meta, merge_splits, online_softmax_step
 from jspec.kernels.tiling import KERNEL_DTYPES, is_pow2, pow2_ceil
 
 NEG_INF = -1e30
 MIN_ROWS = 16  # smallest M of a tensor-core dot in Triton
+
+
+def mla_attention_reference(q_lat, q_pe, latent_buf, meta: AttnMeta, *, scale: float):
+    """q_lat [B,T,H,Dc], q_pe [B,T,H,Dr]; latent_buf: the layer's buffer, already holding
+    the new rows. -> o_lat [B,T,H,Dc] float32 (softmax in float32)."""
+    Dc = q_lat.shape[-1]
+    rows = read_kv(latent_buf, meta.page_table)  # [B, Sk, Dc + Dr]
+    c, k_pe = rows[..., :Dc], rows[..., Dc:]
+    s = (jnp.einsum("bthc,bsc->bhts", q_lat, c, preferred_element_type=jnp.float32)
+         + jnp.einsum("bthr,bsr->bhts", q_pe, k_pe, preferred_element_type=jnp.float32)) * scale
+    mask = cache_mask(meta, rows.shape[1], q_lat.shape[1])
+    s = jnp.where(mask[:, None], s, NEG_INF)
+    p = jax.nn.softmax(s, axis=-1).astype(c.dtype)
+    # p rounded to the cache dtype; products of two such values are exact in float32 (and
+    # XLA's CPU dot has no bf16 x bf16 -> f32 form for this contraction)
+    return jnp.einsum("bhts,bsc->bthc", p.astype(jnp.float32), c.astype(jnp.float32))
 
 
 def mla_decode_reference(q_lat, q_pe, latent_buf, meta: AttnMeta, *, scale: float):
