@@ -43,7 +43,7 @@ VARIANTS = {  # name -> (transformers class, config)
 }
 
 
-def _make(path: str, name: str, seed: int = 0):
+def make_deepseek(path: str, name: str, seed: int = 0):
     cls, cfg = VARIANTS[name]
     torch.manual_seed(seed)
     model = cls(cfg()).eval()
@@ -63,7 +63,7 @@ def models(tmp_path_factory):
     out = {}
     for name in VARIANTS:
         path = str(tmp_path_factory.mktemp(name))
-        out[name] = (path, _make(path, name))
+        out[name] = (path, make_deepseek(path, name))
     return out
 
 
@@ -145,7 +145,7 @@ def with_draft(models, tmp_path_factory):
     return jspec.load(path, draft=_standalone_draft(str(tmp_path_factory.mktemp("ds_draft")), target), dtype="float32")
 
 
-def _hf(model, prompt, n):
+def hf_greedy_tokens(model, prompt, n):
     with torch.no_grad():
         out = model.generate(torch.tensor([prompt]), max_new_tokens=n, do_sample=False, eos_token_id=None,
                              pad_token_id=0)
@@ -165,7 +165,7 @@ def test_greedy_equals_transformers(models, with_draft, spec, cache):
     sc = None if spec is None else jspec.SpecConfig(num_steps=spec[0], topk=spec[1], num_draft_tokens=spec[2])
     out = jspec.generate(params, PROMPTS, max_new_tokens=16, stop_token_ids=[], spec=sc, cache=cache)
     for prompt, got in zip(PROMPTS, out.tokens):
-        assert got == _hf(model, prompt, 16)
+        assert got == hf_greedy_tokens(model, prompt, 16)
     if spec:
         assert out.stats.mean_accept_length >= 1.0
 
@@ -281,7 +281,7 @@ def test_one_token_equals_transformers(models, name):
     got = np.asarray(jspec.logits(params, [[5]]))
     assert np.abs(got - want).max() <= 1e-4 * np.abs(want).max()
     out = jspec.generate(params, [PROMPTS[1]], max_new_tokens=12, stop_token_ids=[])
-    assert out.tokens[0] == _hf(model, PROMPTS[1], 12)
+    assert out.tokens[0] == hf_greedy_tokens(model, PROMPTS[1], 12)
 
 
 def test_tuning_reaches_the_kernels(monkeypatch):

@@ -21,7 +21,7 @@ from jspec.kernels import decode_attention as da
 attn = importlib.import_module("jspec.kernels.attention")
 
 
-def _tree_mask(rng, Tl):
+def tree_mask(rng, Tl):
     """A random tree over the Tl local slots (node j's parent < j): [Tl, Tl] ancestor-or-self
     mask and each node's depth."""
     parent = [-1] + [int(rng.integers(-1, j)) for j in range(1, Tl)]
@@ -43,7 +43,7 @@ def make_case(seed, *, B=3, T=4, Tl=None, Hkv=2, Gq=2, Dh=16, S=64, page_size=0,
     if prefix is None:
         prefix = rng.integers(0, S - Tl + 1, size=B)
     prefix = np.asarray(prefix, np.int32)
-    masks, depths = zip(*(_tree_mask(rng, Tl) for _ in range(B)))
+    masks, depths = zip(*(tree_mask(rng, Tl) for _ in range(B)))
     local_mask = np.stack(masks)[:, Tl - T:]  # [B, T, Tl]
     local_pos = prefix[:, None] + np.stack(depths)  # [B, Tl]
     positions = local_pos[:, Tl - T:]

@@ -16,7 +16,7 @@ from jspec.kernels import mla_attention as mla
 from jspec.kernels import mla_decode as md
 from jspec.kernels import mla_inputs as mi
 from jspec.kernels import mla_output as mo
-from test_kernels import _tree_mask, pallas_grids  # noqa: E402  (the GQA kernel tests' random tree)
+from test_kernels import tree_mask, pallas_grids  # noqa: E402  (the GQA kernel tests' random tree)
 
 
 
@@ -30,7 +30,7 @@ def make_case(seed, *, B=3, T=1, Tl=None, H=4, Dc=32, Dr=16, S=64, page_size=0, 
     if prefix is None:
         prefix = rng.integers(0, S - Tl + 1, size=B)
     prefix = np.asarray(prefix, np.int32)
-    masks, depths = zip(*(_tree_mask(rng, Tl) for _ in range(B)))
+    masks, depths = zip(*(tree_mask(rng, Tl) for _ in range(B)))
     local_mask = np.stack(masks)[:, Tl - T:]  # [B, T, Tl]
     local_pos = prefix[:, None] + np.stack(depths)  # [B, Tl]
     if page_size:

@@ -212,7 +212,7 @@ def test_kernel_activation_rounds_as_the_reference(dtype):
     g = jnp.asarray(rng.standard_normal(1 << 14) * 3, dtype)
     u = jnp.asarray(rng.standard_normal(1 << 14), dtype)
     want = np.asarray(jax.jit(me.silu_mul)(g, u).astype(jnp.float32))
-    got = np.asarray(jax.jit(lambda g, u: me._silu_mul_float32(g.astype(jnp.float32), u.astype(jnp.float32),
+    got = np.asarray(jax.jit(lambda g, u: me.silu_mul_float32(g.astype(jnp.float32), u.astype(jnp.float32),
                                                                dtype))(g, u))
     np.testing.assert_array_equal(got, want)
 

@@ -23,12 +23,12 @@ from jspec.drafts.mtp import layer_config
 from jspec.export import save_draft
 from jspec.loop import programs
 from conftest import PROMPTS
-from test_deepseek import COMMON, YARN, _hf
+from test_deepseek import COMMON, YARN, hf_greedy_tokens
 
 LAYERS = 2
 
 
-def _mtp_checkpoint(path: str, seed: int = 0):
+def mtp_checkpoint(path: str, seed: int = 0):
     """A tiny DeepSeek-V3 with one MTP layer at model.layers.{LAYERS}, in the on-disk names
     DeepSeek's checkpoints use (transformers saves the main model only)."""
     torch.manual_seed(seed)
@@ -56,7 +56,7 @@ def _mtp_checkpoint(path: str, seed: int = 0):
 @pytest.fixture(scope="module")
 def mtp_target(tmp_path_factory):
     path = str(tmp_path_factory.mktemp("v3_mtp"))
-    return path, _mtp_checkpoint(path)
+    return path, mtp_checkpoint(path)
 
 
 def _nextn_export(src: str, dst: str):
@@ -173,7 +173,7 @@ def test_mtp_greedy_equals_transformers(mtp_target, spec, cache):
     sc = jspec.SpecConfig(num_steps=spec[0], topk=spec[1], num_draft_tokens=spec[2])
     out = jspec.generate(p, PROMPTS, max_new_tokens=14, stop_token_ids=[], spec=sc, cache=cache)
     for prompt, got in zip(PROMPTS, out.tokens):
-        assert got == _hf(model, prompt, 14)
+        assert got == hf_greedy_tokens(model, prompt, 14)
     assert out.stats.mean_accept_length >= 1.0
 
 

@@ -221,3 +221,17 @@ def test_compile_and_stream_with_stops_per_request(cycle_case):
     programs_before = api.compiled_programs()
     again = prog.run(prompts[::-1], stop_token_ids=stops[::-1], max_new_tokens=MAX_NEW)
     assert again.tokens == want.tokens[::-1] and api.compiled_programs() == programs_before
+
+
+@pytest.mark.slow
+def test_ngram_on_a_deepseek_target_equals_plain(tmp_path_factory):
+    """N-gram trees over the MLA latent cache (paged, pages of 16): plain greedy output."""
+    from test_deepseek import make_deepseek
+    path = str(tmp_path_factory.mktemp("ngram_deepseek"))
+    make_deepseek(path, "v2-greedy-yarn")
+    target = jspec.load(path, dtype="float32")
+    prompts = [[5, 7, 9, 11, 5, 7, 9, 11, 5, 7], [20, 21, 22, 20, 21], list(range(30, 47)) * 2]
+    plain = jspec.generate(target, prompts, max_new_tokens=MAX_NEW, stop_token_ids=[]).tokens
+    out = jspec.generate(target.with_draft(jspec.NgramDraft()), prompts, max_new_tokens=MAX_NEW, stop_token_ids=[],
+                         spec=jspec.SpecConfig(4, 3, 10), cache=CACHES["paged16"])
+    assert out.tokens == plain

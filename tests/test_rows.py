@@ -201,3 +201,18 @@ def test_thousand_admit_evict_cycles_return_every_page(target):
     assert int(pages.num_free) == plan.layout.num_pages
     assert sorted(np.asarray(pages.free).tolist()) == list(range(plan.layout.num_pages))
     assert (np.asarray(pages.page_table) == plan.layout.num_pages).all() and not np.asarray(pages.num_alloc).any()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("cache", ["dense", "paged16"])
+def test_mtp_request_admitted_equals_alone(tmp_path_factory, cache):
+    """A DeepSeek-V3 target drafting with its own MTP layer (its latent caches, MLA and
+    MoE): admitted requests emit what they emit alone."""
+    from test_mtp import mtp_checkpoint
+    path = str(tmp_path_factory.mktemp("rows_mtp"))
+    mtp_checkpoint(path)
+    b = Batch(jspec.load(path, dtype="float32", draft="mtp"), CACHES[cache], spec=jspec.SpecConfig(num_steps=2))
+    together = run_interleaved(b)
+    for i in range(len(PROMPTS)):
+        assert together[i] == b.alone(i, row=(i + 1) % B), i
+

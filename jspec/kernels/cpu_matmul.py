@@ -54,7 +54,7 @@ def _cpu_flags() -> str:
     return platform.processor()
 
 
-def _build() -> Path | None:
+def build_library() -> Path | None:
     """The compiled library for this source, jaxlib and CPU (built if missing), or None."""
     cxx = os.environ.get("CXX") or shutil.which("c++") or shutil.which("g++") or shutil.which("clang++")
     if cxx is None or platform.machine().lower() not in ("x86_64", "amd64") or not _SOURCE.is_file():
@@ -91,7 +91,7 @@ def available() -> bool:
     """Whether the library is built and its FFI targets registered (once per process)."""
     if os.environ.get("JSPEC_CPU_MATMUL", "1").strip() == "0":
         return False
-    path = _build()
+    path = build_library()
     if path is None:
         return False
     try:

@@ -81,7 +81,7 @@ def silu_mul(gate, up):
     return jax.nn.silu(gate) * up
 
 
-def _silu_mul_float32(gate, up, dtype):
+def silu_mul_float32(gate, up, dtype):
     """`silu_mul` of gate and up (float32 values of `dtype` numbers) computed in float32,
     each operation's result rounded to `dtype` as jax's `silu_mul` on `dtype` arrays rounds
     it (sigmoid as exp, add, divide; then the two products): the kernel's form, since
@@ -189,7 +189,7 @@ def _kernel(ids_ref, x_ref, w_ref, *rest, din: int, dout: int, num_experts: int,
             return _row_chunk(x_ref, norm_ref, row, kc, block_k, rstd)
         gate = sum(x_ref[i, row, pl.ds(kc, block_k)] for i in range(x_ref.shape[0]))
         up = sum(x_ref[i, row, pl.ds(din + kc, block_k)] for i in range(x_ref.shape[0]))
-        return _silu_mul_float32(gate.astype(gated).astype(jnp.float32), up.astype(gated).astype(jnp.float32),
+        return silu_mul_float32(gate.astype(gated).astype(jnp.float32), up.astype(gated).astype(jnp.float32),
                                  gated)
 
     def product(ref, expert):  # this program's share of x[row] @ ref[expert][:, n0:n0+BN]
