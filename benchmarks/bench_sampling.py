@@ -1,4 +1,4 @@
-"""What sampling costs a round: Llama-3.1-8B shape, random bf16 weights, context 1k (H200).
+"""What sampling costs a round: Llama-3.1-8B shape, random bf16 weights, context 1k (one GPU).
 
 For plain decoding, the EAGLE-3-shaped chain S=3 (target-only and with sampled drafts) and
 the tree (S,K,N) = (5,8,16), at batch 1 and 32, one compiled program each, the time per
@@ -19,8 +19,7 @@ import argparse
 import time
 
 import jspec
-from benchmarks.bench_8b import LONG, SHORT, prompts
-from benchmarks.common import LLAMA31_8B, Runner, eagle3_head, env_info, random_params, save_json
+from benchmarks.common import LLAMA31_8B, LONG, SHORT, Runner, eagle3_head, env_info, prompts, random_params, save_json
 
 SETTINGS = {
     "greedy": dict(temperature=0.0),

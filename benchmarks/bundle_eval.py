@@ -38,7 +38,11 @@ def held_out_prompts(tok, n: int, stdlib=None):
     _, held = split(stdlib)
     out = []
     for f in held:
-        ids = tok(data_mod._read_text(f), add_special_tokens=False)["input_ids"]
+        try:
+            text = data_mod.read_corpus(f)[0]
+        except ValueError:  # empty or not UTF-8
+            continue
+        ids = tok(text, add_special_tokens=False)["input_ids"]
         if len(ids) >= PROMPT + NEW:
             start = min(len(ids) // 3, len(ids) - PROMPT - NEW)
             out.append(ids[start: start + PROMPT])

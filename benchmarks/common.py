@@ -1,8 +1,17 @@
-"""Shared benchmark helpers: timing, a device-to-device copy ceiling, random models."""
+"""Shared benchmark helpers: model shapes, prompts, timing, the copy ceiling, random
+models (whole or split over GPUs), profiler traces, named tunings and the Runner.
+
+Every benchmark imports this module and no other benchmark (bundle_vs_transformers.py
+also reads bundle_eval.py's prompts), so there are no import cycles.
+"""
 from __future__ import annotations
 
+import collections
+import dataclasses
+import glob
 import json
 import os
+import tempfile
 import time
 
 import jax
@@ -10,14 +19,63 @@ import jax.numpy as jnp
 import numpy as np
 
 import jspec
+from jspec import sharding
 from jspec.config import ModelConfig, RopeConfig
 from jspec.models import family_for
+from jspec.models.deepseek_hf import DeepseekConfig
+from jspec.models.llama import TP_SPLITS, VOCAB_SPLITS, kv_groups
+
+# --------------------------------------------------------------------------- shapes
 
 LLAMA31_8B = ModelConfig(vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_layers=32, num_heads=32,
                          num_kv_heads=8, head_dim=128, rms_norm_eps=1e-5,
                          rope=RopeConfig(500000.0, "llama3", 8.0, 1.0, 4.0, 8192), dtype="bfloat16",
                          max_position_embeddings=131072)
+LLAMA31_70B = dataclasses.replace(LLAMA31_8B, hidden_size=8192, intermediate_size=28672, num_layers=80,
+                                  num_heads=64, num_kv_heads=8, sliding_windows=(0,) * 80)
+YARN = RopeConfig(10000.0, "yarn", 40.0, original_max_position_embeddings=4096, beta_fast=32.0, beta_slow=1.0,
+                  mscale=0.707, mscale_all_dim=0.707)
+V2_LITE = DeepseekConfig(
+    vocab_size=102400, hidden_size=2048, intermediate_size=10944, num_layers=27, num_heads=16, kv_lora_rank=512,
+    q_lora_rank=0, qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128, moe_intermediate_size=1408,
+    n_routed_experts=64, n_shared_experts=2, num_experts_per_tok=6, first_k_dense_replace=1, scoring="softmax",
+    topk_method="greedy", norm_topk_prob=False, rope=YARN, max_position_embeddings=163840, dtype="bfloat16",
+    model_type="deepseek_v2", architecture="DeepseekV2ForCausalLM")
+V3_LAYER = DeepseekConfig(  # DeepSeek-V3's layer shape; benchmarks take 1-3 of its MoE layers
+    vocab_size=129280, hidden_size=7168, intermediate_size=18432, num_layers=3, num_heads=128, kv_lora_rank=512,
+    q_lora_rank=1536, qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128, moe_intermediate_size=2048,
+    n_routed_experts=256, n_shared_experts=1, num_experts_per_tok=8, first_k_dense_replace=0, n_group=8,
+    topk_group=4, routed_scaling_factor=2.5, rope=YARN, max_position_embeddings=163840, dtype="bfloat16")
 
+CTX, SHORT, LONG = 1024, 16, 144  # prompt tokens; the two run lengths whose difference gives a step
+
+
+def prompts(batch: int, vocab: int = 100000, ctx: int = CTX, seed: int = 0) -> list[list[int]]:
+    """`batch` random prompts of `ctx` token ids in [1, vocab)."""
+    rng = np.random.RandomState(seed)
+    return [rng.randint(1, vocab, size=ctx).tolist() for _ in range(batch)]
+
+
+def weight_bytes(params) -> int:
+    """Bytes of every weight a step reads: all but the embedding table (B rows of it)."""
+    w = params.weights["params"]
+    return sum(x.nbytes for x in jax.tree.leaves(w)) - w["embed_tokens"]["embedding"].nbytes
+
+
+def kv_bytes(cfg, batch: int, ctx: float) -> float:
+    """Bytes of a GQA KV cache of `ctx` slots a row (bf16)."""
+    return 2 * cfg.num_layers * batch * ctx * cfg.num_kv_heads * cfg.head_dim * 2
+
+
+def device_memory() -> int:
+    """Bytes of memory the first device may use (0 where the backend does not say)."""
+    try:
+        return int((jax.devices()[0].memory_stats() or {}).get("bytes_limit", 0))
+    except Exception:  # noqa: BLE001  (backends without memory_stats)
+        return 0
+
+
+# --------------------------------------------------------------------------- files
 
 def out_dir() -> str:
     d = os.environ.get("OUT", "/tmp/jspec-bench")
@@ -25,11 +83,25 @@ def out_dir() -> str:
     return d
 
 
+def save_json(name: str, obj):
+    path = os.path.join(out_dir(), name)
+    with open(path, "w") as f:
+        json.dump(obj, f, indent=1, default=str)
+    return path
+
+
 def env_info() -> dict:
     dev = jax.devices()[0]
     return {"jax": jax.__version__, "device": getattr(dev, "device_kind", str(dev)), "backend": jax.default_backend(),
-            "date": time.strftime("%Y-%m-%d")}
+            "devices": len(jax.devices()), "date": time.strftime("%Y-%m-%d")}
 
+
+def bench_tag(shape: str = "") -> str:
+    """JSPEC_BENCH_TAG joined with the S,K,N shape (as SxKxN), for result file names."""
+    return "_".join(x for x in (os.environ.get("JSPEC_BENCH_TAG", ""), shape.replace(",", "x")) if x)
+
+
+# --------------------------------------------------------------------------- timing
 
 def copy_bandwidth(nbytes: int = 2 << 30) -> dict:
     """Device-to-device copy bandwidth (bytes read + written per second), several ways."""
@@ -58,7 +130,13 @@ def copy_bandwidth(nbytes: int = 2 << 30) -> dict:
     return out
 
 
+def ceiling_of(bw: dict) -> float:
+    """The copy ceiling of a `copy_bandwidth` result: cudaMemcpy's where CuPy ran."""
+    return bw.get("cudaMemcpy_d2d", bw["xla_elementwise"])
+
+
 def median_time(f, *args, n: int = 10) -> float:
+    """Median wall seconds of single calls (dispatch and sync included)."""
     jax.block_until_ready(f(*args))
     ts = []
     for _ in range(n):
@@ -81,7 +159,74 @@ def best_call_time(f, *args, calls: int = 50):
     return best, out
 
 
-def random_params(cfg: ModelConfig, seed: int = 0) -> jspec.Params:
+# --------------------------------------------------------------------------- profiler traces
+
+def traced(fn):
+    """(fn(), the trace directory) with fn run under the profiler."""
+    d = tempfile.mkdtemp()
+    jax.profiler.start_trace(d)
+    try:
+        out = jax.block_until_ready(fn())
+    finally:
+        jax.profiler.stop_trace()
+    return out, d
+
+
+def trace_events(trace_dir: str) -> dict:
+    """GPU kernel events of a trace: {device plane: [(stream, kernel, start_ns, duration_ns)]}."""
+    from jax.profiler import ProfileData
+    paths = glob.glob(os.path.join(trace_dir, "**", "*.xplane.pb"), recursive=True)
+    out = {}
+    for plane in ProfileData.from_file(paths[0]).planes if paths else ():
+        if not plane.name.startswith("/device:GPU"):
+            continue
+        out[plane.name] = [(line.name.split("(")[0].strip(), e.name, e.start_ns, e.duration_ns)
+                           for line in plane.lines if "Stream" in line.name for e in line.events]
+    return out
+
+
+def kernel_stats(events) -> tuple[dict, list]:
+    """[(stream, kernel, start_ns, duration_ns)] -> ({kernel: [calls, us]}, sorted [(start_ns, end_ns)])."""
+    stats = collections.defaultdict(lambda: [0, 0.0])
+    spans = []
+    for _, name, start, dur in events:
+        stats[name][0] += 1
+        stats[name][1] += dur / 1e3
+        spans.append((start, start + dur))
+    return stats, sorted(spans)
+
+
+def kernel_spans(trace_dir: str) -> tuple[dict, list]:
+    """`kernel_stats` of every GPU's kernels in a trace."""
+    return kernel_stats([e for evs in trace_events(trace_dir).values() for e in evs])
+
+
+def busy_and_gaps(spans) -> tuple[float, list]:
+    """Sorted kernel spans -> (us some kernel runs, [us of each idle stretch between kernels])."""
+    busy, end, gaps = 0.0, None, []
+    for a, b in spans:
+        if end is not None and a > end:
+            gaps.append((a - end) / 1e3)
+        if end is None or a > end:
+            busy, end = busy + b - a, b
+        elif b > end:
+            busy, end = busy + b - end, b
+    return busy / 1e3, gaps
+
+
+def kernel_time(f, arg_sets) -> float:
+    """Seconds of GPU kernel time a call of f, from a profiler trace of one call per
+    argument set (each set its own inputs: nothing comes from L2 that a cold call reads);
+    0 off GPU (a trace holds no GPU kernels there)."""
+    jax.block_until_ready(f(*arg_sets[0]))
+    _, d = traced(lambda: [f(*a) for a in arg_sets])
+    stats, _ = kernel_spans(d)
+    return sum(us for _, us in stats.values()) / len(arg_sets) / 1e6
+
+
+# --------------------------------------------------------------------------- random models
+
+def random_params(cfg, seed: int = 0) -> jspec.Params:
     """Random weights made on device (the fast 'rbg' generator: 8B values in seconds)."""
     jax.config.update("jax_default_prng_impl", "rbg")
     init = jax.jit(lambda key: family_for(cfg).init_weights(cfg, key))
@@ -89,6 +234,7 @@ def random_params(cfg: ModelConfig, seed: int = 0) -> jspec.Params:
 
 
 def eagle3_head(target: jspec.Params, draft_vocab: int = 32000, seed: int = 1) -> jspec.DraftParams:
+    """A random one-layer EAGLE-3 head for `target` (features of layers 2, L/2 and L-3)."""
     tc = target.config
     m = tc.replace(num_layers=1, sliding_windows=(0,))
     n = tc.num_layers
@@ -108,16 +254,132 @@ def model_for(shape: str = ""):
     return target.with_draft(eagle3_head(target)), jspec.SpecConfig(num_steps=S, topk=K, num_draft_tokens=N)
 
 
-def bench_tag(shape: str = "") -> str:
-    """JSPEC_BENCH_TAG joined with the S,K,N shape (as SxKxN), for result file names."""
-    return "_".join(x for x in (os.environ.get("JSPEC_BENCH_TAG", ""), shape.replace(",", "x")) if x)
+def split_init(init, n: int, mesh, key):
+    """Random weights made on their devices: init under jit with the split's out_shardings."""
+    if mesh is None:
+        return jax.jit(init)(key)
+    specs = sharding.weight_specs(jax.eval_shape(init, key), n, TP_SPLITS, VOCAB_SPLITS)
+    return jax.jit(init, out_shardings=sharding.shardings(mesh, specs))(key)
 
+
+def random_split_params(cfg, n: int, with_head: bool) -> jspec.Params:
+    """A random Llama target (with a random EAGLE-3-shaped head) split over n devices, each
+    weight made in its split layout (nothing assembled on one GPU); n = 0: no mesh."""
+    jax.config.update("jax_default_prng_impl", "rbg")
+    mesh = sharding.make_mesh(n) if n else None
+    if n:
+        cfg = cfg.replace(num_kv_heads=kv_groups(cfg, n))
+    family = family_for(cfg)
+    w = split_init(lambda k: family.init_weights(cfg, k), n, mesh, jax.random.key(0))
+    params = jspec.Params(config=cfg, weights=w, mesh=mesh)
+    if with_head:
+        m = cfg.replace(num_layers=1, sliding_windows=(0,))
+        L = cfg.num_layers
+        d = jspec.Eagle3Draft(m, target_hidden_size=cfg.hidden_size, aux_layers=(2, L // 2, L - 3),
+                              draft_vocab_size=32000)
+        dw = split_init(lambda k: d.init(k, cfg.vocab_size), n, mesh, jax.random.key(1))
+        params = params.with_draft(jspec.DraftParams(d, dw))
+    return params
+
+
+# --------------------------------------------------------------------------- tunings
+
+GRAPHS = "FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN,WHILE,CONDITIONAL"  # XLA's command-buffer kinds
+ONE_SHOT = ("xla_gpu_unsupported_use_all_reduce_one_shot_kernel", True)  # all-reduces as XLA's one-shot kernel
+SYNC = ("xla_gpu_disable_async_collectives", "ALLREDUCE")  # all-reduces on the compute stream
+
+# Settings benchmarks compare, as data: name -> the `jspec.Tuning` fields that differ from
+# the defaults (a kernel's tile group as a dict of its fields; `tuning_of` builds the
+# Tuning). Names join with "+" ("no_graphs+grouped_off": both).
+TUNINGS: dict[str, dict] = {
+    "default": {},
+    # the expert kernel (decode and verification's experts, `matvec`): Tuning.experts
+    "splits_half": {"experts": {"target_programs": 264}},  # fewer K splits
+    "splits2x": {"experts": {"target_programs": 1056}},  # more K splits
+    "min2": {"experts": {"min_split_chunks": 2}},  # K splits of 2 chunks allowed
+    "stages4": {"experts": {"num_stages": 4}},
+    "bn64": {"experts": {"block_n": 64}},
+    "down_bn128": {"experts": {"gated_block_n": 128}},  # one token's gated product 128 columns wide
+    "first_bn128": {"experts": {"narrow_first_min_din": 1 << 30}},  # one token's first product 128 wide
+    "xla_rows": {"experts": {"matvec_max_rows": 0}},  # one-row dense products as XLA's (padded) products
+    "matvec4": {"experts": {"matvec_max_rows": 4}},  # `matvec` (and `mla_inputs`) for the verify's rows too
+    "matvec_auto": {"experts": {"matvec_block_n": 128, "matvec_splits": None}},
+    # MLA: Tuning.mla_decode, Tuning.mla_output
+    "rows64": {"mla_decode": {"small_rows_max": 0}},  # 64 query rows a program whatever the rows
+    "out32": {"mla_output": {"block_n": 32}},
+    "out64": {"mla_output": {"block_n": 64}},
+    "out_warps8": {"mla_output": {"num_warps": 8}},
+    "chunk128": {"mla_output": {"split_tile": 0}},  # the latent in 128-wide chunks whatever the splits
+    # the grouped expert kernel (prefill, large batches): Tuning.grouped
+    "grouped_off": {"grouped": {"kernel": False}},  # jax.lax.ragged_dot instead
+    "few_pairs_ragged": {"grouped": {"min_pairs_per_expert": 4}},  # ragged_dot below 4 pairs an expert
+    # prologue switches and padding rules
+    "norm_outside": {"mlp_norm_in_kernel": False},  # DeepSeek's post-attention norm as XLA's kernels
+    "cache_write_off": {"cache_write_in_kernel": False},  # the latent row written by XLA's update
+    "one_row_xla": {"two_row_elements": (0, 0)},  # no one-row product padded to two rows
+    "xla_cpu_products": {"cpu_matmul_max_rows": 0},  # XLA's CPU products instead of jspec's
+    # the GQA attention kernel: Tuning.attention
+    "attn_bk64": {"attention": {"block_k": 64}},
+    "attn_programs128": {"attention": {"target_programs": 128}},
+    # XLA options (on a GPU)
+    "graphs_off": {"family_xla_options": False},  # XLA's default command buffers, not the family's
+    "graphs_loop_only": {"family_xla_options": False, "xla_options": (("xla_gpu_enable_command_buffer", GRAPHS),)},
+    "no_graphs": {"family_xla_options": False, "xla_options": (("xla_gpu_enable_command_buffer", ""),)},
+    "ar_one_shot": {"xla_options": (ONE_SHOT,)},
+    "ar_sync": {"xla_options": (SYNC,)},
+    "ar_one_shot_sync": {"xla_options": (ONE_SHOT, SYNC)},
+}
+
+
+def tuning_of(name: str) -> jspec.Tuning:
+    """The `jspec.Tuning` of a TUNINGS name ("a+b": both)."""
+    fields: dict = {}
+    for part in name.split("+"):
+        if part not in TUNINGS:
+            raise ValueError(f"unknown tuning {part!r}; known: {', '.join(TUNINGS)}")
+        for k, v in TUNINGS[part].items():
+            if isinstance(v, dict):
+                fields[k] = {**fields.get(k, {}), **v}
+            elif k == "xla_options":
+                fields[k] = fields.get(k, ()) + v
+            else:
+                fields[k] = v
+    base = jspec.Tuning()
+    have = {f.name for f in dataclasses.fields(base)}
+    if set(fields) - have:
+        raise ValueError(f"tuning {name!r} sets {sorted(set(fields) - have)}, which this jspec's Tuning does not have")
+    return dataclasses.replace(base, **{k: dataclasses.replace(getattr(base, k), **v) if isinstance(v, dict) else v
+                                        for k, v in fields.items()})
+
+
+def tunings(names: str) -> list[tuple[str, jspec.Tuning | None]]:
+    """"a,b,a" -> [(name, Tuning)] in that order (repeats alternate the same settings);
+    "default" gives None, which `Runner` does not pass on (so default rows also run on an
+    older checkout of jspec, for side-by-side comparisons of two trees)."""
+    return [(n, None if n == "default" else tuning_of(n)) for n in names.split(",") if n]
+
+
+def tagged(key: str, name: str, seen: dict) -> str:
+    """A result key for a row measured under tuning `name`: the key itself for the first
+    default row, `key_name` for other tunings, `_2`, `_3`... on repeats."""
+    seen[key, name] = seen.get((key, name), 0) + 1
+    k = key if name == "default" else f"{key}_{name}"
+    return k if seen[key, name] == 1 else f"{k}_{seen[key, name]}"
+
+
+# --------------------------------------------------------------------------- the runner
 
 class Runner:
     """Runs one compiled generation loop (`jspec.compile`) with chosen per-request limits,
-    so that two lengths share one program and their time difference is per-round cost."""
+    so that two lengths share one program and their time difference is per-round cost.
+    tuning: a `jspec.Tuning` (or a TUNINGS name) the program is compiled with (None: the
+    defaults; not passed to `jspec.compile` at all)."""
 
-    def __init__(self, params, prompts, max_new: int, spec=None, cache=None, **sampling):
+    def __init__(self, params, prompts, max_new: int, spec=None, cache=None, tuning=None, **sampling):
+        if isinstance(tuning, str):
+            tuning = tuning_of(tuning)
+        if tuning is not None:
+            sampling["tuning"] = tuning
         self.prog = jspec.compile(params, prompts, max_new_tokens=max_new, stop_token_ids=[], cache=cache, spec=spec,
                                   **sampling)
         self.compile_s = self.prog.compile_s
@@ -144,8 +406,5 @@ class Runner:
         return best
 
 
-def save_json(name: str, obj):
-    path = os.path.join(out_dir(), name)
-    with open(path, "w") as f:
-        json.dump(obj, f, indent=1, default=str)
-    return path
+def rounded(d: dict) -> dict:
+    return {k: round(v, 4) if isinstance(v, float) else v for k, v in d.items()}

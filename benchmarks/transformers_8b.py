@@ -1,4 +1,4 @@
-"""transformers' decode step on the Llama-3.1-8B shape (random bf16 weights, H200), as a
+"""transformers' decode step on the Llama-3.1-8B shape (random bf16 weights, one GPU), as a
 peer figure beside benchmarks/bench_8b.py: greedy `generate` from a 1k prompt with a static
 cache, which makes transformers compile its decoding forward itself (`CompileConfig(
 fullgraph=True, mode="reduce-overhead")`: torch.compile with CUDA graphs); ms per step = the
@@ -13,9 +13,7 @@ from __future__ import annotations
 import sys
 import time
 
-
-from benchmarks.bench_8b import CTX, LONG, SHORT, prompts
-from benchmarks.common import env_info, save_json
+from benchmarks.common import CTX, LONG, SHORT, env_info, prompts, save_json
 
 
 def main(batches):
