@@ -34,7 +34,7 @@ No timing case starts after --budget seconds. --check: correctness only. --smoke
 shapes in interpret mode (checks the script on a CPU). Exits 1 when a check fails.
 
 Run: PYTHONPATH=. python3 benchmarks/kernels.py [attention] [mla] [moe] [deepseek] [engine] [--check]
-     [--tree-rows] [--ctx 1024,4096,16384,32768] [--budget 400] [--smoke]
+     [--tree-rows] [--ctx 1024,4096,16384,32768] [--moe-shapes v2lite,v3] [--budget 400] [--smoke]
 Result: $OUT/kernels.json
 """
 from __future__ import annotations
@@ -420,7 +420,7 @@ def moe_time(name: str, args):
 
 def moe(args):
     print("\n== moe: the pair and grouped expert kernels", flush=True)
-    names = ["tiny"] if args.smoke else ["v2lite", "v3"]
+    names = ["tiny"] if args.smoke else args.moe_shapes.split(",")
     for name in names:
         moe_check(name, args.smoke)
         gc.collect()
@@ -578,6 +578,7 @@ def main():
                     help="mla: table contexts")
     ap.add_argument("--tree-rows", action="store_true", help="mla: T=16 (tree) rows at B=1, ctx 4096")
     ap.add_argument("--loop", type=int, default=20, help="mla: calls per timed loop")
+    ap.add_argument("--moe-shapes", default="v2lite,v3", help="moe: expert shapes, of v2lite, v3")
     ap.add_argument("--budget", type=float, default=400.0, help="seconds; no timing case starts after")
     args = ap.parse_args()
     sections = args.sections or list(SECTIONS)

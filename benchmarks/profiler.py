@@ -20,7 +20,7 @@ phases: the bundled pair, one run per program (plain, and each S,K,N): each kern
   metadata; kernels per round and their time, per phase.
 
 Run: PYTHONPATH=. python3 benchmarks/profiler.py decode [--model 8b] [--batch 1] [--spec S,K,N] [--layers 4]
-                                                     [--tuning NAME] [--devices N] [--top 40]
+         [--tuning NAME] [--devices N] [--top 40]
      PYTHONPATH=. python3 benchmarks/profiler.py phases [S,K,N ...]   (default 4,1,5)
 Results: $OUT/profile_<model>_b<batch>[...].json and hlo_<...>.txt; $OUT/profile_phases_<backend>.json
 """

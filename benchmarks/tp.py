@@ -18,7 +18,7 @@ weights, same process; the decode rows of a tuning other than default are named
 decode_b<B>_<tuning>, and each records whether its tokens equal the first tuning's.
 
 Memory: the 70B shape's weights are 141 GB, 70.5 GB a GPU over two; on two H100s (80 GB
-each) that leaves about 8 GB a GPU for caches and buffers (--layers 40 --devices 1: what
+each) that leaves about 13 GB a GPU for caches and buffers (--layers 40 --devices 1: what
 one of two GPUs holds, on one GPU).
 
 Run: PYTHONPATH=. python3 benchmarks/tp.py --shape 8b --devices 0,1,2 [--layers L]
