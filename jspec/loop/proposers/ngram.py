@@ -60,7 +60,7 @@ class NgramDraft(Proposer):
             raise ValueError(f"NgramDraft.max_n must be at most {MAX_N}, got {self.max_n}")
 
     def default_spec(self) -> SpecConfig:
-        return SpecConfig(num_steps=4, topk=1, num_draft_tokens=5)
+        return SpecConfig(num_steps=5, topk=1, num_draft_tokens=6)
 
     def check_spec(self, spec: SpecConfig) -> None:
         if spec.sample_drafts:
