@@ -243,7 +243,7 @@ class ExpertTiles:
     shared experts, DeepSeek's dense MLP and router product at a few rows) and `matvec`, the
     same kernel for few-row dense products (`models.llama.Linear(row_kernel=True)`).
 
-    Measured on the H200 (benchmarks/moe_kernel_check.py, device time of the routed
+    Measured on the H200 (benchmarks/kernels.py moe, device time of the routed
     experts, bf16): 3.3 TB/s at V3 N=1, 3.5-3.7 TB/s at N=4..16, 1.9 TB/s at V2-Lite N=1.
     Sizes tuned one by one gained 2-9% at most (BK=32, 4 warps, 4 stages at V3 N>=4)."""
 
@@ -252,25 +252,25 @@ class ExpertTiles:
     num_warps: int = 2  # beat 4 warps by 5-20% on every product measured
     num_stages: int = 3
     # The gated second product (`routed_experts`) of one token takes 64-column tiles:
-    # V2-Lite's 8 experts 15.7 us instead of 17.7 with 128 (benchmarks/matvec_configs.py
+    # V2-Lite's 8 experts 15.7 us instead of 17.7 with 128 (matvec_configs, a probe at 3bf4f68
     # down, H200); the first product stays at 128 (26.0 us against 27.8 with 64). At 4 tokens
-    # (32 pairs) 64 made an MTP round 5% slower (benchmarks/gpu_run_deepseek.sh PART=mtpab),
+    # (32 pairs) 64 made an MTP round 5% slower (benchmarks/deepseek.py mtp),
     # so more tokens keep block_n.
     gated_block_n: int = 64
     # The first product of one token takes gated_block_n-wide tiles too when its input is at
     # least this wide: DeepSeek-V3's 9 experts [7168, 4096] 144 us against 168 us with 128
-    # (3.7 against 3.1 TB/s, benchmarks/mla_b1_configs.py, H200); V2-Lite's [2048, 2816]
+    # (3.7 against 3.1 TB/s, mla_b1_configs, a probe at 3bf4f68, H200); V2-Lite's [2048, 2816]
     # keep block_n.
     narrow_first_min_din: int = 4096
     target_programs: int = 528  # four programs per SM on an H200 (132 SMs): more K splits below that
     min_split_chunks: int = 4  # a K split walks at least this many chunks
     # DeepSeek's dense MLP at a few rows runs as one wide expert; its second product keeps
     # 128-column tiles (H200: 15.8 us against 18.0 with gated_block_n 64,
-    # benchmarks/deepseek_profile.py down_bn128).
+    # benchmarks/profiler.py decode --model v2lite).
     dense_down_block_n: int = 128
     matvec_max_rows: int = 1  # `matvec` runs the kernel for products of at most this many rows
     # `matvec`'s tiles: 64 columns a program and 16 K splits were the fastest of 21 tilings
-    # for V2-Lite's 2048 x 3648 and 2048 x 2048 products (benchmarks/matvec_configs.py);
+    # for V2-Lite's 2048 x 3648 and 2048 x 2048 products (matvec_configs, a probe at 3bf4f68);
     # matvec_splits None: from target_programs and min_split_chunks.
     matvec_block_n: int = 64
     matvec_splits: int | None = 16
@@ -289,11 +289,11 @@ class GroupedTiles:
     kernel: bool = True
     # The kernel runs from this many pairs an expert on (so wherever the model groups
     # pairs: it does from E pairs on); below, ragged_dot. Kernel time a call in the
-    # profiler, H200 (benchmarks/moe_profile.py): V2-Lite's routed experts at 32 tokens (3
+    # profiler, H200 (benchmarks/kernels.py moe): V2-Lite's routed experts at 32 tokens (3
     # pairs an expert) 322 us (the two products 175 + 90 us, 3.7-3.8 TB/s over the distinct
     # experts) against 367 for ragged_dot; V3 at 32 tokens (one pair an expert) 3.6 ms
     # against 7.8 (wall). Wall-clock timings of these calls outside a CUDA graph
-    # (benchmarks/moe_paths.py) favour ragged_dot at 16-32 V2-Lite tokens only through the
+    # (moe_paths, a probe at 3bf4f68) favour ragged_dot at 16-32 V2-Lite tokens only through the
     # grouped path's 47 kernel launches against 13, which the decode loop's command
     # buffers do not pay.
     min_pairs_per_expert: int = 1
@@ -330,13 +330,13 @@ class MlaInputsTiles:
 class MlaDecodeTiles:
     """`jspec.kernels.mla_decode`: MLA attention over the latent cache (flash decoding).
 
-    On the H200 (benchmarks/mla_kernel_check.py, bf16, 2026-11-23) 64 query rows a program
+    On the H200 (benchmarks/kernels.py mla, bf16, 2026-11-23) 64 query rows a program
     beat 32 by 20-28% at H = 128 with batch 32 or T = 16 (fewer row blocks re-reading the
     keys, bigger tensor-core tiles); block_k 32 with 3 stages was slower."""
 
     block_rows: int = 64  # query rows a program above small_rows_max rows in all (float32: half)
     # Up to this many query rows in all (B*T*H) a program takes 16 rows (the smallest
-    # tensor-core M): at batch 1 on the H200 (benchmarks/mla_b1_configs.py rows, 1k context)
+    # tensor-core M): at batch 1 on the H200 (mla_b1_configs, a probe at 3bf4f68 rows, 1k context)
     # the MLA kernel took 6.2 against 12.7 us for 4 tokens of 16 heads, 6.2 against 9.0 for
     # 2, 8.1 against 13.2 for 1 token of 128 heads and 17.7 against 26.6 for 4 of them,
     # with 64 rows a program.
@@ -362,7 +362,7 @@ class MlaOutputTiles:
     # most Dc), NSP the splits as a power of two: the [NSP, chunk] float32 tile of the
     # splits stays about split_tile values. At V2-Lite's batch-1 decode (19 splits, NSP 32:
     # one 512-wide chunk) that took 3.5 us against 6.3 us with 128-wide chunks
-    # (benchmarks/mla_b1_configs.py, H200); 128 or more splits keep 128-wide chunks.
+    # (mla_b1_configs, a probe at 3bf4f68, H200); 128 or more splits keep 128-wide chunks.
     split_tile: int = 16384
     min_chunk: int = 128
 

@@ -46,7 +46,7 @@ LATENT_NORM_EPS = 1e-6  # the q/kv latent norms use RMSNorm's default, not rms_n
 # command buffers that take in the while loop and its conditionals (no host round trip a
 # step) and single kernels too. A step runs about 300 short kernels; V2-Lite's 27-layer
 # batch-1 step took 2.034-2.054 ms with them against 2.066-2.095 ms with XLA's defaults,
-# three times each, alternating in one H200 process (benchmarks/deepseek_ab.py, setting
+# three times each, alternating in one H200 process (benchmarks/deepseek.py ab, setting
 # graphs_off). The 8B Llama step did not gain from them (docs/experiments.md), so only
 # this family asks for them. A tuning's `xla_options` go over them; `family_xla_options`
 # False leaves them out (`jspec.kernels.dispatch.compiler_options`).
