@@ -14,14 +14,13 @@ from __future__ import annotations
 
 import argparse
 import os
-import time
 
 import jax
 import numpy as np
 
 import jspec
 from benchmarks.bundle_eval import NEW, PROMPT, held_out_prompts
-from benchmarks.common import env_info, save_json
+from benchmarks.common import env_info, prompt_row, save_json, transformers_row
 from jspec.bundle import bundle_path
 
 
@@ -33,14 +32,7 @@ def jspec_rows(prompts):
     for name, draft, spec in [("jspec plain", None, None), ("jspec EAGLE-3 chain S=3", "eagle3", jspec.SpecConfig(3)),
                               ("jspec standalone chain S=4", "standalone", jspec.SpecConfig(4))]:
         prog = jspec.compile(load(draft), prompts[0], max_new_tokens=NEW, stop_token_ids=[], spec=spec)
-        prog.run()  # warm up
-        rates, toks, taus = [], [], []
-        for p in prompts:
-            out = prog.run(p, max_new_tokens=NEW, stop_token_ids=[])
-            rates.append(len(out.tokens) / out.timing["run_s"])
-            toks.append(out.tokens)
-            taus.append(out.stats.mean_accept_length)
-        rows[name] = {"tokens_per_s": float(np.median(rates)), "tau": float(np.mean(taus)), "tokens": toks}
+        rows[name] = prompt_row(prog, prompts, NEW)
     return rows
 
 
@@ -51,24 +43,9 @@ def transformers_rows(prompts):
     load = lambda d: transformers.AutoModelForCausalLM.from_pretrained(
         os.path.join(root, d), dtype=torch.bfloat16).to("cuda").eval()
     target, assistant = load("target"), load("standalone")
-    rows = {}
-    for name, kw in [("transformers plain", {}), ("transformers assisted (standalone draft)",
-                                                  {"assistant_model": assistant})]:
-        rates, toks = [], []
-        for i, p in enumerate([prompts[0]] + prompts):  # the first call warms up
-            ids = torch.tensor([p], device="cuda")
-            torch.cuda.synchronize()
-            t = time.perf_counter()
-            with torch.no_grad():
-                out = target.generate(ids, max_new_tokens=NEW, min_new_tokens=NEW, do_sample=False,
-                                      eos_token_id=None, pad_token_id=0, **kw)
-            torch.cuda.synchronize()
-            if i:
-                new = out[0, len(p):].tolist()
-                rates.append(len(new) / (time.perf_counter() - t))
-                toks.append(new)
-        rows[name] = {"tokens_per_s": float(np.median(rates)), "tokens": toks}
-    return rows
+    return {name: transformers_row(target, prompts, NEW, **kw)
+            for name, kw in [("transformers plain", {}),
+                             ("transformers assisted (standalone draft)", {"assistant_model": assistant})]}
 
 
 def main():

@@ -408,3 +408,39 @@ class Runner:
 
 def rounded(d: dict) -> dict:
     return {k: round(v, 4) if isinstance(v, float) else v for k, v in d.items()}
+
+
+def prompt_row(prog, prompts, new: int) -> dict:
+    """A compiled jspec program over prompts one at a time (after a warm-up run), greedy,
+    `new` tokens each, no stop tokens -> {tokens_per_s: median over prompts, tau: mean,
+    tokens: per prompt}."""
+    prog.run()  # warm up
+    rates, toks, taus = [], [], []
+    for p in prompts:
+        out = prog.run(p, max_new_tokens=new, stop_token_ids=[])
+        rates.append(len(out.tokens) / out.timing["run_s"])
+        toks.append(out.tokens)
+        taus.append(out.stats.mean_accept_length)
+    return {"tokens_per_s": float(np.median(rates)), "tau": float(np.mean(taus)), "tokens": toks}
+
+
+def transformers_row(model, prompts, new: int, **generate_kw) -> dict:
+    """transformers' greedy `generate` on `model` over prompts one at a time (the first call
+    warms up), exactly `new` tokens each -> {tokens_per_s: median over prompts, tokens}."""
+    import torch
+    dev = model.device
+    sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
+    rates, toks = [], []
+    for i, p in enumerate([prompts[0]] + list(prompts)):
+        ids = torch.tensor([p], device=dev)
+        sync()
+        t = time.perf_counter()
+        with torch.no_grad():
+            out = model.generate(ids, max_new_tokens=new, min_new_tokens=new, do_sample=False, eos_token_id=None,
+                                 pad_token_id=0, **generate_kw)
+        sync()
+        if i:
+            toks.append(out[0, len(p):].tolist())
+            rates.append(len(toks[-1]) / (time.perf_counter() - t))
+    return {"tokens_per_s": float(np.median(rates)), "tokens": toks}
+

@@ -27,7 +27,8 @@ import jax.numpy as jnp
 import numpy as np
 
 import jspec
-from benchmarks.common import LLAMA31_8B, best_call_time, env_info, random_params, save_json
+from benchmarks.common import (LLAMA31_8B, best_call_time, env_info, prompt_row, random_params, save_json,
+                               transformers_row)
 from jspec.bundle import bundle_path
 from jspec.loop.proposers.ngram import ngram_tree
 
@@ -94,14 +95,7 @@ def jspec_rows(prompts, dtype):
                                                else jspec.load(os.path.join(root, "target"), draft=draft, dtype=dtype))
         longest = max(prompts, key=len)
         prog = jspec.compile(params, longest, max_new_tokens=NEW, stop_token_ids=[], spec=spec)
-        prog.run()  # warm up
-        rates, toks, taus = [], [], []
-        for p in prompts:
-            out = prog.run(p, max_new_tokens=NEW, stop_token_ids=[])
-            rates.append(len(out.tokens) / out.timing["run_s"])
-            toks.append(out.tokens)
-            taus.append(out.stats.mean_accept_length)
-        rows[name] = {"tokens_per_s": float(np.median(rates)), "tau": float(np.mean(taus)), "tokens": toks}
+        rows[name] = prompt_row(prog, prompts, NEW)
         print(f"{name}: {rows[name]['tokens_per_s']:.0f} tokens/s, tau {rows[name]['tau']:.2f}", flush=True)
     return rows
 
@@ -115,22 +109,7 @@ def transformers_rows(prompts, dtype):
     rows = {}
     for name, kw in [("transformers plain", {}), ("transformers prompt lookup (10 tokens)",
                                                   {"prompt_lookup_num_tokens": 10})]:
-        rates, toks = [], []
-        for i, p in enumerate([prompts[0]] + prompts):  # the first call warms up
-            ids = torch.tensor([p], device=dev)
-            if dev == "cuda":
-                torch.cuda.synchronize()
-            t = time.perf_counter()
-            with torch.no_grad():
-                out = model.generate(ids, max_new_tokens=NEW, min_new_tokens=NEW, do_sample=False, eos_token_id=None,
-                                     pad_token_id=0, **kw)
-            if dev == "cuda":
-                torch.cuda.synchronize()
-            if i:
-                new = out[0, len(p):].tolist()
-                rates.append(len(new) / (time.perf_counter() - t))
-                toks.append(new)
-        rows[name] = {"tokens_per_s": float(np.median(rates)), "tokens": toks}
+        rows[name] = transformers_row(model, prompts, NEW, **kw)
         print(f"{name}: {rows[name]['tokens_per_s']:.0f} tokens/s", flush=True)
     return rows
 
