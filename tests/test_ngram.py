@@ -170,7 +170,7 @@ def test_greedy_equals_plain(cycle_case, S, K, N, cache):
     assert out.tokens == plain
     acc = out.stats.accept_lengths
     assert acc[0][:-1] == [S + 1] * (len(acc[0]) - 1)  # the repeated stretch: whole chains
-    assert acc[1][0] == min(S, 5) + 1  # drafts right up to the edited token (the 6th draft)
+    assert acc[1][0] == min(S, 4) + 1  # drafts right up to the edited token (the 5th draft)
     assert acc[2][0] == (min(S, 2) + 1 if K > 1 else 1)  # the second candidate: a tree's only
     assert acc[3][0] == 1
 
@@ -235,3 +235,18 @@ def test_ngram_on_a_deepseek_target_equals_plain(tmp_path_factory):
     out = jspec.generate(target.with_draft(jspec.NgramDraft()), prompts, max_new_tokens=MAX_NEW, stop_token_ids=[],
                          spec=jspec.SpecConfig(4, 3, 10), cache=CACHES["paged16"])
     assert out.tokens == plain
+
+
+def test_sampled_equals_plain_sampling(cycle_case):
+    """Sampled rows (temperature 0.3: the permutation target's next token is its cycle's
+    about half the time) verified target-only: the n-gram drafts are accepted, partly
+    accepted and rejected, and the tokens are plain sampling's for the same seeds."""
+    target, prompts, _ = cycle_case
+    kw = dict(max_new_tokens=MAX_NEW, stop_token_ids=[], temperature=0.3, seed=[5, 6, 7, 8])
+    plain = jspec.generate(target, prompts, **kw)
+    out = jspec.generate(target.with_draft(jspec.NgramDraft(min_n=1, max_n=3)), prompts,
+                         spec=jspec.SpecConfig(num_steps=3), **kw)
+    assert out.tokens == plain.tokens
+    seen = {a for row in out.stats.accept_lengths for a in row}
+    assert {1, 2, 4} <= seen, seen  # rejected, partly accepted, accepted whole
+

@@ -560,8 +560,8 @@ def test_statistics_helpers():
 def test_first_tokens_follow_the_exact_joint(exact, samples, mode):
     """The first DEPTH tokens of each configuration's rows fit the enumerated joint
     distribution (chi-square, TV) and reject it at the wrong temperature (T * 1.25). In a
-    speculative mode first rounds ended at every depth: drafts were rejected, accepted, and
-    accepted whole."""
+    speculative mode with a draft model, first rounds ended at every depth: drafts were
+    rejected, accepted, and accepted whole."""
     s = samples(mode)
     for name in MODES[mode].configs:
         cfg = CONFIGS[name]
@@ -571,7 +571,11 @@ def test_first_tokens_follow_the_exact_joint(exact, samples, mode):
         check_fit(counts, exact.joint(cfg), exact.joint(wrong), f"{mode}, {name}")
     if MODES[mode].kind is not None:
         hist = np.bincount(s.first_accept, minlength=MODES[mode].spec["num_steps"] + 2)[1:]
-        assert hist.sum() == len(s.first_accept) and (hist > 0).all(), f"{mode}: first-round accept lengths {hist}"
+        assert hist.sum() == len(s.first_accept), f"{mode}: first-round accept lengths {hist}"
+        # Every draft model here agrees with the target often; n-gram drafts repeat PROMPT,
+        # which this random target does not continue (its accepted paths under sampling:
+        # test_ngram.py::test_sampled_equals_plain_sampling).
+        assert (hist > 0).all() or MODES[mode].kind == "ngram", f"{mode}: first-round accept lengths {hist}"
 
 
 @pytest.mark.parametrize("mode", mode_params(["tree-standalone", "chain-standalone"]))
