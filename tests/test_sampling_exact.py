@@ -18,7 +18,7 @@ a standalone draft that is the target with perturbed weights.
   exact distribution at another temperature (T * 1.25) the same samples must give
   p < 1e-6: the test has power. Modes: plain decoding; chains and trees verified by the
   target's own samples and chains with sampled drafts, each with every draft kind (n-gram
-  drafts, which have no distribution to sample, in chains and trees); dense caches and
+  drafts, which have no distribution to sample, in trees); dense caches and
   pages of 1 and 16 tokens.
 - The accept length of the first round, with the standalone draft and target-only
   verification (chain and tree): its exact distribution is a mixture over the prefill's
@@ -102,8 +102,7 @@ MODES = {
     "tree-eagle3": Mode("eagle3", TREE, "dense", ("T0.7-topk5", "T0.8-penalties")),
     "sampled-eagle": Mode("eagle", SAMPLED, "dense", ("T0.7-topk5", "T0.8-penalties")),
     "sampled-eagle3_reduced-paged1": Mode("eagle3_reduced", SAMPLED, "paged1", ("T1", "T1.2-topk6-topp0.9-minp0.15")),
-    "chain-ngram": Mode("ngram", CHAIN, "dense", ("T1", "T0.8-penalties")),
-    "tree-ngram-paged16": Mode("ngram", TREE, "paged16", ("T0.7-topk5", "T1.2-topk6-topp0.9-minp0.15")),
+    "tree-ngram-paged16": Mode("ngram", TREE, "paged16", ("T0.8-penalties", "T1.2-topk6-topp0.9-minp0.15")),
 }
 FAST = ("plain", "sampled-standalone", "tree-standalone")
 
