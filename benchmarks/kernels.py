@@ -278,7 +278,7 @@ def mla(args):
         out = jax.jit(lambda q, r, c, m: md.paged_mla_attention(q, r, c, m, scale=s, **kkw))(q, r, c, meta)
         with jax.default_matmul_precision("highest"):
             ref32 = md.mla_decode_reference(f32(q), f32(r), f32(c), meta, scale=s)
-        ref = ref32 if q.dtype == jnp.float32 else md.mla_decode_reference(q, r, c, meta, scale=s)
+        ref = md.mla_decode_reference(q, r, c, meta, scale=s)  # the inputs' dtype, default precision
         checked("mla", name, rel(out, ref32), rel(ref, ref32), 1e-4 if q.dtype == jnp.float32 else 2e-2,
                 shape_ok=out.shape == q.shape and out.dtype == jnp.float32)
 

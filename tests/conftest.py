@@ -16,6 +16,7 @@ sys.path.insert(0, os.path.dirname(__file__))
 os.environ.setdefault("XLA_FLAGS", "--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true "
                       "--xla_force_host_platform_device_count=4")
 
+import jax  # noqa: E402
 import tiny_models  # noqa: E402
 
 PROMPTS = [[5, 7, 9, 11, 13], [20, 21, 22], list(range(30, 47))]
@@ -91,3 +92,30 @@ def perm(tmp_path_factory):
     feature)) (right for the first draft only), and the target itself as a standalone."""
     root = tmp_path_factory.mktemp("perm")
     return tiny_models.make_permutation_family(str(root))
+
+
+def loop_inputs(params, prompts, max_new, cache, spec=None):
+    """The plan of these greedy requests and the host inputs that admit them, nothing
+    compiled -> (plan, (rows, Admission))."""
+    from jspec import requests as rq
+    from jspec.loop.plan import make_plan
+    reqs = rq.check_requests(params, prompts, max_new, [], {})
+    plan = make_plan(params, reqs.lens, reqs.max_new, 0, False, cache, rq.spec_config(params, spec))
+    return plan, rq.pack(plan, reqs, cache)
+
+
+def loop_state(params, prompts, max_new, cache, spec=None, rounds=None):
+    """The loop's state after `rounds` rounds (None: to the end) of these greedy requests,
+    with only the loop itself compiled -> (plan, state)."""
+    import dataclasses
+    plan, inputs = loop_inputs(params, prompts, max_new, cache, spec)
+    if rounds is not None:
+        plan = dataclasses.replace(plan, max_rounds=rounds)
+    weights = (params.weights, params.draft.weights if params.draft is not None else None)
+    return plan, _run_loop(plan, *weights, *inputs)
+
+
+@functools.partial(jax.jit, static_argnums=0)
+def _run_loop(plan, tw, pw, rows, adm):
+    from jspec.loop import programs
+    return programs.run(plan, tw, pw, rows, adm)

@@ -20,8 +20,7 @@ from jspec.drafts import StandaloneDraft
 from jspec.export import save_draft, save_target
 from jspec.models import family_for
 from jspec.models.deepseek_hf import DeepseekConfig
-from jspec.loop import programs
-from conftest import PROMPTS
+from conftest import PROMPTS, loop_state
 
 VOCAB = 128
 COMMON = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, moe_intermediate_size=32, num_attention_heads=4,
@@ -175,10 +174,7 @@ def test_latent_cache_holds_what_plain_decoding_writes(with_draft):
     equal a fresh prefill of its committed tokens (the dense layout's moves: the test below)."""
     cfg = jspec.CacheConfig("paged", page_size=16)
     p = with_draft
-    prog = jspec.compile(p, PROMPTS, max_new_tokens=30, stop_token_ids=[], cache=cfg,
-                         spec=jspec.SpecConfig(num_steps=3, topk=4, num_draft_tokens=8))
-    plan = dataclasses.replace(prog.plan, max_rounds=4)
-    st = jax.jit(programs.run, static_argnums=0)(plan, *prog.weights, *prog.inputs())
+    plan, st = loop_state(p, PROMPTS, 30, cfg, jspec.SpecConfig(num_steps=3, topk=4, num_draft_tokens=8), rounds=4)
     c = p.config
     family = family_for(c)
     Ls = np.asarray(st.L)

@@ -3,7 +3,6 @@
 directories (SGLang's export format), and the errors for checkpoints without MTP."""
 from __future__ import annotations
 
-import dataclasses
 import json
 import os
 import shutil
@@ -21,8 +20,7 @@ from jspec.cache.layout import prefill_meta
 from jspec.drafts import MtpDraft
 from jspec.drafts.mtp import layer_config
 from jspec.export import save_draft
-from jspec.loop import programs
-from conftest import PROMPTS
+from conftest import PROMPTS, loop_state
 from test_deepseek import COMMON, YARN, hf_greedy_tokens
 
 LAYERS = 2
@@ -145,10 +143,8 @@ def test_first_draft_matches_transformers_mtp(mtp_target):
     mtp = MtpModel.from_pretrained(model)
     p = jspec.load(path, draft="mtp", dtype="float32")
     K = 4
-    prog = jspec.compile(p, PROMPTS, max_new_tokens=4, stop_token_ids=[],
-                         spec=jspec.SpecConfig(num_steps=2, topk=K, num_draft_tokens=5))
-    st = jax.jit(programs.run, static_argnums=0)(dataclasses.replace(prog.plan, max_rounds=0), *prog.weights,
-                                                 *prog.inputs())
+    _, st = loop_state(p, PROMPTS, 4, jspec.CacheConfig("dense"), jspec.SpecConfig(num_steps=2, topk=K, num_draft_tokens=5),
+                       rounds=0)
     for b, prompt in enumerate(PROMPTS):
         with torch.no_grad():
             out = model(torch.tensor([prompt]), output_hidden_states=True)

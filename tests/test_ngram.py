@@ -5,7 +5,6 @@ accepted chains where the text repeats its prompt. Sampled exactness: the statis
 tests of test_sampling_exact.py run n-gram chains and trees too."""
 from __future__ import annotations
 
-import dataclasses
 
 import jax
 import jax.numpy as jnp
@@ -13,11 +12,9 @@ import numpy as np
 import pytest
 
 import jspec
-from conftest import CACHES
+from conftest import CACHES, loop_state
 from jspec import api
-from jspec import requests as rq
 from jspec.loop import programs
-from jspec.loop.plan import make_plan
 from jspec.loop.proposers.ngram import ngram_tree
 
 # ----------------------------------------------------------------------------- the lookup
@@ -193,12 +190,8 @@ def test_cache_holds_what_plain_decoding_writes(cycle_case, cache):
     from test_tree import check_target_cache
     target, prompts, _ = cycle_case
     params = target.with_draft(jspec.NgramDraft(min_n=1, max_n=3))
-    reqs = rq.check_requests(params, prompts, MAX_NEW, [], {})
-    plan = make_plan(params, reqs.lens, reqs.max_new, 0, False, CACHES[cache],
-                     jspec.SpecConfig(num_steps=4, topk=3, num_draft_tokens=10))
-    inputs = rq.pack(plan, reqs, CACHES[cache])
-    plan = dataclasses.replace(plan, max_rounds=3)  # stop while every request still runs
-    st = jax.jit(programs.run, static_argnums=0)(plan, params.weights, None, *inputs)
+    plan, st = loop_state(params, prompts, MAX_NEW, CACHES[cache],
+                          jspec.SpecConfig(num_steps=4, topk=3, num_draft_tokens=10), rounds=3)  # every request still runs
     assert int(st.L[0]) == len(prompts[0]) + 3 * 5  # three whole chains committed after the prompt
     assert not st.finished.any()
     for b in (0, 2):  # whole chains; a second candidate's path, moved into place

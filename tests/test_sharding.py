@@ -46,11 +46,8 @@ CASES = [  # (devices, draft, spec, cache); the tiny standalone draft has 2 head
     pytest.param(2, None, None, "dense", id="2-plain"),
     pytest.param(4, None, None, "paged16", id="4-plain-paged16"),
     pytest.param(2, "eagle3", TREE, "dense", id="2-eagle3-tree-dense"),
-    pytest.param(2, "eagle3", CHAIN, "paged16", id="2-eagle3-chain-paged16", marks=SLOW),
     pytest.param(4, "eagle3", CHAIN, "dense", id="4-eagle3-chain-dense", marks=SLOW),
     pytest.param(2, "standalone", TREE, "paged1", id="2-standalone-tree-paged1", marks=SLOW),
-    pytest.param(2, "standalone", CHAIN, "dense", id="2-standalone-chain-dense", marks=SLOW),
-    pytest.param(2, "eagle", CHAIN, "dense", id="2-eagle-chain-dense", marks=SLOW),
     pytest.param(4, "eagle", TREE, "paged16", id="4-eagle-tree-paged16", marks=SLOW),
 ]
 

@@ -49,7 +49,8 @@ def test_ttt_unroll_shapes(target, monkeypatch):
     B, T = 2, 12
     tokens = jnp.asarray(np.random.RandomState(0).randint(3, 300, (B, T)), jnp.int32)
     feats = jnp.zeros((B, T, 3 * target.config.hidden_size))
-    out = ttt_logits(params, d, jnp.asarray(d2t), target.weights, target.config, tokens, feats, 3, jnp.float32)
+    out = jax.jit(lambda p, tw: ttt_logits(p, d, jnp.asarray(d2t), tw, target.config, tokens, feats, 3,
+                                           jnp.float32))(params, target.weights)
     assert len(out) == 3
     chex.assert_shape(out, [(B, T, 50)] * 3)
     chex.assert_tree_all_finite(out)
@@ -58,7 +59,8 @@ def test_ttt_unroll_shapes(target, monkeypatch):
     # Gradients flow even where inference would pick the Pallas kernel (it has none).
     monkeypatch.setenv("JSPEC_KERNELS", "pallas")
     from jspec.train import ttt_loss
-    grads = jax.grad(lambda p: ttt_loss(p, d, jnp.asarray(d2t), target.weights, target.config, tokens, 2)[0])(params)
+    grads = jax.jit(jax.grad(lambda p, tw: ttt_loss(p, d, jnp.asarray(d2t), tw, target.config, tokens, 2)[0]))(
+        params, target.weights)
     chex.assert_tree_all_finite(grads)
     assert float(jnp.abs(grads["midlayer"]["self_attn"]["qkv_proj"]["kernel"]).sum()) > 0
 
@@ -257,8 +259,7 @@ def test_training_bad_input(target, llama_dir, corpus, tmp_path):
     other = str(tmp_path / "other")
     tiny_models.make_model(other, "llama", hidden=96, layers=4, tokenizer=True)
     head = str(tmp_path / "other_head")
-    train_eagle3(other, corpus, head, Eagle3TrainConfig(steps=1, batch_size=1, seq_len=8, compute_dtype="float32"),
-                 aux_layers=(1, 2, 3), progress=False)
+    tiny_models.make_random_draft(head, "eagle3", jspec.load(other), seed=3)
     with pytest.raises(ValueError, match="hidden size"):
         jspec.load(llama_dir[0], draft=head)
     # The CLI reports errors without a traceback.
@@ -304,11 +305,3 @@ def test_training_bad_input(target, llama_dir, corpus, tmp_path):
     p3 = jspec.load(three, draft=out)
     assert p3.draft.config.aux_layers == (2, 1, 1)
     assert len(jspec.generate(p3, [5, 6, 7], max_new_tokens=3, stop_token_ids=[]).tokens) == 3
-    # and chosen ones, on a 2-layer target
-    shallow = str(tmp_path / "shallow")
-    tiny_models.make_model(shallow, "llama", layers=2, tokenizer=True)
-    out = str(tmp_path / "shallow_head")
-    assert cli_main(["eagle3", "--target", shallow, "--data", str(corpus), "--out", out, "--steps", "1",
-                     "--batch-size", "1", "--seq-len", "8", "--dtype", "float32", "--aux-layer-ids", "0", "1"]) == 0
-    with open(os.path.join(out, "config.json")) as f:
-        assert json.load(f)["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == [0, 1]

@@ -3,6 +3,7 @@ the cache invariant, with property tests against plain-Python references."""
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -16,16 +17,23 @@ from jspec.cache import kv as kvc
 from jspec.cache import layout as lay
 from jspec.loading import load_draft
 from jspec.models import family_for
-from jspec.loop import accept, programs
+from jspec.loop import accept
 from jspec.loop.tree import Tree, ancestors, select_tree, vocab_top_k
-from conftest import CACHES, PROMPTS
+from conftest import CACHES, PROMPTS, loop_state
 
-SHAPES = [pytest.param((2, 2, 4), marks=pytest.mark.slow), (3, 4, 8),
-          pytest.param((5, 4, 16), marks=pytest.mark.slow), pytest.param((6, 10, 60), marks=pytest.mark.slow)]
+# Tree shapes (S, K, N): the smallest, the default, a deep one and one of many nodes; each
+# test gives two shapes to each of its (draft kind, cache) pairs, so every shape meets a
+# neural tree twice.
+SMALL, DEFAULT, DEEP, WIDE = (2, 2, 4), (3, 4, 8), (5, 4, 16), (6, 10, 60)
 
 
-@pytest.mark.parametrize("shape", SHAPES)
-@pytest.mark.parametrize("kind,cache", [("eagle3", "dense"), pytest.param("standalone", "paged1", marks=pytest.mark.slow)])
+def _slow(*values):
+    return pytest.param(*values, marks=pytest.mark.slow)
+
+
+@pytest.mark.parametrize("kind,cache,shape", [("eagle3", "dense", DEFAULT), _slow("eagle3", "dense", WIDE),
+                                              _slow("standalone", "paged1", SMALL),
+                                              _slow("standalone", "paged1", DEEP)])
 def test_tree_greedy_equals_target(with_draft, hf_greedy, kind, cache, shape):
     S, K, N = shape
     p = with_draft(kind)
@@ -34,8 +42,9 @@ def test_tree_greedy_equals_target(with_draft, hf_greedy, kind, cache, shape):
     assert out.tokens == [hf_greedy(q, 12) for q in PROMPTS]
 
 
-@pytest.mark.parametrize("shape", SHAPES)
-@pytest.mark.parametrize("kind,cache", [pytest.param("standalone", "paged16", marks=pytest.mark.slow), ("eagle", "paged1")])
+@pytest.mark.parametrize("kind,cache,shape", [("eagle", "paged1", DEFAULT), _slow("eagle", "paged1", DEEP),
+                                              _slow("standalone", "paged16", SMALL),
+                                              _slow("standalone", "paged16", WIDE)])
 def test_tree_with_agreeing_draft_accepts_whole_depth(perm, kind, cache, shape):
     S, K, N = shape
     p = jspec.load(perm["target"], draft=perm[kind])
@@ -125,32 +134,48 @@ def test_cache_holds_what_plain_decoding_writes(with_draft, kind, shape, cache, 
     S, K, N = shape
     p = with_draft(kind)
     spec = jspec.SpecConfig(num_steps=S, topk=K, num_draft_tokens=N)
-    prog = jspec.compile(p, prompts, max_new_tokens=30, stop_token_ids=[], cache=CACHES[cache], spec=spec)
-    plan = dataclasses.replace(prog.plan, max_rounds=4)  # stop while every request still runs
-    st = jax.jit(programs.run, static_argnums=0)(plan, *prog.weights, *prog.inputs())
+    plan, st = loop_state(p, prompts, 30, CACHES[cache], spec, rounds=4)  # stop while every request still runs
     lens = [len(q) for q in prompts]
-    c, d = p.config, p.draft.config
+    d = p.draft.config
     for b, n in enumerate(lens):
         assert not st.finished[b] and int(st.L[b]) >= n + 4
-        seq, hidden, aux = check_target_cache(st, plan, p, b, d.target_layers)
+        seq, hidden, aux = check_target_cache(st, plan, p, b, tuple(d.target_layers))
         # The draft: slot i pairs token i+1 with the target feature at i (EAGLE-3, lag 0),
         # or holds token i itself (standalone, lag 1).
-        L = len(seq) - 1
-        feats = d.target_features(hidden, aux)
+        L = int(st.L[b])
         nd = L + d.lag
-        dfresh, dmeta = fresh_prefill(nd, d.cache_kind())
-        _, dfresh = d.forward(c, p.weights, p.draft.weights, jnp.asarray(seq[None, 1 - d.lag: L + 1]), feats,
-                              dfresh, dmeta, True)
+        tokens = np.zeros((1, len(seq)), np.int32)
+        tokens[0, :nd] = seq[1 - d.lag: L + 1]
+        dfresh = draft_prefill(p.config, d, p.weights, p.draft.weights, jnp.asarray(tokens),
+                               d.target_features(hidden, aux), nd)
         check_cache(st, plan, st.proposal.cache, dfresh, b, nd, "draft")
 
 
-def fresh_prefill(n, cache_kind):
-    """An empty one-row cache of n slots and the AttnMeta of a prefill of n tokens into it."""
-    layout = lay.CacheLayout(paged=False, capacity=n)
-    meta = lay.prefill_meta(jnp.array([n], jnp.int32), n)
+def fresh_prefill(n, T, cache_kind):
+    """An empty one-row cache of T slots and the AttnMeta of a prefill of T tokens into it,
+    the first n [] of them real (the rest masked and not written)."""
+    layout = lay.CacheLayout(paged=False, capacity=T)
+    meta = lay.prefill_meta(jnp.reshape(n, (1,)).astype(jnp.int32), T)
     return cache_kind.init(layout, 1), lay.make_meta(
         layout, None, positions=meta.positions, prefix_len=jnp.zeros(1, jnp.int32), local_mask=meta.local_mask,
-        write_valid=jnp.ones((1, n), bool), prefill=True)
+        write_valid=meta.valid, prefill=True)
+
+
+@functools.partial(jax.jit, static_argnums=(0, 1))
+def target_prefill(config, capture, weights, tokens, n):
+    """A fresh prefill of tokens [1, T] (the first n real) -> (hidden [1, T, D], the
+    captured layer inputs, the one-row target cache)."""
+    family = family_for(config)
+    cache, meta = fresh_prefill(n, tokens.shape[1], family.cache_kind(config))
+    return family.forward(config, weights, tokens, cache, meta, capture=capture)
+
+
+@functools.partial(jax.jit, static_argnums=(0, 1))
+def draft_prefill(tconfig, dconfig, tw, dw, tokens, feats, n):
+    """A fresh draft prefill of tokens [1, T] with target features feats (the first n
+    real) -> the one-row draft cache."""
+    cache, meta = fresh_prefill(n, tokens.shape[1], dconfig.cache_kind())
+    return dconfig.forward(tconfig, tw, dw, tokens, feats, cache, meta, True)[1]
 
 
 def check_cache(st, plan, got_cache, want_cache, b, n, what):
@@ -167,14 +192,12 @@ def check_cache(st, plan, got_cache, want_cache, b, n, what):
 
 def check_target_cache(st, plan, params, b, capture=()):
     """Target cache slots [0, L) of row b equal a fresh prefill of its committed tokens ->
-    (the tokens up to the root, the prefill's hidden states and captured layer inputs)."""
+    (the tokens up to the root [T], padded with zeros to the loop's token buffer; the
+    prefill's hidden states [1, T, D] and captured layer inputs)."""
     L = int(st.L[b])
-    seq = np.asarray(st.tokens[b, : L + 1])
-    c = params.config
-    family = family_for(c)
-    fresh, fresh_meta = fresh_prefill(L, family.cache_kind(c))
-    hidden, aux, fresh = family.forward(c, params.weights, jnp.asarray(seq[None, :L]), fresh, fresh_meta,
-                                        capture=capture)
+    seq = np.zeros(st.tokens.shape[1], np.int32)
+    seq[: L + 1] = np.asarray(st.tokens[b, : L + 1])
+    hidden, aux, fresh = target_prefill(params.config, capture, params.weights, jnp.asarray(seq[None]), L)
     check_cache(st, plan, st.tcache, fresh, b, L, "target")
     return seq, hidden, aux
 
@@ -225,7 +248,7 @@ def candidate_sets(draw):
 
 
 @pytest.mark.slow
-@settings(max_examples=25, deadline=None)
+@settings(max_examples=12, deadline=None)
 @given(candidate_sets())
 def test_select_tree_matches_python(case):
     S, tok, score, par, n = case
@@ -247,7 +270,7 @@ def random_trees(draw):
 
 
 @pytest.mark.slow
-@settings(max_examples=40, deadline=None)
+@settings(max_examples=12, deadline=None)
 @given(random_trees())
 def test_accept_tree_matches_python(case):
     parents, tokens, choice = case
