@@ -12,9 +12,12 @@ import sys
 import pytest
 
 sys.path.insert(0, os.path.dirname(__file__))
-# Four CPU devices for the tensor-parallel tests (test_sharding); the rest use the first.
+# XLA's CPU compiler, not running the tiny models, takes most of the suite's time: compile
+# with little optimisation and the older elemental emitters (about half the compile time
+# of the fusion emitters; docs/experiments.md, "The test suite's time"). Four CPU devices
+# for the tensor-parallel tests (test_sharding); the rest use the first.
 os.environ.setdefault("XLA_FLAGS", "--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true "
-                      "--xla_force_host_platform_device_count=4")
+                      "--xla_cpu_use_fusion_emitters=false --xla_force_host_platform_device_count=4")
 
 import jax  # noqa: E402
 import tiny_models  # noqa: E402
