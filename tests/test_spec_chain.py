@@ -19,8 +19,8 @@ def _with_draft(target, path):
 
 
 # Every draft kind with every cache kind, and with chains of S = 1 (one draft token from
-# draft-extend alone, no draft step), 3 and 5: a Latin square, so each pair of the three
-# settings appears once.
+# draft-extend alone, no draft step), 3 and 5: each (kind, cache) pair once, and each
+# (kind, S) and (cache, S) pair at least once.
 CHAINS = [("eagle", "dense", 1), ("eagle", "paged1", 3), ("eagle", "paged16", 5),
           ("eagle3", "dense", 3), ("eagle3", "paged1", 5), ("eagle3", "paged16", 1),
           ("eagle3_reduced", "dense", 5), ("eagle3_reduced", "paged1", 1), ("eagle3_reduced", "paged16", 3),

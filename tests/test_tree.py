@@ -153,7 +153,7 @@ def test_cache_holds_what_plain_decoding_writes(with_draft, kind, shape, cache, 
 
 def fresh_prefill(n, T, cache_kind):
     """An empty one-row cache of T slots and the AttnMeta of a prefill of T tokens into it,
-    the first n [] of them real (the rest masked and not written)."""
+    the first n (a scalar, traced or not) of them real, the rest masked and not written."""
     layout = lay.CacheLayout(paged=False, capacity=T)
     meta = lay.prefill_meta(jnp.reshape(n, (1,)).astype(jnp.int32), T)
     return cache_kind.init(layout, 1), lay.make_meta(
