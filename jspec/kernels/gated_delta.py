@@ -44,9 +44,8 @@ def _path_inputs(x, state, parents, steps: int):
     past = jnp.zeros((B, T), jnp.int32)  # steps taken past the root (1: the input just before it)
     out = []
     for _ in range(steps):
-        inside = node >= 0
         parent = jnp.take_along_axis(parents, jnp.maximum(node, 0), axis=1)
-        node = jnp.where(inside, parent, -1)
+        node = jnp.where(node >= 0, parent, -1)
         past = jnp.where(node >= 0, past, past + 1)
         from_tree = jnp.take_along_axis(x, jnp.maximum(node, 0)[..., None], axis=1)  # [B, T, Ch]
         from_state = jnp.take_along_axis(state, jnp.clip(Cm1 - past, 0, Cm1 - 1)[..., None], axis=1)
@@ -54,8 +53,8 @@ def _path_inputs(x, state, parents, steps: int):
     return jnp.stack(out, axis=2)
 
 
-def causal_conv_reference(x, state, weight, parents=None, bias=None):
-    """The depthwise causal convolution with SiLU over T inputs.
+def causal_conv_reference(x, state, weight, parents=None):
+    """The depthwise causal convolution (no bias, as in both families) with SiLU over T inputs.
 
     x [B, T, Ch] (the layer's projected q, k, v), state [B, C - 1, Ch] (the inputs before
     the first node, oldest first), weight [Ch, C] (transformers' conv1d weight without its
@@ -70,8 +69,6 @@ def causal_conv_reference(x, state, weight, parents=None, bias=None):
     window = jnp.concatenate([prev[:, :, ::-1], x[:, :, None]], axis=2)  # [B, T, C, Ch], oldest first
     w = weight.astype(jnp.float32).T  # [C, Ch]
     y = jnp.einsum("btcd,cd->btd", window.astype(jnp.float32), w)
-    if bias is not None:
-        y = y + bias.astype(jnp.float32)
     return jax.nn.silu(y).astype(x.dtype), window[:, :, 1:]
 
 
@@ -103,7 +100,6 @@ def gated_delta_reference(q, k, v, g, beta, state, parents=None, *, node_states:
     if not node_states:
         if parents is not None:
             raise ValueError("node_states=False runs a sequence: parents must be None")
-
         last, out = jax.lax.scan(update, state, jnp.arange(T))
         return jnp.moveaxis(out, 0, 1), last
 
