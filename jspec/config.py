@@ -415,6 +415,11 @@ class Tuning:
     cpu_matmul_max_rows: float32 products of up to this many rows run jspec's native loops
     on the CPU (`kernels.cpu_matmul`); above (prefill) XLA's GEMM is the faster one.
 
+    recurrent_commit: how a verification leaves the linear layers' states for the commit
+    (`jspec.cache.recurrent`): "replay" (the nodes' inputs; the commit replays the accepted
+    path) or "checkpoint" (every node's states; the commit copies one). Both commit the
+    same states; docs/benchmarks.md says why replay is the default.
+
     xla_options: (name, value) pairs of XLA options for the loop's programs on a GPU, on top
     of the target family's own (`TargetFamily.gpu_xla_options`), which family_xla_options
     False leaves out (XLA's defaults but for xla_options); see
@@ -432,6 +437,7 @@ class Tuning:
     two_row_elements: tuple[int, int] = (1 << 20, 10_000_000)
     two_row_backends: tuple[str, ...] = ("gpu",)
     cpu_matmul_max_rows: int = 32
+    recurrent_commit: str = "replay"
     xla_options: tuple[tuple[str, bool | int | str], ...] = ()
     family_xla_options: bool = True
 
@@ -442,6 +448,8 @@ class Tuning:
                 raise TypeError(f"Tuning.{f.name} must be of type {type(f.default).__name__}, got {v!r}")
             if isinstance(f.default, bool) and not isinstance(v, bool):
                 raise TypeError(f"Tuning.{f.name} must be a bool, got {v!r}")
+        if self.recurrent_commit not in ("replay", "checkpoint"):
+            raise ValueError(f"Tuning.recurrent_commit must be 'replay' or 'checkpoint', got {self.recurrent_commit!r}")
         opts = self.xla_options
         if isinstance(opts, dict):
             opts = tuple(opts.items())

@@ -102,6 +102,8 @@ class AttnMeta:
     block, none in a prefill): t - 1 in a sequence, the tree's parent in a verification;
     a layer that is not attention (a recurrent state) follows it. valid [B, T]: the token
     is real (a prompt token, a proposed node of a live row); a layer may skip the rest.
+    rows [B]: the request rows the pass's rows are (admission), None: rows 0..B-1; a cache
+    kept per request row (a recurrent state) reads and writes those rows.
     """
 
     positions: jax.Array
@@ -112,6 +114,7 @@ class AttnMeta:
     page_table: jax.Array | None
     parents: jax.Array | None = None  # None: not given (a kernel test's hand-made meta)
     valid: jax.Array | None = None
+    rows: jax.Array | None = None
     page_size: int = struct.field(pytree_node=False, default=0)
     # Prefill: the prefix is empty, so attention reads only the new keys (no cache read).
     prefill: bool = struct.field(pytree_node=False, default=False)
@@ -264,5 +267,5 @@ def make_meta(layout: CacheLayout, pages: PageState | None, *, positions, prefix
     return AttnMeta(positions=positions.astype(jnp.int32), prefix_len=prefix_len.astype(jnp.int32),
                     local_mask=local_mask, local_positions=local_positions.astype(jnp.int32),
                     write_index=index, page_table=table, parents=parents.astype(jnp.int32),
-                    valid=write_valid if node_valid is None else node_valid, page_size=layout.page_size,
+                    valid=write_valid if node_valid is None else node_valid, rows=rows, page_size=layout.page_size,
                     prefill=prefill, q_room=q_room and not layout.paged and not prefill)

@@ -8,8 +8,9 @@ from __future__ import annotations
 from jspec.models.family import TargetFamily
 from jspec.models.deepseek import DEEPSEEK
 from jspec.models.llama import LLAMA
+from jspec.models.qwen3_next import QWEN3_NEXT
 
-FAMILIES: tuple[TargetFamily, ...] = (LLAMA, DEEPSEEK)
+FAMILIES: tuple[TargetFamily, ...] = (LLAMA, DEEPSEEK, QWEN3_NEXT)
 
 
 def family_for(cfg) -> TargetFamily:

@@ -1,0 +1,149 @@
+"""The hybrid cache kind (Qwen3-Next, Qwen3.5): GQA keys and values for the full-attention
+layers (`jspec.cache.kv`, dense or paged) beside, per request row and linear layer, the
+Gated DeltaNet's two states:
+
+- conv [B, C - 1, Ch]: the last C - 1 inputs of the causal convolution (model dtype);
+- ssm [B, Hv, Dk, Dv]: the delta rule's matrix per value head (float32).
+
+These are one row per request whatever the layout: a state does not grow with the sequence.
+
+A prefill (admission) writes the states after each admitted row's last prompt token. A
+one-token forward (plain decoding) writes the new states of its live rows. A verification
+over N > 1 nodes writes no state: each layer leaves a *pending* record of the round, and the
+commit (every round) turns it into the state after the last accepted node, for chains and
+trees alike. Two records exist (`Tuning.recurrent_commit` picks which the layers leave):
+
+- replay (the default): the nodes' convolution inputs and their k, v, decay and beta
+  ([B, N, ...], a few KiB a node and layer); the commit replays the accepted path from the
+  committed state (`gated_delta_step`: the state read and written once) and takes the
+  conv window from the committed inputs and the path's;
+- checkpoint: every node's conv and delta-rule state ([B, N, Hv, Dk, Dv] float32 a layer:
+  N times the state), written by the verification; the commit copies the one it keeps.
+
+docs/benchmarks.md compares the two (memory and time at batch 1 and 32). The pending
+record lives only inside a round: the loop's state carries `pending=None`.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import jax.numpy as jnp
+import numpy as np
+from flax import struct
+
+from jspec.cache.kv import KVCache, KVCacheKind
+from jspec.cache.layout import CacheLayout, PageState
+from jspec.kernels.gated_delta import gated_delta_reference
+
+COMMITS = ("replay", "checkpoint")
+
+
+@struct.dataclass
+class HybridCache:
+    """kv: the full-attention layers' `KVCache`; conv, ssm: per linear layer (see the
+    module docstring); pending: per linear layer the round's record (a dict) or None."""
+
+    kv: KVCache
+    conv: tuple
+    ssm: tuple
+    pending: tuple | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class HybridCacheKind:
+    """The cache a hybrid model needs: `kv` for its full-attention layers, and the conv
+    and delta-rule states of `num_linear` linear layers."""
+
+    kv: KVCacheKind
+    num_linear: int
+    conv_kernel: int  # C
+    conv_dim: int  # Ch
+    num_value_heads: int  # Hv
+    key_head_dim: int  # Dk
+    value_head_dim: int  # Dv
+    dtype: str
+
+    def state_shapes(self) -> tuple[tuple[int, ...], tuple[int, ...]]:
+        """Per request and linear layer: the conv state's and the delta-rule state's shape."""
+        return (self.conv_kernel - 1, self.conv_dim), (self.num_value_heads, self.key_head_dim, self.value_head_dim)
+
+    def state_bytes(self) -> int:
+        """Bytes of recurrent state a request holds (every linear layer)."""
+        conv, ssm = self.state_shapes()
+        return self.num_linear * (math.prod(conv) * np.dtype(self.dtype).itemsize + math.prod(ssm) * 4)
+
+    def init(self, layout: CacheLayout, batch: int) -> HybridCache:
+        conv, ssm = self.state_shapes()
+        return HybridCache(kv=self.kv.init(layout, batch),
+                           conv=tuple(jnp.zeros((batch,) + conv, self.dtype) for _ in range(self.num_linear)),
+                           ssm=tuple(jnp.zeros((batch,) + ssm, jnp.float32) for _ in range(self.num_linear)))
+
+    def extra_slots(self, T: int, paged: bool) -> int:
+        return self.kv.extra_slots(T, paged)
+
+    def commit(self, cache: HybridCache, layout: CacheLayout, pages: PageState | None, L, path, accept_len,
+               active, in_place: bool = False) -> HybridCache:
+        """The KV part as `KVCacheKind.commit`; each linear layer's states become those
+        after node path[accept_len - 1] (active rows; a one-token forward wrote them)."""
+        kv = self.kv.commit(cache.kv, layout, pages, L, path, accept_len, active, in_place)
+        if cache.pending is None:
+            return cache.replace(kv=kv)
+        conv, ssm = [], []
+        for c, s, rec in zip(cache.conv, cache.ssm, cache.pending):
+            new_c, new_s = (replay_commit if "k" in rec else checkpoint_commit)(c, s, rec, path, accept_len)
+            conv.append(jnp.where(active[:, None, None], new_c, c))
+            ssm.append(jnp.where(active[:, None, None, None], new_s, s))
+        return HybridCache(kv=kv, conv=tuple(conv), ssm=tuple(ssm), pending=None)
+
+
+def conv_window(conv, inputs, count):
+    """The conv state after `count` [B] more inputs: the last C - 1 of conv [B, C-1, Ch]
+    followed by inputs [B, M, Ch] (count <= M) -> [B, C-1, Ch]."""
+    Cm1 = conv.shape[1]
+    seq = jnp.concatenate([conv, inputs.astype(conv.dtype)], axis=1)  # [B, C-1+M, Ch]
+    idx = count[:, None] + jnp.arange(Cm1, dtype=jnp.int32)[None, :]  # [B, C-1]
+    return jnp.take_along_axis(seq, idx[..., None], axis=1)
+
+
+def replay_commit(conv, ssm, rec: dict, path, accept_len):
+    """A replay record {x [B,N,Ch], k [B,N,Hk,Dk], v [B,N,Hv,Dv], g, beta [B,N,Hv]} -> the
+    states after the accepted path (nodes path[:, :accept_len])."""
+    along = {n: jnp.take_along_axis(a, path.reshape(path.shape + (1,) * (a.ndim - 2)), axis=1)
+             for n, a in rec.items()}
+    new_ssm = replay_state(along["k"], along["v"], along["g"], along["beta"], ssm, accept_len)
+    return conv_window(conv, along["x"], accept_len), new_ssm
+
+
+def replay_state(k, v, g, beta, ssm, count):
+    """The delta-rule state after the first count [B] of M steps (k [B,M,Hk,Dk], v
+    [B,M,Hv,Dv], g, beta [B,M,Hv]) from ssm [B,Hv,Dk,Dv]: later steps get no decay and no
+    update (g = 0, beta = 0 leave a state exactly as it is)."""
+    on = (jnp.arange(k.shape[1], dtype=jnp.int32)[None, :] < count[:, None])[..., None]
+    g, beta = jnp.where(on, g, 0.0), jnp.where(on, beta, 0.0)
+    return gated_delta_reference(k, k, v, g, beta, ssm, node_states=False)[1]
+
+
+def checkpoint_commit(conv, ssm, rec: dict, path, accept_len):
+    """A checkpoint record {conv [B,N,C-1,Ch], ssm [B,N,Hv,Dk,Dv]} -> the states of node
+    path[accept_len - 1]."""
+    node = jnp.take_along_axis(path, (accept_len - 1)[:, None], axis=1)[:, 0]  # [B]
+
+    def pick(a):
+        return jnp.take_along_axis(a, node.reshape((-1,) + (1,) * (a.ndim - 1)), axis=1)[:, 0]
+    return pick(rec["conv"]).astype(conv.dtype), pick(rec["ssm"])
+
+
+def put_rows(old, new, rows, live):
+    """old [B, ...] with request rows `rows` [A] (None: all, A = B; indices >= B: none)
+    set to new [A, ...] where live [A]."""
+    new = new.astype(old.dtype)
+    if rows is None:
+        return jnp.where(live.reshape((-1,) + (1,) * (old.ndim - 1)), new, old)
+    rows = jnp.where(live, rows, old.shape[0])
+    return old.at[rows].set(new, mode="drop")
+
+
+def take_rows(a, rows):
+    """a [B, ...] -> the rows `rows` [A] (None: all)."""
+    return a if rows is None else a[jnp.minimum(rows, a.shape[0] - 1)]
