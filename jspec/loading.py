@@ -15,7 +15,7 @@ import numpy as np
 
 from jspec import safetensors_io, sharding
 from jspec.config import DTYPES
-from jspec.drafts import EMBEDDED_DRAFTS, kind_of_checkpoint
+from jspec.drafts import EMBEDDED_DRAFTS, embedded_kind, kind_of_checkpoint
 from jspec.loop.proposers.ngram import NgramDraft
 from jspec.models import family_for, family_for_hf
 from jspec.params import DraftParams, Params
@@ -148,7 +148,7 @@ def load_target(model_dir: str, dtype: str | None = None, embedded_draft: str | 
     config, weights = _split_target(config, family.weights_from_hf(tensors, config, where), mesh, where)
     params = Params(config=config, weights=weights, tokenizer=load_tokenizer(model_dir), mesh=mesh)
     if embedded_draft is not None:
-        draft = EMBEDDED_DRAFTS[embedded_draft].from_target_checkpoint(tensors, config, where)
+        draft = embedded_kind(embedded_draft, config).from_target_checkpoint(tensors, config, where)
         params = params.with_draft(_split_draft(DraftParams(*draft), mesh, where))
     return params
 

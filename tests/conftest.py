@@ -107,13 +107,15 @@ def loop_inputs(params, prompts, max_new, cache, spec=None):
     return plan, rq.pack(plan, reqs, cache)
 
 
-def loop_state(params, prompts, max_new, cache, spec=None, rounds=None):
+def loop_state(params, prompts, max_new, cache, spec=None, rounds=None, tuning=None):
     """The loop's state after `rounds` rounds (None: to the end) of these greedy requests,
-    with only the loop itself compiled -> (plan, state)."""
+    with only the loop itself compiled (under `tuning`, None: the default) -> (plan, state)."""
     import dataclasses
     plan, inputs = loop_inputs(params, prompts, max_new, cache, spec)
     if rounds is not None:
         plan = dataclasses.replace(plan, max_rounds=rounds)
+    if tuning is not None:
+        plan = dataclasses.replace(plan, tuning=tuning)
     weights = (params.weights, params.draft.weights if params.draft is not None else None)
     return plan, _run_loop(plan, *weights, *inputs)
 

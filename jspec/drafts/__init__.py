@@ -10,10 +10,18 @@ from jspec.drafts.base import Draft
 from jspec.drafts.eagle import EagleDraft
 from jspec.drafts.eagle3 import Eagle3Draft
 from jspec.drafts.mtp import MtpDraft
+from jspec.drafts.qwen_mtp import QwenMtpDraft
 from jspec.drafts.standalone import StandaloneDraft
 
 DRAFT_KINDS: tuple[type[Draft], ...] = (Eagle3Draft, EagleDraft, MtpDraft, StandaloneDraft)
-EMBEDDED_DRAFTS: dict[str, type[Draft]] = {"mtp": MtpDraft}
+EMBEDDED_DRAFTS: dict[str, tuple[type[Draft], ...]] = {"mtp": (QwenMtpDraft, MtpDraft)}
+
+
+def embedded_kind(name: str, tcfg) -> type[Draft]:
+    """The kind of embedded draft `name` for a target of config `tcfg`: the first that
+    serves it, else the last (whose loader names what the checkpoint lacks)."""
+    kinds = EMBEDDED_DRAFTS[name]
+    return next((k for k in kinds if k.serves(tcfg)), kinds[-1])
 
 
 def kind_of_checkpoint(cfg_json: dict, tensors: dict, where: str) -> type[Draft]:
@@ -27,5 +35,5 @@ def kind_of_checkpoint(cfg_json: dict, tensors: dict, where: str) -> type[Draft]
                      f"(DeepseekV3ForCausalLMNextN) or a model of a target family")
 
 
-__all__ = ["DRAFT_KINDS", "EMBEDDED_DRAFTS", "Draft", "Eagle3Draft", "EagleDraft", "MtpDraft", "StandaloneDraft",
-           "kind_of_checkpoint"]
+__all__ = ["DRAFT_KINDS", "EMBEDDED_DRAFTS", "Draft", "Eagle3Draft", "EagleDraft", "MtpDraft", "QwenMtpDraft",
+           "StandaloneDraft", "embedded_kind", "kind_of_checkpoint"]

@@ -86,6 +86,12 @@ class Draft:
         raise NotImplementedError
 
     @classmethod
+    def serves(cls, tcfg) -> bool:
+        """Whether a kind kept inside its target's checkpoint (`EMBEDDED_DRAFTS`) is the one
+        for a target of config `tcfg`."""
+        return False
+
+    @classmethod
     def recognises(cls, cfg_json: dict, tensors: dict) -> bool:
         """Whether a checkpoint (config.json, tensors by name) is of this kind."""
         raise NotImplementedError

@@ -84,6 +84,10 @@ class MtpDraft(Draft):
         return {"params": MtpLayer(m).init(key, x, x, None, meta)["params"]}
 
     @classmethod
+    def serves(cls, tcfg) -> bool:
+        return isinstance(tcfg, DeepseekConfig)
+
+    @classmethod
     def recognises(cls, cfg_json, tensors):
         return NEXTN_ARCHITECTURE in (cfg_json.get("architectures") or [])
 

@@ -326,3 +326,27 @@ class HybridFamily(FlaxFamily):
 
 
 QWEN3_NEXT = HybridFamily()
+
+
+class MtpLayer(nn.Module):
+    """A Qwen3-Next / Qwen3.5 multi-token-prediction layer, the MTP draft's whole model.
+
+    (embeds [B,T,D] of tokens t+1, feats [B,T,D]: the hidden state that predicted t+1) ->
+    hidden [B,T,D]: fc([pre_fc_norm_embedding(embeds); pre_fc_norm_hidden(feats)]) through
+    one gated full-attention decoder layer (the target's MLP or MoE), then `norm`. The
+    target's final-norm hidden state is the first feature; each later draft step reads this
+    layer's own output after `norm` (as SGLang's and vLLM's Qwen3.5 / Qwen3-Next MTP do)."""
+
+    cfg: HybridConfig  # the layer's config (`jspec.drafts.qwen_mtp.layer_config`)
+    tuning: Tuning = DEFAULT_TUNING
+
+    @nn.compact
+    def __call__(self, embeds, feats, cache: KVCache | None, meta: AttnMeta):
+        c = self.cfg
+        h = jnp.concatenate([OffsetRMSNorm(c.rms_norm_eps, c.dtype, name="pre_fc_norm_embedding")(embeds),
+                             OffsetRMSNorm(c.rms_norm_eps, c.dtype, name="pre_fc_norm_hidden")(feats)], axis=-1)
+        x = Linear(c.hidden_size, False, c.dtype, tuning=self.tuning, name="fc")(h)
+        kv = None if cache is None else cache.kv[0]
+        x, kv, _, _, _ = DecoderLayer(c, 0, self.tuning, name="layers_0")(x, kv, None, None, meta)
+        out = OffsetRMSNorm(c.rms_norm_eps, c.dtype, name="norm")(x)
+        return out, None if cache is None else KVCache(kv=(kv,))

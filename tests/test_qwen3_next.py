@@ -1,0 +1,275 @@
+"""Qwen3-Next and Qwen3.5 hybrid targets (Gated DeltaNet + gated attention) against
+transformers, and speculative decoding over their hybrid cache: logits, greedy
+generation (dense and paged, unequal batches), chains and trees with standalone, n-gram,
+EAGLE-3 and MTP drafts, and the invariant that after any round the conv and delta-rule
+states equal what plain decoding of the committed tokens holds (replay and checkpoint)."""
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import torch
+import transformers
+from safetensors.torch import load_file, save_file
+
+import jspec
+from jspec.cache import kv as kvc
+from jspec.cache import layout as lay
+from jspec.config import Tuning
+from jspec.export import save_target
+from jspec.models import family_for
+from jspec.models.qwen3_next_hf import HybridConfig
+from conftest import PROMPTS, loop_state
+from test_deepseek import _standalone_draft
+
+VOCAB = 128
+SHAPE = dict(vocab_size=VOCAB, hidden_size=64, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
+             head_dim=16, linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16,
+             linear_value_head_dim=8, max_position_embeddings=256)
+MOE = dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=48)
+VARIANTS = {  # name -> (transformers CausalLM class, its config)
+    "qwen3_next": (transformers.Qwen3NextForCausalLM, lambda: transformers.Qwen3NextConfig(
+        **SHAPE, intermediate_size=96, mlp_only_layers=[1], **MOE)),
+    "qwen3_5": (transformers.Qwen3_5ForCausalLM, lambda: transformers.Qwen3_5TextConfig(
+        **SHAPE, intermediate_size=96)),
+    "qwen3_5_moe": (transformers.Qwen3_5MoeForCausalLM, lambda: transformers.Qwen3_5MoeTextConfig(**SHAPE, **MOE)),
+}
+
+
+def mtp_tensors(model, seed: int) -> dict:
+    """Random `mtp.*` tensors for a transformers model (transformers keeps no MTP layer):
+    fc, the three norms and one full-attention decoder layer of the model's own kind."""
+    cfg = model.config.__class__(**{**model.config.to_dict(), "num_hidden_layers": 1,
+                                    "layer_types": ["full_attention"], "mlp_only_layers": []})
+    torch.manual_seed(seed)
+    layer = type(model.model.layers[0])(cfg, 0)
+    D = cfg.hidden_size
+    out = {f"mtp.layers.0.{k}": v for k, v in layer.state_dict().items()}
+    out.update({"mtp.fc.weight": 0.2 * torch.randn(D, 2 * D)} |
+               {f"mtp.{n}.weight": 0.3 * torch.randn(D) for n in ("pre_fc_norm_embedding", "pre_fc_norm_hidden", "norm")})
+    for k, v in out.items():
+        if "norm" in k and v.ndim == 1:
+            v.copy_(0.3 * torch.randn_like(v))
+        elif v.ndim >= 2:
+            v.copy_(0.2 * torch.randn_like(v))
+    return {k: v.contiguous() for k, v in out.items()}
+
+
+def make_hybrid(path: str, name: str, seed: int = 0, *, multimodal: bool = False):
+    """A tiny random model of `name` saved to `path` with an MTP layer (multimodal: laid out
+    as a Qwen3_5ForConditionalGeneration checkpoint: text_config, model.language_model.*)."""
+    cls, cfg = VARIANTS[name]
+    torch.manual_seed(seed)
+    model = cls(cfg()).eval()
+    with torch.no_grad():  # non-trivial norms, decays and dt biases
+        for n, p in model.named_parameters():
+            if "norm" in n or n.endswith(("A_log", "dt_bias")):
+                p.add_(0.3 * torch.randn_like(p))
+    model.save_pretrained(path)
+    tensors = load_file(os.path.join(path, "model.safetensors")) | mtp_tensors(model, seed + 1)
+    with open(os.path.join(path, "config.json")) as f:
+        cfg_json = json.load(f)
+    cfg_json["mtp_num_hidden_layers"] = 1
+    if multimodal:
+        tensors = {("model.language_model." + k[6:] if k.startswith("model.") else k): v for k, v in tensors.items()}
+        tensors["model.visual.patch_embed.proj.weight"] = torch.zeros(4, 3)
+        arch = "Qwen3_5MoeForConditionalGeneration" if name == "qwen3_5_moe" else "Qwen3_5ForConditionalGeneration"
+        cfg_json = {"architectures": [arch], "model_type": "qwen3_5", "text_config": cfg_json,
+                    "vision_config": {}, "tie_word_embeddings": False}
+    save_file(tensors, os.path.join(path, "model.safetensors"), metadata={"format": "pt"})
+    with open(os.path.join(path, "config.json"), "w") as f:
+        json.dump(cfg_json, f)
+    return model
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    """name -> (directory, transformers model)."""
+    out = {}
+    for name in VARIANTS:
+        path = str(tmp_path_factory.mktemp(name))
+        out[name] = (path, make_hybrid(path, name))
+    return out
+
+
+@pytest.mark.parametrize("name", list(VARIANTS))
+def test_logits_equal_transformers(models, name):
+    path, model = models[name]
+    toks = np.random.RandomState(1).randint(0, VOCAB, (2, 13))
+    with torch.no_grad():
+        want = model(torch.tensor(toks)).logits.numpy()
+    got = np.asarray(jspec.logits(jspec.load(path, dtype="float32"), toks.tolist()))
+    assert np.abs(got - want).max() <= 1e-4 * np.abs(want).max()
+
+
+def test_multimodal_checkpoint_and_grouped_projections(models, tmp_path):
+    """A Qwen3_5MoeForConditionalGeneration directory (text_config, model.language_model.*,
+    a vision tower) loads as its text model; Qwen3-Next's grouped in_proj_qkvz / in_proj_ba
+    and the experts survive export (transformers reads them back)."""
+    path = str(tmp_path / "mm")
+    model = make_hybrid(path, "qwen3_5_moe", multimodal=True)
+    p = jspec.load(path, dtype="float32")
+    assert isinstance(p.config, HybridConfig) and p.config.architecture == "Qwen3_5MoeForConditionalGeneration"
+    toks = [[3, 14, 15, 92, 65, 35]]
+    with torch.no_grad():
+        want = model(torch.tensor(toks)).logits.numpy()
+    np.testing.assert_allclose(np.asarray(jspec.logits(p, toks)), want, atol=1e-4 * np.abs(want).max())
+    nxt = jspec.load(models["qwen3_next"][0], dtype="float32")
+    save_target(str(tmp_path / "out"), nxt.config, nxt.weights)
+    back = transformers.Qwen3NextForCausalLM.from_pretrained(str(tmp_path / "out")).eval()
+    with torch.no_grad():
+        want = back(torch.tensor(toks)).logits.numpy()
+    np.testing.assert_allclose(np.asarray(jspec.logits(nxt, toks)), want, atol=1e-4 * np.abs(want).max())
+
+
+def test_cache_bytes_per_request():
+    """Per request: (C - 1) Ch conv values (model dtype) and Hv Dk Dv float32 delta-rule
+    values a linear layer, KV of the full-attention layers per slot. Qwen3.5-27B's shape:
+    48 linear layers of 3 x 10240 bf16 and 48 x 128 x 128 float32 values."""
+    c = HybridConfig(vocab_size=248320, hidden_size=5120, num_layers=64,
+                     layer_types=tuple("full_attention" if (i + 1) % 4 == 0 else "linear_attention" for i in range(64)),
+                     num_heads=24, num_kv_heads=4, head_dim=256, rotary_dim=64, linear_num_key_heads=16,
+                     linear_num_value_heads=48, linear_key_head_dim=128, linear_value_head_dim=128,
+                     intermediate_size=17408, dtype="bfloat16")
+    kind = family_for(c).cache_kind(c)
+    assert kind.state_bytes() == 48 * (3 * 10240 * 2 + 48 * 128 * 128 * 4)
+    layout = lay.CacheLayout(paged=False, capacity=1023)
+    shapes = jax.eval_shape(lambda: kind.init(layout, 2))
+    total = sum(math.prod(a.shape) * a.dtype.itemsize for a in jax.tree.leaves(shapes))
+    kv_per_row = 16 * 1024 * 2 * 4 * 256 * 2  # 16 layers, C + 1 slots, keys and values of 4 heads
+    assert total == 2 * (kind.state_bytes() + kv_per_row)
+
+
+def hf_greedy_tokens(model, prompt, n):
+    with torch.no_grad():
+        out = model.generate(torch.tensor([prompt]), max_new_tokens=n, do_sample=False, eos_token_id=None,
+                             pad_token_id=0)
+    return out[0, len(prompt):].tolist()
+
+
+@pytest.fixture(scope="module")
+def drafted(models, tmp_path_factory):
+    """Qwen3.5 with its MTP layer, a standalone draft and the n-gram proposer."""
+    path = models["qwen3_5"][0]
+    target = jspec.load(path, dtype="float32")
+    standalone = _standalone_draft(str(tmp_path_factory.mktemp("q35_draft")), target)
+    return {"mtp": jspec.load(path, draft="mtp", dtype="float32"),
+            "standalone": jspec.load(path, draft=standalone, dtype="float32"),
+            "ngram": jspec.load(path, draft="ngram", dtype="float32"), "none": target}
+
+
+GREEDY = [  # (draft, spec, cache, family)
+    ("none", None, jspec.CacheConfig("paged", page_size=1), "qwen3_next"),
+    ("none", None, jspec.CacheConfig("dense"), "qwen3_5_moe"),
+    ("mtp", (3, 1, 4), jspec.CacheConfig("paged", page_size=16), "qwen3_5"),
+    ("mtp", (3, 4, 8), jspec.CacheConfig("dense"), "qwen3_5"),
+    ("standalone", (3, 4, 8), jspec.CacheConfig("paged", page_size=64), "qwen3_5"),
+    ("ngram", (4, 1, 5), jspec.CacheConfig("paged", page_size=1), "qwen3_5"),
+]
+
+
+@pytest.mark.parametrize("draft,spec,cache,family", GREEDY,
+                         ids=["plain-paged1-next", "plain-dense-moe", "mtp-chain-paged16", "mtp-tree-dense",
+                              "standalone-tree-paged64", "ngram-chain-paged1"])
+def test_greedy_equals_transformers(models, drafted, draft, spec, cache, family):
+    """Unequal prompts: plain and speculative greedy output equal transformers' token for
+    token (dense, paged 1 / 16 / 64; chains and trees)."""
+    model = models[family][1]
+    params = drafted[draft] if family == "qwen3_5" else jspec.load(models[family][0], dtype="float32")
+    sc = None if spec is None else jspec.SpecConfig(num_steps=spec[0], topk=spec[1], num_draft_tokens=spec[2])
+    out = jspec.generate(params, PROMPTS, max_new_tokens=16, stop_token_ids=[], spec=sc, cache=cache)
+    for prompt, got in zip(PROMPTS, out.tokens):
+        assert got == hf_greedy_tokens(model, prompt, 16)
+
+
+def test_mtp_layer_equals_its_definition(models, drafted):
+    """The MTP draft's logits over a prompt equal the layer computed with transformers'
+    modules: fc([norm_e(embed(t+1)); norm_h(final-norm hidden at t)]), one gated
+    full-attention layer, mtp.norm, the target's head (what SGLang and vLLM compute)."""
+    model = models["qwen3_5"][1]
+    p = drafted["mtp"]
+    toks = [[5, 9, 2, 77, 31, 8, 100, 64]]
+    T = len(toks[0]) - 1
+    cfg = model.config.__class__(**{**model.config.to_dict(), "num_hidden_layers": 1,
+                                    "layer_types": ["full_attention"]})
+    layer = type(model.model.layers[0])(cfg, 0).eval()
+    t = load_file(os.path.join(models["qwen3_5"][0], "model.safetensors"))
+    layer.load_state_dict({k[len("mtp.layers.0."):]: v for k, v in t.items() if k.startswith("mtp.layers.0.")})
+
+    def norm(x, name):  # Qwen's (1 + w) RMSNorm
+        xf = x.float()
+        return xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + cfg.rms_norm_eps) * (1 + t[f"mtp.{name}.weight"])
+
+    with torch.no_grad():
+        ids = torch.tensor(toks)
+        hidden = model.model(ids).last_hidden_state  # after the final norm
+        emb = model.model.embed_tokens(ids[:, 1:])
+        x = torch.cat([norm(emb, "pre_fc_norm_embedding"), norm(hidden[:, :-1], "pre_fc_norm_hidden")], -1)
+        x = x @ t["mtp.fc.weight"].T
+        pos = torch.arange(T)[None]
+        mask = torch.full((T, T), float("-inf")).triu(1)[None, None]
+        x = layer(x, position_embeddings=model.model.rotary_emb(x, pos), attention_mask=mask, position_ids=pos)
+        want = model.lm_head(norm(x, "norm")).numpy()
+    d = p.draft.config
+    meta = lay.prefill_meta(jnp.full((1,), T, jnp.int32), T)
+    tw, dw = p.weights, p.draft.weights
+    feats = family_for(p.config).forward(p.config, tw, jnp.asarray(toks), None, lay.prefill_meta(
+        jnp.full((1,), T + 1, jnp.int32), T + 1))[0][:, :-1]
+    h, _ = d.forward(p.config, tw, dw, jnp.asarray(toks)[:, 1:], feats, None, meta, True)
+    got = np.asarray(d.logits(p.config, tw, dw, h))
+    np.testing.assert_allclose(got, want, atol=1e-4 * np.abs(want).max())
+
+
+def test_mtp_needs_mtp_weights(tmp_path):
+    path = str(tmp_path)
+    VARIANTS["qwen3_5"][0](VARIANTS["qwen3_5"][1]()).save_pretrained(path)
+    with pytest.raises(ValueError, match="MTP layer"):
+        jspec.load(path, draft="mtp")
+
+
+@pytest.mark.parametrize("commit", ["replay", "checkpoint"])
+def test_recurrent_state_equals_plain_decoding(drafted, commit):
+    """After tree rounds over a paged cache (accept lengths 1, where the random MTP draft
+    offers nothing useful, and more), every row's conv and delta-rule states equal
+    those of plain decoding over its committed tokens (float32, <= 1e-5), and its KV slots
+    a fresh prefill's. Plain decoding here is the same forward, one token at a time."""
+    p = drafted["mtp"]
+    cache = jspec.CacheConfig("paged", page_size=16)
+    plan, st = loop_state(p, PROMPTS, 30, cache, jspec.SpecConfig(num_steps=3, topk=2, num_draft_tokens=6),
+                          rounds=5, tuning=Tuning(recurrent_commit=commit))
+    c = p.config
+    family, kind = family_for(c), family_for(c).cache_kind(c)
+    B = len(PROMPTS)
+    Ls = np.asarray(st.L)[:B]
+    assert st.tcache.pending is None and (Ls >= np.array([len(q) for q in PROMPTS]) + 5).all()
+    hist = np.asarray(st.hist)[:B, :5]
+    assert hist.min() == 1 and hist.max() > 1  # rounds that kept the root alone, and longer paths
+    Lmax = int(Ls.max())
+    layout = lay.CacheLayout(paged=False, capacity=Lmax + 64)
+    pm = lay.prefill_meta(jnp.ones((B,), jnp.int32), 1)
+    meta0 = lay.make_meta(layout, None, positions=pm.positions, prefix_len=jnp.zeros(B, jnp.int32),
+                          local_mask=pm.local_mask, write_valid=jnp.ones((B, 1), bool), prefill=True)
+    step = jax.jit(lambda w, tok, cache, L: family.forward(c, w, tok, cache, dataclasses.replace(
+        lay.make_meta(layout, None, positions=L[:, None], prefix_len=L, local_mask=jnp.ones((B, 1, 1), bool),
+                      write_valid=(L < jnp.asarray(Ls))[:, None]), valid=(L < jnp.asarray(Ls))[:, None]))[2])
+    first = jax.jit(lambda w, tok, cache: family.forward(c, w, tok, cache, meta0)[2])
+    tokens = jnp.asarray(st.tokens)
+    fresh = first(p.weights, tokens[:B, :1], kind.init(layout, B))
+    for i in range(1, Lmax):  # token i of every row still short of its L
+        fresh = step(p.weights, tokens[:B, i:i + 1], fresh, jnp.full((B,), i, jnp.int32))
+    for layer, (got, want) in enumerate(zip(st.tcache.ssm, fresh.ssm)):
+        np.testing.assert_allclose(np.asarray(got)[:B], np.asarray(want), atol=1e-5, err_msg=f"ssm {layer}")
+    for layer, (got, want) in enumerate(zip(st.tcache.conv, fresh.conv)):
+        np.testing.assert_allclose(np.asarray(got)[:B], np.asarray(want), atol=1e-5, err_msg=f"conv {layer}")
+    for b in range(B):
+        table = st.pages.page_table[b: b + 1]
+        for layer, (buf, want) in enumerate(zip(st.tcache.kv.kv, fresh.kv.kv)):
+            got = kvc.read_kv(buf, table)[0, :Ls[b]]
+            np.testing.assert_allclose(np.asarray(got), np.asarray(want[b, :Ls[b]]), atol=2e-5,
+                                       err_msg=f"kv {layer}, request {b}")
