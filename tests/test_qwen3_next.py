@@ -16,7 +16,9 @@ import numpy as np
 import pytest
 import torch
 import transformers
+from conftest import PROMPTS, loop_state
 from safetensors.torch import load_file, save_file
+from test_deepseek import _standalone_draft
 
 import jspec
 from jspec.cache import kv as kvc
@@ -25,8 +27,6 @@ from jspec.config import Tuning
 from jspec.export import save_target
 from jspec.models import family_for
 from jspec.models.qwen3_next_hf import HybridConfig
-from conftest import PROMPTS, loop_state
-from test_deepseek import _standalone_draft
 
 VOCAB = 128
 SHAPE = dict(vocab_size=VOCAB, hidden_size=64, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,

@@ -27,7 +27,13 @@ from flax import linen as nn
 
 from jspec.cache.kv import KVCache, KVCacheKind
 from jspec.cache.layout import AttnMeta
-from jspec.cache.recurrent import HybridCache, HybridCacheKind, conv_window, put_rows, take_rows
+from jspec.cache.recurrent import (
+    HybridCache,
+    HybridCacheKind,
+    conv_window,
+    put_rows,
+    take_rows,
+)
 from jspec.config import DEFAULT_TUNING, Tuning
 from jspec.kernels import moe_experts, moe_grouped
 from jspec.kernels.attention import cached_attention
