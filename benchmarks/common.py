@@ -24,6 +24,7 @@ from jspec.config import ModelConfig, RopeConfig
 from jspec.models import family_for
 from jspec.models.deepseek_hf import DeepseekConfig
 from jspec.models.llama import TP_SPLITS, VOCAB_SPLITS, kv_groups
+from jspec.models.qwen3_next_hf import HybridConfig
 
 # --------------------------------------------------------------------------- shapes
 
@@ -46,6 +47,21 @@ V3_LAYER = DeepseekConfig(  # DeepSeek-V3's layer shape; benchmarks take 1-3 of 
     q_lora_rank=1536, qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128, moe_intermediate_size=2048,
     n_routed_experts=256, n_shared_experts=1, num_experts_per_tok=8, first_k_dense_replace=0, n_group=8,
     topk_group=4, routed_scaling_factor=2.5, rope=YARN, max_position_embeddings=163840, dtype="bfloat16")
+
+def _hybrid_types(n: int) -> tuple[str, ...]:
+    return tuple("full_attention" if (i + 1) % 4 == 0 else "linear_attention" for i in range(n))
+
+
+# Qwen/Qwen3.5-27B and Qwen3.5-35B-A3B's text models (their config.json's text_config)
+QWEN35_27B = HybridConfig(
+    vocab_size=248320, hidden_size=5120, num_layers=64, layer_types=_hybrid_types(64), num_heads=24, num_kv_heads=4,
+    head_dim=256, rotary_dim=64, linear_num_key_heads=16, linear_num_value_heads=48, linear_key_head_dim=128,
+    linear_value_head_dim=128, intermediate_size=17408, rope=RopeConfig(10000000.0), max_position_embeddings=262144,
+    dtype="bfloat16", variant="qwen3_5", architecture="Qwen3_5ForConditionalGeneration", mtp_num_layers=1)
+QWEN35_35B_A3B = dataclasses.replace(
+    QWEN35_27B, hidden_size=2048, num_layers=40, layer_types=_hybrid_types(40), num_heads=16, num_kv_heads=2,
+    linear_num_value_heads=32, intermediate_size=0, num_experts=256, num_experts_per_tok=8, moe_intermediate_size=512,
+    shared_expert_intermediate_size=512, variant="qwen3_5_moe", architecture="Qwen3_5MoeForConditionalGeneration")
 
 CTX, SHORT, LONG = 1024, 16, 144  # prompt tokens; the two run lengths whose difference gives a step
 

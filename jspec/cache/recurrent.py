@@ -34,7 +34,7 @@ from flax import struct
 
 from jspec.cache.kv import KVCache, KVCacheKind
 from jspec.cache.layout import CacheLayout, PageState
-from jspec.kernels.gated_delta import gated_delta_reference
+from jspec.kernels.gated_delta_kernels import gated_delta_step
 
 COMMITS = ("replay", "checkpoint")
 
@@ -111,17 +111,8 @@ def replay_commit(conv, ssm, rec: dict, path, accept_len):
     states after the accepted path (nodes path[:, :accept_len])."""
     along = {n: jnp.take_along_axis(a, path.reshape(path.shape + (1,) * (a.ndim - 2)), axis=1)
              for n, a in rec.items()}
-    new_ssm = replay_state(along["k"], along["v"], along["g"], along["beta"], ssm, accept_len)
+    _, new_ssm = gated_delta_step(None, along["k"], along["v"], along["g"], along["beta"], ssm, accept_len)
     return conv_window(conv, along["x"], accept_len), new_ssm
-
-
-def replay_state(k, v, g, beta, ssm, count):
-    """The delta-rule state after the first count [B] of M steps (k [B,M,Hk,Dk], v
-    [B,M,Hv,Dv], g, beta [B,M,Hv]) from ssm [B,Hv,Dk,Dv]: later steps get no decay and no
-    update (g = 0, beta = 0 leave a state exactly as it is)."""
-    on = (jnp.arange(k.shape[1], dtype=jnp.int32)[None, :] < count[:, None])[..., None]
-    g, beta = jnp.where(on, g, 0.0), jnp.where(on, beta, 0.0)
-    return gated_delta_reference(k, k, v, g, beta, ssm, node_states=False)[1]
 
 
 def checkpoint_commit(conv, ssm, rec: dict, path, accept_len):

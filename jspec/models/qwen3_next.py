@@ -38,6 +38,7 @@ from jspec.config import DEFAULT_TUNING, Tuning
 from jspec.kernels import moe_experts, moe_grouped
 from jspec.kernels.attention import cached_attention
 from jspec.kernels.gated_delta import causal_conv_reference, gated_delta_reference
+from jspec.kernels.gated_delta_kernels import gated_delta_prefill, gated_delta_step, gated_delta_verify
 from jspec.kernels.moe_route import Routing, route
 from jspec.models import qwen3_next_hf
 from jspec.models.llama import DecoderLM, FlaxFamily, Linear, apply_rope
@@ -151,11 +152,10 @@ class GatedDeltaNet(nn.Module):
         record = None
         if meta.prefill:  # from zero states; padding (invalid tokens) changes no state
             valid = meta.valid if meta.valid is not None else jnp.ones((B, T), bool)
-            y, new_conv = sequence_conv(mixed, w_conv, valid.sum(axis=1).astype(jnp.int32))
+            lengths = valid.sum(axis=1).astype(jnp.int32)
+            y, new_conv = sequence_conv(mixed, w_conv, lengths)
             q, k, v = split_qkv(y, c)
-            g, beta = jnp.where(valid[..., None], g, 0.0), jnp.where(valid[..., None], beta, 0.0)
-            zero = jnp.zeros((B, Hv, Dk, Dv), jnp.float32)
-            o, new_ssm = gated_delta_reference(q, k, v, g, beta, zero, node_states=False)
+            o, new_ssm = gated_delta_prefill(q, k, v, g, beta, jnp.zeros((B, Hv, Dk, Dv), jnp.float32), lengths)
             if conv is not None:
                 live = valid.any(axis=1) | (meta.rows is None)
                 conv = put_rows(conv, new_conv, meta.rows, jnp.ones((B,), bool) if meta.rows is None else live)
@@ -166,15 +166,15 @@ class GatedDeltaNet(nn.Module):
             q, k, v = split_qkv(y, c)
             live = meta.valid[:, 0] if meta.valid is not None else jnp.ones((B,), bool)
             if T == 1:  # plain decoding: the new states are the committed ones
-                o, new_ssm = gated_delta_reference(q, k, v, g, beta, ssm0, node_states=False)
+                o, new_ssm = gated_delta_step(q, k, v, g, beta, ssm0)
                 conv = put_rows(conv, windows[:, 0], meta.rows, live)
                 ssm = put_rows(ssm, new_ssm, meta.rows, live)
-            else:
+            elif self.tuning.recurrent_commit == "checkpoint":  # every node's states, for the commit to pick
                 o, states = gated_delta_reference(q, k, v, g, beta, ssm0, meta.parents)
-                if self.tuning.recurrent_commit == "checkpoint":
-                    record = {"conv": windows, "ssm": states}
-                else:
-                    record = {"x": mixed, "k": k, "v": v, "g": g, "beta": beta}
+                record = {"conv": windows, "ssm": states}
+            else:  # the outputs only; the commit replays the accepted path from the nodes' inputs
+                o = gated_delta_verify(q, k, v, g, beta, ssm0, meta.parents)
+                record = {"x": mixed, "k": k, "v": v, "g": g, "beta": beta}
         o = GatedRMSNorm(c.rms_norm_eps, c.dtype, name="norm")(o.astype(dt), z).reshape(B, T, Vd)
         out = Linear(c.hidden_size, False, c.dtype, tuning=self.tuning, name="out_proj")(o)
         return out, conv, ssm, record
