@@ -23,8 +23,9 @@ from test_deepseek import _standalone_draft
 import jspec
 from jspec.cache import kv as kvc
 from jspec.cache import layout as lay
-from jspec.config import Tuning
-from jspec.export import save_target
+from jspec.config import ModelConfig, Tuning
+from jspec.drafts import Eagle3Draft
+from jspec.export import save_draft, save_target
 from jspec.models import family_for
 from jspec.models.qwen3_next_hf import HybridConfig
 
@@ -153,14 +154,26 @@ def hf_greedy_tokens(model, prompt, n):
     return out[0, len(prompt):].tolist()
 
 
+def _eagle3_head(path: str, seed: int = 4):
+    """A random EAGLE-3 head reading layers 1..3 of the 4-layer hybrid target."""
+    m = ModelConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_layers=1, num_heads=4,
+                    num_kv_heads=2, head_dim=16)
+    d = Eagle3Draft(m, target_hidden_size=64, aux_layers=(1, 2, 3), draft_vocab_size=VOCAB)
+    save_draft(path, d, jax.tree.map(lambda a: a * 10 if a.ndim == 2 else a, d.init(jax.random.key(seed), VOCAB)),
+               VOCAB)
+    return path
+
+
 @pytest.fixture(scope="module")
 def drafted(models, tmp_path_factory):
-    """Qwen3.5 with its MTP layer, a standalone draft and the n-gram proposer."""
+    """Qwen3.5 with its MTP layer, a standalone draft, an EAGLE-3 head and the n-gram proposer."""
     path = models["qwen3_5"][0]
     target = jspec.load(path, dtype="float32")
     standalone = _standalone_draft(str(tmp_path_factory.mktemp("q35_draft")), target)
+    eagle3 = _eagle3_head(str(tmp_path_factory.mktemp("q35_eagle3")))
     return {"mtp": jspec.load(path, draft="mtp", dtype="float32"),
             "standalone": jspec.load(path, draft=standalone, dtype="float32"),
+            "eagle3": jspec.load(path, draft=eagle3, dtype="float32"),
             "ngram": jspec.load(path, draft="ngram", dtype="float32"), "none": target}
 
 
@@ -170,13 +183,14 @@ GREEDY = [  # (draft, spec, cache, family)
     ("mtp", (3, 1, 4), jspec.CacheConfig("paged", page_size=16), "qwen3_5"),
     ("mtp", (3, 4, 8), jspec.CacheConfig("dense"), "qwen3_5"),
     ("standalone", (3, 4, 8), jspec.CacheConfig("paged", page_size=64), "qwen3_5"),
+    ("eagle3", (3, 2, 5), jspec.CacheConfig("paged", page_size=16), "qwen3_5"),
     ("ngram", (4, 1, 5), jspec.CacheConfig("paged", page_size=1), "qwen3_5"),
 ]
 
 
 @pytest.mark.parametrize("draft,spec,cache,family", GREEDY,
                          ids=["plain-paged1-next", "plain-dense-moe", "mtp-chain-paged16", "mtp-tree-dense",
-                              "standalone-tree-paged64", "ngram-chain-paged1"])
+                              "standalone-tree-paged64", "eagle3-tree-paged16", "ngram-chain-paged1"])
 def test_greedy_equals_transformers(models, drafted, draft, spec, cache, family):
     """Unequal prompts: plain and speculative greedy output equal transformers' token for
     token (dense, paged 1 / 16 / 64; chains and trees)."""
@@ -224,6 +238,18 @@ def test_mtp_layer_equals_its_definition(models, drafted):
     h, _ = d.forward(p.config, tw, dw, jnp.asarray(toks)[:, 1:], feats, None, meta, True)
     got = np.asarray(d.logits(p.config, tw, dw, h))
     np.testing.assert_allclose(got, want, atol=1e-4 * np.abs(want).max())
+
+
+def test_sampling_emits_plain_sampling(drafted):
+    """Sampled requests with the MTP draft (target-only verification of a tree over a paged
+    hybrid cache) emit what plain sampling emits for the same seeds, token for token."""
+    kw = dict(max_new_tokens=10, stop_token_ids=[], temperature=[0.0, 1.0, 0.8], top_p=[1.0, 1.0, 0.9],
+              repetition_penalty=[1.0, 1.0, 1.2], seed=[0, 1, 2])
+    want = jspec.generate(drafted["none"], PROMPTS, **kw).tokens
+    out = jspec.generate(drafted["mtp"], PROMPTS, spec=jspec.SpecConfig(num_steps=2, topk=2, num_draft_tokens=4),
+                         cache=jspec.CacheConfig("paged", page_size=16), **kw)
+    assert out.tokens == want
+    assert want[1] != jspec.generate(drafted["none"], PROMPTS, **(kw | {"seed": [0, 5, 2]})).tokens[1]
 
 
 def test_mtp_needs_mtp_weights(tmp_path):
