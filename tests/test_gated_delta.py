@@ -3,6 +3,7 @@ recurrent and chunked delta rule and its causal convolution; over a tree, every 
 equals decoding its root-to-node path as a sequence (outputs and the states after it)."""
 from __future__ import annotations
 
+import jax
 import numpy as np
 import pytest
 import torch
@@ -109,3 +110,167 @@ def test_conv_tree_nodes_equal_their_paths():
             want, want_states = gd.causal_conv_reference(x[b: b + 1, p], state[b: b + 1], w)
             np.testing.assert_allclose(np.asarray(out[b, t]), np.asarray(want[0, -1]), rtol=1e-6, atol=1e-6)
             np.testing.assert_array_equal(np.asarray(node_states[b, t]), np.asarray(want_states[0, -1]))
+
+
+# --------------------------------------------------------------------------- chunk forms and kernels
+# The closed (WY) forms and the three kernel entry points (`gated_delta_kernels`), each with
+# the Pallas kernel in interpret mode ("pallas") and its jnp reference ("reference"),
+# against the sequential rule above. Dk = 8 and Dv = 6 are no powers of two: the kernels
+# pad them; Dv = 32 with narrower tiles runs several programs per head.
+
+import jax.numpy as jnp
+
+from jspec.kernels import dispatch
+from jspec.kernels import gated_delta_kernels as gk
+
+BACKENDS = ["pallas", "reference"]
+
+
+def _wide(rng, T):
+    """Inputs with Dk = 16 and Dv = 32 (several Dv tiles at block_v 8 or 16)."""
+    q, k = (rng.randn(B, T, Hk, 16).astype(np.float32) for _ in range(2))
+    v = rng.randn(B, T, Hv, 32).astype(np.float32)
+    _, _, _, g, beta, _ = _inputs(rng, T)
+    return q, k, v, g, beta, (0.3 * rng.randn(B, Hv, 16, 32)).astype(np.float32)
+
+
+def test_ancestor_matrix_is_each_path():
+    rng = np.random.RandomState(3)
+    parents = _random_parents(rng, 13)
+    parents[1, 5] = -1  # a second root
+    anc = np.asarray(gd.ancestor_matrix(parents))
+    for b in range(B):
+        for t in range(13):
+            assert set(np.flatnonzero(anc[b, t])) == set(_path(parents[b], t))
+
+
+def test_tree_chunk_reference_equals_the_rule():
+    rng = np.random.RandomState(4)
+    T = 11
+    x = _inputs(rng, T)
+    parents = np.stack([_random_parents(rng, T)[0], np.asarray(gd.chain_parents(1, T))[0]])  # a tree, a chain
+    want, _ = gd.gated_delta_reference(*x, parents)
+    np.testing.assert_allclose(np.asarray(gd.gated_delta_tree_chunk_reference(*x, parents)), np.asarray(want),
+                               rtol=1e-5, atol=1e-5)
+
+
+def test_chunk_reference_equals_the_rule():
+    """Chunks of 4 over 10 tokens (the last chunk partial), rows of 10 and 6 tokens: the
+    padding leaves the state as the prompt left it, and its outputs read that state."""
+    rng = np.random.RandomState(5)
+    x = _inputs(rng, 10)
+    lengths = np.array([10, 6], np.int32)
+    out, last = gd.gated_delta_chunk_reference(*x, lengths, chunk=4)
+    want, want_last = gd.gated_delta_steps_reference(*x, lengths)
+    np.testing.assert_allclose(np.asarray(out), np.asarray(want), rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(np.asarray(last), np.asarray(want_last), rtol=1e-5, atol=1e-5)
+    _, short = gd.gated_delta_reference(*(a[1:, :6] for a in x[:5]), x[5][1:], node_states=False)
+    np.testing.assert_allclose(np.asarray(last[1]), np.asarray(short[0]), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_verify_equals_every_path(backend):
+    """Row 0 a random tree with two roots, row 1 a chain; each node as decoding its path."""
+    rng = np.random.RandomState(6)
+    T = 10
+    x = _inputs(rng, T)
+    parents = np.stack([_random_parents(rng, T)[0], np.asarray(gd.chain_parents(1, T))[0]])
+    parents[0, 4] = -1
+    want, _ = gd.gated_delta_reference(*x, parents)
+    with dispatch.use_backend(backend):
+        got = gk.gated_delta_verify(*(jnp.asarray(a) for a in x), jnp.asarray(parents))
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-5)
+
+
+def test_verify_kernel_tiles_and_split():
+    """The split form (per-head prep, then o = P S0 + R per Dv tile) over two Dv tiles."""
+    rng = np.random.RandomState(7)
+    x = _wide(rng, 7)
+    parents = _random_parents(rng, 7)
+    want, _ = gd.gated_delta_reference(*x, parents)
+    got = gk.gated_delta_verify_kernel(*x, parents, interpret=True, verify_split=True, verify_block_v=16)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_step_counts(backend):
+    """5 steps of which rows take 5 and 2; q None (a replay) gives the same state."""
+    rng = np.random.RandomState(8)
+    x = [jnp.asarray(a) for a in _inputs(rng, 5)]
+    count = jnp.asarray([5, 2], jnp.int32)
+    with dispatch.use_backend(backend):
+        out, last = gk.gated_delta_step(*x, count)
+        none, replay = gk.gated_delta_step(None, *x[1:], count)
+    want, states = gd.gated_delta_reference(*x)
+    assert none is None
+    np.testing.assert_allclose(np.asarray(out[0]), np.asarray(want[0]), rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(np.asarray(out[1, :2]), np.asarray(want[1, :2]), rtol=1e-5, atol=1e-5)
+    for got in (last, replay):
+        np.testing.assert_allclose(np.asarray(got[0]), np.asarray(states[0, 4]), rtol=1e-5, atol=1e-6)
+        np.testing.assert_allclose(np.asarray(got[1]), np.asarray(states[1, 1]), rtol=1e-5, atol=1e-6)
+    # the skipped steps read the state after the count
+    q1 = gd.l2norm(jnp.repeat(x[0][1, 2:], Hv // Hk, axis=1)) * Dk ** -0.5  # [3, Hv, Dk]
+    np.testing.assert_allclose(np.asarray(out[1, 2:]), np.einsum("thk,hkv->thv", q1, np.asarray(states[1, 1])),
+                               rtol=1e-5, atol=1e-5)
+
+
+def test_step_kernel_tiles_in_place():
+    """Four Dv tiles a head; the state is updated in place when donated (no copy made)."""
+    rng = np.random.RandomState(9)
+    x = [jnp.asarray(a) for a in _wide(rng, 3)]
+    want, want_last = gd.gated_delta_reference(*x, node_states=False)
+    def step(*a):
+        return gk.gated_delta_step_kernel(*a, interpret=True, step_block_v=8)
+
+    calls = [e for e in jax.make_jaxpr(step)(*x).jaxpr.eqns if e.primitive.name == "pallas_call"]
+    assert [e.params["input_output_aliases"] for e in calls] == [((6, 1),)]  # the state in, the state out
+    out, last = jax.jit(step, donate_argnums=5)(*x)
+    np.testing.assert_allclose(np.asarray(out), np.asarray(want), rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(np.asarray(last), np.asarray(want_last), rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_prefill_lengths(backend):
+    """37 tokens in chunks of 32 (blocked solve: two diagonal blocks and a merge), rows of
+    37 and 20 tokens: the state after each prompt, the padding changing nothing."""
+    rng = np.random.RandomState(10)
+    x = [jnp.asarray(a) for a in _inputs(rng, 37)]
+    lengths = jnp.asarray([37, 20], jnp.int32)
+    tiles = gk.GatedDeltaTiles(prefill_chunk=32)
+    with dispatch.use_backend(backend):
+        out, last = gk.gated_delta_prefill(*x, lengths, tiles=tiles)
+    want, want_last = gd.gated_delta_steps_reference(*x, lengths)
+    np.testing.assert_allclose(np.asarray(out[0]), np.asarray(want[0]), rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(np.asarray(out[1, :20]), np.asarray(want[1, :20]), rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(np.asarray(last), np.asarray(want_last), rtol=1e-5, atol=1e-5)
+
+
+def test_prefill_kernel_variants():
+    """Chunks of 16 (one block) with W precomputed, over two Dv tiles, and chunks of 64
+    solved row by row: the same as the rule."""
+    rng = np.random.RandomState(11)
+    x = [jnp.asarray(a) for a in _wide(rng, 21)]
+    lengths = jnp.asarray([21, 9], jnp.int32)
+    want, want_last = gd.gated_delta_steps_reference(*x, lengths)
+    for kw in ({"prefill_chunk": 16, "prefill_w": True, "prefill_block_v": 16}, {"prefill_blocked": False}):
+        out, last = gk.gated_delta_prefill_kernel(*x, lengths, interpret=True, **kw)
+        np.testing.assert_allclose(np.asarray(out[0]), np.asarray(want[0]), rtol=1e-5, atol=1e-5, err_msg=str(kw))
+        np.testing.assert_allclose(np.asarray(last), np.asarray(want_last), rtol=1e-5, atol=1e-5, err_msg=str(kw))
+
+
+def test_entry_points_reject_bad_inputs():
+    rng = np.random.RandomState(12)
+    x = [jnp.asarray(a) for a in _inputs(rng, 4)]
+    q, k, v, g, beta, state = x
+    with pytest.raises(ValueError, match="Hv a multiple"):
+        gk.gated_delta_step(q, k, v[:, :, :3], g[..., :3], beta[..., :3], state[:, :3])
+    with pytest.raises(ValueError, match="state must be"):
+        gk.gated_delta_prefill(q, k, v, g, beta, state[:, :, :4])
+    with pytest.raises(TypeError, match="state must be float32"):
+        gk.gated_delta_step(q, k, v, g, beta, state.astype(jnp.bfloat16))
+    with pytest.raises(ValueError, match="parents"):
+        gk.gated_delta_verify(q, k, v, g, beta, state, jnp.zeros((B, 3), jnp.int32))
+    with pytest.raises(ValueError, match="q must be"):
+        gk.gated_delta_verify(None, k, v, g, beta, state, jnp.zeros((B, 4), jnp.int32))
+    with pytest.raises(ValueError, match="count"):
+        gk.gated_delta_step(q, k, v, g, beta, state, jnp.zeros((B, 1), jnp.int32))

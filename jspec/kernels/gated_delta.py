@@ -62,7 +62,7 @@ def causal_conv_reference(x, state, weight, parents=None):
     node_states [B, T, C - 1, Ch]: the conv state after each node, its window's last
     C - 1 inputs)."""
     x, state, weight = jnp.asarray(x), jnp.asarray(state), jnp.asarray(weight)
-    B, T, Ch = x.shape
+    B, T, _ = x.shape
     C = weight.shape[1]
     parents = chain_parents(B, T) if parents is None else jnp.asarray(parents, jnp.int32)
     prev = _path_inputs(x, state.astype(x.dtype), parents, C - 1)  # [B, T, C-1, Ch], j - 1 = j before
@@ -220,7 +220,7 @@ def gated_delta_chunk_reference(q, k, v, g, beta, state, lengths=None, *, chunk:
     lengths[b] leave the state unchanged (their outputs read the state after the prompt)
     -> (out [B, T, Hv, Dv] float32, the state after lengths[b] tokens [B, Hv, Dk, Dv])."""
     qn, kn, v, g, beta, state = _per_value_head(q, k, v, g, beta, state)
-    B, T, Hv, Dk = kn.shape
+    B, T, Hv, _ = kn.shape
     Dv = v.shape[-1]
     valid = valid_tokens(T, lengths, B)
     g, beta = masked_steps(g, beta, valid)

@@ -1,0 +1,620 @@
+"""Pallas (Triton) kernels of the gated delta rule (Qwen3-Next / Qwen3.5 linear attention)
+for verification, decoding and prefill, and the entry points that dispatch between them
+and the jnp references of `jspec.kernels.gated_delta`.
+
+The rule per value head h (reading key head h // (Hv / Hk)), q and k L2-normalised in
+float32 and q scaled by Dk^-0.5, state S [Dk, Dv] float32:
+    S_t = exp(g_t) S_parent + k_t (beta_t (v_t - (exp(g_t) S_parent)^T k_t))^T,  o_t = S_t^T q_t
+
+Entry points (inputs q, k [B, T, Hk, Dk] of any float dtype, v [B, T, Hv, Dv], g, beta
+[B, T, Hv], state [B, Hv, Dk, Dv] float32; outputs float32):
+- `gated_delta_verify(..., parents)` -> out [B, T, Hv, Dv]: a tree of T = N nodes (each
+  node continues its parent's state; -1: the incoming one), reading the state once and
+  writing no state. Kernel `_verify_kernel`, one program per (row, value head, Dv tile):
+  the closed (WY) form of `gated_delta.gated_delta_tree_chunk_reference` over the N nodes,
+  nodes padded to M (a power of two >= 16, Triton's smallest product) with no-op nodes.
+  The unit lower-triangular system (I + L) is inverted row by row in registers (M steps),
+  then five small products give the outputs.
+- `gated_delta_step(..., count)` -> (out or None, state after count[b] steps): T steps one
+  after the other (decode: T = 1; a commit's replay of the accepted path: T = S + 1, count
+  = accept length), the state tile in registers throughout. Kernel `_step_kernel`, one
+  program per (row, value head, Dv tile): elementwise products and reductions over Dk, no
+  matrix units; steps t >= count[b] are no-ops (g = 0, beta = 0: the state passes
+  unchanged and out[t] reads it). The state input is aliased to the state output (updated
+  in place when the caller donates it).
+- `gated_delta_prefill(..., lengths)` -> (out, state after lengths[b] tokens): the chunked
+  WY form (flash-linear-attention's chunk_gated_delta_rule, chunks of 64) in float32 over
+  right-padded prompts; tokens t >= lengths[b] are no-ops. Two kernels:
+  `_chunk_prep_kernel`, one program per (row, value head, chunk), all in parallel: the
+  chunk's (I + L)^-1 and its decayed causal q.k products Aqk [BT, BT];
+  `_chunk_scan_kernel`, one program per (row, value head, Dv tile), walking the chunks in
+  order with the state tile in registers: u = (I + L)^-1 beta (v - exp(G) K S),
+  o = exp(G) Q S + Aqk u, S <- exp(G_last) S + (K exp(G_last - G))^T u.
+
+Dispatch: `dispatch.want_pallas(supported)`: the kernels on a GPU, the references
+elsewhere; JSPEC_KERNELS=pallas forces the kernels (interpret mode off GPU). Dk and Dv that
+are not powers of two >= 16 are zero-padded (a copy; the models' 128 need none). Matrix
+products in the kernels take `precision` ("ieee": float32 FMA, "tf32x3": three TF32 passes,
+about float32's accuracy on tensor cores, "tf32": one pass); elementwise work and
+accumulation are float32 throughout. Tiles are `GatedDeltaTiles` (`tiles=`).
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+
+from jspec.kernels import dispatch
+from jspec.kernels import gated_delta as gd
+from jspec.kernels.tiling import KERNEL_DTYPES, is_pow2, pow2_ceil
+
+_EPS = 1e-6  # l2norm's, as transformers and FLA
+MAX_VERIFY_NODES = 128  # the verify kernel's [M, M] tiles live in registers
+
+
+@dataclasses.dataclass(frozen=True)
+class GatedDeltaTiles:
+    """Tiles of the gated delta kernels (part of a compile key: frozen, hashable).
+
+    *_block_v: Dv columns per program (powers of two; verify and prefill >= 16, Triton's
+    smallest product); *_warps, *_stages: Triton's num_warps and num_stages (stages > 1
+    pipeline the loads of a loop's next step); prefill_chunk: tokens per chunk (16, 32 or
+    64); prefill_blocked: the chunk's solve as FLA's (16-row diagonal blocks inverted
+    together, then merged by products) rather than row by row over the whole chunk;
+    prefill_w: the prep kernel also writes W = X diag(beta exp(G)) K, so that the scan's
+    u = X (beta V) - W S (one product on the chain from one chunk's state to the next,
+    not two); verify_split: verification in two kernels (per head: everything that does
+    not read the state, as o = P S0 + R; then per Dv tile: the product with the state);
+    precision: the matrix products' ("ieee"; "tf32x3", "bf16x6", "bf16x3": float32 split
+    into 3 TF32 or 6 or 3 bf16 products; "tf32"; interpret mode takes float32's)."""
+    step_block_v: int = 16
+    step_warps: int = 1
+    step_stages: int = 1
+    verify_block_v: int = 32
+    verify_warps: int = 4
+    verify_stages: int = 1
+    verify_split: bool = False
+    prefill_chunk: int = 64
+    prefill_block_v: int = 32
+    prefill_warps: int = 4
+    prefill_stages: int = 1
+    prefill_blocked: bool = True
+    prefill_w: bool = False
+    prep_warps: int = 4
+    precision: str = "tf32x3"
+
+
+DEFAULT_TILES = GatedDeltaTiles()
+_PRECISIONS = ("ieee", "tf32x3", "bf16x6", "bf16x3", "tf32")
+
+
+def _dot_precision(name: str, interpret: bool):
+    if name not in _PRECISIONS:
+        raise ValueError(f"precision must be one of {_PRECISIONS}, got {name!r}")
+    if interpret or name == "ieee":
+        return lax.Precision.HIGHEST  # the Triton lowering's IEEE float32 product
+    presets = {"tf32x3": lax.DotAlgorithmPreset.TF32_TF32_F32_X3, "bf16x6": lax.DotAlgorithmPreset.BF16_BF16_F32_X6,
+               "bf16x3": lax.DotAlgorithmPreset.BF16_BF16_F32_X3}
+    return presets.get(name, lax.Precision.DEFAULT)  # DEFAULT: TF32
+
+
+# --------------------------------------------------------------------------- kernel pieces
+
+def _dot(a, b, prec, *, ta: bool = False, tb: bool = False):
+    """a @ b in float32 (ta, tb: a or b transposed) -> [M, N]."""
+    dims = (((0 if ta else 1,), (1 if tb else 0,)), ((), ()))
+    return lax.dot_general(a, b, dims, precision=prec, preferred_element_type=jnp.float32)
+
+
+def _rownorm(x):
+    """x [M, D] float32 -> x / sqrt(|row|^2 + eps) (`gated_delta.l2norm`)."""
+    return x * lax.rsqrt(jnp.sum(x * x, axis=1)[:, None] + _EPS)
+
+
+def _grid2(m: int):
+    """Row and column indices of an [m, m] tile -> (r, c) int32 [m, m]."""
+    return lax.broadcasted_iota(jnp.int32, (m, m), 0), lax.broadcasted_iota(jnp.int32, (m, m), 1)
+
+
+def _unit_lower_inverses(Ls):
+    """(I + L)^-1 for each L [m, m] strictly lower triangular -> tuple of [m, m], by forward
+    substitution a row at a time: X_i = e_i - sum_{j < i} L_ij X_j (rows j < i final). The
+    independent solves share one loop (their steps interleave). L's row i is read as
+    column i of L^T, a sum along rows, which leaves it indexed by row as the product with
+    X needs (no layout change a step)."""
+    m = Ls[0].shape[0]
+    r, c = _grid2(m)
+    eye = jnp.where(r == c, 1.0, 0.0)
+    LTs = [L.T for L in Ls]
+
+    def row(i, Xs):
+        out = []
+        for LT, X in zip(LTs, Xs):
+            l_i = jnp.sum(jnp.where(c == i, LT, 0.0), axis=1)  # [m]: L[i, :]
+            x_i = -jnp.sum(l_i[:, None] * X, axis=0)  # [m]: -L[i, :] @ X
+            out.append(jnp.where(r == i, x_i[None, :] + eye, X))
+        return tuple(out)
+
+    return lax.fori_loop(1, m, row, tuple(eye for _ in Ls))
+
+
+def _unit_lower_inverse(L):
+    """(I + L)^-1 for one strictly lower triangular L [M, M] (`_unit_lower_inverses`)."""
+    return _unit_lower_inverses([L])[0]
+
+
+# --------------------------------------------------------------------------- step kernel
+
+def _step_kernel(count_ref, *refs, steps: int, rep: int, block_v: int, scale: float, with_out: bool):
+    """One (row b, value head h, Dv tile j) over T steps, the state tile [Dk, BV] in registers.
+
+    count_ref [B] int32 (steps t >= count[b] are no-ops); q_ref [B, T, Hk, Dk] (with_out
+    only), k_ref [B, T, Hk, Dk], v_ref [B, T, Hv, Dv], g_ref, beta_ref [B, T, Hv] float32,
+    s_ref [B, Hv, Dk, Dv] float32 (the incoming state); outputs: o_ref [B, T, Hv, Dv] float32
+    (with_out), so_ref [B, Hv, Dk, Dv] float32 (aliased with s_ref). Whole arrays: each
+    program reads and writes only its own [Dk, BV] state tile and out columns."""
+    if with_out:
+        q_ref, k_ref, v_ref, g_ref, beta_ref, s_ref, o_ref, so_ref = refs
+    else:
+        k_ref, v_ref, g_ref, beta_ref, s_ref, so_ref = refs
+    b, h, j = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    hk, v0 = h // rep, j * block_v
+    count = count_ref[b]
+
+    def step(t, s):  # s [Dk, BV]: the state before step t
+        on = t < count
+        g = jnp.where(on, g_ref[b, t, h], 0.0)
+        beta = jnp.where(on, beta_ref[b, t, h], 0.0)
+        kt = k_ref[b, t, hk, :].astype(jnp.float32)  # [Dk]
+        kt = kt * lax.rsqrt(jnp.sum(kt * kt) + _EPS)
+        vt = v_ref[b, t, h, pl.ds(v0, block_v)].astype(jnp.float32)  # [BV]
+        s = s * jnp.exp(g)
+        delta = jnp.where(on, beta * (vt - jnp.sum(s * kt[:, None], axis=0)), 0.0)  # [BV]
+        s = s + kt[:, None] * delta[None, :]
+        if with_out:
+            qt = q_ref[b, t, hk, :].astype(jnp.float32)
+            qt = qt * (lax.rsqrt(jnp.sum(qt * qt) + _EPS) * scale)
+            o_ref[b, t, h, pl.ds(v0, block_v)] = jnp.sum(s * qt[:, None], axis=0)
+        return s
+
+    s = lax.fori_loop(0, steps, step, s_ref[b, h, :, pl.ds(v0, block_v)])
+    so_ref[b, h, :, pl.ds(v0, block_v)] = s
+
+
+# --------------------------------------------------------------------------- verify kernel
+
+def _verify_kernel(anc_ref, q_ref, k_ref, v_ref, g_ref, beta_ref, s_ref, o_ref, *, rep: int, block_v: int,
+                   scale: float, prec):
+    """One (row b, value head h, Dv tile j) over the M (padded) nodes of a tree.
+
+    anc_ref [B, M, M] int32 (1 where column a is row t or an ancestor of t); q_ref, k_ref
+    [B, M, Hk, Dk]; v_ref [B, M, Hv, Dv]; g_ref, beta_ref [B, M, Hv] float32; s_ref [B, Hv,
+    Dk, Dv] float32 (read once); o_ref [B, M, Hv, Dv] float32 (this program: [b, :, h, tile])."""
+    b, h, j = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    hk, v0 = h // rep, j * block_v
+    anc = anc_ref[b] > 0  # [M, M]
+    M = anc.shape[0]
+    r, c = _grid2(M)
+    qn = _rownorm(q_ref[b, :, hk, :].astype(jnp.float32)) * scale  # [M, Dk]
+    kn = _rownorm(k_ref[b, :, hk, :].astype(jnp.float32))  # [M, Dk]
+    v = v_ref[b, :, h, pl.ds(v0, block_v)].astype(jnp.float32)  # [M, BV]
+    g, beta = g_ref[b, :, h], beta_ref[b, :, h]  # [M]
+    s0 = s_ref[b, h, :, pl.ds(v0, block_v)]  # [Dk, BV]
+    G = jnp.sum(jnp.where(anc, g[None, :], 0.0), axis=1)  # [M]: log decay along each node's path
+    decay = jnp.where(anc, jnp.exp(jnp.minimum(G[:, None] - G[None, :], 0.0)), 0.0)  # [M, M]
+    L = jnp.where(anc & (r != c), beta[:, None] * _dot(kn, kn, prec, tb=True) * decay, 0.0)
+    eG = jnp.exp(G)[:, None]
+    rhs = beta[:, None] * (v - eG * _dot(kn, s0, prec))  # [M, BV]
+    u = _dot(_unit_lower_inverse(L), rhs, prec)
+    o = eG * _dot(qn, s0, prec) + _dot(decay * _dot(qn, kn, prec, tb=True), u, prec)
+    o_ref[b, :, h, pl.ds(v0, block_v)] = o
+
+
+def _verify_prep_kernel(anc_ref, q_ref, k_ref, v_ref, g_ref, beta_ref, p_ref, r_ref, *, rep: int, scale: float,
+                        prec):
+    """One (row b, value head h): verification's part that does not read the state.
+
+    With X = (I + L)^-1, W = X diag(beta exp(G)) K, U0 = X diag(beta) V and Aqk = decay *
+    (Q K^T): u = U0 - W S0 and o = exp(G) Q S0 + Aqk u = P S0 + R, where P = exp(G) Q -
+    Aqk W and R = Aqk U0. anc_ref .. beta_ref as `_verify_kernel`; outputs p_ref [B, Hv, M,
+    Dk] float32, r_ref [B, M, Hv, Dv] float32 (`_verify_state_kernel` adds P S0 in place)."""
+    b, h = pl.program_id(0), pl.program_id(1)
+    hk = h // rep
+    anc = anc_ref[b] > 0  # [M, M]
+    M = anc.shape[0]
+    r, c = _grid2(M)
+    qn = _rownorm(q_ref[b, :, hk, :].astype(jnp.float32)) * scale  # [M, Dk]
+    kn = _rownorm(k_ref[b, :, hk, :].astype(jnp.float32))
+    v = v_ref[b, :, h, :].astype(jnp.float32)  # [M, Dv]
+    g, beta = g_ref[b, :, h], beta_ref[b, :, h]  # [M]
+    G = jnp.sum(jnp.where(anc, g[None, :], 0.0), axis=1)
+    decay = jnp.where(anc, jnp.exp(jnp.minimum(G[:, None] - G[None, :], 0.0)), 0.0)
+    L = jnp.where(anc & (r != c), beta[:, None] * _dot(kn, kn, prec, tb=True) * decay, 0.0)
+    X = _unit_lower_inverse(L)
+    eG = jnp.exp(G)[:, None]
+    W = _dot(X, (beta[:, None] * eG) * kn, prec)  # [M, Dk]
+    U0 = _dot(X, beta[:, None] * v, prec)  # [M, Dv]
+    aqk = decay * _dot(qn, kn, prec, tb=True)  # [M, M]
+    p_ref[b, h] = eG * qn - _dot(aqk, W, prec)
+    r_ref[b, :, h, :] = _dot(aqk, U0, prec)
+
+
+def _verify_state_kernel(p_ref, r_ref, s_ref, o_ref, *, block_v: int, prec):
+    """One (row b, value head h, Dv tile j): o = P S0 + R on the tile. p_ref [B, Hv, M, Dk],
+    r_ref [B, M, Hv, Dv] (aliased with o_ref), s_ref [B, Hv, Dk, Dv], all float32."""
+    b, h, j = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    cols = pl.ds(j * block_v, block_v)
+    o_ref[b, :, h, cols] = _dot(p_ref[b, h], s_ref[b, h, :, cols], prec) + r_ref[b, :, h, cols]
+
+
+# --------------------------------------------------------------------------- prefill kernels
+
+def _chunk_inputs(len_ref, g_ref, beta_ref, b, h, t0, chunk: int):
+    """The chunk's no-op mask and masked gates -> (valid [BT] bool, g, beta [BT] float32)."""
+    valid = t0 + lax.broadcasted_iota(jnp.int32, (chunk,), 0) < len_ref[b]
+    g = jnp.where(valid, g_ref[b, pl.ds(t0, chunk), h], 0.0)
+    beta = jnp.where(valid, beta_ref[b, pl.ds(t0, chunk), h], 0.0)
+    return valid, g, beta
+
+
+_BC = 16  # rows of the diagonal blocks of the prefill's blocked solve
+
+
+def _chunk_prep_kernel(len_ref, q_ref, k_ref, g_ref, beta_ref, ainv_ref, aqk_ref, *w_ref, chunk: int, rep: int,
+                       scale: float, prec, blocked: bool):
+    """One (row b, value head h, chunk c): the chunk's solve and its intra-chunk products.
+
+    len_ref [B] int32; q_ref, k_ref [B, T, Hk, Dk]; g_ref, beta_ref [B, T, Hv] float32;
+    outputs ainv_ref, aqk_ref [B, Hv, NT, BT, BT] float32: (I + L)^-1 with L[t, a] = beta_t
+    exp(G_t - G_a) k_t.k_a (a < t), and Aqk[t, a] = exp(G_t - G_a) q_t.k_a (a <= t), G the
+    chunk's cumulative log decay; tokens past lengths[b] masked to no-ops; w_ref (optional)
+    [B, Hv, NT, BT, Dk] float32: W = (I + L)^-1 diag(beta exp(G)) K.
+    blocked: L in [BC, BC] blocks (BC = 16); the diagonal blocks' inverses X_ii by one
+    interleaved forward substitution (BC steps, not BT), then X_ij = -X_ii sum_{j<=m<i}
+    L_im X_mj for i > j (flash-linear-attention's solve_tril merge)."""
+    b, h, c = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    hk, t0 = h // rep, c * chunk
+    valid, g, beta = _chunk_inputs(len_ref, g_ref, beta_ref, b, h, t0, chunk)
+    kn = jnp.where(valid[:, None], _rownorm(k_ref[b, pl.ds(t0, chunk), hk, :].astype(jnp.float32)), 0.0)
+    qn = _rownorm(q_ref[b, pl.ds(t0, chunk), hk, :].astype(jnp.float32)) * scale  # [BT, Dk]
+    G = jnp.cumsum(g)  # [BT]
+    r, col = _grid2(chunk)
+    decay = jnp.where(r >= col, jnp.exp(jnp.minimum(G[:, None] - G[None, :], 0.0)), 0.0)  # [BT, BT]
+    aqk_ref[b, h, c] = decay * _dot(qn, kn, prec, tb=True)
+    if not blocked or chunk <= _BC:
+        L = jnp.where(r > col, beta[:, None] * _dot(kn, kn, prec, tb=True) * decay, 0.0)
+        X = _unit_lower_inverse(L)
+        ainv_ref[b, h, c] = X
+        if w_ref:
+            w_ref[0][b, h, c] = _dot(X, (beta * jnp.exp(G))[:, None] * kn, prec)
+        return
+    nb = chunk // _BC
+    ks, Gs, betas, G_end = [], [], [], 0.0
+    for i in range(nb):  # the chunk's rows in blocks of BC, loaded again block by block
+        v_i, g_i, beta_i = _chunk_inputs(len_ref, g_ref, beta_ref, b, h, t0 + i * _BC, _BC)
+        ks.append(jnp.where(v_i[:, None], _rownorm(k_ref[b, pl.ds(t0 + i * _BC, _BC), hk, :].astype(jnp.float32)), 0.0))
+        Gs.append(G_end + jnp.cumsum(g_i))
+        betas.append(beta_i)
+        G_end = G_end + jnp.sum(g_i)
+    rb, cb = _grid2(_BC)
+
+    def L_block(i, j):  # [BC, BC]: L's block (i, j), j <= i
+        d = jnp.exp(jnp.minimum(Gs[i][:, None] - Gs[j][None, :], 0.0))
+        if i == j:
+            d = jnp.where(rb > cb, d, 0.0)
+        return betas[i][:, None] * _dot(ks[i], ks[j], prec, tb=True) * d
+
+    Ls = {(i, j): L_block(i, j) for i in range(nb) for j in range(i + 1)}
+    diag = _unit_lower_inverses([Ls[i, i] for i in range(nb)])
+    X = {(i, i): diag[i] for i in range(nb)}
+    for i in range(1, nb):
+        for j in range(i - 1, -1, -1):
+            acc = _dot(Ls[i, j], X[j, j], prec)
+            for m in range(j + 1, i):
+                acc = acc + _dot(Ls[i, m], X[m, j], prec)
+            X[i, j] = -_dot(X[i, i], acc, prec)
+    zero = jnp.zeros((_BC, _BC), jnp.float32)
+    for i in range(nb):
+        for j in range(nb):
+            ainv_ref[b, h, c, pl.ds(i * _BC, _BC), pl.ds(j * _BC, _BC)] = X[i, j] if j <= i else zero
+    if w_ref:
+        bk = [(betas[j] * jnp.exp(Gs[j]))[:, None] * ks[j] for j in range(nb)]  # [BC, Dk] each
+        for i in range(nb):
+            w_i = _dot(X[i, 0], bk[0], prec)
+            for j in range(1, i + 1):
+                w_i = w_i + _dot(X[i, j], bk[j], prec)
+            w_ref[0][b, h, c, pl.ds(i * _BC, _BC), :] = w_i
+
+
+def _chunk_scan_kernel(len_ref, q_ref, k_ref, v_ref, g_ref, beta_ref, ainv_ref, aqk_ref, *refs, chunk: int,
+                       chunks: int, rep: int, block_v: int, scale: float, prec, with_w: bool):
+    """One (row b, value head h, Dv tile j), walking the NT chunks in order with the state
+    tile [Dk, BV] in registers.
+
+    len_ref [B] int32; q_ref, k_ref [B, T, Hk, Dk]; v_ref [B, T, Hv, Dv]; g_ref, beta_ref
+    [B, T, Hv] float32; ainv_ref, aqk_ref [B, Hv, NT, BT, BT] float32 (`_chunk_prep_kernel`);
+    with_w: w_ref [B, Hv, NT, BT, Dk] float32 (idem); s_ref [B, Hv, Dk, Dv] float32; outputs
+    o_ref [B, T, Hv, Dv] float32, so_ref [B, Hv, Dk, Dv] float32 (aliased with s_ref)."""
+    w_ref, s_ref, o_ref, so_ref = refs if with_w else (None, *refs)
+    b, h, j = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    hk, v0 = h // rep, j * block_v
+
+    def one_chunk(c, s):  # s [Dk, BV]: the state before chunk c
+        t0 = c * chunk
+        valid, g, beta = _chunk_inputs(len_ref, g_ref, beta_ref, b, h, t0, chunk)
+        kn = jnp.where(valid[:, None], _rownorm(k_ref[b, pl.ds(t0, chunk), hk, :].astype(jnp.float32)), 0.0)
+        qn = _rownorm(q_ref[b, pl.ds(t0, chunk), hk, :].astype(jnp.float32)) * scale  # [BT, Dk]
+        v = jnp.where(valid[:, None], v_ref[b, pl.ds(t0, chunk), h, pl.ds(v0, block_v)].astype(jnp.float32), 0.0)
+        G = jnp.cumsum(g)  # [BT]
+        g_last = jnp.sum(g)  # G at the chunk's last token
+        eG = jnp.exp(G)[:, None]
+        if with_w:  # u = X beta V - W S: one product on the chain
+            u = _dot(ainv_ref[b, h, c], beta[:, None] * v, prec) - _dot(w_ref[b, h, c], s, prec)
+        else:
+            u = _dot(ainv_ref[b, h, c], beta[:, None] * (v - eG * _dot(kn, s, prec)), prec)  # [BT, BV]
+        o_ref[b, pl.ds(t0, chunk), h, pl.ds(v0, block_v)] = eG * _dot(qn, s, prec) + _dot(aqk_ref[b, h, c], u, prec)
+        k_end = kn * jnp.exp(g_last - G)[:, None]  # [BT, Dk]: keys decayed to the chunk's end
+        return jnp.exp(g_last) * s + _dot(k_end, u, prec, ta=True)
+
+    s = lax.fori_loop(0, chunks, one_chunk, s_ref[b, h, :, pl.ds(v0, block_v)])
+    so_ref[b, h, :, pl.ds(v0, block_v)] = s
+
+
+# --------------------------------------------------------------------------- wrappers
+
+def _check(name, q, k, v, g, beta, state, *, q_optional: bool = False):
+    """Raises ValueError / TypeError for arguments the entry points do not take."""
+    arrays = {"k": k, "v": v, "g": g, "beta": beta, "state": state} | ({} if q is None else {"q": q})
+    if q is None and not q_optional:
+        raise ValueError(f"{name}: q must be an array [B, T, Hk, Dk], got None")
+    for key, a in arrays.items():
+        if not hasattr(a, "shape") or not hasattr(a, "dtype"):
+            raise TypeError(f"{name}: {key} must be an array, got {type(a).__name__}")
+        if not jnp.issubdtype(a.dtype, jnp.floating):
+            raise TypeError(f"{name}: {key} must be a float array, got {a.dtype}")
+    if k.ndim != 4 or v.ndim != 4:
+        raise ValueError(f"{name}: k must be [B, T, Hk, Dk] and v [B, T, Hv, Dv], got {k.shape} and {v.shape}")
+    B, T, Hk, Dk = k.shape
+    Hv, Dv = v.shape[2:]
+    if q is not None and q.shape != k.shape:
+        raise ValueError(f"{name}: q {q.shape} and k {k.shape} differ")
+    if v.shape[:2] != (B, T) or Hk < 1 or Hv % Hk:
+        raise ValueError(f"{name}: v {v.shape} must be [B, T, Hv, Dv] with Hv a multiple of k's Hk ({k.shape})")
+    for key, a in (("g", g), ("beta", beta)):
+        if a.shape != (B, T, Hv):
+            raise ValueError(f"{name}: {key} must be [B, T, Hv] = {(B, T, Hv)}, got {a.shape}")
+    if state.shape != (B, Hv, Dk, Dv):
+        raise ValueError(f"{name}: state must be [B, Hv, Dk, Dv] = {(B, Hv, Dk, Dv)}, got {state.shape}")
+    if state.dtype != jnp.float32:
+        raise TypeError(f"{name}: state must be float32, got {state.dtype}")
+    for key, a in arrays.items():
+        if key != "state" and jnp.dtype(a.dtype) not in map(jnp.dtype, KERNEL_DTYPES):
+            raise TypeError(f"{name}: {key} dtype {a.dtype} is not float32, bfloat16 or float16")
+
+
+def _check_rows(name, key, a, B: int, T: int | None):
+    """Integer [B, T] (T None: [B]) or raises."""
+    shape = (B,) if T is None else (B, T)
+    if not hasattr(a, "shape") or tuple(a.shape) != shape or not jnp.issubdtype(a.dtype, jnp.integer):
+        raise ValueError(f"{name}: {key} must be an integer array of shape {shape}, got "
+                         f"{getattr(a, 'dtype', type(a).__name__)} {getattr(a, 'shape', '')}")
+
+
+def _padded_dim(d: int) -> int:
+    return max(16, pow2_ceil(d))
+
+
+def _pad(x, axis: int, size: int, value=0):
+    if x.shape[axis] == size:
+        return x
+    widths = [(0, 0)] * x.ndim
+    widths[axis] = (0, size - x.shape[axis])
+    return jnp.pad(x, widths, constant_values=value)
+
+
+def _pad_heads(q, k, v, state):
+    """Zero-pads Dk and Dv to powers of two >= 16 (no copy when they are) -> (q, k, v,
+    state, Dv): zero key columns and state rows change no norm and no product."""
+    Dk, Dv = k.shape[-1], v.shape[-1]
+    Dkp, Dvp = _padded_dim(Dk), _padded_dim(Dv)
+    q = None if q is None else _pad(q, 3, Dkp)
+    return q, _pad(k, 3, Dkp), _pad(v, 3, Dvp), _pad(_pad(state, 2, Dkp), 3, Dvp), Dv
+
+
+def _block_v(block_v: int, Dv: int, minimum: int) -> int:
+    if not is_pow2(block_v) or block_v < minimum:
+        raise ValueError(f"block_v must be a power of two >= {minimum}, got {block_v!r}")
+    return min(block_v, Dv)
+
+
+def _compiler_params(interpret: bool, num_warps: int, num_stages: int = 1):
+    if interpret:
+        return None
+    from jax.experimental.pallas import triton as plt
+    return plt.CompilerParams(num_warps=num_warps, num_stages=num_stages)
+
+
+def _interpret(interpret):
+    return jax.default_backend() != "gpu" if interpret is None else bool(interpret)
+
+
+def _tiles(tiles: GatedDeltaTiles | None, overrides: dict) -> GatedDeltaTiles:
+    """tiles (None: the defaults) with some fields replaced (e.g. step_block_v=8)."""
+    t = DEFAULT_TILES if tiles is None else tiles
+    return dataclasses.replace(t, **overrides) if overrides else t
+
+
+def gated_delta_step_kernel(q, k, v, g, beta, state, count=None, *, tiles: GatedDeltaTiles | None = None,
+                            interpret: bool | None = None, **overrides):
+    """`gated_delta_step` with the Pallas kernel (no dispatch); tiles: `GatedDeltaTiles`
+    (None: the defaults), its fields replaced by `overrides` (step_block_v=..);
+    interpret None: interpret mode unless the default backend is a GPU."""
+    _check("gated_delta_step", q, k, v, g, beta, state, q_optional=True)
+    B, T, Hk, Dk = k.shape
+    Hv = v.shape[2]
+    count = jnp.full((B,), T, jnp.int32) if count is None else count
+    _check_rows("gated_delta_step", "count", count, B, None)
+    t = _tiles(tiles, overrides)
+    interpret = _interpret(interpret)
+    q, k, v, state, Dv0 = _pad_heads(q, k, v, state)
+    Dv = v.shape[-1]
+    BV = _block_v(t.step_block_v, Dv, 1)
+    with_out = q is not None
+    kernel = functools.partial(_step_kernel, steps=T, rep=Hv // Hk, block_v=BV, scale=Dk ** -0.5,
+                               with_out=with_out)
+    state_shape = jax.ShapeDtypeStruct(state.shape, jnp.float32)
+    out_shape = ((jax.ShapeDtypeStruct((B, T, Hv, Dv), jnp.float32),) if with_out else ()) + (state_shape,)
+    args = (count.astype(jnp.int32),) + ((q,) if with_out else ()) + (k, v, g.astype(jnp.float32),
+                                                                       beta.astype(jnp.float32), state)
+    res = pl.pallas_call(
+        kernel, grid=(B, Hv, Dv // BV), out_shape=out_shape,
+        input_output_aliases={len(args) - 1: len(out_shape) - 1}, interpret=interpret,
+        compiler_params=_compiler_params(interpret, t.step_warps, t.step_stages), name="jspec_gated_delta_step",
+    )(*args)
+    out, last = (res[0], res[1]) if with_out else (None, res[0])
+    if Dv != Dv0 or last.shape[2] != Dk:
+        last = last[:, :, :Dk, :Dv0]
+        out = None if out is None else out[..., :Dv0]
+    return out, last
+
+
+def gated_delta_verify_kernel(q, k, v, g, beta, state, parents, *, tiles: GatedDeltaTiles | None = None,
+                              interpret: bool | None = None, **overrides):
+    """`gated_delta_verify` with the Pallas kernel(s) (no dispatch); tiles, interpret and
+    overrides as `gated_delta_step_kernel`."""
+    _check("gated_delta_verify", q, k, v, g, beta, state)
+    B, T, Hk, Dk = k.shape
+    Hv = v.shape[2]
+    _check_rows("gated_delta_verify", "parents", parents, B, T)
+    M = max(16, pow2_ceil(T))
+    if M > MAX_VERIFY_NODES:
+        raise ValueError(f"gated_delta_verify's kernel takes at most {MAX_VERIFY_NODES} nodes, got {T}")
+    t = _tiles(tiles, overrides)
+    interpret = _interpret(interpret)
+    prec = _dot_precision(t.precision, interpret)
+    q, k, v, state, Dv0 = _pad_heads(q, k, v, state)
+    Dv = v.shape[-1]
+    BV = _block_v(t.verify_block_v, Dv, 16)
+    # M - T no-op nodes after the tree (roots: g = beta = 0, zero inputs): no real node's ancestor.
+    anc = gd.ancestor_matrix(_pad(jnp.asarray(parents, jnp.int32), 1, M, -1)).astype(jnp.int32)  # [B, M, M]
+    q, k, v = (_pad(x, 1, M) for x in (q, k, v))
+    g, beta = (_pad(x.astype(jnp.float32), 1, M) for x in (g, beta))
+    rep, scale = Hv // Hk, Dk ** -0.5
+    params = _compiler_params(interpret, t.verify_warps, t.verify_stages)
+    o_shape = jax.ShapeDtypeStruct((B, M, Hv, Dv), jnp.float32)
+    if not t.verify_split:
+        out = pl.pallas_call(
+            functools.partial(_verify_kernel, rep=rep, block_v=BV, scale=scale, prec=prec),
+            grid=(B, Hv, Dv // BV), out_shape=o_shape, interpret=interpret, compiler_params=params,
+            name="jspec_gated_delta_verify",
+        )(anc, q, k, v, g, beta, state)
+        return out[:, :T, :, :Dv0]
+    P, R = pl.pallas_call(
+        functools.partial(_verify_prep_kernel, rep=rep, scale=scale, prec=prec),
+        grid=(B, Hv), out_shape=(jax.ShapeDtypeStruct((B, Hv, M, q.shape[-1]), jnp.float32), o_shape),
+        interpret=interpret, compiler_params=_compiler_params(interpret, t.prep_warps),
+        name="jspec_gated_delta_verify_prep",
+    )(anc, q, k, v, g, beta)
+    out = pl.pallas_call(
+        functools.partial(_verify_state_kernel, block_v=BV, prec=prec),
+        grid=(B, Hv, Dv // BV), out_shape=o_shape, input_output_aliases={1: 0}, interpret=interpret,
+        compiler_params=params, name="jspec_gated_delta_verify_state",
+    )(P, R, state)
+    return out[:, :T, :, :Dv0]
+
+
+def gated_delta_prefill_kernel(q, k, v, g, beta, state, lengths=None, *, tiles: GatedDeltaTiles | None = None,
+                               interpret: bool | None = None, **overrides):
+    """`gated_delta_prefill` with the Pallas kernels (no dispatch); tiles, interpret and
+    overrides as `gated_delta_step_kernel`."""
+    _check("gated_delta_prefill", q, k, v, g, beta, state)
+    B, T, Hk, Dk = k.shape
+    Hv = v.shape[2]
+    lengths = jnp.full((B,), T, jnp.int32) if lengths is None else lengths
+    _check_rows("gated_delta_prefill", "lengths", lengths, B, None)
+    t = _tiles(tiles, overrides)
+    BT = t.prefill_chunk
+    if BT not in (16, 32, 64):
+        raise ValueError(f"prefill_chunk must be 16, 32 or 64, got {BT!r}")
+    interpret = _interpret(interpret)
+    prec = _dot_precision(t.precision, interpret)
+    q, k, v, state, Dv0 = _pad_heads(q, k, v, state)
+    Dv = v.shape[-1]
+    BV = _block_v(t.prefill_block_v, Dv, 16)
+    NT = pl.cdiv(T, BT)
+    lengths = jnp.minimum(lengths.astype(jnp.int32), T)  # padding tokens: past every length
+    q, k, v = (_pad(x, 1, NT * BT) for x in (q, k, v))
+    g, beta = (_pad(x.astype(jnp.float32), 1, NT * BT) for x in (g, beta))
+    rep, scale = Hv // Hk, Dk ** -0.5
+    tri = jax.ShapeDtypeStruct((B, Hv, NT, BT, BT), jnp.float32)
+    w_shape = (jax.ShapeDtypeStruct((B, Hv, NT, BT, q.shape[-1]), jnp.float32),) if t.prefill_w else ()
+    prep = pl.pallas_call(
+        functools.partial(_chunk_prep_kernel, chunk=BT, rep=rep, scale=scale, prec=prec, blocked=t.prefill_blocked),
+        grid=(B, Hv, NT), out_shape=(tri, tri, *w_shape), interpret=interpret,
+        compiler_params=_compiler_params(interpret, t.prep_warps), name="jspec_gated_delta_chunk_prep",
+    )(lengths, q, k, g, beta)
+    out, last = pl.pallas_call(
+        functools.partial(_chunk_scan_kernel, chunk=BT, chunks=NT, rep=rep, block_v=BV, scale=scale, prec=prec,
+                          with_w=t.prefill_w),
+        grid=(B, Hv, Dv // BV),
+        out_shape=(jax.ShapeDtypeStruct((B, NT * BT, Hv, Dv), jnp.float32), jax.ShapeDtypeStruct(state.shape, jnp.float32)),
+        input_output_aliases={len(prep) + 6: 1}, interpret=interpret,
+        compiler_params=_compiler_params(interpret, t.prefill_warps, t.prefill_stages),
+        name="jspec_gated_delta_chunk_scan",
+    )(lengths, q, k, v, g, beta, *prep, state)
+    return out[:, :T, :, :Dv0], last[:, :, :Dk, :Dv0]
+
+
+# --------------------------------------------------------------------------- entry points
+
+def _small_heads(k, v) -> bool:
+    """Whether the kernels' register tiles take these head dims without padding past 256."""
+    return k.shape[-1] <= 256 and v.shape[-1] <= 1024
+
+
+def gated_delta_verify(q, k, v, g, beta, state, parents, *, tiles: GatedDeltaTiles | None = None):
+    """The rule over a tree of T = N nodes, each continuing its parent's state (parents
+    [B, T] int, parents[t] < t, -1: the incoming state), reading the state once and writing
+    none. q, k [B, T, Hk, Dk] raw (normalised here), v [B, T, Hv, Dv], g, beta [B, T, Hv],
+    state [B, Hv, Dk, Dv] float32 -> out [B, T, Hv, Dv] float32 (each node as decoding its
+    root-to-node path). The kernel on a GPU (up to 64 nodes), else
+    `gated_delta.gated_delta_tree_chunk_reference`."""
+    _check("gated_delta_verify", q, k, v, g, beta, state)
+    _check_rows("gated_delta_verify", "parents", parents, *k.shape[:2])
+    if dispatch.want_pallas(k.shape[1] <= 64 and _small_heads(k, v)):
+        return gated_delta_verify_kernel(q, k, v, g, beta, state, parents, tiles=tiles)
+    return gd.gated_delta_tree_chunk_reference(q, k, v, g, beta, state, parents)
+
+
+def gated_delta_step(q, k, v, g, beta, state, count=None, *, tiles: GatedDeltaTiles | None = None):
+    """T steps of the rule one after the other, of which the first count[b] change row b's
+    state (count [B] int or None: T; later steps are no-ops, their outputs read the state
+    after count[b] steps). q None: no outputs (a replay that keeps only the state). Same
+    inputs as `gated_delta_verify` -> (out [B, T, Hv, Dv] float32 or None, state [B, Hv, Dk,
+    Dv] float32). The kernel (state updated in place when donated) on a GPU, else
+    `gated_delta.gated_delta_steps_reference`."""
+    _check("gated_delta_step", q, k, v, g, beta, state, q_optional=True)
+    if count is not None:
+        _check_rows("gated_delta_step", "count", count, k.shape[0], None)
+    if dispatch.want_pallas(_small_heads(k, v)):
+        return gated_delta_step_kernel(q, k, v, g, beta, state, count, tiles=tiles)
+    return gd.gated_delta_steps_reference(q, k, v, g, beta, state, count)
+
+
+def gated_delta_prefill(q, k, v, g, beta, state, lengths=None, *, tiles: GatedDeltaTiles | None = None):
+    """The rule over right-padded prompts in chunks (chunked WY form, float32): tokens t >=
+    lengths[b] (lengths [B] int or None: T) leave the state unchanged. Same inputs as
+    `gated_delta_verify` -> (out [B, T, Hv, Dv] float32, the state after lengths[b] tokens
+    [B, Hv, Dk, Dv] float32). The kernels on a GPU, else
+    `gated_delta.gated_delta_chunk_reference` (chunks of tiles.prefill_chunk)."""
+    _check("gated_delta_prefill", q, k, v, g, beta, state)
+    if lengths is not None:
+        _check_rows("gated_delta_prefill", "lengths", lengths, k.shape[0], None)
+    t = DEFAULT_TILES if tiles is None else tiles
+    if dispatch.want_pallas(_small_heads(k, v)):
+        return gated_delta_prefill_kernel(q, k, v, g, beta, state, lengths, tiles=t)
+    return gd.gated_delta_chunk_reference(q, k, v, g, beta, state, lengths, chunk=t.prefill_chunk)
