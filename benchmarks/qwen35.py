@@ -4,13 +4,13 @@ decode: ms/token at batch 1 and 32 (context 1k) and bandwidth utilisation = byte
 must move / step time / copy bandwidth; the bytes: weights used (all but the embedding
 table; MoE: the fixed weights and the expected distinct experts of the step's tokens), the
 full-attention layers' KV, and every linear layer's conv and delta-rule states read and
-written. mtp: MTP chain S = 1..3 and tree (3,2,4) rounds as ratios to one AR step
+written. mtp: MTP chain S = 1..3 (mtp3: S = 3 only) and tree (3,2,4) rounds as ratios to one AR step
 (a random MTP layer: its acceptance is not the point; the round's cost is). commit: the
 commit alone (a replay record, or per-node checkpoints) on the shape's state at batch 1
 and 32 with the chain S=3 record (N = 4): its time, its share of that round, and the
 record's memory; and the S=3 round under `Tuning(recurrent_commit="checkpoint")`.
 
-Run: PYTHONPATH=. python3 benchmarks/qwen35.py 27b|35b [decode] [mtp] [commit]
+Run: PYTHONPATH=. python3 benchmarks/qwen35.py 27b|35b [decode] [mtp | mtp3] [commit] [--batches 1,32]
 """
 from __future__ import annotations
 
@@ -66,28 +66,54 @@ def pending_record(c, B: int, N: int, commit: str):
     return tuple(jax.tree.map(jnp.copy, rec) for _ in c.linear_layers)
 
 
-def commit_time(c, B: int, N: int, commit: str) -> tuple[float, int]:
-    """(seconds of one commit of every layer's states, bytes of the record)."""
+def commit_time(c, B: int, N: int, commit: str, reps: int = 20) -> tuple[float, int]:
+    """(seconds of one commit of every layer's states, bytes of the record): `reps` commits
+    in one program (a loop whose every turn commits a full record of N accepted nodes), so
+    that the call's dispatch of a few hundred arrays does not count."""
     kind = family_for(c).cache_kind(c)
     layout = CacheLayout(paged=False, capacity=64)
-    cache = kind.init(layout, B).replace(pending=pending_record(c, B, N, commit))
-    record_bytes = sum(x.nbytes for x in jax.tree.leaves(cache.pending))
+    record = pending_record(c, B, N, commit)
+    record_bytes = sum(x.nbytes for x in jax.tree.leaves(record))
     path = jnp.broadcast_to(jnp.arange(N, dtype=jnp.int32)[None], (B, N))
     acc = jnp.full((B,), N, jnp.int32)
-    f = jax.jit(lambda cache: kind.commit(cache, layout, None, jnp.zeros((B,), jnp.int32), path, acc,
-                                          jnp.ones((B,), bool), True))
-    t = median_time(f, cache, n=20)
-    del cache
-    return t, record_bytes
+
+    def commits(cache, record, n):
+        def one(_, cache):
+            return kind.commit(cache.replace(pending=record), layout, None, jnp.zeros((B,), jnp.int32), path, acc,
+                               jnp.ones((B,), bool), True)
+        return jax.lax.fori_loop(0, n, one, cache)
+
+    f = jax.jit(commits, static_argnums=2, donate_argnums=0)
+    f(kind.init(layout, B), record, 1)
+    t1 = median_time(lambda: f(kind.init(layout, B), record, 1), n=5)
+    tn = median_time(lambda: f(kind.init(layout, B), record, reps + 1), n=5)
+    return (tn - t1) / reps, record_bytes
+
+
+def commit_only(c, shape: str):
+    res = {"env": env_info(), "shape": shape}
+    for batch in (1, 32):
+        for commit in ("replay", "checkpoint"):
+            try:
+                t, nbytes = commit_time(c, batch, 4, commit)
+                res[f"commit_b{batch}_{commit}"] = {"ms": t * 1e3, "record_MB": nbytes / 1e6}
+            except Exception as e:  # noqa: BLE001
+                res[f"commit_b{batch}_{commit}"] = {"failed": repr(e)[:300]}
+            print(f"commit_b{batch}_{commit}", rounded(res[f"commit_b{batch}_{commit}"]), flush=True)
+    save_json(f"qwen35_{shape}_commit.json", res)
 
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("shape", choices=sorted(SHAPES))
     ap.add_argument("parts", nargs="*", default=["decode", "mtp", "commit"])
+    ap.add_argument("--batches", default="1,32", help="comma-separated batch sizes")
     args = ap.parse_args()
     c = SHAPES[args.shape]
-    name = f"qwen35_{args.shape}.json"
+    if args.parts == ["commit"]:  # the commit alone needs no weights
+        return commit_only(c, args.shape)
+    batches = [int(b) for b in args.batches.split(",")]
+    name = f"qwen35_{args.shape}_b{'_'.join(map(str, batches))}.json"
     res = {"env": env_info(), "shape": args.shape}
     print(res["env"], flush=True)
     bw = copy_bandwidth()
@@ -106,7 +132,7 @@ def main():
         save_json(name, res)
 
     ar = {}
-    for batch in (1, 32):
+    for batch in batches:
         r = Runner(target, prompts(batch, c.vocab_size), LONG)
         per, _, _ = r.per_round(SHORT, LONG, reps=2)
         ar[batch] = per
@@ -116,12 +142,12 @@ def main():
                                  "compile_s": r.compile_s})
         del r
     rounds = {}
-    if "mtp" in args.parts or "commit" in args.parts:
+    if {"mtp", "mtp3", "commit"} & set(args.parts):
         d = QwenMtpDraft(layer_config(c))
         dw = jax.jit(lambda k: d.init(k, c.vocab_size))(jax.random.key(1))
         spec_params = target.with_draft(jspec.DraftParams(d, dw))
-        shapes = [(1, 1, 2), (2, 1, 3), (3, 1, 4), (3, 2, 4)] if "mtp" in args.parts else [(3, 1, 4)]
-        for batch in (1, 32):
+        shapes = ([(1, 1, 2), (2, 1, 3)] if "mtp" in args.parts else []) + [(3, 1, 4), (3, 2, 4)]
+        for batch in batches:
             for S, K, N in shapes:
                 if batch == 32 and (S, K, N) in ((1, 1, 2), (2, 1, 3)):
                     continue
