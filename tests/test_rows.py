@@ -217,3 +217,23 @@ def test_mtp_request_admitted_equals_alone(tmp_path_factory):
     for i in range(len(PROMPTS)):
         assert together[i] == b.alone(i, row=(i + 1) % B), i
 
+
+
+def test_hybrid_request_admitted_equals_alone(tmp_path_factory):
+    """A Qwen3.5 target (per-row conv and delta-rule states beside paged KV) drafting a tree
+    with its own MTP layer: a request admitted into a reused row starts from zero states and
+    emits what it emits alone; the other rows' states are untouched by the admission."""
+    from test_qwen3_next import make_hybrid
+    path = str(tmp_path_factory.mktemp("rows_hybrid"))
+    make_hybrid(path, "qwen3_5")
+    b = Batch(jspec.load(path, dtype="float32", draft="mtp"), CACHES["paged16"],
+              spec=jspec.SpecConfig(num_steps=2, topk=2, num_draft_tokens=4))
+    together = run_interleaved(b)
+    for i in range(len(PROMPTS)):
+        assert together[i] == b.alone(i, row=(i + 1) % B), i
+    st = b.advance(b.admit(b.admit(b.fresh(), 0, 0)[0], 1, 1)[0], 2)[0]
+    before = [np.asarray(a) for a in st.tcache.ssm + st.tcache.conv]  # (admit donates its state)
+    after = b.admit(st, 2, 2)[0]
+    for old, new in zip(before, after.tcache.ssm + after.tcache.conv):
+        np.testing.assert_array_equal(old[[0, 1, 3]], np.asarray(new)[[0, 1, 3]])
+        assert np.abs(np.asarray(new)[2]).max() > 0
