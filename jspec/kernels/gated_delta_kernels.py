@@ -68,7 +68,8 @@ class GatedDeltaTiles:
     prefill_w: the prep kernel also writes W = X diag(beta exp(G)) K, so that the scan's
     u = X (beta V) - W S (one product on the chain from one chunk's state to the next,
     not two); verify_split: verification in two kernels (per head: everything that does
-    not read the state, as o = P S0 + R; then per Dv tile: the product with the state);
+    not read the state, as o = P S0 + R; then per Dv tile: the product with the state;
+    verify_state_xla: that product by XLA, float32);
     precision: the matrix products' ("ieee"; "tf32x3", "bf16x6", "bf16x3": float32 split
     into 3 TF32 or 6 or 3 bf16 products; "tf32"; interpret mode takes float32's)."""
     step_block_v: int = 16
@@ -78,6 +79,7 @@ class GatedDeltaTiles:
     verify_warps: int = 4
     verify_stages: int = 1
     verify_split: bool = False
+    verify_state_xla: bool = False
     prefill_chunk: int = 64
     prefill_block_v: int = 32
     prefill_warps: int = 4
@@ -120,21 +122,25 @@ def _grid2(m: int):
     return lax.broadcasted_iota(jnp.int32, (m, m), 0), lax.broadcasted_iota(jnp.int32, (m, m), 1)
 
 
-def _unit_lower_inverses(Ls):
+def _unit_lower_inverses(Ls, transposed: bool = True):
     """(I + L)^-1 for each L [m, m] strictly lower triangular -> tuple of [m, m], by forward
     substitution a row at a time: X_i = e_i - sum_{j < i} L_ij X_j (rows j < i final). The
     independent solves share one loop (their steps interleave). L's row i is read as
     column i of L^T, a sum along rows, which leaves it indexed by row as the product with
-    X needs (no layout change a step)."""
+    X needs (no layout change a step); transposed False: row i of L itself, as a sum over
+    rows (no [m, m] transpose, less shared memory for the chunk's whole 64 x 64)."""
     m = Ls[0].shape[0]
     r, c = _grid2(m)
     eye = jnp.where(r == c, 1.0, 0.0)
-    LTs = [L.T for L in Ls]
+    LTs = [L.T if transposed else L for L in Ls]
 
     def row(i, Xs):
         out = []
         for LT, X in zip(LTs, Xs):
-            l_i = jnp.sum(jnp.where(c == i, LT, 0.0), axis=1)  # [m]: L[i, :]
+            if transposed:
+                l_i = jnp.sum(jnp.where(c == i, LT, 0.0), axis=1)  # [m]: L[i, :]
+            else:
+                l_i = jnp.sum(jnp.where(r == i, LT, 0.0), axis=0)
             x_i = -jnp.sum(l_i[:, None] * X, axis=0)  # [m]: -L[i, :] @ X
             out.append(jnp.where(r == i, x_i[None, :] + eye, X))
         return tuple(out)
@@ -142,9 +148,9 @@ def _unit_lower_inverses(Ls):
     return lax.fori_loop(1, m, row, tuple(eye for _ in Ls))
 
 
-def _unit_lower_inverse(L):
+def _unit_lower_inverse(L, transposed: bool = True):
     """(I + L)^-1 for one strictly lower triangular L [M, M] (`_unit_lower_inverses`)."""
-    return _unit_lower_inverses([L])[0]
+    return _unit_lower_inverses([L], transposed)[0]
 
 
 # --------------------------------------------------------------------------- step kernel
@@ -209,7 +215,7 @@ def _verify_kernel(anc_ref, q_ref, k_ref, v_ref, g_ref, beta_ref, s_ref, o_ref, 
     L = jnp.where(anc & (r != c), beta[:, None] * _dot(kn, kn, prec, tb=True) * decay, 0.0)
     eG = jnp.exp(G)[:, None]
     rhs = beta[:, None] * (v - eG * _dot(kn, s0, prec))  # [M, BV]
-    u = _dot(_unit_lower_inverse(L), rhs, prec)
+    u = _dot(_unit_lower_inverse(L, transposed=M <= 32), rhs, prec)
     o = eG * _dot(qn, s0, prec) + _dot(decay * _dot(qn, kn, prec, tb=True), u, prec)
     o_ref[b, :, h, pl.ds(v0, block_v)] = o
 
@@ -234,7 +240,7 @@ def _verify_prep_kernel(anc_ref, q_ref, k_ref, v_ref, g_ref, beta_ref, p_ref, r_
     G = jnp.sum(jnp.where(anc, g[None, :], 0.0), axis=1)
     decay = jnp.where(anc, jnp.exp(jnp.minimum(G[:, None] - G[None, :], 0.0)), 0.0)
     L = jnp.where(anc & (r != c), beta[:, None] * _dot(kn, kn, prec, tb=True) * decay, 0.0)
-    X = _unit_lower_inverse(L)
+    X = _unit_lower_inverse(L, transposed=M <= 32)
     eG = jnp.exp(G)[:, None]
     W = _dot(X, (beta[:, None] * eG) * kn, prec)  # [M, Dk]
     U0 = _dot(X, beta[:, None] * v, prec)  # [M, Dv]
@@ -287,7 +293,7 @@ def _chunk_prep_kernel(len_ref, q_ref, k_ref, g_ref, beta_ref, ainv_ref, aqk_ref
     aqk_ref[b, h, c] = decay * _dot(qn, kn, prec, tb=True)
     if not blocked or chunk <= _BC:
         L = jnp.where(r > col, beta[:, None] * _dot(kn, kn, prec, tb=True) * decay, 0.0)
-        X = _unit_lower_inverse(L)
+        X = _unit_lower_inverse(L, transposed=chunk <= _BC)
         ainv_ref[b, h, c] = X
         if w_ref:
             w_ref[0][b, h, c] = _dot(X, (beta * jnp.exp(G))[:, None] * kn, prec)
@@ -519,6 +525,9 @@ def gated_delta_verify_kernel(q, k, v, g, beta, state, parents, *, tiles: GatedD
         interpret=interpret, compiler_params=_compiler_params(interpret, t.prep_warps),
         name="jspec_gated_delta_verify_prep",
     )(anc, q, k, v, g, beta)
+    if t.verify_state_xla:
+        out = jnp.einsum("bhmd,bhdv->bmhv", P, state, precision=lax.Precision.HIGHEST) + R
+        return out[:, :T, :, :Dv0]
     out = pl.pallas_call(
         functools.partial(_verify_state_kernel, block_v=BV, prec=prec),
         grid=(B, Hv, Dv // BV), out_shape=o_shape, input_output_aliases={1: 0}, interpret=interpret,
