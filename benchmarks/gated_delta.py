@@ -3,21 +3,25 @@ checked against the jnp references (float32 and bf16 inputs), then timed against
 references compiled by XLA and against flash-linear-attention's Triton kernels
 (`chunk_gated_delta_rule`, `fused_recurrent_gated_delta_rule`) in the same process.
 
-Sections (--sections, comma-separated; default all):
+Sections (--sections, comma-separated, run in the order given; default sweep,check,time,fla):
+  sweep  the kernels' tiles (`GatedDeltaTiles` fields: Dv tiles, warps, stages, chunk,
+         product precision, split verify) at one shape each, with each variant's error;
+         the fastest within --tol (2e-5) of the float32 reference is what the check and
+         time sections then run (the defaults otherwise)
   check  kernel vs `gated_delta_reference` (the sequential rule, float32 products) and
          the XLA chunk references: ||out - ref|| / ||ref|| and of the state
   time   us per call of each entry point (kernel) and its XLA reference: GPU kernel time
-         (every kernel of the call: the wrapper's pads and ancestor matrix too) from a
-         profiler trace, the mean of 4 calls each on its own inputs (so nothing comes from
-         L2 that a real call would read cold)
-  sweep  the kernels' tiles (block_v, warps, chunk, product precision) at one shape each
+         (every kernel of the call: the wrapper's pads and ancestor matrix too, split by
+         kernel) from a profiler trace, the mean of 4 calls each on its own inputs (so
+         nothing comes from L2 that a real call would read cold)
   fla    FLA's kernels at the same shapes (--fla: a directory holding the `fla` package,
          put on sys.path; torch CUDA kernel time from torch.profiler, same method), and
          their error against the same reference
-Shapes: Hk = 16, Dk = Dv = 128, Hv = 32 (48 where named), B in {1, 32}, N in {1, 4, 8, 16}
-verified nodes (trees with random parents; chains where FLA is compared), prefill T = 4096.
+Shapes: Hk = 16, Dk = Dv = 128, Hv = 32 (48 where named), B in {1, 32}, N in {1, 4, 8, 16,
+64} verified nodes (trees with random parents; chains where FLA is compared), prefill T =
+4096. --smoke: tiny shapes, a CPU run of the whole script in interpret mode.
 
-Run: PYTHONPATH=. python3 benchmarks/gated_delta.py [--sections check,time,sweep,fla] [--fla DIR] [--budget S]
+Run: PYTHONPATH=. python3 benchmarks/gated_delta.py [--sections sweep,check,time,fla] [--fla DIR] [--budget S]
 Results: $OUT/gated_delta_<device>.json (rows as they come) and a table on stdout.
 """
 from __future__ import annotations
@@ -260,19 +264,16 @@ def sweep():
     fastest whose error stays within --tol is what the check and time sections then run."""
     def v(**kw):
         return kw
-    split = {"verify_split": True, "prep_warps": 2}
     grid = {
         ("verify", 32, 16, 32): [
-            v(**split), v(**split, precision="bf16x3"), v(**split, precision="bf16x6"),
-            v(**split, precision="bf16x3", verify_state_xla=True), v(**split, precision="bf16x3", verify_block_v=64),
-            v(precision="bf16x3"), v(**split, precision="tf32")],
+            v(), v(precision="tf32x3"), v(precision="bf16x6"), v(verify_state_xla=True), v(verify_block_v=64),
+            v(verify_split=False), v(precision="tf32")],
         ("decode", 32, 1, 32): [v(step_block_v=bv, step_warps=w, step_stages=st)
-                                for bv, w, st in ((32, 2, 3), (32, 4, 1), (64, 4, 1))],
+                                for bv, w, st in ((64, 4, 1), (32, 2, 3), (32, 4, 1))],
         ("prefill", 1, 4096, 32): [
-            v(), v(precision="bf16x3"), v(precision="bf16x3", prefill_stages=3), v(precision="bf16x3", prefill_block_v=16),
-            v(precision="bf16x3", prefill_block_v=64), v(precision="bf16x3", prefill_w=True),
-            v(precision="bf16x3", prefill_w=True, prefill_stages=3), v(precision="bf16x3", prep_warps=2),
-            v(precision="bf16x3", prefill_chunk=32), v(precision="bf16x3", prefill_blocked=False), v(precision="tf32")],
+            v(), v(precision="tf32x3"), v(prefill_stages=1), v(prefill_block_v=16), v(prefill_block_v=64),
+            v(prefill_w=True, prefill_stages=1), v(chunk_prep_warps=2), v(prefill_chunk=32),
+            v(prefill_blocked=False), v(precision="tf32")],
     }
     for (kind, B, T, Hv), variants in grid.items():
         if left() < 60:

@@ -182,14 +182,16 @@ def test_verify_equals_every_path(backend):
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-5)
 
 
-def test_verify_kernel_tiles_and_split():
-    """The split form (per-head prep, then o = P S0 + R per Dv tile) over two Dv tiles."""
+def test_verify_kernel_tiles_both_forms():
+    """The split form (the default: per-head prep, then o = P S0 + R per Dv tile) and the
+    one-kernel form, over two Dv tiles."""
     rng = np.random.RandomState(7)
     x = _wide(rng, 7)
     parents = _random_parents(rng, 7)
     want, _ = gd.gated_delta_reference(*x, parents)
-    got = gk.gated_delta_verify_kernel(*x, parents, interpret=True, verify_split=True, verify_block_v=16)
-    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-5)
+    for split in (True, False):
+        got = gk.gated_delta_verify_kernel(*x, parents, interpret=True, verify_split=split, verify_block_v=16)
+        np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-5, err_msg=f"split {split}")
 
 
 @pytest.mark.parametrize("backend", BACKENDS)

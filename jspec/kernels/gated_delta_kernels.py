@@ -10,33 +10,39 @@ Entry points (inputs q, k [B, T, Hk, Dk] of any float dtype, v [B, T, Hv, Dv], g
 [B, T, Hv], state [B, Hv, Dk, Dv] float32; outputs float32):
 - `gated_delta_verify(..., parents)` -> out [B, T, Hv, Dv]: a tree of T = N nodes (each
   node continues its parent's state; -1: the incoming one), reading the state once and
-  writing no state. Kernel `_verify_kernel`, one program per (row, value head, Dv tile):
-  the closed (WY) form of `gated_delta.gated_delta_tree_chunk_reference` over the N nodes,
+  writing no state: the closed (WY) form of `gated_delta.gated_delta_tree_chunk_reference`,
   nodes padded to M (a power of two >= 16, Triton's smallest product) with no-op nodes.
-  The unit lower-triangular system (I + L) is inverted row by row in registers (M steps),
-  then five small products give the outputs.
+  With X = (I + L)^-1 (unit lower triangular, inverted row by row in registers, M steps),
+  u = X beta (V - exp(G) K S0) and o = exp(G) Q S0 + Aqk u. Default (verify_split): two
+  kernels, `_verify_prep_kernel` per (row, value head) computing everything that does not
+  read the state as o = P S0 + R (P = exp(G) Q - Aqk X diag(beta exp(G)) K, R = Aqk X
+  diag(beta) V), then `_verify_state_kernel` per (row, value head, Dv tile): P S0 + R.
+  `_verify_kernel` does it all per Dv tile in one kernel (the solve repeated per tile).
 - `gated_delta_step(..., count)` -> (out or None, state after count[b] steps): T steps one
   after the other (decode: T = 1; a commit's replay of the accepted path: T = S + 1, count
   = accept length), the state tile in registers throughout. Kernel `_step_kernel`, one
   program per (row, value head, Dv tile): elementwise products and reductions over Dk, no
-  matrix units; steps t >= count[b] are no-ops (g = 0, beta = 0: the state passes
-  unchanged and out[t] reads it). The state input is aliased to the state output (updated
-  in place when the caller donates it).
+  matrix units (exact float32); steps t >= count[b] are no-ops (g = 0, beta = 0: the
+  state passes unchanged and out[t] reads it). The state input is aliased to the state
+  output (updated in place when the caller donates it).
 - `gated_delta_prefill(..., lengths)` -> (out, state after lengths[b] tokens): the chunked
-  WY form (flash-linear-attention's chunk_gated_delta_rule, chunks of 64) in float32 over
+  WY form (flash-linear-attention's chunk_gated_delta_rule, chunks of 64) over
   right-padded prompts; tokens t >= lengths[b] are no-ops. Two kernels:
   `_chunk_prep_kernel`, one program per (row, value head, chunk), all in parallel: the
-  chunk's (I + L)^-1 and its decayed causal q.k products Aqk [BT, BT];
-  `_chunk_scan_kernel`, one program per (row, value head, Dv tile), walking the chunks in
-  order with the state tile in registers: u = (I + L)^-1 beta (v - exp(G) K S),
-  o = exp(G) Q S + Aqk u, S <- exp(G_last) S + (K exp(G_last - G))^T u.
+  chunk's (I + L)^-1 (16-row diagonal blocks by forward substitution, merged by products)
+  and its decayed causal q.k products Aqk [BT, BT]; `_chunk_scan_kernel`, one program per
+  (row, value head, Dv tile), walking the chunks in order with the state tile in
+  registers: u = (I + L)^-1 beta (V - exp(G) K S), o = exp(G) Q S + Aqk u,
+  S <- exp(G_last) S + (K exp(G_last - G))^T u.
 
 Dispatch: `dispatch.want_pallas(supported)`: the kernels on a GPU, the references
 elsewhere; JSPEC_KERNELS=pallas forces the kernels (interpret mode off GPU). Dk and Dv that
 are not powers of two >= 16 are zero-padded (a copy; the models' 128 need none). Matrix
-products in the kernels take `precision` ("ieee": float32 FMA, "tf32x3": three TF32 passes,
-about float32's accuracy on tensor cores, "tf32": one pass); elementwise work and
-accumulation are float32 throughout. Tiles are `GatedDeltaTiles` (`tiles=`).
+products in the kernels take `GatedDeltaTiles.precision` (default bf16x3: each float32
+operand as a sum of two bf16 numbers, three bf16 products accumulated in float32; relative
+errors about 6e-6 on the GPU, see `GatedDeltaTiles`); elementwise work and accumulation
+are float32 throughout. Interpret mode computes the products in float32. Tiles are
+`GatedDeltaTiles` (`tiles=`).
 """
 from __future__ import annotations
 
@@ -58,36 +64,42 @@ MAX_VERIFY_NODES = 128  # the verify kernel's [M, M] tiles live in registers
 
 @dataclasses.dataclass(frozen=True)
 class GatedDeltaTiles:
-    """Tiles of the gated delta kernels (part of a compile key: frozen, hashable).
+    """Tiles of the gated delta kernels (part of a compile key: frozen, hashable). The
+    defaults are the fastest of benchmarks/gated_delta.py's sweep on an H200 (jax 0.11.2,
+    2026-11-26; docs/benchmarks.md) among the variants within 2e-5 of the reference.
 
     *_block_v: Dv columns per program (powers of two; verify and prefill >= 16, Triton's
     smallest product); *_warps, *_stages: Triton's num_warps and num_stages (stages > 1
-    pipeline the loads of a loop's next step); prefill_chunk: tokens per chunk (16, 32 or
-    64); prefill_blocked: the chunk's solve as FLA's (16-row diagonal blocks inverted
-    together, then merged by products) rather than row by row over the whole chunk;
-    prefill_w: the prep kernel also writes W = X diag(beta exp(G)) K, so that the scan's
-    u = X (beta V) - W S (one product on the chain from one chunk's state to the next,
-    not two); verify_split: verification in two kernels (per head: everything that does
-    not read the state, as o = P S0 + R; then per Dv tile: the product with the state;
-    verify_state_xla: that product by XLA, float32);
-    precision: the matrix products' ("ieee"; "tf32x3", "bf16x6", "bf16x3": float32 split
-    into 3 TF32 or 6 or 3 bf16 products; "tf32"; interpret mode takes float32's)."""
-    step_block_v: int = 16
-    step_warps: int = 1
+    pipeline the loads of a loop's next step; prefill_stages applies to 16-bit q, k, v
+    only: float32 inputs overflowed the shared memory at 3); prefill_chunk: tokens per
+    chunk (16, 32 or 64); prefill_blocked: the chunk's solve as FLA's (16-row diagonal
+    blocks inverted together, then merged by products) rather than row by row over the
+    whole chunk; prefill_w: the prep kernel also writes W = X diag(beta exp(G)) K, so that
+    the scan's u = X (beta V) - W S (one product on the chain from one chunk's state to
+    the next, not two); verify_split: verification in two kernels (per head: everything
+    that does not read the state, as o = P S0 + R; then per Dv tile: the product with the
+    state); verify_state_xla: that product by XLA, float32; precision: the matrix
+    products' ("ieee"; "tf32x3", "bf16x6", "bf16x3": float32 split into 3 TF32 or 6 or 3
+    bf16 products; "tf32"; interpret mode takes float32's). bf16x3 keeps about 16 bits
+    of each operand (relative errors about 6e-6 against the float32 rule, measured) at a
+    fraction of tf32x3's time; the step kernel has no products (exact float32)."""
+    step_block_v: int = 64
+    step_warps: int = 4
     step_stages: int = 1
     verify_block_v: int = 32
     verify_warps: int = 4
     verify_stages: int = 1
-    verify_split: bool = False
+    verify_split: bool = True
     verify_state_xla: bool = False
+    verify_prep_warps: int = 2
     prefill_chunk: int = 64
     prefill_block_v: int = 32
     prefill_warps: int = 4
-    prefill_stages: int = 1
+    prefill_stages: int = 3
     prefill_blocked: bool = True
     prefill_w: bool = False
-    prep_warps: int = 4
-    precision: str = "tf32x3"
+    chunk_prep_warps: int = 4
+    precision: str = "bf16x3"
 
 
 DEFAULT_TILES = GatedDeltaTiles()
@@ -522,7 +534,7 @@ def gated_delta_verify_kernel(q, k, v, g, beta, state, parents, *, tiles: GatedD
     P, R = pl.pallas_call(
         functools.partial(_verify_prep_kernel, rep=rep, scale=scale, prec=prec),
         grid=(B, Hv), out_shape=(jax.ShapeDtypeStruct((B, Hv, M, q.shape[-1]), jnp.float32), o_shape),
-        interpret=interpret, compiler_params=_compiler_params(interpret, t.prep_warps),
+        interpret=interpret, compiler_params=_compiler_params(interpret, t.verify_prep_warps),
         name="jspec_gated_delta_verify_prep",
     )(anc, q, k, v, g, beta)
     if t.verify_state_xla:
@@ -559,12 +571,13 @@ def gated_delta_prefill_kernel(q, k, v, g, beta, state, lengths=None, *, tiles: 
     q, k, v = (_pad(x, 1, NT * BT) for x in (q, k, v))
     g, beta = (_pad(x.astype(jnp.float32), 1, NT * BT) for x in (g, beta))
     rep, scale = Hv // Hk, Dk ** -0.5
+    stages = t.prefill_stages if max(x.dtype.itemsize for x in (q, k, v)) <= 2 else 1
     tri = jax.ShapeDtypeStruct((B, Hv, NT, BT, BT), jnp.float32)
     w_shape = (jax.ShapeDtypeStruct((B, Hv, NT, BT, q.shape[-1]), jnp.float32),) if t.prefill_w else ()
     prep = pl.pallas_call(
         functools.partial(_chunk_prep_kernel, chunk=BT, rep=rep, scale=scale, prec=prec, blocked=t.prefill_blocked),
         grid=(B, Hv, NT), out_shape=(tri, tri, *w_shape), interpret=interpret,
-        compiler_params=_compiler_params(interpret, t.prep_warps), name="jspec_gated_delta_chunk_prep",
+        compiler_params=_compiler_params(interpret, t.chunk_prep_warps), name="jspec_gated_delta_chunk_prep",
     )(lengths, q, k, g, beta)
     out, last = pl.pallas_call(
         functools.partial(_chunk_scan_kernel, chunk=BT, chunks=NT, rep=rep, block_v=BV, scale=scale, prec=prec,
@@ -572,7 +585,7 @@ def gated_delta_prefill_kernel(q, k, v, g, beta, state, lengths=None, *, tiles: 
         grid=(B, Hv, Dv // BV),
         out_shape=(jax.ShapeDtypeStruct((B, NT * BT, Hv, Dv), jnp.float32), jax.ShapeDtypeStruct(state.shape, jnp.float32)),
         input_output_aliases={len(prep) + 6: 1}, interpret=interpret,
-        compiler_params=_compiler_params(interpret, t.prefill_warps, t.prefill_stages),
+        compiler_params=_compiler_params(interpret, t.prefill_warps, stages),
         name="jspec_gated_delta_chunk_scan",
     )(lengths, q, k, v, g, beta, *prep, state)
     return out[:, :T, :, :Dv0], last[:, :, :Dk, :Dv0]
