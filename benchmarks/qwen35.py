@@ -1,5 +1,8 @@
 """Qwen3.5-27B (dense) and Qwen3.5-35B-A3B (MoE) shapes with random bf16 weights (one GPU).
 
+check: float32 greedy through the kernels on a small random model: MTP chains and trees
+and an n-gram chain against plain decoding, kernels against references (`gpu_check`).
+
 decode: ms/token at batch 1 and 32 (context 1k) and bandwidth utilisation = bytes a step
 must move / step time / copy bandwidth; the bytes: weights used (all but the embedding
 table; MoE: the fixed weights and the expected distinct experts of the step's tokens), the
@@ -10,7 +13,7 @@ commit alone (a replay record, or per-node checkpoints) on the shape's state at 
 and 32 with the chain S=3 record (N = 4): its time, its share of that round, and the
 record's memory; and the S=3 round under `Tuning(recurrent_commit="checkpoint")`.
 
-Run: PYTHONPATH=. python3 benchmarks/qwen35.py 27b|35b [decode] [mtp | mtp3] [commit] [--batches 1,32]
+Run: PYTHONPATH=. python3 benchmarks/qwen35.py check | 27b|35b [decode] [mtp | mtp3] [commit] [--batches 1,32]
 """
 from __future__ import annotations
 
@@ -90,6 +93,46 @@ def commit_time(c, B: int, N: int, commit: str, reps: int = 20) -> tuple[float, 
     return (tn - t1) / reps, record_bytes
 
 
+def gpu_check():
+    """Float32 greedy on the GPU through the kernels: a small random Qwen3.5 with a random
+    MTP layer, plain against MTP chains and trees (dense and paged), and the kernels
+    against the jnp references (`dispatch.use_backend("reference")`) -> identical prompts."""
+    from benchmarks.common import _hybrid_types
+    from jspec.kernels import dispatch
+    c = QWEN35_27B.replace(vocab_size=4096, hidden_size=256, num_layers=8, layer_types=_hybrid_types(8),
+                           num_heads=4, num_kv_heads=2, head_dim=64, rotary_dim=16, linear_num_key_heads=2,
+                           linear_num_value_heads=4, linear_key_head_dim=64, linear_value_head_dim=64,
+                           intermediate_size=512, dtype="float32")
+    sharp = jax.jit(lambda w: jax.tree.map(lambda a: a * 4 if a.ndim >= 2 else a, w))
+    target = random_params(c)
+    target = jspec.Params(config=c, weights=sharp(target.weights))
+    d = QwenMtpDraft(layer_config(c))
+    with_mtp = target.with_draft(jspec.DraftParams(d, sharp(jax.jit(lambda k: d.init(k, c.vocab_size))(
+        jax.random.key(1)))))
+    ps = [list(range(5, 5 + n)) for n in (7, 30, 100)]
+    kw = dict(max_new_tokens=48, stop_token_ids=[])
+    res = {"env": env_info()}
+    plain = jspec.generate(target, ps, **kw).tokens
+    cases = {"chain_paged16": (jspec.SpecConfig(num_steps=3), jspec.CacheConfig("paged", page_size=16)),
+             "tree_dense": (jspec.SpecConfig(num_steps=3, topk=2, num_draft_tokens=6), jspec.CacheConfig("dense")),
+             "tree_paged64": (jspec.SpecConfig(num_steps=3, topk=4, num_draft_tokens=8),
+                              jspec.CacheConfig("paged", page_size=64))}
+    cases["ngram_chain_paged16"] = (jspec.SpecConfig(num_steps=4), jspec.CacheConfig("paged", page_size=16))
+    for name, (spec, cache) in cases.items():
+        p = target.with_draft(jspec.NgramDraft()) if name.startswith("ngram") else with_mtp
+        out = jspec.generate(p, ps, spec=spec, cache=cache, **kw)
+        res[name] = {"identical": sum(a == b for a, b in zip(out.tokens, plain)), "of": len(ps),
+                     "mean_accept_length": out.stats.mean_accept_length}
+        print(name, res[name], flush=True)
+    with dispatch.use_backend("reference"):
+        jspec.clear_caches()
+        ref = jspec.generate(target, ps, **kw).tokens
+    jspec.clear_caches()
+    res["kernels_vs_reference_plain"] = {"identical": sum(a == b for a, b in zip(ref, plain)), "of": len(ps)}
+    print("kernels_vs_reference_plain", res["kernels_vs_reference_plain"], flush=True)
+    save_json("qwen35_gpu_check.json", res)
+
+
 def commit_only(c, shape: str):
     res = {"env": env_info(), "shape": shape}
     for batch in (1, 32):
@@ -105,10 +148,12 @@ def commit_only(c, shape: str):
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("shape", choices=sorted(SHAPES))
+    ap.add_argument("shape", choices=sorted(SHAPES) + ["check"])
     ap.add_argument("parts", nargs="*", default=["decode", "mtp", "commit"])
     ap.add_argument("--batches", default="1,32", help="comma-separated batch sizes")
     args = ap.parse_args()
+    if args.shape == "check":
+        return gpu_check()
     c = SHAPES[args.shape]
     if args.parts == ["commit"]:  # the commit alone needs no weights
         return commit_only(c, args.shape)
