@@ -38,7 +38,11 @@ from jspec.config import DEFAULT_TUNING, Tuning
 from jspec.kernels import moe_experts, moe_grouped
 from jspec.kernels.attention import cached_attention
 from jspec.kernels.gated_delta import causal_conv_reference, gated_delta_reference
-from jspec.kernels.gated_delta_kernels import gated_delta_prefill, gated_delta_step, gated_delta_verify
+from jspec.kernels.gated_delta_kernels import (
+    gated_delta_prefill,
+    gated_delta_step,
+    gated_delta_verify,
+)
 from jspec.kernels.moe_route import Routing, route
 from jspec.models import qwen3_next_hf
 from jspec.models.llama import DecoderLM, FlaxFamily, Linear, apply_rope
@@ -155,7 +159,8 @@ class GatedDeltaNet(nn.Module):
             lengths = valid.sum(axis=1).astype(jnp.int32)
             y, new_conv = sequence_conv(mixed, w_conv, lengths)
             q, k, v = split_qkv(y, c)
-            o, new_ssm = gated_delta_prefill(q, k, v, g, beta, jnp.zeros((B, Hv, Dk, Dv), jnp.float32), lengths)
+            o, new_ssm = gated_delta_prefill(q, k, v, g, beta, jnp.zeros((B, Hv, Dk, Dv), jnp.float32), lengths,
+                                           tiles=self.tuning.gated_delta)
             if conv is not None:
                 live = valid.any(axis=1) | (meta.rows is None)
                 conv = put_rows(conv, new_conv, meta.rows, jnp.ones((B,), bool) if meta.rows is None else live)
@@ -166,14 +171,14 @@ class GatedDeltaNet(nn.Module):
             q, k, v = split_qkv(y, c)
             live = meta.valid[:, 0] if meta.valid is not None else jnp.ones((B,), bool)
             if T == 1:  # plain decoding: the new states are the committed ones
-                o, new_ssm = gated_delta_step(q, k, v, g, beta, ssm0)
+                o, new_ssm = gated_delta_step(q, k, v, g, beta, ssm0, tiles=self.tuning.gated_delta)
                 conv = put_rows(conv, windows[:, 0], meta.rows, live)
                 ssm = put_rows(ssm, new_ssm, meta.rows, live)
             elif self.tuning.recurrent_commit == "checkpoint":  # every node's states, for the commit to pick
                 o, states = gated_delta_reference(q, k, v, g, beta, ssm0, meta.parents)
                 record = {"conv": windows, "ssm": states}
             else:  # the outputs only; the commit replays the accepted path from the nodes' inputs
-                o = gated_delta_verify(q, k, v, g, beta, ssm0, meta.parents)
+                o = gated_delta_verify(q, k, v, g, beta, ssm0, meta.parents, tiles=self.tuning.gated_delta)
                 record = {"x": mixed, "k": k, "v": v, "g": g, "beta": beta}
         o = GatedRMSNorm(c.rms_norm_eps, c.dtype, name="norm")(o.astype(dt), z).reshape(B, T, Vd)
         out = Linear(c.hidden_size, False, c.dtype, tuning=self.tuning, name="out_proj")(o)
