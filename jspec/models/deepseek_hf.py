@@ -153,7 +153,7 @@ def config_from_hf(cfg: Mapping[str, Any], dtype: str | None = None, where: str 
         bos_token_id=cfg.get("bos_token_id"), eos_token_ids=eos)
 
 
-def _mlp_params(t: Tensors, prefix: str, D: int, F: int) -> dict:
+def mlp_params(t: Tensors, prefix: str, D: int, F: int) -> dict:
     return {"gate_up_proj": t.linear((prefix + "gate_proj.weight", (F, D)), (prefix + "up_proj.weight", (F, D))),
             "down_proj": t.linear((prefix + "down_proj.weight", (D, F)))}
 
@@ -232,7 +232,7 @@ def layer_params(t: Tensors, prefix: str, c: DeepseekConfig, layer: int) -> dict
         if c.scoring == "sigmoid":
             mlp["router"]["bias"] = t.param((m + "gate.e_score_correction_bias", (E,)), dtype="float32")
     else:
-        mlp = _mlp_params(t, m, D, c.intermediate_size)
+        mlp = mlp_params(t, m, D, c.intermediate_size)
     return {"self_attn": attn, "mlp": mlp,
             "input_layernorm": {"weight": t.param((prefix + "input_layernorm.weight", (D,)))},
             "post_attention_layernorm": {"weight": t.param((prefix + "post_attention_layernorm.weight", (D,)))}}
@@ -288,7 +288,16 @@ def hf_config(c: DeepseekConfig) -> dict:
     return cfg
 
 
-def _mlp_tensors(p: dict, prefix: str, F: int, out: dict, dt: str):
+def end_tensors(p: dict, tie: bool, dt: str) -> dict:
+    """A decoder's embedding, final norm and (untied) LM head as Hugging Face tensors."""
+    out = {"model.embed_tokens.weight": to_numpy(p["embed_tokens"]["embedding"], dt),
+           "model.norm.weight": to_numpy(p["norm"]["weight"], dt)}
+    if not tie:
+        out["lm_head.weight"] = hf_linear(p["lm_head"], dt)
+    return out
+
+
+def mlp_tensors(p: dict, prefix: str, F: int, out: dict, dt: str):
     gate, up = np.split(hf_linear(p["gate_up_proj"], dt), [F], axis=0)
     out.update({prefix + "gate_proj.weight": gate, prefix + "up_proj.weight": up,
                 prefix + "down_proj.weight": hf_linear(p["down_proj"], dt)})
@@ -296,11 +305,8 @@ def _mlp_tensors(p: dict, prefix: str, F: int, out: dict, dt: str):
 
 def target_tensors(c: DeepseekConfig, weights) -> dict:
     """Weights as `Deepseek{V2,V3}ForCausalLM` tensors (experts one tensor each, as on disk)."""
-    p, dt = weights["params"], c.dtype
-    out = {"model.embed_tokens.weight": to_numpy(p["embed_tokens"]["embedding"], dt),
-           "model.norm.weight": to_numpy(p["norm"]["weight"], dt)}
-    if not c.tie_word_embeddings:
-        out["lm_head.weight"] = hf_linear(p["lm_head"], dt)
+    p = weights["params"]
+    out = end_tensors(p, c.tie_word_embeddings, c.dtype)
     for i in range(c.num_layers):
         layer_tensors(p[f"layers_{i}"], f"model.layers.{i}.", c, i, out)
     return out
@@ -331,7 +337,7 @@ def layer_tensors(lp: dict, pre: str, c: DeepseekConfig, layer: int, out: dict) 
         out[f"{pre}{norm}.weight"] = to_numpy(lp[norm]["weight"], dt)
     m, mp = pre + "mlp.", lp["mlp"]
     if not c.is_moe(layer):
-        _mlp_tensors(mp, m, c.intermediate_size, out, dt)
+        mlp_tensors(mp, m, c.intermediate_size, out, dt)
         return out
     out[m + "gate.weight"] = np.ascontiguousarray(to_numpy(mp["router"]["kernel"], "float32").T).astype(
         to_numpy(lp["input_layernorm"]["weight"], dt).dtype)

@@ -206,6 +206,15 @@ class DecoderLM(nn.Module):
     layers); its `setup` makes `embed_tokens` (and `lm_head` when untied) and its
     `__call__` runs tokens -> (final-norm hidden, aux, cache)."""
 
+    def setup_ends(self, norm):
+        """From `setup`: the embedding, the final norm `norm` (a module) and, untied, the LM head."""
+        c = self.cfg
+        self.embed_tokens = nn.Embed(c.vocab_size, c.hidden_size, embedding_init=_init, dtype=c.jnp_dtype,
+                                     param_dtype=c.jnp_dtype)
+        self.norm = norm
+        if not c.tie_word_embeddings:
+            self.lm_head = Linear(c.vocab_size, False, c.dtype, float32_out=True, tuning=self.tuning)
+
     def logits(self, hidden):
         """hidden [..., D] -> float32 logits [..., V]."""
         if self.cfg.tie_word_embeddings:
@@ -231,13 +240,9 @@ class LlamaModel(DecoderLM):
 
     def setup(self):
         c = self.cfg
-        self.embed_tokens = nn.Embed(c.vocab_size, c.hidden_size, embedding_init=_init,
-                                     dtype=c.jnp_dtype, param_dtype=c.jnp_dtype)
+        self.setup_ends(RMSNorm(c.rms_norm_eps, c.dtype))
         self.layers = [DecoderLayer(c, c.sliding_windows[i], tuning=self.tuning, name=f"layers_{i}")
                        for i in range(c.num_layers)]
-        self.norm = RMSNorm(c.rms_norm_eps, c.dtype)
-        if not c.tie_word_embeddings:
-            self.lm_head = Linear(c.vocab_size, False, c.dtype, float32_out=True, tuning=self.tuning)
 
     def __call__(self, tokens, cache: KVCache | None, meta: AttnMeta, capture: tuple[int, ...] = ()):
         """tokens [B,T] -> (hidden [B,T,D] after the final norm, {layer: its input [B,T,D]}

@@ -277,12 +277,8 @@ class HybridModel(DecoderLM):
 
     def setup(self):
         c = self.cfg
-        self.embed_tokens = nn.Embed(c.vocab_size, c.hidden_size, embedding_init=_init, dtype=c.jnp_dtype,
-                                     param_dtype=c.jnp_dtype)
+        self.setup_ends(OffsetRMSNorm(c.rms_norm_eps, c.dtype))
         self.layers = [DecoderLayer(c, i, self.tuning, name=f"layers_{i}") for i in range(c.num_layers)]
-        self.norm = OffsetRMSNorm(c.rms_norm_eps, c.dtype)
-        if not c.tie_word_embeddings:
-            self.lm_head = Linear(c.vocab_size, False, c.dtype, float32_out=True, tuning=self.tuning)
 
     def __call__(self, tokens, cache: HybridCache | None, meta: AttnMeta, capture: tuple[int, ...] = ()):
         x = self.embed(tokens)

@@ -30,6 +30,9 @@ from typing import Any, Mapping
 import numpy as np
 
 from jspec.config import DTYPES, RopeConfig
+from jspec.models.deepseek_hf import end_tensors
+from jspec.models.deepseek_hf import mlp_params as dense_mlp_params
+from jspec.models.deepseek_hf import mlp_tensors as dense_mlp_tensors
 from jspec.models.llama_hf import rope_from_hf
 from jspec.tensors import Tensors, hf_linear, to_numpy
 
@@ -241,17 +244,12 @@ def _experts(t: Tensors, m: str, c: HybridConfig) -> dict:
 def mlp_params(t: Tensors, m: str, c: HybridConfig, moe: bool) -> dict:
     """A layer's MLP (`m`: its tensors' prefix, ending in "mlp.")."""
     D = c.hidden_size
-
-    def dense(prefix, F):
-        return {"gate_up_proj": t.linear((prefix + "gate_proj.weight", (F, D)), (prefix + "up_proj.weight", (F, D))),
-                "down_proj": t.linear((prefix + "down_proj.weight", (D, F)))}
-
     if not moe:
-        return dense(m, c.intermediate_size)
+        return dense_mlp_params(t, m, D, c.intermediate_size)
     out = {"router": {"kernel": t.param((m + "gate.weight", (c.num_experts, D)), dtype="float32").T},
            "experts": _experts(t, m, c)}
     if c.shared_expert_intermediate_size:
-        out["shared_expert"] = dense(m + "shared_expert.", c.shared_expert_intermediate_size)
+        out["shared_expert"] = dense_mlp_params(t, m + "shared_expert.", D, c.shared_expert_intermediate_size)
         out["shared_expert_gate"] = t.linear((m + "shared_expert_gate.weight", (1, D)))
     return out
 
@@ -365,16 +363,10 @@ def hf_config(c: HybridConfig) -> dict:
     return cfg
 
 
-def _dense_tensors(p: dict, prefix: str, out: dict, dt: str):
-    gate, up = np.split(hf_linear(p["gate_up_proj"], dt), 2, axis=0)
-    out.update({prefix + "gate_proj.weight": gate, prefix + "up_proj.weight": up,
-                prefix + "down_proj.weight": hf_linear(p["down_proj"], dt)})
-
-
 def mlp_tensors(mp: dict, m: str, c: HybridConfig, out: dict):
     dt = c.dtype
     if "experts" not in mp:
-        _dense_tensors(mp, m, out, dt)
+        dense_mlp_tensors(mp, m, c.intermediate_size, out, dt)
         return
     out[m + "gate.weight"] = np.ascontiguousarray(to_numpy(mp["router"]["kernel"], dt).T)
     gate_up, down = to_numpy(mp["experts"]["gate_up"], dt), to_numpy(mp["experts"]["down"], dt)
@@ -384,7 +376,7 @@ def mlp_tensors(mp: dict, m: str, c: HybridConfig, out: dict):
         out[f"{m}experts.{e}.up_proj.weight"] = np.ascontiguousarray(gate_up[e, :, Fm:].T)
         out[f"{m}experts.{e}.down_proj.weight"] = np.ascontiguousarray(down[e].T)
     if "shared_expert" in mp:
-        _dense_tensors(mp["shared_expert"], m + "shared_expert.", out, dt)
+        dense_mlp_tensors(mp["shared_expert"], m + "shared_expert.", c.shared_expert_intermediate_size, out, dt)
         out[m + "shared_expert_gate.weight"] = hf_linear(mp["shared_expert_gate"], dt)
 
 
@@ -424,10 +416,7 @@ def linear_tensors(lp: dict, a: str, c: HybridConfig, out: dict):
 def target_tensors(c: HybridConfig, weights) -> dict:
     """Weights as the CausalLM's tensors (`hf_config`'s architecture)."""
     p, dt = weights["params"], c.dtype
-    out = {"model.embed_tokens.weight": to_numpy(p["embed_tokens"]["embedding"], dt),
-           "model.norm.weight": to_numpy(p["norm"]["weight"], dt)}
-    if not c.tie_word_embeddings:
-        out["lm_head.weight"] = hf_linear(p["lm_head"], dt)
+    out = end_tensors(p, c.tie_word_embeddings, dt)
     for i in range(c.num_layers):
         lp, pre = p[f"layers_{i}"], f"model.layers.{i}."
         for norm in ("input_layernorm", "post_attention_layernorm"):
