@@ -18,7 +18,7 @@ target's, the target's embedding and LM head are used (no copy).
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+from typing import Any, ClassVar
 
 import jax.numpy as jnp
 import numpy as np
@@ -59,6 +59,7 @@ class MtpDraft(Draft):
     """`model`: the MTP layer's config (`layer_config`)."""
 
     kind = "mtp"
+    layer: ClassVar[type] = MtpLayer  # the layer's Flax module: (embeds, feats, cache, meta) -> (hidden, cache)
 
     def target_features(self, hidden, aux):
         return hidden
@@ -68,7 +69,7 @@ class MtpDraft(Draft):
 
     def forward(self, tcfg, tw, dw, tokens, feats, cache, meta, from_target: bool, tuning=DEFAULT_TUNING):
         embeds = embed_tokens(tcfg, tw, dw, tokens)
-        return MtpLayer(self.model, tuning).apply({"params": dw["params"]}, embeds, feats.astype(embeds.dtype),
+        return self.layer(self.model, tuning).apply({"params": dw["params"]}, embeds, feats.astype(embeds.dtype),
                                                   cache, meta)
 
     def logits(self, tcfg, tw, dw, hidden, tuning=DEFAULT_TUNING):
@@ -81,7 +82,7 @@ class MtpDraft(Draft):
         m, T = self.model, 2
         x = jnp.zeros((1, T, m.hidden_size), m.jnp_dtype)
         meta = prefill_meta(jnp.full((1,), T, jnp.int32), T)
-        return {"params": MtpLayer(m).init(key, x, x, None, meta)["params"]}
+        return {"params": self.layer(m).init(key, x, x, None, meta)["params"]}
 
     @classmethod
     def serves(cls, tcfg) -> bool:

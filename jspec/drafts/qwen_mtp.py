@@ -17,15 +17,11 @@ Tensors: `mtp.fc.weight` [D, 2D], `mtp.pre_fc_norm_embedding.weight`,
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
-
-import jax.numpy as jnp
+from typing import Any, ClassVar
 
 from jspec.cache.kv import KVCacheKind
-from jspec.cache.layout import prefill_meta
-from jspec.config import DEFAULT_TUNING
-from jspec.drafts.base import Draft
-from jspec.models import family_for, qwen3_next_hf
+from jspec.drafts.mtp import MtpDraft
+from jspec.models import qwen3_next_hf
 from jspec.models.qwen3_next import MtpLayer
 from jspec.models.qwen3_next_hf import FULL, HybridConfig
 from jspec.tensors import Tensors
@@ -39,31 +35,15 @@ def layer_config(c: HybridConfig) -> HybridConfig:
 
 
 @dataclasses.dataclass(frozen=True)
-class QwenMtpDraft(Draft):
-    """`model`: the MTP layer's config (`layer_config`)."""
+class QwenMtpDraft(MtpDraft):
+    """`model`: the MTP layer's config (`layer_config`). DeepSeek's MTP draft in all but
+    the layer, its KV cache and its weights (always the target's embedding and head)."""
 
-    kind = "mtp"
-
-    def target_features(self, hidden, aux):
-        return hidden
+    layer: ClassVar[type] = MtpLayer
 
     def cache_kind(self):
         m = self.model
         return KVCacheKind(1, m.num_heads, m.num_kv_heads, m.head_dim, m.dtype)
-
-    def forward(self, tcfg, tw, dw, tokens, feats, cache, meta, from_target: bool, tuning=DEFAULT_TUNING):
-        embeds = family_for(tcfg).embed(tcfg, tw, tokens)
-        return MtpLayer(self.model, tuning).apply({"params": dw["params"]}, embeds, feats.astype(embeds.dtype),
-                                                  cache, meta)
-
-    def logits(self, tcfg, tw, dw, hidden, tuning=DEFAULT_TUNING):
-        return family_for(tcfg).logits(tcfg, tw, hidden, tuning=tuning)
-
-    def init(self, key, target_vocab: int):
-        m, T = self.model, 2
-        x = jnp.zeros((1, T, m.hidden_size), m.jnp_dtype)
-        meta = prefill_meta(jnp.full((1,), T, jnp.int32), T)
-        return {"params": MtpLayer(m).init(key, x, x, None, meta)["params"]}
 
     @classmethod
     def serves(cls, tcfg) -> bool:
@@ -72,6 +52,10 @@ class QwenMtpDraft(Draft):
     @classmethod
     def recognises(cls, cfg_json, tensors):
         return False  # only inside its target's checkpoint (`from_target_checkpoint`)
+
+    def to_hf(self, weights, target_vocab: int):
+        raise ValueError("a Qwen3-Next / Qwen3.5 MTP layer is saved with its target's checkpoint (mtp.*), not "
+                         "as a draft directory")
 
     @classmethod
     def from_target_checkpoint(cls, tensors: dict, tcfg: HybridConfig, where: str) -> tuple["QwenMtpDraft", Any]:
