@@ -20,7 +20,8 @@ trees alike. Two records exist (`Tuning.recurrent_commit` picks which the layers
 - checkpoint: every node's conv and delta-rule state ([B, N, Hv, Dk, Dv] float32 a layer:
   N times the state), written by the verification; the commit copies the one it keeps.
 
-docs/benchmarks.md compares the two (memory and time at batch 1 and 32). The pending
+docs/benchmarks.md compares the two (memory and time at batch 1 and 32). The replay runs
+the step kernel with its default tiles (a commit gets no tuning). The pending
 record lives only inside a round: the loop's state carries `pending=None`.
 """
 from __future__ import annotations
