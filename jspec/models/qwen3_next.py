@@ -161,10 +161,10 @@ class GatedDeltaNet(nn.Module):
             q, k, v = split_qkv(y, c)
             o, new_ssm = gated_delta_prefill(q, k, v, g, beta, jnp.zeros((B, Hv, Dk, Dv), jnp.float32), lengths,
                                            tiles=self.tuning.gated_delta)
-            if conv is not None:
-                live = valid.any(axis=1) | (meta.rows is None)
-                conv = put_rows(conv, new_conv, meta.rows, jnp.ones((B,), bool) if meta.rows is None else live)
-                ssm = put_rows(ssm, new_ssm, meta.rows, jnp.ones((B,), bool) if meta.rows is None else live)
+            if conv is not None:  # admitted rows with room (all rows when the pass names none)
+                live = jnp.ones((B,), bool) if meta.rows is None else valid.any(axis=1)
+                conv = put_rows(conv, new_conv, meta.rows, live)
+                ssm = put_rows(ssm, new_ssm, meta.rows, live)
         else:
             conv0, ssm0 = take_rows(conv, meta.rows), take_rows(ssm, meta.rows)
             y, windows = causal_conv_reference(mixed, conv0, w_conv, meta.parents)
