@@ -19,6 +19,7 @@ import jax.numpy as jnp
 from flax import struct
 
 from jspec.cache.layout import AttnMeta, CacheLayout, PageState, slot_index
+from jspec.config import DEFAULT_TUNING
 from jspec.sharding import constrain_heads
 from jspec.util import cdiv
 
@@ -56,10 +57,11 @@ class KVCacheKind:
         return 0 if paged else query_slots(T, self.num_heads, self.num_kv_heads)
 
     def commit(self, cache: KVCache, layout: CacheLayout, pages: PageState | None, L, path, accept_len,
-               active, in_place: bool = False) -> KVCache:
+               active, in_place: bool = False, tuning=DEFAULT_TUNING) -> KVCache:
         """A round's commit: the accepted path's keys and values move from slots L + path[d]
         to L + d (d < accept_len [B]; path [B, S+1] node indices, L [B] committed slots).
-        in_place (static, a chain): the path is already there and nothing moves."""
+        in_place (static, a chain): the path is already there and nothing moves. tuning
+        (`jspec.config.Tuning`): how a kind that computes in its commit computes (unused here)."""
         if in_place:
             return cache
         return move_slots(cache, *path_moves(layout, pages, L, path, accept_len, active))

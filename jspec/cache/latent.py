@@ -16,6 +16,7 @@ from flax import struct
 
 from jspec.cache.kv import move_buffers, path_moves
 from jspec.cache.layout import CacheLayout, PageState
+from jspec.config import DEFAULT_TUNING
 
 
 @struct.dataclass
@@ -47,7 +48,7 @@ class LatentCacheKind:
         return 0
 
     def commit(self, cache: LatentCache, layout: CacheLayout, pages: PageState | None, L, path, accept_len,
-               active, in_place: bool = False) -> LatentCache:
+               active, in_place: bool = False, tuning=DEFAULT_TUNING) -> LatentCache:
         """A round's commit: the accepted path's latent rows move from slots L + path[d] to
         L + d; nothing moves for a path already in place (a chain)."""
         if in_place:

@@ -21,7 +21,7 @@ trees alike. Two records exist (`Tuning.recurrent_commit` picks which the layers
   N times the state), written by the verification; the commit copies the one it keeps.
 
 docs/benchmarks.md compares the two (memory and time at batch 1 and 32). The replay runs
-the step kernel with its default tiles (a commit gets no tuning). The pending
+the step kernel with the tuning's tiles (`Tuning.gated_delta`). The pending
 record lives only inside a round: the loop's state carries `pending=None`.
 """
 from __future__ import annotations
@@ -35,6 +35,7 @@ from flax import struct
 
 from jspec.cache.kv import KVCache, KVCacheKind
 from jspec.cache.layout import CacheLayout, PageState
+from jspec.config import DEFAULT_TUNING
 from jspec.kernels.gated_delta_kernels import gated_delta_step
 
 COMMITS = ("replay", "checkpoint")
@@ -84,15 +85,18 @@ class HybridCacheKind:
         return self.kv.extra_slots(T, paged)
 
     def commit(self, cache: HybridCache, layout: CacheLayout, pages: PageState | None, L, path, accept_len,
-               active, in_place: bool = False) -> HybridCache:
+               active, in_place: bool = False, tuning=DEFAULT_TUNING) -> HybridCache:
         """The KV part as `KVCacheKind.commit`; each linear layer's states become those
         after node path[accept_len - 1] (active rows; a one-token forward wrote them)."""
-        kv = self.kv.commit(cache.kv, layout, pages, L, path, accept_len, active, in_place)
+        kv = self.kv.commit(cache.kv, layout, pages, L, path, accept_len, active, in_place, tuning)
         if cache.pending is None:
             return cache.replace(kv=kv)
         conv, ssm = [], []
         for c, s, rec in zip(cache.conv, cache.ssm, cache.pending):
-            new_c, new_s = (replay_commit if "k" in rec else checkpoint_commit)(c, s, rec, path, accept_len)
+            if "k" in rec:
+                new_c, new_s = replay_commit(c, s, rec, path, accept_len, tuning.gated_delta)
+            else:
+                new_c, new_s = checkpoint_commit(c, s, rec, path, accept_len)
             conv.append(jnp.where(active[:, None, None], new_c, c))
             ssm.append(jnp.where(active[:, None, None, None], new_s, s))
         return HybridCache(kv=kv, conv=tuple(conv), ssm=tuple(ssm), pending=None)
@@ -107,12 +111,13 @@ def conv_window(conv, inputs, count):
     return jnp.take_along_axis(seq, idx[..., None], axis=1)
 
 
-def replay_commit(conv, ssm, rec: dict, path, accept_len):
+def replay_commit(conv, ssm, rec: dict, path, accept_len, tiles=None):
     """A replay record {x [B,N,Ch], k [B,N,Hk,Dk], v [B,N,Hv,Dv], g, beta [B,N,Hv]} -> the
     states after the accepted path (nodes path[:, :accept_len])."""
     along = {n: jnp.take_along_axis(a, path.reshape(path.shape + (1,) * (a.ndim - 2)), axis=1)
              for n, a in rec.items()}
-    _, new_ssm = gated_delta_step(None, along["k"], along["v"], along["g"], along["beta"], ssm, accept_len)
+    _, new_ssm = gated_delta_step(None, along["k"], along["v"], along["g"], along["beta"], ssm, accept_len,
+                                  tiles=tiles)
     return conv_window(conv, along["x"], accept_len), new_ssm
 
 

@@ -115,7 +115,7 @@ def commit_phase(plan: Plan, st: LoopState, acc: Accepted, active) -> LoopState:
     B = plan.batch
     kind = plan.family.cache_kind(plan.target)
     st = st.replace(tcache=kind.commit(st.tcache, plan.layout, st.pages, st.L, acc.path, acc.accept_len, active,
-                                       acc.in_place))
+                                       acc.in_place, plan.tuning))
     S1 = acc.path.shape[1]
     m = acc.accept_len - 1
     nxt = jnp.concatenate([acc.path_tokens[:, 1:], jnp.zeros((B, 1), jnp.int32)], axis=1)
