@@ -302,3 +302,25 @@ def test_recurrent_state_equals_plain_decoding(drafted, commit, draft, spec):
             got = kvc.read_kv(buf, table)[0, :Ls[b]]
             np.testing.assert_allclose(np.asarray(got), np.asarray(want[b, :Ls[b]]), atol=2e-5,
                                        err_msg=f"kv {layer}, request {b}")
+
+
+@pytest.mark.parametrize("edit,match", [
+    ({"layer_types": ["linear_attention"] * 3}, "layer_types must name"),
+    ({"layer_types": ["mamba"] * 4}, "layer_types must name"),
+    ({"hidden_act": "gelu"}, "unsupported hidden_act 'gelu'"),
+    ({"linear_num_key_heads": None}, "lacks 'linear_num_key_heads'"),
+    ({"architectures": ["Qwen3_5ForConditionalGeneration"]}, "under text_config"),
+])
+def test_bad_config_gets_a_clear_error(models, tmp_path, edit, match):
+    """A malformed config.json fails at load with a ValueError naming the file and the field."""
+    import shutil
+    src = models["qwen3_5"][0]
+    shutil.copytree(src, tmp_path, dirs_exist_ok=True)
+    with open(os.path.join(src, "config.json")) as f:
+        cfg = json.load(f)
+    cfg.update(edit)
+    with open(tmp_path / "config.json", "w") as f:
+        json.dump({k: v for k, v in cfg.items() if v is not None}, f)
+    with pytest.raises(ValueError, match=match) as err:
+        jspec.load(str(tmp_path))
+    assert str(tmp_path / "config.json") in str(err.value)

@@ -135,27 +135,28 @@ class HybridConfig:
         return dataclasses.replace(self, **kw)
 
 
-def text_config(cfg: Mapping[str, Any]) -> tuple[Mapping[str, Any], str, bool]:
+def text_config(cfg: Mapping[str, Any], where: str = "config.json") -> tuple[Mapping[str, Any], str, bool]:
     """config.json -> (the text model's fields, architecture, nested under language_model)."""
     arch = next((a for a in cfg.get("architectures") or [] if a in ARCHITECTURES), None)
     if arch is None:
-        raise ValueError(f"architectures {cfg.get('architectures')!r} name no Qwen3-Next / Qwen3.5 model")
+        raise ValueError(f"{where}: architectures {cfg.get('architectures')!r} name no Qwen3-Next / Qwen3.5 model")
     nested = ARCHITECTURES[arch][1]
     if nested:
         text = cfg.get("text_config")
         if not isinstance(text, dict):
-            raise ValueError(f"{arch} config.json lacks its text_config")
+            raise ValueError(f"{where}: a {arch} config.json needs its text model's fields under text_config")
         return text, arch, True
     return cfg, arch, False
 
 
 def config_from_hf(cfg: Mapping[str, Any], dtype: str | None = None, where: str = "config.json") -> HybridConfig:
-    text, arch, _ = text_config(cfg)
+    where = getattr(cfg, "path", where)  # `loading.ConfigJSON` knows its file
+    text, arch, _ = text_config(cfg, where)
     variant = ARCHITECTURES[arch][0]
 
     def req(name):
         if text.get(name) is None:
-            raise ValueError(f"{where}: config.json lacks {name!r}")
+            raise ValueError(f"{where}: lacks {name!r}")
         return text[name]
 
     act = text.get("hidden_act", "silu")
@@ -180,27 +181,30 @@ def config_from_hf(cfg: Mapping[str, Any], dtype: str | None = None, where: str 
     eos = tuple(int(e) for e in (eos if isinstance(eos, (list, tuple)) else [eos] if eos is not None else []))
     experts = int(text.get("num_experts", 0) or 0) if variant != "qwen3_5" else 0
     tie = cfg.get("tie_word_embeddings", text.get("tie_word_embeddings", False))
-    return HybridConfig(
-        vocab_size=int(req("vocab_size")), hidden_size=int(req("hidden_size")), num_layers=L,
-        layer_types=tuple(types), num_heads=int(req("num_attention_heads")),
-        num_kv_heads=int(req("num_key_value_heads")), head_dim=head_dim, rotary_dim=int(head_dim * partial),
-        linear_num_key_heads=int(req("linear_num_key_heads")),
-        linear_num_value_heads=int(req("linear_num_value_heads")),
-        linear_key_head_dim=int(req("linear_key_head_dim")), linear_value_head_dim=int(req("linear_value_head_dim")),
-        conv_kernel=int(text.get("linear_conv_kernel_dim", 4)),
-        intermediate_size=int(text.get("intermediate_size", 0) or 0), num_experts=experts,
-        num_experts_per_tok=int(text.get("num_experts_per_tok", 0) or 0) if experts else 0,
-        moe_intermediate_size=int(text.get("moe_intermediate_size", 0) or 0) if experts else 0,
-        shared_expert_intermediate_size=int(text.get("shared_expert_intermediate_size", 0) or 0) if experts else 0,
-        norm_topk_prob=bool(text.get("norm_topk_prob", True)) if variant == "qwen3_next" else True,
-        decoder_sparse_step=int(text.get("decoder_sparse_step", 1) or 1) if variant == "qwen3_next" else 1,
-        mlp_only_layers=tuple(text.get("mlp_only_layers") or ()) if variant == "qwen3_next" else (),
-        rms_norm_eps=float(text.get("rms_norm_eps", 1e-6)), rope=rope_from_hf(rope_src),
-        attention_bias=bool(text.get("attention_bias", False)),
-        max_position_embeddings=int(text.get("max_position_embeddings", 32768)), tie_word_embeddings=bool(tie),
-        mtp_num_layers=int(text.get("mtp_num_hidden_layers", cfg.get("num_nextn_predict_layers", 0)) or 0),
-        dtype=dtype, variant=variant, architecture=arch,
-        bos_token_id=text.get("bos_token_id", cfg.get("bos_token_id")), eos_token_ids=eos)
+    try:
+        return HybridConfig(
+            vocab_size=int(req("vocab_size")), hidden_size=int(req("hidden_size")), num_layers=L,
+            layer_types=tuple(types), num_heads=int(req("num_attention_heads")),
+            num_kv_heads=int(req("num_key_value_heads")), head_dim=head_dim, rotary_dim=int(head_dim * partial),
+            linear_num_key_heads=int(req("linear_num_key_heads")),
+            linear_num_value_heads=int(req("linear_num_value_heads")),
+            linear_key_head_dim=int(req("linear_key_head_dim")), linear_value_head_dim=int(req("linear_value_head_dim")),
+            conv_kernel=int(text.get("linear_conv_kernel_dim", 4)),
+            intermediate_size=int(text.get("intermediate_size", 0) or 0), num_experts=experts,
+            num_experts_per_tok=int(text.get("num_experts_per_tok", 0) or 0) if experts else 0,
+            moe_intermediate_size=int(text.get("moe_intermediate_size", 0) or 0) if experts else 0,
+            shared_expert_intermediate_size=int(text.get("shared_expert_intermediate_size", 0) or 0) if experts else 0,
+            norm_topk_prob=bool(text.get("norm_topk_prob", True)) if variant == "qwen3_next" else True,
+            decoder_sparse_step=int(text.get("decoder_sparse_step", 1) or 1) if variant == "qwen3_next" else 1,
+            mlp_only_layers=tuple(text.get("mlp_only_layers") or ()) if variant == "qwen3_next" else (),
+            rms_norm_eps=float(text.get("rms_norm_eps", 1e-6)), rope=rope_from_hf(rope_src),
+            attention_bias=bool(text.get("attention_bias", False)),
+            max_position_embeddings=int(text.get("max_position_embeddings", 32768)), tie_word_embeddings=bool(tie),
+            mtp_num_layers=int(text.get("mtp_num_hidden_layers", cfg.get("num_nextn_predict_layers", 0)) or 0),
+            dtype=dtype, variant=variant, architecture=arch,
+            bos_token_id=text.get("bos_token_id", cfg.get("bos_token_id")), eos_token_ids=eos)
+    except ValueError as e:  # HybridConfig's own checks, named after the file (req's name it already)
+        raise e if str(e).startswith(where) else ValueError(f"{where}: {e}") from None
 
 
 # --------------------------------------------------------------------------- column orders
