@@ -95,6 +95,39 @@ class HostParam:
         return a if dtype is None else a.astype(dtype)
 
 
+class StackedParam(HostParam):
+    """HostParams of one shape stacked along a new axis 0 (a layer's experts, one tensor
+    per expert and projection on disk): `read` reads only the members and the block its
+    index names."""
+
+    def __init__(self, members):
+        self.members = tuple(members)
+        if not self.members or len({(m.shape, m.dtype) for m in self.members}) != 1:
+            raise ValueError("a StackedParam needs members of one shape and dtype")
+        self.dtype = self.members[0].dtype
+        self.parts, self.order, self.transposed = (), None, False
+        self.source_shape = (len(self.members),) + tuple(self.members[0].shape)
+
+    def map(self, fn) -> "StackedParam":
+        """fn(member) for every member (a permutation of each member's columns, say)."""
+        return StackedParam([fn(m) for m in self.members])
+
+    def astype(self, dtype) -> "StackedParam":
+        return self.map(lambda m: m.astype(dtype))
+
+    def take_rows(self, index) -> "StackedParam":
+        return StackedParam([self.members[i] for i in np.asarray(index, np.int64)])
+
+    @property
+    def T(self):
+        raise ValueError("a stack of weights does not transpose")
+
+    def read(self, index: tuple = ()) -> np.ndarray:
+        index = tuple(index) + (slice(None),) * (self.ndim - len(index))
+        members = np.arange(len(self.members))[index[0]]
+        return np.stack([self.members[i].read(index[1:]) for i in members]).astype(self.dtype, copy=False)
+
+
 def _whole(x: HostParam) -> jax.Array:
     """A whole weight on the default device; a transposed one is read in its source layout
     and transposed there (faster than numpy's strided copy)."""

@@ -228,14 +228,6 @@ def test_latent_commit_moves_the_accepted_path(paged):
             np.testing.assert_array_equal(np.asarray(rows(got, b))[:C], want[:C])
 
 
-def test_split_over_devices_is_refused(models):
-    """Tensor parallelism covers Llama-architecture targets only: a DeepSeek target asked to
-    split says so before reading any weight onto a device."""
-    with pytest.raises(ValueError, match="cannot be split over devices yet"):
-        jspec.load(models["v3-rotate-half"][0], devices=2)
-
-
-
 def test_one_row_products_padded_to_two_rows(models):
     """The GPU's one-row padding (`llama.pad_one_row`: XLA would turn these products into a
     multiply plus a reduction), forced on here for every size by a tuning: a product gives

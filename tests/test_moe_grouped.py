@@ -32,6 +32,28 @@ def test_group_layout(seed, P, E, bm):
     assert (tiles[used.sum():] == -1).all() and (tiles[:used.sum()] >= 0).all()
 
 
+def test_pairs_of_no_expert_get_zeros():
+    """Ids outside [0, E) (expert parallelism: another device's experts) take rows after
+    the last group, in tiles the kernel skips, and give zeros; the other pairs equal the
+    routing without them."""
+    E, D, Fm, bm = 4, 32, 16, 16
+    key = jax.random.key(3)
+    xs = jax.random.normal(key, (6, D), jnp.float32)
+    gate_up = jax.random.normal(jax.random.fold_in(key, 1), (E, D, 2 * Fm), jnp.float32) / 6
+    down = jax.random.normal(jax.random.fold_in(key, 2), (E, Fm, D), jnp.float32) / 4
+    ids = jnp.asarray([[0, -1], [3, 7], [4, 2], [1, 1], [-2, 0], [2, 3]], jnp.int32)
+    rows, tiles = (np.asarray(a) for a in mg.group_layout(ids.reshape(-1), E, bm))
+    named = (np.asarray(ids).reshape(-1) >= 0) & (np.asarray(ids).reshape(-1) < E)
+    assert len(set(rows.tolist())) == ids.size and (tiles[rows[~named] // bm] == -1).all()
+    np.testing.assert_array_equal(tiles[rows[named] // bm], np.asarray(ids).reshape(-1)[named])
+    want = np.asarray(mg.grouped_experts_reference(xs, jnp.clip(ids, 0, E - 1), gate_up, down))
+    for got in (mg.grouped_experts_reference(xs, ids, gate_up, down),
+                mg.grouped_experts(xs, ids, gate_up, down, block_m=bm, interpret=True)):
+        got = np.asarray(got)
+        assert not got[~named].any()
+        np.testing.assert_allclose(got[named], want[named], rtol=1e-5, atol=1e-5)
+
+
 @pytest.mark.parametrize("dtype,Din,Dout,tiles", [
     (jnp.float32, 64, 48, dict(block_n=32, block_k=16)),  # Dout overlaps its last block
     (jnp.float32, 40, 64, dict(block_n=64, block_k=32)),  # Din overlaps its last chunk

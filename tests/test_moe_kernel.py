@@ -37,11 +37,24 @@ def test_expert_matmul_matches_reference(E, Din, Dout, P, dtype, ids, tiles):
                                rtol=1e-5, atol=1e-5)
 
 
-def test_out_of_range_ids_are_clamped():
-    x, _, w = _case(1, E=4, Din=32, Dout=32, P=2, dtype=jnp.float32)
-    got = me.expert_matmul(x, jnp.asarray([-1, 9], jnp.int32), w, interpret=True)
-    want = me.expert_matmul_reference(x, jnp.asarray([0, 3], jnp.int32), w)
-    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-5)
+def test_ids_naming_no_expert_give_zeros():
+    """An id outside [0, E + E2) (expert parallelism: another device's expert) gives a zero
+    row in the kernel and the references; the other pairs are untouched."""
+    x, _, w = _case(1, E=4, Din=32, Dout=32, P=4, dtype=jnp.float32)
+    ids = jnp.asarray([-1, 2, 9, 0], jnp.int32)
+    got = np.asarray(me.expert_matmul(x, ids, w, interpret=True))
+    want = np.asarray(me.expert_matmul_reference(x, ids, w))
+    assert not got[[0, 2]].any() and not want[[0, 2]].any()
+    np.testing.assert_allclose(got[[1, 3]], np.asarray(me.expert_matmul_reference(x[np.array([1, 3])], ids[np.array([1, 3])], w)),
+                               rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+    gate_up, down = w, w[:, :16, :]
+    extra = (gate_up[:1], down[:1])  # id 4 names the extra expert, 5 names none
+    table = jnp.asarray([[4, -3], [5, 1]], jnp.int32)
+    y = np.asarray(me.routed_experts(x[:2], table, gate_up, down, extra, interpret=True))
+    ref = np.asarray(me.routed_experts_reference(x[:2], table, gate_up, down, extra))
+    assert not y[[1, 2]].any() and y[[0, 3]].any()
+    np.testing.assert_allclose(y, ref, rtol=1e-5, atol=1e-5)
 
 
 def test_extra_experts_follow_the_stacked_ones():

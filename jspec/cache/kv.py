@@ -13,6 +13,7 @@ decides to park. Nothing else sees it.
 from __future__ import annotations
 
 import dataclasses
+from typing import ClassVar
 
 import jax
 import jax.numpy as jnp
@@ -38,6 +39,8 @@ class KVCacheKind:
     """The cache a GQA model needs: per layer, keys and values of Hkv heads of Dh values.
 
     num_heads (H) sizes the parked queries (`extra_slots`)."""
+
+    split_by_head: ClassVar[bool] = True  # split over a mesh's devices by KV head (`init`)
 
     num_layers: int
     num_heads: int

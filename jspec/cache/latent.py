@@ -10,6 +10,7 @@ tree compaction are the GQA cache's (`jspec.cache.kv`), which work on any slot e
 from __future__ import annotations
 
 import dataclasses
+from typing import ClassVar
 
 import jax.numpy as jnp
 from flax import struct
@@ -29,6 +30,8 @@ class LatentCache:
 @dataclasses.dataclass(frozen=True)
 class LatentCacheKind:
     """The cache an MLA model needs: per layer, Dc latent and Dr roped key values a token."""
+
+    split_by_head: ClassVar[bool] = False  # replicated on every device of a mesh (one latent for all heads)
 
     num_layers: int
     kv_lora_rank: int

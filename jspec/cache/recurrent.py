@@ -27,6 +27,7 @@ record lives only inside a round: the loop's state carries `pending=None`.
 from __future__ import annotations
 
 import dataclasses
+from typing import ClassVar
 import math
 
 import jax.numpy as jnp
@@ -56,6 +57,8 @@ class HybridCache:
 class HybridCacheKind:
     """The cache a hybrid model needs: `kv` for its full-attention layers, and the conv
     and delta-rule states of `num_linear` linear layers."""
+
+    split_by_head: ClassVar[bool] = False  # hybrid targets are not split over devices
 
     kv: KVCacheKind
     num_linear: int

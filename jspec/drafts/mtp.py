@@ -28,7 +28,7 @@ from jspec.drafts.base import Draft
 from jspec.drafts.eagle import embed_tokens
 from jspec.models import family_for
 from jspec.models import deepseek_hf
-from jspec.models.deepseek import MtpLayer
+from jspec.models.deepseek import MtpLayer, split_deepseek
 from jspec.models.deepseek_hf import DeepseekConfig
 from jspec.models.llama import product
 from jspec.tensors import Tensors, hf_linear, to_numpy
@@ -40,8 +40,9 @@ _OWN = ("enorm", "hnorm", "eh_proj", "shared_head.norm")  # the layer's tensors 
 
 def layer_config(c: DeepseekConfig) -> DeepseekConfig:
     """The MTP layer's config: one layer, MoE whenever the model has routed experts (the
-    first_k_dense_replace rule counts the target's layers, not the MTP layer's)."""
-    return c.replace(num_layers=1, first_k_dense_replace=0, num_nextn_predict_layers=0)
+    first_k_dense_replace rule counts the target's layers, not the MTP layer's), on one
+    device (`MtpDraft.split` splits it as the target's layers are)."""
+    return c.replace(num_layers=1, first_k_dense_replace=0, num_nextn_predict_layers=0, devices=1)
 
 
 def _check_against_target(m: DeepseekConfig, tcfg, where: str):
@@ -87,6 +88,12 @@ class MtpDraft(Draft):
     @classmethod
     def serves(cls, tcfg) -> bool:
         return isinstance(tcfg, DeepseekConfig)
+
+    def split(self, weights, n: int):
+        """Split as the target's layers are (`models.deepseek.split_deepseek`); eh_proj and
+        the norms replicated, an own embedding or head by vocabulary."""
+        model, weights, specs = split_deepseek(self.model, weights, n)
+        return dataclasses.replace(self, model=model), weights, specs
 
     @classmethod
     def recognises(cls, cfg_json, tensors):

@@ -49,6 +49,9 @@ class QwenMtpDraft(MtpDraft):
     def serves(cls, tcfg) -> bool:
         return isinstance(tcfg, HybridConfig)
 
+    def split(self, weights, n: int):
+        raise ValueError("Qwen3.5 / Qwen3-Next MTP drafts cannot be split over devices yet")
+
     @classmethod
     def recognises(cls, cfg_json, tensors):
         return False  # only inside its target's checkpoint (`from_target_checkpoint`)

@@ -25,9 +25,10 @@ Kernel (`expert_matmul`): out[p, :] = x[row(p), :] @ w[e(p), :, :] in float32.
   bounds, no masks.
 - K splits (more programs when P * tiles is small): each split writes its partial sums
   to its own [P, Dout] slice, which the wrapper adds up (XLA fuses that into the next op).
-- ids are clamped to [0, E) in the kernel (an out-of-range id reads expert 0 or E-1
-  instead of stray memory). Arrays over 4 GB (V3's gate_up: 15 GB) get 64-bit offsets
-  from Pallas' Triton lowering.
+- An id outside [0, E + E2) names no expert: its pair's output is zero and its program
+  reads no weights. Expert parallelism (`models.deepseek`) marks the pairs whose expert
+  another device holds that way. Arrays over 4 GB (V3's gate_up: 15 GB) get 64-bit
+  offsets from Pallas' Triton lowering.
 
 `expert_matmul` may also take a second stacked array, `extra`, whose experts follow w's
 (ids E..): DeepSeek's shared experts run in the routed experts' products that way
@@ -58,12 +59,14 @@ from jspec.kernels.tiling import KERNEL_DTYPES, chunk_start, is_pow2, pow2_floor
 # --------------------------------------------------------------------------- reference
 
 def _gather(w, extra, ids):
-    """w[ids] over the experts of w [E, ...] followed by those of `extra` (None: none)."""
+    """w[ids] over the experts of w [E, ...] followed by those of `extra` (None: none); an
+    id outside them gives zeros."""
     E = w.shape[0]
     got = w[jnp.clip(ids, 0, E - 1)]
-    if extra is None:
-        return got
-    return jnp.where((ids < E)[:, None, None], got, extra[jnp.clip(ids - E, 0, extra.shape[0] - 1)])
+    if extra is not None:
+        got = jnp.where((ids < E)[:, None, None], got, extra[jnp.clip(ids - E, 0, extra.shape[0] - 1)])
+    named = (ids >= 0) & (ids < E + (0 if extra is None else extra.shape[0]))
+    return jnp.where(named[:, None, None], got, jnp.zeros((), got.dtype))
 
 
 def pairs_of(x, ids, slots: int | None = None):
@@ -132,7 +135,7 @@ def expert_matmul_reference(x, ids, w, slots: int | None = None, norm=None):
     if norm is not None:
         x = rms_norm(x, *norm)
     x_pairs, ids = pairs_of(x, ids, slots)
-    return jnp.einsum("pd,pdf->pf", x_pairs.astype(jnp.float32), w[ids].astype(jnp.float32),
+    return jnp.einsum("pd,pdf->pf", x_pairs.astype(jnp.float32), _gather(w, None, ids).astype(jnp.float32),
                       precision=lax.Precision.HIGHEST)
 
 
@@ -175,7 +178,7 @@ def _kernel(ids_ref, x_ref, w_ref, *rest, din: int, dout: int, num_experts: int,
     extra_ref = rest.pop(0) if num_extra else None
     o_ref, = rest
     p, j, s = pl.program_id(0), pl.program_id(1), pl.program_id(2)
-    e = jnp.clip(ids_ref[p // slots, p % slots], 0, num_experts + num_extra - 1)
+    e = ids_ref[p // slots, p % slots]
     row = p // slots if token_rows else p
     n0 = j * block_n
     if dout % block_n:  # the last tile overlaps its neighbour instead of running past Dout
@@ -205,17 +208,18 @@ def _kernel(ids_ref, x_ref, w_ref, *rest, din: int, dout: int, num_experts: int,
         acc = lax.fori_loop(lo, hi, step, jnp.zeros(shape, jnp.float32))
         o_ref[s, p, pl.ds(n0, block_n)] = acc if reduce_each_step else jnp.sum(acc, axis=0)
 
-    if not num_extra:
-        product(w_ref, e)
-        return
+    @pl.when((e < 0) | (e >= num_experts + num_extra))
+    def _():  # no expert: zeros, nothing read
+        o_ref[s, p, pl.ds(n0, block_n)] = jnp.zeros((block_n,), jnp.float32)
 
-    @pl.when(e < num_experts)
+    @pl.when((e >= 0) & (e < num_experts))
     def _():
-        product(w_ref, jnp.minimum(e, num_experts - 1))
+        product(w_ref, jnp.clip(e, 0, num_experts - 1))
 
-    @pl.when(e >= num_experts)
-    def _():
-        product(extra_ref, jnp.maximum(e - num_experts, 0))
+    if num_extra:
+        @pl.when((e >= num_experts) & (e < num_experts + num_extra))
+        def _():
+            product(extra_ref, jnp.clip(e - num_experts, 0, num_extra - 1))
 
 
 def _table(ids, slots):
@@ -288,7 +292,7 @@ def expert_matmul(x, ids, w, extra=None, *, slots: int | None = None, gated=None
     (token n's experts; or [P], one a token), slots (pairs a token, default KP): pair
     p = n * slots + j has expert e(p) = ids[n, j]; x [N, Din] (a row per token) or [P, Din]
     (a row per pair); w [E, Din, Dout] -> [P, Dout] float32, reading only the experts the
-    table names (out-of-range ids are clamped). extra [E2, Din, Dout]: more experts, which
+    table names (a pair whose id names no expert gives zeros). extra [E2, Din, Dout]: more experts, which
     ids E.. E+E2-1 name (DeepSeek's shared experts beside the routed ones, without a
     concatenated copy).
 

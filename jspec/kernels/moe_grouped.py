@@ -53,20 +53,29 @@ def padded_rows(pairs: int, num_experts: int, block_m: int) -> int:
 
 def group_layout(flat, num_experts: int, block_m: int):
     """flat [P] int: each pair's expert -> (rows [P] int32: each pair's row in the padded
-    layout, tile_expert [R / block_m] int32: each tile's expert, -1 past the last group)."""
+    layout, tile_expert [R / block_m] int32: each tile's expert, -1 past the last group).
+    A pair whose id names no expert (outside [0, E): another device's, under expert
+    parallelism) gets a row after the last group, in a tile of expert -1."""
     P = flat.shape[0]
-    flat = jnp.clip(flat.astype(jnp.int32), 0, num_experts - 1)
-    order = jnp.argsort(flat, stable=True)  # pairs by expert
-    sizes = jnp.bincount(flat, length=num_experts).astype(jnp.int32)
-    padded = pl.cdiv(sizes, block_m) * block_m
+    E = num_experts
+    key = _group_key(flat, E)  # no expert: E, after every group
+    order = jnp.argsort(key, stable=True)  # pairs by expert
+    sizes = jnp.bincount(key, length=E + 1).astype(jnp.int32)  # [E+1]: the last, pairs of no expert
+    padded = jnp.concatenate([pl.cdiv(sizes[:E], block_m) * block_m, sizes[E:]])
     start, pstart = jnp.cumsum(sizes) - sizes, jnp.cumsum(padded) - padded  # unpadded, padded group starts
-    expert = flat[order]
+    expert = key[order]
     rows = jnp.zeros((P,), jnp.int32).at[order].set(pstart[expert] + jnp.arange(P, dtype=jnp.int32) - start[expert])
-    R = padded_rows(P, num_experts, block_m)
-    ends = jnp.cumsum(padded)  # [E]: where each padded group ends
+    R = padded_rows(P, E, block_m)
+    ends = jnp.cumsum(padded[:E])  # [E]: where each padded group ends
     tile_start = jnp.arange(R // block_m, dtype=jnp.int32) * block_m
     tile_expert = jnp.searchsorted(ends, tile_start, side="right").astype(jnp.int32)
     return rows, jnp.where(tile_start < ends[-1], tile_expert, -1)
+
+
+def _group_key(flat, num_experts: int):
+    """flat [P] ids -> int32 [P]: the id, or num_experts for an id that names no expert."""
+    flat = flat.astype(jnp.int32)
+    return jnp.where((flat >= 0) & (flat < num_experts), flat, num_experts)
 
 
 def grouped_matmul_reference(x, tile_expert, w, block_m: int):
@@ -164,15 +173,17 @@ def grouped_matmul(x, tile_expert, w, *, block_m: int, block_n: int | None = Non
 
 def grouped_experts_reference(xs, ids, gate_up, down):
     """xs [N, D], ids [N, k] (each token's routed experts), gate_up [E, D, 2Fm], down
-    [E, Fm, D] -> [N*k, D] in xs' dtype (pair n*k + j: token n's j-th expert): the pairs
-    sorted by expert through `jax.lax.ragged_dot`, then put back in pair order."""
+    [E, Fm, D] -> [N*k, D] in xs' dtype (pair n*k + j: token n's j-th expert; zeros for an
+    id outside [0, E)): the pairs sorted by expert through `jax.lax.ragged_dot`, then put
+    back in pair order."""
     N, k = ids.shape
     E, Fm = gate_up.shape[0], down.shape[1]
-    flat = jnp.clip(ids.reshape(-1), 0, E - 1)
-    order = jnp.argsort(flat, stable=True)
-    sizes = jnp.bincount(flat, length=E).astype(jnp.int32)
+    key = _group_key(ids.reshape(-1), E)
+    order = jnp.argsort(key, stable=True)  # the pairs of no expert last, in no group
+    sizes = jnp.bincount(key, length=E + 1)[:E].astype(jnp.int32)
     h = lax.ragged_dot(xs[order // k], gate_up, sizes)  # [N*k, 2Fm]
     h = lax.ragged_dot(silu_mul(h[:, :Fm], h[:, Fm:]), down, sizes)  # [N*k, D]
+    h = jnp.where((key[order] < E)[:, None], h, jnp.zeros((), h.dtype))
     return jnp.zeros_like(h).at[order].set(h)
 
 
@@ -195,7 +206,8 @@ def grouped_experts(xs, ids, gate_up, down, *, block_m: int | None = None, tiles
               num_stages=t.num_stages, interpret=interpret)
     h = grouped_matmul(x, tile_expert, gate_up, **kw)  # [R, 2Fm]
     h = grouped_matmul(silu_mul(h[:, :Fm], h[:, Fm:]), tile_expert, down, **kw)  # [R, D]
-    return h[rows]
+    named = _group_key(ids.reshape(-1), E) < E  # the rows of other pairs are not written
+    return jnp.where(named[:, None], h[rows], jnp.zeros((), h.dtype))
 
 
 def uses_kernel(xs, ids, gate_up, down, tiles: GroupedTiles | None = None) -> bool:

@@ -199,8 +199,8 @@ def check_memory(params, plan: Plan, max_new: int) -> None:
     if have is None:
         return
     limit, where = have
-    n = 1 if params.mesh is None else params.mesh.size  # the caches are split by KV head
-    need = plan_bytes(plan) // n
+    split = params.mesh is not None and plan.family.cache_kind(plan.target).split_by_head
+    need = plan_bytes(plan) // (params.mesh.size if split else 1)  # KV caches split by head, latent ones not
     weights = sum(shard_bytes(a) for a in jax.tree.leaves((params.weights, params.draft.weights
                                                            if params.draft is not None else None)))
     if need + weights > limit:

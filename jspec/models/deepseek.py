@@ -24,7 +24,9 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import linen as nn
+from jax.sharding import PartitionSpec as P
 
 from jspec.cache.latent import LatentCache, LatentCacheKind
 from jspec.cache.layout import AttnMeta
@@ -36,6 +38,8 @@ from jspec.kernels import moe_experts, moe_grouped
 from jspec.kernels.moe_experts import normed, silu_mul
 from jspec.kernels.moe_route import route
 from jspec.cache.kv import write_kv
+from jspec import sharding
+from jspec.tensors import HostParam, StackedParam
 from jspec.models import deepseek_hf
 from jspec.models.deepseek_hf import DeepseekConfig
 from jspec.models.llama import DecoderLM, FlaxFamily, Linear, RMSNorm, product
@@ -128,8 +132,9 @@ class MLAttention(nn.Module):
             o = mla_attention(q_lat, q_pe, buf, meta, w_uv, scale=c.softmax_scale, tuning=tuning)
         else:  # absorbed: attend over the latent rows, then up-project the values
             o, buf = cached_mla_attention(q_lat, q_pe, rows, buf, meta, w_uv, scale=c.softmax_scale, tuning=tuning)
-        out = Linear(c.hidden_size, c.attention_bias, c.dtype, row_kernel=True, tuning=tuning, name="o_proj")(
-            o.reshape(B, T, H * Dv))
+        # one device's heads (`DeepseekConfig.block`): a float32 partial sum for `device_sum`
+        out = Linear(c.hidden_size, c.attention_bias, c.dtype, float32_out=c.per_device, row_kernel=True,
+                     tuning=tuning, name="o_proj")(o.reshape(B, T, H * Dv))
         return out, buf
 
 
@@ -141,11 +146,12 @@ class MLP(nn.Module):
     width: int
     dtype: str
     tuning: Tuning = DEFAULT_TUNING
+    partial: bool = False  # one device's columns (`DeepseekConfig.block`): a float32 partial sum
 
     @nn.compact
     def __call__(self, x, norm):
         """x [B,T,D] with its norm (weight, eps; None: x is normed) not yet applied (the
-        kernel's prologue applies it) -> [B,T,D]."""
+        kernel's prologue applies it) -> [B,T,D] (float32 when `partial`)."""
         D, F, dt = x.shape[-1], self.width, jnp.dtype(self.dtype)
         tiles = self.tuning.experts
         gate_up = self.param("gate_up_proj", lambda key: {"kernel": _init(key, (D, 2 * F), dt)})["kernel"]
@@ -157,10 +163,10 @@ class MLP(nn.Module):
                 # the one wide expert's second product: `ExpertTiles.dense_down_block_n`
                 y = moe_experts.routed_experts(rows, one, gate_up[None], down[None], norm=norm, tiles=tiles,
                                                down_tiles={"block_n": tiles.dense_down_block_n})
-                return y.astype(x.dtype).reshape(x.shape)
+                return y.astype(jnp.float32 if self.partial else x.dtype).reshape(x.shape)
         x = normed(x, norm)
         gu = product(x, gate_up, tuning=self.tuning)
-        return product(silu_mul(gu[..., :F], gu[..., F:]), down, tuning=self.tuning)
+        return product(silu_mul(gu[..., :F], gu[..., F:]), down, float32_out=self.partial, tuning=self.tuning)
 
 
 class MoE(nn.Module):
@@ -186,18 +192,28 @@ class MoE(nn.Module):
         E, S, Fm, k = c.n_routed_experts, c.n_shared_experts, c.moe_intermediate_size, c.num_experts_per_tok
         dt = jnp.dtype(c.dtype)
 
-        def stacked(n):
-            return lambda key: {"gate_up": _init(key, (n, D, 2 * Fm), dt),
-                                "down": _init(jax.random.fold_in(key, 1), (n, Fm, D), dt)}
+        def stacked(n, width):
+            return lambda key: {"gate_up": _init(key, (n, D, 2 * width), dt),
+                                "down": _init(jax.random.fold_in(key, 1), (n, width, D), dt)}
 
         router = self.param("router", lambda key: {"kernel": _init(key, (D, E), jnp.float32)}
                             | ({"bias": jnp.zeros((E,), jnp.float32)} if c.scoring == "sigmoid" else {}))
-        experts = self.param("experts", stacked(E))
-        shared = self.param("shared_experts", stacked(S)) if S else None
+        n = c.devices if c.per_device else 1  # a device's block: E/n experts, Fm/n shared columns
+        experts = self.param("experts", stacked(E // n, Fm))
+        shared = self.param("shared_experts", stacked(S, Fm // n)) if S else None
         xs = x.reshape(B * T, D)
         r = c.routing
         tuning = self.tuning
         weights, ids = route(r, xs, router["kernel"], router.get("bias"), norm=norm, tuning=tuning)  # [N, KP] each
+        if c.per_device:  # this device's E/n experts (`DeepseekConfig.block`); other experts' pairs: id -1
+            El = E // n
+            local = ids[:, :k] - jax.lax.axis_index(sharding.AXIS) * El
+            routed = jnp.where((local >= 0) & (local < El), local, -1)  # [N, k]
+            out = self.routed(xs, routed, weights[:, :k], experts, norm, B * T * k < E)
+            if S:  # the shared experts' Fm/n columns on this device, each as an expert of that width
+                table = jnp.broadcast_to(jnp.arange(S, dtype=jnp.int32), (B * T, S))
+                out = out + self.routed(xs, table, weights[:, k:k + S], shared, norm, B * T * k < E)
+            return out.reshape(B, T, D)  # float32: a partial sum over the devices
         if B * T * k < E:  # decode and verification: read the chosen and the shared experts only
             extra = (shared["gate_up"], shared["down"]) if S else None
             y = moe_experts.moe_experts(xs, ids, experts["gate_up"], experts["down"], extra, r.slots,
@@ -214,6 +230,19 @@ class MoE(nn.Module):
                                        preferred_element_type=jnp.float32)
         return out.astype(x.dtype).reshape(B, T, D)
 
+    def routed(self, xs, table, weights, stack, norm, few: bool):
+        """One device's share of expert pairs: xs [N, D], table [N, j] (ids into `stack`'s
+        experts; -1: none here), weights [N, j] float32 -> [N, D] float32, the pairs through
+        the expert kernel when `few` (decode, verification), else grouped by expert."""
+        N, j = table.shape
+        if few:
+            y = moe_experts.moe_experts(xs, table, stack["gate_up"], stack["down"], None, j, norm=norm,
+                                        tiles=self.tuning.experts)  # [N*j, D]
+        else:
+            y = moe_grouped.grouped(normed(xs, norm), table, stack["gate_up"], stack["down"],
+                                    tiles=self.tuning.grouped).astype(jnp.float32)
+        return jnp.einsum("njd,nj->nd", y.reshape(N, j, -1), weights)
+
 
 class DecoderLayer(nn.Module):
     cfg: DeepseekConfig
@@ -225,11 +254,34 @@ class DecoderLayer(nn.Module):
         c, tuning = self.cfg, self.tuning
         norm = RMSNorm(c.rms_norm_eps, c.dtype, name="input_layernorm")(x, unapplied=True)
         h, buf = MLAttention(c, tuning, name="self_attn")(x, norm, buf, meta)
-        x = x + h
+        x = x + device_sum(h, c)
         norm = RMSNorm(c.rms_norm_eps, c.dtype, name="post_attention_layernorm")(x, unapplied=True)
         mlp = (MoE(c, tuning, name="mlp") if c.is_moe(self.layer)
-               else MLP(c.intermediate_size, c.dtype, tuning, name="mlp"))
-        return x + (mlp(x, norm) if tuning.mlp_norm_in_kernel else mlp(normed(x, norm), None)), buf
+               else MLP(c.intermediate_size, c.dtype, tuning, partial=c.per_device, name="mlp"))
+        return x + device_sum(mlp(x, norm) if tuning.mlp_norm_in_kernel else mlp(normed(x, norm), None), c), buf
+
+
+def device_sum(y, c: DeepseekConfig):
+    """A layer part's output: on one device y itself; in a device's block
+    (`DeepseekConfig.per_device`) its float32 partial sum added up over the devices (one
+    all-reduce), in the model's dtype."""
+    if not c.per_device:
+        return y
+    return jax.lax.psum(y.astype(jnp.float32), sharding.AXIS).astype(c.jnp_dtype)
+
+
+def layer_on_devices(c: DeepseekConfig, layer: int, tuning: Tuning, params, x, buf, meta):
+    """Decoder layer `layer` of a model split over c.devices (`split_deepseek`): every
+    device runs the layer's code on its block of the weights (`DeepseekConfig.block`) under
+    `jax.shard_map`, so the Pallas kernels run per device as they do on one; x [B,T,D], the
+    latent buffer (every device writes the same rows) and meta are replicated. Two
+    all-reduces a layer (`device_sum`). -> (x [B,T,D], buffer)."""
+    specs = sharding.weight_specs(params, c.devices, device_splits(c), VOCAB_SPLITS)
+
+    def run(p, x, buf, meta):
+        return DecoderLayer(c.block(), layer, tuning, parent=None).apply({"params": p}, x, buf, meta)
+    return jax.shard_map(run, in_specs=(specs, P(), P(), P()), out_specs=(P(), P()), check_vma=False)(
+        params, x, buf, meta)
 
 
 class DeepseekModel(DecoderLM):
@@ -246,10 +298,15 @@ class DeepseekModel(DecoderLM):
     def __call__(self, tokens, cache: LatentCache | None, meta: AttnMeta, capture: tuple[int, ...] = ()):
         x = self.embed(tokens)
         aux, bufs = {}, []
+        c = self.cfg
         for i, layer in enumerate(self.layers):
             if i in capture:
                 aux[i] = x
-            x, buf = layer(x, None if cache is None else cache.latent[i], meta)
+            buf = None if cache is None else cache.latent[i]
+            if c.devices > 1:
+                x, buf = layer_on_devices(c, i, self.tuning, layer.variables["params"], x, buf, meta)
+            else:
+                x, buf = layer(x, buf, meta)
             bufs.append(buf)
         if self.cfg.num_layers in capture:
             aux[self.cfg.num_layers] = x
@@ -273,9 +330,92 @@ class MtpLayer(nn.Module):
         h = jnp.concatenate([RMSNorm(c.rms_norm_eps, c.dtype, name="enorm")(embeds),
                              RMSNorm(c.rms_norm_eps, c.dtype, name="hnorm")(feats)], axis=-1)
         x = Linear(c.hidden_size, False, c.dtype, row_kernel=True, tuning=self.tuning, name="eh_proj")(h)
-        x, buf = DecoderLayer(c, 0, self.tuning, name="block")(x, None if cache is None else cache.latent[0], meta)
+        buf = None if cache is None else cache.latent[0]
+        if c.devices > 1:
+            x, buf = layer_on_devices(c, 0, self.tuning, self.variables["params"]["block"], x, buf, meta)
+        else:
+            x, buf = DecoderLayer(c, 0, self.tuning, name="block")(x, buf, meta)
         out = RMSNorm(c.rms_norm_eps, c.dtype, name="shared_head_norm")(x)
         return out, None if cache is None else LatentCache(latent=(buf,))
+
+
+# Several devices: which weight splits how, by the last two keys of its path (one key: an
+# MTP draft's own embedding or head). Attention by heads (the latent cache and the latent
+# projections replicated), routed experts by expert, the shared experts' and dense MLPs'
+# columns Megatron's way, the embedding and LM head by vocabulary.
+def device_splits(c: DeepseekConfig) -> dict:
+    A = sharding.AXIS
+    splits = {("q_b_proj", "kernel"): P(None, A), ("self_attn", "w_uk"): P(None, A, None),
+              ("self_attn", "w_uv"): P(A, None, None), ("o_proj", "kernel"): P(A, None),
+              ("gate_up_proj", "kernel"): P(None, A), ("down_proj", "kernel"): P(A, None),
+              ("experts", "gate_up"): P(A, None, None), ("experts", "down"): P(A, None, None),
+              ("shared_experts", "gate_up"): P(None, None, A), ("shared_experts", "down"): P(None, A, None),
+              ("embed_tokens", "embedding"): P(A, None), ("lm_head", "kernel"): P(None, A),
+              ("embed",): P(A, None), ("head",): P(None, A)}
+    if not c.q_lora_rank:  # q_proj's columns by head, each device's followed by the latent's (`split_deepseek`)
+        splits |= {("qkv_a_proj", "kernel"): P(None, A), ("qkv_a_proj", "bias"): P(A)}
+    return splits
+
+
+VOCAB_SPLITS = (("embed_tokens", "embedding"), ("lm_head", "kernel"), ("embed",), ("head",))
+
+
+def _check_split(c: DeepseekConfig, n: int) -> None:
+    fits = [(c.num_heads, "attention heads"), (c.n_routed_experts, "routed experts")]
+    if c.first_k_dense_replace or not c.n_routed_experts:
+        fits.append((c.intermediate_size, "columns of the dense MLPs"))
+    if c.n_shared_experts:
+        fits.append((c.moe_intermediate_size, "columns of the shared experts"))
+    for size, what in fits:
+        if size % n:
+            raise ValueError(f"{size} {what} cannot be split over {n} devices")
+    if c.attention_bias:
+        raise ValueError("a DeepSeek model with attention biases cannot be split over devices yet (o_proj's bias "
+                         "would be added on every device)")
+    if c.devices != 1:
+        raise ValueError(f"this model is split over {c.devices} devices already")
+
+
+def _take_columns(w, cols: np.ndarray):
+    """w's last-axis entries `cols` (a kernel's columns, a bias' entries, each stacked
+    expert's columns), lazily for host weights."""
+    if isinstance(w, StackedParam):
+        return w.map(lambda m: m.take_rows(cols))
+    if isinstance(w, HostParam) and (w.transposed or w.ndim == 1):
+        return w.take_rows(cols)  # a kernel's columns are its source rows
+    return jnp.take(w, jnp.asarray(cols), axis=w.ndim - 1)
+
+
+def halves_by_device(width: int, n: int) -> np.ndarray:
+    """Columns of a [gate | up] pair of width 2 * width reordered so that device d's
+    contiguous block is [its gate columns | its up columns]."""
+    w = width // n
+    return np.concatenate([np.r_[d * w:(d + 1) * w, width + d * w:width + (d + 1) * w] for d in range(n)])
+
+
+def split_deepseek(c: DeepseekConfig, weights, n: int):
+    """A DeepSeek model (target weights, or an MTP draft's) for n devices -> (config with
+    `devices` n, weights, PartitionSpec tree), Megatron's way where it applies and expert
+    parallelism for the routed experts (`device_splits`; docs/design.md, "Several GPUs").
+    Columns are reordered so that each device's block is what its layer code expects: the
+    [gate | up] halves of dense and shared MLPs per device (`halves_by_device`) and, without
+    a query latent, q_proj's columns of its heads followed by the latent's (those repeat
+    on every device). Host weights stay unread (`HostParam`)."""
+    _check_split(c, n)
+    Q = c.num_heads * c.qk_head_dim
+    Dcr = c.kv_lora_rank + c.qk_rope_head_dim
+    qkv_cols = np.concatenate([np.r_[d * Q // n:(d + 1) * Q // n, Q:Q + Dcr] for d in range(n)])
+
+    def reorder(keys, w):
+        if keys[-2:-1] == ("qkv_a_proj",) and not c.q_lora_rank:
+            return _take_columns(w, qkv_cols)
+        if keys[-2:] == ("gate_up_proj", "kernel"):
+            return _take_columns(w, halves_by_device(c.intermediate_size, n))
+        if keys[-2:] == ("shared_experts", "gate_up"):
+            return _take_columns(w, halves_by_device(c.moe_intermediate_size, n))
+        return w
+    weights = sharding.map_weights(reorder, weights)
+    return c.replace(devices=n), weights, sharding.weight_specs(weights, n, device_splits(c), VOCAB_SPLITS)
 
 
 class DeepseekFamily(FlaxFamily):
@@ -299,6 +439,9 @@ class DeepseekFamily(FlaxFamily):
 
     def cache_kind(self, cfg: DeepseekConfig) -> LatentCacheKind:
         return LatentCacheKind(cfg.num_layers, cfg.kv_lora_rank, cfg.qk_rope_head_dim, cfg.dtype)
+
+    def split(self, cfg: DeepseekConfig, weights, n: int):
+        return split_deepseek(cfg, weights, n)
 
 
 DEEPSEEK = DeepseekFamily()

@@ -14,7 +14,7 @@ import numpy as np
 from jspec.config import DTYPES, RopeConfig
 from jspec.kernels.moe_route import Routing
 from jspec.models.llama_hf import rope_from_hf
-from jspec.tensors import Tensors, hf_linear, to_numpy
+from jspec.tensors import HostParam, StackedParam, Tensors, hf_linear, to_numpy
 
 TARGET_ARCHITECTURES = ("DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM")
 TOPK_METHODS = ("greedy", "group_limited_greedy", "noaux_tc")
@@ -62,6 +62,10 @@ class DeepseekConfig:
     architecture: str = "DeepseekV3ForCausalLM"
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
+    # Several devices (`models.deepseek.split_deepseek`): the model split over `devices`;
+    # `per_device`: this config is one device's block of it (`block`).
+    devices: int = 1
+    per_device: bool = False
 
     def __post_init__(self):
         if self.dtype not in DTYPES:
@@ -100,6 +104,16 @@ class DeepseekConfig:
 
     def replace(self, **kw) -> "DeepseekConfig":
         return dataclasses.replace(self, **kw)
+
+    def block(self) -> "DeepseekConfig":
+        """The config one device's layer code runs with when the model is split over
+        `devices`: H/n heads and 1/n of the dense MLPs' width (its E/n routed experts and
+        the shared experts' Fm/n columns follow from the arrays it holds; routing still
+        chooses among all E experts); attention and MLP outputs are partial sums that the
+        layer adds up over the devices."""
+        n = self.devices
+        return self.replace(num_heads=self.num_heads // n, intermediate_size=self.intermediate_size // n,
+                            per_device=True)
 
 
 def _get(cfg: Mapping[str, Any], where: str, name: str, default=None, required: bool = False):
@@ -160,9 +174,10 @@ def mlp_params(t: Tensors, prefix: str, D: int, F: int) -> dict:
 
 def _stacked(t: Tensors, tensors: list) -> dict:
     """Experts' (gate [Fm, D], up [Fm, D], down [D, Fm]) tensors, in that order per expert ->
-    {"gate_up": [n, D, 2Fm], "down": [n, Fm, D]}."""
-    gate_up = np.stack([np.concatenate([g, u], axis=0).T for g, u in zip(tensors[0::3], tensors[1::3])])
-    return {"gate_up": t.as_param(gate_up), "down": t.as_param(np.stack([d.T for d in tensors[2::3]]))}
+    {"gate_up": [n, D, 2Fm], "down": [n, Fm, D]}, read lazily (`tensors.StackedParam`: a
+    device reads only its experts and its block of them)."""
+    gate_up = [HostParam([g, u], t.dtype).T for g, u in zip(tensors[0::3], tensors[1::3])]
+    return {"gate_up": StackedParam(gate_up), "down": StackedParam([HostParam([d], t.dtype).T for d in tensors[2::3]])}
 
 
 def _unstacked(p: dict, dt: str) -> list:
@@ -177,9 +192,8 @@ def kv_b_params(t: Tensors, name: str, c: DeepseekConfig) -> dict:
     """kv_b_proj [H*(Dn+Dv), Dc] -> its halves as `models.deepseek.MLAttention` keeps them:
     {"w_uk": [Dc, H, Dn], "w_uv": [H, Dv, Dc]}."""
     H, Dn, Dv, Dc = c.num_heads, c.qk_nope_head_dim, c.v_head_dim, c.kv_lora_rank
-    kv_b = t.take(name, (H * (Dn + Dv), Dc)).reshape(H, Dn + Dv, Dc)
-    return {"w_uk": t.as_param(np.ascontiguousarray(kv_b[:, :Dn].transpose(2, 0, 1))),
-            "w_uv": t.as_param(np.ascontiguousarray(kv_b[:, Dn:]))}
+    kv_b = t.take(name, (H * (Dn + Dv), Dc)).reshape(H, Dn + Dv, Dc)  # views: read lazily, a block a device
+    return {"w_uk": HostParam([kv_b[:, :Dn].transpose(2, 0, 1)], t.dtype), "w_uv": HostParam([kv_b[:, Dn:]], t.dtype)}
 
 
 def kv_b_tensor(attn: dict, dt: str) -> np.ndarray:
@@ -314,6 +328,9 @@ def target_tensors(c: DeepseekConfig, weights) -> dict:
 
 def layer_tensors(lp: dict, pre: str, c: DeepseekConfig, layer: int, out: dict) -> dict:
     """One decoder layer's params -> `pre`-named tensors in `out` (experts one tensor each)."""
+    if c.devices > 1:
+        raise ValueError(f"this model is split over {c.devices} devices (its columns reordered for them): "
+                         "export the model loaded on one device")
     dt = c.dtype
     out[f"{pre}self_attn.kv_b_proj.weight"] = kv_b_tensor(lp["self_attn"], dt)
     q_name, Q = _q_input_proj(c)
