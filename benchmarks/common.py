@@ -341,6 +341,8 @@ TUNINGS: dict[str, dict] = {
     "graphs_off": {"family_xla_options": False},  # XLA's default command buffers, not the family's
     "graphs_loop_only": {"family_xla_options": False, "xla_options": (("xla_gpu_enable_command_buffer", GRAPHS),)},
     "no_graphs": {"family_xla_options": False, "xla_options": (("xla_gpu_enable_command_buffer", ""),)},
+    # the family's command buffers with the collectives (several GPUs' all-reduces) captured too
+    "graphs_collectives": {"xla_options": (("xla_gpu_enable_command_buffer", GRAPHS + ",COLLECTIVES"),)},
     "ar_one_shot": {"xla_options": (ONE_SHOT,)},
     "ar_sync": {"xla_options": (SYNC,)},
     "ar_one_shot_sync": {"xla_options": (ONE_SHOT, SYNC)},

@@ -9,8 +9,8 @@ decode: the loop of a random-weight target (context 1k): a step timed from two r
   --model 8b (Llama-3.1-8B shape), v2lite (DeepSeek-V2-Lite, --layers decoder layers:
   the first dense, the rest MoE) or v3layer (--layers DeepSeek-V3 MoE layers);
   --batch; --spec S,K,N: rounds with a random EAGLE-3-shaped head (8b) or MTP layer
-  (DeepSeek) instead of plain steps; --tuning: a `common.TUNINGS` name; --devices n
-  (8b): the model split over n GPUs, kernels per GPU and stream.
+  (DeepSeek) instead of plain steps; --tuning: a `common.TUNINGS` name; --devices n:
+  the model split over n GPUs, kernels per GPU and stream.
   Under DeepSeek's command buffers (the family's default) the trace shows none of the
   kernels inside the loop's CUDA graph: take --tuning no_graphs to see the decode
   step's kernels (its step is about 8% slower).
@@ -59,6 +59,9 @@ def model(args):
             params = params.with_draft(eagle3_head(params)) if spec else params
         return params, spec, 100000
     cfg = (V2_LITE if args.model == "v2lite" else V3_LAYER).replace(num_layers=args.layers)
+    if args.devices:
+        from benchmarks.tp import random_deepseek_split
+        return random_deepseek_split(cfg, args.devices, with_mtp=spec is not None), spec, cfg.vocab_size
     params = random_params(cfg)
     if spec:
         draft = MtpDraft(layer_config(cfg))

@@ -173,7 +173,8 @@ def load(target_dir: str, *, draft: str | NgramDraft | None = None, dtype: str |
     `jspec.NgramDraft(min_n=..., max_n=...)` (a directory named mtp or ngram: "./mtp").
     dtype: 'float32', 'bfloat16' or 'float16'
     for the weights and activations; None keeps the checkpoint's declared dtype.
-    devices: split target and draft over several devices (tensor parallelism, see
+    devices: split target and draft over several devices (Llama family: tensor
+    parallelism; DeepSeek: attention by heads, routed experts by expert; see
     `jspec.sharding`): a count (the first n of `jax.devices()`), a list of devices or a
     1-D `jax.sharding.Mesh` with the axis "tp". Each device reads only its own part of
     every weight from the safetensors files.

@@ -1,6 +1,6 @@
-"""Tensor parallelism: a target and its draft split over a 1-D mesh of devices.
+"""Several devices: a target and its draft split over a 1-D mesh of devices.
 
-The split is Megatron's: attention heads and MLP columns are divided among the devices
+For the Llama family the split is Megatron's: attention heads and MLP columns are divided among the devices
 (`qkv_proj` and `gate_up_proj` column-parallel, `o_proj` and `down_proj` row-parallel, so
 each layer needs one all-reduce after attention and one after the MLP), the embedding and
 the LM head are divided over the vocabulary, norms are replicated, and every KV cache is
@@ -14,6 +14,9 @@ on every batch-1 step (1 GB for Llama-3.1-8B over 2 GPUs).
 Which weight is split how is the family's (or draft kind's) business: `split` in its
 protocol returns its config and weights for n devices and a PartitionSpec tree
 (`weight_specs`); Llama-architecture modules share `jspec.models.llama.split_llama`.
+DeepSeek targets and MTP layers (`jspec.models.deepseek.split_deepseek`) split attention
+by heads and the routed experts by expert, and run each decoder layer per device under
+`shard_map` with their own two all-reduces (docs/design.md, "Several GPUs").
 """
 from __future__ import annotations
 

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 from conftest import CACHES, PROMPTS
 from test_deepseek import make_deepseek
-from test_mtp import mtp_checkpoint
+from test_mtp import mtp_checkpoint, through_kernels
 
 import jspec
 from jspec import loading
@@ -51,13 +51,11 @@ def loaded(mtp_dir):
 
 
 SLOW = pytest.mark.slow
-CASES = [  # (devices, spec, cache)
-    pytest.param(2, None, "dense", id="2-plain-dense"),
+CASES = [  # (devices, spec, cache): plain, chain and tree; dense and paged 1, 16 and 64; 2 and 4 devices
     pytest.param(4, None, "paged16", id="4-plain-paged16"),
-    pytest.param(2, CHAIN, "paged1", id="2-mtp-chain-paged1"),
-    pytest.param(4, TREE, "dense", id="4-mtp-tree-dense"),
+    pytest.param(2, CHAIN, "dense", id="2-mtp-chain-dense"),
+    pytest.param(4, TREE, "paged1", id="4-mtp-tree-paged1"),
     pytest.param(2, TREE, "paged64", id="2-mtp-tree-paged64", marks=SLOW),
-    pytest.param(4, CHAIN, "paged16", id="4-mtp-chain-paged16", marks=SLOW),
 ]
 
 
@@ -75,12 +73,11 @@ def test_split_output_equals_one_device(loaded, n, spec, cache):
         assert got.stats.mean_accept_length > 1.0  # drafts were accepted: the split MTP layer drafts well
 
 
-@pytest.mark.parametrize("variant", ["v2-group-limited", "v3-rotate-half"])
-def test_split_logits_without_a_query_latent(tmp_path, variant):
+def test_split_logits_without_a_query_latent(tmp_path):
     """Without q_lora_rank each device's q_proj columns (its heads) come with the latent's,
-    repeated on every device; V2's softmax routing, V3's sigmoid routing. Logits over 2
-    and 4 devices equal one device's, and greedy tokens over 4."""
-    make_deepseek(str(tmp_path), variant)
+    repeated on every device (V2, softmax routing with group limits). Logits over 2 and 4
+    devices equal one device's, and greedy tokens over 4."""
+    make_deepseek(str(tmp_path), "v2-group-limited")
     one = jspec.load(str(tmp_path), dtype="float32")
     tokens = [list(range(3, 19)), [40, 41, 42]]
     want = np.asarray(jspec.logits(one, tokens))
@@ -186,3 +183,11 @@ def test_split_errors(mtp_dir, tmp_path):
     with pytest.raises(ValueError, match="split over 2 devices .* export the model loaded on one device"):
         two = jspec.load(mtp_dir, dtype="float32", devices=2)
         save_target(str(tmp_path / "x"), two.config, two.weights)
+
+
+
+def test_split_through_pallas_kernels(monkeypatch, fresh_compiles):
+    """Over 2 devices each device runs the MLA and expert kernels (interpret mode) on its
+    block under shard_map: the reference path's tokens on one device, every kernel called
+    (the shared expert's 32 columns split to 16 a device, the kernel's least)."""
+    through_kernels(monkeypatch, devices=2, moe_width=32)

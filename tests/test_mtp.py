@@ -234,12 +234,19 @@ def test_mtp_sampling_emits_plain_sampling(mtp_target):
 def test_deepseek_and_mtp_through_pallas_kernels(monkeypatch, fresh_compiles):
     """A DeepSeek target and its MTP draft with the MLA and MoE kernels forced (interpret
     mode) give the reference path's greedy tokens; every kernel runs in the loop."""
+    through_kernels(monkeypatch)
+
+
+def through_kernels(monkeypatch, devices: int | None = None, moe_width: int = 16):
+    """A tiny DeepSeek target with its MTP draft: greedy tokens with the MLA and expert
+    kernels forced (interpret mode; split over `devices` if given) equal the reference
+    path's on one device, and every kernel ran."""
     from jspec.kernels import mla_decode, mla_output, moe_experts
     from jspec.models import family_for
     from jspec.models.deepseek_hf import DeepseekConfig
     cfg = DeepseekConfig(vocab_size=96, hidden_size=32, intermediate_size=48, num_layers=2, num_heads=2,
                          kv_lora_rank=32, q_lora_rank=0, qk_nope_head_dim=16, qk_rope_head_dim=16, v_head_dim=16,
-                         moe_intermediate_size=16, n_routed_experts=8, n_shared_experts=1, num_experts_per_tok=2,
+                         moe_intermediate_size=moe_width, n_routed_experts=8, n_shared_experts=1, num_experts_per_tok=2,
                          first_k_dense_replace=1, num_nextn_predict_layers=1)
     draft = MtpDraft(layer_config(cfg))
     scale = lambda w: jax.tree.map(lambda a: a * 8 if a.ndim >= 2 else a, w)  # noqa: E731  (peaked logits)
@@ -256,6 +263,6 @@ def test_deepseek_and_mtp_through_pallas_kernels(monkeypatch, fresh_compiles):
         monkeypatch.setattr(mod, name, lambda *a, _r=real, _n=name, **k: calls.append(_n) or _r(*a, **k))
     monkeypatch.setenv("JSPEC_KERNELS", "pallas")
     jspec.clear_caches()
-    assert jspec.generate(p, PROMPTS[:2], **kw).tokens == want
+    assert jspec.generate(p if devices is None else jspec.shard(p, devices), PROMPTS[:2], **kw).tokens == want
     assert {name for _, name in kernels} <= set(calls)
     jax.clear_caches()
