@@ -110,6 +110,16 @@ def deepseek_read_bytes(params, batch: int, ctx: float, n: int) -> float:
     return step_bytes(params, batch, batch, ctx) + copies * (replicated + latent)
 
 
+def per_call_us(f, x, reps: int) -> float:
+    """Microseconds a call of `reps` chained collectives takes per collective (median of 10)."""
+    ts = []
+    for _ in range(10):
+        t = time.perf_counter()
+        jax.block_until_ready(f(x))
+        ts.append(time.perf_counter() - t)
+    return float(np.median(ts)) / reps * 1e6
+
+
 def alltoall_us(n: int, rows: int, D: int, reps: int = 64) -> float:
     """Mean time of an all-to-all pair (dispatch and combine) of `rows` [rows, D] bf16 rows
     a device over n devices (64 chained); checks that the pair returns every row."""
@@ -127,12 +137,7 @@ def alltoall_us(n: int, rows: int, D: int, reps: int = 64) -> float:
                               check_vma=False))
     if not np.array_equal(np.asarray(f(x), np.float32), np.asarray(x, np.float32)):
         raise AssertionError("all-to-all pair did not return the rows")
-    ts = []
-    for _ in range(10):
-        t = time.perf_counter()
-        jax.block_until_ready(f(x))
-        ts.append(time.perf_counter() - t)
-    return float(np.median(ts)) / reps * 1e6
+    return per_call_us(f, x, reps)
 
 
 def allreduce_us(n: int, batch: int, D: int, options: dict, reps: int = 64, dtype=jnp.bfloat16) -> float:
@@ -153,12 +158,7 @@ def allreduce_us(n: int, batch: int, D: int, options: dict, reps: int = 64, dtyp
     want[::batch, 0] = (n + 1) / n  # every device's block gets the same sums
     if not np.allclose(y, want, rtol=1e-2):
         raise AssertionError(f"all-reduce with {options} gave wrong sums")
-    ts = []
-    for _ in range(10):
-        t = time.perf_counter()
-        jax.block_until_ready(f(x))
-        ts.append(time.perf_counter() - t)
-    return float(np.median(ts)) / reps * 1e6
+    return per_call_us(f, x, reps)
 
 
 def check(n: int, res: dict):

@@ -124,3 +124,22 @@ def loop_state(params, prompts, max_new, cache, spec=None, rounds=None, tuning=N
 def _run_loop(plan, tw, pw, rows, adm):
     from jspec.loop import programs
     return programs.run(plan, tw, pw, rows, adm)
+
+
+def spec_of(a) -> tuple:
+    """A split array's PartitionSpec as a tuple of one entry an axis."""
+    return tuple(a.sharding.spec) + (None,) * (a.ndim - len(a.sharding.spec))
+
+
+def replicated_share(params, n: int) -> float:
+    """Asserts that each of the n devices holds the split weights' bytes over n plus the
+    replicated ones -> the replicated weights' share of all bytes."""
+    import jax
+    leaves = jax.tree.leaves(params.weights)
+    total = sum(a.nbytes for a in leaves)
+    replicated = sum(a.nbytes for a in leaves if not any(spec_of(a)))
+    for d in range(n):
+        on_device = sum(s.data.nbytes for a in leaves for s in a.addressable_shards
+                        if s.device == params.mesh.devices[d])
+        assert on_device == replicated + (total - replicated) // n
+    return replicated / total

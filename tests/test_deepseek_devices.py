@@ -11,7 +11,7 @@ from __future__ import annotations
 import jax
 import numpy as np
 import pytest
-from conftest import CACHES, PROMPTS
+from conftest import CACHES, PROMPTS, replicated_share, spec_of
 from test_deepseek import make_deepseek
 from test_mtp import mtp_checkpoint, through_kernels
 
@@ -89,10 +89,6 @@ def test_split_logits_without_a_query_latent(tmp_path):
     assert jspec.generate(four, PROMPTS, **kw).tokens == jspec.generate(one, PROMPTS, **kw).tokens
 
 
-def _spec(a):
-    return tuple(a.sharding.spec) + (None,) * (a.ndim - len(a.sharding.spec))
-
-
 def test_weights_split_and_caches_replicated(loaded):
     n = 2
     pn = loaded(n)
@@ -106,26 +102,19 @@ def test_weights_split_and_caches_replicated(loaded):
         w = moe
         for k in path:
             w = w[k]
-        assert _spec(w) == spec, path
+        assert spec_of(w) == spec, path
         axis = spec.index("tp")
         assert all(s.data.shape[axis] == w.shape[axis] // n for s in w.addressable_shards), path
-    assert _spec(dense["mlp"]["gate_up_proj"]["kernel"]) == (None, "tp")
-    assert _spec(dense["mlp"]["down_proj"]["kernel"]) == ("tp", None)
-    assert not any(_spec(moe["self_attn"]["qkv_a_proj"]["kernel"]))  # the latents: replicated
-    assert not any(_spec(moe["mlp"]["router"]["kernel"]))
-    assert _spec(pn.weights["params"]["lm_head"]["kernel"]) == (None, "tp")
+    assert spec_of(dense["mlp"]["gate_up_proj"]["kernel"]) == (None, "tp")
+    assert spec_of(dense["mlp"]["down_proj"]["kernel"]) == ("tp", None)
+    assert not any(spec_of(moe["self_attn"]["qkv_a_proj"]["kernel"]))  # the latents: replicated
+    assert not any(spec_of(moe["mlp"]["router"]["kernel"]))
+    assert spec_of(pn.weights["params"]["lm_head"]["kernel"]) == (None, "tp")
     block = pn.draft.weights["params"]["block"]
-    assert _spec(block["mlp"]["experts"]["gate_up"]) == ("tp", None, None)
+    assert spec_of(block["mlp"]["experts"]["gate_up"]) == ("tp", None, None)
     assert pn.config.devices == n and pn.draft.config.model.devices == n
 
-    # Each device holds the split weights' bytes over n plus the replicated ones.
-    leaves = jax.tree.leaves(pn.weights)
-    total = sum(a.nbytes for a in leaves)
-    replicated = sum(a.nbytes for a in leaves if not any(_spec(a)))
-    for d in range(n):
-        on_device = sum(s.data.nbytes for a in leaves for s in a.addressable_shards if s.device == pn.mesh.devices[d])
-        assert on_device == replicated + (total - replicated) // n
-    assert replicated < total / 4
+    assert replicated_share(pn, n) < 0.25
 
     # The latent caches (target's and MTP layer's) are whole on every device.
     prog = jspec.compile(pn, PROMPTS, max_new_tokens=6, cache=CACHES["paged16"], spec=CHAIN)

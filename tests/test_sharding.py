@@ -11,7 +11,7 @@ import pytest
 import jax
 import jspec
 import tiny_models
-from conftest import CACHES, PROMPTS
+from conftest import CACHES, PROMPTS, replicated_share, spec_of
 from jspec import sharding
 from jspec.kernels import dispatch
 from jspec.loop import programs
@@ -86,10 +86,6 @@ def test_split_logits_of_other_families(tmp_path, family):
                                rtol=1e-5, atol=1e-5)
 
 
-def _spec(a):
-    return tuple(a.sharding.spec) + (None,) * (a.ndim - len(a.sharding.spec))
-
-
 def test_weights_and_caches_are_split(split, single):
     n = 2
     pn = split(n, "eagle3")
@@ -98,31 +94,24 @@ def test_weights_and_caches_are_split(split, single):
             ("mlp", "gate_up_proj"): (None, "tp"), ("mlp", "down_proj"): ("tp", None)}
     for (a, b), spec in want.items():
         w = layer[a][b]["kernel"]
-        assert _spec(w) == spec, (a, b)
+        assert spec_of(w) == spec, (a, b)
         axis = spec.index("tp")
         for shard in w.addressable_shards:  # each device holds 1/n of the columns or rows
             assert shard.data.shape[axis] == w.shape[axis] // n
-    assert _spec(pn.weights["params"]["embed_tokens"]["embedding"]) == ("tp", None)
-    assert _spec(layer["input_layernorm"]["weight"]) == (None,)  # norms replicated
+    assert spec_of(pn.weights["params"]["embed_tokens"]["embedding"]) == ("tp", None)
+    assert spec_of(layer["input_layernorm"]["weight"]) == (None,)  # norms replicated
     dp = pn.draft.weights["params"]
-    assert _spec(dp["midlayer"]["self_attn"]["qkv_proj"]["kernel"]) == (None, "tp")
-    assert _spec(dp["lm_head"]["kernel"]) == (None, "tp")
+    assert spec_of(dp["midlayer"]["self_attn"]["qkv_proj"]["kernel"]) == (None, "tp")
+    assert spec_of(dp["lm_head"]["kernel"]) == (None, "tp")
 
-    # Per device: the split weights' bytes over n, plus the replicated ones.
-    leaves = jax.tree.leaves(pn.weights)
-    total = sum(a.nbytes for a in leaves)
-    replicated = sum(a.nbytes for a in leaves if not any(_spec(a)))
-    for d in range(n):
-        on_device = sum(s.data.nbytes for a in leaves for s in a.addressable_shards if s.device == pn.mesh.devices[d])
-        assert on_device == replicated + (total - replicated) // n
-    assert replicated < total / 10  # only norms
+    assert replicated_share(pn, n) < 0.1  # only norms
 
     # Caches: the target's and the draft's split by KV head.
     prog = jspec.compile(pn, PROMPTS, max_new_tokens=6, cache=CACHES["paged16"], spec=CHAIN)
     tw, dw = prog.weights
     st, _ = prog.program(programs.start_jit, *prog.device_inputs(prog.requests()))(tw, dw, *prog.device_inputs(prog.requests()))
     for cache in (st.tcache.kv[0], st.proposal.cache.kv[0]):
-        assert _spec(cache)[-2:] == ("tp", None)
+        assert spec_of(cache)[-2:] == ("tp", None)
         Hkv = cache.shape[-2]
         assert all(s.data.shape[-2] == Hkv // n for s in cache.addressable_shards)
 
@@ -141,11 +130,11 @@ def test_weights_are_read_block_by_block(llama_dir, monkeypatch):
     n = 2
     pn = jspec.load(llama_dir[0], devices=n)
     leaves = jax.tree.leaves(pn.weights)
-    split_shapes = {a.shape for a in leaves if any(_spec(a))}
+    split_shapes = {a.shape for a in leaves if any(spec_of(a))}
     split_reads = [(full, got) for full, got in reads if full in split_shapes]
     assert split_reads and all(np.prod(got) * n == np.prod(full) for full, got in split_reads)
     read_bytes = sum(np.prod(got) for full, got in split_reads)
-    assert read_bytes == sum(np.prod(a.shape) for a in leaves if any(_spec(a)))
+    assert read_bytes == sum(np.prod(a.shape) for a in leaves if any(spec_of(a)))
 
 
 def test_sampled_split_equals_one_device(split, single):
@@ -176,8 +165,8 @@ def test_split_pallas_kernel_over_heads(split, single, fresh_compiles):
 def test_shard_in_memory_params(target, with_draft):
     """jspec.shard splits weights already in memory as load(devices=) does."""
     p2 = jspec.shard(with_draft("standalone"), 2)
-    assert _spec(p2.weights["params"]["layers_0"]["mlp"]["down_proj"]["kernel"]) == ("tp", None)
-    assert _spec(p2.draft.weights["params"]["lm_head"]["kernel"]) == (None, "tp")
+    assert spec_of(p2.weights["params"]["layers_0"]["mlp"]["down_proj"]["kernel"]) == ("tp", None)
+    assert spec_of(p2.draft.weights["params"]["lm_head"]["kernel"]) == (None, "tp")
     kw = dict(max_new_tokens=8, spec=CHAIN)
     assert jspec.generate(p2, PROMPTS[0], **kw).tokens == jspec.generate(with_draft("standalone"), PROMPTS[0],
                                                                         **kw).tokens
