@@ -1,0 +1,4 @@
+"""Serving: the continuous-batching engine (`engine.Engine`)."""
+from jspec.serve.engine import Engine, Handle, QueueFull, RequestOutput
+
+__all__ = ["Engine", "Handle", "QueueFull", "RequestOutput"]

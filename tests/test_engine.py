@@ -1,0 +1,157 @@
+"""The serving engine (`jspec.Engine`): requests submitted at any time, admitted into free
+rows between chunks of rounds, evicted when they finish or are cancelled.
+
+- Each request's tokens equal the same request run alone (`jspec.generate`), greedy and
+  seeded sampling, plain and speculative, dense and paged, whatever shares the batch and
+  whenever it joined (float32, CPU); the same from several threads at once and through
+  the asyncio interface.
+- Stop strings end a request where they appear, its text cut before them; cancelling a
+  request frees its row for the next; a full queue raises QueueFull; bad requests get
+  clear errors at submit.
+"""
+from __future__ import annotations
+
+import asyncio
+import threading
+
+import pytest
+
+import jspec
+from conftest import CACHES
+
+PROMPTS = ["def add(a, b):", [5, 7, 9, 11, 13, 5, 7], [20, 21, 22], list(range(30, 45)), [8, 9, 8, 9, 8],
+           "import os\n", [3, 100, 7, 3]]
+SAMPLING = [{}, {"temperature": 0.8, "seed": 3}, {}, {"temperature": 1.0, "top_k": 20, "seed": 11}, {},
+            {"temperature": 0.7, "top_p": 0.9, "repetition_penalty": 1.2, "seed": 5}, {"presence_penalty": 0.5}]
+MAX_NEW = [12, 9, 14, 6, 11, 10, 8]
+
+
+def alone(params, i, spec=None, cache="dense"):
+    out = jspec.generate(params, PROMPTS[i], max_new_tokens=MAX_NEW[i], stop_token_ids=[], spec=spec,
+                         cache=CACHES[cache], **SAMPLING[i])
+    return out.tokens, out.finish_reasons
+
+
+def staggered(engine):
+    """Requests 0..6 through the engine's rows: two at first, more after one and after three
+    chunks, the rest when rows free up -> {request: output}."""
+    handles = {}
+
+    def submit(*ids):
+        for i in ids:
+            handles[i] = engine.submit(PROMPTS[i], max_new_tokens=MAX_NEW[i], stop_token_ids=[], **SAMPLING[i])
+    submit(0, 1)
+    engine.step()
+    submit(2, 3, 4)
+    for _ in range(3):
+        engine.step()
+    submit(5, 6)
+    while not all(h.done for h in handles.values()):
+        engine.step()
+    return {i: h.result() for i, h in handles.items()}
+
+
+@pytest.mark.parametrize("kind,cache", [("plain", "dense"), ("eagle3", "paged16")])
+def test_requests_equal_alone_whenever_they_join(target, with_draft, kind, cache):
+    params = target if kind == "plain" else with_draft(kind)
+    engine = jspec.Engine(params, max_batch=3, max_prompt_len=16, max_new_tokens=16, cache=CACHES[cache],
+                          rounds_per_chunk=2)
+    got = staggered(engine)
+    for i, out in got.items():
+        tokens, reason = alone(params, i, cache=cache)
+        assert out.tokens == tokens, i
+        assert out.finish_reason == reason
+        assert out.text == target.tokenizer.decode(tokens, skip_special_tokens=True)
+    assert engine.running == 0 or all(h.done for h in engine._holders.values())
+    assert engine.stats["finished"] == len(PROMPTS) and engine.stats["admitted"] == len(PROMPTS)
+    if kind != "plain":
+        assert engine.stats["accept_rounds"] > 0
+
+
+def test_threads_and_asyncio(target):
+    """The engine's own thread serves requests submitted from several threads at once and
+    from asyncio; streamed pieces concatenate to the result."""
+    engine = jspec.Engine(target, max_batch=2, max_prompt_len=16, max_new_tokens=16, rounds_per_chunk=3)
+    outputs = {}
+    with engine:
+        def client(i):
+            h = engine.submit(PROMPTS[i], max_new_tokens=MAX_NEW[i], stop_token_ids=[], **SAMPLING[i])
+            pieces = list(h)
+            outputs[i] = (h.result(timeout=120), pieces)
+        threads = [threading.Thread(target=client, args=(i,)) for i in range(4)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+
+        async def async_client(i):
+            h = engine.submit(PROMPTS[i], max_new_tokens=MAX_NEW[i], stop_token_ids=[], **SAMPLING[i])
+            pieces = [p async for p in h.stream()]
+            return i, await h.wait(), pieces
+
+        async def main():
+            return await asyncio.gather(*(async_client(i) for i in (4, 5, 6)))
+        for i, out, pieces in asyncio.run(main()):
+            outputs[i] = (out, pieces)
+    for i, (out, pieces) in outputs.items():
+        assert out.tokens == alone(target, i)[0], i
+        assert [t for toks, _ in pieces for t in toks] == out.tokens
+        assert "".join(text for _, text in pieces) == out.text
+
+
+def test_stop_strings(target):
+    """A stop string ends the request at its first appearance: the text is cut before it,
+    the tokens end with the one that completed it, streamed text never shows it."""
+    full = jspec.generate(target, PROMPTS[0], max_new_tokens=16, stop_token_ids=[])
+    text = full.text
+    stop = text[5:8]
+    at = text.find(stop)
+    engine = jspec.Engine(target, max_batch=2, max_prompt_len=16, max_new_tokens=16, rounds_per_chunk=1)
+    h = engine.submit(PROMPTS[0], max_new_tokens=16, stop_token_ids=[], stop=[stop, "never appears"])
+    while not h.done:
+        engine.step()
+    out = h.result()
+    pieces = list(h)
+    assert out.finish_reason == "stop" and out.text == text[:at]
+    assert full.tokens[:len(out.tokens)] == out.tokens and len(out.tokens) < len(full.tokens)
+    assert stop in target.tokenizer.decode(out.tokens) and stop not in target.tokenizer.decode(out.tokens[:-1])
+    assert "".join(t for _, t in pieces) == out.text
+
+
+def test_cancel_frees_the_row(target):
+    engine = jspec.Engine(target, max_batch=1, max_prompt_len=16, max_new_tokens=16, rounds_per_chunk=1)
+    first = engine.submit(PROMPTS[1], max_new_tokens=16, stop_token_ids=[])
+    second = engine.submit(PROMPTS[2], max_new_tokens=MAX_NEW[2], stop_token_ids=[])
+    engine.step()
+    engine.step()
+    assert engine.running == 1 and engine.waiting == 1 and not first.done
+    first.cancel()
+    while not second.done:
+        engine.step()
+    assert first.result().finish_reason == "cancelled" and 0 < len(first.result().tokens) < 16
+    assert second.result().tokens == alone(target, 2)[0]
+    waiting = engine.submit(PROMPTS[3], max_new_tokens=4, stop_token_ids=[])
+    waiting.cancel()  # cancelled before it got a row: never admitted
+    engine.step()
+    assert waiting.result().finish_reason == "cancelled" and waiting.result().tokens == []
+
+
+def test_queue_full_and_bad_requests(target):
+    engine = jspec.Engine(target, max_batch=1, max_prompt_len=8, max_new_tokens=8, max_waiting=1)
+    engine.submit([1, 2, 3], max_new_tokens=4)
+    with pytest.raises(jspec.QueueFull, match="max_waiting=1"):
+        engine.submit([1, 2, 3], max_new_tokens=4)
+    for kw, err, match in [
+            (dict(prompt=list(range(1, 10))), ValueError, "9 tokens; this engine takes at most max_prompt_len=8"),
+            (dict(max_new_tokens=9), ValueError, "max_new_tokens=9; this engine allows at most 8"),
+            (dict(prompt=[[1, 2], [3]]), TypeError, "one prompt"),
+            (dict(prompt=[]), ValueError, "prompt is empty"),
+            (dict(stop=[""]), TypeError, "stop must be a non-empty string"),
+            (dict(temperature=-1.0), ValueError, "temperature must be finite and >= 0"),
+            (dict(stop_token_ids=list(range(9))), ValueError, "9 stop token ids"),
+            (dict(n=2), TypeError, "unexpected argument 'n'")]:
+        kw = {"prompt": [1, 2], "max_new_tokens": 4} | kw
+        with pytest.raises(err, match=match):
+            engine.submit(kw.pop("prompt"), **kw)
+    with pytest.raises(ValueError, match="max_batch must be an int >= 1"):
+        jspec.Engine(target, max_batch=0)
