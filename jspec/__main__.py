@@ -4,15 +4,20 @@
                     [--temperature T --top-p P --top-k K --seed S --sample-drafts] [--dtype D]
     python -m jspec bench [--target DIR --draft DIR] [--batch B ...] [--spec S,K,N ...]
                           [--prompts FILE] [--max-new-tokens N] [--repeats R]
+    python -m jspec serve [--target DIR --draft NAME|DIR|mtp|ngram|none] [--host H] [--port P]
+                          [--max-batch B] [--max-len L] [--max-new-tokens N] [--spec S,K,N] [--dtype D]
 
 Loads the bundled target (a small model trained on the Python standard library) with its
 EAGLE-3 head, or your own local target and draft, continues PROMPT (greedy, or sampled with
 --temperature/--top-p/--top-k), and prints the text, the mean accepted length per round and
 tokens/s, next to plain decoding of the same target with the same settings.
 
+`serve` runs an OpenAI-compatible HTTP server (`jspec.serve.server`) over a continuous-
+batching engine (`jspec.Engine`) until SIGINT or SIGTERM.
+
 `bench` (only as the very first argument) times plain decoding against several chains and
 trees per batch size and prints a table (`jspec.bench`). A prompt that is literally "bench"
-goes after `--`: `python -m jspec -- bench`.
+or "serve" goes after `--`: `python -m jspec -- bench`.
 
 Bad input (a flag's value, a missing directory, what jspec.generate refuses) is reported
 as one line, `python -m jspec: error: ...`, with exit status 2.
@@ -22,6 +27,7 @@ from __future__ import annotations
 import argparse
 import math
 import os
+import signal
 import sys
 
 from jspec.config import DTYPES, SpecConfig
@@ -270,10 +276,66 @@ def _bench(argv) -> int:
     return 0
 
 
+def _serve_parser() -> _Parser:
+    ap = _Parser(prog=f"{PROG} serve", description="Serves the model over an OpenAI-compatible HTTP API "
+                                                   "(/v1/completions, /v1/chat/completions, /v1/models, /health, "
+                                                   "/metrics) until SIGINT or SIGTERM.")
+    _model_args(ap, "a draft directory, 'mtp', 'ngram' or 'none' (plain decoding); with the bundled target "
+                    "'eagle3' (the default) or 'standalone'")
+    ap.add_argument("--host", default="127.0.0.1", help="address to listen on (default: 127.0.0.1)")
+    ap.add_argument("--port", type=_int(0, 65536), default=8000)
+    ap.add_argument("--max-batch", type=_int(1), default=8, help="requests decoded together (default: 8)")
+    ap.add_argument("--max-len", type=_int(2), default=None,
+                    help="prompt + generated tokens a request may hold (default: the model's context)")
+    ap.add_argument("--max-new-tokens", type=_int(1), default=None,
+                    help="the most tokens a request may ask for (default: half of --max-len, at most 1024)")
+    ap.add_argument("--spec", type=_spec, default=None, metavar="S,K,N",
+                    help="draft steps, topk, verified tokens of every round (default: the draft's)")
+    ap.add_argument("--rounds-per-chunk", type=_int(1), default=4, help="rounds between admissions (default: 4)")
+    ap.add_argument("--model-name", default=None, help="the name /v1/models lists (default: the target "
+                                                       "directory's name, or jspec-bundled)")
+    return ap
+
+
+def _serve(argv) -> int:
+    ap = _serve_parser()
+    args = ap.parse_args(argv)
+    try:
+        import uvicorn
+    except ImportError:
+        ap.error("serving needs uvicorn and starlette: pip install 'jspec[serve]'")
+    import jspec
+    from jspec.serve.server import build_app
+
+    params, _ = _load(ap, args)
+    context = getattr(params.config, "max_position_embeddings", None) or 4096
+    max_len = args.max_len or context
+    max_new = args.max_new_tokens or min(max_len // 2, 1024)
+    if max_new >= max_len:
+        ap.error(f"--max-new-tokens ({max_new}) must be below --max-len ({max_len})")
+    try:
+        engine = jspec.Engine(params, max_batch=args.max_batch, max_prompt_len=max_len - max_new,
+                              max_new_tokens=max_new, spec=args.spec, rounds_per_chunk=args.rounds_per_chunk)
+    except (ValueError, TypeError) as err:
+        ap.error(str(err))
+    name = args.model_name or (os.path.basename(os.path.normpath(args.target)) if args.target else "jspec-bundled")
+    print(f"{PROG} serve: {name} on http://{args.host}:{args.port}/v1 (batch {args.max_batch}, prompts up to "
+          f"{max_len - max_new} tokens, {max_new} new)", flush=True)
+    def stopped(signum, frame):  # uvicorn stops gracefully (the engine closed), then re-raises the signal here
+        print(f"{PROG} serve: stopped ({signal.Signals(signum).name})", flush=True)
+        raise SystemExit(0)
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, stopped)
+    uvicorn.run(build_app(engine, name), host=args.host, port=args.port, log_level="warning")
+    return 0
+
+
 def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     if argv and argv[0] == "bench":
         return _bench(argv[1:])
+    if argv and argv[0] == "serve":
+        return _serve(argv[1:])
     return _generate(argv)
 
 

@@ -142,7 +142,7 @@ def test_queue_full_and_bad_requests(target):
     with pytest.raises(jspec.QueueFull, match="max_waiting=1"):
         engine.submit([1, 2, 3], max_new_tokens=4)
     for kw, err, match in [
-            (dict(prompt=list(range(1, 10))), ValueError, "9 tokens; this engine takes at most max_prompt_len=8"),
+            (dict(prompt=list(range(1, 10))), ValueError, "prompt has 9 tokens; this engine takes prompts of at most 8"),
             (dict(max_new_tokens=9), ValueError, "max_new_tokens=9; this engine allows at most 8"),
             (dict(prompt=[[1, 2], [3]]), TypeError, "one prompt"),
             (dict(prompt=[]), ValueError, "prompt is empty"),

@@ -202,8 +202,8 @@ class Engine:
             raise TypeError("submit takes one prompt (a string or a list of token ids); submit a batch one by one")
         n, m = reqs.lens[0], reqs.max_new[0]
         if n > self.max_prompt_len:
-            raise ValueError(f"the prompt has {n} tokens; this engine takes at most max_prompt_len="
-                             f"{self.max_prompt_len}")
+            raise ValueError(f"prompt has {n} tokens; this engine takes prompts of at most {self.max_prompt_len} "
+                             f"tokens (max_prompt_len)")
         if m > self.max_new_tokens:
             raise ValueError(f"max_new_tokens={m}; this engine allows at most {self.max_new_tokens}")
         if len(reqs.stop_ids[0]) > self.plan.num_stop:
