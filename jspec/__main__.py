@@ -4,6 +4,8 @@
                     [--temperature T --top-p P --top-k K --seed S --sample-drafts] [--dtype D]
     python -m jspec bench [--target DIR --draft DIR] [--batch B ...] [--spec S,K,N ...]
                           [--prompts FILE] [--max-new-tokens N] [--repeats R]
+    python -m jspec bench serve [--target DIR --draft DIR] [--rates R ...] [--spec S,K,N ...]
+                                [--requests N] [--max-batch B] [--max-new-tokens N] [--prompts FILE]
     python -m jspec serve [--target DIR --draft NAME|DIR|mtp|ngram|none] [--host H] [--port P]
                           [--max-batch B] [--max-len L] [--max-new-tokens N] [--spec S,K,N] [--dtype D]
 
@@ -252,11 +254,60 @@ def _bench_parser() -> _Parser:
     return ap
 
 
+def _bench_serve_parser() -> _Parser:
+    ap = _Parser(prog=f"{PROG} bench serve",
+                 description="A serving load test: Poisson arrivals at each rate through a continuous-batching "
+                             "engine, plain decoding and each speculative setting on the same arrivals; "
+                             "throughput, TTFT, TPOT and latency (p50, p99).")
+    _model_args(ap, "a draft directory, 'ngram' or 'mtp', or with the bundled target 'eagle3' (the default), "
+                    "'standalone' or 'ngram'")
+    ap.add_argument("--rates", type=_float(lambda v: v > 0, "a rate > 0"), nargs="+", default=[2.0, 8.0, 32.0],
+                    metavar="R", help="arrival rates, requests a second (default: 2 8 32)")
+    ap.add_argument("--spec", type=_spec, nargs="+", default=None, metavar="S,K,N",
+                    help="speculative settings beside plain decoding (default: 1,1,2 3,1,4 5,1,6 and the tree 5,4,8)")
+    ap.add_argument("--requests", type=_int(1), default=32, help="requests a rate (default: 32)")
+    ap.add_argument("--max-batch", type=_int(1), default=8)
+    ap.add_argument("--max-new-tokens", type=_int(1), default=64)
+    ap.add_argument("--rounds-per-chunk", type=_int(1), default=4)
+    ap.add_argument("--prompts", type=_prompt_file, default=None, metavar="FILE",
+                    help="one prompt per line (default: a few code prompts)")
+    return ap
+
+
+def _bench_serve(argv) -> int:
+    import jax
+
+    from jspec.bench import BUILTIN_PROMPTS
+    from jspec.serve.load import format_load_table, run_serve_bench
+
+    ap = _bench_serve_parser()
+    args = ap.parse_args(argv)
+    if args.draft == "none" or (args.target is not None and args.draft is None):
+        ap.error("bench serve compares speculative decoding with plain decoding: give --draft DIR")
+    params, draft = _load(ap, args)
+    specs = args.spec or [SpecConfig(1, 1, 2), SpecConfig(3, 1, 4), SpecConfig(5, 1, 6), SpecConfig(5, 4, 8)]
+    prompts = args.prompts or list(BUILTIN_PROMPTS)
+    try:
+        rows = run_serve_bench(params, prompts, rates=args.rates, specs=[None, *specs], requests=args.requests,
+                               max_new_tokens=args.max_new_tokens, max_batch=args.max_batch,
+                               rounds_per_chunk=args.rounds_per_chunk)
+    except (ValueError, TypeError) as err:
+        ap.error(str(err))
+    dev = jax.devices()[0]
+    print(f"target {args.target or 'bundled'}, draft {draft}, {params.config.dtype}; "
+          f"{getattr(dev, 'device_kind', dev.platform)}, jax {jax.__version__}; {args.requests} requests a rate, "
+          f"{args.max_new_tokens} new tokens each, greedy; batch {args.max_batch}")
+    print(format_load_table(rows))
+    return 0
+
+
 def _bench(argv) -> int:
     import jax
 
     from jspec.bench import BUILTIN_PROMPTS, format_table, run_bench
 
+    if argv and argv[0] == "serve":
+        return _bench_serve(argv[1:])
     ap = _bench_parser()
     args = ap.parse_args(argv)
     if args.draft == "none" or (args.target is not None and args.draft is None):

@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import threading
 
+import numpy as np
 import pytest
 
 import jspec
@@ -26,9 +27,17 @@ SAMPLING = [{}, {"temperature": 0.8, "seed": 3}, {}, {"temperature": 1.0, "top_k
 MAX_NEW = [12, 9, 14, 6, 11, 10, 8]
 
 
-def alone(params, i, spec=None, cache="dense"):
-    out = jspec.generate(params, PROMPTS[i], max_new_tokens=MAX_NEW[i], stop_token_ids=[], spec=spec,
-                         cache=CACHES[cache], **SAMPLING[i])
+_ALONE: dict = {}
+
+
+def alone(params, i, cache="dense"):
+    """Request i run alone (a batch of one) through one compiled program per params and cache."""
+    key = (id(params), cache)
+    if key not in _ALONE:
+        _ALONE[key] = jspec.compile(params, PROMPTS, max_new_tokens=max(MAX_NEW), stop_token_ids=[],
+                                    cache=CACHES[cache], temperature=0.5)
+    out = _ALONE[key].run(PROMPTS[i], max_new_tokens=MAX_NEW[i], stop_token_ids=[],
+                          **({"temperature": 0.0} | SAMPLING[i]))
     return out.tokens, out.finish_reasons
 
 
@@ -155,3 +164,23 @@ def test_queue_full_and_bad_requests(target):
             engine.submit(kw.pop("prompt"), **kw)
     with pytest.raises(ValueError, match="max_batch must be an int >= 1"):
         jspec.Engine(target, max_batch=0)
+
+
+def test_serve_load_benchmark(with_draft):
+    """`python -m jspec bench serve`'s core: Poisson arrivals through an engine per setting,
+    the same arrivals for each; every request generates its fixed length; the table holds
+    each setting at each rate with its ratio to plain decoding."""
+    from jspec.serve.load import format_load_table, poisson_arrivals, run_serve_bench
+    a = poisson_arrivals(50.0, 2000, seed=1)
+    assert abs(np.mean(np.diff(a)) - 1 / 50) < 0.002 and np.all(np.diff(a) > 0)
+    assert np.array_equal(a, poisson_arrivals(50.0, 2000, seed=1))
+    chain = jspec.SpecConfig(num_steps=2, topk=1, num_draft_tokens=3)
+    rows = run_serve_bench(with_draft("eagle3"), PROMPTS[:3], rates=[200.0], specs=[None, chain], requests=5,
+                           max_new_tokens=6, max_batch=2, rounds_per_chunk=2)
+    assert [(r.setting, r.rate, r.requests) for r in rows] == [("plain", 200.0, 5), ("2,1,3", 200.0, 5)]
+    for r in rows:
+        assert r.tokens_per_s > 0 and r.ttft_ms[0] <= r.e2e_ms[0] and r.ttft_ms[0] <= r.ttft_ms[1]
+        assert r.compile_s > 0
+    assert rows[0].tau == 1.0 and rows[1].tau >= 1.0
+    table = format_load_table(rows)
+    assert "| 200 | plain |" in table and "| 200 | 2,1,3 |" in table and "1.00x" in table

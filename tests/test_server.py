@@ -57,8 +57,14 @@ def client(served):
     return openai.OpenAI(base_url=served[0] + "/v1", api_key="unused", max_retries=0, timeout=120)
 
 
+_ALONE: dict = {}
+
+
 def alone(params, prompt, max_new, **kw):
-    return jspec.generate(params, prompt, max_new_tokens=max_new, **kw)
+    """The request run alone (a batch of one), through one compiled program per params."""
+    if id(params) not in _ALONE:
+        _ALONE[id(params)] = jspec.compile(params, ["x" * 40], max_new_tokens=24, temperature=0.5)
+    return _ALONE[id(params)].run(prompt, max_new_tokens=max_new, **({"temperature": 0.0} | kw))
 
 
 def post(url: str, body) -> tuple[int, dict, dict]:

@@ -71,6 +71,8 @@ class Handle:
         self.cancelled = False
         self.submitted = time.perf_counter()
         self.admitted: float | None = None
+        self.first_token_at: float | None = None  # when its first token was handed out
+        self.finished_at: float | None = None
         self.cut = False  # a stop string ended it (`text` is cut before it)
         self.shown_chars = 0  # characters of `text` handed out
         self._events: collections.deque = collections.deque()
@@ -88,11 +90,14 @@ class Handle:
     # ------------------------------------------------------------------ delivery (engine thread)
 
     def _push(self, tokens: list[int], text: str | None, output: RequestOutput | None) -> None:
+        now = time.perf_counter()
         with self._cond:
             if tokens or text:
                 self._events.append((tokens, text))
+            if tokens and self.first_token_at is None:
+                self.first_token_at = now
             if output is not None:
-                self.output = output
+                self.output, self.finished_at = output, now
             self._cond.notify_all()
             waiters = list(self._waiters)
         for loop, event in waiters:
