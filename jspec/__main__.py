@@ -274,55 +274,56 @@ def _bench_serve_parser() -> _Parser:
     return ap
 
 
-def _bench_serve(argv) -> int:
-    import jax
-
+def _bench_inputs(ap: _Parser, argv, what: str):
+    """-> (args, params, draft label, prompts) of a benchmark command."""
     from jspec.bench import BUILTIN_PROMPTS
+
+    args = ap.parse_args(argv)
+    if args.draft == "none" or (args.target is not None and args.draft is None):
+        ap.error(f"{what} compares speculative decoding with plain decoding: give --draft DIR")
+    params, draft = _load(ap, args)
+    return args, params, draft, args.prompts or list(BUILTIN_PROMPTS)
+
+
+def _bench_header(args, params, draft, detail: str) -> str:
+    import jax
+    dev = jax.devices()[0]
+    return (f"target {args.target or 'bundled'}, draft {draft}, {params.config.dtype}; "
+            f"{getattr(dev, 'device_kind', dev.platform)}, jax {jax.__version__}; {detail}")
+
+
+def _bench_serve(argv) -> int:
     from jspec.serve.load import format_load_table, run_serve_bench
 
     ap = _bench_serve_parser()
-    args = ap.parse_args(argv)
-    if args.draft == "none" or (args.target is not None and args.draft is None):
-        ap.error("bench serve compares speculative decoding with plain decoding: give --draft DIR")
-    params, draft = _load(ap, args)
+    args, params, draft, prompts = _bench_inputs(ap, argv, "bench serve")
     specs = args.spec or [SpecConfig(1, 1, 2), SpecConfig(3, 1, 4), SpecConfig(5, 1, 6), SpecConfig(5, 4, 8)]
-    prompts = args.prompts or list(BUILTIN_PROMPTS)
     try:
         rows = run_serve_bench(params, prompts, rates=args.rates, specs=[None, *specs], requests=args.requests,
                                max_new_tokens=args.max_new_tokens, max_batch=args.max_batch,
                                rounds_per_chunk=args.rounds_per_chunk)
     except (ValueError, TypeError) as err:
         ap.error(str(err))
-    dev = jax.devices()[0]
-    print(f"target {args.target or 'bundled'}, draft {draft}, {params.config.dtype}; "
-          f"{getattr(dev, 'device_kind', dev.platform)}, jax {jax.__version__}; {args.requests} requests a rate, "
-          f"{args.max_new_tokens} new tokens each, greedy; batch {args.max_batch}")
+    print(_bench_header(args, params, draft, f"{args.requests} requests a rate, {args.max_new_tokens} new tokens "
+                                             f"each, greedy; batch {args.max_batch}"))
     print(format_load_table(rows))
     return 0
 
 
 def _bench(argv) -> int:
-    import jax
-
-    from jspec.bench import BUILTIN_PROMPTS, format_table, run_bench
+    from jspec.bench import format_table, run_bench
 
     if argv and argv[0] == "serve":
         return _bench_serve(argv[1:])
     ap = _bench_parser()
-    args = ap.parse_args(argv)
-    if args.draft == "none" or (args.target is not None and args.draft is None):
-        ap.error("bench compares speculative decoding with plain decoding: give --draft DIR")
-    params, draft = _load(ap, args)
-    prompts = args.prompts or list(BUILTIN_PROMPTS)
+    args, params, draft, prompts = _bench_inputs(ap, argv, "bench")
     try:
         rows = run_bench(params, prompts, batches=args.batch, specs=args.spec, max_new_tokens=args.max_new_tokens,
                          repeats=args.repeats)
     except (ValueError, TypeError) as err:
         ap.error(str(err))
-    dev = jax.devices()[0]
-    print(f"target {args.target or 'bundled'}, draft {draft}, {params.config.dtype}; "
-          f"{getattr(dev, 'device_kind', dev.platform)}, jax {jax.__version__}; {len(prompts)} prompts, "
-          f"{args.max_new_tokens} new tokens each, greedy; tokens/s: median of {args.repeats} timed passes")
+    print(_bench_header(args, params, draft, f"{len(prompts)} prompts, {args.max_new_tokens} new tokens each, "
+                                             f"greedy; tokens/s: median of {args.repeats} timed passes"))
     print(format_table(rows))
     return 0
 

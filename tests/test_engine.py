@@ -184,3 +184,13 @@ def test_serve_load_benchmark(with_draft):
     assert rows[0].tau == 1.0 and rows[1].tau >= 1.0
     table = format_load_table(rows)
     assert "| 200 | plain |" in table and "| 200 | 2,1,3 |" in table and "1.00x" in table
+
+
+def test_bench_serve_cli_errors(capsys):
+    from jspec.__main__ import main
+    for argv, match in [(["bench", "serve", "--rates", "0"], "must be a rate > 0"),
+                        (["bench", "serve", "--draft", "none"], "compares speculative decoding"),
+                        (["serve", "--max-len", "8", "--max-new-tokens", "8"], "must be below --max-len")]:
+        with pytest.raises(SystemExit) as info:
+            main(argv)
+        assert info.value.code == 2 and match in capsys.readouterr().err
