@@ -191,7 +191,7 @@ class Engine:
         self._work = threading.Condition(self._lock)
         self._thread: threading.Thread | None = None
         self._running = False
-        self.stats = {"rounds": 0, "chunks": 0, "admitted": 0, "finished": 0, "tokens": 0,
+        self.stats = {"rounds": 0, "chunks": 0, "admitted": 0, "finished": 0, "cancelled": 0, "tokens": 0,
                       "accept_rounds": 0, "accept_tokens": 0}
 
     # ------------------------------------------------------------------ requests
@@ -360,6 +360,8 @@ class Engine:
         return new
 
     def _output(self, h: Handle, reason: str) -> RequestOutput:
+        if reason == "cancelled":
+            self.stats["cancelled"] += 1
         now = time.perf_counter()
         started = h.admitted if h.admitted is not None else now
         text = None if self.params.tokenizer is None else h.text

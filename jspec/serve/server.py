@@ -72,7 +72,11 @@ class Server:
                                ("top_logprobs", lambda v: v not in (None, 0), "logprobs are not supported"),
                                ("echo", lambda v: v not in (None, False), "echo is not supported"),
                                ("suffix", lambda v: v is not None, "suffix is not supported"),
-                               ("logit_bias", lambda v: v not in (None, {}), "logit_bias is not supported")):
+                               ("logit_bias", lambda v: v not in (None, {}), "logit_bias is not supported"),
+                               ("tools", lambda v: v not in (None, []), "tools are not supported"),
+                               ("tool_choice", lambda v: v not in (None, "none"), "tools are not supported"),
+                               ("response_format", lambda v: v not in (None, {"type": "text"}),
+                                "response formats other than text are not supported")):
             if bad(body.get(name)):
                 raise BadRequest(why, name)
         unknown = sorted(set(body) - IGNORED_FIELDS - {"tools", "tool_choice", "response_format"})
@@ -167,6 +171,7 @@ class Server:
                  ("jspec_batch_occupancy", "gauge", "share of the batch's rows in use", e.running / e.batch),
                  ("jspec_generated_tokens_total", "counter", "tokens generated", s["tokens"]),
                  ("jspec_requests_finished_total", "counter", "requests finished", s["finished"]),
+                 ("jspec_requests_cancelled_total", "counter", "requests cancelled", s["cancelled"]),
                  ("jspec_tokens_per_second", "gauge", "tokens generated a second over the last 10 s", recent),
                  ("jspec_mean_accept_length", "gauge", "tokens committed per verify round", tau),
                  ("jspec_speculation_steps", "gauge", "draft steps a round in use (0: plain decoding)", steps)]
