@@ -24,20 +24,13 @@ uvicorn = pytest.importorskip("uvicorn")
 TEMPLATE = "{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}\n{% endfor %}<assistant>"
 
 
-@pytest.fixture(scope="module")
-def served(with_draft):
-    """(base url, params, engine) of a server running in a thread for this module."""
+def running_server(engine, name: str):
+    """Serves `engine` from a thread on a free 127.0.0.1 port -> (url, stop())."""
     from jspec.serve.server import build_app
-    params = with_draft("eagle3")
-    tokenizer = copy.deepcopy(params.tokenizer)
-    tokenizer.chat_template = TEMPLATE
-    params = dataclasses.replace(params, tokenizer=tokenizer)
-    engine = jspec.Engine(params, max_batch=3, max_prompt_len=48, max_new_tokens=24, rounds_per_chunk=2,
-                          max_waiting=8)
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    server = uvicorn.Server(uvicorn.Config(build_app(engine, "tiny"), host="127.0.0.1", port=port,
+    server = uvicorn.Server(uvicorn.Config(build_app(engine, name), host="127.0.0.1", port=port,
                                            log_level="warning"))
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
@@ -46,10 +39,26 @@ def served(with_draft):
             break
         time.sleep(0.05)
     assert server.started
-    yield f"http://127.0.0.1:{port}", params, engine
-    server.should_exit = True
-    thread.join(timeout=60)
-    assert not thread.is_alive()
+
+    def stop():
+        server.should_exit = True
+        thread.join(timeout=60)
+        assert not thread.is_alive()
+    return f"http://127.0.0.1:{port}", stop
+
+
+@pytest.fixture(scope="module")
+def served(with_draft):
+    """(base url, params, engine) of a server running in a thread for this module."""
+    params = with_draft("eagle3")
+    tokenizer = copy.deepcopy(params.tokenizer)
+    tokenizer.chat_template = TEMPLATE
+    params = dataclasses.replace(params, tokenizer=tokenizer)
+    engine = jspec.Engine(params, max_batch=3, max_prompt_len=48, max_new_tokens=24, rounds_per_chunk=2,
+                          max_waiting=8)
+    url, stop = running_server(engine, "tiny")
+    yield url, params, engine
+    stop()
 
 
 @pytest.fixture(scope="module")
@@ -220,3 +229,16 @@ def test_cli_serves_and_stops_on_sigterm(tmp_path):
     assert "serve: jspec-bundled on http://127.0.0.1" in printed and "serve: stopped (SIGTERM)" in printed
     bad = subprocess.run([sys.executable, "-m", "jspec", "serve", "--port", "70000"], capture_output=True, text=True)
     assert bad.returncode == 2 and "--port" in bad.stderr
+
+
+def test_full_queue_answers_429(target):
+    """A queue with no room (max_waiting=0): 429, OpenAI's rate-limit error, Retry-After."""
+    url, stop = running_server(jspec.Engine(target, max_batch=1, max_prompt_len=8, max_new_tokens=4, max_waiting=0),
+                               "small")
+    try:
+        code, err, headers = post(url + "/v1/completions", {"model": "small", "prompt": [1, 2], "max_tokens": 2})
+        assert code == 429 and err["error"]["type"] == "rate_limit_error" and "max_waiting=0" in err["error"]["message"]
+        assert {k.lower(): v for k, v in headers.items()}["retry-after"] == "1"
+        assert json.loads(get(url + "/health"))["status"] == "ok"
+    finally:
+        stop()
