@@ -185,6 +185,7 @@ class Engine:
         self.plan = self.prog.plan
         self.batch = self.plan.batch
         self._state = None
+        self._step = 0  # the state's round count, as the last readback said (no sync to read it)
         self._holders: dict[int, Handle] = {}  # row -> its request
         self._waiting: collections.deque[Handle] = collections.deque()
         self._lock = threading.Lock()
@@ -268,7 +269,7 @@ class Engine:
         tw, pw = self.prog.weights
         st = self._state
         advance = self.prog.program(programs.advance_jit, st, np.int32(0))
-        self._state, back = advance(tw, pw, st, np.int32(int(jax.device_get(st.step)) + self.rounds_per_chunk))
+        self._state, back = advance(tw, pw, st, np.int32(self._step + self.rounds_per_chunk))
         self.stats["chunks"] += 1
         self._deliver(jax.device_get(back))
         return True
@@ -308,6 +309,7 @@ class Engine:
     def _deliver(self, back: dict) -> None:
         """Hands each running row's new tokens (and text) to its request; a finished row's
         request gets its output (the row is evicted at the next step)."""
+        self._step = int(back["step"])
         for row, h in list(self._holders.items()):
             if h.done:
                 continue
@@ -401,7 +403,7 @@ class Engine:
                 h._push([], None, self._output(h, "cancelled"))
         self._waiting.clear()
         self._holders.clear()
-        self._state = None
+        self._state, self._step = None, 0
 
     def __enter__(self) -> "Engine":
         return self.start()
