@@ -13,12 +13,12 @@ from jspec.drafts import Draft, Eagle3Draft, EagleDraft, MtpDraft, StandaloneDra
 from jspec.loading import load, load_draft, shard
 from jspec.loop.proposers.ngram import NgramDraft
 from jspec.params import DraftParams, Params
-from jspec.serve import Engine, QueueFull, RequestOutput
+from jspec.serve import Adaptive, Engine, QueueFull, RequestOutput
 from jspec.streaming import StreamChunk
 
 __version__ = "0.1.0"
 
-__all__ = ["CacheConfig", "Compiled", "Draft", "DraftParams", "Eagle3Draft", "EagleDraft", "Engine", "GenerateOutput",
+__all__ = ["Adaptive", "CacheConfig", "Compiled", "Draft", "DraftParams", "Eagle3Draft", "EagleDraft", "Engine", "GenerateOutput",
            "ModelConfig", "MtpDraft", "NgramDraft", "Params", "QueueFull", "RequestOutput", "SpecConfig", "SpecStats", "StandaloneDraft",
            "StreamChunk", "Tuning", "clear_caches", "compile", "generate", "load", "load_draft", "logits", "shard",
            "stream"]

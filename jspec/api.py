@@ -97,12 +97,12 @@ class Compiled:
     """
 
     def __init__(self, params: Params, reqs: rq.Requests, cache: CacheConfig, spec: SpecConfig | None,
-                 tuning: Tuning, eager: bool = True):
+                 tuning: Tuning, eager: bool = True, tiers: tuple = (), prefill_chunk: int = 0):
         self.params, self.cache, self.spec = params, cache, spec
         self._reqs = reqs
         self.compile_s = 0.0
         self.plan = make_plan(params, reqs.lens, reqs.max_new, max(len(s) for s in reqs.stop_ids), reqs.samples,
-                              cache, spec, tuning)
+                              cache, spec, tuning, tiers=tiers, prefill_chunk=prefill_chunk)
         self.xla_options = dispatch.compiler_options(family_for(params.config).gpu_xla_options(params.config),
                                                      tuning)
         if eager:  # jspec.compile compiles now; jspec.stream compiles its own programs at its first chunk
@@ -113,17 +113,19 @@ class Compiled:
         """The compiled generation loop (jax.stages.Compiled) for `plan`."""
         return self.program(programs.generate_jit, *self.device_inputs(self._reqs))
 
-    def program(self, entry, *args):
-        """A loop entry point (`jspec.loop.programs`) compiled for `plan` and arguments of
-        these shapes (after the weights), once per equal plan, weights and shapes."""
+    def program(self, entry, *args, plan=None):
+        """A loop entry point (`jspec.loop.programs`) compiled for `plan` (None: this
+        call's) and arguments of these shapes (after the weights), once per equal plan,
+        weights and shapes."""
+        plan = self.plan if plan is None else plan
         tw, pw = self.weights
         options = self.xla_options
-        key = (entry, self.plan, _shapes((tw, pw)), _shapes(args), dispatch.backend(), self.params.mesh,
+        key = (entry, plan, _shapes((tw, pw)), _shapes(args), dispatch.backend(), self.params.mesh,
                tuple(sorted(options.items())))
         if key not in _COMPILED:
             t0 = time.perf_counter()
             with mesh_of(self.params):
-                _COMPILED[key] = entry.lower(self.plan, tw, pw, *args).compile(options or None)
+                _COMPILED[key] = entry.lower(plan, tw, pw, *args).compile(options or None)
             self.compile_s += time.perf_counter() - t0
         return _COMPILED[key]
 

@@ -12,6 +12,7 @@ rows between chunks of rounds, evicted when they finish or are cancelled.
 from __future__ import annotations
 
 import asyncio
+import itertools
 import threading
 
 import numpy as np
@@ -30,14 +31,15 @@ MAX_NEW = [12, 9, 14, 6, 11, 10, 8]
 _ALONE: dict = {}
 
 
-def alone(params, i, cache="dense"):
-    """Request i run alone (a batch of one) through one compiled program per params and cache."""
-    key = (id(params), cache)
+def alone(params, i, cache="dense", prompts=PROMPTS):
+    """Request i run alone (a batch of one, the whole prompt prefilled at once) through one
+    compiled program per params, cache and prompt list."""
+    key = (id(params), cache, id(prompts))
     if key not in _ALONE:
-        _ALONE[key] = jspec.compile(params, PROMPTS, max_new_tokens=max(MAX_NEW), stop_token_ids=[],
+        _ALONE[key] = jspec.compile(params, prompts, max_new_tokens=max(MAX_NEW), stop_token_ids=[],
                                     cache=CACHES[cache], temperature=0.5)
-    out = _ALONE[key].run(PROMPTS[i], max_new_tokens=MAX_NEW[i], stop_token_ids=[],
-                          **({"temperature": 0.0} | SAMPLING[i]))
+    out = _ALONE[key].run(prompts[i], max_new_tokens=MAX_NEW[i % len(MAX_NEW)], stop_token_ids=[],
+                          **({"temperature": 0.0} | SAMPLING[i % len(SAMPLING)]))
     return out.tokens, out.finish_reasons
 
 
@@ -64,7 +66,7 @@ def staggered(engine):
 def test_requests_equal_alone_whenever_they_join(target, with_draft, kind, cache):
     params = target if kind == "plain" else with_draft(kind)
     engine = jspec.Engine(params, max_batch=3, max_prompt_len=16, max_new_tokens=16, cache=CACHES[cache],
-                          rounds_per_chunk=2)
+                          rounds_per_chunk=2, prefill_chunk=8)  # paged: the 15-token prompt in two blocks
     got = staggered(engine)
     for i, out in got.items():
         tokens, reason = alone(params, i, cache=cache)
@@ -75,6 +77,42 @@ def test_requests_equal_alone_whenever_they_join(target, with_draft, kind, cache
     assert engine.stats["finished"] == len(PROMPTS) and engine.stats["admitted"] == len(PROMPTS)
     if kind != "plain":
         assert engine.stats["accept_rounds"] > 0
+    assert (engine.stats["prefill_passes"] > 0) == (cache != "dense")  # paged: prompts over 8 tokens in blocks
+
+
+LONG_PROMPTS = PROMPTS + [list(range(40, 64)), [8, 9, 8, 9, 8] * 4]  # 24 and 20 tokens
+
+
+def test_adaptive_tiers_and_prompt_blocks_equal_alone(target, with_draft):
+    """Adaptive speculation over a plain tier, a chain and a tree, the tier switched before
+    every chunk in turn, prompts of up to 24 tokens prefilled in blocks of 8 on a page-1
+    pool: every request (greedy and seeded sampling) equals its run alone, whole prompt
+    and the default chain. The start-up cost measurement covers every tier and bucket."""
+    from jspec.serve.tiers import measure_costs
+    params = with_draft("eagle3")
+    tiers = (None, jspec.SpecConfig(2), jspec.SpecConfig(num_steps=2, topk=2, num_draft_tokens=4))
+    costs = {(t, n): 1.0 for t in range(3) for n in (1, 2, 4)}  # the batch: 3 rows, bucketed to 4
+    engine = jspec.Engine(params, max_batch=3, max_prompt_len=24, max_new_tokens=16, cache=CACHES["paged1"],
+                          spec=jspec.Adaptive(tiers=tiers, costs=costs), rounds_per_chunk=2, prefill_chunk=8)
+    engine._ready()
+    order = itertools.cycle([1, 2, 0])
+    engine._chooser.choose = lambda current, running: next(order)
+    handles = {}
+    for i in (7, 0, 8, 1):
+        handles[i] = engine.submit(LONG_PROMPTS[i], max_new_tokens=MAX_NEW[i % 7], stop_token_ids=[],
+                                   **SAMPLING[i % 7])
+        engine.step()
+    for i in (2, 3, 4, 5, 6):
+        handles[i] = engine.submit(LONG_PROMPTS[i], max_new_tokens=MAX_NEW[i % 7], stop_token_ids=[],
+                                   **SAMPLING[i % 7])
+    while not all(h.done for h in handles.values()):
+        engine.step()
+    for i, h in handles.items():
+        assert h.result().tokens == alone(params, i, "paged16", LONG_PROMPTS)[0], i
+    assert all(n > 0 for n in engine.stats["tier_chunks"].values()), engine.stats
+    assert engine.stats["prefill_passes"] >= 2
+    measured = measure_costs(engine, rounds=2, repeats=1)
+    assert sorted(measured) == sorted(costs) and all(c > 0 for c in measured.values())
 
 
 def test_threads_and_asyncio(target):

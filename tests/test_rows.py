@@ -12,6 +12,7 @@
 """
 from __future__ import annotations
 
+import dataclasses
 
 import jax
 import numpy as np
@@ -237,3 +238,59 @@ def test_hybrid_request_admitted_equals_alone(tmp_path_factory):
     for old, new in zip(before, after.tcache.ssm + after.tcache.conv):
         np.testing.assert_array_equal(old[[0, 1, 3]], np.asarray(new)[[0, 1, 3]])
         assert np.abs(np.asarray(new)[2]).max() > 0
+
+
+def _row_slots(st, plan, row: int, n: int):
+    """Every cache buffer's entries at slots 0..n-1 of `row` (gathered through the page
+    table) -> a list of numpy arrays."""
+    table = np.asarray(st.pages.page_table)[row]
+    P = plan.layout.page_size
+    slots = np.arange(n)
+    flat = table[slots // P] * P + slots % P
+    out = []
+    for path, leaf in jax.tree_util.tree_leaves_with_path((st.tcache, st.proposal.cache)):
+        a = np.asarray(leaf)
+        out.append(a.reshape((-1,) + a.shape[2:])[flat])
+    return out
+
+
+@pytest.mark.parametrize("cache", ["paged1", "paged16"])
+def test_prompt_in_blocks_fills_caches_as_a_whole_prefill(target, with_draft, cache):
+    """A 15-token prompt admitted with prefill_chunk=4 (a first block, then three more
+    passes that attend to the earlier blocks in the cache) leaves the target's and the
+    draft's caches at its slots, its first token, root, L and the draft's first level as a
+    whole-prompt admission does (float32; the other rows' parts bit for bit alone); the
+    row waits, parked, until its last block."""
+    params = with_draft("eagle3")
+    whole = Batch(params, CACHES[cache])
+    blocks = Batch(params, CACHES[cache])
+    blocks.plan = dataclasses.replace(blocks.plan, prefill_chunk=4)
+    i, row = 2, 1  # PROMPTS[2]: 15 tokens
+    st_w = whole.fresh()
+    st_b = blocks.fresh()
+    for b, st in ((whole, st_w), (blocks, st_b)):  # another row runs meanwhile
+        st, _ = b.admit(st, 0, 0)
+        st, _ = b.advance(st, 2)
+        if b is whole:
+            st_w, _ = b.admit(st, row, i)
+        else:
+            st_b = st
+    others = _rows_of(st_b, blocks.plan, [0])
+    st_b, back = blocks.admit(st_b, row, i)
+    for start in (4, 8, 12):
+        assert bool(back["finished"][row]) and int(back["generated"][row]) == 0  # parked
+        st_b, back = programs.prefill_jit(blocks.plan, *blocks.weights, st_b, np.array([row, B], np.int32),
+                                          np.array([start, 0], np.int32))
+    assert not bool(back["finished"][row]) and int(back["generated"][row]) == 1
+    for x, y in zip(others, _rows_of(st_b, blocks.plan, [0])):
+        np.testing.assert_array_equal(x, y)
+    n = len(PROMPTS[i])
+    for x, y in zip(_row_slots(st_w, whole.plan, row, n), _row_slots(st_b, blocks.plan, row, n)):
+        np.testing.assert_allclose(x, y, rtol=2e-5, atol=2e-5)
+    for name in ("root", "L", "generated"):
+        assert int(getattr(st_w, name)[row]) == int(getattr(st_b, name)[row]), name
+    np.testing.assert_array_equal(np.asarray(st_w.tokens[row]), np.asarray(st_b.tokens[row]))
+    np.testing.assert_array_equal(np.asarray(st_w.proposal.first_tokens[row]),
+                                  np.asarray(st_b.proposal.first_tokens[row]))
+    np.testing.assert_allclose(np.asarray(st_w.proposal.hidden[row]), np.asarray(st_b.proposal.hidden[row]),
+                               rtol=2e-5, atol=2e-5)

@@ -41,6 +41,7 @@ class KVCacheKind:
     num_heads (H) sizes the parked queries (`extra_slots`)."""
 
     split_by_head: ClassVar[bool] = True  # split over a mesh's devices by KV head (`init`)
+    prefill_in_chunks: ClassVar[bool] = True  # a prompt's later blocks attend to the earlier ones in the cache
 
     num_layers: int
     num_heads: int

@@ -32,6 +32,7 @@ class LatentCacheKind:
     """The cache an MLA model needs: per layer, Dc latent and Dr roped key values a token."""
 
     split_by_head: ClassVar[bool] = False  # replicated on every device of a mesh (one latent for all heads)
+    prefill_in_chunks: ClassVar[bool] = True  # a prompt's later blocks attend to the earlier ones in the cache
 
     num_layers: int
     kv_lora_rank: int

@@ -35,7 +35,14 @@ class Plan:
     its accept-length history, and the round budget of `generate` (bucketed); num_stop:
     Ks, stop-id slots per row (bucketed); sampling: does the program sample (False: every
     row greedy without penalties, and the sampling steps are left out; True: they run for
-    every row, greedy rows included); tuning: how kernels and XLA compute it."""
+    every row, greedy rows included); tuning: how kernels and XLA compute it.
+
+    tiers: the speculation tiers whose plans share this plan's state (a serving engine
+    switching between them, `jspec.serve.tiers`): every SpecConfig among them sizes the
+    slack and the token buffer, and None among them is a tier of plain rounds that keeps
+    the proposer observing. A plan with a proposer and spec None is such a plain tier.
+    prefill_chunk: C, the prompt tokens an admission's pass takes (`jspec.loop.rows`; 0:
+    the whole prompt, Tp, in one pass)."""
 
     target: object
     proposer: Proposer | None
@@ -47,6 +54,8 @@ class Plan:
     num_stop: int
     sampling: bool = False
     tuning: Tuning = DEFAULT_TUNING
+    tiers: tuple = ()
+    prefill_chunk: int = 0
 
     @property
     def family(self):
@@ -74,13 +83,19 @@ class Plan:
         return self.proposer.target_layers() if self.proposer is not None else ()
 
     @property
+    def drafts(self) -> bool:
+        """Does a round draft (a proposer and a SpecConfig; a plain tier does not)?"""
+        return self.proposer is not None and self.spec is not None
+
+    @property
     def slack(self) -> int:
-        return round_slack(self.target, self.proposer, self.spec, self.layout.paged)
+        return max(round_slack(self.target, self.proposer, s, self.layout.paged) for s in (self.spec, *self.tiers))
 
     @property
     def buffer_len(self) -> int:
-        """Length of the token buffer: every slot, plus the bonus and a round's overshoot."""
-        return self.layout.capacity + self.S + 2
+        """Length of the token buffer: every slot, plus the bonus and a round's overshoot
+        (the largest of every tier's)."""
+        return self.layout.capacity + max(s.num_steps if s else 0 for s in (self.spec, *self.tiers)) + 2
 
 
 def proposer_for(draft) -> Proposer | None:
@@ -95,7 +110,8 @@ def proposer_for(draft) -> Proposer | None:
 
 def round_slack(target, proposer: Proposer | None, spec: SpecConfig | None, paged: bool) -> int:
     """Slots past L that one round may write (the verification's N, the proposer's own
-    forwards), plus the room each cache kind asks past a forward's tokens (`extra_slots`)."""
+    forwards), plus the room each cache kind asks past a forward's tokens (`extra_slots`).
+    spec None with a proposer: a plain tier (the proposer still observes each round)."""
     N = spec.num_draft_tokens if spec else 1
     verify = N + family_for(target).cache_kind(target).extra_slots(N, paged)
     return max(verify, proposer.slack(spec, paged)) if proposer is not None else verify
@@ -124,13 +140,18 @@ def slot_limits(cache: CacheConfig, lens: list[int], max_new: list[int], slack: 
 
 
 def make_plan(params, lens: list[int], max_new: list[int], num_stop: int, samples: bool, cache: CacheConfig,
-              spec: SpecConfig | None, tuning: Tuning = DEFAULT_TUNING) -> Plan:
+              spec: SpecConfig | None, tuning: Tuning = DEFAULT_TUNING, tiers: tuple = (),
+              prefill_chunk: int = 0) -> Plan:
     """The Plan for requests of these prompt lengths and limits: buckets for batch, prompt
     length, rounds and stop ids; caches sized for them (or for `cache`'s max_len and
-    num_pages); refused with a ValueError when it cannot fit in memory."""
+    num_pages); refused with a ValueError when it cannot fit in memory. tiers,
+    prefill_chunk: see `Plan`."""
     proposer = proposer_for(params.draft.config if params.draft is not None else None)
     paged = cache.kind == "paged"
-    slack = round_slack(params.config, proposer, spec, paged)
+    if prefill_chunk and not (paged and family_for(params.config).cache_kind(params.config).prefill_in_chunks):
+        raise ValueError("prefill in chunks needs a paged cache and a target whose cache takes a prompt in blocks "
+                         "(hybrid targets with recurrent layers prefill whole prompts)")
+    slack = max(round_slack(params.config, proposer, s, paged) for s in (spec, *tiers))
     limits, max_new, _ = slot_limits(cache, lens, max_new, slack)
     B = pow2(len(lens))
     Tp = prompt_bucket(max(lens))
@@ -146,7 +167,8 @@ def make_plan(params, lens: list[int], max_new: list[int], num_stop: int, sample
     else:
         layout = CacheLayout(paged=False, capacity=round_up(max(max(limits), Tp), 64))
     plan = Plan(target=params.config, proposer=proposer, spec=spec, layout=layout, batch=B, prompt_len=Tp,
-                max_rounds=pow2(max(max_new), 8), num_stop=pow2(num_stop, 4), sampling=samples, tuning=tuning)
+                max_rounds=pow2(max(max_new), 8), num_stop=pow2(num_stop, 4), sampling=samples, tuning=tuning,
+                tiers=tuple(tiers), prefill_chunk=prefill_chunk)
     check_memory(params, plan, max(max_new))
     return plan
 

@@ -67,7 +67,7 @@ def reserve_room(plan: Plan, st: LoopState, need_len, active, max_new_pages: int
 def propose_phase(plan: Plan, tw, pw, st: LoopState, active):
     """The proposer drafts a chain or a tree under the root (plain decoding: the root alone)
     -> (state, tree, the draft's log q [B,S,V] of sampled drafts or None)."""
-    if plan.proposer is None:
+    if not plan.drafts:  # plain decoding, or a plain tier of a serving engine
         return st, chain_tree(st.root[:, None]), None
     proposal, tree, logq = plan.proposer.propose(plan, tw, pw, st.proposal, st, active)
     return st.replace(proposal=proposal), tree, logq

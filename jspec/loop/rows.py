@@ -1,5 +1,6 @@
 """Requests join and leave a running batch: `admit` puts requests into free rows and
-prefills only those rows; `evict` frees rows, returning their pages.
+prefills only those rows (long prompts in blocks: `prefill`); `evict` frees rows,
+returning their pages.
 
 Both leave every other row bit for bit as it was: its tokens, request values, caches
 (their slots and pages), history and proposer state. A row's tokens depend only on its
@@ -26,20 +27,22 @@ def row_mask(batch: int, rows) -> jax.Array:
 
 def admit(plan: Plan, tw, pw, st: LoopState, rows, adm: Admission) -> LoopState:
     """Puts the A requests of `adm` into rows `rows` [A] (an index >= B: no request, a
-    padding entry; each named row's old pages are returned first) and prefills them: the
-    target over their prompts, the first token chosen and emitted, the proposer's view of
-    the prompt. A request that finds no room ends at once as cache_full."""
-    B, T, V = plan.batch, plan.prompt_len, plan.target.vocab_size
-    A = rows.shape[0]
+    padding entry; each named row's old pages are returned first), reserves the room of
+    their whole prompts and prefills them: the target over their prompts, the first token
+    chosen and emitted, the proposer's view of the prompt. A request that finds no room
+    ends at once as cache_full.
+
+    With `plan.prefill_chunk` = C > 0 this pass takes the prompts' first C tokens; a row
+    whose prompt is longer waits, parked (finished, reason RUNNING, holding its pages),
+    for `prefill` to take the rest C tokens at a time, between rounds of the others."""
+    B, V = plan.batch, plan.target.vocab_size
+    A, T = adm.prompt.shape  # T <= Tp: an admission of short prompts may pass fewer columns
     req = adm.request
     lens = req.prompt_len  # [A]
     mask = row_mask(B, rows)
 
     def put(old, new):
         return old.at[rows].set(new.astype(old.dtype), mode="drop")
-
-    def take(a):  # [B, ...] -> the admitted rows' [A, ...] (padding entries: the last row's)
-        return a[jnp.minimum(rows, B - 1)]
 
     st = release_pages(plan, st, mask)
     in_prompt = sampling.init_history(adm.prompt, lens, V).in_prompt  # [A, V]
@@ -53,27 +56,69 @@ def admit(plan: Plan, tw, pw, st: LoopState, rows, adm: Admission) -> LoopState:
         rounds=put(st.rounds, jnp.zeros((A,), jnp.int32)),
         hist=put(st.hist, jnp.zeros((A,) + st.hist.shape[1:], jnp.int32)))
     st, active = reserve_room(plan, st, st.request.prompt_len + plan.slack, mask, plan.layout.pages_per_seq)
-    live = take(active) & (rows < B)  # [A] admitted rows with room
+    live = active[jnp.minimum(rows, B - 1)] & (rows < B)  # [A] admitted rows with room
+    C = plan.prefill_chunk or T
+    return prompt_pass(plan, tw, pw, st, rows, jnp.zeros((A,), jnp.int32), adm.prompt[:, :C], live, first=True)
 
-    ar = jnp.arange(T, dtype=jnp.int32)[None, :]
-    meta = plan.layout.meta(st.pages, positions=jnp.broadcast_to(ar, (A, T)), prefix_len=jnp.zeros((A,), jnp.int32),
-                            local_mask=causal_mask(lens, T), write_valid=(ar < lens[:, None]) & live[:, None],
-                            prefill=True, rows=rows)
-    hidden, aux, tcache = plan.family.forward(plan.target, tw, adm.prompt, st.tcache, meta, plan.capture,
+
+def prefill(plan: Plan, tw, pw, st: LoopState, rows, start) -> LoopState:
+    """The next C = `plan.prefill_chunk` prompt tokens of parked rows `rows` [A] (see
+    `admit`), from slot `start` [A] on (a multiple of C, below the prompt's length): the
+    target attends to the slots before `start` in its cache and to the block causally;
+    rows whose prompt ends in this block choose their first token and run. Paged layouts
+    (a dense cache would be read by batch position, not by `rows`)."""
+    if not plan.layout.paged or not plan.prefill_chunk:
+        raise ValueError("prefill in chunks needs a paged cache and Plan.prefill_chunk > 0")
+    B, C = plan.batch, plan.prefill_chunk
+    tokens = jnp.take_along_axis(st.tokens[jnp.minimum(rows, B - 1)],
+                                 start[:, None] + jnp.arange(C, dtype=jnp.int32)[None, :], axis=1)  # [A, C]
+    live = (rows < B) & (st.reason[jnp.minimum(rows, B - 1)] == RUNNING)
+    return prompt_pass(plan, tw, pw, st, rows, start, tokens, live, first=False)
+
+
+def prompt_pass(plan: Plan, tw, pw, st: LoopState, rows, start, tokens, live, first: bool) -> LoopState:
+    """One pass of admitted rows `rows` [A] over their prompt tokens [A, C] from slot
+    `start` [A] (live [A]: rows with room). first (static): the prompts' first block (no
+    prefix: prefill attention, recurrent states from zero). Rows whose prompt ends in the
+    block get their first token (position = prompt length) and run; the others are parked."""
+    B, V = plan.batch, plan.target.vocab_size
+    A, C = tokens.shape
+
+    def take(a):  # [B, ...] -> the rows' [A, ...] (padding entries: the last row's)
+        return a[jnp.minimum(rows, B - 1)]
+
+    def put(old, new):
+        return old.at[rows].set(new.astype(old.dtype), mode="drop")
+
+    req = jax.tree.map(take, st.request)
+    lens = req.prompt_len  # [A]
+    count = jnp.clip(lens - start, 0, C)  # this block's prompt tokens
+    ends = live & (start + C >= lens)  # [A] the prompt ends in this block
+    ar = jnp.arange(C, dtype=jnp.int32)[None, :]
+    meta = plan.layout.meta(st.pages, positions=start[:, None] + ar, prefix_len=start,
+                            local_mask=causal_mask(count, C), write_valid=(ar < count[:, None]) & live[:, None],
+                            prefill=first, rows=rows)
+    hidden, aux, tcache = plan.family.forward(plan.target, tw, tokens, st.tcache, meta, plan.capture,
                                               tuning=plan.tuning)
-    last = jnp.take_along_axis(hidden, (lens - 1)[:, None, None], axis=1)[:, 0]
+    last = jnp.take_along_axis(hidden, jnp.maximum(count - 1, 0)[:, None, None], axis=1)[:, 0]
     logits = plan.family.logits(plan.target, tw, last, tuning=plan.tuning)[:, None]  # [A, 1, V]
-    history = sampling.History(in_prompt=in_prompt, counts=jnp.zeros((A, V), jnp.int32))
-    first = sampling.choose(plan.sampling, logits, req.sampling, lens[:, None], history)[:, 0]  # position len
-    st = st.replace(tcache=tcache)
-    st = emit(st, put(jnp.zeros((B,), jnp.int32), first)[:, None], jnp.ones((B,), jnp.int32), active)
-    st = st.replace(L=put(st.L, lens), root=put(st.root, first))
+    history = sampling.History(in_prompt=take(st.history.in_prompt), counts=jnp.zeros((A, V), jnp.int32))
+    first_token = sampling.choose(plan.sampling, logits, req.sampling, lens[:, None], history)[:, 0]  # position len
+    starting = row_mask(B, jnp.where(ends, rows, B))  # [B] rows that run from now
+    parked = row_mask(B, jnp.where(live & ~ends, rows, B))
+    st = st.replace(tcache=tcache, finished=(st.finished & ~starting) | parked)
+    st = emit(st, put(jnp.zeros((B,), jnp.int32), first_token)[:, None], jnp.ones((B,), jnp.int32), starting)
+    st = st.replace(L=jnp.where(starting, put(st.L, lens), st.L), root=jnp.where(starting, put(st.root, first_token),
+                                                                                  st.root))
     if plan.proposer is not None:
-        obs = Observation(rows=rows, start=jnp.zeros((A,), jnp.int32), tokens=adm.prompt, count=lens, bonus=first,
-                          L=lens, hidden=hidden, aux=aux, path=None, live=live & ~take(st.finished),
-                          sampling=req.sampling, pages=st.pages, prefill=True)
+        following = jnp.take_along_axis(take(st.tokens), jnp.minimum(start + C, st.tokens.shape[1] - 1)[:, None],
+                                        axis=1)[:, 0]  # the next prompt token of a parked row
+        obs = Observation(rows=rows, start=start, tokens=tokens, count=count,
+                          bonus=jnp.where(ends, first_token, following), L=start + count, hidden=hidden, aux=aux,
+                          path=None, live=live & (~ends | ~take(st.finished)), sampling=req.sampling,
+                          pages=st.pages, prefill=first)
         st = st.replace(proposal=plan.proposer.observe(plan, tw, pw, st.proposal, obs))
-    return release_pages(plan, st, active & st.finished)
+    return release_pages(plan, st, starting & st.finished)
 
 
 def evict(plan: Plan, st: LoopState, rows) -> LoopState:

@@ -1,4 +1,6 @@
-"""Serving: the continuous-batching engine (`engine.Engine`)."""
+"""Serving: the continuous-batching engine (`engine.Engine`) and its adaptive speculation
+(`tiers.Adaptive`)."""
 from jspec.serve.engine import Engine, Handle, QueueFull, RequestOutput
+from jspec.serve.tiers import Adaptive
 
-__all__ = ["Engine", "Handle", "QueueFull", "RequestOutput"]
+__all__ = ["Adaptive", "Engine", "Handle", "QueueFull", "RequestOutput"]

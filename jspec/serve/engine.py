@@ -3,21 +3,29 @@ of rounds and leave it the moment they finish.
 
 The engine owns one loop state of `max_batch` rows (`jspec.loop.state`) and drives the
 loop's compiled entry points (`jspec.loop.programs`) from the host, one iteration at a
-time (`Engine.step`), either called directly or from its own thread (`Engine.start`):
-1. rows whose request finished or was cancelled are evicted (`evict`: pages back to the
-   pool, the row free);
-2. waiting requests go into free rows (`admit`: their prompts prefilled, their first
-   token chosen), in buckets of 1, 2, 4, ... requests so that one admission does not pay
-   for a full batch's prefill;
-3. one chunk of `rounds_per_chunk` rounds runs (`advance`), and the rows' new tokens are
-   read back and handed to their requests (`Handle`), with their text; stop strings are
-   matched on the host, ending the request at the first match.
-A request's tokens depend only on the request itself (its prompt, values and seed: see
-`jspec.loop.rows`), so they are the same whatever shares the batch and whenever it joined.
+time (`Engine.step`), either called directly or from its own thread (`Engine.start`).
+One chunk of rounds is always in flight on the device while the host works:
 
-Not here yet (issue 39): prefill in chunks interleaved with decoding (a prompt is
-admitted whole), adaptive speculation tiers, the host preparing admissions while the
-device runs a chunk, and the HTTP server.
+1. the in-flight chunk's readback arrives (the host waits for it here, and only here);
+   the rounds' accept lengths update the tier choice;
+2. rows whose request finished (on the device, by a stop string, or cancelled) are
+   evicted (`evict`: pages back to the pool, the row free);
+3. waiting requests go into free rows (`admit`), in buckets of 1, 2, 4, ... requests and
+   of their longest prompt's length; with a paged cache a prompt longer than
+   `prefill_chunk` tokens is prefilled in blocks of that many (`prefill`), one block per
+   iteration, so a long prompt delays each chunk of the others by one block's pass
+   instead of its whole prefill;
+4. the next chunk of `rounds_per_chunk` rounds is dispatched (`advance_by`), on the tier
+   the adaptive choice picked (`jspec.serve.tiers`; `switch` first when it changed);
+5. while it runs, the previous chunk's tokens are handed to their requests (`Handle`)
+   with their text; stop strings are matched here, ending the request at the first match.
+
+So the device runs chunk after chunk while the host reads back, evicts, packs and
+dispatches: its idle time between chunks is the readback and the dispatches. A
+request's tokens depend only on the request itself (its prompt, values and seed: see
+`jspec.loop.rows`), so they are the same whatever shares the batch, whenever it joined,
+and whichever tier ran its rounds (target-only verification; with `sample_drafts`,
+sampled tokens keep the target's distribution but depend on the drafts).
 """
 from __future__ import annotations
 
@@ -33,9 +41,13 @@ import numpy as np
 
 from jspec import requests as rq
 from jspec.api import Compiled, mesh_of
+from jspec.config import CacheConfig
 from jspec.loop import programs
+from jspec.loop.plan import prompt_bucket
 from jspec.loop.state import FINISH_REASONS
+from jspec.models import family_for
 from jspec.params import Params
+from jspec.serve.tiers import Adaptive, Chooser, buckets, default_tiers, measure_costs, tier_name
 
 
 class QueueFull(RuntimeError):
@@ -75,6 +87,7 @@ class Handle:
         self.finished_at: float | None = None
         self.cut = False  # a stop string ended it (`text` is cut before it)
         self.shown_chars = 0  # characters of `text` handed out
+        self.rounds_seen = 0  # rounds of its row whose accept lengths were counted
         self._events: collections.deque = collections.deque()
         self._cond = threading.Condition()
         self._waiters: list = []  # (asyncio loop, asyncio.Event) pairs to wake
@@ -149,14 +162,18 @@ class Handle:
 
 
 class Engine:
-    """Continuous batching over one compiled loop of `max_batch` rows.
+    """Continuous batching over one compiled loop of `max_batch` rows (see the module).
 
-    params: a `jspec.Params` (with a draft: speculative rounds, `spec` or its default).
-    max_prompt_len, max_new_tokens: the largest request the engine takes (they size the
-    compiled programs and the caches; a larger one is refused at `submit`). cache, spec,
-    tuning: as `jspec.compile`. rounds_per_chunk: rounds between admissions (smaller:
-    new requests start sooner, more host round trips). max_waiting: requests that may
-    wait for a row before `submit` raises `QueueFull`.
+    params: a `jspec.Params` (with a draft: speculative rounds). spec: a SpecConfig (fixed
+    speculation; None: the proposer's default), or `jspec.Adaptive(...)` (a tier chosen
+    before each chunk, `jspec.serve.tiers`). max_prompt_len, max_new_tokens: the largest
+    request the engine takes (they size the programs and caches; a larger one is refused
+    at `submit`). cache: as `jspec.compile`, paged by default (None). prefill_chunk: prompt
+    tokens an admission or prefill pass takes (paged caches of targets that take a prompt
+    in blocks; otherwise prompts are prefilled whole). tuning: as `jspec.compile`.
+    rounds_per_chunk: rounds between admissions (smaller: new requests start sooner, more
+    host round trips). max_waiting: requests that may wait for a row before `submit`
+    raises `QueueFull`.
 
         engine = jspec.Engine(params, max_batch=8)
         with engine:                                  # a thread drives it
@@ -166,34 +183,71 @@ class Engine:
     """
 
     def __init__(self, params: Params, *, max_batch: int = 8, max_prompt_len: int = 512, max_new_tokens: int = 256,
-                 cache=None, spec=None, tuning=None, rounds_per_chunk: int = 4, max_waiting: int = 256):
+                 cache=None, spec=None, tuning=None, rounds_per_chunk: int = 4, max_waiting: int = 256,
+                 prefill_chunk: int = 512):
         rq.check_params(params)
         for name, v, low in (("max_batch", max_batch, 1), ("max_prompt_len", max_prompt_len, 1),
                              ("max_new_tokens", max_new_tokens, 1), ("rounds_per_chunk", rounds_per_chunk, 1),
-                             ("max_waiting", max_waiting, 0)):
+                             ("max_waiting", max_waiting, 0), ("prefill_chunk", prefill_chunk, 1)):
             if not rq.is_int(v) or v < low:
                 raise ValueError(f"{name} must be an int >= {low}, got {v!r}")
         self.params = params
         self.max_prompt_len, self.max_new_tokens = int(max_prompt_len), int(max_new_tokens)
         self.rounds_per_chunk, self.max_waiting = int(rounds_per_chunk), int(max_waiting)
+        cache = rq.cache_config(cache if cache is not None else CacheConfig(kind="paged"))
+        self.adaptive = spec if isinstance(spec, Adaptive) else None
+        if self.adaptive is not None:
+            default = rq.spec_config(params, None)
+            if default is None:
+                raise ValueError("adaptive speculation needs a draft; load one with jspec.load(target, draft=...)")
+            tiers = self.adaptive.tiers or default_tiers(default)
+            for t in tiers:
+                if t is not None:
+                    rq.spec_config(params, t)
+        else:
+            tiers = (rq.spec_config(params, spec),)
+        self.tiers = list(tiers)
         # The programs' shape: max_batch requests of the largest size, sampling compiled in
         # (greedy rows stay exact), up to 8 stop ids a request.
         shape = rq.check_requests(params, [[0] * self.max_prompt_len] * max_batch, self.max_new_tokens,
                                   [list(range(8))] * max_batch, {"temperature": 1.0})
-        self.prog = Compiled(params, shape, rq.cache_config(cache), rq.spec_config(params, spec),
-                             rq.tuning_config(tuning), eager=False)
-        self.plan = self.prog.plan
+        Tp = prompt_bucket(self.max_prompt_len)
+        kind = family_for(params.config).cache_kind(params.config)
+        chunked = cache.kind == "paged" and kind.prefill_in_chunks and prefill_chunk < Tp
+        self.prefill_chunk = int(prefill_chunk) if chunked else 0  # 0: prompts prefilled whole
+        self.prog = Compiled(params, shape, cache, self.tiers[0], rq.tuning_config(tuning), eager=False,
+                             tiers=tuple(self.tiers) if len(self.tiers) > 1 else (), prefill_chunk=self.prefill_chunk)
+        self.plans = [dataclasses.replace(self.prog.plan, spec=t) for t in self.tiers]
+        self.plan = self.plans[0]
         self.batch = self.plan.batch
+        drafting = [i for i, t in enumerate(self.tiers) if t is not None]
+        default = rq.spec_config(params, None)
+        self._first_tier = self.tiers.index(default) if default in self.tiers else (drafting or [0])[0]
+        self._tier = self._first_tier
+        self._chooser: Chooser | None = None
+        costs = self.adaptive.costs if self.adaptive is not None else None
+        if costs is not None:
+            missing = [(t, n) for t in range(len(self.tiers)) for n in buckets(self.batch) if (t, n) not in costs]
+            if missing:
+                raise ValueError(f"Adaptive.costs has no cost for (tier, bucket) {missing[0]}; it needs one for every "
+                                 f"tier index and occupancy bucket {buckets(self.batch)} (the batch bucketed)")
         self._state = None
-        self._step = 0  # the state's round count, as the last readback said (no sync to read it)
-        self._holders: dict[int, Handle] = {}  # row -> its request
+        self._inflight = None  # (readback on the device, {row: request} it covers, tier)
+        self._holders: dict[int, Handle] = {}  # row -> its request (running or parked)
+        self._parked: dict[int, int] = {}  # row -> the next prompt slot its prefill takes
         self._waiting: collections.deque[Handle] = collections.deque()
         self._lock = threading.Lock()
         self._work = threading.Condition(self._lock)
         self._thread: threading.Thread | None = None
         self._running = False
-        self.stats = {"rounds": 0, "chunks": 0, "admitted": 0, "finished": 0, "cancelled": 0, "tokens": 0,
-                      "accept_rounds": 0, "accept_tokens": 0}
+        self.stats = {"rounds": 0, "chunks": 0, "prefill_passes": 0, "admitted": 0, "finished": 0, "cancelled": 0,
+                      "tokens": 0, "accept_rounds": 0, "accept_tokens": 0, "startup_s": 0.0,
+                      "tier_chunks": {tier_name(t): 0 for t in self.tiers}}
+
+    @property
+    def tier(self) -> str:
+        """The tier the next chunk runs ("plain" or "S,K,N")."""
+        return tier_name(self.tiers[self._tier])
 
     # ------------------------------------------------------------------ requests
 
@@ -247,12 +301,64 @@ class Engine:
     # ------------------------------------------------------------------ the loop
 
     def step(self) -> bool:
-        """One iteration: evict, admit, one chunk of rounds, deliver. -> whether any
-        request was running or waiting."""
+        """One iteration (see the module): read back the chunk in flight, evict, admit,
+        prefill, dispatch the next chunk, deliver. -> whether any request is running or
+        waiting, or a chunk is in flight."""
+        self._ready()
+        back = snapshot = None
+        if self._inflight is not None:
+            back_dev, snapshot, tier = self._inflight
+            self._inflight = None
+            back = jax.device_get(back_dev)
+            self._count_rounds(back, snapshot, tier)
+        ended = {row for row, h in (snapshot or {}).items() if back["finished"][row]}
+        self._evict([row for row, h in self._holders.items()
+                     if h.done or h.cancelled or (row in ended and snapshot[row] is h)])
+        started = self._admit_waiting() + self._prefill_parked()
+        running = [row for row in self._holders if row not in self._parked]
+        if running:
+            if self._chooser is not None:
+                self.use_tier(self._chooser.choose(self._tier, len(running)))
+            self._inflight = (self._advance(self.rounds_per_chunk), {row: self._holders[row] for row in running},
+                              self._tier)
+            self.stats["chunks"] += 1
+            self.stats["tier_chunks"][self.tier] += 1
+        if back is not None:
+            self._deliver(back, snapshot)
+        for back_dev, rows in started:
+            self._deliver(jax.device_get(back_dev), rows)
+        return bool(self._holders or self._waiting or self._inflight)
+
+    def _ready(self) -> None:
+        """The state (every row free) and, for adaptive speculation, the round costs."""
         if self._state is None:
             with mesh_of(self.params):
-                self._state = programs.init_jit(self.plan)
-        self._evict([row for row, h in self._holders.items() if h.done or h.cancelled])
+                self._state = programs.init_jit(self.plans[self._tier])
+        if self.adaptive is not None and self._chooser is None:
+            self._chooser = Chooser(self.adaptive, self.tiers, {}, self.batch)  # measuring: no choice yet
+            t0 = time.perf_counter()
+            costs = self.adaptive.costs if self.adaptive.costs is not None else measure_costs(self)
+            self.stats["startup_s"] = time.perf_counter() - t0
+            self._chooser.costs = dict(costs)
+            self.use_tier(self._first_tier)
+
+    def use_tier(self, tier: int) -> None:
+        """Switches the state to tier `tier` (an index of `tiers`) for the next chunk."""
+        if tier != self._tier:
+            plan = self.plans[tier]
+            switch = self.prog.program(programs.switch_jit, self._state, plan=plan)
+            self._state = switch(*self.prog.weights, self._state)
+            self._tier = tier
+
+    def _advance(self, rounds: int):
+        plan = self.plans[self._tier]
+        advance = self.prog.program(programs.advance_by_jit, self._state, np.int32(0), plan=plan)
+        self._state, back = advance(*self.prog.weights, self._state, np.int32(rounds))
+        return back
+
+    def _admit_waiting(self) -> list:
+        """Admits waiting requests into free rows -> [(readback, {row: request} of the rows
+        that run from now)] (rows whose prompt goes on in later blocks are parked)."""
         with self._lock:
             free = [r for r in range(self.batch) if r not in self._holders]
             joining = []
@@ -262,55 +368,95 @@ class Engine:
                     h._push([], None, self._output(h, "cancelled"))
                     continue
                 joining.append((free.pop(0), h))
-        if joining:
-            self._admit(joining)
-        if not self._holders:
-            return bool(self._waiting)
-        tw, pw = self.prog.weights
-        st = self._state
-        advance = self.prog.program(programs.advance_jit, st, np.int32(0))
-        self._state, back = advance(tw, pw, st, np.int32(self._step + self.rounds_per_chunk))
-        self.stats["chunks"] += 1
-        self._deliver(jax.device_get(back))
-        return True
-
-    def _admit(self, joining: list[tuple[int, Handle]]) -> None:
-        A = 1 << (len(joining) - 1).bit_length()  # a bucket of 1, 2, 4, ... requests
-        A = min(A, self.batch)
-        reqs = rq.Requests(prompts=[h.prompt for _, h in joining], is_batch=True,
-                           max_new=[h.reqs.max_new[0] for _, h in joining],
-                           sampling={k: [h.reqs.sampling[k][0] for _, h in joining] for k in rq.SAMPLING_ARGS},
-                           stop_ids=[h.reqs.stop_ids[0] for _, h in joining])
-        rows, adm = rq.pack(self.plan, reqs, self.prog.cache)
-        rows[:len(joining)] = [row for row, _ in joining]
-        rows, adm = self.prog.put((rows[:A], jax.tree.map(lambda a: a[:A], adm)))
-        tw, pw = self.prog.weights
-        admit = self.prog.program(programs.admit_jit, self._state, rows, adm)
-        self._state, back = admit(tw, pw, self._state, rows, adm)
+        if not joining:
+            return []
+        back = self._admit_rows([row for row, _ in joining], [h.reqs for _, h in joining])
         now = time.perf_counter()
+        C = self.prefill_chunk
         for row, h in joining:
             h.admitted = now
             self._holders[row] = h
+            if C and len(h.prompt) > C:
+                self._parked[row] = C
         self.stats["admitted"] += len(joining)
-        self._deliver(jax.device_get(back))
+        return [(back, {row: h for row, h in joining if row not in self._parked})]
+
+    def _admit_rows(self, rows: list[int], reqs_list: list[rq.Requests]):
+        """Dispatches the admission of single requests into `rows` -> its readback. A
+        bucket of 1, 2, 4, ... requests; prompt columns: the longest prompt's bucket (all
+        of them, Tp, when one goes on in later blocks)."""
+        A = min(1 << (len(rows) - 1).bit_length(), self.batch)
+        longest = max(len(r.prompts[0]) for r in reqs_list)
+        C = self.prefill_chunk
+        width = self.plan.prompt_len if C and longest > C else min(prompt_bucket(longest), self.plan.prompt_len)
+        reqs = rq.Requests(prompts=[r.prompts[0] for r in reqs_list], is_batch=True,
+                           max_new=[r.max_new[0] for r in reqs_list],
+                           sampling={k: [r.sampling[k][0] for r in reqs_list] for k in rq.SAMPLING_ARGS},
+                           stop_ids=[r.stop_ids[0] for r in reqs_list])
+        packed_rows, adm = rq.pack(self.plan, reqs, self.prog.cache)
+        packed_rows[:len(rows)] = rows
+        adm = adm.replace(prompt=adm.prompt[:, :width])
+        rows_dev, adm = self.prog.put((packed_rows[:A], jax.tree.map(lambda a: a[:A], adm)))
+        admit = self.prog.program(programs.admit_jit, self._state, rows_dev, adm, plan=self.plans[self._tier])
+        self._state, back = admit(*self.prog.weights, self._state, rows_dev, adm)
+        return back
+
+    def _prefill_parked(self) -> list:
+        """One block of every parked row's prompt -> [(readback, {row: request} of the rows
+        whose prompt ended)]."""
+        if not self._parked:
+            return []
+        rows = sorted(self._parked)
+        A = min(1 << (len(rows) - 1).bit_length(), self.batch)
+        row_arr = np.full((A,), self.batch, np.int32)
+        start = np.zeros((A,), np.int32)
+        row_arr[:len(rows)] = rows
+        start[:len(rows)] = [self._parked[r] for r in rows]
+        rows_dev, start_dev = self.prog.put((row_arr, start))
+        prefill = self.prog.program(programs.prefill_jit, self._state, rows_dev, start_dev,
+                                    plan=self.plans[self._tier])
+        self._state, back = prefill(*self.prog.weights, self._state, rows_dev, start_dev)
+        self.stats["prefill_passes"] += 1
+        starting = {}
+        for r in rows:
+            self._parked[r] += self.prefill_chunk
+            if self._parked[r] >= len(self._holders[r].prompt):
+                del self._parked[r]
+                starting[r] = self._holders[r]
+        return [(back, starting)] if starting else []
 
     def _evict(self, rows: list[int]) -> None:
         if not rows:
             return
         for row in rows:
             h = self._holders.pop(row)
-            if not h.done:
+            self._parked.pop(row, None)
+            if h.cancelled and not h.done:
                 h._push([], None, self._output(h, "cancelled"))
         padded = np.full((self.batch,), self.batch, np.int32)
         padded[:len(rows)] = rows
         with mesh_of(self.params):
-            self._state = programs.evict_jit(self.plan, self._state, self.prog.put(padded))
+            self._state = programs.evict_jit(self.plans[self._tier], self._state, self.prog.put(padded))
 
-    def _deliver(self, back: dict) -> None:
-        """Hands each running row's new tokens (and text) to its request; a finished row's
-        request gets its output (the row is evicted at the next step)."""
-        self._step = int(back["step"])
-        for row, h in list(self._holders.items()):
+    def _count_rounds(self, back: dict, snapshot: dict, tier: int) -> None:
+        """The accept lengths of the rounds a chunk ran -> the tier choice and the stats."""
+        if self.plan.proposer is None:
+            return
+        lens = []
+        for row, h in snapshot.items():
+            rounds = int(back["rounds"][row])
+            lens.append(back["hist"][row, h.rounds_seen:rounds])
+            h.rounds_seen = rounds
+        lens = np.concatenate(lens) if lens else np.zeros((0,), np.int32)
+        self.stats["accept_rounds"] += len(lens)
+        self.stats["accept_tokens"] += int(np.sum(lens))
+        if self._chooser is not None:
+            self._chooser.observe(tier, lens)
+
+    def _deliver(self, back: dict, holders: dict) -> None:
+        """Hands each row's new tokens (and text) in a readback to its request (`holders`:
+        the rows the readback covers); a finished row's request gets its output."""
+        for row, h in holders.items():
             if h.done:
                 continue
             n = len(h.prompt)
@@ -327,13 +473,8 @@ class Engine:
             if finished:
                 self.stats["rounds"] += int(back["rounds"][row])
                 self.stats["finished"] += 1
-                if self.plan.proposer is not None:
-                    rounds = int(back["rounds"][row])
-                    self.stats["accept_rounds"] += rounds
-                    self.stats["accept_tokens"] += int(np.sum(back["hist"][row, :rounds]))
             text = self._text(h, finished)
             h._push(new, text, self._output(h, reason) if finished else None)
-
     def _stop_string(self, h: Handle, new: list[int]) -> tuple[list[int], bool]:
         """new tokens -> (the tokens up to the one completing the first stop string, whether
         one completed); the request's text is cut before it."""
@@ -398,12 +539,41 @@ class Engine:
             self._wake()
             self._thread.join()
             self._thread = None
+        if self._inflight is not None:  # the chunk in flight: its tokens are delivered
+            back_dev, snapshot, _ = self._inflight
+            self._inflight = None
+            self._deliver(jax.device_get(back_dev), snapshot)
         for h in list(self._waiting) + list(self._holders.values()):
             if not h.done:
                 h._push([], None, self._output(h, "cancelled"))
         self._waiting.clear()
         self._holders.clear()
-        self._state, self._step = None, 0
+        self._parked.clear()
+        self._state, self._tier = None, self._first_tier
+
+    def time_rounds(self, tier: int, prompts: list, rounds: int, repeats: int) -> float:
+        """Seconds a round of tier `tier` (an index of `tiers`) takes with one placeholder
+        request a prompt (token ids) running: admitted into an idle engine, a warm-up chunk
+        of `rounds` rounds (compiling what is new), `repeats` timed chunks, then evicted
+        (`jspec.serve.tiers.measure_costs`)."""
+        if self._holders or self._inflight is not None:
+            raise RuntimeError("time_rounds needs an idle engine")
+        self._ready()
+        reqs = [rq.check_requests(self.params, p, self.max_new_tokens, [], {}) for p in prompts]
+        rows = list(range(len(prompts)))
+        self.use_tier(tier)
+        jax.block_until_ready(self._admit_rows(rows, reqs))
+        back = jax.device_get(self._advance(rounds))
+        t0, step0 = time.perf_counter(), int(back["step"])
+        for _ in range(repeats):
+            back = self._advance(rounds)
+        back = jax.device_get(back)
+        seconds = time.perf_counter() - t0
+        padded = np.full((self.batch,), self.batch, np.int32)
+        padded[:len(rows)] = rows
+        with mesh_of(self.params):
+            self._state = programs.evict_jit(self.plans[self._tier], self._state, self.prog.put(padded))
+        return seconds / max(int(back["step"]) - step0, 1)
 
     def __enter__(self) -> "Engine":
         return self.start()

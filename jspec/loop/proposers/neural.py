@@ -58,7 +58,8 @@ class NeuralProposer(Proposer):
     def slack(self, spec: SpecConfig, paged: bool) -> int:
         # draft-extend writes S+1+lag slots from L; tree drafting the K slots of level j at
         # L + lag + (j-1)K, j < S; each asks its cache kind's room past it.
-        S, K, lag = spec.num_steps, spec.topk, self.draft.lag
+        S, K = (spec.num_steps, spec.topk) if spec is not None else (0, 1)  # None: a plain tier, observing
+        lag = self.draft.lag
         extra = lambda T: self.draft.cache_kind().extra_slots(T, paged)  # noqa: E731
         return max(S + 1 + lag + extra(S + 1 + lag), lag + (S - 1) * K + extra(K))
 
@@ -171,16 +172,29 @@ class NeuralProposer(Proposer):
                                 write_valid=valid & obs.live[:, None], prefill=obs.prefill, rows=obs.rows)
         hidden, cache = d.forward(plan.target, tw, dw, ext, feats, state.cache, meta, True, tuning=plan.tuning)
         last = jnp.take_along_axis(hidden, (count - 1)[:, None, None], axis=1)[:, 0]  # [R, Dd]
-        # The root is at L: the first draft is the token at L + 1.
-        tokens, probs, logq = self._first_level(plan, tw, dw, last, obs.sampling, obs.L + 1)
         keep, rows = obs.live[:, None], obs.rows
 
         def put(old, new):  # rows that finished keep their old values (an admitted one: anything)
             return jnp.where(keep, new, old) if rows is None else put_rows(old, new, rows)
 
-        return state.replace(cache=cache, first_tokens=put(state.first_tokens, tokens),
-                             first_probs=put(state.first_probs, probs), first_logq=put(state.first_logq, logq),
-                             hidden=put(state.hidden, last.astype(state.hidden.dtype)))
+        state = state.replace(cache=cache, hidden=put(state.hidden, last.astype(state.hidden.dtype)))
+        if not plan.drafts:  # a plain tier: no first level (`switch` makes it when drafting resumes)
+            return state
+        # The root is at L: the first draft is the token at L + 1.
+        tokens, probs, logq = self._first_level(plan, tw, dw, last, obs.sampling, obs.L + 1)
+        return state.replace(first_tokens=put(state.first_tokens, tokens), first_probs=put(state.first_probs, probs),
+                             first_logq=put(state.first_logq, logq))
+
+    def switch(self, plan, tw, dw, state: NeuralState, st) -> NeuralState:
+        """The first level for `plan`'s tier from the draft hidden the last observe kept
+        (what that observe would have drafted under this tier: the same hidden, values and
+        positions); a plain tier keeps none."""
+        B = st.L.shape[0]
+        if not plan.drafts:
+            return state.replace(first_tokens=jnp.zeros((B, 1), jnp.int32), first_probs=jnp.ones((B, 1), jnp.float32),
+                                 first_logq=jnp.zeros((B, 0), jnp.float32))
+        tokens, probs, logq = self._first_level(plan, tw, dw, state.hidden, st.request.sampling, st.L + 1)
+        return state.replace(first_tokens=tokens, first_probs=probs, first_logq=logq)
 
     def _first_level(self, plan, tw, dw, last, sp: sampling.SamplingParams, position):
         """The draft's hidden [R,Dd] at the newest slot -> the root's children: target ids
