@@ -3,14 +3,17 @@
 
 Requests arrive at the Poisson times of `jspec.serve.load.poisson_arrivals(rate, N, seed)`
 (the same arrivals as jspec's load test), prompts in turn from jspec's built-in code prompts
-(or --prompts), each greedy with exactly --max-new-tokens new tokens (EOS disabled), through
-one `model.init_continuous_batching(...)` manager holding at most --max-batch requests in a
-batch (`ContinuousBatchingConfig.max_requests_per_batch`). Per rate, as `run_serve_bench`:
-tokens/s (generated tokens over the time from the start of the arrivals to the last finish),
-time to first token and time per output token after the first (p50 / p99, from transformers'
-per-token timestamps of streamed requests), end-to-end latency (p50 / p99). The manager is
-warmed up first (its CUDA graphs captured, then --max-batch requests served), that time
-reported in the "compile s" column. Tested with transformers 5.17 and 5.24.
+(or --prompts, tokenised as jspec does), each greedy with exactly --max-new-tokens new tokens
+(EOS disabled), through one `model.init_continuous_batching(...)` manager holding at most
+--max-batch requests in a batch (`ContinuousBatchingConfig.max_requests_per_batch`), its
+paged KV cache sized for that many requests (as jspec's engine), CUDA graphs on (transformers
+leaves them off with sdpa, about 5x slower on the bundled target). Per rate, as
+`run_serve_bench`: tokens/s (generated tokens over the time from the start of the arrivals
+to the last finish), time to first token and time per output token after the first (from
+transformers' per-token timestamps of streamed requests), end-to-end latency; p50 / p99,
+printed with `format_load_table`. The manager is warmed up first (CUDA graphs captured, then
+--max-batch requests served), that time in the "compile s" column. Tested with transformers
+5.17 and 5.24.
 
 Run: PYTHONPATH=. python3 benchmarks/serve_transformers.py --target DIR [--rates 2 8 32]
 """
@@ -24,8 +27,8 @@ import platform
 import time
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")  # jspec's imports bring JAX: keep it off the GPU
-from jspec.bench import BUILTIN_PROMPTS, read_prompts  # noqa: E402
-from jspec.serve.load import LoadRow, _pct, format_load_table, poisson_arrivals  # noqa: E402
+from jspec.bench import BUILTIN_PROMPTS, read_prompts
+from jspec.serve.load import LoadRow, _pct, format_load_table, poisson_arrivals
 
 
 def load(args):

@@ -4,10 +4,12 @@
                     [--temperature T --top-p P --top-k K --seed S --sample-drafts] [--dtype D]
     python -m jspec bench [--target DIR --draft DIR] [--batch B ...] [--spec S,K,N ...]
                           [--prompts FILE] [--max-new-tokens N] [--repeats R]
-    python -m jspec bench serve [--target DIR --draft DIR] [--rates R ...] [--spec S,K,N ...]
+    python -m jspec bench serve [--target DIR --draft DIR] [--rates R ...] [--spec S,K,N|adaptive ...]
                                 [--requests N] [--max-batch B] [--max-new-tokens N] [--prompts FILE]
+                                [--prefill-chunk C]
     python -m jspec serve [--target DIR --draft NAME|DIR|mtp|ngram|none] [--host H] [--port P]
-                          [--max-batch B] [--max-len L] [--max-new-tokens N] [--spec S,K,N] [--dtype D]
+                          [--max-batch B] [--max-len L] [--max-new-tokens N] [--spec S,K,N|adaptive]
+                          [--prefill-chunk C] [--dtype D]
 
 Loads the bundled target (a small model trained on the Python standard library) with its
 EAGLE-3 head, or your own local target and draft, continues PROMPT (greedy, or sampled with
@@ -84,6 +86,14 @@ def _spec(text: str) -> SpecConfig:
         return parse_spec(text)
     except ValueError as err:
         raise argparse.ArgumentTypeError(str(err)) from None
+
+
+def _spec_or_adaptive(text: str):
+    """'adaptive' -> jspec.Adaptive() (the default tiers), else `_spec`."""
+    if text.strip().lower() == "adaptive":
+        from jspec.serve.tiers import Adaptive
+        return Adaptive()
+    return _spec(text)
 
 
 def _prompt_file(path: str) -> list[str]:
@@ -263,12 +273,15 @@ def _bench_serve_parser() -> _Parser:
                     "'standalone' or 'ngram'")
     ap.add_argument("--rates", type=_float(lambda v: v > 0, "a rate > 0"), nargs="+", default=[2.0, 8.0, 32.0],
                     metavar="R", help="arrival rates, requests a second (default: 2 8 32)")
-    ap.add_argument("--spec", type=_spec, nargs="+", default=None, metavar="S,K,N",
-                    help="speculative settings beside plain decoding (default: 1,1,2 3,1,4 5,1,6 and the tree 5,4,8)")
+    ap.add_argument("--spec", type=_spec_or_adaptive, nargs="+", default=None, metavar="S,K,N|adaptive",
+                    help="speculative settings beside plain decoding, fixed or 'adaptive' (default: adaptive and "
+                         "each of its tiers: 1,1,2 3,1,4 5,1,6 and the tree 3,2,6)")
     ap.add_argument("--requests", type=_int(1), default=32, help="requests a rate (default: 32)")
     ap.add_argument("--max-batch", type=_int(1), default=8)
     ap.add_argument("--max-new-tokens", type=_int(1), default=64)
     ap.add_argument("--rounds-per-chunk", type=_int(1), default=4)
+    ap.add_argument("--prefill-chunk", type=_int(1), default=512,
+                    help="prompt tokens a prefill pass takes (default: 512)")
     ap.add_argument("--prompts", type=_prompt_file, default=None, metavar="FILE",
                     help="one prompt per line (default: a few code prompts)")
     return ap
@@ -297,11 +310,13 @@ def _bench_serve(argv) -> int:
 
     ap = _bench_serve_parser()
     args, params, draft, prompts = _bench_inputs(ap, argv, "bench serve")
-    specs = args.spec or [SpecConfig(1, 1, 2), SpecConfig(3, 1, 4), SpecConfig(5, 1, 6), SpecConfig(5, 4, 8)]
+    from jspec.serve.tiers import Adaptive, default_tiers
+
+    specs = args.spec or [Adaptive(), *[t for t in default_tiers(SpecConfig(3)) if t is not None]]
     try:
         rows = run_serve_bench(params, prompts, rates=args.rates, specs=[None, *specs], requests=args.requests,
                                max_new_tokens=args.max_new_tokens, max_batch=args.max_batch,
-                               rounds_per_chunk=args.rounds_per_chunk)
+                               rounds_per_chunk=args.rounds_per_chunk, prefill_chunk=args.prefill_chunk)
     except (ValueError, TypeError) as err:
         ap.error(str(err))
     print(_bench_header(args, params, draft, f"{args.requests} requests a rate, {args.max_new_tokens} new tokens "
@@ -341,9 +356,13 @@ def _serve_parser() -> _Parser:
                     help="prompt + generated tokens a request may hold (default: the model's context)")
     ap.add_argument("--max-new-tokens", type=_int(1), default=None,
                     help="the most tokens a request may ask for (default: half of --max-len, at most 1024)")
-    ap.add_argument("--spec", type=_spec, default=None, metavar="S,K,N",
-                    help="draft steps, topk, verified tokens of every round (default: the draft's)")
+    ap.add_argument("--spec", type=_spec_or_adaptive, default=None, metavar="S,K,N|adaptive",
+                    help="draft steps, topk, verified tokens of every round (default: the draft's), or 'adaptive': "
+                         "a tier chosen before each chunk of rounds from the measured acceptance and round costs")
     ap.add_argument("--rounds-per-chunk", type=_int(1), default=4, help="rounds between admissions (default: 4)")
+    ap.add_argument("--prefill-chunk", type=_int(1), default=512,
+                    help="prompt tokens a prefill pass takes; longer prompts are prefilled in blocks between "
+                         "chunks of rounds (default: 512)")
     ap.add_argument("--model-name", default=None, help="the name /v1/models lists (default: the target "
                                                        "directory's name, or jspec-bundled)")
     return ap
@@ -367,7 +386,8 @@ def _serve(argv) -> int:
         ap.error(f"--max-new-tokens ({max_new}) must be below --max-len ({max_len})")
     try:
         engine = jspec.Engine(params, max_batch=args.max_batch, max_prompt_len=max_len - max_new,
-                              max_new_tokens=max_new, spec=args.spec, rounds_per_chunk=args.rounds_per_chunk)
+                              max_new_tokens=max_new, spec=args.spec, rounds_per_chunk=args.rounds_per_chunk,
+                              prefill_chunk=args.prefill_chunk)
     except (ValueError, TypeError) as err:
         ap.error(str(err))
     name = args.model_name or (os.path.basename(os.path.normpath(args.target)) if args.target else "jspec-bundled")

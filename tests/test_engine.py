@@ -213,15 +213,19 @@ def test_serve_load_benchmark(with_draft):
     assert abs(np.mean(np.diff(a)) - 1 / 50) < 0.002 and np.all(np.diff(a) > 0)
     assert np.array_equal(a, poisson_arrivals(50.0, 2000, seed=1))
     chain = jspec.SpecConfig(num_steps=2, topk=1, num_draft_tokens=3)
-    rows = run_serve_bench(with_draft("eagle3"), PROMPTS[:3], rates=[200.0], specs=[None, chain], requests=5,
-                           max_new_tokens=6, max_batch=2, rounds_per_chunk=2)
-    assert [(r.setting, r.rate, r.requests) for r in rows] == [("plain", 200.0, 5), ("2,1,3", 200.0, 5)]
+    adaptive = jspec.Adaptive(tiers=(None, chain), costs={(t, n): 1.0 + t for t in (0, 1) for n in (1, 2)})
+    rows = run_serve_bench(with_draft("eagle3"), PROMPTS[:3], rates=[200.0], specs=[None, chain, adaptive],
+                           requests=5, max_new_tokens=6, max_batch=2, rounds_per_chunk=2)
+    assert [(r.setting, r.rate, r.requests) for r in rows] == [("plain", 200.0, 5), ("2,1,3", 200.0, 5),
+                                                                ("adaptive", 200.0, 5)]
     for r in rows:
         assert r.tokens_per_s > 0 and r.ttft_ms[0] <= r.e2e_ms[0] and r.ttft_ms[0] <= r.ttft_ms[1]
         assert r.compile_s > 0
     assert rows[0].tau == 1.0 and rows[1].tau >= 1.0
+    assert rows[1].tiers == "2,1,3 100%" and rows[2].tiers.endswith("%")
     table = format_load_table(rows)
     assert "| 200 | plain |" in table and "| 200 | 2,1,3 |" in table and "1.00x" in table
+    assert "| 200 | adaptive |" in table
 
 
 def test_bench_serve_cli_errors(capsys):

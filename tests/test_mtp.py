@@ -143,8 +143,9 @@ def test_first_draft_matches_transformers_mtp(mtp_target):
     mtp = MtpModel.from_pretrained(model)
     p = jspec.load(path, draft="mtp", dtype="float32")
     K = 4
-    _, st = loop_state(p, PROMPTS, 4, jspec.CacheConfig("dense"), jspec.SpecConfig(num_steps=2, topk=K, num_draft_tokens=5),
-                       rounds=0)
+    plan, st = loop_state(p, PROMPTS, 4, jspec.CacheConfig("dense"),
+                          jspec.SpecConfig(num_steps=2, topk=K, num_draft_tokens=5), rounds=0)
+    first_tokens, _, _ = plan.proposer.first_level(plan, p.weights, p.draft.weights, st.proposal, st)
     for b, prompt in enumerate(PROMPTS):
         with torch.no_grad():
             out = model(torch.tensor([prompt]), output_hidden_states=True)
@@ -152,7 +153,7 @@ def test_first_draft_matches_transformers_mtp(mtp_target):
             pos = torch.arange(1, len(prompt) + 1)[None]
             logits = mtp._project_to_logits(mtp.forward_layer(0, out.hidden_states[-1], pos, None, input_ids=ids))
         want = torch.topk(logits[0, -1], K).indices.tolist()
-        assert sorted(np.asarray(st.proposal.first_tokens[b]).tolist()) == sorted(want), b
+        assert sorted(np.asarray(first_tokens[b]).tolist()) == sorted(want), b
 
 
 @pytest.mark.parametrize("spec,cache", [

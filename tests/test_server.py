@@ -195,6 +195,9 @@ def test_chat_errors_queue_full_and_metrics(served, target):
         assert f"\n{name} " in "\n" + metrics
     steps = [line for line in metrics.splitlines() if line.startswith("jspec_speculation_steps ")]
     assert steps == [f"jspec_speculation_steps {engine.plan.spec.num_steps}"]
+    tier = engine.tier
+    assert f'jspec_speculation_tier{{tier="{tier}"}} 1' in metrics
+    assert f'jspec_tier_chunks_total{{tier="{tier}"}} {engine.stats["tier_chunks"][tier]}' in metrics
 
 
 def test_cli_serves_and_stops_on_sigterm(tmp_path):

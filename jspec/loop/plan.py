@@ -41,6 +41,8 @@ class Plan:
     switching between them, `jspec.serve.tiers`): every SpecConfig among them sizes the
     slack and the token buffer, and None among them is a tier of plain rounds that keeps
     the proposer observing. A plan with a proposer and spec None is such a plain tier.
+    Admissions, prefill passes and evictions do not depend on the tier (any of the plans
+    runs them).
     prefill_chunk: C, the prompt tokens an admission's pass takes (`jspec.loop.rows`; 0:
     the whole prompt, Tp, in one pass)."""
 

@@ -7,11 +7,10 @@
   prefill   the next block of parked rows' prompts -> (state, readback)
   advance   rounds until every row finishes or a step count -> (state, readback)
   advance_by  `advance` for a number of rounds from the state's step -> (state, readback)
-  switch    the state another speculation tier's rounds left, for this plan's tier -> state
   evict     rows freed -> state
 
 `generate`, `Compiled.run` and `stream` are clients of these; a serving engine calls
-`admit`, `prefill`, `advance_by`, `switch` and `evict` between chunks. The state is donated to the calls that
+`admit`, `prefill`, `advance_by` and `evict` between chunks. The state is donated to the calls that
 take one, so each updates it in place.
 """
 from __future__ import annotations
@@ -60,12 +59,6 @@ def advance_by_fn(plan: Plan, tw, pw, st: LoopState, rounds):
     return st, readback(st)
 
 
-def switch_fn(plan: Plan, tw, pw, st: LoopState) -> LoopState:
-    if plan.proposer is None:
-        return st
-    return st.replace(proposal=plan.proposer.switch(plan, tw, pw, st.proposal, st))
-
-
 def evict_fn(plan: Plan, st: LoopState, rows) -> LoopState:
     return evict(plan, st, rows)
 
@@ -76,6 +69,6 @@ admit_jit = jax.jit(admit_fn, static_argnums=0, donate_argnums=3)
 advance_jit = jax.jit(advance_fn, static_argnums=0, donate_argnums=3)
 prefill_jit = jax.jit(prefill_fn, static_argnums=0, donate_argnums=3)
 advance_by_jit = jax.jit(advance_by_fn, static_argnums=0, donate_argnums=3)
-switch_jit = jax.jit(switch_fn, static_argnums=0, donate_argnums=3)
+
 evict_jit = jax.jit(evict_fn, static_argnums=0, donate_argnums=1)
 init_jit = jax.jit(init_state, static_argnums=0)

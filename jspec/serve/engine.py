@@ -16,7 +16,8 @@ One chunk of rounds is always in flight on the device while the host works:
    iteration, so a long prompt delays each chunk of the others by one block's pass
    instead of its whole prefill;
 4. the next chunk of `rounds_per_chunk` rounds is dispatched (`advance_by`), on the tier
-   the adaptive choice picked (`jspec.serve.tiers`; `switch` first when it changed);
+   the adaptive choice picked (`jspec.serve.tiers`; the tiers share the state, so a switch
+   moves nothing);
 5. while it runs, the previous chunk's tokens are handed to their requests (`Handle`)
    with their text; stop strings are matched here, ending the request at the first match.
 
@@ -41,13 +42,20 @@ import numpy as np
 
 from jspec import requests as rq
 from jspec.api import Compiled, mesh_of
-from jspec.config import CacheConfig
+from jspec.config import CacheConfig, SpecConfig
 from jspec.loop import programs
 from jspec.loop.plan import prompt_bucket
 from jspec.loop.state import FINISH_REASONS
 from jspec.models import family_for
 from jspec.params import Params
-from jspec.serve.tiers import Adaptive, Chooser, buckets, default_tiers, measure_costs, tier_name
+from jspec.serve.tiers import (
+    Adaptive,
+    Chooser,
+    buckets,
+    default_tiers,
+    measure_costs,
+    tier_name,
+)
 
 
 class QueueFull(RuntimeError):
@@ -84,10 +92,12 @@ class Handle:
         self.submitted = time.perf_counter()
         self.admitted: float | None = None
         self.first_token_at: float | None = None  # when its first token was handed out
+        self.token_times: list[tuple[float, int]] = []  # (when, how many) of each delivery of tokens
         self.finished_at: float | None = None
         self.cut = False  # a stop string ended it (`text` is cut before it)
         self.shown_chars = 0  # characters of `text` handed out
         self.rounds_seen = 0  # rounds of its row whose accept lengths were counted
+        self.samples = reqs.samples  # it samples or has penalties (it needs the sampling programs)
         self._events: collections.deque = collections.deque()
         self._cond = threading.Condition()
         self._waiters: list = []  # (asyncio loop, asyncio.Event) pairs to wake
@@ -107,8 +117,10 @@ class Handle:
         with self._cond:
             if tokens or text:
                 self._events.append((tokens, text))
-            if tokens and self.first_token_at is None:
-                self.first_token_at = now
+            if tokens:
+                self.token_times.append((now, len(tokens)))
+                if self.first_token_at is None:
+                    self.first_token_at = now
             if output is not None:
                 self.output, self.finished_at = output, now
             self._cond.notify_all()
@@ -207,8 +219,8 @@ class Engine:
         else:
             tiers = (rq.spec_config(params, spec),)
         self.tiers = list(tiers)
-        # The programs' shape: max_batch requests of the largest size, sampling compiled in
-        # (greedy rows stay exact), up to 8 stop ids a request.
+        # The programs' shape: max_batch requests of the largest size, up to 8 stop ids a request;
+        # each program in two variants: with the sampling steps, and without them while every row is greedy.
         shape = rq.check_requests(params, [[0] * self.max_prompt_len] * max_batch, self.max_new_tokens,
                                   [list(range(8))] * max_batch, {"temperature": 1.0})
         Tp = prompt_bucket(self.max_prompt_len)
@@ -248,6 +260,11 @@ class Engine:
     def tier(self) -> str:
         """The tier the next chunk runs ("plain" or "S,K,N")."""
         return tier_name(self.tiers[self._tier])
+
+    @property
+    def spec(self) -> SpecConfig | None:
+        """The SpecConfig of the tier in use (None: plain rounds)."""
+        return self.tiers[self._tier]
 
     # ------------------------------------------------------------------ requests
 
@@ -319,8 +336,9 @@ class Engine:
         if running:
             if self._chooser is not None:
                 self.use_tier(self._chooser.choose(self._tier, len(running)))
-            self._inflight = (self._advance(self.rounds_per_chunk), {row: self._holders[row] for row in running},
-                              self._tier)
+            sampled = any(self._holders[row].samples for row in running)
+            self._inflight = (self._advance(self.rounds_per_chunk, sampled),
+                              {row: self._holders[row] for row in running}, self._tier)
             self.stats["chunks"] += 1
             self.stats["tier_chunks"][self.tier] += 1
         if back is not None:
@@ -333,7 +351,7 @@ class Engine:
         """The state (every row free) and, for adaptive speculation, the round costs."""
         if self._state is None:
             with mesh_of(self.params):
-                self._state = programs.init_jit(self.plans[self._tier])
+                self._state = programs.init_jit(self.plan)
         if self.adaptive is not None and self._chooser is None:
             self._chooser = Chooser(self.adaptive, self.tiers, {}, self.batch)  # measuring: no choice yet
             t0 = time.perf_counter()
@@ -343,15 +361,17 @@ class Engine:
             self.use_tier(self._first_tier)
 
     def use_tier(self, tier: int) -> None:
-        """Switches the state to tier `tier` (an index of `tiers`) for the next chunk."""
-        if tier != self._tier:
-            plan = self.plans[tier]
-            switch = self.prog.program(programs.switch_jit, self._state, plan=plan)
-            self._state = switch(*self.prog.weights, self._state)
-            self._tier = tier
+        """Runs the next chunks on tier `tier` (an index of `tiers`); the tiers share the
+        state, so nothing moves."""
+        self._tier = tier
 
-    def _advance(self, rounds: int):
-        plan = self.plans[self._tier]
+    def _variant(self, plan, sampled: bool):
+        """`plan` compiled with the sampling steps (some row samples or has penalties) or
+        without them (every row greedy: an argmax, the same tokens for greedy rows)."""
+        return dataclasses.replace(plan, sampling=sampled)
+
+    def _advance(self, rounds: int, sampled: bool = True):
+        plan = self._variant(self.plans[self._tier], sampled)
         advance = self.prog.program(programs.advance_by_jit, self._state, np.int32(0), plan=plan)
         self._state, back = advance(*self.prog.weights, self._state, np.int32(rounds))
         return back
@@ -381,14 +401,17 @@ class Engine:
         self.stats["admitted"] += len(joining)
         return [(back, {row: h for row, h in joining if row not in self._parked})]
 
-    def _admit_rows(self, rows: list[int], reqs_list: list[rq.Requests]):
-        """Dispatches the admission of single requests into `rows` -> its readback. A
-        bucket of 1, 2, 4, ... requests; prompt columns: the longest prompt's bucket (all
-        of them, Tp, when one goes on in later blocks)."""
+    def _width(self, longest: int) -> int:
+        """Prompt columns an admission passes: the longest prompt's bucket, at least 64 (a
+        program each: fewer to compile), all of them, Tp, when it goes on in later blocks."""
+        C, Tp = self.prefill_chunk, self.plan.prompt_len
+        return Tp if C and longest > C else min(max(prompt_bucket(longest), 64), Tp)
+
+    def _admission(self, rows: list[int], reqs_list: list[rq.Requests]):
+        """(rows [A], Admission [A]) on the device for single requests into `rows`: a
+        bucket of A = 1, 2, 4, ... requests, `_width` prompt columns."""
         A = min(1 << (len(rows) - 1).bit_length(), self.batch)
-        longest = max(len(r.prompts[0]) for r in reqs_list)
-        C = self.prefill_chunk
-        width = self.plan.prompt_len if C and longest > C else min(prompt_bucket(longest), self.plan.prompt_len)
+        width = self._width(max(len(r.prompts[0]) for r in reqs_list))
         reqs = rq.Requests(prompts=[r.prompts[0] for r in reqs_list], is_batch=True,
                            max_new=[r.max_new[0] for r in reqs_list],
                            sampling={k: [r.sampling[k][0] for r in reqs_list] for k in rq.SAMPLING_ARGS},
@@ -396,10 +419,39 @@ class Engine:
         packed_rows, adm = rq.pack(self.plan, reqs, self.prog.cache)
         packed_rows[:len(rows)] = rows
         adm = adm.replace(prompt=adm.prompt[:, :width])
-        rows_dev, adm = self.prog.put((packed_rows[:A], jax.tree.map(lambda a: a[:A], adm)))
-        admit = self.prog.program(programs.admit_jit, self._state, rows_dev, adm, plan=self.plans[self._tier])
+        return self.prog.put((packed_rows[:A], jax.tree.map(lambda a: a[:A], adm)))
+
+    def _admit_rows(self, rows: list[int], reqs_list: list[rq.Requests]):
+        """Dispatches the admission of single requests into `rows` -> its readback."""
+        rows_dev, adm = self._admission(rows, reqs_list)
+        plan = self._variant(self.plan, any(r.samples for r in reqs_list))  # the same for every tier
+        admit = self.prog.program(programs.admit_jit, self._state, rows_dev, adm, plan=plan)
         self._state, back = admit(*self.prog.weights, self._state, rows_dev, adm)
         return back
+
+    def warm_up(self, prompt_lens: Sequence[int] | None = None, sampled: bool = True) -> float:
+        """Compiles what serving prompts of these lengths may run (None: the longest the
+        engine takes), without running it: admissions of every bucket at their widths,
+        prefill passes, and each tier's chunk, greedy and (sampled) sampling programs; for
+        adaptive speculation the round costs are measured first. -> seconds (programs
+        compiled before cost nothing)."""
+        t0 = time.perf_counter()
+        self._ready()
+        by_width = {self._width(n): n for n in sorted(prompt_lens or [self.max_prompt_len])}  # a length a width
+        for variant in (False, True) if sampled else (False,):
+            plan = self._variant(self.plan, variant)
+            for A in buckets(self.batch):
+                for n in by_width.values():
+                    reqs = rq.check_requests(self.params, [1] * n, 1, [], {})
+                    self.prog.program(programs.admit_jit, self._state, *self._admission(list(range(A)), [reqs] * A),
+                                      plan=plan)
+                if self.prefill_chunk:
+                    self.prog.program(programs.prefill_jit, self._state,
+                                      *self.prog.put((np.zeros((A,), np.int32), np.zeros((A,), np.int32))), plan=plan)
+            for tier_plan in self.plans:
+                self.prog.program(programs.advance_by_jit, self._state, np.int32(0),
+                                  plan=self._variant(tier_plan, variant))
+        return time.perf_counter() - t0
 
     def _prefill_parked(self) -> list:
         """One block of every parked row's prompt -> [(readback, {row: request} of the rows
@@ -413,8 +465,8 @@ class Engine:
         row_arr[:len(rows)] = rows
         start[:len(rows)] = [self._parked[r] for r in rows]
         rows_dev, start_dev = self.prog.put((row_arr, start))
-        prefill = self.prog.program(programs.prefill_jit, self._state, rows_dev, start_dev,
-                                    plan=self.plans[self._tier])
+        plan = self._variant(self.plan, any(self._holders[r].samples for r in rows))
+        prefill = self.prog.program(programs.prefill_jit, self._state, rows_dev, start_dev, plan=plan)
         self._state, back = prefill(*self.prog.weights, self._state, rows_dev, start_dev)
         self.stats["prefill_passes"] += 1
         starting = {}
@@ -436,7 +488,7 @@ class Engine:
         padded = np.full((self.batch,), self.batch, np.int32)
         padded[:len(rows)] = rows
         with mesh_of(self.params):
-            self._state = programs.evict_jit(self.plans[self._tier], self._state, self.prog.put(padded))
+            self._state = programs.evict_jit(self.plan, self._state, self.prog.put(padded))
 
     def _count_rounds(self, back: dict, snapshot: dict, tier: int) -> None:
         """The accept lengths of the rounds a chunk ran -> the tier choice and the stats."""
@@ -563,16 +615,16 @@ class Engine:
         rows = list(range(len(prompts)))
         self.use_tier(tier)
         jax.block_until_ready(self._admit_rows(rows, reqs))
-        back = jax.device_get(self._advance(rounds))
+        back = jax.device_get(self._advance(rounds, sampled=False))
         t0, step0 = time.perf_counter(), int(back["step"])
         for _ in range(repeats):
-            back = self._advance(rounds)
+            back = self._advance(rounds, sampled=False)
         back = jax.device_get(back)
         seconds = time.perf_counter() - t0
         padded = np.full((self.batch,), self.batch, np.int32)
         padded[:len(rows)] = rows
         with mesh_of(self.params):
-            self._state = programs.evict_jit(self.plans[self._tier], self._state, self.prog.put(padded))
+            self._state = programs.evict_jit(self.plan, self._state, self.prog.put(padded))
         return seconds / max(int(back["step"]) - step0, 1)
 
     def __enter__(self) -> "Engine":

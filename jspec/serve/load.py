@@ -1,13 +1,14 @@
 """A serving load test (`python -m jspec bench serve`): requests arriving as a Poisson
-process at several rates, through a `jspec.Engine` per setting (plain decoding and each
-speculative chain or tree), the same arrivals, prompts and weights for every setting.
+process at several rates, through a `jspec.Engine` per setting (plain decoding without
+the draft, adaptive speculation, each fixed chain or tree), the same arrivals, prompts
+and weights for every setting.
 
 Each request is greedy with a fixed output length (no stop tokens), so every setting does
 the same work. Per setting and rate: throughput (generated tokens over the time from the
 first arrival to the last finish), time to first token, time per output token after the
-first, end-to-end latency (p50 and p99), and the mean accepted length. Each engine is
-warmed up first (its programs compiled: admission buckets and the chunk), the compile
-time reported.
+first, end-to-end latency (p50 and p99), the mean accepted length and the share of chunks
+each tier ran. Each engine is warmed up first (`Engine.warm_up`: its programs compiled,
+adaptive round costs measured), that time reported.
 """
 from __future__ import annotations
 
@@ -17,8 +18,8 @@ from typing import Sequence
 
 import numpy as np
 
-from jspec.config import SpecConfig
 from jspec.serve.engine import Engine
+from jspec.serve.tiers import Adaptive, tier_name
 
 
 @dataclasses.dataclass(frozen=True)
@@ -32,6 +33,7 @@ class LoadRow:
     e2e_ms: tuple[float, float]
     tau: float
     compile_s: float
+    tiers: str = ""  # share of chunks each tier ran, e.g. "3,1,4 80%, 5,1,6 20%"
 
 
 def poisson_arrivals(rate: float, n: int, seed: int = 0) -> np.ndarray:
@@ -60,45 +62,46 @@ def run_load(engine: Engine, prompts: Sequence, rate: float, n: int, max_new_tok
     return {"handles": handles, "start": t0, "end": max(h.finished_at for h in handles)}
 
 
-def warm_up(engine: Engine, prompt, max_new_tokens: int) -> float:
-    """Compiles the engine's programs (every admission bucket and the chunk) -> seconds."""
-    t0 = time.perf_counter()
-    B = engine.batch
-    for n in sorted({min(1 << k, B) for k in range(B.bit_length() + 1)}):  # the admission buckets
-        hs = [engine.submit(prompt, max_new_tokens=min(2, max_new_tokens), stop_token_ids=[]) for _ in range(n)]
-        while not all(h.done for h in hs):
-            engine.step()
-    while engine.step():
-        pass
-    return time.perf_counter() - t0
+def setting_name(spec) -> str:
+    return "adaptive" if isinstance(spec, Adaptive) else tier_name(spec)
 
 
-def run_serve_bench(params, prompts: Sequence, *, rates: Sequence[float], specs: Sequence[SpecConfig | None],
-                    requests: int = 32, max_new_tokens: int = 64, max_batch: int = 8, rounds_per_chunk: int = 4,
-                    seed: int = 0) -> list[LoadRow]:
-    """One `LoadRow` per setting (None in `specs`: plain decoding, the draft left out) and
-    rate; each setting's engine serves every rate in turn."""
+def tier_shares(before: dict, after: dict) -> str:
+    """Chunks each tier ran between two `tier_chunks` counts -> "S,K,N 80%, ..." (tiers
+    that ran)."""
+    ran = {t: after[t] - before.get(t, 0) for t in after}
+    total = sum(ran.values())
+    return ", ".join(f"{t} {100 * n / total:.0f}%" for t, n in ran.items() if n) if total else ""
+
+
+def run_serve_bench(params, prompts: Sequence, *, rates: Sequence[float], specs: Sequence, requests: int = 32,
+                    max_new_tokens: int = 64, max_batch: int = 8, rounds_per_chunk: int = 4, seed: int = 0,
+                    prefill_chunk: int = 512) -> list[LoadRow]:
+    """One `LoadRow` per setting and rate; a setting is None (plain decoding, the draft left
+    out), a SpecConfig (fixed) or an `Adaptive`. Each setting's engine serves every rate
+    in turn."""
     lens = [len(params.tokenizer(p)["input_ids"]) if isinstance(p, str) else len(p) for p in prompts]
     rows = []
     for spec in specs:
         p = params if spec is not None else params.with_draft(None)
         engine = Engine(p, max_batch=max_batch, max_prompt_len=max(lens), max_new_tokens=max_new_tokens, spec=spec,
-                        rounds_per_chunk=rounds_per_chunk, max_waiting=max(requests, 1))
-        compile_s = warm_up(engine, prompts[0], max_new_tokens)
-        name = "plain" if spec is None else f"{spec.num_steps},{spec.topk},{spec.num_draft_tokens}"
+                        rounds_per_chunk=rounds_per_chunk, max_waiting=max(requests, 1), prefill_chunk=prefill_chunk)
+        compile_s = engine.warm_up(lens, sampled=False)  # the requests are greedy
         with engine:
             for rate in rates:
-                before = dict(engine.stats)
+                before = dict(engine.stats, tier_chunks=dict(engine.stats["tier_chunks"]))
                 res = run_load(engine, prompts, rate, requests, max_new_tokens, seed)
                 hs = res["handles"]
                 tokens = sum(len(h.output.tokens) for h in hs)
                 rounds = engine.stats["accept_rounds"] - before["accept_rounds"]
                 tau = (engine.stats["accept_tokens"] - before["accept_tokens"]) / rounds if rounds else 1.0
                 rows.append(LoadRow(
-                    setting=name, rate=rate, requests=requests, tokens_per_s=tokens / (res["end"] - res["start"]),
+                    setting=setting_name(spec), rate=rate, requests=requests,
+                    tokens_per_s=tokens / (res["end"] - res["start"]),
                     ttft_ms=_pct([h.first_token_at - h.submitted for h in hs]),
                     tpot_ms=_pct([(h.finished_at - h.first_token_at) / max(len(h.output.tokens) - 1, 1) for h in hs]),
-                    e2e_ms=_pct([h.finished_at - h.submitted for h in hs]), tau=tau, compile_s=compile_s))
+                    e2e_ms=_pct([h.finished_at - h.submitted for h in hs]), tau=tau, compile_s=compile_s,
+                    tiers=tier_shares(before["tier_chunks"], engine.stats["tier_chunks"])))
     return rows
 
 
@@ -107,11 +110,11 @@ def format_load_table(rows: Sequence[LoadRow]) -> str:
     decoding's at that rate."""
     plain = {r.rate: r.tokens_per_s for r in rows if r.setting == "plain"}
     out = ["| rate (req/s) | setting | tokens/s | vs plain | TTFT p50 / p99 ms | TPOT p50 / p99 ms | "
-           "latency p50 / p99 ms | tau | compile s |",
-           "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+           "latency p50 / p99 ms | tau | tiers run | warm-up s |",
+           "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     for r in sorted(rows, key=lambda r: (r.rate, r.setting != "plain")):
         ratio = f"{r.tokens_per_s / plain[r.rate]:.2f}x" if r.rate in plain else "-"
         out.append(f"| {r.rate:g} | {r.setting} | {r.tokens_per_s:.1f} | {ratio} | {r.ttft_ms[0]:.0f} / "
                    f"{r.ttft_ms[1]:.0f} | {r.tpot_ms[0]:.1f} / {r.tpot_ms[1]:.1f} | {r.e2e_ms[0]:.0f} / "
-                   f"{r.e2e_ms[1]:.0f} | {r.tau:.2f} | {r.compile_s:.1f} |")
+                   f"{r.e2e_ms[1]:.0f} | {r.tau:.2f} | {r.tiers} | {r.compile_s:.1f} |")
     return "\n".join(out)

@@ -165,7 +165,7 @@ class Server:
         recent = sum(n for t, n in self.tokens_window if now - t < 10.0) / 10.0
         s = e.stats
         tau = s["accept_tokens"] / s["accept_rounds"] if s["accept_rounds"] else 1.0
-        steps = e.plan.spec.num_steps if e.plan.spec is not None else 0
+        steps = e.spec.num_steps if e.spec is not None else 0
         lines = [("jspec_requests_running", "gauge", "requests in the batch", e.running),
                  ("jspec_requests_waiting", "gauge", "requests waiting for a row", e.waiting),
                  ("jspec_batch_occupancy", "gauge", "share of the batch's rows in use", e.running / e.batch),
@@ -178,6 +178,12 @@ class Server:
         out = []
         for name, kind, help_text, value in lines:
             out += [f"# HELP {name} {help_text}", f"# TYPE {name} {kind}", f"{name} {value:g}"]
+        out += ["# HELP jspec_speculation_tier the speculation tier in use (1), S,K,N or plain",
+                "# TYPE jspec_speculation_tier gauge"]
+        out += [f'jspec_speculation_tier{{tier="{t}"}} {int(t == e.tier)}' for t in s["tier_chunks"]]
+        out += ["# HELP jspec_tier_chunks_total chunks of rounds run on each speculation tier",
+                "# TYPE jspec_tier_chunks_total counter"]
+        out += [f'jspec_tier_chunks_total{{tier="{t}"}} {n}' for t, n in s["tier_chunks"].items()]
         return "\n".join(out) + "\n"
 
 

@@ -9,8 +9,9 @@ documents its fields' shapes). The loop calls it twice a round and once per admi
                                                 admission's prefill, the accepted path
                                                 after a round)
 
-`switch` moves its state between speculation tiers (a serving engine), and the loop
-asks it, when the plan is made, which target layers it reads (`target_layers`), how
+Its state must not depend on the SpecConfig: the tiers of a serving engine (`Plan.tiers`)
+share one state, and a plain tier (spec None) observes without drafting. The loop asks
+it, when the plan is made, which target layers it reads (`target_layers`), how
 far past L a round writes its caches (`slack`) and whether a SpecConfig suits it
 (`check_spec`). The loop never asks which proposer it runs. Two exist: `NeuralProposer`
 (a draft model: EAGLE, EAGLE-3, standalone, MTP) and `NgramDraft` (prompt lookup in the
@@ -81,11 +82,4 @@ class Proposer:
 
     def observe(self, plan, tw, pw, state, obs: Observation):
         """The proposer's state after tokens were committed (`Observation`)."""
-        return state
-
-    def switch(self, plan, tw, pw, state, st):
-        """The state for `plan`, one of the tiers sharing a state (`Plan.tiers`), from the
-        state another tier's rounds left (st: the loop state). A plain tier (`plan.spec`
-        None) drafts nothing but observes every round, so a later tier drafts from an
-        up-to-date state."""
         return state

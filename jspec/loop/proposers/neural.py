@@ -1,11 +1,13 @@
 """The neural proposer: a draft model (`jspec.drafts`: EAGLE, EAGLE-3, standalone, MTP)
 drafts a chain (K = 1) or an EAGLE-2 tree (K > 1) in S steps.
 
-The first level of a round (the root's K children) was computed when the previous tokens
-were observed (draft-extend: the draft runs over the committed tokens, reading the
-target's features along them, and its output at the newest slot gives the first level);
-each further step runs the draft over the K newest nodes. The loop sees only the
-`Proposer` protocol; what is EAGLE's recipe lives here.
+When tokens are committed the draft runs over them (draft-extend, `observe`: reading the
+target's features along them) and keeps its hidden state at the newest slot; a round's
+first level (the root's K children) is that hidden through the draft's head, made when
+the round drafts (`propose`), so the state is the same whatever SpecConfig the next round
+drafts with (a serving engine's tiers share it). Each further step runs the draft over
+the K newest nodes. The loop sees only the `Proposer` protocol; what is EAGLE's recipe
+lives here.
 """
 from __future__ import annotations
 
@@ -25,13 +27,10 @@ from jspec.loop.tree import chain_tree, select_tree, vocab_top_k
 
 @struct.dataclass
 class NeuralState:
-    """The draft's side of every row."""
+    """The draft's side of every row (the same for every SpecConfig)."""
 
     cache: object  # the draft's cache (its kind's), its slots beside the target's
-    first_tokens: jax.Array  # [B, K] the root's children drafted by the last observe (target ids)
-    first_probs: jax.Array  # [B, K] their draft probabilities (a tree's scores)
-    first_logq: jax.Array  # [B, V] the draft's log q of the first's draw (sampled drafts; else [B, 0])
-    hidden: jax.Array  # [B, Dd] the draft hidden that produced them
+    hidden: jax.Array  # [B, Dd] the draft's hidden at the newest committed slot (its head gives the first level)
 
 
 def put_rows(old, new, rows):
@@ -64,19 +63,23 @@ class NeuralProposer(Proposer):
         return max(S + 1 + lag + extra(S + 1 + lag), lag + (S - 1) * K + extra(K))
 
     def init(self, plan, batch: int) -> NeuralState:
-        V = plan.target.vocab_size
         return NeuralState(cache=self.draft.cache_kind().init(plan.layout, batch),
-                           first_tokens=jnp.zeros((batch, plan.K), jnp.int32),
-                           first_probs=jnp.zeros((batch, plan.K), jnp.float32),
-                           first_logq=jnp.zeros((batch, V if plan.sample_drafts else 0), jnp.float32),
                            hidden=jnp.zeros((batch, self.draft.hidden_size), jnp.dtype(plan.target.dtype)))
 
     # ------------------------------------------------------------------ propose
 
     def propose(self, plan, tw, dw, state: NeuralState, st, active):
+        first = self.first_level(plan, tw, dw, state, st)
         if plan.K == 1:
-            return self._chain(plan, tw, dw, state, st, active)
-        return self._tree(plan, tw, dw, state, st, active)
+            return self._chain(plan, tw, dw, state, st, active, first)
+        return self._tree(plan, tw, dw, state, st, active, first)
+
+    def first_level(self, plan, tw, dw, state: NeuralState, st):
+        """The root's children under `plan`'s SpecConfig: the kept hidden through the
+        draft's head -> (target ids [B,K], draft probabilities [B,K] (a tree's scores), the
+        draft's log q [B,V] of a sampled draw (else [B,0])). The root is at L: the first
+        draft is the token at L + 1."""
+        return self._first_level(plan, tw, dw, state.hidden, st.request.sampling, st.L + 1)
 
     def _step(self, plan, tw, dw, pages, cache, tokens, hidden, positions, prefix_len, local_mask, live):
         """One draft forward over the K newest nodes: tokens [B,K], the draft's own hidden
@@ -92,12 +95,13 @@ class NeuralProposer(Proposer):
         h, cache = d.forward(plan.target, tw, dw, tokens, hidden, cache, meta, False, tuning=plan.tuning)
         return d.logits(plan.target, tw, dw, h, tuning=plan.tuning), h, cache
 
-    def _chain(self, plan, tw, dw, state: NeuralState, st, active):
+    def _chain(self, plan, tw, dw, state: NeuralState, st, active, first):
         """A chain of S+1 nodes, and with sampled drafts the draft's log q [B,S,V] of each
-        drafted token's draw (first_logq is the first's)."""
+        drafted token's draw (the first level's is the first's)."""
         L, root, sp = st.L, st.root, st.request.sampling
-        tok, h, cache = state.first_tokens[:, 0], state.hidden, state.cache
-        out, logqs = [root, tok], [state.first_logq]
+        first_tokens, _, first_logq = first
+        tok, h, cache = first_tokens[:, 0], state.hidden, state.cache
+        out, logqs = [root, tok], [first_logq]
         one = jnp.ones((root.shape[0], 1, 1), bool)
         for j in range(1, plan.S):
             pos = L + self.draft.lag + j - 1
@@ -114,14 +118,15 @@ class NeuralProposer(Proposer):
         logq = jnp.stack(logqs, axis=1) if plan.sample_drafts else None
         return state.replace(cache=cache), chain_tree(jnp.stack(out, axis=1).astype(jnp.int32)), logq
 
-    def _tree(self, plan, tw, dw, state: NeuralState, st, active):
+    def _tree(self, plan, tw, dw, state: NeuralState, st, active, first):
         """EAGLE-2 dynamic tree: expand the K best nodes of each level by cumulative score;
         keep the best N-1 candidates."""
         L, root = st.L, st.root
         B, K, S = root.shape[0], plan.K, plan.S
         base = L + self.draft.lag  # first draft slot of this round
         cache = state.cache
-        sel_tok, sel_score, sel_h = state.first_tokens, state.first_probs, state.hidden[:, None].repeat(K, axis=1)
+        sel_tok, sel_score, _ = first
+        sel_h = state.hidden[:, None].repeat(K, axis=1)
         sel_cand = jnp.broadcast_to(jnp.arange(K, dtype=jnp.int32)[None], (B, K))
         sel_anc = jnp.zeros((B, K, max(S - 1, 1) * K), bool)  # draft slots (from base) seen by each
         cand_tok, cand_score = [sel_tok], [sel_score]
@@ -156,7 +161,8 @@ class NeuralProposer(Proposer):
 
     def observe(self, plan, tw, dw, state: NeuralState, obs: Observation):
         """Draft-extend: the committed tokens (and the bonus) through the draft, with the
-        target's features along them; keeps the next round's first level for live rows."""
+        target's features along them; keeps the draft's hidden at the newest slot for live
+        rows (the next round's first level comes from it)."""
         d = self.draft
         feats = d.target_features(obs.hidden, obs.aux)
         if feats is not None and obs.path is not None:
@@ -173,28 +179,10 @@ class NeuralProposer(Proposer):
         hidden, cache = d.forward(plan.target, tw, dw, ext, feats, state.cache, meta, True, tuning=plan.tuning)
         last = jnp.take_along_axis(hidden, (count - 1)[:, None, None], axis=1)[:, 0]  # [R, Dd]
         keep, rows = obs.live[:, None], obs.rows
-
-        def put(old, new):  # rows that finished keep their old values (an admitted one: anything)
-            return jnp.where(keep, new, old) if rows is None else put_rows(old, new, rows)
-
-        state = state.replace(cache=cache, hidden=put(state.hidden, last.astype(state.hidden.dtype)))
-        if not plan.drafts:  # a plain tier: no first level (`switch` makes it when drafting resumes)
-            return state
-        # The root is at L: the first draft is the token at L + 1.
-        tokens, probs, logq = self._first_level(plan, tw, dw, last, obs.sampling, obs.L + 1)
-        return state.replace(first_tokens=put(state.first_tokens, tokens), first_probs=put(state.first_probs, probs),
-                             first_logq=put(state.first_logq, logq))
-
-    def switch(self, plan, tw, dw, state: NeuralState, st) -> NeuralState:
-        """The first level for `plan`'s tier from the draft hidden the last observe kept
-        (what that observe would have drafted under this tier: the same hidden, values and
-        positions); a plain tier keeps none."""
-        B = st.L.shape[0]
-        if not plan.drafts:
-            return state.replace(first_tokens=jnp.zeros((B, 1), jnp.int32), first_probs=jnp.ones((B, 1), jnp.float32),
-                                 first_logq=jnp.zeros((B, 0), jnp.float32))
-        tokens, probs, logq = self._first_level(plan, tw, dw, state.hidden, st.request.sampling, st.L + 1)
-        return state.replace(first_tokens=tokens, first_probs=probs, first_logq=logq)
+        last = last.astype(state.hidden.dtype)
+        # rows that finished keep their old values (an admitted one: anything)
+        hidden_kept = jnp.where(keep, last, state.hidden) if rows is None else put_rows(state.hidden, last, rows)
+        return state.replace(cache=cache, hidden=hidden_kept)
 
     def _first_level(self, plan, tw, dw, last, sp: sampling.SamplingParams, position):
         """The draft's hidden [R,Dd] at the newest slot -> the root's children: target ids

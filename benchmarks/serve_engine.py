@@ -1,0 +1,187 @@
+"""The serving engine's own cost on the 8B shape (random weights, plain decoding):
+
+1. full batch: `Compiled.run` of B requests against the engine serving the same B
+   requests submitted at once (same prompts, lengths, cache), tokens/s and the ratio;
+2. the device's idle time: kernel spans of the engine's run and of one `Compiled.run`
+   under the profiler, the idle stretches longer than `--gap-us` as a share of the span
+   (the engine's idle beyond `Compiled.run`'s is its own, between chunks);
+3. the decode stall a long prompt causes: B-1 requests decoding, then one prompt of
+   `--long` tokens admitted; each engine iteration's wall time before and while it is
+   prefilled, whole (one pass) against blocks of `--prefill-chunk` tokens.
+
+    PYTHONPATH=. python3 benchmarks/serve_engine.py [--shape 8b|tiny] [--batch 32] [--new 256]
+
+`--identical` instead serves the bundled pair's requests (the built-in prompts with
+several lengths and seeds, greedy and sampled) through an adaptive engine at staggered
+arrivals and counts the requests whose tokens equal the same request run alone (one
+request, whole prefill, the default chain): the share of identical outputs in the
+model's dtype (bf16 on a GPU, where a row's arithmetic may depend on the batch).
+"""
+from __future__ import annotations
+
+import argparse
+import time
+
+import numpy as np
+
+import jspec
+from benchmarks import common
+from jspec.config import ModelConfig
+
+TINY = ModelConfig(vocab_size=512, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4, num_kv_heads=2,
+                   head_dim=16, dtype="float32", max_position_embeddings=8192)
+
+
+def full_batch(params, prompts, new: int, cache) -> dict:
+    """Compiled.run against the engine on the same full batch, and the engine's idle gaps."""
+    B = len(prompts)
+    prog = jspec.compile(params, prompts, max_new_tokens=new, stop_token_ids=[], cache=cache)
+    prog.run()
+    run_s = []
+    for _ in range(3):
+        out = prog.run()
+        run_s.append(out.timing["run_s"])
+    tokens = B * new
+    _, run_trace = common.traced(lambda: prog.run().tokens)
+    engine = jspec.Engine(params, max_batch=B, max_prompt_len=len(prompts[0]), max_new_tokens=new, cache=cache)
+
+    def serve():
+        hs = [engine.submit(p, max_new_tokens=new, stop_token_ids=[]) for p in prompts]
+        t0 = time.perf_counter()
+        while engine.step():
+            pass
+        assert all(len(h.result().tokens) == new for h in hs)
+        return time.perf_counter() - t0, engine.stats["chunks"]
+    t0 = time.perf_counter()
+    serve()  # compiles what it runs
+    warm = time.perf_counter() - t0
+    engine_s = []
+    for _ in range(3):
+        engine_s.append(serve()[0])
+    before = engine.stats["chunks"]
+    (_, chunks), trace = common.traced(serve)
+    chunks -= before
+    return {"batch": B, "new": new, "run_tokens_per_s": tokens / float(np.median(run_s)),
+            "engine_tokens_per_s": tokens / float(np.median(engine_s)),
+            "engine_vs_run": float(np.median(run_s)) / float(np.median(engine_s)), "warm_up_s": warm,
+            "chunks": chunks, "trace": trace, "run_trace": run_trace}
+
+
+def idle_between_chunks(trace: str, chunks: int, gap_us: float) -> dict:
+    _, spans = common.kernel_spans(trace)
+    if not spans:
+        return {"note": "no GPU kernels in the trace (CPU run)"}
+    busy, gaps = common.busy_and_gaps(spans)
+    long = [g for g in gaps if g > gap_us]
+    span_us = (spans[-1][1] - spans[0][0]) / 1e3
+    return {"span_ms": span_us / 1e3, "busy_ms": busy / 1e3, "idle_share": 1 - busy / span_us,
+            "long_gaps": len(long), "long_gap_ms_total": sum(long) / 1e3, "chunks": chunks,
+            "long_gap_share": sum(long) / span_us, "long_gap_us_median": float(np.median(long)) if long else 0.0}
+
+
+def stall(params, batch: int, long: int, short: int, new: int, chunk: int, cache, vocab: int) -> dict:
+    """Per-iteration wall times while a `long`-token prompt joins batch-1 decoding rows."""
+    rng = np.random.default_rng(0)
+    engine = jspec.Engine(params, max_batch=batch, max_prompt_len=long, max_new_tokens=new, cache=cache,
+                          prefill_chunk=chunk)
+
+    def once():
+        shorts = [rng.integers(1, vocab, short).tolist() for _ in range(batch - 1)]
+        hs = [engine.submit(p, max_new_tokens=new, stop_token_ids=[]) for p in shorts]
+        for _ in range(6):
+            engine.step()
+        times = []
+        for _ in range(8):  # decoding only
+            t = time.perf_counter()
+            engine.step()
+            times.append(time.perf_counter() - t)
+        h = engine.submit(rng.integers(1, vocab, long).tolist(), max_new_tokens=8, stop_token_ids=[])
+        during = []
+        while not h.tokens and not h.done:
+            t = time.perf_counter()
+            engine.step()
+            during.append(time.perf_counter() - t)
+        for x in hs:
+            x.cancel()
+        engine.close()
+        return float(np.median(times)), during
+    t0 = time.perf_counter()
+    once()  # compiles what it runs
+    warm = time.perf_counter() - t0
+    base, during = once()
+    return {"prefill_chunk": engine.prefill_chunk, "warm_up_s": warm, "decode_step_ms": base * 1e3,
+            "iterations_until_first_token": len(during), "max_step_ms": max(during) * 1e3,
+            "max_stall_ms": (max(during) - base) * 1e3, "extra_ms_total": (sum(during) - base * len(during)) * 1e3}
+
+
+def identical(batch: int, requests: int, new: int) -> dict:
+    import os
+
+    from jspec.bench import BUILTIN_PROMPTS
+    from jspec.serve.load import poisson_arrivals
+    bundle = os.path.join(os.path.dirname(jspec.__file__), "bundle")
+    params = jspec.load(os.path.join(bundle, "target"), draft=os.path.join(bundle, "eagle3"))
+    cases = [(BUILTIN_PROMPTS[i % len(BUILTIN_PROMPTS)], new - 8 * (i % 4),
+              {} if i % 2 == 0 else {"temperature": 0.8, "top_p": 0.95, "seed": i}) for i in range(requests)]
+    engine = jspec.Engine(params, max_batch=batch, max_prompt_len=64, max_new_tokens=new, spec=jspec.Adaptive())
+    engine.warm_up([len(params.tokenizer(p)["input_ids"]) for p, _, _ in cases])
+    arrivals = poisson_arrivals(batch * 20.0, requests, seed=3)
+    handles = []
+    with engine:
+        t0 = time.perf_counter()
+        for (prompt, m, sampling), at in zip(cases, arrivals):
+            time.sleep(max(0.0, t0 + at - time.perf_counter()))
+            handles.append(engine.submit(prompt, max_new_tokens=m, stop_token_ids=[], **sampling))
+        outs = [h.result() for h in handles]
+    longest = max((p for p, _, _ in cases), key=lambda p: len(params.tokenizer(p)["input_ids"]))
+    alone = jspec.compile(params, longest, max_new_tokens=new, stop_token_ids=[], temperature=0.5)  # a batch of one
+    same = [alone.run(p, max_new_tokens=m, stop_token_ids=[], **({"temperature": 0.0} | s)).tokens == o.tokens
+            for (p, m, s), o in zip(cases, outs)]
+    greedy = [x for x, (_, _, s) in zip(same, cases) if not s]
+    return {"requests": requests, "identical": sum(same), "identical_greedy": sum(greedy), "greedy": len(greedy),
+            "tiers": engine.stats["tier_chunks"], "dtype": params.config.dtype}
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--shape", default="8b", choices=["8b", "tiny"])
+    ap.add_argument("--batch", type=int, default=32)
+    ap.add_argument("--prompt", type=int, default=128, help="prompt tokens of the full-batch requests")
+    ap.add_argument("--new", type=int, default=256)
+    ap.add_argument("--stall-batch", type=int, default=8)
+    ap.add_argument("--long", type=int, default=4096)
+    ap.add_argument("--prefill-chunk", type=int, default=512)
+    ap.add_argument("--gap-us", type=float, default=20.0)
+    ap.add_argument("--skip", default="", help="comma-separated parts to skip: full,stall")
+    ap.add_argument("--identical", action="store_true", help="the bundled pair's share of identical outputs")
+    args = ap.parse_args()
+    if args.identical:
+        r = identical(args.batch, 64, 64)
+        print("identical:", r)
+        print("saved", common.save_json("serve_identical.json", {"env": common.env_info(), **r}))
+        return
+    params = common.random_params(common.LLAMA31_8B if args.shape == "8b" else TINY)
+    vocab = params.config.vocab_size
+    cache = jspec.CacheConfig("paged", page_size=16)
+    out = {"env": common.env_info(), "shape": args.shape}
+    rng = np.random.default_rng(1)
+    if "full" not in args.skip:
+        prompts = [rng.integers(1, vocab, args.prompt).tolist() for _ in range(args.batch)]
+        fb = full_batch(params, prompts, args.new, cache)
+        fb["idle"] = idle_between_chunks(fb.pop("trace"), fb["chunks"], args.gap_us)
+        fb["run_idle"] = idle_between_chunks(fb.pop("run_trace"), 0, args.gap_us)  # Compiled.run: one program
+        out["full_batch"] = fb
+        print(common.rounded({k: v for k, v in fb.items() if k not in ("idle", "run_idle")}), flush=True)
+        print("idle (engine):", common.rounded(fb["idle"]), flush=True)
+        print("idle (Compiled.run):", common.rounded(fb["run_idle"]), flush=True)
+    if "stall" not in args.skip:
+        out["stall"] = []
+        for chunk in (args.long, args.prefill_chunk):  # whole (chunk >= the prompt bucket) and in blocks
+            r = stall(params, args.stall_batch, args.long, 64, 256, chunk, cache, vocab)
+            out["stall"].append(r)
+            print("stall:", common.rounded(r), flush=True)
+    print("saved", common.save_json(f"serve_engine_{args.shape}.json", out))
+
+
+if __name__ == "__main__":
+    main()
