@@ -22,7 +22,11 @@ One chunk of rounds is always in flight on the device while the host works:
    with their text; stop strings are matched here, ending the request at the first match.
 
 So the device runs chunk after chunk while the host reads back, evicts, packs and
-dispatches: its idle time between chunks is the readback and the dispatches. A
+dispatches. While no request waits for a row (and no prompt is half prefilled) the next
+chunk is dispatched before step 1, two chunks in flight, and the device does not wait
+for the host at all; with a queue the host evicts and admits between the readback and
+the next dispatch, so a freed row takes a new request at the very next chunk, and the
+device waits for that host work. A
 request's tokens depend only on the request itself (its prompt, values and seed: see
 `jspec.loop.rows`), so they are the same whatever shares the batch, whenever it joined,
 and whichever tier ran its rounds (target-only verification; with `sample_drafts`,
@@ -244,7 +248,8 @@ class Engine:
                 raise ValueError(f"Adaptive.costs has no cost for (tier, bucket) {missing[0]}; it needs one for every "
                                  f"tier index and occupancy bucket {buckets(self.batch)} (the batch bucketed)")
         self._state = None
-        self._inflight = None  # (readback on the device, {row: request} it covers, tier)
+        self._inflight: collections.deque = collections.deque()  # (readback on the device, {row: request}, tier)
+        self._chunk_programs: dict = {}  # (tier, sampled) -> the compiled chunk
         self._holders: dict[int, Handle] = {}  # row -> its request (running or parked)
         self._parked: dict[int, int] = {}  # row -> the next prompt slot its prefill takes
         self._waiting: collections.deque[Handle] = collections.deque()
@@ -318,34 +323,46 @@ class Engine:
     # ------------------------------------------------------------------ the loop
 
     def step(self) -> bool:
-        """One iteration (see the module): read back the chunk in flight, evict, admit,
-        prefill, dispatch the next chunk, deliver. -> whether any request is running or
-        waiting, or a chunk is in flight."""
+        """One iteration (see the module): read back the oldest chunk in flight, evict,
+        admit, prefill, dispatch the next chunk, deliver. While nothing waits for a row and
+        no prompt is half prefilled, the next chunk is dispatched before the readback, so
+        two chunks are in flight and the device never waits for the host (rows that finish
+        then idle for one more chunk: nobody waits for them). -> whether any request is
+        running or waiting, or a chunk is in flight."""
         self._ready()
+        with self._lock:
+            queue = bool(self._waiting or self._parked)
+        if self._inflight and not queue and len(self._inflight) < 2:
+            self._dispatch()
         back = snapshot = None
-        if self._inflight is not None:
-            back_dev, snapshot, tier = self._inflight
-            self._inflight = None
+        if self._inflight:
+            back_dev, snapshot, tier = self._inflight.popleft()
             back = jax.device_get(back_dev)
             self._count_rounds(back, snapshot, tier)
         ended = {row for row, h in (snapshot or {}).items() if back["finished"][row]}
         self._evict([row for row, h in self._holders.items()
                      if h.done or h.cancelled or (row in ended and snapshot[row] is h)])
         started = self._admit_waiting() + self._prefill_parked()
-        running = [row for row in self._holders if row not in self._parked]
-        if running:
-            if self._chooser is not None:
-                self.use_tier(self._chooser.choose(self._tier, len(running)))
-            sampled = any(self._holders[row].samples for row in running)
-            self._inflight = (self._advance(self.rounds_per_chunk, sampled),
-                              {row: self._holders[row] for row in running}, self._tier)
-            self.stats["chunks"] += 1
-            self.stats["tier_chunks"][self.tier] += 1
+        if not self._inflight:
+            self._dispatch()
         if back is not None:
             self._deliver(back, snapshot)
         for back_dev, rows in started:
             self._deliver(jax.device_get(back_dev), rows)
         return bool(self._holders or self._waiting or self._inflight)
+
+    def _dispatch(self) -> None:
+        """The next chunk of the running rows, on the tier the chooser picks."""
+        running = [row for row in self._holders if row not in self._parked]
+        if not running:
+            return
+        if self._chooser is not None:
+            self.use_tier(self._chooser.choose(self._tier, len(running)))
+        sampled = any(self._holders[row].samples for row in running)
+        self._inflight.append((self._advance(self.rounds_per_chunk, sampled),
+                               {row: self._holders[row] for row in running}, self._tier))
+        self.stats["chunks"] += 1
+        self.stats["tier_chunks"][self.tier] += 1
 
     def _ready(self) -> None:
         """The state (every row free) and, for adaptive speculation, the round costs."""
@@ -358,6 +375,7 @@ class Engine:
             costs = self.adaptive.costs if self.adaptive.costs is not None else measure_costs(self)
             self.stats["startup_s"] = time.perf_counter() - t0
             self._chooser.costs = dict(costs)
+            self.stats["round_costs"] = {f"{tier_name(self.tiers[t])} @ {n}": c for (t, n), c in costs.items()}
             self.use_tier(self._first_tier)
 
     def use_tier(self, tier: int) -> None:
@@ -371,9 +389,11 @@ class Engine:
         return dataclasses.replace(plan, sampling=sampled)
 
     def _advance(self, rounds: int, sampled: bool = True):
-        plan = self._variant(self.plans[self._tier], sampled)
-        advance = self.prog.program(programs.advance_by_jit, self._state, np.int32(0), plan=plan)
-        self._state, back = advance(*self.prog.weights, self._state, np.int32(rounds))
+        key = (self._tier, sampled)
+        if key not in self._chunk_programs:  # looked up once: the lookup hashes every weight's shape
+            plan = self._variant(self.plans[self._tier], sampled)
+            self._chunk_programs[key] = self.prog.program(programs.advance_by_jit, self._state, np.int32(0), plan=plan)
+        self._state, back = self._chunk_programs[key](*self.prog.weights, self._state, np.int32(rounds))
         return back
 
     def _admit_waiting(self) -> list:
@@ -451,6 +471,10 @@ class Engine:
             for tier_plan in self.plans:
                 self.prog.program(programs.advance_by_jit, self._state, np.int32(0),
                                   plan=self._variant(tier_plan, variant))
+        if not self._holders:  # an eviction of no row: compiles (and runs) the eviction program
+            with mesh_of(self.params):
+                self._state = programs.evict_jit(self.plan, self._state,
+                                                 self.prog.put(np.full((self.batch,), self.batch, np.int32)))
         return time.perf_counter() - t0
 
     def _prefill_parked(self) -> list:
@@ -591,9 +615,8 @@ class Engine:
             self._wake()
             self._thread.join()
             self._thread = None
-        if self._inflight is not None:  # the chunk in flight: its tokens are delivered
-            back_dev, snapshot, _ = self._inflight
-            self._inflight = None
+        while self._inflight:  # the chunks in flight: their tokens are delivered
+            back_dev, snapshot, _ = self._inflight.popleft()
             self._deliver(jax.device_get(back_dev), snapshot)
         for h in list(self._waiting) + list(self._holders.values()):
             if not h.done:
@@ -608,7 +631,9 @@ class Engine:
         request a prompt (token ids) running: admitted into an idle engine, a warm-up chunk
         of `rounds` rounds (compiling what is new), `repeats` timed chunks, then evicted
         (`jspec.serve.tiers.measure_costs`)."""
-        if self._holders or self._inflight is not None:
+        while self._inflight or any(h.done or h.cancelled for h in self._holders.values()):
+            self.step()  # finished requests evicted, chunks in flight read back
+        if self._holders or self._waiting:
             raise RuntimeError("time_rounds needs an idle engine")
         self._ready()
         reqs = [rq.check_requests(self.params, p, self.max_new_tokens, [], {}) for p in prompts]
