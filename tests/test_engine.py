@@ -202,6 +202,11 @@ def test_queue_full_and_bad_requests(target):
             engine.submit(kw.pop("prompt"), **kw)
     with pytest.raises(ValueError, match="max_batch must be an int >= 1"):
         jspec.Engine(target, max_batch=0)
+    with pytest.raises(ValueError, match="adaptive speculation needs a draft"):
+        jspec.Engine(target, max_batch=1, spec=jspec.Adaptive())
+    with pytest.raises(ValueError, match=r"no cost for \(tier, bucket\) \(0, 2\)"):
+        jspec.Engine(target.with_draft(jspec.NgramDraft()), max_batch=2, max_prompt_len=8, max_new_tokens=8,
+                     spec=jspec.Adaptive(tiers=(None, jspec.SpecConfig(2)), costs={(0, 1): 1.0}))
 
 
 def test_serve_load_benchmark(with_draft):
@@ -229,7 +234,10 @@ def test_serve_load_benchmark(with_draft):
 
 
 def test_bench_serve_cli_errors(capsys):
-    from jspec.__main__ import main
+    from jspec.__main__ import _bench_serve_parser, _serve_parser, main
+    assert isinstance(_serve_parser().parse_args(["--spec", "adaptive"]).spec, jspec.Adaptive)
+    assert _bench_serve_parser().parse_args(["--spec", "adaptive", "3,1,4"]).spec == [jspec.Adaptive(),
+                                                                                      jspec.SpecConfig(3)]
     for argv, match in [(["bench", "serve", "--rates", "0"], "must be a rate > 0"),
                         (["bench", "serve", "--draft", "none"], "compares speculative decoding"),
                         (["serve", "--max-len", "8", "--max-new-tokens", "8"], "must be below --max-len")]:
