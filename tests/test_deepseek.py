@@ -198,26 +198,29 @@ def test_latent_cache_holds_what_plain_decoding_writes(with_draft):
 
 @pytest.mark.parametrize("paged", [False, True])
 def test_latent_commit_moves_the_accepted_path(paged):
-    """Tree compaction over latent rows: slot L + path[d] moves to L + d for d < accept_len on
-    active rows, nothing else changes (against a plain-Python reference)."""
+    """Tree compaction over latent rows and (DeepSeek-V3.2) indexer keys: slot L + path[d]
+    moves to L + d for d < accept_len on active rows in both, nothing else changes (against
+    a plain-Python reference; pages of 4 interleaved in the pool)."""
     from jspec.cache.latent import LatentCacheKind
     rng = np.random.RandomState(0)
     B, C, P = 3, 24, 4
     layout = lay.CacheLayout(paged=True, capacity=C, page_size=P, num_pages=B * C // P) if paged else \
         lay.CacheLayout(paged=False, capacity=C)
-    kind = LatentCacheKind(num_layers=2, kv_lora_rank=5, rope_dim=3, dtype="float32")
+    kind = LatentCacheKind(num_layers=2, kv_lora_rank=5, rope_dim=3, dtype="float32", index_dim=2)  # DSA's keys too
     pages = None
     if paged:  # row b holds pages b, b+B, b+2B, ... (interleaved, so slot order differs from pool order)
         table = np.array([[b + B * g for g in range(C // P)] for b in range(B)], np.int32)
         pages = lay.init_page_state(B, C // P, layout.num_pages).replace(page_table=jnp.asarray(table))
     cache = kind.init(layout, B)
-    cache = cache.replace(latent=tuple(jnp.asarray(rng.randn(*b.shape).astype(np.float32)) for b in cache.latent))
+    cache = cache.replace(latent=tuple(jnp.asarray(rng.randn(*b.shape).astype(np.float32)) for b in cache.latent),
+                          index_keys=tuple(jnp.asarray(rng.randn(*b.shape).astype(np.float32)) for b in cache.index_keys))
     L = np.array([3, 7, 10], np.int32)
     path = np.array([[0, 2, 5, 6], [0, 1, 3, 4], [0, 3, 4, 7]], np.int32)
     accept = np.array([4, 3, 2], np.int32)
     active = np.array([True, True, False])
     out = kind.commit(cache, layout, pages, jnp.asarray(L), jnp.asarray(path), jnp.asarray(accept), jnp.asarray(active))
-    for buf, got in zip(cache.latent, out.latent):
+    assert len(out.index_keys) == 2
+    for buf, got in zip(cache.latent + cache.index_keys, out.latent + out.index_keys):
         rows = lambda a, b: (kvc.read_kv(a, pages.page_table[b: b + 1]) if paged else a[b: b + 1])[0]  # noqa: E731
         for b in range(B):
             want = np.asarray(rows(buf, b)).copy()

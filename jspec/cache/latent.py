@@ -6,6 +6,11 @@ or values.
 One buffer per layer: dense [B, C + 1, Dc + Dr] or paged [num_pages + 1, P, Dc + Dr], in
 the slot layout of `jspec.cache.layout` (trash row or page included). Writes, reads and
 tree compaction are the GQA cache's (`jspec.cache.kv`), which work on any slot entry.
+
+DeepSeek-V3.2's sparse attention adds, beside each layer's latent buffer, a buffer of the
+lightning indexer's keys (Di values a token, `index_keys`) in the same slot layout: a
+token's latent row and indexer key share a slot, so every write goes to both at the same
+flat index and a tree commit moves both by the same moves, at every page size.
 """
 from __future__ import annotations
 
@@ -22,9 +27,23 @@ from jspec.config import DEFAULT_TUNING
 
 @struct.dataclass
 class LatentCache:
-    """Per-layer latent rows [rows, slots, Dc + Dr]: the normalised latent, then the roped key."""
+    """Per-layer latent rows [rows, slots, Dc + Dr]: the normalised latent, then the roped
+    key; with sparse attention per-layer indexer keys [rows, slots, Di] (else empty)."""
 
     latent: tuple
+    index_keys: tuple = ()
+
+    def layer(self, i: int):
+        """Layer i's buffers as a layer takes them: its latent buffer, or (latent, indexer
+        keys) with sparse attention."""
+        return (self.latent[i], self.index_keys[i]) if self.index_keys else self.latent[i]
+
+    @staticmethod
+    def of_layers(bufs) -> "LatentCache":
+        """`layer`'s inverse over all layers."""
+        if bufs and isinstance(bufs[0], tuple):
+            return LatentCache(latent=tuple(b[0] for b in bufs), index_keys=tuple(b[1] for b in bufs))
+        return LatentCache(latent=tuple(bufs))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -38,6 +57,7 @@ class LatentCacheKind:
     kv_lora_rank: int
     rope_dim: int
     dtype: str
+    index_dim: int = 0  # Di: the indexer key's values a token (sparse attention; 0: none)
 
     @property
     def entry_size(self) -> int:
@@ -45,16 +65,20 @@ class LatentCacheKind:
         return self.kv_lora_rank + self.rope_dim
 
     def init(self, layout: CacheLayout, batch: int) -> LatentCache:
-        shape = layout.buffer_shape(batch) + (self.entry_size,)
-        return LatentCache(latent=tuple(jnp.zeros(shape, self.dtype) for _ in range(self.num_layers)))
+        rows = layout.buffer_shape(batch)
+        index = tuple(jnp.zeros(rows + (self.index_dim,), self.dtype) for _ in range(self.num_layers)
+                      ) if self.index_dim else ()
+        return LatentCache(latent=tuple(jnp.zeros(rows + (self.entry_size,), self.dtype) for _ in range(self.num_layers)),
+                           index_keys=index)
 
     def extra_slots(self, T: int, paged: bool) -> int:
         return 0
 
     def commit(self, cache: LatentCache, layout: CacheLayout, pages: PageState | None, L, path, accept_len,
                active, in_place: bool = False, tuning=DEFAULT_TUNING) -> LatentCache:
-        """A round's commit: the accepted path's latent rows move from slots L + path[d] to
-        L + d; nothing moves for a path already in place (a chain)."""
+        """A round's commit: the accepted path's latent rows (and indexer keys) move from
+        slots L + path[d] to L + d; nothing moves for a path already in place (a chain)."""
         if in_place:
             return cache
-        return LatentCache(latent=move_buffers(cache.latent, *path_moves(layout, pages, L, path, accept_len, active)))
+        moves = path_moves(layout, pages, L, path, accept_len, active)
+        return LatentCache(latent=move_buffers(cache.latent, *moves), index_keys=move_buffers(cache.index_keys, *moves))

@@ -30,7 +30,8 @@ def uses_kernel(q_lat, q_pe, latent_buf, meta: AttnMeta) -> bool:
                                 or mla_decode.is_supported(q_lat, q_pe, latent_buf, meta))
 
 
-def mla_attention(q_lat, q_pe, latent_buf, meta: AttnMeta, w_uv, *, scale: float, tuning: Tuning | None = None):
+def mla_attention(q_lat, q_pe, latent_buf, meta: AttnMeta, w_uv, *, scale: float, tuning: Tuning | None = None,
+                  select=None):
     """Attention in the absorbed form, then the value up-projection: q_lat [B,T,H,Dc],
     q_pe [B,T,H,Dr], w_uv [H, Dv, Dc] -> o [B,T,H,Dv] in w_uv's dtype (the attention's
     float32 latent rounded to that dtype before the product, `mla_output.up_project`).
@@ -40,9 +41,10 @@ def mla_attention(q_lat, q_pe, latent_buf, meta: AttnMeta, w_uv, *, scale: float
     kernel (up to `tuning.mla_output.kernel_max_tokens` tokens); otherwise the references.
     JSPEC_KERNELS=pallas forces the kernels (and raises for arguments they do not take).
     tuning: the kernels' tiles, `tuning.mla_decode` and `tuning.mla_output` (None: the
-    defaults)."""
-    if not uses_kernel(q_lat, q_pe, latent_buf, meta):
-        o_lat = mla_attention_reference(q_lat, q_pe, latent_buf, meta, scale=scale)
+    defaults). select [B,T,Sk] bool: sparse attention's selected slots (the reference runs:
+    no sparse kernel yet)."""
+    if select is not None or not uses_kernel(q_lat, q_pe, latent_buf, meta):
+        o_lat = mla_attention_reference(q_lat, q_pe, latent_buf, meta, scale=scale, select=select)
         return mla_output.up_project(o_lat, w_uv, w_uv.dtype)
     tuning = DEFAULT_TUNING if tuning is None else tuning
     o, lse = mla_decode.paged_mla_attention_splits(q_lat, q_pe, latent_buf, meta, scale=scale,
@@ -54,8 +56,9 @@ def mla_attention(q_lat, q_pe, latent_buf, meta: AttnMeta, w_uv, *, scale: float
 
 
 def cached_mla_attention(q_lat, q_pe, latent_new, latent_buf, meta: AttnMeta, w_uv, *, scale: float,
-                         tuning: Tuning | None = None):
+                         tuning: Tuning | None = None, select=None):
     """Writes the new latent rows latent_new [B,T,Dc+Dr] and attends over the cache (see
-    `mla_attention`, which takes `tuning`). -> (o [B,T,H,Dv] in w_uv's dtype, buffer)."""
+    `mla_attention`, which takes `tuning` and `select`). -> (o [B,T,H,Dv] in w_uv's dtype,
+    buffer)."""
     latent_buf = write_kv(latent_buf, latent_new, meta.write_index, meta.page_table is None)
-    return mla_attention(q_lat, q_pe, latent_buf, meta, w_uv, scale=scale, tuning=tuning), latent_buf
+    return mla_attention(q_lat, q_pe, latent_buf, meta, w_uv, scale=scale, tuning=tuning, select=select), latent_buf

@@ -56,15 +56,19 @@ NEG_INF = -1e30
 MIN_ROWS = 16  # smallest M of a tensor-core dot in Triton
 
 
-def mla_attention_reference(q_lat, q_pe, latent_buf, meta: AttnMeta, *, scale: float):
+def mla_attention_reference(q_lat, q_pe, latent_buf, meta: AttnMeta, *, scale: float, select=None):
     """q_lat [B,T,H,Dc], q_pe [B,T,H,Dr]; latent_buf: the layer's buffer, already holding
-    the new rows. -> o_lat [B,T,H,Dc] float32 (softmax in float32)."""
+    the new rows; select [B,T,Sk] bool or None: the slots each token may attend to beside
+    the mask rule (sparse attention's selection). -> o_lat [B,T,H,Dc] float32 (softmax in
+    float32)."""
     Dc = q_lat.shape[-1]
     rows = read_kv(latent_buf, meta.page_table)  # [B, Sk, Dc + Dr]
     c, k_pe = rows[..., :Dc], rows[..., Dc:]
     s = (jnp.einsum("bthc,bsc->bhts", q_lat, c, preferred_element_type=jnp.float32)
          + jnp.einsum("bthr,bsr->bhts", q_pe, k_pe, preferred_element_type=jnp.float32)) * scale
     mask = cache_mask(meta, rows.shape[1], q_lat.shape[1])
+    if select is not None:
+        mask = mask & select
     s = jnp.where(mask[:, None], s, NEG_INF)
     p = jax.nn.softmax(s, axis=-1).astype(c.dtype)
     # p rounded to the cache dtype; products of two such values are exact in float32 (and

@@ -37,7 +37,8 @@ from jspec.kernels.mla_attention import cached_mla_attention, mla_attention
 from jspec.kernels import moe_experts, moe_grouped
 from jspec.kernels.moe_experts import normed, silu_mul
 from jspec.kernels.moe_route import route
-from jspec.cache.kv import write_kv
+from jspec.cache.kv import read_kv, write_kv
+from jspec.kernels.decode_attention import cache_mask
 from jspec import sharding
 from jspec.tensors import HostParam, StackedParam
 from jspec.models import deepseek_hf
@@ -78,8 +79,12 @@ class MLAttention(nn.Module):
     @nn.compact
     def __call__(self, x, norm, buf, meta: AttnMeta):
         """x [B,T,D] with its input norm (weight, eps) not yet applied (`qkv_a_proj` applies
-        it); buf: the layer's latent buffer or None. -> (out [B,T,D], buffer)."""
+        it); buf: the layer's latent buffer or None ((latent, indexer keys) with sparse
+        attention). -> (out [B,T,D], buffer(s))."""
         c, tuning = self.cfg, self.tuning
+        ibuf = None
+        if c.index_topk and buf is not None:
+            buf, ibuf = buf
         B, T, _ = x.shape
         H, Dn, Dr, Dv, Dc = c.num_heads, c.qk_nope_head_dim, c.qk_rope_head_dim, c.v_head_dim, c.kv_lora_rank
         # The products of the normed input, q_proj (or q_a_proj) and kv_a_proj_with_mqa, as
@@ -96,6 +101,7 @@ class MLAttention(nn.Module):
         cos, sin = rope_tables(meta.positions, c)  # [B,T,Dr/2]
         absorb = not meta.prefill
         flat = (cos.reshape(B * T, -1), sin.reshape(B * T, -1))
+        q_latent = None  # the normed query latent (sparse attention's indexer reads it)
         if (absorb and not c.q_lora_rank and proj.uses_splits(x) and mla_inputs.uses_kernel(
                 jax.ShapeDtypeStruct((1, B * T, Q + Dc + Dr), jnp.float32), *flat, latent_norm, w_uk)):
             # one row: the projection's K splits go straight to the kernel that sums them and
@@ -114,7 +120,7 @@ class MLAttention(nn.Module):
             qkv = proj(x, norm=norm)
             q, ckv = qkv[..., :Q], qkv[..., Q:]
             if c.q_lora_rank:
-                q = RMSNorm(LATENT_NORM_EPS, c.dtype, name="q_a_layernorm")(q)
+                q = q_latent = RMSNorm(LATENT_NORM_EPS, c.dtype, name="q_a_layernorm")(q)
                 q = Linear(H * (Dn + Dr), False, c.dtype, tuning=tuning, name="q_b_proj")(q)
             # q_first: the absorbed query [B,T,H,Dc] (decoding) or q_nope [B,T,H,Dn] (prefill);
             # rows [B,T,Dc+Dr]: what the cache keeps (the normed latent, the roped key part)
@@ -122,7 +128,12 @@ class MLAttention(nn.Module):
                                                        w_uk if absorb else None, interleaved=c.rope_interleave,
                                                        eps=LATENT_NORM_EPS)
             q_lat = q_nope = q_first
+        select = None  # sparse attention: [B,T,Sk] the slots each token attends to (None: every visible one)
+        if c.index_topk:
+            select, ibuf = Indexer(c, tuning, name="indexer")(normed(x, norm), q_latent, cos, sin, ibuf, meta)
         if meta.prefill:  # keys and values from the latent, as the model computes them
+            if select is not None:
+                meta = meta.replace(local_mask=meta.local_mask & select)
             if buf is not None:
                 buf = write_kv(buf, rows, meta.write_index, meta.page_table is None)
             latent, k_pe = rows[..., :Dc], rows[..., Dc:]
@@ -132,13 +143,76 @@ class MLAttention(nn.Module):
             o = attention_reference(jnp.concatenate([q_nope, q_pe], axis=-1), k, v, None, meta,
                                     scale=c.softmax_scale)  # [B,T,H,Dv]
         elif rows is None:  # absorbed, the rows already in the cache
-            o = mla_attention(q_lat, q_pe, buf, meta, w_uv, scale=c.softmax_scale, tuning=tuning)
+            o = mla_attention(q_lat, q_pe, buf, meta, w_uv, scale=c.softmax_scale, tuning=tuning, select=select)
         else:  # absorbed: attend over the latent rows, then up-project the values
-            o, buf = cached_mla_attention(q_lat, q_pe, rows, buf, meta, w_uv, scale=c.softmax_scale, tuning=tuning)
+            o, buf = cached_mla_attention(q_lat, q_pe, rows, buf, meta, w_uv, scale=c.softmax_scale, tuning=tuning,
+                                          select=select)
         # one device's heads (`DeepseekConfig.block`): a float32 partial sum for `device_sum`
         out = Linear(c.hidden_size, c.attention_bias, c.dtype, float32_out=c.per_device, row_kernel=True,
                      tuning=tuning, name="o_proj")(o.reshape(B, T, H * Dv))
-        return out, buf
+        return out, buf if ibuf is None else (buf, ibuf)
+
+
+def rotate_half_rope(x, cos, sin):
+    """Non-interleaved RoPE (pairs (i, i + R/2)) of x [B,T,...,R], cos/sin [B,T,R/2]."""
+    half = x.shape[-1] // 2
+    extra = (None,) * (x.ndim - 3)
+    cos, sin = cos[(slice(None), slice(None)) + extra], sin[(slice(None), slice(None)) + extra]
+    x1, x2 = x[..., :half].astype(jnp.float32), x[..., half:].astype(jnp.float32)
+    return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1).astype(x.dtype)
+
+
+class Indexer(nn.Module):
+    """DeepSeek-V3.2's lightning indexer (DSA): which Ki = `index_topk` of the slots it
+    sees each token attends to. Per token a query of Hi heads (wq_b of the normed query
+    latent) and one key (wk of the normed input, a LayerNorm with bias), both roped on
+    their first Dr dims, non-interleaved; per-head weights (weights_proj, float32) times
+    Hi^-1/2. A slot's score for a token is sum_h w_h relu(q_h . k / sqrt(Di)), float32;
+    the Ki best visible slots are selected. The keys go into the layer's indexer buffer at
+    the new tokens' slots (the latent's)."""
+
+    cfg: DeepseekConfig
+    tuning: Tuning = DEFAULT_TUNING
+
+    @nn.compact
+    def __call__(self, xn, q_latent, cos, sin, buf, meta: AttnMeta):
+        """xn [B,T,D] the layer's normed input, q_latent [B,T,Rq], cos/sin [B,T,Dr/2]; buf:
+        the indexer keys [rows, slots, Di] or None. -> (select [B,T,Sk] bool, or None when
+        every visible slot is selected (Sk <= Ki); buffer)."""
+        c = self.cfg
+        B, T, _ = xn.shape
+        Hi, Di, Dr, Ki = c.index_n_heads, c.index_head_dim, c.qk_rope_head_dim, c.index_topk
+        q = Linear(Hi * Di, False, c.dtype, tuning=self.tuning, name="wq_b")(q_latent).reshape(B, T, Hi, Di)
+        k = Linear(Di, False, c.dtype, tuning=self.tuning, name="wk")(xn)  # [B,T,Di]
+        dt = jnp.dtype(c.dtype)
+        gamma = self.param("k_norm", lambda key: {"weight": jnp.ones((Di,), dt), "bias": jnp.zeros((Di,), dt)})
+        kf = k.astype(jnp.float32)
+        mean = kf.mean(-1, keepdims=True)
+        var = ((kf - mean) ** 2).mean(-1, keepdims=True)
+        k = ((kf - mean) * jax.lax.rsqrt(var + 1e-6) * gamma["weight"].astype(jnp.float32)
+             + gamma["bias"].astype(jnp.float32)).astype(dt)
+        q = jnp.concatenate([rotate_half_rope(q[..., :Dr], cos, sin), q[..., Dr:]], axis=-1)
+        k = jnp.concatenate([rotate_half_rope(k[..., :Dr], cos, sin), k[..., Dr:]], axis=-1)
+        w = self.param("weights_proj", lambda key: {"kernel": _init(key, (xn.shape[-1], Hi), jnp.float32)})["kernel"]
+        weights = jnp.einsum("btd,dh->bth", xn.astype(jnp.float32), w) * Hi ** -0.5  # [B,T,Hi]
+        if buf is not None:
+            buf = write_kv(buf, k, meta.write_index, meta.page_table is None)
+        if meta.prefill:
+            keys, visible = k, meta.local_mask  # [B,T,Di], [B,T,T]
+        else:
+            keys = read_kv(buf, meta.page_table)  # [B,Sk,Di]
+            visible = cache_mask(meta, keys.shape[1], T)
+        Sk = keys.shape[1]
+        if Sk <= Ki:
+            return None, buf
+        scores = jax.nn.relu(jnp.einsum("bthd,bsd->bths", q.astype(jnp.float32), keys.astype(jnp.float32))
+                             * Di ** -0.5)
+        index = jnp.einsum("bth,bths->bts", weights, scores)
+        index = jnp.where(visible, index, -jnp.inf)
+        _, top = jax.lax.top_k(index, Ki)  # [B,T,Ki]
+        chosen = jnp.zeros((B, T, Sk), bool).at[jnp.arange(B)[:, None, None], jnp.arange(T)[None, :, None],
+                                                 top].set(True)
+        return chosen & visible, buf
 
 
 class MLP(nn.Module):
@@ -305,7 +379,7 @@ class DeepseekModel(DecoderLM):
         for i, layer in enumerate(self.layers):
             if i in capture:
                 aux[i] = x
-            buf = None if cache is None else cache.latent[i]
+            buf = None if cache is None else cache.layer(i)
             if c.devices > 1:
                 x, buf = layer_on_devices(c, i, self.tuning, layer.variables["params"], x, buf, meta)
             else:
@@ -313,7 +387,7 @@ class DeepseekModel(DecoderLM):
             bufs.append(buf)
         if self.cfg.num_layers in capture:
             aux[self.cfg.num_layers] = x
-        return self.norm(x), aux, None if cache is None else LatentCache(latent=tuple(bufs))
+        return self.norm(x), aux, None if cache is None else LatentCache.of_layers(bufs)
 
 
 class MtpLayer(nn.Module):
@@ -333,13 +407,13 @@ class MtpLayer(nn.Module):
         h = jnp.concatenate([RMSNorm(c.rms_norm_eps, c.dtype, name="enorm")(embeds),
                              RMSNorm(c.rms_norm_eps, c.dtype, name="hnorm")(feats)], axis=-1)
         x = Linear(c.hidden_size, False, c.dtype, row_kernel=True, tuning=self.tuning, name="eh_proj")(h)
-        buf = None if cache is None else cache.latent[0]
+        buf = None if cache is None else cache.layer(0)
         if c.devices > 1:
             x, buf = layer_on_devices(c, 0, self.tuning, self.variables["params"]["block"], x, buf, meta)
         else:
             x, buf = DecoderLayer(c, 0, self.tuning, name="block")(x, buf, meta)
         out = RMSNorm(c.rms_norm_eps, c.dtype, name="shared_head_norm")(x)
-        return out, None if cache is None else LatentCache(latent=(buf,))
+        return out, None if cache is None else LatentCache.of_layers([buf])
 
 
 # Several devices: which weight splits how, by the last two keys of its path (one key: an
@@ -444,7 +518,8 @@ class DeepseekFamily(FlaxFamily):
         return dict(GPU_XLA_OPTIONS)
 
     def cache_kind(self, cfg: DeepseekConfig) -> LatentCacheKind:
-        return LatentCacheKind(cfg.num_layers, cfg.kv_lora_rank, cfg.qk_rope_head_dim, cfg.dtype)
+        return LatentCacheKind(cfg.num_layers, cfg.kv_lora_rank, cfg.qk_rope_head_dim, cfg.dtype,
+                               index_dim=cfg.index_head_dim if cfg.index_topk else 0)
 
     def split(self, cfg: DeepseekConfig, weights, n: int):
         return split_deepseek(cfg, weights, n)

@@ -16,7 +16,7 @@ from jspec.kernels.moe_route import Routing
 from jspec.models.llama_hf import rope_from_hf
 from jspec.tensors import HostParam, StackedParam, Tensors, hf_linear, to_numpy
 
-TARGET_ARCHITECTURES = ("DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM")
+TARGET_ARCHITECTURES = ("DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM", "DeepseekV32ForCausalLM")
 TOPK_METHODS = ("greedy", "group_limited_greedy", "noaux_tc")
 # A NextN directory (SGLang's export of a checkpoint's MTP layer) -> the model it came from.
 NEXTN_ARCHITECTURES = {"DeepseekV3ForCausalLMNextN": "DeepseekV3ForCausalLM"}
@@ -27,7 +27,10 @@ class DeepseekConfig:
     """A DeepSeek-V2/V3 decoder: MLA attention and (after the first `first_k_dense_replace`
     dense layers) MoE MLPs. Letters: V vocab, D width, H heads, Dn/Dr/Dv the query-key
     nope/rope and value head dims, Dc the KV latent (kv_lora_rank), Rq the query latent
-    (q_lora_rank, 0: a plain q_proj), E routed experts, k experts a token, Fm expert width."""
+    (q_lora_rank, 0: a plain q_proj), E routed experts, k experts a token, Fm expert width.
+    DeepSeek-V3.2's sparse attention (DSA, `index_topk` > 0): a lightning indexer of Hi
+    heads (index_n_heads) of Di dims (index_head_dim) scores every visible token and each
+    query attends to its top Ki (index_topk) only."""
 
     vocab_size: int
     hidden_size: int
@@ -57,6 +60,9 @@ class DeepseekConfig:
     max_position_embeddings: int = 4096
     tie_word_embeddings: bool = False
     num_nextn_predict_layers: int = 0  # MTP layers stored after the decoder layers
+    index_topk: int = 0  # Ki: tokens each query attends to (0: every visible token, no indexer)
+    index_head_dim: int = 0  # Di
+    index_n_heads: int = 0  # Hi
     dtype: str = "float32"
     model_type: str = "deepseek_v3"
     architecture: str = "DeepseekV3ForCausalLM"
@@ -77,6 +83,12 @@ class DeepseekConfig:
                              f"({self.n_group})")
         if self.n_routed_experts:
             self.routing  # noqa: B018  (raises for a routing no token can follow)
+        if self.index_topk and not (self.q_lora_rank and self.index_head_dim >= self.qk_rope_head_dim
+                                    and self.index_n_heads > 0):
+            raise ValueError("sparse attention (index_topk > 0) needs a query latent (q_lora_rank), index_n_heads > 0 "
+                             f"and index_head_dim >= qk_rope_head_dim ({self.qk_rope_head_dim}), got q_lora_rank="
+                             f"{self.q_lora_rank}, index_n_heads={self.index_n_heads}, index_head_dim="
+                             f"{self.index_head_dim}")
 
     @property
     def routing(self) -> Routing:
@@ -129,7 +141,8 @@ def config_from_hf(cfg: Mapping[str, Any], dtype: str | None = None, where: str 
     arch = next((a for a in archs if a in TARGET_ARCHITECTURES), None)
     if arch is None:
         raise ValueError(f"{where}: architectures {archs!r} name no DeepSeek model {TARGET_ARCHITECTURES}")
-    v3 = arch == "DeepseekV3ForCausalLM"
+    v32 = arch == "DeepseekV32ForCausalLM"
+    v3 = arch in ("DeepseekV3ForCausalLM", "DeepseekV32ForCausalLM")
     act = cfg.get("hidden_act", "silu")
     if act not in ("silu", "swish"):
         raise ValueError(f"{where}: unsupported hidden_act {act!r} (jspec supports silu)")
@@ -158,12 +171,14 @@ def config_from_hf(cfg: Mapping[str, Any], dtype: str | None = None, where: str 
         norm_topk_prob=bool(_get(cfg, where, "norm_topk_prob", v3)),
         routed_scaling_factor=float(_get(cfg, where, "routed_scaling_factor", 1.0)),
         rms_norm_eps=float(_get(cfg, where, "rms_norm_eps", 1e-6)), rope=rope_from_hf(cfg),
-        rope_interleave=bool(cfg.get("rope_interleave", True)) if v3 else True,
+        rope_interleave=bool(cfg.get("rope_interleave", True)) if v3 and not v32 else True,
         attention_bias=bool(cfg.get("attention_bias", False)),
         max_position_embeddings=int(cfg.get("max_position_embeddings", 4096)),
         tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
         num_nextn_predict_layers=int(cfg.get("num_nextn_predict_layers", 0) or 0), dtype=dtype,
-        model_type="deepseek_v3" if v3 else "deepseek_v2", architecture=arch,
+        index_topk=int(req("index_topk")) if v32 else 0, index_head_dim=int(req("index_head_dim")) if v32 else 0,
+        index_n_heads=int(req("index_n_heads")) if v32 else 0,
+        model_type="deepseek_v32" if v32 else "deepseek_v3" if v3 else "deepseek_v2", architecture=arch,
         bos_token_id=cfg.get("bos_token_id"), eos_token_ids=eos)
 
 
@@ -210,6 +225,18 @@ def _q_input_proj(c: DeepseekConfig) -> tuple[str, int]:
     return "q_proj", c.num_heads * c.qk_head_dim
 
 
+def indexer_params(t: Tensors, prefix: str, c: DeepseekConfig) -> dict:
+    """DSA's lightning indexer (`models.deepseek.Indexer`): its query from the query latent
+    (wq_b), its key from the layer's normed input (wk, then a LayerNorm with bias), the
+    per-head weights (weights_proj, float32 as the checkpoint keeps it)."""
+    D, Hi, Di = c.hidden_size, c.index_n_heads, c.index_head_dim
+    return {"wq_b": t.linear((prefix + "wq_b.weight", (Hi * Di, c.q_lora_rank))),
+            "wk": t.linear((prefix + "wk.weight", (Di, D))),
+            "k_norm": {"weight": t.param((prefix + "k_norm.weight", (Di,))),
+                       "bias": t.param((prefix + "k_norm.bias", (Di,)))},
+            "weights_proj": {"kernel": t.param((prefix + "weights_proj.weight", (Hi, D)), dtype="float32").T}}
+
+
 def layer_params(t: Tensors, prefix: str, c: DeepseekConfig, layer: int) -> dict:
     """One decoder layer's params from `prefix`-named tensors."""
     D, H = c.hidden_size, c.num_heads
@@ -231,6 +258,8 @@ def layer_params(t: Tensors, prefix: str, c: DeepseekConfig, layer: int) -> dict
     attn["o_proj"] = t.linear((a + "o_proj.weight", (D, H * c.v_head_dim)))
     if c.attention_bias:
         attn["o_proj"]["bias"] = t.param((a + "o_proj.bias", (D,)))
+    if c.index_topk:
+        attn["indexer"] = indexer_params(t, a + "indexer.", c)
     m = prefix + "mlp."
     if c.is_moe(layer):
         E, S, Fm = c.n_routed_experts, c.n_shared_experts, c.moe_intermediate_size
@@ -295,6 +324,8 @@ def hf_config(c: DeepseekConfig) -> dict:
            "num_nextn_predict_layers": c.num_nextn_predict_layers, "dtype": c.dtype, "torch_dtype": c.dtype}
     if c.model_type == "deepseek_v3":
         cfg["rope_interleave"] = c.rope_interleave
+    if c.index_topk:
+        cfg.update(index_topk=c.index_topk, index_head_dim=c.index_head_dim, index_n_heads=c.index_n_heads)
     if c.bos_token_id is not None:
         cfg["bos_token_id"] = c.bos_token_id
     if c.eos_token_ids:
@@ -343,6 +374,12 @@ def layer_tensors(lp: dict, pre: str, c: DeepseekConfig, layer: int, out: dict) 
     for name, sub in lp["self_attn"].items():
         key = f"{pre}self_attn.{name}."
         if name in ("w_uk", "w_uv", "qkv_a_proj"):
+            continue
+        if name == "indexer":
+            ix = f"{pre}self_attn.indexer."
+            out[ix + "wq_b.weight"], out[ix + "wk.weight"] = hf_linear(sub["wq_b"], dt), hf_linear(sub["wk"], dt)
+            out[ix + "k_norm.weight"], out[ix + "k_norm.bias"] = (to_numpy(sub["k_norm"][n], dt) for n in ("weight", "bias"))
+            out[ix + "weights_proj.weight"] = np.ascontiguousarray(to_numpy(sub["weights_proj"]["kernel"], "float32").T)
             continue
         if "kernel" in sub:
             out[key + "weight"] = hf_linear(sub, dt)
