@@ -18,7 +18,7 @@ from __future__ import annotations
 from jspec.cache.kv import write_kv
 from jspec.cache.layout import AttnMeta
 from jspec.config import DEFAULT_TUNING, Tuning
-from jspec.kernels import dispatch, mla_decode, mla_output
+from jspec.kernels import dispatch, mla_decode, mla_output, mla_sparse
 from jspec.kernels.mla_decode import mla_attention_reference
 
 
@@ -31,7 +31,7 @@ def uses_kernel(q_lat, q_pe, latent_buf, meta: AttnMeta) -> bool:
 
 
 def mla_attention(q_lat, q_pe, latent_buf, meta: AttnMeta, w_uv, *, scale: float, tuning: Tuning | None = None,
-                  select=None):
+                  index=None):
     """Attention in the absorbed form, then the value up-projection: q_lat [B,T,H,Dc],
     q_pe [B,T,H,Dr], w_uv [H, Dv, Dc] -> o [B,T,H,Dv] in w_uv's dtype (the attention's
     float32 latent rounded to that dtype before the product, `mla_output.up_project`).
@@ -41,10 +41,19 @@ def mla_attention(q_lat, q_pe, latent_buf, meta: AttnMeta, w_uv, *, scale: float
     kernel (up to `tuning.mla_output.kernel_max_tokens` tokens); otherwise the references.
     JSPEC_KERNELS=pallas forces the kernels (and raises for arguments they do not take).
     tuning: the kernels' tiles, `tuning.mla_decode` and `tuning.mla_output` (None: the
-    defaults). select [B,T,Sk] bool: sparse attention's selected slots (the reference runs:
-    no sparse kernel yet)."""
-    if select is not None or not uses_kernel(q_lat, q_pe, latent_buf, meta):
-        o_lat = mla_attention_reference(q_lat, q_pe, latent_buf, meta, scale=scale, select=select)
+    defaults). index [B,T,Ki] int32: sparse attention (DeepSeek-V3.2), the slots each token
+    attends to (-1: none) instead of every slot it sees: `jspec.kernels.mla_sparse`, its
+    Pallas kernel or its gather reference."""
+    if index is not None:
+        mode = dispatch.backend()
+        if mode != "reference" and dispatch.want_pallas(
+                mode == "pallas" or mla_sparse.is_supported(q_lat, q_pe, latent_buf, index)):
+            o_lat = mla_sparse.sparse_mla_attention(q_lat, q_pe, latent_buf, meta.page_table, index, scale=scale)
+        else:
+            o_lat = mla_sparse.sparse_mla_reference(q_lat, q_pe, latent_buf, meta.page_table, index, scale=scale)
+        return mla_output.up_project(o_lat, w_uv, w_uv.dtype)
+    if not uses_kernel(q_lat, q_pe, latent_buf, meta):
+        o_lat = mla_attention_reference(q_lat, q_pe, latent_buf, meta, scale=scale)
         return mla_output.up_project(o_lat, w_uv, w_uv.dtype)
     tuning = DEFAULT_TUNING if tuning is None else tuning
     o, lse = mla_decode.paged_mla_attention_splits(q_lat, q_pe, latent_buf, meta, scale=scale,
@@ -56,9 +65,9 @@ def mla_attention(q_lat, q_pe, latent_buf, meta: AttnMeta, w_uv, *, scale: float
 
 
 def cached_mla_attention(q_lat, q_pe, latent_new, latent_buf, meta: AttnMeta, w_uv, *, scale: float,
-                         tuning: Tuning | None = None, select=None):
+                         tuning: Tuning | None = None, index=None):
     """Writes the new latent rows latent_new [B,T,Dc+Dr] and attends over the cache (see
-    `mla_attention`, which takes `tuning` and `select`). -> (o [B,T,H,Dv] in w_uv's dtype,
+    `mla_attention`, which takes `tuning` and `index`). -> (o [B,T,H,Dv] in w_uv's dtype,
     buffer)."""
     latent_buf = write_kv(latent_buf, latent_new, meta.write_index, meta.page_table is None)
-    return mla_attention(q_lat, q_pe, latent_buf, meta, w_uv, scale=scale, tuning=tuning, select=select), latent_buf
+    return mla_attention(q_lat, q_pe, latent_buf, meta, w_uv, scale=scale, tuning=tuning, index=index), latent_buf

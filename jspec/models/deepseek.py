@@ -128,7 +128,7 @@ class MLAttention(nn.Module):
                                                        w_uk if absorb else None, interleaved=c.rope_interleave,
                                                        eps=LATENT_NORM_EPS)
             q_lat = q_nope = q_first
-        select = None  # sparse attention: [B,T,Sk] the slots each token attends to (None: every visible one)
+        select = None  # sparse attention's selection (`Indexer`; None: every visible slot)
         if c.index_topk:
             select, ibuf = Indexer(c, tuning, name="indexer")(normed(x, norm), q_latent, cos, sin, ibuf, meta)
         if meta.prefill:  # keys and values from the latent, as the model computes them
@@ -143,10 +143,10 @@ class MLAttention(nn.Module):
             o = attention_reference(jnp.concatenate([q_nope, q_pe], axis=-1), k, v, None, meta,
                                     scale=c.softmax_scale)  # [B,T,H,Dv]
         elif rows is None:  # absorbed, the rows already in the cache
-            o = mla_attention(q_lat, q_pe, buf, meta, w_uv, scale=c.softmax_scale, tuning=tuning, select=select)
-        else:  # absorbed: attend over the latent rows, then up-project the values
+            o = mla_attention(q_lat, q_pe, buf, meta, w_uv, scale=c.softmax_scale, tuning=tuning, index=select)
+        else:  # absorbed: attend over the latent rows (sparse: the selected ones), then up-project the values
             o, buf = cached_mla_attention(q_lat, q_pe, rows, buf, meta, w_uv, scale=c.softmax_scale, tuning=tuning,
-                                          select=select)
+                                          index=select)
         # one device's heads (`DeepseekConfig.block`): a float32 partial sum for `device_sum`
         out = Linear(c.hidden_size, c.attention_bias, c.dtype, float32_out=c.per_device, row_kernel=True,
                      tuning=tuning, name="o_proj")(o.reshape(B, T, H * Dv))
@@ -177,8 +177,9 @@ class Indexer(nn.Module):
     @nn.compact
     def __call__(self, xn, q_latent, cos, sin, buf, meta: AttnMeta):
         """xn [B,T,D] the layer's normed input, q_latent [B,T,Rq], cos/sin [B,T,Dr/2]; buf:
-        the indexer keys [rows, slots, Di] or None. -> (select [B,T,Sk] bool, or None when
-        every visible slot is selected (Sk <= Ki); buffer)."""
+        the indexer keys [rows, slots, Di] or None. -> (the selection, buffer): None when
+        every visible slot is selected (Sk <= Ki); a prefill's mask [B,T,T] over its block;
+        else the selected slots [B,T,Ki] int32 (-1: none, fewer visible than Ki)."""
         c = self.cfg
         B, T, _ = xn.shape
         Hi, Di, Dr, Ki = c.index_n_heads, c.index_head_dim, c.qk_rope_head_dim, c.index_topk
@@ -209,7 +210,9 @@ class Indexer(nn.Module):
                              * Di ** -0.5)
         index = jnp.einsum("bth,bths->bts", weights, scores)
         index = jnp.where(visible, index, -jnp.inf)
-        _, top = jax.lax.top_k(index, Ki)  # [B,T,Ki]
+        best, top = jax.lax.top_k(index, Ki)  # [B,T,Ki], slot order breaks ties
+        if not meta.prefill:
+            return jnp.where(best > -jnp.inf, top, -1).astype(jnp.int32), buf
         chosen = jnp.zeros((B, T, Sk), bool).at[jnp.arange(B)[:, None, None], jnp.arange(T)[None, :, None],
                                                  top].set(True)
         return chosen & visible, buf
