@@ -10,7 +10,6 @@ check, on transformers' side, that no selection they make has a tie at its bound
 from __future__ import annotations
 
 import contextlib
-import os
 
 import jax
 import jax.numpy as jnp
@@ -19,14 +18,12 @@ import pytest
 import torch
 from conftest import PROMPTS, loop_state
 from test_deepseek import COMMON, hf_greedy_tokens
+from test_mtp import add_mtp_layer
 from transformers import DeepseekV32Config, DeepseekV32ForCausalLM
 
 import jspec
-from jspec import safetensors_io
 from jspec.cache import kv as kvc
 from jspec.cache import layout as lay
-from jspec.drafts import MtpDraft
-from jspec.drafts.mtp import layer_config
 from jspec.models import family_for
 
 TOPK = 4  # index_topk: below every context here but the shortest prompt's start
@@ -50,14 +47,7 @@ def v32_checkpoint(path: str, seed: int = 0):
                 mod.weight.copy_(1 + 0.3 * torch.randn_like(mod.weight))
                 mod.bias.copy_(0.3 * torch.randn_like(mod.bias))
     model.save_pretrained(path)
-    tcfg = jspec.load(path, dtype="float32").config
-    draft = MtpDraft(layer_config(tcfg))
-    w = draft.init(jax.random.key(seed + 1), tcfg.vocab_size)
-    keys = iter(jax.random.split(jax.random.key(seed + 2), 64))
-    w = jax.tree.map(lambda a: a + 0.1 * jax.random.normal(next(keys), a.shape, a.dtype) if a.ndim == 1 else a * 4, w)
-    tensors = {k: np.array(v) for k, v in safetensors_io.load(os.path.join(path, "model.safetensors")).items()}
-    tensors.update({k.replace("model.layers.0.", f"model.layers.{LAYERS}."): v for k, v in draft.to_hf(w, 0)[1].items()})
-    safetensors_io.save(os.path.join(path, "model.safetensors"), tensors)
+    add_mtp_layer(path, LAYERS, seed, with_head=False)
     model._keys_to_ignore_on_load_unexpected = [rf"model\.layers\.{LAYERS}\..*"]
     return model.eval()
 

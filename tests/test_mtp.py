@@ -38,17 +38,25 @@ def mtp_checkpoint(path: str, seed: int = 0):
             if hasattr(mod, "variance_epsilon"):
                 mod.weight.copy_(1 + 0.3 * torch.randn_like(mod.weight))
     model.save_pretrained(path)
+    add_mtp_layer(path, LAYERS, seed, with_head=True)
+    return DeepseekV3ForCausalLM.from_pretrained(path).eval()
+
+
+def add_mtp_layer(path: str, layers: int, seed: int, with_head: bool):
+    """Adds a random MTP layer (jspec's init, norms and weights away from their defaults)
+    at model.layers.{layers} of the saved checkpoint in `path`; with_head: also the copies
+    of the embedding and LM head that V3 ships beside it."""
     tcfg = jspec.load(path, dtype="float32").config
     draft = MtpDraft(layer_config(tcfg))
     w = draft.init(jax.random.key(seed + 1), tcfg.vocab_size)
     keys = iter(jax.random.split(jax.random.key(seed + 2), 64))
     w = jax.tree.map(lambda a: a + 0.1 * jax.random.normal(next(keys), a.shape, a.dtype) if a.ndim == 1 else a * 4, w)
     tensors = {k: np.array(v) for k, v in safetensors_io.load(os.path.join(path, "model.safetensors")).items()}
-    tensors.update({k.replace("model.layers.0.", f"model.layers.{LAYERS}."): v for k, v in draft.to_hf(w, 0)[1].items()})
-    tensors[f"model.layers.{LAYERS}.embed_tokens.weight"] = tensors["model.embed_tokens.weight"]  # as V3 ships them
-    tensors[f"model.layers.{LAYERS}.shared_head.head.weight"] = tensors["lm_head.weight"]
+    tensors.update({k.replace("model.layers.0.", f"model.layers.{layers}."): v for k, v in draft.to_hf(w, 0)[1].items()})
+    if with_head:
+        tensors[f"model.layers.{layers}.embed_tokens.weight"] = tensors["model.embed_tokens.weight"]
+        tensors[f"model.layers.{layers}.shared_head.head.weight"] = tensors["lm_head.weight"]
     safetensors_io.save(os.path.join(path, "model.safetensors"), tensors)
-    return DeepseekV3ForCausalLM.from_pretrained(path).eval()
 
 
 @pytest.fixture(scope="module")
