@@ -132,11 +132,12 @@ def test_mtp_greedy_equals_target(v32, spec, cache):
     assert out.stats.mean_accept_length >= 1.0
 
 
-@pytest.mark.parametrize("page", [16, 64])
+@pytest.mark.parametrize("page", [64])
 def test_index_keys_hold_what_plain_decoding_writes(v32, page):
     """After tree rounds (compaction moving latent rows and indexer keys together) over a
     paged cache, both the latent and the indexer keys at slots [0, L) of every request
-    equal a fresh prefill of its committed tokens."""
+    equal a fresh prefill of its committed tokens (pages of 1 and 16: the MTP tests' equal
+    outputs; the commit's moves at a page of 4: tests/test_deepseek.py)."""
     path, _ = v32
     p = jspec.load(path, draft="mtp", dtype="float32")
     plan, st = loop_state(p, PROMPTS, 30, jspec.CacheConfig("paged", page_size=page),
