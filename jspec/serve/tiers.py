@@ -164,11 +164,11 @@ class Chooser:
 
 def measure_costs(engine, rounds: int = 4, repeats: int = 2) -> dict:
     """Seconds a round per (tier index, occupancy bucket), measured on the engine's own
-    programs before it serves: for each tier and bucket n, n placeholder requests (a few
+    programs before it serves: for each tier and bucket n, n placeholder requests (up to 8
     prompt tokens, the engine's largest output) are admitted and run a warm-up chunk
     (compiling what is new) and `repeats` timed chunks of `rounds` rounds, then evicted."""
     costs = {}
-    prompt = [1 + (i % 7) for i in range(8)]
+    prompt = [1 + (i % 7) for i in range(min(8, engine.max_prompt_len))]
     for tier in range(len(engine.tiers)):
         for n in buckets(engine.batch):
             costs[tier, n] = engine.time_rounds(tier, [prompt] * n, rounds, repeats)
