@@ -37,8 +37,10 @@ from jspec.kernels.mla_attention import cached_mla_attention, mla_attention
 from jspec.kernels import moe_experts, moe_grouped
 from jspec.kernels.moe_experts import normed, silu_mul
 from jspec.kernels.moe_route import route
-from jspec.cache.kv import read_kv, write_kv
+from jspec.cache.kv import write_kv
+from jspec.kernels import dsa_index
 from jspec.kernels.decode_attention import cache_mask
+from jspec.kernels.dsa_index import index_scores_reference
 from jspec import sharding
 from jspec.tensors import HostParam, StackedParam
 from jspec.models import deepseek_hf
@@ -198,17 +200,16 @@ class Indexer(nn.Module):
         weights = jnp.einsum("btd,dh->bth", xn.astype(jnp.float32), w) * Hi ** -0.5  # [B,T,Hi]
         if buf is not None:
             buf = write_kv(buf, k, meta.write_index, meta.page_table is None)
-        if meta.prefill:
-            keys, visible = k, meta.local_mask  # [B,T,Di], [B,T,T]
-        else:
-            keys = read_kv(buf, meta.page_table)  # [B,Sk,Di]
-            visible = cache_mask(meta, keys.shape[1], T)
-        Sk = keys.shape[1]
+        Sk = T if meta.prefill else (buf.shape[1] if meta.page_table is None else
+                                      meta.page_table.shape[1] * buf.shape[1])  # the slots a token may see
         if Sk <= Ki:
             return None, buf
-        scores = jax.nn.relu(jnp.einsum("bthd,bsd->bths", q.astype(jnp.float32), keys.astype(jnp.float32))
-                             * Di ** -0.5)
-        index = jnp.einsum("bth,bths->bts", weights, scores)
+        if meta.prefill:  # the block's own keys
+            index = index_scores_reference(q, weights, k, None, scale=Di ** -0.5)
+            visible = meta.local_mask  # [B,T,T]
+        else:  # every slot of the row's indexer keys (a Pallas kernel on the GPU)
+            index = dsa_index.scores(q, weights, buf, meta.page_table, scale=Di ** -0.5)
+            visible = cache_mask(meta, Sk, T)
         index = jnp.where(visible, index, -jnp.inf)
         best, top = jax.lax.top_k(index, Ki)  # [B,T,Ki], slot order breaks ties
         if not meta.prefill:
