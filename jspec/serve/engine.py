@@ -471,10 +471,8 @@ class Engine:
             for tier_plan in self.plans:
                 self.prog.program(programs.advance_by_jit, self._state, np.int32(0),
                                   plan=self._variant(tier_plan, variant))
-        if not self._holders:  # an eviction of no row: compiles (and runs) the eviction program
-            with mesh_of(self.params):
-                self._state = programs.evict_jit(self.plan, self._state,
-                                                 self.prog.put(np.full((self.batch,), self.batch, np.int32)))
+        if not self._holders:
+            self._free_rows([])  # an eviction of no row: compiles (and runs) the eviction program
         return time.perf_counter() - t0
 
     def _prefill_parked(self) -> list:
@@ -509,6 +507,10 @@ class Engine:
             self._parked.pop(row, None)
             if h.cancelled and not h.done:
                 h._push([], None, self._output(h, "cancelled"))
+        self._free_rows(rows)
+
+    def _free_rows(self, rows: list[int]) -> None:
+        """Dispatches the eviction of `rows` (pages back to the pool, the rows free)."""
         padded = np.full((self.batch,), self.batch, np.int32)
         padded[:len(rows)] = rows
         with mesh_of(self.params):
@@ -646,10 +648,7 @@ class Engine:
             back = self._advance(rounds, sampled=False)
         back = jax.device_get(back)
         seconds = time.perf_counter() - t0
-        padded = np.full((self.batch,), self.batch, np.int32)
-        padded[:len(rows)] = rows
-        with mesh_of(self.params):
-            self._state = programs.evict_jit(self.plan, self._state, self.prog.put(padded))
+        self._free_rows(rows)
         return seconds / max(int(back["step"]) - step0, 1)
 
     def __enter__(self) -> "Engine":
