@@ -19,7 +19,6 @@ import time
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 import jspec
 from benchmarks.common import V3_LAYER, env_info, random_params, rounded, save_json
