@@ -24,9 +24,10 @@ One chunk of rounds is always in flight on the device while the host works:
 So the device runs chunk after chunk while the host reads back, evicts, packs and
 dispatches. While no request waits for a row (and no prompt is half prefilled) the next
 chunk is dispatched before step 1, two chunks in flight, and the device does not wait
-for the host at all; with a queue the host evicts and admits between the readback and
-the next dispatch, so a freed row takes a new request at the very next chunk, and the
-device waits for that host work. A
+for the host at all; with a queue, admissions into rows already free and the parked
+prompts' blocks are dispatched before step 1, and only the rows the chunk freed are
+admitted between the readback and the next dispatch (a freed row takes a new request at
+the very next chunk; the device waits for that host work). A
 request's tokens depend only on the request itself (its prompt, values and seed: see
 `jspec.loop.rows`), so they are the same whatever shares the batch, whenever it joined,
 and whichever tier ran its rounds (target-only verification; with `sample_drafts`,
@@ -327,13 +328,19 @@ class Engine:
         admit, prefill, dispatch the next chunk, deliver. While nothing waits for a row and
         no prompt is half prefilled, the next chunk is dispatched before the readback, so
         two chunks are in flight and the device never waits for the host (rows that finish
-        then idle for one more chunk: nobody waits for them). -> whether any request is
+        then idle for one more chunk: nobody waits for them). Otherwise what does not
+        depend on the readback (admissions into rows free already, the parked prompts'
+        next blocks) is dispatched before it, and only the rows the chunk freed are
+        admitted between the readback and the next chunk. -> whether any request is
         running or waiting, or a chunk is in flight."""
         self._ready()
         with self._lock:
             queue = bool(self._waiting or self._parked)
         if self._inflight and not queue and len(self._inflight) < 2:
             self._dispatch()
+        started, prefilled = [], False
+        if self._inflight and queue:  # rows free already and parked prompts: packed and dispatched while it runs
+            started, prefilled = self._admit_waiting() + self._prefill_parked(), True
         back = snapshot = None
         if self._inflight:
             back_dev, snapshot, tier = self._inflight.popleft()
@@ -342,7 +349,9 @@ class Engine:
         ended = {row for row, h in (snapshot or {}).items() if back["finished"][row]}
         self._evict([row for row, h in self._holders.items()
                      if h.done or h.cancelled or (row in ended and snapshot[row] is h)])
-        started = self._admit_waiting() + self._prefill_parked()
+        started += self._admit_waiting()  # into the rows that chunk freed
+        if not prefilled:
+            started += self._prefill_parked()
         if not self._inflight:
             self._dispatch()
         if back is not None:
