@@ -313,15 +313,23 @@ def _bench_serve(argv) -> int:
     from jspec.serve.tiers import Adaptive, default_tiers
 
     specs = args.spec or [Adaptive(), *[t for t in default_tiers(SpecConfig(3)) if t is not None]]
+    return _bench_table(ap, lambda: run_serve_bench(
+        params, prompts, rates=args.rates, specs=[None, *specs], requests=args.requests,
+        max_new_tokens=args.max_new_tokens, max_batch=args.max_batch, rounds_per_chunk=args.rounds_per_chunk,
+        prefill_chunk=args.prefill_chunk), format_load_table, _bench_header(
+        args, params, draft, f"{args.requests} requests a rate, {args.max_new_tokens} new tokens each, greedy; "
+                             f"batch {args.max_batch}"))
+
+
+def _bench_table(ap: _Parser, run, fmt, header: str) -> int:
+    """Runs a benchmark (a ValueError or TypeError: one line, exit status 2) and prints its
+    header and table."""
     try:
-        rows = run_serve_bench(params, prompts, rates=args.rates, specs=[None, *specs], requests=args.requests,
-                               max_new_tokens=args.max_new_tokens, max_batch=args.max_batch,
-                               rounds_per_chunk=args.rounds_per_chunk, prefill_chunk=args.prefill_chunk)
+        rows = run()
     except (ValueError, TypeError) as err:
         ap.error(str(err))
-    print(_bench_header(args, params, draft, f"{args.requests} requests a rate, {args.max_new_tokens} new tokens "
-                                             f"each, greedy; batch {args.max_batch}"))
-    print(format_load_table(rows))
+    print(header)
+    print(fmt(rows))
     return 0
 
 
@@ -332,15 +340,11 @@ def _bench(argv) -> int:
         return _bench_serve(argv[1:])
     ap = _bench_parser()
     args, params, draft, prompts = _bench_inputs(ap, argv, "bench")
-    try:
-        rows = run_bench(params, prompts, batches=args.batch, specs=args.spec, max_new_tokens=args.max_new_tokens,
-                         repeats=args.repeats)
-    except (ValueError, TypeError) as err:
-        ap.error(str(err))
-    print(_bench_header(args, params, draft, f"{len(prompts)} prompts, {args.max_new_tokens} new tokens each, "
-                                             f"greedy; tokens/s: median of {args.repeats} timed passes"))
-    print(format_table(rows))
-    return 0
+    return _bench_table(ap, lambda: run_bench(params, prompts, batches=args.batch, specs=args.spec,
+                                              max_new_tokens=args.max_new_tokens, repeats=args.repeats),
+                        format_table, _bench_header(args, params, draft, f"{len(prompts)} prompts, "
+                                                    f"{args.max_new_tokens} new tokens each, greedy; tokens/s: "
+                                                    f"median of {args.repeats} timed passes"))
 
 
 def _serve_parser() -> _Parser:
