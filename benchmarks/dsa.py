@@ -9,10 +9,13 @@ slots. ms a step from `rounds` timed rounds of plain decoding after a warm-up, p
 count; the per-layer time is the difference over two layer counts. `--mtp` adds, at batch
 1 and each context, a random MTP layer of the same shape (with its indexer) and the time
 of a chain S=3 and a tree (3,2,4) round as ratios to one plain step of the model with
-`--layers`' larger count (random weights: what a round costs, not what it accepts).
+`--layers`' larger count (random weights: what a round costs, not what it accepts). Every
+layer, and the MTP layer's decoder layer, holds layer 0's arrays (`layered`): two V3 MoE
+layers and their random initialisation do not fit an H100.
 
     PYTHONPATH=. python3 benchmarks/dsa.py [--contexts 4096,16384,65536] [--batches 1,32]
         [--layers 1,2] [--rounds 32] [--mtp] [--shape v32|tiny]
+    PYTHONPATH=. python3 benchmarks/dsa.py --check   # the kernels against their references
 Result: $OUT/dsa.json. Written for the GPU; run on the CPU with --shape tiny only.
 """
 from __future__ import annotations
@@ -22,10 +25,13 @@ import time
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 import jspec
 from benchmarks.common import V3_LAYER, env_info, random_params, rounded, save_json
 from jspec import requests as rq
+from jspec.kernels.dsa_index import index_scores, index_scores_reference
+from jspec.kernels.mla_sparse import sparse_mla_attention, sparse_mla_reference
 from jspec.loop import programs
 from jspec.loop.plan import make_plan
 
@@ -70,20 +76,88 @@ def step_time(params, batch: int, ctx: int, rounds: int, spec=None) -> float:
     return (time.perf_counter() - t0) / max(steps, 1)
 
 
-def mtp_ratios(target, ctx: int, rounds: int, plain_row=None) -> dict:
-    """A random MTP layer of the target's shape: chain S=3 and tree (3,2,4) rounds at batch
-    1 as ratios to one plain step."""
+def layered(one: jspec.Params, layers: int) -> jspec.Params:
+    """`one` (a one-layer target) with `layers` layers that all hold layer 0's arrays: the
+    shape and the reads of `layers` layers in the memory of one (two V3 MoE layers and
+    their random initialisation do not fit an H100's 80 GB)."""
+    w = dict(one.weights["params"])
+    w.update({f"layers_{i}": w["layers_0"] for i in range(1, layers)})
+    return jspec.Params(config=one.config.replace(num_layers=layers), weights={"params": w})
+
+
+def mtp_draft(target: jspec.Params) -> jspec.DraftParams:
+    """A random MTP layer of the target's shape whose decoder layer holds the target's
+    layer 0 arrays (see `layered`); its own projection and norms made here."""
     from jspec.drafts import MtpDraft
     from jspec.drafts.mtp import layer_config
     draft = MtpDraft(layer_config(target.config))
-    dw = jax.jit(lambda k: draft.init(k, target.config.vocab_size))(jax.random.key(1))
-    p = target.with_draft(jspec.DraftParams(draft, dw))
+    shapes = jax.eval_shape(lambda k: draft.init(k, target.config.vocab_size), jax.random.key(1))["params"]
+    own = {name: jax.tree.map(lambda s: jnp.ones(s.shape, s.dtype), leaf) for name, leaf in shapes.items()
+           if name != "block"}
+    own["eh_proj"] = {"kernel": (jax.random.normal(jax.random.key(2), shapes["eh_proj"]["kernel"].shape, jnp.float32)
+                                 * 0.02).astype(shapes["eh_proj"]["kernel"].dtype)}
+    return jspec.DraftParams(draft, {"params": {**own, "block": target.weights["params"]["layers_0"]}})
+
+
+def mtp_ratios(target, ctx: int, rounds: int, plain_row=None) -> dict:
+    """A random MTP layer of the target's shape: chain S=3 and tree (3,2,4) rounds at batch
+    1 as ratios to one plain step."""
+    p = target.with_draft(mtp_draft(target))
     step = plain_row["dsa_ms"] / 1e3 if plain_row else step_time(target, 1, ctx, rounds)
     out = {"ctx": ctx, "plain_ms": step * 1e3}
     for name, spec in (("chain_3_1_4", jspec.SpecConfig(3)), ("tree_3_2_4", jspec.SpecConfig(3, 2, 4))):
         t = step_time(p, 1, ctx, rounds, spec)
         out[f"{name}_ms"], out[f"{name}_ratio"] = t * 1e3, t / step
     return out
+
+
+def check_kernels_at(B, T, H, Dc, Dr, S, Ki, P, dtype, paged, Hi=64, Di=128):
+    """Both kernels at one shape against their references: max errors, us a call."""
+    rng = np.random.RandomState(0)
+    q_lat = jnp.asarray(rng.randn(B, T, H, Dc), dtype)
+    q_pe = jnp.asarray(rng.randn(B, T, H, Dr), dtype)
+    if paged:
+        table = jnp.asarray(np.array([[b + B * g for g in range(S // P)] for b in range(B)], np.int32))
+        buf = jnp.asarray(rng.randn(B * S // P + 1, P, Dc + Dr) * 0.5, dtype)
+        kbuf = jnp.asarray(rng.randn(B * S // P + 1, P, Di), dtype)
+    else:
+        table = None
+        buf = jnp.asarray(rng.randn(B, S + 1, Dc + Dr) * 0.5, dtype)
+        kbuf = jnp.asarray(rng.randn(B, S + 1, Di), dtype)
+    index = np.full((B, T, Ki), -1, np.int32)
+    for b in range(B):
+        for t in range(T):
+            n = Ki if (b + t) % 3 else Ki // 3
+            index[b, t, :n] = rng.choice(S, n, replace=False)
+    index = jnp.asarray(index)
+    ref = sparse_mla_reference(q_lat, q_pe, buf, table, index, scale=0.1)
+    got = sparse_mla_attention(q_lat, q_pe, buf, table, index, scale=0.1)
+    err = float(jnp.max(jnp.abs(got.astype(jnp.float32) - ref.astype(jnp.float32))))
+    scale = float(jnp.max(jnp.abs(ref.astype(jnp.float32))))
+    q = jnp.asarray(rng.randn(B, T, Hi, Di), dtype)
+    w = jnp.asarray(rng.randn(B, T, Hi), jnp.float32)
+    sref = index_scores_reference(q, w, kbuf, table, scale=Di ** -0.5)
+    sgot = index_scores(q, w, kbuf, table, scale=Di ** -0.5)
+    serr = float(jnp.max(jnp.abs(sgot - sref)))
+    sscale = float(jnp.max(jnp.abs(sref)))
+    f = jax.jit(lambda *a: sparse_mla_attention(*a, scale=0.1))
+    g = jax.jit(lambda *a: index_scores(*a, scale=Di ** -0.5))
+
+    def t(fn, *a):
+        jax.block_until_ready(fn(*a)); t0 = time.perf_counter()
+        for _ in range(20): r = fn(*a)
+        jax.block_until_ready(r); return (time.perf_counter() - t0) / 20 * 1e6
+    print(f"B{B} T{T} H{H} S{S} Ki{Ki} P{P} {jnp.dtype(dtype).name} paged={paged}: sparse mla err {err:.3g} "
+          f"(max {scale:.3g}) {t(f, q_lat, q_pe, buf, table, index):.1f} us; index err {serr:.3g} (max {sscale:.3g}) "
+          f"{t(g, q, w, kbuf, table):.1f} us", flush=True)
+
+def check_kernels() -> None:
+    """The DSA kernels compiled (on the GPU) against their references: a tiny float32 shape
+    and the V3.2 shape at 4k and 16k slots, dense and paged 64; max errors and us a call."""
+    for paged in (False, True):
+        check_kernels_at(2, 3, 4, 32, 16, 40, 20, 4, jnp.float32, paged, Hi=6, Di=16)
+        check_kernels_at(1, 1, 128, 512, 64, 4096, 2048, 64, jnp.bfloat16, paged)
+        check_kernels_at(2, 4, 128, 512, 64, 16384, 2048, 64, jnp.bfloat16, paged)
 
 
 def main():
@@ -94,12 +168,17 @@ def main():
     ap.add_argument("--rounds", type=int, default=32)
     ap.add_argument("--shape", default="v32", choices=["v32", "tiny"])
     ap.add_argument("--mtp", action="store_true", help="MTP chain and tree round ratios at batch 1")
+    ap.add_argument("--check", action="store_true", help="only the kernels against their references")
     args = ap.parse_args()
+    if args.check:
+        check_kernels()
+        return
     base = V32_LAYER if args.shape == "v32" else TINY
     lo, hi = (int(x) for x in args.layers.split(","))
     res = {"env": env_info(), "shape": args.shape, "rows": []}
+    one = random_params(base.replace(num_layers=1))
     for layers in (lo, hi):
-        sparse = random_params(base.replace(num_layers=layers))
+        sparse = layered(one, layers)
         dense = jspec.Params(config=sparse.config.replace(index_topk=0), weights=sparse.weights)
         for ctx in (int(c) for c in args.contexts.split(",")):
             for batch in (int(b) for b in args.batches.split(",")):

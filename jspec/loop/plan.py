@@ -225,8 +225,8 @@ def check_memory(params, plan: Plan, max_new: int) -> None:
     limit, where = have
     split = params.mesh is not None and plan.family.cache_kind(plan.target).split_by_head
     need = plan_bytes(plan) // (params.mesh.size if split else 1)  # KV caches split by head, latent ones not
-    weights = sum(shard_bytes(a) for a in jax.tree.leaves((params.weights, params.draft.weights
-                                                           if params.draft is not None else None)))
+    leaves = jax.tree.leaves((params.weights, params.draft.weights if params.draft is not None else None))
+    weights = sum(shard_bytes(a) for a in {id(a): a for a in leaves}.values())  # an array held twice counts once
     if need + weights > limit:
         gib = lambda b: f"{b / 2 ** 30:,.1f} GiB"  # noqa: E731
         lay = plan.layout
