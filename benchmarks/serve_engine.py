@@ -32,10 +32,10 @@ TINY = ModelConfig(vocab_size=512, hidden_size=64, intermediate_size=128, num_la
                    head_dim=16, dtype="float32", max_position_embeddings=8192)
 
 
-def full_batch(params, prompts, new: int, cache) -> dict:
+def full_batch(params, prompts, new: int, cache, tuning=None, rounds_per_chunk: int = 4) -> dict:
     """Compiled.run against the engine on the same full batch, and the engine's idle gaps."""
     B = len(prompts)
-    prog = jspec.compile(params, prompts, max_new_tokens=new, stop_token_ids=[], cache=cache)
+    prog = jspec.compile(params, prompts, max_new_tokens=new, stop_token_ids=[], cache=cache, tuning=tuning)
     prog.run()
     run_s = []
     for _ in range(3):
@@ -43,14 +43,18 @@ def full_batch(params, prompts, new: int, cache) -> dict:
         run_s.append(out.timing["run_s"])
     tokens = B * new
     _, run_trace = common.traced(lambda: prog.run().tokens)
-    engine = jspec.Engine(params, max_batch=B, max_prompt_len=len(prompts[0]), max_new_tokens=new, cache=cache)
+    engine = jspec.Engine(params, max_batch=B, max_prompt_len=len(prompts[0]), max_new_tokens=new, cache=cache,
+                          tuning=tuning, rounds_per_chunk=rounds_per_chunk)
 
     def serve():
         hs = [engine.submit(p, max_new_tokens=new, stop_token_ids=[]) for p in prompts]
         t0 = time.perf_counter()
         while engine.step():
             pass
-        assert all(len(h.result().tokens) == new for h in hs)
+        lens = [len(h.result().tokens) for h in hs]
+        if any(n != new for n in lens):
+            raise AssertionError(f"token counts {lens}, reasons {[h.result().finish_reason for h in hs][:4]}, "
+                                 f"expected {new}")
         return time.perf_counter() - t0, engine.stats["chunks"]
     t0 = time.perf_counter()
     serve()  # compiles what it runs
@@ -58,13 +62,27 @@ def full_batch(params, prompts, new: int, cache) -> dict:
     engine_s = []
     for _ in range(3):
         engine_s.append(serve()[0])
+    calls = {"advance": [], "step": []}  # host time inside the chunk call and a whole iteration:
+    advance, step = engine._advance, engine.step  # a call as long as the chunk means it blocks
+
+    def timed(name, fn):
+        def wrapper(*a, **k):
+            t = time.perf_counter()
+            r = fn(*a, **k)
+            calls[name].append(time.perf_counter() - t)
+            return r
+        return wrapper
+    engine._advance, engine.step = timed("advance", advance), timed("step", step)
+    serve()
+    engine._advance, engine.step = advance, step
+    host = {f"{k}_call_ms_median": float(np.median(v)) * 1e3 for k, v in calls.items()}
     before = engine.stats["chunks"]
     (_, chunks), trace = common.traced(serve)
     chunks -= before
     return {"batch": B, "new": new, "run_tokens_per_s": tokens / float(np.median(run_s)),
             "engine_tokens_per_s": tokens / float(np.median(engine_s)),
             "engine_vs_run": float(np.median(run_s)) / float(np.median(engine_s)), "warm_up_s": warm,
-            "chunks": chunks, "trace": trace, "run_trace": run_trace}
+            "chunks": chunks, "trace": trace, "run_trace": run_trace, **host}
 
 
 def idle_between_chunks(trace: str, chunks: int, gap_us: float) -> dict:
@@ -74,7 +92,17 @@ def idle_between_chunks(trace: str, chunks: int, gap_us: float) -> dict:
     busy, gaps = common.busy_and_gaps(spans)
     long = [g for g in gaps if g > gap_us]
     span_us = (spans[-1][1] - spans[0][0]) / 1e3
-    return {"span_ms": span_us / 1e3, "busy_ms": busy / 1e3, "idle_share": 1 - busy / span_us,
+    events = sorted((e for evs in common.trace_events(trace).values() for e in evs), key=lambda e: e[2])
+    big, end, prev = [], None, None
+    for _, name, start, dur in events:
+        if end is not None and (start - end) / 1e3 > 1000:
+            big.append((round((start - end) / 1e3), prev[:40], name[:40]))
+        if end is None or start + dur > end:
+            end, prev = start + dur, name
+    hist = {"20-100us": sum(gap_us < g <= 100 for g in gaps), "0.1-1ms": sum(100 < g <= 1000 for g in gaps),
+            ">1ms": sum(g > 1000 for g in gaps), ">1ms_total_ms": sum(g for g in gaps if g > 1000) / 1e3}
+    return {"gap_histogram": hist, "gaps_over_1ms": big[:12],
+            "span_ms": span_us / 1e3, "busy_ms": busy / 1e3, "idle_share": 1 - busy / span_us,
             "long_gaps": len(long), "long_gap_ms_total": sum(long) / 1e3, "chunks": chunks,
             "long_gap_share": sum(long) / span_us, "long_gap_us_median": float(np.median(long)) if long else 0.0}
 
@@ -154,6 +182,9 @@ def main():
     ap.add_argument("--gap-us", type=float, default=20.0)
     ap.add_argument("--skip", default="", help="comma-separated parts to skip: full,stall")
     ap.add_argument("--identical", action="store_true", help="the bundled pair's share of identical outputs")
+    ap.add_argument("--rounds-per-chunk", type=int, default=4)
+    ap.add_argument("--tag", default="", help="result file serve_engine_{shape}_{tag}.json")
+    ap.add_argument("--xla", default="", help="XLA options for both sides' programs, NAME=VALUE;NAME=VALUE")
     args = ap.parse_args()
     if args.identical:
         r = identical(args.batch, 64, 64)
@@ -164,10 +195,14 @@ def main():
     vocab = params.config.vocab_size
     cache = jspec.CacheConfig("paged", page_size=16)
     out = {"env": common.env_info(), "shape": args.shape}
+    name = f"serve_engine_{args.shape}{'_' + args.tag if args.tag else ''}.json"
     rng = np.random.default_rng(1)
     if "full" not in args.skip:
         prompts = [rng.integers(1, vocab, args.prompt).tolist() for _ in range(args.batch)]
-        fb = full_batch(params, prompts, args.new, cache)
+        options = tuple(tuple(kv.split("=", 1)) for kv in args.xla.split(";") if kv)
+        fb = full_batch(params, prompts, args.new, cache, jspec.Tuning(xla_options=options) if options else None,
+                        args.rounds_per_chunk)
+        fb["xla_options"] = dict(options)
         fb["idle"] = idle_between_chunks(fb.pop("trace"), fb["chunks"], args.gap_us)
         fb["run_idle"] = idle_between_chunks(fb.pop("run_trace"), 0, args.gap_us)  # Compiled.run: one program
         out["full_batch"] = fb
@@ -180,7 +215,7 @@ def main():
             r = stall(params, args.stall_batch, args.long, 64, 256, chunk, cache, vocab)
             out["stall"].append(r)
             print("stall:", common.rounded(r), flush=True)
-    print("saved", common.save_json(f"serve_engine_{args.shape}.json", out))
+    print("saved", common.save_json(name, out))
 
 
 if __name__ == "__main__":

@@ -50,17 +50,17 @@ from jspec.models.llama import DecoderLM, FlaxFamily, Linear, RMSNorm, product
 _init = nn.initializers.normal(0.02)
 LATENT_NORM_EPS = 1e-6  # the q/kv latent norms use RMSNorm's default, not rms_norm_eps
 # XLA options of the loop's programs on a GPU (`DeepseekFamily.gpu_xla_options`): CUDA-graph
-# command buffers that take in the while loop and its conditionals (no host round trip a
-# step) and single kernels too. A step runs about 300 short kernels; V2-Lite's 27-layer
-# batch-1 step took 2.034-2.054 ms with them against 2.066-2.095 ms with XLA's defaults,
-# three times each, alternating in one H200 process (benchmarks/deepseek.py ab, setting
-# graphs_off). The 8B Llama step did not gain from them (docs/experiments.md), so only
-# this family asks for them. A tuning's `xla_options` go over them; `family_xla_options`
-# False leaves them out (`jspec.kernels.dispatch.compiler_options`). Split over several
-# GPUs the collectives join the graphs: V2-Lite's first 6 layers over two H200s took 0.647
-# against 0.716 ms a step at batch 1 and 2.059 against 2.127 ms at batch 32 (benchmarks/
-# tp.py, tuning graphs_collectives, same run).
-GPU_XLA_OPTIONS = {"xla_gpu_enable_command_buffer": "FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN,WHILE,CONDITIONAL",
+# command buffers of single kernels too (a step runs about 300 short kernels). Not the
+# while loop and its conditionals (`WHILE`, `CONDITIONAL`): with them a paged cache gave
+# wrong tokens on an H100 (jax 0.11.2, 2026-11-26, benchmarks/command_buffers.py: rows
+# stopped early or ended "cache_full"; dense caches unchanged), although V2-Lite's 27-layer
+# batch-1 step had been 1.0-1.6% faster with them (benchmarks/deepseek.py ab, H200). A
+# tuning's `xla_options` go over these; `family_xla_options` False leaves them out
+# (`jspec.kernels.dispatch.compiler_options`). Split over several GPUs the collectives join
+# the graphs: V2-Lite's first 6 layers over two H200s took 0.647 against 0.716 ms a step at
+# batch 1 and 2.059 against 2.127 ms at batch 32 (benchmarks/tp.py, tuning
+# graphs_collectives, same run, with WHILE and CONDITIONAL).
+GPU_XLA_OPTIONS = {"xla_gpu_enable_command_buffer": "FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN",
                    "xla_gpu_graph_min_graph_size": 1}
 
 
