@@ -171,6 +171,36 @@ def test_admit_and_evict_leave_other_rows_alone(target, with_draft, cache):
         np.testing.assert_array_equal(x, y)
 
 
+@pytest.mark.parametrize("cache", ["paged1", "paged16"])
+def test_chunk_of_fixed_rounds_equals_rounds_until_done(target, with_draft, cache):
+    """`programs.chunk` (a static number of rounds, the pages of all of them reserved
+    before the loop) leaves what rounds to the end leave: chunks of 3 rounds against
+    `advance` 3 rounds at a time, rows of unequal prompts finishing mid-chunk (the room
+    reserved ahead is capped at a row's slot limit: none ends cache_full), same tokens,
+    lengths, finish reasons; every page returns once the rows are evicted."""
+    b = Batch(with_draft("eagle3"), CACHES[cache])
+    states = []
+    for step in (lambda st: b.advance(st, 3), lambda st: programs.chunk_jit(3)(b.plan, *b.weights, st)):
+        st = b.fresh()
+        for row, i in ((0, 0), (1, 2), (2, 4), (3, 5)):
+            st, _ = b.admit(st, row, i)
+        backs = []
+        while True:
+            st, back = step(st)
+            backs.append(jax.device_get({k: back[k] for k in ("tokens", "generated", "finished", "reason")}))
+            if backs[-1]["finished"].all():
+                break
+        states.append(backs)
+        for row in range(4):
+            st = b.evict(st, row)
+        assert int(st.pages.num_free) == b.plan.layout.num_pages
+    assert len(states[0]) == len(states[1]) > 2
+    for x, y in zip(*states):
+        for k in x:
+            np.testing.assert_array_equal(x[k], y[k])
+    assert (states[1][-1]["generated"][:4] == MAX_NEW).all()
+
+
 def test_thousand_admit_evict_cycles_return_every_page(target):
     """Paged pool, plain and n-gram rows: 1,000 single-row admissions of random prompts,
     every tenth followed by a few rounds, each evicted (some mid-generation, some

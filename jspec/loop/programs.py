@@ -7,18 +7,21 @@
   prefill   the next block of parked rows' prompts -> (state, readback)
   advance   rounds until every row finishes or a step count -> (state, readback)
   advance_by  `advance` for a number of rounds from the state's step -> (state, readback)
+  chunk     exactly a static number of rounds, no host round trip -> (state, readback)
   evict     rows freed -> state
 
 `generate`, `Compiled.run` and `stream` are clients of these; a serving engine calls
-`admit`, `prefill`, `advance_by` and `evict` between chunks. The state is donated to the calls that
+`admit`, `prefill`, `chunk` and `evict` between chunks. The state is donated to the calls that
 take one, so each updates it in place.
 """
 from __future__ import annotations
 
+import functools
+
 import jax
 
 from jspec.loop.plan import Plan
-from jspec.loop.round import advance
+from jspec.loop.round import advance, advance_rounds
 from jspec.loop.rows import admit, evict, prefill
 from jspec.loop.state import Admission, LoopState, init_state, readback
 
@@ -59,6 +62,11 @@ def advance_by_fn(plan: Plan, tw, pw, st: LoopState, rounds):
     return st, readback(st)
 
 
+def chunk_fn(plan: Plan, tw, pw, st: LoopState, rounds: int):
+    st = advance_rounds(plan, tw, pw, st, rounds)
+    return st, readback(st)
+
+
 def evict_fn(plan: Plan, st: LoopState, rows) -> LoopState:
     return evict(plan, st, rows)
 
@@ -72,3 +80,10 @@ advance_by_jit = jax.jit(advance_by_fn, static_argnums=0, donate_argnums=3)
 
 evict_jit = jax.jit(evict_fn, static_argnums=0, donate_argnums=1)
 init_jit = jax.jit(init_state, static_argnums=0)
+
+
+@functools.cache
+def chunk_jit(rounds: int):
+    """`chunk_fn` of `rounds` rounds, jitted (one entry point per count)."""
+    return jax.jit(functools.partial(chunk_fn, rounds=rounds), static_argnums=0, donate_argnums=3)
+

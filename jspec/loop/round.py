@@ -174,11 +174,13 @@ def release_pages(plan: Plan, st: LoopState, done) -> LoopState:
 
 # --------------------------------------------------------------------------- a round
 
-def round_step(plan: Plan, tw, pw, st: LoopState) -> LoopState:
-    """One round: propose, verify, accept, commit, observe."""
+def round_step(plan: Plan, tw, pw, st: LoopState, reserved: bool = False) -> LoopState:
+    """One round: propose, verify, accept, commit, observe. reserved: the room of this
+    round was reserved before it (`advance_rounds`)."""
     active = ~st.finished
-    st, active = reserve_room(plan, st, st.L + plan.slack, active,
-                              cdiv(plan.slack, max(plan.layout.page_size, 1)) + 1)
+    if not reserved:
+        st, active = reserve_room(plan, st, st.L + plan.slack, active,
+                                  cdiv(plan.slack, max(plan.layout.page_size, 1)) + 1)
     with jax.named_scope("draft"):  # the scopes name each phase's kernels in profiles
         st, tree, logq = propose_phase(plan, tw, pw, st, active)
     with jax.named_scope("verify"):
@@ -199,3 +201,16 @@ def advance(plan: Plan, tw, pw, st: LoopState, until) -> LoopState:
     traced int32)."""
     return jax.lax.while_loop(lambda s: jnp.any(~s.finished) & (s.step < until),
                               lambda s: round_step(plan, tw, pw, s), st)
+
+
+def advance_rounds(plan: Plan, tw, pw, st: LoopState, rounds: int) -> LoopState:
+    """Exactly `rounds` rounds (a static count; rows that finish idle), the room of all of
+    them reserved first: min(L + rounds x slack, the row's slot limit), a round advancing
+    L by at most `plan.slack`. The loop then reads nothing back to the host: XLA runs a
+    while loop of known trip count without its predicate, and the page allocation's retry
+    loop (`reserve`) runs once, before it, so the call that runs the program returns as soon
+    as it is enqueued and the next call queues behind it (the serving engine's chunks)."""
+    need = jnp.minimum(st.L + rounds * plan.slack, st.request.slot_limit)
+    st, _ = reserve_room(plan, st, need, ~st.finished, cdiv(rounds * plan.slack, max(plan.layout.page_size, 1)) + 1)
+    return jax.lax.fori_loop(0, rounds, lambda _, s: round_step(plan, tw, pw, s, reserved=True), st)
+

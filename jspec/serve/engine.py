@@ -15,9 +15,12 @@ One chunk of rounds is always in flight on the device while the host works:
    `prefill_chunk` tokens is prefilled in blocks of that many (`prefill`), one block per
    iteration, so a long prompt delays each chunk of the others by one block's pass
    instead of its whole prefill;
-4. the next chunk of `rounds_per_chunk` rounds is dispatched (`advance_by`), on the tier
+4. the next chunk of `rounds_per_chunk` rounds is dispatched (`chunk`), on the tier
    the adaptive choice picked (`jspec.serve.tiers`; the tiers share the state, so a switch
-   moves nothing);
+   moves nothing). A chunk runs exactly that many rounds with its pages reserved first,
+   so it reads nothing back to the host while it runs and its call returns once it is
+   enqueued (a while loop until every row finished would block the call for the whole
+   chunk: XLA reads a loop's predicate on the host);
 5. while it runs, the previous chunk's tokens are handed to their requests (`Handle`)
    with their text; stop strings are matched here, ending the request at the first match.
 
@@ -398,11 +401,11 @@ class Engine:
         return dataclasses.replace(plan, sampling=sampled)
 
     def _advance(self, rounds: int, sampled: bool = True):
-        key = (self._tier, sampled)
+        key = (self._tier, sampled, rounds)
         if key not in self._chunk_programs:  # looked up once: the lookup hashes every weight's shape
             plan = self._variant(self.plans[self._tier], sampled)
-            self._chunk_programs[key] = self.prog.program(programs.advance_by_jit, self._state, np.int32(0), plan=plan)
-        self._state, back = self._chunk_programs[key](*self.prog.weights, self._state, np.int32(rounds))
+            self._chunk_programs[key] = self.prog.program(programs.chunk_jit(rounds), self._state, plan=plan)
+        self._state, back = self._chunk_programs[key](*self.prog.weights, self._state)
         return back
 
     def _admit_waiting(self) -> list:
@@ -478,7 +481,7 @@ class Engine:
                     self.prog.program(programs.prefill_jit, self._state,
                                       *self.prog.put((np.zeros((A,), np.int32), np.zeros((A,), np.int32))), plan=plan)
             for tier_plan in self.plans:
-                self.prog.program(programs.advance_by_jit, self._state, np.int32(0),
+                self.prog.program(programs.chunk_jit(self.rounds_per_chunk), self._state,
                                   plan=self._variant(tier_plan, variant))
         if not self._holders:
             self._free_rows([])  # an eviction of no row: compiles (and runs) the eviction program
