@@ -182,6 +182,11 @@ def test_cancel_frees_the_row(target):
 
 def test_queue_full_and_bad_requests(target):
     engine = jspec.Engine(target, max_batch=1, max_prompt_len=8, max_new_tokens=8, max_waiting=1)
+    # The engine's programs ask XLA for no command buffers on a GPU, unless its tuning does.
+    assert dict(engine.plan.tuning.xla_options)["xla_gpu_enable_command_buffer"] == ""
+    own = jspec.Tuning(xla_options={"xla_gpu_enable_command_buffer": "FUSION"})
+    mine = jspec.Engine(target, max_batch=1, max_prompt_len=8, max_new_tokens=8, tuning=own)
+    assert dict(mine.plan.tuning.xla_options)["xla_gpu_enable_command_buffer"] == "FUSION"
     engine.submit([1, 2, 3], max_new_tokens=4)
     with pytest.raises(jspec.QueueFull, match="max_waiting=1"):
         engine.submit([1, 2, 3], max_new_tokens=4)
