@@ -1,0 +1,38 @@
+"""The row-invariant product (`jspec.kernels.row_matmul`, interpret mode on the CPU): its
+rows equal x @ w, and each row is the same bits whatever rows share the call (1 row, a
+verification's few, a batch's many; row blocks of 16 or 64)."""
+from __future__ import annotations
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jspec.kernels.row_matmul import row_matmul, splits_for, supported
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_rows_equal_the_product_and_do_not_depend_on_the_others(dtype):
+    rng = np.random.default_rng(0)
+    K, N = 256, 384
+    x = jnp.asarray(rng.standard_normal((40, K)), dtype)
+    w = jnp.asarray(rng.standard_normal((K, N)) * 0.05, dtype)
+    full = np.asarray(row_matmul(x, w, num_splits=2, interpret=True))
+    want = np.asarray(x, np.float32) @ np.asarray(w, np.float32)
+    np.testing.assert_allclose(full, want, rtol=2e-5, atol=2e-5 * np.abs(want).max())
+    for m in (1, 5, 17):
+        np.testing.assert_array_equal(np.asarray(row_matmul(x[:m], w, num_splits=2, interpret=True)), full[:m])
+    np.testing.assert_array_equal(np.asarray(row_matmul(x[3:4], w, num_splits=2, interpret=True)), full[3:4])
+    wide = np.asarray(row_matmul(x, w, num_splits=2, block_m=64, interpret=True))
+    np.testing.assert_array_equal(wide, full)
+    lead = np.asarray(row_matmul(x.reshape(4, 10, K), w, num_splits=2, interpret=True))
+    np.testing.assert_array_equal(lead.reshape(40, N), full)
+
+
+def test_splits_follow_the_weight_only_and_bad_shapes_are_refused():
+    assert splits_for(4096, 6144, 128, 64, 264) == 6
+    assert splits_for(4096, 128256, 128, 64, 264) == 1
+    assert splits_for(128, 128, 128, 64, 264) == 2  # never more splits than K chunks
+    x, w = jnp.zeros((2, 100)), jnp.zeros((100, 128))
+    assert not supported(x, w)
+    with pytest.raises(ValueError, match="K % 64 == 0 and N % 128 == 0"):
+        row_matmul(x, w)
