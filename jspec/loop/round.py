@@ -206,10 +206,11 @@ def advance(plan: Plan, tw, pw, st: LoopState, until) -> LoopState:
 def advance_rounds(plan: Plan, tw, pw, st: LoopState, rounds: int) -> LoopState:
     """Exactly `rounds` rounds (a static count; rows that finish idle), the room of all of
     them reserved first: min(L + rounds x slack, the row's slot limit), a round advancing
-    L by at most `plan.slack`. The loop then reads nothing back to the host: XLA runs a
-    while loop of known trip count without its predicate, and the page allocation's retry
-    loop (`reserve`) runs once, before it, so the call that runs the program returns as soon
-    as it is enqueued and the next call queues behind it (the serving engine's chunks)."""
+    L by at most `plan.slack`. XLA runs a while loop of known trip count without reading
+    its predicate, so the host reads one predicate a chunk, that of the page allocation's
+    retry loop (`reserve`) before the rounds, instead of two or more a round: the call that
+    runs the program returns once that read is done and the rounds are enqueued (the
+    serving engine's chunks)."""
     need = jnp.minimum(st.L + rounds * plan.slack, st.request.slot_limit)
     st, _ = reserve_room(plan, st, need, ~st.finished, cdiv(rounds * plan.slack, max(plan.layout.page_size, 1)) + 1)
     return jax.lax.fori_loop(0, rounds, lambda _, s: round_step(plan, tw, pw, s, reserved=True), st)
