@@ -375,6 +375,35 @@ def test_page_allocation_matches_python(seed):
         held = [0 if r else h for r, h in zip(release, held)]
 
 
+def test_reserve_needs_no_retry_loop_when_the_pool_cannot_run_dry():
+    """A pool of pages_per_seq pages a row (the default) serves every row that fits its
+    limit in one allocation: no while loop in the program (XLA would read its predicate on
+    the host), every row served, the pages held once each; a smaller pool keeps the loop."""
+    B, G, P = 4, 6, 2
+    rng = np.random.RandomState(0)
+    full_pool = lay.CacheLayout(paged=True, capacity=G * P, page_size=P, num_pages=B * G)
+    small_pool = lay.CacheLayout(paged=True, capacity=G * P, page_size=P, num_pages=B * G - 1)
+    cap = jnp.full((B,), G * P, jnp.int32)
+    for layout, loops in ((full_pool, False), (small_pool, True)):
+        state = layout.init_pages(B)
+        jaxpr = str(jax.make_jaxpr(lambda s, n, a: lay.reserve(layout, s, n, a, cap, G))(
+            state, jnp.zeros((B,), jnp.int32), jnp.ones((B,), bool)))
+        assert ("while" in jaxpr) == loops
+    state = full_pool.init_pages(B)
+    for _ in range(8):
+        need = jnp.asarray(rng.randint(0, G * P + 3, size=B))
+        active = jnp.asarray(rng.rand(B) < 0.8)
+        state, full = lay.reserve(full_pool, state, need, active, cap, G)
+        np.testing.assert_array_equal(np.asarray(full), np.asarray(active & (need > cap)))
+        served = np.asarray(active & ~full)
+        held = np.asarray(state.num_alloc)
+        assert (held[served] >= -(-np.asarray(need)[served] // P)).all()
+        table = np.asarray(state.page_table)
+        used = [int(x) for b in range(B) for x in table[b, : held[b]]]
+        assert len(used) == len(set(used)) and int(state.num_free) == B * G - len(used)
+        state = lay.free_pages(state, jnp.asarray(rng.rand(B) < 0.3))
+
+
 @settings(max_examples=15, deadline=None)
 @given(st.integers(0, 2 ** 31 - 1), st.integers(1, 9), st.integers(1, 3000), st.sampled_from([16, 64]),
        st.booleans())
