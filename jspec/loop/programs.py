@@ -7,7 +7,7 @@
   prefill   the next block of parked rows' prompts -> (state, readback)
   advance   rounds until every row finishes or a step count -> (state, readback)
   advance_by  `advance` for a number of rounds from the state's step -> (state, readback)
-  chunk     exactly a static number of rounds, one host read at its start -> (state, readback)
+  chunk     exactly a static number of rounds, no host read -> (state, readback)
   evict     rows freed -> state
 
 `generate`, `Compiled.run` and `stream` are clients of these; a serving engine calls

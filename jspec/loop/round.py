@@ -207,10 +207,10 @@ def advance_rounds(plan: Plan, tw, pw, st: LoopState, rounds: int) -> LoopState:
     """Exactly `rounds` rounds (a static count; rows that finish idle), the room of all of
     them reserved first: min(L + rounds x slack, the row's slot limit), a round advancing
     L by at most `plan.slack`. XLA runs a while loop of known trip count without reading
-    its predicate, so the host reads one predicate a chunk, that of the page allocation's
-    retry loop (`reserve`) before the rounds, instead of two or more a round: the call that
-    runs the program returns once that read is done and the rounds are enqueued (the
-    serving engine's chunks)."""
+    its predicate, so the host reads no predicate at all (with a pool that cannot run dry;
+    else one, the page allocation's retry loop in `reserve`, before the rounds) instead of
+    one or more a round: the call returns once the rounds are enqueued (the serving
+    engine's chunks)."""
     need = jnp.minimum(st.L + rounds * plan.slack, st.request.slot_limit)
     st, _ = reserve_room(plan, st, need, ~st.finished, cdiv(rounds * plan.slack, max(plan.layout.page_size, 1)) + 1)
     return jax.lax.fori_loop(0, rounds, lambda _, s: round_step(plan, tw, pw, s, reserved=True), st)

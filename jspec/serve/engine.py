@@ -18,8 +18,8 @@ One chunk of rounds is always in flight on the device while the host works:
 4. the next chunk of `rounds_per_chunk` rounds is dispatched (`chunk`), on the tier
    the adaptive choice picked (`jspec.serve.tiers`; the tiers share the state, so a switch
    moves nothing). A chunk runs exactly that many rounds with its pages reserved first,
-   so the host reads one predicate a chunk (the reservation's, at its start) and the
-   call returns with its rounds enqueued (a while loop until every row finished would
+   so the host reads no predicate (the default pool; with a smaller one, the
+   reservation's retry loop, at its start) and the call returns with its rounds enqueued (a while loop until every row finished would
    block the call for the whole chunk: XLA reads a loop's predicate on the host);
 5. while it runs, the previous chunk's tokens are handed to their requests (`Handle`)
    with their text; stop strings are matched here, ending the request at the first match.
