@@ -6,7 +6,6 @@
   admit     requests into rows of a running state -> (state, readback)
   prefill   the next block of parked rows' prompts -> (state, readback)
   advance   rounds until every row finishes or a step count -> (state, readback)
-  advance_by  `advance` for a number of rounds from the state's step -> (state, readback)
   chunk     exactly a static number of rounds, no host read -> (state, readback)
   evict     rows freed -> state
 
@@ -57,11 +56,6 @@ def prefill_fn(plan: Plan, tw, pw, st: LoopState, rows, start):
     return st, readback(st)
 
 
-def advance_by_fn(plan: Plan, tw, pw, st: LoopState, rounds):
-    st = advance(plan, tw, pw, st, st.step + rounds)
-    return st, readback(st)
-
-
 def chunk_fn(plan: Plan, tw, pw, st: LoopState, rounds: int):
     st = advance_rounds(plan, tw, pw, st, rounds)
     return st, readback(st)
@@ -76,7 +70,6 @@ start_jit = jax.jit(start_fn, static_argnums=0)
 admit_jit = jax.jit(admit_fn, static_argnums=0, donate_argnums=3)
 advance_jit = jax.jit(advance_fn, static_argnums=0, donate_argnums=3)
 prefill_jit = jax.jit(prefill_fn, static_argnums=0, donate_argnums=3)
-advance_by_jit = jax.jit(advance_by_fn, static_argnums=0, donate_argnums=3)
 
 evict_jit = jax.jit(evict_fn, static_argnums=0, donate_argnums=1)
 init_jit = jax.jit(init_state, static_argnums=0)
