@@ -11,8 +11,10 @@ in one process on the same weights (repeat a name to alternate); rows of a tunin
 than default are keyed `<row>_<tuning>`, and each decode row says whether its tokens
 equal the first tuning's.
 
+--round-batches 1,32: the round parts at each of these batch sizes (default 1).
+
 Run: PYTHONPATH=. python3 benchmarks/bench_8b.py [decode|decode1|chain|chain3|tree|tree16|tree60 ...]
-     [--tunings default,attn_bk64]   (chain3: S=3 only; tree16: (5,8,16) only; decode1: batch 1 only)
+     [--tunings default,attn_bk64] [--round-batches 1,32]   (chain3: S=3 only; tree16: (5,8,16) only; decode1: batch 1 only)
 """
 from __future__ import annotations
 
@@ -46,6 +48,7 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("parts", nargs="*", help=f"of {', '.join(PARTS)} (default: decode chain tree)")
     ap.add_argument("--tunings", default="default", help="comma-separated common.TUNINGS names")
+    ap.add_argument("--round-batches", default="1", help="batch sizes of the round parts (each also decoded)")
     args = ap.parse_args()
     parts = set(args.parts) or {"decode", "chain", "tree"}
     if parts - set(PARTS):
@@ -64,7 +67,9 @@ def main():
     res["weight_bytes"] = wb
     print(f"weights ready in {time.perf_counter() - t0:.1f}s; {wb / 1e9:.2f} GB read per step", flush=True)
     spec_params = target.with_draft(eagle3_head(target)) if parts & ROUND_PARTS else None
+    round_batches = tuple(int(b) for b in args.round_batches.split(","))
     batches = (1,) if "decode1" in parts or not parts & {"decode"} else (1, 32)
+    batches = tuple(sorted(set(batches) | set(round_batches)))
     seen, first_tokens = {}, {}
     for tname, tuning in tunings(args.tunings):
         ar_step = {}
@@ -83,14 +88,14 @@ def main():
             print("decode", rounded(row), flush=True)
             save_json(name, res)
             del r
-        for S, K, N in round_shapes(parts):
+        for (S, K, N), rb in [(shape, rb) for rb in round_batches for shape in round_shapes(parts)]:
             try:
                 spec = jspec.SpecConfig(num_steps=S, topk=K, num_draft_tokens=N)
-                r = Runner(spec_params, prompts(1), LONG, spec=spec, tuning=tuning)
+                r = Runner(spec_params, prompts(rb), LONG, spec=spec, tuning=tuning)
                 per, rounds, toks = r.per_round(SHORT, LONG)
-                row = {"S": S, "K": K, "N": N, "tuning": tname, "ms_per_round": per * 1e3,
-                       "ratio_to_ar_step": per / ar_step[1], "compile_s": r.compile_s}
-                res[tagged(f"round_S{S}_K{K}_N{N}", tname, seen)] = row
+                row = {"S": S, "K": K, "N": N, "batch": rb, "tuning": tname, "ms_per_round": per * 1e3,
+                       "ratio_to_ar_step": per / ar_step[rb], "compile_s": r.compile_s}
+                res[tagged(f"round_S{S}_K{K}_N{N}" + (f"_b{rb}" if rb != 1 else ""), tname, seen)] = row
                 print("round", rounded(row), flush=True)
                 save_json(name, res)
                 del r

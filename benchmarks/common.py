@@ -337,6 +337,16 @@ TUNINGS: dict[str, dict] = {
     # the GQA attention kernel: Tuning.attention
     "attn_bk64": {"attention": {"block_k": 64}},
     "attn_programs128": {"attention": {"target_programs": 128}},
+    # row-invariant numerics (issue 40): Tuning.row_invariant and its kernels' tiles
+    "row_invariant": {"row_invariant": True},
+    "row_attn_bk64": {"row_attention": {"block_k": 64, "split_blocks": 4}},
+    "row_attn_bk64_split8": {"row_attention": {"block_k": 64, "split_blocks": 8}},
+    "row_attn_split8": {"row_attention": {"split_blocks": 8}},  # splits of 1024 positions
+    "row_attn_split16": {"row_attention": {"split_blocks": 16}},  # 2048: one split up to 2048 slots
+    "rm_bk128": {"row_matmul": {"block_k": 128}},
+    "rm_stages4": {"row_matmul": {"num_stages": 4}},
+    "rm_programs528": {"row_matmul": {"target_programs": 528}},
+    "rm_bn64": {"row_matmul": {"block_n": 64}},
     # XLA options (on a GPU)
     "graphs_off": {"family_xla_options": False},  # XLA's default command buffers, not the family's
     "graphs_loop_only": {"family_xla_options": False, "xla_options": (("xla_gpu_enable_command_buffer", GRAPHS),)},

@@ -172,6 +172,10 @@ def _generate_parser() -> _Parser:
                     help="sampled requests draw the drafts from the draft's distribution (chains)")
     ap.add_argument("--repeats", type=_int(1), default=5,
                     help="timed runs of each program after a warm-up, alternating (median reported; default 5)")
+    ap.add_argument("--row-invariant", action=argparse.BooleanOptionalAction, default=None,
+                    help="row-invariant numerics (jspec.Tuning.row_invariant): speculative greedy output equals "
+                         "plain greedy output bit for bit on a GPU too (default: jspec.Tuning's auto, on for "
+                         "Llama targets up to hidden size 1024 such as the bundled pair)")
     return ap
 
 
@@ -218,8 +222,9 @@ def _generate(argv) -> int:
     params, draft = _load(ap, args)
     if draft is None:
         spec = None
+    tuning = jspec.Tuning() if args.row_invariant is None else jspec.Tuning(row_invariant=args.row_invariant)
     kw = dict(max_new_tokens=args.max_new_tokens, stop_token_ids=[], temperature=args.temperature,
-              top_p=args.top_p, top_k=args.top_k, seed=args.seed)
+              top_p=args.top_p, top_k=args.top_k, seed=args.seed, tuning=tuning)
     plain_params = params.with_draft(None)
     try:  # jspec checks its arguments before compiling: a refusal is a usage error
         prog = jspec.compile(params, args.prompt, spec=spec, **kw)
@@ -239,11 +244,26 @@ def _generate(argv) -> int:
           f"{len(out.tokens)} tokens, mean accepted length {out.stats.mean_accept_length:.2f}, "
           f"{tps:.0f} tokens/s")
     print(f"plain decoding: {plain_tps:.0f} tokens/s (speed-up {tps / plain_tps:.2f}x; tokens/s: medians of "
-          f"{args.repeats} timed runs each); "
-          f"outputs {'identical' if plain.tokens == out.tokens else 'differ'}"
-          + ("" if args.temperature == 0 else " (sampled: the same distribution; target-only verification draws "
-                                              "the same tokens for the same seed up to rounding)"))
+          f"{args.repeats} timed runs each); " + outputs_line(plain.tokens, out.tokens, args.temperature,
+                                                                  prog.plan.tuning))
     return 0
+
+
+def outputs_line(plain: list[int], spec: list[int], temperature: float, tuning) -> str:
+    """Whether the speculative output equals plain decoding's, and where not, at which
+    token and why."""
+    if plain == spec:
+        return "outputs identical"
+    i = next((j for j, (a, b) in enumerate(zip(plain, spec)) if a != b), min(len(plain), len(spec)))
+    where = f"outputs differ from token {i} of {len(plain)}"
+    if temperature > 0:
+        return (where + " (sampled: the same distribution; target-only verification draws the same tokens for "
+                "the same seed up to rounding)")
+    if not tuning.row_invariant:
+        return (where + ": without row-invariant numerics a verification sums its products and attention in "
+                "another order than a decode step, and a near-tie of two logits flipped there; --row-invariant "
+                "makes them equal bit for bit")
+    return where + ": unexpected with --row-invariant (please report it with the command)"
 
 
 def _bench_parser() -> _Parser:

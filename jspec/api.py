@@ -104,7 +104,7 @@ class Compiled:
         self.plan = make_plan(params, reqs.lens, reqs.max_new, max(len(s) for s in reqs.stop_ids), reqs.samples,
                               cache, spec, tuning, tiers=tiers, prefill_chunk=prefill_chunk)
         self.xla_options = dispatch.compiler_options(family_for(params.config).gpu_xla_options(params.config),
-                                                     tuning)
+                                                     self.plan.tuning)
         if eager:  # jspec.compile compiles now; jspec.stream compiles its own programs at its first chunk
             self.program(programs.generate_jit, *self.device_inputs(reqs))
 

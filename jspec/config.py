@@ -6,7 +6,7 @@ Draft kinds are their own frozen classes (`jspec.drafts`). `SpecConfig` and `Cac
 are the user-facing knobs of generation; `Tuning` holds the settings that tune kernels and
 compilation (part of every compile key, passed down as arguments), one group of tiles per
 kernel (`ExpertTiles`, `GroupedTiles`, `RouteTiles`, `MlaInputsTiles`, `MlaDecodeTiles`,
-`MlaOutputTiles`, `AttentionTiles`).
+`MlaOutputTiles`, `AttentionTiles`, `GatedDeltaTiles`, `RowAttentionTiles`, `RowMatmulTiles`).
 """
 from __future__ import annotations
 
@@ -378,6 +378,30 @@ class AttentionTiles:
     num_stages: int = 2
 
 
+@dataclasses.dataclass(frozen=True)
+class RowAttentionTiles:
+    """`jspec.kernels.row_attention` (`Tuning.row_invariant`): block_k positions a key
+    block, split_blocks blocks a split (splits cover fixed position ranges, so these tiles,
+    not the batch, decide a row's sums; plain and speculative programs must share them)."""
+
+    block_k: int = 128  # the 8B shape's batch-1 step on an H100: 6.41 ms, against 6.47 with
+    split_blocks: int = 2  # (64, 4) and 6.49 with (64, 8) (docs/benchmarks.md)
+    num_warps: int = 4
+    num_stages: int = 2
+
+
+@dataclasses.dataclass(frozen=True)
+class RowMatmulTiles:
+    """`jspec.kernels.row_matmul` (`Tuning.row_invariant`): columns and K chunk a program,
+    the programs a row block aims for (K splits follow from the weight's shape and this)."""
+
+    block_n: int = 128
+    block_k: int = 64
+    target_programs: int = 264
+    num_warps: int = 4
+    num_stages: int = 3
+
+
 _XLA_VALUE = (bool, int, str)
 
 
@@ -431,7 +455,7 @@ class Tuning:
     `Tuning(experts=ExpertTiles(num_stages=4), cache_write_in_kernel=False)`.
 
     One group of tiles per kernel (see each class): experts, grouped, route, mla_inputs,
-    mla_decode, mla_output, attention, gated_delta. The rest:
+    mla_decode, mla_output, attention, gated_delta, row_attention, row_matmul. The rest:
 
     mlp_norm_in_kernel: DeepSeek's post-attention norm runs in the prologues of the kernels
     that read the MLP's input (the router product, the first expert product) instead of as
@@ -460,6 +484,18 @@ class Tuning:
     path) or "checkpoint" (every node's states; the commit copies one). Both commit the
     same states; docs/benchmarks.md says why replay is the default.
 
+    row_invariant: every product, the LM head and attention compute a row (one token) with
+    the same operations in the same order whatever other rows share the pass
+    (`kernels.row_matmul`, `kernels.row_attention`; XLA compiles the programs with
+    xla_allow_excess_precision off), so a verification node's logits equal the decode
+    step's at its position bit for bit and greedy speculative output equals plain greedy
+    output on a GPU too. Plain and speculative programs must both have it. Llama-family
+    targets on one device (True elsewhere is refused); prefill keeps XLA's products. None
+    (the default): on where the family measured it within 3% of the step without
+    (`TargetFamily.row_invariant_by_default`: Llama targets up to hidden size 1024, e.g.
+    the bundled pair), off elsewhere; docs/benchmarks.md gives its cost. On a CPU it changes
+    nothing: jspec's CPU products are row-invariant already and the kernels do not run.
+
     xla_options: (name, value) pairs of XLA options for the loop's programs on a GPU, on top
     of the target family's own (`TargetFamily.gpu_xla_options`), which family_xla_options
     False leaves out (XLA's defaults but for xla_options); see
@@ -473,6 +509,9 @@ class Tuning:
     mla_output: MlaOutputTiles = MlaOutputTiles()
     attention: AttentionTiles = AttentionTiles()
     gated_delta: GatedDeltaTiles = GatedDeltaTiles()
+    row_attention: RowAttentionTiles = RowAttentionTiles()
+    row_matmul: RowMatmulTiles = RowMatmulTiles()
+    row_invariant: bool | None = None
     mlp_norm_in_kernel: bool = True
     cache_write_in_kernel: bool = True
     two_row_elements: tuple[int, int] = (1 << 20, 10_000_000)
@@ -489,6 +528,8 @@ class Tuning:
                 raise TypeError(f"Tuning.{f.name} must be of type {type(f.default).__name__}, got {v!r}")
             if isinstance(f.default, bool) and not isinstance(v, bool):
                 raise TypeError(f"Tuning.{f.name} must be a bool, got {v!r}")
+        if self.row_invariant is not None and not isinstance(self.row_invariant, bool):
+            raise TypeError(f"Tuning.row_invariant must be True, False or None (auto), got {self.row_invariant!r}")
         if self.recurrent_commit not in ("replay", "checkpoint"):
             raise ValueError(f"Tuning.recurrent_commit must be 'replay' or 'checkpoint', got {self.recurrent_commit!r}")
         opts = self.xla_options

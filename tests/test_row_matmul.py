@@ -1,12 +1,13 @@
-"""The row-invariant product (`jspec.kernels.row_matmul`, interpret mode on the CPU): its
-rows equal x @ w, and each row is the same bits whatever rows share the call (1 row, a
-verification's few, a batch's many; row blocks of 16 or 64)."""
+"""The row-invariant product and norm (`jspec.kernels.row_matmul`, `row_norm`, interpret
+mode on the CPU): rows equal x @ w (the XLA norm), and each row is the same bits whatever
+rows share the call (1 row, a verification's few, a batch's many; row blocks of 16 or 64)."""
 from __future__ import annotations
 
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from jspec.kernels import moe_experts, row_norm
 from jspec.kernels.row_matmul import row_matmul, splits_for, supported
 
 
@@ -36,3 +37,29 @@ def test_splits_follow_the_weight_only_and_bad_shapes_are_refused():
     assert not supported(x, w)
     with pytest.raises(ValueError, match="K % 64 == 0 and N % 128 == 0"):
         row_matmul(x, w)
+
+
+def test_transposed_weight_gives_the_same_rows():
+    rng = np.random.default_rng(1)
+    x = jnp.asarray(rng.standard_normal((20, 128)), jnp.bfloat16)
+    w = jnp.asarray(rng.standard_normal((256, 128)) * 0.05, jnp.bfloat16)  # [N, K]: a tied head
+    full = np.asarray(row_matmul(x, w, transpose_w=True, num_splits=2, interpret=True))
+    np.testing.assert_array_equal(full, np.asarray(row_matmul(x, w.T, num_splits=2, interpret=True)))
+    np.testing.assert_array_equal(np.asarray(row_matmul(x[7:8], w, transpose_w=True, num_splits=2, interpret=True)),
+                                  full[7:8])
+    assert supported(x, w, transpose_w=True) and not supported(x, w)
+
+
+@pytest.mark.parametrize("D", [256, 96])
+def test_row_norm_equals_the_xla_norm_and_its_rows_do_not_depend_on_the_others(D):
+    rng = np.random.default_rng(2)
+    x = jnp.asarray(rng.standard_normal((37, D)) * 3, jnp.bfloat16)
+    w = jnp.asarray(1 + 0.1 * rng.standard_normal(D), jnp.bfloat16)
+    full = np.asarray(row_norm.rms_norm(x, w, 1e-5, interpret=True), np.float32)
+    want = np.asarray(moe_experts.rms_norm(x, w, 1e-5), np.float32)
+    np.testing.assert_allclose(full, want, rtol=1e-2, atol=1e-2)  # one bf16 rounding apart at most
+    assert np.mean(full == want) > 0.95
+    for rows in (slice(0, 1), slice(3, 4), slice(5, 22)):
+        np.testing.assert_array_equal(np.asarray(row_norm.rms_norm(x[rows], w, 1e-5, interpret=True), np.float32),
+                                      full[rows])
+    assert not row_norm.supported(x[:, :90], w[:90])

@@ -19,6 +19,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
+from jspec.config import RowMatmulTiles
 from jspec.kernels.tiling import KERNEL_DTYPES
 
 BLOCK_M = 16
@@ -31,40 +32,51 @@ def splits_for(k: int, n: int, block_n: int, block_k: int, target_programs: int)
     return max(1, min(chunks, -(-target_programs // (n // block_n))))
 
 
-def _kernel(x_ref, w_ref, o_ref, *, block_k: int, chunks_per_split: int):
-    s = pl.program_id(2)
+def _kernel(x_ref, w_ref, o_ref, *, block_m: int, block_k: int, chunks_per_split: int, transpose_w: bool):
+    """x_ref [M, K] and o_ref [S, M, N] whole: this block's rows are gathered and stored
+    with the index clamped to M - 1, so rows past M repeat the last one and store the same
+    bits at its place (no padded copy of x, no padded partials written)."""
+    m, n, s = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    block_n = w_ref.shape[0] if transpose_w else w_ref.shape[1]
+    rows = jnp.minimum(m * block_m + jnp.arange(block_m, dtype=jnp.int32), x_ref.shape[0] - 1)
 
     def step(c, acc):
         k0 = pl.multiple_of(c * block_k, block_k)
-        xv = x_ref[:, pl.ds(k0, block_k)]
+        xv = x_ref[rows, pl.ds(k0, block_k)]
+        if transpose_w:  # w block [BN, K]
+            wv = w_ref[:, pl.ds(k0, block_k)]
+            return acc + lax.dot_general(xv, wv, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
         wv = w_ref[pl.ds(k0, block_k), :]
         return acc + jnp.dot(xv, wv, preferred_element_type=jnp.float32)
 
     lo = s * chunks_per_split
-    acc = lax.fori_loop(lo, lo + chunks_per_split, step, jnp.zeros(o_ref.shape, jnp.float32))
-    o_ref[...] = acc
+    acc = lax.fori_loop(lo, lo + chunks_per_split, step, jnp.zeros((block_m, block_n), jnp.float32))
+    o_ref[s, rows, pl.ds(pl.multiple_of(n * block_n, block_n), block_n)] = acc
 
 
-def supported(x, w, block_n: int = 128, block_k: int = 64) -> bool:
-    return (w.ndim == 2 and x.shape[-1] == w.shape[0] and jnp.dtype(w.dtype) in map(jnp.dtype, KERNEL_DTYPES)
-            and w.shape[1] % block_n == 0 and w.shape[0] % block_k == 0)
+def supported(x, w, transpose_w: bool = False, tiles: RowMatmulTiles | None = None) -> bool:
+    """Whether `row_matmul` takes x and w (K and N multiples of the tiles' chunks)."""
+    t = RowMatmulTiles() if tiles is None else tiles
+    K, N = (w.shape[::-1] if transpose_w else w.shape) if w.ndim == 2 else (0, 0)
+    return (w.ndim == 2 and K > 0 and x.shape[-1] == K and jnp.dtype(w.dtype) in map(jnp.dtype, KERNEL_DTYPES)
+            and N % t.block_n == 0 and K % t.block_k == 0)
 
 
-def row_matmul(x, w, *, block_n: int = 128, block_k: int = 64, num_splits: int | None = None,
-               target_programs: int = 264, num_warps: int = 4, num_stages: int = 3, block_m: int = BLOCK_M,
-               interpret: bool | None = None):
-    """x [..., K] @ w [K, N] -> [..., N] float32, row-invariant (see the module)."""
-    if not supported(x, w, block_n, block_k):
-        raise ValueError(f"row_matmul needs w [K, N] with K % {block_k} == 0 and N % {block_n} == 0, "
-                         f"got x {x.shape}, w {w.shape}")
-    K, N = w.shape
+def row_matmul(x, w, *, transpose_w: bool = False, tiles: RowMatmulTiles | None = None,
+               num_splits: int | None = None, block_m: int = BLOCK_M, interpret: bool | None = None):
+    """x [..., K] @ w [K, N] (w [N, K] with transpose_w: a tied LM head) -> [..., N]
+    float32, row-invariant (see the module). tiles: None, the defaults."""
+    t = RowMatmulTiles() if tiles is None else tiles
+    block_n, block_k = t.block_n, t.block_k
+    if not supported(x, w, transpose_w, t):
+        raise ValueError(f"row_matmul needs K % {block_k} == 0 and N % {block_n} == 0, "
+                         f"got x {x.shape}, w {w.shape} (transpose_w={transpose_w})")
+    K, N = w.shape[::-1] if transpose_w else w.shape
     lead = x.shape[:-1]
     x2 = x.reshape(-1, K).astype(w.dtype)
     M = x2.shape[0]
     Mp = -(-M // block_m) * block_m
-    if Mp != M:
-        x2 = jnp.pad(x2, ((0, Mp - M), (0, 0)))
-    S = num_splits or splits_for(K, N, block_n, block_k, target_programs)
+    S = num_splits or splits_for(K, N, block_n, block_k, t.target_programs)
     chunks = K // block_k
     if chunks % S:
         S = max(d for d in range(1, S + 1) if chunks % d == 0)
@@ -73,17 +85,19 @@ def row_matmul(x, w, *, block_n: int = 128, block_k: int = 64, num_splits: int |
     params = None
     if not interpret:
         from jax.experimental.pallas import triton as plt
-        params = plt.CompilerParams(num_warps=num_warps, num_stages=num_stages)
+        params = plt.CompilerParams(num_warps=t.num_warps, num_stages=t.num_stages)
+    w_spec = (pl.BlockSpec((block_n, K), lambda m, n, s: (n, 0)) if transpose_w
+              else pl.BlockSpec((K, block_n), lambda m, n, s: (0, n)))
     part = pl.pallas_call(
-        functools.partial(_kernel, block_k=block_k, chunks_per_split=chunks // S),
+        functools.partial(_kernel, block_m=block_m, block_k=block_k, chunks_per_split=chunks // S,
+                          transpose_w=transpose_w),
         grid=(Mp // block_m, N // block_n, S),
-        in_specs=[pl.BlockSpec((block_m, K), lambda m, n, s: (m, 0)),
-                  pl.BlockSpec((K, block_n), lambda m, n, s: (0, n))],
-        out_specs=pl.BlockSpec((None, block_m, block_n), lambda m, n, s: (s, m, n)),
-        out_shape=jax.ShapeDtypeStruct((S, Mp, N), jnp.float32),
+        in_specs=[pl.BlockSpec(), w_spec],
+        out_specs=pl.BlockSpec(),
+        out_shape=jax.ShapeDtypeStruct((S, M, N), jnp.float32),
         interpret=interpret, compiler_params=params, name="jspec_row_matmul",
     )(x2, w)
     y = part[0]
     for i in range(1, S):  # split order, elementwise: the same sum for every row
         y = y + part[i]
-    return y[:M].reshape(lead + (N,))
+    return y.reshape(lead + (N,))

@@ -150,7 +150,15 @@ def make_plan(params, lens: list[int], max_new: list[int], num_stop: int, sample
     prefill_chunk: see `Plan`."""
     proposer = proposer_for(params.draft.config if params.draft is not None else None)
     paged = cache.kind == "paged"
-    if prefill_chunk and not (paged and family_for(params.config).cache_kind(params.config).prefill_in_chunks):
+    family = family_for(params.config)
+    problem = family.row_invariant_problem(params.config, tuning)
+    if params.mesh is not None:
+        problem = "it runs on one device: its kernels cannot be split over a mesh"
+    if tuning.row_invariant is None:  # auto: where the family measured it cheap (`TargetFamily.row_invariant_by_default`)
+        tuning = tuning.replace(row_invariant=problem is None and family.row_invariant_by_default(params.config))
+    if tuning.row_invariant and problem:
+        raise ValueError(f"Tuning(row_invariant=True): {problem}")
+    if prefill_chunk and not (paged and family.cache_kind(params.config).prefill_in_chunks):
         raise ValueError("prefill in chunks needs a paged cache and a target whose cache takes a prompt in blocks "
                          "(hybrid targets with recurrent layers prefill whole prompts)")
     slack = max(round_slack(params.config, proposer, s, paged) for s in (spec, *tiers))

@@ -55,6 +55,15 @@ class TargetFamily:
         """tokens [...] -> input embeddings [..., D] (EAGLE heads share the target's)."""
         raise NotImplementedError
 
+    def row_invariant_problem(self, cfg, tuning) -> str | None:
+        """Why this target cannot run with `Tuning.row_invariant` (None: it can)."""
+        return f"not available for {type(self).__name__} targets yet (Llama-family targets have it)"
+
+    def row_invariant_by_default(self, cfg) -> bool:
+        """What `Tuning.row_invariant=None` (auto) becomes for this target on one device
+        (where `row_invariant_problem` has none)."""
+        return False
+
     def gpu_xla_options(self, cfg) -> dict:
         """XLA options this family's loop programs are compiled with on a GPU, under a
         tuning's `xla_options` (which win where both set one; `Tuning.family_xla_options`

@@ -18,14 +18,19 @@ from jax.sharding import PartitionSpec as P
 from jspec.cache.kv import KVCache, KVCacheKind
 from jspec.cache.layout import AttnMeta, prefill_meta
 from jspec.config import DEFAULT_TUNING, ModelConfig, Tuning
-from jspec.kernels import cpu_matmul, moe_experts
+from jspec.kernels import cpu_matmul, dispatch, moe_experts, row_matmul, row_norm
 from jspec.kernels.attention import cached_attention
+from jspec.kernels.tiling import is_pow2
 from jspec import sharding
 from jspec.models import llama_hf
 from jspec.models.family import TargetFamily
 from jspec.tensors import HostParam
 
 _init = nn.initializers.normal(0.02)
+# `Tuning.row_invariant=None` turns it on for targets up to this hidden size: measured
+# cheaper at 256 and dearer at 4096 (`LlamaFamily.row_invariant_by_default`); sizes between
+# are not measured.
+ROW_INVARIANT_AUTO_MAX_HIDDEN = 1024
 
 
 def pad_one_row(rows: int, weight_elements: int, tuning: Tuning = DEFAULT_TUNING) -> bool:
@@ -38,13 +43,18 @@ def pad_one_row(rows: int, weight_elements: int, tuning: Tuning = DEFAULT_TUNING
 
 
 def product(x: jax.Array, w: jax.Array, transpose_w: bool = False, float32_out: bool = False,
-            tuning: Tuning = DEFAULT_TUNING) -> jax.Array:
+            tuning: Tuning = DEFAULT_TUNING, row_invariant: bool = False) -> jax.Array:
     """x [..., K] @ w [K, N] (or w [N, K] transposed: a tied head) -> [..., N], accumulated
-    in float32 (kept as float32 with `float32_out`). Few-row float32 products on the CPU
+    in float32 (kept as float32 with `float32_out`). row_invariant: the row-invariant
+    kernel (`kernels.row_matmul`, tiles `tuning.row_matmul`) where the backend runs
+    kernels and the shapes fit it. Few-row float32 products on the CPU
     run jspec's native loops (`kernels.cpu_matmul`, up to `tuning.cpu_matmul_max_rows`
     rows), everything else XLA's dot (one-row products with mid-sized weights on the GPU
     padded to two rows: `pad_one_row`)."""
     x = x.astype(w.dtype)
+    if row_invariant and row_matmul.supported(x, w, transpose_w, tuning.row_matmul) and dispatch.want_pallas(True):
+        y = row_matmul.row_matmul(x, w, transpose_w=transpose_w, tiles=tuning.row_matmul)
+        return y if float32_out else y.astype(w.dtype)
     if cpu_matmul.use_native(x, w, tuning.cpu_matmul_max_rows):
         return cpu_matmul.matmul(x, w, transpose_w=transpose_w)
     pad = pad_one_row(x.size // x.shape[-1], w.size, tuning)
@@ -66,25 +76,26 @@ class Linear(nn.Module):
     tuning: Tuning = DEFAULT_TUNING  # the row kernel's tiles (`experts`) and `product`'s rules
 
     @nn.compact
-    def __call__(self, x, norm_factor=None, norm=None, splits: bool = False):
+    def __call__(self, x, norm_factor=None, norm=None, splits: bool = False, row_invariant: bool = False):
         """x [..., in] -> [..., out]; `norm_factor` [..., 1] float32 multiplies the product
         before the bias (a deferred RMSNorm factor, see `RMSNorm`); `norm` (weight, eps):
         x is RMS-normed first (`RMSNorm(..., unapplied=True)`; in the row kernel's
         prologue when it runs). splits: return the row kernel's K splits [S, rows, out]
-        float32 unsummed (`moe_experts.matvec`; only where `uses_splits`)."""
+        float32 unsummed (`moe_experts.matvec`; only where `uses_splits`). row_invariant:
+        `product`'s (`Tuning.row_invariant` outside prefill)."""
         w = self.param("kernel", _init, (x.shape[-1], self.features), jnp.dtype(self.dtype))
         if splits:
             if not self.uses_splits(x):
                 raise ValueError("Linear(splits=True) needs the row kernel for this product and no bias")
             return moe_experts.matvec(x, w, norm, sum_splits=False, tiles=self.tuning.experts)
-        if self.row_kernel and moe_experts.uses_matvec(x, w, self.tuning.experts):
+        if self.row_kernel and not row_invariant and moe_experts.uses_matvec(x, w, self.tuning.experts):
             y = moe_experts.matvec(x, w, norm, float32_out=self.float32_out, tiles=self.tuning.experts)
         else:
             x = moe_experts.normed(x, norm)
             # Products accumulate in float32 either way; asking for a float32 result only
             # where it is kept avoids a separate conversion pass after every matrix-vector
             # product.
-            y = product(x, w, float32_out=self.float32_out, tuning=self.tuning)
+            y = product(x, w, float32_out=self.float32_out, tuning=self.tuning, row_invariant=row_invariant)
         if norm_factor is not None:  # fuses into the product's consumer
             y = (y.astype(jnp.float32) * norm_factor).astype(y.dtype)
         if self.use_bias:
@@ -108,16 +119,23 @@ class RMSNorm(nn.Module):
 
     unapplied=True returns the norm as (weight, eps) for a `Linear(...)(x, norm=...)`,
     which norms x itself (in the row kernel's prologue: no kernel for the norm).
+
+    row_invariant (a call argument: `Tuning.row_invariant` outside prefill): the
+    row-invariant kernel (`kernels.row_norm`) where the backend runs kernels; a deferred
+    norm is then applied at once (its factor is None).
     """
 
     eps: float
     dtype: str = "float32"
 
     @nn.compact
-    def __call__(self, x, deferred: bool = False, unapplied: bool = False):
+    def __call__(self, x, deferred: bool = False, unapplied: bool = False, row_invariant: bool = False):
         w = self.param("weight", nn.initializers.ones, (x.shape[-1],), jnp.dtype(self.dtype))
         if unapplied:
             return w, self.eps
+        if row_invariant and row_norm.supported(x, w) and dispatch.want_pallas(True):
+            y = row_norm.rms_norm(x, w, self.eps)
+            return (y, None) if deferred else y
         if deferred:
             xf = x.astype(jnp.float32)
             return w * x, jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + self.eps)
@@ -151,19 +169,23 @@ class Attention(nn.Module):
         B, T, _ = x.shape
         H, Hkv, Dh = c.num_heads, c.num_kv_heads, c.head_dim
         G = H // Hkv
-        qkv = Linear((H + 2 * Hkv) * Dh, c.qkv_bias, c.dtype, tuning=self.tuning, name="qkv_proj")(x, norm_factor)
+        ri = self.tuning.row_invariant and not meta.prefill  # prefill need not be row-invariant
+        qkv = Linear((H + 2 * Hkv) * Dh, c.qkv_bias, c.dtype, tuning=self.tuning, name="qkv_proj")(
+            x, norm_factor, row_invariant=ri)
         qkv = qkv.reshape(B, T, Hkv, G + 2, Dh)  # per KV head: its G query heads, key, value
         q = qkv[:, :, :, :G].reshape(B, T, H, Dh)
         k, v = qkv[:, :, :, G], qkv[:, :, :, G + 1]
         if c.qk_norm:
-            q = RMSNorm(c.rms_norm_eps, c.dtype, name="q_norm")(q)
-            k = RMSNorm(c.rms_norm_eps, c.dtype, name="k_norm")(k)
+            q = RMSNorm(c.rms_norm_eps, c.dtype, name="q_norm")(q, row_invariant=ri)
+            k = RMSNorm(c.rms_norm_eps, c.dtype, name="k_norm")(k, row_invariant=ri)
         inv_freq = c.rope.inv_freq(Dh)
         q = apply_rope(q, meta.positions, inv_freq, c.rope.cos_sin_scale())
         k = apply_rope(k, meta.positions, inv_freq, c.rope.cos_sin_scale())
         o, kv = cached_attention(q, k, v, kv, meta, window=self.window, scale=Dh ** -0.5,
-                                 tiles=self.tuning.attention)
-        out = Linear(c.hidden_size, c.o_bias, c.dtype, tuning=self.tuning, name="o_proj")(o.reshape(B, T, H * Dh))
+                                 tiles=self.tuning.attention,
+                                 row_tiles=self.tuning.row_attention if ri else None)
+        out = Linear(c.hidden_size, c.o_bias, c.dtype, tuning=self.tuning, name="o_proj")(
+            o.reshape(B, T, H * Dh), row_invariant=ri)
         return out, kv
 
 
@@ -172,13 +194,14 @@ class MLP(nn.Module):
     tuning: Tuning = DEFAULT_TUNING
 
     @nn.compact
-    def __call__(self, x, norm_factor=None):
+    def __call__(self, x, norm_factor=None, row_invariant: bool = False):
         c = self.cfg
         F = c.intermediate_size
-        gu = Linear(2 * F, c.mlp_bias, c.dtype, tuning=self.tuning, name="gate_up_proj")(x, norm_factor)
+        gu = Linear(2 * F, c.mlp_bias, c.dtype, tuning=self.tuning, name="gate_up_proj")(
+            x, norm_factor, row_invariant=row_invariant)
         gu = gu.reshape(gu.shape[:-1] + (F, 2))  # gate and up column i side by side
         return Linear(c.hidden_size, c.mlp_bias, c.dtype, tuning=self.tuning, name="down_proj")(
-            nn.silu(gu[..., 0]) * gu[..., 1])
+            nn.silu(gu[..., 0]) * gu[..., 1], row_invariant=row_invariant)
 
 
 class DecoderLayer(nn.Module):
@@ -192,12 +215,13 @@ class DecoderLayer(nn.Module):
         c = self.cfg
         # Both norms are deferred: their factor is applied after the projection that follows.
         h, r = x, None
+        ri = self.tuning.row_invariant and not meta.prefill
         if self.input_norm:
-            h, r = RMSNorm(c.rms_norm_eps, c.dtype, name="input_layernorm")(x, deferred=True)
+            h, r = RMSNorm(c.rms_norm_eps, c.dtype, name="input_layernorm")(x, deferred=True, row_invariant=ri)
         h, kv = Attention(c, self.window, self.tuning, name="self_attn")(h, kv, meta, r)
         x = x + h
-        h, r = RMSNorm(c.rms_norm_eps, c.dtype, name="post_attention_layernorm")(x, deferred=True)
-        return x + MLP(c, self.tuning, name="mlp")(h, r), kv
+        h, r = RMSNorm(c.rms_norm_eps, c.dtype, name="post_attention_layernorm")(x, deferred=True, row_invariant=ri)
+        return x + MLP(c, self.tuning, name="mlp")(h, r, row_invariant=ri), kv
 
 
 class DecoderLM(nn.Module):
@@ -216,11 +240,12 @@ class DecoderLM(nn.Module):
             self.lm_head = Linear(c.vocab_size, False, c.dtype, float32_out=True, tuning=self.tuning)
 
     def logits(self, hidden):
-        """hidden [..., D] -> float32 logits [..., V]."""
+        """hidden [..., D] -> float32 logits [..., V] (`Tuning.row_invariant`: by the row kernel)."""
+        ri = self.tuning.row_invariant
         if self.cfg.tie_word_embeddings:
             return product(hidden, self.embed_tokens.embedding, transpose_w=True, float32_out=True,
-                           tuning=self.tuning)
-        return self.lm_head(hidden)
+                           tuning=self.tuning, row_invariant=ri)
+        return self.lm_head(hidden, row_invariant=ri)
 
     def embed(self, tokens):
         """tokens [...] -> embeddings [..., D] (`sharding.lookup_rows`: per device under a mesh)."""
@@ -257,7 +282,7 @@ class LlamaModel(DecoderLM):
         if self.cfg.num_layers in capture:  # the last layer's output, before the final norm
             aux[self.cfg.num_layers] = x
         new_cache = None if cache is None else KVCache(kv=tuple(kvs))
-        return self.norm(x), aux, new_cache
+        return self.norm(x, row_invariant=self.tuning.row_invariant and not meta.prefill), aux, new_cache
 
 # Tensor parallelism (`jspec.sharding`): how a Llama-architecture module's weights split,
 # by the last two keys of their path (a one-key path: an EAGLE-3 head's own embedding).
@@ -341,6 +366,30 @@ class LlamaFamily(FlaxFamily):
     model = LlamaModel
 
     architectures = tuple(llama_hf.TARGET_ARCHITECTURES)
+
+    def row_invariant_problem(self, cfg, tuning) -> str | None:
+        """A product whose weight the row kernel does not take (K or N not a multiple of its
+        `tuning.row_matmul` chunks, on the GPU it would stay XLA's), or a norm width
+        `kernels.row_norm` does not take."""
+        t = tuning.row_matmul
+        H, Hkv, Dh, D, F = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.hidden_size, cfg.intermediate_size
+        shapes = {"qkv_proj": (D, (H + 2 * Hkv) * Dh), "o_proj": (H * Dh, D), "gate_up_proj": (D, 2 * F),
+                  "down_proj": (F, D), "the LM head": (D, cfg.vocab_size)}
+        for name, (k, n) in shapes.items():
+            if k % t.block_k or n % t.block_n:
+                return (f"the row kernel takes weights [K, N] with K a multiple of {t.block_k} and N of "
+                        f"{t.block_n}; {name} is [{k}, {n}]")
+        if not row_norm.chunk_of(D) or (cfg.qk_norm and not row_norm.chunk_of(Dh)):
+            return f"the row norm takes widths that are multiples of 16 (hidden {D}, head {Dh})"
+        if not (is_pow2(Dh) and Dh >= 16):
+            return f"the row attention kernel takes head dims that are powers of two >= 16, not {Dh}"
+        return None
+
+    def row_invariant_by_default(self, cfg) -> bool:
+        """On up to `ROW_INVARIANT_AUTO_MAX_HIDDEN`: on an H100 the bundled pair (hidden 256)
+        ran faster with it (plain 2700 against 2369 tokens/s, EAGLE-3 S=5 6211 against
+        6072), the 8B shape (4096) 6.9% slower a batch-1 step (docs/benchmarks.md)."""
+        return cfg.hidden_size <= ROW_INVARIANT_AUTO_MAX_HIDDEN
 
     def config_from_hf(self, cfg_json: dict, dtype: str | None) -> ModelConfig:
         return llama_hf.model_config_from_hf(cfg_json, dtype=dtype)

@@ -1,0 +1,108 @@
+"""Greedy speculative output against plain greedy output in bf16 on the GPU, bit for bit
+(issue 40): the share of prompts whose outputs are identical, per tuning.
+
+Check (`check`): for each tuning (default: `default` and `row_invariant`), plain decoding
+and speculative decoding of the same prompts, and the prompts whose outputs differ with
+the first differing token:
+- the bundled pair (trained; 16 held-out prompts, PROMPT tokens cut to unequal lengths,
+  128 new tokens): EAGLE-3 chain S=4 and tree (5,4,16) dense, the chain paged 16, the
+  standalone chain; and batch 1 (the first 4 prompts one at a time, EAGLE-3 chain);
+- the Llama-3.1-8B shape with random weights and n-gram drafts (a random model's greedy
+  output repeats, so the lookup's drafts are accepted): chain S=4 and tree (4,2,8),
+  dense and paged 16, a batch of 4 unequal prompts.
+Plain decoding of each tuning is its own reference (dense; paged plain is compared too).
+
+Run: PYTHONPATH=. python3 benchmarks/bitwise.py [check] [--tunings default,row_invariant] [--prompts 16]
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import time
+
+import jax
+import numpy as np
+
+import jspec
+from benchmarks.bundle_eval import first_diff, held_out_prompts
+from benchmarks.common import LLAMA31_8B, env_info, random_params, save_json, tunings
+from jspec.bundle import bundle_path
+
+NEW = 128
+PAGED = jspec.CacheConfig("paged", page_size=16)
+
+
+def compare(name, tname, ref, out, res):
+    diffs = [first_diff(a, b) for a, b in zip(out, ref)]
+    row = {"tuning": tname, "config": name, "identical": sum(d is None for d in diffs), "prompts": len(diffs),
+           "first_diff": [(i, d) for i, d in enumerate(diffs) if d is not None]}
+    res.setdefault("check", []).append(row)
+    print(f"{tname:14s} {name:40s} identical {row['identical']}/{row['prompts']}  first differences "
+          f"(prompt, token) {row['first_diff'][:6]}", flush=True)
+
+
+def run(params, prompts, tuning, spec=None, cache=None):
+    kw = dict(max_new_tokens=NEW, stop_token_ids=[], spec=spec, cache=cache)
+    if tuning is not None:
+        kw["tuning"] = tuning
+    return jspec.generate(params, prompts, **kw)
+
+
+def check_bundle(tname, tuning, n_prompts, res):
+    root = bundle_path()
+    target = jspec.load(os.path.join(root, "target"), dtype="bfloat16")
+    e3 = jspec.load(os.path.join(root, "target"), draft=os.path.join(root, "eagle3"), dtype="bfloat16")
+    sa = jspec.load(os.path.join(root, "target"), draft=os.path.join(root, "standalone"), dtype="bfloat16")
+    prompts = [p[: 64 + (37 * i) % 64] for i, p in enumerate(held_out_prompts(target.tokenizer, n_prompts))]
+    plain = run(target, prompts, tuning).tokens
+    compare("bundle plain paged16", tname, plain, run(target, prompts, tuning, cache=PAGED).tokens, res)
+    for name, params, spec, cache in [("bundle eagle3 chain S=4", e3, jspec.SpecConfig(4), None),
+                                      ("bundle eagle3 tree 5,4,16", e3, jspec.SpecConfig(5, 4, 16), None),
+                                      ("bundle eagle3 chain S=4 paged16", e3, jspec.SpecConfig(4), PAGED),
+                                      ("bundle eagle3 tree 5,4,16 paged16", e3, jspec.SpecConfig(5, 4, 16), PAGED),
+                                      ("bundle standalone chain S=4", sa, jspec.SpecConfig(4), None)]:
+        out = run(params, prompts, tuning, spec, cache)
+        compare(f"{name} (tau {out.stats.mean_accept_length:.2f})", tname, plain, out.tokens, res)
+    one_plain = [run(target, p, tuning).tokens for p in prompts[:4]]
+    one_spec = [run(e3, p, tuning, jspec.SpecConfig(4)).tokens for p in prompts[:4]]
+    compare("bundle batch 1 eagle3 chain S=4", tname, one_plain, one_spec, res)
+    compare("bundle batch 1 plain vs batch 16 plain", tname, plain[:4], one_plain, res)
+
+
+def check_8b(tname, tuning, target, res):
+    rng = np.random.RandomState(0)
+    prompts = [rng.randint(1, 100000, size=n).tolist() for n in (300, 517, 129, 1024)]
+    plain = run(target, prompts, tuning).tokens
+    compare("8b plain paged16", tname, plain, run(target, prompts, tuning, cache=PAGED).tokens, res)
+    ngram = target.with_draft(jspec.NgramDraft())
+    for name, spec, cache in [("8b ngram chain S=4", jspec.SpecConfig(4), None),
+                              ("8b ngram tree 4,2,8", jspec.SpecConfig(4, 2, 8), None),
+                              ("8b ngram chain S=4 paged16", jspec.SpecConfig(4), PAGED),
+                              ("8b ngram tree 4,2,8 paged16", jspec.SpecConfig(4, 2, 8), PAGED)]:
+        out = run(ngram, prompts, tuning, spec, cache)
+        compare(f"{name} (tau {out.stats.mean_accept_length:.2f})", tname, plain, out.tokens, res)
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("parts", nargs="*", default=["check"])
+    ap.add_argument("--tunings", default="default,row_invariant")
+    ap.add_argument("--prompts", type=int, default=16)
+    ap.add_argument("--skip", nargs="*", default=[], help="bundle and/or 8b")
+    args = ap.parse_args()
+    res = {"env": env_info(), "date": time.strftime("%Y-%m-%d"), "new_tokens": NEW}
+    print(res["env"], flush=True)
+    target = None if "8b" in args.skip else random_params(LLAMA31_8B)
+    for tname, tuning in tunings(args.tunings):
+        t0 = time.perf_counter()
+        if "bundle" not in args.skip:
+            check_bundle(tname, tuning, args.prompts, res)
+        if target is not None:
+            check_8b(tname, tuning, target, res)
+        print(f"{tname}: {time.perf_counter() - t0:.0f} s", flush=True)
+        jax.clear_caches()
+    print("saved", save_json(f"bitwise_{jax.default_backend()}.json", res))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,76 @@
+"""The row-invariant attention kernel (`jspec.kernels.row_attention`, interpret mode on the
+CPU): it equals the reference, and a tree node's output is the same bits as a one-token
+decode step at the node's position over a cache that holds the node's ancestors in
+position order (what plain decoding's cache holds), whatever the cache's capacity."""
+from __future__ import annotations
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from test_kernels import _fast_jit, _reference, make_case, stack
+
+from jspec.cache import layout as lay
+from jspec.config import RowAttentionTiles
+from jspec.kernels.row_attention import local_slots, row_attention
+
+TILES = RowAttentionTiles(block_k=16, split_blocks=2)  # splits of 32 positions: several a row
+
+
+def _row(q, k, v, meta, *, window=0, tiles=TILES):
+    return row_attention(q, stack(k, v), meta, window=window, scale=q.shape[-1] ** -0.5, tiles=tiles,
+                         interpret=True)
+
+
+@pytest.mark.parametrize("page_size,T,Gq,window", [(0, 1, 4, 0), (0, 5, 2, 0), (16, 4, 20, 0), (3, 6, 1, 0),
+                                                    (0, 4, 4, 24), (16, 3, 2, 20)])
+def test_matches_reference(page_size, T, Gq, window):
+    q, k, v, meta = make_case(3, B=2, T=T, Tl=T + 2, Gq=Gq, S=96, page_size=page_size)
+    out = _fast_jit(_row, q, k, v, meta, window=window)
+    ref = _fast_jit(_reference, q, k, v, meta, window=window)
+    assert out.shape == q.shape and out.dtype == q.dtype
+    np.testing.assert_allclose(np.asarray(out), np.asarray(ref), rtol=2e-5, atol=2e-5)
+
+
+def test_local_slots_follow_each_tokens_ancestors():
+    _, _, _, meta = make_case(5, B=2, T=4, Tl=6, S=64)
+    got = np.asarray(local_slots(meta))
+    mask, lpos, prefix = (np.asarray(a) for a in (meta.local_mask, meta.local_positions, meta.prefix_len))
+    for b in range(2):
+        for t in range(4):
+            want = np.full(got.shape[-1], -1)
+            for i in np.flatnonzero(mask[b, t]):
+                want[lpos[b, i] - prefix[b]] = prefix[b] + i
+            np.testing.assert_array_equal(got[b, t], want)
+
+
+def _decode_case(k, v, meta, b, t, S):
+    """A one-token decode step of node t of row b: a dense cache of S slots holding row b's
+    prefix, then the node's ancestors and the node itself at their positions."""
+    L = int(meta.prefix_len[b])
+    kk = np.zeros((1, S) + k.shape[2:], np.float32)
+    vv = np.zeros_like(kk)
+    kk[0, :L], vv[0, :L] = np.asarray(k[b, :L], np.float32), np.asarray(v[b, :L], np.float32)
+    for j, slot in enumerate(np.asarray(local_slots(meta))[b, t]):
+        if slot >= 0:
+            kk[0, L + j], vv[0, L + j] = np.asarray(k[b, slot], np.float32), np.asarray(v[b, slot], np.float32)
+    pos = int(meta.positions[b, t])
+    one = lay.AttnMeta(positions=jnp.full((1, 1), pos, jnp.int32), prefix_len=jnp.full((1,), pos, jnp.int32),
+                       local_mask=jnp.ones((1, 1, 1), bool), local_positions=jnp.full((1, 1), pos, jnp.int32),
+                       write_index=jnp.zeros((1, 1), jnp.int32), page_table=None)
+    return jnp.asarray(kk, k.dtype), jnp.asarray(vv, v.dtype), one
+
+
+@pytest.mark.parametrize("window,tiles,caps", [
+    (0, TILES, (96, 160)),  # another capacity: more splits, all past the row's keys
+    (40, TILES, (96, 160)),
+    (0, RowAttentionTiles(block_k=16, split_blocks=16), (96, 300)),  # one split (no merge) against two
+])
+def test_a_tree_node_equals_the_decode_step_at_its_position_bit_for_bit(window, tiles, caps):
+    q, k, v, meta = make_case(7, B=2, T=6, Tl=6, Gq=4, S=96, prefix=[50, 71], dtype=jnp.bfloat16)
+    tree = np.asarray(_fast_jit(_row, q, k, v, meta, window=window, tiles=tiles))
+    for b in range(2):
+        for t in range(6):
+            for S in caps:
+                kk, vv, one = _decode_case(k, v, meta, b, t, S)
+                step = np.asarray(_fast_jit(_row, q[b:b + 1, t:t + 1], kk, vv, one, window=window, tiles=tiles))
+                np.testing.assert_array_equal(step[0, 0], tree[b, t], err_msg=f"row {b} node {t} S {S}")

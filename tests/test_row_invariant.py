@@ -1,0 +1,82 @@
+"""`Tuning.row_invariant` (issue 40): the setting (auto, refusals, XLA options), the loop
+through the row-invariant kernels (interpret mode: greedy speculative output equals plain
+output and every row kernel ran), and the CLI's line about the outputs."""
+from __future__ import annotations
+
+import importlib
+
+import jax
+import numpy as np
+import pytest
+import torch
+from tiny_models import make_model
+
+import jspec
+from jspec.config import CacheConfig, Tuning
+from jspec.kernels import dispatch, row_matmul, row_norm
+from jspec.loop.plan import make_plan
+from jspec.models import family_for
+
+
+def _plan_tuning(params, tuning):
+    return make_plan(params, [8], [4], 1, False, CacheConfig(), None, tuning).tuning
+
+
+def test_the_setting_auto_and_refusals(monkeypatch, tmp_path):
+    with pytest.raises(TypeError, match="row_invariant must be True, False or None"):
+        Tuning(row_invariant=1)
+    make_model(str(tmp_path), hidden=128, vocab=384)
+    small = jspec.load(str(tmp_path), dtype="bfloat16")
+    assert _plan_tuning(small, Tuning()).row_invariant is True  # auto: a small Llama target
+    assert _plan_tuning(small, Tuning(row_invariant=False)).row_invariant is False
+    llama = family_for(small.config)
+    assert not llama.row_invariant_by_default(small.config.replace(hidden_size=4096))  # the 8B shape: dearer
+    odd = jspec.Params(small.config.replace(vocab_size=300), small.weights)  # a head the row kernel does not take
+    assert _plan_tuning(odd, Tuning()).row_invariant is False
+    with pytest.raises(ValueError, match=r"the LM head is \[128, 300\]"):
+        _plan_tuning(odd, Tuning(row_invariant=True))
+    from jspec.models.deepseek_hf import DeepseekConfig
+    cfg = DeepseekConfig(vocab_size=96, hidden_size=32, intermediate_size=48, num_layers=1, num_heads=2,
+                         kv_lora_rank=32, q_lora_rank=0, qk_nope_head_dim=16, qk_rope_head_dim=16, v_head_dim=16,
+                         moe_intermediate_size=16, n_routed_experts=4, n_shared_experts=1, num_experts_per_tok=2,
+                         first_k_dense_replace=1)
+    deepseek = jspec.Params(cfg, family_for(cfg).init_weights(cfg, jax.random.key(0)))
+    assert _plan_tuning(deepseek, Tuning()).row_invariant is False
+    with pytest.raises(ValueError, match="not available for DeepseekFamily"):
+        _plan_tuning(deepseek, Tuning(row_invariant=True))
+    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+    assert dispatch.compiler_options(None, Tuning(row_invariant=True)) == {"xla_allow_excess_precision": False}
+    assert dispatch.compiler_options(None, Tuning(row_invariant=False)) == {}
+
+
+@pytest.mark.slow
+def test_greedy_speculative_output_through_the_row_kernels(monkeypatch, fresh_compiles, tmp_path):
+    """bf16 target, kernels forced (interpret mode): n-gram chains and trees, dense and paged,
+    give plain decoding's tokens, and the row kernels ran in the loop (a product, a norm and
+    attention)."""
+    make_model(str(tmp_path), hidden=128, heads=4, kv_heads=2, inter=128, vocab=384, dtype=torch.bfloat16)
+    p = jspec.load(str(tmp_path), dtype="bfloat16")
+    calls = set()
+    attention = importlib.import_module("jspec.kernels.attention")  # the package re-exports a function of that name
+    for mod, name in ((row_matmul, "row_matmul"), (row_norm, "rms_norm"), (attention, "row_attention")):
+        real = getattr(mod, name)
+        monkeypatch.setattr(mod, name, lambda *a, _r=real, _n=name, **k: calls.add(_n) or _r(*a, **k))
+    monkeypatch.setenv("JSPEC_KERNELS", "pallas")
+    rng = np.random.RandomState(0)
+    prompts = [rng.randint(3, 384, size=n).tolist() for n in (40, 23)]
+    kw = dict(max_new_tokens=12, stop_token_ids=[], tuning=Tuning(row_invariant=True))
+    plain = jspec.generate(p, prompts, **kw).tokens
+    assert calls == {"row_matmul", "rms_norm", "row_attention"}
+    ngram = p.with_draft(jspec.NgramDraft())
+    assert jspec.generate(ngram, prompts, spec=jspec.SpecConfig(3), **kw).tokens == plain
+    assert jspec.generate(ngram, prompts, spec=jspec.SpecConfig(3, 2, 6), cache=CacheConfig("paged", page_size=16),
+                          **kw).tokens == plain
+
+
+def test_the_cli_says_where_outputs_differ_and_why():
+    from jspec.__main__ import outputs_line
+    assert outputs_line([1, 2, 3], [1, 2, 3], 0.0, Tuning(row_invariant=False)) == "outputs identical"
+    line = outputs_line([1, 2, 3], [1, 5, 3], 0.0, Tuning(row_invariant=False))
+    assert "from token 1 of 3" in line and "--row-invariant" in line
+    assert "unexpected" in outputs_line([1, 2, 3], [1, 2, 4], 0.0, Tuning(row_invariant=True))
+    assert "sampled" in outputs_line([1, 2], [2, 2], 0.7, Tuning(row_invariant=True))
