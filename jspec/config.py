@@ -490,7 +490,8 @@ class Tuning:
     xla_allow_excess_precision off), so a verification node's logits equal the decode
     step's at its position bit for bit and greedy speculative output equals plain greedy
     output on a GPU too. Plain and speculative programs must both have it. Llama-family
-    targets on one device (True elsewhere is refused); prefill keeps XLA's products. None
+    targets on one device (True elsewhere is refused); a prompt's passes (prefill, prompt
+    chunks) keep XLA's products and attention. None
     (the default): on where the family measured it within 3% of the step without
     (`TargetFamily.row_invariant_by_default`: Llama targets up to hidden size 1024, e.g.
     the bundled pair), off elsewhere; docs/benchmarks.md gives its cost. On a CPU it changes

@@ -4,6 +4,7 @@ decode step at the node's position over a cache that holds the node's ancestors 
 position order (what plain decoding's cache holds), whatever the cache's capacity."""
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -19,6 +20,9 @@ TILES = RowAttentionTiles(block_k=16, split_blocks=2)  # splits of 32 positions:
 def _row(q, k, v, meta, *, window=0, tiles=TILES):
     return row_attention(q, stack(k, v), meta, window=window, scale=q.shape[-1] ** -0.5, tiles=tiles,
                          interpret=True)
+
+
+_row_jit = jax.jit(_row, static_argnames=("window", "tiles"))  # one compile a shape (the node loop below)
 
 
 @pytest.mark.parametrize("page_size,T,Gq,window", [(0, 1, 4, 0), (0, 5, 2, 0), (16, 4, 20, 0), (3, 6, 1, 0),
@@ -67,10 +71,10 @@ def _decode_case(k, v, meta, b, t, S):
 ])
 def test_a_tree_node_equals_the_decode_step_at_its_position_bit_for_bit(window, tiles, caps):
     q, k, v, meta = make_case(7, B=2, T=6, Tl=6, Gq=4, S=96, prefix=[50, 71], dtype=jnp.bfloat16)
-    tree = np.asarray(_fast_jit(_row, q, k, v, meta, window=window, tiles=tiles))
+    tree = np.asarray(_row_jit(q, k, v, meta, window=window, tiles=tiles))
     for b in range(2):
         for t in range(6):
             for S in caps:
                 kk, vv, one = _decode_case(k, v, meta, b, t, S)
-                step = np.asarray(_fast_jit(_row, q[b:b + 1, t:t + 1], kk, vv, one, window=window, tiles=tiles))
+                step = np.asarray(_row_jit(q[b:b + 1, t:t + 1], kk, vv, one, window=window, tiles=tiles))
                 np.testing.assert_array_equal(step[0, 0], tree[b, t], err_msg=f"row {b} node {t} S {S}")

@@ -98,8 +98,10 @@ def prompt_pass(plan: Plan, tw, pw, st: LoopState, rows, start, tokens, live, fi
     meta = plan.layout.meta(st.pages, positions=start[:, None] + ar, prefix_len=start,
                             local_mask=causal_mask(count, C), write_valid=(ar < count[:, None]) & live[:, None],
                             prefill=first, rows=rows)
+    # A prompt's blocks need not be row-invariant (plain and speculative programs share them):
+    # its products stay XLA's, which tile a long block far better than the row kernels.
     hidden, aux, tcache = plan.family.forward(plan.target, tw, tokens, st.tcache, meta, plan.capture,
-                                              tuning=plan.tuning)
+                                              tuning=plan.tuning.replace(row_invariant=False))
     last = jnp.take_along_axis(hidden, jnp.maximum(count - 1, 0)[:, None, None], axis=1)[:, 0]
     logits = plan.family.logits(plan.target, tw, last, tuning=plan.tuning)[:, None]  # [A, 1, V]
     history = sampling.History(in_prompt=take(st.history.in_prompt), counts=jnp.zeros((A, V), jnp.int32))
