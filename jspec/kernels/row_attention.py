@@ -15,9 +15,11 @@ node slots; each changes the order in which a row's softmax sums run. Here:
   its position holds in its block c (chains are the case where ancestor j sits at
   prefix_len + j);
 - splits cover fixed ranges of `split_blocks` blocks (a function of the tiles only), and
-  `_merge_kernel` adds them in split order. Blocks past a row's position are never
-  visited, and splits that saw nothing leave the running sums exactly as they were
-  (weight 0, rescale 1), so the cache's capacity does not change the result either.
+  `_merge_kernel` adds them in split order (the maximum first, then the weighted sums,
+  over the rows that hold heads). Blocks past a row's position are never visited, a
+  split that saw nothing adds exact zeros (weight 0), and one split alone comes out as it
+  went in, so the cache's capacity (how many splits there are) does not change the
+  result either.
 Assumes what jspec's caches hold: a committed token at position p sits in slot p, and the
 local block's positions are prefix_len + depth.
 """
