@@ -33,6 +33,13 @@ _init = nn.initializers.normal(0.02)
 ROW_INVARIANT_AUTO_MAX_HIDDEN = 1024
 
 
+def rows_alone(tuning: Tuning, meta: AttnMeta) -> bool:
+    """Whether a pass computes each token alone (`Tuning.row_invariant`): not in a prefill,
+    which plain and speculative programs share (`loop.rows.prompt_pass` also turns it off
+    for prompt chunks)."""
+    return bool(tuning.row_invariant) and not meta.prefill
+
+
 def pad_one_row(rows: int, weight_elements: int, tuning: Tuning = DEFAULT_TUNING) -> bool:
     """Whether a product of `rows` rows with a weight of `weight_elements` elements runs
     padded to two rows: one row, a weight of `tuning.two_row_elements` [lo, hi) elements,
@@ -82,7 +89,7 @@ class Linear(nn.Module):
         x is RMS-normed first (`RMSNorm(..., unapplied=True)`; in the row kernel's
         prologue when it runs). splits: return the row kernel's K splits [S, rows, out]
         float32 unsummed (`moe_experts.matvec`; only where `uses_splits`). row_invariant:
-        `product`'s (`Tuning.row_invariant` outside prefill)."""
+        `product`'s (`rows_alone`)."""
         w = self.param("kernel", _init, (x.shape[-1], self.features), jnp.dtype(self.dtype))
         if splits:
             if not self.uses_splits(x):
@@ -120,7 +127,7 @@ class RMSNorm(nn.Module):
     unapplied=True returns the norm as (weight, eps) for a `Linear(...)(x, norm=...)`,
     which norms x itself (in the row kernel's prologue: no kernel for the norm).
 
-    row_invariant (a call argument: `Tuning.row_invariant` outside prefill): the
+    row_invariant (a call argument, `rows_alone`): the
     row-invariant kernel (`kernels.row_norm`) where the backend runs kernels; a deferred
     norm is then applied at once (its factor is None).
     """
@@ -169,7 +176,7 @@ class Attention(nn.Module):
         B, T, _ = x.shape
         H, Hkv, Dh = c.num_heads, c.num_kv_heads, c.head_dim
         G = H // Hkv
-        ri = self.tuning.row_invariant and not meta.prefill  # prefill need not be row-invariant
+        ri = rows_alone(self.tuning, meta)
         qkv = Linear((H + 2 * Hkv) * Dh, c.qkv_bias, c.dtype, tuning=self.tuning, name="qkv_proj")(
             x, norm_factor, row_invariant=ri)
         qkv = qkv.reshape(B, T, Hkv, G + 2, Dh)  # per KV head: its G query heads, key, value
@@ -215,7 +222,7 @@ class DecoderLayer(nn.Module):
         c = self.cfg
         # Both norms are deferred: their factor is applied after the projection that follows.
         h, r = x, None
-        ri = self.tuning.row_invariant and not meta.prefill
+        ri = rows_alone(self.tuning, meta)
         if self.input_norm:
             h, r = RMSNorm(c.rms_norm_eps, c.dtype, name="input_layernorm")(x, deferred=True, row_invariant=ri)
         h, kv = Attention(c, self.window, self.tuning, name="self_attn")(h, kv, meta, r)
@@ -282,7 +289,7 @@ class LlamaModel(DecoderLM):
         if self.cfg.num_layers in capture:  # the last layer's output, before the final norm
             aux[self.cfg.num_layers] = x
         new_cache = None if cache is None else KVCache(kv=tuple(kvs))
-        return self.norm(x, row_invariant=self.tuning.row_invariant and not meta.prefill), aux, new_cache
+        return self.norm(x, row_invariant=rows_alone(self.tuning, meta)), aux, new_cache
 
 # Tensor parallelism (`jspec.sharding`): how a Llama-architecture module's weights split,
 # by the last two keys of their path (a one-key path: an EAGLE-3 head's own embedding).
