@@ -511,6 +511,7 @@ class Tuning:
     attention: AttentionTiles = AttentionTiles()
     gated_delta: GatedDeltaTiles = GatedDeltaTiles()
     row_attention: RowAttentionTiles = RowAttentionTiles()
+    row_mla: RowAttentionTiles = RowAttentionTiles(block_k=64, split_blocks=4)  # `kernels.row_mla`
     row_matmul: RowMatmulTiles = RowMatmulTiles()
     row_invariant: bool | None = None
     mlp_norm_in_kernel: bool = True

@@ -16,6 +16,7 @@ from jspec.config import CacheConfig, Tuning
 from jspec.kernels import dispatch, row_matmul, row_norm
 from jspec.loop.plan import make_plan
 from jspec.models import family_for
+from jspec.models.deepseek_hf import DeepseekConfig
 
 
 def _plan_tuning(params, tuning):
@@ -35,15 +36,19 @@ def test_the_setting_auto_and_refusals(monkeypatch, tmp_path):
     assert _plan_tuning(odd, Tuning()).row_invariant is False
     with pytest.raises(ValueError, match=r"the LM head is \[128, 300\]"):
         _plan_tuning(odd, Tuning(row_invariant=True))
-    from jspec.models.deepseek_hf import DeepseekConfig
     cfg = DeepseekConfig(vocab_size=96, hidden_size=32, intermediate_size=48, num_layers=1, num_heads=2,
                          kv_lora_rank=32, q_lora_rank=0, qk_nope_head_dim=16, qk_rope_head_dim=16, v_head_dim=16,
                          moe_intermediate_size=16, n_routed_experts=4, n_shared_experts=1, num_experts_per_tok=2,
                          first_k_dense_replace=1)
     deepseek = jspec.Params(cfg, family_for(cfg).init_weights(cfg, jax.random.key(0)))
     assert _plan_tuning(deepseek, Tuning()).row_invariant is False
-    with pytest.raises(ValueError, match="not available for DeepseekFamily"):
+    with pytest.raises(ValueError, match=r"qkv_a_proj is \[32, 112\]"):  # K: a multiple of the kernel's 64
         _plan_tuning(deepseek, Tuning(row_invariant=True))
+    fits = jspec.Params(DEEPSEEK, family_for(DEEPSEEK).init_weights(DEEPSEEK, jax.random.key(0)))
+    assert _plan_tuning(fits, Tuning(row_invariant=True)).row_invariant is True
+    assert _plan_tuning(fits, Tuning()).row_invariant is False  # an option for DeepSeek (docs/benchmarks.md)
+    sparse = DEEPSEEK.replace(index_topk=8, index_head_dim=16, index_n_heads=2, q_lora_rank=64)
+    assert "sparse attention" in family_for(sparse).row_invariant_problem(sparse, Tuning())
     monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
     assert dispatch.compiler_options(None, Tuning(row_invariant=True)) == {"xla_allow_excess_precision": False}
     assert dispatch.compiler_options(None, Tuning(row_invariant=False)) == {}
@@ -70,6 +75,50 @@ def test_greedy_speculative_output_through_the_row_kernels(monkeypatch, fresh_co
     ngram = p.with_draft(jspec.NgramDraft())
     assert jspec.generate(ngram, prompts, spec=jspec.SpecConfig(3), **kw).tokens == plain
     assert jspec.generate(ngram, prompts, spec=jspec.SpecConfig(3, 2, 6), cache=CacheConfig("paged", page_size=16),
+                          **kw).tokens == plain
+
+
+# A DeepSeek target the row kernels take (products' K multiples of 64, 16 experts for the
+# router's product), with an MTP layer
+DEEPSEEK = DeepseekConfig(vocab_size=96, hidden_size=64, intermediate_size=64, num_layers=2, num_heads=4,
+                          kv_lora_rank=32, q_lora_rank=0, qk_nope_head_dim=16, qk_rope_head_dim=16, v_head_dim=16,
+                          moe_intermediate_size=16, n_routed_experts=16, n_shared_experts=1, num_experts_per_tok=2,
+                          first_k_dense_replace=1, num_nextn_predict_layers=1)
+
+
+@pytest.mark.slow
+def test_deepseek_greedy_speculative_output_through_the_row_kernels(monkeypatch, fresh_compiles):
+    """DeepSeek (MLA + MoE) with its MTP draft, kernels forced (interpret mode): float32
+    plain output through the row kernels equals the reference path's; in bf16 MTP chains
+    (dense) and trees (paged) give plain decoding's tokens, and the row kernels ran."""
+    from jspec.drafts import MtpDraft
+    from jspec.drafts.mtp import layer_config
+    from jspec.kernels import mla_inputs, moe_experts, row_mla
+    scale = lambda w: jax.tree.map(lambda a: a * 8 if a.ndim >= 2 else a, w)  # noqa: E731  (peaked logits)
+
+    def params(dtype):
+        cfg = DEEPSEEK.replace(dtype=dtype)
+        draft = MtpDraft(layer_config(cfg))
+        return jspec.Params(cfg, scale(family_for(cfg).init_weights(cfg, jax.random.key(0)))).with_draft(
+            jspec.DraftParams(draft, scale(draft.init(jax.random.key(1), cfg.vocab_size))))
+    kw = dict(max_new_tokens=8, stop_token_ids=[], tuning=Tuning(row_invariant=True))
+    prompts = [[5, 17, 33, 2, 9, 71, 40, 3, 8, 60, 12], [7, 7, 21, 90, 4]]
+    f32 = params("float32").with_draft(None)
+    monkeypatch.setenv("JSPEC_KERNELS", "reference")
+    want = jspec.generate(f32, prompts, **kw).tokens
+    calls = set()
+    for mod, name in ((row_matmul, "row_matmul"), (row_mla, "row_mla_attention"), (mla_inputs, "mla_inputs"),
+                      (moe_experts, "expert_matmul")):
+        real = getattr(mod, name)
+        monkeypatch.setattr(mod, name, lambda *a, _r=real, _n=name, **k: calls.add(_n) or _r(*a, **k))
+    monkeypatch.setenv("JSPEC_KERNELS", "pallas")
+    jspec.clear_caches()
+    assert jspec.generate(f32, prompts, **kw).tokens == want
+    assert calls == {"row_matmul", "row_mla_attention", "mla_inputs", "expert_matmul"}
+    p = params("bfloat16")
+    plain = jspec.generate(p.with_draft(None), prompts, **kw).tokens
+    assert jspec.generate(p, prompts, spec=jspec.SpecConfig(num_steps=2), **kw).tokens == plain
+    assert jspec.generate(p, prompts, spec=jspec.SpecConfig(2, 2, 4), cache=CacheConfig("paged", page_size=16),
                           **kw).tokens == plain
 
 

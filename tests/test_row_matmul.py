@@ -8,7 +8,8 @@ import numpy as np
 import pytest
 
 from jspec.kernels import moe_experts, row_norm
-from jspec.kernels.row_matmul import row_matmul, splits_for, supported
+from jspec.config import RowMatmulTiles
+from jspec.kernels.row_matmul import block_n_for, row_matmul, splits_for, supported
 
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
@@ -35,8 +36,10 @@ def test_splits_follow_the_weight_only_and_bad_shapes_are_refused():
     assert splits_for(128, 128, 128, 64, 264) == 2  # never more splits than K chunks
     x, w = jnp.zeros((2, 100)), jnp.zeros((100, 128))
     assert not supported(x, w)
-    with pytest.raises(ValueError, match="K % 64 == 0 and N % 128 == 0"):
+    with pytest.raises(ValueError, match="K a multiple of 64 and N of 16"):
         row_matmul(x, w)
+    assert not supported(x[:, :64], jnp.zeros((64, 40)))  # N: a multiple of 16
+    assert block_n_for(3648, RowMatmulTiles()) == 64 and block_n_for(4096, RowMatmulTiles()) == 128
 
 
 def test_transposed_weight_gives_the_same_rows():
@@ -48,6 +51,21 @@ def test_transposed_weight_gives_the_same_rows():
     np.testing.assert_array_equal(np.asarray(row_matmul(x[7:8], w, transpose_w=True, num_splits=2, interpret=True)),
                                   full[7:8])
     assert supported(x, w, transpose_w=True) and not supported(x, w)
+
+
+def test_norm_in_the_prologue_equals_the_norm_then_the_product_and_stays_row_invariant():
+    rng = np.random.default_rng(3)
+    K, N = 128, 48  # N not a multiple of 128: 16-column programs
+    x = jnp.asarray(rng.standard_normal((21, K)) * 2, jnp.bfloat16)
+    w = jnp.asarray(rng.standard_normal((K, N)) * 0.05, jnp.bfloat16)
+    g = jnp.asarray(1 + 0.1 * rng.standard_normal(K), jnp.bfloat16)
+    full = np.asarray(row_matmul(x, w, norm=(g, 1e-6), num_splits=2, interpret=True))
+    want = np.asarray(moe_experts.rms_norm(x, g, 1e-6), np.float32) @ np.asarray(w, np.float32)
+    np.testing.assert_allclose(full, want, rtol=2e-2, atol=2e-2 * np.abs(want).max())  # bf16 roundings apart
+    for rows in (slice(0, 1), slice(4, 5), slice(2, 19)):
+        np.testing.assert_array_equal(np.asarray(row_matmul(x[rows], w, norm=(g, 1e-6), num_splits=2,
+                                                            interpret=True)), full[rows])
+    assert not np.array_equal(full, np.asarray(row_matmul(x, w, num_splits=2, interpret=True)))
 
 
 @pytest.mark.parametrize("D", [256, 96])

@@ -54,7 +54,7 @@ from jax.experimental import pallas as pl
 
 from jspec.config import DEFAULT_TUNING, ExpertTiles
 from jspec.kernels import dispatch
-from jspec.kernels.tiling import KERNEL_DTYPES, chunk_start, is_pow2, pow2_floor
+from jspec.kernels.tiling import KERNEL_DTYPES, chunk_start, in_order_sum, is_pow2, pow2_floor
 
 # --------------------------------------------------------------------------- reference
 
@@ -287,7 +287,8 @@ def expert_matmul(x, ids, w, extra=None, *, slots: int | None = None, gated=None
                   sum_splits: bool = True,
                   block_n: int | None = None, block_k: int | None = None, num_splits: int | None = None,
                   num_warps: int | None = None, num_stages: int | None = None,
-                  reduce_each_step: bool = False, interpret: bool | None = None, tiles: ExpertTiles | None = None):
+                  reduce_each_step: bool = False, interpret: bool | None = None, tiles: ExpertTiles | None = None,
+                  tile_pairs: int | None = None):
     """out[p] = x[row(p)] @ w[e(p)] for the pairs of a routing table: ids [N, KP] int
     (token n's experts; or [P], one a token), slots (pairs a token, default KP): pair
     p = n * slots + j has expert e(p) = ids[n, j]; x [N, Din] (a row per token) or [P, Din]
@@ -310,7 +311,9 @@ def expert_matmul(x, ids, w, extra=None, *, slots: int | None = None, gated=None
     takes `tiles`' value (`ExpertTiles`; None: the defaults).
     reduce_each_step: sum each step's [BK, BN] products over rows at once (a [BN]
     accumulator) instead of accumulating the tile and summing it at the end.
-    interpret None: interpret mode unless the default backend is a GPU."""
+    interpret None: interpret mode unless the default backend is a GPU. tile_pairs: choose
+    the default splits as for this many pairs (None: P): a fixed number makes each pair's
+    sums independent of the others (`Tuning.row_invariant`)."""
     ids2, slots, P, token_rows = _check_matmul(x, ids, w, extra, slots, gated, norm)
     E, Din, Dout = w.shape
     E2 = 0 if extra is None else extra.shape[0]
@@ -325,7 +328,7 @@ def expert_matmul(x, ids, w, extra=None, *, slots: int | None = None, gated=None
     col_tiles = pl.cdiv(Dout, BN)
     num_chunks = pl.cdiv(Din, BK)
     if num_splits is None:
-        want = pl.cdiv(t.target_programs, P * col_tiles)
+        want = pl.cdiv(t.target_programs, (P if tile_pairs is None else tile_pairs) * col_tiles)
         num_splits = max(1, min(want, num_chunks // t.min_split_chunks))
     if not (isinstance(num_splits, int) and num_splits >= 1):
         raise ValueError(f"num_splits must be an int >= 1, got {num_splits!r}")
@@ -357,7 +360,8 @@ def expert_matmul(x, ids, w, extra=None, *, slots: int | None = None, gated=None
     )(ids2.astype(jnp.int32), x, w, *(() if norm is None else (norm[0],)), *(() if extra is None else (extra,)))
     if not sum_splits:
         return out
-    return out[0] if S == 1 else jnp.sum(out, axis=0)
+    return in_order_sum(out)
+
 
 
 # --------------------------------------------------------------------------- dense rows
@@ -430,7 +434,7 @@ def is_supported(x, ids, gate_up, down, extra=None, slots=None) -> bool:
 
 def routed_experts(x, ids, gate_up, down, extra=None, slots: int | None = None, *, norm=None,
                    interpret: bool | None = None, gate_up_tiles: dict | None = None, down_tiles: dict | None = None,
-                   tiles: ExpertTiles | None = None):
+                   tiles: ExpertTiles | None = None, as_tokens: int | None = None):
     """The routed experts of a routing table's (token, expert) pairs with the Pallas
     kernel: x [N, D] (each token's activation; or [P, D], each pair's), ids [N, KP] int
     (each token's experts; or [P]) and slots as `expert_matmul`, gate_up [E, D, 2Fm], down
@@ -442,18 +446,25 @@ def routed_experts(x, ids, gate_up, down, extra=None, slots: int | None = None, 
     product's prologue (`expert_matmul`). tiles: `ExpertTiles` (None: the defaults); one
     token's second product, and its first one from `tiles.narrow_first_min_din` inputs on,
     take `tiles.gated_block_n`-wide tiles. *_tiles: `expert_matmul`'s keyword arguments
-    for each product, over those."""
+    for each product, over those. as_tokens: tiles and splits chosen as for this many
+    tokens whatever the table holds (`Tuning.row_invariant` passes 1: each pair's sums then
+    run in the order of a one-token decode step's)."""
     _check_experts(x, ids, gate_up, down, extra, slots)
     t = DEFAULT_TUNING.experts if tiles is None else tiles
     x, norm = prologue_norm(x, norm)
     extra_gu, extra_down = (None, None) if extra is None else extra
-    one_token = ids.shape[0] == 1  # see ExpertTiles.gated_block_n and narrow_first_min_din
+    tokens = ids.shape[0] if as_tokens is None else as_tokens
+    one_token = tokens == 1  # see ExpertTiles.gated_block_n and narrow_first_min_din
     narrow = {"block_n": t.gated_block_n}
     first = narrow if one_token and gate_up.shape[1] >= t.narrow_first_min_din else {}
+    second = narrow if one_token else {}
+    if as_tokens is not None:  # the splits too: as for as_tokens tokens' pairs
+        pinned = {"tile_pairs": as_tokens * _table(ids, slots)[1]}
+        first, second = first | pinned, second | pinned
     h = expert_matmul(x, ids, gate_up, extra_gu, slots=slots, sum_splits=False, norm=norm, interpret=interpret,
                       tiles=t, **(first | (gate_up_tiles or {})))  # [S1, P, 2Fm]: K splits
     return expert_matmul(h, ids, down, extra_down, slots=slots, gated=x.dtype, interpret=interpret, tiles=t,
-                         **((narrow if one_token else {}) | (down_tiles or {})))
+                         **(second | (down_tiles or {})))
 
 
 def uses_kernel(x, ids, gate_up, down, extra=None, slots=None) -> bool:
@@ -465,12 +476,13 @@ def uses_kernel(x, ids, gate_up, down, extra=None, slots=None) -> bool:
 
 
 def moe_experts(x, ids, gate_up, down, extra=None, slots: int | None = None, norm=None, *,
-                tiles: ExpertTiles | None = None):
-    """Dispatch: `routed_experts` (the kernel, with `tiles`) where `uses_kernel`, else
-    `routed_experts_reference`; same arguments, [P, D] float32; norm (weight, eps): x's rows
-    RMS-normed first (`rms_norm`; the kernel's prologue). JSPEC_KERNELS=pallas forces the
-    kernel (interpret mode off GPU; raises for arguments it does not take)."""
+                tiles: ExpertTiles | None = None, as_tokens: int | None = None):
+    """Dispatch: `routed_experts` (the kernel, with `tiles` and `as_tokens`) where
+    `uses_kernel`, else `routed_experts_reference`; same arguments, [P, D] float32; norm
+    (weight, eps): x's rows RMS-normed first (`rms_norm`; the kernel's prologue).
+    JSPEC_KERNELS=pallas forces the kernel (interpret mode off GPU; raises for arguments it
+    does not take)."""
     if uses_kernel(x, ids, gate_up, down, extra, slots):
-        return routed_experts(x, ids, gate_up, down, extra, slots, norm=norm, tiles=tiles)
+        return routed_experts(x, ids, gate_up, down, extra, slots, norm=norm, tiles=tiles, as_tokens=as_tokens)
     return routed_experts_reference(normed(x, norm), ids, gate_up, down, extra, slots)
 

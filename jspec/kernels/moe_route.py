@@ -253,7 +253,7 @@ def uses_kernel(r: Routing, logits, bias=None) -> bool:
     return dispatch.want_pallas(dispatch.backend() == "pallas" or is_supported(r, logits, bias))
 
 
-def route(r: Routing, x, w, bias=None, norm=None, *, tuning: Tuning | None = None):
+def route(r: Routing, x, w, bias=None, norm=None, *, tuning: Tuning | None = None, rows_alone: bool = False):
     """The routing table of x [N, D] (the normalised activations; or, with norm (weight
     [D], eps), the activations that RMSNorm normalises first) with the router w [D, E]
     float32 (and V3's score-correction bias [E]): (weights [N, KP] float32, ids [N, KP]
@@ -266,13 +266,14 @@ def route(r: Routing, x, w, bias=None, norm=None, *, tuning: Tuning | None = Non
     is a padded product, a reduction of its splits and a slice. More tokens take XLA's
     product, then `route_kernel`. Without: `router_logits`, then `route_reference`. The norm
     runs in the expert kernel's prologue where that product runs, else before the product.
-    tuning None: the defaults."""
+    tuning None: the defaults. rows_alone (`Tuning.row_invariant`): the expert kernel's
+    product for any number of tokens (its sums follow the weight's shape only)."""
     tuning = DEFAULT_TUNING if tuning is None else tuning
     t = tuning.route
     N, E = x.shape[0], w.shape[1]
     probe = jax.ShapeDtypeStruct((N, E), jnp.float32)
     kernels = uses_kernel(r, probe, bias)
-    if not (kernels and N <= t.kernel_product_tokens and min(E, x.shape[1]) >= 16):  # (16: the expert kernel's tiles)
+    if not (kernels and (N <= t.kernel_product_tokens or rows_alone) and min(E, x.shape[1]) >= 16):  # (16: the expert kernel's tiles)
         logits = router_logits(normed(x, norm), w)
         return route_kernel(r, logits, bias) if kernels else route_reference(r, logits, bias)
     D = x.shape[1]

@@ -54,6 +54,23 @@ def local_slots(meta: AttnMeta):
     return jnp.pad(out, ((0, 0), (0, 0), (0, Tp - Tl)), constant_values=-1)
 
 
+def key_rows(p, b, prefix, pos, lslot_ref, table_ref, *, page_size: int, dense: bool, num_pages: int,
+             num_keys: int):
+    """Inside a kernel: the cache rows holding the keys at positions p [BK] that token
+    (b, position pos) sees, by position (the slot p below the prefix, else the local slot
+    `local_slots` names), and the mask of those it sees (p <= pos, a slot exists).
+    table_ref [B, G] (dense: unused; the cache is one page of page_size slots a row)."""
+    Tp = lslot_ref.shape[0]
+    rel = p - prefix
+    slot = jnp.where(rel < 0, p, lslot_ref[jnp.clip(rel, 0, Tp - 1)])
+    mask = (p <= pos) & (slot >= 0)
+    slot = jnp.clip(slot, 0, num_keys - 1)
+    if dense:
+        return b * page_size + slot, mask
+    page = table_ref[b, lax.div(slot, page_size)]
+    return jnp.clip(page, 0, num_pages - 1) * page_size + lax.rem(slot, page_size), mask
+
+
 def _attend_kernel(prefix_ref, pos_ref, table_ref, kv_ref, q_ref, lslot_ref, o_ref, lse_ref, *,
                    scale: float, block_k: int, split_blocks: int, page_size: int, dense: bool,
                    num_pages: int, num_keys: int, window: int, row_blocks: int):
@@ -70,22 +87,14 @@ def _attend_kernel(prefix_ref, pos_ref, table_ref, kv_ref, q_ref, lslot_ref, o_r
     lo = jnp.maximum(s * split_blocks, first // block_k)
     hi = jnp.minimum((s + 1) * split_blocks, pos // block_k + 1)
     offs = jnp.arange(block_k, dtype=jnp.int32)
-    Tp = lslot_ref.shape[0]
     q = q_ref[...]
 
     def step(blk, carry):
         p = blk * block_k + offs  # [BK] positions
-        rel = p - L
-        slot = jnp.where(rel < 0, p, lslot_ref[jnp.clip(rel, 0, Tp - 1)])
-        mask = (p <= pos) & (slot >= 0)
+        row, mask = key_rows(p, b, L, pos, lslot_ref, table_ref, page_size=page_size, dense=dense,
+                             num_pages=num_pages, num_keys=num_keys)
         if window:
             mask = mask & (p >= first)
-        slot = jnp.clip(slot, 0, num_keys - 1)
-        if dense:
-            row = b * page_size + slot
-        else:
-            page = table_ref[b, lax.div(slot, page_size)]
-            row = jnp.clip(page, 0, num_pages - 1) * page_size + lax.rem(slot, page_size)
         k, v = kv_ref[row, 0, h, :], kv_ref[row, 1, h, :]  # [BK, Dh]
         sc = lax.dot_general(q, k, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32) * scale
         return online_softmax_step(sc, mask[None, :], v, carry)
@@ -131,7 +140,7 @@ def row_attention(q, kv_buf, meta: AttnMeta, *, window: int = 0, scale: float,
     num_keys = page_size if dense else table.shape[1] * page_size
     Gq = H // Hkv
     RB = -(-Gq // ROWS)  # row blocks a kv head
-    NS = pow2_ceil(-(-num_keys // (t.block_k * t.split_blocks)))  # splits past the keys see nothing
+    NS = num_splits(num_keys, t)
     if interpret is None:
         interpret = jax.default_backend() != "gpu"
 
@@ -161,17 +170,30 @@ def row_attention(q, kv_buf, meta: AttnMeta, *, window: int = 0, scale: float,
         interpret=interpret, compiler_params=params, name="jspec_row_attention",
     )(meta.prefix_len.astype(jnp.int32), meta.positions.astype(jnp.int32), table, kv_flat, qr, lslot)
     MR = ROWS if RB > 1 else min(ROWS, pow2_ceil(Gq))  # rows that hold heads
-    if NS == 1:  # one split: already normalised (the merge of one split gives the same bits)
-        out = o[:, :, :, 0, :MR]
-    else:
-        out = pl.pallas_call(
-            functools.partial(_merge_kernel, num_splits=NS),
-            grid=(B, T, Hkv * RB),
-            in_specs=[pl.BlockSpec((None, None, None, NS, MR, Dh), lambda b, i, g: (b, i, g, 0, 0, 0)),
-                      pl.BlockSpec((None, None, None, NS, MR), lambda b, i, g: (b, i, g, 0, 0))],
-            out_specs=pl.BlockSpec((None, None, None, MR, Dh), lambda b, i, g: (b, i, g, 0, 0)),
-            out_shape=jax.ShapeDtypeStruct((B, T, Hkv * RB, MR, Dh), jnp.float32),
-            interpret=interpret, compiler_params=params, name="jspec_row_attention_merge",
-        )(o, lse)
+    out = merge_splits_in_order(o, lse, MR, interpret=interpret, params=params)
     out = out.reshape(B, T, Hkv, RB * MR, Dh)[:, :, :, :Gq]
     return out.reshape(B, T, H, Dh).astype(q.dtype)
+
+
+def num_splits(num_keys: int, tiles: RowAttentionTiles) -> int:
+    """Splits of `tiles`' fixed position ranges over a cache of num_keys slots, a power of
+    two (those past a row's position see nothing)."""
+    return pow2_ceil(-(-num_keys // (tiles.block_k * tiles.split_blocks)))
+
+
+def merge_splits_in_order(o, lse, rows: int, *, interpret: bool, params):
+    """o [B, T, G, NS, ROWS, D] float32, lse [B, T, G, NS, ROWS] (each split normalised over
+    its keys) -> [B, T, G, rows, D] float32: the first `rows` rows merged by
+    `_merge_kernel` (NS == 1: the split as it is, which the merge would give too)."""
+    B, T, G, NS, _, D = o.shape
+    if NS == 1:
+        return o[:, :, :, 0, :rows]
+    return pl.pallas_call(
+        functools.partial(_merge_kernel, num_splits=NS),
+        grid=(B, T, G),
+        in_specs=[pl.BlockSpec((None, None, None, NS, rows, D), lambda b, i, g: (b, i, g, 0, 0, 0)),
+                  pl.BlockSpec((None, None, None, NS, rows), lambda b, i, g: (b, i, g, 0, 0))],
+        out_specs=pl.BlockSpec((None, None, None, rows, D), lambda b, i, g: (b, i, g, 0, 0)),
+        out_shape=jax.ShapeDtypeStruct((B, T, G, rows, D), jnp.float32),
+        interpret=interpret, compiler_params=params, name="jspec_row_attention_merge",
+    )(o, lse)

@@ -9,6 +9,11 @@ of `num_splits` K ranges, and walks that range in `block_k` chunks with one
 matrix-multiply-accumulate a chunk; the splits' float32 partials are then added in split
 order. Tiles and splits depend on (K, N) only, never on M, and a matrix-multiply
 instruction computes each row of its tile from that row alone.
+
+A norm (weight, eps) may ride in the prologue: each program first sums its rows' squares
+over K in `block_k` chunks (a fixed order a row) and then RMS-norms each chunk of x as it
+loads it, rounded as `moe_experts.rms_norm` rounds (DeepSeek's input norms, so they need
+no kernel of their own).
 """
 from __future__ import annotations
 
@@ -20,7 +25,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 from jspec.config import RowMatmulTiles
-from jspec.kernels.tiling import KERNEL_DTYPES
+from jspec.kernels.tiling import KERNEL_DTYPES, in_order_sum
 
 BLOCK_M = 16
 
@@ -32,17 +37,38 @@ def splits_for(k: int, n: int, block_n: int, block_k: int, target_programs: int)
     return max(1, min(chunks, -(-target_programs // (n // block_n))))
 
 
-def _kernel(x_ref, w_ref, o_ref, *, block_m: int, block_k: int, chunks_per_split: int, transpose_w: bool):
+def block_n_for(n: int, tiles: RowMatmulTiles) -> int:
+    """Columns a program for a weight of n columns: tiles.block_n, or the largest power of
+    two dividing n below it (0: under 16, not taken)."""
+    b = min(tiles.block_n, n & -n)
+    return b if b >= 16 else 0
+
+
+def _kernel(x_ref, w_ref, *rest, block_m: int, block_k: int, chunks_per_split: int, transpose_w: bool,
+            norm_eps: float | None):
     """x_ref [M, K] and o_ref [S, M, N] whole: this block's rows are gathered and stored
     with the index clamped to M - 1, so rows past M repeat the last one and store the same
-    bits at its place (no padded copy of x, no padded partials written)."""
+    bits at its place (no padded copy of x, no padded partials written). With norm_eps,
+    rest starts with the norm's weight [K]."""
+    norm_ref, o_ref = rest if norm_eps is not None else (None,) + tuple(rest)
     m, n, s = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     block_n = w_ref.shape[0] if transpose_w else w_ref.shape[1]
+    K = x_ref.shape[1]
     rows = jnp.minimum(m * block_m + jnp.arange(block_m, dtype=jnp.int32), x_ref.shape[0] - 1)
+    rstd = None
+    if norm_eps is not None:
+        def squares(c, ss):
+            xv = x_ref[rows, pl.ds(pl.multiple_of(c * block_k, block_k), block_k)].astype(jnp.float32)
+            return ss + jnp.sum(xv * xv, axis=1)
+        ss = lax.fori_loop(0, K // block_k, squares, jnp.zeros((block_m,), jnp.float32))
+        rstd = lax.rsqrt(ss / K + norm_eps)[:, None]
 
     def step(c, acc):
         k0 = pl.multiple_of(c * block_k, block_k)
         xv = x_ref[rows, pl.ds(k0, block_k)]
+        if rstd is not None:  # rounded to x's dtype after each product, as `moe_experts.rms_norm`
+            normed = (xv.astype(jnp.float32) * rstd).astype(xv.dtype).astype(jnp.float32)
+            xv = (norm_ref[pl.ds(k0, block_k)].astype(jnp.float32)[None, :] * normed).astype(xv.dtype)
         if transpose_w:  # w block [BN, K]
             wv = w_ref[:, pl.ds(k0, block_k)]
             return acc + lax.dot_general(xv, wv, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
@@ -54,24 +80,34 @@ def _kernel(x_ref, w_ref, o_ref, *, block_m: int, block_k: int, chunks_per_split
     o_ref[s, rows, pl.ds(pl.multiple_of(n * block_n, block_n), block_n)] = acc
 
 
-def supported(x, w, transpose_w: bool = False, tiles: RowMatmulTiles | None = None) -> bool:
-    """Whether `row_matmul` takes x and w (K and N multiples of the tiles' chunks)."""
+def shape_problem(k: int, n: int, tiles: RowMatmulTiles | None = None) -> str | None:
+    """Why `row_matmul` does not take a [k, n] weight, or None."""
     t = RowMatmulTiles() if tiles is None else tiles
+    if k <= 0 or k % t.block_k or not block_n_for(n, t):
+        return f"the row kernel takes weights [K, N] with K a multiple of {t.block_k} and N of 16"
+    return None
+
+
+def supported(x, w, transpose_w: bool = False, tiles: RowMatmulTiles | None = None) -> bool:
+    """Whether `row_matmul` takes x and w (`shape_problem`, a kernel dtype)."""
     K, N = (w.shape[::-1] if transpose_w else w.shape) if w.ndim == 2 else (0, 0)
-    return (w.ndim == 2 and K > 0 and x.shape[-1] == K and jnp.dtype(w.dtype) in map(jnp.dtype, KERNEL_DTYPES)
-            and N % t.block_n == 0 and K % t.block_k == 0)
+    return (w.ndim == 2 and x.shape[-1] == K and jnp.dtype(w.dtype) in map(jnp.dtype, KERNEL_DTYPES)
+            and shape_problem(K, N, tiles) is None)
 
 
-def row_matmul(x, w, *, transpose_w: bool = False, tiles: RowMatmulTiles | None = None,
+def row_matmul(x, w, *, transpose_w: bool = False, norm=None, tiles: RowMatmulTiles | None = None,
                num_splits: int | None = None, block_m: int = BLOCK_M, interpret: bool | None = None):
     """x [..., K] @ w [K, N] (w [N, K] with transpose_w: a tied LM head) -> [..., N]
-    float32, row-invariant (see the module). tiles: None, the defaults."""
+    float32, row-invariant (see the module). norm (weight [K], eps): x's rows RMS-normed
+    first, in the prologue. tiles: None, the defaults."""
     t = RowMatmulTiles() if tiles is None else tiles
-    block_n, block_k = t.block_n, t.block_k
     if not supported(x, w, transpose_w, t):
-        raise ValueError(f"row_matmul needs K % {block_k} == 0 and N % {block_n} == 0, "
+        raise ValueError(f"row_matmul: {shape_problem(*(w.shape[::-1] if transpose_w else w.shape), t)}; "
                          f"got x {x.shape}, w {w.shape} (transpose_w={transpose_w})")
     K, N = w.shape[::-1] if transpose_w else w.shape
+    block_n, block_k = block_n_for(N, t), t.block_k
+    if norm is not None and norm[0].shape != (K,):
+        raise ValueError(f"row_matmul: the norm's weight must be [{K}], got {norm[0].shape}")
     lead = x.shape[:-1]
     x2 = x.reshape(-1, K).astype(w.dtype)
     M = x2.shape[0]
@@ -90,14 +126,11 @@ def row_matmul(x, w, *, transpose_w: bool = False, tiles: RowMatmulTiles | None 
               else pl.BlockSpec((K, block_n), lambda m, n, s: (0, n)))
     part = pl.pallas_call(
         functools.partial(_kernel, block_m=block_m, block_k=block_k, chunks_per_split=chunks // S,
-                          transpose_w=transpose_w),
+                          transpose_w=transpose_w, norm_eps=None if norm is None else float(norm[1])),
         grid=(Mp // block_m, N // block_n, S),
-        in_specs=[pl.BlockSpec(), w_spec],
+        in_specs=[pl.BlockSpec(), w_spec] + ([] if norm is None else [pl.BlockSpec()]),
         out_specs=pl.BlockSpec(),
         out_shape=jax.ShapeDtypeStruct((S, M, N), jnp.float32),
         interpret=interpret, compiler_params=params, name="jspec_row_matmul",
-    )(x2, w)
-    y = part[0]
-    for i in range(1, S):  # split order, elementwise: the same sum for every row
-        y = y + part[i]
-    return y.reshape(lead + (N,))
+    )(x2, w, *(() if norm is None else (norm[0].astype(w.dtype),)))
+    return in_order_sum(part).reshape(lead + (N,))

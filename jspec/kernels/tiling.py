@@ -33,3 +33,13 @@ def chunk_start(c, size: int, total: int):
         return k0, None
     kc = jnp.minimum(k0, total - size)
     return kc, kc + jnp.arange(size, dtype=jnp.int32) >= k0
+
+
+def in_order_sum(parts):
+    """parts [S, ...] -> their sum, added in split order, elementwise (XLA's reduction
+    over S picks its order by the shape, so a row's sum could change with the number of
+    rows: `Tuning.row_invariant`)."""
+    total = parts[0]
+    for i in range(1, parts.shape[0]):
+        total = total + parts[i]
+    return total

@@ -45,7 +45,9 @@ from jspec import sharding
 from jspec.tensors import HostParam, StackedParam
 from jspec.models import deepseek_hf
 from jspec.models.deepseek_hf import DeepseekConfig
-from jspec.models.llama import DecoderLM, FlaxFamily, Linear, RMSNorm, product
+from jspec.kernels import dispatch, row_matmul, row_mla
+from jspec.kernels.tiling import in_order_sum, is_pow2
+from jspec.models.llama import DecoderLM, FlaxFamily, Linear, RMSNorm, product, rows_alone
 
 _init = nn.initializers.normal(0.02)
 LATENT_NORM_EPS = 1e-6  # the q/kv latent norms use RMSNorm's default, not rms_norm_eps
@@ -79,11 +81,13 @@ class MLAttention(nn.Module):
     tuning: Tuning = DEFAULT_TUNING
 
     @nn.compact
-    def __call__(self, x, norm, buf, meta: AttnMeta):
+    def __call__(self, x, norm, buf, meta: AttnMeta, row_invariant: bool = False):
         """x [B,T,D] with its input norm (weight, eps) not yet applied (`qkv_a_proj` applies
         it); buf: the layer's latent buffer or None ((latent, indexer keys) with sparse
-        attention). -> (out [B,T,D], buffer(s))."""
+        attention); row_invariant: each token computed alone (`computes_rows_alone`).
+        -> (out [B,T,D], buffer(s))."""
         c, tuning = self.cfg, self.tuning
+        ri = row_invariant
         ibuf = None
         if c.index_topk and buf is not None:
             buf, ibuf = buf
@@ -104,12 +108,23 @@ class MLAttention(nn.Module):
         absorb = not meta.prefill
         flat = (cos.reshape(B * T, -1), sin.reshape(B * T, -1))
         q_latent = None  # the normed query latent (sparse attention's indexer reads it)
-        if (absorb and not c.q_lora_rank and proj.uses_splits(x) and mla_inputs.uses_kernel(
-                jax.ShapeDtypeStruct((1, B * T, Q + Dc + Dr), jnp.float32), *flat, latent_norm, w_uk)):
-            # one row: the projection's K splits go straight to the kernel that sums them and
-            # makes the absorbed query, the roped query part and the cache row, which it
-            # writes into the cache itself
+        parts = None  # the projections' K splits [S, B*T, H(Dn+Dr)+Dc+Dr] float32 for `mla_inputs`
+        probe = jax.ShapeDtypeStruct((1, B * T, H * (Dn + Dr) + Dc + Dr), jnp.float32)
+        if ri:  # every product by the row kernel, the input norms in its prologue; one "split"
+            qkv = proj(x, norm=norm, row_invariant=True)
+            q, ckv = qkv[..., :Q], qkv[..., Q:]
+            if c.q_lora_rank:
+                q_norm = RMSNorm(LATENT_NORM_EPS, c.dtype, name="q_a_layernorm")(q, unapplied=True)
+                q = Linear(H * (Dn + Dr), False, c.dtype, tuning=tuning, name="q_b_proj")(
+                    q, norm=q_norm, row_invariant=True)
+            parts = jnp.concatenate([q, ckv], axis=-1).astype(jnp.float32).reshape(1, B * T, -1)
+        elif (absorb and not c.q_lora_rank and proj.uses_splits(x)
+              and mla_inputs.uses_kernel(probe, *flat, latent_norm, w_uk)):
+            # one row: the projection's K splits go straight to the kernel that sums them
             parts = proj(x, norm=norm, splits=True)  # [S, B*T, Q+Dc+Dr]
+        if parts is not None:
+            # the kernel makes the absorbed query, the roped query part and the cache row,
+            # which it writes into the cache itself
             written = buf is not None and tuning.cache_write_in_kernel
             q_lat, q_pe, rows = mla_inputs.mla_inputs(parts, *flat, latent_norm, w_uk, interleaved=c.rope_interleave,
                                                       eps=LATENT_NORM_EPS, cache=buf if written else None,
@@ -144,6 +159,10 @@ class MLAttention(nn.Module):
             k = jnp.concatenate([k_nope, jnp.broadcast_to(k_pe[:, :, None], (B, T, H, Dr))], axis=-1)
             o = attention_reference(jnp.concatenate([q_nope, q_pe], axis=-1), k, v, None, meta,
                                     scale=c.softmax_scale)  # [B,T,H,Dv]
+        elif ri:
+            if rows is not None:
+                buf = write_kv(buf, rows, meta.write_index, meta.page_table is None)
+            o = row_mla.row_mla_output(q_lat, q_pe, buf, meta, w_uv, scale=c.softmax_scale, tuning=tuning)
         elif rows is None:  # absorbed, the rows already in the cache
             o = mla_attention(q_lat, q_pe, buf, meta, w_uv, scale=c.softmax_scale, tuning=tuning, index=select)
         else:  # absorbed: attend over the latent rows (sparse: the selected ones), then up-project the values
@@ -151,7 +170,7 @@ class MLAttention(nn.Module):
                                           index=select)
         # one device's heads (`DeepseekConfig.block`): a float32 partial sum for `device_sum`
         out = Linear(c.hidden_size, c.attention_bias, c.dtype, float32_out=c.per_device, row_kernel=True,
-                     tuning=tuning, name="o_proj")(o.reshape(B, T, H * Dv))
+                     tuning=tuning, name="o_proj")(o.reshape(B, T, H * Dv), row_invariant=ri)
         return out, buf if ibuf is None else (buf, ibuf)
 
 
@@ -230,13 +249,18 @@ class MLP(nn.Module):
     partial: bool = False  # one device's columns (`DeepseekConfig.block`): a float32 partial sum
 
     @nn.compact
-    def __call__(self, x, norm):
+    def __call__(self, x, norm, row_invariant: bool = False):
         """x [B,T,D] with its norm (weight, eps; None: x is normed) not yet applied (the
-        kernel's prologue applies it) -> [B,T,D] (float32 when `partial`)."""
+        kernel's prologue applies it) -> [B,T,D] (float32 when `partial`). row_invariant:
+        both products by the row kernel (`computes_rows_alone`)."""
         D, F, dt = x.shape[-1], self.width, jnp.dtype(self.dtype)
         tiles = self.tuning.experts
         gate_up = self.param("gate_up_proj", lambda key: {"kernel": _init(key, (D, 2 * F), dt)})["kernel"]
         down = self.param("down_proj", lambda key: {"kernel": _init(key, (F, D), dt)})["kernel"]
+        if row_invariant:
+            gu = product(x, gate_up, tuning=self.tuning, row_invariant=True, norm=norm)
+            return product(silu_mul(gu[..., :F], gu[..., F:]), down, float32_out=self.partial, tuning=self.tuning,
+                           row_invariant=True)
         if moe_experts.uses_matvec(x, gate_up, tiles, any_size=True):
             rows = x.reshape(-1, D)
             one = jnp.zeros((rows.shape[0],), jnp.int32)  # every row to expert 0
@@ -265,9 +289,12 @@ class MoE(nn.Module):
     tuning: Tuning = DEFAULT_TUNING
 
     @nn.compact
-    def __call__(self, x, norm):
+    def __call__(self, x, norm, row_invariant: bool = False):
         """x [B,T,D] with its norm (weight, eps; None: x is normed) not yet applied (the
-        router's and the expert kernel's prologues apply it when they run) -> [B,T,D]."""
+        router's and the expert kernel's prologues apply it when they run) -> [B,T,D].
+        row_invariant (`computes_rows_alone`): every token through the expert kernel with
+        one token's tiles, the router's product by the expert kernel, the pairs' outputs
+        added in slot order."""
         c = self.cfg
         B, T, D = x.shape
         E, S, Fm, k = c.n_routed_experts, c.n_shared_experts, c.moe_intermediate_size, c.num_experts_per_tok
@@ -285,7 +312,8 @@ class MoE(nn.Module):
         xs = x.reshape(B * T, D)
         r = c.routing
         tuning = self.tuning
-        weights, ids = route(r, xs, router["kernel"], router.get("bias"), norm=norm, tuning=tuning)  # [N, KP] each
+        weights, ids = route(r, xs, router["kernel"], router.get("bias"), norm=norm, tuning=tuning,
+                             rows_alone=row_invariant)  # [N, KP] each
         if c.per_device:  # this device's E/n experts (`DeepseekConfig.block`); other experts' pairs: id -1
             El = E // n
             local = ids[:, :k] - jax.lax.axis_index(sharding.AXIS) * El
@@ -295,11 +323,16 @@ class MoE(nn.Module):
                 table = jnp.broadcast_to(jnp.arange(S, dtype=jnp.int32), (B * T, S))
                 out = out + self.routed(xs, table, weights[:, k:k + S], shared, norm, B * T * k < E)
             return out.reshape(B, T, D)  # float32: a partial sum over the devices
-        if B * T * k < E:  # decode and verification: read the chosen and the shared experts only
+        if B * T * k < E or row_invariant:  # decode and verification: read the chosen and the shared experts only
             extra = (shared["gate_up"], shared["down"]) if S else None
             y = moe_experts.moe_experts(xs, ids, experts["gate_up"], experts["down"], extra, r.slots,
-                                        norm=norm, tiles=tuning.experts)  # [N*(k+S), D]
-            out = jnp.einsum("nsd,ns->nd", y.reshape(B * T, r.slots, D), weights[:, :r.slots])
+                                        norm=norm, tiles=tuning.experts,
+                                        as_tokens=1 if row_invariant else None)  # [N*(k+S), D]
+            y = y.reshape(B * T, r.slots, D)
+            if row_invariant:  # slot order, elementwise
+                out = in_order_sum(jnp.moveaxis(y * weights[:, :r.slots, None], 1, 0))
+            else:
+                out = jnp.einsum("nsd,ns->nd", y, weights[:, :r.slots])
         else:  # prefill (and large batches): (token, expert) pairs grouped by expert
             xs = normed(xs, norm)
             y = moe_grouped.grouped(xs, ids[:, :k], experts["gate_up"], experts["down"],
@@ -333,13 +366,22 @@ class DecoderLayer(nn.Module):
     @nn.compact
     def __call__(self, x, buf, meta):
         c, tuning = self.cfg, self.tuning
+        ri = computes_rows_alone(tuning, meta)
         norm = RMSNorm(c.rms_norm_eps, c.dtype, name="input_layernorm")(x, unapplied=True)
-        h, buf = MLAttention(c, tuning, name="self_attn")(x, norm, buf, meta)
+        h, buf = MLAttention(c, tuning, name="self_attn")(x, norm, buf, meta, row_invariant=ri)
         x = x + device_sum(h, c)
         norm = RMSNorm(c.rms_norm_eps, c.dtype, name="post_attention_layernorm")(x, unapplied=True)
         mlp = (MoE(c, tuning, name="mlp") if c.is_moe(self.layer)
                else MLP(c.intermediate_size, c.dtype, tuning, partial=c.per_device, name="mlp"))
-        return x + device_sum(mlp(x, norm) if tuning.mlp_norm_in_kernel else mlp(normed(x, norm), None), c), buf
+        if ri or tuning.mlp_norm_in_kernel:
+            return x + device_sum(mlp(x, norm, row_invariant=ri), c), buf
+        return x + device_sum(mlp(normed(x, norm), None), c), buf
+
+
+def computes_rows_alone(tuning: Tuning, meta: AttnMeta) -> bool:
+    """Whether a DeepSeek pass runs its row-invariant paths: `llama.rows_alone` where the
+    kernels run (elsewhere the reference paths are row-invariant already)."""
+    return rows_alone(tuning, meta) and dispatch.want_pallas(True)
 
 
 def device_sum(y, c: DeepseekConfig):
@@ -391,7 +433,8 @@ class DeepseekModel(DecoderLM):
             bufs.append(buf)
         if self.cfg.num_layers in capture:
             aux[self.cfg.num_layers] = x
-        return self.norm(x), aux, None if cache is None else LatentCache.of_layers(bufs)
+        return self.norm(x, row_invariant=rows_alone(self.tuning, meta)), aux, \
+            None if cache is None else LatentCache.of_layers(bufs)
 
 
 class MtpLayer(nn.Module):
@@ -527,6 +570,32 @@ class DeepseekFamily(FlaxFamily):
 
     def split(self, cfg: DeepseekConfig, weights, n: int):
         return split_deepseek(cfg, weights, n)
+
+    def row_invariant_problem(self, cfg: DeepseekConfig, tuning) -> str | None:
+        """Sparse attention (V3.2: its indexer's norm, products and top-k are not built
+        row-invariant), a split model, a product the row kernel does not take
+        (`row_matmul.shape_problem`), or MLA dims its kernels do not take."""
+        if cfg.index_topk:
+            return "DeepSeek-V3.2's sparse attention (the indexer) has no row-invariant path yet"
+        if cfg.devices > 1:
+            return "it runs on one device: its kernels cannot be split over devices"
+        H, Dn, Dr, Dv, Dc, D = (cfg.num_heads, cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim,
+                                cfg.kv_lora_rank, cfg.hidden_size)
+        Q = cfg.q_lora_rank or H * (Dn + Dr)
+        shapes = {"qkv_a_proj": (D, Q + Dc + Dr), "o_proj": (H * Dv, D), "the LM head": (D, cfg.vocab_size)}
+        if cfg.q_lora_rank:
+            shapes["q_b_proj"] = (cfg.q_lora_rank, H * (Dn + Dr))
+        if cfg.first_k_dense_replace or not cfg.n_routed_experts:
+            shapes |= {"gate_up_proj": (D, 2 * cfg.intermediate_size), "down_proj": (cfg.intermediate_size, D)}
+        for name, (k, n) in shapes.items():
+            if why := row_matmul.shape_problem(k, n, tuning.row_matmul):
+                return f"{why}; {name} is [{k}, {n}]"
+        if not all(is_pow2(d) and d >= 16 for d in (Dn, Dc, Dr)) or Dv < 16:
+            return (f"the MLA kernels take Dn, Dc and Dr powers of two >= 16 and Dv >= 16, not "
+                    f"{Dn}, {Dc}, {Dr}, {Dv}")
+        if min(D, cfg.n_routed_experts or D, cfg.moe_intermediate_size or D) < 16:
+            return "the expert kernel takes hidden sizes, expert counts and widths of at least 16"
+        return None
 
 
 DEEPSEEK = DeepseekFamily()

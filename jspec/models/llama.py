@@ -50,18 +50,19 @@ def pad_one_row(rows: int, weight_elements: int, tuning: Tuning = DEFAULT_TUNING
 
 
 def product(x: jax.Array, w: jax.Array, transpose_w: bool = False, float32_out: bool = False,
-            tuning: Tuning = DEFAULT_TUNING, row_invariant: bool = False) -> jax.Array:
+            tuning: Tuning = DEFAULT_TUNING, row_invariant: bool = False, norm=None) -> jax.Array:
     """x [..., K] @ w [K, N] (or w [N, K] transposed: a tied head) -> [..., N], accumulated
-    in float32 (kept as float32 with `float32_out`). row_invariant: the row-invariant
-    kernel (`kernels.row_matmul`, tiles `tuning.row_matmul`) where the backend runs
+    in float32 (kept as float32 with `float32_out`); norm (weight, eps): x RMS-normed first
+    (`moe_experts.rms_norm`). row_invariant: the row-invariant
+    kernel (`kernels.row_matmul`, tiles `tuning.row_matmul`, the norm in its prologue) where the backend runs
     kernels and the shapes fit it. Few-row float32 products on the CPU
     run jspec's native loops (`kernels.cpu_matmul`, up to `tuning.cpu_matmul_max_rows`
     rows), everything else XLA's dot (one-row products with mid-sized weights on the GPU
     padded to two rows: `pad_one_row`)."""
-    x = x.astype(w.dtype)
     if row_invariant and row_matmul.supported(x, w, transpose_w, tuning.row_matmul) and dispatch.want_pallas(True):
-        y = row_matmul.row_matmul(x, w, transpose_w=transpose_w, tiles=tuning.row_matmul)
+        y = row_matmul.row_matmul(x, w, transpose_w=transpose_w, norm=norm, tiles=tuning.row_matmul)
         return y if float32_out else y.astype(w.dtype)
+    x = moe_experts.normed(x, norm).astype(w.dtype)
     if cpu_matmul.use_native(x, w, tuning.cpu_matmul_max_rows):
         return cpu_matmul.matmul(x, w, transpose_w=transpose_w)
     pad = pad_one_row(x.size // x.shape[-1], w.size, tuning)
@@ -98,11 +99,11 @@ class Linear(nn.Module):
         if self.row_kernel and not row_invariant and moe_experts.uses_matvec(x, w, self.tuning.experts):
             y = moe_experts.matvec(x, w, norm, float32_out=self.float32_out, tiles=self.tuning.experts)
         else:
-            x = moe_experts.normed(x, norm)
             # Products accumulate in float32 either way; asking for a float32 result only
             # where it is kept avoids a separate conversion pass after every matrix-vector
             # product.
-            y = product(x, w, float32_out=self.float32_out, tuning=self.tuning, row_invariant=row_invariant)
+            y = product(x, w, float32_out=self.float32_out, tuning=self.tuning, row_invariant=row_invariant,
+                        norm=norm)
         if norm_factor is not None:  # fuses into the product's consumer
             y = (y.astype(jnp.float32) * norm_factor).astype(y.dtype)
         if self.use_bias:
@@ -375,17 +376,16 @@ class LlamaFamily(FlaxFamily):
     architectures = tuple(llama_hf.TARGET_ARCHITECTURES)
 
     def row_invariant_problem(self, cfg, tuning) -> str | None:
-        """A product whose weight the row kernel does not take (K or N not a multiple of its
-        `tuning.row_matmul` chunks, on the GPU it would stay XLA's), or a norm width
+        """A product whose weight the row kernel does not take (`row_matmul.shape_problem`:
+        on the GPU it would stay XLA's), or a norm width
         `kernels.row_norm` does not take."""
         t = tuning.row_matmul
         H, Hkv, Dh, D, F = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.hidden_size, cfg.intermediate_size
         shapes = {"qkv_proj": (D, (H + 2 * Hkv) * Dh), "o_proj": (H * Dh, D), "gate_up_proj": (D, 2 * F),
                   "down_proj": (F, D), "the LM head": (D, cfg.vocab_size)}
         for name, (k, n) in shapes.items():
-            if k % t.block_k or n % t.block_n:
-                return (f"the row kernel takes weights [K, N] with K a multiple of {t.block_k} and N of "
-                        f"{t.block_n}; {name} is [{k}, {n}]")
+            if why := row_matmul.shape_problem(k, n, t):
+                return f"{why}; {name} is [{k}, {n}]"
         if not row_norm.chunk_of(D) or (cfg.qk_norm and not row_norm.chunk_of(Dh)):
             return f"the row norm takes widths that are multiples of 16 (hidden {D}, head {Dh})"
         if not (is_pow2(Dh) and Dh >= 16):
