@@ -16,6 +16,8 @@ layers and their random initialisation do not fit an H100.
     PYTHONPATH=. python3 benchmarks/dsa.py [--contexts 4096,16384,65536] [--batches 1,32]
         [--layers 1,2] [--rounds 32] [--mtp] [--shape v32|tiny]
     PYTHONPATH=. python3 benchmarks/dsa.py --check   # the kernels against their references
+    PYTHONPATH=. python3 benchmarks/dsa.py --topk [--contexts ..] [--topk-rows 1,32,128]
+        [--topk-tiles chunk/block/warps/stages,..]   # the top-k selection (topk_bench)
 Result: $OUT/dsa.json. Written for the GPU; run on the CPU with --shape tiny only.
 """
 from __future__ import annotations
@@ -169,9 +171,15 @@ def main():
     ap.add_argument("--shape", default="v32", choices=["v32", "tiny"])
     ap.add_argument("--mtp", action="store_true", help="MTP chain and tree round ratios at batch 1")
     ap.add_argument("--check", action="store_true", help="only the kernels against their references")
+    ap.add_argument("--topk", action="store_true", help="only the top-k selection kernels (see topk_bench)")
+    ap.add_argument("--topk-rows", default="1,32,128")
+    ap.add_argument("--topk-tiles", default=TOPK_TILES)
     args = ap.parse_args()
     if args.check:
         check_kernels()
+        return
+    if args.topk:
+        topk_bench(args)
         return
     base = V32_LAYER if args.shape == "v32" else TINY
     lo, hi = (int(x) for x in args.layers.split(","))
@@ -203,6 +211,80 @@ def main():
     for r in res["per_layer"]:
         print(rounded(r), flush=True)
     print("saved", save_json(f"dsa_{args.shape}.json", res))
+
+
+
+# --------------------------------------------------------------------------- top-k selection
+
+TOPK_TILES = "512/auto/4/2,1024/auto/4/2,256/auto/4/2,512/auto/8/2,512/auto/4/2/256"
+
+
+def topk_tiles(spec: str) -> list[dict]:
+    """"chunk/block/num_warps/num_stages[/min_programs],..." (block "auto": tiles_for's) ->
+    topk_slots keyword arguments, one dict an entry."""
+    out = []
+    for entry in spec.split(","):
+        f = entry.split("/")
+        t = {"chunk": int(f[0]), "block": None if f[1] == "auto" else int(f[1]), "num_warps": int(f[2]),
+             "num_stages": int(f[3])}
+        if len(f) > 4:
+            t["min_programs"] = int(f[4])
+        out.append(t)
+    return out
+
+
+def median_us(fn, x, calls: int = 20) -> float:
+    """Median us a call of fn(x) (compiled and warmed first), each call waited for."""
+    jax.block_until_ready(fn(x))
+    jax.block_until_ready(fn(x))
+    ts = []
+    for _ in range(calls):
+        t0 = time.perf_counter()
+        jax.block_until_ready(fn(x))
+        ts.append(time.perf_counter() - t0)
+    return float(np.median(ts)) * 1e6
+
+
+def topk_bench(args) -> None:
+    """`--topk`: DSA's top-k selection (`jspec.kernels.dsa_topk`) at k = 2048 for S in
+    --contexts slots and R in --topk-rows rows of random float32 scores (the last 64 slots
+    -inf, as the cache's slots past the committed length): us a call (median of 20) of the
+    kernels (one row per --topk-tiles entry), of their reference (lax.top_k, mask, sort)
+    and of plain lax.top_k (the model's call before), and whether the kernels equal the
+    reference exactly. --shape tiny: S = context / 16, k = 64 and rows / 32 (a CPU smoke
+    test, the kernels in interpret mode). Result: $OUT/dsa_topk_<shape>.json."""
+    from jspec.kernels.dsa_topk import tiles_for, topk_slots, topk_slots_reference
+    tiny = args.shape == "tiny"
+    k = TINY.index_topk if tiny else V32_LAYER.index_topk
+    tiles = topk_tiles(args.topk_tiles)
+    res = {"env": env_info(), "shape": args.shape, "k": k, "interpret": jax.default_backend() != "gpu", "rows": []}
+    reference = jax.jit(lambda x: topk_slots_reference(x, k))
+    plain = jax.jit(lambda x: jax.lax.top_k(x, k))
+    for ctx in (int(c) for c in args.contexts.split(",")):
+        S = ctx // 16 if tiny else ctx
+        for R in sorted({max(1, int(r) // 32) if tiny else int(r) for r in args.topk_rows.split(",")}):
+            rng = np.random.default_rng(S + R)
+            x = rng.standard_normal((R, S + 64)).astype(np.float32)
+            x[:, S:] = -np.inf
+            x = jnp.asarray(x)
+            row = {"S": S + 64, "rows": R, "k": k, "reference_us": median_us(reference, x),
+                   "top_k_us": median_us(plain, x), "kernels": []}
+            want = np.asarray(reference(x))
+            for t in tiles:
+                fn = jax.jit(lambda x, t=t: topk_slots(x, k, **t))
+                block, chunk = tiles_for(R, S + 64, block=t["block"], chunk=t["chunk"],
+                                         min_programs=t.get("min_programs", 1024))
+                got = np.asarray(fn(x))
+                row["kernels"].append({**t, "block_used": block, "chunk_used": chunk, "us": median_us(fn, x),
+                                       "exact": bool(np.array_equal(got, want))})
+            best = min(row["kernels"], key=lambda r: r["us"])
+            row.update(kernel_us=best["us"], kernel_tiles=best, exact=all(r["exact"] for r in row["kernels"]))
+            res["rows"].append(row)
+            print({k_: v for k_, v in rounded(row).items() if k_ not in ("kernels", "kernel_tiles")},
+                  "best", {k_: best[k_] for k_ in ("chunk", "block_used", "num_warps", "num_stages")},
+                  "all us", [round(r["us"], 1) for r in row["kernels"]], flush=True)
+            save_json(f"dsa_topk_{args.shape}.json", res)
+    print("saved", save_json(f"dsa_topk_{args.shape}.json", res))
 
 
 if __name__ == "__main__":

@@ -7,8 +7,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jspec.kernels import moe_experts, row_norm
 from jspec.config import RowMatmulTiles
+from jspec.kernels import moe_experts, row_norm
 from jspec.kernels.row_matmul import block_n_for, row_matmul, splits_for, supported
 
 

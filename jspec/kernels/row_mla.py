@@ -29,10 +29,16 @@ from jax.experimental import pallas as pl
 
 from jspec.cache.layout import AttnMeta
 from jspec.config import DEFAULT_TUNING, RowAttentionTiles, Tuning
-from jspec.kernels.decode_attention import NEG_INF, online_softmax_step
 from jspec.kernels import mla_output
+from jspec.kernels.decode_attention import NEG_INF, online_softmax_step
 from jspec.kernels.mla_decode import _check_args
-from jspec.kernels.row_attention import ROWS, key_rows, local_slots, merge_splits_in_order, num_splits
+from jspec.kernels.row_attention import (
+    ROWS,
+    key_rows,
+    local_slots,
+    merge_splits_in_order,
+    num_splits,
+)
 from jspec.kernels.tiling import pow2_ceil
 
 
