@@ -9,10 +9,15 @@ the first differing token:
   standalone chain; and batch 1 (the first 4 prompts one at a time, EAGLE-3 chain);
 - the Llama-3.1-8B shape with random weights and n-gram drafts (a random model's greedy
   output repeats, so the lookup's drafts are accepted): chain S=4 and tree (4,2,8),
-  dense and paged 16, a batch of 4 unequal prompts.
+  dense and paged 16, a batch of 4 unequal prompts;
+- the DeepSeek-V2-Lite layer shape (MLA + 64 experts, `--deepseek-layers` layers, default
+  6) with random weights: n-gram chain S=4 and tree (4,2,8), and a random MTP draft's
+  chain S=3 and tree (3,2,4) (its drafts are rejected: the root rows are checked beside
+  the others), dense and paged 16, 4 unequal prompts.
 Plain decoding of each tuning is its own reference (dense; paged plain is compared too).
 
 Run: PYTHONPATH=. python3 benchmarks/bitwise.py [check] [--tunings default,row_invariant] [--prompts 16]
+         [--skip bundle 8b deepseek] [--deepseek-layers 6]
 """
 from __future__ import annotations
 
@@ -25,7 +30,7 @@ import numpy as np
 
 import jspec
 from benchmarks.bundle_eval import first_diff, held_out_prompts
-from benchmarks.common import LLAMA31_8B, env_info, random_params, save_json, tunings
+from benchmarks.common import LLAMA31_8B, V2_LITE, env_info, random_params, save_json, tunings
 from jspec.bundle import bundle_path
 
 NEW = 128
@@ -83,22 +88,52 @@ def check_8b(tname, tuning, target, res):
         compare(f"{name} (tau {out.stats.mean_accept_length:.2f})", tname, plain, out.tokens, res)
 
 
+def deepseek_params(layers: int):
+    """The V2-Lite shape with `layers` layers and a random MTP draft of its layer shape."""
+    from jspec.drafts import MtpDraft
+    from jspec.drafts.mtp import layer_config
+    cfg = V2_LITE.replace(num_layers=layers)
+    target = random_params(cfg)
+    draft = MtpDraft(layer_config(cfg))
+    dw = jax.jit(lambda k: draft.init(k, cfg.vocab_size))(jax.random.key(1))
+    return target, target.with_draft(jspec.DraftParams(draft, dw))
+
+
+def check_deepseek(tname, tuning, target, mtp, res):
+    rng = np.random.RandomState(1)
+    prompts = [rng.randint(1, 100000, size=n).tolist() for n in (300, 517, 129, 1000)]
+    plain = run(target, prompts, tuning).tokens
+    compare("v2lite plain paged16", tname, plain, run(target, prompts, tuning, cache=PAGED).tokens, res)
+    ngram = target.with_draft(jspec.NgramDraft())
+    for name, params, spec, cache in [("v2lite ngram chain S=4", ngram, jspec.SpecConfig(4), None),
+                                      ("v2lite ngram tree 4,2,8 paged16", ngram, jspec.SpecConfig(4, 2, 8), PAGED),
+                                      ("v2lite mtp chain S=3 paged16", mtp, jspec.SpecConfig(3), PAGED),
+                                      ("v2lite mtp tree 3,2,4", mtp, jspec.SpecConfig(3, 2, 4), None)]:
+        out = run(params, prompts, tuning, spec, cache)
+        compare(f"{name} (tau {out.stats.mean_accept_length:.2f})", tname, plain, out.tokens, res)
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("parts", nargs="*", default=["check"])
     ap.add_argument("--tunings", default="default,row_invariant")
     ap.add_argument("--prompts", type=int, default=16)
-    ap.add_argument("--skip", nargs="*", default=[], help="bundle and/or 8b")
+    ap.add_argument("--skip", nargs="*", default=[], help="of bundle, 8b, deepseek")
+    ap.add_argument("--deepseek-layers", type=int, default=6)
     args = ap.parse_args()
-    res = {"env": env_info(), "date": time.strftime("%Y-%m-%d"), "new_tokens": NEW}
+    res = {"env": env_info(), "date": time.strftime("%Y-%m-%d"), "new_tokens": NEW,
+           "deepseek_layers": args.deepseek_layers}
     print(res["env"], flush=True)
     target = None if "8b" in args.skip else random_params(LLAMA31_8B)
+    deepseek = None if "deepseek" in args.skip else deepseek_params(args.deepseek_layers)
     for tname, tuning in tunings(args.tunings):
         t0 = time.perf_counter()
         if "bundle" not in args.skip:
             check_bundle(tname, tuning, args.prompts, res)
         if target is not None:
             check_8b(tname, tuning, target, res)
+        if deepseek is not None:
+            check_deepseek(tname, tuning, *deepseek, res)
         print(f"{tname}: {time.perf_counter() - t0:.0f} s", flush=True)
         jax.clear_caches()
     print("saved", save_json(f"bitwise_{jax.default_backend()}.json", res))

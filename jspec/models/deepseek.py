@@ -38,7 +38,7 @@ from jspec.kernels import moe_experts, moe_grouped
 from jspec.kernels.moe_experts import normed, silu_mul
 from jspec.kernels.moe_route import route
 from jspec.cache.kv import write_kv
-from jspec.kernels import dsa_index
+from jspec.kernels import dsa_index, dsa_topk
 from jspec.kernels.decode_attention import cache_mask
 from jspec.kernels.dsa_index import index_scores_reference
 from jspec import sharding
@@ -189,7 +189,8 @@ class Indexer(nn.Module):
     latent) and one key (wk of the normed input, a LayerNorm with bias), both roped on
     their first Dr dims, non-interleaved; per-head weights (weights_proj, float32) times
     Hi^-1/2. A slot's score for a token is sum_h w_h relu(q_h . k / sqrt(Di)), float32;
-    the Ki best visible slots are selected. The keys go into the layer's indexer buffer at
+    the Ki best visible slots are selected (`kernels.dsa_topk`: in slot order, ties to the
+    lower slot). The keys go into the layer's indexer buffer at
     the new tokens' slots (the latent's)."""
 
     cfg: DeepseekConfig
@@ -230,9 +231,9 @@ class Indexer(nn.Module):
             index = dsa_index.scores(q, weights, buf, meta.page_table, scale=Di ** -0.5)
             visible = cache_mask(meta, Sk, T)
         index = jnp.where(visible, index, -jnp.inf)
+        if not meta.prefill:  # [B,T,Ki] in slot order (a Pallas radix select on the GPU)
+            return dsa_topk.select(index, Ki), buf
         best, top = jax.lax.top_k(index, Ki)  # [B,T,Ki], slot order breaks ties
-        if not meta.prefill:
-            return jnp.where(best > -jnp.inf, top, -1).astype(jnp.int32), buf
         chosen = jnp.zeros((B, T, Sk), bool).at[jnp.arange(B)[:, None, None], jnp.arange(T)[None, :, None],
                                                  top].set(True)
         return chosen & visible, buf
