@@ -113,23 +113,6 @@ def test_short_rows_and_k_above_s():
     np.testing.assert_array_equal(ref[1], np.r_[[0, 1, 2], np.arange(4, 10), [-1, -1, -1]])
 
 
-def test_kernel_picks_match_glue_picks():
-    """The digit picks every counting program makes (`_pick16`, 16 at a time) are the
-    glue's (`_pick`), empty histograms (rank 0) included."""
-    rng = np.random.default_rng(9)
-    tot = rng.integers(0, 4, (64, 256)) * (rng.random((64, 256)) < 0.3)
-    tot[0] = 0
-    tot[1] = 0
-    tot[1, 17] = 5
-    r = np.minimum(rng.integers(1, 40, 64), tot.sum(1))
-    tot, r = jnp.asarray(tot, jnp.int32), jnp.asarray(r, jnp.int32)
-    d, rest = jax.vmap(dt._pick16)(tot.reshape(64, 16, 16), r)
-    d_ref, rest_ref = dt._pick(tot, r)
-    np.testing.assert_array_equal(np.asarray(d), np.asarray(d_ref))
-    np.testing.assert_array_equal(np.asarray(rest), np.asarray(rest_ref))
-    assert int(d[0]) == 255 and int(d[1]) == 17
-
-
 def _highest_slot_ties(scores, k):
     """A wrong selection: ties at the k-th score to the highest slots."""
     S = scores.shape[-1]

@@ -11,7 +11,7 @@ with negative weights is -0.0); the kernel keeps it. NaN scores are outside the 
 (lax.top_k ranks +NaN first, then the -inf mask drops it; the kernel never selects one).
 
 `topk_slots_reference` is lax.top_k, the mask and a sort. `topk_slots` is a radix select
-in five Pallas (Triton) kernels, each a grid of (key block, row) programs, so that one row
+in Pallas (Triton) kernels, a grid of (key block, row) programs each, so that one row
 (decoding at batch 1) still spreads over many SMs:
 
 1. Keys. A float's bits, with the 31 low bits flipped where the sign bit is set, order as
@@ -19,30 +19,29 @@ in five Pallas (Triton) kernels, each a grid of (key block, row) programs, so th
    sign bit flipped too (u), as unsigned 32-bit patterns, read 8 bits (a digit) at a time
    from the top. Valid keys: above -inf's (and not NaN).
 2. Four counting passes (digits of 8 bits, most significant first). Pass p counts, in
-   each block of `block` slots, the valid keys whose first p digits equal the row's
-   prefix, by their digit p: a [16, C] one-hot of the digit's high 4 bits times a
-   [C, 16] one-hot of its low 4 bits (bfloat16 0/1, float32 sums: exact) is the block's
-   256-bin histogram, on the tensor cores, C = `chunk` slots at a time. A program writes
-   its block's histogram and adds it (integer atomics: exact, in any order) to the row's
-   histogram of the pass. The prefix: every program of pass p first picks the digits of
-   passes 0..p-1 from the row's histograms (the rank sought starts at min(k, valid keys);
-   a pass's digit is the largest one with at least r keys at or above it, r then less
-   the keys above it), a few 16-wide steps, so no XLA op runs between the passes.
-3. Glue (jnp, once): the same picks give the k-th largest key T and r, the keys equal to T
-   to keep; a block's keys above T are the sum over the passes of its counts above the
-   digit picked, its keys equal to T its last count; an exclusive cumsum over the blocks
-   of what each keeps (its keys above T and its share of the first r equal to T in slot
-   order) is its first output position.
-4. Placing: each program keeps, chunk by chunk, its keys above T and those equal to T
-   whose rank among the row's (a cumsum) is within r, and stores each kept slot at its
-   position (the block's first position plus a cumsum of the kept ones): ascending slot
-   order, without a sort. Glue writes -1 past the kept count.
+   each block of `block` slots, the valid keys (above -inf) whose first p digits equal
+   the prefix chosen so far, by their digit p: a [16, C] one-hot of the digit's high 4
+   bits times a [C, 16] one-hot of its low 4 bits (bfloat16 0/1, float32 sums: exact) is
+   the block's 256-bin histogram, on the tensor cores, C = `chunk` slots at a time.
+   jnp glue sums the blocks' histograms and picks the digit in which the rank sought
+   falls (the largest digit with at least r keys at or above it; r -= the keys above it).
+   After four passes the prefix is the k-th largest key T (of min(k, valid keys)) and r
+   the keys equal to T to take; each block's count of keys above T is the sum over the
+   passes of its counts above the digit chosen, and its count equal to T its last count.
+3. Placing. Glue turns the blocks' counts into each block's first output position (an
+   exclusive cumsum of the keys a block keeps: those above T and its share of the first r
+   equal to T in slot order) and its quota of ties. A placing pass over the same blocks
+   keeps, chunk by chunk, the keys above T and the equal ones whose rank among the row's
+   equal keys (a cumsum) is within r, and stores each kept slot at its position (the
+   block's first position plus a cumsum of the kept ones): ascending slot order, without
+   a sort. Glue writes -1 past the kept count.
 
-Five reads of the [R, S] scores whatever R, S and k; the glue reads the blocks'
-histograms ([R, blocks, 256] a pass: `tiles_for` makes blocks few where rows are many). S
-need not be a multiple of a block: the last chunk of a row overlaps its neighbour (no
-out-of-bounds loads) and masks the slots the neighbour holds; rows shorter than 16 slots
-are padded with -inf.
+Five data passes over [R, S] and five small glue steps, whatever R, S and k. (A variant
+that summed the passes' histograms with integer atomics inside the kernels, to spare the
+glue between passes, counted nothing on an H100, jax 0.11.2: the atomic adds into the
+aliased histogram buffer left it zero; docs/experiments.md.) S need not be
+a multiple of a block: the last chunk of a row overlaps its neighbour (no out-of-bounds
+loads) and masks the slots the neighbour holds; rows shorter than 16 are padded with -inf.
 """
 from __future__ import annotations
 
@@ -107,37 +106,13 @@ def _chunk_at(k0, chunk: int, num_keys: int, ragged: bool):
     return start, start + jnp.arange(chunk, dtype=jnp.int32) >= k0
 
 
-def _pick16(tot, r):
-    """A histogram by digit tot [16, 16] int32 (high 4 bits, low 4 bits) and the rank r >= 0
-    sought among its keys (scalar) -> (the digit holding that key, its rank among the
-    keys of that digit): two steps of 16, the high half, then the low half in its row.
-    r = 0 (no keys at all) gives digit 255, rank 0, as `_pick`."""
-    i16 = jnp.arange(16, dtype=jnp.int32)
-    rows = jnp.sum(tot, axis=1)  # [16]
-    hi = jnp.sum((jnp.sum(rows) - jnp.cumsum(rows) + rows >= r).astype(jnp.int32)) - 1  # keys at or above >= r
-    r = r - jnp.sum(jnp.where(i16 > hi, rows, 0))
-    row = jnp.sum(jnp.where(i16[:, None] == hi, tot, 0), axis=0)  # [16]
-    lo = jnp.sum((jnp.sum(row) - jnp.cumsum(row) + row >= r).astype(jnp.int32)) - 1
-    return hi * 16 + lo, r - jnp.sum(jnp.where(i16 > lo, row, 0))
-
-
-def _count_kernel(x_ref, tot_ref, o_ref, tot_out_ref, *, p: int, k: int, block: int, chunk: int, num_keys: int,
-                  ragged: bool):
-    """Pass p of (key block blk, row). x_ref [R, S] float32; tot_ref [R, 4, 16, 16] int32
-    (whole): each pass's histogram of the row (summed over its blocks), passes before p
-    complete; tot_out_ref: the same buffer (aliased), to which this program adds its
-    counts at pass p; o_ref [16, 16] int32: this block's counts. Counts: the valid keys
-    whose first p digits are the row's prefix, by their digit p. The prefix: the digits
-    that passes 0..p-1's histograms pick (`_pick16`, redone by every program)."""
+def _count_kernel(x_ref, prefix_ref, o_ref, *, p: int, block: int, chunk: int, num_keys: int, ragged: bool):
+    """Pass p of (key block blk, row). x_ref [R, S] float32; prefix_ref [R] int32 (the first
+    p digits chosen); o_ref [16, 16] int32: the block's valid keys under the prefix by
+    their digit p (high 4 bits, low 4 bits)."""
     blk, row = pl.program_id(0), pl.program_id(1)
     d16 = jnp.arange(16, dtype=jnp.int32)
-    prefix = jnp.int32(0)
-    for q in range(p):
-        tot = tot_ref[row, q]  # [16, 16]
-        if q == 0:
-            r = jnp.minimum(jnp.sum(jnp.sum(tot, axis=1)), k)  # min(k, valid keys)
-        d, r = _pick16(tot, r)
-        prefix = lax.shift_left(prefix, 8) | d
+    prefix = prefix_ref[row] if p else None
 
     def step(c, acc):
         start, own = _chunk_at(blk * block + c * chunk, chunk, num_keys, ragged)
@@ -153,9 +128,8 @@ def _count_kernel(x_ref, tot_ref, o_ref, tot_out_ref, *, p: int, k: int, block: 
         b = ((digit & 15)[:, None] == d16[None, :]).astype(jnp.bfloat16)  # [C, 16]
         return acc + jnp.dot(a, b, preferred_element_type=jnp.float32)
 
-    acc = lax.fori_loop(0, block // chunk, step, jnp.zeros((16, 16), jnp.float32)).astype(jnp.int32)
-    o_ref[...] = acc
-    plt.atomic_add(tot_out_ref, (row, jnp.int32(p), slice(None), slice(None)), acc)
+    acc = lax.fori_loop(0, block // chunk, step, jnp.zeros((16, 16), jnp.float32))
+    o_ref[...] = acc.astype(jnp.int32)
 
 
 def _place_kernel(x_ref, thr_ref, off_ref, quota_ref, o_ref, *, block: int, chunk: int, num_keys: int, ragged: bool,
@@ -187,12 +161,16 @@ def _place_kernel(x_ref, thr_ref, off_ref, quota_ref, o_ref, *, block: int, chun
 
 # --------------------------------------------------------------------------- glue
 
-def _pick(tot, r):
-    """`_pick16` for all rows: a pass's histograms tot [R, 256] and the ranks r [R] sought
-    -> (the digits d [R] holding them, the ranks within those digits [R])."""
+def _pick(hist, r):
+    """One pass's histograms [R, NB, 256] and the rank r [R] sought among their keys ->
+    (the digit d [R] holding it, the rank within that digit [R], each block's keys with a
+    digit above d [R, NB])."""
+    tot = jnp.sum(hist, axis=1)  # [R, 256]
     at_least = jnp.flip(jnp.cumsum(jnp.flip(tot, 1), axis=1), 1)  # [R, 256]: keys with digit >= d
     d = jnp.sum((at_least >= r[:, None]).astype(jnp.int32), axis=1) - 1  # r = 0 (no keys): 255, nothing kept
-    return d, r - jnp.take_along_axis(at_least - tot, d[:, None], axis=1)[:, 0]
+    above = jnp.take_along_axis(at_least - tot, d[:, None], axis=1)[:, 0]
+    blocks_above = jnp.sum(jnp.where(jnp.arange(DIGITS, dtype=jnp.int32) > d[:, None, None], hist, 0), axis=2)
+    return d, r - above, blocks_above
 
 
 def _check_k(k) -> None:
@@ -272,30 +250,30 @@ def topk_slots(scores, k: int, *, interpret: bool | None = None, block: int | No
     geometry = dict(block=block, chunk=chunk, num_keys=Sp, ragged=Sp % block != 0)
     whole = pl.BlockSpec()
 
-    tot = jnp.zeros((R, PASSES, 16, 16), jnp.int32)  # each pass's histogram of each row
-    hists = []  # each pass's histograms of each block, [R, NB, 16, 16]
-    for p in range(PASSES):
-        hist, tot = pl.pallas_call(
-            functools.partial(_count_kernel, p=p, k=k, **geometry), grid=(NB, R),
+    def count(p, prefix):  # -> [R, NB, 256] int32
+        out = pl.pallas_call(
+            functools.partial(_count_kernel, p=p, **geometry), grid=(NB, R),
             in_specs=[whole, whole],
-            out_specs=[pl.BlockSpec((None, None, 16, 16), lambda b, r: (r, b, 0, 0)), whole],
-            out_shape=[jax.ShapeDtypeStruct((R, NB, 16, 16), jnp.int32), jax.ShapeDtypeStruct(tot.shape, jnp.int32)],
-            input_output_aliases={1: 1},
+            out_specs=pl.BlockSpec((None, None, 16, 16), lambda b, r: (r, b, 0, 0)),
+            out_shape=jax.ShapeDtypeStruct((R, NB, 16, 16), jnp.int32),
             interpret=interpret, compiler_params=params, name=f"jspec_dsa_topk_count{p}",
-        )(x, tot)
-        hists.append(hist.reshape(R, NB, DIGITS))
-    # the picks again (as the kernels made them), and what each block keeps
-    tot = tot.reshape(R, PASSES, DIGITS)
-    kept_total = jnp.minimum(jnp.sum(tot[:, 0], axis=1), k)  # [R]: min(k, valid keys)
-    r, thr = kept_total, jnp.zeros((R,), jnp.int32)
+        )(x, prefix)
+        return out.reshape(R, NB, DIGITS)
+
+    prefix = jnp.zeros((R,), jnp.int32)
+    hist = count(0, prefix)
+    valid = jnp.sum(hist, axis=(1, 2))  # [R]
+    r = jnp.minimum(valid, k)  # the rank of the threshold: min(k, valid keys)
+    kept_total = r
     above = jnp.zeros((R, NB), jnp.int32)  # each block's keys above the threshold
     for p in range(PASSES):
-        d, r = _pick(tot[:, p], r)
-        above = above + jnp.sum(jnp.where(jnp.arange(DIGITS, dtype=jnp.int32) > d[:, None, None], hists[p], 0),
-                                axis=2)
-        thr = lax.shift_left(thr, 8) | d
-    thr = thr ^ INT_MIN  # [R]: the k-th key (signed order); r: how many keys equal to it to keep
-    equal = jnp.take_along_axis(hists[-1], d[:, None, None], axis=2)[..., 0]  # [R, NB]: each block's keys equal to it
+        if p:
+            hist = count(p, prefix)
+        d, r, blocks_above = _pick(hist, r)
+        above = above + blocks_above
+        prefix = lax.shift_left(prefix, 8) | d
+    thr = prefix ^ INT_MIN  # [R]: the threshold's key (signed order)
+    equal = jnp.take_along_axis(hist, d[:, None, None], axis=2)[..., 0]  # [R, NB]: keys equal to it
     quota = r[:, None] - (jnp.cumsum(equal, axis=1) - equal)  # ties a block may keep: r - earlier blocks' ties
     keep = above + jnp.clip(quota, 0, equal)  # [R, NB]
     off = jnp.cumsum(keep, axis=1) - keep

@@ -96,10 +96,13 @@ def supported(x, w, transpose_w: bool = False, tiles: RowMatmulTiles | None = No
 
 
 def row_matmul(x, w, *, transpose_w: bool = False, norm=None, tiles: RowMatmulTiles | None = None,
-               num_splits: int | None = None, block_m: int = BLOCK_M, interpret: bool | None = None):
+               num_splits: int | None = None, block_m: int = BLOCK_M, sum_splits: bool = True,
+               interpret: bool | None = None):
     """x [..., K] @ w [K, N] (w [N, K] with transpose_w: a tied LM head) -> [..., N]
     float32, row-invariant (see the module). norm (weight [K], eps): x's rows RMS-normed
-    first, in the prologue. tiles: None, the defaults."""
+    first, in the prologue. sum_splits False: -> the K splits [S, rows, N] unsummed, for a
+    kernel that adds them in split order as it loads them (`kernels.mla_inputs`). tiles:
+    None, the defaults."""
     t = RowMatmulTiles() if tiles is None else tiles
     if not supported(x, w, transpose_w, t):
         raise ValueError(f"row_matmul: {shape_problem(*(w.shape[::-1] if transpose_w else w.shape), t)}; "
@@ -133,4 +136,4 @@ def row_matmul(x, w, *, transpose_w: bool = False, norm=None, tiles: RowMatmulTi
         out_shape=jax.ShapeDtypeStruct((S, M, N), jnp.float32),
         interpret=interpret, compiler_params=params, name="jspec_row_matmul",
     )(x2, w, *(() if norm is None else (norm[0].astype(w.dtype),)))
-    return in_order_sum(part).reshape(lead + (N,))
+    return in_order_sum(part).reshape(lead + (N,)) if sum_splits else part

@@ -110,7 +110,11 @@ class MLAttention(nn.Module):
         q_latent = None  # the normed query latent (sparse attention's indexer reads it)
         parts = None  # the projections' K splits [S, B*T, H(Dn+Dr)+Dc+Dr] float32 for `mla_inputs`
         probe = jax.ShapeDtypeStruct((1, B * T, H * (Dn + Dr) + Dc + Dr), jnp.float32)
-        if ri:  # every product by the row kernel, the input norms in its prologue; one "split"
+        if ri and not (c.q_lora_rank or c.attention_bias):
+            # the row kernel's K splits, the input norm in its prologue, added up in split
+            # order by the inputs kernel
+            parts = proj(x, norm=norm, splits=True, row_invariant=True)  # [S, B*T, Q+Dc+Dr]
+        elif ri:  # q_b_proj between: both products by the row kernel; one "split"
             qkv = proj(x, norm=norm, row_invariant=True)
             q, ckv = qkv[..., :Q], qkv[..., Q:]
             if c.q_lora_rank:
