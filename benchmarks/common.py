@@ -347,6 +347,10 @@ TUNINGS: dict[str, dict] = {
     "rm_stages4": {"row_matmul": {"num_stages": 4}},
     "rm_programs528": {"row_matmul": {"target_programs": 528}},
     "rm_bn64": {"row_matmul": {"block_n": 64}},
+    "row_mla_64x2": {"row_mla": {"block_k": 64, "split_blocks": 2}},  # Tuning.row_mla (DeepSeek)
+    "row_mla_32x4": {"row_mla": {"block_k": 32, "split_blocks": 4}},
+    "row_mla_32x2": {"row_mla": {"block_k": 32, "split_blocks": 2}},
+    "row_mla_w8": {"row_mla": {"num_warps": 8}},
     # XLA options (on a GPU)
     "graphs_off": {"family_xla_options": False},  # XLA's default command buffers, not the family's
     "graphs_loop_only": {"family_xla_options": False, "xla_options": (("xla_gpu_enable_command_buffer", GRAPHS),)},

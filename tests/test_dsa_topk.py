@@ -144,6 +144,7 @@ def test_dispatch():
     with dispatch.use_backend("auto"):
         assert dt.uses_kernel(x, 12) == (jax.default_backend() == "gpu")
         assert not dt.is_supported(x.astype(jnp.bfloat16), 12) and not dt.is_supported(x, 0)
+    assert dt.pays(32, 65600) and dt.pays(128, 4160) and not dt.pays(128, 16448)  # where it measured faster
     np.testing.assert_array_equal(np.asarray(got), np.asarray(dt.topk_slots_reference(x, 12)))
     with pytest.raises(ValueError):
         dt.topk_slots(x, 4, chunk=24)

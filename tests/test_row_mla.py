@@ -1,25 +1,40 @@
-"""The row-invariant MLA attention kernel (`jspec.kernels.row_mla`, interpret mode on the
-CPU): it equals the reference, and a tree node's latent is the same bits as a one-token
-decode step at the node's position over a cache holding its ancestors in position order
-(what plain decoding's cache holds), whatever the cache's capacity."""
+"""The row-invariant MLA attention (`jspec.kernels.row_mla`: the attention kernel, then
+`mla_output` merging its splits in order; interpret mode on the CPU): it equals the
+reference, and a tree node's output is the same bits as a one-token decode step at the
+node's position over a cache holding its ancestors in position order (what plain
+decoding's cache holds), whatever the cache's capacity."""
 from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from test_mla_kernel import _fast_jit, _reference, _scale, make_case
+from test_mla_kernel import _fast_jit, _scale, make_case
 
 from jspec.cache import layout as lay
-from jspec.config import RowAttentionTiles
+from jspec.config import RowAttentionTiles, Tuning
+from jspec.kernels.mla_decode import mla_attention_reference
+from jspec.kernels.mla_output import up_project
 from jspec.kernels.row_attention import local_slots
-from jspec.kernels.row_mla import row_mla_attention
+from jspec.kernels.row_mla import row_mla_output
 
 TILES = RowAttentionTiles(block_k=16, split_blocks=2)  # splits of 32 positions: several a row
+DV = 16
+
+
+def _w_uv(H, Dc, dtype):
+    return jnp.asarray(np.random.default_rng(5).standard_normal((H, DV, Dc)) * 0.2, dtype)
 
 
 def _row(q_lat, q_pe, buf, meta, *, tiles=TILES):
-    return row_mla_attention(q_lat, q_pe, buf, meta, scale=_scale(q_lat, q_pe), tiles=tiles, interpret=True)
+    w_uv = _w_uv(q_lat.shape[2], q_lat.shape[3], q_lat.dtype)
+    return row_mla_output(q_lat, q_pe, buf, meta, w_uv, scale=_scale(q_lat, q_pe), tuning=Tuning(row_mla=tiles),
+                          interpret=True)
+
+
+def _ref(q_lat, q_pe, buf, meta):
+    w_uv = _w_uv(q_lat.shape[2], q_lat.shape[3], q_lat.dtype)
+    return up_project(mla_attention_reference(q_lat, q_pe, buf, meta, scale=_scale(q_lat, q_pe)), w_uv, q_lat.dtype)
 
 
 _row_jit = jax.jit(_row, static_argnames=("tiles",))
@@ -29,8 +44,8 @@ _row_jit = jax.jit(_row, static_argnames=("tiles",))
 def test_matches_reference(page_size, T, H):
     q_lat, q_pe, buf, meta = make_case(11 + T, B=2, T=T, Tl=T + 2, H=H, S=96, page_size=page_size)
     out = _fast_jit(_row, q_lat, q_pe, buf, meta)
-    ref = _fast_jit(_reference, q_lat, q_pe, buf, meta)
-    assert out.shape == q_lat.shape and out.dtype == jnp.float32
+    ref = _fast_jit(_ref, q_lat, q_pe, buf, meta)
+    assert out.shape == (2, T, H, DV) and out.dtype == q_lat.dtype
     np.testing.assert_allclose(np.asarray(out), np.asarray(ref), rtol=2e-5, atol=2e-5)
 
 
@@ -52,14 +67,15 @@ def _decode_case(buf, meta, b, t, S):
 
 @pytest.mark.parametrize("tiles,caps", [
     (TILES, (96, 160)),  # another capacity: more splits, all past the row's keys
-    (RowAttentionTiles(block_k=16, split_blocks=16), (96, 300)),  # one split (no merge) against two
+    (RowAttentionTiles(block_k=16, split_blocks=16), (96, 300)),  # one split against two
 ])
 def test_a_tree_node_equals_the_decode_step_at_its_position_bit_for_bit(tiles, caps):
     q_lat, q_pe, buf, meta = make_case(7, B=2, T=6, Tl=6, H=4, S=96, prefix=[50, 71], dtype=jnp.bfloat16)
-    tree = np.asarray(_row_jit(q_lat, q_pe, buf, meta, tiles=tiles))
+    tree = np.asarray(_row_jit(q_lat, q_pe, buf, meta, tiles=tiles), np.float32)
     for b in range(2):
         for t in range(6):
             for S in caps:
                 rows, one = _decode_case(buf, meta, b, t, S)
-                step = np.asarray(_row_jit(q_lat[b:b + 1, t:t + 1], q_pe[b:b + 1, t:t + 1], rows, one, tiles=tiles))
-                np.testing.assert_array_equal(step[0, 0], tree[b, t], err_msg=f"row {b} node {t} S {S}")
+                step = _row_jit(q_lat[b:b + 1, t:t + 1], q_pe[b:b + 1, t:t + 1], rows, one, tiles=tiles)
+                np.testing.assert_array_equal(np.asarray(step, np.float32)[0, 0], tree[b, t],
+                                              err_msg=f"row {b} node {t} S {S}")

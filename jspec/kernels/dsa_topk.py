@@ -194,10 +194,29 @@ def is_supported(scores, k) -> bool:
     return True
 
 
+# Rows of more slots than this take the reference where there are more than
+# KERNEL_MAX_ROWS_LONG of them: on an H100 (jax 0.11.2, k 2048, benchmarks/dsa.py --topk)
+# the kernels took 320 against 293 us at 128 rows of 16k slots and 851 against 796 at 64k,
+# but 159 against 213 at 128 rows of 4k and 297 against 632 at 32 rows of 64k.
+KERNEL_MAX_ROWS_LONG = 64
+LONG_ROW = 8192
+
+
+def pays(rows: int, num_keys: int) -> bool:
+    """Whether the kernels beat the reference at this size (see KERNEL_MAX_ROWS_LONG)."""
+    return rows <= KERNEL_MAX_ROWS_LONG or num_keys <= LONG_ROW
+
+
 def uses_kernel(scores, k) -> bool:
-    """Whether `select` runs the kernels for these arguments (see jspec.kernels.dispatch)."""
+    """Whether `select` runs the kernels for these arguments (see jspec.kernels.dispatch):
+    JSPEC_KERNELS=pallas always, auto where supported and `pays` on a GPU."""
     mode = dispatch.backend()
-    return mode != "reference" and dispatch.want_pallas(mode == "pallas" or is_supported(scores, k))
+    if mode == "reference":
+        return False
+    if mode == "pallas":
+        return True
+    rows = int(np.prod(scores.shape[:-1]))
+    return dispatch.want_pallas(is_supported(scores, k) and pays(rows, scores.shape[-1]))
 
 
 def select(scores, k: int):

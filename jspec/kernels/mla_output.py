@@ -63,12 +63,13 @@ def mla_output_reference(o, lse, w_uv, *, num_tokens: int, dtype):
 # --------------------------------------------------------------------------- kernel
 
 def _kernel(o_ref, lse_ref, w_ref, out_ref, *, num_splits: int, num_heads: int, num_rows: int,
-            block_n: int, dv: int, chunk: int):
+            block_n: int, dv: int, chunk: int, ordered: bool):
     """One (batch row b, query row r, column tile j).
 
     o_ref [B * NS * R, Dc] float32 and lse_ref [B * NS, R] float32: the splits (whole
     arrays; split s of row r of batch row b is row (b * NS + s) * R + r); w_ref [H, Dv, Dc]
-    (whole); out_ref [B, rows, Dv] (this program writes [b, r, n0:n0+BN])."""
+    (whole); out_ref [B, rows, Dv] (this program writes [b, r, n0:n0+BN]). ordered: the
+    splits added one after another in split order (`mla_output`)."""
     b, r, j = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     h = lax.rem(r, num_heads)
     n0 = j * block_n
@@ -78,12 +79,23 @@ def _kernel(o_ref, lse_ref, w_ref, out_ref, *, num_splits: int, num_heads: int, 
     valid = split < num_splits
     first = b * num_splits + jnp.minimum(split, num_splits - 1)  # [NSP], clamped in range
     lse = jnp.where(valid, lse_ref[first, r], NEG_INF)
-    w = jnp.where(valid, jnp.exp(lse - jnp.max(lse)), 0.0)  # [NSP]
-    inv_l = 1.0 / jnp.sum(w)
+    m = jnp.max(lse)
+    w = jnp.where(valid, jnp.exp(lse - m), 0.0)  # [NSP]
+    if ordered:
+        def weight(s):
+            return jnp.exp(lse_ref[b * num_splits + s, r] - m)
+        inv_l = 1.0 / lax.fori_loop(0, num_splits, lambda s, acc: acc + weight(s), jnp.float32(0.0))
+    else:
+        inv_l = 1.0 / jnp.sum(w)
     out = jnp.zeros((block_n,), jnp.float32)
     for c0 in range(0, o_ref.shape[-1], chunk):  # the latent in chunks: independent loads
-        o = o_ref[first * num_rows + r, pl.ds(c0, chunk)]  # [NSP, chunk]
-        x = jnp.sum(w[:, None] * o, axis=0) * inv_l  # the merged latent's chunk
+        if ordered:
+            def add(s, acc):
+                return acc + weight(s) * o_ref[(b * num_splits + s) * num_rows + r, pl.ds(c0, chunk)]
+            x = lax.fori_loop(0, num_splits, add, jnp.zeros((chunk,), jnp.float32)) * inv_l
+        else:
+            o = o_ref[first * num_rows + r, pl.ds(c0, chunk)]  # [NSP, chunk]
+            x = jnp.sum(w[:, None] * o, axis=0) * inv_l  # the merged latent's chunk
         x = x.astype(w_ref.dtype).astype(jnp.float32)  # rounded as the reference's
         wt = w_ref[h, pl.ds(n0, block_n), pl.ds(c0, chunk)].astype(jnp.float32)  # [BN, chunk]
         out = out + jnp.sum(wt * x[None, :], axis=1)
@@ -138,14 +150,18 @@ def is_supported(o, lse, w_uv, num_tokens, tiles: MlaOutputTiles | None = None) 
 
 
 def mla_output(o, lse, w_uv, *, num_tokens: int, block_n: int | None = None,
-               num_warps: int | None = None, interpret: bool | None = None, tiles: MlaOutputTiles | None = None):
+               num_warps: int | None = None, interpret: bool | None = None, tiles: MlaOutputTiles | None = None,
+               ordered: bool = False):
     """Merges the MLA kernel's splits and up-projects the values: o [B, NS, R, Dc] float32
     (split s of row r normalised over its keys; row r is token r // H, head r % H; rows
     from T*H on are padding), lse [B, NS, R] float32, w_uv [H, Dv, Dc] -> [B, T, H, Dv] in
     w_uv's dtype (see `mla_output_reference`). block_n: output columns a program (a power
     of two, capped at Dv); num_warps: Triton's; each None: `tiles`' (`MlaOutputTiles`,
     which also sets the latent's chunks, `latent_chunk`; None: the defaults). interpret
-    None: interpret mode unless the default backend is a GPU."""
+    None: interpret mode unless the default backend is a GPU. ordered (`kernels.row_mla`):
+    a row's splits are weighed and added one after another in split order, latent chunks
+    of `latent_chunk(1, Dc)`, so a split that saw nothing (lse NEG_INF, o zeros) adds exact
+    zeros and the number of splits does not change the result."""
     _check_args(o, lse, w_uv, num_tokens)
     B, NS, R, Dc = o.shape
     H, Dv, _ = w_uv.shape
@@ -162,7 +178,7 @@ def mla_output(o, lse, w_uv, *, num_tokens: int, block_n: int | None = None,
         from jax.experimental.pallas import triton as plt
         params = plt.CompilerParams(num_warps=t.num_warps if num_warps is None else num_warps, num_stages=1)
     kernel = functools.partial(_kernel, num_splits=NS, num_heads=H, num_rows=R, block_n=BN, dv=Dv,
-                               chunk=latent_chunk(NS, Dc, t))
+                               chunk=latent_chunk(1 if ordered else NS, Dc, t), ordered=bool(ordered))
     whole = pl.BlockSpec()  # whole arrays, indexed inside the kernel
     out = pl.pallas_call(
         kernel,

@@ -9,11 +9,6 @@ of `num_splits` K ranges, and walks that range in `block_k` chunks with one
 matrix-multiply-accumulate a chunk; the splits' float32 partials are then added in split
 order. Tiles and splits depend on (K, N) only, never on M, and a matrix-multiply
 instruction computes each row of its tile from that row alone.
-
-A norm (weight, eps) may ride in the prologue: each program first sums its rows' squares
-over K in `block_k` chunks (a fixed order a row) and then RMS-norms each chunk of x as it
-loads it, rounded as `moe_experts.rms_norm` rounds (DeepSeek's input norms, so they need
-no kernel of their own).
 """
 from __future__ import annotations
 
@@ -44,31 +39,17 @@ def block_n_for(n: int, tiles: RowMatmulTiles) -> int:
     return b if b >= 16 else 0
 
 
-def _kernel(x_ref, w_ref, *rest, block_m: int, block_k: int, chunks_per_split: int, transpose_w: bool,
-            norm_eps: float | None):
+def _kernel(x_ref, w_ref, o_ref, *, block_m: int, block_k: int, chunks_per_split: int, transpose_w: bool):
     """x_ref [M, K] and o_ref [S, M, N] whole: this block's rows are gathered and stored
     with the index clamped to M - 1, so rows past M repeat the last one and store the same
-    bits at its place (no padded copy of x, no padded partials written). With norm_eps,
-    rest starts with the norm's weight [K]."""
-    norm_ref, o_ref = rest if norm_eps is not None else (None,) + tuple(rest)
+    bits at its place (no padded copy of x, no padded partials written)."""
     m, n, s = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     block_n = w_ref.shape[0] if transpose_w else w_ref.shape[1]
-    K = x_ref.shape[1]
     rows = jnp.minimum(m * block_m + jnp.arange(block_m, dtype=jnp.int32), x_ref.shape[0] - 1)
-    rstd = None
-    if norm_eps is not None:
-        def squares(c, ss):
-            xv = x_ref[rows, pl.ds(pl.multiple_of(c * block_k, block_k), block_k)].astype(jnp.float32)
-            return ss + jnp.sum(xv * xv, axis=1)
-        ss = lax.fori_loop(0, K // block_k, squares, jnp.zeros((block_m,), jnp.float32))
-        rstd = lax.rsqrt(ss / K + norm_eps)[:, None]
 
     def step(c, acc):
         k0 = pl.multiple_of(c * block_k, block_k)
         xv = x_ref[rows, pl.ds(k0, block_k)]
-        if rstd is not None:  # rounded to x's dtype after each product, as `moe_experts.rms_norm`
-            normed = (xv.astype(jnp.float32) * rstd).astype(xv.dtype).astype(jnp.float32)
-            xv = (norm_ref[pl.ds(k0, block_k)].astype(jnp.float32)[None, :] * normed).astype(xv.dtype)
         if transpose_w:  # w block [BN, K]
             wv = w_ref[:, pl.ds(k0, block_k)]
             return acc + lax.dot_general(xv, wv, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
@@ -95,12 +76,11 @@ def supported(x, w, transpose_w: bool = False, tiles: RowMatmulTiles | None = No
             and shape_problem(K, N, tiles) is None)
 
 
-def row_matmul(x, w, *, transpose_w: bool = False, norm=None, tiles: RowMatmulTiles | None = None,
+def row_matmul(x, w, *, transpose_w: bool = False, tiles: RowMatmulTiles | None = None,
                num_splits: int | None = None, block_m: int = BLOCK_M, sum_splits: bool = True,
                interpret: bool | None = None):
     """x [..., K] @ w [K, N] (w [N, K] with transpose_w: a tied LM head) -> [..., N]
-    float32, row-invariant (see the module). norm (weight [K], eps): x's rows RMS-normed
-    first, in the prologue. sum_splits False: -> the K splits [S, rows, N] unsummed, for a
+    float32, row-invariant (see the module). sum_splits False: -> the K splits [S, rows, N] unsummed, for a
     kernel that adds them in split order as it loads them (`kernels.mla_inputs`). tiles:
     None, the defaults."""
     t = RowMatmulTiles() if tiles is None else tiles
@@ -109,8 +89,6 @@ def row_matmul(x, w, *, transpose_w: bool = False, norm=None, tiles: RowMatmulTi
                          f"got x {x.shape}, w {w.shape} (transpose_w={transpose_w})")
     K, N = w.shape[::-1] if transpose_w else w.shape
     block_n, block_k = block_n_for(N, t), t.block_k
-    if norm is not None and norm[0].shape != (K,):
-        raise ValueError(f"row_matmul: the norm's weight must be [{K}], got {norm[0].shape}")
     lead = x.shape[:-1]
     x2 = x.reshape(-1, K).astype(w.dtype)
     M = x2.shape[0]
@@ -129,11 +107,11 @@ def row_matmul(x, w, *, transpose_w: bool = False, norm=None, tiles: RowMatmulTi
               else pl.BlockSpec((K, block_n), lambda m, n, s: (0, n)))
     part = pl.pallas_call(
         functools.partial(_kernel, block_m=block_m, block_k=block_k, chunks_per_split=chunks // S,
-                          transpose_w=transpose_w, norm_eps=None if norm is None else float(norm[1])),
+                          transpose_w=transpose_w),
         grid=(Mp // block_m, N // block_n, S),
-        in_specs=[pl.BlockSpec(), w_spec] + ([] if norm is None else [pl.BlockSpec()]),
+        in_specs=[pl.BlockSpec(), w_spec],
         out_specs=pl.BlockSpec(),
         out_shape=jax.ShapeDtypeStruct((S, M, N), jnp.float32),
         interpret=interpret, compiler_params=params, name="jspec_row_matmul",
-    )(x2, w, *(() if norm is None else (norm[0].astype(w.dtype),)))
+    )(x2, w)
     return in_order_sum(part).reshape(lead + (N,)) if sum_splits else part

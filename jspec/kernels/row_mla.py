@@ -12,8 +12,9 @@ the way `row_attention` computes GQA attention:
   local slot of the token's depth-j ancestor at prefix + j, so a tree node's key blocks
   hold what the decode step at its position holds;
 - splits cover fixed ranges of `block_k * split_blocks` positions (`RowAttentionTiles`,
-  `Tuning.row_mla`) and are merged in split order (`row_attention.merge_splits_in_order`);
-  a split that saw nothing adds exact zeros, so the cache's capacity does not matter.
+  `Tuning.row_mla`); `mla_output` (ordered) merges them in split order as it applies
+  W_UV: a split that saw nothing adds exact zeros, so the cache's capacity does not
+  matter.
 Dc + Dr (576 for DeepSeek) is no power of two: a key block loads as two tiles, the
 latent [BK, Dc] (also the values) and the rope part [BK, Dr], and a score is the sum of
 the two dot products, as in `mla_decode`.
@@ -32,14 +33,7 @@ from jspec.config import DEFAULT_TUNING, RowAttentionTiles, Tuning
 from jspec.kernels import mla_output
 from jspec.kernels.decode_attention import NEG_INF, online_softmax_step
 from jspec.kernels.mla_decode import _check_args
-from jspec.kernels.row_attention import (
-    ROWS,
-    key_rows,
-    local_slots,
-    merge_splits_in_order,
-    num_splits,
-)
-from jspec.kernels.tiling import pow2_ceil
+from jspec.kernels.row_attention import ROWS, key_rows, local_slots, num_splits
 
 
 def _attend_kernel(prefix_ref, pos_ref, table_ref, lat_ref, qc_ref, qr_ref, lslot_ref, o_ref, lse_ref, *,
@@ -76,12 +70,14 @@ def _attend_kernel(prefix_ref, pos_ref, table_ref, lat_ref, qc_ref, qr_ref, lslo
     lse_ref[...] = jnp.where(seen, m + jnp.log(jnp.where(seen, l, 1.0)), NEG_INF)
 
 
-def row_mla_attention(q_lat, q_pe, latent_buf, meta: AttnMeta, *, scale: float,
-                      tiles: RowAttentionTiles | None = None, interpret: bool | None = None):
+def row_mla_splits(q_lat, q_pe, latent_buf, meta: AttnMeta, *, scale: float,
+                   tiles: RowAttentionTiles | None = None, interpret: bool | None = None):
     """Absorbed MLA attention of q_lat [B,T,H,Dc], q_pe [B,T,H,Dr] over a latent cache that
     already holds the new rows (dense [B,S,Dc+Dr] or a pool [pages,P,Dc+Dr] with
-    meta.page_table), each token computed alone (see the module). -> o_lat [B,T,H,Dc]
-    float32, as `mla_decode.mla_attention_reference` (a token that sees no key: zeros)."""
+    meta.page_table), each token computed alone (see the module), its splits unmerged, in
+    `mla_output`'s layout: (o [B, NS, T*H, Dc] float32, each split normalised over its
+    keys (zeros where it saw none), lse [B, NS, T*H] float32 (NEG_INF: no key)); row r is
+    token r // H, head r % H."""
     _check_args(q_lat, q_pe, latent_buf, meta)
     t = RowAttentionTiles() if tiles is None else tiles
     B, T, H, Dc = q_lat.shape
@@ -114,25 +110,26 @@ def row_mla_attention(q_lat, q_pe, latent_buf, meta: AttnMeta, *, scale: float,
                   pl.BlockSpec((None, None, None, ROWS, Dc), lambda b, i, g, s: (b, i, g, 0, 0)),
                   pl.BlockSpec((None, None, None, ROWS, Dr), lambda b, i, g, s: (b, i, g, 0, 0)),
                   pl.BlockSpec((None, None, lslot.shape[-1]), lambda b, i, g, s: (b, i, 0))],
-        out_specs=[pl.BlockSpec((None, None, None, None, ROWS, Dc), lambda b, i, g, s: (b, i, g, s, 0, 0)),
-                   pl.BlockSpec((None, None, None, None, ROWS), lambda b, i, g, s: (b, i, g, s, 0))],
-        out_shape=[jax.ShapeDtypeStruct((B, T, HB, NS, ROWS, Dc), jnp.float32),
-                   jax.ShapeDtypeStruct((B, T, HB, NS, ROWS), jnp.float32)],
+        out_specs=[pl.BlockSpec((None, None, ROWS, Dc), lambda b, i, g, s: (b, s, i * HB + g, 0)),
+                   pl.BlockSpec((None, None, ROWS), lambda b, i, g, s: (b, s, i * HB + g))],
+        out_shape=[jax.ShapeDtypeStruct((B, NS, T * HB * ROWS, Dc), jnp.float32),
+                   jax.ShapeDtypeStruct((B, NS, T * HB * ROWS), jnp.float32)],
         interpret=interpret, compiler_params=params, name="jspec_row_mla",
     )(meta.prefix_len.astype(jnp.int32), meta.positions.astype(jnp.int32), table, lat_flat, blocks(q_lat),
       blocks(q_pe), lslot)
-    MR = ROWS if HB > 1 else min(ROWS, pow2_ceil(H))  # rows that hold heads
-    out = merge_splits_in_order(o, lse, MR, interpret=interpret, params=params)  # [B,T,HB,MR,Dc]
-    return out.reshape(B, T, HB * MR, Dc)[:, :, :H]
+    if HB * ROWS != H:  # padded head rows out (models' head counts are multiples of 16: no copy)
+        o = o.reshape(B, NS, T, HB * ROWS, Dc)[:, :, :, :H].reshape(B, NS, T * H, Dc)
+        lse = lse.reshape(B, NS, T, HB * ROWS)[:, :, :, :H].reshape(B, NS, T * H)
+    return o, lse
 
 
-def row_mla_output(q_lat, q_pe, latent_buf, meta: AttnMeta, w_uv, *, scale: float, tuning: Tuning | None = None):
-    """`row_mla_attention` (tiles `tuning.row_mla`), then the value up-projection by
-    `mla_output` as one split (a program a token and head: its latent rounded, then
-    W_UV[h]; the merge of one split leaves it as it is) -> o [B,T,H,Dv] in w_uv's dtype,
-    as `mla_attention.mla_attention` gives it."""
+def row_mla_output(q_lat, q_pe, latent_buf, meta: AttnMeta, w_uv, *, scale: float, tuning: Tuning | None = None,
+                   interpret: bool | None = None):
+    """`row_mla_splits` (tiles `tuning.row_mla`), then `mla_output` with its splits merged
+    in split order (`ordered`: a program a token, head and column tile; the merged latent
+    rounded, then W_UV[h]) -> o [B,T,H,Dv] in w_uv's dtype, as
+    `mla_attention.mla_attention` gives it."""
     t = DEFAULT_TUNING if tuning is None else tuning
-    o_lat = row_mla_attention(q_lat, q_pe, latent_buf, meta, scale=scale, tiles=t.row_mla)
-    B, T, H, Dc = o_lat.shape
-    return mla_output.mla_output(o_lat.reshape(B, 1, T * H, Dc), jnp.zeros((B, 1, T * H), jnp.float32), w_uv,
-                                 num_tokens=T, tiles=t.mla_output)
+    o, lse = row_mla_splits(q_lat, q_pe, latent_buf, meta, scale=scale, tiles=t.row_mla, interpret=interpret)
+    return mla_output.mla_output(o, lse, w_uv, num_tokens=q_lat.shape[1], tiles=t.mla_output, ordered=True,
+                                 interpret=interpret)

@@ -45,7 +45,7 @@ from jspec import sharding
 from jspec.tensors import HostParam, StackedParam
 from jspec.models import deepseek_hf
 from jspec.models.deepseek_hf import DeepseekConfig
-from jspec.kernels import dispatch, row_matmul, row_mla
+from jspec.kernels import dispatch, row_matmul, row_mla, row_norm
 from jspec.kernels.tiling import in_order_sum, is_pow2
 from jspec.models.llama import DecoderLM, FlaxFamily, Linear, RMSNorm, product, rows_alone
 
@@ -595,6 +595,8 @@ class DeepseekFamily(FlaxFamily):
         for name, (k, n) in shapes.items():
             if why := row_matmul.shape_problem(k, n, tuning.row_matmul):
                 return f"{why}; {name} is [{k}, {n}]"
+        if not all(row_norm.chunk_of(d) for d in (D, cfg.q_lora_rank or D)):
+            return f"the row norm takes widths that are multiples of 16 (hidden {D}, q_lora_rank {cfg.q_lora_rank})"
         if not all(is_pow2(d) and d >= 16 for d in (Dn, Dc, Dr)) or Dv < 16:
             return (f"the MLA kernels take Dn, Dc and Dr powers of two >= 16 and Dv >= 16, not "
                     f"{Dn}, {Dc}, {Dr}, {Dv}")

@@ -40,6 +40,12 @@ def rows_alone(tuning: Tuning, meta: AttnMeta) -> bool:
     return bool(tuning.row_invariant) and not meta.prefill
 
 
+def row_normed(x, norm):
+    """x RMS-normed by norm (weight, eps) with the row-invariant kernel (`kernels.row_norm`);
+    x itself when norm is None."""
+    return x if norm is None else row_norm.rms_norm(x, *norm)
+
+
 def pad_one_row(rows: int, weight_elements: int, tuning: Tuning = DEFAULT_TUNING) -> bool:
     """Whether a product of `rows` rows with a weight of `weight_elements` elements runs
     padded to two rows: one row, a weight of `tuning.two_row_elements` [lo, hi) elements,
@@ -54,13 +60,13 @@ def product(x: jax.Array, w: jax.Array, transpose_w: bool = False, float32_out: 
     """x [..., K] @ w [K, N] (or w [N, K] transposed: a tied head) -> [..., N], accumulated
     in float32 (kept as float32 with `float32_out`); norm (weight, eps): x RMS-normed first
     (`moe_experts.rms_norm`). row_invariant: the row-invariant
-    kernel (`kernels.row_matmul`, tiles `tuning.row_matmul`, the norm in its prologue) where the backend runs
+    kernel (`kernels.row_matmul`, tiles `tuning.row_matmul`; the norm by `row_normed`) where the backend runs
     kernels and the shapes fit it. Few-row float32 products on the CPU
     run jspec's native loops (`kernels.cpu_matmul`, up to `tuning.cpu_matmul_max_rows`
     rows), everything else XLA's dot (one-row products with mid-sized weights on the GPU
     padded to two rows: `pad_one_row`)."""
     if row_invariant and row_matmul.supported(x, w, transpose_w, tuning.row_matmul) and dispatch.want_pallas(True):
-        y = row_matmul.row_matmul(x, w, transpose_w=transpose_w, norm=norm, tiles=tuning.row_matmul)
+        y = row_matmul.row_matmul(row_normed(x, norm), w, transpose_w=transpose_w, tiles=tuning.row_matmul)
         return y if float32_out else y.astype(w.dtype)
     x = moe_experts.normed(x, norm).astype(w.dtype)
     if cpu_matmul.use_native(x, w, tuning.cpu_matmul_max_rows):
@@ -93,8 +99,8 @@ class Linear(nn.Module):
         `row_matmul`'s, which must take the weight). row_invariant: `product`'s (`rows_alone`)."""
         w = self.param("kernel", _init, (x.shape[-1], self.features), jnp.dtype(self.dtype))
         if splits and row_invariant and not self.use_bias:
-            return row_matmul.row_matmul(x.reshape(-1, x.shape[-1]), w, norm=norm, tiles=self.tuning.row_matmul,
-                                         sum_splits=False)
+            return row_matmul.row_matmul(row_normed(x.reshape(-1, x.shape[-1]), norm), w,
+                                         tiles=self.tuning.row_matmul, sum_splits=False)
         if splits:
             if not self.uses_splits(x):
                 raise ValueError("Linear(splits=True) needs the row kernel for this product and no bias")
