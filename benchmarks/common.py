@@ -351,6 +351,8 @@ TUNINGS: dict[str, dict] = {
     "row_mla_32x4": {"row_mla": {"block_k": 32, "split_blocks": 4}},
     "row_mla_32x2": {"row_mla": {"block_k": 32, "split_blocks": 2}},
     "row_mla_w8": {"row_mla": {"num_warps": 8}},
+    "row_mla_64x1": {"row_mla": {"block_k": 64, "split_blocks": 1}},
+    "row_mla_64x2_s3": {"row_mla": {"block_k": 64, "split_blocks": 2, "num_stages": 3}},
     # XLA options (on a GPU)
     "graphs_off": {"family_xla_options": False},  # XLA's default command buffers, not the family's
     "graphs_loop_only": {"family_xla_options": False, "xla_options": (("xla_gpu_enable_command_buffer", GRAPHS),)},

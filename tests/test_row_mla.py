@@ -79,3 +79,14 @@ def test_a_tree_node_equals_the_decode_step_at_its_position_bit_for_bit(tiles, c
                 step = _row_jit(q_lat[b:b + 1, t:t + 1], q_pe[b:b + 1, t:t + 1], rows, one, tiles=tiles)
                 np.testing.assert_array_equal(np.asarray(step, np.float32)[0, 0], tree[b, t],
                                               err_msg=f"row {b} node {t} S {S}")
+
+
+def test_the_split_walk_unrolled_or_looped_adds_the_same(monkeypatch):
+    """`mla_output(ordered=True)` unrolls up to UNROLL_SPLITS splits and loops over more:
+    both add them in split order, so the bits agree."""
+    from jspec.kernels import mla_output
+    q_lat, q_pe, buf, meta = make_case(3, B=1, T=2, H=4, S=96, prefix=[80], dtype=jnp.bfloat16)
+    unrolled = np.asarray(_fast_jit(_row, q_lat, q_pe, buf, meta), np.float32)
+    monkeypatch.setattr(mla_output, "UNROLL_SPLITS", 1)
+    looped = np.asarray(_fast_jit(_row, q_lat, q_pe, buf, meta), np.float32)
+    np.testing.assert_array_equal(looped, unrolled)

@@ -39,6 +39,7 @@ from jspec.kernels.decode_attention import merge_splits
 from jspec.kernels.tiling import KERNEL_DTYPES, is_pow2, pow2_ceil, pow2_floor
 
 NEG_INF = -1e30
+UNROLL_SPLITS = 32  # `mla_output(ordered=True)` unrolls its walk over up to this many splits
 
 
 # --------------------------------------------------------------------------- reference
@@ -81,18 +82,25 @@ def _kernel(o_ref, lse_ref, w_ref, out_ref, *, num_splits: int, num_heads: int, 
     lse = jnp.where(valid, lse_ref[first, r], NEG_INF)
     m = jnp.max(lse)
     w = jnp.where(valid, jnp.exp(lse - m), 0.0)  # [NSP]
-    if ordered:
+    if ordered:  # up to UNROLL_SPLITS splits unrolled (their loads issued together), else a loop
         def weight(s):
             return jnp.exp(lse_ref[b * num_splits + s, r] - m)
-        inv_l = 1.0 / lax.fori_loop(0, num_splits, lambda s, acc: acc + weight(s), jnp.float32(0.0))
+
+        def in_order(term, zero):  # term(0) + term(1) + ... + term(NS - 1), added in that order
+            if num_splits <= UNROLL_SPLITS:
+                acc = zero
+                for s in range(num_splits):
+                    acc = acc + term(jnp.int32(s))
+                return acc
+            return lax.fori_loop(0, num_splits, lambda s, acc: acc + term(s), zero)
+        inv_l = 1.0 / in_order(weight, jnp.float32(0.0))
     else:
         inv_l = 1.0 / jnp.sum(w)
     out = jnp.zeros((block_n,), jnp.float32)
     for c0 in range(0, o_ref.shape[-1], chunk):  # the latent in chunks: independent loads
         if ordered:
-            def add(s, acc):
-                return acc + weight(s) * o_ref[(b * num_splits + s) * num_rows + r, pl.ds(c0, chunk)]
-            x = lax.fori_loop(0, num_splits, add, jnp.zeros((chunk,), jnp.float32)) * inv_l
+            x = in_order(lambda s: weight(s) * o_ref[(b * num_splits + s) * num_rows + r, pl.ds(c0, chunk)],
+                         jnp.zeros((chunk,), jnp.float32)) * inv_l
         else:
             o = o_ref[first * num_rows + r, pl.ds(c0, chunk)]  # [NSP, chunk]
             x = jnp.sum(w[:, None] * o, axis=0) * inv_l  # the merged latent's chunk
