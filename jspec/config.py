@@ -511,7 +511,9 @@ class Tuning:
     attention: AttentionTiles = AttentionTiles()
     gated_delta: GatedDeltaTiles = GatedDeltaTiles()
     row_attention: RowAttentionTiles = RowAttentionTiles()
-    row_mla: RowAttentionTiles = RowAttentionTiles(block_k=64, split_blocks=4)  # `kernels.row_mla`
+    # `kernels.row_mla`: one 64-key block a split (V2-Lite, 4 layers, batch 1 on an H100: 0.532
+    # ms a step against 0.535 with two blocks and 0.561 with four; docs/benchmarks.md)
+    row_mla: RowAttentionTiles = RowAttentionTiles(block_k=64, split_blocks=1)
     row_matmul: RowMatmulTiles = RowMatmulTiles()
     row_invariant: bool | None = None
     mlp_norm_in_kernel: bool = True
