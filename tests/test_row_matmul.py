@@ -3,6 +3,7 @@ mode on the CPU): rows equal x @ w (the XLA norm), and each row is the same bits
 rows share the call (1 row, a verification's few, a batch's many; row blocks of 16 or 64)."""
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -51,6 +52,25 @@ def test_transposed_weight_gives_the_same_rows():
     np.testing.assert_array_equal(np.asarray(row_matmul(x[7:8], w, transpose_w=True, num_splits=2, interpret=True)),
                                   full[7:8])
     assert supported(x, w, transpose_w=True) and not supported(x, w)
+
+
+def test_a_deferred_norm_gives_the_normed_product_and_stays_row_invariant():
+    rng = np.random.default_rng(3)
+    K, N = 256, 48  # N not a multiple of 128: 16-column programs
+    x = jnp.asarray(rng.standard_normal((21, K)) * 2, jnp.bfloat16)
+    w = jnp.asarray(rng.standard_normal((K, N)) * 0.05, jnp.bfloat16)
+    g = jnp.asarray(1 + 0.1 * rng.standard_normal(K), jnp.bfloat16)
+    parts, ss = row_matmul(x, w, norm_weight=g, sum_splits=False, num_splits=2, interpret=True)
+    assert parts.shape == (2, 21, N) and ss.shape == (2, 21)
+    y = np.asarray(parts.sum(0)) * np.asarray(jax.lax.rsqrt(ss.sum(0) / K + 1e-6))[:, None]
+    want = np.asarray(moe_experts.rms_norm(x, g, 1e-6), np.float32) @ np.asarray(w, np.float32)
+    np.testing.assert_allclose(y, want, rtol=2e-2, atol=2e-2 * np.abs(want).max())  # bf16 roundings apart
+    for rows in (slice(0, 1), slice(4, 5), slice(2, 19)):
+        p1, s1 = row_matmul(x[rows], w, norm_weight=g, sum_splits=False, num_splits=2, interpret=True)
+        np.testing.assert_array_equal(np.asarray(p1), np.asarray(parts[:, rows]))
+        np.testing.assert_array_equal(np.asarray(s1), np.asarray(ss[:, rows]))
+    with pytest.raises(ValueError, match="deferred norm takes sum_splits=False"):
+        row_matmul(x, w, norm_weight=g)
 
 
 @pytest.mark.parametrize("D", [256, 96])

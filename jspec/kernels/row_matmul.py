@@ -39,26 +39,41 @@ def block_n_for(n: int, tiles: RowMatmulTiles) -> int:
     return b if b >= 16 else 0
 
 
-def _kernel(x_ref, w_ref, o_ref, *, block_m: int, block_k: int, chunks_per_split: int, transpose_w: bool):
+def _kernel(x_ref, w_ref, *rest, block_m: int, block_k: int, chunks_per_split: int, transpose_w: bool,
+            deferred_norm: bool):
     """x_ref [M, K] and o_ref [S, M, N] whole: this block's rows are gathered and stored
     with the index clamped to M - 1, so rows past M repeat the last one and store the same
-    bits at its place (no padded copy of x, no padded partials written)."""
+    bits at its place (no padded copy of x, no padded partials written). deferred_norm:
+    rest starts with the norm's weight [K] (x's chunks are multiplied by it as loaded) and
+    ends with ss_ref [S, M] float32, the rows' sums of squares over this split's K range
+    (written by the first column tile's programs)."""
+    norm_ref, o_ref, ss_ref = rest if deferred_norm else (None, rest[0], None)
     m, n, s = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     block_n = w_ref.shape[0] if transpose_w else w_ref.shape[1]
     rows = jnp.minimum(m * block_m + jnp.arange(block_m, dtype=jnp.int32), x_ref.shape[0] - 1)
 
-    def step(c, acc):
+    def step(c, carry):
+        acc, ss = carry
         k0 = pl.multiple_of(c * block_k, block_k)
         xv = x_ref[rows, pl.ds(k0, block_k)]
+        if deferred_norm:
+            xf = xv.astype(jnp.float32)
+            ss = ss + jnp.sum(xf * xf, axis=1)
+            xv = (norm_ref[pl.ds(k0, block_k)].astype(jnp.float32)[None, :] * xf).astype(xv.dtype)
         if transpose_w:  # w block [BN, K]
             wv = w_ref[:, pl.ds(k0, block_k)]
-            return acc + lax.dot_general(xv, wv, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
+            return acc + lax.dot_general(xv, wv, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32), ss
         wv = w_ref[pl.ds(k0, block_k), :]
-        return acc + jnp.dot(xv, wv, preferred_element_type=jnp.float32)
+        return acc + jnp.dot(xv, wv, preferred_element_type=jnp.float32), ss
 
     lo = s * chunks_per_split
-    acc = lax.fori_loop(lo, lo + chunks_per_split, step, jnp.zeros((block_m, block_n), jnp.float32))
+    acc, ss = lax.fori_loop(lo, lo + chunks_per_split, step, (jnp.zeros((block_m, block_n), jnp.float32),
+                                                              jnp.zeros((block_m,), jnp.float32)))
     o_ref[s, rows, pl.ds(pl.multiple_of(n * block_n, block_n), block_n)] = acc
+    if deferred_norm:
+        @pl.when(n == 0)
+        def _():
+            ss_ref[s, rows] = ss
 
 
 def shape_problem(k: int, n: int, tiles: RowMatmulTiles | None = None) -> str | None:
@@ -78,17 +93,25 @@ def supported(x, w, transpose_w: bool = False, tiles: RowMatmulTiles | None = No
 
 def row_matmul(x, w, *, transpose_w: bool = False, tiles: RowMatmulTiles | None = None,
                num_splits: int | None = None, block_m: int = BLOCK_M, sum_splits: bool = True,
-               interpret: bool | None = None):
+               norm_weight=None, interpret: bool | None = None):
     """x [..., K] @ w [K, N] (w [N, K] with transpose_w: a tied LM head) -> [..., N]
     float32, row-invariant (see the module). sum_splits False: -> the K splits [S, rows, N] unsummed, for a
     kernel that adds them in split order as it loads them (`kernels.mla_inputs`). tiles:
-    None, the defaults."""
+    None, the defaults.
+
+    norm_weight [K] (with sum_splits False): an RMSNorm deferred to the consumer, which
+    needs no kernel of its own: the splits are of (norm_weight * x, rounded to x's dtype)
+    @ w, and -> (splits, ss [S, rows] float32: each split's sum of x's squares over its K
+    range); the consumer scales the splits' sum by rsqrt(sum of ss / K + eps)."""
     t = RowMatmulTiles() if tiles is None else tiles
     if not supported(x, w, transpose_w, t):
         raise ValueError(f"row_matmul: {shape_problem(*(w.shape[::-1] if transpose_w else w.shape), t)}; "
                          f"got x {x.shape}, w {w.shape} (transpose_w={transpose_w})")
     K, N = w.shape[::-1] if transpose_w else w.shape
     block_n, block_k = block_n_for(N, t), t.block_k
+    if norm_weight is not None and (sum_splits or norm_weight.shape != (K,)):
+        raise ValueError(f"row_matmul: a deferred norm takes sum_splits=False and a weight [{K}], got "
+                         f"{getattr(norm_weight, 'shape', norm_weight)}")
     lead = x.shape[:-1]
     x2 = x.reshape(-1, K).astype(w.dtype)
     M = x2.shape[0]
@@ -107,11 +130,14 @@ def row_matmul(x, w, *, transpose_w: bool = False, tiles: RowMatmulTiles | None 
               else pl.BlockSpec((K, block_n), lambda m, n, s: (0, n)))
     part = pl.pallas_call(
         functools.partial(_kernel, block_m=block_m, block_k=block_k, chunks_per_split=chunks // S,
-                          transpose_w=transpose_w),
+                          transpose_w=transpose_w, deferred_norm=norm_weight is not None),
         grid=(Mp // block_m, N // block_n, S),
-        in_specs=[pl.BlockSpec(), w_spec],
-        out_specs=pl.BlockSpec(),
-        out_shape=jax.ShapeDtypeStruct((S, M, N), jnp.float32),
+        in_specs=[pl.BlockSpec(), w_spec] + ([] if norm_weight is None else [pl.BlockSpec()]),
+        out_specs=pl.BlockSpec() if norm_weight is None else [pl.BlockSpec(), pl.BlockSpec()],
+        out_shape=(jax.ShapeDtypeStruct((S, M, N), jnp.float32) if norm_weight is None else
+                   [jax.ShapeDtypeStruct((S, M, N), jnp.float32), jax.ShapeDtypeStruct((S, M), jnp.float32)]),
         interpret=interpret, compiler_params=params, name="jspec_row_matmul",
-    )(x2, w)
+    )(x2, w, *(() if norm_weight is None else (norm_weight,)))
+    if norm_weight is not None:
+        return tuple(part)
     return in_order_sum(part).reshape(lead + (N,)) if sum_splits else part

@@ -110,10 +110,12 @@ class MLAttention(nn.Module):
         q_latent = None  # the normed query latent (sparse attention's indexer reads it)
         parts = None  # the projections' K splits [S, B*T, H(Dn+Dr)+Dc+Dr] float32 for `mla_inputs`
         probe = jax.ShapeDtypeStruct((1, B * T, H * (Dn + Dr) + Dc + Dr), jnp.float32)
+        input_norm = None  # the input norm deferred to `mla_inputs`: (sums of squares [S, B*T], width, eps)
         if ri and not (c.q_lora_rank or c.attention_bias):
-            # the row kernel's K splits, the input norm in its prologue, added up in split
-            # order by the inputs kernel
-            parts = proj(x, norm=norm, splits=True, row_invariant=True)  # [S, B*T, Q+Dc+Dr]
+            # the row kernel's K splits of the input times the norm's weight, added up in
+            # split order and scaled by the norm's factor in the inputs kernel
+            parts, ss = proj(x, norm=norm, splits=True, row_invariant=True)  # [S, B*T, Q+Dc+Dr], [S, B*T]
+            input_norm = (ss, x.shape[-1], norm[1])
         elif ri:  # q_b_proj between: both products by the row kernel; one "split"
             qkv = proj(x, norm=norm, row_invariant=True)
             q, ckv = qkv[..., :Q], qkv[..., Q:]
@@ -134,7 +136,7 @@ class MLAttention(nn.Module):
                                                       eps=LATENT_NORM_EPS, cache=buf if written else None,
                                                       write_index=meta.write_index if written else None,
                                                       block_c=tuning.mla_inputs.block_c,
-                                                      num_warps=tuning.mla_inputs.num_warps)
+                                                      num_warps=tuning.mla_inputs.num_warps, input_norm=input_norm)
             q_lat, q_pe = q_lat.reshape(B, T, H, Dc), q_pe.reshape(B, T, H, Dr)
             buf, rows = (rows, None) if written else (buf, rows.reshape(B, T, -1))
         else:

@@ -96,11 +96,12 @@ class Linear(nn.Module):
         x is RMS-normed first (`RMSNorm(..., unapplied=True)`; in the row kernel's
         prologue when it runs). splits: return the row kernel's K splits [S, rows, out]
         float32 unsummed (`moe_experts.matvec`; only where `uses_splits`; with row_invariant,
-        `row_matmul`'s, which must take the weight). row_invariant: `product`'s (`rows_alone`)."""
+        `row_matmul`'s, which must take the weight, and with a norm the pair (splits, sums of
+        squares) of its deferred norm). row_invariant: `product`'s (`rows_alone`)."""
         w = self.param("kernel", _init, (x.shape[-1], self.features), jnp.dtype(self.dtype))
-        if splits and row_invariant and not self.use_bias:
-            return row_matmul.row_matmul(row_normed(x.reshape(-1, x.shape[-1]), norm), w,
-                                         tiles=self.tuning.row_matmul, sum_splits=False)
+        if splits and row_invariant and not self.use_bias:  # the norm deferred to the consumer
+            return row_matmul.row_matmul(x.reshape(-1, x.shape[-1]), w, tiles=self.tuning.row_matmul,
+                                         sum_splits=False, norm_weight=None if norm is None else norm[0])
         if splits:
             if not self.uses_splits(x):
                 raise ValueError("Linear(splits=True) needs the row kernel for this product and no bias")
