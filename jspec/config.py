@@ -455,7 +455,7 @@ class Tuning:
     `Tuning(experts=ExpertTiles(num_stages=4), cache_write_in_kernel=False)`.
 
     One group of tiles per kernel (see each class): experts, grouped, route, mla_inputs,
-    mla_decode, mla_output, attention, gated_delta, row_attention, row_matmul. The rest:
+    mla_decode, mla_output, attention, gated_delta, row_attention, row_mla, row_matmul. The rest:
 
     mlp_norm_in_kernel: DeepSeek's post-attention norm runs in the prologues of the kernels
     that read the MLP's input (the router product, the first expert product) instead of as
@@ -489,12 +489,14 @@ class Tuning:
     (`kernels.row_matmul`, `kernels.row_attention`; XLA compiles the programs with
     xla_allow_excess_precision off), so a verification node's logits equal the decode
     step's at its position bit for bit and greedy speculative output equals plain greedy
-    output on a GPU too. Plain and speculative programs must both have it. Llama-family
+    output on a GPU too. Plain and speculative programs must both have it. Llama and
+    DeepSeek (MLA + MoE; `kernels.row_mla`, the expert kernel with one token's tiles)
     targets on one device (True elsewhere is refused); a prompt's passes (prefill, prompt
     chunks) keep XLA's products and attention. None
     (the default): on where the family measured it within 3% of the step without
     (`TargetFamily.row_invariant_by_default`: Llama targets up to hidden size 1024, e.g.
-    the bundled pair), off elsewhere; docs/benchmarks.md gives its cost. On a CPU it changes
+    the bundled pair; not DeepSeek-V2-Lite, 3.5%), off elsewhere; docs/benchmarks.md gives
+    its cost. On a CPU it changes
     nothing: jspec's CPU products are row-invariant already and the kernels do not run.
 
     xla_options: (name, value) pairs of XLA options for the loop's programs on a GPU, on top

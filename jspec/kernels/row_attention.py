@@ -71,6 +71,19 @@ def key_rows(p, b, prefix, pos, lslot_ref, table_ref, *, page_size: int, dense: 
     return jnp.clip(page, 0, num_pages - 1) * page_size + lax.rem(slot, page_size), mask
 
 
+def softmax_split(lo, hi, step, o_ref, lse_ref):
+    """Inside a kernel: the online softmax `step` (`online_softmax_step` of a key block)
+    over blocks [lo, hi), then the split's output normalised over its keys into o_ref
+    [ROWS, D] and its log-sum-exp into lse_ref [ROWS] (NEG_INF, with zeros, where it saw no
+    key)."""
+    carry = (jnp.zeros(o_ref.shape, jnp.float32), jnp.full((ROWS,), NEG_INF, jnp.float32),
+             jnp.zeros((ROWS,), jnp.float32))
+    acc, m, l = lax.fori_loop(lo, hi, step, carry)
+    seen = l > 0
+    o_ref[...] = acc / jnp.where(seen, l, 1.0)[:, None]
+    lse_ref[...] = jnp.where(seen, m + jnp.log(jnp.where(seen, l, 1.0)), NEG_INF)
+
+
 def _attend_kernel(prefix_ref, pos_ref, table_ref, kv_ref, q_ref, lslot_ref, o_ref, lse_ref, *,
                    scale: float, block_k: int, split_blocks: int, page_size: int, dense: bool,
                    num_pages: int, num_keys: int, window: int, row_blocks: int):
@@ -99,12 +112,7 @@ def _attend_kernel(prefix_ref, pos_ref, table_ref, kv_ref, q_ref, lslot_ref, o_r
         sc = lax.dot_general(q, k, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32) * scale
         return online_softmax_step(sc, mask[None, :], v, carry)
 
-    carry = (jnp.zeros(o_ref.shape, jnp.float32), jnp.full((ROWS,), NEG_INF, jnp.float32),
-             jnp.zeros((ROWS,), jnp.float32))
-    acc, m, l = lax.fori_loop(lo, hi, step, carry)
-    seen = l > 0
-    o_ref[...] = acc / jnp.where(seen, l, 1.0)[:, None]
-    lse_ref[...] = jnp.where(seen, m + jnp.log(jnp.where(seen, l, 1.0)), NEG_INF)
+    softmax_split(lo, hi, step, o_ref, lse_ref)
 
 
 def _merge_kernel(o_ref, lse_ref, out_ref, *, num_splits: int):

@@ -31,9 +31,15 @@ from jax.experimental import pallas as pl
 from jspec.cache.layout import AttnMeta
 from jspec.config import DEFAULT_TUNING, RowAttentionTiles, Tuning
 from jspec.kernels import mla_output
-from jspec.kernels.decode_attention import NEG_INF, online_softmax_step
+from jspec.kernels.decode_attention import online_softmax_step
 from jspec.kernels.mla_decode import _check_args
-from jspec.kernels.row_attention import ROWS, key_rows, local_slots, num_splits
+from jspec.kernels.row_attention import (
+    ROWS,
+    key_rows,
+    local_slots,
+    num_splits,
+    softmax_split,
+)
 
 
 def _attend_kernel(prefix_ref, pos_ref, table_ref, lat_ref, qc_ref, qr_ref, lslot_ref, o_ref, lse_ref, *,
@@ -62,12 +68,7 @@ def _attend_kernel(prefix_ref, pos_ref, table_ref, lat_ref, qc_ref, qr_ref, lslo
               + lax.dot_general(qr, kr, nt, preferred_element_type=jnp.float32)) * scale  # [ROWS, BK]
         return online_softmax_step(sc, mask[None, :], c, carry)
 
-    carry = (jnp.zeros(o_ref.shape, jnp.float32), jnp.full((ROWS,), NEG_INF, jnp.float32),
-             jnp.zeros((ROWS,), jnp.float32))
-    acc, m, l = lax.fori_loop(lo, hi, step, carry)
-    seen = l > 0
-    o_ref[...] = acc / jnp.where(seen, l, 1.0)[:, None]
-    lse_ref[...] = jnp.where(seen, m + jnp.log(jnp.where(seen, l, 1.0)), NEG_INF)
+    softmax_split(lo, hi, step, o_ref, lse_ref)
 
 
 def row_mla_splits(q_lat, q_pe, latent_buf, meta: AttnMeta, *, scale: float,

@@ -57,7 +57,7 @@ class TargetFamily:
 
     def row_invariant_problem(self, cfg, tuning) -> str | None:
         """Why this target cannot run with `Tuning.row_invariant` (None: it can)."""
-        return f"not available for {type(self).__name__} targets yet (Llama-family targets have it)"
+        return f"not available for {type(self).__name__} targets yet (Llama and DeepSeek targets have it)"
 
     def row_invariant_by_default(self, cfg) -> bool:
         """What `Tuning.row_invariant=None` (auto) becomes for this target on one device
