@@ -132,6 +132,26 @@ def test_mtp_greedy_equals_target(v32, spec, cache):
     assert out.stats.mean_accept_length >= 1.0
 
 
+@pytest.mark.slow
+def test_the_top_k_kernel_in_the_loop(v32, monkeypatch, fresh_compiles):
+    """The top-k selection kernel (`kernels.dsa_topk`, interpret mode) in an MTP tree over a
+    paged cache: the same tokens as the reference selection (the sparse MLA kernel takes
+    rope dims of 16 and up, this model's are 8: it keeps its reference)."""
+    from jspec.kernels import dsa_topk
+    path, _ = v32
+    p = jspec.load(path, draft="mtp", dtype="float32")
+    kw = dict(max_new_tokens=4, stop_token_ids=[], spec=jspec.SpecConfig(3, 2, 6),
+              cache=jspec.CacheConfig("paged", page_size=16))
+    want = jspec.generate(p, PROMPTS[:2], **kw).tokens
+    calls = []
+    real = dsa_topk.topk_slots
+    monkeypatch.setattr(dsa_topk, "uses_kernel", lambda scores, k: True)
+    monkeypatch.setattr(dsa_topk, "topk_slots", lambda *a, **k: calls.append(a[0].shape) or real(*a, **k))
+    jspec.clear_caches()
+    assert jspec.generate(p, PROMPTS[:2], **kw).tokens == want
+    assert calls  # decode and verification selections ran through it
+
+
 @pytest.mark.parametrize("page", [64])
 def test_index_keys_hold_what_plain_decoding_writes(v32, page):
     """After tree rounds (compaction moving latent rows and indexer keys together) over a
