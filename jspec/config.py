@@ -365,6 +365,11 @@ class MlaOutputTiles:
     # (mla_b1_configs, a probe at 3bf4f68, H200); 128 or more splits keep 128-wide chunks.
     split_tile: int = 16384
     min_chunk: int = 128
+    # `mla_output(ordered=True)` (`kernels.row_mla`) unrolls its walk over up to this many
+    # splits (their loads issued together) and loops over more; the same sums either way.
+    # Unrolled: V2-Lite's 4-layer batch-1 profile took the kernel from 17.9 to 11.6 us a step
+    # (H100, 2026-11-26, docs/experiments.md).
+    unroll_splits: int = 32
 
 
 @dataclasses.dataclass(frozen=True)

@@ -12,7 +12,7 @@ import pytest
 from test_mla_kernel import _fast_jit, _scale, make_case
 
 from jspec.cache import layout as lay
-from jspec.config import RowAttentionTiles, Tuning
+from jspec.config import MlaOutputTiles, RowAttentionTiles, Tuning
 from jspec.kernels.mla_decode import mla_attention_reference
 from jspec.kernels.mla_output import up_project
 from jspec.kernels.row_attention import local_slots
@@ -26,10 +26,10 @@ def _w_uv(H, Dc, dtype):
     return jnp.asarray(np.random.default_rng(5).standard_normal((H, DV, Dc)) * 0.2, dtype)
 
 
-def _row(q_lat, q_pe, buf, meta, *, tiles=TILES):
+def _row(q_lat, q_pe, buf, meta, *, tiles=TILES, output_tiles=MlaOutputTiles()):
     w_uv = _w_uv(q_lat.shape[2], q_lat.shape[3], q_lat.dtype)
-    return row_mla_output(q_lat, q_pe, buf, meta, w_uv, scale=_scale(q_lat, q_pe), tuning=Tuning(row_mla=tiles),
-                          interpret=True)
+    return row_mla_output(q_lat, q_pe, buf, meta, w_uv, scale=_scale(q_lat, q_pe),
+                          tuning=Tuning(row_mla=tiles, mla_output=output_tiles), interpret=True)
 
 
 def _ref(q_lat, q_pe, buf, meta):
@@ -81,12 +81,11 @@ def test_a_tree_node_equals_the_decode_step_at_its_position_bit_for_bit(tiles, c
                                               err_msg=f"row {b} node {t} S {S}")
 
 
-def test_the_split_walk_unrolled_or_looped_adds_the_same(monkeypatch):
-    """`mla_output(ordered=True)` unrolls up to UNROLL_SPLITS splits and loops over more:
-    both add them in split order, so the bits agree."""
-    from jspec.kernels import mla_output
+def test_the_split_walk_unrolled_or_looped_adds_the_same():
+    """`mla_output(ordered=True)` unrolls up to `MlaOutputTiles.unroll_splits` splits and
+    loops over more: both add them in split order, so the bits agree."""
     q_lat, q_pe, buf, meta = make_case(3, B=1, T=2, H=4, S=96, prefix=[80], dtype=jnp.bfloat16)
     unrolled = np.asarray(_fast_jit(_row, q_lat, q_pe, buf, meta), np.float32)
-    monkeypatch.setattr(mla_output, "UNROLL_SPLITS", 1)
-    looped = np.asarray(_fast_jit(_row, q_lat, q_pe, buf, meta), np.float32)
+    looped = np.asarray(_fast_jit(_row, q_lat, q_pe, buf, meta, output_tiles=MlaOutputTiles(unroll_splits=1)),
+                        np.float32)
     np.testing.assert_array_equal(looped, unrolled)

@@ -39,7 +39,6 @@ from jspec.kernels.decode_attention import merge_splits
 from jspec.kernels.tiling import KERNEL_DTYPES, is_pow2, pow2_ceil, pow2_floor
 
 NEG_INF = -1e30
-UNROLL_SPLITS = 32  # `mla_output(ordered=True)` unrolls its walk over up to this many splits
 
 
 # --------------------------------------------------------------------------- reference
@@ -64,7 +63,7 @@ def mla_output_reference(o, lse, w_uv, *, num_tokens: int, dtype):
 # --------------------------------------------------------------------------- kernel
 
 def _kernel(o_ref, lse_ref, w_ref, out_ref, *, num_splits: int, num_heads: int, num_rows: int,
-            block_n: int, dv: int, chunk: int, ordered: bool):
+            block_n: int, dv: int, chunk: int, ordered: bool, unroll_splits: int):
     """One (batch row b, query row r, column tile j).
 
     o_ref [B * NS * R, Dc] float32 and lse_ref [B * NS, R] float32: the splits (whole
@@ -82,12 +81,12 @@ def _kernel(o_ref, lse_ref, w_ref, out_ref, *, num_splits: int, num_heads: int, 
     lse = jnp.where(valid, lse_ref[first, r], NEG_INF)
     m = jnp.max(lse)
     w = jnp.where(valid, jnp.exp(lse - m), 0.0)  # [NSP]
-    if ordered:  # up to UNROLL_SPLITS splits unrolled (their loads issued together), else a loop
+    if ordered:  # up to unroll_splits splits unrolled (their loads issued together), else a loop
         def weight(s):
             return jnp.exp(lse_ref[b * num_splits + s, r] - m)
 
         def in_order(term, zero):  # term(0) + term(1) + ... + term(NS - 1), added in that order
-            if num_splits <= UNROLL_SPLITS:
+            if num_splits <= unroll_splits:
                 acc = zero
                 for s in range(num_splits):
                     acc = acc + term(jnp.int32(s))
@@ -169,7 +168,8 @@ def mla_output(o, lse, w_uv, *, num_tokens: int, block_n: int | None = None,
     None: interpret mode unless the default backend is a GPU. ordered (`kernels.row_mla`):
     a row's splits are weighed and added one after another in split order, latent chunks
     of `latent_chunk(1, Dc)`, so a split that saw nothing (lse NEG_INF, o zeros) adds exact
-    zeros and the number of splits does not change the result."""
+    zeros and the number of splits does not change the result (the walk unrolled up to
+    `tiles.unroll_splits` splits)."""
     _check_args(o, lse, w_uv, num_tokens)
     B, NS, R, Dc = o.shape
     H, Dv, _ = w_uv.shape
@@ -186,7 +186,8 @@ def mla_output(o, lse, w_uv, *, num_tokens: int, block_n: int | None = None,
         from jax.experimental.pallas import triton as plt
         params = plt.CompilerParams(num_warps=t.num_warps if num_warps is None else num_warps, num_stages=1)
     kernel = functools.partial(_kernel, num_splits=NS, num_heads=H, num_rows=R, block_n=BN, dv=Dv,
-                               chunk=latent_chunk(1 if ordered else NS, Dc, t), ordered=bool(ordered))
+                               chunk=latent_chunk(1 if ordered else NS, Dc, t), ordered=bool(ordered),
+                               unroll_splits=t.unroll_splits)
     whole = pl.BlockSpec()  # whole arrays, indexed inside the kernel
     out = pl.pallas_call(
         kernel,
