@@ -86,27 +86,30 @@ DEEPSEEK = DeepseekConfig(vocab_size=96, hidden_size=64, intermediate_size=64, n
                           first_k_dense_replace=1, num_nextn_predict_layers=1)
 
 
-@pytest.mark.slow
-def test_deepseek_greedy_speculative_output_through_the_row_kernels(monkeypatch, fresh_compiles):
-    """DeepSeek (MLA + MoE) with its MTP draft, kernels forced (interpret mode): float32
-    plain output through the row kernels equals the reference path's; in bf16 an MTP tree
-    over a paged cache gives plain decoding's tokens (chains, dense caches and the 4-token
-    MTP tree: `benchmarks/bitwise.py` on the GPU), and the row kernels ran."""
+DEEPSEEK_PROMPTS = [[5, 17, 33, 2, 9, 71, 40, 3, 8, 60, 12], [7, 7, 21, 90, 4]]
+DEEPSEEK_RUN = dict(max_new_tokens=8, stop_token_ids=[], tuning=Tuning(row_invariant=True))
+
+
+def _deepseek_params(dtype):
+    """`DEEPSEEK` with random weights times 8 (peaked logits) and a random MTP layer."""
     from jspec.drafts import MtpDraft
     from jspec.drafts.mtp import layer_config
-    from jspec.kernels import mla_inputs, moe_experts, row_mla
-    scale = lambda w: jax.tree.map(lambda a: a * 8 if a.ndim >= 2 else a, w)  # noqa: E731  (peaked logits)
+    cfg = DEEPSEEK.replace(dtype=dtype)
+    draft = MtpDraft(layer_config(cfg))
+    scale = lambda w: jax.tree.map(lambda a: a * 8 if a.ndim >= 2 else a, w)  # noqa: E731
+    return jspec.Params(cfg, scale(family_for(cfg).init_weights(cfg, jax.random.key(0)))).with_draft(
+        jspec.DraftParams(draft, scale(draft.init(jax.random.key(1), cfg.vocab_size))))
 
-    def params(dtype):
-        cfg = DEEPSEEK.replace(dtype=dtype)
-        draft = MtpDraft(layer_config(cfg))
-        return jspec.Params(cfg, scale(family_for(cfg).init_weights(cfg, jax.random.key(0)))).with_draft(
-            jspec.DraftParams(draft, scale(draft.init(jax.random.key(1), cfg.vocab_size))))
-    kw = dict(max_new_tokens=8, stop_token_ids=[], tuning=Tuning(row_invariant=True))
-    prompts = [[5, 17, 33, 2, 9, 71, 40, 3, 8, 60, 12], [7, 7, 21, 90, 4]]
-    f32 = params("float32").with_draft(None)
+
+@pytest.mark.slow
+def test_deepseek_row_kernels_give_the_reference_paths_tokens(monkeypatch, fresh_compiles):
+    """DeepSeek (MLA + MoE), float32, kernels forced (interpret mode): plain output through
+    the row kernels (the deferred input norm, row MLA, the experts with one token's tiles)
+    equals the reference path's, and each row kernel ran."""
+    from jspec.kernels import mla_inputs, moe_experts, row_mla
+    f32 = _deepseek_params("float32").with_draft(None)
     monkeypatch.setenv("JSPEC_KERNELS", "reference")
-    want = jspec.generate(f32, prompts, **kw).tokens
+    want = jspec.generate(f32, DEEPSEEK_PROMPTS, **DEEPSEEK_RUN).tokens
     calls = set()
     for mod, name in ((row_matmul, "row_matmul"), (row_mla, "row_mla_splits"), (mla_inputs, "mla_inputs"),
                       (moe_experts, "expert_matmul")):
@@ -114,12 +117,20 @@ def test_deepseek_greedy_speculative_output_through_the_row_kernels(monkeypatch,
         monkeypatch.setattr(mod, name, lambda *a, _r=real, _n=name, **k: calls.add(_n) or _r(*a, **k))
     monkeypatch.setenv("JSPEC_KERNELS", "pallas")
     jspec.clear_caches()
-    assert jspec.generate(f32, prompts, **kw).tokens == want
+    assert jspec.generate(f32, DEEPSEEK_PROMPTS, **DEEPSEEK_RUN).tokens == want
     assert calls == {"row_matmul", "row_mla_splits", "mla_inputs", "expert_matmul"}
-    p = params("bfloat16")
-    plain = jspec.generate(p.with_draft(None), prompts, **kw).tokens
-    assert jspec.generate(p, prompts, spec=jspec.SpecConfig(2, 2, 4), cache=CacheConfig("paged", page_size=16),
-                          **kw).tokens == plain
+
+
+@pytest.mark.slow
+def test_deepseek_greedy_speculative_output_through_the_row_kernels(monkeypatch, fresh_compiles):
+    """DeepSeek with its MTP draft in bf16, kernels forced (interpret mode): an MTP tree over
+    a paged cache gives plain decoding's tokens (chains, dense caches and the 4-token MTP
+    tree: `benchmarks/bitwise.py` on the GPU)."""
+    monkeypatch.setenv("JSPEC_KERNELS", "pallas")
+    p = _deepseek_params("bfloat16")
+    plain = jspec.generate(p.with_draft(None), DEEPSEEK_PROMPTS, **DEEPSEEK_RUN).tokens
+    assert jspec.generate(p, DEEPSEEK_PROMPTS, spec=jspec.SpecConfig(2, 2, 4),
+                          cache=CacheConfig("paged", page_size=16), **DEEPSEEK_RUN).tokens == plain
 
 
 def test_the_cli_says_where_outputs_differ_and_why():
