@@ -389,10 +389,19 @@ class RowAttentionTiles:
     block, split_blocks blocks a split (splits cover fixed position ranges, so these tiles,
     not the batch, decide a row's sums; plain and speculative programs must share them)."""
 
-    block_k: int = 128  # the 8B shape's batch-1 step on an H100: 6.41 ms, against 6.47 with
-    split_blocks: int = 2  # (64, 4) and 6.49 with (64, 8) (docs/benchmarks.md)
+    block_k: int = 128  # the 8B shape's batch-1 step on an H100: (128, 1) 5.706 ms against 5.738
+    split_blocks: int = 1  # with (128, 2), 5.733 with (64, 2), 5.739 with (64, 1) (docs/benchmarks.md)
     num_warps: int = 4
     num_stages: int = 2
+    unroll_splits: int = 32  # the merge's walk over the splits written out up to this many
+    pack_tokens: bool = False  # GQA: several tokens' heads in a program's 16 rows (`row_attention`)
+
+
+@dataclasses.dataclass(frozen=True)
+class RowNormTiles:
+    """`jspec.kernels.row_norm` (`Tuning.row_invariant`): warps a row's program."""
+
+    num_warps: int = 16
 
 
 @dataclasses.dataclass(frozen=True)
@@ -403,6 +412,9 @@ class RowMatmulTiles:
     block_n: int = 128
     block_k: int = 64
     target_programs: int = 264
+    wide_n: int = 16384  # weights of at least this many columns (gate/up, LM heads), where wide_block_n
+    wide_block_n: int = 256  # divides N: programs this wide and one K split while the column tiles
+    one_wave: int = 132  # fit one wave of this many programs (the H100's SMs), else two splits
     num_warps: int = 4
     num_stages: int = 3
 
@@ -522,6 +534,7 @@ class Tuning:
     # ms a step against 0.535 with two blocks and 0.561 with four; docs/benchmarks.md)
     row_mla: RowAttentionTiles = RowAttentionTiles(block_k=64, split_blocks=1)
     row_matmul: RowMatmulTiles = RowMatmulTiles()
+    row_norm: RowNormTiles = RowNormTiles()
     row_invariant: bool | None = None
     mlp_norm_in_kernel: bool = True
     cache_write_in_kernel: bool = True

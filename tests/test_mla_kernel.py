@@ -316,18 +316,6 @@ def test_mla_inputs_matches_reference(interleaved, dtype, block_c):
     assert float(jnp.abs(got[0].astype(jnp.float32) - rolled[0].astype(jnp.float32)).max()) > 0.1
 
 
-def test_mla_inputs_applies_a_deferred_input_norm():
-    """input_norm: the splits' sum scaled by rsqrt(sum of squares / width + eps) before the
-    rounding, i.e. the reference on those scaled splits (float32: to 1e-5)."""
-    parts, cos, sin, norm, w_uk = make_inputs(9)
-    ss = jnp.asarray(np.random.default_rng(1).uniform(1, 5, (3, 2)), jnp.float32)
-    got = _fast_jit(functools.partial(mi.mla_inputs, interleaved=False, eps=1e-6, interpret=True), parts, cos, sin,
-                    norm, w_uk, input_norm=(ss, 64, 1e-5))
-    scale = jax.lax.rsqrt(ss.sum(0) / 64 + 1e-5)[None, :, None]
-    want = inputs_reference(parts * scale, cos, sin, norm, w_uk, False)
-    chex.assert_trees_all_close(got, want, atol=1e-5, rtol=1e-5)
-
-
 @pytest.mark.parametrize("cache_shape", [(2, 6, 40), (5, 4, 40)])  # dense [B, S+1, C], paged [pages, P, C]
 def test_mla_inputs_writes_the_cache(cache_shape):
     """With a cache and flat write slots the kernel writes each token's cache row there

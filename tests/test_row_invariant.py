@@ -57,8 +57,8 @@ def test_the_setting_auto_and_refusals(monkeypatch, tmp_path):
 @pytest.mark.slow
 def test_greedy_speculative_output_through_the_row_kernels(monkeypatch, fresh_compiles, tmp_path):
     """bf16 target, kernels forced (interpret mode): n-gram chains and trees, dense and paged,
-    give plain decoding's tokens, and the row kernels ran in the loop (a product, a norm and
-    attention)."""
+    and an EAGLE-3 chain give plain decoding's tokens, and the row kernels ran in the loop (a
+    product, a norm and attention)."""
     make_model(str(tmp_path), hidden=128, heads=4, kv_heads=2, inter=128, vocab=384, dtype=torch.bfloat16)
     p = jspec.load(str(tmp_path), dtype="bfloat16")
     calls = set()
@@ -76,6 +76,11 @@ def test_greedy_speculative_output_through_the_row_kernels(monkeypatch, fresh_co
     assert jspec.generate(ngram, prompts, spec=jspec.SpecConfig(3), **kw).tokens == plain
     assert jspec.generate(ngram, prompts, spec=jspec.SpecConfig(3, 2, 6), cache=CacheConfig("paged", page_size=16),
                           **kw).tokens == plain
+    n = p.config.num_layers  # an EAGLE-3 head: the target's layers captured while their residuals are pending
+    head = jspec.Eagle3Draft(p.config.replace(num_layers=1, sliding_windows=(0,)), target_hidden_size=128,
+                             aux_layers=(0, n // 2, n - 1), draft_vocab_size=384)
+    eagle3 = p.with_draft(jspec.DraftParams(config=head, weights=head.init(jax.random.key(1), 384)))
+    assert jspec.generate(eagle3, prompts, spec=jspec.SpecConfig(2), **kw).tokens == plain
 
 
 # A DeepSeek target the row kernels take (products' K multiples of 64, 16 experts for the

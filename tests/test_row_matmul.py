@@ -3,14 +3,19 @@ mode on the CPU): rows equal x @ w (the XLA norm), and each row is the same bits
 rows share the call (1 row, a verification's few, a batch's many; row blocks of 16 or 64)."""
 from __future__ import annotations
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
 from jspec.config import RowMatmulTiles
 from jspec.kernels import moe_experts, row_norm
-from jspec.kernels.row_matmul import block_n_for, row_matmul, splits_for, supported
+from jspec.kernels.row_matmul import (
+    block_n_for,
+    layout_for,
+    row_matmul,
+    splits_for,
+    supported,
+)
 
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
@@ -27,6 +32,11 @@ def test_rows_equal_the_product_and_do_not_depend_on_the_others(dtype):
     np.testing.assert_array_equal(np.asarray(row_matmul(x[3:4], w, num_splits=2, interpret=True)), full[3:4])
     wide = np.asarray(row_matmul(x, w, num_splits=2, block_m=64, interpret=True))
     np.testing.assert_array_equal(wide, full)
+    wide_tiles = RowMatmulTiles(wide_n=128, wide_block_n=128, one_wave=2)  # 3 tiles of 128 columns: two splits
+    rows = [np.asarray(row_matmul(x[:m], w, tiles=wide_tiles, interpret=True)) for m in (40, 1, 5)]
+    np.testing.assert_allclose(rows[0], want, rtol=2e-5, atol=2e-5 * np.abs(want).max())
+    for r in rows[1:]:
+        np.testing.assert_array_equal(r, rows[0][:len(r)])
     lead = np.asarray(row_matmul(x.reshape(4, 10, K), w, num_splits=2, interpret=True))
     np.testing.assert_array_equal(lead.reshape(40, N), full)
 
@@ -35,6 +45,11 @@ def test_splits_follow_the_weight_only_and_bad_shapes_are_refused():
     assert splits_for(4096, 6144, 128, 64, 264) == 6
     assert splits_for(4096, 128256, 128, 64, 264) == 1
     assert splits_for(128, 128, 128, 64, 264) == 2  # never more splits than K chunks
+    t = RowMatmulTiles()
+    # splits: the most up to splits_for's that divide the K chunks (64 and 171)
+    assert layout_for(4096, 6144, t) == (128, 4) and layout_for(10944, 2048, t) == (128, 9)
+    assert layout_for(4096, 28672, t) == (256, 1)  # wide: 112 tiles fit one wave
+    assert layout_for(4096, 128256, t) == (256, 2) and layout_for(2048, 21888, t) == (128, 2)  # 21888: not 256s
     x, w = jnp.zeros((2, 100)), jnp.zeros((100, 128))
     assert not supported(x, w)
     with pytest.raises(ValueError, match="K a multiple of 64 and N of 16"):
@@ -54,25 +69,6 @@ def test_transposed_weight_gives_the_same_rows():
     assert supported(x, w, transpose_w=True) and not supported(x, w)
 
 
-def test_a_deferred_norm_gives_the_normed_product_and_stays_row_invariant():
-    rng = np.random.default_rng(3)
-    K, N = 256, 48  # N not a multiple of 128: 16-column programs
-    x = jnp.asarray(rng.standard_normal((21, K)) * 2, jnp.bfloat16)
-    w = jnp.asarray(rng.standard_normal((K, N)) * 0.05, jnp.bfloat16)
-    g = jnp.asarray(1 + 0.1 * rng.standard_normal(K), jnp.bfloat16)
-    parts, ss = row_matmul(x, w, norm_weight=g, sum_splits=False, num_splits=2, interpret=True)
-    assert parts.shape == (2, 21, N) and ss.shape == (2, 21)
-    y = np.asarray(parts.sum(0)) * np.asarray(jax.lax.rsqrt(ss.sum(0) / K + 1e-6))[:, None]
-    want = np.asarray(moe_experts.rms_norm(x, g, 1e-6), np.float32) @ np.asarray(w, np.float32)
-    np.testing.assert_allclose(y, want, rtol=2e-2, atol=2e-2 * np.abs(want).max())  # bf16 roundings apart
-    for rows in (slice(0, 1), slice(4, 5), slice(2, 19)):
-        p1, s1 = row_matmul(x[rows], w, norm_weight=g, sum_splits=False, num_splits=2, interpret=True)
-        np.testing.assert_array_equal(np.asarray(p1), np.asarray(parts[:, rows]))
-        np.testing.assert_array_equal(np.asarray(s1), np.asarray(ss[:, rows]))
-    with pytest.raises(ValueError, match="deferred norm takes sum_splits=False"):
-        row_matmul(x, w, norm_weight=g)
-
-
 @pytest.mark.parametrize("D", [256, 96])
 def test_row_norm_equals_the_xla_norm_and_its_rows_do_not_depend_on_the_others(D):
     rng = np.random.default_rng(2)
@@ -86,3 +82,4 @@ def test_row_norm_equals_the_xla_norm_and_its_rows_do_not_depend_on_the_others(D
         np.testing.assert_array_equal(np.asarray(row_norm.rms_norm(x[rows], w, 1e-5, interpret=True), np.float32),
                                       full[rows])
     assert not row_norm.supported(x[:, :90], w[:90])
+

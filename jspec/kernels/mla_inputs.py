@@ -78,31 +78,23 @@ def mla_inputs_reference(q, ckv, cos, sin, latent_norm, w_uk=None, *, interleave
 # --------------------------------------------------------------------------- kernel
 
 def _kernel(parts_ref, cos_ref, sin_ref, norm_ref, wuk_ref, where_ref, *refs, num_heads: int,
-            dn: int, dr: int, dc: int, block_c: int, interleaved: bool, eps: float, input_norm):
+            dn: int, dr: int, dc: int, block_c: int, interleaved: bool, eps: float):
     """One (token n, head h, latent tile j); see the module docstring. parts_ref [S, N, W]
     float32, cos_ref / sin_ref [N, Dr/2], norm_ref [Dc], wuk_ref [Dc, H*Dn], where_ref [N]
     int32 (the row of rows_ref that takes token n's cache row); outputs q_lat [N, H, Dc],
     q_pe [N, H, Dr], rows [R, Dc+Dr] (whole arrays; with a cache, its rows, aliased to an
-    input that refs holds first). input_norm (width, eps): refs starts with ss_ref [S, N]
-    float32, the splits' sums of squares of the projection's input (a deferred RMSNorm,
-    `row_matmul`'s norm_weight): the splits' sum is scaled by its factor first."""
+    input that refs holds first)."""
     qlat_ref, qpe_ref, rows_ref = refs[-3:]
     n, h, j = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     dtype = qlat_ref.dtype
     half = dr // 2
-    S = parts_ref.shape[0]
-    rstd_in = None
-    if input_norm is not None:  # the splits' squares added in split order
-        width, eps_in = input_norm
-        rstd_in = lax.rsqrt(sum(refs[0][jnp.int32(s), n] for s in range(S)) / width + eps_in)
 
     def rnd(v):  # float32 v rounded to the activations' dtype
         return v.astype(dtype).astype(jnp.float32)
 
     def summed(start, size, stride=1):  # the splits' sum of `size` values from `start`, rounded
         idx = pl.ds(start, size) if stride == 1 else pl.ds(start, size, stride)
-        total = sum(parts_ref[jnp.int32(s), n, idx] for s in range(S))
-        return rnd(total if rstd_in is None else total * rstd_in)
+        return rnd(sum(parts_ref[jnp.int32(s), n, idx] for s in range(parts_ref.shape[0])))
 
     def rope(start, out_ref, *at):  # rotate the Dr values from `start`; store at out_ref[*at, off:]
         *lead, off = at
@@ -189,8 +181,7 @@ def uses_kernel(parts, cos, sin, latent_norm, w_uk, cache=None, write_index=None
 
 
 def mla_inputs(parts, cos, sin, latent_norm, w_uk, *, interleaved: bool, eps: float, cache=None, write_index=None,
-               block_c: int | None = None, num_warps: int | None = None, interpret: bool | None = None,
-               input_norm=None):
+               block_c: int | None = None, num_warps: int | None = None, interpret: bool | None = None):
     """parts [S, N, W] float32 (K splits of the projection [q | c | k_r], see the module
     docstring), cos, sin [N, Dr/2] float32, latent_norm [Dc] and w_uk [Dc, H, Dn] of the
     activations' dtype -> (q_lat [N, H, Dc], q_pe [N, H, Dr], rows [N, Dc+Dr]) in that
@@ -203,11 +194,7 @@ def mla_inputs(parts, cos, sin, latent_norm, w_uk, *, interleaved: bool, eps: fl
 
     block_c: q_lat values a program (a power of two, capped at Dc); num_warps: Triton's;
     each None: `jspec.config.MlaInputsTiles`' default. interpret None: interpret mode
-    unless the default backend is a GPU.
-
-    input_norm (ss [S, N] float32, width, eps): the projection ran on the un-normed input
-    with the norm's weight applied (`row_matmul`'s deferred norm); each token's splits'
-    sum is scaled by rsqrt(sum of ss / width + eps) before it is rounded."""
+    unless the default backend is a GPU."""
     _check_args(parts, cos, sin, latent_norm, w_uk, cache, write_index)
     S, N, W = parts.shape
     Dc, H, Dn = w_uk.shape
@@ -223,22 +210,15 @@ def mla_inputs(parts, cos, sin, latent_norm, w_uk, *, interleaved: bool, eps: fl
     if not interpret:
         from jax.experimental.pallas import triton as plt
         params = plt.CompilerParams(num_warps=t.num_warps if num_warps is None else num_warps, num_stages=1)
-    if input_norm is not None and getattr(input_norm[0], "shape", None) != (S, N):
-        raise ValueError(f"input_norm's sums of squares must be [{S}, {N}], got {getattr(input_norm[0], 'shape', '')}")
     kernel = functools.partial(_kernel, num_heads=H, dn=Dn, dr=Dr, dc=Dc, block_c=BC, interleaved=bool(interleaved),
-                               eps=float(eps),
-                               input_norm=None if input_norm is None else (int(input_norm[1]), float(input_norm[2])))
+                               eps=float(eps))
     dt = w_uk.dtype
     args = [parts, cos, sin, latent_norm, w_uk.reshape(Dc, H * Dn)]
     if cache is None:
         args.append(jnp.arange(N, dtype=jnp.int32))
         rows_shape = jax.ShapeDtypeStruct((N, Dc + Dr), dt)
     else:
-        args.append(write_index.reshape(N).astype(jnp.int32))
-    if input_norm is not None:
-        args.append(input_norm[0].astype(jnp.float32))
-    if cache is not None:
-        args.append(cache.reshape(-1, Dc + Dr))
+        args += [write_index.reshape(N).astype(jnp.int32), cache.reshape(-1, Dc + Dr)]
         rows_shape = jax.ShapeDtypeStruct(args[-1].shape, cache.dtype)
     whole = pl.BlockSpec()  # whole arrays, indexed inside the kernel
     q_lat, q_pe, rows = pl.pallas_call(

@@ -36,7 +36,13 @@ from jax.experimental import pallas as pl
 
 from jspec.config import DEFAULT_TUNING, MlaOutputTiles
 from jspec.kernels.decode_attention import merge_splits
-from jspec.kernels.tiling import KERNEL_DTYPES, is_pow2, pow2_ceil, pow2_floor
+from jspec.kernels.tiling import (
+    KERNEL_DTYPES,
+    in_order_fold,
+    is_pow2,
+    pow2_ceil,
+    pow2_floor,
+)
 
 NEG_INF = -1e30
 
@@ -86,12 +92,7 @@ def _kernel(o_ref, lse_ref, w_ref, out_ref, *, num_splits: int, num_heads: int, 
             return jnp.exp(lse_ref[b * num_splits + s, r] - m)
 
         def in_order(term, zero):  # term(0) + term(1) + ... + term(NS - 1), added in that order
-            if num_splits <= unroll_splits:
-                acc = zero
-                for s in range(num_splits):
-                    acc = acc + term(jnp.int32(s))
-                return acc
-            return lax.fori_loop(0, num_splits, lambda s, acc: acc + term(s), zero)
+            return in_order_fold(num_splits, term, zero, unroll_splits)
         inv_l = 1.0 / in_order(weight, jnp.float32(0.0))
     else:
         inv_l = 1.0 / jnp.sum(w)

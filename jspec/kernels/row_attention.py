@@ -5,15 +5,19 @@ decode step's at that node's position bit for bit (`Tuning.row_invariant`).
 `decode_attention` puts every query row of a kv head into one tile and splits the keys by
 the grid's size, both of which follow B x T, and reads a tree node's ancestors from their
 node slots; each changes the order in which a row's softmax sums run. Here:
-- a program takes ONE token's Gq query heads of one kv head, padded to 16 rows (more than
-  16 heads: several programs), so the tile a row sits in is the same in a decode step and
-  in a verification;
+- a program's tile is 16 query rows of one kv head: a token's Gq heads padded to a power
+  of two, and 16 / that many tokens side by side (more than 16 heads: several programs of
+  one token; `RowAttentionTiles.pack_tokens` False: one token a program). The tile's shape
+  is the same in a decode step and in a verification, and a row's products, maximum and
+  sum use that row alone, so which tokens share it does not change its bits;
 - keys are visited by POSITION in blocks of BK positions: position p < prefix_len sits in
   slot p, position prefix_len + j in the local slot of the token's depth-j ancestor (the
   local slot whose position is prefix_len + j among those the token sees), and positions
   after the token's own are masked. A node's block c then holds the keys a decode step at
   its position holds in its block c (chains are the case where ancestor j sits at
-  prefix_len + j);
+  prefix_len + j). Blocks wholly below prefix_len hold the same keys for every token, so
+  the tokens of a tile read them once; a block beyond is read once a token (its rows
+  updated, the others kept);
 - splits cover fixed ranges of `split_blocks` blocks (a function of the tiles only), and
   `_merge_kernel` adds them in split order (the maximum first, then the weighted sums,
   over the rows that hold heads). Blocks past a row's position are never visited, a
@@ -35,7 +39,7 @@ from jax.experimental import pallas as pl
 from jspec.cache.layout import AttnMeta
 from jspec.config import RowAttentionTiles
 from jspec.kernels.decode_attention import NEG_INF, _check_args, online_softmax_step
-from jspec.kernels.tiling import pow2_ceil
+from jspec.kernels.tiling import in_order_fold, pow2_ceil
 
 ROWS = 16  # query rows a program: the smallest tensor-core tile, fixed so no row's tile changes
 
@@ -54,16 +58,17 @@ def local_slots(meta: AttnMeta):
     return jnp.pad(out, ((0, 0), (0, 0), (0, Tp - Tl)), constant_values=-1)
 
 
-def key_rows(p, b, prefix, pos, lslot_ref, table_ref, *, page_size: int, dense: bool, num_pages: int,
+def key_rows(p, b, prefix, pos, lslot, table_ref, *, page_size: int, dense: bool, num_pages: int,
              num_keys: int):
-    """Inside a kernel: the cache rows holding the keys at positions p [BK] that token
-    (b, position pos) sees, by position (the slot p below the prefix, else the local slot
-    `local_slots` names), and the mask of those it sees (p <= pos, a slot exists).
+    """Inside a kernel: the cache rows holding the keys at positions p [BK] that a token at
+    position pos sees, by position (the slot p below the prefix, else the local slot
+    `local_slots` names: lslot = (read, Tp), read(i) the token's entries i in [0, Tp)),
+    and the mask of those it sees (p <= pos, a slot exists; pos None: a slot exists).
     table_ref [B, G] (dense: unused; the cache is one page of page_size slots a row)."""
-    Tp = lslot_ref.shape[0]
+    read, Tp = lslot
     rel = p - prefix
-    slot = jnp.where(rel < 0, p, lslot_ref[jnp.clip(rel, 0, Tp - 1)])
-    mask = (p <= pos) & (slot >= 0)
+    slot = jnp.where(rel < 0, p, read(jnp.clip(rel, 0, Tp - 1)))
+    mask = slot >= 0 if pos is None else (p <= pos) & (slot >= 0)
     slot = jnp.clip(slot, 0, num_keys - 1)
     if dense:
         return b * page_size + slot, mask
@@ -71,14 +76,14 @@ def key_rows(p, b, prefix, pos, lslot_ref, table_ref, *, page_size: int, dense: 
     return jnp.clip(page, 0, num_pages - 1) * page_size + lax.rem(slot, page_size), mask
 
 
-def softmax_split(lo, hi, step, o_ref, lse_ref):
-    """Inside a kernel: the online softmax `step` (`online_softmax_step` of a key block)
-    over blocks [lo, hi), then the split's output normalised over its keys into o_ref
-    [ROWS, D] and its log-sum-exp into lse_ref [ROWS] (NEG_INF, with zeros, where it saw no
-    key)."""
+def softmax_split(run, o_ref, lse_ref):
+    """Inside a kernel: run(carry) -> carry, the online softmax over a split's key blocks
+    (`online_softmax_step`; carry (acc [ROWS, D], running max [ROWS], sum [ROWS])), then the
+    split's output normalised over its keys into o_ref [ROWS, D] and its log-sum-exp into
+    lse_ref [ROWS] (NEG_INF, with zeros, where it saw no key)."""
     carry = (jnp.zeros(o_ref.shape, jnp.float32), jnp.full((ROWS,), NEG_INF, jnp.float32),
              jnp.zeros((ROWS,), jnp.float32))
-    acc, m, l = lax.fori_loop(lo, hi, step, carry)
+    acc, m, l = run(carry)
     seen = l > 0
     o_ref[...] = acc / jnp.where(seen, l, 1.0)[:, None]
     lse_ref[...] = jnp.where(seen, m + jnp.log(jnp.where(seen, l, 1.0)), NEG_INF)
@@ -86,52 +91,76 @@ def softmax_split(lo, hi, step, o_ref, lse_ref):
 
 def _attend_kernel(prefix_ref, pos_ref, table_ref, kv_ref, q_ref, lslot_ref, o_ref, lse_ref, *,
                    scale: float, block_k: int, split_blocks: int, page_size: int, dense: bool,
-                   num_pages: int, num_keys: int, window: int, row_blocks: int):
-    """One (batch row b, token t, kv head x row block g, split s).
+                   num_pages: int, num_keys: int, window: int, row_blocks: int, head_rows: int, tokens: int):
+    """One (batch row b, token group tg, kv head x row block g, split s): the 16 query rows
+    hold `tokens` tokens' heads, head_rows rows a token (`row_attention`).
 
     prefix_ref [B], pos_ref [B, T] int32; table_ref [B, G] (dense: [B, 1], unused);
-    kv_ref [num_pages * P, 2, Hkv, Dh]; q_ref [ROWS, Dh]; lslot_ref [Tp] (`local_slots`);
-    o_ref [ROWS, Dh] float32 normalised over this split's keys; lse_ref [ROWS] (NEG_INF:
-    no key)."""
-    b, t, g, s = pl.program_id(0), pl.program_id(1), pl.program_id(2), pl.program_id(3)
+    kv_ref [num_pages * P, 2, Hkv, Dh]; q_ref [ROWS, Dh]; lslot_ref [B, T, Tp]
+    (`local_slots`); o_ref [ROWS, Dh] float32 normalised over this split's keys; lse_ref
+    [ROWS] (NEG_INF: no key).
+
+    Each row walks the blocks its token sees in this split, in order, with its own mask; a
+    split wholly below the prefix holds the same keys (slot p) for every row, so one pass
+    serves them all, else one pass a token reads that token's keys and updates its rows
+    only. A row's arithmetic is the same in either case (a [ROWS, BK] tile, its own row)."""
+    b, tg, g, s = pl.program_id(0), pl.program_id(1), pl.program_id(2), pl.program_id(3)
     h = g // row_blocks
-    L, pos = prefix_ref[b], pos_ref[b, t]
-    first = jnp.maximum(pos - window + 1, 0) if window else 0  # oldest visible position
-    lo = jnp.maximum(s * split_blocks, first // block_k)
-    hi = jnp.minimum((s + 1) * split_blocks, pos // block_k + 1)
+    T = pos_ref.shape[1]
+    L = prefix_ref[b]
+    first_token = tg * tokens
+    tok = jnp.minimum(first_token + jnp.arange(ROWS, dtype=jnp.int32) // head_rows, T - 1)  # [ROWS]
+    pos = pos_ref[b, tok]  # [ROWS] each row's position
+    first = jnp.maximum(pos - window + 1, 0) if window else jnp.zeros_like(pos)  # oldest visible position
+    lo_row = jnp.maximum(s * split_blocks, first // block_k)
+    hi_row = jnp.minimum((s + 1) * split_blocks, pos // block_k + 1)
+    lo, hi = jnp.min(lo_row), jnp.max(hi_row)
+    shared = (s + 1) * split_blocks * block_k <= L
+    passes = jnp.where(shared, 1, jnp.minimum(tokens, T - first_token))
     offs = jnp.arange(block_k, dtype=jnp.int32)
     q = q_ref[...]
 
-    def step(blk, carry):
-        p = blk * block_k + offs  # [BK] positions
-        row, mask = key_rows(p, b, L, pos, lslot_ref, table_ref, page_size=page_size, dense=dense,
-                             num_pages=num_pages, num_keys=num_keys)
-        if window:
-            mask = mask & (p >= first)
-        k, v = kv_ref[row, 0, h, :], kv_ref[row, 1, h, :]  # [BK, Dh]
-        sc = lax.dot_general(q, k, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32) * scale
-        return online_softmax_step(sc, mask[None, :], v, carry)
+    def token_pass(j, carry):
+        t = jnp.minimum(first_token + j, T - 1)  # the pass's token (any one when shared)
+        mine = shared | (tok == t)  # [ROWS] the rows this pass updates
 
-    softmax_split(lo, hi, step, o_ref, lse_ref)
+        def step(blk, carry):
+            p = blk * block_k + offs  # [BK] positions
+            row, has_slot = key_rows(p, b, L, None, (lambda i: lslot_ref[b, t, i], lslot_ref.shape[-1]),
+                                     table_ref, page_size=page_size, dense=dense, num_pages=num_pages,
+                                     num_keys=num_keys)
+            mask = (p[None, :] <= pos[:, None]) & has_slot[None, :]
+            if window:
+                mask = mask & (p[None, :] >= first[:, None])
+            k, v = kv_ref[row, 0, h, :], kv_ref[row, 1, h, :]  # [BK, Dh]
+            sc = lax.dot_general(q, k, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32) * scale
+            new = online_softmax_step(sc, mask, v, carry)
+            keep = mine & (blk >= lo_row) & (blk < hi_row)  # [ROWS]
+            return (jnp.where(keep[:, None], new[0], carry[0]), jnp.where(keep, new[1], carry[1]),
+                    jnp.where(keep, new[2], carry[2]))
+
+        return lax.fori_loop(lo, hi, step, carry)
+
+    softmax_split(lambda carry: lax.fori_loop(0, passes, token_pass, carry), o_ref, lse_ref)
 
 
-def _merge_kernel(o_ref, lse_ref, out_ref, *, num_splits: int):
+def _merge_kernel(o_ref, lse_ref, out_ref, *, num_splits: int, unroll_splits: int):
     """One (b, t, g): o_ref [NS, MR, Dh], lse_ref [NS, MR] (the first MR of the 16 rows:
-    those that hold heads) -> out_ref [MR, Dh], the splits weighted by their softmax mass
-    and added in split order. A split that saw nothing has weight 0 and adds exact zeros;
-    one split alone comes out as it went in (weight 1), as when there is no merge."""
+    those that hold heads) -> out_ref [MR, Dh] (in its dtype), the splits weighted by their softmax mass
+    and added in split order (written out up to unroll_splits splits). A split that saw
+    nothing has weight 0 and adds exact zeros; one split alone comes out as it went in
+    (weight 1), as when there is no merge."""
     MR = out_ref.shape[0]
-    m = lax.fori_loop(0, num_splits, lambda i, m: jnp.maximum(m, lse_ref[i, :]),
-                      jnp.full((MR,), NEG_INF, jnp.float32))
+    m = in_order_fold(num_splits, lambda i: lse_ref[i, :], jnp.full((MR,), NEG_INF, jnp.float32),
+                      unroll_splits, jnp.maximum)
 
-    def add(i, carry):
-        acc, den = carry
-        w = jnp.exp(lse_ref[i, :] - m)
-        return acc + w[:, None] * o_ref[i, :, :], den + w
+    def weight(i):
+        return jnp.exp(lse_ref[i, :] - m)
 
-    acc, den = lax.fori_loop(0, num_splits, add, (jnp.zeros(out_ref.shape, jnp.float32),
-                                                  jnp.zeros((MR,), jnp.float32)))
-    out_ref[...] = acc / jnp.where(den > 0, den, 1.0)[:, None]
+    den = in_order_fold(num_splits, weight, jnp.zeros((MR,), jnp.float32), unroll_splits)
+    acc = in_order_fold(num_splits, lambda i: weight(i)[:, None] * o_ref[i, :, :],
+                        jnp.zeros(out_ref.shape, jnp.float32), unroll_splits)
+    out_ref[...] = (acc / jnp.where(den > 0, den, 1.0)[:, None]).astype(out_ref.dtype)
 
 
 def row_attention(q, kv_buf, meta: AttnMeta, *, window: int = 0, scale: float,
@@ -148,12 +177,17 @@ def row_attention(q, kv_buf, meta: AttnMeta, *, window: int = 0, scale: float,
     num_keys = page_size if dense else table.shape[1] * page_size
     Gq = H // Hkv
     RB = -(-Gq // ROWS)  # row blocks a kv head
+    GP = ROWS if RB > 1 else pow2_ceil(Gq)  # rows a token's heads take in a block
+    TPT = ROWS // GP if t.pack_tokens else 1  # tokens a block
+    Tg = -(-T // TPT)
     NS = num_splits(num_keys, t)
     if interpret is None:
         interpret = jax.default_backend() != "gpu"
 
     qr = q.reshape(B, T, Hkv, Gq, Dh)
-    qr = jnp.pad(qr, ((0, 0), (0, 0), (0, 0), (0, RB * ROWS - Gq), (0, 0))).reshape(B, T, Hkv * RB, ROWS, Dh)
+    qr = jnp.pad(qr, ((0, 0), (0, Tg * TPT - T), (0, 0), (0, RB * GP - Gq), (0, 0)))
+    qr = qr.reshape(B, Tg, TPT, Hkv, RB, GP, Dh).transpose(0, 1, 3, 4, 2, 5, 6).reshape(B, Tg, Hkv * RB, TPT * GP, Dh)
+    qr = jnp.pad(qr, ((0, 0), (0, 0), (0, 0), (0, ROWS - TPT * GP), (0, 0)))
     lslot = local_slots(meta)
     kv_flat = kv_buf.reshape((-1, 2, Hkv, Dh))
     params = None
@@ -163,24 +197,23 @@ def row_attention(q, kv_buf, meta: AttnMeta, *, window: int = 0, scale: float,
     kernel = functools.partial(
         _attend_kernel, scale=float(scale), block_k=t.block_k, split_blocks=t.split_blocks,
         page_size=page_size, dense=dense, num_pages=kv_flat.shape[0] // page_size, num_keys=num_keys,
-        window=int(window), row_blocks=RB)
+        window=int(window), row_blocks=RB, head_rows=GP, tokens=TPT)
     whole = pl.BlockSpec()
     o, lse = pl.pallas_call(
         kernel,
-        grid=(B, T, Hkv * RB, NS),
+        grid=(B, Tg, Hkv * RB, NS),
         in_specs=[whole, whole, whole, whole,
-                  pl.BlockSpec((None, None, None, ROWS, Dh), lambda b, i, g, s: (b, i, g, 0, 0)),
-                  pl.BlockSpec((None, None, lslot.shape[-1]), lambda b, i, g, s: (b, i, 0))],
+                  pl.BlockSpec((None, None, None, ROWS, Dh), lambda b, i, g, s: (b, i, g, 0, 0)), whole],
         out_specs=[pl.BlockSpec((None, None, None, None, ROWS, Dh), lambda b, i, g, s: (b, i, g, s, 0, 0)),
                    pl.BlockSpec((None, None, None, None, ROWS), lambda b, i, g, s: (b, i, g, s, 0))],
-        out_shape=[jax.ShapeDtypeStruct((B, T, Hkv * RB, NS, ROWS, Dh), jnp.float32),
-                   jax.ShapeDtypeStruct((B, T, Hkv * RB, NS, ROWS), jnp.float32)],
+        out_shape=[jax.ShapeDtypeStruct((B, Tg, Hkv * RB, NS, ROWS, Dh), jnp.float32),
+                   jax.ShapeDtypeStruct((B, Tg, Hkv * RB, NS, ROWS), jnp.float32)],
         interpret=interpret, compiler_params=params, name="jspec_row_attention",
     )(meta.prefix_len.astype(jnp.int32), meta.positions.astype(jnp.int32), table, kv_flat, qr, lslot)
-    MR = ROWS if RB > 1 else min(ROWS, pow2_ceil(Gq))  # rows that hold heads
-    out = merge_splits_in_order(o, lse, MR, interpret=interpret, params=params)
-    out = out.reshape(B, T, Hkv, RB * MR, Dh)[:, :, :, :Gq]
-    return out.reshape(B, T, H, Dh).astype(q.dtype)
+    out = merge_splits_in_order(o, lse, TPT * GP, q.dtype, interpret=interpret, params=params,
+                                unroll_splits=t.unroll_splits)  # [B, Tg, Hkv * RB, TPT * GP, Dh]
+    out = out.reshape(B, Tg, Hkv, RB, TPT, GP, Dh).transpose(0, 1, 4, 2, 3, 5, 6)
+    return out.reshape(B, Tg * TPT, Hkv, RB * GP, Dh)[:, :T, :, :Gq].reshape(B, T, H, Dh)
 
 
 def num_splits(num_keys: int, tiles: RowAttentionTiles) -> int:
@@ -189,19 +222,19 @@ def num_splits(num_keys: int, tiles: RowAttentionTiles) -> int:
     return pow2_ceil(-(-num_keys // (tiles.block_k * tiles.split_blocks)))
 
 
-def merge_splits_in_order(o, lse, rows: int, *, interpret: bool, params):
+def merge_splits_in_order(o, lse, rows: int, dtype, *, interpret: bool, params, unroll_splits: int):
     """o [B, T, G, NS, ROWS, D] float32, lse [B, T, G, NS, ROWS] (each split normalised over
-    its keys) -> [B, T, G, rows, D] float32: the first `rows` rows merged by
+    its keys) -> [B, T, G, rows, D] in dtype: the first `rows` rows merged by
     `_merge_kernel` (NS == 1: the split as it is, which the merge would give too)."""
     B, T, G, NS, _, D = o.shape
     if NS == 1:
-        return o[:, :, :, 0, :rows]
+        return o[:, :, :, 0, :rows].astype(dtype)
     return pl.pallas_call(
-        functools.partial(_merge_kernel, num_splits=NS),
+        functools.partial(_merge_kernel, num_splits=NS, unroll_splits=unroll_splits),
         grid=(B, T, G),
         in_specs=[pl.BlockSpec((None, None, None, NS, rows, D), lambda b, i, g: (b, i, g, 0, 0, 0)),
                   pl.BlockSpec((None, None, None, NS, rows), lambda b, i, g: (b, i, g, 0, 0))],
         out_specs=pl.BlockSpec((None, None, None, rows, D), lambda b, i, g: (b, i, g, 0, 0)),
-        out_shape=jax.ShapeDtypeStruct((B, T, G, rows, D), jnp.float32),
+        out_shape=jax.ShapeDtypeStruct((B, T, G, rows, D), dtype),
         interpret=interpret, compiler_params=params, name="jspec_row_attention_merge",
     )(o, lse)

@@ -61,14 +61,14 @@ def _attend_kernel(prefix_ref, pos_ref, table_ref, lat_ref, qc_ref, qr_ref, lslo
     nt = (((1,), (1,)), ((), ()))
 
     def step(blk, carry):
-        row, mask = key_rows(blk * block_k + offs, b, L, pos, lslot_ref, table_ref, page_size=page_size,
-                             dense=dense, num_pages=num_pages, num_keys=num_keys)
+        row, mask = key_rows(blk * block_k + offs, b, L, pos, (lambda i: lslot_ref[i], lslot_ref.shape[0]),
+                             table_ref, page_size=page_size, dense=dense, num_pages=num_pages, num_keys=num_keys)
         c, kr = lat_ref[row, pl.ds(0, Dc)], lat_ref[row, pl.ds(Dc, Dr)]  # [BK, Dc], [BK, Dr]
         sc = (lax.dot_general(qc, c, nt, preferred_element_type=jnp.float32)
               + lax.dot_general(qr, kr, nt, preferred_element_type=jnp.float32)) * scale  # [ROWS, BK]
         return online_softmax_step(sc, mask[None, :], c, carry)
 
-    softmax_split(lo, hi, step, o_ref, lse_ref)
+    softmax_split(lambda carry: lax.fori_loop(lo, hi, step, carry), o_ref, lse_ref)
 
 
 def row_mla_splits(q_lat, q_pe, latent_buf, meta: AttnMeta, *, scale: float,

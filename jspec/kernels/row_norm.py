@@ -17,6 +17,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
+from jspec.config import RowNormTiles
 from jspec.kernels.tiling import KERNEL_DTYPES
 
 
@@ -31,30 +32,39 @@ def supported(x, weight) -> bool:
             and chunk_of(x.shape[-1]) > 0)
 
 
+def _columns(c, chunk: int):
+    """Chunk c's columns (c: a Python int, or a loop index)."""
+    return pl.ds(c * chunk if isinstance(c, int) else pl.multiple_of(c * chunk, chunk), chunk)
+
+
 def _kernel(x_ref, w_ref, o_ref, *, eps: float, chunk: int):
+    """One row: x_ref, o_ref [1, D]; w_ref [D]."""
     D = x_ref.shape[1]
     n = D // chunk
 
-    def squares(c, acc):
-        xv = x_ref[:, pl.ds(pl.multiple_of(c * chunk, chunk), chunk)].astype(jnp.float32)
+    def row(c):  # columns [c * chunk, (c + 1) * chunk) of the row, float32
+        return x_ref[:, _columns(c, chunk)].astype(jnp.float32)
+
+    def squares(xv, acc):
         return acc + jnp.sum(xv * xv, axis=1)
 
-    ss = lax.fori_loop(0, n, squares, jnp.zeros((1,), jnp.float32))
-    r = lax.rsqrt(ss / D + eps)[:, None]
-
-    def write(c, _):
-        cols = pl.ds(pl.multiple_of(c * chunk, chunk), chunk)
-        xv = x_ref[:, cols].astype(jnp.float32)
+    def normed(c, xv, r):
+        cols = _columns(c, chunk)
         o_ref[:, cols] = w_ref[cols][None, :] * (xv * r).astype(o_ref.dtype)
-        return 0
 
-    lax.fori_loop(0, n, write, 0)
+    zero = jnp.zeros((1,), jnp.float32)
+    if n == 1:  # the row held from its sum to its write
+        xv = row(0)
+        normed(0, xv, lax.rsqrt(squares(xv, zero) / D + eps)[:, None])
+        return
+    r = lax.rsqrt(lax.fori_loop(0, n, lambda c, acc: squares(row(c), acc), zero) / D + eps)[:, None]
+    lax.fori_loop(0, n, lambda c, _: normed(c, row(c), r) or 0, 0)
 
 
-def rms_norm(x, weight, eps: float, *, interpret: bool | None = None):
+def rms_norm(x, weight, eps: float, *, tiles: RowNormTiles | None = None, interpret: bool | None = None):
     """x [..., D] RMS-normed with weight [D] as `moe_experts.rms_norm` computes it (the
     factor in float32, the normed row rounded to x's dtype, then times the weight), each
-    row's sum in a fixed order. -> x's shape and dtype."""
+    row's sum in a fixed order. -> x's shape and dtype. tiles: None, the defaults."""
     if not supported(x, weight):
         raise ValueError(f"row_norm.rms_norm needs D a multiple of 16 and weight [D], got x {x.shape}, "
                          f"weight {weight.shape}")
@@ -66,7 +76,7 @@ def rms_norm(x, weight, eps: float, *, interpret: bool | None = None):
     params = None
     if not interpret:
         from jax.experimental.pallas import triton as plt
-        params = plt.CompilerParams(num_warps=4, num_stages=1)
+        params = plt.CompilerParams(num_warps=(tiles or RowNormTiles()).num_warps, num_stages=1)
     out = pl.pallas_call(
         functools.partial(_kernel, eps=float(eps), chunk=chunk_of(D)),
         grid=(M,),

@@ -1,10 +1,13 @@
 """What the kernels share about tiles: powers of two (Triton tiles are powers of two), the
-last chunk of an axis that a tile does not divide, and the dtypes the kernels take."""
+last chunk of an axis that a tile does not divide, the dtypes the kernels take, and sums
+in a fixed order (row-invariant numerics)."""
 from __future__ import annotations
 
 import numbers
+import operator
 
 import jax.numpy as jnp
+from jax import lax
 
 KERNEL_DTYPES = (jnp.float32, jnp.bfloat16, jnp.float16)  # the array dtypes the Pallas kernels take
 
@@ -33,6 +36,18 @@ def chunk_start(c, size: int, total: int):
         return k0, None
     kc = jnp.minimum(k0, total - size)
     return kc, kc + jnp.arange(size, dtype=jnp.int32) >= k0
+
+
+def in_order_fold(n: int, term, zero, unroll: int, combine=operator.add):
+    """Inside a kernel: combine(... combine(combine(zero, term(0)), term(1)) ..., term(n - 1)),
+    in that order; written out when n <= unroll (the terms' loads issue together), else a
+    loop (the same operations in the same order: the same bits)."""
+    if n <= unroll:
+        acc = zero
+        for i in range(n):
+            acc = combine(acc, term(jnp.int32(i)))
+        return acc
+    return lax.fori_loop(0, n, lambda i, acc: combine(acc, term(i)), zero)
 
 
 def in_order_sum(parts):

@@ -110,12 +110,11 @@ class MLAttention(nn.Module):
         q_latent = None  # the normed query latent (sparse attention's indexer reads it)
         parts = None  # the projections' K splits [S, B*T, H(Dn+Dr)+Dc+Dr] float32 for `mla_inputs`
         probe = jax.ShapeDtypeStruct((1, B * T, H * (Dn + Dr) + Dc + Dr), jnp.float32)
-        input_norm = None  # the input norm deferred to `mla_inputs`: (sums of squares [S, B*T], width, eps)
         if ri and not (c.q_lora_rank or c.attention_bias):
-            # the row kernel's K splits of the input times the norm's weight, added up in
-            # split order and scaled by the norm's factor in the inputs kernel
-            parts, ss = proj(x, norm=norm, splits=True, row_invariant=True)  # [S, B*T, Q+Dc+Dr], [S, B*T]
-            input_norm = (ss, x.shape[-1], norm[1])
+            # the input normed by the row norm kernel, then the row kernel's K splits, added
+            # in split order by the inputs kernel
+            xn = row_norm.rms_norm(x, *norm, tiles=tuning.row_norm)
+            parts = proj(xn, splits=True, row_invariant=True)  # [S, B*T, Q+Dc+Dr]
         elif ri:  # q_b_proj between: both products by the row kernel; one "split"
             qkv = proj(x, norm=norm, row_invariant=True)
             q, ckv = qkv[..., :Q], qkv[..., Q:]
@@ -136,7 +135,7 @@ class MLAttention(nn.Module):
                                                       eps=LATENT_NORM_EPS, cache=buf if written else None,
                                                       write_index=meta.write_index if written else None,
                                                       block_c=tuning.mla_inputs.block_c,
-                                                      num_warps=tuning.mla_inputs.num_warps, input_norm=input_norm)
+                                                      num_warps=tuning.mla_inputs.num_warps)
             q_lat, q_pe = q_lat.reshape(B, T, H, Dc), q_pe.reshape(B, T, H, Dr)
             buf, rows = (rows, None) if written else (buf, rows.reshape(B, T, -1))
         else:

@@ -40,12 +40,6 @@ def rows_alone(tuning: Tuning, meta: AttnMeta) -> bool:
     return bool(tuning.row_invariant) and not meta.prefill
 
 
-def row_normed(x, norm):
-    """x RMS-normed by norm (weight, eps) with the row-invariant kernel (`kernels.row_norm`);
-    x itself when norm is None."""
-    return x if norm is None else row_norm.rms_norm(x, *norm)
-
-
 def pad_one_row(rows: int, weight_elements: int, tuning: Tuning = DEFAULT_TUNING) -> bool:
     """Whether a product of `rows` rows with a weight of `weight_elements` elements runs
     padded to two rows: one row, a weight of `tuning.two_row_elements` [lo, hi) elements,
@@ -59,14 +53,15 @@ def product(x: jax.Array, w: jax.Array, transpose_w: bool = False, float32_out: 
             tuning: Tuning = DEFAULT_TUNING, row_invariant: bool = False, norm=None) -> jax.Array:
     """x [..., K] @ w [K, N] (or w [N, K] transposed: a tied head) -> [..., N], accumulated
     in float32 (kept as float32 with `float32_out`); norm (weight, eps): x RMS-normed first
-    (`moe_experts.rms_norm`). row_invariant: the row-invariant
-    kernel (`kernels.row_matmul`, tiles `tuning.row_matmul`; the norm by `row_normed`) where the backend runs
+    (`moe_experts.rms_norm`). row_invariant: the row-invariant kernel (`kernels.row_matmul`,
+    tiles `tuning.row_matmul`; the norm by `kernels.row_norm`) where the backend runs
     kernels and the shapes fit it. Few-row float32 products on the CPU
     run jspec's native loops (`kernels.cpu_matmul`, up to `tuning.cpu_matmul_max_rows`
     rows), everything else XLA's dot (one-row products with mid-sized weights on the GPU
     padded to two rows: `pad_one_row`)."""
     if row_invariant and row_matmul.supported(x, w, transpose_w, tuning.row_matmul) and dispatch.want_pallas(True):
-        y = row_matmul.row_matmul(row_normed(x, norm), w, transpose_w=transpose_w, tiles=tuning.row_matmul)
+        normed = x if norm is None else row_norm.rms_norm(x, *norm, tiles=tuning.row_norm)
+        y = row_matmul.row_matmul(normed, w, transpose_w=transpose_w, tiles=tuning.row_matmul)
         return y if float32_out else y.astype(w.dtype)
     x = moe_experts.normed(x, norm).astype(w.dtype)
     if cpu_matmul.use_native(x, w, tuning.cpu_matmul_max_rows):
@@ -95,13 +90,13 @@ class Linear(nn.Module):
         before the bias (a deferred RMSNorm factor, see `RMSNorm`); `norm` (weight, eps):
         x is RMS-normed first (`RMSNorm(..., unapplied=True)`; in the row kernel's
         prologue when it runs). splits: return the row kernel's K splits [S, rows, out]
-        float32 unsummed (`moe_experts.matvec`; only where `uses_splits`; with row_invariant,
-        `row_matmul`'s, which must take the weight, and with a norm the pair (splits, sums of
-        squares) of its deferred norm). row_invariant: `product`'s (`rows_alone`)."""
+        float32 unsummed (`moe_experts.matvec`; only where `uses_splits`; with row_invariant
+        and no norm, `row_matmul`'s, which must take the weight). row_invariant: `product`'s
+        (`rows_alone`)."""
         w = self.param("kernel", _init, (x.shape[-1], self.features), jnp.dtype(self.dtype))
-        if splits and row_invariant and not self.use_bias:  # the norm deferred to the consumer
+        if splits and row_invariant and not self.use_bias and norm is None:
             return row_matmul.row_matmul(x.reshape(-1, x.shape[-1]), w, tiles=self.tuning.row_matmul,
-                                         sum_splits=False, norm_weight=None if norm is None else norm[0])
+                                         sum_splits=False)
         if splits:
             if not self.uses_splits(x):
                 raise ValueError("Linear(splits=True) needs the row kernel for this product and no bias")
