@@ -197,7 +197,7 @@ def row_attention(q, kv_buf, meta: AttnMeta, *, window: int = 0, scale: float,
     kernel = functools.partial(
         _attend_kernel, scale=float(scale), block_k=t.block_k, split_blocks=t.split_blocks,
         page_size=page_size, dense=dense, num_pages=kv_flat.shape[0] // page_size, num_keys=num_keys,
-        window=int(window), row_blocks=RB, head_rows=GP, tokens=TPT)
+        window=int(window), row_blocks=RB, head_rows=ROWS // TPT, tokens=TPT)
     whole = pl.BlockSpec()
     o, lse = pl.pallas_call(
         kernel,
