@@ -394,7 +394,9 @@ class RowAttentionTiles:
     num_warps: int = 4
     num_stages: int = 2
     unroll_splits: int = 32  # the merge's walk over the splits written out up to this many
-    pack_tokens: bool = False  # GQA: several tokens' heads in a program's 16 rows (`row_attention`)
+    pack_tokens: bool = False  # GQA: several tokens' heads in a program's rows (`row_attention`)
+    rows: int = 16  # query rows a program (`row_attention`; `row_mla` takes 16): with pack_tokens,
+    # 64 rows hold 16 tokens of 4 heads, which then read the keys below the prefix once
 
 
 @dataclasses.dataclass(frozen=True)

@@ -68,6 +68,7 @@ def _decode_case(k, v, meta, b, t, S):
     (0, TILES, (96, 160)),  # another capacity: more splits, all past the row's keys
     (40, TILES, (96, 160)),
     (0, RowAttentionTiles(block_k=16, split_blocks=2, pack_tokens=True), (96, 160)),  # 4 tokens a tile
+    (0, RowAttentionTiles(block_k=16, split_blocks=1, pack_tokens=True, rows=32), (96,)),  # all 6 in one tile
     (0, RowAttentionTiles(block_k=16, split_blocks=16), (96, 300)),  # one split (no merge) against two
 ])
 def test_a_tree_node_equals_the_decode_step_at_its_position_bit_for_bit(window, tiles, caps):
@@ -88,3 +89,12 @@ def test_packed_tokens_and_the_merge_written_out_or_looped_give_the_same_bits():
            for u, pack in ((32, True), (0, True), (32, False))]  # 8 splits of 16 positions; 4 tokens a tile or 1
     np.testing.assert_array_equal(out[0], out[1])
     np.testing.assert_array_equal(out[0], out[2])
+    rows32 = _row_jit(q, k, v, meta, tiles=RowAttentionTiles(block_k=16, split_blocks=1, pack_tokens=True, rows=32))
+    np.testing.assert_allclose(np.asarray(rows32, np.float32), np.asarray(out[0], np.float32), rtol=2e-2, atol=2e-2)
+
+
+def test_row_tiles_must_be_a_power_of_two_of_at_least_16():
+    q, k, v, meta = make_case(9, B=1, T=2, Tl=2, Gq=4, S=32, prefix=[20], dtype=jnp.bfloat16)
+    for rows in (8, 48):
+        with pytest.raises(ValueError, match="rows"):
+            _row_jit(q, k, v, meta, tiles=RowAttentionTiles(rows=rows))

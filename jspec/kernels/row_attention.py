@@ -5,11 +5,12 @@ decode step's at that node's position bit for bit (`Tuning.row_invariant`).
 `decode_attention` puts every query row of a kv head into one tile and splits the keys by
 the grid's size, both of which follow B x T, and reads a tree node's ancestors from their
 node slots; each changes the order in which a row's softmax sums run. Here:
-- a program's tile is 16 query rows of one kv head: a token's Gq heads padded to a power
-  of two, and 16 / that many tokens side by side (more than 16 heads: several programs of
-  one token; `RowAttentionTiles.pack_tokens` False: one token a program). The tile's shape
-  is the same in a decode step and in a verification, and a row's products, maximum and
-  sum use that row alone, so which tokens share it does not change its bits;
+- a program's tile is R query rows of one kv head (`RowAttentionTiles.rows`, a power of
+  two of at least 16): a token's Gq heads padded to a power of two, and R / that many
+  tokens side by side (more than R heads: several programs of one token;
+  `RowAttentionTiles.pack_tokens` False: one token a program). The tile's shape is the
+  same in a decode step and in a verification, and a row's products, maximum and sum use
+  that row alone, so which tokens share it does not change its bits;
 - keys are visited by POSITION in blocks of BK positions: position p < prefix_len sits in
   slot p, position prefix_len + j in the local slot of the token's depth-j ancestor (the
   local slot whose position is prefix_len + j among those the token sees), and positions
@@ -41,7 +42,7 @@ from jspec.config import RowAttentionTiles
 from jspec.kernels.decode_attention import NEG_INF, _check_args, online_softmax_step
 from jspec.kernels.tiling import in_order_fold, pow2_ceil
 
-ROWS = 16  # query rows a program: the smallest tensor-core tile, fixed so no row's tile changes
+ROWS = 16  # the smallest tensor-core tile: the fewest query rows a program has (`RowAttentionTiles.rows`)
 
 
 def local_slots(meta: AttnMeta):
@@ -78,11 +79,12 @@ def key_rows(p, b, prefix, pos, lslot, table_ref, *, page_size: int, dense: bool
 
 def softmax_split(run, o_ref, lse_ref):
     """Inside a kernel: run(carry) -> carry, the online softmax over a split's key blocks
-    (`online_softmax_step`; carry (acc [ROWS, D], running max [ROWS], sum [ROWS])), then the
-    split's output normalised over its keys into o_ref [ROWS, D] and its log-sum-exp into
-    lse_ref [ROWS] (NEG_INF, with zeros, where it saw no key)."""
-    carry = (jnp.zeros(o_ref.shape, jnp.float32), jnp.full((ROWS,), NEG_INF, jnp.float32),
-             jnp.zeros((ROWS,), jnp.float32))
+    (`online_softmax_step`; carry (acc [R, D], running max [R], sum [R])), then the
+    split's output normalised over its keys into o_ref [R, D] and its log-sum-exp into
+    lse_ref [R] (NEG_INF, with zeros, where it saw no key)."""
+    rows = o_ref.shape[0]
+    carry = (jnp.zeros(o_ref.shape, jnp.float32), jnp.full((rows,), NEG_INF, jnp.float32),
+             jnp.zeros((rows,), jnp.float32))
     acc, m, l = run(carry)
     seen = l > 0
     o_ref[...] = acc / jnp.where(seen, l, 1.0)[:, None]
@@ -92,25 +94,27 @@ def softmax_split(run, o_ref, lse_ref):
 def _attend_kernel(prefix_ref, pos_ref, table_ref, kv_ref, q_ref, lslot_ref, o_ref, lse_ref, *,
                    scale: float, block_k: int, split_blocks: int, page_size: int, dense: bool,
                    num_pages: int, num_keys: int, window: int, row_blocks: int, head_rows: int, tokens: int):
-    """One (batch row b, token group tg, kv head x row block g, split s): the 16 query rows
-    hold `tokens` tokens' heads, head_rows rows a token (`row_attention`).
+    """One (batch row b, token group tg, kv head x row block g, split s): the R query rows
+    (`RowAttentionTiles.rows`) hold `tokens` tokens' heads, head_rows rows a token
+    (`row_attention`).
 
     prefix_ref [B], pos_ref [B, T] int32; table_ref [B, G] (dense: [B, 1], unused);
-    kv_ref [num_pages * P, 2, Hkv, Dh]; q_ref [ROWS, Dh]; lslot_ref [B, T, Tp]
-    (`local_slots`); o_ref [ROWS, Dh] float32 normalised over this split's keys; lse_ref
-    [ROWS] (NEG_INF: no key).
+    kv_ref [num_pages * P, 2, Hkv, Dh]; q_ref [R, Dh]; lslot_ref [B, T, Tp]
+    (`local_slots`); o_ref [R, Dh] float32 normalised over this split's keys; lse_ref
+    [R] (NEG_INF: no key).
 
     Each row walks the blocks its token sees in this split, in order, with its own mask; a
     split wholly below the prefix holds the same keys (slot p) for every row, so one pass
     serves them all, else one pass a token reads that token's keys and updates its rows
-    only. A row's arithmetic is the same in either case (a [ROWS, BK] tile, its own row)."""
+    only. A row's arithmetic is the same in either case (a [R, BK] tile, its own row)."""
     b, tg, g, s = pl.program_id(0), pl.program_id(1), pl.program_id(2), pl.program_id(3)
     h = g // row_blocks
     T = pos_ref.shape[1]
     L = prefix_ref[b]
     first_token = tg * tokens
-    tok = jnp.minimum(first_token + jnp.arange(ROWS, dtype=jnp.int32) // head_rows, T - 1)  # [ROWS]
-    pos = pos_ref[b, tok]  # [ROWS] each row's position
+    R = q_ref.shape[0]
+    tok = jnp.minimum(first_token + jnp.arange(R, dtype=jnp.int32) // head_rows, T - 1)  # [R]
+    pos = pos_ref[b, tok]  # [R] each row's position
     first = jnp.maximum(pos - window + 1, 0) if window else jnp.zeros_like(pos)  # oldest visible position
     lo_row = jnp.maximum(s * split_blocks, first // block_k)
     hi_row = jnp.minimum((s + 1) * split_blocks, pos // block_k + 1)
@@ -122,7 +126,7 @@ def _attend_kernel(prefix_ref, pos_ref, table_ref, kv_ref, q_ref, lslot_ref, o_r
 
     def token_pass(j, carry):
         t = jnp.minimum(first_token + j, T - 1)  # the pass's token (any one when shared)
-        mine = shared | (tok == t)  # [ROWS] the rows this pass updates
+        mine = shared | (tok == t)  # [R] the rows this pass updates
 
         def step(blk, carry):
             p = blk * block_k + offs  # [BK] positions
@@ -135,7 +139,7 @@ def _attend_kernel(prefix_ref, pos_ref, table_ref, kv_ref, q_ref, lslot_ref, o_r
             k, v = kv_ref[row, 0, h, :], kv_ref[row, 1, h, :]  # [BK, Dh]
             sc = lax.dot_general(q, k, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32) * scale
             new = online_softmax_step(sc, mask, v, carry)
-            keep = mine & (blk >= lo_row) & (blk < hi_row)  # [ROWS]
+            keep = mine & (blk >= lo_row) & (blk < hi_row)  # [R]
             return (jnp.where(keep[:, None], new[0], carry[0]), jnp.where(keep, new[1], carry[1]),
                     jnp.where(keep, new[2], carry[2]))
 
@@ -145,7 +149,7 @@ def _attend_kernel(prefix_ref, pos_ref, table_ref, kv_ref, q_ref, lslot_ref, o_r
 
 
 def _merge_kernel(o_ref, lse_ref, out_ref, *, num_splits: int, unroll_splits: int):
-    """One (b, t, g): o_ref [NS, MR, Dh], lse_ref [NS, MR] (the first MR of the 16 rows:
+    """One (b, t, g): o_ref [NS, MR, Dh], lse_ref [NS, MR] (the first MR of the R rows:
     those that hold heads) -> out_ref [MR, Dh] (in its dtype), the splits weighted by their softmax mass
     and added in split order (written out up to unroll_splits splits). A split that saw
     nothing has weight 0 and adds exact zeros; one split alone comes out as it went in
@@ -176,9 +180,12 @@ def row_attention(q, kv_buf, meta: AttnMeta, *, window: int = 0, scale: float,
     table = jnp.zeros((B, 1), jnp.int32) if dense else meta.page_table.astype(jnp.int32)
     num_keys = page_size if dense else table.shape[1] * page_size
     Gq = H // Hkv
-    RB = -(-Gq // ROWS)  # row blocks a kv head
-    GP = ROWS if RB > 1 else pow2_ceil(Gq)  # rows a token's heads take in a block
-    TPT = ROWS // GP if t.pack_tokens else 1  # tokens a block
+    R = t.rows
+    if R < ROWS or R & (R - 1):
+        raise ValueError(f"RowAttentionTiles.rows must be a power of two of at least {ROWS}, got {R}")
+    RB = -(-Gq // R)  # row blocks a kv head
+    GP = R if RB > 1 else pow2_ceil(Gq)  # rows a token's heads take in a block
+    TPT = R // GP if t.pack_tokens else 1  # tokens a block
     Tg = -(-T // TPT)
     NS = num_splits(num_keys, t)
     if interpret is None:
@@ -187,7 +194,7 @@ def row_attention(q, kv_buf, meta: AttnMeta, *, window: int = 0, scale: float,
     qr = q.reshape(B, T, Hkv, Gq, Dh)
     qr = jnp.pad(qr, ((0, 0), (0, Tg * TPT - T), (0, 0), (0, RB * GP - Gq), (0, 0)))
     qr = qr.reshape(B, Tg, TPT, Hkv, RB, GP, Dh).transpose(0, 1, 3, 4, 2, 5, 6).reshape(B, Tg, Hkv * RB, TPT * GP, Dh)
-    qr = jnp.pad(qr, ((0, 0), (0, 0), (0, 0), (0, ROWS - TPT * GP), (0, 0)))
+    qr = jnp.pad(qr, ((0, 0), (0, 0), (0, 0), (0, R - TPT * GP), (0, 0)))
     lslot = local_slots(meta)
     kv_flat = kv_buf.reshape((-1, 2, Hkv, Dh))
     params = None
@@ -197,17 +204,17 @@ def row_attention(q, kv_buf, meta: AttnMeta, *, window: int = 0, scale: float,
     kernel = functools.partial(
         _attend_kernel, scale=float(scale), block_k=t.block_k, split_blocks=t.split_blocks,
         page_size=page_size, dense=dense, num_pages=kv_flat.shape[0] // page_size, num_keys=num_keys,
-        window=int(window), row_blocks=RB, head_rows=ROWS // TPT, tokens=TPT)
+        window=int(window), row_blocks=RB, head_rows=R // TPT, tokens=TPT)
     whole = pl.BlockSpec()
     o, lse = pl.pallas_call(
         kernel,
         grid=(B, Tg, Hkv * RB, NS),
         in_specs=[whole, whole, whole, whole,
-                  pl.BlockSpec((None, None, None, ROWS, Dh), lambda b, i, g, s: (b, i, g, 0, 0)), whole],
-        out_specs=[pl.BlockSpec((None, None, None, None, ROWS, Dh), lambda b, i, g, s: (b, i, g, s, 0, 0)),
-                   pl.BlockSpec((None, None, None, None, ROWS), lambda b, i, g, s: (b, i, g, s, 0))],
-        out_shape=[jax.ShapeDtypeStruct((B, Tg, Hkv * RB, NS, ROWS, Dh), jnp.float32),
-                   jax.ShapeDtypeStruct((B, Tg, Hkv * RB, NS, ROWS), jnp.float32)],
+                  pl.BlockSpec((None, None, None, R, Dh), lambda b, i, g, s: (b, i, g, 0, 0)), whole],
+        out_specs=[pl.BlockSpec((None, None, None, None, R, Dh), lambda b, i, g, s: (b, i, g, s, 0, 0)),
+                   pl.BlockSpec((None, None, None, None, R), lambda b, i, g, s: (b, i, g, s, 0))],
+        out_shape=[jax.ShapeDtypeStruct((B, Tg, Hkv * RB, NS, R, Dh), jnp.float32),
+                   jax.ShapeDtypeStruct((B, Tg, Hkv * RB, NS, R), jnp.float32)],
         interpret=interpret, compiler_params=params, name="jspec_row_attention",
     )(meta.prefix_len.astype(jnp.int32), meta.positions.astype(jnp.int32), table, kv_flat, qr, lslot)
     out = merge_splits_in_order(o, lse, TPT * GP, q.dtype, interpret=interpret, params=params,
@@ -223,7 +230,7 @@ def num_splits(num_keys: int, tiles: RowAttentionTiles) -> int:
 
 
 def merge_splits_in_order(o, lse, rows: int, dtype, *, interpret: bool, params, unroll_splits: int):
-    """o [B, T, G, NS, ROWS, D] float32, lse [B, T, G, NS, ROWS] (each split normalised over
+    """o [B, T, G, NS, R, D] float32, lse [B, T, G, NS, R] (each split normalised over
     its keys) -> [B, T, G, rows, D] in dtype: the first `rows` rows merged by
     `_merge_kernel` (NS == 1: the split as it is, which the merge would give too)."""
     B, T, G, NS, _, D = o.shape
