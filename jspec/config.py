@@ -397,6 +397,8 @@ class RowAttentionTiles:
     pack_tokens: bool = False  # GQA: several tokens' heads in a program's rows (`row_attention`)
     rows: int = 16  # query rows a program (`row_attention`; `row_mla` takes 16): with pack_tokens,
     # 64 rows hold 16 tokens of 4 heads, which then read the keys below the prefix once
+    token_loop: bool = False  # a program takes every token group of its (kv head, split) in turn,
+    # a split of one block below the prefix loaded once for them all (`row_attention`)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -69,6 +69,8 @@ def _decode_case(k, v, meta, b, t, S):
     (40, TILES, (96, 160)),
     (0, RowAttentionTiles(block_k=16, split_blocks=2, pack_tokens=True), (96, 160)),  # 4 tokens a tile
     (0, RowAttentionTiles(block_k=16, split_blocks=1, pack_tokens=True, rows=32), (96,)),  # all 6 in one tile
+    (0, RowAttentionTiles(block_k=16, split_blocks=1, token_loop=True), (96, 160)),  # blocks loaded once
+    (24, RowAttentionTiles(block_k=16, split_blocks=2, pack_tokens=True, token_loop=True), (96,)),
     (0, RowAttentionTiles(block_k=16, split_blocks=16), (96, 300)),  # one split (no merge) against two
 ])
 def test_a_tree_node_equals_the_decode_step_at_its_position_bit_for_bit(window, tiles, caps):
@@ -82,13 +84,16 @@ def test_a_tree_node_equals_the_decode_step_at_its_position_bit_for_bit(window, 
                 np.testing.assert_array_equal(step[0, 0], tree[b, t], err_msg=f"row {b} node {t} S {S}")
 
 
-def test_packed_tokens_and_the_merge_written_out_or_looped_give_the_same_bits():
+def test_packed_tokens_token_loops_and_the_merge_written_out_or_looped_give_the_same_bits():
     q, k, v, meta = make_case(9, B=1, T=6, Tl=6, Gq=4, S=96, prefix=[70], dtype=jnp.bfloat16)
     out = [np.asarray(_row_jit(q, k, v, meta, tiles=RowAttentionTiles(block_k=16, split_blocks=1, unroll_splits=u,
                                                                         pack_tokens=pack)))
            for u, pack in ((32, True), (0, True), (32, False))]  # 8 splits of 16 positions; 4 tokens a tile or 1
-    np.testing.assert_array_equal(out[0], out[1])
-    np.testing.assert_array_equal(out[0], out[2])
+    out += [np.asarray(_row_jit(q, k, v, meta, tiles=RowAttentionTiles(block_k=16, split_blocks=1, pack_tokens=pack,
+                                                                        token_loop=True)))
+            for pack in (True, False)]  # a program takes all the token groups
+    for other in out[1:]:
+        np.testing.assert_array_equal(out[0], other)
     rows32 = _row_jit(q, k, v, meta, tiles=RowAttentionTiles(block_k=16, split_blocks=1, pack_tokens=True, rows=32))
     np.testing.assert_allclose(np.asarray(rows32, np.float32), np.asarray(out[0], np.float32), rtol=2e-2, atol=2e-2)
 

@@ -77,75 +77,102 @@ def key_rows(p, b, prefix, pos, lslot, table_ref, *, page_size: int, dense: bool
     return jnp.clip(page, 0, num_pages - 1) * page_size + lax.rem(slot, page_size), mask
 
 
-def softmax_split(run, o_ref, lse_ref):
+def softmax_split(run, rows: int, dim: int):
     """Inside a kernel: run(carry) -> carry, the online softmax over a split's key blocks
-    (`online_softmax_step`; carry (acc [R, D], running max [R], sum [R])), then the
-    split's output normalised over its keys into o_ref [R, D] and its log-sum-exp into
-    lse_ref [R] (NEG_INF, with zeros, where it saw no key)."""
-    rows = o_ref.shape[0]
-    carry = (jnp.zeros(o_ref.shape, jnp.float32), jnp.full((rows,), NEG_INF, jnp.float32),
+    (`online_softmax_step`; carry (acc [rows, dim], running max [rows], sum [rows])) ->
+    (the split's output normalised over its keys [rows, dim] float32, its log-sum-exp
+    [rows], NEG_INF with zeros where it saw no key)."""
+    carry = (jnp.zeros((rows, dim), jnp.float32), jnp.full((rows,), NEG_INF, jnp.float32),
              jnp.zeros((rows,), jnp.float32))
     acc, m, l = run(carry)
     seen = l > 0
-    o_ref[...] = acc / jnp.where(seen, l, 1.0)[:, None]
-    lse_ref[...] = jnp.where(seen, m + jnp.log(jnp.where(seen, l, 1.0)), NEG_INF)
+    return (acc / jnp.where(seen, l, 1.0)[:, None],
+            jnp.where(seen, m + jnp.log(jnp.where(seen, l, 1.0)), NEG_INF))
 
 
 def _attend_kernel(prefix_ref, pos_ref, table_ref, kv_ref, q_ref, lslot_ref, o_ref, lse_ref, *,
                    scale: float, block_k: int, split_blocks: int, page_size: int, dense: bool,
                    num_pages: int, num_keys: int, window: int, row_blocks: int, head_rows: int, tokens: int):
-    """One (batch row b, token group tg, kv head x row block g, split s): the R query rows
-    (`RowAttentionTiles.rows`) hold `tokens` tokens' heads, head_rows rows a token
-    (`row_attention`).
+    """One (batch row b, run of TG token groups tp, kv head x row block g, split s): each
+    group's R query rows (`RowAttentionTiles.rows`) hold `tokens` tokens' heads, head_rows
+    rows a token (`row_attention`); the program takes its TG groups one after another.
 
     prefix_ref [B], pos_ref [B, T] int32; table_ref [B, G] (dense: [B, 1], unused);
-    kv_ref [num_pages * P, 2, Hkv, Dh]; q_ref [R, Dh]; lslot_ref [B, T, Tp]
-    (`local_slots`); o_ref [R, Dh] float32 normalised over this split's keys; lse_ref
-    [R] (NEG_INF: no key).
+    kv_ref [num_pages * P, 2, Hkv, Dh]; q_ref [TG, R, Dh]; lslot_ref [B, T, Tp]
+    (`local_slots`); o_ref [TG, R, Dh] float32 normalised over this split's keys; lse_ref
+    [TG, R] (NEG_INF: no key).
 
     Each row walks the blocks its token sees in this split, in order, with its own mask; a
     split wholly below the prefix holds the same keys (slot p) for every row, so one pass
-    serves them all, else one pass a token reads that token's keys and updates its rows
-    only. A row's arithmetic is the same in either case (a [R, BK] tile, its own row)."""
-    b, tg, g, s = pl.program_id(0), pl.program_id(1), pl.program_id(2), pl.program_id(3)
+    serves a group, else one pass a token reads that token's keys and updates its rows
+    only. A split of one block below the prefix is loaded once for all TG groups. A row's
+    arithmetic is the same in every case (a [R, BK] tile, its own row)."""
+    b, tp, g, s = pl.program_id(0), pl.program_id(1), pl.program_id(2), pl.program_id(3)
     h = g // row_blocks
     T = pos_ref.shape[1]
     L = prefix_ref[b]
-    first_token = tg * tokens
-    R = q_ref.shape[0]
-    tok = jnp.minimum(first_token + jnp.arange(R, dtype=jnp.int32) // head_rows, T - 1)  # [R]
-    pos = pos_ref[b, tok]  # [R] each row's position
-    first = jnp.maximum(pos - window + 1, 0) if window else jnp.zeros_like(pos)  # oldest visible position
-    lo_row = jnp.maximum(s * split_blocks, first // block_k)
-    hi_row = jnp.minimum((s + 1) * split_blocks, pos // block_k + 1)
-    lo, hi = jnp.min(lo_row), jnp.max(hi_row)
+    TG, R, Dh = q_ref.shape
     shared = (s + 1) * split_blocks * block_k <= L
-    passes = jnp.where(shared, 1, jnp.minimum(tokens, T - first_token))
     offs = jnp.arange(block_k, dtype=jnp.int32)
-    q = q_ref[...]
 
-    def token_pass(j, carry):
-        t = jnp.minimum(first_token + j, T - 1)  # the pass's token (any one when shared)
-        mine = shared | (tok == t)  # [R] the rows this pass updates
+    def block_keys(blk, t):  # block blk as token t sees it: positions, cache rows, has-a-slot [BK]
+        p = blk * block_k + offs
+        row, has_slot = key_rows(p, b, L, None, (lambda i: lslot_ref[b, t, i], lslot_ref.shape[-1]), table_ref,
+                                 page_size=page_size, dense=dense, num_pages=num_pages, num_keys=num_keys)
+        return p, row, has_slot
 
-        def step(blk, carry):
-            p = blk * block_k + offs  # [BK] positions
-            row, has_slot = key_rows(p, b, L, None, (lambda i: lslot_ref[b, t, i], lslot_ref.shape[-1]),
-                                     table_ref, page_size=page_size, dense=dense, num_pages=num_pages,
-                                     num_keys=num_keys)
+    def load(row):  # [BK] cache rows -> keys, values [BK, Dh]
+        return kv_ref[row, 0, h, :], kv_ref[row, 1, h, :]
+
+    once = split_blocks == 1 and TG > 1  # the split's one block, loaded once for every group
+    if once:
+        p_once, row_once, has_once = block_keys(s, 0)
+        kv_once = lax.cond(shared, lambda: load(row_once),
+                           lambda: (jnp.zeros((block_k, Dh), kv_ref.dtype), jnp.zeros((block_k, Dh), kv_ref.dtype)))
+
+    def group(i, _):
+        first_token = (tp * TG + i) * tokens
+        tok = jnp.minimum(first_token + jnp.arange(R, dtype=jnp.int32) // head_rows, T - 1)  # [R]
+        pos = pos_ref[b, tok]  # [R] each row's position
+        first = jnp.maximum(pos - window + 1, 0) if window else jnp.zeros_like(pos)  # oldest visible position
+        lo_row = jnp.maximum(s * split_blocks, first // block_k)
+        hi_row = jnp.minimum((s + 1) * split_blocks, pos // block_k + 1)
+        q = q_ref[i]  # [R, Dh]
+
+        def update(blk, p, has_slot, kv, mine, carry):  # the rows `mine` of carry after block blk
             mask = (p[None, :] <= pos[:, None]) & has_slot[None, :]
             if window:
                 mask = mask & (p[None, :] >= first[:, None])
-            k, v = kv_ref[row, 0, h, :], kv_ref[row, 1, h, :]  # [BK, Dh]
+            k, v = kv
             sc = lax.dot_general(q, k, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32) * scale
             new = online_softmax_step(sc, mask, v, carry)
             keep = mine & (blk >= lo_row) & (blk < hi_row)  # [R]
             return (jnp.where(keep[:, None], new[0], carry[0]), jnp.where(keep, new[1], carry[1]),
                     jnp.where(keep, new[2], carry[2]))
 
-        return lax.fori_loop(lo, hi, step, carry)
+        def token_pass(j, carry):
+            t = jnp.minimum(first_token + j, T - 1)  # the pass's token (any one when shared)
+            mine = shared | (tok == t)  # [R] the rows this pass updates
 
-    softmax_split(lambda carry: lax.fori_loop(0, passes, token_pass, carry), o_ref, lse_ref)
+            def step(blk, carry):
+                p, row, has_slot = block_keys(blk, t)
+                return update(blk, p, has_slot, load(row), mine, carry)
+
+            return lax.fori_loop(jnp.min(lo_row), jnp.max(hi_row), step, carry)
+
+        def passes(carry):
+            n = jnp.where(shared, 1, jnp.minimum(tokens, T - first_token))
+            return lax.fori_loop(0, n, token_pass, carry)
+
+        if once:  # rows outside [lo_row, hi_row) keep their carry, as when the loop skips the block
+            run = lambda carry: lax.cond(shared, lambda c: update(s, p_once, has_once, kv_once, tok >= 0, c),
+                                         passes, carry)
+        else:
+            run = passes
+        o_ref[i], lse_ref[i] = softmax_split(run, R, Dh)
+        return 0
+
+    lax.fori_loop(0, TG, group, 0)
 
 
 def _merge_kernel(o_ref, lse_ref, out_ref, *, num_splits: int, unroll_splits: int):
@@ -186,7 +213,8 @@ def row_attention(q, kv_buf, meta: AttnMeta, *, window: int = 0, scale: float,
     RB = -(-Gq // R)  # row blocks a kv head
     GP = R if RB > 1 else pow2_ceil(Gq)  # rows a token's heads take in a block
     TPT = R // GP if t.pack_tokens else 1  # tokens a block
-    Tg = -(-T // TPT)
+    Tg = -(-T // TPT)  # token groups
+    TG = Tg if t.token_loop else 1  # token groups a program
     NS = num_splits(num_keys, t)
     if interpret is None:
         interpret = jax.default_backend() != "gpu"
@@ -208,11 +236,11 @@ def row_attention(q, kv_buf, meta: AttnMeta, *, window: int = 0, scale: float,
     whole = pl.BlockSpec()
     o, lse = pl.pallas_call(
         kernel,
-        grid=(B, Tg, Hkv * RB, NS),
+        grid=(B, Tg // TG, Hkv * RB, NS),
         in_specs=[whole, whole, whole, whole,
-                  pl.BlockSpec((None, None, None, R, Dh), lambda b, i, g, s: (b, i, g, 0, 0)), whole],
-        out_specs=[pl.BlockSpec((None, None, None, None, R, Dh), lambda b, i, g, s: (b, i, g, s, 0, 0)),
-                   pl.BlockSpec((None, None, None, None, R), lambda b, i, g, s: (b, i, g, s, 0))],
+                  pl.BlockSpec((None, TG, None, R, Dh), lambda b, i, g, s: (b, i, g, 0, 0)), whole],
+        out_specs=[pl.BlockSpec((None, TG, None, None, R, Dh), lambda b, i, g, s: (b, i, g, s, 0, 0)),
+                   pl.BlockSpec((None, TG, None, None, R), lambda b, i, g, s: (b, i, g, s, 0))],
         out_shape=[jax.ShapeDtypeStruct((B, Tg, Hkv * RB, NS, R, Dh), jnp.float32),
                    jax.ShapeDtypeStruct((B, Tg, Hkv * RB, NS, R), jnp.float32)],
         interpret=interpret, compiler_params=params, name="jspec_row_attention",

@@ -68,7 +68,7 @@ def _attend_kernel(prefix_ref, pos_ref, table_ref, lat_ref, qc_ref, qr_ref, lslo
               + lax.dot_general(qr, kr, nt, preferred_element_type=jnp.float32)) * scale  # [ROWS, BK]
         return online_softmax_step(sc, mask[None, :], c, carry)
 
-    softmax_split(lambda carry: lax.fori_loop(lo, hi, step, carry), o_ref, lse_ref)
+    o_ref[...], lse_ref[...] = softmax_split(lambda carry: lax.fori_loop(lo, hi, step, carry), *o_ref.shape)
 
 
 def row_mla_splits(q_lat, q_pe, latent_buf, meta: AttnMeta, *, scale: float,
