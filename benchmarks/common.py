@@ -353,10 +353,7 @@ TUNINGS: dict[str, dict] = {
     "row_attn_64x2": {"row_attention": {"block_k": 64, "split_blocks": 2}},
     "row_attn_64x1": {"row_attention": {"block_k": 64, "split_blocks": 1}},
     "row_pack": {"row_attention": {"pack_tokens": True}},  # several tokens' heads in one 16-row tile
-    "row_pack32": {"row_attention": {"pack_tokens": True, "rows": 32}},  # 8B: 8 tokens a 32-row tile
-    "row_pack64": {"row_attention": {"pack_tokens": True, "rows": 64}},  # 8B: 16 tokens a 64-row tile
-    "row_loop": {"row_attention": {"token_loop": True}},  # a program takes all of a split's tokens
-    "row_pack_loop": {"row_attention": {"pack_tokens": True, "token_loop": True}},
+    "row_merge_d128": {"row_attention": {"merge_block_d": 128}},  # a merge program takes the whole head
     "row_merge_loop": {"row_attention": {"unroll_splits": 0}},  # the split merge as a loop
     "row_mla_64x2": {"row_mla": {"block_k": 64, "split_blocks": 2}},  # Tuning.row_mla (DeepSeek)
     "row_mla_32x4": {"row_mla": {"block_k": 32, "split_blocks": 4}},

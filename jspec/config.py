@@ -394,11 +394,8 @@ class RowAttentionTiles:
     num_warps: int = 4
     num_stages: int = 2
     unroll_splits: int = 32  # the merge's walk over the splits written out up to this many
-    pack_tokens: bool = False  # GQA: several tokens' heads in a program's rows (`row_attention`)
-    rows: int = 16  # query rows a program (`row_attention`; `row_mla` takes 16): with pack_tokens,
-    # 64 rows hold 16 tokens of 4 heads, which then read the keys below the prefix once
-    token_loop: bool = False  # a program takes every token group of its (kv head, split) in turn,
-    # a split of one block below the prefix loaded once for them all (`row_attention`)
+    pack_tokens: bool = False  # GQA: several tokens' heads in a program's 16 rows (`row_attention`)
+    merge_block_d: int = 32  # `row_attention`'s split merge: head dimensions a program
 
 
 @dataclasses.dataclass(frozen=True)

@@ -12,7 +12,7 @@ from test_kernels import _fast_jit, _reference, make_case, stack
 
 from jspec.cache import layout as lay
 from jspec.config import RowAttentionTiles
-from jspec.kernels.row_attention import local_slots, row_attention
+from jspec.kernels.row_attention import in_slot_order, local_slots, row_attention
 
 TILES = RowAttentionTiles(block_k=16, split_blocks=2)  # splits of 32 positions: several a row
 
@@ -64,17 +64,27 @@ def _decode_case(k, v, meta, b, t, S):
     return jnp.asarray(kk, k.dtype), jnp.asarray(vv, v.dtype), one
 
 
-@pytest.mark.parametrize("window,tiles,caps", [
-    (0, TILES, (96, 160)),  # another capacity: more splits, all past the row's keys
-    (40, TILES, (96, 160)),
-    (0, RowAttentionTiles(block_k=16, split_blocks=2, pack_tokens=True), (96, 160)),  # 4 tokens a tile
-    (0, RowAttentionTiles(block_k=16, split_blocks=1, pack_tokens=True, rows=32), (96,)),  # all 6 in one tile
-    (0, RowAttentionTiles(block_k=16, split_blocks=1, token_loop=True), (96, 160)),  # blocks loaded once
-    (24, RowAttentionTiles(block_k=16, split_blocks=2, pack_tokens=True, token_loop=True), (96,)),
-    (0, RowAttentionTiles(block_k=16, split_blocks=16), (96, 300)),  # one split (no merge) against two
+def _as_chain(meta):
+    """The same prefixes with a chain of local tokens: token t at prefix + t sees 0..t."""
+    B, T, Tl = meta.local_mask.shape
+    return meta.replace(local_mask=jnp.broadcast_to(jnp.tril(jnp.ones((T, Tl), bool)), (B, T, Tl)),
+                         local_positions=meta.prefix_len[:, None] + jnp.arange(Tl, dtype=jnp.int32),
+                         positions=meta.prefix_len[:, None] + jnp.arange(T, dtype=jnp.int32))
+
+
+@pytest.mark.parametrize("window,tiles,caps,chain", [
+    (0, TILES, (96, 160), False),  # another capacity: more splits, all past the row's keys
+    (40, TILES, (96, 160), False),
+    (0, RowAttentionTiles(block_k=16, split_blocks=2, pack_tokens=True), (96, 160), False),  # 4 tokens a tile
+    (24, RowAttentionTiles(block_k=16, split_blocks=2, pack_tokens=True, merge_block_d=8), (96,), False),
+    (0, RowAttentionTiles(block_k=16, split_blocks=1, pack_tokens=True), (96,), True),  # one pass a group
+    (0, TILES, (96,), True),
+    (0, RowAttentionTiles(block_k=16, split_blocks=16), (96, 300), False),  # one split (no merge) against two
 ])
-def test_a_tree_node_equals_the_decode_step_at_its_position_bit_for_bit(window, tiles, caps):
+def test_a_tree_node_equals_the_decode_step_at_its_position_bit_for_bit(window, tiles, caps, chain):
     q, k, v, meta = make_case(7, B=2, T=6, Tl=6, Gq=4, S=96, prefix=[50, 71], dtype=jnp.bfloat16)
+    if chain:
+        meta = _as_chain(meta)
     tree = np.asarray(_row_jit(q, k, v, meta, window=window, tiles=tiles))
     for b in range(2):
         for t in range(6):
@@ -84,22 +94,27 @@ def test_a_tree_node_equals_the_decode_step_at_its_position_bit_for_bit(window, 
                 np.testing.assert_array_equal(step[0, 0], tree[b, t], err_msg=f"row {b} node {t} S {S}")
 
 
-def test_packed_tokens_token_loops_and_the_merge_written_out_or_looped_give_the_same_bits():
+def test_packed_tokens_and_the_merge_written_out_or_looped_give_the_same_bits():
     q, k, v, meta = make_case(9, B=1, T=6, Tl=6, Gq=4, S=96, prefix=[70], dtype=jnp.bfloat16)
     out = [np.asarray(_row_jit(q, k, v, meta, tiles=RowAttentionTiles(block_k=16, split_blocks=1, unroll_splits=u,
                                                                         pack_tokens=pack)))
            for u, pack in ((32, True), (0, True), (32, False))]  # 8 splits of 16 positions; 4 tokens a tile or 1
-    out += [np.asarray(_row_jit(q, k, v, meta, tiles=RowAttentionTiles(block_k=16, split_blocks=1, pack_tokens=pack,
-                                                                        token_loop=True)))
-            for pack in (True, False)]  # a program takes all the token groups
     for other in out[1:]:
         np.testing.assert_array_equal(out[0], other)
-    rows32 = _row_jit(q, k, v, meta, tiles=RowAttentionTiles(block_k=16, split_blocks=1, pack_tokens=True, rows=32))
-    np.testing.assert_allclose(np.asarray(rows32, np.float32), np.asarray(out[0], np.float32), rtol=2e-2, atol=2e-2)
 
 
-def test_row_tiles_must_be_a_power_of_two_of_at_least_16():
-    q, k, v, meta = make_case(9, B=1, T=2, Tl=2, Gq=4, S=32, prefix=[20], dtype=jnp.bfloat16)
-    for rows in (8, 48):
-        with pytest.raises(ValueError, match="rows"):
-            _row_jit(q, k, v, meta, tiles=RowAttentionTiles(rows=rows))
+def test_in_slot_order_marks_groups_whose_tokens_find_each_key_at_its_position():
+    _, _, _, meta = make_case(5, B=2, T=6, Tl=6, S=64, prefix=[10, 30])
+    chain = _as_chain(meta)
+    np.testing.assert_array_equal(np.asarray(in_slot_order(local_slots(chain), chain.prefix_len, 4)), [[1, 1]] * 2)
+    # a second root: token 1 at prefix + 0 sits in local slot 1; tokens 2.. hang below it
+    mask = np.tril(np.ones((6, 6), bool))
+    mask[1:, 0] = False
+    depth = np.array([0, 0, 1, 2, 3, 4])
+    fork = meta.replace(local_mask=jnp.broadcast_to(jnp.asarray(mask), (2, 6, 6)),
+                         local_positions=meta.prefix_len[:, None] + jnp.asarray(depth),
+                         positions=meta.prefix_len[:, None] + jnp.asarray(depth))
+    got = np.asarray(in_slot_order(local_slots(fork), fork.prefix_len, 2))  # groups (0, 1), (2, 3), (4, 5)
+    np.testing.assert_array_equal(got, [[0, 0, 0]] * 2)
+    np.testing.assert_array_equal(np.asarray(in_slot_order(local_slots(fork), fork.prefix_len, 1)),
+                                  [[1, 0, 0, 0, 0, 0]] * 2)

@@ -5,20 +5,19 @@ decode step's at that node's position bit for bit (`Tuning.row_invariant`).
 `decode_attention` puts every query row of a kv head into one tile and splits the keys by
 the grid's size, both of which follow B x T, and reads a tree node's ancestors from their
 node slots; each changes the order in which a row's softmax sums run. Here:
-- a program's tile is R query rows of one kv head (`RowAttentionTiles.rows`, a power of
-  two of at least 16): a token's Gq heads padded to a power of two, and R / that many
-  tokens side by side (more than R heads: several programs of one token;
-  `RowAttentionTiles.pack_tokens` False: one token a program). The tile's shape is the
-  same in a decode step and in a verification, and a row's products, maximum and sum use
-  that row alone, so which tokens share it does not change its bits;
+- a program's tile is 16 query rows of one kv head: a token's Gq heads padded to a power
+  of two, and up to 16 / that many tokens side by side (more than 16 heads: several
+  programs of one token; `RowAttentionTiles.pack_tokens` False: one token a program). The
+  tile's shape is the same in a decode step and in a verification, and a row's products,
+  maximum and sum use that row alone, so which tokens share it does not change its bits;
 - keys are visited by POSITION in blocks of BK positions: position p < prefix_len sits in
   slot p, position prefix_len + j in the local slot of the token's depth-j ancestor (the
   local slot whose position is prefix_len + j among those the token sees), and positions
   after the token's own are masked. A node's block c then holds the keys a decode step at
   its position holds in its block c (chains are the case where ancestor j sits at
-  prefix_len + j). Blocks wholly below prefix_len hold the same keys for every token, so
-  the tokens of a tile read them once; a block beyond is read once a token (its rows
-  updated, the others kept);
+  prefix_len + j). Blocks wholly below prefix_len hold the same keys for every token, and
+  so do all blocks for tokens in slot order (a chain's), so the tokens of a tile read them
+  once; otherwise a block is read once a token (its rows updated, the others kept);
 - splits cover fixed ranges of `split_blocks` blocks (a function of the tiles only), and
   `_merge_kernel` adds them in split order (the maximum first, then the weighted sums,
   over the rows that hold heads). Blocks past a row's position are never visited, a
@@ -42,7 +41,7 @@ from jspec.config import RowAttentionTiles
 from jspec.kernels.decode_attention import NEG_INF, _check_args, online_softmax_step
 from jspec.kernels.tiling import in_order_fold, pow2_ceil
 
-ROWS = 16  # the smallest tensor-core tile: the fewest query rows a program has (`RowAttentionTiles.rows`)
+ROWS = 16  # query rows a program: the smallest tensor-core tile, fixed so no row's tile changes
 
 
 def local_slots(meta: AttnMeta):
@@ -63,12 +62,16 @@ def key_rows(p, b, prefix, pos, lslot, table_ref, *, page_size: int, dense: bool
              num_keys: int):
     """Inside a kernel: the cache rows holding the keys at positions p [BK] that a token at
     position pos sees, by position (the slot p below the prefix, else the local slot
-    `local_slots` names: lslot = (read, Tp), read(i) the token's entries i in [0, Tp)),
-    and the mask of those it sees (p <= pos, a slot exists; pos None: a slot exists).
-    table_ref [B, G] (dense: unused; the cache is one page of page_size slots a row)."""
-    read, Tp = lslot
-    rel = p - prefix
-    slot = jnp.where(rel < 0, p, read(jnp.clip(rel, 0, Tp - 1)))
+    `local_slots` names: lslot = (read, Tp), read(i) the token's entries i in [0, Tp);
+    lslot None: the slot p everywhere, as in a chain), and the mask of those it sees
+    (p <= pos, a slot exists; pos None: a slot exists). table_ref [B, G] (dense: unused;
+    the cache is one page of page_size slots a row)."""
+    if lslot is None:
+        slot = p
+    else:
+        read, Tp = lslot
+        rel = p - prefix
+        slot = jnp.where(rel < 0, p, read(jnp.clip(rel, 0, Tp - 1)))
     mask = slot >= 0 if pos is None else (p <= pos) & (slot >= 0)
     slot = jnp.clip(slot, 0, num_keys - 1)
     if dense:
@@ -90,95 +93,73 @@ def softmax_split(run, rows: int, dim: int):
             jnp.where(seen, m + jnp.log(jnp.where(seen, l, 1.0)), NEG_INF))
 
 
-def _attend_kernel(prefix_ref, pos_ref, table_ref, kv_ref, q_ref, lslot_ref, o_ref, lse_ref, *,
+def _attend_kernel(prefix_ref, pos_ref, table_ref, kv_ref, q_ref, lslot_ref, chain_ref, o_ref, lse_ref, *,
                    scale: float, block_k: int, split_blocks: int, page_size: int, dense: bool,
                    num_pages: int, num_keys: int, window: int, row_blocks: int, head_rows: int, tokens: int):
-    """One (batch row b, run of TG token groups tp, kv head x row block g, split s): each
-    group's R query rows (`RowAttentionTiles.rows`) hold `tokens` tokens' heads, head_rows
-    rows a token (`row_attention`); the program takes its TG groups one after another.
+    """One (batch row b, token group tg, kv head x row block g, split s): the 16 query rows
+    hold `tokens` tokens' heads, head_rows rows a token (`row_attention`).
 
     prefix_ref [B], pos_ref [B, T] int32; table_ref [B, G] (dense: [B, 1], unused);
-    kv_ref [num_pages * P, 2, Hkv, Dh]; q_ref [TG, R, Dh]; lslot_ref [B, T, Tp]
-    (`local_slots`); o_ref [TG, R, Dh] float32 normalised over this split's keys; lse_ref
-    [TG, R] (NEG_INF: no key).
+    kv_ref [num_pages * P, 2, Hkv, Dh]; q_ref [ROWS, Dh]; lslot_ref [B, T, Tp]
+    (`local_slots`); chain_ref [B, Tg] int32 (`in_slot_order`); o_ref [ROWS, Dh] float32
+    normalised over this split's keys; lse_ref [ROWS] (NEG_INF: no key).
 
-    Each row walks the blocks its token sees in this split, in order, with its own mask; a
-    split wholly below the prefix holds the same keys (slot p) for every row, so one pass
-    serves a group, else one pass a token reads that token's keys and updates its rows
-    only. A split of one block below the prefix is loaded once for all TG groups. A row's
-    arithmetic is the same in every case (a [R, BK] tile, its own row)."""
-    b, tp, g, s = pl.program_id(0), pl.program_id(1), pl.program_id(2), pl.program_id(3)
+    Each row takes the split's blocks its token sees, in order, with its own mask. Where
+    every token of the group finds the key at position p in slot p (a split wholly below
+    the prefix, or a group in slot order) one pass serves all the rows; else one pass a
+    token reads that token's keys and updates its rows only. A row's arithmetic is the same
+    in either case (a [ROWS, BK] tile, its own row). The passes and blocks are written out,
+    so their loads need not wait for each other; a split no row sees is skipped."""
+    b, tg, g, s = pl.program_id(0), pl.program_id(1), pl.program_id(2), pl.program_id(3)
     h = g // row_blocks
     T = pos_ref.shape[1]
     L = prefix_ref[b]
-    TG, R, Dh = q_ref.shape
-    shared = (s + 1) * split_blocks * block_k <= L
+    first_token = tg * tokens
+    tok = jnp.minimum(first_token + jnp.arange(ROWS, dtype=jnp.int32) // head_rows, T - 1)  # [ROWS]
+    pos = pos_ref[b, tok]  # [ROWS] each row's position
+    first = jnp.maximum(pos - window + 1, 0) if window else jnp.zeros_like(pos)  # oldest visible position
+    lo_row = jnp.maximum(s * split_blocks, first // block_k)
+    hi_row = jnp.minimum((s + 1) * split_blocks, pos // block_k + 1)
+    in_slots = ((s + 1) * split_blocks * block_k <= L) | (chain_ref[b, tg] != 0)
     offs = jnp.arange(block_k, dtype=jnp.int32)
+    q = q_ref[...]
 
-    def block_keys(blk, t):  # block blk as token t sees it: positions, cache rows, has-a-slot [BK]
-        p = blk * block_k + offs
-        row, has_slot = key_rows(p, b, L, None, (lambda i: lslot_ref[b, t, i], lslot_ref.shape[-1]), table_ref,
-                                 page_size=page_size, dense=dense, num_pages=num_pages, num_keys=num_keys)
-        return p, row, has_slot
-
-    def load(row):  # [BK] cache rows -> keys, values [BK, Dh]
-        return kv_ref[row, 0, h, :], kv_ref[row, 1, h, :]
-
-    once = split_blocks == 1 and TG > 1  # the split's one block, loaded once for every group
-    if once:
-        p_once, row_once, has_once = block_keys(s, 0)
-        kv_once = lax.cond(shared, lambda: load(row_once),
-                           lambda: (jnp.zeros((block_k, Dh), kv_ref.dtype), jnp.zeros((block_k, Dh), kv_ref.dtype)))
-
-    def group(i, _):
-        first_token = (tp * TG + i) * tokens
-        tok = jnp.minimum(first_token + jnp.arange(R, dtype=jnp.int32) // head_rows, T - 1)  # [R]
-        pos = pos_ref[b, tok]  # [R] each row's position
-        first = jnp.maximum(pos - window + 1, 0) if window else jnp.zeros_like(pos)  # oldest visible position
-        lo_row = jnp.maximum(s * split_blocks, first // block_k)
-        hi_row = jnp.minimum((s + 1) * split_blocks, pos // block_k + 1)
-        q = q_ref[i]  # [R, Dh]
-
-        def update(blk, p, has_slot, kv, mine, carry):  # the rows `mine` of carry after block blk
+    def blocks(lslot, mine, carry):  # the split's blocks in order, the rows `mine` updated
+        for c in range(split_blocks):
+            blk = s * split_blocks + c
+            p = blk * block_k + offs  # [BK] positions
+            row, has_slot = key_rows(p, b, L, None, lslot, table_ref, page_size=page_size, dense=dense,
+                                     num_pages=num_pages, num_keys=num_keys)
             mask = (p[None, :] <= pos[:, None]) & has_slot[None, :]
             if window:
                 mask = mask & (p[None, :] >= first[:, None])
-            k, v = kv
+            k, v = kv_ref[row, 0, h, :], kv_ref[row, 1, h, :]  # [BK, Dh]
             sc = lax.dot_general(q, k, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32) * scale
             new = online_softmax_step(sc, mask, v, carry)
-            keep = mine & (blk >= lo_row) & (blk < hi_row)  # [R]
-            return (jnp.where(keep[:, None], new[0], carry[0]), jnp.where(keep, new[1], carry[1]),
-                    jnp.where(keep, new[2], carry[2]))
+            keep = mine & (blk >= lo_row) & (blk < hi_row)  # [ROWS]
+            carry = (jnp.where(keep[:, None], new[0], carry[0]), jnp.where(keep, new[1], carry[1]),
+                     jnp.where(keep, new[2], carry[2]))
+        return carry
 
-        def token_pass(j, carry):
-            t = jnp.minimum(first_token + j, T - 1)  # the pass's token (any one when shared)
-            mine = shared | (tok == t)  # [R] the rows this pass updates
+    def token_passes(carry):
+        for j in range(tokens):
+            t = jnp.minimum(first_token + j, T - 1)
+            carry = blocks((lambda i, t=t: lslot_ref[b, t, i], lslot_ref.shape[-1]),
+                           (tok == t) & (first_token + j < T), carry)
+        return carry
 
-            def step(blk, carry):
-                p, row, has_slot = block_keys(blk, t)
-                return update(blk, p, has_slot, load(row), mine, carry)
+    def run(carry):
+        return lax.cond(in_slots, lambda c: blocks(None, tok >= 0, c), token_passes, carry)
 
-            return lax.fori_loop(jnp.min(lo_row), jnp.max(hi_row), step, carry)
-
-        def passes(carry):
-            n = jnp.where(shared, 1, jnp.minimum(tokens, T - first_token))
-            return lax.fori_loop(0, n, token_pass, carry)
-
-        if once:  # rows outside [lo_row, hi_row) keep their carry, as when the loop skips the block
-            run = lambda carry: lax.cond(shared, lambda c: update(s, p_once, has_once, kv_once, tok >= 0, c),
-                                         passes, carry)
-        else:
-            run = passes
-        o_ref[i], lse_ref[i] = softmax_split(run, R, Dh)
-        return 0
-
-    lax.fori_loop(0, TG, group, 0)
+    seen_any = jnp.min(lo_row) < jnp.max(hi_row)
+    o_ref[...], lse_ref[...] = softmax_split(lambda carry: lax.cond(seen_any, run, lambda c: c, carry), ROWS,
+                                             q_ref.shape[-1])
 
 
 def _merge_kernel(o_ref, lse_ref, out_ref, *, num_splits: int, unroll_splits: int):
-    """One (b, t, g): o_ref [NS, MR, Dh], lse_ref [NS, MR] (the first MR of the R rows:
-    those that hold heads) -> out_ref [MR, Dh] (in its dtype), the splits weighted by their softmax mass
-    and added in split order (written out up to unroll_splits splits). A split that saw
+    """One (b, t, g, D block): o_ref [NS, MR, DB], lse_ref [NS, MR] (the first MR of the 16 rows:
+    those that hold heads) -> out_ref [MR, DB] (in its dtype), the splits weighted by their softmax
+    mass and added in split order (written out up to unroll_splits splits). A split that saw
     nothing has weight 0 and adds exact zeros; one split alone comes out as it went in
     (weight 1), as when there is no merge."""
     MR = out_ref.shape[0]
@@ -194,6 +175,19 @@ def _merge_kernel(o_ref, lse_ref, out_ref, *, num_splits: int, unroll_splits: in
     out_ref[...] = (acc / jnp.where(den > 0, den, 1.0)[:, None]).astype(out_ref.dtype)
 
 
+def in_slot_order(lslot, prefix_len, tokens: int):
+    """[B, Tg] int32: 1 where every token of the group of `tokens` finds the key at each
+    position p it sees in slot p (the tokens of a chain; local slot prefix + j holds the
+    depth-j ancestor), so one pass over slot-ordered keys serves the group. lslot
+    [B, T, Tp] (`local_slots`)."""
+    B, T, Tp = lslot.shape
+    Tg = -(-T // tokens)
+    j = jnp.arange(Tp, dtype=jnp.int32)
+    ok = jnp.all((lslot < 0) | (lslot == prefix_len[:, None, None] + j), axis=-1)  # [B, T]
+    ok = jnp.pad(ok, ((0, 0), (0, Tg * tokens - T)), constant_values=True)
+    return jnp.all(ok.reshape(B, Tg, tokens), axis=-1).astype(jnp.int32)
+
+
 def row_attention(q, kv_buf, meta: AttnMeta, *, window: int = 0, scale: float,
                   tiles: RowAttentionTiles | None = None, interpret: bool | None = None):
     """Attention of q [B,T,H,Dh] over a cache that already holds the new keys (dense
@@ -207,14 +201,10 @@ def row_attention(q, kv_buf, meta: AttnMeta, *, window: int = 0, scale: float,
     table = jnp.zeros((B, 1), jnp.int32) if dense else meta.page_table.astype(jnp.int32)
     num_keys = page_size if dense else table.shape[1] * page_size
     Gq = H // Hkv
-    R = t.rows
-    if R < ROWS or R & (R - 1):
-        raise ValueError(f"RowAttentionTiles.rows must be a power of two of at least {ROWS}, got {R}")
-    RB = -(-Gq // R)  # row blocks a kv head
-    GP = R if RB > 1 else pow2_ceil(Gq)  # rows a token's heads take in a block
-    TPT = R // GP if t.pack_tokens else 1  # tokens a block
-    Tg = -(-T // TPT)  # token groups
-    TG = Tg if t.token_loop else 1  # token groups a program
+    RB = -(-Gq // ROWS)  # row blocks a kv head
+    GP = ROWS if RB > 1 else pow2_ceil(Gq)  # rows a token's heads take in a block
+    TPT = min(ROWS // GP, pow2_ceil(T)) if t.pack_tokens else 1  # tokens a block
+    Tg = -(-T // TPT)
     NS = num_splits(num_keys, t)
     if interpret is None:
         interpret = jax.default_backend() != "gpu"
@@ -222,8 +212,9 @@ def row_attention(q, kv_buf, meta: AttnMeta, *, window: int = 0, scale: float,
     qr = q.reshape(B, T, Hkv, Gq, Dh)
     qr = jnp.pad(qr, ((0, 0), (0, Tg * TPT - T), (0, 0), (0, RB * GP - Gq), (0, 0)))
     qr = qr.reshape(B, Tg, TPT, Hkv, RB, GP, Dh).transpose(0, 1, 3, 4, 2, 5, 6).reshape(B, Tg, Hkv * RB, TPT * GP, Dh)
-    qr = jnp.pad(qr, ((0, 0), (0, 0), (0, 0), (0, R - TPT * GP), (0, 0)))
+    qr = jnp.pad(qr, ((0, 0), (0, 0), (0, 0), (0, ROWS - TPT * GP), (0, 0)))
     lslot = local_slots(meta)
+    chain = in_slot_order(lslot, meta.prefix_len.astype(jnp.int32), TPT)
     kv_flat = kv_buf.reshape((-1, 2, Hkv, Dh))
     params = None
     if not interpret:
@@ -232,22 +223,22 @@ def row_attention(q, kv_buf, meta: AttnMeta, *, window: int = 0, scale: float,
     kernel = functools.partial(
         _attend_kernel, scale=float(scale), block_k=t.block_k, split_blocks=t.split_blocks,
         page_size=page_size, dense=dense, num_pages=kv_flat.shape[0] // page_size, num_keys=num_keys,
-        window=int(window), row_blocks=RB, head_rows=R // TPT, tokens=TPT)
+        window=int(window), row_blocks=RB, head_rows=ROWS // TPT, tokens=TPT)
     whole = pl.BlockSpec()
     o, lse = pl.pallas_call(
         kernel,
-        grid=(B, Tg // TG, Hkv * RB, NS),
+        grid=(B, Tg, Hkv * RB, NS),
         in_specs=[whole, whole, whole, whole,
-                  pl.BlockSpec((None, TG, None, R, Dh), lambda b, i, g, s: (b, i, g, 0, 0)), whole],
-        out_specs=[pl.BlockSpec((None, TG, None, None, R, Dh), lambda b, i, g, s: (b, i, g, s, 0, 0)),
-                   pl.BlockSpec((None, TG, None, None, R), lambda b, i, g, s: (b, i, g, s, 0))],
-        out_shape=[jax.ShapeDtypeStruct((B, Tg, Hkv * RB, NS, R, Dh), jnp.float32),
-                   jax.ShapeDtypeStruct((B, Tg, Hkv * RB, NS, R), jnp.float32)],
+                  pl.BlockSpec((None, None, None, ROWS, Dh), lambda b, i, g, s: (b, i, g, 0, 0)), whole, whole],
+        out_specs=[pl.BlockSpec((None, None, None, None, ROWS, Dh), lambda b, i, g, s: (b, i, g, s, 0, 0)),
+                   pl.BlockSpec((None, None, None, None, ROWS), lambda b, i, g, s: (b, i, g, s, 0))],
+        out_shape=[jax.ShapeDtypeStruct((B, Tg, Hkv * RB, NS, ROWS, Dh), jnp.float32),
+                   jax.ShapeDtypeStruct((B, Tg, Hkv * RB, NS, ROWS), jnp.float32)],
         interpret=interpret, compiler_params=params, name="jspec_row_attention",
-    )(meta.prefix_len.astype(jnp.int32), meta.positions.astype(jnp.int32), table, kv_flat, qr, lslot)
+    )(meta.prefix_len.astype(jnp.int32), meta.positions.astype(jnp.int32), table, kv_flat, qr, lslot, chain)
     out = merge_splits_in_order(o, lse, TPT * GP, q.dtype, interpret=interpret, params=params,
-                                unroll_splits=t.unroll_splits)  # [B, Tg, Hkv * RB, TPT * GP, Dh]
-    out = out.reshape(B, Tg, Hkv, RB, TPT, GP, Dh).transpose(0, 1, 4, 2, 3, 5, 6)
+                                unroll_splits=t.unroll_splits, block_d=t.merge_block_d)
+    out = out.reshape(B, Tg, Hkv, RB, TPT, GP, Dh).transpose(0, 1, 4, 2, 3, 5, 6)  # from [B, Tg, Hkv*RB, TPT*GP, Dh]
     return out.reshape(B, Tg * TPT, Hkv, RB * GP, Dh)[:, :T, :, :Gq].reshape(B, T, H, Dh)
 
 
@@ -257,19 +248,22 @@ def num_splits(num_keys: int, tiles: RowAttentionTiles) -> int:
     return pow2_ceil(-(-num_keys // (tiles.block_k * tiles.split_blocks)))
 
 
-def merge_splits_in_order(o, lse, rows: int, dtype, *, interpret: bool, params, unroll_splits: int):
-    """o [B, T, G, NS, R, D] float32, lse [B, T, G, NS, R] (each split normalised over
-    its keys) -> [B, T, G, rows, D] in dtype: the first `rows` rows merged by
-    `_merge_kernel` (NS == 1: the split as it is, which the merge would give too)."""
+def merge_splits_in_order(o, lse, rows: int, dtype, *, interpret: bool, params, unroll_splits: int,
+                          block_d: int):
+    """o [B, T, G, NS, ROWS, D] float32, lse [B, T, G, NS, ROWS] (each split normalised
+    over its keys) -> [B, T, G, rows, D] in dtype: the first `rows` rows merged by
+    `_merge_kernel`, block_d of D a program (a row's weights are the same in each; NS ==
+    1: the split as it is, which the merge would give too)."""
     B, T, G, NS, _, D = o.shape
     if NS == 1:
         return o[:, :, :, 0, :rows].astype(dtype)
+    DB = min(block_d, D) if D % block_d == 0 else D
     return pl.pallas_call(
         functools.partial(_merge_kernel, num_splits=NS, unroll_splits=unroll_splits),
-        grid=(B, T, G),
-        in_specs=[pl.BlockSpec((None, None, None, NS, rows, D), lambda b, i, g: (b, i, g, 0, 0, 0)),
-                  pl.BlockSpec((None, None, None, NS, rows), lambda b, i, g: (b, i, g, 0, 0))],
-        out_specs=pl.BlockSpec((None, None, None, rows, D), lambda b, i, g: (b, i, g, 0, 0)),
+        grid=(B, T, G, D // DB),
+        in_specs=[pl.BlockSpec((None, None, None, NS, rows, DB), lambda b, i, g, d: (b, i, g, 0, 0, d)),
+                  pl.BlockSpec((None, None, None, NS, rows), lambda b, i, g, d: (b, i, g, 0, 0))],
+        out_specs=pl.BlockSpec((None, None, None, rows, DB), lambda b, i, g, d: (b, i, g, 0, d)),
         out_shape=jax.ShapeDtypeStruct((B, T, G, rows, D), dtype),
         interpret=interpret, compiler_params=params, name="jspec_row_attention_merge",
     )(o, lse)

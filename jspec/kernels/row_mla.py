@@ -87,8 +87,6 @@ def row_mla_splits(q_lat, q_pe, latent_buf, meta: AttnMeta, *, scale: float,
     dense = meta.page_table is None
     table = jnp.zeros((B, 1), jnp.int32) if dense else meta.page_table.astype(jnp.int32)
     num_keys = page_size if dense else table.shape[1] * page_size
-    if t.rows != ROWS:
-        raise ValueError(f"row_mla's programs take {ROWS} query rows, got RowAttentionTiles.rows={t.rows}")
     HB = -(-H // ROWS)  # head blocks a token
     NS = num_splits(num_keys, t)
     if interpret is None:
