@@ -349,6 +349,7 @@ TUNINGS: dict[str, dict] = {
     "rm_bn64": {"row_matmul": {"block_n": 64}},
     "rm_narrow": {"row_matmul": {"wide_n": 1 << 30}},  # no wide tiles for gate/up and heads
     "norm_warps4": {"row_norm": {"num_warps": 4}},
+    "norm_warps16": {"row_norm": {"num_warps": 16}},
     "row_attn_128x2": {"row_attention": {"split_blocks": 2}},  # splits of 256 positions
     "row_attn_64x2": {"row_attention": {"block_k": 64, "split_blocks": 2}},
     "row_attn_64x1": {"row_attention": {"block_k": 64, "split_blocks": 1}},

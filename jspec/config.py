@@ -402,7 +402,14 @@ class RowAttentionTiles:
 class RowNormTiles:
     """`jspec.kernels.row_norm` (`Tuning.row_invariant`): warps a row's program."""
 
-    num_warps: int = 16
+    num_warps: int | None = None  # None: 16 for rows of at least wide_d columns, else 4
+    wide_d: int = 4096  # on an H100, 16 warps were faster for the 8B shape's 4096 (docs/benchmarks.md)
+
+    def warps_for(self, d: int) -> int:
+        """Warps a program takes for rows of d columns."""
+        if self.num_warps is not None:
+            return self.num_warps
+        return 16 if d >= self.wide_d else 4
 
 
 @dataclasses.dataclass(frozen=True)

@@ -76,7 +76,7 @@ def rms_norm(x, weight, eps: float, *, tiles: RowNormTiles | None = None, interp
     params = None
     if not interpret:
         from jax.experimental.pallas import triton as plt
-        params = plt.CompilerParams(num_warps=(tiles or RowNormTiles()).num_warps, num_stages=1)
+        params = plt.CompilerParams(num_warps=(tiles or RowNormTiles()).warps_for(D), num_stages=1)
     out = pl.pallas_call(
         functools.partial(_kernel, eps=float(eps), chunk=chunk_of(D)),
         grid=(M,),
