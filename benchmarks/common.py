@@ -354,7 +354,6 @@ TUNINGS: dict[str, dict] = {
     "row_attn_64x2": {"row_attention": {"block_k": 64, "split_blocks": 2}},
     "row_attn_64x1": {"row_attention": {"block_k": 64, "split_blocks": 1}},
     "row_pack": {"row_attention": {"pack_tokens": True}},  # several tokens' heads in one 16-row tile
-    "row_merge_d128": {"row_attention": {"merge_block_d": 128}},  # a merge program takes the whole head
     "row_merge_loop": {"row_attention": {"unroll_splits": 0}},  # the split merge as a loop
     "row_mla_64x2": {"row_mla": {"block_k": 64, "split_blocks": 2}},  # Tuning.row_mla (DeepSeek)
     "row_mla_32x4": {"row_mla": {"block_k": 32, "split_blocks": 4}},

@@ -31,7 +31,7 @@ def test_the_setting_auto_and_refusals(monkeypatch, tmp_path):
     assert _plan_tuning(small, Tuning()).row_invariant is True  # auto: a small Llama target
     assert _plan_tuning(small, Tuning(row_invariant=False)).row_invariant is False
     llama = family_for(small.config)
-    assert not llama.row_invariant_by_default(small.config.replace(hidden_size=4096))  # the 8B shape: dearer
+    assert not llama.row_invariant_by_default(small.config.replace(hidden_size=4096), 1)  # the 8B shape: dearer
     odd = jspec.Params(small.config.replace(vocab_size=300), small.weights)  # a head the row kernel does not take
     assert _plan_tuning(odd, Tuning()).row_invariant is False
     with pytest.raises(ValueError, match=r"the LM head is \[128, 300\]"):
@@ -46,7 +46,9 @@ def test_the_setting_auto_and_refusals(monkeypatch, tmp_path):
         _plan_tuning(deepseek, Tuning(row_invariant=True))
     fits = jspec.Params(DEEPSEEK, family_for(DEEPSEEK).init_weights(DEEPSEEK, jax.random.key(0)))
     assert _plan_tuning(fits, Tuning(row_invariant=True)).row_invariant is True
-    assert _plan_tuning(fits, Tuning()).row_invariant is False  # an option for DeepSeek (docs/benchmarks.md)
+    assert _plan_tuning(fits, Tuning()).row_invariant is True  # DeepSeek: auto up to batch 4 (docs/benchmarks.md)
+    large = make_plan(fits, [8] * 5, [4] * 5, 1, False, CacheConfig(), None, Tuning()).tuning  # a batch of 8
+    assert large.row_invariant is False
     sparse = DEEPSEEK.replace(index_topk=8, index_head_dim=16, index_n_heads=2, q_lora_rank=64)
     assert "sparse attention" in family_for(sparse).row_invariant_problem(sparse, Tuning())
     monkeypatch.setattr(jax, "default_backend", lambda: "gpu")

@@ -155,7 +155,8 @@ def make_plan(params, lens: list[int], max_new: list[int], num_stop: int, sample
     if params.mesh is not None:
         problem = "it runs on one device: its kernels cannot be split over a mesh"
     if tuning.row_invariant is None:  # auto: where the family measured it cheap (`TargetFamily.row_invariant_by_default`)
-        tuning = tuning.replace(row_invariant=problem is None and family.row_invariant_by_default(params.config))
+        tuning = tuning.replace(row_invariant=problem is None and family.row_invariant_by_default(
+            params.config, pow2(len(lens))))
     if tuning.row_invariant and problem:
         raise ValueError(f"Tuning(row_invariant=True): {problem}")
     if prefill_chunk and not (paged and family.cache_kind(params.config).prefill_in_chunks):

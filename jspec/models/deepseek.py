@@ -51,6 +51,10 @@ from jspec.models.llama import DecoderLM, FlaxFamily, Linear, RMSNorm, product, 
 
 _init = nn.initializers.normal(0.02)
 LATENT_NORM_EPS = 1e-6  # the q/kv latent norms use RMSNorm's default, not rms_norm_eps
+# `Tuning.row_invariant=None` turns it on for programs of up to this many rows: measured
+# about as fast at 1 and 4, 1.49x at 32 (`DeepseekFamily.row_invariant_by_default`); batches
+# between are not measured.
+ROW_INVARIANT_AUTO_MAX_BATCH = 4
 # XLA options of the loop's programs on a GPU (`DeepseekFamily.gpu_xla_options`): CUDA-graph
 # command buffers of single kernels too (a step runs about 300 short kernels). Not the
 # while loop and its conditionals (`WHILE`, `CONDITIONAL`): with them a paged cache gave
@@ -577,12 +581,14 @@ class DeepseekFamily(FlaxFamily):
     def split(self, cfg: DeepseekConfig, weights, n: int):
         return split_deepseek(cfg, weights, n)
 
-    def row_invariant_by_default(self, cfg: DeepseekConfig) -> bool:
-        """Off. On an H100 the DeepSeek-V2-Lite shape's batch-1 step costs 1.2% more with it
-        (2.558 against 2.529 ms, one call), within the 3% under which it is the default, but
-        that code was not checked bit for bit on the GPU nor its round measured, and a
-        batch-32 step cost 1.49x (docs/benchmarks.md)."""
-        return False
+    def row_invariant_by_default(self, cfg: DeepseekConfig, batch: int) -> bool:
+        """On for batches up to `ROW_INVARIANT_AUTO_MAX_BATCH`. On an H100 the
+        DeepSeek-V2-Lite shape's batch-1 step cost 1.6-4.1% more with it over four calls
+        (2.8% on average), an MTP round of 4 tokens 4.3% less and of 3 tokens 1.0% more,
+        a batch-4 step 5.7% less; a batch-32 step cost 1.49x (the expert kernel reads each
+        (token, expert) pair's expert where the default groups a large batch's pairs by
+        expert). docs/benchmarks.md."""
+        return batch <= ROW_INVARIANT_AUTO_MAX_BATCH
 
     def row_invariant_problem(self, cfg: DeepseekConfig, tuning) -> str | None:
         """Sparse attention (V3.2: its indexer's norm, products and top-k are not built

@@ -59,9 +59,10 @@ class TargetFamily:
         """Why this target cannot run with `Tuning.row_invariant` (None: it can)."""
         return f"not available for {type(self).__name__} targets yet (Llama and DeepSeek targets have it)"
 
-    def row_invariant_by_default(self, cfg) -> bool:
+    def row_invariant_by_default(self, cfg, batch: int) -> bool:
         """What `Tuning.row_invariant=None` (auto) becomes for this target on one device
-        (where `row_invariant_problem` has none)."""
+        (where `row_invariant_problem` has none), for programs of `batch` rows (the plan's
+        batch bucket: plain and speculative programs of one batch agree)."""
         return False
 
     def gpu_xla_options(self, cfg) -> dict:

@@ -397,10 +397,11 @@ class LlamaFamily(FlaxFamily):
             return f"the row attention kernel takes head dims that are powers of two >= 16, not {Dh}"
         return None
 
-    def row_invariant_by_default(self, cfg) -> bool:
-        """On up to `ROW_INVARIANT_AUTO_MAX_HIDDEN`: on an H100 the bundled pair (hidden 256)
-        ran faster with it (plain 2700 against 2369 tokens/s, EAGLE-3 S=5 6211 against
-        6072), the 8B shape (4096) 6.9% slower a batch-1 step (docs/benchmarks.md)."""
+    def row_invariant_by_default(self, cfg, batch: int) -> bool:
+        """On up to `ROW_INVARIANT_AUTO_MAX_HIDDEN`, at every batch: on an H100 the bundled
+        pair (hidden 256) ran faster with it (plain 2681 against 2368 tokens/s, EAGLE-3 S=5
+        6114 against 5721); the 8B shape (4096) pays 2.7% a batch-1 step but 4.3% a chain
+        round and 10.7% a 16-node tree round (docs/benchmarks.md)."""
         return cfg.hidden_size <= ROW_INVARIANT_AUTO_MAX_HIDDEN
 
     def config_from_hf(self, cfg_json: dict, dtype: str | None) -> ModelConfig:
