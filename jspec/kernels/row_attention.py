@@ -257,7 +257,7 @@ def merge_splits_in_order(o, lse, rows: int, dtype, *, interpret: bool, params, 
     B, T, G, NS, _, D = o.shape
     if NS == 1:
         return o[:, :, :, 0, :rows].astype(dtype)
-    DB = min(block_d, D) if D % block_d == 0 else D
+    DB = block_d if D % block_d == 0 else D  # a block that does not divide D: the whole head
     return pl.pallas_call(
         functools.partial(_merge_kernel, num_splits=NS, unroll_splits=unroll_splits),
         grid=(B, T, G, D // DB),
