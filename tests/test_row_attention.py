@@ -14,7 +14,8 @@ from jspec.cache import layout as lay
 from jspec.config import RowAttentionTiles
 from jspec.kernels.row_attention import in_slot_order, local_slots, row_attention
 
-TILES = RowAttentionTiles(block_k=16, split_blocks=2)  # splits of 32 positions: several a row
+TILES = RowAttentionTiles(block_k=16, split_blocks=2)  # splits of 32 positions: several a row; packed tokens
+UNPACKED = RowAttentionTiles(block_k=16, split_blocks=2, pack_tokens=False)  # one token a tile
 
 
 def _row(q, k, v, meta, *, window=0, tiles=TILES):
@@ -75,14 +76,15 @@ def _as_chain(meta):
 @pytest.mark.parametrize("window,tiles,caps,chain", [
     (0, TILES, (96, 160), False),  # another capacity: more splits, all past the row's keys
     (40, TILES, (96, 160), False),
-    (0, RowAttentionTiles(block_k=16, split_blocks=2, pack_tokens=True), (96, 160), False),  # 4 tokens a tile
-    (24, RowAttentionTiles(block_k=16, split_blocks=2, pack_tokens=True, merge_block_d=8), (96,), False),
-    (0, RowAttentionTiles(block_k=16, split_blocks=1, pack_tokens=True), (96,), True),  # one pass a group
-    (0, TILES, (96,), True),
+    (0, UNPACKED, (96, 160), False),
+    (24, RowAttentionTiles(block_k=16, split_blocks=2, merge_block_d=8), (96,), False),
+    (0, RowAttentionTiles(block_k=16, split_blocks=1), (96,), True),  # one pass a group
+    (0, UNPACKED, (96,), True),
     (0, RowAttentionTiles(block_k=16, split_blocks=16), (96, 300), False),  # one split (no merge) against two
 ])
 def test_a_tree_node_equals_the_decode_step_at_its_position_bit_for_bit(window, tiles, caps, chain):
-    q, k, v, meta = make_case(7, B=2, T=6, Tl=6, Gq=4, S=96, prefix=[50, 71], dtype=jnp.bfloat16)
+    # row 0's local positions 60..65 straddle two splits of 32 (a packed group's passes in both)
+    q, k, v, meta = make_case(7, B=2, T=6, Tl=6, Gq=4, S=96, prefix=[60, 71], dtype=jnp.bfloat16)
     if chain:
         meta = _as_chain(meta)
     tree = np.asarray(_row_jit(q, k, v, meta, window=window, tiles=tiles))
@@ -94,8 +96,9 @@ def test_a_tree_node_equals_the_decode_step_at_its_position_bit_for_bit(window, 
                 np.testing.assert_array_equal(step[0, 0], tree[b, t], err_msg=f"row {b} node {t} S {S}")
 
 
-def test_packed_tokens_and_the_merge_written_out_or_looped_give_the_same_bits():
-    q, k, v, meta = make_case(9, B=1, T=6, Tl=6, Gq=4, S=96, prefix=[70], dtype=jnp.bfloat16)
+@pytest.mark.parametrize("T", [2, 6])  # 2: a group of two tokens in 8 of the 16 rows
+def test_packed_tokens_and_the_merge_written_out_or_looped_give_the_same_bits(T):
+    q, k, v, meta = make_case(9, B=1, T=T, Tl=T, Gq=4, S=96, prefix=[78], dtype=jnp.bfloat16)
     out = [np.asarray(_row_jit(q, k, v, meta, tiles=RowAttentionTiles(block_k=16, split_blocks=1, unroll_splits=u,
                                                                         pack_tokens=pack)))
            for u, pack in ((32, True), (0, True), (32, False))]  # 8 splits of 16 positions; 4 tokens a tile or 1

@@ -95,32 +95,39 @@ def softmax_split(run, rows: int, dim: int):
 
 def _attend_kernel(prefix_ref, pos_ref, table_ref, kv_ref, q_ref, lslot_ref, chain_ref, o_ref, lse_ref, *,
                    scale: float, block_k: int, split_blocks: int, page_size: int, dense: bool,
-                   num_pages: int, num_keys: int, window: int, row_blocks: int, head_rows: int, tokens: int):
-    """One (batch row b, token group tg, kv head x row block g, split s): the 16 query rows
-    hold `tokens` tokens' heads, head_rows rows a token (`row_attention`).
+                   num_pages: int, num_keys: int, window: int, row_blocks: int, head_rows: int, tokens: int,
+                   num_splits: int, boundary_splits: int):
+    """One (batch row b, token group tg, kv head x row block g, work item w): the 16 query
+    rows hold `tokens` tokens' heads, head_rows rows a token (`row_attention`).
 
     prefix_ref [B], pos_ref [B, T] int32; table_ref [B, G] (dense: [B, 1], unused);
     kv_ref [num_pages * P, 2, Hkv, Dh]; q_ref [ROWS, Dh]; lslot_ref [B, T, Tp]
     (`local_slots`); chain_ref [B, Tg] int32 (`in_slot_order`); o_ref [ROWS, Dh] float32
-    normalised over this split's keys; lse_ref [ROWS] (NEG_INF: no key).
+    normalised over this item's keys; lse_ref [ROWS] (NEG_INF: no key).
 
-    Each row takes the split's blocks its token sees, in order, with its own mask. Where
-    every token of the group finds the key at position p in slot p (a split wholly below
-    the prefix, or a group in slot order) one pass serves all the rows; else one pass a
-    token reads that token's keys and updates its rows only. A row's arithmetic is the same
-    in either case (a [ROWS, BK] tile, its own row). The passes and blocks are written out,
-    so their loads need not wait for each other; a split no row sees is skipped."""
-    b, tg, g, s = pl.program_id(0), pl.program_id(1), pl.program_id(2), pl.program_id(3)
+    Work item w < num_splits is split w. Where every token of the group finds the key at
+    position p in slot p (a split wholly below the prefix, or a group in slot order) one
+    pass serves all the rows. Else each token needs a pass over its own keys: item w takes
+    the first token's, and the items past num_splits (`boundary_items`) take the other
+    tokens' passes of the splits holding the local positions, one token an item, so these
+    passes run side by side rather than one after another. A row's arithmetic is the same
+    in every case (a [ROWS, BK] tile, its own row). The blocks are written out, so their
+    loads need not wait for each other; an item no row sees is skipped."""
+    b, tg, g, w = pl.program_id(0), pl.program_id(1), pl.program_id(2), pl.program_id(3)
     h = g // row_blocks
     T = pos_ref.shape[1]
     L = prefix_ref[b]
+    split_keys = split_blocks * block_k
+    extra = w >= num_splits  # another token's pass of a boundary split
+    e = jnp.maximum(w - num_splits, 0)
+    s = jnp.where(extra, L // split_keys + e // max(tokens - 1, 1), w)
     first_token = tg * tokens
     tok = jnp.minimum(first_token + jnp.arange(ROWS, dtype=jnp.int32) // head_rows, T - 1)  # [ROWS]
     pos = pos_ref[b, tok]  # [ROWS] each row's position
     first = jnp.maximum(pos - window + 1, 0) if window else jnp.zeros_like(pos)  # oldest visible position
     lo_row = jnp.maximum(s * split_blocks, first // block_k)
     hi_row = jnp.minimum((s + 1) * split_blocks, pos // block_k + 1)
-    in_slots = ((s + 1) * split_blocks * block_k <= L) | (chain_ref[b, tg] != 0)
+    in_slots = ((s + 1) * split_keys <= L) | (chain_ref[b, tg] != 0)
     offs = jnp.arange(block_k, dtype=jnp.int32)
     q = q_ref[...]
 
@@ -141,36 +148,54 @@ def _attend_kernel(prefix_ref, pos_ref, table_ref, kv_ref, q_ref, lslot_ref, cha
                      jnp.where(keep, new[2], carry[2]))
         return carry
 
-    def token_passes(carry):
-        for j in range(tokens):
-            t = jnp.minimum(first_token + j, T - 1)
-            carry = blocks((lambda i, t=t: lslot_ref[b, t, i], lslot_ref.shape[-1]),
-                           (tok == t) & (first_token + j < T), carry)
-        return carry
+    def token_pass(j, carry):  # token first_token + j's keys, its rows updated
+        t = jnp.minimum(first_token + j, T - 1)
+        return blocks((lambda i: lslot_ref[b, t, i], lslot_ref.shape[-1]), (tok == t) & (first_token + j < T),
+                      carry)
 
-    def run(carry):
-        return lax.cond(in_slots, lambda c: blocks(None, tok >= 0, c), token_passes, carry)
-
-    seen_any = jnp.min(lo_row) < jnp.max(hi_row)
+    if tokens > 1 and boundary_splits:  # other tokens' passes in items of their own
+        def run(carry):
+            j = jnp.where(extra, e % (tokens - 1) + 1, 0)
+            return lax.cond(in_slots, lambda c: blocks(None, tok >= 0, c), lambda c: token_pass(j, c), carry)
+        work = ~(extra & in_slots) & (s < num_splits)
+    else:
+        def run(carry):
+            return lax.cond(in_slots, lambda c: blocks(None, tok >= 0, c),
+                            lambda c: functools.reduce(lambda acc, j: token_pass(j, acc), range(tokens), c), carry)
+        work = True
+    seen_any = work & (jnp.min(lo_row) < jnp.max(hi_row))
     o_ref[...], lse_ref[...] = softmax_split(lambda carry: lax.cond(seen_any, run, lambda c: c, carry), ROWS,
                                              q_ref.shape[-1])
 
 
-def _merge_kernel(o_ref, lse_ref, out_ref, *, num_splits: int, unroll_splits: int):
-    """One (b, t, g, D block): o_ref [NS, MR, DB], lse_ref [NS, MR] (the first MR of the 16 rows:
-    those that hold heads) -> out_ref [MR, DB] (in its dtype), the splits weighted by their softmax
-    mass and added in split order (written out up to unroll_splits splits). A split that saw
-    nothing has weight 0 and adds exact zeros; one split alone comes out as it went in
-    (weight 1), as when there is no merge."""
-    MR = out_ref.shape[0]
-    m = in_order_fold(num_splits, lambda i: lse_ref[i, :], jnp.full((MR,), NEG_INF, jnp.float32),
+def _merge_kernel(prefix_ref, chain_ref, o_ref, lse_ref, out_ref, *, num_splits: int, unroll_splits: int,
+                  split_keys: int, boundary_splits: int, tokens: int):
+    """One (b, token i, g, D block): o_ref [W, GP, DB], lse_ref [W, GP] (the attend
+    kernel's work items, the token's rows) -> out_ref [GP, DB] (in its dtype): the splits
+    weighted by their softmax mass and added in split order (written out up to
+    unroll_splits splits), each read from the item that computed it for this token (for
+    token j >= 1 of a group not in slot order, a boundary split's item past num_splits:
+    `_attend_kernel`). A split that saw nothing has weight 0 and adds exact zeros; one
+    split alone comes out as it went in (weight 1)."""
+    b, i = pl.program_id(0), pl.program_id(1)
+    GP = out_ref.shape[0]
+    j = i % tokens  # the token's place in its group
+
+    def item(s):  # the work item holding split s for this token
+        if boundary_splits == 0:
+            return s
+        k = s - prefix_ref[b] // split_keys
+        own = (chain_ref[b, i // tokens] == 0) & (j >= 1) & (k >= 0) & (k < boundary_splits)
+        return jnp.where(own, num_splits + k * (tokens - 1) + j - 1, s)
+
+    m = in_order_fold(num_splits, lambda s: lse_ref[item(s), :], jnp.full((GP,), NEG_INF, jnp.float32),
                       unroll_splits, jnp.maximum)
 
-    def weight(i):
-        return jnp.exp(lse_ref[i, :] - m)
+    def weight(s):
+        return jnp.exp(lse_ref[item(s), :] - m)
 
-    den = in_order_fold(num_splits, weight, jnp.zeros((MR,), jnp.float32), unroll_splits)
-    acc = in_order_fold(num_splits, lambda i: weight(i)[:, None] * o_ref[i, :, :],
+    den = in_order_fold(num_splits, weight, jnp.zeros((GP,), jnp.float32), unroll_splits)
+    acc = in_order_fold(num_splits, lambda s: weight(s)[:, None] * o_ref[item(s), :, :],
                         jnp.zeros(out_ref.shape, jnp.float32), unroll_splits)
     out_ref[...] = (acc / jnp.where(den > 0, den, 1.0)[:, None]).astype(out_ref.dtype)
 
@@ -186,6 +211,16 @@ def in_slot_order(lslot, prefix_len, tokens: int):
     ok = jnp.all((lslot < 0) | (lslot == prefix_len[:, None, None] + j), axis=-1)  # [B, T]
     ok = jnp.pad(ok, ((0, 0), (0, Tg * tokens - T)), constant_values=True)
     return jnp.all(ok.reshape(B, Tg, tokens), axis=-1).astype(jnp.int32)
+
+
+def boundary_splits(local_len: int, tokens: int, num_splits: int, tiles: RowAttentionTiles) -> int:
+    """How many splits the local positions prefix_len .. prefix_len + local_len - 1 can
+    touch (whatever prefix_len is), each a work item a token for tokens 1.. of a group
+    (`_attend_kernel`); 0 for one token a group."""
+    if tokens == 1:
+        return 0
+    split_keys = tiles.block_k * tiles.split_blocks
+    return min(num_splits, (split_keys + local_len - 2) // split_keys + 1)
 
 
 def row_attention(q, kv_buf, meta: AttnMeta, *, window: int = 0, scale: float,
@@ -206,6 +241,8 @@ def row_attention(q, kv_buf, meta: AttnMeta, *, window: int = 0, scale: float,
     TPT = min(ROWS // GP, pow2_ceil(T)) if t.pack_tokens else 1  # tokens a block
     Tg = -(-T // TPT)
     NS = num_splits(num_keys, t)
+    NB = boundary_splits(meta.local_len, TPT, NS, t)
+    W = NS + NB * (TPT - 1)  # work items a (token group, row block): the splits, then other tokens' passes
     if interpret is None:
         interpret = jax.default_backend() != "gpu"
 
@@ -214,7 +251,8 @@ def row_attention(q, kv_buf, meta: AttnMeta, *, window: int = 0, scale: float,
     qr = qr.reshape(B, Tg, TPT, Hkv, RB, GP, Dh).transpose(0, 1, 3, 4, 2, 5, 6).reshape(B, Tg, Hkv * RB, TPT * GP, Dh)
     qr = jnp.pad(qr, ((0, 0), (0, 0), (0, 0), (0, ROWS - TPT * GP), (0, 0)))
     lslot = local_slots(meta)
-    chain = in_slot_order(lslot, meta.prefix_len.astype(jnp.int32), TPT)
+    prefix = meta.prefix_len.astype(jnp.int32)
+    chain = in_slot_order(lslot, prefix, TPT)
     kv_flat = kv_buf.reshape((-1, 2, Hkv, Dh))
     params = None
     if not interpret:
@@ -223,47 +261,53 @@ def row_attention(q, kv_buf, meta: AttnMeta, *, window: int = 0, scale: float,
     kernel = functools.partial(
         _attend_kernel, scale=float(scale), block_k=t.block_k, split_blocks=t.split_blocks,
         page_size=page_size, dense=dense, num_pages=kv_flat.shape[0] // page_size, num_keys=num_keys,
-        window=int(window), row_blocks=RB, head_rows=ROWS // TPT, tokens=TPT)
+        window=int(window), row_blocks=RB, head_rows=GP, tokens=TPT, num_splits=NS, boundary_splits=NB)
     whole = pl.BlockSpec()
     o, lse = pl.pallas_call(
         kernel,
-        grid=(B, Tg, Hkv * RB, NS),
+        grid=(B, Tg, Hkv * RB, W),
         in_specs=[whole, whole, whole, whole,
-                  pl.BlockSpec((None, None, None, ROWS, Dh), lambda b, i, g, s: (b, i, g, 0, 0)), whole, whole],
-        out_specs=[pl.BlockSpec((None, None, None, None, ROWS, Dh), lambda b, i, g, s: (b, i, g, s, 0, 0)),
-                   pl.BlockSpec((None, None, None, None, ROWS), lambda b, i, g, s: (b, i, g, s, 0))],
-        out_shape=[jax.ShapeDtypeStruct((B, Tg, Hkv * RB, NS, ROWS, Dh), jnp.float32),
-                   jax.ShapeDtypeStruct((B, Tg, Hkv * RB, NS, ROWS), jnp.float32)],
+                  pl.BlockSpec((None, None, None, ROWS, Dh), lambda b, i, g, w: (b, i, g, 0, 0)), whole, whole],
+        out_specs=[pl.BlockSpec((None, None, None, None, ROWS, Dh), lambda b, i, g, w: (b, i, g, w, 0, 0)),
+                   pl.BlockSpec((None, None, None, None, ROWS), lambda b, i, g, w: (b, i, g, w, 0))],
+        out_shape=[jax.ShapeDtypeStruct((B, Tg, Hkv * RB, W, ROWS, Dh), jnp.float32),
+                   jax.ShapeDtypeStruct((B, Tg, Hkv * RB, W, ROWS), jnp.float32)],
         interpret=interpret, compiler_params=params, name="jspec_row_attention",
-    )(meta.prefix_len.astype(jnp.int32), meta.positions.astype(jnp.int32), table, kv_flat, qr, lslot, chain)
-    out = merge_splits_in_order(o, lse, TPT * GP, q.dtype, interpret=interpret, params=params,
+    )(prefix, meta.positions.astype(jnp.int32), table, kv_flat, qr, lslot, chain)
+    out = merge_splits_in_order(o, lse, prefix, chain, TPT, GP, q.dtype, num_splits=NS, boundary=NB,
+                                split_keys=t.block_k * t.split_blocks, interpret=interpret, params=params,
                                 unroll_splits=t.unroll_splits, block_d=t.merge_block_d)
-    out = out.reshape(B, Tg, Hkv, RB, TPT, GP, Dh).transpose(0, 1, 4, 2, 3, 5, 6)  # from [B, Tg, Hkv*RB, TPT*GP, Dh]
+    # [B, Tg*TPT, Hkv*RB, GP, Dh]: tokens, then heads in order (no transpose)
     return out.reshape(B, Tg * TPT, Hkv, RB * GP, Dh)[:, :T, :, :Gq].reshape(B, T, H, Dh)
 
 
 def num_splits(num_keys: int, tiles: RowAttentionTiles) -> int:
-    """Splits of `tiles`' fixed position ranges over a cache of num_keys slots, a power of
-    two (those past a row's position see nothing)."""
-    return pow2_ceil(-(-num_keys // (tiles.block_k * tiles.split_blocks)))
+    """Splits of `tiles`' fixed position ranges over a cache of num_keys slots (those past
+    a row's position see nothing)."""
+    return -(-num_keys // (tiles.block_k * tiles.split_blocks))
 
 
-def merge_splits_in_order(o, lse, rows: int, dtype, *, interpret: bool, params, unroll_splits: int,
+def merge_splits_in_order(o, lse, prefix, chain, tokens: int, head_rows: int, dtype, *, num_splits: int,
+                          boundary: int, split_keys: int, interpret: bool, params, unroll_splits: int,
                           block_d: int):
-    """o [B, T, G, NS, ROWS, D] float32, lse [B, T, G, NS, ROWS] (each split normalised
-    over its keys) -> [B, T, G, rows, D] in dtype: the first `rows` rows merged by
-    `_merge_kernel`, block_d of D a program (a row's weights are the same in each; NS ==
-    1: the split as it is, which the merge would give too)."""
-    B, T, G, NS, _, D = o.shape
-    if NS == 1:
-        return o[:, :, :, 0, :rows].astype(dtype)
+    """o [B, Tg, G, W, ROWS, D] float32, lse [B, Tg, G, W, ROWS] (`_attend_kernel`'s work
+    items, each normalised over its keys; a group's token j in rows j * head_rows ..) ->
+    [B, Tg * tokens, G, head_rows, D] in dtype: each token's rows merged by `_merge_kernel`
+    in a program of its own, block_d of D a program (a row's weights are the same in
+    each). prefix [B], chain [B, Tg] int32 (`in_slot_order`) say which item holds a split
+    for a token."""
+    B, Tg, G, W, _, D = o.shape
     DB = block_d if D % block_d == 0 else D  # a block that does not divide D: the whole head
+    whole = pl.BlockSpec()
     return pl.pallas_call(
-        functools.partial(_merge_kernel, num_splits=NS, unroll_splits=unroll_splits),
-        grid=(B, T, G, D // DB),
-        in_specs=[pl.BlockSpec((None, None, None, NS, rows, DB), lambda b, i, g, d: (b, i, g, 0, 0, d)),
-                  pl.BlockSpec((None, None, None, NS, rows), lambda b, i, g, d: (b, i, g, 0, 0))],
-        out_specs=pl.BlockSpec((None, None, None, rows, DB), lambda b, i, g, d: (b, i, g, 0, d)),
-        out_shape=jax.ShapeDtypeStruct((B, T, G, rows, D), dtype),
+        functools.partial(_merge_kernel, num_splits=num_splits, unroll_splits=unroll_splits, split_keys=split_keys,
+                          boundary_splits=boundary, tokens=tokens),
+        grid=(B, Tg * tokens, G, D // DB),
+        in_specs=[whole, whole,
+                  pl.BlockSpec((None, None, None, W, head_rows, DB),
+                               lambda b, i, g, d: (b, i // tokens, g, 0, i % tokens, d)),
+                  pl.BlockSpec((None, None, None, W, head_rows), lambda b, i, g, d: (b, i // tokens, g, 0, i % tokens))],
+        out_specs=pl.BlockSpec((None, None, None, head_rows, DB), lambda b, i, g, d: (b, i, g, 0, d)),
+        out_shape=jax.ShapeDtypeStruct((B, Tg * tokens, G, head_rows, D), dtype),
         interpret=interpret, compiler_params=params, name="jspec_row_attention_merge",
-    )(o, lse)
+    )(prefix, chain, o, lse)
