@@ -394,7 +394,8 @@ class RowAttentionTiles:
     num_warps: int = 4
     num_stages: int = 2
     unroll_splits: int = 32  # the merge's walk over the splits written out up to this many
-    pack_tokens: bool = True  # GQA: several tokens' heads in a program's 16 rows (`row_attention`)
+    pack_tokens: bool = True  # GQA: several tokens' heads in a program's 16 rows (`row_attention`); on an
+    # H100 the 8B shape's 16-node tree round then costs 1.5% over the default's (10.7% unpacked: docs/benchmarks.md)
     merge_block_d: int = 32  # `row_attention`'s split merge: head dimensions a program
 
 

@@ -31,7 +31,8 @@ def test_the_setting_auto_and_refusals(monkeypatch, tmp_path):
     assert _plan_tuning(small, Tuning()).row_invariant is True  # auto: a small Llama target
     assert _plan_tuning(small, Tuning(row_invariant=False)).row_invariant is False
     llama = family_for(small.config)
-    assert not llama.row_invariant_by_default(small.config.replace(hidden_size=4096), 1)  # the 8B shape: dearer
+    wide = small.config.replace(hidden_size=4096)  # the 8B shape: on at batch 1 only (dearer in larger batches)
+    assert llama.row_invariant_by_default(wide, 1) and not llama.row_invariant_by_default(wide, 2)
     odd = jspec.Params(small.config.replace(vocab_size=300), small.weights)  # a head the row kernel does not take
     assert _plan_tuning(odd, Tuning()).row_invariant is False
     with pytest.raises(ValueError, match=r"the LM head is \[128, 300\]"):

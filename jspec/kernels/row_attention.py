@@ -17,13 +17,16 @@ node slots; each changes the order in which a row's softmax sums run. Here:
   its position holds in its block c (chains are the case where ancestor j sits at
   prefix_len + j). Blocks wholly below prefix_len hold the same keys for every token, and
   so do all blocks for tokens in slot order (a chain's), so the tokens of a tile read them
-  once; otherwise a block is read once a token (its rows updated, the others kept);
+  in one pass; a split holding local positions of a tree is read once a token, the first
+  token's pass in the split's program and the others' in work items of their own
+  (`boundary_splits`), so those passes run side by side;
 - splits cover fixed ranges of `split_blocks` blocks (a function of the tiles only), and
-  `_merge_kernel` adds them in split order (the maximum first, then the weighted sums,
-  over the rows that hold heads). Blocks past a row's position are never visited, a
-  split that saw nothing adds exact zeros (weight 0), and one split alone comes out as it
-  went in, so the cache's capacity (how many splits there are) does not change the
-  result either.
+  `_merge_kernel` adds them in split order for each token (the maximum first, then the
+  weighted sums, over the rows that hold its heads), reading each split from the work item
+  that computed it for that token, and writes [B, T, H, Dh] order. Blocks past a row's
+  position are never visited, a split that saw nothing adds exact zeros (weight 0), and
+  one split alone comes out as it went in, so the cache's capacity (how many splits there
+  are) does not change the result either.
 Assumes what jspec's caches hold: a committed token at position p sits in slot p, and the
 local block's positions are prefix_len + depth.
 """

@@ -27,10 +27,11 @@ from jspec.models.family import TargetFamily
 from jspec.tensors import HostParam
 
 _init = nn.initializers.normal(0.02)
-# `Tuning.row_invariant=None` turns it on for targets up to this hidden size: measured
-# cheaper at 256 and dearer at 4096 (`LlamaFamily.row_invariant_by_default`); sizes between
-# are not measured.
+# `Tuning.row_invariant=None` turns it on for targets up to this hidden size at every batch
+# (measured cheaper at 256; sizes between 256 and 4096 not measured), and for every target
+# in programs of up to ROW_INVARIANT_AUTO_MAX_BATCH rows (`LlamaFamily.row_invariant_by_default`).
 ROW_INVARIANT_AUTO_MAX_HIDDEN = 1024
+ROW_INVARIANT_AUTO_MAX_BATCH = 1
 
 
 def rows_alone(tuning: Tuning, meta: AttnMeta) -> bool:
@@ -398,11 +399,13 @@ class LlamaFamily(FlaxFamily):
         return None
 
     def row_invariant_by_default(self, cfg, batch: int) -> bool:
-        """On up to `ROW_INVARIANT_AUTO_MAX_HIDDEN`, at every batch: on an H100 the bundled
-        pair (hidden 256) ran faster with it (plain 2681 against 2368 tokens/s, EAGLE-3 S=5
-        6114 against 5721); the 8B shape (4096) pays 2.7% a batch-1 step but 4.3% a chain
-        round and 10.7% a 16-node tree round (docs/benchmarks.md)."""
-        return cfg.hidden_size <= ROW_INVARIANT_AUTO_MAX_HIDDEN
+        """On up to `ROW_INVARIANT_AUTO_MAX_HIDDEN` at every batch, and at batch 1
+        (`ROW_INVARIANT_AUTO_MAX_BATCH`) for every size. On an H100 the bundled pair (hidden
+        256) ran faster with it (plain 2681 against 2368 tokens/s, EAGLE-3 S=5 6114 against
+        5721); the 8B shape (4096) paid 2.8% a batch-1 step, 1.9% a chain round (S=3) and
+        1.5% a 16-node tree round, and at batch 4 (an H200) 4.0% a step and 37% a tree
+        round (docs/benchmarks.md)."""
+        return cfg.hidden_size <= ROW_INVARIANT_AUTO_MAX_HIDDEN or batch <= ROW_INVARIANT_AUTO_MAX_BATCH
 
     def config_from_hf(self, cfg_json: dict, dtype: str | None) -> ModelConfig:
         return llama_hf.model_config_from_hf(cfg_json, dtype=dtype)
