@@ -7,7 +7,9 @@ from __future__ import annotations
 
 import functools
 import os
+import shutil
 import sys
+import tempfile
 
 import pytest
 
@@ -19,8 +21,24 @@ sys.path.insert(0, os.path.dirname(__file__))
 os.environ.setdefault("XLA_FLAGS", "--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true "
                       "--xla_cpu_use_fusion_emitters=false --xla_force_host_platform_device_count=4")
 
+# One XLA compilation cache for the run, shared by its processes (the xdist workers, which
+# inherit the variable, notebook kernels, CLI and server subprocesses): a program two of
+# them compile is compiled once (about 12% of a module's time on 2 cores). Made here, in
+# the first process, and removed when that process ends (`pytest_unconfigure`).
+_MADE_CACHE_DIR = None
+if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
+    _MADE_CACHE_DIR = tempfile.mkdtemp(prefix="jspec-tests-xla-")
+    os.environ.update(JAX_COMPILATION_CACHE_DIR=_MADE_CACHE_DIR, JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0",
+                      JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="0")
+
 import jax  # noqa: E402
 import tiny_models  # noqa: E402
+
+
+def pytest_unconfigure(config):
+    if _MADE_CACHE_DIR is not None:
+        shutil.rmtree(_MADE_CACHE_DIR, ignore_errors=True)
+
 
 PROMPTS = [[5, 7, 9, 11, 13], [20, 21, 22], list(range(30, 47))]
 
