@@ -111,7 +111,7 @@ def _attend_kernel(prefix_ref, pos_ref, table_ref, kv_ref, q_ref, lslot_ref, cha
     Work item w < num_splits is split w. Where every token of the group finds the key at
     position p in slot p (a split wholly below the prefix, or a group in slot order) one
     pass serves all the rows. Else each token needs a pass over its own keys: item w takes
-    the first token's, and the items past num_splits (`boundary_items`) take the other
+    the first token's, and the items past num_splits (`boundary_splits`) take the other
     tokens' passes of the splits holding the local positions, one token an item, so these
     passes run side by side rather than one after another. A row's arithmetic is the same
     in every case (a [ROWS, BK] tile, its own row). The blocks are written out, so their
