@@ -520,10 +520,10 @@ class Tuning:
     targets on one device (True elsewhere is refused); a prompt's passes (prefill, prompt
     chunks) keep XLA's products and attention. None
     (the default): on where the family measured it within 3% of the step without
-    (`TargetFamily.row_invariant_by_default`, given the plan's batch: Llama targets up to
-    hidden size 1024, e.g. the bundled pair; DeepSeek targets up to batch 4; not the 8B
-    shape, whose batch-1 rounds cost 4-11%), off elsewhere; docs/benchmarks.md gives its
-    cost. On a CPU it changes
+    (`TargetFamily.row_invariant_by_default`, given the plan's batch: Llama targets at
+    batch 1 (the 8B shape's step and rounds 1.5-2.8% dearer on an H100) and up to hidden
+    size 1024 at every batch, e.g. the bundled pair; DeepSeek targets up to batch 4), off
+    elsewhere; docs/benchmarks.md gives its cost. On a CPU it changes
     nothing: jspec's CPU products are row-invariant already and the kernels do not run.
 
     xla_options: (name, value) pairs of XLA options for the loop's programs on a GPU, on top
