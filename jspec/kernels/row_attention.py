@@ -99,7 +99,7 @@ def softmax_split(run, rows: int, dim: int):
 def _attend_kernel(prefix_ref, pos_ref, table_ref, kv_ref, q_ref, lslot_ref, chain_ref, o_ref, lse_ref, *,
                    scale: float, block_k: int, split_blocks: int, page_size: int, dense: bool,
                    num_pages: int, num_keys: int, window: int, row_blocks: int, head_rows: int, tokens: int,
-                   num_splits: int, boundary_splits: int):
+                   num_splits: int):
     """One (batch row b, token group tg, kv head x row block g, work item w): the 16 query
     rows hold `tokens` tokens' heads, head_rows rows a token (`row_attention`).
 
@@ -156,16 +156,11 @@ def _attend_kernel(prefix_ref, pos_ref, table_ref, kv_ref, q_ref, lslot_ref, cha
         return blocks((lambda i: lslot_ref[b, t, i], lslot_ref.shape[-1]), (tok == t) & (first_token + j < T),
                       carry)
 
-    if tokens > 1 and boundary_splits:  # other tokens' passes in items of their own
-        def run(carry):
-            j = jnp.where(extra, e % (tokens - 1) + 1, 0)
-            return lax.cond(in_slots, lambda c: blocks(None, tok >= 0, c), lambda c: token_pass(j, c), carry)
-        work = ~(extra & in_slots) & (s < num_splits)
-    else:
-        def run(carry):
-            return lax.cond(in_slots, lambda c: blocks(None, tok >= 0, c),
-                            lambda c: functools.reduce(lambda acc, j: token_pass(j, acc), range(tokens), c), carry)
-        work = True
+    def run(carry):  # one pass for the group, or the pass of this item's token
+        j = jnp.where(extra, e % max(tokens - 1, 1) + 1, 0)
+        return lax.cond(in_slots, lambda c: blocks(None, tok >= 0, c), lambda c: token_pass(j, c), carry)
+
+    work = ~(extra & in_slots) & (s < num_splits)  # an item past num_splits: only where its split has token passes
     seen_any = work & (jnp.min(lo_row) < jnp.max(hi_row))
     o_ref[...], lse_ref[...] = softmax_split(lambda carry: lax.cond(seen_any, run, lambda c: c, carry), ROWS,
                                              q_ref.shape[-1])
@@ -264,7 +259,7 @@ def row_attention(q, kv_buf, meta: AttnMeta, *, window: int = 0, scale: float,
     kernel = functools.partial(
         _attend_kernel, scale=float(scale), block_k=t.block_k, split_blocks=t.split_blocks,
         page_size=page_size, dense=dense, num_pages=kv_flat.shape[0] // page_size, num_keys=num_keys,
-        window=int(window), row_blocks=RB, head_rows=GP, tokens=TPT, num_splits=NS, boundary_splits=NB)
+        window=int(window), row_blocks=RB, head_rows=GP, tokens=TPT, num_splits=NS)
     whole = pl.BlockSpec()
     o, lse = pl.pallas_call(
         kernel,
