@@ -76,7 +76,7 @@ def _as_chain(meta):
 @pytest.mark.parametrize("window,tiles,caps,chain", [
     (0, TILES, (96, 160), False),  # another capacity: more splits, all past the row's keys
     (40, TILES, (96, 160), False),
-    (0, UNPACKED, (96, 160), False),
+    (0, UNPACKED, (96,), False),
     (24, RowAttentionTiles(block_k=16, split_blocks=2, merge_block_d=8), (96,), False),
     (0, RowAttentionTiles(block_k=16, split_blocks=1), (96,), True),  # one pass a group
     (0, UNPACKED, (96,), True),
