@@ -349,6 +349,7 @@ TUNINGS: dict[str, dict] = {
     "rm_programs528": {"row_matmul": {"target_programs": 528}},
     "rm_bn64": {"row_matmul": {"block_n": 64}},
     "rm_narrow": {"row_matmul": {"wide_n": 1 << 30}},  # no wide tiles for gate/up and heads
+    "rm_wide_warps4": {"row_matmul": {"wide_num_warps": 4}},  # the wide tiles' warps before 2026-11-27
     "norm_warps4": {"row_norm": {"num_warps": 4}},
     "norm_warps16": {"row_norm": {"num_warps": 16}},
     "row_attn_128x2": {"row_attention": {"split_blocks": 2}},  # splits of 256 positions

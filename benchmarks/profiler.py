@@ -9,7 +9,8 @@ decode: the loop of a random-weight target (context 1k): a step timed from two r
   --model 8b (Llama-3.1-8B shape), v2lite (DeepSeek-V2-Lite, --layers decoder layers:
   the first dense, the rest MoE) or v3layer (--layers DeepSeek-V3 MoE layers);
   --batch; --spec S,K,N: rounds with a random EAGLE-3-shaped head (8b) or MTP layer
-  (DeepSeek) instead of plain steps; --tuning: a `common.TUNINGS` name; --devices n:
+  (DeepSeek) instead of plain steps; --tuning: `common.TUNINGS` names (a,b: a profile
+  of each, one after the other on the same weights); --devices n:
   the model split over n GPUs, kernels per GPU and stream.
   Under DeepSeek's command buffers (the family's default) the trace shows none of the
   kernels inside the loop's CUDA graph: take --tuning no_graphs to see the decode
@@ -20,7 +21,7 @@ phases: the bundled pair, one run per program (plain, and each S,K,N): each kern
   metadata; kernels per round and their time, per phase.
 
 Run: PYTHONPATH=. python3 benchmarks/profiler.py decode [--model 8b] [--batch 1] [--spec S,K,N] [--layers 4]
-         [--tuning NAME] [--devices N] [--top 40]
+         [--tuning NAME[,NAME...]] [--devices N] [--top 40]
      PYTHONPATH=. python3 benchmarks/profiler.py phases [S,K,N ...]   (default 4,1,5)
 Results: $OUT/profile_<model>_b<batch>[...].json and hlo_<...>.txt; $OUT/profile_phases_<backend>.json
 """
@@ -72,10 +73,16 @@ def model(args):
 
 def decode(args):
     params, spec, vocab = model(args)
-    tuning = None if args.tuning == "default" else tuning_of(args.tuning)
+    for tuning_name in args.tuning.split(","):
+        decode_profile(args, params, spec, vocab, tuning_name)
+
+
+def decode_profile(args, params, spec, vocab: int, tuning_name: str):
+    """One tuning's profile of `decode` (the model built once for every --tuning)."""
+    tuning = None if tuning_name == "default" else tuning_of(tuning_name)
     layers = "" if args.model == "8b" else f"_{args.layers}l"
     name = "_".join(x for x in (f"profile_{args.model}{layers}_b{args.batch}", bench_tag(args.spec or ""),
-                                "" if args.tuning == "default" else args.tuning,
+                                "" if tuning_name == "default" else tuning_name,
                                 f"n{args.devices}" if args.devices else "") if x)
     r = Runner(params, prompts(args.batch, vocab), 144, spec=spec, tuning=tuning)
     per, _, _ = r.per_round(16, 144, reps=2)
@@ -116,7 +123,7 @@ def decode(args):
         for (stream, kname), (c, t) in sorted(by_stream.items(), key=lambda kv: -kv[1][1])[:args.top]:
             print(f"   {t / steps:8.1f} us {c / steps:6.1f}x mean {t / c:6.1f}  [{stream}] {kname[:90]}")
     save_json(f"{name}.json", {"env": env_info(), "model": args.model, "batch": args.batch, "spec": args.spec,
-                               "tuning": args.tuning, "steps": steps, "run_s": secs, "ms_per_step": per * 1e3,
+                               "tuning": tuning_name, "steps": steps, "run_s": secs, "ms_per_step": per * 1e3,
                                "busy_us": busy_us, "gaps_us": [round(g, 2) for g in gaps if g > 0.5],
                                "per_gpu": per_gpu, "kernels": [(kname, n, t) for t, n, kname in rows]})
 
@@ -192,7 +199,8 @@ def main():
     ap.add_argument("--batch", type=int, default=1)
     ap.add_argument("--spec", default="", help="decode: S,K,N rounds instead of plain steps")
     ap.add_argument("--layers", type=int, default=4, help="v2lite and v3layer: decoder layers")
-    ap.add_argument("--tuning", default="default", help="a common.TUNINGS name")
+    ap.add_argument("--tuning", default="default",
+                    help="common.TUNINGS names, comma-separated: one profile each, the model built once")
     ap.add_argument("--devices", type=int, default=0, help="8b: split over this many GPUs (0: unsplit)")
     ap.add_argument("--top", type=int, default=40, help="kernels listed")
     args = ap.parse_args()

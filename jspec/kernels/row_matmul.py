@@ -61,13 +61,18 @@ def _kernel(x_ref, w_ref, o_ref, *, block_m: int, block_k: int, chunks_per_split
     o_ref[s, rows, pl.ds(pl.multiple_of(n * block_n, block_n), block_n)] = acc
 
 
+def is_wide(n: int, tiles: RowMatmulTiles) -> bool:
+    """Whether a weight of n columns takes the wide tiles (gate/up products, LM heads)."""
+    return n >= tiles.wide_n and n % tiles.wide_block_n == 0
+
+
 def layout_for(k: int, n: int, tiles: RowMatmulTiles) -> tuple[int, int]:
     """(columns a program, K splits) for a [k, n] weight, from its shape only. Wide weights
-    (n >= tiles.wide_n, a multiple of tiles.wide_block_n: gate/up products, LM heads) take
-    wide_block_n columns a program and one K split where their column tiles fit one wave
-    of tiles.one_wave programs, else two (measured faster at one row: docs/benchmarks.md);
-    others `block_n_for` and `splits_for`. The split count divides k's chunks."""
-    if n >= tiles.wide_n and n % tiles.wide_block_n == 0:
+    (`is_wide`) take wide_block_n columns a program and one K split where their column
+    tiles fit one wave of tiles.one_wave programs, else two (measured faster at one row:
+    docs/benchmarks.md); others `block_n_for` and `splits_for`. The split count divides
+    k's chunks."""
+    if is_wide(n, tiles):
         block_n = tiles.wide_block_n
         splits = 1 if n // block_n <= tiles.one_wave else 2
     else:
@@ -119,7 +124,8 @@ def row_matmul(x, w, *, transpose_w: bool = False, tiles: RowMatmulTiles | None 
     params = None
     if not interpret:
         from jax.experimental.pallas import triton as plt
-        params = plt.CompilerParams(num_warps=t.num_warps, num_stages=t.num_stages)
+        params = plt.CompilerParams(num_warps=t.wide_num_warps if is_wide(N, t) else t.num_warps,
+                                    num_stages=t.num_stages)
     w_spec = (pl.BlockSpec((block_n, K), lambda m, n, s: (n, 0)) if transpose_w
               else pl.BlockSpec((K, block_n), lambda m, n, s: (0, n)))
     part = pl.pallas_call(
