@@ -356,6 +356,7 @@ TUNINGS: dict[str, dict] = {
     "row_attn_64x2": {"row_attention": {"block_k": 64, "split_blocks": 2}},
     "row_attn_64x1": {"row_attention": {"block_k": 64, "split_blocks": 1}},
     "row_unpacked": {"row_attention": {"pack_tokens": False}},  # one token's heads a 16-row tile
+    "row_pack_always": {"row_attention": {"pack_min_splits": 0}},  # packed tiles over short caches too
     "row_merge_loop": {"row_attention": {"unroll_splits": 0}},  # the split merge as a loop
     "row_mla_64x2": {"row_mla": {"block_k": 64, "split_blocks": 2}},  # Tuning.row_mla (DeepSeek)
     "row_mla_32x4": {"row_mla": {"block_k": 32, "split_blocks": 4}},

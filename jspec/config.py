@@ -396,6 +396,8 @@ class RowAttentionTiles:
     unroll_splits: int = 32  # the merge's walk over the splits written out up to this many
     pack_tokens: bool = True  # GQA: several tokens' heads in a program's 16 rows (`row_attention`); on an
     # H100 the 8B shape's 16-node tree round then costs 1.5% over the default's (10.7% unpacked: docs/benchmarks.md)
+    pack_min_splits: int = 4  # ... where the cache holds at least this many splits (`row_attention.packs`): the
+    # bundled pair's first run (2 splits) ran 5943 tokens/s unpacked, 5614 packed (H100, docs/benchmarks.md)
     merge_block_d: int = 32  # `row_attention`'s split merge: head dimensions a program
 
 
@@ -521,9 +523,11 @@ class Tuning:
     targets on one device (True elsewhere is refused); a prompt's passes (prefill, prompt
     chunks) keep XLA's products and attention. None
     (the default): on where the family measured it within 3% of the step without
-    (`TargetFamily.row_invariant_by_default`, given the plan's batch: Llama targets at
-    batch 1 (the 8B shape's step and rounds 1.5-2.8% dearer on an H100) and up to hidden
-    size 1024 at every batch, e.g. the bundled pair; DeepSeek targets up to batch 4), off
+    (`TargetFamily.row_invariant_by_default`, given the plan's batch and the device: Llama
+    targets up to hidden size 1024 at every batch, e.g. the bundled pair, and larger ones
+    at batch 1 (the 8B shape's step and rounds 1.7-2.3% dearer on an H100); DeepSeek
+    targets up to batch 4; the large targets only on GPUs of
+    `models.family.ROW_INVARIANT_CHEAP_GPUS`, the H100: an H200 paid 5.8% an 8B step), off
     elsewhere; docs/benchmarks.md gives its cost. On a CPU it changes
     nothing: jspec's CPU products are row-invariant already and the kernels do not run.
 

@@ -12,9 +12,9 @@ from test_kernels import _fast_jit, _reference, make_case, stack
 
 from jspec.cache import layout as lay
 from jspec.config import RowAttentionTiles
-from jspec.kernels.row_attention import in_slot_order, local_slots, row_attention
+from jspec.kernels.row_attention import in_slot_order, local_slots, packs, row_attention
 
-TILES = RowAttentionTiles(block_k=16, split_blocks=2)  # splits of 32 positions: several a row; packed tokens
+TILES = RowAttentionTiles(block_k=16, split_blocks=2, pack_min_splits=0)  # splits of 32 positions; packed tokens
 UNPACKED = RowAttentionTiles(block_k=16, split_blocks=2, pack_tokens=False)  # one token a tile
 
 
@@ -121,3 +121,9 @@ def test_in_slot_order_marks_groups_whose_tokens_find_each_key_at_its_position()
     np.testing.assert_array_equal(got, [[0, 0, 0]] * 2)
     np.testing.assert_array_equal(np.asarray(in_slot_order(local_slots(fork), fork.prefix_len, 1)),
                                   [[1, 0, 0, 0, 0, 0]] * 2)
+
+
+def test_tokens_share_a_tile_only_over_caches_of_enough_splits():
+    tiles = RowAttentionTiles()
+    assert not packs(tiles.pack_min_splits - 1, tiles) and packs(tiles.pack_min_splits, tiles)
+    assert not packs(64, RowAttentionTiles(pack_tokens=False)) and packs(1, RowAttentionTiles(pack_min_splits=0))

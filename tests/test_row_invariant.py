@@ -4,6 +4,7 @@ output and every row kernel ran), and the CLI's line about the outputs."""
 from __future__ import annotations
 
 import importlib
+from types import SimpleNamespace
 
 import jax
 import numpy as np
@@ -32,7 +33,12 @@ def test_the_setting_auto_and_refusals(monkeypatch, tmp_path):
     assert _plan_tuning(small, Tuning(row_invariant=False)).row_invariant is False
     llama = family_for(small.config)
     wide = small.config.replace(hidden_size=4096)  # the 8B shape: on at batch 1 only (dearer in larger batches)
-    assert llama.row_invariant_by_default(wide, 1) and not llama.row_invariant_by_default(wide, 2)
+    h100, h200 = (SimpleNamespace(platform="gpu", device_kind=f"NVIDIA {k} 80GB HBM3") for k in ("H100", "H200"))
+    cpu = jax.devices("cpu")[0]
+    assert llama.row_invariant_by_default(wide, 1, h100) and not llama.row_invariant_by_default(wide, 2, h100)
+    assert llama.row_invariant_by_default(wide, 1, cpu)  # no GPU kernels: nothing to pay
+    assert not llama.row_invariant_by_default(wide, 1, h200)  # measured 5.8% dearer a step there
+    assert llama.row_invariant_by_default(small.config, 32, h200)  # small targets: on everywhere
     odd = jspec.Params(small.config.replace(vocab_size=300), small.weights)  # a head the row kernel does not take
     assert _plan_tuning(odd, Tuning()).row_invariant is False
     with pytest.raises(ValueError, match=r"the LM head is \[128, 300\]"):
@@ -48,6 +54,10 @@ def test_the_setting_auto_and_refusals(monkeypatch, tmp_path):
     fits = jspec.Params(DEEPSEEK, family_for(DEEPSEEK).init_weights(DEEPSEEK, jax.random.key(0)))
     assert _plan_tuning(fits, Tuning(row_invariant=True)).row_invariant is True
     assert _plan_tuning(fits, Tuning()).row_invariant is True  # DeepSeek: auto up to batch 4 (docs/benchmarks.md)
+    deepseek_family = family_for(DEEPSEEK)
+    assert deepseek_family.row_invariant_by_default(DEEPSEEK, 4, h100)
+    assert not deepseek_family.row_invariant_by_default(DEEPSEEK, 8, h100)
+    assert not deepseek_family.row_invariant_by_default(DEEPSEEK, 1, h200)
     large = make_plan(fits, [8] * 5, [4] * 5, 1, False, CacheConfig(), None, Tuning()).tuning  # a batch of 8
     assert large.row_invariant is False
     sparse = DEEPSEEK.replace(index_topk=8, index_head_dim=16, index_n_heads=2, q_lora_rank=64)

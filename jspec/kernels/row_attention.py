@@ -211,6 +211,15 @@ def in_slot_order(lslot, prefix_len, tokens: int):
     return jnp.all(ok.reshape(B, Tg, tokens), axis=-1).astype(jnp.int32)
 
 
+def packs(num_splits: int, tiles: RowAttentionTiles) -> bool:
+    """Whether a GQA tile holds several tokens' heads (`RowAttentionTiles.pack_tokens`):
+    where the cache holds at least `pack_min_splits` splits. A pack shares its tokens'
+    passes over the prefix; over a short cache there is little to share and its extra
+    work items and merge reads cost more. Which tokens share a tile does not change a
+    row's bits."""
+    return tiles.pack_tokens and num_splits >= tiles.pack_min_splits
+
+
 def boundary_splits(local_len: int, tokens: int, num_splits: int, tiles: RowAttentionTiles) -> int:
     """How many splits the local positions prefix_len .. prefix_len + local_len - 1 can
     touch (whatever prefix_len is), each a work item a token for tokens 1.. of a group
@@ -236,9 +245,9 @@ def row_attention(q, kv_buf, meta: AttnMeta, *, window: int = 0, scale: float,
     Gq = H // Hkv
     RB = -(-Gq // ROWS)  # row blocks a kv head
     GP = ROWS if RB > 1 else pow2_ceil(Gq)  # rows a token's heads take in a block
-    TPT = min(ROWS // GP, pow2_ceil(T)) if t.pack_tokens else 1  # tokens a block
-    Tg = -(-T // TPT)
     NS = num_splits(num_keys, t)
+    TPT = min(ROWS // GP, pow2_ceil(T)) if packs(NS, t) else 1  # tokens a block
+    Tg = -(-T // TPT)
     NB = boundary_splits(meta.local_len, TPT, NS, t)
     W = NS + NB * (TPT - 1)  # work items a (token group, row block): the splits, then other tokens' passes
     if interpret is None:

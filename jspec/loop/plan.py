@@ -156,7 +156,7 @@ def make_plan(params, lens: list[int], max_new: list[int], num_stop: int, sample
         problem = "it runs on one device: its kernels cannot be split over a mesh"
     if tuning.row_invariant is None:  # auto: where the family measured it cheap (`TargetFamily.row_invariant_by_default`)
         tuning = tuning.replace(row_invariant=problem is None and family.row_invariant_by_default(
-            params.config, pow2(len(lens))))
+            params.config, pow2(len(lens)), jax.devices()[0]))
     if tuning.row_invariant and problem:
         raise ValueError(f"Tuning(row_invariant=True): {problem}")
     if prefill_chunk and not (paged and family.cache_kind(params.config).prefill_in_chunks):

@@ -45,6 +45,7 @@ from jspec import sharding
 from jspec.tensors import HostParam, StackedParam
 from jspec.models import deepseek_hf
 from jspec.models.deepseek_hf import DeepseekConfig
+from jspec.models.family import row_invariant_measured_cheap
 from jspec.kernels import dispatch, row_matmul, row_mla, row_norm
 from jspec.kernels.tiling import in_order_sum, is_pow2
 from jspec.models.llama import DecoderLM, FlaxFamily, Linear, RMSNorm, product, rows_alone
@@ -581,14 +582,15 @@ class DeepseekFamily(FlaxFamily):
     def split(self, cfg: DeepseekConfig, weights, n: int):
         return split_deepseek(cfg, weights, n)
 
-    def row_invariant_by_default(self, cfg: DeepseekConfig, batch: int) -> bool:
-        """On for batches up to `ROW_INVARIANT_AUTO_MAX_BATCH`. On an H100 the
-        DeepSeek-V2-Lite shape's batch-1 step cost 1.6-4.1% more with it over four calls
-        (2.8% on average), an MTP round of 4 tokens 4.3% less and of 3 tokens 1.0% more,
-        a batch-4 step 5.7% less; a batch-32 step cost 1.49x (the expert kernel reads each
-        (token, expert) pair's expert where the default groups a large batch's pairs by
-        expert). docs/benchmarks.md."""
-        return batch <= ROW_INVARIANT_AUTO_MAX_BATCH
+    def row_invariant_by_default(self, cfg: DeepseekConfig, batch: int, device) -> bool:
+        """On for batches up to `ROW_INVARIANT_AUTO_MAX_BATCH` where
+        `row_invariant_measured_cheap` (not measured on an H200). On an H100 the
+        DeepSeek-V2-Lite shape's batch-1 step cost 1.3-4.1% more with it over six calls
+        (2.5% on average), an MTP round of 4 tokens 4.3-6.2% less and of 3 tokens 1.0%
+        more, a batch-4 step 5.7-7.5% less; a batch-32 step cost 1.49x (the expert kernel
+        reads each (token, expert) pair's expert where the default groups a large batch's
+        pairs by expert). docs/benchmarks.md."""
+        return batch <= ROW_INVARIANT_AUTO_MAX_BATCH and row_invariant_measured_cheap(device)
 
     def row_invariant_problem(self, cfg: DeepseekConfig, tuning) -> str | None:
         """Sparse attention (V3.2: its indexer's norm, products and top-k are not built

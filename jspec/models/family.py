@@ -13,6 +13,20 @@ from typing import Any, ClassVar
 from jspec.config import DEFAULT_TUNING
 
 
+# GPUs (substrings of `jax.Device.device_kind`) where the row-invariant mode of large
+# targets (Llama-3.1-8B and DeepSeek-V2-Lite shapes at batch 1) was measured within 3% of
+# the step and round without it (docs/benchmarks.md). An H200 paid 5.8% a step of the 8B
+# shape (jax 0.11.2, 2026-11-26); other GPUs were not measured.
+ROW_INVARIANT_CHEAP_GPUS = ("H100",)
+
+
+def row_invariant_measured_cheap(device) -> bool:
+    """Whether large targets take the row-invariant mode by default on `device`: a GPU
+    of `ROW_INVARIANT_CHEAP_GPUS`, or a backend without GPU kernels (the CPU's products
+    are row-invariant already, so the mode costs nothing there)."""
+    return device.platform != "gpu" or any(kind in device.device_kind for kind in ROW_INVARIANT_CHEAP_GPUS)
+
+
 class TargetFamily:
     """Base class of a family; `config_type` is the frozen config class it owns and
     `architectures` the Hugging Face `architectures` entries it loads."""
@@ -59,10 +73,11 @@ class TargetFamily:
         """Why this target cannot run with `Tuning.row_invariant` (None: it can)."""
         return f"not available for {type(self).__name__} targets yet (Llama and DeepSeek targets have it)"
 
-    def row_invariant_by_default(self, cfg, batch: int) -> bool:
+    def row_invariant_by_default(self, cfg, batch: int, device) -> bool:
         """What `Tuning.row_invariant=None` (auto) becomes for this target on one device
         (where `row_invariant_problem` has none), for programs of `batch` rows (the plan's
-        batch bucket: plain and speculative programs of one batch agree)."""
+        batch bucket: plain and speculative programs of one batch agree) on `device` (a
+        `jax.Device`: `row_invariant_measured_cheap`)."""
         return False
 
     def gpu_xla_options(self, cfg) -> dict:

@@ -23,13 +23,14 @@ from jspec.kernels.attention import cached_attention
 from jspec.kernels.tiling import is_pow2
 from jspec import sharding
 from jspec.models import llama_hf
-from jspec.models.family import TargetFamily
+from jspec.models.family import TargetFamily, row_invariant_measured_cheap
 from jspec.tensors import HostParam
 
 _init = nn.initializers.normal(0.02)
 # `Tuning.row_invariant=None` turns it on for targets up to this hidden size at every batch
 # (measured cheaper at 256; sizes between 256 and 4096 not measured), and for every target
-# in programs of up to ROW_INVARIANT_AUTO_MAX_BATCH rows (`LlamaFamily.row_invariant_by_default`).
+# in programs of up to ROW_INVARIANT_AUTO_MAX_BATCH rows on GPUs where it was measured
+# cheap (`LlamaFamily.row_invariant_by_default`, `family.ROW_INVARIANT_CHEAP_GPUS`).
 ROW_INVARIANT_AUTO_MAX_HIDDEN = 1024
 ROW_INVARIANT_AUTO_MAX_BATCH = 1
 
@@ -398,14 +399,16 @@ class LlamaFamily(FlaxFamily):
             return f"the row attention kernel takes head dims that are powers of two >= 16, not {Dh}"
         return None
 
-    def row_invariant_by_default(self, cfg, batch: int) -> bool:
+    def row_invariant_by_default(self, cfg, batch: int, device) -> bool:
         """On up to `ROW_INVARIANT_AUTO_MAX_HIDDEN` at every batch, and at batch 1
-        (`ROW_INVARIANT_AUTO_MAX_BATCH`) for every size. On an H100 the bundled pair (hidden
-        256) ran faster with it (plain 2681 against 2368 tokens/s, EAGLE-3 S=5 6114 against
-        5721); the 8B shape (4096) paid 2.8% a batch-1 step, 1.9% a chain round (S=3) and
-        1.5% a 16-node tree round, and at batch 4 (an H200) 4.0% a step and 37% a tree
-        round (docs/benchmarks.md)."""
-        return cfg.hidden_size <= ROW_INVARIANT_AUTO_MAX_HIDDEN or batch <= ROW_INVARIANT_AUTO_MAX_BATCH
+        (`ROW_INVARIANT_AUTO_MAX_BATCH`) for every size where `row_invariant_measured_cheap`.
+        On an H100 the bundled pair (hidden 256) ran faster with it (plain 2681 against
+        2368 tokens/s, EAGLE-3 S=5 6114 against 5721); the 8B shape (4096) paid 1.7-2.3% a
+        batch-1 step, 1.8-2.1% a chain round (S=3) and 1.8-2.0% a 16-node tree round; on an
+        H200 5.8% a step, and at batch 4 4.0% a step and 37% a tree round
+        (docs/benchmarks.md)."""
+        return cfg.hidden_size <= ROW_INVARIANT_AUTO_MAX_HIDDEN or (
+            batch <= ROW_INVARIANT_AUTO_MAX_BATCH and row_invariant_measured_cheap(device))
 
     def config_from_hf(self, cfg_json: dict, dtype: str | None) -> ModelConfig:
         return llama_hf.model_config_from_hf(cfg_json, dtype=dtype)
