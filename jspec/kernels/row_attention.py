@@ -7,7 +7,8 @@ the grid's size, both of which follow B x T, and reads a tree node's ancestors f
 node slots; each changes the order in which a row's softmax sums run. Here:
 - a program's tile is 16 query rows of one kv head: a token's Gq heads padded to a power
   of two, and up to 16 / that many tokens side by side (more than 16 heads: several
-  programs of one token; `RowAttentionTiles.pack_tokens` False: one token a program). The
+  programs of one token; one token a program where `packs` says no: a cache of fewer than
+  `RowAttentionTiles.pack_min_splits` splits, or `pack_tokens` False). The
   tile's shape is the same in a decode step and in a verification, and a row's products,
   maximum and sum use that row alone, so which tokens share it does not change its bits;
 - keys are visited by POSITION in blocks of BK positions: position p < prefix_len sits in
