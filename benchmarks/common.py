@@ -339,7 +339,7 @@ TUNINGS: dict[str, dict] = {
     "attn_programs128": {"attention": {"target_programs": 128}},
     # row-invariant numerics (issue 40): Tuning.row_invariant and its kernels' tiles
     "row_invariant": {"row_invariant": True},
-    "row_invariant_off": {"row_invariant": False},  # "default" is the family's auto rule (on at batch 1 since 2026-11-26)
+    "row_invariant_off": {"row_invariant": False},  # "default" is the family's auto rule (on at batch 1 on an H100)
     "row_attn_bk64": {"row_attention": {"block_k": 64, "split_blocks": 4}},
     "row_attn_bk64_split8": {"row_attention": {"block_k": 64, "split_blocks": 8}},
     "row_attn_split8": {"row_attention": {"split_blocks": 8}},  # splits of 1024 positions
