@@ -427,7 +427,8 @@ class RowMatmulTiles:
     wide_block_n: int = 256  # divides N: programs this wide and one K split while the column tiles
     one_wave: int = 132  # fit one wave of this many programs (the H100's SMs), else two splits
     num_warps: int = 4
-    wide_num_warps: int = 8  # the wide tiles' programs (8B gate/up 76.1 us against 78.3 with 4: docs/benchmarks.md)
+    wide_num_warps: int = 8  # the wide tiles' programs: the 8B step 5.665 ms against 5.687 with 4, within noise
+    # in the products alone (docs/experiments.md, fifth pass)
     num_stages: int = 3
 
 
