@@ -13,12 +13,13 @@ from jspec.drafts import Draft, Eagle3Draft, EagleDraft, MtpDraft, StandaloneDra
 from jspec.loading import load, load_draft, shard
 from jspec.loop.proposers.ngram import NgramDraft
 from jspec.params import DraftParams, Params
-from jspec.serve import Adaptive, Engine, QueueFull, RequestOutput
+from jspec.results import TokenLogprob
+from jspec.serve import Adaptive, Delta, Engine, EngineError, QueueFull, RequestOutput
 from jspec.streaming import StreamChunk
 
 __version__ = "0.1.0"
 
-__all__ = ["Adaptive", "CacheConfig", "Compiled", "Draft", "DraftParams", "Eagle3Draft", "EagleDraft", "Engine", "GenerateOutput",
-           "ModelConfig", "MtpDraft", "NgramDraft", "Params", "QueueFull", "RequestOutput", "SpecConfig", "SpecStats", "StandaloneDraft",
-           "StreamChunk", "Tuning", "clear_caches", "compile", "generate", "load", "load_draft", "logits", "shard",
-           "stream"]
+__all__ = ["Adaptive", "CacheConfig", "Compiled", "Delta", "Draft", "DraftParams", "Eagle3Draft", "EagleDraft", "Engine",
+           "EngineError", "GenerateOutput", "ModelConfig", "MtpDraft", "NgramDraft", "Params", "QueueFull", "RequestOutput",
+           "SpecConfig", "SpecStats", "StandaloneDraft", "StreamChunk", "TokenLogprob", "Tuning", "clear_caches",
+           "compile", "generate", "load", "load_draft", "logits", "shard", "stream"]

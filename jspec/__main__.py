@@ -7,9 +7,11 @@
     python -m jspec bench serve [--target DIR --draft DIR] [--rates R ...] [--spec S,K,N|adaptive ...]
                                 [--requests N] [--max-batch B] [--max-new-tokens N] [--prompts FILE]
                                 [--prefill-chunk C]
-    python -m jspec serve [--target DIR --draft NAME|DIR|mtp|ngram|none] [--host H] [--port P]
+    python -m jspec serve [--target DIR|ID --draft NAME|DIR|ID|mtp|ngram|none] [--host H] [--port P]
                           [--max-batch B] [--max-len L] [--max-new-tokens N] [--spec S,K,N|adaptive]
-                          [--prefill-chunk C] [--dtype D]
+                          [--prefill-chunk C] [--dtype D] [--served-model-name NAME]
+                          [--chat-template FILE|STRING] [--api-key KEY] [--request-timeout S]
+                          [--max-logprobs K] [--log-level LEVEL]
 
 Loads the bundled target (a small model trained on the Python standard library) with its
 EAGLE-3 head, or your own local target and draft, continues PROMPT (greedy, or sampled with
@@ -74,9 +76,11 @@ def _float(check, what: str):
     return parse
 
 
-def _directory(text: str) -> str:
-    if not os.path.isdir(text):
-        raise argparse.ArgumentTypeError(f"no such directory: {text!r}")
+def _model_dir(text: str) -> str:
+    """A local model directory, or a Hugging Face hub id ('org/name': resolved at load)."""
+    from jspec.loading import looks_like_hub_id
+    if not os.path.isdir(text) and not looks_like_hub_id(text):
+        raise argparse.ArgumentTypeError(f"no such directory: {text!r} (nor a hub id 'org/name')")
     return text
 
 
@@ -107,8 +111,8 @@ def _prompt_file(path: str) -> list[str]:
 
 
 def _model_args(ap: argparse.ArgumentParser, draft_help: str):
-    ap.add_argument("--target", type=_directory, default=None, metavar="DIR",
-                    help="a local Hugging Face target directory (default: the bundled target)")
+    ap.add_argument("--target", type=_model_dir, default=None, metavar="DIR|ID",
+                    help="a Hugging Face target directory or hub id (default: the bundled target)")
     ap.add_argument("--draft", default=None, metavar="NAME|DIR",
                     help=draft_help)
     ap.add_argument("--dtype", default=None, choices=DTYPES,
@@ -130,7 +134,8 @@ def _load(ap: argparse.ArgumentParser, args):
         draft = None
     embedded = args.target is not None and draft in EMBEDDED_DRAFTS  # e.g. a DeepSeek checkpoint's own MTP layer
     named = draft == "ngram" or embedded or (args.target is None and draft in BUNDLED_DRAFTS)  # no directory
-    if draft is not None and not named and not os.path.isdir(draft):
+    from jspec.loading import looks_like_hub_id
+    if draft is not None and not named and not os.path.isdir(draft) and not looks_like_hub_id(draft):
         why = (" ('eagle3' and 'standalone' name the bundled drafts, which go with the bundled target)"
                if draft in BUNDLED_DRAFTS else "")
         ap.error(f"argument --draft: no such directory: {draft!r}{why}")
@@ -371,9 +376,10 @@ def _bench(argv) -> int:
 def _serve_parser() -> _Parser:
     ap = _Parser(prog=f"{PROG} serve", description="Serves the model over an OpenAI-compatible HTTP API "
                                                    "(/v1/completions, /v1/chat/completions, /v1/models, /health, "
-                                                   "/metrics) until SIGINT or SIGTERM.")
-    _model_args(ap, "a draft directory, 'mtp', 'ngram' or 'none' (plain decoding); with the bundled target "
-                    "'eagle3' (the default) or 'standalone'")
+                                                   "/metrics) until SIGINT or SIGTERM. Every program it can run is "
+                                                   "compiled before it listens.")
+    _model_args(ap, "a draft directory or hub id, 'mtp', 'ngram' or 'none' (plain decoding); with the bundled "
+                    "target 'eagle3' (the default) or 'standalone'")
     ap.add_argument("--host", default="127.0.0.1", help="address to listen on (default: 127.0.0.1)")
     ap.add_argument("--port", type=_int(0, 65536), default=8000)
     ap.add_argument("--max-batch", type=_int(1), default=8, help="requests decoded together (default: 8)")
@@ -388,21 +394,51 @@ def _serve_parser() -> _Parser:
     ap.add_argument("--prefill-chunk", type=_int(1), default=512,
                     help="prompt tokens a prefill pass takes; longer prompts are prefilled in blocks between "
                          "chunks of rounds (default: 512)")
-    ap.add_argument("--model-name", default=None, help="the name /v1/models lists (default: the target "
-                                                       "directory's name, or jspec-bundled)")
+    ap.add_argument("--served-model-name", default=None, help="the name /v1/models lists and requests give "
+                                                             "(default: the target's directory name or hub id, or "
+                                                             "jspec-bundled)")
+    ap.add_argument("--chat-template", default=None, metavar="FILE|STRING",
+                    help="a Jinja chat template, or a file holding one, used instead of the tokenizer's")
+    ap.add_argument("--api-key", default=os.environ.get("JSPEC_API_KEY"),
+                    help="every /v1 route needs 'Authorization: Bearer KEY' (default: $JSPEC_API_KEY; none: open)")
+    ap.add_argument("--request-timeout", type=_float(lambda v: v > 0, "a number of seconds > 0"), default=None,
+                    metavar="SECONDS", help="a request that runs longer ends with finish_reason 'timeout' "
+                                            "(default: no limit)")
+    ap.add_argument("--max-logprobs", type=_int(0, 21), default=20,
+                    help="the most alternatives a request's logprobs may list (0: no logprobs; default: 20)")
+    ap.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"],
+                    help="jspec's log (one access line a request, the reason of every refusal; default: info)")
     return ap
 
 
+def _chat_template(ap: _Parser, value: str | None) -> str | None:
+    """--chat-template: a file's text, or the string itself (a template has '{' in it)."""
+    if value is None:
+        return None
+    if os.path.isfile(value):
+        with open(value, encoding="utf-8") as f:
+            return f.read()
+    if "{" not in value:
+        ap.error(f"argument --chat-template: no such file: {value!r} (and not a Jinja template)")
+    return value
+
+
 def _serve(argv) -> int:
+    import logging
+    import time
+
     ap = _serve_parser()
     args = ap.parse_args(argv)
     try:
         import uvicorn
     except ImportError:
-        ap.error("serving needs uvicorn and starlette: pip install 'jspec[serve]'")
+        ap.error("serving needs uvicorn, starlette, pydantic and prometheus_client: pip install 'jspec[serve]'")
+    logging.basicConfig(format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.getLogger("jspec").setLevel(args.log_level.upper())
     import jspec
     from jspec.serve.server import build_app
 
+    template = _chat_template(ap, args.chat_template)
     params, _ = _load(ap, args)
     context = getattr(params.config, "max_position_embeddings", None) or 4096
     max_len = args.max_len or context
@@ -412,18 +448,28 @@ def _serve(argv) -> int:
     try:
         engine = jspec.Engine(params, max_batch=args.max_batch, max_prompt_len=max_len - max_new,
                               max_new_tokens=max_new, spec=args.spec, rounds_per_chunk=args.rounds_per_chunk,
-                              prefill_chunk=args.prefill_chunk)
+                              prefill_chunk=args.prefill_chunk, max_logprobs=args.max_logprobs,
+                              request_timeout=args.request_timeout)
     except (ValueError, TypeError) as err:
         ap.error(str(err))
-    name = args.model_name or (os.path.basename(os.path.normpath(args.target)) if args.target else "jspec-bundled")
+    name = args.served_model_name or (os.path.basename(os.path.normpath(args.target)) if args.target and
+                                      os.path.isdir(args.target) else args.target) or "jspec-bundled"
+    t0 = time.perf_counter()
+    print(f"{PROG} serve: compiling every program the server can run ...", flush=True)
+    engine.warm_up()
+    print(f"{PROG} serve: {engine.stats.programs} programs compiled in {time.perf_counter() - t0:.1f} s "
+          f"(prompt length makes none: prompts are passed in blocks of {engine.runner.prefill_chunk or 'whole'})",
+          flush=True)
     print(f"{PROG} serve: {name} on http://{args.host}:{args.port}/v1 (batch {args.max_batch}, prompts up to "
-          f"{max_len - max_new} tokens, {max_new} new)", flush=True)
+          f"{max_len - max_new} tokens, {max_new} new{', API key required' if args.api_key else ''})", flush=True)
+
     def stopped(signum, frame):  # uvicorn stops gracefully (the engine closed), then re-raises the signal here
         print(f"{PROG} serve: stopped ({signal.Signals(signum).name})", flush=True)
         raise SystemExit(0)
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, stopped)
-    uvicorn.run(build_app(engine, name), host=args.host, port=args.port, log_level="warning")
+    uvicorn.run(build_app(engine, name, api_key=args.api_key, chat_template=template), host=args.host,
+                port=args.port, log_level="warning")
     return 0
 
 

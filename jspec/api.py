@@ -10,7 +10,6 @@ the same rounds in chunks (`jspec.streaming`).
 """
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import time
 from typing import Iterator, Sequence
@@ -22,9 +21,9 @@ from jspec import requests as rq
 from jspec import sharding
 from jspec.cache.layout import prefill_meta
 from jspec.config import CacheConfig, SpecConfig, Tuning
-from jspec.kernels import dispatch
 from jspec.loop import programs
 from jspec.loop.plan import make_plan
+from jspec.loop.state import MAX_LOGPROBS
 from jspec.models import family_for
 from jspec.params import Params
 from jspec.results import GenerateOutput, SpecStats, generate_output
@@ -55,7 +54,7 @@ def logits(params: Params, token_ids) -> jax.Array:
 
 def mesh_of(params: Params):
     """The context to trace and run a program in: under the params' mesh, if they are split."""
-    return contextlib.nullcontext() if params.mesh is None else jax.set_mesh(params.mesh)
+    return programs.under(params.mesh)
 
 
 def _logits_fn(cfg, weights, tokens, lens):
@@ -66,23 +65,16 @@ def _logits_fn(cfg, weights, tokens, lens):
 
 _logits_jit = jax.jit(_logits_fn, static_argnums=0)
 
-_COMPILED: dict = {}  # (entry, plan, shapes, kernel backend, mesh, options) -> compiled program
-
-
 def compiled_programs() -> int:
     """How many compiled programs jspec keeps (one per entry point, plan and shapes)."""
-    return len(_COMPILED)
+    return programs.compiled_count()
 
 
 def clear_caches() -> None:
     """Forgets every compiled program, jspec's and jax's traces alike: needed after code
     that tracing reads has changed (a patched function in a benchmark or test)."""
-    _COMPILED.clear()
+    programs.forget_compiled()
     jax.clear_caches()
-
-
-def _shapes(tree) -> tuple:
-    return jax.tree.structure(tree), tuple((np.shape(a), np.dtype(a.dtype)) for a in jax.tree.leaves(tree))
 
 
 class Compiled:
@@ -97,14 +89,12 @@ class Compiled:
     """
 
     def __init__(self, params: Params, reqs: rq.Requests, cache: CacheConfig, spec: SpecConfig | None,
-                 tuning: Tuning, eager: bool = True, tiers: tuple = (), prefill_chunk: int = 0):
+                 tuning: Tuning, eager: bool = True):
         self.params, self.cache, self.spec = params, cache, spec
         self._reqs = reqs
         self.compile_s = 0.0
         self.plan = make_plan(params, reqs.lens, reqs.max_new, max(len(s) for s in reqs.stop_ids), reqs.samples,
-                              cache, spec, tuning, tiers=tiers, prefill_chunk=prefill_chunk)
-        self.xla_options = dispatch.compiler_options(family_for(params.config).gpu_xla_options(params.config),
-                                                     self.plan.tuning)
+                              cache, spec, tuning, **logprob_fields(reqs))
         if eager:  # jspec.compile compiles now; jspec.stream compiles its own programs at its first chunk
             self.program(programs.generate_jit, *self.device_inputs(reqs))
 
@@ -117,17 +107,10 @@ class Compiled:
         """A loop entry point (`jspec.loop.programs`) compiled for `plan` (None: this
         call's) and arguments of these shapes (after the weights), once per equal plan,
         weights and shapes."""
-        plan = self.plan if plan is None else plan
-        tw, pw = self.weights
-        options = self.xla_options
-        key = (entry, plan, _shapes((tw, pw)), _shapes(args), dispatch.backend(), self.params.mesh,
-               tuple(sorted(options.items())))
-        if key not in _COMPILED:
-            t0 = time.perf_counter()
-            with mesh_of(self.params):
-                _COMPILED[key] = entry.lower(plan, tw, pw, *args).compile(options or None)
-            self.compile_s += time.perf_counter() - t0
-        return _COMPILED[key]
+        program, seconds = programs.compiled(entry, self.plan if plan is None else plan, self.weights, args,
+                                             self.params.mesh)
+        self.compile_s += seconds
+        return program
 
     def put(self, tree):
         """Host inputs on the device (on every device of the params' mesh)."""
@@ -138,29 +121,33 @@ class Compiled:
         return self.put(rq.pack(self.plan, reqs, self.cache))
 
     def fit(self, reqs: rq.Requests):
-        """Moves a greedy program to its sampling twin when these requests sample."""
+        """Moves a greedy program to its sampling twin when these requests sample, and one
+        without logprobs to its twin that records them when these requests ask for them."""
+        fields = logprob_fields(reqs)
         if reqs.samples and not self.plan.sampling:
             self.plan = dataclasses.replace(self.plan, sampling=True)
+        if any(v and not getattr(self.plan, k) for k, v in fields.items()):
+            self.plan = dataclasses.replace(self.plan, **{k: v or getattr(self.plan, k) for k, v in fields.items()})
 
     @property
     def weights(self):
         """(target weights, draft weights or None): the loop's weight arguments."""
         return self.params.weights, self.params.draft.weights if self.params.draft is not None else None
 
-    def requests(self, prompt=None, *, max_new_tokens=None, stop_token_ids=None, **sampling) -> rq.Requests:
+    def requests(self, prompt=None, *, max_new_tokens=None, stop_token_ids=None, **values) -> rq.Requests:
         """Checked requests; arguments left out keep the compiled call's (the prompt
         included). A new prompt takes the defaults of `generate` for what is left out."""
-        rq.check_sampling_names(sampling)
-        sampling = {k: v for k, v in sampling.items() if v is not None}
-        if prompt is None and max_new_tokens is None and stop_token_ids is None and not sampling:
+        rq.check_sampling_names(values)
+        values = {k: v for k, v in values.items() if v is not None}
+        if prompt is None and max_new_tokens is None and stop_token_ids is None and not values:
             return self._reqs
         base = self._reqs if prompt is None else None
         if base is not None:
-            sampling = {**base.sampling, **sampling}
+            values = {**base.values, **values}
         stops = stop_token_ids if stop_token_ids is not None else (base.stop_ids if base else None)
         reqs = rq.check_requests(self.params, self._reqs.prompts if prompt is None else prompt,
                                  max_new_tokens if max_new_tokens is not None else (base.max_new if base else 64),
-                                 stops, sampling)
+                                 stops, values)
         if prompt is None:
             reqs = dataclasses.replace(reqs, is_batch=self._reqs.is_batch)
         return reqs
@@ -169,9 +156,10 @@ class Compiled:
         """The host-side (rows, Admission) `run` would pass (same arguments as `run`)."""
         return rq.pack(self.plan, self.requests(prompt, **kw), self.cache)
 
-    def run(self, prompt=None, *, max_new_tokens=None, stop_token_ids=None, **sampling) -> GenerateOutput:
-        """Runs requests through the compiled loop (arguments left out: the compiled call's)."""
-        reqs = self.requests(prompt, max_new_tokens=max_new_tokens, stop_token_ids=stop_token_ids, **sampling)
+    def run(self, prompt=None, *, max_new_tokens=None, stop_token_ids=None, **values) -> GenerateOutput:
+        """Runs requests through the compiled loop (arguments left out: the compiled call's;
+        a request without a seed samples with a fresh one at every run)."""
+        reqs = self.requests(prompt, max_new_tokens=max_new_tokens, stop_token_ids=stop_token_ids, **values)
         self.fit(reqs)
         rows, adm = self.device_inputs(reqs)
         executable = self.program(programs.generate_jit, rows, adm)
@@ -180,15 +168,21 @@ class Compiled:
         res = jax.device_get(executable(tw, pw, rows, adm))
         run_s = time.perf_counter() - t0
         compile_s, self.compile_s = self.compile_s, 0.0  # reported by the first run only
-        return generate_output(self.params, self.plan, res, reqs.lens, reqs.is_batch, compile_s=compile_s,
-                               run_s=run_s)
+        return generate_output(self.params, self.plan, res, reqs, compile_s=compile_s, run_s=run_s)
 
     def stream(self, prompt=None, *, rounds_per_chunk: int = 4, max_new_tokens=None, stop_token_ids=None,
-               **sampling) -> Iterator[StreamChunk]:
+               **values) -> Iterator[StreamChunk]:
         """`run`, streamed: yields a `StreamChunk` every `rounds_per_chunk` rounds (see
         `jspec.stream`)."""
-        reqs = self.requests(prompt, max_new_tokens=max_new_tokens, stop_token_ids=stop_token_ids, **sampling)
+        reqs = self.requests(prompt, max_new_tokens=max_new_tokens, stop_token_ids=stop_token_ids, **values)
         return chunks(self, reqs, rounds_per_chunk)
+
+
+def logprob_fields(reqs: rq.Requests) -> dict:
+    """The `Plan` fields these requests' logprobs need (`make_plan`'s keywords)."""
+    wants = reqs.wants_logprobs or reqs.wants_prompt_logprobs
+    return dict(logprobs=MAX_LOGPROBS if wants else 0, token_logprobs=reqs.wants_logprobs,
+                prompt_logprobs=reqs.wants_prompt_logprobs)
 
 
 def compile(params: Params, prompt, *, max_new_tokens: int | Sequence[int] = 64,
@@ -217,11 +211,20 @@ def generate(params: Params, prompt, *, max_new_tokens: int | Sequence[int] = 64
     Sampling, each one value or one per prompt: temperature
     (0, the default: greedy), top_k (0: off), top_p (1: off), min_p (0: off),
     repetition_penalty (1: off; on prompt and generated tokens), presence_penalty and
-    frequency_penalty (0: off; on generated tokens), seed. Speculative output has exactly
-    the distribution of plain sampling with the same values (see `jspec.sampling`). A
-    program compiled for greedy requests leaves the sampling steps out; one that samples
-    takes any values (greedy rows included) without recompiling, and a greedy `Compiled`
-    compiles its sampling twin once, at its first sampled run.
+    frequency_penalty (0: off; on generated tokens), seed (left out: a fresh random seed
+    every run). Speculative output has exactly the distribution of plain sampling with the
+    same values (see `jspec.sampling`). A program compiled for greedy requests leaves the
+    sampling steps out; one that samples takes any values (greedy rows included) without
+    recompiling, and a greedy `Compiled` compiles its sampling twin once, at its first
+    sampled run.
+
+    Per request too, each one value or one per prompt: min_tokens (0: off; the stop ids
+    cannot be chosen before that many tokens), speculative (False: the request's drafts
+    are never accepted, a plain round each time, with the same output), logprobs (k in
+    0..20, None: off: each generated token's log-probability under the target, the
+    log-softmax of its raw logits, with the k most likely tokens there, in
+    `out.logprobs`; from the verification pass, no extra forward) and prompt_logprobs (the
+    same for the prompt's tokens, in `out.prompt_logprobs`).
     """
     return compile(params, prompt, max_new_tokens=max_new_tokens, stop_token_ids=stop_token_ids, cache=cache,
                    spec=spec, tuning=tuning, **sampling).run()

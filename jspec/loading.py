@@ -35,6 +35,31 @@ class ConfigJSON(dict):
         raise ValueError(f"{self.path}: missing required field {key!r}")
 
 
+HUB_FILES = ["*.json", "*.safetensors", "*.jinja", "tokenizer*", "*.model", "*.txt"]  # what a load reads
+
+
+def looks_like_hub_id(name) -> bool:
+    """'org/name' (no leading '.', '/' or '~', one slash): a Hugging Face hub model id."""
+    return (isinstance(name, str) and name.count("/") == 1 and not name.startswith((".", "/", "~"))
+            and all(part.strip() for part in name.split("/")))
+
+
+def resolve(model) -> str:
+    """A local directory as it is; a Hugging Face hub id ('Qwen/Qwen3-8B') -> its snapshot
+    in huggingface_hub's cache, downloaded when online (HF_HUB_OFFLINE=1: the cache only).
+    ValueError naming the argument when it is neither."""
+    if isinstance(model, (str, os.PathLike)) and os.path.isdir(model):
+        return os.fspath(model)
+    if not looks_like_hub_id(model):
+        return model  # read_config names what is wrong with it
+    from huggingface_hub import snapshot_download
+    try:
+        return snapshot_download(model, allow_patterns=HUB_FILES)
+    except Exception as err:  # noqa: BLE001  (offline and not cached, unknown id, no network ...)
+        raise ValueError(f"{model!r} is not a directory, and as a Hugging Face hub id it could not be found "
+                         f"({type(err).__name__}: {err})") from None
+
+
 def read_config(model_dir: str) -> ConfigJSON:
     if not isinstance(model_dir, (str, os.PathLike)):
         raise TypeError(f"expected a model directory path, got {type(model_dir).__name__}")
@@ -166,7 +191,8 @@ def load_draft(draft_dir: str, target: Params) -> DraftParams:
 
 def load(target_dir: str, *, draft: str | NgramDraft | None = None, dtype: str | None = None,
          devices=None) -> Params:
-    """Loads a target (and optionally a draft) from local Hugging Face directories.
+    """Loads a target (and optionally a draft) from Hugging Face directories, or hub ids
+    ('Qwen/Qwen3-8B') resolved through huggingface_hub's cache (`resolve`).
 
     draft: a draft's directory; "mtp" for the MTP (NextN) layer inside the target's own
     checkpoint; "ngram" for n-gram (prompt lookup) drafts with their defaults, or a
@@ -180,6 +206,9 @@ def load(target_dir: str, *, draft: str | NgramDraft | None = None, dtype: str |
     every weight from the safetensors files.
     """
     mesh = None if devices is None else sharding.make_mesh(devices)
+    target_dir = resolve(target_dir)
+    if isinstance(draft, str) and draft not in EMBEDDED_DRAFTS and draft != "ngram":
+        draft = resolve(draft)
     if draft == "ngram":
         draft = NgramDraft()
     if isinstance(draft, NgramDraft):

@@ -7,12 +7,13 @@ from __future__ import annotations
 import dataclasses
 import math
 import numbers
+import secrets
 
 import numpy as np
 
 from jspec.config import DEFAULT_TUNING, CacheConfig, SpecConfig, Tuning
 from jspec.loop.plan import Plan, proposer_for, slot_limits
-from jspec.loop.state import Admission, RequestRows
+from jspec.loop.state import MAX_LOGPROBS, Admission, RequestRows
 from jspec.params import Params
 from jspec.sampling import NEUTRAL, SamplingParams, any_processing
 
@@ -28,6 +29,23 @@ SAMPLING_ARGS = {
     "frequency_penalty": (float, lambda v: None if math.isfinite(v) else "must be finite"),
     "seed": (int, lambda v: None if 0 <= v < 2 ** 31 else "must be in [0, 2**31)"),
 }
+SEED_RANGE = 2 ** 31
+
+
+def fresh_seed() -> int:
+    """A random seed for a request that gave none (its sampling is then not reproducible)."""
+    return secrets.randbelow(SEED_RANGE)
+
+
+def check_logprobs(v, name: str):
+    """None (off) or an int in [0, MAX_LOGPROBS]: how many alternatives to list."""
+    if v is None:
+        return None
+    if not is_int(v):
+        raise TypeError(f"{name} must be an int or None, got {v!r}")
+    if not 0 <= v <= MAX_LOGPROBS:
+        raise ValueError(f"{name} must be in [0, {MAX_LOGPROBS}], got {v}")
+    return int(v)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -37,8 +55,19 @@ class Requests:
     prompts: list  # token id lists
     is_batch: bool  # the caller passed a batch (outputs are lists)
     max_new: list
-    sampling: dict  # SamplingParams field -> one value per prompt
+    sampling: dict  # SamplingParams field -> one value per prompt (seed: None where none was given)
     stop_ids: list  # one list of stop token ids per prompt
+    min_tokens: list = None  # tokens generated before a stop id may be chosen (0: off)
+    speculative: list = None  # drafts may be accepted (False: plain rounds for that request)
+    logprobs: list = None  # alternatives listed with each generated token's logprob (None: no logprobs)
+    prompt_logprobs: list = None  # the same for the prompt's tokens
+
+    def __post_init__(self):
+        n = len(self.prompts)
+        for name, default in (("min_tokens", 0), ("speculative", True), ("logprobs", None),
+                              ("prompt_logprobs", None)):
+            if getattr(self, name) is None:
+                object.__setattr__(self, name, [default] * n)
 
     @property
     def lens(self) -> list[int]:
@@ -46,8 +75,42 @@ class Requests:
 
     @property
     def samples(self) -> bool:
-        """Does some request sample or carry a penalty (`Plan.sampling`)?"""
-        return any_processing(SamplingParams(**{k: np.asarray(v) for k, v in self.sampling.items()}))
+        """Does some request sample, carry a penalty or bar stops (min_tokens): the
+        processing steps of `Plan.sampling`?"""
+        values = {k: np.asarray(v) for k, v in self.sampling.items() if k != "seed"}
+        return any_processing(SamplingParams(**values, seed=None)) or any(m > 0 for m in self.min_tokens)
+
+    @property
+    def values(self) -> dict:
+        """Every per-request value (sampling and options), one list each: what
+        `check_requests` takes to check them again."""
+        return {**self.sampling, "min_tokens": self.min_tokens, "speculative": self.speculative,
+                "logprobs": self.logprobs, "prompt_logprobs": self.prompt_logprobs}
+
+    @property
+    def wants_logprobs(self) -> bool:
+        return any(k is not None for k in self.logprobs)
+
+    @property
+    def wants_prompt_logprobs(self) -> bool:
+        return any(k is not None for k in self.prompt_logprobs)
+
+    def take(self, indices) -> "Requests":
+        """The requests at `indices`, as a batch."""
+        pick = lambda values: [values[i] for i in indices]  # noqa: E731
+        return Requests(prompts=pick(self.prompts), is_batch=True, max_new=pick(self.max_new),
+                        sampling={k: pick(v) for k, v in self.sampling.items()}, stop_ids=pick(self.stop_ids),
+                        min_tokens=pick(self.min_tokens), speculative=pick(self.speculative),
+                        logprobs=pick(self.logprobs), prompt_logprobs=pick(self.prompt_logprobs))
+
+    @staticmethod
+    def concat(parts: list["Requests"]) -> "Requests":
+        """Several checked requests as one batch."""
+        cat = lambda name: [v for p in parts for v in getattr(p, name)]  # noqa: E731
+        return Requests(prompts=cat("prompts"), is_batch=True, max_new=cat("max_new"),
+                        sampling={k: [v for p in parts for v in p.sampling[k]] for k in SAMPLING_ARGS},
+                        stop_ids=cat("stop_ids"), min_tokens=cat("min_tokens"), speculative=cat("speculative"),
+                        logprobs=cat("logprobs"), prompt_logprobs=cat("prompt_logprobs"))
 
 
 # ----------------------------------------------------------------------------- checks
@@ -116,6 +179,8 @@ def per_request(value, n: int, name: str, kind, check) -> list:
     for v in vals:
         if kind is int and not is_int(v):
             raise TypeError(f"{name} must be an int (or one per prompt), got {v!r}")
+        if kind is bool and not isinstance(v, (bool, np.bool_)):
+            raise TypeError(f"{name} must be True or False (or one per prompt), got {v!r}")
         if kind is float and (isinstance(v, bool) or not isinstance(v, (numbers.Real, np.floating, np.integer))):
             raise TypeError(f"{name} must be a number (or one per prompt), got {v!r}")
         v = kind(v)
@@ -159,25 +224,52 @@ def stop_ids(params: Params, stop_token_ids, n: int) -> list[list[int]]:
     return [_id_list(stop_token_ids, V, "stop_token_ids")] * n
 
 
-def check_sampling_names(sampling: dict) -> None:
-    unknown = sorted(set(sampling) - set(SAMPLING_ARGS))
+REQUEST_OPTIONS = ("min_tokens", "speculative", "logprobs", "prompt_logprobs")  # per-request values beside sampling
+
+
+def check_sampling_names(values: dict) -> None:
+    unknown = sorted(set(values) - set(SAMPLING_ARGS) - set(REQUEST_OPTIONS))
     if unknown:
-        raise TypeError(f"unexpected argument {unknown[0]!r}; the sampling arguments are {', '.join(SAMPLING_ARGS)}")
+        raise TypeError(f"unexpected argument {unknown[0]!r}; the per-request arguments are "
+                        f"{', '.join([*SAMPLING_ARGS, *REQUEST_OPTIONS])}")
 
 
-def check_requests(params: Params, prompt, max_new_tokens, stop_token_ids, sampling: dict) -> Requests:
-    """sampling: {name in SAMPLING_ARGS: value or one per prompt}; missing names are neutral."""
-    check_sampling_names(sampling)
+def check_requests(params: Params, prompt, max_new_tokens, stop_token_ids, values: dict) -> Requests:
+    """values: {name in SAMPLING_ARGS or REQUEST_OPTIONS: one value or one per prompt};
+    missing sampling values are neutral, a missing seed is drawn afresh at every run
+    (`pack`); the options default to min_tokens 0, speculative True, no logprobs."""
+    check_sampling_names(values)
     token_lists, is_batch = prompts(params, prompt)
     n = len(token_lists)
-    values = {}
+    sampling = {}
     for name, (kind, check) in SAMPLING_ARGS.items():
-        v = sampling.get(name)
-        values[name] = per_request(NEUTRAL[name] if v is None else v, n, name, kind, check)
-    return Requests(
-        prompts=token_lists, is_batch=is_batch,
-        max_new=per_request(max_new_tokens, n, "max_new_tokens", int, lambda v: "must be >= 1" if v < 1 else None),
-        sampling=values, stop_ids=stop_ids(params, stop_token_ids, n))
+        v = values.get(name)
+        if name == "seed" and (v is None or isinstance(v, (list, tuple)) and any(s is None for s in v)):
+            seeds = one_each(v, n, name)
+            sampling[name] = [None if s is None else per_request(s, 1, name, kind, check)[0] for s in seeds]
+            continue
+        sampling[name] = per_request(NEUTRAL[name] if v is None else v, n, name, kind, check)
+    option = lambda name, default: default if values.get(name) is None else values[name]  # noqa: E731
+    max_new = per_request(max_new_tokens, n, "max_new_tokens", int, lambda v: "must be >= 1" if v < 1 else None)
+    mins = per_request(option("min_tokens", 0), n, "min_tokens", int, lambda v: "must be >= 0" if v < 0 else None)
+    spec = per_request(option("speculative", True), n, "speculative", bool, lambda v: None)
+    for i, (lo, hi) in enumerate(zip(mins, max_new)):
+        if lo > hi:
+            raise ValueError(f"min_tokens={lo} is above max_new_tokens={hi}" + (f" (prompt {i})" if n > 1 else ""))
+    return Requests(prompts=token_lists, is_batch=is_batch, max_new=max_new, sampling=sampling,
+                    stop_ids=stop_ids(params, stop_token_ids, n), min_tokens=mins, speculative=spec,
+                    logprobs=[check_logprobs(v, "logprobs") for v in one_each(values.get("logprobs"), n, "logprobs")],
+                    prompt_logprobs=[check_logprobs(v, "prompt_logprobs")
+                                     for v in one_each(values.get("prompt_logprobs"), n, "prompt_logprobs")])
+
+
+def one_each(value, n: int, name: str) -> list:
+    """One value for every prompt, or a list of one per prompt."""
+    if isinstance(value, (list, tuple)):
+        if len(value) != n:
+            raise ValueError(f"{name} has {len(value)} entries for {n} prompts")
+        return list(value)
+    return [value] * n
 
 
 def cache_config(cache) -> CacheConfig:
@@ -235,7 +327,8 @@ def pack(plan: Plan, reqs: Requests, cache: CacheConfig) -> tuple[np.ndarray, Ad
         a[:n] = vals
         return a
 
-    sp = {name: col(reqs.sampling[name], NEUTRAL[name], np.int32 if kind is int else np.float32)
+    values = dict(reqs.sampling, seed=[fresh_seed() if s is None else s for s in reqs.sampling["seed"]])
+    sp = {name: col(values[name], NEUTRAL[name], np.int32 if kind is int else np.float32)
           for name, (kind, _) in SAMPLING_ARGS.items()}
     prompt = np.zeros((B, plan.prompt_len), np.int32)
     stops = np.full((B, plan.num_stop), -1, np.int32)
@@ -244,7 +337,8 @@ def pack(plan: Plan, reqs: Requests, cache: CacheConfig) -> tuple[np.ndarray, Ad
         stops[i, : len(s)] = s
     request = RequestRows(prompt_len=col(lens, 1, np.int32), max_new=col(max_new, 1, np.int32),
                           room_bound=col(room_bound, False, bool), slot_limit=col(limits, 0, np.int32),
-                          sampling=SamplingParams(**sp), stop_ids=stops)
+                          sampling=SamplingParams(**sp), stop_ids=stops, min_tokens=col(reqs.min_tokens, 0, np.int32),
+                          speculative=col(reqs.speculative, True, bool))
     rows = np.full((B,), B, np.int32)
     rows[:n] = np.arange(n)
     return rows, Admission(prompt=prompt, request=request)

@@ -26,26 +26,54 @@ class SpecStats:
         return self.mean_accept_length
 
 
+@dataclasses.dataclass(frozen=True)
+class TokenLogprob:
+    """A token and the target's log-probability of it at its position (the log-softmax of
+    the raw logits), with the `len(top)` most likely tokens there and theirs, most likely
+    first (ties in index order)."""
+
+    token: int
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()
+
+
 @dataclasses.dataclass
 class GenerateOutput:
     """tokens: generated ids only (a list for one prompt, a list of lists for a batch; an
-    emitted stop token is included). finish_reasons: 'stop', 'length' or 'cache_full'."""
+    emitted stop token is included). finish_reasons: 'stop', 'length' or 'cache_full'.
+    logprobs: a `TokenLogprob` per generated token of each request that asked for them
+    (`logprobs=k`, k alternatives), else None; prompt_logprobs: the same for the prompt's
+    tokens (`prompt_logprobs=k`), the first None (nothing precedes it)."""
 
     tokens: Any
     text: Any
     finish_reasons: Any
     stats: SpecStats
     timing: dict
+    logprobs: Any = None
+    prompt_logprobs: Any = None
 
 
-def generate_output(params, plan, res: dict, lens: list[int], is_batch: bool, *, compile_s: float,
-                    run_s: float) -> GenerateOutput:
-    """The output of requests in rows 0..len(lens)-1 of a state read back as `res`
-    (`jspec.loop.state.readback`, host arrays); lens: their prompt lengths."""
-    tokens, reasons, accept = [], [], []
-    for i, l in enumerate(lens):
+def token_logprobs(res: dict, row: int, start: int, count: int, k: int) -> list[TokenLogprob]:
+    """`TokenLogprob`s of buffer positions start .. start+count-1 of a row of a readback
+    (host arrays with lp_* columns, as `jspec.loop.state.readback`)."""
+    out = []
+    for p in range(start, start + count):
+        top = tuple((int(i), float(v)) for i, v in zip(res["lp_top_ids"][row, p, :k], res["lp_top"][row, p, :k]))
+        out.append(TokenLogprob(int(res["tokens"][row, p]), float(res["lp_chosen"][row, p]), top))
+    return out
+
+
+def generate_output(params, plan, res: dict, reqs, *, compile_s: float, run_s: float) -> GenerateOutput:
+    """The output of requests `reqs` (`jspec.requests.Requests`) in rows 0..n-1 of a state
+    read back as `res` (`jspec.loop.state.readback`, host arrays)."""
+    tokens, reasons, accept, lps, prompt_lps = [], [], [], [], []
+    for i, l in enumerate(reqs.lens):
         g = int(res["generated"][i])
         tokens.append([int(t) for t in res["tokens"][i, l: l + g]])
+        k, kp = reqs.logprobs[i], reqs.prompt_logprobs[i]
+        lps.append(None if k is None else token_logprobs(res, i, l, g, k))
+        prompt_lps.append(None if kp is None else [None] + token_logprobs(res, i, 1, l - 1, kp))
         reasons.append(FINISH_REASONS[int(res["reason"][i])])
         rounds = int(res["rounds"][i])
         accept.append([int(a) for a in res["hist"][i, :rounds]] if plan.proposer is not None else [1] * rounds)
@@ -61,6 +89,8 @@ def generate_output(params, plan, res: dict, lens: list[int], is_batch: bool, *,
     tok = params.tokenizer
     texts = [tok.decode(t, skip_special_tokens=True) for t in tokens] if tok is not None else None
     timing = dict(compile_s=compile_s, run_s=run_s, new_tokens=total, tokens_per_s=tps)
-    if not is_batch:
-        return GenerateOutput(tokens[0], texts[0] if texts else None, reasons[0], stats, timing)
-    return GenerateOutput(tokens, texts, reasons, stats, timing)
+    if not reqs.is_batch:
+        return GenerateOutput(tokens[0], texts[0] if texts else None, reasons[0], stats, timing, lps[0],
+                              prompt_lps[0])
+    return GenerateOutput(tokens, texts, reasons, stats, timing, lps if reqs.wants_logprobs else None,
+                          prompt_lps if reqs.wants_prompt_logprobs else None)

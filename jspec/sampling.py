@@ -6,6 +6,9 @@ with temperature 0 is greedy: the argmax of its penalised logits.
 
 Processing, in this order, at a position whose context holds the prompt P and the tokens
 G generated before it (the same at every position a loop verifies, drafts included):
+  0. min_tokens (a request value beside its stop ids, applied by the loop with
+     `bar_tokens`): while fewer than min_tokens tokens were generated, the stop ids are
+     at -inf;
   1. repetition penalty r (1: off), on tokens in P or G: z / r where z > 0, else z * r;
   2. frequency f and presence pr (0: off), on generated tokens: z - f*count_G - pr*[count_G > 0];
   3. temperature T: x = z / T;
@@ -136,6 +139,14 @@ def penalise(logits, sp: SamplingParams, hist: History, tokens=None, anc=None):
     bi = (jnp.arange(B)[:, None, None], jnp.arange(N)[None, :, None])
     dest = jnp.where(on_path, tokens[:, None, :], V)
     return out.at[bi[0], bi[1], dest].set(fixed, mode="drop")
+
+
+def bar_tokens(logits, ids, where):
+    """logits [B,N,V] with the ids [B,K] of each row (-1: none) at -inf at the nodes where
+    `where` [B,N]."""
+    B, N, V = logits.shape
+    dest = jnp.where(where[:, :, None] & (ids[:, None, :] >= 0), ids[:, None, :], V)  # [B,N,K]
+    return logits.at[jnp.arange(B)[:, None, None], jnp.arange(N)[None, :, None], dest].set(-jnp.inf, mode="drop")
 
 
 # --------------------------------------------------------------------------- filters

@@ -89,7 +89,7 @@ def _chunks(prog, reqs, rounds_per_chunk: int) -> Iterator[StreamChunk]:
                 text.append(texts[i].new([int(t) for t in back["tokens"][i, l: l + g]], done))
                 shown[i] = g
             finished = [bool(f) or done for f in back["finished"][:n]]
-            output = generate_output(prog.params, plan, back, lens, reqs.is_batch, compile_s=compile_s,
+            output = generate_output(prog.params, plan, back, reqs, compile_s=compile_s,
                                      run_s=run_s) if done else None
             if reqs.is_batch:
                 yield StreamChunk(tokens, text, finished, output)

@@ -53,7 +53,7 @@ class Batch:
         return programs.advance_jit(self.plan, *self.weights, st, st.step + rounds)
 
     def evict(self, st, row: int):
-        return programs.evict_jit(self.plan, st, np.array([row], np.int32))
+        return programs.evict_jit(self.plan, *self.weights, st, np.array([row], np.int32))
 
     def output(self, back, row: int, i: int):
         back = jax.device_get(back)
@@ -87,7 +87,7 @@ def run_interleaved(b: Batch, seeds=None):
             st = b.evict(st, row)
             if waiting:
                 j = waiting.pop(0)
-                st, back = b.admit(st, row, j, **sampling(j))
+                st, _ = b.admit(st, row, j, **sampling(j))  # its readback: the admitted rows' first tokens only
                 holder[row] = j
     return outputs
 
@@ -177,7 +177,8 @@ def test_chunk_of_fixed_rounds_equals_rounds_until_done(target, with_draft, cach
     before the loop) leaves what rounds to the end leave: chunks of 3 rounds against
     `advance` 3 rounds at a time, rows of unequal prompts finishing mid-chunk (the room
     reserved ahead is capped at a row's slot limit: none ends cache_full), same tokens,
-    lengths, finish reasons; every page returns once the rows are evicted."""
+    lengths, finish reasons; every page returns once the rows are evicted. A chunk's window
+    readback holds exactly the tokens its rounds emitted."""
     b = Batch(with_draft("eagle3"), CACHES[cache])
     states = []
     for step in (lambda st: b.advance(st, 3), lambda st: programs.chunk_jit(3)(b.plan, *b.weights, st)):
@@ -186,8 +187,16 @@ def test_chunk_of_fixed_rounds_equals_rounds_until_done(target, with_draft, cach
             st, _ = b.admit(st, row, i)
         backs = []
         while True:
+            before = np.asarray(st.generated)
             st, back = step(st)
-            backs.append(jax.device_get({k: back[k] for k in ("tokens", "generated", "finished", "reason")}))
+            backs.append(jax.device_get({k: getattr(st, k) for k in ("tokens", "generated", "finished", "reason")}))
+            if "tokens_from" in back:  # the chunk's window: from each row's first new position
+                window = jax.device_get(back)
+                for row, i in ((0, 0), (1, 2), (2, 4), (3, 5)):
+                    n, g = len(PROMPTS[i]), int(window["generated"][row])
+                    assert int(window["tokens_from"][row]) == n + before[row]
+                    np.testing.assert_array_equal(window["tokens"][row, :g - before[row]],
+                                                  backs[-1]["tokens"][row, n + before[row]: n + g])
             if backs[-1]["finished"].all():
                 break
         states.append(backs)
@@ -211,7 +220,7 @@ def test_thousand_admit_evict_cycles_return_every_page(target):
     b = Batch(params, cache)
     plan = b.plan
     admit = jax.jit(lambda st, rows, adm: programs.admit_fn(plan, *b.weights, st, rows, adm)[0], donate_argnums=0)
-    evict = jax.jit(lambda st, rows: programs.evict_fn(plan, st, rows), donate_argnums=0)
+    evict = jax.jit(lambda st, rows: programs.evict_fn(plan, *b.weights, st, rows), donate_argnums=0)
     rng = np.random.RandomState(0)
     st = b.fresh()
     for cycle in range(1000):

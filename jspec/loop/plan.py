@@ -44,7 +44,13 @@ class Plan:
     Admissions, prefill passes and evictions do not depend on the tier (any of the plans
     runs them).
     prefill_chunk: C, the prompt tokens an admission's pass takes (`jspec.loop.rows`; 0:
-    the whole prompt, Tp, in one pass)."""
+    the whole prompt, Tp, in one pass).
+
+    logprobs: k, the alternatives a position's log-probabilities keep (0: the state keeps
+    none, `LoopState.logprobs` is None); token_logprobs: rounds record the log-probabilities
+    of the tokens they emit (a prompt pass records the first token's whenever k > 0);
+    prompt_logprobs: prompt passes record the prompt tokens' too. Both are variants of one
+    state (`variant`), as `sampling` is."""
 
     target: object
     proposer: Proposer | None
@@ -58,6 +64,22 @@ class Plan:
     tuning: Tuning = DEFAULT_TUNING
     tiers: tuple = ()
     prefill_chunk: int = 0
+    logprobs: int = 0
+    token_logprobs: bool = False
+    prompt_logprobs: bool = False
+
+    def variant(self, *, spec=..., sampling=None, token_logprobs=None, prompt_logprobs=None) -> "Plan":
+        """The plan of another program over the same state: a tier (`spec`, one of `spec`
+        and `tiers`), with or without the sampling steps, recording logprobs or not."""
+        changes = {k: v for k, v in (("sampling", sampling), ("token_logprobs", token_logprobs),
+                                     ("prompt_logprobs", prompt_logprobs)) if v is not None}
+        if spec is not ...:
+            if spec not in (self.spec, *self.tiers):
+                raise ValueError(f"{spec} is not a tier of this plan")
+            changes["spec"] = spec
+        if (changes.get("token_logprobs") or changes.get("prompt_logprobs")) and not self.logprobs:
+            raise ValueError("this plan's state keeps no logprobs (Plan.logprobs is 0)")
+        return dataclasses.replace(self, **changes)
 
     @property
     def family(self):
@@ -94,10 +116,15 @@ class Plan:
         return max(round_slack(self.target, self.proposer, s, self.layout.paged) for s in (self.spec, *self.tiers))
 
     @property
+    def max_emit(self) -> int:
+        """The most tokens a round emits per row (the deepest tier's S + 1)."""
+        return max(s.num_steps if s else 0 for s in (self.spec, *self.tiers)) + 1
+
+    @property
     def buffer_len(self) -> int:
         """Length of the token buffer: every slot, plus the bonus and a round's overshoot
         (the largest of every tier's)."""
-        return self.layout.capacity + max(s.num_steps if s else 0 for s in (self.spec, *self.tiers)) + 2
+        return self.layout.capacity + self.max_emit + 1
 
 
 def proposer_for(draft) -> Proposer | None:
@@ -143,11 +170,12 @@ def slot_limits(cache: CacheConfig, lens: list[int], max_new: list[int], slack: 
 
 def make_plan(params, lens: list[int], max_new: list[int], num_stop: int, samples: bool, cache: CacheConfig,
               spec: SpecConfig | None, tuning: Tuning = DEFAULT_TUNING, tiers: tuple = (),
-              prefill_chunk: int = 0) -> Plan:
+              prefill_chunk: int = 0, logprobs: int = 0, token_logprobs: bool = False,
+              prompt_logprobs: bool = False) -> Plan:
     """The Plan for requests of these prompt lengths and limits: buckets for batch, prompt
     length, rounds and stop ids; caches sized for them (or for `cache`'s max_len and
     num_pages); refused with a ValueError when it cannot fit in memory. tiers,
-    prefill_chunk: see `Plan`."""
+    prefill_chunk, logprobs, token_logprobs, prompt_logprobs: see `Plan`."""
     proposer = proposer_for(params.draft.config if params.draft is not None else None)
     paged = cache.kind == "paged"
     family = family_for(params.config)
@@ -179,7 +207,8 @@ def make_plan(params, lens: list[int], max_new: list[int], num_stop: int, sample
         layout = CacheLayout(paged=False, capacity=round_up(max(max(limits), Tp), 64))
     plan = Plan(target=params.config, proposer=proposer, spec=spec, layout=layout, batch=B, prompt_len=Tp,
                 max_rounds=pow2(max(max_new), 8), num_stop=pow2(num_stop, 4), sampling=samples, tuning=tuning,
-                tiers=tuple(tiers), prefill_chunk=prefill_chunk)
+                tiers=tuple(tiers), prefill_chunk=prefill_chunk, logprobs=logprobs,
+                token_logprobs=bool(token_logprobs and logprobs), prompt_logprobs=bool(prompt_logprobs and logprobs))
     check_memory(params, plan, max(max_new))
     return plan
 
@@ -206,7 +235,8 @@ def plan_bytes(plan: Plan) -> int:
     shapes = jax.eval_shape(lambda: (kind.init(plan.layout, B),  # shapes only, nothing allocated
                                      plan.proposer.init(plan, B) if plan.proposer is not None else None))
     hist = plan.max_rounds if plan.proposer is not None else 0
-    return nbytes(shapes) + 4 * B * (plan.buffer_len + hist)  # tokens [B, buffer_len], hist [B, R] int32
+    logprobs = 4 * B * plan.buffer_len * (1 + 2 * plan.logprobs)  # chosen, top ids and values, 4 bytes each
+    return nbytes(shapes) + 4 * B * (plan.buffer_len + hist) + logprobs  # tokens [B, buffer_len], hist [B, R]
 
 
 def device_memory() -> tuple[int, str] | None:

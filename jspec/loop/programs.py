@@ -3,11 +3,16 @@
   run       a fresh state, every request admitted, rounds to the end -> the state
   generate  `run` -> what the host reads
   start     a fresh state with requests admitted -> (state, readback)
-  admit     requests into rows of a running state -> (state, readback)
-  prefill   the next block of parked rows' prompts -> (state, readback)
+  admit     requests into rows of a running state -> (state, window readback)
+  prefill   the next block of parked rows' prompts -> (state, window readback)
   advance   rounds until every row finishes or a step count -> (state, readback)
-  chunk     exactly a static number of rounds, no host read -> (state, readback)
+  chunk     exactly a static number of rounds, no host read -> (state, window readback)
   evict     rows freed -> state
+
+A window readback (`jspec.loop.state.readback_window`) holds each row's counters and only
+the buffer positions the call wrote: after a chunk, the tokens it emitted (and their
+logprobs); after a prompt pass, the first token, or with `Plan.prompt_logprobs` the
+block's positions. Its size does not grow with the context.
 
 `generate`, `Compiled.run` and `stream` are clients of these; a serving engine calls
 `admit`, `prefill`, `chunk` and `evict` between chunks. The state is donated to the calls that
@@ -15,14 +20,19 @@ take one, so each updates it in place.
 """
 from __future__ import annotations
 
+import contextlib
 import functools
+import time
 
 import jax
+import jax.numpy as jnp
+import numpy as np
 
+from jspec.kernels import dispatch
 from jspec.loop.plan import Plan
 from jspec.loop.round import advance, advance_rounds
 from jspec.loop.rows import admit, evict, prefill
-from jspec.loop.state import Admission, LoopState, init_state, readback
+from jspec.loop.state import Admission, LoopState, init_state, readback, readback_window
 
 
 def run(plan: Plan, tw, pw, rows, adm: Admission) -> LoopState:
@@ -41,9 +51,19 @@ def start_fn(plan: Plan, tw, pw, rows, adm: Admission):
     return st, readback(st)
 
 
+def pass_readback(plan: Plan, st: LoopState, rows, start) -> dict:
+    """The window readback of a prompt pass over rows [A] from slot start [A]: each row's
+    first token (position prompt_len), or with prompt logprobs the pass's block of
+    positions start+1 .. start+C (the first token among them where the prompt ends)."""
+    if plan.prompt_logprobs:
+        token_start = st.request.prompt_len.at[rows].set(start + 1, mode="drop")
+        return readback_window(st, token_start, st.rounds, plan.prefill_chunk or plan.prompt_len, 0)
+    return readback_window(st, st.request.prompt_len, st.rounds, 1, 0)
+
+
 def admit_fn(plan: Plan, tw, pw, st: LoopState, rows, adm: Admission):
     st = admit(plan, tw, pw, st, rows, adm)
-    return st, readback(st)
+    return st, pass_readback(plan, st, rows, jnp.zeros_like(rows))
 
 
 def advance_fn(plan: Plan, tw, pw, st: LoopState, until):
@@ -53,16 +73,17 @@ def advance_fn(plan: Plan, tw, pw, st: LoopState, until):
 
 def prefill_fn(plan: Plan, tw, pw, st: LoopState, rows, start):
     st = prefill(plan, tw, pw, st, rows, start)
-    return st, readback(st)
+    return st, pass_readback(plan, st, rows, start)
 
 
 def chunk_fn(plan: Plan, tw, pw, st: LoopState, rounds: int):
+    token_start, round_start = st.request.prompt_len + st.generated, st.rounds
     st = advance_rounds(plan, tw, pw, st, rounds)
-    return st, readback(st)
+    return st, readback_window(st, token_start, round_start, rounds * plan.max_emit, rounds)
 
 
-def evict_fn(plan: Plan, st: LoopState, rows) -> LoopState:
-    return evict(plan, st, rows)
+def evict_fn(plan: Plan, tw, pw, st: LoopState, rows) -> LoopState:
+    return evict(plan, st, rows)  # every entry point takes the weights; this one reads none
 
 
 generate_jit = jax.jit(generate_fn, static_argnums=0)
@@ -71,7 +92,7 @@ admit_jit = jax.jit(admit_fn, static_argnums=0, donate_argnums=3)
 advance_jit = jax.jit(advance_fn, static_argnums=0, donate_argnums=3)
 prefill_jit = jax.jit(prefill_fn, static_argnums=0, donate_argnums=3)
 
-evict_jit = jax.jit(evict_fn, static_argnums=0, donate_argnums=1)
+evict_jit = jax.jit(evict_fn, static_argnums=0, donate_argnums=3)
 init_jit = jax.jit(init_state, static_argnums=0)
 
 
@@ -80,3 +101,47 @@ def chunk_jit(rounds: int):
     """`chunk_fn` of `rounds` rounds, jitted (one entry point per count)."""
     return jax.jit(functools.partial(chunk_fn, rounds=rounds), static_argnums=0, donate_argnums=3)
 
+
+
+# ----------------------------------------------------------------------------- compiled programs
+
+_COMPILED: dict = {}  # (entry, plan, shapes, kernel backend, mesh, options) -> compiled program
+
+
+def shapes_of(tree) -> tuple:
+    """The structure, shapes and dtypes of a pytree of arrays: part of a program's key."""
+    return jax.tree.structure(tree), tuple((np.shape(a), np.dtype(a.dtype)) for a in jax.tree.leaves(tree))
+
+
+def xla_options(plan: Plan) -> dict:
+    """The XLA options a plan's programs are compiled with (`dispatch.compiler_options`)."""
+    return dispatch.compiler_options(plan.family.gpu_xla_options(plan.target), plan.tuning)
+
+
+def under(mesh):
+    """The context to trace and run a program in: under `mesh`, if the weights are split."""
+    return contextlib.nullcontext() if mesh is None else jax.set_mesh(mesh)
+
+
+def compiled(entry, plan: Plan, weights, args, mesh=None) -> tuple:
+    """Entry point `entry` (one of this module's jitted functions taking the plan, then
+    the weights (tw, pw), then `args`) compiled for `plan` and arguments of these shapes,
+    once per equal key -> (the compiled program, seconds spent compiling now)."""
+    options = xla_options(plan)
+    key = (entry, plan, shapes_of(weights), shapes_of(args), dispatch.backend(), mesh,
+           tuple(sorted(options.items())))
+    if key in _COMPILED:
+        return _COMPILED[key], 0.0
+    t0 = time.perf_counter()
+    with under(mesh):
+        _COMPILED[key] = entry.lower(plan, *weights, *args).compile(options or None)
+    return _COMPILED[key], time.perf_counter() - t0
+
+
+def compiled_count() -> int:
+    """How many compiled programs are kept (one per entry point, plan and shapes)."""
+    return len(_COMPILED)
+
+
+def forget_compiled() -> None:
+    _COMPILED.clear()

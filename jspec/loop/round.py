@@ -25,7 +25,7 @@ from flax import struct
 
 from jspec import sampling
 from jspec.cache.layout import free_pages, reserve
-from jspec.loop import accept
+from jspec.loop import accept, logprobs
 from jspec.loop.plan import Plan
 from jspec.loop.proposers.base import Observation
 from jspec.loop.state import CACHE_FULL, LENGTH, STOP, LoopState
@@ -88,30 +88,47 @@ def verify_phase(plan: Plan, tw, st: LoopState, tree: Tree, active) -> tuple[Loo
 
 
 def accept_phase(plan: Plan, st: LoopState, tree: Tree, logits, logq) -> Accepted:
-    """The target's logits at every node are penalised for that node's context; then either
-    the target's own choice at every node (its argmax, or a draw for sampled rows) walks the
-    tree, or sampled drafts (logq [B,S,V]) are accepted with probability min(1, p/q).
-    Plain decoding is the tree of the root alone: its choice is the next token."""
-    sp = st.request.sampling
+    """The target's logits at every node are processed for that node's context (a request's
+    stop ids barred before its min_tokens, the penalties); then either the target's own
+    choice at every node (its argmax, or a draw for sampled rows) walks the tree, or sampled
+    drafts (logq [B,S,V]) are accepted with probability min(1, p/q). Plain decoding is the
+    tree of the root alone: its choice is the next token. A row whose request turned
+    speculation off keeps the root alone: its bonus is the target's own choice there."""
+    req = st.request
+    sp = req.sampling
+    positions = st.L[:, None] + tree.depth + 1  # the choice at node i is the token at position L + depth_i + 1
+    if plan.sampling:
+        logits = bar_early_stops(logits, req, positions)
+    valid = tree.valid
+    if plan.drafts:
+        valid = valid & (req.speculative[:, None] | (jnp.arange(plan.N) == 0)[None, :])
     if plan.sample_drafts:
         accept_len, path, bonus = accept.accept_sampled_chain(tree.tokens, logits, logq, sp, st.history, tree.anc,
-                                                              st.L, tree.valid)
-        return Accepted(accept_len=accept_len, path=path, path_tokens=tree.tokens, bonus=bonus, in_place=True)
-    # The choice at node i is the token at position L + depth_i + 1.
-    choice = sampling.choose(plan.sampling, logits, sp, st.L[:, None] + tree.depth + 1, st.history, tree.tokens,
-                             tree.anc)
+                                                              st.L, valid)
+        own = sampling.choose(True, logits[:, :1], sp, positions[:, :1], st.history)[:, 0]
+        return Accepted(accept_len=accept_len, path=path, path_tokens=tree.tokens,
+                        bonus=jnp.where(req.speculative, bonus, own), in_place=True)
+    choice = sampling.choose(plan.sampling, logits, sp, positions, st.history, tree.tokens, tree.anc)
     if plan.K == 1:  # a chain (or the root alone): the path is 0..S, no gathers along it
-        accept_len, path, bonus = accept.accept_chain(tree.tokens, choice, tree.valid)
+        accept_len, path, bonus = accept.accept_chain(tree.tokens, choice, valid)
         return Accepted(accept_len=accept_len, path=path, path_tokens=tree.tokens, bonus=bonus, in_place=True)
-    accept_len, path, bonus = accept.accept_tree(tree, choice, plan.S)
+    accept_len, path, bonus = accept.accept_tree(tree.replace(valid=valid), choice, plan.S)
     path_tokens = jnp.take_along_axis(tree.tokens, path, axis=1)  # [B,S+1]
     return Accepted(accept_len=accept_len, path=path, path_tokens=path_tokens, bonus=bonus)
 
 
-def commit_phase(plan: Plan, st: LoopState, acc: Accepted, active) -> LoopState:
+def bar_early_stops(logits, req, positions):
+    """logits [B,N,V] with each row's stop ids at -inf at the nodes whose token (at
+    `positions` [B,N]) would be one of its first min_tokens generated tokens."""
+    early = positions - req.prompt_len[:, None] < req.min_tokens[:, None]  # [B,N]
+    return sampling.bar_tokens(logits, req.stop_ids, early)
+
+
+def commit_phase(plan: Plan, st: LoopState, acc: Accepted, active, logits=None) -> LoopState:
     """The target's cache kind commits the accepted path (a tree's path moves into place; a
     chain's is already there), the accepted drafts and the bonus are emitted, stops and
-    limits end rows, and L moves past the path."""
+    limits end rows, and L moves past the path. logits [B,N,V]: the verification's, whose
+    log-probabilities of the emitted tokens are kept (`Plan.token_logprobs`)."""
     B = plan.batch
     kind = plan.family.cache_kind(plan.target)
     st = st.replace(tcache=kind.commit(st.tcache, plan.layout, st.pages, st.L, acc.path, acc.accept_len, active,
@@ -120,7 +137,11 @@ def commit_phase(plan: Plan, st: LoopState, acc: Accepted, active) -> LoopState:
     m = acc.accept_len - 1
     nxt = jnp.concatenate([acc.path_tokens[:, 1:], jnp.zeros((B, 1), jnp.int32)], axis=1)
     emitted = jnp.where(jnp.arange(S1)[None, :] == m[:, None], acc.bonus[:, None], nxt)  # [B,S+1], valid <= m
-    st = emit(st, emitted, acc.accept_len, active)
+    values = None
+    if plan.token_logprobs:  # emitted[j] was chosen at path node j
+        at_path = logits[:, :S1] if acc.in_place else jnp.take_along_axis(logits, acc.path[:, :, None], axis=1)
+        values = logprobs.of_tokens(at_path, emitted, plan.logprobs)
+    st = emit(st, emitted, acc.accept_len, active, values)
     if plan.proposer is not None:  # plain decoding accepts one token a round: no histogram to keep
         st = st.replace(hist=st.hist.at[jnp.arange(B), jnp.where(active, st.rounds, plan.max_rounds)].set(
             acc.accept_len, mode="drop"))
@@ -138,9 +159,10 @@ def observe_phase(plan: Plan, tw, pw, st: LoopState, verified: Verified, acc: Ac
     return st.replace(proposal=plan.proposer.observe(plan, tw, pw, st.proposal, obs))
 
 
-def emit(st: LoopState, emitted, count, active) -> LoopState:
+def emit(st: LoopState, emitted, count, active, values=None) -> LoopState:
     """Writes up to `count` [B] of `emitted` [B,E] after the root, stopping at one of the
-    row's stop tokens or at its max_new; marks finished rows. The stop ids and the E
+    row's stop tokens or at its max_new; marks finished rows. values: their
+    log-probabilities (`logprobs.of_tokens`), kept beside them. The stop ids and the E
     emitted slots are few and static: unrolled comparisons instead of reductions let XLA
     compute all of this in a few fused kernels."""
     B, E = emitted.shape
@@ -157,6 +179,8 @@ def emit(st: LoopState, emitted, count, active) -> LoopState:
     n = jnp.where(active, n, 0)
     pos = jnp.where(j < n[:, None], st.L[:, None] + 1 + j, st.tokens.shape[1])
     tokens = st.tokens.at[jnp.arange(B)[:, None], pos].set(emitted, mode="drop")
+    if values is not None:
+        st = st.replace(logprobs=logprobs.record(st.logprobs, jnp.arange(B), pos, j < n[:, None], values))
     generated = st.generated + n
     history = sampling.record(st.history, emitted, j < n[:, None])
     hit_stop = active & (first_stop < n)
@@ -188,7 +212,7 @@ def round_step(plan: Plan, tw, pw, st: LoopState, reserved: bool = False) -> Loo
     with jax.named_scope("accept"):
         acc = accept_phase(plan, st, tree, verified.logits, logq)
     with jax.named_scope("commit"):
-        st = commit_phase(plan, st, acc, active)
+        st = commit_phase(plan, st, acc, active, verified.logits)
     newly_done = active & st.finished
     if plan.proposer is not None:
         with jax.named_scope("extend"):

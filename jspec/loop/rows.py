@@ -14,9 +14,10 @@ import jax.numpy as jnp
 
 from jspec import sampling
 from jspec.cache.layout import causal_mask
+from jspec.loop import logprobs
 from jspec.loop.plan import Plan
 from jspec.loop.proposers.base import Observation
-from jspec.loop.round import emit, release_pages, reserve_room
+from jspec.loop.round import bar_early_stops, emit, release_pages, reserve_room
 from jspec.loop.state import RUNNING, Admission, LoopState
 
 
@@ -105,7 +106,21 @@ def prompt_pass(plan: Plan, tw, pw, st: LoopState, rows, start, tokens, live, fi
     last = jnp.take_along_axis(hidden, jnp.maximum(count - 1, 0)[:, None, None], axis=1)[:, 0]
     logits = plan.family.logits(plan.target, tw, last, tuning=plan.tuning)[:, None]  # [A, 1, V]
     history = sampling.History(in_prompt=take(st.history.in_prompt), counts=jnp.zeros((A, V), jnp.int32))
-    first_token = sampling.choose(plan.sampling, logits, req.sampling, lens[:, None], history)[:, 0]  # position len
+    processed = bar_early_stops(logits, req, lens[:, None]) if plan.sampling else logits
+    first_token = sampling.choose(plan.sampling, processed, req.sampling, lens[:, None], history)[:, 0]  # position len
+    following = jnp.take_along_axis(take(st.tokens), jnp.minimum(start + C, st.tokens.shape[1] - 1)[:, None],
+                                    axis=1)[:, 0]  # the next prompt token of a parked row
+    if plan.logprobs:
+        lp = st.logprobs
+        if plan.prompt_logprobs:  # each block token's logits score the prompt token after it
+            after = jnp.concatenate([tokens[:, 1:], following[:, None]], axis=1)  # [A, C]
+            valid = live[:, None] & (ar < count[:, None]) & (start[:, None] + ar + 1 < lens[:, None])
+            lp = logprobs.record(lp, rows, start[:, None] + ar + 1, valid,
+                                 prompt_logprobs(plan, tw, hidden, after))
+        values = logprobs.of_tokens(logits[:, 0], first_token, plan.logprobs)  # the first token's, always
+        lp = logprobs.record(lp, rows, lens[:, None], (live & ends)[:, None], jax.tree.map(lambda a: a[:, None],
+                                                                                           values))
+        st = st.replace(logprobs=lp)
     starting = row_mask(B, jnp.where(ends, rows, B))  # [B] rows that run from now
     parked = row_mask(B, jnp.where(live & ~ends, rows, B))
     st = st.replace(tcache=tcache, finished=(st.finished & ~starting) | parked)
@@ -113,14 +128,28 @@ def prompt_pass(plan: Plan, tw, pw, st: LoopState, rows, start, tokens, live, fi
     st = st.replace(L=jnp.where(starting, put(st.L, lens), st.L), root=jnp.where(starting, put(st.root, first_token),
                                                                                   st.root))
     if plan.proposer is not None:
-        following = jnp.take_along_axis(take(st.tokens), jnp.minimum(start + C, st.tokens.shape[1] - 1)[:, None],
-                                        axis=1)[:, 0]  # the next prompt token of a parked row
         obs = Observation(rows=rows, start=start, tokens=tokens, count=count,
                           bonus=jnp.where(ends, first_token, following), L=start + count, hidden=hidden, aux=aux,
                           path=None, live=live & (~ends | ~take(st.finished)), sampling=req.sampling,
                           pages=st.pages, prefill=first)
         st = st.replace(proposal=plan.proposer.observe(plan, tw, pw, st.proposal, obs))
     return release_pages(plan, st, starting & st.finished)
+
+
+def prompt_logprobs(plan: Plan, tw, hidden, after):
+    """The log-probabilities (`logprobs.of_tokens`) of tokens `after` [A, C] at the
+    positions whose final hidden states are `hidden` [A, C, D]: the logits of a few
+    positions at a time, so that a block over a large vocabulary holds at most about 2**26
+    of them."""
+    A, C, _ = hidden.shape
+    group = C
+    while group > 1 and A * group * plan.target.vocab_size > 2 ** 26 and group % 2 == 0:
+        group //= 2
+    parts = []
+    for g in range(0, C, group):
+        logits = plan.family.logits(plan.target, tw, hidden[:, g:g + group], tuning=plan.tuning)  # [A, group, V]
+        parts.append(logprobs.of_tokens(logits, after[:, g:g + group], plan.logprobs))
+    return jax.tree.map(lambda *a: jnp.concatenate(a, axis=1), *parts)
 
 
 def evict(plan: Plan, st: LoopState, rows) -> LoopState:

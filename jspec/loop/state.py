@@ -22,6 +22,7 @@ from jspec.sampling import SamplingParams
 
 RUNNING, STOP, LENGTH, CACHE_FULL = 0, 1, 2, 3
 FINISH_REASONS = {RUNNING: None, STOP: "stop", LENGTH: "length", CACHE_FULL: "cache_full"}
+MAX_LOGPROBS = 20  # the most alternatives a position's log-probabilities list (OpenAI's and vLLM's cap)
 
 
 @struct.dataclass
@@ -34,6 +35,8 @@ class RequestRows:
     slot_limit: jax.Array  # [.] int32 slots the request may use (beyond: cache_full)
     sampling: SamplingParams  # [.] each: temperature, top-k/p, min-p, penalties, seed
     stop_ids: jax.Array  # [., Ks] int32 (-1: unused slot)
+    min_tokens: jax.Array  # [.] int32 tokens generated before a stop id may be chosen (0: off)
+    speculative: jax.Array  # [.] bool: drafts may be accepted (False: every round keeps the root alone)
 
 
 @struct.dataclass
@@ -42,6 +45,17 @@ class Admission:
 
     prompt: jax.Array  # [A, Tp] int32, right-padded
     request: RequestRows  # [A]
+
+
+@struct.dataclass
+class TokenLogprobs:
+    """The target's log-probabilities (log-softmax of its raw logits) of the token at each
+    position of the token buffer given the tokens before it, and the k most likely
+    alternatives there (`Plan.logprobs` = k); NaN / -1 where nothing was recorded."""
+
+    chosen: jax.Array  # [B, buffer_len] float32
+    top_ids: jax.Array  # [B, buffer_len, k] int32, most likely first
+    top: jax.Array  # [B, buffer_len, k] float32
 
 
 @struct.dataclass
@@ -60,13 +74,21 @@ class LoopState:
     rounds: jax.Array  # [B] verify rounds run since the row's admission
     hist: jax.Array  # [B, R] accept length per round ([B, 0] without a proposer: always 1)
     step: jax.Array  # [] rounds of the loop
+    logprobs: TokenLogprobs | None  # None unless Plan.logprobs > 0
 
 
 def empty_requests(batch: int, num_stop: int) -> RequestRows:
     """Rows holding no request (neutral values)."""
     z = jnp.zeros((batch,), jnp.int32)
     return RequestRows(prompt_len=z, max_new=z, room_bound=jnp.zeros((batch,), bool), slot_limit=z,
-                       sampling=sampling.neutral(batch), stop_ids=jnp.full((batch, num_stop), -1, jnp.int32))
+                       sampling=sampling.neutral(batch), stop_ids=jnp.full((batch, num_stop), -1, jnp.int32),
+                       min_tokens=z, speculative=jnp.ones((batch,), bool))
+
+
+def empty_logprobs(batch: int, length: int, k: int) -> TokenLogprobs:
+    return TokenLogprobs(chosen=jnp.full((batch, length), jnp.nan, jnp.float32),
+                         top_ids=jnp.full((batch, length, k), -1, jnp.int32),
+                         top=jnp.full((batch, length, k), jnp.nan, jnp.float32))
 
 
 def init_state(plan) -> LoopState:
@@ -80,10 +102,35 @@ def init_state(plan) -> LoopState:
         reason=jnp.zeros((B,), jnp.int32), tcache=tcache, pages=plan.layout.init_pages(B),
         history=sampling.History(in_prompt=jnp.zeros((B, V), bool), counts=jnp.zeros((B, V), jnp.int32)),
         proposal=proposal, request=empty_requests(B, plan.num_stop), rounds=jnp.zeros((B,), jnp.int32),
-        hist=jnp.zeros((B, plan.max_rounds if plan.proposer is not None else 0), jnp.int32), step=jnp.int32(0))
+        hist=jnp.zeros((B, plan.max_rounds if plan.proposer is not None else 0), jnp.int32), step=jnp.int32(0),
+        logprobs=empty_logprobs(B, plan.buffer_len, plan.logprobs) if plan.logprobs else None)
 
 
 def readback(st: LoopState) -> dict:
-    """What the host reads back from a state."""
-    return dict(tokens=st.tokens, generated=st.generated, reason=st.reason, rounds=st.rounds, hist=st.hist,
+    """What the host reads back from a state: every row whole."""
+    back = dict(tokens=st.tokens, generated=st.generated, reason=st.reason, rounds=st.rounds, hist=st.hist,
                 finished=st.finished, step=st.step)
+    if st.logprobs is not None:
+        back.update(lp_chosen=st.logprobs.chosen, lp_top_ids=st.logprobs.top_ids, lp_top=st.logprobs.top)
+    return back
+
+
+def window(a, start, width: int):
+    """a [B, X, ...] -> a[b, start[b] : start[b] + width] [B, width, ...] (clipped at the end)."""
+    idx = jnp.minimum(start[:, None] + jnp.arange(width, dtype=jnp.int32)[None, :], a.shape[1] - 1)
+    return jnp.take_along_axis(a, idx.reshape(idx.shape + (1,) * (a.ndim - 2)), axis=1)
+
+
+def readback_window(st: LoopState, token_start, round_start, tokens: int, rounds: int) -> dict:
+    """What a serving engine reads after a chunk: per row, `tokens` buffer positions from
+    `token_start` [B] (tokens and, with logprobs, theirs) and the accept lengths of
+    `rounds` rounds from round `round_start` [B], with the rows' counters. Columns
+    "tokens_from" and "rounds_from" say where each window starts."""
+    back = dict(tokens=window(st.tokens, token_start, tokens), tokens_from=token_start, generated=st.generated,
+                reason=st.reason, rounds=st.rounds, finished=st.finished, step=st.step,
+                hist=window(st.hist, round_start, rounds) if st.hist.shape[1] else st.hist, rounds_from=round_start)
+    if st.logprobs is not None:
+        back.update(lp_chosen=window(st.logprobs.chosen, token_start, tokens),
+                    lp_top_ids=window(st.logprobs.top_ids, token_start, tokens),
+                    lp_top=window(st.logprobs.top, token_start, tokens))
+    return back

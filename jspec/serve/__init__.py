@@ -1,6 +1,8 @@
-"""Serving: the continuous-batching engine (`engine.Engine`) and its adaptive speculation
-(`tiers.Adaptive`)."""
-from jspec.serve.engine import Engine, Handle, QueueFull, RequestOutput
+"""Serving: the continuous-batching engine (`engine.Engine`: scheduler, runner and output
+processor wired together), its adaptive speculation (`tiers.Adaptive`) and the
+OpenAI-compatible HTTP server (`server`)."""
+from jspec.serve.engine import Engine, EngineError, Handle, QueueFull, RequestOutput
+from jspec.serve.output import Delta
 from jspec.serve.tiers import Adaptive
 
-__all__ = ["Adaptive", "Engine", "Handle", "QueueFull", "RequestOutput"]
+__all__ = ["Adaptive", "Delta", "Engine", "EngineError", "Handle", "QueueFull", "RequestOutput"]

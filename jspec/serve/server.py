@@ -1,264 +1,419 @@
 """An OpenAI-compatible HTTP server over a `jspec.Engine` (Starlette; uvicorn runs it).
 
 Routes: POST /v1/completions and /v1/chat/completions (JSON, or server-sent events with
-"stream": true, ending with `data: [DONE]`), GET /v1/models, /health and /metrics
-(Prometheus text). A bad request gets a 4xx with OpenAI's error object
-({"error": {"message", "type", "param", "code"}}) naming the field; a full queue gets 429
-with Retry-After. A client that disconnects cancels its request, which frees its row.
+"stream": true, ending with `data: [DONE]`), GET /v1/models and /v1/models/{id}, /health
+and /metrics (Prometheus, vLLM's metric names under `jspec:`).
+
+Request bodies are typed (`jspec.serve.protocol`): a bad field is a 400 with OpenAI's
+error object ({"error": {"message", "type", "param", "code"}}) naming it; unknown fields
+are ignored with a warning line. Completions take a prompt as a string, a list of strings,
+token ids or a list of id lists, and return the choices in order (prompt by prompt, n
+each). `echo` returns the prompt's text (and, with `logprobs`, its tokens' logprobs, the
+first null), `logprobs` 0-20 the target's log-probabilities of each token and its top
+alternatives; chat takes `logprobs` and `top_logprobs`. `n` (up to 16) independent
+samples; `stream_options.include_usage` adds a last chunk with the usage. A full queue is
+a 429 with Retry-After; an engine fault a 500 (a stream gets an error event, then
+[DONE]), and /health answers 503 from then on. With an API key every /v1 route needs
+`Authorization: Bearer KEY`. A client that disconnects cancels its requests.
 """
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import json
+import logging
 import math
 import time
 import uuid
 from typing import Any
 
-from jspec.serve.engine import Engine, QueueFull
+from jspec import requests as rq
+from jspec.serve.engine import Engine, EngineError, QueueFull
+from jspec.serve.protocol import (
+    BadRequest,
+    ChatCompletionRequest,
+    CompletionRequest,
+    chat_prompt,
+    completion_prompts,
+    parse,
+    unknown_fields,
+)
+from jspec.serve.tiers import tier_name
 
-# request field -> the engine's sampling argument (OpenAI's names; top_k, min_p and
-# repetition_penalty as vLLM and SGLang accept them)
-SAMPLING_FIELDS = {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k", "min_p": "min_p",
-                   "presence_penalty": "presence_penalty", "frequency_penalty": "frequency_penalty",
-                   "repetition_penalty": "repetition_penalty", "seed": "seed"}
-# fields OpenAI clients send that change nothing here
-IGNORED_FIELDS = {"model", "stream", "stream_options", "user", "prompt", "messages", "max_tokens",
-                  "max_completion_tokens", "stop", "stop_token_ids", "n", "logprobs", "top_logprobs", "echo",
-                  "best_of", "suffix", "logit_bias", "ignore_eos"} | set(SAMPLING_FIELDS)
+log = logging.getLogger("jspec.serve")
 
-
-class BadRequest(Exception):
-    def __init__(self, message: str, param: str | None = None, status: int = 400, code: str | None = None):
-        super().__init__(message)
-        self.message, self.param, self.status, self.code = message, param, status, code
+# request field -> the engine's argument (OpenAI's names; vLLM's extras)
+SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty",
+                   "repetition_penalty")
+FINISH = {"cancelled": "abort", "cache_full": "length"}  # the engine's reasons OpenAI names otherwise
+DEFAULT_TEMPERATURE = 1.0  # OpenAI's (and vLLM's without a generation config)
 
 
 def error_body(message: str, param: str | None = None, kind: str = "invalid_request_error", code=None) -> dict:
     return {"error": {"message": message, "type": kind, "param": param, "code": code}}
 
 
-def _field_of(message: str, names) -> str | None:
-    """The request field an engine error names (its message starts with the argument)."""
-    for name in names:
-        if message.startswith(name) or f" {name}" in message:
-            return name
-    return None
+def child_seed(seed: int, j: int) -> int:
+    """The seed of a request's j-th sample (n > 1): the request's own for the first."""
+    return seed if j == 0 else (seed + j * 0x9E3779B1) % rq.SEED_RANGE
 
 
 class Server:
-    """The routes over one engine. model_name: what /v1/models lists and requests must name."""
+    """The routes' logic over one engine. model_name: what /v1/models lists and requests
+    must name; chat_template: a template to use instead of the tokenizer's."""
 
-    def __init__(self, engine: Engine, model_name: str):
-        self.engine, self.model_name = engine, model_name
+    def __init__(self, engine: Engine, model_name: str, chat_template: str | None = None):
+        self.engine, self.model_name, self.chat_template = engine, model_name, chat_template
+        self.tokenizer = engine.params.tokenizer
         self.started = time.time()
-        self.tokens_window: list[tuple[float, int]] = []
 
-    # ------------------------------------------------------------------ parsing
+    # ------------------------------------------------------------------ requests
 
-    def parse(self, body: Any, chat: bool) -> tuple[Any, dict, bool]:
-        """A request body -> (prompt, submit keyword arguments, stream); BadRequest for
-        anything the engine cannot do."""
-        if not isinstance(body, dict):
-            raise BadRequest("the request body must be a JSON object")
-        model = body.get("model")
-        if model is not None and model != self.model_name:
-            raise BadRequest(f"model {model!r} does not exist; this server serves {self.model_name!r}", "model",
+    def check_model(self, name: str | None) -> None:
+        if name is not None and name != self.model_name:
+            raise BadRequest(f"model {name!r} does not exist; this server serves {self.model_name!r}", "model",
                              404, "model_not_found")
-        for name, bad, why in (("n", lambda v: v not in (None, 1), "only n=1 is supported"),
-                               ("best_of", lambda v: v not in (None, 1), "only best_of=1 is supported"),
-                               ("logprobs", lambda v: v not in (None, False, 0), "logprobs are not supported"),
-                               ("top_logprobs", lambda v: v not in (None, 0), "logprobs are not supported"),
-                               ("echo", lambda v: v not in (None, False), "echo is not supported"),
-                               ("suffix", lambda v: v is not None, "suffix is not supported"),
-                               ("logit_bias", lambda v: v not in (None, {}), "logit_bias is not supported"),
-                               ("tools", lambda v: v not in (None, []), "tools are not supported"),
-                               ("tool_choice", lambda v: v not in (None, "none"), "tools are not supported"),
-                               ("response_format", lambda v: v not in (None, {"type": "text"}),
-                                "response formats other than text are not supported")):
-            if bad(body.get(name)):
-                raise BadRequest(why, name)
-        unknown = sorted(set(body) - IGNORED_FIELDS - {"tools", "tool_choice", "response_format"})
-        if unknown:
-            raise BadRequest(f"unknown field {unknown[0]!r}", unknown[0])
-        if chat:
-            prompt = self.chat_prompt(body.get("messages"))
-        else:
-            prompt = body.get("prompt")
-            if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
-                prompt = prompt[0]  # a batch of one
-            if isinstance(prompt, list) and prompt and not all(isinstance(t, int) for t in prompt):
-                raise BadRequest("prompt must be a string or a list of token ids (one prompt a request)", "prompt")
-            if not isinstance(prompt, (str, list)) or not prompt:
-                raise BadRequest("prompt must be a non-empty string or list of token ids", "prompt")
-        max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
+
+    def prompts(self, req, chat: bool) -> list[list[int]]:
+        return [chat_prompt(req, self.tokenizer, self.chat_template)] if chat else completion_prompts(req,
+                                                                                                     self.tokenizer)
+
+    def submit_kwargs(self, req, chat: bool) -> dict:
+        """The engine's arguments for each sample of a request (seed: the first sample's)."""
+        max_tokens = req.max_completion_tokens if chat and req.max_completion_tokens is not None else req.max_tokens
         if max_tokens is None:
-            max_tokens = min(16 if not chat else self.engine.max_new_tokens, self.engine.max_new_tokens)
-        kw: dict[str, Any] = {"max_new_tokens": max_tokens}
-        for field, arg in SAMPLING_FIELDS.items():
-            v = body.get(field)
+            max_tokens = self.engine.max_new_tokens if chat else min(16, self.engine.max_new_tokens)
+        kw: dict[str, Any] = {"max_new_tokens": max(max_tokens, 1), "min_tokens": min(req.min_tokens,
+                                                                                     max(max_tokens, 1)),
+                              "speculative": req.speculative, "skip_special_tokens": req.skip_special_tokens,
+                              "include_stop_str_in_output": req.include_stop_str_in_output}
+        for name in SAMPLING_FIELDS:
+            v = getattr(req, name)
             if v is not None:
-                if isinstance(v, bool) or not isinstance(v, (int, float)):
-                    raise BadRequest(f"{field} must be a number, got {v!r}", field)
-                kw[arg] = v
-        for field in ("top_k", "seed"):
-            if field in kw:
-                if kw[field] != int(kw[field]):
-                    raise BadRequest(f"{field} must be an integer, got {kw[field]!r}", field)
-                kw[field] = int(kw[field])
+                kw[name] = v
+        kw.setdefault("temperature", DEFAULT_TEMPERATURE)
         if kw.get("top_k") == -1:  # vLLM's "off"
             kw["top_k"] = 0
-        stop = body.get("stop")
-        if stop is not None:
-            stops = [stop] if isinstance(stop, str) else stop
-            if not isinstance(stops, list) or not all(isinstance(s, str) and s for s in stops):
-                raise BadRequest("stop must be a non-empty string or a list of them", "stop")
-            kw["stop"] = stops
-        ids = body.get("stop_token_ids")
-        if ids is not None:
-            kw["stop_token_ids"] = ids
-        if body.get("ignore_eos"):
-            kw["stop_token_ids"] = kw.get("stop_token_ids", [])
-        stream = body.get("stream", False)
-        if not isinstance(stream, bool):
-            raise BadRequest("stream must be true or false", "stream")
-        return prompt, kw, stream
+        kw["seed"] = req.seed if req.seed is not None else rq.fresh_seed()
+        if req.stop:
+            kw["stop"] = [req.stop] if isinstance(req.stop, str) else req.stop
+            if not all(kw["stop"]):
+                raise BadRequest("stop strings must not be empty", "stop")
+        eos = [] if req.ignore_eos else rq.stop_ids(self.engine.params, None, 1)[0]
+        kw["stop_token_ids"] = sorted(set(eos) | set(req.stop_token_ids or ()))
+        if chat:
+            kw["logprobs"] = (req.top_logprobs or 0) if req.logprobs else None
+        else:
+            kw["logprobs"] = req.logprobs
+            kw["prompt_logprobs"] = req.logprobs if req.echo and req.logprobs is not None else None
+        return kw
 
-    def chat_prompt(self, messages) -> str:
-        tok = self.engine.params.tokenizer
-        if not isinstance(messages, list) or not messages or not all(
-                isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
-                for m in messages):
-            raise BadRequest("messages must be a non-empty list of {role, content} objects with string content",
-                             "messages")
-        if tok is None or not getattr(tok, "chat_template", None):
-            raise BadRequest("this model has no chat template: use /v1/completions", "messages")
+    def submit(self, req, chat: bool) -> list:
+        """Submits every sample of every prompt -> [(prompt ids, handle)] in choice order."""
+        prompts = self.prompts(req, chat)
+        kw = self.submit_kwargs(req, chat)
+        seed = kw.pop("seed")
+        handles = []
         try:
-            return tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-        except Exception as err:  # noqa: BLE001  (a template that rejects these messages)
-            raise BadRequest(f"the chat template rejected these messages: {err}", "messages") from None
-
-    def submit(self, prompt, kw: dict):
-        try:
-            return self.engine.submit(prompt, **kw)
+            for ids in prompts:
+                for j in range(req.n):
+                    handles.append((ids, self.engine.submit(ids, seed=child_seed(seed, j), **kw)))
         except QueueFull as err:
+            self.cancel(handles)
             raise BadRequest(str(err), None, 429, "queue_full") from None
+        except EngineError as err:
+            self.cancel(handles)
+            raise BadRequest(str(err), None, 503, "engine_error") from None
         except (ValueError, TypeError) as err:
-            msg = str(err)
-            fields = {"max_new_tokens": "max_tokens", "prompt": "prompt", "stop_token_ids": "stop_token_ids",
-                      "stop": "stop", **SAMPLING_FIELDS}
-            field = _field_of(msg, fields)
-            msg = msg.replace("max_new_tokens", "max_tokens")
-            raise BadRequest(msg, fields.get(field, field)) from None
+            self.cancel(handles)
+            msg = str(err).replace("max_new_tokens", "max_tokens")
+            fields = ("prompt", "max_tokens", "stop_token_ids", "stop", "min_tokens", "logprobs", "prompt_logprobs",
+                      *SAMPLING_FIELDS)
+            field = next((f for f in fields if msg.startswith(f)), None) or next(
+                (f for f in fields if f" {f}" in msg), None)
+            raise BadRequest(msg, "logprobs" if field == "prompt_logprobs" else field) from None
+        return handles
+
+    @staticmethod
+    def cancel(handles) -> None:
+        for _, h in handles:
+            h.cancel()
 
     # ------------------------------------------------------------------ responses
 
-    def record(self, tokens: int) -> None:
-        now = time.time()
-        self.tokens_window.append((now, tokens))
-        self.tokens_window = [(t, n) for t, n in self.tokens_window if now - t < 10.0]
+    @functools.lru_cache(maxsize=65536)  # noqa: B019  (one server a process; ids are few)
+    def token_text(self, token: int) -> str:
+        return self.tokenizer.decode([token]) if self.tokenizer is not None else str(token)
 
-    def metrics(self) -> str:
-        e = self.engine
-        now = time.time()
-        recent = sum(n for t, n in self.tokens_window if now - t < 10.0) / 10.0
-        s = e.stats
-        tau = s["accept_tokens"] / s["accept_rounds"] if s["accept_rounds"] else 1.0
-        steps = e.spec.num_steps if e.spec is not None else 0
-        lines = [("jspec_requests_running", "gauge", "requests in the batch", e.running),
-                 ("jspec_requests_waiting", "gauge", "requests waiting for a row", e.waiting),
-                 ("jspec_batch_occupancy", "gauge", "share of the batch's rows in use", e.running / e.batch),
-                 ("jspec_generated_tokens_total", "counter", "tokens generated", s["tokens"]),
-                 ("jspec_requests_finished_total", "counter", "requests finished", s["finished"]),
-                 ("jspec_requests_cancelled_total", "counter", "requests cancelled", s["cancelled"]),
-                 ("jspec_tokens_per_second", "gauge", "tokens generated a second over the last 10 s", recent),
-                 ("jspec_mean_accept_length", "gauge", "tokens committed per verify round", tau),
-                 ("jspec_speculation_steps", "gauge", "draft steps a round in use (0: plain decoding)", steps)]
-        out = []
-        for name, kind, help_text, value in lines:
-            out += [f"# HELP {name} {help_text}", f"# TYPE {name} {kind}", f"{name} {value:g}"]
-        out += ["# HELP jspec_speculation_tier the speculation tier in use (1), S,K,N or plain",
-                "# TYPE jspec_speculation_tier gauge"]
-        out += [f'jspec_speculation_tier{{tier="{t}"}} {int(t == e.tier)}' for t in s["tier_chunks"]]
-        out += ["# HELP jspec_tier_chunks_total chunks of rounds run on each speculation tier",
-                "# TYPE jspec_tier_chunks_total counter"]
-        out += [f'jspec_tier_chunks_total{{tier="{t}"}} {n}' for t, n in s["tier_chunks"].items()]
-        return "\n".join(out) + "\n"
+    def completion_logprobs(self, lps: list, offset: int) -> dict:
+        """OpenAI's completions logprobs of `TokenLogprob`s (None: a position with none),
+        text offsets from `offset`."""
+        out = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+        for lp in lps:
+            if lp is None:  # the prompt's first token
+                continue
+            text = self.token_text(lp.token)
+            top = {self.token_text(t): v for t, v in lp.top}
+            top.setdefault(text, lp.logprob)
+            out["tokens"].append(text)
+            out["token_logprobs"].append(lp.logprob)
+            out["top_logprobs"].append(top)
+            out["text_offset"].append(offset)
+            offset += len(text)
+        return out
+
+    def echo_logprobs(self, prompt: list[int], prompt_lps: list | None, lps: list) -> dict:
+        """Completions logprobs with the prompt's tokens first (the first has none)."""
+        first = self.token_text(prompt[0])
+        rest = self.completion_logprobs([*(prompt_lps or [None])[1:], *lps], len(first))
+        return {"tokens": [first, *rest["tokens"]], "token_logprobs": [None, *rest["token_logprobs"]],
+                "top_logprobs": [None, *rest["top_logprobs"]], "text_offset": [0, *rest["text_offset"]]}
+
+    def chat_logprobs(self, lps: list, k: int) -> dict:
+        def entry(token: int, lp: float) -> dict:
+            text = self.token_text(token)
+            return {"token": text, "logprob": lp, "bytes": list(text.encode("utf-8"))}
+        return {"content": [dict(entry(lp.token, lp.logprob), top_logprobs=[entry(t, v) for t, v in lp.top[:k]])
+                            for lp in lps]}
+
+    def prompt_text(self, prompt: list[int]) -> str:
+        return self.tokenizer.decode(prompt) if self.tokenizer is not None else ""
 
 
-def build_app(engine: Engine, model_name: str):
+def finish_reason(reason: str) -> str:
+    return FINISH.get(reason, reason)
+
+
+def usage(prompts: list[list[int]], outputs: list) -> dict:
+    """Prompt tokens counted once a prompt (not once a sample), completion tokens of all."""
+    p = sum(len(x) for x in prompts)
+    c = sum(outputs)
+    return {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c}
+
+
+def _sse(obj: dict) -> str:
+    return "data: " + json.dumps(obj, allow_nan=False, default=lambda v: None if isinstance(v, float) and
+                                 math.isnan(v) else str(v)) + "\n\n"
+
+
+def _nan_free(v):
+    return None if isinstance(v, float) and not math.isfinite(v) else v
+
+
+def metrics_collector(engine: Engine):
+    """A Prometheus collector reading the engine's statistics at each scrape."""
+    from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
+
+    class Collector:
+        def collect(self):
+            s = engine.stats
+            yield GaugeMetricFamily("jspec:num_requests_running", "Requests in the batch's rows.",
+                                    value=engine.running)
+            yield GaugeMetricFamily("jspec:num_requests_waiting", "Requests waiting for a row.", value=engine.waiting)
+            yield GaugeMetricFamily("jspec:kv_cache_usage_perc", "Share of the cache's slots the requests in rows "
+                                    "may use (1 = full).", value=engine.kv_cache_usage())
+            for name, doc, value in (
+                    ("prompt_tokens", "Prompt tokens prefilled.", s.prompt_tokens),
+                    ("generation_tokens", "Tokens generated.", s.generation_tokens),
+                    ("num_preemptions", "Requests preempted (none: rows hold their whole context).",
+                     s.num_preemptions),
+                    ("prefix_cache_queries", "Prompt tokens looked up in the prefix cache (none yet).",
+                     s.prefix_cache_queries),
+                    ("prefix_cache_hits", "Prompt tokens found in the prefix cache (none yet).", s.prefix_cache_hits),
+                    ("spec_decode_num_draft_tokens", "Draft tokens verified.", s.spec_draft_tokens),
+                    ("spec_decode_num_accepted_tokens", "Draft tokens accepted.", s.spec_accepted_tokens)):
+                yield CounterMetricFamily(f"jspec:{name}", doc, value=value)
+            success = CounterMetricFamily("jspec:request_success", "Requests finished, by finish reason.",
+                                          labels=["finished_reason"])
+            for reason, n in sorted(s.finish_reasons.items()):
+                success.add_metric([reason], n)
+            yield success
+            for name, doc, h in (
+                    ("time_to_first_token_seconds", "Time to the first token.", s.ttft),
+                    ("time_per_output_token_seconds", "Time per output token after the first.", s.tpot),
+                    ("e2e_request_latency_seconds", "Time from arrival to the end.", s.e2e),
+                    ("request_queue_time_seconds", "Time waiting for a row.", s.queue_time),
+                    ("spec_decode_accept_length", "Tokens a verify round commits per row (root included).",
+                     s.accept_length)):
+                yield HistogramMetricFamily(f"jspec:{name}", doc, buckets=h.cumulative(), sum_value=h.sum)
+            tier = GaugeMetricFamily("jspec:speculation_tier", "The speculation tier in use (1).", labels=["tier"])
+            chunks = CounterMetricFamily("jspec:tier_chunks", "Chunks of rounds run on each tier.", labels=["tier"])
+            for t, n in s.tier_chunks.items():
+                tier.add_metric([t], int(t == engine.tier))
+                chunks.add_metric([t], n)
+            yield tier
+            yield chunks
+            yield GaugeMetricFamily("jspec:mean_accept_length", "Tokens committed per verify round, all rounds.",
+                                    value=s.mean_accept_length)
+
+    return Collector()
+
+
+def build_app(engine: Engine, model_name: str, *, api_key: str | None = None, chat_template: str | None = None):
     """The Starlette app serving `engine` (started and closed with the app)."""
+    from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
     from starlette.applications import Starlette
     from starlette.requests import Request
-    from starlette.responses import JSONResponse, PlainTextResponse, StreamingResponse
+    from starlette.responses import JSONResponse, Response, StreamingResponse
     from starlette.routing import Route
 
-    server = Server(engine, model_name)
+    server = Server(engine, model_name, chat_template)
+    registry = CollectorRegistry()
+    registry.register(metrics_collector(engine))
 
-    def error(err: BadRequest) -> JSONResponse:
-        kind = "rate_limit_error" if err.status == 429 else "invalid_request_error"
+    def error(err: BadRequest, path: str, t0: float) -> JSONResponse:
+        kind = {429: "rate_limit_error", 401: "authentication_error", 404: "not_found_error" if err.param != "model"
+                else "invalid_request_error", 503: "service_unavailable", 500: "internal_server_error"}.get(
+            err.status, "invalid_request_error")
         headers = {"Retry-After": "1"} if err.status == 429 else None
+        log.warning("%s %d %.3fs: %s%s", path, err.status, time.perf_counter() - t0, err.message,
+                    f" (param {err.param})" if err.param else "")
         return JSONResponse(error_body(err.message, err.param, kind, err.code), status_code=err.status,
                             headers=headers)
 
+    def access(path: str, status: int, prompt: int, completion: int, t0: float) -> None:
+        log.info("%s %d prompt_tokens=%d completion_tokens=%d %.3fs", path, status, prompt, completion,
+                 time.perf_counter() - t0)
+
     async def completion(request: Request, chat: bool):
+        t0, path = time.perf_counter(), request.url.path
         try:
             try:
                 body = await request.json()
             except (json.JSONDecodeError, UnicodeDecodeError, ValueError):
                 raise BadRequest("the request body is not valid JSON") from None
-            prompt, kw, stream = server.parse(body, chat)
-            handle = server.submit(prompt, kw)
+            req = parse(ChatCompletionRequest if chat else CompletionRequest, body)
+            server.check_model(req.model)
+            extra = unknown_fields(req)
+            if extra:
+                log.warning("%s: ignoring unknown fields %s", path, ", ".join(extra))
+            handles = server.submit(req, chat)
         except BadRequest as err:
-            return error(err)
+            return error(err, path, t0)
+        prompts = [ids for ids, _ in handles[::req.n]]
         rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
         created = int(time.time())
         obj = "chat.completion" if chat else "text_completion"
+        zero = (req.max_completion_tokens if chat and req.max_completion_tokens is not None else req.max_tokens) == 0
+        echo = (not chat) and req.echo
+        k = (req.top_logprobs or 0) if chat else req.logprobs
 
-        def usage(out):
-            n = len(out.tokens)
-            return {"prompt_tokens": out.prompt_tokens, "completion_tokens": n, "total_tokens": out.prompt_tokens + n}
+        def text_of(out) -> str:
+            return "" if zero or out.text is None else out.text
 
-        def reason(out):
-            return {"cancelled": "abort", "cache_full": "length"}.get(out.finish_reason, out.finish_reason)
+        if req.stream:
+            return StreamingResponse(stream(request, req, handles, prompts, rid, created, obj, chat, zero, echo, k,
+                                            t0, path), media_type="text/event-stream")
 
-        if stream:
-            async def events():
-                try:
-                    first = True
-                    async for tokens, text in handle.stream():
-                        server.record(len(tokens))
-                        if chat:
-                            delta = {"role": "assistant", "content": text or ""} if first else {"content": text or ""}
-                            choice = {"index": 0, "delta": delta, "finish_reason": None}
-                        else:
-                            choice = {"index": 0, "text": text or "", "finish_reason": None, "logprobs": None}
-                        first = False
-                        yield _sse({"id": rid, "object": obj + (".chunk" if chat else ""), "created": created,
-                                    "model": model_name, "choices": [choice]})
-                    out = handle.output
-                    last = ({"index": 0, "delta": {}, "finish_reason": reason(out)} if chat else
-                            {"index": 0, "text": "", "finish_reason": reason(out), "logprobs": None})
-                    yield _sse({"id": rid, "object": obj + (".chunk" if chat else ""), "created": created,
-                                "model": model_name, "choices": [last], "usage": usage(out)})
-                    yield "data: [DONE]\n\n"
-                finally:
-                    handle.cancel()  # a client that left: its row is freed (no-op once finished)
-            return StreamingResponse(events(), media_type="text/event-stream")
-
-        waiter = asyncio.ensure_future(handle.wait())
+        waiter = asyncio.ensure_future(asyncio.gather(*(h.wait() for _, h in handles)))
         while not waiter.done():
             await asyncio.wait({waiter}, timeout=0.5)
             if not waiter.done() and await request.is_disconnected():
-                handle.cancel()
-        out = waiter.result()
-        server.record(len(out.tokens))
-        text = out.text if out.text is not None else ""
-        choice = ({"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": reason(out)}
-                  if chat else {"index": 0, "text": text, "finish_reason": reason(out), "logprobs": None})
-        return JSONResponse({"id": rid, "object": obj, "created": created, "model": model_name,
-                             "choices": [choice], "usage": usage(out)})
+                server.cancel(handles)
+        outs = waiter.result()
+        failed = next((o for o in outs if o.finish_reason == "error"), None)
+        if failed is not None:
+            return error(BadRequest(f"the engine failed: {failed.error}", None, 500, "engine_error"), path, t0)
+        choices = []
+        for i, ((ids, _), out) in enumerate(zip(handles, outs)):
+            lps = [] if zero else (out.logprobs or [])
+            text = text_of(out)
+            if chat:
+                choice = {"index": i, "message": {"role": "assistant", "content": text},
+                          "logprobs": server.chat_logprobs(lps, k) if req.logprobs else None,
+                          "finish_reason": finish_reason(out.finish_reason)}
+            else:
+                prefix = server.prompt_text(ids) if echo else ""
+                logprobs = None
+                if req.logprobs is not None:
+                    logprobs = (server.echo_logprobs(ids, out.prompt_logprobs, lps) if echo else
+                                server.completion_logprobs(lps, 0))
+                choice = {"index": i, "text": prefix + text, "logprobs": logprobs,
+                          "finish_reason": "length" if zero else finish_reason(out.finish_reason)}
+            choices.append(choice)
+        counts = [0 if zero else len(o.tokens) for o in outs]
+        access(path, 200, sum(len(p) for p in prompts), sum(counts), t0)
+        return JSONResponse({"id": rid, "object": obj, "created": created, "model": model_name, "choices": choices,
+                             "usage": usage(prompts, counts)})
+
+    async def stream(request, req, handles, prompts, rid, created, obj, chat, zero, echo, k, t0, path):
+        """Server-sent events: each choice's deltas as they come, its end, the usage if
+        asked, [DONE]."""
+        kind = obj + (".chunk" if chat else "")
+        opts = req.stream_options
+        include_usage = opts is not None and opts.include_usage
+        continuous = opts is not None and opts.continuous_usage_stats
+        counts = [0] * len(handles)
+        offsets = [0] * len(handles)
+        queue: asyncio.Queue = asyncio.Queue()
+
+        async def pump(i, h):
+            try:
+                async for delta in h.stream():
+                    await queue.put((i, delta, None))
+                await queue.put((i, None, h.output))
+            except Exception as err:  # noqa: BLE001
+                await queue.put((i, None, err))
+
+        def chunk(choices, with_usage=False):
+            body = {"id": rid, "object": kind, "created": created, "model": model_name, "choices": choices}
+            if with_usage or continuous:
+                body["usage"] = usage(prompts, counts)
+            return _sse(body)
+
+        tasks = []
+        status = 200
+        try:
+            for i, (ids, _) in enumerate(handles):  # the first chunk of each choice
+                if chat:
+                    yield chunk([{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                                  "finish_reason": None}])
+                elif echo:
+                    lps = server.echo_logprobs(ids, None, []) if req.logprobs is not None else None
+                    text = server.prompt_text(ids)
+                    offsets[i] = len(text)
+                    yield chunk([{"index": i, "text": text, "logprobs": lps, "finish_reason": None}])
+            tasks = [asyncio.ensure_future(pump(i, h)) for i, (_, h) in enumerate(handles)]
+            open_choices = len(handles)
+            while open_choices:
+                i, delta, end = await queue.get()
+                if delta is not None:
+                    if zero or not (delta.tokens or delta.text):
+                        continue
+                    counts[i] += len(delta.tokens)
+                    lps = delta.logprobs or []
+                    if chat:
+                        choice = {"index": i, "delta": {"content": delta.text or ""},
+                                  "logprobs": server.chat_logprobs(lps, k) if req.logprobs else None,
+                                  "finish_reason": None}
+                    else:
+                        logprobs = server.completion_logprobs(lps, offsets[i]) if req.logprobs is not None else None
+                        offsets[i] += len(delta.text or "")
+                        choice = {"index": i, "text": delta.text or "", "logprobs": logprobs, "finish_reason": None}
+                    yield chunk([choice])
+                    continue
+                open_choices -= 1
+                if isinstance(end, BaseException) or end.finish_reason == "error":
+                    status = 500
+                    message = f"the engine failed: {end.error if not isinstance(end, BaseException) else end}"
+                    log.warning("%s 500 (stream) %.3fs: %s", path, time.perf_counter() - t0, message)
+                    yield _sse(error_body(message, None, "internal_server_error", "engine_error"))
+                    server.cancel(handles)
+                    break
+                reason = "length" if zero else finish_reason(end.finish_reason)
+                last = ({"index": i, "delta": {}, "logprobs": None, "finish_reason": reason} if chat else
+                        {"index": i, "text": "", "logprobs": None, "finish_reason": reason})
+                yield chunk([last])
+            if status == 200 and include_usage:
+                yield chunk([], with_usage=True)
+            yield "data: [DONE]\n\n"
+            if status == 200:
+                access(path, 200, sum(len(p) for p in prompts), sum(counts), t0)
+        finally:
+            for t in tasks:
+                t.cancel()
+            server.cancel(handles)  # a client that left: its rows are freed (no-op once finished)
 
     async def completions(request):
         return await completion(request, chat=False)
@@ -266,15 +421,28 @@ def build_app(engine: Engine, model_name: str):
     async def chat_completions(request):
         return await completion(request, chat=True)
 
+    def model_card() -> dict:
+        return {"id": model_name, "object": "model", "created": int(server.started), "owned_by": "jspec",
+                "max_model_len": engine.max_prompt_len + engine.max_new_tokens}
+
     async def models(request):
-        return JSONResponse({"object": "list", "data": [{"id": model_name, "object": "model",
-                                                         "created": int(server.started), "owned_by": "jspec"}]})
+        return JSONResponse({"object": "list", "data": [model_card()]})
+
+    async def model(request):
+        name = request.path_params["name"]
+        if name != model_name:
+            return error(BadRequest(f"model {name!r} does not exist; this server serves {model_name!r}", "model",
+                                    404, "model_not_found"), request.url.path, time.perf_counter())
+        return JSONResponse(model_card())
 
     async def health(request):
-        return JSONResponse({"status": "ok", "running": engine.running, "waiting": engine.waiting})
+        if not engine.healthy:
+            return JSONResponse({"status": "error", "error": engine.error}, status_code=503)
+        return JSONResponse({"status": "ok", "running": engine.running, "waiting": engine.waiting,
+                             "tier": tier_name(engine.spec)})
 
     async def metrics(request):
-        return PlainTextResponse(server.metrics(), media_type="text/plain; version=0.0.4")
+        return Response(generate_latest(registry), media_type=CONTENT_TYPE_LATEST)
 
     @contextlib.asynccontextmanager
     async def lifespan(app):
@@ -284,12 +452,31 @@ def build_app(engine: Engine, model_name: str):
         finally:
             engine.close()  # after uvicorn's graceful stop (SIGINT, SIGTERM): what is left is cancelled
 
-    return Starlette(routes=[Route("/v1/completions", completions, methods=["POST"]),
-                             Route("/v1/chat/completions", chat_completions, methods=["POST"]),
-                             Route("/v1/models", models), Route("/health", health), Route("/metrics", metrics)],
-                     lifespan=lifespan)
+    app = Starlette(routes=[Route("/v1/completions", completions, methods=["POST"]),
+                            Route("/v1/chat/completions", chat_completions, methods=["POST"]),
+                            Route("/v1/models", models), Route("/v1/models/{name:path}", model),
+                            Route("/health", health), Route("/metrics", metrics)],
+                    lifespan=lifespan)
+    return Authorized(app, api_key) if api_key else app
 
 
-def _sse(obj: dict) -> str:
-    return "data: " + json.dumps(obj, allow_nan=False, default=lambda v: None if isinstance(v, float) and
-                                 math.isnan(v) else str(v)) + "\n\n"
+class Authorized:
+    """ASGI wrapper: every /v1 route needs `Authorization: Bearer <key>` (a 401 with
+    OpenAI's error object otherwise); /health and /metrics stay open."""
+
+    def __init__(self, app, key: str):
+        self.app, self.key = app, key
+        self.router = getattr(app, "router", None)
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] == "http" and scope["path"].startswith("/v1"):
+            headers = dict(scope.get("headers") or [])
+            given = headers.get(b"authorization", b"").decode("latin-1")
+            if given != f"Bearer {self.key}":
+                from starlette.responses import JSONResponse
+                log.warning("%s 401: missing or wrong API key", scope["path"])
+                response = JSONResponse(error_body("a valid API key is needed: Authorization: Bearer <key>", None,
+                                                   "authentication_error", "invalid_api_key"), status_code=401)
+                await response(scope, receive, send)
+                return
+        await self.app(scope, receive, send)

@@ -1,0 +1,212 @@
+"""The serving engine's runner: the compiled programs and the device state of one batch of
+rows, and nothing about requests' lifetimes (that is the scheduler's).
+
+It makes its plan with `jspec.loop.plan.make_plan`, holds one loop state
+(`jspec.loop.state`) and runs the loop's entry points on it (`jspec.loop.programs`):
+admissions, prefill passes, chunks of rounds and evictions. Every program it can run is
+listed by `programs_needed` and compiled by `compile_all` (the engine's warm-up: a server
+compiles them before it listens, so nothing compiles while it serves). Their number does
+not depend on the prompts' lengths: a prompt is passed in blocks of `prefill_chunk`
+tokens, and an admission's prompt array has one of a few fixed widths (`widths`).
+
+The programs, for a batch of B rows (A = 1, 2, 4, ... B an admission or prefill pass):
+  admit    one per (A, width) with the sampling steps, and one per width of A = 1 that
+           records the prompt's logprobs (such a request is admitted alone);
+  prefill  one per A, and one of A = 1 that records the prompt's logprobs (paged caches
+           whose prompts are longer than a block);
+  chunk    one per tier x {greedy, sampling steps} x {logprobs recorded or not};
+  evict    one.
+"""
+from __future__ import annotations
+
+import time
+from typing import Sequence
+
+import jax
+import numpy as np
+
+from jspec import requests as rq
+from jspec import sharding
+from jspec.config import CacheConfig, SpecConfig, Tuning
+from jspec.loop import programs
+from jspec.loop.plan import make_plan, pow2, prompt_bucket
+from jspec.models import family_for
+from jspec.params import Params
+from jspec.serve.tiers import buckets
+
+NUM_STOP = 8  # stop ids a request may give (its own and the model's EOS ids together)
+
+
+class Runner:
+    """The device side of an engine (see the module). params, cache, tuning: as
+    `jspec.compile`; tiers: the SpecConfigs (None: plain rounds) the chunks may run;
+    batch, max_prompt_len, max_new_tokens: the largest requests; prefill_chunk: prompt
+    tokens a pass takes (used with paged caches of targets that take a prompt in blocks);
+    rounds_per_chunk: rounds a chunk runs; max_logprobs: alternatives a logprob lists (0:
+    no logprobs at all, and a smaller state)."""
+
+    def __init__(self, params: Params, *, batch: int, max_prompt_len: int, max_new_tokens: int, cache: CacheConfig,
+                 tiers: Sequence[SpecConfig | None], tuning: Tuning, prefill_chunk: int, rounds_per_chunk: int,
+                 max_logprobs: int):
+        self.params, self.cache, self.rounds_per_chunk = params, cache, rounds_per_chunk
+        Tp = prompt_bucket(max_prompt_len)
+        kind = family_for(params.config).cache_kind(params.config)
+        chunked = cache.kind == "paged" and kind.prefill_in_chunks and prefill_chunk < Tp
+        self.prefill_chunk = int(prefill_chunk) if chunked else 0  # 0: prompts passed whole
+        self.tiers = list(tiers)
+        self.plan = make_plan(params, [max_prompt_len] * batch, [max_new_tokens] * batch, NUM_STOP, True, cache,
+                              self.tiers[0], tuning, tiers=tuple(self.tiers) if len(self.tiers) > 1 else (),
+                              prefill_chunk=self.prefill_chunk, logprobs=max_logprobs)
+        self.batch = self.plan.batch
+        self.tier_plans = [self.plan.variant(spec=t) for t in self.tiers]
+        self.state = None
+        self._programs: dict = {}  # small keys -> compiled programs (a full key hashes every weight's shape)
+        self.compile_s = 0.0
+
+    @property
+    def weights(self):
+        return self.params.weights, self.params.draft.weights if self.params.draft is not None else None
+
+    def put(self, tree):
+        return sharding.replicated(self.params.mesh, tree)
+
+    # ------------------------------------------------------------------ shapes
+
+    def widths(self) -> list[int]:
+        """The prompt widths of admissions: with blocks, up to 64 tokens, up to a block,
+        and the longest prompt (whose later blocks are read from the token buffer); whole
+        prompts: powers of two from 64 to the longest."""
+        Tp, C = self.plan.prompt_len, self.prefill_chunk
+        if C:
+            return sorted({min(64, C), C, Tp})
+        return sorted({min(w, Tp) for w in [64 << k for k in range(max(Tp // 64, 1).bit_length() + 1)]} | {Tp})
+
+    def width_class(self, prompt_len: int) -> int:
+        """The admission width of a prompt of this length."""
+        return next(w for w in self.widths() if w >= prompt_len)
+
+    def bucket(self, n: int) -> int:
+        return min(pow2(n), self.batch)
+
+    # ------------------------------------------------------------------ programs
+
+    def _program(self, key, entry, plan, args):
+        if key not in self._programs:
+            self._programs[key], seconds = programs.compiled(entry, plan, self.weights, args, self.params.mesh)
+            self.compile_s += seconds
+        return self._programs[key]
+
+    def _admit_inputs(self, rows: list[int], reqs: rq.Requests, width: int):
+        A = self.bucket(len(rows))
+        packed_rows, adm = rq.pack(self.plan, reqs, self.cache)
+        packed_rows[:len(rows)] = rows
+        adm = adm.replace(prompt=adm.prompt[:, :width])
+        return self.put((packed_rows[:A], jax.tree.map(lambda a: a[:A], adm)))
+
+    def admit(self, rows: list[int], reqs: rq.Requests, prompt_logprobs: bool = False):
+        """Dispatches the admission of requests `reqs` (one per row of `rows`) -> its window
+        readback (on the device). Their prompts' first blocks are passed."""
+        width = self.width_class(max(reqs.lens))
+        rows_dev, adm = self._admit_inputs(rows, reqs, width)
+        plan = self.plan.variant(sampling=True, prompt_logprobs=prompt_logprobs)
+        program = self._program(("admit", len(rows_dev), width, prompt_logprobs), programs.admit_jit, plan,
+                                (self.state, rows_dev, adm))
+        self.state, back = program(*self.weights, self.state, rows_dev, adm)
+        return back
+
+    def prefill(self, blocks: list[tuple[int, int]], prompt_logprobs: bool = False):
+        """Dispatches the next block of parked rows: (row, first slot of the block) each ->
+        the window readback."""
+        A = self.bucket(len(blocks))
+        rows = np.full((A,), self.batch, np.int32)
+        start = np.zeros((A,), np.int32)
+        rows[:len(blocks)] = [r for r, _ in blocks]
+        start[:len(blocks)] = [s for _, s in blocks]
+        rows_dev, start_dev = self.put((rows, start))
+        plan = self.plan.variant(sampling=True, prompt_logprobs=prompt_logprobs)
+        program = self._program(("prefill", A, prompt_logprobs), programs.prefill_jit, plan,
+                                (self.state, rows_dev, start_dev))
+        self.state, back = program(*self.weights, self.state, rows_dev, start_dev)
+        return back
+
+    def chunk(self, tier: int, sampled: bool, logprobs: bool):
+        """Dispatches `rounds_per_chunk` rounds of tier `tier` -> the window readback."""
+        plan = self.tier_plans[tier].variant(sampling=sampled, token_logprobs=logprobs)
+        program = self._program(("chunk", tier, sampled, logprobs), programs.chunk_jit(self.rounds_per_chunk),
+                                plan, (self.state,))
+        self.state, back = program(*self.weights, self.state)
+        return back
+
+    def evict(self, rows: list[int]) -> None:
+        """Dispatches the eviction of `rows` (pages back to the pool, the rows free)."""
+        padded = np.full((self.batch,), self.batch, np.int32)
+        padded[:len(rows)] = rows
+        rows_dev = self.put(padded)
+        program = self._program(("evict",), programs.evict_jit, self.plan, (self.state, rows_dev))
+        self.state = program(*self.weights, self.state, rows_dev)
+
+    def reset(self) -> None:
+        """A fresh state: every row free."""
+        with programs.under(self.params.mesh):
+            self.state = programs.init_jit(self.plan)
+
+    # ------------------------------------------------------------------ start-up
+
+    def programs_needed(self, widths=None, sampled=(False, True), logprobs=None) -> list[tuple]:
+        """(key, entry, plan, args) of every program (see the module): admissions of the
+        given widths (None: all), chunks with these sampling and logprob variants (None:
+        both where the state keeps logprobs)."""
+        with_lp = (False, True) if self.plan.logprobs else (False,)
+        logprobs = with_lp if logprobs is None else logprobs
+        dummy = rq.check_requests(self.params, [[1]] * self.batch, [1] * self.batch, [], {})
+        out = []
+        for A in buckets(self.batch):
+            for lp in with_lp if A == 1 else (False,):
+                plan = self.plan.variant(sampling=True, prompt_logprobs=lp)
+                for width in widths or self.widths():
+                    args = (self.state, *self._admit_inputs(list(range(A)), dummy.take(range(A)), width))
+                    out.append((("admit", A, width, lp), programs.admit_jit, plan, args))
+                if self.prefill_chunk:
+                    args = (self.state, *self.put((np.zeros((A,), np.int32), np.zeros((A,), np.int32))))
+                    out.append((("prefill", A, lp), programs.prefill_jit, plan, args))
+        for tier, plan in enumerate(self.tier_plans):
+            for s in sampled:
+                for lp in logprobs:
+                    out.append((("chunk", tier, s, lp), programs.chunk_jit(self.rounds_per_chunk),
+                                plan.variant(sampling=s, token_logprobs=lp), (self.state,)))
+        out.append((("evict",), programs.evict_jit, self.plan,
+                    (self.state, self.put(np.zeros((self.batch,), np.int32)))))
+        return out
+
+    def compile_all(self, **which) -> tuple[int, float]:
+        """Compiles `programs_needed(**which)` -> (how many, seconds; programs compiled
+        before cost nothing)."""
+        if self.state is None:
+            self.reset()
+        t0 = time.perf_counter()
+        needed = self.programs_needed(**which)
+        for key, entry, plan, args in needed:
+            self._program(key, entry, plan, args)
+        return len(needed), time.perf_counter() - t0
+
+    def time_rounds(self, tier: int, n: int, context: int, rounds: int, repeats: int) -> float:
+        """Seconds a round of tier `tier` takes with n rows running placeholder requests
+        whose prompts hold `context` tokens: admitted into an idle state, a warm-up chunk,
+        `repeats` timed chunks, then evicted (`jspec.serve.tiers.measure_costs`)."""
+        if self.state is None:
+            self.reset()
+        prompt = [1 + (i % 97) for i in range(max(1, min(context, self.plan.prompt_len)))]
+        max_new = max(1, min(self.plan.max_rounds, rounds * (repeats + 1) * self.plan.max_emit))
+        reqs = rq.check_requests(self.params, [prompt] * n, max_new, [], {})
+        rows = list(range(n))
+        jax.block_until_ready(self.admit(rows, reqs))
+        for start in range(self.prefill_chunk, len(prompt), self.prefill_chunk) if self.prefill_chunk else ():
+            self.prefill([(r, start) for r in rows])
+        back = jax.device_get(self.chunk(tier, False, False))
+        t0, step0 = time.perf_counter(), int(back["step"])
+        for _ in range(repeats):
+            back = self.chunk(tier, False, False)
+        back = jax.device_get(back)
+        seconds = time.perf_counter() - t0
+        self.evict(rows)
+        return seconds / max(int(back["step"]) - step0, 1)
