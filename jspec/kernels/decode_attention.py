@@ -330,7 +330,7 @@ def merge_splits(o, lse):
 # --------------------------------------------------------------------------- public
 
 
-def _check_args(q, kv_buf, meta: AttnMeta, window) -> None:
+def check_attention_args(q, kv_buf, meta: AttnMeta, window) -> None:
     """Raises ValueError / TypeError for arguments the kernel does not take."""
     if meta.prefill:
         raise ValueError("prefill metadata: the kernel reads the cache, prefill does not")
@@ -388,7 +388,7 @@ def is_supported(q, kv_buf, meta: AttnMeta, *, window: int = 0) -> bool:
     """Whether `paged_decode_attention` takes these arguments (the dispatch falls back to
     the reference when not)."""
     try:
-        _check_args(q, kv_buf, meta, window)
+        check_attention_args(q, kv_buf, meta, window)
     except (TypeError, ValueError):
         return False
     return True
@@ -412,7 +412,7 @@ def paged_decode_attention(q, kv_buf, meta: AttnMeta, *, window: int = 0, scale:
     queries in the `query_slots(T, H, Hkv)` slots after the local block (see
     `jspec.cache.kv.query_slots`); q then gives only shapes and dtype.
     """
-    _check_args(q, kv_buf, meta, window)
+    check_attention_args(q, kv_buf, meta, window)
     if q_in_cache and meta.page_table is not None:
         raise ValueError("q_in_cache needs a dense cache (paged pools have no room reserved)")
     window = int(window)

@@ -245,7 +245,7 @@ def _mla_call(q_lat, q_pe, lat_flat, table, meta: AttnMeta, *, page_size: int, n
 # --------------------------------------------------------------------------- public
 
 
-def _check_args(q_lat, q_pe, latent_buf, meta: AttnMeta) -> None:
+def check_mla_args(q_lat, q_pe, latent_buf, meta: AttnMeta) -> None:
     """Raises ValueError / TypeError for arguments the kernel does not take."""
     if meta.prefill:
         raise ValueError("prefill metadata: the kernel reads the cache, prefill does not")
@@ -277,7 +277,7 @@ def is_supported(q_lat, q_pe, latent_buf, meta: AttnMeta) -> bool:
     """Whether `paged_mla_attention` takes these arguments (the dispatch falls back to the
     reference when not)."""
     try:
-        _check_args(q_lat, q_pe, latent_buf, meta)
+        check_mla_args(q_lat, q_pe, latent_buf, meta)
     except (TypeError, ValueError):
         return False
     return True
@@ -326,7 +326,7 @@ def paged_mla_attention_splits(q_lat, q_pe, latent_buf, meta: AttnMeta, *, scale
     row tiles above 16 x 512) and num_stages (default `tiles.num_stages`) are Triton's.
     tiles: `MlaDecodeTiles` (None: the defaults).
     """
-    _check_args(q_lat, q_pe, latent_buf, meta)
+    check_mla_args(q_lat, q_pe, latent_buf, meta)
     if isinstance(scale, bool) or not isinstance(scale, numbers.Real):
         raise TypeError(f"scale must be a static float, got {scale!r}")
     B, T, H, Dc = q_lat.shape

@@ -42,7 +42,7 @@ from jax.experimental import pallas as pl
 
 from jspec.cache.layout import AttnMeta
 from jspec.config import RowAttentionTiles
-from jspec.kernels.decode_attention import NEG_INF, _check_args, online_softmax_step
+from jspec.kernels.decode_attention import NEG_INF, check_attention_args, online_softmax_step
 from jspec.kernels.tiling import in_order_fold, pow2_ceil
 
 ROWS = 16  # query rows a program: the smallest tensor-core tile, fixed so no row's tile changes
@@ -236,7 +236,7 @@ def row_attention(q, kv_buf, meta: AttnMeta, *, window: int = 0, scale: float,
     """Attention of q [B,T,H,Dh] over a cache that already holds the new keys (dense
     [B,S,2,Hkv,Dh] or a pool [num_pages,P,2,Hkv,Dh] with meta.page_table), each token
     computed alone (see the module). -> [B,T,H,Dh] in q's dtype."""
-    _check_args(q, kv_buf, meta, window)
+    check_attention_args(q, kv_buf, meta, window)
     t = RowAttentionTiles() if tiles is None else tiles
     B, T, H, Dh = q.shape
     Hkv, page_size = kv_buf.shape[3], kv_buf.shape[1]

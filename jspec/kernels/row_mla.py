@@ -32,7 +32,7 @@ from jspec.cache.layout import AttnMeta
 from jspec.config import DEFAULT_TUNING, RowAttentionTiles, Tuning
 from jspec.kernels import mla_output
 from jspec.kernels.decode_attention import online_softmax_step
-from jspec.kernels.mla_decode import _check_args
+from jspec.kernels.mla_decode import check_mla_args
 from jspec.kernels.row_attention import (
     ROWS,
     key_rows,
@@ -79,7 +79,7 @@ def row_mla_splits(q_lat, q_pe, latent_buf, meta: AttnMeta, *, scale: float,
     `mla_output`'s layout: (o [B, NS, T*H, Dc] float32, each split normalised over its
     keys (zeros where it saw none), lse [B, NS, T*H] float32 (NEG_INF: no key)); row r is
     token r // H, head r % H."""
-    _check_args(q_lat, q_pe, latent_buf, meta)
+    check_mla_args(q_lat, q_pe, latent_buf, meta)
     t = RowAttentionTiles() if tiles is None else tiles
     B, T, H, Dc = q_lat.shape
     Dr = q_pe.shape[-1]
