@@ -52,7 +52,6 @@ import numpy as np
 
 import jspec
 from benchmarks.common import V2_LITE, env_info, kernel_time, median_time, prompts, random_params, save_json
-from jspec.cache.layout import AttnMeta
 from jspec.config import ModelConfig
 from jspec.kernels import decode_attention as da
 from jspec.kernels import dispatch
@@ -62,6 +61,7 @@ from jspec.kernels import mla_output as mo
 from jspec.kernels import moe_experts as me
 from jspec.kernels import moe_grouped as mg
 from jspec.kernels import moe_route as mr
+from jspec.kernels.meta import AttnMeta
 
 SECTIONS = ("attention", "mla", "moe", "deepseek", "engine")
 T0 = time.perf_counter()

@@ -24,6 +24,7 @@ from transformers import DeepseekV32Config, DeepseekV32ForCausalLM
 import jspec
 from jspec.cache import kv as kvc
 from jspec.cache import layout as lay
+from jspec.kernels.meta import AttnMeta
 from jspec.models import family_for
 
 TOPK = 4  # index_topk: below every context here but the shortest prompt's start
@@ -260,7 +261,7 @@ def test_sparse_mla_kernel_equals_references(paged):
     for b in range(B):
         for t in range(T):
             select[b, t, [i for i in np.asarray(index[b, t]) if i >= 0]] = True
-    meta = lay.AttnMeta(positions=jnp.full((B, T), S - 1, jnp.int32), prefix_len=jnp.full((B,), S, jnp.int32),
+    meta = AttnMeta(positions=jnp.full((B, T), S - 1, jnp.int32), prefix_len=jnp.full((B,), S, jnp.int32),
                         local_mask=jnp.ones((B, T, 1), bool), local_positions=jnp.zeros((B, 1), jnp.int32),
                         write_index=jnp.zeros((B, T), jnp.int32), page_table=tab, page_size=P if paged else 0)
     dense = np.asarray(mla_attention_reference(q_lat, q_pe, buf, meta, scale=0.3, select=jnp.asarray(select)))

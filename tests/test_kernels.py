@@ -16,6 +16,7 @@ from hypothesis import strategies as st
 from jspec.cache import kv as kvc
 from jspec.cache import layout as lay
 from jspec.kernels import decode_attention as da
+from jspec.kernels.meta import AttnMeta
 
 # jspec.kernels re-exports a function named `attention`, so fetch the module by name.
 attn = importlib.import_module("jspec.kernels.attention")
@@ -63,7 +64,7 @@ def make_case(seed, *, B=3, T=4, Tl=None, Hkv=2, Gq=2, Dh=16, S=64, page_size=0,
         shape = (B, S, Hkv, Dh)
     k = rng.standard_normal(shape)
     v = rng.standard_normal(shape)
-    meta = lay.AttnMeta(
+    meta = AttnMeta(
         positions=jnp.asarray(positions, jnp.int32), prefix_len=jnp.asarray(prefix),
         local_mask=jnp.asarray(local_mask), local_positions=jnp.asarray(local_pos, jnp.int32),
         write_index=jnp.zeros((B, T), jnp.int32),

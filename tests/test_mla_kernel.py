@@ -10,12 +10,14 @@ import numpy as np
 import pytest
 
 from jspec.cache import layout as lay
+from jspec.cache.latent import cached_mla_attention
 from jspec.config import DEFAULT_TUNING, MlaDecodeTiles, MlaOutputTiles, Tuning
 from jspec.kernels import dispatch
 from jspec.kernels import mla_attention as mla
 from jspec.kernels import mla_decode as md
 from jspec.kernels import mla_inputs as mi
 from jspec.kernels import mla_output as mo
+from jspec.kernels.meta import AttnMeta
 from test_kernels import tree_mask, pallas_grids  # noqa: E402  (the GQA kernel tests' random tree)
 
 
@@ -45,7 +47,7 @@ def make_case(seed, *, B=3, T=1, Tl=None, H=4, Dc=32, Dr=16, S=64, page_size=0, 
     else:
         table = None
         shape = (B, S, Dc + Dr)
-    meta = lay.AttnMeta(
+    meta = AttnMeta(
         positions=jnp.asarray(local_pos[:, Tl - T:], jnp.int32), prefix_len=jnp.asarray(prefix),
         local_mask=jnp.asarray(local_mask), local_positions=jnp.asarray(local_pos, jnp.int32),
         write_index=jnp.zeros((B, T), jnp.int32),
@@ -173,7 +175,7 @@ def test_cached_mla_attention_engine_layout():
     outs = {}
     for mode in ("reference", "pallas"):
         with dispatch.use_backend(mode):
-            outs[mode] = _fast_jit(lambda *a: mla.cached_mla_attention(*a, scale=0.2),
+            outs[mode] = _fast_jit(lambda *a: cached_mla_attention(*a, scale=0.2),
                                    q_lat, q_pe, new, buf, meta, w_uv)
     chex.assert_shape(outs["pallas"][0], (B, T, H, 16))
     chex.assert_trees_all_close(outs["pallas"], outs["reference"], atol=1e-5, rtol=1e-5)

@@ -10,8 +10,8 @@ import numpy as np
 import pytest
 from test_kernels import _fast_jit, _reference, make_case, stack
 
-from jspec.cache import layout as lay
 from jspec.config import RowAttentionTiles
+from jspec.kernels.meta import AttnMeta
 from jspec.kernels.row_attention import in_slot_order, local_slots, packs, row_attention
 
 TILES = RowAttentionTiles(block_k=16, split_blocks=2, pack_min_splits=0)  # splits of 32 positions; packed tokens
@@ -59,7 +59,7 @@ def _decode_case(k, v, meta, b, t, S):
         if slot >= 0:
             kk[0, L + j], vv[0, L + j] = np.asarray(k[b, slot], np.float32), np.asarray(v[b, slot], np.float32)
     pos = int(meta.positions[b, t])
-    one = lay.AttnMeta(positions=jnp.full((1, 1), pos, jnp.int32), prefix_len=jnp.full((1,), pos, jnp.int32),
+    one = AttnMeta(positions=jnp.full((1, 1), pos, jnp.int32), prefix_len=jnp.full((1,), pos, jnp.int32),
                        local_mask=jnp.ones((1, 1, 1), bool), local_positions=jnp.full((1, 1), pos, jnp.int32),
                        write_index=jnp.zeros((1, 1), jnp.int32), page_table=None)
     return jnp.asarray(kk, k.dtype), jnp.asarray(vv, v.dtype), one

@@ -11,8 +11,8 @@ import numpy as np
 import pytest
 from test_mla_kernel import _fast_jit, _scale, make_case
 
-from jspec.cache import layout as lay
 from jspec.config import MlaOutputTiles, RowAttentionTiles, Tuning
+from jspec.kernels.meta import AttnMeta
 from jspec.kernels.mla_decode import mla_attention_reference
 from jspec.kernels.mla_output import up_project
 from jspec.kernels.row_attention import local_slots
@@ -59,7 +59,7 @@ def _decode_case(buf, meta, b, t, S):
         if slot >= 0:
             rows[0, L + j] = np.asarray(buf[b, slot], np.float32)
     pos = int(meta.positions[b, t])
-    one = lay.AttnMeta(positions=jnp.full((1, 1), pos, jnp.int32), prefix_len=jnp.full((1,), pos, jnp.int32),
+    one = AttnMeta(positions=jnp.full((1, 1), pos, jnp.int32), prefix_len=jnp.full((1,), pos, jnp.int32),
                        local_mask=jnp.ones((1, 1, 1), bool), local_positions=jnp.full((1, 1), pos, jnp.int32),
                        write_index=jnp.zeros((1, 1), jnp.int32), page_table=None)
     return jnp.asarray(rows, buf.dtype), one

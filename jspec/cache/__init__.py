@@ -3,6 +3,7 @@ and values; `latent`: the MLA latent). A cache kind allocates its buffers for a 
 says what room a forward needs past its tokens, and commits a round's accepted path
 (every round; nothing moves for a chain)."""
 from jspec.cache.kv import KVCache, KVCacheKind
-from jspec.cache.layout import AttnMeta, CacheLayout, PageState
+from jspec.cache.layout import CacheLayout, PageState
+from jspec.kernels.meta import AttnMeta
 
 __all__ = ["AttnMeta", "CacheLayout", "KVCache", "KVCacheKind", "PageState"]

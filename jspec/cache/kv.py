@@ -7,21 +7,25 @@ one operation per layer, not two.
 
 A dense cache may also carry a forward's queries for the attention kernel, parked in the
 slots after its new tokens by the same write (`with_queries`, `query_slots`); the kind
-asks the loop for that room through `extra_slots`, and only `jspec.kernels.attention`
-decides to park. Nothing else sees it.
+asks the loop for that room through `extra_slots`, and only `cached_attention` (which
+writes a layer's new keys and values and calls `jspec.kernels.attention`) decides to park.
+Nothing else sees it.
 """
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import ClassVar
 
 import jax
 import jax.numpy as jnp
 from flax import struct
 
-from jspec.cache.layout import AttnMeta, CacheLayout, PageState, slot_index
-from jspec.config import DEFAULT_TUNING
-from jspec.sharding import constrain_heads
+from jspec.cache.layout import CacheLayout, PageState, slot_index
+from jspec.config import DEFAULT_TUNING, AttentionTiles, RowAttentionTiles
+from jspec.kernels.attention import attention, attention_reference, uses_kernel
+from jspec.kernels.meta import AttnMeta, read_kv  # noqa: F401  (read_kv: the cache read in slot order, re-exported)
+from jspec.sharding import constrain_heads, over_heads, tp_size
 from jspec.util import cdiv
 
 
@@ -142,15 +146,6 @@ def write_kv(buf: jax.Array, new: jax.Array, write_index: jax.Array, dense: bool
     return flat.reshape(shape)
 
 
-def read_kv(buf: jax.Array, page_table: jax.Array | None) -> jax.Array:
-    """One layer's buffer as [B, Sk, 2, Hkv, Dh] in slot order (paged: gathered)."""
-    if page_table is None:
-        return buf
-    B, G = page_table.shape
-    pages = buf[jnp.clip(page_table, 0, buf.shape[0] - 1)]  # [B, G, P, 2, Hkv, Dh]
-    return pages.reshape((B, G * buf.shape[1]) + buf.shape[2:])
-
-
 def move_slots(cache: KVCache, src_index: jax.Array, dst_index: jax.Array) -> KVCache:
     """Copies every layer's entries at flat src [B, M] to flat dst [B, M] (gather, then set;
     moves that must not happen have both ends in the trash)."""
@@ -165,3 +160,36 @@ def move_buffers(bufs: tuple, src_index: jax.Array, dst_index: jax.Array) -> tup
         vals = flat[src_index.reshape(-1)]
         return flat.at[dst_index.reshape(-1)].set(vals, mode="promise_in_bounds").reshape(shape)
     return tuple(move(b) for b in bufs)
+
+
+def cached_attention(q, k, v, kv_buf, meta: AttnMeta, *, window: int = 0, scale: float,
+                     tiles: AttentionTiles | None = None, row_tiles: RowAttentionTiles | None = None):
+    """Writes the new keys and values into the layer's cache and attends over it
+    (`jspec.kernels.attention.attention`).
+
+    q [B,T,H,Dh]; k/v [B,T,Hkv,Dh]; kv_buf: the layer's buffer or None (prefill without a
+    cache: the block attends to itself). -> (out [B,T,H,Dh], buffer).
+    When the Pallas kernel will run on a dense cache with room reserved (meta.q_room), the
+    queries are parked in the cache by the same write (`with_queries`) and the kernel reads
+    them there: no kernel of their own prepares the query tile. tiles: the kernel's
+    (`attention`)."""
+    if kv_buf is None:
+        if not meta.prefill:
+            raise ValueError("attention without a cache needs a prefill AttnMeta")
+        return attention_reference(q, k, v, None, meta, window=window, scale=scale), None
+    if tp_size() and uses_kernel(q, kv_buf, meta, window=window):
+        # Split over devices: each runs the kernel on its own heads (XLA cannot split a Pallas call).
+        local = functools.partial(_write_and_attend, window=window, scale=scale, tiles=tiles, row_tiles=row_tiles)
+        return over_heads(local, q, k, v, kv_buf, meta)
+    return _write_and_attend(q, k, v, kv_buf, meta, window=window, scale=scale, tiles=tiles, row_tiles=row_tiles)
+
+
+def _write_and_attend(q, k, v, kv_buf, meta: AttnMeta, *, window: int, scale: float, tiles: AttentionTiles | None,
+                      row_tiles: RowAttentionTiles | None):
+    park = meta.q_room and row_tiles is None and uses_kernel(q, kv_buf, meta, window=window)
+    rows, index = jnp.stack([k, v], axis=2), meta.write_index  # a slot's keys and values: one write
+    if park:
+        rows, index = with_queries(rows, q, meta, kv_buf)
+    kv_buf = write_kv(kv_buf, rows, index, meta.page_table is None)
+    return attention(q, k, v, kv_buf, meta, window=window, scale=scale, q_in_cache=park, tiles=tiles,
+                     row_tiles=row_tiles), kv_buf

@@ -17,8 +17,8 @@ update, three kernels per layer in batch-1 decoding. Nothing ever reads the tras
 A forward pass over T new tokens writes them to consecutive slots and attends to a
 *prefix* (slots < prefix_len, all visible) plus a *local block* (the Tl slots from
 prefix_len on, visible per `local_mask`). That one rule covers prefill, decode, chain and
-tree verification and tree drafting; `AttnMeta` carries it. Target and draft caches share
-one page table.
+tree verification and tree drafting; `AttnMeta` (`jspec.kernels.meta`, what the kernels
+read) carries it. Target and draft caches share one page table.
 """
 from __future__ import annotations
 
@@ -28,6 +28,7 @@ import jax
 import jax.numpy as jnp
 from flax import struct
 
+from jspec.kernels.meta import AttnMeta
 from jspec.util import cdiv
 
 
@@ -87,44 +88,6 @@ class PageState:
     num_alloc: jax.Array
     free: jax.Array
     num_free: jax.Array
-
-
-@struct.dataclass
-class AttnMeta:
-    """How the T new tokens of one forward pass meet the cache (see the module docstring).
-
-    positions [B, T]: RoPE positions. prefix_len [B]: slots before the local block.
-    local_mask [B, T, Tl]: which local-block slots each new token sees (new tokens are the
-    last T of the Tl). local_positions [B, Tl]: positions of the local slots (for sliding
-    windows). write_index [B, T]: flat cache index of each new token (out of range: not
-    written). page_table [B, G] or None (dense).
-    parents [B, T]: each new token's parent among the T (-1: the newest token before the
-    block, none in a prefill): t - 1 in a sequence, the tree's parent in a verification;
-    a layer that is not attention (a recurrent state) follows it. valid [B, T]: the token
-    is real (a prompt token, a proposed node of a live row); a layer may skip the rest.
-    rows [B]: the request rows the pass's rows are (admission), None: rows 0..B-1; a cache
-    kept per request row (a recurrent state) reads and writes those rows.
-    """
-
-    positions: jax.Array
-    prefix_len: jax.Array
-    local_mask: jax.Array
-    local_positions: jax.Array
-    write_index: jax.Array
-    page_table: jax.Array | None
-    parents: jax.Array | None = None  # None: not given (a kernel test's hand-made meta)
-    valid: jax.Array | None = None
-    rows: jax.Array | None = None
-    page_size: int = struct.field(pytree_node=False, default=0)
-    # Prefill: the prefix is empty, so attention reads only the new keys (no cache read).
-    prefill: bool = struct.field(pytree_node=False, default=False)
-    # Dense caches only: the slots right after the local block are free and in capacity for
-    # what a cache kind keeps there during one forward (`KVCacheKind.extra_slots`).
-    q_room: bool = struct.field(pytree_node=False, default=False)
-
-    @property
-    def local_len(self) -> int:
-        return self.local_mask.shape[-1]
 
 
 def causal_mask(lengths, T: int):

@@ -24,8 +24,8 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
-from jspec.cache.kv import read_kv
 from jspec.kernels import dispatch
+from jspec.kernels.meta import read_kv
 from jspec.kernels.tiling import KERNEL_DTYPES, is_pow2, pow2_ceil
 
 MIN_ROWS = 16

@@ -14,11 +14,9 @@ or to the references.
 """
 from __future__ import annotations
 
-
-from jspec.cache.kv import write_kv
-from jspec.cache.layout import AttnMeta
 from jspec.config import DEFAULT_TUNING, Tuning
 from jspec.kernels import dispatch, mla_decode, mla_output, mla_sparse
+from jspec.kernels.meta import AttnMeta
 from jspec.kernels.mla_decode import mla_attention_reference
 
 
@@ -62,12 +60,3 @@ def mla_attention(q_lat, q_pe, latent_buf, meta: AttnMeta, w_uv, *, scale: float
     if dispatch.backend() == "pallas" or mla_output.is_supported(o, lse, w_uv, T, tuning.mla_output):
         return mla_output.mla_output(o, lse, w_uv, num_tokens=T, tiles=tuning.mla_output)
     return mla_output.mla_output_reference(o, lse, w_uv, num_tokens=T, dtype=w_uv.dtype)
-
-
-def cached_mla_attention(q_lat, q_pe, latent_new, latent_buf, meta: AttnMeta, w_uv, *, scale: float,
-                         tuning: Tuning | None = None, index=None):
-    """Writes the new latent rows latent_new [B,T,Dc+Dr] and attends over the cache (see
-    `mla_attention`, which takes `tuning` and `index`). -> (o [B,T,H,Dv] in w_uv's dtype,
-    buffer)."""
-    latent_buf = write_kv(latent_buf, latent_new, meta.write_index, meta.page_table is None)
-    return mla_attention(q_lat, q_pe, latent_buf, meta, w_uv, scale=scale, tuning=tuning, index=index), latent_buf

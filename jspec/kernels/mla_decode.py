@@ -46,10 +46,9 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
-from jspec.cache.kv import read_kv
-from jspec.cache.layout import AttnMeta
 from jspec.config import DEFAULT_TUNING, MlaDecodeTiles
 from jspec.kernels.decode_attention import cache_mask, check_meta, merge_splits, online_softmax_step
+from jspec.kernels.meta import AttnMeta, read_kv
 from jspec.kernels.tiling import KERNEL_DTYPES, is_pow2, pow2_ceil
 
 NEG_INF = -1e30

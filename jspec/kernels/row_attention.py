@@ -40,9 +40,9 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
-from jspec.cache.layout import AttnMeta
 from jspec.config import RowAttentionTiles
 from jspec.kernels.decode_attention import NEG_INF, check_attention_args, online_softmax_step
+from jspec.kernels.meta import AttnMeta
 from jspec.kernels.tiling import in_order_fold, pow2_ceil
 
 ROWS = 16  # query rows a program: the smallest tensor-core tile, fixed so no row's tile changes

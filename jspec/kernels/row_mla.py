@@ -28,10 +28,10 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
-from jspec.cache.layout import AttnMeta
 from jspec.config import DEFAULT_TUNING, RowAttentionTiles, Tuning
 from jspec.kernels import mla_output
 from jspec.kernels.decode_attention import online_softmax_step
+from jspec.kernels.meta import AttnMeta
 from jspec.kernels.mla_decode import check_mla_args
 from jspec.kernels.row_attention import (
     ROWS,

@@ -28,12 +28,12 @@ import numpy as np
 from flax import linen as nn
 from jax.sharding import PartitionSpec as P
 
-from jspec.cache.latent import LatentCache, LatentCacheKind
-from jspec.cache.layout import AttnMeta
+from jspec.cache.latent import LatentCache, LatentCacheKind, cached_mla_attention
 from jspec.config import DEFAULT_TUNING, Tuning
 from jspec.kernels.attention import attention_reference
 from jspec.kernels import mla_inputs
-from jspec.kernels.mla_attention import cached_mla_attention, mla_attention
+from jspec.kernels.meta import AttnMeta
+from jspec.kernels.mla_attention import mla_attention
 from jspec.kernels import moe_experts, moe_grouped
 from jspec.kernels.moe_experts import normed, silu_mul
 from jspec.kernels.moe_route import route

@@ -15,11 +15,11 @@ import numpy as np
 from flax import linen as nn
 from jax.sharding import PartitionSpec as P
 
-from jspec.cache.kv import KVCache, KVCacheKind
-from jspec.cache.layout import AttnMeta, prefill_meta
+from jspec.cache.kv import KVCache, KVCacheKind, cached_attention
+from jspec.cache.layout import prefill_meta
 from jspec.config import DEFAULT_TUNING, ModelConfig, Tuning
 from jspec.kernels import cpu_matmul, dispatch, moe_experts, row_matmul, row_norm
-from jspec.kernels.attention import cached_attention
+from jspec.kernels.meta import AttnMeta
 from jspec.kernels.tiling import is_pow2
 from jspec import sharding
 from jspec.models import llama_hf

@@ -25,8 +25,7 @@ import jax
 import jax.numpy as jnp
 from flax import linen as nn
 
-from jspec.cache.kv import KVCache, KVCacheKind
-from jspec.cache.layout import AttnMeta
+from jspec.cache.kv import KVCache, KVCacheKind, cached_attention
 from jspec.cache.recurrent import (
     HybridCache,
     HybridCacheKind,
@@ -36,7 +35,7 @@ from jspec.cache.recurrent import (
 )
 from jspec.config import DEFAULT_TUNING, Tuning
 from jspec.kernels import moe_experts, moe_grouped
-from jspec.kernels.attention import cached_attention
+from jspec.kernels.meta import AttnMeta
 from jspec.kernels.gated_delta import causal_conv_reference, gated_delta_reference
 from jspec.kernels.gated_delta_kernels import (
     gated_delta_prefill,

@@ -1,0 +1,61 @@
+"""What the cache-reading kernels know of a cache: how the T new tokens of a forward pass
+meet it (`AttnMeta`), and a layer's buffer read in slot order (`read_kv`).
+
+The slot layouts themselves (dense rows, paged pools, the trash slot, page allocation) are
+`jspec.cache.layout`'s, which builds every AttnMeta of the loop (`CacheLayout.meta`,
+`make_meta`, `prefill_meta`); the kernels and their references only read one.
+"""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import struct
+
+
+@struct.dataclass
+class AttnMeta:
+    """How the T new tokens of one forward pass meet the cache (see `jspec.cache.layout`).
+
+    positions [B, T]: RoPE positions. prefix_len [B]: slots before the local block.
+    local_mask [B, T, Tl]: which local-block slots each new token sees (new tokens are the
+    last T of the Tl). local_positions [B, Tl]: positions of the local slots (for sliding
+    windows). write_index [B, T]: flat cache index of each new token (out of range: not
+    written). page_table [B, G] or None (dense).
+    parents [B, T]: each new token's parent among the T (-1: the newest token before the
+    block, none in a prefill): t - 1 in a sequence, the tree's parent in a verification;
+    a layer that is not attention (a recurrent state) follows it. valid [B, T]: the token
+    is real (a prompt token, a proposed node of a live row); a layer may skip the rest.
+    rows [B]: the request rows the pass's rows are (admission), None: rows 0..B-1; a cache
+    kept per request row (a recurrent state) reads and writes those rows.
+    """
+
+    positions: jax.Array
+    prefix_len: jax.Array
+    local_mask: jax.Array
+    local_positions: jax.Array
+    write_index: jax.Array
+    page_table: jax.Array | None
+    parents: jax.Array | None = None  # None: not given (a kernel test's hand-made meta)
+    valid: jax.Array | None = None
+    rows: jax.Array | None = None
+    page_size: int = struct.field(pytree_node=False, default=0)
+    # Prefill: the prefix is empty, so attention reads only the new keys (no cache read).
+    prefill: bool = struct.field(pytree_node=False, default=False)
+    # Dense caches only: the slots right after the local block are free and in capacity for
+    # what a cache kind keeps there during one forward (`KVCacheKind.extra_slots`).
+    q_room: bool = struct.field(pytree_node=False, default=False)
+
+    @property
+    def local_len(self) -> int:
+        return self.local_mask.shape[-1]
+
+
+def read_kv(buf: jax.Array, page_table: jax.Array | None) -> jax.Array:
+    """One layer's buffer as [B, Sk, ...] in slot order (paged: gathered through the page
+    table), whatever a slot holds: keys and values [2, Hkv, Dh], an MLA latent row, an
+    indexer key."""
+    if page_table is None:
+        return buf
+    B, G = page_table.shape
+    pages = buf[jnp.clip(page_table, 0, buf.shape[0] - 1)]  # [B, G, P, ...]
+    return pages.reshape((B, G * buf.shape[1]) + buf.shape[2:])
