@@ -28,7 +28,7 @@ import time
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")  # jspec's imports bring JAX: keep it off the GPU
 from jspec.bench import BUILTIN_PROMPTS, read_prompts
-from jspec.serve.load import LoadRow, _pct, format_load_table, poisson_arrivals
+from jspec.serve.load import LoadRow, format_load_table, percentiles, poisson_arrivals
 
 
 def load(args):
@@ -139,9 +139,9 @@ def main():
             rows.append(LoadRow(
                 setting="transformers CB", rate=rate, requests=args.requests,
                 tokens_per_s=sum(r["tokens"] for r in reqs) / (max(r["finished"] for r in reqs) - t0),
-                ttft_ms=_pct([r["first"] - r["submitted"] for r in reqs]),
-                tpot_ms=_pct([(r["finished"] - r["first"]) / max(r["tokens"] - 1, 1) for r in reqs]),
-                e2e_ms=_pct([r["finished"] - r["submitted"] for r in reqs]), tau=1.0, compile_s=warmup_s))
+                ttft_ms=percentiles([r["first"] - r["submitted"] for r in reqs]),
+                tpot_ms=percentiles([(r["finished"] - r["first"]) / max(r["tokens"] - 1, 1) for r in reqs]),
+                e2e_ms=percentiles([r["finished"] - r["submitted"] for r in reqs]), tau=1.0, compile_s=warmup_s))
         attn = model.config._attn_implementation  # the one continuous batching ran with
     finally:
         manager.stop(block=True)

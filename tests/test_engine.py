@@ -8,6 +8,11 @@ rows between chunks of rounds, evicted when they finish or are cancelled.
 - Stop strings end a request where they appear, its text cut before them; cancelling a
   request frees its row for the next; a full queue raises QueueFull; bad requests get
   clear errors at submit.
+- Logprobs through the engine equal `jspec.generate`'s; a request with speculation off
+  emits its tokens with every round keeping the root alone; min_tokens holds stops back.
+- After `warm_up` serving compiles nothing, whatever the requests ask; a fault in the
+  runner fails every open request at once and the engine refuses new ones; a request past
+  its time limit ends as "timeout"; submit after close raises.
 """
 from __future__ import annotations
 
@@ -73,7 +78,7 @@ def test_requests_equal_alone_whenever_they_join(target, with_draft, kind, cache
         assert out.tokens == tokens, i
         assert out.finish_reason == reason
         assert out.text == target.tokenizer.decode(tokens, skip_special_tokens=True)
-    assert engine.running == 0 or all(h.done for h in engine._holders.values())
+    assert engine.running == 0 or all(q.state == "done" for q in engine.scheduler.rows.values())
     assert engine.stats["finished"] == len(PROMPTS) and engine.stats["admitted"] == len(PROMPTS)
     if kind != "plain":
         assert engine.stats["accept_rounds"] > 0
@@ -95,7 +100,7 @@ def test_adaptive_tiers_and_prompt_blocks_equal_alone(target, with_draft):
                           spec=jspec.Adaptive(tiers=tiers, costs=costs), rounds_per_chunk=2, prefill_chunk=8)
     engine._ready()
     order = itertools.cycle([1, 2, 0])
-    engine._chooser.choose = lambda current, running: next(order)
+    engine.scheduler.chooser.choose = lambda current, running: next(order)
     handles = {}
     for i in (7, 0, 8, 1):
         handles[i] = engine.submit(LONG_PROMPTS[i], max_new_tokens=MAX_NEW[i % 7], stop_token_ids=[],
@@ -139,8 +144,8 @@ def test_threads_and_asyncio(target):
             outputs[i] = (out, pieces)
     for i, (out, pieces) in outputs.items():
         assert out.tokens == alone(target, i)[0], i
-        assert [t for toks, _ in pieces for t in toks] == out.tokens
-        assert "".join(text for _, text in pieces) == out.text
+        assert [t for d in pieces for t in d.tokens] == out.tokens
+        assert "".join(d.text for d in pieces) == out.text
 
 
 def test_stop_strings(target):
@@ -159,7 +164,7 @@ def test_stop_strings(target):
     assert out.finish_reason == "stop" and out.text == text[:at]
     assert full.tokens[:len(out.tokens)] == out.tokens and len(out.tokens) < len(full.tokens)
     assert stop in target.tokenizer.decode(out.tokens) and stop not in target.tokenizer.decode(out.tokens[:-1])
-    assert "".join(t for _, t in pieces) == out.text
+    assert "".join(d.text for d in pieces) == out.text
 
 
 def test_cancel_frees_the_row(target):
@@ -198,12 +203,18 @@ def test_queue_full_and_bad_requests(target):
             (dict(stop=[""]), TypeError, "stop must be a non-empty string"),
             (dict(temperature=-1.0), ValueError, "temperature must be finite and >= 0"),
             (dict(stop_token_ids=list(range(9))), ValueError, "9 stop token ids"),
+            (dict(logprobs=21), ValueError, "logprobs must be in \\[0, 20\\]"),
+            (dict(min_tokens=5), ValueError, "min_tokens=5 is above max_new_tokens=4"),
+            (dict(speculative="no"), TypeError, "speculative must be True or False"),
+            (dict(timeout=0), ValueError, "timeout must be a number of seconds > 0"),
             (dict(n=2), TypeError, "unexpected argument 'n'")]:
         kw = {"prompt": [1, 2], "max_new_tokens": 4} | kw
         with pytest.raises(err, match=match):
             engine.submit(kw.pop("prompt"), **kw)
     with pytest.raises(ValueError, match="max_batch must be an int >= 1"):
         jspec.Engine(target, max_batch=0)
+    with pytest.raises(ValueError, match="max_logprobs must be at most 20"):
+        jspec.Engine(target, max_batch=1, max_logprobs=21)
     with pytest.raises(ValueError, match="adaptive speculation needs a draft"):
         jspec.Engine(target, max_batch=1, spec=jspec.Adaptive())
     with pytest.raises(ValueError, match=r"no cost for \(tier, bucket\) \(0, 2\)"):
@@ -237,7 +248,7 @@ def test_serve_load_benchmark(with_draft):
     from jspec.serve.tiers import measure_costs
     engine = jspec.Engine(with_draft("eagle3"), max_batch=2, max_prompt_len=max(len(p) for p in PROMPTS[1:3]),
                           max_new_tokens=6, spec=adaptive, rounds_per_chunk=2)
-    measured = measure_costs(engine, rounds=2, repeats=1)
+    measured = measure_costs(engine.runner, context=4, rounds=2, repeats=1)
     assert sorted(measured) == sorted(adaptive.costs) and all(c > 0 for c in measured.values())
 
 
@@ -252,3 +263,93 @@ def test_bench_serve_cli_errors(capsys):
         with pytest.raises(SystemExit) as info:
             main(argv)
         assert info.value.code == 2 and match in capsys.readouterr().err
+
+
+def test_logprobs_speculation_off_and_min_tokens(perm):
+    """Through the engine, with drafts that agree (long accepted runs): logprobs equal
+    `jspec.generate`'s and the target's own log-softmax at each position; a request with
+    speculation off emits the same tokens with every round keeping the root alone while
+    its neighbours accept drafts; min_tokens bars the stop token until then."""
+    import jax
+    p = jspec.load(perm["target"], draft=perm["eagle"])
+    plain = p.with_draft(None)
+    prompts = [[5, 7, 9], [20, 21], [30, 31, 32, 33]]
+    engine = jspec.Engine(p, max_batch=4, max_prompt_len=8, max_new_tokens=12, spec=jspec.SpecConfig(3),
+                          rounds_per_chunk=2)
+    hs = [engine.submit(q, max_new_tokens=12, stop_token_ids=[], logprobs=2, prompt_logprobs=1 if i == 2 else None,
+                        speculative=i != 1) for i, q in enumerate(prompts)]
+    while not all(h.done for h in hs):
+        engine.step()
+    want = jspec.generate(plain, prompts, max_new_tokens=12, stop_token_ids=[], logprobs=2)
+    for i, (q, h) in enumerate(zip(prompts, hs)):
+        out = h.result()
+        assert out.tokens == want.tokens[i]
+        ref = np.asarray(jax.nn.log_softmax(jspec.logits(plain, [q + out.tokens])[0], axis=-1))
+        got = np.array([lp.logprob for lp in out.logprobs])
+        np.testing.assert_allclose(got, [ref[len(q) - 1 + j, t] for j, t in enumerate(out.tokens)], atol=1e-5)
+        assert [t for t, _ in out.logprobs[0].top] == list(np.argsort(-ref[len(q) - 1])[:2])
+    assert hs[2].result().prompt_logprobs[0] is None and len(hs[2].result().prompt_logprobs) == 4
+    np.testing.assert_allclose([lp.logprob for lp in hs[2].result().prompt_logprobs[1:]],
+                               [ref[j - 1, prompts[2][j]] for j in range(1, 4)], atol=1e-5)
+    assert engine.stats.accept_rounds > 0 and engine.stats.mean_accept_length > 2  # the others accepted drafts
+    stop = want.tokens[0][2]
+    h = engine.submit(prompts[0], max_new_tokens=12, stop_token_ids=[stop], min_tokens=5)
+    while not h.done:
+        engine.step()
+    assert stop not in h.result().tokens[:5] and h.result().tokens[:2] == want.tokens[0][:2]
+
+
+def test_no_compile_while_serving(with_draft):
+    """After `warm_up`, serving greedy and sampled requests, with and without logprobs,
+    prompt logprobs, speculation off, stop strings and prompts of every length up to the
+    largest (prefilled in blocks) compiles nothing: XLA reports no compilation."""
+    import jax
+    params = with_draft("eagle3")
+    engine = jspec.Engine(params, max_batch=2, max_prompt_len=40, max_new_tokens=8, rounds_per_chunk=2,
+                          prefill_chunk=16)
+    engine.warm_up()
+    assert engine.stats.programs == len(engine.runner.programs_needed())
+    compiles = []
+    jax.monitoring.register_event_duration_secs_listener(
+        lambda event, duration, **kw: compiles.append(event) if "backend_compile" in event else None)
+    cases = [dict(), dict(temperature=0.8, seed=1), dict(logprobs=3), dict(prompt_logprobs=2, logprobs=0),
+             dict(speculative=False, temperature=0.5), dict(stop=["a"], min_tokens=2)]
+    hs = [engine.submit(list(range(3, 3 + n)), max_new_tokens=8, stop_token_ids=[], **cases[i % len(cases)])
+          for i, n in enumerate((1, 5, 17, 40, 33, 64 // 2, 2, 39))]
+    while not all(h.done for h in hs):
+        engine.step()
+    assert not compiles, compiles
+    assert all(h.result().finish_reason in ("length", "stop") for h in hs)
+
+
+def test_faults_fail_every_request_and_nothing_hangs(target):
+    """A failure injected into the runner's chunk: every running and waiting request ends
+    with finish_reason "error" and the message; results and streams return; the engine
+    is unhealthy and refuses requests; close() returns. Timeouts and submit after close."""
+    engine = jspec.Engine(target, max_batch=2, max_prompt_len=16, max_new_tokens=16, rounds_per_chunk=1)
+    calls = {"n": 0}
+    chunk = engine.runner.chunk
+
+    def failing(*args):
+        calls["n"] += 1
+        if calls["n"] == 3:
+            raise RuntimeError("injected device failure")
+        return chunk(*args)
+    engine.runner.chunk = failing
+    with engine:
+        hs = [engine.submit(PROMPTS[i], max_new_tokens=16, stop_token_ids=[]) for i in range(4)]
+        outs = [h.result(timeout=120) for h in hs]
+        assert all(o.finish_reason == "error" and "injected device failure" in o.error for o in outs)
+        assert [d.tokens for d in hs[0]] is not None  # the stream ends too
+        assert not engine.healthy and "injected device failure" in engine.error
+        with pytest.raises(jspec.EngineError, match="injected device failure"):
+            engine.submit(PROMPTS[0])
+    engine = jspec.Engine(target, max_batch=1, max_prompt_len=16, max_new_tokens=16, rounds_per_chunk=1)
+    slow = engine.submit(PROMPTS[0], max_new_tokens=16, stop_token_ids=[], timeout=0.001)
+    waiting = engine.submit(PROMPTS[1], max_new_tokens=4, stop_token_ids=[], timeout=1e-6)
+    while not (slow.done and waiting.done):
+        engine.step()
+    assert slow.result().finish_reason == "timeout" and waiting.result().finish_reason == "timeout"
+    engine.close()
+    with pytest.raises(jspec.EngineError, match="closed"):
+        engine.submit(PROMPTS[0])

@@ -179,6 +179,16 @@ class Engine:
         """The SpecConfig of the tier in use (None: plain rounds)."""
         return self.tiers[self.scheduler.tier]
 
+    def pin_tier(self, tier: int | None) -> None:
+        """Runs every chunk on tier `tier` (an index of `tiers`), whatever the adaptive
+        choice says; None: the choice again (a load test runs fixed tiers on one engine)."""
+        if tier is not None and not (rq.is_int(tier) and 0 <= tier < len(self.tiers)):
+            raise ValueError(f"tier must be an index of the engine's {len(self.tiers)} tiers or None, got {tier!r}")
+        with self._lock:
+            self.scheduler.pinned = tier
+            if tier is not None:
+                self.scheduler.tier = tier
+
     @property
     def waiting(self) -> int:
         return len(self.scheduler.waiting)

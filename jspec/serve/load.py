@@ -9,6 +9,11 @@ first arrival to the last finish), time to first token, time per output token af
 first, end-to-end latency (p50 and p99), the mean accepted length and the share of chunks
 each tier ran. Each engine is warmed up first (`Engine.warm_up`: its programs compiled,
 adaptive round costs measured), that time reported.
+
+Adaptive speculation and the fixed settings among its tiers run on one engine (a fixed
+setting pins its tier: `Engine.pin_tier`), so they share their compiled programs and
+their state's shape (sized for the deepest tier); plain decoding runs on an engine
+without the draft, other fixed settings on engines of their own.
 """
 from __future__ import annotations
 
@@ -41,7 +46,8 @@ def poisson_arrivals(rate: float, n: int, seed: int = 0) -> np.ndarray:
     return np.cumsum(np.random.default_rng(seed).exponential(1.0 / rate, n))
 
 
-def _pct(values: list[float]) -> tuple[float, float]:
+def percentiles(values: list[float]) -> tuple[float, float]:
+    """(p50, p99) in milliseconds of values in seconds (NaN when there are none)."""
     return (float(np.percentile(values, 50)) * 1e3, float(np.percentile(values, 99)) * 1e3) if values else (
         float("nan"), float("nan"))
 
@@ -78,30 +84,45 @@ def run_serve_bench(params, prompts: Sequence, *, rates: Sequence[float], specs:
                     max_new_tokens: int = 64, max_batch: int = 8, rounds_per_chunk: int = 4, seed: int = 0,
                     prefill_chunk: int = 512) -> list[LoadRow]:
     """One `LoadRow` per setting and rate; a setting is None (plain decoding, the draft left
-    out), a SpecConfig (fixed) or an `Adaptive`. Each setting's engine serves every rate
-    in turn."""
+    out), a SpecConfig (fixed) or an `Adaptive`. Each engine serves every rate of each of
+    its settings in turn (see the module for which settings share one)."""
     lens = [len(params.tokenizer(p)["input_ids"]) if isinstance(p, str) else len(p) for p in prompts]
-    rows = []
-    for spec in specs:
+    adaptive = next((s for s in specs if isinstance(s, Adaptive)), None)
+
+    def engine_for(spec):
         p = params if spec is not None else params.with_draft(None)
         engine = Engine(p, max_batch=max_batch, max_prompt_len=max(lens), max_new_tokens=max_new_tokens, spec=spec,
                         rounds_per_chunk=rounds_per_chunk, max_waiting=max(requests, 1), prefill_chunk=prefill_chunk)
-        compile_s = engine.warm_up(lens, sampled=False)  # the requests are greedy
-        with engine:
-            for rate in rates:
-                before = dict(engine.stats, tier_chunks=dict(engine.stats["tier_chunks"]))
-                res = run_load(engine, prompts, rate, requests, max_new_tokens, seed)
-                hs = res["handles"]
-                tokens = sum(len(h.output.tokens) for h in hs)
-                rounds = engine.stats["accept_rounds"] - before["accept_rounds"]
-                tau = (engine.stats["accept_tokens"] - before["accept_tokens"]) / rounds if rounds else 1.0
-                rows.append(LoadRow(
-                    setting=setting_name(spec), rate=rate, requests=requests,
-                    tokens_per_s=tokens / (res["end"] - res["start"]),
-                    ttft_ms=_pct([h.first_token_at - h.submitted for h in hs]),
-                    tpot_ms=_pct([(h.finished_at - h.first_token_at) / max(len(h.output.tokens) - 1, 1) for h in hs]),
-                    e2e_ms=_pct([h.finished_at - h.submitted for h in hs]), tau=tau, compile_s=compile_s,
-                    tiers=tier_shares(before["tier_chunks"], engine.stats["tier_chunks"])))
+        return engine, engine.warm_up(lens, sampled=False, logprobs=False)  # the requests are greedy
+    shared = engine_for(adaptive) if adaptive is not None else None
+    rows = []
+    for spec in specs:
+        if isinstance(spec, Adaptive) or (shared is not None and spec in shared[0].tiers):
+            engine, compile_s = shared
+            engine.pin_tier(None if isinstance(spec, Adaptive) else shared[0].tiers.index(spec))
+        else:
+            engine, compile_s = engine_for(spec)
+        engine.start()
+        for rate in rates:
+            s = engine.stats
+            before = (dict(s.tier_chunks), s.accept_rounds, s.accept_tokens)
+            res = run_load(engine, prompts, rate, requests, max_new_tokens, seed)
+            hs = res["handles"]
+            tokens = sum(len(h.output.tokens) for h in hs)
+            rounds = s.accept_rounds - before[1]
+            tau = (s.accept_tokens - before[2]) / rounds if rounds else 1.0
+            rows.append(LoadRow(
+                setting=setting_name(spec), rate=rate, requests=requests,
+                tokens_per_s=tokens / (res["end"] - res["start"]),
+                ttft_ms=percentiles([h.first_token_at - h.submitted for h in hs]),
+                tpot_ms=percentiles([(h.finished_at - h.first_token_at) / max(len(h.output.tokens) - 1, 1)
+                                     for h in hs]),
+                e2e_ms=percentiles([h.finished_at - h.submitted for h in hs]), tau=tau, compile_s=compile_s,
+                tiers=tier_shares(before[0], s.tier_chunks)))
+        if shared is None or engine is not shared[0]:
+            engine.close()
+    if shared is not None:
+        shared[0].close()
     return rows
 
 

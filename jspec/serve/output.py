@@ -223,6 +223,7 @@ class RequestText:
         self.shown = 0  # characters of `full` handed out
         self.stop_string: str | None = None
         self.hold = max((len(s) for s in self.stops), default=1) - 1  # characters held back while running
+        self.floor = 0  # stop strings count once they end after this many characters (min_tokens)
 
     def add(self, d: Delivery) -> tuple[Delta | None, RequestOutput | None, bool]:
         """-> (the delta to hand out, the output if it finished, whether a stop string ended it)."""
@@ -252,13 +253,19 @@ class RequestText:
 
     def _stop_search(self, new: list[int], lps):
         """Adds `new`, looking for a stop string in the new tail -> (the tokens up to the one
-        completing it, their logprobs, whether one completed); `full` is cut there."""
+        completing it, their logprobs, whether one completed); `full` is cut there. A stop
+        string counts once it ends after the text of the first min_tokens tokens."""
         start = len(self.full)
         mark = self.text.mark()
-        self.full += self.text.add(new)
-        if len(self.tokens) + len(new) < self.min_tokens:  # stop strings count from min_tokens on
+        need = self.min_tokens - len(self.tokens)  # tokens still to come before stop strings count
+        if need >= len(new):
+            self.full += self.text.add(new)
             return new, lps, False
-        hit = self._find(max(0, start - self.hold))
+        if need > 0:
+            self.full += self.text.add(new[:need])
+            self.floor = len(self.full)
+        self.full += self.text.add(new[max(need, 0):])
+        hit = self._find(max(0, start - self.hold, self.floor - self.hold))
         if hit is None:
             return new, lps, False
         at, stop = hit
@@ -274,10 +281,13 @@ class RequestText:
         return new[:k], (lps[:k] if lps else lps), True
 
     def _find(self, lo: int):
-        """The first stop string ending earliest in full[lo:] -> (where it starts, which) or None."""
+        """The stop string that ends first in full[lo:], after the min_tokens text -> (where
+        it starts, which) or None."""
         best = None
         for s in self.stops:
             i = self.full.find(s, lo)
+            while i >= 0 and i + len(s) <= self.floor:
+                i = self.full.find(s, i + 1)
             if i >= 0 and (best is None or i + len(s) < best[0] + len(best[1])):
                 best = (i, s)
         return best

@@ -104,12 +104,17 @@ class ChatCompletionRequest(Sampling):
     chat_template_kwargs: dict[str, Any] | None = None
 
 
-def parse(model: type[BaseModel], body: Any) -> BaseModel:
-    """A JSON body -> the request model; BadRequest naming the first bad field."""
+def parse(model: type[BaseModel], raw: bytes) -> BaseModel:
+    """A request body (JSON text) -> the request model, its types strict (no string for a
+    number); BadRequest naming the first bad field."""
+    try:
+        body = json.loads(raw)
+    except (json.JSONDecodeError, UnicodeDecodeError, ValueError):
+        raise BadRequest("the request body is not valid JSON") from None
     if not isinstance(body, dict):
         raise BadRequest("the request body must be a JSON object")
     try:
-        req = model.model_validate(body)
+        req = model.model_validate_json(raw, strict=True)
     except pydantic.ValidationError as err:
         e = err.errors()[0]
         field = ".".join(str(p) for p in e["loc"] if not isinstance(p, int) or len(e["loc"]) == 1) or None

@@ -130,6 +130,7 @@ class Scheduler:
         self.batch, self.prefill_chunk, self.width_class = batch, prefill_chunk, width_class
         self.rounds_per_chunk, self.max_waiting = rounds_per_chunk, max_waiting
         self.chooser, self.tier = chooser, tier
+        self.pinned: int | None = None  # a tier every chunk runs, whatever the chooser says
         self.waiting: collections.deque[Request] = collections.deque()
         self.rows: dict[int, Request] = {}  # row -> the request holding it (any state but WAITING)
         self.inflight = 0  # chunks dispatched and not yet read back (`update` counts them down)
@@ -186,7 +187,9 @@ class Scheduler:
         if running and (self.inflight == 0 or ahead):
             d.dispatch = True
             d.running = {r: self.rows[r] for r in running}
-            if self.chooser is not None:
+            if self.pinned is not None:
+                self.tier = self.pinned
+            elif self.chooser is not None:
                 self.tier = self.chooser.choose(self.tier, len(running))
             d.tier = self.tier
             d.sampled = any(self.rows[r].processing for r in running)

@@ -279,11 +279,7 @@ def build_app(engine: Engine, model_name: str, *, api_key: str | None = None, ch
     async def completion(request: Request, chat: bool):
         t0, path = time.perf_counter(), request.url.path
         try:
-            try:
-                body = await request.json()
-            except (json.JSONDecodeError, UnicodeDecodeError, ValueError):
-                raise BadRequest("the request body is not valid JSON") from None
-            req = parse(ChatCompletionRequest if chat else CompletionRequest, body)
+            req = parse(ChatCompletionRequest if chat else CompletionRequest, await request.body())
             server.check_model(req.model)
             extra = unknown_fields(req)
             if extra:

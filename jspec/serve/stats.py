@@ -69,9 +69,6 @@ class EngineStats:
         self.queue_time = Histogram(LATENCY_BUCKETS)
         self.accept_length = Histogram(range(1, self.max_accept + 1))
 
-    def __getitem__(self, name: str):
-        return getattr(self, name)
-
     @property
     def mean_accept_length(self) -> float:
         return self.accept_tokens / self.accept_rounds if self.accept_rounds else 1.0

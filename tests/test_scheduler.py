@@ -1,0 +1,167 @@
+"""The serving engine's scheduler (`jspec.serve.scheduler`), with no model and no device:
+readbacks are made up as the runner would return them.
+
+- Waiting requests take free rows first come first served, grouped by admission width;
+  a request with prompt logprobs is admitted alone; long prompts get one block per call
+  until they run.
+- A chunk is dispatched when rows run and none is in flight, and a second one behind it
+  only while nothing waits, no prompt is half prefilled and some row outlasts it.
+- The device's finish ends a request, its row is evicted at the next call and taken by the
+  next request in that call; host ends (cancel, stop string, timeout) drop what the device
+  did since; a full queue raises QueueFull.
+"""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from jspec import requests as rq
+from jspec.serve.scheduler import DONE, PREFILLING, RUNNING, WAITING, QueueFull, Request, Scheduler
+
+
+def request(prompt_len: int, max_new: int = 8, prompt_logprobs=None, arrival=0.0, deadline=None) -> Request:
+    reqs = rq.Requests(prompts=[list(range(1, prompt_len + 1))], is_batch=False, max_new=[max_new],
+                       sampling={k: [v] for k, v in {"temperature": 0.0, "top_k": 0, "top_p": 1.0, "min_p": 0.0,
+                                                      "repetition_penalty": 1.0, "presence_penalty": 0.0,
+                                                      "frequency_penalty": 0.0, "seed": 1}.items()},
+                       stop_ids=[[2]], prompt_logprobs=[prompt_logprobs])
+    return Request(reqs, arrival=arrival, deadline=deadline)
+
+
+def scheduler(batch=4, chunk=8, max_waiting=16):
+    return Scheduler(batch, prefill_chunk=chunk, width_class=lambda n: 64 if n <= 64 else 128, rounds_per_chunk=2,
+                     max_waiting=max_waiting)
+
+
+def back(batch, rows: dict, finished=(), reasons=None, rounds=None):
+    """A readback: rows {row: generated}, `finished` rows ended ('stop' unless reasons say)."""
+    g = np.zeros(batch, np.int32)
+    f = np.ones(batch, bool)
+    r = np.zeros(batch, np.int32)
+    for row, n in rows.items():
+        g[row] = n
+        f[row] = row in finished
+        r[row] = (reasons or {}).get(row, 1) if row in finished else 0
+    out = {"generated": g, "finished": f, "reason": r, "rounds": np.zeros(batch, np.int32),
+           "rounds_from": np.zeros(batch, np.int32), "hist": np.zeros((batch, 0), np.int32)}
+    if rounds is not None:
+        out["rounds"] = np.array([len(rounds.get(i, [])) for i in range(batch)], np.int32)
+        width = max((len(v) for v in rounds.values()), default=0)
+        out["hist"] = np.array([list(rounds.get(i, [])) + [0] * (width - len(rounds.get(i, []))) for i in range(batch)],
+                               np.int32)
+    return out
+
+
+def test_admission_order_groups_blocks_and_dispatch():
+    s = scheduler()
+    qs = [request(5), request(20), request(3, prompt_logprobs=1), request(100), request(4), request(6)]
+    for q in qs:
+        s.add(q)
+    d = s.schedule(now=1.0)
+    # Four rows, first come first served; widths 64 (5, 20) and 128 (100); the prompt-logprob one alone.
+    admitted = {q_id: row for group in d.admit for row, q in group for q_id in [qs.index(q)]}
+    assert admitted == {0: 0, 1: 1, 2: 2, 3: 3}
+    groups = sorted(sorted(qs.index(q) for _, q in g) for g in d.admit)
+    assert groups == [[0, 1], [2], [3]]
+    assert [q.state for q in qs] == [RUNNING, PREFILLING, RUNNING, PREFILLING, WAITING, WAITING]
+    assert qs[1].prefilled == 8 and qs[3].prefilled == 8 and qs[0].admitted_at == 1.0
+    assert d.dispatch and sorted(d.running) == [0, 2] and not d.prefill
+    # Next call: one more block of each long prompt; nothing is dispatched while a chunk is in flight
+    # and prompts are half prefilled.
+    d = s.schedule(now=2.0)
+    assert d.prefill == [[(1, 8), (3, 8)]] and not d.dispatch and not d.admit
+    d = s.schedule(now=3.0)
+    assert d.prefill == [[(1, 16), (3, 16)]] and qs[1].state == RUNNING and qs[3].state == PREFILLING
+    s.update(back(4, {0: 2, 2: 2}), {0: qs[0], 2: qs[2]}, chunk=True)
+    d = s.schedule(now=4.0)
+    assert d.dispatch and sorted(d.running) == [0, 1, 2]
+
+
+def test_prompt_logprob_rows_prefill_alone():
+    s = scheduler()
+    a, b = request(20, prompt_logprobs=2), request(20)
+    s.add(a)
+    s.add(b)
+    d = s.schedule(0.0)
+    assert sorted(len(g) for g in d.admit) == [1, 1]
+    d = s.schedule(0.0)
+    assert sorted(d.prefill) == sorted([[(1, 8)], [(0, 8)]])
+
+
+def test_finish_evicts_and_frees_the_row_for_the_next():
+    s = scheduler(batch=2)
+    qs = [request(4, max_new=20) for _ in range(3)]
+    for q in qs:
+        s.add(q)
+    d = s.schedule(0.0)
+    assert d.dispatch and s.inflight == 1
+    # Nothing waits for... request 2 waits: no second chunk behind the first.
+    assert not s.schedule(0.0).dispatch
+    progress = s.update(back(2, {0: 5, 1: 3}, finished={0}), d.running, chunk=True)
+    assert [(p.row, p.before, p.now, p.finish) for p in progress] == [(0, 0, 5, "stop"), (1, 0, 3, None)]
+    assert qs[0].state == DONE and s.inflight == 0
+    d = s.schedule(1.0)
+    assert [r for r, _ in d.evict] == [0] and d.admit == [[(0, qs[2])]] and d.dispatch
+    # A readback that still names the old request for row 0 changes nothing of it.
+    assert [p.request for p in s.update(back(2, {0: 9, 1: 4}), {0: qs[0], 1: qs[1]}, chunk=True)] == [qs[1]]
+    assert qs[0].generated == 5
+
+
+def test_second_chunk_only_while_nothing_waits():
+    s = scheduler(batch=2)
+    q = request(4, max_new=3)
+    s.add(q)
+    assert s.schedule(0.0).dispatch
+    s.update(back(2, {0: 1}), {0: q}, chunk=False)  # the admission's first token
+    # max_new 3: after the chunk in flight (2 rounds, >= 2 tokens) it may be done: no chunk behind it.
+    assert not s.schedule(0.0).dispatch
+    long = request(4, max_new=50)
+    s2 = scheduler(batch=2)
+    s2.add(long)
+    s2.schedule(0.0)
+    s2.update(back(2, {0: 1}), {0: long}, chunk=False)
+    d = s2.schedule(0.0)
+    assert d.dispatch and s2.inflight == 2  # nothing waits: a second chunk behind the first
+    assert not s2.schedule(0.0).dispatch  # never a third
+
+
+def test_host_ends_timeouts_and_queue_full():
+    s = scheduler(batch=1, max_waiting=2)
+    a, b = request(4, max_new=20), request(4, deadline=5.0)
+    s.add(a)
+    s.add(b)
+    with pytest.raises(QueueFull, match="max_waiting=2"):
+        s.add(request(4))
+    d = s.schedule(0.0)
+    assert d.admit == [[(0, a)]]
+    assert s.end(a, "cancelled") and not s.end(a, "cancelled")
+    assert s.update(back(1, {0: 7}), d.running, chunk=True) == []  # dropped: ended on the host
+    d = s.schedule(10.0)  # b's deadline passed while it waited
+    assert [r for r, _ in d.evict] == [0] and d.ended == [b] and b.finish == "timeout" and not d.admit
+    c = request(4, deadline=20.0)
+    s.add(c)
+    s.schedule(11.0)
+    d = s.schedule(30.0)
+    assert c.finish == "timeout" and [q for _, q in d.evict] == [c]
+    assert not s.has_work or s.inflight
+
+
+def test_chooser_sees_speculating_rows_accept_lengths():
+    seen = []
+
+    class Chooser:
+        def choose(self, current, running):
+            return 1
+
+        def observe(self, tier, lens):
+            seen.append((tier, list(lens)))
+    s = scheduler(batch=2)
+    s.chooser = Chooser()
+    a, b = request(4, max_new=30), request(4, max_new=30)
+    b.reqs = rq.Requests(**{**b.reqs.__dict__, "speculative": [False]})
+    s.add(a)
+    s.add(b)
+    d = s.schedule(0.0)
+    assert d.tier == 1
+    s.update(back(2, {0: 6, 1: 3}, rounds={0: [3, 2], 1: [1, 1]}), d.running, chunk=True, tier=1)
+    assert seen == [(1, [3, 2])] and a.rounds == 2 and b.rounds == 2
