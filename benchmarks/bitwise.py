@@ -16,8 +16,16 @@ the first differing token:
   the others), dense and paged 16, 4 unequal prompts.
 Plain decoding of each tuning is its own reference (dense; paged plain is compared too).
 
+command_buffers: do XLA's CUDA-graph command buffers change what the loop computes? Tiny
+random Llama and DeepSeek targets (float32), dense and paged (16) caches, four unequal
+prompts, 24 greedy tokens through `Compiled.run` and through an `Engine`, with no XLA
+options, with the family's own (`TargetFamily.gpu_xla_options`) and with command buffers
+over the while loop and its conditionals (`WHILE`, `CONDITIONAL`); prints whether each
+equals the run without options, and the token counts and finish reasons.
+
 Run: PYTHONPATH=. python3 benchmarks/bitwise.py [check] [--tunings default,row_invariant] [--prompts 16]
          [--skip bundle 8b deepseek] [--deepseek-layers 6]
+     PYTHONPATH=. python3 benchmarks/bitwise.py command_buffers
 """
 from __future__ import annotations
 
@@ -30,7 +38,7 @@ import numpy as np
 
 import jspec
 from benchmarks.bundle_eval import first_diff, held_out_prompts
-from benchmarks.common import LLAMA31_8B, V2_LITE, env_info, random_params, save_json, tunings
+from benchmarks.common import LLAMA31_8B, V2_LITE, V32_TINY, env_info, random_params, save_json, tuning_of, tunings
 from jspec.bundle import bundle_path
 
 NEW = 128
@@ -113,14 +121,57 @@ def check_deepseek(tname, tuning, target, mtp, res):
         compare(f"{name} (tau {out.stats.mean_accept_length:.2f})", tname, plain, out.tokens, res)
 
 
+# --------------------------------------------------------------------------- command buffers
+
+# no XLA options; the family's (`TargetFamily.gpu_xla_options`); command buffers over the while loop too
+SETTINGS = {"none": "graphs_off", "family": "default", "loop_graphs": "graphs_loop_only"}
+
+
+def outputs(params, prompts, cache, tuning, new: int = 24) -> dict:
+    run = jspec.compile(params, prompts, max_new_tokens=new, stop_token_ids=[], cache=cache, tuning=tuning).run()
+    engine = jspec.Engine(params, max_batch=len(prompts), max_prompt_len=64, max_new_tokens=new, cache=cache,
+                          tuning=tuning)
+    hs = [engine.submit(p, max_new_tokens=new, stop_token_ids=[]) for p in prompts]
+    while engine.step():
+        pass
+    return {"run": [list(map(int, t)) for t in run.tokens], "engine": [list(h.result().tokens) for h in hs],
+            "engine_reasons": [h.result().finish_reason for h in hs]}
+
+
+def command_buffers():
+    """`command_buffers` (the module docstring)."""
+    from benchmarks.serve_engine import TINY as LLAMA_TINY
+    prompts = [[int(t) for t in np.random.default_rng(i).integers(1, 200, 16 + 5 * i)] for i in range(4)]
+    for name, cfg in (("llama", LLAMA_TINY), ("deepseek", V32_TINY.replace(num_layers=2, index_topk=0))):
+        params = random_params(cfg)
+        for cache in (jspec.CacheConfig("dense"), PAGED):
+            outs = {label: outputs(params, prompts, cache, tuning_of(t)) for label, t in SETTINGS.items()}
+            ref = outs["none"]
+            for label, o in outs.items():
+                print(f"{name} {cache.kind} {label}: run equal {o['run'] == ref['run']}, engine equal "
+                      f"{o['engine'] == ref['run']}, run lengths {[len(t) for t in o['run']]}, engine reasons "
+                      f"{o['engine_reasons']}", flush=True)
+
+
+# --------------------------------------------------------------------------- main
+
+PARTS = ("check", "command_buffers")
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("parts", nargs="*", default=["check"])
+    ap.add_argument("parts", nargs="*", default=["check"], help=f"of {', '.join(PARTS)} (default: check)")
     ap.add_argument("--tunings", default="default,row_invariant")
     ap.add_argument("--prompts", type=int, default=16)
     ap.add_argument("--skip", nargs="*", default=[], help="of bundle, 8b, deepseek")
     ap.add_argument("--deepseek-layers", type=int, default=6)
     args = ap.parse_args()
+    if set(args.parts) - set(PARTS):
+        ap.error(f"unknown parts {sorted(set(args.parts) - set(PARTS))}; parts: {', '.join(PARTS)}")
+    if "command_buffers" in args.parts:
+        command_buffers()
+    if "check" not in args.parts:
+        return
     res = {"env": env_info(), "date": time.strftime("%Y-%m-%d"), "new_tokens": NEW,
            "deepseek_layers": args.deepseek_layers}
     print(res["env"], flush=True)

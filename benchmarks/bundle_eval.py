@@ -13,6 +13,17 @@ emits the tokens plain sampling emits for the same seed (up to rounding), so its
 is the share of prompts where rounding never changed a draw.
 
 Run: PYTHONPATH=. python3 benchmarks/bundle_eval.py [--prompts 16] [--dtype float32] [--temperature 0.7 1.0]
+
+transformers: the bundled pair against transformers' assisted generation, side by side in
+one run (GPU). Greedy, batch 1, bfloat16, on the same held-out prompts. Rows: jspec plain
+decoding, jspec with the EAGLE-3 head (chain S=3) and with the standalone draft (chain
+S=4); transformers plain `generate` and `generate(assistant_model=...)` with the standalone
+draft (transformers' assisted generation takes a draft model with the target's tokenizer;
+it has no EAGLE-3 heads), both with its default dynamic cache. tokens/s is the median over
+prompts of new tokens over wall time; the share of prompts whose output equals jspec's
+plain greedy output is reported for each row.
+     PYTHONPATH=. python3 benchmarks/bundle_eval.py transformers [--prompts 8]
+Result: $OUT/bundle_vs_transformers.json
 """
 from __future__ import annotations
 
@@ -23,8 +34,10 @@ import sys
 import time
 
 import jax
+import numpy as np
 
 import jspec
+from benchmarks.common import env_info, prompt_row, save_json, transformers_row
 from jspec.bundle import bundle_path
 from jspec.train import data as data_mod
 from jspec.train.stdlib import split
@@ -56,38 +69,6 @@ def first_diff(a, b):
         if x != y:
             return i
     return None if len(a) == len(b) else min(len(a), len(b))
-
-
-def main():
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--prompts", type=int, default=16)
-    ap.add_argument("--batch1", type=int, default=4, help="prompts timed one at a time")
-    ap.add_argument("--dtype", default=None, help="float32 (default on CPU) or bfloat16 (default on GPU)")
-    ap.add_argument("--bundle", default=None)
-    ap.add_argument("--out", default=os.environ.get("OUT", "/tmp"))
-    ap.add_argument("--only", nargs="*", default=None, help="run only configurations whose name has one of these")
-    ap.add_argument("--temperature", type=float, nargs="*", default=[0.0], help="0: greedy (the default)")
-    ap.add_argument("--top-p", type=float, default=1.0)
-    args = ap.parse_args()
-    dtype = args.dtype or ("float32" if jax.default_backend() == "cpu" else "bfloat16")
-    root = args.bundle or bundle_path()
-    target = jspec.load(os.path.join(root, "target"), dtype=dtype)
-    with_e3 = jspec.load(os.path.join(root, "target"), draft=os.path.join(root, "eagle3"), dtype=dtype)
-    with_sa = jspec.load(os.path.join(root, "target"), draft=os.path.join(root, "standalone"), dtype=dtype)
-    prompts = held_out_prompts(target.tokenizer, args.prompts)
-    res = {"jax": jax.__version__, "device": getattr(jax.devices()[0], "device_kind", "cpu"), "dtype": dtype,
-           "date": time.strftime("%Y-%m-%d"), "prompts": len(prompts), "prompt_tokens": PROMPT, "new_tokens": NEW,
-           "rows": []}
-    for temperature in args.temperature:
-        kw = dict(max_new_tokens=NEW, stop_token_ids=[])
-        if temperature > 0:
-            kw.update(temperature=temperature, top_p=args.top_p, seed=list(range(len(prompts))))
-        res["rows"] += evaluate(args, prompts, target, with_e3, with_sa, kw)
-    tag = "" if args.temperature == [0.0] else "_sampled"
-    name = f"bundle_eval_{jax.default_backend()}_{dtype}{tag}.json"
-    os.makedirs(args.out, exist_ok=True)
-    with open(os.path.join(args.out, name), "w") as f:
-        json.dump(res, f, indent=1)
 
 
 def evaluate(args, prompts, target, with_e3, with_sa, kw):
@@ -140,6 +121,94 @@ def evaluate(args, prompts, target, with_e3, with_sa, kw):
               f"batch {r['tok_s_batch']:8.1f} ({r['speedup_batch']:.2f}x)  match {r['match']:.2f} {r['first_diff'][:5]}",
               flush=True)
     return rows
+
+
+# --------------------------------------------------------------------------- transformers
+
+def jspec_rows(prompts):
+    root = bundle_path()
+    load = lambda draft: jspec.load(os.path.join(root, "target"), dtype="bfloat16",
+                                    draft=None if draft is None else os.path.join(root, draft))
+    rows = {}
+    for name, draft, spec in [("jspec plain", None, None), ("jspec EAGLE-3 chain S=3", "eagle3", jspec.SpecConfig(3)),
+                              ("jspec standalone chain S=4", "standalone", jspec.SpecConfig(4))]:
+        prog = jspec.compile(load(draft), prompts[0], max_new_tokens=NEW, stop_token_ids=[], spec=spec)
+        rows[name] = prompt_row(prog, prompts, NEW)
+    return rows
+
+
+def transformers_rows(prompts):
+    import torch
+    import transformers
+    root = bundle_path()
+    load = lambda d: transformers.AutoModelForCausalLM.from_pretrained(
+        os.path.join(root, d), dtype=torch.bfloat16).to("cuda").eval()
+    target, assistant = load("target"), load("standalone")
+    return {name: transformers_row(target, prompts, NEW, **kw)
+            for name, kw in [("transformers plain", {}),
+                             ("transformers assisted (standalone draft)", {"assistant_model": assistant})]}
+
+
+def against_transformers(argv):
+    """`transformers` (the module docstring)."""
+    ap = argparse.ArgumentParser(prog="bundle_eval.py transformers")
+    ap.add_argument("--prompts", type=int, default=8)
+    args = ap.parse_args(argv)
+    tok = jspec.load(os.path.join(bundle_path(), "target")).tokenizer
+    prompts = held_out_prompts(tok, args.prompts)
+    res = {"env": env_info(), "prompts": len(prompts), "prompt_tokens": PROMPT, "new_tokens": NEW}
+    rows = jspec_rows(prompts)
+    try:
+        rows.update(transformers_rows(prompts))
+    except Exception as e:  # noqa: BLE001
+        res["transformers_error"] = repr(e)[:500]
+        print("transformers failed:", repr(e)[:500], flush=True)
+    ref = rows["jspec plain"]["tokens"]
+    base = rows["jspec plain"]["tokens_per_s"]
+    for name, r in rows.items():
+        r["match_jspec_plain"] = float(np.mean([a == b for a, b in zip(r.pop("tokens"), ref)]))
+        r["ratio_to_jspec_plain"] = r["tokens_per_s"] / base
+        print(f"{name:42s} {r['tokens_per_s']:9.1f} tok/s  {r['ratio_to_jspec_plain']:5.2f}x jspec plain  "
+              f"tau {r.get('tau', float('nan')):.2f}  same output {r['match_jspec_plain']:.2f}", flush=True)
+    res["rows"] = rows
+    print("saved", save_json("bundle_vs_transformers.json", res), jax.__version__)
+
+
+# --------------------------------------------------------------------------- main
+
+def main(argv=None):
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["transformers"]:
+        return against_transformers(argv[1:])
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--prompts", type=int, default=16)
+    ap.add_argument("--batch1", type=int, default=4, help="prompts timed one at a time")
+    ap.add_argument("--dtype", default=None, help="float32 (default on CPU) or bfloat16 (default on GPU)")
+    ap.add_argument("--bundle", default=None)
+    ap.add_argument("--out", default=os.environ.get("OUT", "/tmp"))
+    ap.add_argument("--only", nargs="*", default=None, help="run only configurations whose name has one of these")
+    ap.add_argument("--temperature", type=float, nargs="*", default=[0.0], help="0: greedy (the default)")
+    ap.add_argument("--top-p", type=float, default=1.0)
+    args = ap.parse_args(argv)
+    dtype = args.dtype or ("float32" if jax.default_backend() == "cpu" else "bfloat16")
+    root = args.bundle or bundle_path()
+    target = jspec.load(os.path.join(root, "target"), dtype=dtype)
+    with_e3 = jspec.load(os.path.join(root, "target"), draft=os.path.join(root, "eagle3"), dtype=dtype)
+    with_sa = jspec.load(os.path.join(root, "target"), draft=os.path.join(root, "standalone"), dtype=dtype)
+    prompts = held_out_prompts(target.tokenizer, args.prompts)
+    res = {"jax": jax.__version__, "device": getattr(jax.devices()[0], "device_kind", "cpu"), "dtype": dtype,
+           "date": time.strftime("%Y-%m-%d"), "prompts": len(prompts), "prompt_tokens": PROMPT, "new_tokens": NEW,
+           "rows": []}
+    for temperature in args.temperature:
+        kw = dict(max_new_tokens=NEW, stop_token_ids=[])
+        if temperature > 0:
+            kw.update(temperature=temperature, top_p=args.top_p, seed=list(range(len(prompts))))
+        res["rows"] += evaluate(args, prompts, target, with_e3, with_sa, kw)
+    tag = "" if args.temperature == [0.0] else "_sampled"
+    name = f"bundle_eval_{jax.default_backend()}_{dtype}{tag}.json"
+    os.makedirs(args.out, exist_ok=True)
+    with open(os.path.join(args.out, name), "w") as f:
+        json.dump(res, f, indent=1)
 
 
 if __name__ == "__main__":

@@ -1,8 +1,10 @@
 """Shared benchmark helpers: model shapes, prompts, timing, the copy ceiling, random
 models (whole or split over GPUs), profiler traces, named tunings and the Runner.
 
-Every benchmark imports this module and no other benchmark (bundle_vs_transformers.py
-also reads bundle_eval.py's prompts), so there are no import cycles.
+Every benchmark imports this module; a few also take a piece of another benchmark, none of
+which imports them back (bitwise.py: bundle_eval.py's prompts and serve_engine.py's tiny
+Llama; profiler.py: tp.py's split DeepSeek; tp.py: deepseek.py's bytes a step), so there
+are no import cycles.
 """
 from __future__ import annotations
 
@@ -47,6 +49,13 @@ V3_LAYER = DeepseekConfig(  # DeepSeek-V3's layer shape; benchmarks take 1-3 of 
     q_lora_rank=1536, qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128, moe_intermediate_size=2048,
     n_routed_experts=256, n_shared_experts=1, num_experts_per_tok=8, first_k_dense_replace=0, n_group=8,
     topk_group=4, routed_scaling_factor=2.5, rope=YARN, max_position_embeddings=163840, dtype="bfloat16")
+V32_LAYER = V3_LAYER.replace(  # DeepSeek-V3.2's: V3's with the sparse attention's indexer
+    index_topk=2048, index_head_dim=128, index_n_heads=64, model_type="deepseek_v32",
+    architecture="DeepseekV32ForCausalLM")
+V32_TINY = V32_LAYER.replace(  # a tiny V3.2 in float32 (CPU runs)
+    vocab_size=256, hidden_size=64, intermediate_size=96, num_heads=4, kv_lora_rank=32, q_lora_rank=48,
+    qk_nope_head_dim=16, qk_rope_head_dim=16, v_head_dim=16, moe_intermediate_size=32, n_routed_experts=8,
+    num_experts_per_tok=2, n_group=2, topk_group=1, index_topk=64, index_head_dim=16, index_n_heads=8, dtype="float32")
 
 def _hybrid_types(n: int) -> tuple[str, ...]:
     return tuple("full_attention" if (i + 1) % 4 == 0 else "linear_attention" for i in range(n))

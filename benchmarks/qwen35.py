@@ -14,11 +14,41 @@ and 32 with the chain S=3 record (N = 4): its time, its share of that round, and
 record's memory; and the S=3 round under `Tuning(recurrent_commit="checkpoint")`.
 
 Run: PYTHONPATH=. python3 benchmarks/qwen35.py check | 27b|35b [decode] [mtp | mtp3] [commit] [--batches 1,32]
+
+gated_delta (options of its own): the Gated DeltaNet kernels of the linear-attention layers
+on a GPU (`jspec.kernels.gated_delta_kernels`): each Pallas kernel checked against the jnp
+references (float32 and bf16 inputs), then timed against the references compiled by XLA
+and against flash-linear-attention's Triton kernels (`chunk_gated_delta_rule`,
+`fused_recurrent_gated_delta_rule`) in the same process.
+
+Sections (--sections, comma-separated, run in the order given; default sweep,check,time,fla):
+  sweep  the kernels' tiles (`GatedDeltaTiles` fields: Dv tiles, warps, stages, chunk,
+         product precision, split verify) at one shape each, with each variant's error;
+         the fastest within --tol (2e-5) of the float32 reference is what the check and
+         time sections then run (the defaults otherwise)
+  check  kernel vs `gated_delta_reference` (the sequential rule, float32 products) and
+         the XLA chunk references: ||out - ref|| / ||ref|| and of the state
+  time   us per call of each entry point (kernel) and its XLA reference: GPU kernel time
+         (every kernel of the call: the wrapper's pads and ancestor matrix too, split by
+         kernel) from a profiler trace, the mean of 4 calls each on its own inputs (so
+         nothing comes from L2 that a real call would read cold)
+  fla    FLA's kernels at the same shapes (--fla: a directory holding the `fla` package,
+         put on sys.path; torch CUDA kernel time from torch.profiler, same method), and
+         their error against the same reference
+Shapes: Hk = 16, Dk = Dv = 128, Hv = 32 (48 where named), B in {1, 32}, N in {1, 4, 8, 16,
+64} verified nodes (trees with random parents; chains where FLA is compared), prefill T =
+4096. --smoke: tiny shapes, a CPU run of the whole section list in interpret mode.
+
+     PYTHONPATH=. python3 benchmarks/qwen35.py gated_delta [--sections sweep,check,time,fla] [--fla DIR] [--budget S]
+Results: $OUT/gated_delta_<device>.json (rows as they come) and a table on stdout.
 """
 from __future__ import annotations
 
 import argparse
+import functools
 import math
+import os
+import sys
 import time
 
 import jax
@@ -27,9 +57,11 @@ import numpy as np
 
 import jspec
 from benchmarks.common import (CTX, QWEN35_27B, QWEN35_35B_A3B, Runner, ceiling_of, copy_bandwidth, env_info,
-                               median_time, prompts, random_params, rounded, save_json)
+                               median_time, prompts, random_params, rounded, save_json, trace_events, traced)
 from jspec.cache.layout import CacheLayout
 from jspec.drafts.qwen_mtp import QwenMtpDraft, layer_config
+from jspec.kernels import gated_delta as gd
+from jspec.kernels import gated_delta_kernels as gk
 from jspec.models import family_for
 
 SHORT, LONG = 16, 80
@@ -146,12 +178,398 @@ def commit_only(c, shape: str):
     save_json(f"qwen35_{shape}_commit.json", res)
 
 
-def main():
+# --------------------------------------------------------------------------- gated_delta
+
+# the gated_delta subcommand's state (set by `gated_delta_main`)
+Hk, Dk, Dv = 16, 128, 128
+ROWS: list[dict] = []
+START = 0.0
+ARGS = None
+ENV: dict = {}
+
+
+def left() -> float:
+    return ARGS.budget - (time.time() - START)
+
+
+def record(row: dict):
+    ROWS.append(row)
+    print(" ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in row.items()), flush=True)
+    save_json(f"gated_delta_{ENV['device'].replace(' ', '_')}.json", {"env": ENV, "args": vars(ARGS), "rows": ROWS})
+
+
+def sz(B: int, T: int, Hv: int):
+    """(B, T, Hv) as given, or shrunk by --smoke (a CPU run of the script in interpret mode)."""
+    if not ARGS.smoke:
+        return B, T, Hv
+    return min(B, 2), min(T, 70), max(Hv // 8, 2)
+
+
+def inputs(seed: int, B: int, T: int, Hv: int, dtype, *, state_scale: float = 0.1):
+    """Random q, k [B, T, Hk, Dk], v [B, T, Hv, Dv] of dtype, g (log decay: -softplus), beta
+    (sigmoid) [B, T, Hv] float32 and state [B, Hv, Dk, Dv] float32 (fresh values per seed)."""
+    B, T, Hv = sz(B, T, Hv)
+    ks = jax.random.split(jax.random.key(seed), 6)
+    q = jax.random.normal(ks[0], (B, T, Hk, Dk), jnp.float32).astype(dtype)
+    k = jax.random.normal(ks[1], (B, T, Hk, Dk), jnp.float32).astype(dtype)
+    v = jax.random.normal(ks[2], (B, T, Hv, Dv), jnp.float32).astype(dtype)
+    g = -jax.nn.softplus(jax.random.normal(ks[3], (B, T, Hv), jnp.float32) - 2.0)
+    beta = jax.nn.sigmoid(jax.random.normal(ks[4], (B, T, Hv), jnp.float32))
+    state = state_scale * jax.random.normal(ks[5], (B, Hv, Dk, Dv), jnp.float32)
+    return q, k, v, g, beta, state
+
+
+def tree(seed: int, B: int, N: int, chain: bool = False):
+    """parents [B, N]: node 0 the root (-1), node t's parent uniform in [0, t) (chain: t - 1)."""
+    B, N, _ = sz(B, N, 2)
+    if chain:
+        return gd.chain_parents(B, N)
+    rng = np.random.RandomState(seed)
+    return jnp.asarray(np.stack([[-1] + [rng.randint(0, t) for t in range(1, N)] for _ in range(B)]).astype(np.int32))
+
+
+def rel(a, b) -> float:
+    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+    if not np.all(np.isfinite(a)):
+        return float("nan")
+    return float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30))
+
+
+def highest(f):
+    """f traced with float32 products (XLA would take TF32 on the GPU)."""
+    @functools.wraps(f)
+    def g(*a, **kw):
+        with jax.default_matmul_precision("highest"):
+            return f(*a, **kw)
+    return g
+
+
+def kernel_check():
+    ref_seq = jax.jit(highest(lambda q, k, v, g, b, s, p: gd.gated_delta_reference(q, k, v, g, b, s, p)[0]))
+    ref_steps = jax.jit(highest(gd.gated_delta_steps_reference))
+    ref_tree = jax.jit(highest(gd.gated_delta_tree_chunk_reference))
+    ref_chunk = jax.jit(highest(gd.gated_delta_chunk_reference))
+    verify = jax.jit(functools.partial(gk.gated_delta_verify_kernel, **TUNED.get("verify", {})))
+    step = jax.jit(functools.partial(gk.gated_delta_step_kernel, **TUNED.get("decode", {})))
+    step_noq = jax.jit(functools.partial(gk.gated_delta_step_kernel, None, **TUNED.get("decode", {})))
+    prefill = jax.jit(functools.partial(gk.gated_delta_prefill_kernel, **TUNED.get("prefill", {})))
+    print(f"check: tiles {TUNED}", flush=True)
+    seed = 100
+    f32, bf16 = jnp.float32, jnp.bfloat16
+    for B, N, Hv, chain, dtype in ((1, 16, 32, False, f32), (32, 8, 32, False, bf16), (4, 16, 48, False, bf16),
+                                   (2, 64, 32, False, f32), (2, 1, 32, True, bf16)):
+        if left() < 150:
+            print("check: out of budget", flush=True)
+            return
+        seed += 1
+        x, p = inputs(seed, B, N, Hv, dtype), tree(seed, B, N, chain)
+        want = ref_seq(*x, p)
+        got = verify(*x, p)
+        record({"section": "check", "kernel": "verify", "dtype": jnp.dtype(dtype).name, "B": B, "N": N, "Hv": Hv,
+                "shape": "chain" if chain else "tree", "err": rel(got, want), "xla_tree_err": rel(ref_tree(*x, p), want)})
+    for B, T, Hv, kind, dtype in ((32, 1, 32, "decode", bf16), (32, 4, 32, "replay", f32), (2, 4, 48, "steps", bf16)):
+        seed += 1
+        x = inputs(seed, B, T, Hv, dtype)
+        count = None if kind == "decode" else jnp.asarray(
+            np.random.RandomState(seed).randint(0, T + 1, x[0].shape[0]), jnp.int32)
+        want_o, want_s = ref_steps(*x, count)
+        if kind == "replay":
+            got_o, got_s = step_noq(*x[1:], count)
+        else:
+            got_o, got_s = step(*x, count)
+        record({"section": "check", "kernel": "step", "dtype": jnp.dtype(dtype).name, "B": B, "T": T, "Hv": Hv,
+                "shape": kind, "err": float("nan") if got_o is None else rel(got_o, want_o),
+                "state_err": rel(got_s, want_s)})
+    for B, T, Hv, lengths, dtype in ((1, 4096, 32, None, bf16), (2, 1000, 48, (1000, 517), f32)):
+        seed += 1
+        x = inputs(seed, B, T, Hv, dtype)
+        ln = None if lengths is None else jnp.asarray(lengths[:x[0].shape[0]], jnp.int32) % (x[0].shape[1] + 1)
+        want_o, want_s = ref_steps(*x, ln)
+        got_o, got_s = prefill(*x, ln)
+        xo, xs = ref_chunk(*x, ln)
+        valid = np.asarray(gd.valid_tokens(x[0].shape[1], ln, x[0].shape[0]))
+        record({"section": "check", "kernel": "prefill", "dtype": jnp.dtype(dtype).name, "B": B, "T": T, "Hv": Hv,
+                "lengths": str(lengths), "err": rel(np.asarray(got_o)[valid], np.asarray(want_o)[valid]),
+                "state_err": rel(got_s, want_s),
+                "xla_chunk_err": rel(np.asarray(xo)[valid], np.asarray(want_o)[valid]),
+                "xla_chunk_state_err": rel(xs, want_s)})
+
+
+def grouped_us(groups, calls: int = 4) -> list[tuple[float, dict]]:
+    """GPU kernel time (us) a call of each group and its split by kernel ({name: us}; XLA's
+    own kernels under "xla"), from one profiler trace: groups [(fn, make)], make(i) -> the
+    arguments of call i (fresh inputs each call: states may be donated, and nothing a cold
+    call would read comes from L2). Each fn is called once first (compile, warm-up); in
+    the trace, group after group, `calls` calls each, then a sync and 30 ms idle, at whose
+    gaps the kernels are split into groups."""
+    for i, (fn, make) in enumerate(groups):
+        jax.block_until_ready(fn(*make(10_000 + i)))
+    sets = [[make(1 + c + calls * i) for c in range(calls)] for i, (_, make) in enumerate(groups)]
+    jax.block_until_ready(sets)
+
+    def run():
+        for (fn, _), args in zip(groups, sets):
+            jax.block_until_ready([fn(*a) for a in args])
+            time.sleep(0.03)
+
+    _, d = traced(run)
+    events = sorted((start, dur, name) for evs in trace_events(d).values() for _, name, start, dur in evs)
+    if not events:
+        return [(0.0, {})] * len(groups)
+    parts, cur, end = [], [], events[0][0]
+    for start, dur, name in events:
+        if cur and start - end > 10e6:  # ns: the idle between groups
+            parts.append(cur)
+            cur = []
+        cur.append((name, dur))
+        end = max(end, start + dur)
+    parts.append(cur)
+    if len(parts) != len(groups):
+        print(f"grouped_us: {len(parts)} kernel groups for {len(groups)} call groups", flush=True)
+        return [(float("nan"), {})] * len(groups)
+    out = []
+    for part in parts:
+        split: dict = {}
+        for name, dur in part:
+            key = name[:48] if "gated_delta" in name else "xla"
+            split[key] = split.get(key, 0.0) + dur / 1e3 / calls
+        out.append((sum(split.values()), {k: round(v, 2) for k, v in split.items()}))
+    return out
+
+
+def shapes():
+    """(kind, B, T, Hv, extra) of the timed shapes."""
+    out = [("verify", B, N, 32, "tree") for B in (1, 32) for N in (4, 8, 16)]
+    out += [("verify", 32, 8, 48, "tree")]
+    out += [("decode", B, 1, Hv, "") for B in (1, 32) for Hv in (32, 48)]
+    out += [("replay", B, 4, 32, "count") for B in (1, 32)]
+    out += [("prefill", 1, 4096, Hv, "") for Hv in (32, 48)]
+    return out
+
+
+def fns(kind: str, tiles=None, **kw):
+    """(kernel fn, reference fn) of an entry point, jitted; the state donated where the
+    kernel updates it in place."""
+    if kind == "verify":
+        return (jax.jit(functools.partial(gk.gated_delta_verify_kernel, tiles=tiles, **kw)),
+                jax.jit(gd.gated_delta_tree_chunk_reference))
+    if kind == "decode":
+        return (jax.jit(functools.partial(gk.gated_delta_step_kernel, tiles=tiles, **kw), donate_argnums=5),
+                jax.jit(gd.gated_delta_steps_reference, donate_argnums=5))
+    if kind == "replay":
+        return (jax.jit(functools.partial(gk.gated_delta_step_kernel, None, tiles=tiles, **kw), donate_argnums=4),
+                jax.jit(functools.partial(gd.gated_delta_steps_reference, None), donate_argnums=4))
+    return (jax.jit(functools.partial(gk.gated_delta_prefill_kernel, tiles=tiles, **kw), donate_argnums=5),
+            jax.jit(gd.gated_delta_chunk_reference, donate_argnums=5))
+
+
+def arg_sets(kind: str, B: int, T: int, Hv: int, dtype=jnp.bfloat16):
+    def make(i):
+        x = inputs(1000 + i, B, T, Hv, dtype)
+        if kind == "verify":
+            return (*x, tree(i, B, T))
+        if kind == "replay":
+            return (*x[1:], jnp.asarray(np.random.RandomState(i).randint(1, T + 1, x[0].shape[0]), jnp.int32))
+        return (*x, None)
+    return make
+
+
+def timing():
+    for kind, B, T, Hv, _ in shapes():
+        if left() < 60:
+            print(f"time: out of budget at {kind} B={B} T={T}", flush=True)
+            return
+        kern, ref = fns(kind, **TUNED.get(kind, {}))
+        make = arg_sets(kind, B, T, Hv)
+        (k_us, split), (r_us, _) = grouped_us([(kern, make), (ref, make)])
+        row = {"section": "time", "kernel": kind, "B": B, "T": T, "Hv": Hv, "pallas_us": k_us, "xla_ref_us": r_us,
+               "tiles": TUNED.get(kind, {}), "split": split}
+        # the state's bytes read and written (and read only, by verify) over the time: the floor
+        state_bytes = B * Hv * Dk * Dv * 4 * (1 if kind == "verify" else 2)
+        row["state_GBps"] = state_bytes / max(row["pallas_us"], 1e-9) / 1e3
+        record(row)
+
+
+TUNED: dict = {}  # kind -> the tile fields the sweep found fastest (within --tol of the reference)
+
+
+def sweep():
+    """Variants of the kernels' tiles (`GatedDeltaTiles` fields) at one shape each; the
+    fastest whose error stays within --tol is what the check and time sections then run."""
+    def v(**kw):
+        return kw
+    grid = {
+        ("verify", 32, 16, 32): [
+            v(), v(precision="tf32x3"), v(precision="bf16x6"), v(verify_state_xla=True), v(verify_block_v=64),
+            v(verify_split=False), v(precision="tf32")],
+        ("decode", 32, 1, 32): [v(step_block_v=bv, step_warps=w, step_stages=st)
+                                for bv, w, st in ((64, 4, 1), (32, 2, 3), (32, 4, 1))],
+        ("prefill", 1, 4096, 32): [
+            v(), v(precision="tf32x3"), v(prefill_stages=1), v(prefill_block_v=16), v(prefill_block_v=64),
+            v(prefill_w=True, prefill_stages=1), v(chunk_prep_warps=2), v(prefill_chunk=32),
+            v(prefill_blocked=False), v(precision="tf32")],
+    }
+    for (kind, B, T, Hv), variants in grid.items():
+        if left() < 60:
+            print("sweep: out of budget", flush=True)
+            return
+        make = arg_sets(kind, B, T, Hv)
+        want = jax.jit(highest(fns(kind)[1]))(*make(999))
+        ok, errs = [], []
+        for kw in variants:
+            kern = fns(kind, **kw)[0]
+            try:
+                got = kern(*make(999))
+            except Exception as e:  # noqa: BLE001
+                record({"section": "sweep", "kernel": kind, "B": B, "T": T, "Hv": Hv, **kw, "error": repr(e)[:300]})
+                continue
+            errs.append(rel(got if kind == "verify" else got[1], want if kind == "verify" else want[1]))
+            ok.append((kw, kern))
+        best = None
+        for (kw, _), err, (us, split_us) in zip(ok, errs, grouped_us([(f, make) for _, f in ok])):
+            record({"section": "sweep", "kernel": kind, "B": B, "T": T, "Hv": Hv, **kw, "us": us, "err": err,
+                    "split": split_us})
+            if err <= ARGS.tol and (best is None or us < best[0]):
+                best = (us, kw)
+        if best is not None:
+            for k in (("decode", "replay") if kind == "decode" else (kind,)):
+                TUNED[k] = best[1]
+            print(f"sweep: {kind} runs {best[1]} from here on", flush=True)
+
+
+def fla():
+    if ARGS.fla:
+        sys.path.insert(0, ARGS.fla)
+    import torch
+    from fla.ops.gated_delta_rule import (
+        chunk_gated_delta_rule,
+        fused_recurrent_gated_delta_rule,
+    )
+
+    def to_torch(a):
+        return torch.from_numpy(np.asarray(a.astype(jnp.float32))).cuda()
+
+    def torch_sets(kind, B, T, Hv, i):
+        q, k, v, g, beta, state = inputs(1000 + i, B, T, Hv, jnp.bfloat16)
+        bf = torch.bfloat16
+        return (to_torch(q).to(bf), to_torch(k).to(bf), to_torch(v).to(bf), to_torch(g), to_torch(beta),
+                to_torch(state))
+
+    beta_dtype = [torch.float32]  # FLA may want beta in q's dtype: switched on the first failure
+
+    def call(fn, q, k, v, g, beta, state):
+        try:
+            return fn(q, k, v, g=g, beta=beta.to(beta_dtype[0]), initial_state=state, output_final_state=True,
+                      use_qk_l2norm_in_kernel=True)
+        except Exception:
+            if beta_dtype[0] != torch.float32:
+                raise
+            beta_dtype[0] = q.dtype
+            print("fla: float32 beta failed; beta in q's dtype", flush=True)
+            return call(fn, q, k, v, g, beta, state)
+
+    def kernel_us(fn, make, reps):
+        from torch.profiler import ProfilerActivity, profile
+        call(fn, *make(0))
+        torch.cuda.synchronize()
+        per = []
+        for r in range(reps):
+            sets = [make(1 + r * 4 + i) for i in range(4)]
+            torch.cuda.synchronize()
+            with profile(activities=[ProfilerActivity.CUDA]) as prof:
+                for a in sets:
+                    call(fn, *a)
+                torch.cuda.synchronize()
+            total = sum(getattr(e, "self_device_time_total", getattr(e, "self_cuda_time_total", 0))
+                        for e in prof.key_averages())
+            per.append(total / len(sets))
+        return float(np.median(per))
+
+    ref_steps = jax.jit(highest(gd.gated_delta_steps_reference))
+    cases = [("chunk", chunk_gated_delta_rule, "verify", B, N, 32) for B in (1, 32) for N in (4, 16)]
+    cases += [("recurrent", fused_recurrent_gated_delta_rule, "verify", B, N, 32) for B, N in ((1, 4), (32, 4), (32, 16))]
+    cases += [("recurrent", fused_recurrent_gated_delta_rule, "decode", B, 1, Hv) for B in (1, 32) for Hv in (32, 48)]
+    cases += [("chunk", chunk_gated_delta_rule, "prefill", 1, 4096, Hv) for Hv in (32, 48)]
+    for name, fn, kind, B, T, Hv in cases:
+        if left() < 30:
+            print("fla: out of budget", flush=True)
+            return
+        make = functools.partial(torch_sets, kind, B, T, Hv)
+        try:
+            o, s = call(fn, *make(7))
+            want_o, want_s = ref_steps(*inputs(1007, B, T, Hv, jnp.bfloat16))
+            err = rel(o.float().cpu().numpy(), want_o)
+            serr = rel(s.float().cpu().numpy(), want_s)
+            us = kernel_us(fn, make, ARGS.reps)
+        except Exception as e:  # noqa: BLE001
+            record({"section": "fla", "fla": name, "kernel": kind, "B": B, "T": T, "Hv": Hv, "error": repr(e)[:300]})
+            continue
+        record({"section": "fla", "fla": name, "kernel": kind, "B": B, "T": T, "Hv": Hv, "us": us, "err": err,
+                "state_err": serr})
+
+
+def table():
+    print("\n| kernel | B | T | Hv | Pallas us | XLA ref us | FLA us (which) |")
+    print("| --- | --- | --- | --- | --- | --- | --- |")
+    flas = {}
+    for r in ROWS:
+        if r["section"] == "fla" and "us" in r and "kernel" in r:
+            kind = "verify" if r["kernel"] == "verify" else r["kernel"]
+            flas.setdefault((kind, r["B"], r["T"], r["Hv"]), []).append(f"{r['us']:.1f} ({r['fla']})")
+    for r in ROWS:
+        if r["section"] == "time" and "pallas_us" in r:
+            f = ", ".join(flas.get((r["kernel"], r["B"], r["T"], r["Hv"]), [])) or "-"
+            print(f"| {r['kernel']} | {r['B']} | {r['T']} | {r['Hv']} | {r['pallas_us']:.1f} | {r['xla_ref_us']:.1f} "
+                  f"| {f} |")
+    errs = [r for r in ROWS if r["section"] == "check" and "err" in r]
+    if errs:
+        worst = max(max(r.get("err", 0) if r.get("err") == r.get("err") else 0, r.get("state_err", 0)) for r in errs)
+        bad = [r for r in errs if not (r.get("err", 0) <= 1e-4 or r.get("err") != r.get("err")) or
+               not r.get("state_err", 0) <= 1e-4]
+        print(f"\nchecks: {len(errs)}, worst relative error {worst:.3g}, over 1e-4: {len(bad)}")
+
+
+def gated_delta_main(argv):
+    """`gated_delta` (the module docstring)."""
+    global ARGS, ENV, START
+    os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")  # torch (FLA) shares the GPU
+    START = time.time()
+    p = argparse.ArgumentParser(prog="qwen35.py gated_delta")
+    p.add_argument("--sections", default="sweep,check,time,fla")
+    p.add_argument("--fla", default="", help="a directory holding the fla package")
+    p.add_argument("--budget", type=float, default=400.0, help="seconds; sections stop early past it")
+    p.add_argument("--reps", type=int, default=1, help="FLA profiles a case")
+    p.add_argument("--tol", type=float, default=2e-5, help="the sweep's largest error for a variant to be picked")
+    p.add_argument("--smoke", action="store_true", help="tiny shapes (a CPU run of the script, interpret mode)")
+    ARGS = p.parse_args(argv)
+    if ARGS.smoke:
+        global Hk, Dk, Dv
+        Hk, Dk, Dv = 2, 16, 16
+    ENV = env_info()
+    print(ENV, flush=True)
+    for name in ARGS.sections.split(","):
+        t = time.time()
+        try:
+            {"check": kernel_check, "time": timing, "sweep": sweep, "fla": fla}[name]()
+        except Exception as e:  # noqa: BLE001
+            import traceback
+            traceback.print_exc()
+            record({"section": name, "error": repr(e)[:500]})
+        print(f"[{name}: {time.time() - t:.0f} s]", flush=True)
+    table()
+
+
+# --------------------------------------------------------------------------- main
+
+def main(argv=None):
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["gated_delta"]:
+        return gated_delta_main(argv[1:])
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("shape", choices=sorted(SHAPES) + ["check"])
+    ap.add_argument("shape", choices=sorted(SHAPES) + ["check"], help="(or gated_delta, with options of its own)")
     ap.add_argument("parts", nargs="*", default=["decode", "mtp", "commit"])
     ap.add_argument("--batches", default="1,32", help="comma-separated batch sizes")
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     if args.shape == "check":
         return gpu_check()
     c = SHAPES[args.shape]

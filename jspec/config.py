@@ -438,7 +438,7 @@ _XLA_VALUE = (bool, int, str)
 @dataclasses.dataclass(frozen=True)
 class GatedDeltaTiles:
     """Tiles of the gated delta kernels (`jspec.kernels.gated_delta_kernels`; part of a compile key: frozen, hashable). The
-    defaults are the fastest of benchmarks/gated_delta.py's sweep on an H200 (jax 0.11.2,
+    defaults are the fastest of `benchmarks/qwen35.py gated_delta`'s sweep on an H200 (jax 0.11.2,
     2026-11-26; docs/benchmarks.md) among the variants within 2e-5 of the reference.
 
     *_block_v: Dv columns per program (powers of two; verify and prefill >= 16, Triton's

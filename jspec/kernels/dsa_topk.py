@@ -195,7 +195,7 @@ def is_supported(scores, k) -> bool:
 
 
 # Rows of more slots than this take the reference where there are more than
-# KERNEL_MAX_ROWS_LONG of them: on an H100 (jax 0.11.2, k 2048, benchmarks/dsa.py --topk)
+# KERNEL_MAX_ROWS_LONG of them: on an H100 (jax 0.11.2, k 2048, benchmarks/deepseek.py dsa --topk)
 # the kernels took 320 against 293 us at 128 rows of 16k slots and 851 against 796 at 64k,
 # but 159 against 213 at 128 rows of 4k and 297 against 632 at 32 rows of 64k.
 KERNEL_MAX_ROWS_LONG = 64

@@ -59,7 +59,7 @@ ROW_INVARIANT_AUTO_MAX_BATCH = 4
 # XLA options of the loop's programs on a GPU (`DeepseekFamily.gpu_xla_options`): CUDA-graph
 # command buffers of single kernels too (a step runs about 300 short kernels). Not the
 # while loop and its conditionals (`WHILE`, `CONDITIONAL`): with them a paged cache gave
-# wrong tokens on an H100 (jax 0.11.2, 2026-11-26, benchmarks/command_buffers.py: rows
+# wrong tokens on an H100 (jax 0.11.2, 2026-11-26, benchmarks/bitwise.py command_buffers: rows
 # stopped early or ended "cache_full"; dense caches unchanged), although V2-Lite's 27-layer
 # batch-1 step had been 1.0-1.6% faster with them (benchmarks/deepseek.py ab, H200). A
 # tuning's `xla_options` go over these; `family_xla_options` False leaves them out
