@@ -1,15 +1,27 @@
 """The serving engine's own cost on the 8B shape (random weights, plain decoding):
 
-1. full batch: `Compiled.run` of B requests against the engine serving the same B
-   requests submitted at once (same prompts, lengths, cache), tokens/s and the ratio;
-2. the device's idle time: kernel spans of the engine's run and of one `Compiled.run`
-   under the profiler, the idle stretches longer than `--gap-us` as a share of the span
-   (the engine's idle beyond `Compiled.run`'s is its own, between chunks);
-3. the decode stall a long prompt causes: B-1 requests decoding, then one prompt of
-   `--long` tokens admitted; each engine iteration's wall time before and while it is
-   prefilled, whole (one pass) against blocks of `--prefill-chunk` tokens.
+1. full batch (`--parts full`): `Compiled.run` of B requests against the engine serving
+   the same B requests submitted at once (same prompts, lengths, cache), tokens/s and the
+   ratio; the device's idle time: kernel spans of the engine's run and of one
+   `Compiled.run` under the profiler, the idle stretches longer than `--gap-us` as a share
+   of the span (the engine's idle beyond `Compiled.run`'s is its own, between chunks);
+2. the decode stall a long prompt causes (`stall`): B-1 requests decoding, then one prompt
+   of `--long` tokens admitted; each engine iteration's wall time before and while it is
+   prefilled, whole (one pass) against blocks of `--prefill-chunk` tokens;
+3. host time per chunk (`host`): B requests of `--host-new` tokens (2k) with stop strings
+   that never match, the engine driven by its own thread; the driving thread's time per
+   chunk outside its waits for the device, against the chunk's device time (the run's
+   wall time over its chunks). A word-level tokenizer of the 8B vocabulary gives the text.
+   It measures the engine it imports, so `PYTHONPATH=.old:.` measures an older jspec
+   unpacked into .old (`git archive COMMIT jspec | tar -x -C .old`);
+4. the load test on the 8B shape (`load`): `jspec.serve.load.run_serve_bench` at
+   `--rates`, plain, adaptive and each fixed tier, with n-gram drafts over a target whose
+   greedy next token is a fixed permutation of the previous one (its attention and MLP
+   outputs zeroed: every layer still runs) and prompts half of which hold their own
+   continuation (drafts accepted) and half not (drafts rejected).
 
     PYTHONPATH=. python3 benchmarks/serve_engine.py [--shape 8b|tiny] [--batch 32] [--new 256]
+        [--parts full,stall,host,load]
 
 `--identical` instead serves the bundled pair's requests (the built-in prompts with
 several lengths and seeds, greedy and sampled) through an adaptive engine at staggered
@@ -30,6 +42,125 @@ from jspec.config import ModelConfig
 
 TINY = ModelConfig(vocab_size=512, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4, num_kv_heads=2,
                    head_dim=16, dtype="float32", max_position_embeddings=8192)
+
+
+def stat(engine, name: str):
+    """An engine statistic (an attribute; a dict entry in older engines)."""
+    s = engine.stats
+    return getattr(s, name) if hasattr(s, name) else s[name]
+
+
+def word_tokenizer(vocab: int):
+    """A word-level tokenizer of `vocab` words ("w0", "w1", ...), decoded with spaces."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+    tok = Tokenizer(models.WordLevel(vocab={f"w{i}": i for i in range(vocab)}, unk_token="w0"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    return PreTrainedTokenizerFast(tokenizer_object=tok)
+
+
+def host_time(params, batch: int, prompt: int, new: int, cache, rounds_per_chunk: int) -> dict:
+    """Host time per chunk of the engine's driving thread, B requests of `new` tokens with
+    stop strings that never match (see the module)."""
+    import dataclasses
+    import threading
+
+    import jax
+    params = dataclasses.replace(params, tokenizer=word_tokenizer(params.config.vocab_size))
+    rng = np.random.default_rng(2)
+    prompts = [rng.integers(1, params.config.vocab_size, prompt).tolist() for _ in range(batch)]
+    stops = ["w1 w1 w1 w1", "never appears"]
+    engine = jspec.Engine(params, max_batch=batch, max_prompt_len=prompt, max_new_tokens=new, cache=cache,
+                          rounds_per_chunk=rounds_per_chunk)
+    waits, steps = [0.0], []  # the driving thread's waits for the device; (start, seconds, waits) a step
+    device_get, step = jax.device_get, engine.step
+
+    def timed_get(x):
+        t = time.perf_counter()
+        out = device_get(x)
+        if threading.current_thread().name == "jspec-engine":
+            waits[0] += time.perf_counter() - t
+        return out
+
+    def timed_step():
+        t, w = time.perf_counter(), waits[0]
+        busy = step()
+        steps.append((t, time.perf_counter() - t, waits[0] - w))
+        return busy
+
+    def serve():
+        t0 = time.perf_counter()
+        hs = [engine.submit(p, max_new_tokens=new, stop_token_ids=[], stop=stops) for p in prompts]
+        outs = [h.result() for h in hs]
+        return t0, time.perf_counter(), outs
+    engine.warm_up([prompt], sampled=False)
+    engine.step = timed_step
+    jax.device_get = timed_get
+    try:
+        with engine:
+            serve()  # compiles what it runs
+            chunks0 = stat(engine, "chunks")
+            t0, t1, outs = serve()
+            chunks = stat(engine, "chunks") - chunks0
+    finally:
+        jax.device_get = device_get
+    wall = t1 - t0
+    tokens = sum(len(o.tokens) for o in outs)
+    host = sum(d - w for t, d, w in steps if t0 <= t <= t1) / chunks  # the steps of the timed run
+    return {"batch": batch, "new": new, "tokens": tokens, "chunks": chunks, "wall_s": wall,
+            "host_ms_per_chunk": host * 1e3, "chunk_ms": wall / chunks * 1e3, "host_share": host / (wall / chunks),
+            "text_chars": sum(len(o.text) for o in outs)}
+
+
+def permutation_target(cfg, seed: int = 0) -> jspec.Params:
+    """A target of shape `cfg` whose greedy next token is pi(token) for a fixed random
+    cycle pi: attention and MLP outputs zeroed (every layer still runs), the LM head rows
+    the embeddings of pi's inverse -> (params, pi)."""
+    import jax
+    import jax.numpy as jnp
+    params = common.random_params(cfg, seed)
+    rng = np.random.default_rng(seed)
+    order = rng.permutation(cfg.vocab_size)
+    pi = np.empty(cfg.vocab_size, np.int64)
+    pi[order] = np.roll(order, -1)
+    inv = jnp.asarray(np.argsort(pi))
+
+    def edit(path, w):
+        name = "/".join(str(getattr(k, "key", k)) for k in path)
+        if "o_proj" in name or "down_proj" in name:
+            return jnp.zeros_like(w)
+        return w
+    w = jax.tree_util.tree_map_with_path(edit, params.weights)
+    e = w["params"]["embed_tokens"]["embedding"].astype(jnp.float32)
+    e = e / jnp.linalg.norm(e, axis=1, keepdims=True)
+    w["params"]["embed_tokens"]["embedding"] = e.astype(cfg.jnp_dtype)
+    w["params"]["lm_head"]["kernel"] = (4.0 * e[inv]).T.astype(cfg.jnp_dtype)
+    return jspec.Params(config=cfg, weights=w), pi
+
+
+def load_8b(cfg, rates, requests: int, batch: int, new: int, prompt: int) -> list:
+    """`run_serve_bench` on the permutation target with n-gram drafts (see the module)."""
+    from jspec.serve.load import format_load_table, run_serve_bench
+    from jspec.serve.tiers import Adaptive, default_tiers
+    target, pi = permutation_target(cfg)
+    rng = np.random.default_rng(3)
+    prompts = []
+    for i in range(16):
+        t = int(rng.integers(cfg.vocab_size))
+        run = [t]
+        for _ in range(prompt + new):
+            run.append(int(pi[run[-1]]))
+        h = prompt // 2
+        if i % 2:  # the tokens after its second half open its first half: the lookup drafts them
+            prompts.append(run[h - 8: 2 * h - 8] + run[:h])
+        else:
+            prompts.append(run[:prompt])
+    params = target.with_draft(jspec.NgramDraft())
+    specs = [None, Adaptive(), *[t for t in default_tiers(jspec.SpecConfig(3)) if t is not None]]
+    rows = run_serve_bench(params, prompts, rates=rates, specs=specs, requests=requests, max_new_tokens=new,
+                           max_batch=batch)
+    print(format_load_table(rows), flush=True)
+    return [r.__dict__ for r in rows]
 
 
 def full_batch(params, prompts, new: int, cache, tuning=None, rounds_per_chunk: int = 4) -> dict:
@@ -55,28 +186,26 @@ def full_batch(params, prompts, new: int, cache, tuning=None, rounds_per_chunk: 
         if any(n != new for n in lens):
             raise AssertionError(f"token counts {lens}, reasons {[h.result().finish_reason for h in hs][:4]}, "
                                  f"expected {new}")
-        return time.perf_counter() - t0, engine.stats["chunks"]
+        return time.perf_counter() - t0, stat(engine, "chunks")
     t0 = time.perf_counter()
     serve()  # compiles what it runs
     warm = time.perf_counter() - t0
     engine_s = []
     for _ in range(3):
         engine_s.append(serve()[0])
-    calls = {"advance": [], "step": []}  # host time inside the chunk call and a whole iteration:
-    advance, step = engine._advance, engine.step  # a call as long as the chunk means it blocks
+    calls = []  # a whole iteration's host time
+    step = engine.step
 
-    def timed(name, fn):
-        def wrapper(*a, **k):
-            t = time.perf_counter()
-            r = fn(*a, **k)
-            calls[name].append(time.perf_counter() - t)
-            return r
-        return wrapper
-    engine._advance, engine.step = timed("advance", advance), timed("step", step)
+    def timed():
+        t = time.perf_counter()
+        r = step()
+        calls.append(time.perf_counter() - t)
+        return r
+    engine.step = timed
     serve()
-    engine._advance, engine.step = advance, step
-    host = {f"{k}_call_ms_median": float(np.median(v)) * 1e3 for k, v in calls.items()}
-    before = engine.stats["chunks"]
+    engine.step = step
+    host = {"step_call_ms_median": float(np.median(calls)) * 1e3}
+    before = stat(engine, "chunks")
     (_, chunks), trace = common.traced(serve)
     chunks -= before
     return {"batch": B, "new": new, "run_tokens_per_s": tokens / float(np.median(run_s)),
@@ -137,7 +266,8 @@ def stall(params, batch: int, long: int, short: int, new: int, chunk: int, cache
     once()  # compiles what it runs
     warm = time.perf_counter() - t0
     base, during = once()
-    return {"prefill_chunk": engine.prefill_chunk, "warm_up_s": warm, "decode_step_ms": base * 1e3,
+    chunk_of = engine.runner.prefill_chunk if hasattr(engine, "runner") else engine.prefill_chunk
+    return {"prefill_chunk": chunk_of, "warm_up_s": warm, "decode_step_ms": base * 1e3,
             "iterations_until_first_token": len(during), "max_step_ms": max(during) * 1e3,
             "max_stall_ms": (max(during) - base) * 1e3, "extra_ms_total": (sum(during) - base * len(during)) * 1e3}
 
@@ -167,7 +297,7 @@ def identical(batch: int, requests: int, new: int) -> dict:
             for (p, m, s), o in zip(cases, outs)]
     greedy = [x for x, (_, _, s) in zip(same, cases) if not s]
     return {"requests": requests, "identical": sum(same), "identical_greedy": sum(greedy), "greedy": len(greedy),
-            "tiers": engine.stats["tier_chunks"], "dtype": params.config.dtype}
+            "tiers": stat(engine, "tier_chunks"), "dtype": params.config.dtype}
 
 
 def main():
@@ -180,7 +310,11 @@ def main():
     ap.add_argument("--long", type=int, default=4096)
     ap.add_argument("--prefill-chunk", type=int, default=512)
     ap.add_argument("--gap-us", type=float, default=20.0)
-    ap.add_argument("--skip", default="", help="comma-separated parts to skip: full,stall")
+    ap.add_argument("--parts", default="full,stall", help="comma-separated parts: full,stall,host,load")
+    ap.add_argument("--host-new", type=int, default=2048, help="tokens each request of the host part generates")
+    ap.add_argument("--rates", type=float, nargs="+", default=[16.0, 64.0, 256.0], help="the load part's rates")
+    ap.add_argument("--requests", type=int, default=96, help="the load part's requests a rate")
+    ap.add_argument("--load-new", type=int, default=64, help="the load part's tokens a request")
     ap.add_argument("--identical", action="store_true", help="the bundled pair's share of identical outputs")
     ap.add_argument("--rounds-per-chunk", type=int, default=4)
     ap.add_argument("--tag", default="", help="result file serve_engine_{shape}_{tag}.json")
@@ -197,7 +331,14 @@ def main():
     out = {"env": common.env_info(), "shape": args.shape}
     name = f"serve_engine_{args.shape}{'_' + args.tag if args.tag else ''}.json"
     rng = np.random.default_rng(1)
-    if "full" not in args.skip:
+    parts = args.parts.split(",")
+    if "host" in parts:
+        r = host_time(params, args.batch, args.prompt, args.host_new, cache, args.rounds_per_chunk)
+        out["host"] = r
+        print("host:", common.rounded(r), flush=True)
+    if "load" in parts:
+        out["load"] = load_8b(params.config, args.rates, args.requests, args.batch, args.load_new, args.prompt)
+    if "full" in parts:
         prompts = [rng.integers(1, vocab, args.prompt).tolist() for _ in range(args.batch)]
         options = tuple(tuple(kv.split("=", 1)) for kv in args.xla.split(";") if kv)
         fb = full_batch(params, prompts, args.new, cache, jspec.Tuning(xla_options=options) if options else None,
@@ -209,7 +350,7 @@ def main():
         print(common.rounded({k: v for k, v in fb.items() if k not in ("idle", "run_idle")}), flush=True)
         print("idle (engine):", common.rounded(fb["idle"]), flush=True)
         print("idle (Compiled.run):", common.rounded(fb["run_idle"]), flush=True)
-    if "stall" not in args.skip:
+    if "stall" in parts:
         out["stall"] = []
         for chunk in (args.long, args.prefill_chunk):  # whole (chunk >= the prompt bucket) and in blocks
             r = stall(params, args.stall_batch, args.long, 64, 256, chunk, cache, vocab)

@@ -79,10 +79,10 @@ def test_requests_equal_alone_whenever_they_join(target, with_draft, kind, cache
         assert out.finish_reason == reason
         assert out.text == target.tokenizer.decode(tokens, skip_special_tokens=True)
     assert engine.running == 0 or all(q.state == "done" for q in engine.scheduler.rows.values())
-    assert engine.stats["finished"] == len(PROMPTS) and engine.stats["admitted"] == len(PROMPTS)
+    assert engine.stats.finished == len(PROMPTS) and engine.stats.admitted == len(PROMPTS)
     if kind != "plain":
-        assert engine.stats["accept_rounds"] > 0
-    assert (engine.stats["prefill_passes"] > 0) == (cache != "dense")  # paged: prompts over 8 tokens in blocks
+        assert engine.stats.accept_rounds > 0
+    assert (engine.stats.prefill_passes > 0) == (cache != "dense")  # paged: prompts over 8 tokens in blocks
 
 
 LONG_PROMPTS = PROMPTS + [list(range(40, 64)), [8, 9, 8, 9, 8] * 4]  # 24 and 20 tokens
@@ -113,8 +113,8 @@ def test_adaptive_tiers_and_prompt_blocks_equal_alone(target, with_draft):
         engine.step()
     for i, h in handles.items():
         assert h.result().tokens == alone(params, i, "paged16", LONG_PROMPTS)[0], i
-    assert all(n > 0 for n in engine.stats["tier_chunks"].values()), engine.stats
-    assert engine.stats["prefill_passes"] >= 2
+    assert all(n > 0 for n in engine.stats.tier_chunks.values()), engine.stats
+    assert engine.stats.prefill_passes >= 2
 
 
 def test_threads_and_asyncio(target):

@@ -23,6 +23,7 @@ from conftest import CACHES
 from jspec import requests as rq
 from jspec.loop import programs
 from jspec.loop.plan import make_plan
+from jspec.loop.state import unpack_window
 
 B = 4
 MAX_NEW = 14
@@ -190,8 +191,8 @@ def test_chunk_of_fixed_rounds_equals_rounds_until_done(target, with_draft, cach
             before = np.asarray(st.generated)
             st, back = step(st)
             backs.append(jax.device_get({k: getattr(st, k) for k in ("tokens", "generated", "finished", "reason")}))
-            if "tokens_from" in back:  # the chunk's window: from each row's first new position
-                window = jax.device_get(back)
+            if "ints" in back:  # the chunk's window: from each row's first new position
+                window = unpack_window(jax.device_get(back))
                 for row, i in ((0, 0), (1, 2), (2, 4), (3, 5)):
                     n, g = len(PROMPTS[i]), int(window["generated"][row])
                     assert int(window["tokens_from"][row]) == n + before[row]

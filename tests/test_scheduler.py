@@ -19,12 +19,13 @@ from jspec import requests as rq
 from jspec.serve.scheduler import DONE, PREFILLING, RUNNING, WAITING, QueueFull, Request, Scheduler
 
 
-def request(prompt_len: int, max_new: int = 8, prompt_logprobs=None, arrival=0.0, deadline=None) -> Request:
+def request(prompt_len: int, max_new: int = 8, prompt_logprobs=None, arrival=0.0, deadline=None,
+            speculative=True) -> Request:
     reqs = rq.Requests(prompts=[list(range(1, prompt_len + 1))], is_batch=False, max_new=[max_new],
                        sampling={k: [v] for k, v in {"temperature": 0.0, "top_k": 0, "top_p": 1.0, "min_p": 0.0,
                                                       "repetition_penalty": 1.0, "presence_penalty": 0.0,
                                                       "frequency_penalty": 0.0, "seed": 1}.items()},
-                       stop_ids=[[2]], prompt_logprobs=[prompt_logprobs])
+                       stop_ids=[[2]], prompt_logprobs=[prompt_logprobs], speculative=[speculative])
     return Request(reqs, arrival=arrival, deadline=deadline)
 
 
@@ -157,8 +158,7 @@ def test_chooser_sees_speculating_rows_accept_lengths():
             seen.append((tier, list(lens)))
     s = scheduler(batch=2)
     s.chooser = Chooser()
-    a, b = request(4, max_new=30), request(4, max_new=30)
-    b.reqs = rq.Requests(**{**b.reqs.__dict__, "speculative": [False]})
+    a, b = request(4, max_new=30), request(4, max_new=30, speculative=False)
     s.add(a)
     s.add(b)
     d = s.schedule(0.0)

@@ -420,21 +420,24 @@ def test_cli_serves_logs_and_stops_on_sigterm(tmp_path):
     assert bad.returncode == 2 and "--port" in bad.stderr
 
 
-def test_hub_ids_load_from_the_cache_offline(llama_dir, tmp_path, monkeypatch):
-    """`jspec.load("org/name")` reads huggingface_hub's cache (HF_HUB_OFFLINE=1: no
-    network), the same model as its directory; an id not in the cache is a clear error."""
+def test_hub_ids_load_from_the_cache_offline(llama_dir, tmp_path):
+    """`jspec.load("org/name")` reads huggingface_hub's cache with HF_HUB_OFFLINE=1 (no
+    network; a process of its own, as huggingface_hub reads its settings at import): the
+    same model as its directory; an id not in the cache is a clear error."""
+    import os
     import shutil
-
-    from huggingface_hub import constants
-    snapshot = tmp_path / "hub" / "models--tiny-org--tiny-llama" / "snapshots" / ("0" * 40)
-    shutil.copytree(llama_dir[0], snapshot)
-    (tmp_path / "hub" / "models--tiny-org--tiny-llama" / "refs").mkdir()
-    (tmp_path / "hub" / "models--tiny-org--tiny-llama" / "refs" / "main").write_text("0" * 40)
-    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
-    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
-    params = jspec.load("tiny-org/tiny-llama")
-    direct = jspec.load(llama_dir[0])
-    np.testing.assert_array_equal(np.asarray(jspec.logits(params, [[5, 6, 7]])),
-                                  np.asarray(jspec.logits(direct, [[5, 6, 7]])))
-    with pytest.raises(ValueError, match="'tiny-org/missing' is not a directory, and as a Hugging Face hub id"):
-        jspec.load("tiny-org/missing")
+    import subprocess
+    import sys
+    repo = tmp_path / "hub" / "models--tiny-org--tiny-llama"
+    shutil.copytree(llama_dir[0], repo / "snapshots" / ("0" * 40))
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text("0" * 40)
+    code = ("import jspec, numpy as np\n"
+            f"direct = np.asarray(jspec.logits(jspec.load({llama_dir[0]!r}), [[5, 6, 7]]))\n"
+            "hub = np.asarray(jspec.logits(jspec.load('tiny-org/tiny-llama'), [[5, 6, 7]]))\n"
+            "assert (direct == hub).all()\n"
+            "try:\n    jspec.load('tiny-org/missing')\nexcept ValueError as err:\n    print('refused:', err)\n")
+    env = os.environ | {"HF_HUB_CACHE": str(tmp_path / "hub"), "HF_HUB_OFFLINE": "1", "JAX_PLATFORMS": "cpu"}
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
+    assert out.returncode == 0, out.stderr
+    assert "refused: 'tiny-org/missing' is not a directory, and as a Hugging Face hub id" in out.stdout

@@ -122,15 +122,42 @@ def window(a, start, width: int):
 
 
 def readback_window(st: LoopState, token_start, round_start, tokens: int, rounds: int) -> dict:
-    """What a serving engine reads after a chunk: per row, `tokens` buffer positions from
+    """What a serving engine reads after a call: per row, `tokens` buffer positions from
     `token_start` [B] (tokens and, with logprobs, theirs) and the accept lengths of
-    `rounds` rounds from round `round_start` [B], with the rows' counters. Columns
-    "tokens_from" and "rounds_from" say where each window starts."""
-    back = dict(tokens=window(st.tokens, token_start, tokens), tokens_from=token_start, generated=st.generated,
-                reason=st.reason, rounds=st.rounds, finished=st.finished, step=st.step,
-                hist=window(st.hist, round_start, rounds) if st.hist.shape[1] else st.hist, rounds_from=round_start)
+    `rounds` rounds from round `round_start` [B], with the rows' counters, packed into one
+    int32 array (and one float32 array of logprobs) so that a readback is one or two
+    transfers; `unpack_window` names the parts on the host."""
+    B = st.tokens.shape[0]
+    counters = [token_start, st.generated, st.reason, st.rounds, round_start, st.finished.astype(jnp.int32),
+                jnp.full((B,), st.step, jnp.int32), jnp.full((B,), tokens, jnp.int32),
+                jnp.full((B,), rounds, jnp.int32)]
+    hist = window(st.hist, round_start, rounds) if st.hist.shape[1] else jnp.zeros((B, rounds), jnp.int32)
+    ints = [jnp.stack(counters, axis=1), window(st.tokens, token_start, tokens), hist]
+    back = {}
     if st.logprobs is not None:
-        back.update(lp_chosen=window(st.logprobs.chosen, token_start, tokens),
-                    lp_top_ids=window(st.logprobs.top_ids, token_start, tokens),
-                    lp_top=window(st.logprobs.top, token_start, tokens))
+        ints.append(window(st.logprobs.top_ids, token_start, tokens).reshape(B, -1))
+        back["lp"] = jnp.concatenate([window(st.logprobs.chosen, token_start, tokens)[..., None],
+                                      window(st.logprobs.top, token_start, tokens)], axis=2)  # [B, W, 1 + k]
+    back["ints"] = jnp.concatenate(ints, axis=1).astype(jnp.int32)
     return back
+
+
+WINDOW_COUNTERS = ("tokens_from", "generated", "reason", "rounds", "rounds_from", "finished", "step")
+
+
+def unpack_window(back: dict) -> dict:
+    """A `readback_window` on the host (numpy) -> its parts by name, as `readback` names
+    them (views, no copies): tokens [B, W], hist [B, R], the counters [B] (step: a scalar),
+    and with logprobs lp_chosen [B, W], lp_top_ids and lp_top [B, W, k]."""
+    ints = back["ints"]
+    out = {name: ints[:, i] for i, name in enumerate(WINDOW_COUNTERS)}
+    out["finished"] = out["finished"].astype(bool)
+    out["step"] = ints[0, 6] if len(ints) else 0
+    n = len(WINDOW_COUNTERS) + 2
+    W, R = (int(ints[0, 7]), int(ints[0, 8])) if len(ints) else (0, 0)
+    out["tokens"], out["hist"] = ints[:, n:n + W], ints[:, n + W:n + W + R]
+    if "lp" in back:
+        lp = back["lp"]
+        out.update(lp_chosen=lp[..., 0], lp_top=lp[..., 1:],
+                   lp_top_ids=ints[:, n + W + R:].reshape(len(ints), W, lp.shape[2] - 1))
+    return out

@@ -42,7 +42,7 @@ import numpy as np
 
 from jspec import requests as rq
 from jspec.config import CacheConfig, SpecConfig
-from jspec.loop.state import MAX_LOGPROBS
+from jspec.loop.state import MAX_LOGPROBS, unpack_window
 from jspec.params import Params
 from jspec.results import token_logprobs
 from jspec.serve.output import Delivery, Handle, OutputProcessor, RequestOutput
@@ -308,7 +308,20 @@ class Engine:
 
     def step(self) -> bool:
         """One iteration (see the module) -> whether any request is running or waiting, or
-        a chunk is in flight."""
+        a chunk is in flight. Its time outside waits for the device adds to `stats.host_s`."""
+        t0, wait0 = time.perf_counter(), self.stats.wait_s
+        busy = self._iterate()
+        self.stats.host_s += time.perf_counter() - t0 - (self.stats.wait_s - wait0)
+        return busy
+
+    def _get(self, back):
+        """A window readback on the host, its parts named (the wait adds to `stats.wait_s`)."""
+        t0 = time.perf_counter()
+        back = jax.device_get(back)
+        self.stats.wait_s += time.perf_counter() - t0
+        return unpack_window(back)
+
+    def _iterate(self) -> bool:
         self._ready()
         with self._lock:
             d = self.scheduler.schedule(time.perf_counter())
@@ -331,10 +344,10 @@ class Engine:
             self.stats.chunks += 1
             self.stats.tier_chunks[tier_name(self.tiers[d.tier])] += 1
         for back, rows in passes:  # their first tokens (the chunk is queued behind them)
-            self._read(jax.device_get(back), rows, chunk=False)
+            self._read(self._get(back), rows, chunk=False)
         if self._inflight and (len(self._inflight) >= 2 or not d.dispatch):
             c = self._inflight.popleft()
-            back = jax.device_get(c.back)
+            back = self._get(c.back)
             done = time.perf_counter()
             if c.clean and self.scheduler.chooser is not None:  # the device ran it from its dispatch or the last
                 started = max(c.dispatched, self._last_done)
@@ -476,7 +489,7 @@ class Engine:
         if self.error is None:
             while self._inflight:  # the chunks in flight: their tokens are delivered
                 c = self._inflight.popleft()
-                self._read(jax.device_get(c.back), c.rows, chunk=True, tier=c.tier)
+                self._read(self._get(c.back), c.rows, chunk=True, tier=c.tier)
         with self._lock:
             for q in list(self.scheduler.waiting) + list(self.scheduler.rows.values()):
                 self.scheduler.end(q, "cancelled")

@@ -30,6 +30,7 @@ from jspec import sharding
 from jspec.config import CacheConfig, SpecConfig, Tuning
 from jspec.loop import programs
 from jspec.loop.plan import make_plan, pow2, prompt_bucket
+from jspec.loop.state import unpack_window
 from jspec.models import family_for
 from jspec.params import Params
 from jspec.serve.tiers import buckets
@@ -202,11 +203,12 @@ class Runner:
         jax.block_until_ready(self.admit(rows, reqs))
         for start in range(self.prefill_chunk, len(prompt), self.prefill_chunk) if self.prefill_chunk else ():
             self.prefill([(r, start) for r in rows])
-        back = jax.device_get(self.chunk(tier, False, False))
-        t0, step0 = time.perf_counter(), int(back["step"])
+        step = lambda back: int(unpack_window(jax.device_get(back))["step"])  # noqa: E731
+        step0 = step(self.chunk(tier, False, False))
+        t0 = time.perf_counter()
         for _ in range(repeats):
             back = self.chunk(tier, False, False)
-        back = jax.device_get(back)
+        step1 = step(back)
         seconds = time.perf_counter() - t0
         self.evict(rows)
-        return seconds / max(int(back["step"]) - step0, 1)
+        return seconds / max(step1 - step0, 1)

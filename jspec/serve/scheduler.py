@@ -55,30 +55,14 @@ class Request:
     finish: str | None = None  # why it ended, once DONE
     admitted_at: float | None = None
 
-    @property
-    def prompt(self) -> list[int]:
-        return self.reqs.prompts[0]
-
-    @property
-    def max_new(self) -> int:
-        return self.reqs.max_new[0]
-
-    @property
-    def processing(self) -> bool:
-        """It needs the programs with the sampling steps (`Plan.sampling`)."""
-        return self.reqs.samples
-
-    @property
-    def token_logprobs(self) -> bool:
-        return self.reqs.logprobs[0] is not None
-
-    @property
-    def prompt_logprobs(self) -> bool:
-        return self.reqs.prompt_logprobs[0] is not None
-
-    @property
-    def speculative(self) -> bool:
-        return self.reqs.speculative[0]
+    def __post_init__(self):
+        r = self.reqs
+        self.prompt: list[int] = r.prompts[0]
+        self.max_new: int = r.max_new[0]
+        self.processing: bool = r.samples  # it needs the programs with the sampling steps (`Plan.sampling`)
+        self.token_logprobs: bool = r.logprobs[0] is not None
+        self.prompt_logprobs: bool = r.prompt_logprobs[0] is not None
+        self.speculative: bool = r.speculative[0]
 
 
 @dataclasses.dataclass
