@@ -97,7 +97,7 @@ def run_serve_bench(params, prompts: Sequence, *, rates: Sequence[float], specs:
     shared = engine_for(adaptive) if adaptive is not None else None
     rows = []
     for spec in specs:
-        if isinstance(spec, Adaptive) or (shared is not None and spec in shared[0].tiers):
+        if isinstance(spec, Adaptive) or (shared is not None and spec is not None and spec in shared[0].tiers):
             engine, compile_s = shared
             engine.pin_tier(None if isinstance(spec, Adaptive) else shared[0].tiers.index(spec))
         else:
