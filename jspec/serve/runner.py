@@ -50,6 +50,7 @@ class Runner:
                  tiers: Sequence[SpecConfig | None], tuning: Tuning, prefill_chunk: int, rounds_per_chunk: int,
                  max_logprobs: int):
         self.params, self.cache, self.rounds_per_chunk = params, cache, rounds_per_chunk
+        self.max_prompt_len, self.max_new_tokens = max_prompt_len, max_new_tokens
         Tp = prompt_bucket(max_prompt_len)
         kind = family_for(params.config).cache_kind(params.config)
         chunked = cache.kind == "paged" and kind.prefill_in_chunks and prefill_chunk < Tp
@@ -196,8 +197,8 @@ class Runner:
         `repeats` timed chunks, then evicted (`jspec.serve.tiers.measure_costs`)."""
         if self.state is None:
             self.reset()
-        prompt = [1 + (i % 97) for i in range(max(1, min(context, self.plan.prompt_len)))]
-        max_new = max(1, min(self.plan.max_rounds, rounds * (repeats + 1) * self.plan.max_emit))
+        prompt = [1 + (i % 97) for i in range(max(1, min(context, self.max_prompt_len)))]
+        max_new = max(1, min(self.max_new_tokens, rounds * (repeats + 1) * self.plan.max_emit))
         reqs = rq.check_requests(self.params, [prompt] * n, max_new, [], {})
         rows = list(range(n))
         jax.block_until_ready(self.admit(rows, reqs))
