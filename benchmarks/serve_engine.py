@@ -72,7 +72,7 @@ def host_time(params, batch: int, prompt: int, new: int, cache, rounds_per_chunk
     stops = ["w1 w1 w1 w1", "never appears"]
     engine = jspec.Engine(params, max_batch=batch, max_prompt_len=prompt, max_new_tokens=new, cache=cache,
                           rounds_per_chunk=rounds_per_chunk)
-    waits, steps = [0.0], []  # the driving thread's waits for the device; (start, seconds, waits) a step
+    waits, steps = [0.0], []  # the driving thread's readback waits; (start, seconds, waits, CPU seconds) a step
     device_get, step = jax.device_get, engine.step
 
     def timed_get(x):
@@ -83,10 +83,21 @@ def host_time(params, batch: int, prompt: int, new: int, cache, rounds_per_chunk
         return out
 
     def timed_step():
-        t, w = time.perf_counter(), waits[0]
+        t, w, c = time.perf_counter(), waits[0], time.thread_time()
         busy = step()
-        steps.append((t, time.perf_counter() - t, waits[0] - w))
+        steps.append((t, time.perf_counter() - t, waits[0] - w, time.thread_time() - c))
         return busy
+
+    output = getattr(engine, "output", None)  # the output processor (on its own thread), where there is one
+    output_cpu = [0.0]
+    if output is not None:
+        process = output.process
+
+        def timed_process(items):
+            c = time.thread_time()
+            process(items)
+            output_cpu[0] += time.thread_time() - c
+        output.process = timed_process
 
     def serve():
         t0 = time.perf_counter()
@@ -106,9 +117,12 @@ def host_time(params, batch: int, prompt: int, new: int, cache, rounds_per_chunk
         jax.device_get = device_get
     wall = t1 - t0
     tokens = sum(len(o.tokens) for o in outs)
-    host = sum(d - w for t, d, w in steps if t0 <= t <= t1) / chunks  # the steps of the timed run
+    timed = [x for x in steps if t0 <= x[0] <= t1]  # the steps of the timed run
+    cpu = sum(x[3] for x in timed) / chunks  # the driving thread's CPU time: host work, not waits
     return {"batch": batch, "new": new, "tokens": tokens, "chunks": chunks, "wall_s": wall,
-            "host_ms_per_chunk": host * 1e3, "chunk_ms": wall / chunks * 1e3, "host_share": host / (wall / chunks),
+            "chunk_ms": wall / chunks * 1e3, "host_cpu_ms_per_chunk": cpu * 1e3, "host_share": cpu / (wall / chunks),
+            "step_ms_outside_readback_waits": sum(d - w for _, d, w, _ in timed) / chunks * 1e3,
+            "output_thread_cpu_ms_per_chunk": output_cpu[0] / chunks * 1e3 if output is not None else None,
             "text_chars": sum(len(o.text) for o in outs)}
 
 

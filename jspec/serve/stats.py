@@ -56,7 +56,7 @@ class EngineStats:
     accept_rounds: int = 0
     accept_tokens: int = 0
     startup_s: float = 0.0
-    host_s: float = 0.0  # the driving thread's time in `step` outside waits for the device
+    host_s: float = 0.0  # the driving thread's CPU time in `step` (host work; waits for the device excluded)
     wait_s: float = 0.0  # its time waiting for readbacks
     programs: int = 0  # programs compiled at start-up (`Engine.warm_up`)
     finish_reasons: dict = dataclasses.field(default_factory=dict)
