@@ -318,9 +318,11 @@ def test_prompt_in_blocks_fills_caches_as_a_whole_prefill(target, with_draft, ca
     others = _rows_of(st_b, blocks.plan, [0])
     st_b, back = blocks.admit(st_b, row, i)
     for start in (4, 8, 12):
+        back = unpack_window(jax.device_get(back))
         assert bool(back["finished"][row]) and int(back["generated"][row]) == 0  # parked
         st_b, back = programs.prefill_jit(blocks.plan, *blocks.weights, st_b, np.array([row, B], np.int32),
                                           np.array([start, 0], np.int32))
+    back = unpack_window(jax.device_get(back))
     assert not bool(back["finished"][row]) and int(back["generated"][row]) == 1
     for x, y in zip(others, _rows_of(st_b, blocks.plan, [0])):
         np.testing.assert_array_equal(x, y)

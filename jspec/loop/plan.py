@@ -235,7 +235,8 @@ def plan_bytes(plan: Plan) -> int:
     shapes = jax.eval_shape(lambda: (kind.init(plan.layout, B),  # shapes only, nothing allocated
                                      plan.proposer.init(plan, B) if plan.proposer is not None else None))
     hist = plan.max_rounds if plan.proposer is not None else 0
-    logprobs = 4 * B * plan.buffer_len * (1 + 2 * plan.logprobs)  # chosen, top ids and values, 4 bytes each
+    k = plan.logprobs
+    logprobs = 4 * B * plan.buffer_len * (1 + 2 * k) if k else 0  # chosen, top ids and values, 4 bytes each
     return nbytes(shapes) + 4 * B * (plan.buffer_len + hist) + logprobs  # tokens [B, buffer_len], hist [B, R]
 
 
