@@ -153,12 +153,10 @@ class Scheduler:
     # ------------------------------------------------------------------ decisions
 
     def schedule(self, now: float) -> Decisions:
-        d = Decisions(tier=self.tier, ended=self.ended_waiting)
-        self.ended_waiting = []
         for q in list(self.waiting) + list(self.rows.values()):
             if q.deadline is not None and now > q.deadline and q.state != DONE:
                 self.end(q, "timeout")
-        d.ended += self.ended_waiting
+        d = Decisions(tier=self.tier, ended=self.ended_waiting)
         self.ended_waiting = []
         d.evict = [(r, q) for r, q in self.rows.items() if q.state == DONE]
         for r, _ in d.evict:

@@ -197,10 +197,6 @@ def _sse(obj: dict) -> str:
                                  math.isnan(v) else str(v)) + "\n\n"
 
 
-def _nan_free(v):
-    return None if isinstance(v, float) and not math.isfinite(v) else v
-
-
 def metrics_collector(engine: Engine):
     """A Prometheus collector reading the engine's statistics at each scrape."""
     from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
