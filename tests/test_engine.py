@@ -297,6 +297,18 @@ def test_logprobs_speculation_off_and_min_tokens(perm):
     while not h.done:
         engine.step()
     assert stop not in h.result().tokens[:5] and h.result().tokens[:2] == want.tokens[0][:2]
+    # A tree's accepted path (gathered from its nodes) carries the same logprobs.
+    tree = jspec.generate(p, prompts, max_new_tokens=12, stop_token_ids=[], logprobs=2,
+                          spec=jspec.SpecConfig(num_steps=3, topk=2, num_draft_tokens=6))
+    assert tree.tokens == want.tokens and tree.stats.mean_accept_length > 2
+    for a, b in zip(tree.logprobs, want.logprobs):
+        np.testing.assert_allclose([x.logprob for x in a], [x.logprob for x in b], atol=1e-5)
+        assert [x.top[0][0] for x in a] == [x.top[0][0] for x in b]
+    # Sampled drafts with speculation off: the target's own draw each round, plain sampling's tokens.
+    sampled = dict(max_new_tokens=12, stop_token_ids=[], temperature=1.0, seed=[4, 5, 6])
+    off = jspec.generate(p, prompts, speculative=False, spec=jspec.SpecConfig(3, sample_drafts=True), **sampled)
+    assert off.tokens == jspec.generate(plain, prompts, **sampled).tokens
+    assert all(a == 1 for row in off.stats.accept_lengths for a in row)
 
 
 def test_no_compile_while_serving(with_draft):
