@@ -457,9 +457,10 @@ def _serve(argv) -> int:
     t0 = time.perf_counter()
     print(f"{PROG} serve: compiling every program the server can run ...", flush=True)
     engine.warm_up()
+    blocks = (f"in blocks of {engine.runner.prefill_chunk} tokens" if engine.runner.prefill_chunk else
+              f"whole, in one of {len(engine.runner.widths())} widths")
     print(f"{PROG} serve: {engine.stats.programs} programs compiled in {time.perf_counter() - t0:.1f} s "
-          f"(prompt length makes none: prompts are passed in blocks of {engine.runner.prefill_chunk or 'whole'})",
-          flush=True)
+          f"(prompt length makes none: prompts are passed {blocks})", flush=True)
     print(f"{PROG} serve: {name} on http://{args.host}:{args.port}/v1 (batch {args.max_batch}, prompts up to "
           f"{max_len - max_new} tokens, {max_new} new{', API key required' if args.api_key else ''})", flush=True)
 

@@ -299,6 +299,26 @@ def test_models_auth_metrics_and_queue(served, target):
         stop()
 
 
+def test_tokenizer_routes(served):
+    """vLLM's /tokenize (a prompt, or messages through the chat template), /detokenize and
+    /tokenizer_info: what lm-eval's remote tokenizer reads."""
+    url, params, _ = served
+    tok = params.tokenizer
+    code, out, _ = post(url + "/tokenize", {"prompt": "def f():", "add_special_tokens": False})
+    assert code == 200 and out["tokens"] == tok("def f():", add_special_tokens=False)["input_ids"]
+    assert out["count"] == len(out["tokens"])
+    code, chat, _ = post(url + "/tokenize", {"messages": [{"role": "user", "content": "hi"}]})
+    text = tok.apply_chat_template([{"role": "user", "content": "hi"}], tokenize=False, add_generation_prompt=True)
+    assert code == 200 and chat["tokens"] == tok(text, add_special_tokens=False)["input_ids"]
+    code, back, _ = post(url + "/detokenize", {"tokens": out["tokens"]})
+    assert code == 200 and back["prompt"] == "def f():"
+    assert post(url + "/detokenize", {"tokens": [10 ** 6]})[0] == 400
+    assert post(url + "/tokenize", {"prompt": "x", "messages": []})[0] == 400
+    code, info = get(url + "/tokenizer_info")
+    info = json.loads(info)
+    assert code == 200 and info["eos_token"] == tok.eos_token and info["chat_template"] == TEMPLATE
+
+
 def test_disconnect_cancels_and_frees_the_row(served, client):
     url, _, engine = served
     cancelled = engine.stats.cancelled

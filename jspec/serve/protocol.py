@@ -104,6 +104,25 @@ class ChatCompletionRequest(Sampling):
     chat_template_kwargs: dict[str, Any] | None = None
 
 
+class TokenizeRequest(BaseModel):
+    """vLLM's /tokenize: a prompt, or chat messages rendered with the chat template."""
+
+    model_config = ConfigDict(extra="allow")
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[Message] | None = None
+    add_special_tokens: bool = True
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    chat_template_kwargs: dict[str, Any] | None = None
+
+
+class DetokenizeRequest(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    model: str | None = None
+    tokens: list[int]
+
+
 def parse(model: type[BaseModel], raw: bytes) -> BaseModel:
     """A request body (JSON text) -> the request model, its types strict (no string for a
     number); BadRequest naming the first bad field."""
@@ -120,6 +139,8 @@ def parse(model: type[BaseModel], raw: bytes) -> BaseModel:
         field = ".".join(str(p) for p in e["loc"] if not isinstance(p, int) or len(e["loc"]) == 1) or None
         top = str(e["loc"][0]) if e["loc"] else None
         raise BadRequest(f"{field}: {e['msg']} (got {json.dumps(e.get('input'), default=str)[:80]})", top) from None
+    if not isinstance(req, Sampling):
+        return req
     unsupported = [("suffix", getattr(req, "suffix", None) is not None, "suffix is not supported"),
                    ("logit_bias", bool(req.logit_bias), "logit_bias is not supported"),
                    ("best_of", (getattr(req, "best_of", None) or req.n) > req.n,

@@ -2,7 +2,9 @@
 
 Routes: POST /v1/completions and /v1/chat/completions (JSON, or server-sent events with
 "stream": true, ending with `data: [DONE]`), GET /v1/models and /v1/models/{id}, /health
-and /metrics (Prometheus, vLLM's metric names under `jspec:`).
+and /metrics (Prometheus, vLLM's metric names under `jspec:`), and vLLM's tokenizer routes
+POST /tokenize (a prompt, or chat messages rendered with the template), POST /detokenize
+and GET /tokenizer_info (lm-eval's remote tokenizer reads them).
 
 Request bodies are typed (`jspec.serve.protocol`): a bad field is a 400 with OpenAI's
 error object ({"error": {"message", "type", "param", "code"}}) naming it; unknown fields
@@ -34,6 +36,8 @@ from jspec.serve.protocol import (
     BadRequest,
     ChatCompletionRequest,
     CompletionRequest,
+    DetokenizeRequest,
+    TokenizeRequest,
     chat_prompt,
     completion_prompts,
     parse,
@@ -427,6 +431,49 @@ def build_app(engine: Engine, model_name: str, *, api_key: str | None = None, ch
                                     404, "model_not_found"), request.url.path, time.perf_counter())
         return JSONResponse(model_card())
 
+    async def tokenize(request):
+        t0 = time.perf_counter()
+        try:
+            req = parse(TokenizeRequest, await request.body())
+            server.check_model(req.model)
+            if (req.prompt is None) == (req.messages is None):
+                raise BadRequest("give either prompt or messages", "prompt")
+            if server.tokenizer is None:
+                raise BadRequest("this model has no tokenizer", "prompt")
+            if req.messages is not None:
+                ids = chat_prompt(ChatCompletionRequest(messages=req.messages, add_special_tokens=False,
+                                                        add_generation_prompt=req.add_generation_prompt,
+                                                        continue_final_message=req.continue_final_message,
+                                                        chat_template_kwargs=req.chat_template_kwargs),
+                                  server.tokenizer, server.chat_template)
+            else:
+                ids = list(server.tokenizer(req.prompt, add_special_tokens=req.add_special_tokens)["input_ids"])
+        except BadRequest as err:
+            return error(err, request.url.path, t0)
+        return JSONResponse({"count": len(ids), "max_model_len": engine.max_prompt_len + engine.max_new_tokens,
+                             "tokens": ids})
+
+    async def detokenize(request):
+        t0 = time.perf_counter()
+        try:
+            req = parse(DetokenizeRequest, await request.body())
+            server.check_model(req.model)
+            vocab = engine.params.config.vocab_size
+            if server.tokenizer is None or any(not 0 <= t < vocab for t in req.tokens):
+                raise BadRequest(f"tokens must be ids in [0, {vocab}) of a model with a tokenizer", "tokens")
+        except BadRequest as err:
+            return error(err, request.url.path, t0)
+        return JSONResponse({"prompt": server.tokenizer.decode(req.tokens)})
+
+    async def tokenizer_info(request):
+        tok = server.tokenizer
+        if tok is None:
+            return error(BadRequest("this model has no tokenizer", None, 404), request.url.path, time.perf_counter())
+        return JSONResponse({"tokenizer_class": type(tok).__name__, "eos_token": tok.eos_token,
+                             "bos_token": tok.bos_token, "pad_token": tok.pad_token,
+                             "chat_template": server.chat_template or getattr(tok, "chat_template", None),
+                             "model_max_length": engine.max_prompt_len + engine.max_new_tokens})
+
     async def health(request):
         if not engine.healthy:
             return JSONResponse({"status": "error", "error": engine.error}, status_code=503)
@@ -447,6 +494,9 @@ def build_app(engine: Engine, model_name: str, *, api_key: str | None = None, ch
     app = Starlette(routes=[Route("/v1/completions", completions, methods=["POST"]),
                             Route("/v1/chat/completions", chat_completions, methods=["POST"]),
                             Route("/v1/models", models), Route("/v1/models/{name:path}", model),
+                            Route("/tokenize", tokenize, methods=["POST"]),
+                            Route("/detokenize", detokenize, methods=["POST"]),
+                            Route("/tokenizer_info", tokenizer_info),
                             Route("/health", health), Route("/metrics", metrics)],
                     lifespan=lifespan)
     return Authorized(app, api_key) if api_key else app
