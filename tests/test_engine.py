@@ -215,6 +215,9 @@ def test_queue_full_and_bad_requests(target):
         jspec.Engine(target, max_batch=0)
     with pytest.raises(ValueError, match="max_logprobs must be at most 20"):
         jspec.Engine(target, max_batch=1, max_logprobs=21)
+    none = jspec.Engine(target, max_batch=1, max_prompt_len=8, max_new_tokens=8, max_logprobs=0)
+    with pytest.raises(ValueError, match="logprobs=0; this engine lists at most 0 .* keeps no logprobs"):
+        none.submit([1, 2], max_new_tokens=2, logprobs=0)
     with pytest.raises(ValueError, match="adaptive speculation needs a draft"):
         jspec.Engine(target, max_batch=1, spec=jspec.Adaptive())
     with pytest.raises(ValueError, match=r"no cost for \(tier, bucket\) \(0, 2\)"):

@@ -242,8 +242,9 @@ class Engine:
             raise ValueError(f"{len(reqs.stop_ids[0])} stop token ids; this engine takes at most {NUM_STOP}")
         for name in ("logprobs", "prompt_logprobs"):
             k = getattr(reqs, name)[0]
-            if k is not None and k > self.max_logprobs:
-                raise ValueError(f"{name}={k}; this engine lists at most {self.max_logprobs} (max_logprobs)")
+            if k is not None and (k > self.max_logprobs or not self.max_logprobs):
+                raise ValueError(f"{name}={k}; this engine lists at most {self.max_logprobs} (max_logprobs)"
+                                 + ("" if self.max_logprobs else " and keeps no logprobs"))
         stops = (stop,) if isinstance(stop, str) else tuple(stop or ())
         if not all(isinstance(s, str) and s for s in stops):
             raise TypeError(f"stop must be a non-empty string or a list of them, got {stop!r}")

@@ -103,14 +103,15 @@ class Handle:
     """A submitted request. Iterating it yields `Delta`s (new token ids, new text, their
     logprobs) as chunks commit (blocking); `result()` waits for the `RequestOutput`;
     `cancel()` ends it at the next chunk boundary and frees its row. `stream()` and
-    `wait()` are the asyncio forms. `seed`: the seed it samples with (drawn afresh when
-    the request gave none)."""
+    `wait()` are the asyncio forms. `tokens`: the ids handed out so far; `seed`: the seed
+    it samples with (drawn afresh when the request gave none)."""
 
     def __init__(self, request, cancel: Callable[["Handle"], None]):
         self.request, self._cancel = request, cancel
         self.prompt = request.prompt
         self.seed = request.reqs.sampling["seed"][0]
         self.output: RequestOutput | None = None
+        self.tokens: list[int] = []  # the token ids handed out so far
         self.submitted = time.perf_counter()
         self.first_token_at: float | None = None
         self.token_times: list[tuple[float, int]] = []  # (when, how many) of each delivery of tokens
@@ -122,10 +123,6 @@ class Handle:
     @property
     def done(self) -> bool:
         return self.output is not None
-
-    @property
-    def tokens(self) -> list[int]:
-        return self.output.tokens if self.output is not None else []
 
     def cancel(self) -> None:
         if not self.done:
@@ -139,6 +136,7 @@ class Handle:
                 return
             if delta is not None and (delta.tokens or delta.text):
                 self._events.append(delta)
+                self.tokens.extend(delta.tokens)
                 if delta.tokens:
                     self.token_times.append((now, len(delta.tokens)))
                     if self.first_token_at is None:

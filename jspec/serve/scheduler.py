@@ -96,10 +96,6 @@ class Decisions:
     running: dict[int, Request] = dataclasses.field(default_factory=dict)  # the rows the chunk runs
     ended: list[Request] = dataclasses.field(default_factory=list)
 
-    @property
-    def idle(self) -> bool:
-        return not (self.evict or self.admit or self.prefill or self.dispatch or self.ended)
-
 
 class Scheduler:
     """See the module. batch: rows; prefill_chunk: C, prompt tokens a pass takes (0: whole
