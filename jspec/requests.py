@@ -241,6 +241,11 @@ def check_requests(params: Params, prompt, max_new_tokens, stop_token_ids, value
     check_sampling_names(values)
     token_lists, is_batch = prompts(params, prompt)
     n = len(token_lists)
+    context = getattr(params.config, "max_position_embeddings", None)
+    for i, p in enumerate(token_lists):
+        if context and len(p) > context:
+            raise ValueError(f"prompt{f'[{i}]' if is_batch else ''} has {len(p)} tokens, more than the model's "
+                             f"context of {context} tokens (max_position_embeddings)")
     sampling = {}
     for name, (kind, check) in SAMPLING_ARGS.items():
         v = values.get(name)

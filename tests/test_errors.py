@@ -265,3 +265,12 @@ def test_eagle3_default_aux_layers_fit_any_depth():
     for bad in ((0, 1, 2), (1, 2, 5), ()):
         with pytest.raises(ValueError, match="each must be in 1..4 .ids 0..3.; fix it"):
             check_aux_layers(bad, 4, "fix it")
+
+
+def test_prompt_longer_than_the_context_names_both_numbers(target):
+    """A prompt past the model's context (max_position_embeddings, 512 for the tiny Llama)
+    is refused before anything compiles, naming both numbers."""
+    with pytest.raises(ValueError, match=r"prompt has 513 tokens, more than the model's context of 512 tokens"):
+        jspec.compile(target, [1] * 513, max_new_tokens=4)
+    with pytest.raises(ValueError, match=r"prompt\[1\] has 600 tokens, more than the model's context of 512"):
+        jspec.generate(target, [[1, 2], [3] * 600], max_new_tokens=4)
