@@ -69,8 +69,8 @@ from benchmarks.common import (CTX, V2_LITE, V3_LAYER, V32_LAYER, V32_TINY, Runn
 from jspec import requests as rq
 from jspec.drafts import MtpDraft
 from jspec.drafts.mtp import layer_config
-from jspec.kernels.dsa_index import index_scores, index_scores_reference
-from jspec.kernels.mla_sparse import sparse_mla_attention, sparse_mla_reference
+from jspec.kernels.dsa.index import index_scores, index_scores_reference
+from jspec.kernels.mla.sparse import sparse_mla_attention, sparse_mla_reference
 from jspec.loop import programs
 from jspec.loop.plan import make_plan
 from jspec.models.deepseek_hf import DeepseekConfig
@@ -421,14 +421,14 @@ def median_us(fn, x, calls: int = 20) -> float:
 
 
 def topk_bench(args) -> None:
-    """`dsa --topk`: DSA's top-k selection (`jspec.kernels.dsa_topk`) at k = 2048 for S in
+    """`dsa --topk`: DSA's top-k selection (`jspec.kernels.dsa.topk`) at k = 2048 for S in
     --contexts slots and R in --topk-rows rows of random float32 scores (the last 64 slots
     -inf, as the cache's slots past the committed length): us a call (median of 20) of the
     kernels (one row per --topk-tiles entry), of their reference (lax.top_k, mask, sort)
     and of plain lax.top_k (the model's call before), and whether the kernels equal the
     reference exactly. --shape tiny: S = context / 16, k = 64 and rows / 32 (a CPU smoke
     test, the kernels in interpret mode). Result: $OUT/dsa_topk_<shape>.json."""
-    from jspec.kernels.dsa_topk import tiles_for, topk_slots, topk_slots_reference
+    from jspec.kernels.dsa.topk import tiles_for, topk_slots, topk_slots_reference
     tiny = args.shape == "tiny"
     k = V32_TINY.index_topk if tiny else V32_LAYER.index_topk
     tiles = topk_tiles(args.topk_tiles)

@@ -3,10 +3,10 @@ real shapes (relative error against a float32 reference of the same inputs, besi
 reference's own error in the inputs' dtype), then times against the reference.
 
 Sections (arguments; default all):
-- attention: the GQA decode/verify kernel (`kernels.decode_attention`), dense and paged
+- attention: the GQA decode/verify kernel (`kernels.attention.decode`), dense and paged
   caches, ragged lengths, sliding window; times of single jitted calls (median of 20,
   dispatch included: small cases are bound by it) for Hkv 8, 32 query heads, Dh 128.
-- mla: the MLA kernel (`kernels.mla_decode`), dense and paged (1, 16, 64) caches, trees
+- mla: the MLA kernel (`kernels.mla.decode`), dense and paged (1, 16, 64) caches, trees
   up to T=16; device times (a jitted loop of --loop calls, each call's queries through an
   optimization barrier with the previous output, median of 5 loops) for Dc 512, Dr 64 at
   --ctx contexts, B 1 and 32, H 16 and 128 (--tree-rows: also T=16 at B=1, 4k).
@@ -53,14 +53,14 @@ import numpy as np
 import jspec
 from benchmarks.common import V2_LITE, env_info, kernel_time, median_time, prompts, random_params, save_json
 from jspec.config import ModelConfig
-from jspec.kernels import decode_attention as da
+from jspec.kernels.attention import decode as da
 from jspec.kernels import dispatch
-from jspec.kernels import mla_decode as md
-from jspec.kernels import mla_inputs as mi
-from jspec.kernels import mla_output as mo
-from jspec.kernels import moe_experts as me
-from jspec.kernels import moe_grouped as mg
-from jspec.kernels import moe_route as mr
+from jspec.kernels.mla import decode as md
+from jspec.kernels.mla import inputs as mi
+from jspec.kernels.mla import output as mo
+from jspec.kernels.moe import experts as me
+from jspec.kernels.moe import grouped as mg
+from jspec.kernels.moe import route as mr
 from jspec.kernels.meta import AttnMeta
 
 SECTIONS = ("attention", "mla", "moe", "deepseek", "engine")

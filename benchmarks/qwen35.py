@@ -16,7 +16,7 @@ record's memory; and the S=3 round under `Tuning(recurrent_commit="checkpoint")`
 Run: PYTHONPATH=. python3 benchmarks/qwen35.py check | 27b|35b [decode] [mtp | mtp3] [commit] [--batches 1,32]
 
 gated_delta (options of its own): the Gated DeltaNet kernels of the linear-attention layers
-on a GPU (`jspec.kernels.gated_delta_kernels`): each Pallas kernel checked against the jnp
+on a GPU (`jspec.kernels.gated_delta.kernels`): each Pallas kernel checked against the jnp
 references (float32 and bf16 inputs), then timed against the references compiled by XLA
 and against flash-linear-attention's Triton kernels (`chunk_gated_delta_rule`,
 `fused_recurrent_gated_delta_rule`) in the same process.
@@ -60,8 +60,8 @@ from benchmarks.common import (CTX, QWEN35_27B, QWEN35_35B_A3B, Runner, ceiling_
                                median_time, prompts, random_params, rounded, save_json, trace_events, traced)
 from jspec.cache.layout import CacheLayout
 from jspec.drafts.qwen_mtp import QwenMtpDraft, layer_config
-from jspec.kernels import gated_delta as gd
-from jspec.kernels import gated_delta_kernels as gk
+from jspec.kernels.gated_delta import reference as gd
+from jspec.kernels.gated_delta import kernels as gk
 from jspec.models import family_for
 
 SHORT, LONG = 16, 80

@@ -239,7 +239,7 @@ class CacheConfig:
 
 @dataclasses.dataclass(frozen=True)
 class ExpertTiles:
-    """`jspec.kernels.moe_experts`: the expert kernel (decode and verification's routed and
+    """`jspec.kernels.moe.experts`: the expert kernel (decode and verification's routed and
     shared experts, DeepSeek's dense MLP and router product at a few rows) and `matvec`, the
     same kernel for few-row dense products (`models.llama.Linear(row_kernel=True)`).
 
@@ -282,7 +282,7 @@ class ExpertTiles:
 
 @dataclasses.dataclass(frozen=True)
 class GroupedTiles:
-    """`jspec.kernels.moe_grouped`: the grouped expert kernel (prefill and batches of at
+    """`jspec.kernels.moe.grouped`: the grouped expert kernel (prefill and batches of at
     least one (token, expert) pair an expert)."""
 
     # False: `grouped` takes `jax.lax.ragged_dot` on a GPU at any size (benchmark A/Bs).
@@ -311,7 +311,7 @@ class GroupedTiles:
 
 @dataclasses.dataclass(frozen=True)
 class RouteTiles:
-    """`jspec.kernels.moe_route`: where the router product runs (the routing kernel itself
+    """`jspec.kernels.moe.route`: where the router product runs (the routing kernel itself
     has no tiles)."""
 
     kernel_product_tokens: int = 16  # up to this many tokens the router product runs in the expert kernel
@@ -320,7 +320,7 @@ class RouteTiles:
 
 @dataclasses.dataclass(frozen=True)
 class MlaInputsTiles:
-    """`jspec.kernels.mla_inputs`: query absorption, RoPE and the cache row of one token."""
+    """`jspec.kernels.mla.inputs`: query absorption, RoPE and the cache row of one token."""
 
     block_c: int = 64  # latent values of q_lat a program: [64, Dn] of W_UK
     num_warps: int = 4
@@ -328,7 +328,7 @@ class MlaInputsTiles:
 
 @dataclasses.dataclass(frozen=True)
 class MlaDecodeTiles:
-    """`jspec.kernels.mla_decode`: MLA attention over the latent cache (flash decoding).
+    """`jspec.kernels.mla.decode`: MLA attention over the latent cache (flash decoding).
 
     On the H200 (benchmarks/kernels.py mla, bf16, 2026-11-23) 64 query rows a program
     beat 32 by 20-28% at H = 128 with batch 32 or T = 16 (fewer row blocks re-reading the
@@ -349,7 +349,7 @@ class MlaDecodeTiles:
 
 @dataclasses.dataclass(frozen=True)
 class MlaOutputTiles:
-    """`jspec.kernels.mla_output`: the merge of the MLA kernel's key splits and W_UV."""
+    """`jspec.kernels.mla.output`: the merge of the MLA kernel's key splits and W_UV."""
 
     block_n: int = 16  # output columns a program: 16 x Dc=512 float32 weights, 64 a thread
     num_warps: int = 4
@@ -365,7 +365,7 @@ class MlaOutputTiles:
     # (mla_b1_configs, a probe at 3bf4f68, H200); 128 or more splits keep 128-wide chunks.
     split_tile: int = 16384
     min_chunk: int = 128
-    # `mla_output(ordered=True)` (`kernels.row_mla`) unrolls its walk over up to this many
+    # `mla_output(ordered=True)` (`kernels.row.mla`) unrolls its walk over up to this many
     # splits (their loads issued together) and loops over more; the same sums either way.
     # Unrolled: V2-Lite's 4-layer batch-1 profile took the kernel from 17.9 to 11.6 us a step
     # (H100, 2026-11-26, docs/experiments.md).
@@ -374,7 +374,7 @@ class MlaOutputTiles:
 
 @dataclasses.dataclass(frozen=True)
 class AttentionTiles:
-    """`jspec.kernels.decode_attention`: GQA attention over the KV cache (flash decoding)."""
+    """`jspec.kernels.attention.decode`: GQA attention over the KV cache (flash decoding)."""
 
     block_k: int = 128  # batch-1 decode on the H200: 128 beat 64, 32 and 16 (docs/benchmarks.md)
     target_programs: int = 256  # about two waves of programs on an H200 (132 SMs)
@@ -385,7 +385,7 @@ class AttentionTiles:
 
 @dataclasses.dataclass(frozen=True)
 class RowAttentionTiles:
-    """`jspec.kernels.row_attention` (`Tuning.row_invariant`): block_k positions a key
+    """`jspec.kernels.row.attention` (`Tuning.row_invariant`): block_k positions a key
     block, split_blocks blocks a split (splits cover fixed position ranges, so these tiles,
     not the batch, decide a row's sums; plain and speculative programs must share them)."""
 
@@ -403,7 +403,7 @@ class RowAttentionTiles:
 
 @dataclasses.dataclass(frozen=True)
 class RowNormTiles:
-    """`jspec.kernels.row_norm` (`Tuning.row_invariant`): warps a row's program."""
+    """`jspec.kernels.row.norm` (`Tuning.row_invariant`): warps a row's program."""
 
     num_warps: int | None = None  # None: 16 for rows of at least wide_d columns, else 4
     wide_d: int = 4096  # on an H100, 16 warps were faster for the 8B shape's 4096 (docs/benchmarks.md)
@@ -417,7 +417,7 @@ class RowNormTiles:
 
 @dataclasses.dataclass(frozen=True)
 class RowMatmulTiles:
-    """`jspec.kernels.row_matmul` (`Tuning.row_invariant`): columns and K chunk a program,
+    """`jspec.kernels.row.matmul` (`Tuning.row_invariant`): columns and K chunk a program,
     the programs a row block aims for (K splits follow from the weight's shape and this)."""
 
     block_n: int = 128
@@ -437,7 +437,7 @@ _XLA_VALUE = (bool, int, str)
 
 @dataclasses.dataclass(frozen=True)
 class GatedDeltaTiles:
-    """Tiles of the gated delta kernels (`jspec.kernels.gated_delta_kernels`; part of a compile key: frozen, hashable). The
+    """Tiles of the gated delta kernels (`jspec.kernels.gated_delta.kernels`; part of a compile key: frozen, hashable). The
     defaults are the fastest of `benchmarks/qwen35.py gated_delta`'s sweep on an H200 (jax 0.11.2,
     2026-11-26; docs/benchmarks.md) among the variants within 2e-5 of the reference.
 
@@ -494,7 +494,7 @@ class Tuning:
     a layer (with the first expert product 64 columns wide; at 128 it had cost V3 0.416
     against 0.349 ms).
 
-    cache_write_in_kernel: `kernels.mla_inputs` writes a decoding token's latent row into
+    cache_write_in_kernel: `kernels.mla.inputs` writes a decoding token's latent row into
     the cache itself (where it runs: one row, no q_lora_rank) instead of an update kernel
     after it (on the H200 that update was a 1.2 us kernel a layer at batch 1).
 
@@ -507,7 +507,7 @@ class Tuning:
     products"); jax 0.11 has no option to turn the rewrite off.
 
     cpu_matmul_max_rows: float32 products of up to this many rows run jspec's native loops
-    on the CPU (`kernels.cpu_matmul`); above (prefill) XLA's GEMM is the faster one.
+    on the CPU (`kernels.cpu.matmul`); above (prefill) XLA's GEMM is the faster one.
 
     recurrent_commit: how a verification leaves the linear layers' states for the commit
     (`jspec.cache.recurrent`): "replay" (the nodes' inputs; the commit replays the accepted
@@ -516,11 +516,11 @@ class Tuning:
 
     row_invariant: every product, the LM head and attention compute a row (one token) with
     the same operations in the same order whatever other rows share the pass
-    (`kernels.row_matmul`, `kernels.row_attention`; XLA compiles the programs with
+    (`kernels.row.matmul`, `kernels.row.attention`; XLA compiles the programs with
     xla_allow_excess_precision off), so a verification node's logits equal the decode
     step's at its position bit for bit and greedy speculative output equals plain greedy
     output on a GPU too. Plain and speculative programs must both have it. Llama and
-    DeepSeek (MLA + MoE; `kernels.row_mla`, the expert kernel with one token's tiles)
+    DeepSeek (MLA + MoE; `kernels.row.mla`, the expert kernel with one token's tiles)
     targets on one device (True elsewhere is refused); a prompt's passes (prefill, prompt
     chunks) keep XLA's products and attention. None
     (the default): on where the family measured it within 3% of the step without
@@ -546,7 +546,7 @@ class Tuning:
     attention: AttentionTiles = AttentionTiles()
     gated_delta: GatedDeltaTiles = GatedDeltaTiles()
     row_attention: RowAttentionTiles = RowAttentionTiles()
-    # `kernels.row_mla`: one 64-key block a split (V2-Lite, 4 layers, batch 1 on an H100: 0.532
+    # `kernels.row.mla`: one 64-key block a split (V2-Lite, 4 layers, batch 1 on an H100: 0.532
     # ms a step against 0.535 with two blocks and 0.561 with four; docs/benchmarks.md)
     row_mla: RowAttentionTiles = RowAttentionTiles(block_k=64, split_blocks=1)
     row_matmul: RowMatmulTiles = RowMatmulTiles()

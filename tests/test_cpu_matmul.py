@@ -1,4 +1,4 @@
-"""The native few-row CPU products (`kernels/cpu_matmul`): values, row independence,
+"""The native few-row CPU products (`kernels/cpu/matmul.py`): values, row independence,
 gradients, when they are used, and the fallback when they cannot be built."""
 import platform
 import shutil
@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from jspec.config import Tuning
-from jspec.kernels import cpu_matmul
+from jspec.kernels.cpu import matmul as cpu_matmul
 from jspec.kernels.dispatch import use_backend
 from jspec.models.llama import product
 
@@ -18,6 +18,13 @@ buildable = (shutil.which("c++") or shutil.which("g++")) and platform.machine().
 pytestmark = pytest.mark.skipif(not buildable, reason="needs a C++ compiler and an x86-64 CPU with AVX2")
 
 SHAPES = [(320, 1728), (7, 5), (33, 17), (64, 8), (9, 24), (40, 300)]  # K, N: strips of 16, 8 and masked
+
+
+@pytest.fixture(autouse=True)
+def registered():
+    """`matmul` calls the FFI targets that `available()` registers once per process: a test
+    that calls it directly must not depend on another having run first in its worker."""
+    cpu_matmul.available()
 
 
 def test_builds_here():

@@ -280,7 +280,8 @@ def test_tuning_reaches_the_kernels(monkeypatch):
     tuning's groups to every kernel they run: the MLA inputs, attention and output
     kernels, the row products and the expert kernel, the grouped kernel (traced only)."""
     from jspec.config import ExpertTiles, GroupedTiles, MlaDecodeTiles, MlaInputsTiles, MlaOutputTiles, RouteTiles
-    from jspec.kernels import mla_decode, mla_inputs, mla_output, moe_experts, moe_grouped, moe_route
+    from jspec.kernels.mla import decode as mla_decode, inputs as mla_inputs, output as mla_output
+    from jspec.kernels.moe import experts as moe_experts, grouped as moe_grouped, route as moe_route
 
     tuning = Tuning(experts=ExpertTiles(block_k=32), grouped=GroupedTiles(block_k=32), route=RouteTiles(block_k=32),
                     mla_inputs=MlaInputsTiles(block_c=16), mla_decode=MlaDecodeTiles(block_k=32),
@@ -329,7 +330,8 @@ def test_batch_one_through_row_kernels(monkeypatch, fresh_compiles, q_lora):
     post-attention norm in its prologue or before it, `Tuning.mlp_norm_in_kernel`); without
     q_lora the projection's K splits go to `mla_inputs` (query absorption, RoPE, latent
     norm); the greedy tokens equal the reference path's."""
-    from jspec.kernels import mla_inputs, moe_experts
+    from jspec.kernels.mla import inputs as mla_inputs
+    from jspec.kernels.moe import experts as moe_experts
 
     tuning = Tuning(mlp_norm_in_kernel=q_lora is None)  # both ways of the MLP's norm
     cfg = DeepseekConfig(vocab_size=96, hidden_size=32, intermediate_size=48, num_layers=2, num_heads=2,

@@ -135,10 +135,10 @@ def test_mtp_greedy_equals_target(v32, spec, cache):
 
 @pytest.mark.slow
 def test_the_top_k_kernel_in_the_loop(v32, monkeypatch, fresh_compiles):
-    """The top-k selection kernel (`kernels.dsa_topk`, interpret mode) in an MTP tree over a
+    """The top-k selection kernel (`kernels.dsa.topk`, interpret mode) in an MTP tree over a
     paged cache: the same tokens as the reference selection (the sparse MLA kernel takes
     rope dims of 16 and up, this model's are 8: it keeps its reference)."""
-    from jspec.kernels import dsa_topk
+    from jspec.kernels.dsa import topk as dsa_topk
     path, _ = v32
     p = jspec.load(path, draft="mtp", dtype="float32")
     kw = dict(max_new_tokens=4, stop_token_ids=[], spec=jspec.SpecConfig(3, 2, 6),
@@ -233,8 +233,8 @@ def test_sparse_mla_kernel_equals_references(paged):
     the Pallas kernel (interpret mode, several splits) equals the gather reference, which
     equals the dense reference restricted to the same slots by a mask; dense and paged
     (pages of 4 interleaved in the pool)."""
-    from jspec.kernels.mla_decode import mla_attention_reference
-    from jspec.kernels.mla_sparse import sparse_mla_attention, sparse_mla_reference
+    from jspec.kernels.mla.decode import mla_attention_reference
+    from jspec.kernels.mla.sparse import sparse_mla_attention, sparse_mla_reference
     rng = np.random.RandomState(0)
     B, T, H, Dc, Dr, S, Ki, P = 2, 3, 4, 32, 16, 40, 20, 4
     q_lat = jnp.asarray(rng.randn(B, T, H, Dc).astype(np.float32))
@@ -272,7 +272,7 @@ def test_sparse_mla_kernel_equals_references(paged):
 def test_index_score_kernel_equals_reference(paged):
     """The indexer-score Pallas kernel (interpret mode; 6 heads padded to 16, key blocks of
     16 over 40 slots) equals its reference, dense and paged (pages of 4 interleaved)."""
-    from jspec.kernels.dsa_index import index_scores, index_scores_reference
+    from jspec.kernels.dsa.index import index_scores, index_scores_reference
     rng = np.random.RandomState(1)
     B, T, Hi, Di, S, P = 2, 3, 6, 16, 40, 4
     q = jnp.asarray(rng.randn(B, T, Hi, Di).astype(np.float32))

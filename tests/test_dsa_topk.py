@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from jspec.kernels import dispatch
-from jspec.kernels import dsa_topk as dt
+from jspec.kernels.dsa import topk as dt
 
 SHAPE, K = (2, 4, 200), 24
 _small = jax.jit(functools.partial(dt.topk_slots, interpret=True, chunk=16, block=64), static_argnums=1)

@@ -18,7 +18,7 @@ def test_model_through_pallas_kernels_equals_reference(target, monkeypatch, fres
     reference path token for token (float32)."""
     ref = jspec.generate(target, PROMPTS[:2], max_new_tokens=5, stop_token_ids=[])
     monkeypatch.setenv("JSPEC_KERNELS", "pallas")
-    from jspec.kernels import decode_attention
+    from jspec.kernels.attention import decode as decode_attention
     calls = []
     real = decode_attention.paged_decode_attention
     monkeypatch.setattr(decode_attention, "paged_decode_attention", lambda *a, **k: calls.append(1) or real(*a, **k))
@@ -38,7 +38,7 @@ def test_tuning_reaches_the_attention_kernel(target, with_draft, monkeypatch):
     """A decoding step of the target and of an EAGLE-3 head hands `tuning.attention` to the
     attention kernel of every layer (traced with the kernels forced)."""
     from jspec.config import AttentionTiles, Tuning
-    from jspec.kernels import decode_attention
+    from jspec.kernels.attention import decode as decode_attention
     from jspec.models.llama import LLAMA
     seen = []
     real = decode_attention.paged_decode_attention
@@ -84,7 +84,7 @@ def test_parked_queries_equal_passed_queries(B, T, prefix):
     """The kernel reading queries parked in the cache (after the local block) gives what
     it gives with the queries passed in, and the parking leaves every key slot the
     attention reads untouched (batch 1: one block update; batch 3: a scatter)."""
-    from jspec.kernels import decode_attention as da
+    from jspec.kernels.attention import decode as da
     q, meta, parked, plain = _parked_case(B, T, prefix)
     got = da.paged_decode_attention(q, parked, meta, scale=0.25, interpret=True, q_in_cache=True)
     want = da.paged_decode_attention(q, plain, meta, scale=0.25, interpret=True)
@@ -98,7 +98,7 @@ def test_kernel_takes_the_cache_once_in_its_own_shape(q_in_cache):
     """The compiled kernel (traced for the GPU, interpret off) gets the cache as one
     operand shaped [N, 2, Hkv, Dh], parked queries or not: given a second time as a
     reshaped view, XLA copied each layer's cache twice per tree round on the H200."""
-    from jspec.kernels import decode_attention as da
+    from jspec.kernels.attention import decode as da
     q, meta, parked, _ = _parked_case(1, 3, [20])
     jaxpr = jax.make_jaxpr(lambda q, kv: da.paged_decode_attention(
         q, kv, meta, scale=0.25, interpret=False, q_in_cache=q_in_cache))(q, parked)
@@ -114,7 +114,7 @@ def test_spec_and_batch1_through_pallas_kernels_park_queries(target, with_draft,
                                                               fresh_compiles):
     """Batch-1 decoding, a chain and a tree with the kernels forced to Pallas (interpret)
     park their queries in the dense cache and still equal the target's greedy output."""
-    from jspec.kernels import decode_attention
+    from jspec.kernels.attention import decode as decode_attention
     monkeypatch.setenv("JSPEC_KERNELS", "pallas")
     parked = []
     real = decode_attention.paged_decode_attention

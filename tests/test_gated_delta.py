@@ -1,4 +1,4 @@
-"""Gated DeltaNet references (`jspec.kernels.gated_delta`): a sequence equals transformers'
+"""Gated DeltaNet references (`jspec.kernels.gated_delta.reference`): a sequence equals transformers'
 recurrent and chunked delta rule and its causal convolution; over a tree, every node
 equals decoding its root-to-node path as a sequence (outputs and the states after it)."""
 from __future__ import annotations
@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 
-from jspec.kernels import gated_delta as gd
+from jspec.kernels.gated_delta import reference as gd
 
 hf = pytest.importorskip("transformers.models.qwen3_next.modeling_qwen3_next")
 
@@ -121,7 +121,7 @@ def test_conv_tree_nodes_equal_their_paths():
 import jax.numpy as jnp
 
 from jspec.kernels import dispatch
-from jspec.kernels import gated_delta_kernels as gk
+from jspec.kernels.gated_delta import kernels as gk
 
 BACKENDS = ["pallas", "reference"]
 

@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import importlib
 
 import chex
 import jax
@@ -15,11 +14,9 @@ from hypothesis import strategies as st
 
 from jspec.cache import kv as kvc
 from jspec.cache import layout as lay
-from jspec.kernels import decode_attention as da
+from jspec.kernels.attention import decode as da
+from jspec.kernels.attention import gqa as attn
 from jspec.kernels.meta import AttnMeta
-
-# jspec.kernels re-exports a function named `attention`, so fetch the module by name.
-attn = importlib.import_module("jspec.kernels.attention")
 
 
 def tree_mask(rng, Tl):

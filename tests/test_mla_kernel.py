@@ -13,10 +13,10 @@ from jspec.cache import layout as lay
 from jspec.cache.latent import cached_mla_attention
 from jspec.config import DEFAULT_TUNING, MlaDecodeTiles, MlaOutputTiles, Tuning
 from jspec.kernels import dispatch
-from jspec.kernels import mla_attention as mla
-from jspec.kernels import mla_decode as md
-from jspec.kernels import mla_inputs as mi
-from jspec.kernels import mla_output as mo
+from jspec.kernels.mla import attention as mla
+from jspec.kernels.mla import decode as md
+from jspec.kernels.mla import inputs as mi
+from jspec.kernels.mla import output as mo
 from jspec.kernels.meta import AttnMeta
 from test_kernels import tree_mask, pallas_grids  # noqa: E402  (the GQA kernel tests' random tree)
 

@@ -136,8 +136,8 @@ def test_forward_shapes_with_cache(target):
 
 def native_products(fn, *args) -> bool:
     """Whether the program of fn(*args) has a product on the native CPU loops
-    (`kernels.cpu_matmul`); skips the test where those are not built."""
-    from jspec.kernels import cpu_matmul
+    (`kernels.cpu.matmul`); skips the test where those are not built."""
+    from jspec.kernels.cpu import matmul as cpu_matmul
     if jax.default_backend() != "cpu" or not cpu_matmul.available():
         pytest.skip("the native CPU products are not built here")
     return "jspec_matmul" in jax.jit(fn).lower(*args).as_text()

@@ -1,4 +1,4 @@
-"""The grouped expert kernel for MoE prefill (`jspec.kernels.moe_grouped`, interpret mode):
+"""The grouped expert kernel for MoE prefill (`jspec.kernels.moe.grouped`, interpret mode):
 the padded layout, the tile products against their reference, the routed experts against
 the `ragged_dot` formulation, the dispatch's threshold, and a DeepSeek prefill through
 it against transformers."""
@@ -12,7 +12,7 @@ import torch
 
 import jspec
 from jspec.config import DEFAULT_TUNING, GroupedTiles
-from jspec.kernels import moe_grouped as mg
+from jspec.kernels.moe import grouped as mg
 
 
 @pytest.mark.parametrize("seed,P,E,bm", [(0, 10, 6, 16), (1, 40, 4, 16), (2, 300, 8, 32), (3, 5, 64, 16)])

@@ -8,7 +8,7 @@ import pytest
 
 from jspec.config import ExpertTiles
 from jspec.kernels import dispatch
-from jspec.kernels import moe_experts as me
+from jspec.kernels.moe import experts as me
 
 
 def _case(seed, *, E, Din, Dout, P, dtype, ids=None):

@@ -7,8 +7,8 @@ import jax.numpy as jnp
 
 from jspec.config import ExpertTiles, RouteTiles, Tuning
 from jspec.kernels import dispatch
-from jspec.kernels import moe_route as mr
-from jspec.kernels.moe_experts import rms_norm
+from jspec.kernels.moe import route as mr
+from jspec.kernels.moe.experts import rms_norm
 
 ROUTINGS = {  # V2-Lite, V2 (160 experts in 8 groups of 20), V3; small and real sizes
     "v2lite": mr.Routing(64, 6, num_extra=2),

@@ -250,7 +250,8 @@ def through_kernels(monkeypatch, devices: int | None = None, moe_width: int = 16
     """A tiny DeepSeek target with its MTP draft: greedy tokens with the MLA and expert
     kernels forced (interpret mode; split over `devices` if given) equal the reference
     path's on one device, and every kernel ran."""
-    from jspec.kernels import mla_decode, mla_output, moe_experts
+    from jspec.kernels.mla import decode as mla_decode, output as mla_output
+    from jspec.kernels.moe import experts as moe_experts
     from jspec.models import family_for
     from jspec.models.deepseek_hf import DeepseekConfig
     cfg = DeepseekConfig(vocab_size=96, hidden_size=32, intermediate_size=48, num_layers=2, num_heads=2,

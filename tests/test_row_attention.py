@@ -1,4 +1,4 @@
-"""The row-invariant attention kernel (`jspec.kernels.row_attention`, interpret mode on the
+"""The row-invariant attention kernel (`jspec.kernels.row.attention`, interpret mode on the
 CPU): it equals the reference, and a tree node's output is the same bits as a one-token
 decode step at the node's position over a cache that holds the node's ancestors in
 position order (what plain decoding's cache holds), whatever the cache's capacity."""
@@ -12,7 +12,7 @@ from test_kernels import _fast_jit, _reference, make_case, stack
 
 from jspec.config import RowAttentionTiles
 from jspec.kernels.meta import AttnMeta
-from jspec.kernels.row_attention import in_slot_order, local_slots, packs, row_attention
+from jspec.kernels.row.attention import in_slot_order, local_slots, packs, row_attention
 
 TILES = RowAttentionTiles(block_k=16, split_blocks=2, pack_min_splits=0)  # splits of 32 positions; packed tokens
 UNPACKED = RowAttentionTiles(block_k=16, split_blocks=2, pack_tokens=False)  # one token a tile

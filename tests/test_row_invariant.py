@@ -3,7 +3,6 @@ through the row-invariant kernels (interpret mode: greedy speculative output equ
 output and every row kernel ran), and the CLI's line about the outputs."""
 from __future__ import annotations
 
-import importlib
 from types import SimpleNamespace
 
 import jax
@@ -14,7 +13,9 @@ from tiny_models import make_model
 
 import jspec
 from jspec.config import CacheConfig, Tuning
-from jspec.kernels import dispatch, row_matmul, row_norm
+from jspec.kernels import dispatch
+from jspec.kernels.attention import gqa
+from jspec.kernels.row import matmul as row_matmul, norm as row_norm
 from jspec.loop.plan import make_plan
 from jspec.models import family_for
 from jspec.models.deepseek_hf import DeepseekConfig
@@ -75,8 +76,7 @@ def test_greedy_speculative_output_through_the_row_kernels(monkeypatch, fresh_co
     make_model(str(tmp_path), hidden=128, heads=4, kv_heads=2, inter=128, vocab=384, dtype=torch.bfloat16)
     p = jspec.load(str(tmp_path), dtype="bfloat16")
     calls = set()
-    attention = importlib.import_module("jspec.kernels.attention")  # the package re-exports a function of that name
-    for mod, name in ((row_matmul, "row_matmul"), (row_norm, "rms_norm"), (attention, "row_attention")):
+    for mod, name in ((row_matmul, "row_matmul"), (row_norm, "rms_norm"), (gqa, "row_attention")):
         real = getattr(mod, name)
         monkeypatch.setattr(mod, name, lambda *a, _r=real, _n=name, **k: calls.add(_n) or _r(*a, **k))
     monkeypatch.setenv("JSPEC_KERNELS", "pallas")
@@ -124,7 +124,9 @@ def test_deepseek_row_kernels_give_the_reference_paths_tokens(monkeypatch, fresh
     """DeepSeek (MLA + MoE), float32, kernels forced (interpret mode): plain output through
     the row kernels (the deferred input norm, row MLA, the experts with one token's tiles)
     equals the reference path's, and each row kernel ran."""
-    from jspec.kernels import mla_inputs, moe_experts, row_mla
+    from jspec.kernels.mla import inputs as mla_inputs
+    from jspec.kernels.moe import experts as moe_experts
+    from jspec.kernels.row import mla as row_mla
     f32 = _deepseek_params("float32").with_draft(None)
     monkeypatch.setenv("JSPEC_KERNELS", "reference")
     want = jspec.generate(f32, DEEPSEEK_PROMPTS, **DEEPSEEK_RUN).tokens

@@ -1,4 +1,4 @@
-"""The row-invariant product and norm (`jspec.kernels.row_matmul`, `row_norm`, interpret
+"""The row-invariant product and norm (`jspec.kernels.row.matmul`, `row_norm`, interpret
 mode on the CPU): rows equal x @ w (the XLA norm), and each row is the same bits whatever
 rows share the call (1 row, a verification's few, a batch's many; row blocks of 16 or 64)."""
 from __future__ import annotations
@@ -8,8 +8,9 @@ import numpy as np
 import pytest
 
 from jspec.config import RowMatmulTiles
-from jspec.kernels import moe_experts, row_norm
-from jspec.kernels.row_matmul import (
+from jspec.kernels.moe import experts as moe_experts
+from jspec.kernels.row import norm as row_norm
+from jspec.kernels.row.matmul import (
     block_n_for,
     layout_for,
     row_matmul,

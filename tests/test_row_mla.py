@@ -1,4 +1,4 @@
-"""The row-invariant MLA attention (`jspec.kernels.row_mla`: the attention kernel, then
+"""The row-invariant MLA attention (`jspec.kernels.row.mla`: the attention kernel, then
 `mla_output` merging its splits in order; interpret mode on the CPU): it equals the
 reference, and a tree node's output is the same bits as a one-token decode step at the
 node's position over a cache holding its ancestors in position order (what plain
@@ -13,10 +13,10 @@ from test_mla_kernel import _fast_jit, _scale, make_case
 
 from jspec.config import MlaOutputTiles, RowAttentionTiles, Tuning
 from jspec.kernels.meta import AttnMeta
-from jspec.kernels.mla_decode import mla_attention_reference
-from jspec.kernels.mla_output import up_project
-from jspec.kernels.row_attention import local_slots
-from jspec.kernels.row_mla import row_mla_output
+from jspec.kernels.mla.decode import mla_attention_reference
+from jspec.kernels.mla.output import up_project
+from jspec.kernels.row.attention import local_slots
+from jspec.kernels.row.mla import row_mla_output
 
 TILES = RowAttentionTiles(block_k=16, split_blocks=2)  # splits of 32 positions: several a row
 DV = 16

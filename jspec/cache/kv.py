@@ -8,7 +8,7 @@ one operation per layer, not two.
 A dense cache may also carry a forward's queries for the attention kernel, parked in the
 slots after its new tokens by the same write (`with_queries`, `query_slots`); the kind
 asks the loop for that room through `extra_slots`, and only `cached_attention` (which
-writes a layer's new keys and values and calls `jspec.kernels.attention`) decides to park.
+writes a layer's new keys and values and calls `jspec.kernels.attention.gqa`) decides to park.
 Nothing else sees it.
 """
 from __future__ import annotations
@@ -23,7 +23,8 @@ from flax import struct
 
 from jspec.cache.layout import CacheLayout, PageState, slot_index
 from jspec.config import DEFAULT_TUNING, AttentionTiles, RowAttentionTiles
-from jspec.kernels.attention import attention, attention_reference, uses_kernel
+from jspec.kernels.attention.decode import attention_reference
+from jspec.kernels.attention.gqa import attention, uses_kernel
 from jspec.kernels.meta import AttnMeta, read_kv  # noqa: F401  (read_kv: the cache read in slot order, re-exported)
 from jspec.sharding import constrain_heads, over_heads, tp_size
 from jspec.util import cdiv
@@ -165,7 +166,7 @@ def move_buffers(bufs: tuple, src_index: jax.Array, dst_index: jax.Array) -> tup
 def cached_attention(q, k, v, kv_buf, meta: AttnMeta, *, window: int = 0, scale: float,
                      tiles: AttentionTiles | None = None, row_tiles: RowAttentionTiles | None = None):
     """Writes the new keys and values into the layer's cache and attends over it
-    (`jspec.kernels.attention.attention`).
+    (`jspec.kernels.attention.gqa.attention`).
 
     q [B,T,H,Dh]; k/v [B,T,Hkv,Dh]; kv_buf: the layer's buffer or None (prefill without a
     cache: the block attends to itself). -> (out [B,T,H,Dh], buffer).

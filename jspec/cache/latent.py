@@ -6,7 +6,7 @@ or values.
 One buffer per layer: dense [B, C + 1, Dc + Dr] or paged [num_pages + 1, P, Dc + Dr], in
 the slot layout of `jspec.cache.layout` (trash row or page included). Writes, reads and
 tree compaction are the GQA cache's (`jspec.cache.kv`), which work on any slot entry;
-`cached_mla_attention` writes a layer's new rows and attends (`jspec.kernels.mla_attention`).
+`cached_mla_attention` writes a layer's new rows and attends (`jspec.kernels.mla.attention`).
 
 DeepSeek-V3.2's sparse attention adds, beside each layer's latent buffer, a buffer of the
 lightning indexer's keys (Di values a token, `index_keys`) in the same slot layout: a
@@ -25,7 +25,7 @@ from jspec.cache.kv import move_buffers, path_moves, write_kv
 from jspec.cache.layout import CacheLayout, PageState
 from jspec.config import DEFAULT_TUNING, Tuning
 from jspec.kernels.meta import AttnMeta
-from jspec.kernels.mla_attention import mla_attention
+from jspec.kernels.mla.attention import mla_attention
 
 
 @struct.dataclass
@@ -90,7 +90,7 @@ class LatentCacheKind:
 def cached_mla_attention(q_lat, q_pe, latent_new, latent_buf, meta: AttnMeta, w_uv, *, scale: float,
                          tuning: Tuning | None = None, index=None):
     """Writes the new latent rows latent_new [B,T,Dc+Dr] and attends over the cache (see
-    `jspec.kernels.mla_attention.mla_attention`, which takes `tuning` and `index`). ->
+    `jspec.kernels.mla.attention.mla_attention`, which takes `tuning` and `index`). ->
     (o [B,T,H,Dv] in w_uv's dtype, buffer)."""
     latent_buf = write_kv(latent_buf, latent_new, meta.write_index, meta.page_table is None)
     return mla_attention(q_lat, q_pe, latent_buf, meta, w_uv, scale=scale, tuning=tuning, index=index), latent_buf

@@ -1,4 +1,5 @@
-"""Kernels, each beside its pure-jnp reference, with one dispatch point per operation."""
-from jspec.kernels.attention import attention, attention_reference
-
-__all__ = ["attention", "attention_reference"]
+"""Kernels, each beside its pure-jnp reference and its tile dataclass, grouped by operation:
+attention/ (GQA), mla/, moe/, dsa/, gated_delta/, row/ (row-invariant) and cpu/; one
+dispatch point per operation. Shared: dispatch.py (kernel or reference), tiling.py and
+meta.py (what a kernel reads of a cache). Kernels import no cache, model or loop.
+"""

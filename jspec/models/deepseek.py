@@ -3,17 +3,17 @@ target-family protocol (`jspec.models.family`).
 
 Attention keeps only the latent in the cache (`jspec.cache.latent`). A prefill computes
 keys and values from the latent as the model defines them; decoding and verification
-attend in the absorbed form (`jspec.kernels.mla_attention`): the key up-projection W_UK
+attend in the absorbed form (`jspec.kernels.mla.attention`): the key up-projection W_UK
 is folded into the query and the value up-projection W_UV applied after attention, so
 the cache is read once for all heads.
 
-MoE layers route each token to k of E experts (`jspec.kernels.moe_route`; V2: softmax
+MoE layers route each token to k of E experts (`jspec.kernels.moe.route`; V2: softmax
 scores, `greedy` or `group_limited_greedy`; V3: sigmoid scores with
 `e_score_correction_bias` used for the choice only, groups, `norm_topk_prob`,
 `routed_scaling_factor`), and to the shared experts, stored as S experts of the same
 width. When a forward has fewer (token, expert) pairs than experts (decoding,
 verification), each pair reads its expert's weights straight from the stacked arrays
-(`jspec.kernels.moe_experts`: a Pallas kernel on the GPU, a gather elsewhere), so only
+(`jspec.kernels.moe.experts`: a Pallas kernel on the GPU, a gather elsewhere), so only
 chosen experts are read; otherwise (prefill) the pairs are sorted by expert and run as
 grouped products (`jax.lax.ragged_dot`).
 
@@ -30,23 +30,24 @@ from jax.sharding import PartitionSpec as P
 
 from jspec.cache.latent import LatentCache, LatentCacheKind, cached_mla_attention
 from jspec.config import DEFAULT_TUNING, Tuning
-from jspec.kernels.attention import attention_reference
-from jspec.kernels import mla_inputs
+from jspec.kernels.attention.decode import attention_reference
+from jspec.kernels.mla import inputs as mla_inputs
 from jspec.kernels.meta import AttnMeta
-from jspec.kernels.mla_attention import mla_attention
-from jspec.kernels import moe_experts, moe_grouped
-from jspec.kernels.moe_experts import normed, silu_mul
-from jspec.kernels.moe_route import route
+from jspec.kernels.mla.attention import mla_attention
+from jspec.kernels.moe import experts as moe_experts, grouped as moe_grouped
+from jspec.kernels.moe.experts import normed, silu_mul
+from jspec.kernels.moe.route import route
 from jspec.cache.kv import write_kv
-from jspec.kernels import dsa_index, dsa_topk
-from jspec.kernels.decode_attention import cache_mask
-from jspec.kernels.dsa_index import index_scores_reference
+from jspec.kernels.dsa import index as dsa_index, topk as dsa_topk
+from jspec.kernels.attention.decode import cache_mask
+from jspec.kernels.dsa.index import index_scores_reference
 from jspec import sharding
 from jspec.tensors import HostParam, StackedParam
 from jspec.models import deepseek_hf
 from jspec.models.deepseek_hf import DeepseekConfig
 from jspec.models.family import row_invariant_measured_cheap
-from jspec.kernels import dispatch, row_matmul, row_mla, row_norm
+from jspec.kernels import dispatch
+from jspec.kernels.row import matmul as row_matmul, mla as row_mla, norm as row_norm
 from jspec.kernels.tiling import in_order_sum, is_pow2
 from jspec.models.llama import DecoderLM, FlaxFamily, Linear, RMSNorm, product, rows_alone
 
@@ -103,7 +104,7 @@ class MLAttention(nn.Module):
         Q = c.q_lora_rank or H * (Dn + Dr)
         proj = Linear(Q + Dc + Dr, c.attention_bias, c.dtype, row_kernel=True, tuning=tuning, name="qkv_a_proj")
         # kv_b_proj as its two halves (`deepseek_hf`): W_UK [Dc,H,Dn] and W_UV [H,Dv,Dc], the
-        # latter so that each head's rows are contiguous for `kernels.mla_output`
+        # latter so that each head's rows are contiguous for `kernels.mla.output`
         dt = jnp.dtype(c.dtype)
         w_uk = self.param("w_uk", _init, (Dc, H, Dn), dt)
         w_uv = self.param("w_uv", _init, (H, Dv, Dc), dt)
@@ -199,7 +200,7 @@ class Indexer(nn.Module):
     latent) and one key (wk of the normed input, a LayerNorm with bias), both roped on
     their first Dr dims, non-interleaved; per-head weights (weights_proj, float32) times
     Hi^-1/2. A slot's score for a token is sum_h w_h relu(q_h . k / sqrt(Di)), float32;
-    the Ki best visible slots are selected (`kernels.dsa_topk`: in slot order, ties to the
+    the Ki best visible slots are selected (`kernels.dsa.topk`: in slot order, ties to the
     lower slot). The keys go into the layer's indexer buffer at
     the new tokens' slots (the latent's)."""
 
@@ -288,10 +289,10 @@ class MLP(nn.Module):
 class MoE(nn.Module):
     """Routed experts plus shared experts. The S shared experts (one MLP of width S*Fm in
     the checkpoint) are stored as S experts of width Fm (`deepseek_hf`). The router's
-    logits give each token a row of the routing table (`kernels.moe_route`: its k experts
+    logits give each token a row of the routing table (`kernels.moe.route`: its k experts
     and weights, then the shared experts E.. E+S-1 with weight 1). Decoding and
     verification run every (token, slot) pair of the table through the expert kernel
-    (`kernels.moe_experts`), shared experts included (SGLang's shared-experts fusion: two
+    (`kernels.moe.experts`), shared experts included (SGLang's shared-experts fusion: two
     products a layer fewer; a shared expert's later reads for other tokens come from L2);
     a prefill groups the routed pairs by expert and computes the shared experts as dense
     products over the tokens."""

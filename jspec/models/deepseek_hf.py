@@ -12,7 +12,7 @@ from typing import Any, Mapping
 import numpy as np
 
 from jspec.config import DTYPES, RopeConfig
-from jspec.kernels.moe_route import Routing
+from jspec.kernels.moe.route import Routing
 from jspec.models.llama_hf import rope_from_hf
 from jspec.tensors import HostParam, StackedParam, Tensors, hf_linear, to_numpy
 

@@ -18,7 +18,10 @@ from jax.sharding import PartitionSpec as P
 from jspec.cache.kv import KVCache, KVCacheKind, cached_attention
 from jspec.cache.layout import prefill_meta
 from jspec.config import DEFAULT_TUNING, ModelConfig, Tuning
-from jspec.kernels import cpu_matmul, dispatch, moe_experts, row_matmul, row_norm
+from jspec.kernels import dispatch
+from jspec.kernels.cpu import matmul as cpu_matmul
+from jspec.kernels.moe import experts as moe_experts
+from jspec.kernels.row import matmul as row_matmul, norm as row_norm
 from jspec.kernels.meta import AttnMeta
 from jspec.kernels.tiling import is_pow2
 from jspec import sharding
@@ -55,10 +58,10 @@ def product(x: jax.Array, w: jax.Array, transpose_w: bool = False, float32_out: 
             tuning: Tuning = DEFAULT_TUNING, row_invariant: bool = False, norm=None) -> jax.Array:
     """x [..., K] @ w [K, N] (or w [N, K] transposed: a tied head) -> [..., N], accumulated
     in float32 (kept as float32 with `float32_out`); norm (weight, eps): x RMS-normed first
-    (`moe_experts.rms_norm`). row_invariant: the row-invariant kernel (`kernels.row_matmul`,
-    tiles `tuning.row_matmul`; the norm by `kernels.row_norm`) where the backend runs
+    (`moe_experts.rms_norm`). row_invariant: the row-invariant kernel (`kernels.row.matmul`,
+    tiles `tuning.row_matmul`; the norm by `kernels.row.norm`) where the backend runs
     kernels and the shapes fit it. Few-row float32 products on the CPU
-    run jspec's native loops (`kernels.cpu_matmul`, up to `tuning.cpu_matmul_max_rows`
+    run jspec's native loops (`kernels.cpu.matmul`, up to `tuning.cpu_matmul_max_rows`
     rows), everything else XLA's dot (one-row products with mid-sized weights on the GPU
     padded to two rows: `pad_one_row`)."""
     if row_invariant and row_matmul.supported(x, w, transpose_w, tuning.row_matmul) and dispatch.want_pallas(True):
@@ -136,7 +139,7 @@ class RMSNorm(nn.Module):
     which norms x itself (in the row kernel's prologue: no kernel for the norm).
 
     row_invariant (a call argument, `rows_alone`): the
-    row-invariant kernel (`kernels.row_norm`) where the backend runs kernels; a deferred
+    row-invariant kernel (`kernels.row.norm`) where the backend runs kernels; a deferred
     norm is then applied at once (its factor is None).
     """
 
@@ -385,7 +388,7 @@ class LlamaFamily(FlaxFamily):
     def row_invariant_problem(self, cfg, tuning) -> str | None:
         """A product whose weight the row kernel does not take (`row_matmul.shape_problem`:
         on the GPU it would stay XLA's), or a norm width
-        `kernels.row_norm` does not take."""
+        `kernels.row.norm` does not take."""
         t = tuning.row_matmul
         H, Hkv, Dh, D, F = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.hidden_size, cfg.intermediate_size
         shapes = {"qkv_proj": (D, (H + 2 * Hkv) * Dh), "o_proj": (H * Dh, D), "gate_up_proj": (D, 2 * F),

@@ -4,7 +4,7 @@ target-family protocol (`jspec.models.family`).
 Three of every four layers (as `layer_types` says) are Gated DeltaNet linear attention:
 one input projection gives the convolution's q, k, v channels, the output gate z and the
 delta rule's b and a; a causal depthwise convolution (SiLU) over q, k, v; the gated delta
-rule (`jspec.kernels.gated_delta`: L2-normalised q and k, decay g = -exp(A_log) *
+rule (`jspec.kernels.gated_delta.reference`: L2-normalised q and k, decay g = -exp(A_log) *
 softplus(a + dt_bias), beta = sigmoid(b), Hv value heads over Hk key heads); a gated
 RMSNorm per value head (norm, times w, times silu(z)); the output projection. The rest
 are full attention with an output gate: q_proj gives each head its query and its gate,
@@ -34,15 +34,15 @@ from jspec.cache.recurrent import (
     take_rows,
 )
 from jspec.config import DEFAULT_TUNING, Tuning
-from jspec.kernels import moe_experts, moe_grouped
+from jspec.kernels.moe import experts as moe_experts, grouped as moe_grouped
 from jspec.kernels.meta import AttnMeta
-from jspec.kernels.gated_delta import causal_conv_reference, gated_delta_reference
-from jspec.kernels.gated_delta_kernels import (
+from jspec.kernels.gated_delta.reference import causal_conv_reference, gated_delta_reference
+from jspec.kernels.gated_delta.kernels import (
     gated_delta_prefill,
     gated_delta_step,
     gated_delta_verify,
 )
-from jspec.kernels.moe_route import Routing, route
+from jspec.kernels.moe.route import Routing, route
 from jspec.models import qwen3_next_hf
 from jspec.models.llama import DecoderLM, FlaxFamily, Linear, apply_rope
 from jspec.models.qwen3_next_hf import LINEAR, HybridConfig

@@ -13,7 +13,7 @@
 // (nn), or 8-lane partial sums over k followed by a fixed reduction (nt). A row's result
 // therefore does not depend, to the last bit, on the rows beside it.
 //
-// Built by jspec/kernels/cpu_matmul.py with -march=native; requires AVX2 and FMA.
+// Built by jspec/kernels/cpu/matmul.py with -march=native; requires AVX2 and FMA.
 #include <immintrin.h>
 
 #include <algorithm>

@@ -2,7 +2,7 @@
 the Ki slots its lightning indexer selected (`models.deepseek.Indexer`), not to every slot
 it sees, so a step reads Ki latent rows a token however long the context.
 
-Same absorbed form as `jspec.kernels.mla_decode` (q_lat [B,T,H,Dc] scores the latent c,
+Same absorbed form as `jspec.kernels.mla.decode` (q_lat [B,T,H,Dc] scores the latent c,
 q_pe [B,T,H,Dr] the roped key, both from one slot row [Dc + Dr]; the output is the
 softmax-weighted latent o_lat [B,T,H,Dc] in float32), but the keys of token t are the
 slots index[b, t, :] (slot numbers in sequence order; -1: none, e.g. fewer visible slots
@@ -24,7 +24,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
-from jspec.kernels.decode_attention import merge_splits, online_softmax_step
+from jspec.kernels.attention.decode import merge_splits, online_softmax_step
 from jspec.kernels.tiling import KERNEL_DTYPES, is_pow2, pow2_ceil
 
 NEG_INF = -1e30

@@ -388,7 +388,7 @@ def matvec(x, w, norm=None, *, float32_out: bool = False, sum_splits: bool = Tru
     partials and a copy of x padded to two rows (`models.llama.pad_one_row`); here the K
     splits are summed by the consumer's fusion and the norm needs no kernel of its own.
     sum_splits False: -> the K splits [S, rows, N] float32 unsummed, for a kernel that sums
-    them as it loads them (`kernels.mla_inputs`). tiles: `matvec_block_n` columns a
+    them as it loads them (`kernels.mla.inputs`). tiles: `matvec_block_n` columns a
     program, `matvec_splits` K splits, the rest as `expert_matmul` (None: the defaults)."""
     t = DEFAULT_TUNING.experts if tiles is None else tiles
     if norm is not None and not x.dtype == norm[0].dtype == w.dtype:  # the prologue rounds in one dtype

@@ -7,17 +7,18 @@ latent rows directly (q_lat . c + q_pe . k_pe), and the softmax-weighted latent 
 slot is Dc + Dr values (jspec.cache.latent).
 
 `mla_decode.mla_attention_reference` is the jnp reference of the attention; the mask rule
-is the GQA cache's (`jspec.kernels.decode_attention.cache_mask`). `mla_attention` applies W_UV as well and
-dispatches (jspec.kernels.dispatch) to two Pallas kernels, `jspec.kernels.mla_decode`
-(attention, key splits unmerged) and `jspec.kernels.mla_output` (merge and up-projection),
+is the GQA cache's (`jspec.kernels.attention.decode.cache_mask`). `mla_attention` applies W_UV as well and
+dispatches (jspec.kernels.dispatch) to two Pallas kernels, `jspec.kernels.mla.decode`
+(attention, key splits unmerged) and `jspec.kernels.mla.output` (merge and up-projection),
 or to the references.
 """
 from __future__ import annotations
 
 from jspec.config import DEFAULT_TUNING, Tuning
-from jspec.kernels import dispatch, mla_decode, mla_output, mla_sparse
+from jspec.kernels import dispatch
+from jspec.kernels.mla import decode as mla_decode, output as mla_output, sparse as mla_sparse
 from jspec.kernels.meta import AttnMeta
-from jspec.kernels.mla_decode import mla_attention_reference
+from jspec.kernels.mla.decode import mla_attention_reference
 
 
 def uses_kernel(q_lat, q_pe, latent_buf, meta: AttnMeta) -> bool:
@@ -40,7 +41,7 @@ def mla_attention(q_lat, q_pe, latent_buf, meta: AttnMeta, w_uv, *, scale: float
     JSPEC_KERNELS=pallas forces the kernels (and raises for arguments they do not take).
     tuning: the kernels' tiles, `tuning.mla_decode` and `tuning.mla_output` (None: the
     defaults). index [B,T,Ki] int32: sparse attention (DeepSeek-V3.2), the slots each token
-    attends to (-1: none) instead of every slot it sees: `jspec.kernels.mla_sparse`, its
+    attends to (-1: none) instead of every slot it sees: `jspec.kernels.mla.sparse`, its
     Pallas kernel or its gather reference."""
     if index is not None:
         mode = dispatch.backend()

@@ -36,7 +36,7 @@ from jax.experimental import pallas as pl
 
 from jspec.config import DEFAULT_TUNING
 from jspec.kernels import dispatch
-from jspec.kernels.moe_experts import rms_norm
+from jspec.kernels.moe.experts import rms_norm
 from jspec.kernels.tiling import KERNEL_DTYPES, is_pow2
 
 

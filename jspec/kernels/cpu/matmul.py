@@ -1,4 +1,4 @@
-"""Few-row float32 products on the CPU: `cpu_matmul.cc` through the JAX FFI.
+"""Few-row float32 products on the CPU: `matmul.cc` through the JAX FFI.
 
 XLA's CPU dot handles a one-row product as a matrix-vector product that streams the weight,
 but every product of 2 or more rows goes to a general GEMM that first copies the whole
@@ -33,7 +33,7 @@ from jspec import sharding
 from jspec.config import DEFAULT_TUNING
 from jspec.kernels import dispatch
 
-_SOURCE = Path(__file__).with_name("cpu_matmul.cc")
+_SOURCE = Path(__file__).with_name("matmul.cc")
 _TARGETS = {"nn": ("jspec_matmul_nn", "JspecMatmulNN"), "nt": ("jspec_matmul_nt", "JspecMatmulNT")}
 _log = logging.getLogger(__name__)
 

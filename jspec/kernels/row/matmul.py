@@ -103,7 +103,7 @@ def row_matmul(x, w, *, transpose_w: bool = False, tiles: RowMatmulTiles | None 
     """x [..., K] @ w [K, N] (w [N, K] with transpose_w: a tied LM head) -> [..., N]
     float32, row-invariant (see the module). sum_splits False: -> the K splits [S, rows, N]
     unsummed, for a kernel that adds them in split order as it loads them
-    (`kernels.mla_inputs`). tiles: None, the defaults; num_splits: at most this many K
+    (`kernels.mla.inputs`). tiles: None, the defaults; num_splits: at most this many K
     splits instead of `layout_for`'s (the most that divide K's chunks)."""
     t = RowMatmulTiles() if tiles is None else tiles
     if not supported(x, w, transpose_w, t):

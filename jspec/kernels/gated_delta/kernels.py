@@ -1,6 +1,6 @@
 """Pallas (Triton) kernels of the gated delta rule (Qwen3-Next / Qwen3.5 linear attention)
 for verification, decoding and prefill, and the entry points that dispatch between them
-and the jnp references of `jspec.kernels.gated_delta`.
+and the jnp references of `jspec.kernels.gated_delta.reference`.
 
 The rule per value head h (reading key head h // (Hv / Hk)), q and k L2-normalised in
 float32 and q scaled by Dk^-0.5, state S [Dk, Dv] float32:
@@ -56,7 +56,7 @@ from jax.experimental import pallas as pl
 
 from jspec.config import GatedDeltaTiles
 from jspec.kernels import dispatch
-from jspec.kernels import gated_delta as gd
+from jspec.kernels.gated_delta import reference as gd
 from jspec.kernels.tiling import KERNEL_DTYPES, is_pow2, pow2_ceil
 
 _EPS = 1e-6  # l2norm's, as transformers and FLA

@@ -1,7 +1,7 @@
 """Pallas (Triton) kernel that finishes MLA attention: it merges the MLA kernel's key
 splits and applies the value up-projection W_UV, in one pass.
 
-After `jspec.kernels.mla_decode` each query row (token t, head h) holds NS partial
+After `jspec.kernels.mla.decode` each query row (token t, head h) holds NS partial
 results: the softmax-weighted latent o_lat [Dc] normalised over one split's keys, and the
 log of that split's softmax denominator lse. The model then needs
     o[t, h] = round(merge(o_lat)) @ W_UV[h]    -> [Dv]
@@ -35,7 +35,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 from jspec.config import DEFAULT_TUNING, MlaOutputTiles
-from jspec.kernels.decode_attention import merge_splits
+from jspec.kernels.attention.decode import merge_splits
 from jspec.kernels.tiling import (
     KERNEL_DTYPES,
     in_order_fold,
@@ -166,7 +166,7 @@ def mla_output(o, lse, w_uv, *, num_tokens: int, block_n: int | None = None,
     w_uv's dtype (see `mla_output_reference`). block_n: output columns a program (a power
     of two, capped at Dv); num_warps: Triton's; each None: `tiles`' (`MlaOutputTiles`,
     which also sets the latent's chunks, `latent_chunk`; None: the defaults). interpret
-    None: interpret mode unless the default backend is a GPU. ordered (`kernels.row_mla`):
+    None: interpret mode unless the default backend is a GPU. ordered (`kernels.row.mla`):
     a row's splits are weighed and added one after another in split order, latent chunks
     of `latent_chunk(1, Dc)`, so a split that saw nothing (lse NEG_INF, o zeros) adds exact
     zeros and the number of splits does not change the result (the walk unrolled up to

@@ -1,6 +1,6 @@
 """MoE routing (DeepSeek-V2/V3 rules) as one Pallas (Triton) kernel, beside its jnp
 reference: router logits -> each token's experts and weights, as the routing table the
-expert kernel reads (`jspec.kernels.moe_experts`).
+expert kernel reads (`jspec.kernels.moe.experts`).
 
 The table: ids and weights [N, KP], KP the smallest power of two >= k + num_extra.
 Columns 0..k-1 hold the k chosen experts, best first (ties: the lower expert id first, as
@@ -26,7 +26,7 @@ from jax.experimental import pallas as pl
 
 from jspec.config import DEFAULT_TUNING, Tuning
 from jspec.kernels import dispatch
-from jspec.kernels.moe_experts import expert_matmul, normed, prologue_norm
+from jspec.kernels.moe.experts import expert_matmul, normed, prologue_norm
 from jspec.kernels.tiling import is_pow2, pow2_ceil
 
 SCORINGS = ("softmax", "sigmoid")

@@ -29,11 +29,11 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 from jspec.config import DEFAULT_TUNING, RowAttentionTiles, Tuning
-from jspec.kernels import mla_output
-from jspec.kernels.decode_attention import online_softmax_step
+from jspec.kernels.mla import output as mla_output
+from jspec.kernels.attention.decode import online_softmax_step
 from jspec.kernels.meta import AttnMeta
-from jspec.kernels.mla_decode import check_mla_args
-from jspec.kernels.row_attention import (
+from jspec.kernels.mla.decode import check_mla_args
+from jspec.kernels.row.attention import (
     ROWS,
     key_rows,
     local_slots,

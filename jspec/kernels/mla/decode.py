@@ -3,7 +3,7 @@
 Same semantics as `mla_attention_reference` for a non-prefill AttnMeta: the queries are in
 the absorbed form (q_lat [B,T,H,Dc] scores the latent c, q_pe [B,T,H,Dr] the roped key
 k_pe, both read from one slot row [Dc + Dr] of `jspec.cache.latent`), the mask is the
-cache's (`jspec.kernels.attention.cache_mask`: every prefix slot, the local block per
+cache's (`jspec.kernels.attention.decode.cache_mask`: every prefix slot, the local block per
 `local_mask`), and the output is the softmax-weighted latent o_lat [B,T,H,Dc] in float32.
 It is MQA with one shared kv head whose keys are the whole row and whose values are its
 first Dc columns, so one load of a key block serves both matrix products.
@@ -47,7 +47,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 from jspec.config import DEFAULT_TUNING, MlaDecodeTiles
-from jspec.kernels.decode_attention import cache_mask, check_meta, merge_splits, online_softmax_step
+from jspec.kernels.attention.decode import cache_mask, check_meta, merge_splits, online_softmax_step
 from jspec.kernels.meta import AttnMeta, read_kv
 from jspec.kernels.tiling import KERNEL_DTYPES, is_pow2, pow2_ceil
 

@@ -14,7 +14,7 @@ Kernel (`grouped_matmul`): out[t*BM:(t+1)*BM, n0:n0+BN] = x[t*BM:(t+1)*BM, :] @
 w[tile_expert[t], :, n0:n0+BN], float32 accumulation over BK-row chunks of Din, rounded to
 x's dtype as `jax.lax.ragged_dot` rounds its result. Din or Dout not a multiple of the
 tile: the last chunk / column block overlaps its neighbour (the chunk's repeated inputs
-are zeroed), as in `kernels.moe_experts`.
+are zeroed), as in `kernels.moe.experts`.
 
 `grouped_experts` runs DeepSeek's routed experts this way (gate_up, silu(gate) * up in
 the activations' dtype, down), the same roundings as the `ragged_dot` formulation
@@ -34,7 +34,7 @@ from jax.experimental import pallas as pl
 
 from jspec.config import DEFAULT_TUNING, GroupedTiles
 from jspec.kernels import dispatch
-from jspec.kernels.moe_experts import silu_mul
+from jspec.kernels.moe.experts import silu_mul
 from jspec.kernels.tiling import KERNEL_DTYPES, chunk_start, is_pow2, pow2_floor
 
 

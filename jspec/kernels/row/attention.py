@@ -41,7 +41,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 from jspec.config import RowAttentionTiles
-from jspec.kernels.decode_attention import NEG_INF, check_attention_args, online_softmax_step
+from jspec.kernels.attention.decode import NEG_INF, check_attention_args, online_softmax_step
 from jspec.kernels.meta import AttnMeta
 from jspec.kernels.tiling import in_order_fold, pow2_ceil
 

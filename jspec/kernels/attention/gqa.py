@@ -1,16 +1,16 @@
 """Attention over the KV cache: the dispatch point between the Pallas kernels and their
-pure-jnp reference (`jspec.kernels.decode_attention`, `jspec.kernels.row_attention`). A
+pure-jnp reference (`jspec.kernels.attention.decode`, `jspec.kernels.row.attention`). A
 model calls `jspec.cache.kv.cached_attention`, which writes the new keys and values into
 the cache and then calls `attention`.
 """
 from __future__ import annotations
 
 from jspec.config import AttentionTiles, RowAttentionTiles
-from jspec.kernels import decode_attention as da
+from jspec.kernels.attention import decode as da
 from jspec.kernels import dispatch
-from jspec.kernels.decode_attention import attention_reference, cache_mask  # noqa: F401  (the reference, re-exported)
+from jspec.kernels.attention.decode import attention_reference
 from jspec.kernels.meta import AttnMeta
-from jspec.kernels.row_attention import row_attention
+from jspec.kernels.row.attention import row_attention
 
 
 def uses_kernel(q, kv_buf, meta: AttnMeta, *, window: int = 0) -> bool:
@@ -28,7 +28,7 @@ def attention(q, k_new, v_new, kv_buf, meta: AttnMeta, *, window: int = 0, scale
     JSPEC_KERNELS=pallas forces the kernel (and raises for arguments it does not take).
     q_in_cache: the kernel reads the queries parked in the cache
     (`jspec.cache.kv.with_queries`) rather than q. row_tiles (`Tuning.row_invariant`):
-    the row-invariant kernel (`kernels.row_attention`) with these tiles instead."""
+    the row-invariant kernel (`kernels.row.attention`) with these tiles instead."""
     if row_tiles is not None and uses_kernel(q, kv_buf, meta, window=window):
         return row_attention(q, kv_buf, meta, window=window, scale=scale, tiles=row_tiles)
     if uses_kernel(q, kv_buf, meta, window=window):

@@ -1,0 +1,3 @@
+"""Multi-head latent attention (DeepSeek): attention.py (the dispatch) over decode.py (the
+attention kernel), output.py (the merge and W_UV), inputs.py (query absorption, RoPE and the
+cache row) and sparse.py (DeepSeek-V3.2's sparse attention)."""
