@@ -7,7 +7,8 @@
     for chunk in jspec.stream(params, "def fib(n):"):          # tokens and text as rounds commit
         print(chunk.text, end="")
 """
-from jspec.config import CacheConfig, ModelConfig, SpecConfig, Tuning
+from jspec.config import CacheConfig, ModelConfig, SpecConfig
+from jspec.tuning import Tuning
 from jspec.api import Compiled, GenerateOutput, SpecStats, clear_caches, compile, generate, logits, stream
 from jspec.drafts import Draft, Eagle3Draft, EagleDraft, MtpDraft, StandaloneDraft
 from jspec.loading import load, load_draft, shard

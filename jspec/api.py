@@ -20,7 +20,8 @@ import numpy as np
 from jspec import requests as rq
 from jspec import sharding
 from jspec.cache.layout import prefill_meta
-from jspec.config import CacheConfig, SpecConfig, Tuning
+from jspec.config import CacheConfig, SpecConfig
+from jspec.tuning import Tuning
 from jspec.loop import programs
 from jspec.loop.plan import make_plan
 from jspec.loop.state import MAX_LOGPROBS

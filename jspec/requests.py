@@ -11,7 +11,8 @@ import secrets
 
 import numpy as np
 
-from jspec.config import DEFAULT_TUNING, CacheConfig, SpecConfig, Tuning
+from jspec.config import CacheConfig, SpecConfig
+from jspec.tuning import DEFAULT_TUNING, Tuning
 from jspec.loop.plan import Plan, proposer_for, slot_limits
 from jspec.loop.state import MAX_LOGPROBS, Admission, RequestRows
 from jspec.params import Params

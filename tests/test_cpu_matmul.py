@@ -8,7 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jspec.config import Tuning
+from jspec.tuning import Tuning
 from jspec.kernels.cpu import matmul as cpu_matmul
 from jspec.kernels.dispatch import use_backend
 from jspec.models.llama import product

@@ -15,7 +15,8 @@ from transformers import DeepseekV2Config, DeepseekV2ForCausalLM, DeepseekV3Conf
 import jspec
 from jspec.cache import kv as kvc
 from jspec.cache import layout as lay
-from jspec.config import ModelConfig, Tuning
+from jspec.config import ModelConfig
+from jspec.tuning import Tuning
 from jspec.drafts import StandaloneDraft
 from jspec.export import save_draft, save_target
 from jspec.models import family_for
@@ -279,7 +280,12 @@ def test_tuning_reaches_the_kernels(monkeypatch):
     """With the kernels forced, a decoding step and a prefill of the DeepSeek family hand a
     tuning's groups to every kernel they run: the MLA inputs, attention and output
     kernels, the row products and the expert kernel, the grouped kernel (traced only)."""
-    from jspec.config import ExpertTiles, GroupedTiles, MlaDecodeTiles, MlaInputsTiles, MlaOutputTiles, RouteTiles
+    from jspec.kernels.moe.experts import ExpertTiles
+    from jspec.kernels.moe.grouped import GroupedTiles
+    from jspec.kernels.mla.decode import MlaDecodeTiles
+    from jspec.kernels.mla.inputs import MlaInputsTiles
+    from jspec.kernels.mla.output import MlaOutputTiles
+    from jspec.kernels.moe.route import RouteTiles
     from jspec.kernels.mla import decode as mla_decode, inputs as mla_inputs, output as mla_output
     from jspec.kernels.moe import experts as moe_experts, grouped as moe_grouped, route as moe_route
 

@@ -37,7 +37,8 @@ def test_model_through_pallas_kernels_equals_reference(target, monkeypatch, fres
 def test_tuning_reaches_the_attention_kernel(target, with_draft, monkeypatch):
     """A decoding step of the target and of an EAGLE-3 head hands `tuning.attention` to the
     attention kernel of every layer (traced with the kernels forced)."""
-    from jspec.config import AttentionTiles, Tuning
+    from jspec.kernels.attention.decode import AttentionTiles
+    from jspec.tuning import Tuning
     from jspec.kernels.attention import decode as decode_attention
     from jspec.models.llama import LLAMA
     seen = []

@@ -129,7 +129,7 @@ def test_tiles_of_a_tuning():
     """The kernel takes its tiles from an `AttentionTiles` (`Tuning.attention`): 16 query
     rows a program (64 rows a kv head: four row blocks), 32 key slots a block, splits for 8
     programs; keyword tiles win over it. The result is the reference's either way."""
-    from jspec.config import AttentionTiles
+    from jspec.kernels.attention.decode import AttentionTiles
     q, k, v, meta = make_case(7, T=16, Gq=4, S=72, page_size=3, prefix=[0, 23, 56])
     tiles = AttentionTiles(block_k=32, max_rows=16, target_programs=8)
 
@@ -221,34 +221,35 @@ def test_random_shapes(data):
 # --------------------------------------------------------------------------- dispatch, errors
 
 def test_gpu_xla_options_apply_on_gpu_only(monkeypatch):
-    from jspec.config import Tuning
-    from jspec.kernels import dispatch
+    from jspec.tuning import DEFAULT_TUNING, Tuning
     tuning = Tuning(xla_options=(("xla_gpu_disable_async_collectives", "ALLREDUCE"),))
     monkeypatch.setattr(jax, "default_backend", lambda: "cpu")
-    assert dispatch.compiler_options() == {} and dispatch.compiler_options(None, tuning) == {}
+    assert DEFAULT_TUNING.compiler_options() == {} and tuning.compiler_options() == {}
     monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
-    assert dispatch.compiler_options() == {}
-    opts = dispatch.compiler_options(None, tuning)
+    assert DEFAULT_TUNING.compiler_options() == {}
+    opts = tuning.compiler_options()
     assert opts == {"xla_gpu_disable_async_collectives": "ALLREDUCE"}
     opts["x"] = 1  # a copy: the tuning stays as it is
     assert dict(tuning.xla_options) == {"xla_gpu_disable_async_collectives": "ALLREDUCE"}
     # a family's options, under the tuning's where both set one
     family = {"xla_gpu_graph_min_graph_size": 1, "xla_gpu_disable_async_collectives": "ALLGATHER"}
-    assert dispatch.compiler_options(family) == family and dispatch.compiler_options(family) is not family
-    assert dispatch.compiler_options(family, tuning) == {"xla_gpu_graph_min_graph_size": 1,
-                                                         "xla_gpu_disable_async_collectives": "ALLREDUCE"}
+    assert DEFAULT_TUNING.compiler_options(family) == family and DEFAULT_TUNING.compiler_options(family) is not family
+    assert tuning.compiler_options(family) == {"xla_gpu_graph_min_graph_size": 1,
+                                               "xla_gpu_disable_async_collectives": "ALLREDUCE"}
     assert family["xla_gpu_disable_async_collectives"] == "ALLGATHER"
     # family_xla_options False: the tuning's alone
-    assert dispatch.compiler_options(family, tuning.replace(family_xla_options=False)) == dict(tuning.xla_options)
-    assert dispatch.compiler_options(family, Tuning(family_xla_options=False)) == {}
+    assert tuning.replace(family_xla_options=False).compiler_options(family) == dict(tuning.xla_options)
+    assert Tuning(family_xla_options=False).compiler_options(family) == {}
     monkeypatch.setattr(jax, "default_backend", lambda: "cpu")
-    assert dispatch.compiler_options(family, tuning) == {}
+    assert tuning.compiler_options(family) == {}
 
 
 def test_tuning_is_a_hashable_value():
     """A tuning is frozen and hashable (a compile key), equal tunings are one key, a dict of
     XLA options is taken as its pairs, and wrong types fail naming the field."""
-    from jspec.config import DEFAULT_TUNING, AttentionTiles, ExpertTiles, Tuning
+    from jspec.tuning import DEFAULT_TUNING, Tuning
+    from jspec.kernels.attention.decode import AttentionTiles
+    from jspec.kernels.moe.experts import ExpertTiles
     assert Tuning() == DEFAULT_TUNING and hash(Tuning()) == hash(DEFAULT_TUNING)
     a = Tuning(experts=ExpertTiles(num_stages=4), xla_options={"xla_gpu_graph_min_graph_size": 1})
     assert a == Tuning(experts=ExpertTiles(num_stages=4), xla_options=(("xla_gpu_graph_min_graph_size", 1),))

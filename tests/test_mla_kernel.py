@@ -11,7 +11,9 @@ import pytest
 
 from jspec.cache import layout as lay
 from jspec.cache.latent import cached_mla_attention
-from jspec.config import DEFAULT_TUNING, MlaDecodeTiles, MlaOutputTiles, Tuning
+from jspec.tuning import DEFAULT_TUNING
+from jspec.kernels.mla.decode import MlaDecodeTiles
+from jspec.kernels.mla.output import MlaOutputTiles
 from jspec.kernels import dispatch
 from jspec.kernels.mla import attention as mla
 from jspec.kernels.mla import decode as md
@@ -391,17 +393,18 @@ def test_dispatch_env(monkeypatch):
     assert not mla.uses_kernel(q_lat, q_pe, buf, meta.replace(prefill=True))
 
 
-def test_tuning_reaches_both_kernels(monkeypatch):
-    """`mla_attention(tuning=...)` hands `tuning.mla_decode` to the attention kernel (here
-    splits for 3 programs: one a batch row) and `tuning.mla_output` to the output kernel
-    (8 columns a program: two tiles of Dv 16); the result stays the reference's."""
+def test_tiles_reach_both_kernels(monkeypatch):
+    """`mla_attention` hands `decode_tiles` (`Tuning.mla_decode`) to the attention kernel
+    (here splits for 3 programs: one a batch row) and `output_tiles` (`Tuning.mla_output`)
+    to the output kernel (8 columns a program: two tiles of Dv 16); the result stays the
+    reference's."""
     q_lat, q_pe, buf, meta = make_case(6, T=2, H=2, S=40, page_size=3)
     w_uv = jnp.asarray(np.random.default_rng(6).standard_normal((2, 16, q_lat.shape[-1])), jnp.float32)
-    tuning = Tuning(mla_decode=MlaDecodeTiles(target_programs=3), mla_output=MlaOutputTiles(block_n=8))
+    tuned = {"decode_tiles": MlaDecodeTiles(target_programs=3), "output_tiles": MlaOutputTiles(block_n=8)}
     monkeypatch.setenv("JSPEC_KERNELS", "pallas")
     grids = {}
-    for name, t in (("default", None), ("tuned", tuning)):
-        fn = functools.partial(mla.mla_attention, scale=0.3, tuning=t)
+    for name, tiles in (("default", {}), ("tuned", tuned)):
+        fn = functools.partial(mla.mla_attention, scale=0.3, **tiles)
         grids[name] = pallas_grids(fn, q_lat, q_pe, buf, meta, w_uv)
         out = _fast_jit(fn, q_lat, q_pe, buf, meta, w_uv)
     # (row blocks, splits, B) of the attention, (B, rows, column tiles) of the output

@@ -15,7 +15,8 @@ import jspec
 import tiny_models
 from jspec.cache import kv as kvc
 from jspec.cache.layout import CacheLayout, make_meta, prefill_meta
-from jspec.config import ModelConfig, RopeConfig, Tuning
+from jspec.config import ModelConfig, RopeConfig
+from jspec.tuning import Tuning
 from jspec.models.llama import LLAMA
 
 

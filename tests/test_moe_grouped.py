@@ -11,7 +11,8 @@ import pytest
 import torch
 
 import jspec
-from jspec.config import DEFAULT_TUNING, GroupedTiles
+from jspec.tuning import DEFAULT_TUNING
+from jspec.kernels.moe.grouped import GroupedTiles
 from jspec.kernels.moe import grouped as mg
 
 

@@ -6,7 +6,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jspec.config import ExpertTiles
+from jspec.kernels.moe.experts import ExpertTiles
 from jspec.kernels import dispatch
 from jspec.kernels.moe import experts as me
 

@@ -5,7 +5,8 @@ import numpy as np
 import pytest
 import jax.numpy as jnp
 
-from jspec.config import ExpertTiles, RouteTiles, Tuning
+from jspec.kernels.moe.experts import ExpertTiles
+from jspec.kernels.moe.route import RouteTiles
 from jspec.kernels import dispatch
 from jspec.kernels.moe import route as mr
 from jspec.kernels.moe.experts import rms_norm
@@ -122,26 +123,27 @@ def test_dispatch_and_validation():
         mr.Routing(8, 9)
 
 
-def test_route_tiles_from_a_tuning():
-    """`tuning.route`: the router product's rows a program (K splits D / block_k) and up to
-    how many tokens it runs in the expert kernel; `tuning.experts` tiles that kernel."""
+def test_route_tiles():
+    """`tiles` (`Tuning.route`): the router product's rows a program (K splits D / block_k)
+    and up to how many tokens it runs in the expert kernel; `expert_tiles`
+    (`Tuning.experts`) tiles that kernel."""
     from test_kernels import pallas_grids
     r = ROUTINGS["v2lite"]
     rng = np.random.default_rng(0)
     x = jnp.asarray(rng.standard_normal((2, 128)), jnp.bfloat16)
     w = jnp.asarray(rng.standard_normal((128, r.num_experts)) / 8, jnp.float32)
 
-    def grids(tuning):
+    def grids(**tiles):
         with dispatch.use_backend("pallas"):
-            return pallas_grids(lambda x, w: mr.route(r, x, w, tuning=tuning), x, w)
+            return pallas_grids(lambda x, w: mr.route(r, x, w, **tiles), x, w)
 
     E = r.num_experts
     route_grid = (2,)  # the routing kernel: a program a token
-    assert grids(None) == [(2, -(-E // 128), 2), route_grid]  # (pairs, column tiles, K splits)
-    assert grids(Tuning(route=RouteTiles(block_k=32))) == [(2, -(-E // 128), 4), route_grid]
-    assert grids(Tuning(experts=ExpertTiles(block_n=16))) == [(2, -(-E // 16), 2), route_grid]
-    assert grids(Tuning(route=RouteTiles(kernel_product_tokens=1))) == [route_grid]  # XLA's product
+    assert grids() == [(2, -(-E // 128), 2), route_grid]  # (pairs, column tiles, K splits)
+    assert grids(tiles=RouteTiles(block_k=32)) == [(2, -(-E // 128), 4), route_grid]
+    assert grids(expert_tiles=ExpertTiles(block_n=16)) == [(2, -(-E // 16), 2), route_grid]
+    assert grids(tiles=RouteTiles(kernel_product_tokens=1)) == [route_grid]  # XLA's product
     ids = mr.route_reference(r, mr.router_logits(x, w))[1]
-    for tuning in (Tuning(route=RouteTiles(block_k=32)), Tuning(route=RouteTiles(kernel_product_tokens=1))):
+    for tiles in (RouteTiles(block_k=32), RouteTiles(kernel_product_tokens=1)):
         with dispatch.use_backend("pallas"):
-            np.testing.assert_array_equal(np.asarray(mr.route(r, x, w, tuning=tuning)[1]), np.asarray(ids))
+            np.testing.assert_array_equal(np.asarray(mr.route(r, x, w, tiles=tiles)[1]), np.asarray(ids))

@@ -113,7 +113,7 @@ def test_tuning_reaches_every_product(mtp_target):
     to every layer (MLA, the dense MLP, the MoE layer, the MTP layer, the LM heads): with
     `cpu_matmul_max_rows=0` no product of the program runs the native CPU loops, with the
     default tuning (few float32 rows) they do."""
-    from jspec.config import Tuning
+    from jspec.tuning import Tuning
     from jspec.models import family_for
     from test_models import native_products
     p = jspec.load(mtp_target[0], draft="mtp", dtype="float32")

@@ -23,7 +23,8 @@ from test_deepseek import _standalone_draft
 import jspec
 from jspec.cache import kv as kvc
 from jspec.cache import layout as lay
-from jspec.config import ModelConfig, Tuning
+from jspec.config import ModelConfig
+from jspec.tuning import Tuning
 from jspec.drafts import Eagle3Draft
 from jspec.export import save_draft, save_target
 from jspec.models import family_for

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 from test_kernels import _fast_jit, _reference, make_case, stack
 
-from jspec.config import RowAttentionTiles
+from jspec.kernels.row.attention import RowAttentionTiles
 from jspec.kernels.meta import AttnMeta
 from jspec.kernels.row.attention import in_slot_order, local_slots, packs, row_attention
 

@@ -12,8 +12,8 @@ import torch
 from tiny_models import make_model
 
 import jspec
-from jspec.config import CacheConfig, Tuning
-from jspec.kernels import dispatch
+from jspec.config import CacheConfig
+from jspec.tuning import Tuning
 from jspec.kernels.attention import gqa
 from jspec.kernels.row import matmul as row_matmul, norm as row_norm
 from jspec.loop.plan import make_plan
@@ -64,8 +64,8 @@ def test_the_setting_auto_and_refusals(monkeypatch, tmp_path):
     sparse = DEEPSEEK.replace(index_topk=8, index_head_dim=16, index_n_heads=2, q_lora_rank=64)
     assert "sparse attention" in family_for(sparse).row_invariant_problem(sparse, Tuning())
     monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
-    assert dispatch.compiler_options(None, Tuning(row_invariant=True)) == {"xla_allow_excess_precision": False}
-    assert dispatch.compiler_options(None, Tuning(row_invariant=False)) == {}
+    assert Tuning(row_invariant=True).compiler_options() == {"xla_allow_excess_precision": False}
+    assert Tuning(row_invariant=False).compiler_options() == {}
 
 
 @pytest.mark.slow

@@ -7,7 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jspec.config import RowMatmulTiles
+from jspec.kernels.row.matmul import RowMatmulTiles
 from jspec.kernels.moe import experts as moe_experts
 from jspec.kernels.row import norm as row_norm
 from jspec.kernels.row.matmul import (

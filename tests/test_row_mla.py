@@ -11,7 +11,8 @@ import numpy as np
 import pytest
 from test_mla_kernel import _fast_jit, _scale, make_case
 
-from jspec.config import MlaOutputTiles, RowAttentionTiles, Tuning
+from jspec.kernels.mla.output import MlaOutputTiles
+from jspec.kernels.row.attention import RowAttentionTiles
 from jspec.kernels.meta import AttnMeta
 from jspec.kernels.mla.decode import mla_attention_reference
 from jspec.kernels.mla.output import up_project
@@ -29,7 +30,7 @@ def _w_uv(H, Dc, dtype):
 def _row(q_lat, q_pe, buf, meta, *, tiles=TILES, output_tiles=MlaOutputTiles()):
     w_uv = _w_uv(q_lat.shape[2], q_lat.shape[3], q_lat.dtype)
     return row_mla_output(q_lat, q_pe, buf, meta, w_uv, scale=_scale(q_lat, q_pe),
-                          tuning=Tuning(row_mla=tiles, mla_output=output_tiles), interpret=True)
+                          tiles=tiles, output_tiles=output_tiles, interpret=True)
 
 
 def _ref(q_lat, q_pe, buf, meta):

@@ -22,7 +22,9 @@ import jax.numpy as jnp
 from flax import struct
 
 from jspec.cache.layout import CacheLayout, PageState, slot_index
-from jspec.config import DEFAULT_TUNING, AttentionTiles, RowAttentionTiles
+from jspec.tuning import DEFAULT_TUNING
+from jspec.kernels.attention.decode import AttentionTiles
+from jspec.kernels.row.attention import RowAttentionTiles
 from jspec.kernels.attention.decode import attention_reference
 from jspec.kernels.attention.gqa import attention, uses_kernel
 from jspec.kernels.meta import AttnMeta, read_kv  # noqa: F401  (read_kv: the cache read in slot order, re-exported)
@@ -70,7 +72,7 @@ class KVCacheKind:
         """A round's commit: the accepted path's keys and values move from slots L + path[d]
         to L + d (d < accept_len [B]; path [B, S+1] node indices, L [B] committed slots).
         in_place (static, a chain): the path is already there and nothing moves. tuning
-        (`jspec.config.Tuning`): how a kind that computes in its commit computes (unused here)."""
+        (`jspec.tuning.Tuning`): how a kind that computes in its commit computes (unused here)."""
         if in_place:
             return cache
         return move_slots(cache, *path_moves(layout, pages, L, path, accept_len, active))

@@ -23,7 +23,7 @@ from flax import struct
 
 from jspec.cache.kv import move_buffers, path_moves, write_kv
 from jspec.cache.layout import CacheLayout, PageState
-from jspec.config import DEFAULT_TUNING, Tuning
+from jspec.tuning import DEFAULT_TUNING, Tuning
 from jspec.kernels.meta import AttnMeta
 from jspec.kernels.mla.attention import mla_attention
 
@@ -90,7 +90,9 @@ class LatentCacheKind:
 def cached_mla_attention(q_lat, q_pe, latent_new, latent_buf, meta: AttnMeta, w_uv, *, scale: float,
                          tuning: Tuning | None = None, index=None):
     """Writes the new latent rows latent_new [B,T,Dc+Dr] and attends over the cache (see
-    `jspec.kernels.mla.attention.mla_attention`, which takes `tuning` and `index`). ->
-    (o [B,T,H,Dv] in w_uv's dtype, buffer)."""
+    `jspec.kernels.mla.attention.mla_attention`, which takes `tuning`'s tiles and `index`).
+    -> (o [B,T,H,Dv] in w_uv's dtype, buffer)."""
     latent_buf = write_kv(latent_buf, latent_new, meta.write_index, meta.page_table is None)
-    return mla_attention(q_lat, q_pe, latent_buf, meta, w_uv, scale=scale, tuning=tuning, index=index), latent_buf
+    t = DEFAULT_TUNING if tuning is None else tuning
+    return mla_attention(q_lat, q_pe, latent_buf, meta, w_uv, scale=scale, decode_tiles=t.mla_decode,
+                         output_tiles=t.mla_output, index=index), latent_buf

@@ -36,7 +36,7 @@ from flax import struct
 
 from jspec.cache.kv import KVCache, KVCacheKind
 from jspec.cache.layout import CacheLayout, PageState
-from jspec.config import DEFAULT_TUNING
+from jspec.tuning import DEFAULT_TUNING
 from jspec.kernels.gated_delta.kernels import gated_delta_step
 
 COMMITS = ("replay", "checkpoint")

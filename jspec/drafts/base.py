@@ -16,7 +16,8 @@ import dataclasses
 from typing import Any, ClassVar
 
 from jspec.cache.kv import KVCacheKind
-from jspec.config import DEFAULT_TUNING, ModelConfig
+from jspec.config import ModelConfig
+from jspec.tuning import DEFAULT_TUNING
 from jspec.models.llama import split_llama
 
 
@@ -68,7 +69,7 @@ class Draft:
         """tokens [B,T] (target ids), feats [B,T,F] -> (hidden [B,T,Dd], cache).
 
         from_target: feats are `target_features` (True) or the draft's own hidden from its
-        previous step (False). tuning (`jspec.config.Tuning`): passed down to the modules
+        previous step (False). tuning (`jspec.tuning.Tuning`): passed down to the modules
         and kernels the draft runs."""
         raise NotImplementedError
 

@@ -13,7 +13,7 @@ from jspec.models import family_for
 from jspec.models.eagle import Eagle1Head
 from jspec.models.llama_hf import decoder_layer_params, hf_config, layer_tensors, model_config_from_hf
 from jspec.tensors import Tensors, hf_linear, to_numpy
-from jspec.config import DEFAULT_TUNING
+from jspec.tuning import DEFAULT_TUNING
 
 ARCHITECTURES = ("LlamaForCausalLMEagle", "EagleLlamaForCausalLM")
 

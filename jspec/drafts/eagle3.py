@@ -15,7 +15,7 @@ from jspec.drafts.eagle import embed_tokens, head_model_config
 from jspec.models.eagle import Eagle3Head
 from jspec.models.llama_hf import decoder_layer_params, hf_config, layer_tensors
 from jspec.tensors import Tensors, hf_linear, to_numpy
-from jspec.config import DEFAULT_TUNING
+from jspec.tuning import DEFAULT_TUNING
 
 ARCHITECTURES = ("LlamaForCausalLMEagle3", "Eagle3LlamaForCausalLM")
 

@@ -32,7 +32,7 @@ from jspec.models.deepseek import MtpLayer, split_deepseek
 from jspec.models.deepseek_hf import DeepseekConfig
 from jspec.models.llama import product
 from jspec.tensors import Tensors, hf_linear, to_numpy
-from jspec.config import DEFAULT_TUNING
+from jspec.tuning import DEFAULT_TUNING
 
 NEXTN_ARCHITECTURE = "DeepseekV3ForCausalLMNextN"
 _OWN = ("enorm", "hnorm", "eh_proj", "shared_head.norm")  # the layer's tensors besides its block

@@ -5,7 +5,7 @@ import dataclasses
 
 from jspec.drafts.base import Draft
 from jspec.models import FAMILIES, family_for, family_for_hf
-from jspec.config import DEFAULT_TUNING
+from jspec.tuning import DEFAULT_TUNING
 
 
 @dataclasses.dataclass(frozen=True)

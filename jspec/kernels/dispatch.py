@@ -12,8 +12,6 @@ import os
 
 import jax
 
-from jspec.config import DEFAULT_TUNING, Tuning
-
 MODES = ("auto", "pallas", "reference")
 _FORCED: list[str] = []
 
@@ -44,19 +42,3 @@ def want_pallas(supported: bool) -> bool:
     """Whether to call the Pallas kernel; `supported`: the kernel takes these arguments."""
     mode = backend()
     return mode == "pallas" or (mode == "auto" and supported and jax.default_backend() == "gpu")
-
-
-def compiler_options(family_options: dict | None = None, tuning: Tuning | None = None) -> dict[str, bool | int | str]:
-    """The XLA options the loop's programs are compiled with: on a GPU backend the target
-    family's (`TargetFamily.gpu_xla_options`; left out where `tuning.family_xla_options`
-    is False) updated with `tuning.xla_options` (None: the default tuning), none elsewhere.
-    `tuning.row_invariant` adds xla_allow_excess_precision=False: XLA may otherwise keep a
-    bf16 rounding in float32 where its fusion, which follows the shapes, lets it.
-    Returns a new dict."""
-    if jax.default_backend() != "gpu":
-        return {}
-    tuning = DEFAULT_TUNING if tuning is None else tuning
-    base = dict(family_options or {}) if tuning.family_xla_options else {}
-    if tuning.row_invariant:
-        base["xla_allow_excess_precision"] = False
-    return base | dict(tuning.xla_options)

@@ -18,7 +18,8 @@ import jax
 import numpy as np
 
 from jspec.cache.layout import CacheLayout
-from jspec.config import DEFAULT_TUNING, CacheConfig, SpecConfig, Tuning
+from jspec.config import CacheConfig, SpecConfig
+from jspec.tuning import DEFAULT_TUNING, Tuning
 from jspec.drafts.base import Draft
 from jspec.loop.proposers.base import Proposer
 from jspec.loop.proposers.neural import NeuralProposer

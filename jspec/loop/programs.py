@@ -114,8 +114,8 @@ def shapes_of(tree) -> tuple:
 
 
 def xla_options(plan: Plan) -> dict:
-    """The XLA options a plan's programs are compiled with (`dispatch.compiler_options`)."""
-    return dispatch.compiler_options(plan.family.gpu_xla_options(plan.target), plan.tuning)
+    """The XLA options a plan's programs are compiled with (`Tuning.compiler_options`)."""
+    return plan.tuning.compiler_options(plan.family.gpu_xla_options(plan.target))
 
 
 def under(mesh):

@@ -17,7 +17,7 @@ verification), each pair reads its expert's weights straight from the stacked ar
 chosen experts are read; otherwise (prefill) the pairs are sorted by expert and run as
 grouped products (`jax.lax.ragged_dot`).
 
-Every module takes a `tuning` (`jspec.config.Tuning`) beside its config: the kernels'
+Every module takes a `tuning` (`jspec.tuning.Tuning`) beside its config: the kernels'
 tiles and the switches (`mlp_norm_in_kernel`, `cache_write_in_kernel`) it passes down.
 """
 from __future__ import annotations
@@ -29,7 +29,7 @@ from flax import linen as nn
 from jax.sharding import PartitionSpec as P
 
 from jspec.cache.latent import LatentCache, LatentCacheKind, cached_mla_attention
-from jspec.config import DEFAULT_TUNING, Tuning
+from jspec.tuning import DEFAULT_TUNING, Tuning
 from jspec.kernels.attention.decode import attention_reference
 from jspec.kernels.mla import inputs as mla_inputs
 from jspec.kernels.meta import AttnMeta
@@ -64,7 +64,7 @@ ROW_INVARIANT_AUTO_MAX_BATCH = 4
 # stopped early or ended "cache_full"; dense caches unchanged), although V2-Lite's 27-layer
 # batch-1 step had been 1.0-1.6% faster with them (benchmarks/deepseek.py ab, H200). A
 # tuning's `xla_options` go over these; `family_xla_options` False leaves them out
-# (`jspec.kernels.dispatch.compiler_options`). Split over several GPUs the collectives join
+# (`jspec.tuning.Tuning.compiler_options`). Split over several GPUs the collectives join
 # the graphs: V2-Lite's first 6 layers over two H200s took 0.647 against 0.716 ms a step at
 # batch 1 and 2.059 against 2.127 ms at batch 32 (benchmarks/tp.py, tuning
 # graphs_collectives, same run, with WHILE and CONDITIONAL).
@@ -173,9 +173,11 @@ class MLAttention(nn.Module):
         elif ri:
             if rows is not None:
                 buf = write_kv(buf, rows, meta.write_index, meta.page_table is None)
-            o = row_mla.row_mla_output(q_lat, q_pe, buf, meta, w_uv, scale=c.softmax_scale, tuning=tuning)
+            o = row_mla.row_mla_output(q_lat, q_pe, buf, meta, w_uv, scale=c.softmax_scale, tiles=tuning.row_mla,
+                                       output_tiles=tuning.mla_output)
         elif rows is None:  # absorbed, the rows already in the cache
-            o = mla_attention(q_lat, q_pe, buf, meta, w_uv, scale=c.softmax_scale, tuning=tuning, index=select)
+            o = mla_attention(q_lat, q_pe, buf, meta, w_uv, scale=c.softmax_scale, decode_tiles=tuning.mla_decode,
+                              output_tiles=tuning.mla_output, index=select)
         else:  # absorbed: attend over the latent rows (sparse: the selected ones), then up-project the values
             o, buf = cached_mla_attention(q_lat, q_pe, rows, buf, meta, w_uv, scale=c.softmax_scale, tuning=tuning,
                                           index=select)
@@ -324,8 +326,8 @@ class MoE(nn.Module):
         xs = x.reshape(B * T, D)
         r = c.routing
         tuning = self.tuning
-        weights, ids = route(r, xs, router["kernel"], router.get("bias"), norm=norm, tuning=tuning,
-                             rows_alone=row_invariant)  # [N, KP] each
+        weights, ids = route(r, xs, router["kernel"], router.get("bias"), norm=norm, tiles=tuning.route,
+                             expert_tiles=tuning.experts, rows_alone=row_invariant)  # [N, KP] each
         if c.per_device:  # this device's E/n experts (`DeepseekConfig.block`); other experts' pairs: id -1
             El = E // n
             local = ids[:, :k] - jax.lax.axis_index(sharding.AXIS) * El

@@ -16,7 +16,8 @@ import jax.numpy as jnp
 from flax import linen as nn
 
 from jspec.cache.kv import KVCache
-from jspec.config import DEFAULT_TUNING, ModelConfig, Tuning
+from jspec.config import ModelConfig
+from jspec.tuning import DEFAULT_TUNING, Tuning
 from jspec.models.llama import MLP, Attention, DecoderLayer, Linear, RMSNorm
 
 

@@ -10,7 +10,7 @@ one line in `jspec.models.FAMILIES`.
 from __future__ import annotations
 
 from typing import Any, ClassVar
-from jspec.config import DEFAULT_TUNING
+from jspec.tuning import DEFAULT_TUNING
 
 
 # GPUs (substrings of `jax.Device.device_kind`) where the row-invariant mode of large
@@ -58,7 +58,7 @@ class TargetFamily:
     def forward(self, cfg, weights, tokens, cache, meta, capture: tuple[int, ...] = (), tuning=DEFAULT_TUNING):
         """tokens [B,T] -> (hidden [B,T,D] after the final norm, {layer i: its input
         [B,T,D]} for the `capture` layers (i = num_layers: the last layer's output), cache).
-        tuning (`jspec.config.Tuning`): how the layers and kernels compute, passed down."""
+        tuning (`jspec.tuning.Tuning`): how the layers and kernels compute, passed down."""
         raise NotImplementedError
 
     def logits(self, cfg, weights, hidden, tuning=DEFAULT_TUNING):
@@ -83,7 +83,7 @@ class TargetFamily:
     def gpu_xla_options(self, cfg) -> dict:
         """XLA options this family's loop programs are compiled with on a GPU, under a
         tuning's `xla_options` (which win where both set one; `Tuning.family_xla_options`
-        False leaves these out), see `jspec.kernels.dispatch.compiler_options`."""
+        False leaves these out), see `jspec.tuning.Tuning.compiler_options`."""
         return {}
 
     def split(self, cfg, weights, n: int) -> tuple[Any, Any, Any]:

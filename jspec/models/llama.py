@@ -17,7 +17,8 @@ from jax.sharding import PartitionSpec as P
 
 from jspec.cache.kv import KVCache, KVCacheKind, cached_attention
 from jspec.cache.layout import prefill_meta
-from jspec.config import DEFAULT_TUNING, ModelConfig, Tuning
+from jspec.config import ModelConfig
+from jspec.tuning import DEFAULT_TUNING, Tuning
 from jspec.kernels import dispatch
 from jspec.kernels.cpu import matmul as cpu_matmul
 from jspec.kernels.moe import experts as moe_experts

@@ -33,7 +33,7 @@ from jspec.cache.recurrent import (
     put_rows,
     take_rows,
 )
-from jspec.config import DEFAULT_TUNING, Tuning
+from jspec.tuning import DEFAULT_TUNING, Tuning
 from jspec.kernels.moe import experts as moe_experts, grouped as moe_grouped
 from jspec.kernels.meta import AttnMeta
 from jspec.kernels.gated_delta.reference import causal_conv_reference, gated_delta_reference
@@ -229,7 +229,7 @@ class SparseMoe(nn.Module):
                                                      "down": _init(jax.random.fold_in(key, 1), (E, Fm, D), dt)})
         r = Routing(E, k, scoring="softmax", method="greedy", norm_topk_prob=c.norm_topk_prob)
         xs = x.reshape(B * T, D)
-        weights, ids = route(r, xs, router["kernel"], tuning=tuning)  # [N, KP] each
+        weights, ids = route(r, xs, router["kernel"], tiles=tuning.route, expert_tiles=tuning.experts)  # [N, KP] each
         if B * T * k < E:
             y = moe_experts.moe_experts(xs, ids, experts["gate_up"], experts["down"], None, r.slots,
                                         tiles=tuning.experts)  # [N*k, D]

@@ -27,7 +27,8 @@ import numpy as np
 
 from jspec import requests as rq
 from jspec import sharding
-from jspec.config import CacheConfig, SpecConfig, Tuning
+from jspec.config import CacheConfig, SpecConfig
+from jspec.tuning import Tuning
 from jspec.loop import programs
 from jspec.loop.plan import make_plan, pow2, prompt_bucket
 from jspec.loop.state import unpack_window

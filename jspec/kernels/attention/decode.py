@@ -30,11 +30,12 @@ Design (flash decoding):
 A query row that sees no key at all gets zeros (the reference gives a meaningless
 uniform average there).
 
-Tiles: `jspec.config.AttentionTiles` (`Tuning.attention`), taken as `tiles=` (None: the
+Tiles: `AttentionTiles` (below; `Tuning.attention`), taken as `tiles=` (None: the
 defaults, with the measurements behind them).
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 import numbers
 
@@ -43,9 +44,19 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
-from jspec.config import DEFAULT_TUNING, AttentionTiles
 from jspec.kernels.meta import AttnMeta, read_kv
 from jspec.kernels.tiling import KERNEL_DTYPES, is_pow2, pow2_ceil
+
+
+@dataclasses.dataclass(frozen=True)
+class AttentionTiles:
+    """Tiles of the GQA attention kernel over the KV cache (flash decoding; `Tuning.attention`)."""
+
+    block_k: int = 128  # batch-1 decode on the H200: 128 beat 64, 32 and 16 (docs/benchmarks.md)
+    target_programs: int = 256  # about two waves of programs on an H200 (132 SMs)
+    max_rows: int = 64  # query rows per program (more: split over programs, keeps registers in check)
+    num_warps: int | None = None  # None: 4, or 8 for row tiles above 32 x 128
+    num_stages: int = 2
 
 NEG_INF = -1e30
 MIN_ROWS = 16  # smallest M of a tensor-core dot in Triton
@@ -424,7 +435,7 @@ def paged_decode_attention(q, kv_buf, meta: AttnMeta, *, window: int = 0, scale:
         table = meta.page_table
     num_keys = table.shape[1] * page_size  # slots a row can address (S when dense)
 
-    t = DEFAULT_TUNING.attention if tiles is None else tiles
+    t = AttentionTiles() if tiles is None else tiles
     block_k = t.block_k if block_k is None else block_k
     if not (is_pow2(block_k) and block_k >= 16):
         raise ValueError(f"block_k must be a power of two >= 16, got {block_k}")

@@ -5,12 +5,11 @@ the cache and then calls `attention`.
 """
 from __future__ import annotations
 
-from jspec.config import AttentionTiles, RowAttentionTiles
 from jspec.kernels.attention import decode as da
 from jspec.kernels import dispatch
-from jspec.kernels.attention.decode import attention_reference
+from jspec.kernels.attention.decode import AttentionTiles, attention_reference
 from jspec.kernels.meta import AttnMeta
-from jspec.kernels.row.attention import row_attention
+from jspec.kernels.row.attention import RowAttentionTiles, row_attention
 
 
 def uses_kernel(q, kv_buf, meta: AttnMeta, *, window: int = 0) -> bool:

@@ -30,10 +30,10 @@ import jax
 import jax.numpy as jnp
 
 from jspec import sharding
-from jspec.config import DEFAULT_TUNING
 from jspec.kernels import dispatch
 
 _SOURCE = Path(__file__).with_name("matmul.cc")
+MAX_ROWS = 32  # `Tuning.cpu_matmul_max_rows`' default: above (prefill) XLA's GEMM is the faster one
 _TARGETS = {"nn": ("jspec_matmul_nn", "JspecMatmulNN"), "nt": ("jspec_matmul_nt", "JspecMatmulNT")}
 _log = logging.getLogger(__name__)
 
@@ -108,7 +108,7 @@ def use_native(x: jax.Array, w: jax.Array, max_rows: int | None = None) -> bool:
     """Whether `matmul(x, w)` runs the native loops here: float32, at most max_rows rows
     (None: `Tuning.cpu_matmul_max_rows`' default), the CPU backend with kernels on "auto",
     no mesh (XLA cannot split a custom call)."""
-    max_rows = DEFAULT_TUNING.cpu_matmul_max_rows if max_rows is None else max_rows
+    max_rows = MAX_ROWS if max_rows is None else max_rows
     rows = x.size // max(x.shape[-1], 1)
     return (x.dtype == jnp.float32 and w.dtype == jnp.float32 and w.ndim == 2 and 0 < rows <= max_rows
             and dispatch.backend() == "auto" and jax.default_backend() == "cpu"

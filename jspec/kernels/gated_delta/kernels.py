@@ -54,10 +54,49 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
-from jspec.config import GatedDeltaTiles
 from jspec.kernels import dispatch
 from jspec.kernels.gated_delta import reference as gd
 from jspec.kernels.tiling import KERNEL_DTYPES, is_pow2, pow2_ceil
+
+
+@dataclasses.dataclass(frozen=True)
+class GatedDeltaTiles:
+    """Tiles of the gated delta kernels (`Tuning.gated_delta`; part of a compile key: frozen, hashable). The
+    defaults are the fastest of `benchmarks/qwen35.py gated_delta`'s sweep on an H200 (jax 0.11.2,
+    2026-11-26; docs/benchmarks.md) among the variants within 2e-5 of the reference.
+
+    *_block_v: Dv columns per program (powers of two; verify and prefill >= 16, Triton's
+    smallest product); *_warps, *_stages: Triton's num_warps and num_stages (stages > 1
+    pipeline the loads of a loop's next step; prefill_stages applies to 16-bit q, k, v
+    only: float32 inputs overflowed the shared memory at 3); prefill_chunk: tokens per
+    chunk (16, 32 or 64); prefill_blocked: the chunk's solve as FLA's (16-row diagonal
+    blocks inverted together, then merged by products) rather than row by row over the
+    whole chunk; prefill_w: the prep kernel also writes W = X diag(beta exp(G)) K, so that
+    the scan's u = X (beta V) - W S (one product on the chain from one chunk's state to
+    the next, not two); verify_split: verification in two kernels (per head: everything
+    that does not read the state, as o = P S0 + R; then per Dv tile: the product with the
+    state); verify_state_xla: that product by XLA, float32; precision: the matrix
+    products' ("ieee"; "tf32x3", "bf16x6", "bf16x3": float32 split into 3 TF32 or 6 or 3
+    bf16 products; "tf32"; interpret mode takes float32's). bf16x3 keeps about 16 bits
+    of each operand (relative errors about 6e-6 against the float32 rule, measured) at a
+    fraction of tf32x3's time; the step kernel has no products (exact float32)."""
+    step_block_v: int = 64
+    step_warps: int = 4
+    step_stages: int = 1
+    verify_block_v: int = 32
+    verify_warps: int = 4
+    verify_stages: int = 1
+    verify_split: bool = True
+    verify_state_xla: bool = False
+    verify_prep_warps: int = 2
+    prefill_chunk: int = 64
+    prefill_block_v: int = 32
+    prefill_warps: int = 4
+    prefill_stages: int = 3
+    prefill_blocked: bool = True
+    prefill_w: bool = False
+    chunk_prep_warps: int = 4
+    precision: str = "bf16x3"
 
 _EPS = 1e-6  # l2norm's, as transformers and FLA
 MAX_VERIFY_NODES = 128  # the verify kernel's [M, M] tiles live in registers

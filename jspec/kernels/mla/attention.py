@@ -14,11 +14,11 @@ or to the references.
 """
 from __future__ import annotations
 
-from jspec.config import DEFAULT_TUNING, Tuning
 from jspec.kernels import dispatch
 from jspec.kernels.mla import decode as mla_decode, output as mla_output, sparse as mla_sparse
 from jspec.kernels.meta import AttnMeta
-from jspec.kernels.mla.decode import mla_attention_reference
+from jspec.kernels.mla.decode import MlaDecodeTiles, mla_attention_reference
+from jspec.kernels.mla.output import MlaOutputTiles
 
 
 def uses_kernel(q_lat, q_pe, latent_buf, meta: AttnMeta) -> bool:
@@ -29,7 +29,8 @@ def uses_kernel(q_lat, q_pe, latent_buf, meta: AttnMeta) -> bool:
                                 or mla_decode.is_supported(q_lat, q_pe, latent_buf, meta))
 
 
-def mla_attention(q_lat, q_pe, latent_buf, meta: AttnMeta, w_uv, *, scale: float, tuning: Tuning | None = None,
+def mla_attention(q_lat, q_pe, latent_buf, meta: AttnMeta, w_uv, *, scale: float,
+                  decode_tiles: MlaDecodeTiles | None = None, output_tiles: MlaOutputTiles | None = None,
                   index=None):
     """Attention in the absorbed form, then the value up-projection: q_lat [B,T,H,Dc],
     q_pe [B,T,H,Dr], w_uv [H, Dv, Dc] -> o [B,T,H,Dv] in w_uv's dtype (the attention's
@@ -37,10 +38,10 @@ def mla_attention(q_lat, q_pe, latent_buf, meta: AttnMeta, w_uv, *, scale: float
 
     Dispatch: for non-prefill calls the Pallas kernels support, `mla_decode` attends and
     returns its key splits unmerged and `mla_output` merges them and applies W_UV in one
-    kernel (up to `tuning.mla_output.kernel_max_tokens` tokens); otherwise the references.
+    kernel (up to `output_tiles.kernel_max_tokens` tokens); otherwise the references.
     JSPEC_KERNELS=pallas forces the kernels (and raises for arguments they do not take).
-    tuning: the kernels' tiles, `tuning.mla_decode` and `tuning.mla_output` (None: the
-    defaults). index [B,T,Ki] int32: sparse attention (DeepSeek-V3.2), the slots each token
+    decode_tiles, output_tiles: the kernels' tiles (`Tuning.mla_decode`, `Tuning.mla_output`;
+    None: the defaults). index [B,T,Ki] int32: sparse attention (DeepSeek-V3.2), the slots each token
     attends to (-1: none) instead of every slot it sees: `jspec.kernels.mla.sparse`, its
     Pallas kernel or its gather reference."""
     if index is not None:
@@ -54,10 +55,9 @@ def mla_attention(q_lat, q_pe, latent_buf, meta: AttnMeta, w_uv, *, scale: float
     if not uses_kernel(q_lat, q_pe, latent_buf, meta):
         o_lat = mla_attention_reference(q_lat, q_pe, latent_buf, meta, scale=scale)
         return mla_output.up_project(o_lat, w_uv, w_uv.dtype)
-    tuning = DEFAULT_TUNING if tuning is None else tuning
     o, lse = mla_decode.paged_mla_attention_splits(q_lat, q_pe, latent_buf, meta, scale=scale,
-                                                   tiles=tuning.mla_decode)
+                                                   tiles=decode_tiles)
     T = q_lat.shape[1]
-    if dispatch.backend() == "pallas" or mla_output.is_supported(o, lse, w_uv, T, tuning.mla_output):
-        return mla_output.mla_output(o, lse, w_uv, num_tokens=T, tiles=tuning.mla_output)
+    if dispatch.backend() == "pallas" or mla_output.is_supported(o, lse, w_uv, T, output_tiles):
+        return mla_output.mla_output(o, lse, w_uv, num_tokens=T, tiles=output_tiles)
     return mla_output.mla_output_reference(o, lse, w_uv, num_tokens=T, dtype=w_uv.dtype)

@@ -31,13 +31,14 @@ Registers: the float32 accumulator [BR, Dc] (Dc = 512) dominates: 128 values a t
 BR = 64 and 8 warps. BR = 64 (fewer row blocks re-reading the keys, bigger tensor-core
 tiles) for many query rows in all, BR = 16 for few (batch 1 decode and verify: the
 programs are shorter and more of them run at once), `default_block_rows`. The tiles and
-their measurements: `jspec.config.MlaDecodeTiles` (`Tuning.mla_decode`), taken as `tiles=`.
+their measurements: `MlaDecodeTiles` (below; `Tuning.mla_decode`), taken as `tiles=`.
 
 A query row that sees no key at all gets zeros (the reference gives a meaningless uniform
 average there).
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 import numbers
 
@@ -46,10 +47,30 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
-from jspec.config import DEFAULT_TUNING, MlaDecodeTiles
 from jspec.kernels.attention.decode import cache_mask, check_meta, merge_splits, online_softmax_step
 from jspec.kernels.meta import AttnMeta, read_kv
 from jspec.kernels.tiling import KERNEL_DTYPES, is_pow2, pow2_ceil
+
+
+@dataclasses.dataclass(frozen=True)
+class MlaDecodeTiles:
+    """Tiles of MLA attention over the latent cache (flash decoding; `Tuning.mla_decode`).
+
+    On the H200 (benchmarks/kernels.py mla, bf16, 2026-11-23) 64 query rows a program
+    beat 32 by 20-28% at H = 128 with batch 32 or T = 16 (fewer row blocks re-reading the
+    keys, bigger tensor-core tiles); block_k 32 with 3 stages was slower."""
+
+    block_rows: int = 64  # query rows a program above small_rows_max rows in all (float32: half)
+    # Up to this many query rows in all (B*T*H) a program takes 16 rows (the smallest
+    # tensor-core M): at batch 1 on the H200 (mla_b1_configs, a probe at 3bf4f68 rows, 1k context)
+    # the MLA kernel took 6.2 against 12.7 us for 4 tokens of 16 heads, 6.2 against 9.0 for
+    # 2, 8.1 against 13.2 for 1 token of 128 heads and 17.7 against 26.6 for 4 of them,
+    # with 64 rows a program.
+    small_rows_max: int = 512
+    block_k: int = 64  # key slots a block, 16-bit caches (float32: half)
+    target_programs: int = 264  # about two waves of programs on an H200 (132 SMs)
+    num_warps: int | None = None  # None: 4, or 8 for row tiles above 16 x 512
+    num_stages: int = 2
 
 NEG_INF = -1e30
 MIN_ROWS = 16  # smallest M of a tensor-core dot in Triton
@@ -167,7 +188,7 @@ def default_block_rows(total_rows: int, itemsize: int, tiles: MlaDecodeTiles | N
     `tiles.block_rows` (fewer row blocks re-reading the keys), half that for float32 (64 x
     512 float32 queries do not fit shared memory beside the keys). tiles None: the
     defaults."""
-    t = DEFAULT_TUNING.mla_decode if tiles is None else tiles
+    t = MlaDecodeTiles() if tiles is None else tiles
     if total_rows <= t.small_rows_max:
         return MIN_ROWS
     return t.block_rows if itemsize == 2 else t.block_rows // 2
@@ -336,7 +357,7 @@ def paged_mla_attention_splits(q_lat, q_pe, latent_buf, meta: AttnMeta, *, scale
         table = meta.page_table
     num_keys = table.shape[1] * page_size  # slots a row can address (S when dense)
 
-    t = DEFAULT_TUNING.mla_decode if tiles is None else tiles
+    t = MlaDecodeTiles() if tiles is None else tiles
     if block_k is None:
         block_k = t.block_k if jnp.dtype(q_lat.dtype).itemsize == 2 else t.block_k // 2
     block_k = _check_block("block_k", block_k)

@@ -27,6 +27,7 @@ activations' dtype, as `models.llama.apply_rope` does.
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
@@ -34,10 +35,17 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
-from jspec.config import DEFAULT_TUNING
 from jspec.kernels import dispatch
 from jspec.kernels.moe.experts import rms_norm
 from jspec.kernels.tiling import KERNEL_DTYPES, is_pow2
+
+
+@dataclasses.dataclass(frozen=True)
+class MlaInputsTiles:
+    """Tiles of query absorption, RoPE and the cache row of one token (`Tuning.mla_inputs`)."""
+
+    block_c: int = 64  # latent values of q_lat a program: [64, Dn] of W_UK
+    num_warps: int = 4
 
 
 
@@ -193,13 +201,13 @@ def mla_inputs(parts, cos, sin, latent_norm, w_uk, *, interleaved: bool, eps: fl
     so XLA updates it in place where it may) and returns the cache instead of the rows.
 
     block_c: q_lat values a program (a power of two, capped at Dc); num_warps: Triton's;
-    each None: `jspec.config.MlaInputsTiles`' default. interpret None: interpret mode
+    each None: `MlaInputsTiles`' default. interpret None: interpret mode
     unless the default backend is a GPU."""
     _check_args(parts, cos, sin, latent_norm, w_uk, cache, write_index)
     S, N, W = parts.shape
     Dc, H, Dn = w_uk.shape
     Dr = 2 * cos.shape[1]
-    t = DEFAULT_TUNING.mla_inputs
+    t = MlaInputsTiles()
     block_c = t.block_c if block_c is None else block_c
     if not is_pow2(block_c):
         raise ValueError(f"block_c must be a power of two, got {block_c!r}")

@@ -22,11 +22,12 @@ no key (every lse NEG_INF) gets zeros, as the reference's merge gives. Dv not a 
 of BN: the last tile starts at Dv - BN and overlaps its neighbour (both write the same
 values).
 
-Tiles and the token limit are `jspec.config.MlaOutputTiles` (`Tuning.mla_output`), taken
+Tiles and the token limit are `MlaOutputTiles` (below; `Tuning.mla_output`), taken
 as `tiles=` (None: the defaults, with the measurements behind them).
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
@@ -34,7 +35,6 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
-from jspec.config import DEFAULT_TUNING, MlaOutputTiles
 from jspec.kernels.attention.decode import merge_splits
 from jspec.kernels.tiling import (
     KERNEL_DTYPES,
@@ -43,6 +43,31 @@ from jspec.kernels.tiling import (
     pow2_ceil,
     pow2_floor,
 )
+
+
+@dataclasses.dataclass(frozen=True)
+class MlaOutputTiles:
+    """Tiles of the merge of the MLA kernel's key splits and W_UV (`Tuning.mla_output`)."""
+
+    block_n: int = 16  # output columns a program: 16 x Dc=512 float32 weights, 64 a thread
+    num_warps: int = 4
+    # A program per (query row, column tile) re-reads its head's W_UV tile for every token:
+    # (B*T) x 2 MB of L2 reads a layer at DeepSeek's shapes. Past this many tokens XLA's
+    # batched product (W_UV read once) is faster: on the H200 a batch-32 V2-Lite step took
+    # 12.93 ms with the kernel, 12.29 without (docs/experiments.md).
+    kernel_max_tokens: int = 16
+    # The latent is walked in chunks of split_tile // NSP values (at least min_chunk, at
+    # most Dc), NSP the splits as a power of two: the [NSP, chunk] float32 tile of the
+    # splits stays about split_tile values. At V2-Lite's batch-1 decode (19 splits, NSP 32:
+    # one 512-wide chunk) that took 3.5 us against 6.3 us with 128-wide chunks
+    # (mla_b1_configs, a probe at 3bf4f68, H200); 128 or more splits keep 128-wide chunks.
+    split_tile: int = 16384
+    min_chunk: int = 128
+    # `mla_output(ordered=True)` (`kernels.row.mla`) unrolls its walk over up to this many
+    # splits (their loads issued together) and loops over more; the same sums either way.
+    # Unrolled: V2-Lite's 4-layer batch-1 profile took the kernel from 17.9 to 11.6 us a step
+    # (H100, 2026-11-26, docs/experiments.md).
+    unroll_splits: int = 32
 
 NEG_INF = -1e30
 
@@ -119,7 +144,7 @@ def latent_chunk(num_splits: int, latent_dim: int, tiles: MlaOutputTiles | None 
     """Latent values a step of the kernel's walk for `num_splits` splits: about
     `tiles.split_tile` values of the splits at once, at least `tiles.min_chunk`, at most the
     latent (see `MlaOutputTiles`; None: the defaults)."""
-    t = DEFAULT_TUNING.mla_output if tiles is None else tiles
+    t = MlaOutputTiles() if tiles is None else tiles
     return min(latent_dim, max(t.min_chunk, pow2_floor(max(1, t.split_tile // _split_rows(num_splits)))))
 
 
@@ -149,7 +174,7 @@ def _check_args(o, lse, w_uv, num_tokens) -> None:
 def is_supported(o, lse, w_uv, num_tokens, tiles: MlaOutputTiles | None = None) -> bool:
     """Whether `mla_output` takes these arguments and pays (at most
     `tiles.kernel_max_tokens` tokens in all; None: the defaults)."""
-    t = DEFAULT_TUNING.mla_output if tiles is None else tiles
+    t = MlaOutputTiles() if tiles is None else tiles
     try:
         _check_args(o, lse, w_uv, num_tokens)
     except (TypeError, ValueError):
@@ -174,7 +199,7 @@ def mla_output(o, lse, w_uv, *, num_tokens: int, block_n: int | None = None,
     _check_args(o, lse, w_uv, num_tokens)
     B, NS, R, Dc = o.shape
     H, Dv, _ = w_uv.shape
-    t = DEFAULT_TUNING.mla_output if tiles is None else tiles
+    t = MlaOutputTiles() if tiles is None else tiles
     block_n = t.block_n if block_n is None else block_n
     if not is_pow2(block_n):
         raise ValueError(f"block_n must be a power of two, got {block_n!r}")

@@ -40,11 +40,12 @@ in that dtype, then @ down, kept in float32. The second product takes the first 
 splits as they are (`gated`): each program sums its chunk of them, rounds, and applies
 silu(gate) * up while loading its activations, so no kernel runs between the two.
 
-Tiles and thresholds are `jspec.config.ExpertTiles` (`Tuning.experts`), taken as `tiles=`
+Tiles and thresholds are `ExpertTiles` (below; `Tuning.experts`), taken as `tiles=`
 (None: the defaults, with the measurements behind them).
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
@@ -52,9 +53,51 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
-from jspec.config import DEFAULT_TUNING, ExpertTiles
 from jspec.kernels import dispatch
 from jspec.kernels.tiling import KERNEL_DTYPES, chunk_start, in_order_sum, is_pow2, pow2_floor
+
+
+@dataclasses.dataclass(frozen=True)
+class ExpertTiles:
+    """Tiles of the expert kernel (`Tuning.experts`: decode and verification's routed and
+    shared experts, DeepSeek's dense MLP and router product at a few rows) and `matvec`, the
+    same kernel for few-row dense products (`models.llama.Linear(row_kernel=True)`).
+
+    Measured on the H200 (benchmarks/kernels.py moe, device time of the routed
+    experts, bf16): 3.3 TB/s at V3 N=1, 3.5-3.7 TB/s at N=4..16, 1.9 TB/s at V2-Lite N=1.
+    Sizes tuned one by one gained 2-9% at most (BK=32, 4 warps, 4 stages at V3 N>=4)."""
+
+    block_n: int = 128  # output columns per program
+    block_k: int = 64  # weight rows per loop step
+    num_warps: int = 2  # beat 4 warps by 5-20% on every product measured
+    num_stages: int = 3
+    # The gated second product (`routed_experts`) of one token takes 64-column tiles:
+    # V2-Lite's 8 experts 15.7 us instead of 17.7 with 128 (matvec_configs, a probe at 3bf4f68
+    # down, H200); the first product stays at 128 (26.0 us against 27.8 with 64). At 4 tokens
+    # (32 pairs) 64 made an MTP round 5% slower (benchmarks/deepseek.py mtp),
+    # so more tokens keep block_n.
+    gated_block_n: int = 64
+    # The first product of one token takes gated_block_n-wide tiles too when its input is at
+    # least this wide: DeepSeek-V3's 9 experts [7168, 4096] 144 us against 168 us with 128
+    # (3.7 against 3.1 TB/s, mla_b1_configs, a probe at 3bf4f68, H200); V2-Lite's [2048, 2816]
+    # keep block_n.
+    narrow_first_min_din: int = 4096
+    target_programs: int = 528  # four programs per SM on an H200 (132 SMs): more K splits below that
+    min_split_chunks: int = 4  # a K split walks at least this many chunks
+    # DeepSeek's dense MLP at a few rows runs as one wide expert; its second product keeps
+    # 128-column tiles (H200: 15.8 us against 18.0 with gated_block_n 64,
+    # benchmarks/profiler.py decode --model v2lite).
+    dense_down_block_n: int = 128
+    matvec_max_rows: int = 1  # `matvec` runs the kernel for products of at most this many rows
+    # `matvec`'s tiles: 64 columns a program and 16 K splits were the fastest of 21 tilings
+    # for V2-Lite's 2048 x 3648 and 2048 x 2048 products (matvec_configs, a probe at 3bf4f68);
+    # matvec_splits None: from target_programs and min_split_chunks.
+    matvec_block_n: int = 64
+    matvec_splits: int | None = 16
+    # Larger weights stay XLA's products, which stream them faster (DeepSeek-V3's 16384 x
+    # 7168 output projection: 0.44 ms a V3 layer through `matvec`, 0.36 through XLA; below
+    # 10M elements XLA pads the row, see `Tuning.two_row_elements`).
+    matvec_max_elements: int = 10_000_000
 
 # --------------------------------------------------------------------------- reference
 
@@ -317,7 +360,7 @@ def expert_matmul(x, ids, w, extra=None, *, slots: int | None = None, gated=None
     ids2, slots, P, token_rows = _check_matmul(x, ids, w, extra, slots, gated, norm)
     E, Din, Dout = w.shape
     E2 = 0 if extra is None else extra.shape[0]
-    t = DEFAULT_TUNING.experts if tiles is None else tiles
+    t = ExpertTiles() if tiles is None else tiles
     block_n = t.block_n if block_n is None else block_n
     block_k = t.block_k if block_k is None else block_k
     for name, v in (("block_n", block_n), ("block_k", block_k)):
@@ -371,7 +414,7 @@ def uses_matvec(x, w, tiles: ExpertTiles | None = None, *, any_size: bool = Fals
     `tiles.matvec_max_rows` rows and (unless any_size) a weight of fewer than
     `tiles.matvec_max_elements` elements, on a GPU (see the dispatch; a 2-D float weight).
     tiles None: the defaults."""
-    t = DEFAULT_TUNING.experts if tiles is None else tiles
+    t = ExpertTiles() if tiles is None else tiles
     rows = x.size // x.shape[-1]
     if dispatch.backend() == "reference" or getattr(w, "ndim", None) != 2 or not 1 <= rows <= t.matvec_max_rows:
         return False  # more rows: XLA's product (the limits hold under JSPEC_KERNELS=pallas too)
@@ -390,7 +433,7 @@ def matvec(x, w, norm=None, *, float32_out: bool = False, sum_splits: bool = Tru
     sum_splits False: -> the K splits [S, rows, N] float32 unsummed, for a kernel that sums
     them as it loads them (`kernels.mla.inputs`). tiles: `matvec_block_n` columns a
     program, `matvec_splits` K splits, the rest as `expert_matmul` (None: the defaults)."""
-    t = DEFAULT_TUNING.experts if tiles is None else tiles
+    t = ExpertTiles() if tiles is None else tiles
     if norm is not None and not x.dtype == norm[0].dtype == w.dtype:  # the prologue rounds in one dtype
         x, norm = rms_norm(x, *norm), None
     rows = x.reshape(-1, x.shape[-1]).astype(w.dtype)
@@ -450,7 +493,7 @@ def routed_experts(x, ids, gate_up, down, extra=None, slots: int | None = None, 
     tokens whatever the table holds (`Tuning.row_invariant` passes 1: each pair's sums then
     run in the order of a one-token decode step's)."""
     _check_experts(x, ids, gate_up, down, extra, slots)
-    t = DEFAULT_TUNING.experts if tiles is None else tiles
+    t = ExpertTiles() if tiles is None else tiles
     x, norm = prologue_norm(x, norm)
     extra_gu, extra_down = (None, None) if extra is None else extra
     tokens = ids.shape[0] if as_tokens is None else as_tokens

@@ -20,11 +20,12 @@ are zeroed), as in `kernels.moe.experts`.
 the activations' dtype, down), the same roundings as the `ragged_dot` formulation
 (`grouped_experts_reference`), which the CPU and `JSPEC_KERNELS=reference` use.
 
-Tiles and thresholds are `jspec.config.GroupedTiles` (`Tuning.grouped`), taken as `tiles=`
+Tiles and thresholds are `GroupedTiles` (below; `Tuning.grouped`), taken as `tiles=`
 (None: the defaults, with the measurements behind them).
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
@@ -32,17 +33,45 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
-from jspec.config import DEFAULT_TUNING, GroupedTiles
 from jspec.kernels import dispatch
 from jspec.kernels.moe.experts import silu_mul
 from jspec.kernels.tiling import KERNEL_DTYPES, chunk_start, is_pow2, pow2_floor
+
+
+@dataclasses.dataclass(frozen=True)
+class GroupedTiles:
+    """Tiles of the grouped expert kernel (`Tuning.grouped`: prefill and batches of at least
+    one (token, expert) pair an expert)."""
+
+    # False: `grouped` takes `jax.lax.ragged_dot` on a GPU at any size (benchmark A/Bs).
+    kernel: bool = True
+    # The kernel runs from this many pairs an expert on (so wherever the model groups
+    # pairs: it does from E pairs on); below, ragged_dot. Kernel time a call in the
+    # profiler, H200 (benchmarks/kernels.py moe): V2-Lite's routed experts at 32 tokens (3
+    # pairs an expert) 322 us (the two products 175 + 90 us, 3.7-3.8 TB/s over the distinct
+    # experts) against 367 for ragged_dot; V3 at 32 tokens (one pair an expert) 3.6 ms
+    # against 7.8 (wall). Wall-clock timings of these calls outside a CUDA graph
+    # (moe_paths, a probe at 3bf4f68) favour ragged_dot at 16-32 V2-Lite tokens only through the
+    # grouped path's 47 kernel launches against 13, which the decode loop's command
+    # buffers do not pay.
+    min_pairs_per_expert: int = 1
+    # Rows a tile: small_block_m while the pairs are few against the experts (little
+    # padding: each group's tiles read its expert once), large_block_m from
+    # large_from_pairs_per_expert pairs an expert on.
+    small_block_m: int = 16
+    large_block_m: int = 64
+    large_from_pairs_per_expert: int = 16
+    block_n: int = 128  # output columns a program
+    block_k: int = 64  # input rows a loop step
+    num_warps: int = 4
+    num_stages: int = 3
 
 
 def block_rows(pairs: int, num_experts: int, tiles: GroupedTiles | None = None) -> int:
     """BM for `pairs` (token, expert) pairs over `num_experts` experts: `tiles.small_block_m`,
     or `large_block_m` from `large_from_pairs_per_expert` pairs an expert on (None: the
     defaults)."""
-    t = DEFAULT_TUNING.grouped if tiles is None else tiles
+    t = GroupedTiles() if tiles is None else tiles
     return t.large_block_m if pairs >= t.large_from_pairs_per_expert * num_experts else t.small_block_m
 
 
@@ -142,7 +171,7 @@ def grouped_matmul(x, tile_expert, w, *, block_m: int, block_n: int | None = Non
             raise TypeError(f"{name} dtype {a.dtype} is not float32, bfloat16 or float16")
     if x.dtype != w.dtype:
         raise TypeError(f"x and w dtypes differ: {x.dtype}, {w.dtype}")
-    t = DEFAULT_TUNING.grouped
+    t = GroupedTiles()
     block_n = t.block_n if block_n is None else block_n
     block_k = t.block_k if block_k is None else block_k
     for name, v in (("block_n", block_n), ("block_k", block_k)):
@@ -197,7 +226,7 @@ def grouped_experts(xs, ids, gate_up, down, *, block_m: int | None = None, tiles
     E, D, F2 = gate_up.shape
     Fm = F2 // 2
     P = N * k
-    t = DEFAULT_TUNING.grouped if tiles is None else tiles
+    t = GroupedTiles() if tiles is None else tiles
     block_m = block_rows(P, E, t) if block_m is None else block_m
     rows, tile_expert = group_layout(ids.reshape(-1), E, block_m)
     R = padded_rows(P, E, block_m)
@@ -214,7 +243,7 @@ def uses_kernel(xs, ids, gate_up, down, tiles: GroupedTiles | None = None) -> bo
     """Whether `grouped` takes the kernel for these arguments (see the dispatch): at least
     `tiles.min_pairs_per_expert` pairs an expert, 16-bit or float32 arrays of one dtype,
     widths >= 16 (and `tiles.kernel`; tiles None: the defaults)."""
-    t = DEFAULT_TUNING.grouped if tiles is None else tiles
+    t = GroupedTiles() if tiles is None else tiles
     if dispatch.backend() == "reference" or not t.kernel:
         return False
     ok = (ids.size >= t.min_pairs_per_expert * gate_up.shape[0] and xs.dtype == gate_up.dtype == down.dtype

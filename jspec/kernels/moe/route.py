@@ -24,10 +24,18 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
-from jspec.config import DEFAULT_TUNING, Tuning
 from jspec.kernels import dispatch
-from jspec.kernels.moe.experts import expert_matmul, normed, prologue_norm
+from jspec.kernels.moe.experts import ExpertTiles, expert_matmul, normed, prologue_norm
 from jspec.kernels.tiling import is_pow2, pow2_ceil
+
+
+@dataclasses.dataclass(frozen=True)
+class RouteTiles:
+    """Where the router product runs (`Tuning.route`; the routing kernel itself has no
+    tiles)."""
+
+    kernel_product_tokens: int = 16  # up to this many tokens the router product runs in the expert kernel
+    block_k: int = 64  # its rows a program (K splits: the router weight is read by many SMs)
 
 SCORINGS = ("softmax", "sigmoid")
 METHODS = ("greedy", "group_limited_greedy", "noaux_tc")
@@ -253,23 +261,23 @@ def uses_kernel(r: Routing, logits, bias=None) -> bool:
     return dispatch.want_pallas(dispatch.backend() == "pallas" or is_supported(r, logits, bias))
 
 
-def route(r: Routing, x, w, bias=None, norm=None, *, tuning: Tuning | None = None, rows_alone: bool = False):
+def route(r: Routing, x, w, bias=None, norm=None, *, tiles: RouteTiles | None = None,
+          expert_tiles: ExpertTiles | None = None, rows_alone: bool = False):
     """The routing table of x [N, D] (the normalised activations; or, with norm (weight
     [D], eps), the activations that RMSNorm normalises first) with the router w [D, E]
     float32 (and V3's score-correction bias [E]): (weights [N, KP] float32, ids [N, KP]
     int32), see the module docstring.
 
-    Dispatch: with the kernels, up to `tuning.route.kernel_product_tokens` tokens take the
+    Dispatch: with the kernels, up to `tiles.kernel_product_tokens` tokens take the
     router product from the expert kernel (`moe_experts.expert_matmul` with
-    `tuning.experts`, w as one expert, float32 products, `tuning.route.block_k` rows a
+    `expert_tiles`, w as one expert, float32 products, `tiles.block_k` rows a
     program) as K splits that `route_kernel` sums: two kernels, where XLA's one-row product
     is a padded product, a reduction of its splits and a slice. More tokens take XLA's
     product, then `route_kernel`. Without: `router_logits`, then `route_reference`. The norm
     runs in the expert kernel's prologue where that product runs, else before the product.
-    tuning None: the defaults. rows_alone (`Tuning.row_invariant`): the expert kernel's
+    tiles, expert_tiles (`Tuning.route`, `Tuning.experts`) None: the defaults. rows_alone (`Tuning.row_invariant`): the expert kernel's
     product for any number of tokens (its sums follow the weight's shape only)."""
-    tuning = DEFAULT_TUNING if tuning is None else tuning
-    t = tuning.route
+    t = RouteTiles() if tiles is None else tiles
     N, E = x.shape[0], w.shape[1]
     probe = jax.ShapeDtypeStruct((N, E), jnp.float32)
     kernels = uses_kernel(r, probe, bias)
@@ -280,5 +288,5 @@ def route(r: Routing, x, w, bias=None, norm=None, *, tuning: Tuning | None = Non
     x, norm = prologue_norm(x, norm)
     splits = max(1, D // t.block_k)  # a program per chunk of rows: the weight is read by many SMs
     partials = expert_matmul(x, jnp.zeros((N, 1), jnp.int32), w[None], sum_splits=False, num_splits=splits,
-                             block_k=t.block_k, norm=norm, tiles=tuning.experts)  # [S, N, E]
+                             block_k=t.block_k, norm=norm, tiles=expert_tiles)  # [S, N, E]
     return route_kernel(r, partials, bias)

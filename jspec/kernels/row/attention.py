@@ -33,6 +33,7 @@ local block's positions are prefix_len + depth.
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
@@ -40,10 +41,28 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
-from jspec.config import RowAttentionTiles
 from jspec.kernels.attention.decode import NEG_INF, check_attention_args, online_softmax_step
 from jspec.kernels.meta import AttnMeta
 from jspec.kernels.tiling import in_order_fold, pow2_ceil
+
+
+@dataclasses.dataclass(frozen=True)
+class RowAttentionTiles:
+    """Tiles of the row-invariant attention (`Tuning.row_attention`, `Tuning.row_mla`;
+    `Tuning.row_invariant`): block_k positions a key block, split_blocks blocks a split
+    (splits cover fixed position ranges, so these tiles, not the batch, decide a row's
+    sums; plain and speculative programs must share them)."""
+
+    block_k: int = 128  # the 8B shape's batch-1 step on an H100: (128, 1) 5.706 ms against 5.738
+    split_blocks: int = 1  # with (128, 2), 5.733 with (64, 2), 5.739 with (64, 1) (docs/benchmarks.md)
+    num_warps: int = 4
+    num_stages: int = 2
+    unroll_splits: int = 32  # the merge's walk over the splits written out up to this many
+    pack_tokens: bool = True  # GQA: several tokens' heads in a program's 16 rows (`row_attention`); on an
+    # H100 the 8B shape's 16-node tree round then costs 1.5% over the default's (10.7% unpacked: docs/benchmarks.md)
+    pack_min_splits: int = 4  # ... where the cache holds at least this many splits (`row_attention.packs`): the
+    # bundled pair's first run (2 splits) ran 5943 tokens/s unpacked, 5614 packed (H100, docs/benchmarks.md)
+    merge_block_d: int = 32  # `row_attention`'s split merge: head dimensions a program
 
 ROWS = 16  # query rows a program: the smallest tensor-core tile, fixed so no row's tile changes
 

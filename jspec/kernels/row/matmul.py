@@ -12,6 +12,7 @@ instruction computes each row of its tile from that row alone.
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
@@ -19,8 +20,25 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
-from jspec.config import RowMatmulTiles
 from jspec.kernels.tiling import KERNEL_DTYPES, in_order_sum
+
+
+@dataclasses.dataclass(frozen=True)
+class RowMatmulTiles:
+    """Tiles of the row-invariant product (`Tuning.row_matmul`, `Tuning.row_invariant`):
+    columns and K chunk a program, the programs a row block aims for (K splits follow from
+    the weight's shape and this)."""
+
+    block_n: int = 128
+    block_k: int = 64
+    target_programs: int = 264
+    wide_n: int = 16384  # weights of at least this many columns (gate/up, LM heads), where wide_block_n
+    wide_block_n: int = 256  # divides N: programs this wide and one K split while the column tiles
+    one_wave: int = 132  # fit one wave of this many programs (the H100's SMs), else two splits
+    num_warps: int = 4
+    wide_num_warps: int = 8  # the wide tiles' programs: the 8B step 5.665 ms against 5.687 with 4, within noise
+    # in the products alone (docs/experiments.md, fifth pass)
+    num_stages: int = 3
 
 BLOCK_M = 16
 

@@ -28,18 +28,23 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
-from jspec.config import DEFAULT_TUNING, RowAttentionTiles, Tuning
 from jspec.kernels.mla import output as mla_output
+from jspec.kernels.mla.output import MlaOutputTiles
 from jspec.kernels.attention.decode import online_softmax_step
 from jspec.kernels.meta import AttnMeta
 from jspec.kernels.mla.decode import check_mla_args
 from jspec.kernels.row.attention import (
     ROWS,
+    RowAttentionTiles,
     key_rows,
     local_slots,
     num_splits,
     softmax_split,
 )
+
+# `Tuning.row_mla`'s default: one 64-key block a split (V2-Lite, 4 layers, batch 1 on an H100:
+# 0.532 ms a step against 0.535 with two blocks and 0.561 with four; docs/benchmarks.md)
+MLA_TILES = RowAttentionTiles(block_k=64, split_blocks=1)
 
 
 def _attend_kernel(prefix_ref, pos_ref, table_ref, lat_ref, qc_ref, qr_ref, lslot_ref, o_ref, lse_ref, *,
@@ -124,13 +129,15 @@ def row_mla_splits(q_lat, q_pe, latent_buf, meta: AttnMeta, *, scale: float,
     return o, lse
 
 
-def row_mla_output(q_lat, q_pe, latent_buf, meta: AttnMeta, w_uv, *, scale: float, tuning: Tuning | None = None,
+def row_mla_output(q_lat, q_pe, latent_buf, meta: AttnMeta, w_uv, *, scale: float,
+                   tiles: RowAttentionTiles | None = None, output_tiles: MlaOutputTiles | None = None,
                    interpret: bool | None = None):
-    """`row_mla_splits` (tiles `tuning.row_mla`), then `mla_output` with its splits merged
-    in split order (`ordered`: a program a token, head and column tile; the merged latent
-    rounded, then W_UV[h]) -> o [B,T,H,Dv] in w_uv's dtype, as
+    """`row_mla_splits` (tiles `tiles`, `Tuning.row_mla`; None: `MLA_TILES`), then
+    `mla_output` (tiles `output_tiles`, `Tuning.mla_output`; None: the defaults) with its
+    splits merged in split order (`ordered`: a program a token, head and column tile; the
+    merged latent rounded, then W_UV[h]) -> o [B,T,H,Dv] in w_uv's dtype, as
     `mla_attention.mla_attention` gives it."""
-    t = DEFAULT_TUNING if tuning is None else tuning
-    o, lse = row_mla_splits(q_lat, q_pe, latent_buf, meta, scale=scale, tiles=t.row_mla, interpret=interpret)
-    return mla_output.mla_output(o, lse, w_uv, num_tokens=q_lat.shape[1], tiles=t.mla_output, ordered=True,
+    o, lse = row_mla_splits(q_lat, q_pe, latent_buf, meta, scale=scale, tiles=MLA_TILES if tiles is None else tiles,
+                            interpret=interpret)
+    return mla_output.mla_output(o, lse, w_uv, num_tokens=q_lat.shape[1], tiles=output_tiles, ordered=True,
                                  interpret=interpret)

@@ -10,6 +10,7 @@ summed by one fixed reduction and the chunks added in order.
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
@@ -17,8 +18,21 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
-from jspec.config import RowNormTiles
 from jspec.kernels.tiling import KERNEL_DTYPES
+
+
+@dataclasses.dataclass(frozen=True)
+class RowNormTiles:
+    """Tiles of the row-invariant norm (`Tuning.row_norm`, `Tuning.row_invariant`): warps a row's program."""
+
+    num_warps: int | None = None  # None: 16 for rows of at least wide_d columns, else 4
+    wide_d: int = 4096  # on an H100, 16 warps were faster for the 8B shape's 4096 (docs/benchmarks.md)
+
+    def warps_for(self, d: int) -> int:
+        """Warps a program takes for rows of d columns."""
+        if self.num_warps is not None:
+            return self.num_warps
+        return 16 if d >= self.wide_d else 4
 
 
 def chunk_of(d: int) -> int:
