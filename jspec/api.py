@@ -123,12 +123,15 @@ class Compiled:
 
     def fit(self, reqs: rq.Requests):
         """Moves a greedy program to its sampling twin when these requests sample, and one
-        without logprobs to its twin that records them when these requests ask for them."""
+        without logprobs to the plan that keeps them when these requests ask for them."""
         fields = logprob_fields(reqs)
-        if reqs.samples and not self.plan.sampling:
-            self.plan = dataclasses.replace(self.plan, sampling=True)
         if any(v and not getattr(self.plan, k) for k, v in fields.items()):
-            self.plan = dataclasses.replace(self.plan, **{k: v or getattr(self.plan, k) for k, v in fields.items()})
+            base = self._reqs
+            self.plan = make_plan(self.params, base.lens, base.max_new, max(len(s) for s in base.stop_ids),
+                                  self.plan.sampling, self.cache, self.spec, self.plan.tuning,
+                                  **{k: v or getattr(self.plan, k) for k, v in fields.items()})
+        if reqs.samples and not self.plan.sampling:
+            self.plan = self.plan.variant(sampling=True)
 
     @property
     def weights(self):
