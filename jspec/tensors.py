@@ -180,7 +180,7 @@ class Tensors:
 
     def linear(self, *names_shapes, order=None):
         """A projection: Hugging Face [out, in] tensors, concatenated along `out` (rows
-        `order` of that), as the [in, out] `kernel` that `jspec.models.llama.Linear` uses."""
+        `order` of that), as the [in, out] `kernel` that `jspec.models.layers.Linear` uses."""
         return {"kernel": self.param(*names_shapes, order=order).T}
 
     def ignore(self, *names):

@@ -65,7 +65,7 @@ class Tuning:
     an elementwise multiply that writes the whole [K, N] product and a reduction that reads
     it back: 18.5 us instead of 6.2 for DeepSeek-V2-Lite's 2048x3072 query projection. With
     a second row of zeros it stays a matrix product. Weights of [lo, hi) elements get that
-    padding on these backends (`models.llama.pad_one_row`; docs/benchmarks.md, "One-row
+    padding on these backends (`models.layers.pad_one_row`; docs/benchmarks.md, "One-row
     products"); jax 0.11 has no option to turn the rewrite off.
 
     cpu_matmul_max_rows: float32 products of up to this many rows run jspec's native loops

@@ -11,7 +11,7 @@ import pytest
 from jspec.tuning import Tuning
 from jspec.kernels.cpu import matmul as cpu_matmul
 from jspec.kernels.dispatch import use_backend
-from jspec.models.llama import product
+from jspec.models.layers import product
 
 buildable = (shutil.which("c++") or shutil.which("g++")) and platform.machine().lower() in ("x86_64", "amd64") \
     and "avx2" in open("/proc/cpuinfo").read()

@@ -233,11 +233,11 @@ def test_latent_commit_moves_the_accepted_path(paged):
 
 
 def test_one_row_products_padded_to_two_rows(models):
-    """The GPU's one-row padding (`llama.pad_one_row`: XLA would turn these products into a
+    """The GPU's one-row padding (`layers.pad_one_row`: XLA would turn these products into a
     multiply plus a reduction), forced on here for every size by a tuning: a product gives
     the values of the plain product, and batch-1 greedy decoding of a bfloat16 model (whose
     projections all take the padding) the same tokens."""
-    from jspec.models import llama
+    from jspec.models import layers
 
     x = jax.random.normal(jax.random.key(0), (1, 1, 64), jnp.bfloat16)
     w = jax.random.normal(jax.random.key(1), (64, 48), jnp.bfloat16)
@@ -246,13 +246,13 @@ def test_one_row_products_padded_to_two_rows(models):
     def run(tuning):
         jspec.clear_caches()
         out = jspec.generate(params, [PROMPTS[0]], max_new_tokens=8, stop_token_ids=[], tuning=tuning)
-        hlo = jax.jit(lambda x, w: llama.product(x, w, float32_out=True, tuning=tuning)).lower(x, w).as_text()
-        return llama.product(x, w, float32_out=True, tuning=tuning), out.tokens[0], hlo
+        hlo = jax.jit(lambda x, w: layers.product(x, w, float32_out=True, tuning=tuning)).lower(x, w).as_text()
+        return layers.product(x, w, float32_out=True, tuning=tuning), out.tokens[0], hlo
 
     plain = run(Tuning())
     everywhere = Tuning(two_row_backends=(jax.default_backend(),), two_row_elements=(1, 1 << 40))
-    assert not llama.pad_one_row(1, w.size)  # by default from 1M elements on, and on GPUs only
-    assert llama.pad_one_row(1, w.size, everywhere) and not llama.pad_one_row(2, w.size, everywhere)
+    assert not layers.pad_one_row(1, w.size)  # by default from 1M elements on, and on GPUs only
+    assert layers.pad_one_row(1, w.size, everywhere) and not layers.pad_one_row(2, w.size, everywhere)
     padded = run(everywhere)
     jspec.clear_caches()
     assert "tensor<2x64xbf16>" in padded[2] and "tensor<2x64xbf16>" not in plain[2]  # the padded rows

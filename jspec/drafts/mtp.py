@@ -30,7 +30,7 @@ from jspec.models import family_for
 from jspec.models import deepseek_hf
 from jspec.models.deepseek import MtpLayer, split_deepseek
 from jspec.models.deepseek_hf import DeepseekConfig
-from jspec.models.llama import product
+from jspec.models.layers import product
 from jspec.tensors import Tensors, hf_linear, to_numpy
 from jspec.tuning import DEFAULT_TUNING
 

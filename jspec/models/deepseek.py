@@ -49,9 +49,8 @@ from jspec.models.family import row_invariant_measured_cheap
 from jspec.kernels import dispatch
 from jspec.kernels.row import matmul as row_matmul, mla as row_mla, norm as row_norm
 from jspec.kernels.tiling import in_order_sum, is_pow2
-from jspec.models.llama import DecoderLM, FlaxFamily, Linear, RMSNorm, product, rows_alone
+from jspec.models.layers import INIT, DecoderLM, FlaxFamily, Linear, RMSNorm, product, rows_alone
 
-_init = nn.initializers.normal(0.02)
 LATENT_NORM_EPS = 1e-6  # the q/kv latent norms use RMSNorm's default, not rms_norm_eps
 # `Tuning.row_invariant=None` turns it on for programs of up to this many rows: measured
 # about as fast at 1 and 4, 1.49x at 32 (`DeepseekFamily.row_invariant_by_default`); batches
@@ -106,8 +105,8 @@ class MLAttention(nn.Module):
         # kv_b_proj as its two halves (`deepseek_hf`): W_UK [Dc,H,Dn] and W_UV [H,Dv,Dc], the
         # latter so that each head's rows are contiguous for `kernels.mla.output`
         dt = jnp.dtype(c.dtype)
-        w_uk = self.param("w_uk", _init, (Dc, H, Dn), dt)
-        w_uv = self.param("w_uv", _init, (H, Dv, Dc), dt)
+        w_uk = self.param("w_uk", INIT, (Dc, H, Dn), dt)
+        w_uv = self.param("w_uv", INIT, (H, Dv, Dc), dt)
         latent_norm, _ = RMSNorm(LATENT_NORM_EPS, c.dtype, name="kv_a_layernorm")(
             jax.ShapeDtypeStruct((Dc,), dt), unapplied=True)
         cos, sin = rope_tables(meta.positions, c)  # [B,T,Dr/2]
@@ -229,7 +228,7 @@ class Indexer(nn.Module):
              + gamma["bias"].astype(jnp.float32)).astype(dt)
         q = jnp.concatenate([rotate_half_rope(q[..., :Dr], cos, sin), q[..., Dr:]], axis=-1)
         k = jnp.concatenate([rotate_half_rope(k[..., :Dr], cos, sin), k[..., Dr:]], axis=-1)
-        w = self.param("weights_proj", lambda key: {"kernel": _init(key, (xn.shape[-1], Hi), jnp.float32)})["kernel"]
+        w = self.param("weights_proj", lambda key: {"kernel": INIT(key, (xn.shape[-1], Hi), jnp.float32)})["kernel"]
         weights = jnp.einsum("btd,dh->bth", xn.astype(jnp.float32), w) * Hi ** -0.5  # [B,T,Hi]
         if buf is not None:
             buf = write_kv(buf, k, meta.write_index, meta.page_table is None)
@@ -269,8 +268,8 @@ class MLP(nn.Module):
         both products by the row kernel (`computes_rows_alone`)."""
         D, F, dt = x.shape[-1], self.width, jnp.dtype(self.dtype)
         tiles = self.tuning.experts
-        gate_up = self.param("gate_up_proj", lambda key: {"kernel": _init(key, (D, 2 * F), dt)})["kernel"]
-        down = self.param("down_proj", lambda key: {"kernel": _init(key, (F, D), dt)})["kernel"]
+        gate_up = self.param("gate_up_proj", lambda key: {"kernel": INIT(key, (D, 2 * F), dt)})["kernel"]
+        down = self.param("down_proj", lambda key: {"kernel": INIT(key, (F, D), dt)})["kernel"]
         if row_invariant:
             gu = product(x, gate_up, tuning=self.tuning, row_invariant=True, norm=norm)
             return product(silu_mul(gu[..., :F], gu[..., F:]), down, float32_out=self.partial, tuning=self.tuning,
@@ -315,10 +314,10 @@ class MoE(nn.Module):
         dt = jnp.dtype(c.dtype)
 
         def stacked(n, width):
-            return lambda key: {"gate_up": _init(key, (n, D, 2 * width), dt),
-                                "down": _init(jax.random.fold_in(key, 1), (n, width, D), dt)}
+            return lambda key: {"gate_up": INIT(key, (n, D, 2 * width), dt),
+                                "down": INIT(jax.random.fold_in(key, 1), (n, width, D), dt)}
 
-        router = self.param("router", lambda key: {"kernel": _init(key, (D, E), jnp.float32)}
+        router = self.param("router", lambda key: {"kernel": INIT(key, (D, E), jnp.float32)}
                             | ({"bias": jnp.zeros((E,), jnp.float32)} if c.scoring == "sigmoid" else {}))
         n = c.devices if c.per_device else 1  # a device's block: E/n experts, Fm/n shared columns
         experts = self.param("experts", stacked(E // n, Fm))
@@ -393,7 +392,7 @@ class DecoderLayer(nn.Module):
 
 
 def computes_rows_alone(tuning: Tuning, meta: AttnMeta) -> bool:
-    """Whether a DeepSeek pass runs its row-invariant paths: `llama.rows_alone` where the
+    """Whether a DeepSeek pass runs its row-invariant paths: `layers.rows_alone` where the
     kernels run (elsewhere the reference paths are row-invariant already)."""
     return rows_alone(tuning, meta) and dispatch.want_pallas(True)
 

@@ -18,7 +18,8 @@ from flax import linen as nn
 from jspec.cache.kv import KVCache
 from jspec.config import ModelConfig
 from jspec.tuning import DEFAULT_TUNING, Tuning
-from jspec.models.llama import MLP, Attention, DecoderLayer, Linear, RMSNorm
+from jspec.models.llama import MLP, Attention, DecoderLayer
+from jspec.models.layers import Linear, RMSNorm
 
 
 class Eagle1Head(nn.Module):

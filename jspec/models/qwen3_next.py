@@ -44,10 +44,9 @@ from jspec.kernels.gated_delta.kernels import (
 )
 from jspec.kernels.moe.route import Routing, route
 from jspec.models import qwen3_next_hf
-from jspec.models.llama import DecoderLM, FlaxFamily, Linear, apply_rope
+from jspec.models.layers import INIT, DecoderLM, FlaxFamily, Linear, apply_rope
 from jspec.models.qwen3_next_hf import LINEAR, HybridConfig
 
-_init = nn.initializers.normal(0.02)
 
 
 def offset_rms_norm(x, w, eps: float):
@@ -147,7 +146,7 @@ class GatedDeltaNet(nn.Module):
         proj = Linear(Ch + Vd + 2 * Hv, False, c.dtype, tuning=self.tuning, name="in_proj")(x)
         mixed, z = proj[..., :Ch], proj[..., Ch:Ch + Vd].reshape(B, T, Hv, Dv)
         b, a = proj[..., Ch + Vd:Ch + Vd + Hv], proj[..., Ch + Vd + Hv:]
-        w_conv = self.param("conv_weight", _init, (Ch, C), dt)
+        w_conv = self.param("conv_weight", INIT, (Ch, C), dt)
         A_log = self.param("A_log", lambda key, s: jnp.log(jax.random.uniform(key, s, jnp.float32, 1, 16)), (Hv,))
         dt_bias = self.param("dt_bias", nn.initializers.ones, (Hv,), jnp.float32)
         beta = jax.nn.sigmoid(b).astype(jnp.float32)
@@ -224,9 +223,9 @@ class SparseMoe(nn.Module):
         B, T, D = x.shape
         E, k, Fm = c.num_experts, c.num_experts_per_tok, c.moe_intermediate_size
         dt = jnp.dtype(c.dtype)
-        router = self.param("router", lambda key: {"kernel": _init(key, (D, E), jnp.float32)})
-        experts = self.param("experts", lambda key: {"gate_up": _init(key, (E, D, 2 * Fm), dt),
-                                                     "down": _init(jax.random.fold_in(key, 1), (E, Fm, D), dt)})
+        router = self.param("router", lambda key: {"kernel": INIT(key, (D, E), jnp.float32)})
+        experts = self.param("experts", lambda key: {"gate_up": INIT(key, (E, D, 2 * Fm), dt),
+                                                     "down": INIT(jax.random.fold_in(key, 1), (E, Fm, D), dt)})
         r = Routing(E, k, scoring="softmax", method="greedy", norm_topk_prob=c.norm_topk_prob)
         xs = x.reshape(B * T, D)
         weights, ids = route(r, xs, router["kernel"], tiles=tuning.route, expert_tiles=tuning.experts)  # [N, KP] each

@@ -23,7 +23,7 @@ layer at batch 1). RoPE takes cos and sin [N, Dr/2]
 float32 (the YaRN scale included); interleaved checkpoints rotate the pairs (x0, x1),
 (x2, x3), ... in float32 and lay the result out [evens, odds] (DeepSeek-V2/V3's layout in
 jspec, `models.deepseek.rope_pairs`); otherwise the halves are rotated in the
-activations' dtype, as `models.llama.apply_rope` does.
+activations' dtype, as `models.layers.apply_rope` does.
 """
 from __future__ import annotations
 

@@ -61,7 +61,7 @@ from jspec.kernels.tiling import KERNEL_DTYPES, chunk_start, in_order_sum, is_po
 class ExpertTiles:
     """Tiles of the expert kernel (`Tuning.experts`: decode and verification's routed and
     shared experts, DeepSeek's dense MLP and router product at a few rows) and `matvec`, the
-    same kernel for few-row dense products (`models.llama.Linear(row_kernel=True)`).
+    same kernel for few-row dense products (`models.layers.Linear(row_kernel=True)`).
 
     Measured on the H200 (benchmarks/kernels.py moe, device time of the routed
     experts, bf16): 3.3 TB/s at V3 N=1, 3.5-3.7 TB/s at N=4..16, 1.9 TB/s at V2-Lite N=1.
@@ -152,7 +152,7 @@ def routed_experts_reference(x, ids, gate_up, down, extra=None, slots: int | Non
 
 
 def rms_norm(x, weight, eps: float):
-    """RMSNorm of x's rows [..., D] with weight [D] as `models.llama.RMSNorm` computes it
+    """RMSNorm of x's rows [..., D] with weight [D] as `models.layers.RMSNorm` computes it
     (the factor in float32, the normed row rounded to x's dtype, then times the weight)."""
     xf = x.astype(jnp.float32)
     r = lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
@@ -428,7 +428,7 @@ def matvec(x, w, norm=None, *, float32_out: bool = False, sum_splits: bool = Tru
     """x [..., K] @ w [K, N] for a few rows through the expert kernel (w as one expert,
     one pair a row) -> [..., N] in w's dtype (float32 with `float32_out`); norm (weight,
     eps): x's rows RMS-normed first, in the kernel. XLA runs a one-row product with split-K
-    partials and a copy of x padded to two rows (`models.llama.pad_one_row`); here the K
+    partials and a copy of x padded to two rows (`models.layers.pad_one_row`); here the K
     splits are summed by the consumer's fusion and the norm needs no kernel of its own.
     sum_splits False: -> the K splits [S, rows, N] float32 unsummed, for a kernel that sums
     them as it loads them (`kernels.mla.inputs`). tiles: `matvec_block_n` columns a

@@ -3,7 +3,7 @@ of squares runs in one fixed order whatever the number of rows.
 
 XLA's reduction of a [M, D] array picks its strategy by the shape: one row is reduced as
 a whole vector, and a norm whose normed rows share a fusion with the sum (the deferred
-norm of `models.llama.RMSNorm`) is tiled by the fusion's outputs; on an H100 both changed
+norm of `models.layers.RMSNorm`) is tiled by the fusion's outputs; on an H100 both changed
 the bits of a decode step against a verification. Here a program takes one row and walks
 it in chunks of up to 4096 columns (one chunk for most models), each chunk's squares
 summed by one fixed reduction and the chunks added in order.
