@@ -14,7 +14,7 @@ on every batch-1 step (1 GB for Llama-3.1-8B over 2 GPUs).
 Which weight is split how is the family's (or draft kind's) business: `split` in its
 protocol returns its config and weights for n devices and a PartitionSpec tree
 (`weight_specs`); Llama-architecture modules share `jspec.models.llama.split_llama`.
-DeepSeek targets and MTP layers (`jspec.models.deepseek.split_deepseek`) split attention
+DeepSeek targets and MTP layers (`jspec.models.deepseek_split.split_deepseek`) split attention
 by heads and the routed experts by expert, and run each decoder layer per device under
 `shard_map` with their own two all-reduces (docs/design.md, "Several GPUs").
 """

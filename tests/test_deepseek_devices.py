@@ -1,6 +1,6 @@
 """DeepSeek targets and their MTP drafts split over 2 and 4 CPU devices (conftest asks XLA
 for 4): attention by heads, routed experts by expert (expert parallelism), shared experts
-and dense MLPs by columns (`models.deepseek.split_deepseek`).
+and dense MLPs by columns (`models.deepseek_split.split_deepseek`).
 
 Split output must equal one device's token for token (float32, greedy), the accepted
 drafts too; every split weight must really be split, each device reading only its block

@@ -28,7 +28,8 @@ from jspec.drafts.base import Draft
 from jspec.drafts.eagle import embed_tokens
 from jspec.models import family_for
 from jspec.models import deepseek_hf
-from jspec.models.deepseek import MtpLayer, split_deepseek
+from jspec.models.deepseek import MtpLayer
+from jspec.models.deepseek_split import split_deepseek
 from jspec.models.deepseek_hf import DeepseekConfig
 from jspec.models.layers import product
 from jspec.tensors import Tensors, hf_linear, to_numpy
@@ -90,7 +91,7 @@ class MtpDraft(Draft):
         return isinstance(tcfg, DeepseekConfig)
 
     def split(self, weights, n: int):
-        """Split as the target's layers are (`models.deepseek.split_deepseek`); eh_proj and
+        """Split as the target's layers are (`models.deepseek_split.split_deepseek`); eh_proj and
         the norms replicated, an own embedding or head by vocabulary."""
         model, weights, specs = split_deepseek(self.model, weights, n)
         return dataclasses.replace(self, model=model), weights, specs

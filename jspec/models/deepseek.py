@@ -24,9 +24,7 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from flax import linen as nn
-from jax.sharding import PartitionSpec as P
 
 from jspec.cache.latent import LatentCache, LatentCacheKind, cached_mla_attention
 from jspec.tuning import DEFAULT_TUNING, Tuning
@@ -42,9 +40,9 @@ from jspec.kernels.dsa import index as dsa_index, topk as dsa_topk
 from jspec.kernels.attention.decode import cache_mask
 from jspec.kernels.dsa.index import index_scores_reference
 from jspec import sharding
-from jspec.tensors import HostParam, StackedParam
 from jspec.models import deepseek_hf
 from jspec.models.deepseek_hf import DeepseekConfig
+from jspec.models.deepseek_split import device_sum, layer_on_devices, split_deepseek
 from jspec.models.family import row_invariant_measured_cheap
 from jspec.kernels import dispatch
 from jspec.kernels.row import matmul as row_matmul, mla as row_mla, norm as row_norm
@@ -397,29 +395,6 @@ def computes_rows_alone(tuning: Tuning, meta: AttnMeta) -> bool:
     return rows_alone(tuning, meta) and dispatch.want_pallas(True)
 
 
-def device_sum(y, c: DeepseekConfig):
-    """A layer part's output: on one device y itself; in a device's block
-    (`DeepseekConfig.per_device`) its float32 partial sum added up over the devices (one
-    all-reduce), in the model's dtype."""
-    if not c.per_device:
-        return y
-    return jax.lax.psum(y.astype(jnp.float32), sharding.AXIS).astype(c.jnp_dtype)
-
-
-def layer_on_devices(c: DeepseekConfig, layer: int, tuning: Tuning, params, x, buf, meta):
-    """Decoder layer `layer` of a model split over c.devices (`split_deepseek`): every
-    device runs the layer's code on its block of the weights (`DeepseekConfig.block`) under
-    `jax.shard_map`, so the Pallas kernels run per device as they do on one; x [B,T,D], the
-    latent buffer (every device writes the same rows) and meta are replicated. Two
-    all-reduces a layer (`device_sum`). -> (x [B,T,D], buffer)."""
-    specs = sharding.weight_specs(params, c.devices, device_splits(c), VOCAB_SPLITS)
-
-    def run(p, x, buf, meta):
-        return DecoderLayer(c.block(), layer, tuning, parent=None).apply({"params": p}, x, buf, meta)
-    return jax.shard_map(run, in_specs=(specs, P(), P(), P()), out_specs=(P(), P()), check_vma=False)(
-        params, x, buf, meta)
-
-
 class DeepseekModel(DecoderLM):
     """Token ids -> final-norm hidden states; `logits` applies the LM head."""
 
@@ -440,7 +415,8 @@ class DeepseekModel(DecoderLM):
                 aux[i] = x
             buf = None if cache is None else cache.layer(i)
             if c.devices > 1:
-                x, buf = layer_on_devices(c, i, self.tuning, layer.variables["params"], x, buf, meta)
+                x, buf = layer_on_devices(c, DecoderLayer(c.block(), i, self.tuning, parent=None),
+                                          layer.variables["params"], x, buf, meta)
             else:
                 x, buf = layer(x, buf, meta)
             bufs.append(buf)
@@ -469,90 +445,12 @@ class MtpLayer(nn.Module):
         x = Linear(c.hidden_size, False, c.dtype, row_kernel=True, tuning=self.tuning, name="eh_proj")(h)
         buf = None if cache is None else cache.layer(0)
         if c.devices > 1:
-            x, buf = layer_on_devices(c, 0, self.tuning, self.variables["params"]["block"], x, buf, meta)
+            x, buf = layer_on_devices(c, DecoderLayer(c.block(), 0, self.tuning, parent=None),
+                                      self.variables["params"]["block"], x, buf, meta)
         else:
             x, buf = DecoderLayer(c, 0, self.tuning, name="block")(x, buf, meta)
         out = RMSNorm(c.rms_norm_eps, c.dtype, name="shared_head_norm")(x)
         return out, None if cache is None else LatentCache.of_layers([buf])
-
-
-# Several devices: which weight splits how, by the last two keys of its path (one key: an
-# MTP draft's own embedding or head). Attention by heads (the latent cache and the latent
-# projections replicated), routed experts by expert, the shared experts' and dense MLPs'
-# columns Megatron's way, the embedding and LM head by vocabulary.
-def device_splits(c: DeepseekConfig) -> dict:
-    A = sharding.AXIS
-    splits = {("q_b_proj", "kernel"): P(None, A), ("self_attn", "w_uk"): P(None, A, None),
-              ("self_attn", "w_uv"): P(A, None, None), ("o_proj", "kernel"): P(A, None),
-              ("gate_up_proj", "kernel"): P(None, A), ("down_proj", "kernel"): P(A, None),
-              ("experts", "gate_up"): P(A, None, None), ("experts", "down"): P(A, None, None),
-              ("shared_experts", "gate_up"): P(None, None, A), ("shared_experts", "down"): P(None, A, None),
-              ("embed_tokens", "embedding"): P(A, None), ("lm_head", "kernel"): P(None, A),
-              ("embed",): P(A, None), ("head",): P(None, A)}
-    if not c.q_lora_rank:  # q_proj's columns by head, each device's followed by the latent's (`split_deepseek`)
-        splits |= {("qkv_a_proj", "kernel"): P(None, A), ("qkv_a_proj", "bias"): P(A)}
-    return splits
-
-
-VOCAB_SPLITS = (("embed_tokens", "embedding"), ("lm_head", "kernel"), ("embed",), ("head",))
-
-
-def _check_split(c: DeepseekConfig, n: int) -> None:
-    fits = [(c.num_heads, "attention heads"), (c.n_routed_experts, "routed experts")]
-    if c.first_k_dense_replace or not c.n_routed_experts:
-        fits.append((c.intermediate_size, "columns of the dense MLPs"))
-    if c.n_shared_experts:
-        fits.append((c.moe_intermediate_size, "columns of the shared experts"))
-    for size, what in fits:
-        if size % n:
-            raise ValueError(f"{size} {what} cannot be split over {n} devices")
-    if c.attention_bias:
-        raise ValueError("a DeepSeek model with attention biases cannot be split over devices yet (o_proj's bias "
-                         "would be added on every device)")
-    if c.devices != 1:
-        raise ValueError(f"this model is split over {c.devices} devices already")
-
-
-def _take_columns(w, cols: np.ndarray):
-    """w's last-axis entries `cols` (a kernel's columns, a bias' entries, each stacked
-    expert's columns), lazily for host weights."""
-    if isinstance(w, StackedParam):
-        return w.map(lambda m: m.take_rows(cols))
-    if isinstance(w, HostParam) and (w.transposed or w.ndim == 1):
-        return w.take_rows(cols)  # a kernel's columns are its source rows
-    return jnp.take(w, jnp.asarray(cols), axis=w.ndim - 1)
-
-
-def halves_by_device(width: int, n: int) -> np.ndarray:
-    """Columns of a [gate | up] pair of width 2 * width reordered so that device d's
-    contiguous block is [its gate columns | its up columns]."""
-    w = width // n
-    return np.concatenate([np.r_[d * w:(d + 1) * w, width + d * w:width + (d + 1) * w] for d in range(n)])
-
-
-def split_deepseek(c: DeepseekConfig, weights, n: int):
-    """A DeepSeek model (target weights, or an MTP draft's) for n devices -> (config with
-    `devices` n, weights, PartitionSpec tree), Megatron's way where it applies and expert
-    parallelism for the routed experts (`device_splits`; docs/design.md, "Several GPUs").
-    Columns are reordered so that each device's block is what its layer code expects: the
-    [gate | up] halves of dense and shared MLPs per device (`halves_by_device`) and, without
-    a query latent, q_proj's columns of its heads followed by the latent's (those repeat
-    on every device). Host weights stay unread (`HostParam`)."""
-    _check_split(c, n)
-    Q = c.num_heads * c.qk_head_dim
-    Dcr = c.kv_lora_rank + c.qk_rope_head_dim
-    qkv_cols = np.concatenate([np.r_[d * Q // n:(d + 1) * Q // n, Q:Q + Dcr] for d in range(n)])
-
-    def reorder(keys, w):
-        if keys[-2:-1] == ("qkv_a_proj",) and not c.q_lora_rank:
-            return _take_columns(w, qkv_cols)
-        if keys[-2:] == ("gate_up_proj", "kernel"):
-            return _take_columns(w, halves_by_device(c.intermediate_size, n))
-        if keys[-2:] == ("shared_experts", "gate_up"):
-            return _take_columns(w, halves_by_device(c.moe_intermediate_size, n))
-        return w
-    weights = sharding.map_weights(reorder, weights)
-    return c.replace(devices=n), weights, sharding.weight_specs(weights, n, device_splits(c), VOCAB_SPLITS)
 
 
 class DeepseekFamily(FlaxFamily):

@@ -68,7 +68,7 @@ class DeepseekConfig:
     architecture: str = "DeepseekV3ForCausalLM"
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
-    # Several devices (`models.deepseek.split_deepseek`): the model split over `devices`;
+    # Several devices (`models.deepseek_split.split_deepseek`): the model split over `devices`;
     # `per_device`: this config is one device's block of it (`block`).
     devices: int = 1
     per_device: bool = False
