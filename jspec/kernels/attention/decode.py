@@ -139,6 +139,24 @@ def online_softmax_step(sc, mask, v, carry):
     return acc * corr[:, None] + pv, m_new, l
 
 
+def walk_split(lo, hi, pblk, prefix_block, tail_block, o_ref, lse_ref):
+    """A split's key blocks [lo, hi) of a flash-decoding kernel (shared by the GQA and MLA
+    kernels): the blocks below pblk (prefix keys only) by `prefix_block`, the rest by
+    `tail_block` (each (blk, carry) -> carry, an `online_softmax_step`), from an empty carry
+    shaped as o_ref [BR, Dv]. Writes the split's softmax-weighted values, normalised over
+    its keys, to o_ref (float32) and the log of its denominator to lse_ref [BR] (NEG_INF
+    where it saw no key)."""
+    BR, Dv = o_ref.shape
+    carry = (jnp.zeros((BR, Dv), jnp.float32), jnp.full((BR,), NEG_INF, jnp.float32),
+             jnp.zeros((BR,), jnp.float32))
+    carry = lax.fori_loop(lo, jnp.minimum(hi, pblk), prefix_block, carry)
+    carry = lax.fori_loop(jnp.maximum(lo, pblk), hi, tail_block, carry)
+    acc, m, l = carry
+    seen = l > 0
+    o_ref[...] = acc / jnp.where(seen, l, 1.0)[:, None]
+    lse_ref[...] = jnp.where(seen, m + jnp.log(jnp.where(seen, l, 1.0)), NEG_INF)
+
+
 def _decode_kernel(bounds_ref, table_ref, qpos_ref, tail_mask_ref, kv_ref, *refs,
                    scale: float, block_k: int, page_size: int, dense: bool,
                    num_pages: int, num_keys: int, window: int, num_splits: int,
@@ -207,14 +225,7 @@ def _decode_kernel(bounds_ref, table_ref, qpos_ref, tail_mask_ref, kv_ref, *refs
         mask = tail_mask_ref[:, pl.ds((blk - pblk) * block_k, block_k)] != 0  # [BR, BK]
         return step(blk, carry, mask)
 
-    carry = (jnp.zeros((BR, Dh), jnp.float32), jnp.full((BR,), NEG_INF, jnp.float32),
-             jnp.zeros((BR,), jnp.float32))
-    carry = lax.fori_loop(lo, jnp.minimum(hi, pblk), prefix_block, carry)
-    carry = lax.fori_loop(jnp.maximum(lo, pblk), hi, tail_block, carry)
-    acc, m, l = carry
-    seen = l > 0
-    o_ref[...] = acc / jnp.where(seen, l, 1.0)[:, None]
-    lse_ref[...] = jnp.where(seen, m + jnp.log(jnp.where(seen, l, 1.0)), NEG_INF)
+    walk_split(lo, hi, pblk, prefix_block, tail_block, o_ref, lse_ref)
 
 
 # --------------------------------------------------------------------------- wrapper

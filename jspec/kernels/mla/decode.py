@@ -47,7 +47,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
-from jspec.kernels.attention.decode import cache_mask, check_meta, merge_splits, online_softmax_step
+from jspec.kernels.attention.decode import cache_mask, check_meta, merge_splits, online_softmax_step, walk_split
 from jspec.kernels.meta import AttnMeta, read_kv
 from jspec.kernels.tiling import KERNEL_DTYPES, is_pow2, pow2_ceil
 
@@ -154,14 +154,7 @@ def _mla_kernel(bounds_ref, table_ref, tail_mask_ref, lat_ref, qc_ref, qr_ref, o
         mask = tail_mask_ref[b, tok, pl.ds((blk - pblk) * block_k, block_k)] != 0  # [BR, BK]
         return step(blk, carry, mask)
 
-    carry = (jnp.zeros((BR, Dc), jnp.float32), jnp.full((BR,), NEG_INF, jnp.float32),
-             jnp.zeros((BR,), jnp.float32))
-    carry = lax.fori_loop(lo, jnp.minimum(hi, pblk), prefix_block, carry)
-    carry = lax.fori_loop(jnp.maximum(lo, pblk), hi, tail_block, carry)
-    acc, m, l = carry
-    seen = l > 0
-    o_ref[...] = acc / jnp.where(seen, l, 1.0)[:, None]
-    lse_ref[...] = jnp.where(seen, m + jnp.log(jnp.where(seen, l, 1.0)), NEG_INF)
+    walk_split(lo, hi, pblk, prefix_block, tail_block, o_ref, lse_ref)
 
 
 # --------------------------------------------------------------------------- wrapper
