@@ -1,5 +1,6 @@
 """What the cache-reading kernels know of a cache: how the T new tokens of a forward pass
-meet it (`AttnMeta`), and a layer's buffer read in slot order (`read_kv`).
+meet it (`AttnMeta`), a layer's buffer read in slot order (`read_kv`), and where a slot
+lies in a pool flattened over pages (`pool_rows`, inside a kernel).
 
 The slot layouts themselves (dense rows, paged pools, the trash slot, page allocation) are
 `jspec.cache.layout`'s, which builds every AttnMeta of the loop (`CacheLayout.meta`,
@@ -10,6 +11,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 from flax import struct
+from jax import lax
 
 
 @struct.dataclass
@@ -59,3 +61,14 @@ def read_kv(buf: jax.Array, page_table: jax.Array | None) -> jax.Array:
     B, G = page_table.shape
     pages = buf[jnp.clip(page_table, 0, buf.shape[0] - 1)]  # [B, G, P, ...]
     return pages.reshape((B, G * buf.shape[1]) + buf.shape[2:])
+
+
+def pool_rows(table_ref, b, slot, *, page_size: int, num_pages: int, dense: bool):
+    """Inside a kernel: the rows of a cache pool flattened over pages [num_pages * P, ...]
+    that batch row b's slots `slot` (int32, in range) are: dense, b's one page of S slots
+    (no table lookup); paged, through table_ref [B, G] (entries >= num_pages: unallocated,
+    clamped)."""
+    if dense:
+        return b * page_size + slot
+    page = table_ref[b, lax.div(slot, page_size)]
+    return jnp.clip(page, 0, num_pages - 1) * page_size + lax.rem(slot, page_size)

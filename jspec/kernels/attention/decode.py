@@ -44,7 +44,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
-from jspec.kernels.meta import AttnMeta, read_kv
+from jspec.kernels.meta import AttnMeta, pool_rows, read_kv
 from jspec.kernels.tiling import KERNEL_DTYPES, is_pow2, pow2_ceil
 
 
@@ -139,6 +139,17 @@ def online_softmax_step(sc, mask, v, carry):
     return acc * corr[:, None] + pv, m_new, l
 
 
+def slot_table(meta: AttnMeta, batch: int, page_size: int):
+    """The page table a flash-decoding kernel walks (shared by the GQA and MLA kernels) and
+    the slots a row can address: (meta.page_table [B, G], G * P), or for a dense cache the
+    identity table [B, 1] (row b's one page of S slots is b) and S."""
+    if meta.page_table is None:  # dense: one page of S slots per row, identity table
+        table = jnp.arange(batch, dtype=jnp.int32)[:, None]
+    else:
+        table = meta.page_table
+    return table, table.shape[1] * page_size
+
+
 def walk_split(lo, hi, pblk, prefix_block, tail_block, o_ref, lse_ref):
     """A split's key blocks [lo, hi) of a flash-decoding kernel (shared by the GQA and MLA
     kernels): the blocks below pblk (prefix keys only) by `prefix_block`, the rest by
@@ -201,11 +212,7 @@ def _decode_kernel(bounds_ref, table_ref, qpos_ref, tail_mask_ref, kv_ref, *refs
 
     def load_kv(blk):
         slot = jnp.minimum(blk * block_k + offs, num_keys - 1)  # [BK], clamped in range
-        if dense:
-            row = b * page_size + slot
-        else:
-            page = table_ref[b, lax.div(slot, page_size)]  # [BK]
-            row = jnp.clip(page, 0, num_pages - 1) * page_size + lax.rem(slot, page_size)
+        row = pool_rows(table_ref, b, slot, page_size=page_size, num_pages=num_pages, dense=dense)
         return kv_ref[row, 0, h, :], kv_ref[row, 1, h, :]  # [BK, Dh] each
 
     def step(blk, carry, mask):  # carry: acc [BR, Dh], m [BR], l [BR]
@@ -440,11 +447,7 @@ def paged_decode_attention(q, kv_buf, meta: AttnMeta, *, window: int = 0, scale:
     B, T, H, Dh = q.shape
     Hkv = kv_buf.shape[3]
     page_size = kv_buf.shape[1]
-    if meta.page_table is None:  # dense: one page of S slots per row, identity table
-        table = jnp.arange(B, dtype=jnp.int32)[:, None]
-    else:
-        table = meta.page_table
-    num_keys = table.shape[1] * page_size  # slots a row can address (S when dense)
+    table, num_keys = slot_table(meta, B, page_size)
 
     t = AttentionTiles() if tiles is None else tiles
     block_k = t.block_k if block_k is None else block_k

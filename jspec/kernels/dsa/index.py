@@ -25,7 +25,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 from jspec.kernels import dispatch
-from jspec.kernels.meta import read_kv
+from jspec.kernels.meta import pool_rows, read_kv
 from jspec.kernels.tiling import KERNEL_DTYPES, is_pow2, pow2_ceil
 
 MIN_ROWS = 16
@@ -44,11 +44,7 @@ def _kernel(table_ref, key_ref, q_ref, w_ref, o_ref, *, scale: float, block_k: i
     blk, bt = pl.program_id(0), pl.program_id(1)
     b = bt // num_tokens
     slot = jnp.minimum(blk * block_k + jnp.arange(block_k, dtype=jnp.int32), num_keys - 1)
-    if dense:
-        row = b * page_size + slot
-    else:
-        page = table_ref[b, lax.div(slot, page_size)]
-        row = jnp.clip(page, 0, num_pages - 1) * page_size + lax.rem(slot, page_size)
+    row = pool_rows(table_ref, b, slot, page_size=page_size, num_pages=num_pages, dense=dense)
     k = key_ref[row, :]  # [BK, Di]
     q = q_ref[...]  # [Hp, Di]
     nt = (((1,), (1,)), ((), ()))

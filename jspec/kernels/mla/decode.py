@@ -47,8 +47,8 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
-from jspec.kernels.attention.decode import cache_mask, check_meta, merge_splits, online_softmax_step, walk_split
-from jspec.kernels.meta import AttnMeta, read_kv
+from jspec.kernels.attention.decode import cache_mask, check_meta, merge_splits, online_softmax_step, slot_table, walk_split
+from jspec.kernels.meta import AttnMeta, pool_rows, read_kv
 from jspec.kernels.tiling import KERNEL_DTYPES, is_pow2, pow2_ceil
 
 
@@ -133,11 +133,7 @@ def _mla_kernel(bounds_ref, table_ref, tail_mask_ref, lat_ref, qc_ref, qr_ref, o
 
     def load(blk):
         slot = jnp.minimum(blk * block_k + offs, num_keys - 1)  # [BK], clamped in range
-        if dense:
-            row = b * page_size + slot
-        else:
-            page = table_ref[b, lax.div(slot, page_size)]  # [BK]
-            row = jnp.clip(page, 0, num_pages - 1) * page_size + lax.rem(slot, page_size)
+        row = pool_rows(table_ref, b, slot, page_size=page_size, num_pages=num_pages, dense=dense)
         return lat_ref[row, pl.ds(0, Dc)], lat_ref[row, pl.ds(Dc, Dr)]  # [BK, Dc], [BK, Dr]
 
     def step(blk, carry, mask):
@@ -344,11 +340,7 @@ def paged_mla_attention_splits(q_lat, q_pe, latent_buf, meta: AttnMeta, *, scale
         raise TypeError(f"scale must be a static float, got {scale!r}")
     B, T, H, Dc = q_lat.shape
     page_size = latent_buf.shape[1]
-    if meta.page_table is None:  # dense: one page of S slots per row, identity table
-        table = jnp.arange(B, dtype=jnp.int32)[:, None]
-    else:
-        table = meta.page_table
-    num_keys = table.shape[1] * page_size  # slots a row can address (S when dense)
+    table, num_keys = slot_table(meta, B, page_size)
 
     t = MlaDecodeTiles() if tiles is None else tiles
     if block_k is None:

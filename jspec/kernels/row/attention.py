@@ -42,7 +42,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 from jspec.kernels.attention.decode import NEG_INF, check_attention_args, online_softmax_step
-from jspec.kernels.meta import AttnMeta
+from jspec.kernels.meta import AttnMeta, pool_rows
 from jspec.kernels.tiling import in_order_fold, pow2_ceil
 
 
@@ -97,10 +97,7 @@ def key_rows(p, b, prefix, pos, lslot, table_ref, *, page_size: int, dense: bool
         slot = jnp.where(rel < 0, p, read(jnp.clip(rel, 0, Tp - 1)))
     mask = slot >= 0 if pos is None else (p <= pos) & (slot >= 0)
     slot = jnp.clip(slot, 0, num_keys - 1)
-    if dense:
-        return b * page_size + slot, mask
-    page = table_ref[b, lax.div(slot, page_size)]
-    return jnp.clip(page, 0, num_pages - 1) * page_size + lax.rem(slot, page_size), mask
+    return pool_rows(table_ref, b, slot, page_size=page_size, num_pages=num_pages, dense=dense), mask
 
 
 def softmax_split(run, rows: int, dim: int):
