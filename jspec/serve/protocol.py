@@ -91,30 +91,35 @@ class Message(BaseModel):
     name: str | None = None
 
 
-class ChatCompletionRequest(Sampling):
-    messages: list[Message] = Field(min_length=1)
-    max_completion_tokens: int | None = Field(None, ge=0)
-    logprobs: bool = False
-    top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
-    tools: list[dict] | None = None
-    tool_choice: Any = None
+class ChatTemplating(BaseModel):
+    """How chat messages become a prompt (vLLM's fields): the chat template's options and
+    whether the tokenizer adds its special tokens to the rendered text (False for chat:
+    the template writes them)."""
+
+    model_config = ConfigDict(extra="allow")
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     add_special_tokens: bool = False
     chat_template_kwargs: dict[str, Any] | None = None
 
 
-class TokenizeRequest(BaseModel):
-    """vLLM's /tokenize: a prompt, or chat messages rendered with the chat template."""
+class ChatCompletionRequest(Sampling, ChatTemplating):
+    messages: list[Message] = Field(min_length=1)
+    max_completion_tokens: int | None = Field(None, ge=0)
+    logprobs: bool = False
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    tools: list[dict] | None = None
+    tool_choice: Any = None
 
-    model_config = ConfigDict(extra="allow")
+
+class TokenizeRequest(ChatTemplating):
+    """vLLM's /tokenize: a prompt (special tokens added by default), or chat messages
+    rendered with the chat template."""
+
     model: str | None = None
     prompt: str | None = None
     messages: list[Message] | None = None
     add_special_tokens: bool = True
-    add_generation_prompt: bool = True
-    continue_final_message: bool = False
-    chat_template_kwargs: dict[str, Any] | None = None
 
 
 class DetokenizeRequest(BaseModel):
@@ -204,30 +209,31 @@ def message_text(m: Message, i: int) -> str:
     return "\n".join(texts)
 
 
-def chat_prompt(req: ChatCompletionRequest, tokenizer, template: str | None) -> list[int]:
+def chat_prompt(messages: list[Message], options: ChatTemplating, tokenizer, template: str | None,
+                add_special_tokens: bool) -> list[int]:
     """The messages rendered with the chat template (the server's --chat-template, else the
-    tokenizer's) and encoded once: the template's own special tokens are not added again
-    (`add_special_tokens`, False by default as vLLM's chat)."""
+    tokenizer's; `options` its settings) and encoded once: the template's own special
+    tokens are not added again unless `add_special_tokens` (False for chat, as vLLM's)."""
     if tokenizer is None:
         raise BadRequest("this model has no tokenizer: use /v1/completions with token ids", "messages")
     template = template or getattr(tokenizer, "chat_template", None)
     if not template:
         raise BadRequest("this model has no chat template: start the server with --chat-template, or use "
                          "/v1/completions", "messages")
-    messages = []
-    for i, m in enumerate(req.messages):
+    rendered = []
+    for i, m in enumerate(messages):
         extra = {k: v for k, v in (m.model_extra or {}).items() if v is not None}
-        messages.append({"role": m.role, "content": message_text(m, i), **({"name": m.name} if m.name else {}),
+        rendered.append({"role": m.role, "content": message_text(m, i), **({"name": m.name} if m.name else {}),
                          **extra})
     try:
-        text = tokenizer.apply_chat_template(messages, chat_template=template, tokenize=False,
-                                             add_generation_prompt=req.add_generation_prompt and
-                                             not req.continue_final_message,
-                                             continue_final_message=req.continue_final_message,
-                                             **(req.chat_template_kwargs or {}))
+        text = tokenizer.apply_chat_template(rendered, chat_template=template, tokenize=False,
+                                             add_generation_prompt=options.add_generation_prompt and
+                                             not options.continue_final_message,
+                                             continue_final_message=options.continue_final_message,
+                                             **(options.chat_template_kwargs or {}))
     except Exception as err:  # noqa: BLE001  (a template that rejects these messages)
         raise BadRequest(f"the chat template rejected these messages: {err}", "messages") from None
-    ids = list(tokenizer(text, add_special_tokens=req.add_special_tokens)["input_ids"])
+    ids = list(tokenizer(text, add_special_tokens=add_special_tokens)["input_ids"])
     if not ids:
         raise BadRequest("the chat template rendered these messages as no tokens", "messages")
     return ids

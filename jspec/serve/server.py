@@ -80,8 +80,9 @@ class Server:
                              404, "model_not_found")
 
     def prompts(self, req, chat: bool) -> list[list[int]]:
-        return [chat_prompt(req, self.tokenizer, self.chat_template)] if chat else completion_prompts(req,
-                                                                                                     self.tokenizer)
+        if chat:
+            return [chat_prompt(req.messages, req, self.tokenizer, self.chat_template, req.add_special_tokens)]
+        return completion_prompts(req, self.tokenizer)
 
     def submit_kwargs(self, req, chat: bool) -> dict:
         """The engine's arguments for each sample of a request (seed: the first sample's)."""
@@ -441,11 +442,7 @@ def build_app(engine: Engine, model_name: str, *, api_key: str | None = None, ch
             if server.tokenizer is None:
                 raise BadRequest("this model has no tokenizer", "prompt")
             if req.messages is not None:
-                ids = chat_prompt(ChatCompletionRequest(messages=req.messages, add_special_tokens=False,
-                                                        add_generation_prompt=req.add_generation_prompt,
-                                                        continue_final_message=req.continue_final_message,
-                                                        chat_template_kwargs=req.chat_template_kwargs),
-                                  server.tokenizer, server.chat_template)
+                ids = chat_prompt(req.messages, req, server.tokenizer, server.chat_template, False)
             else:
                 ids = list(server.tokenizer(req.prompt, add_special_tokens=req.add_special_tokens)["input_ids"])
         except BadRequest as err:
