@@ -271,6 +271,7 @@ def test_models_auth_metrics_and_queue(served, target):
     assert code == 200 and json.loads(body)["id"] == "tiny"
     code, body = get(url + "/v1/models/nope")
     assert code == 404 and json.loads(body)["error"]["param"] == "model"
+    assert post(url + "/v1/completions", {"prompt": "x", "max_tokens": 2})[0] == 200  # whatever ran before
     status, metrics = get(url + "/metrics")
     for name in ("jspec:time_to_first_token_seconds_bucket", "jspec:time_per_output_token_seconds_count",
                  "jspec:e2e_request_latency_seconds_sum", "jspec:request_queue_time_seconds_bucket",
