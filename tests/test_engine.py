@@ -251,7 +251,7 @@ def test_serve_load_benchmark(with_draft):
     from jspec.serve.tiers import measure_costs
     engine = jspec.Engine(with_draft("eagle3"), max_batch=2, max_prompt_len=max(len(p) for p in PROMPTS[1:3]),
                           max_new_tokens=6, spec=adaptive, rounds_per_chunk=2)
-    measured = measure_costs(engine.runner, context=4, rounds=2, repeats=1)
+    measured = measure_costs(engine.runner, context=4, repeats=1)
     assert sorted(measured) == sorted(adaptive.costs) and all(c > 0 for c in measured.values())
 
 

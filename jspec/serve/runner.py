@@ -192,14 +192,14 @@ class Runner:
             self._program(key, entry, plan, args)
         return len(needed), time.perf_counter() - t0
 
-    def time_rounds(self, tier: int, n: int, context: int, rounds: int, repeats: int) -> float:
+    def time_rounds(self, tier: int, n: int, context: int, repeats: int) -> float:
         """Seconds a round of tier `tier` takes with n rows running placeholder requests
         whose prompts hold `context` tokens: admitted into an idle state, a warm-up chunk,
         `repeats` timed chunks, then evicted (`jspec.serve.tiers.measure_costs`)."""
         if self.state is None:
             self.reset()
         prompt = [1 + (i % 97) for i in range(max(1, min(context, self.max_prompt_len)))]
-        max_new = max(1, min(self.max_new_tokens, rounds * (repeats + 1) * self.plan.max_emit))
+        max_new = max(1, min(self.max_new_tokens, self.rounds_per_chunk * (repeats + 1) * self.plan.max_emit))
         reqs = rq.check_requests(self.params, [prompt] * n, max_new, [], {})
         rows = list(range(n))
         jax.block_until_ready(self.admit(rows, reqs))

@@ -198,10 +198,10 @@ class Chooser:
         return pick
 
 
-def measure_costs(runner, context: int, rounds: int = 4, repeats: int = 2) -> dict:
+def measure_costs(runner, context: int, repeats: int = 2) -> dict:
     """Seconds a round per (tier index, occupancy bucket), measured on a runner's own
     programs before the engine serves (`jspec.serve.runner.Runner.time_rounds`): for each
     tier and bucket n, n placeholder requests with `context` prompt tokens are admitted,
-    run a warm-up chunk and `repeats` timed chunks of `rounds` rounds, then evicted."""
-    return {(tier, n): runner.time_rounds(tier, n, context, rounds, repeats)
+    run a warm-up chunk and `repeats` timed chunks, then evicted."""
+    return {(tier, n): runner.time_rounds(tier, n, context, repeats)
             for tier in range(len(runner.tiers)) for n in buckets(runner.batch)}
