@@ -21,7 +21,7 @@
    continuation (drafts accepted) and half not (drafts rejected).
 
     PYTHONPATH=. python3 benchmarks/serve_engine.py [--shape 8b|tiny] [--batch 32] [--new 256]
-        [--parts full,stall,host,load]
+        [--parts full,stall,host,load] [--settings plain|spec|both]
 
 `--identical` instead serves the bundled pair's requests (the built-in prompts with
 several lengths and seeds, greedy and sampled) through an adaptive engine at staggered
@@ -152,8 +152,10 @@ def permutation_target(cfg, seed: int = 0) -> jspec.Params:
     return jspec.Params(config=cfg, weights=w), pi
 
 
-def load_8b(cfg, rates, requests: int, batch: int, new: int, prompt: int) -> list:
-    """`run_serve_bench` on the permutation target with n-gram drafts (see the module)."""
+def load_8b(cfg, rates, requests: int, batch: int, new: int, prompt: int, settings: str = "both") -> list:
+    """`run_serve_bench` on the permutation target with n-gram drafts (see the module);
+    settings: "plain" (its own engine), "spec" (adaptive and the fixed tiers, one engine)
+    or "both"."""
     from jspec.serve.load import format_load_table, run_serve_bench
     from jspec.serve.tiers import Adaptive, default_tiers
     target, pi = permutation_target(cfg)
@@ -170,9 +172,13 @@ def load_8b(cfg, rates, requests: int, batch: int, new: int, prompt: int) -> lis
         else:
             prompts.append(run[:prompt])
     params = target.with_draft(jspec.NgramDraft())
-    specs = [None, Adaptive(), *[t for t in default_tiers(jspec.SpecConfig(3)) if t is not None]]
+    specs = [None] if settings != "spec" else []
+    if settings != "plain":
+        specs += [Adaptive(), *[t for t in default_tiers(jspec.SpecConfig(3)) if t is not None]]
+    t0 = time.perf_counter()
     rows = run_serve_bench(params, prompts, rates=rates, specs=specs, requests=requests, max_new_tokens=new,
-                           max_batch=batch)
+                           max_batch=batch, progress=lambda line: print(f"[{time.perf_counter() - t0:6.1f} s] {line}",
+                                                                       flush=True))
     print(format_load_table(rows), flush=True)
     return [r.__dict__ for r in rows]
 
@@ -329,6 +335,8 @@ def main():
     ap.add_argument("--rates", type=float, nargs="+", default=[16.0, 64.0, 256.0], help="the load part's rates")
     ap.add_argument("--requests", type=int, default=96, help="the load part's requests a rate")
     ap.add_argument("--load-new", type=int, default=64, help="the load part's tokens a request")
+    ap.add_argument("--settings", default="both", choices=["plain", "spec", "both"],
+                    help="the load part's settings: plain decoding, spec (adaptive and the fixed tiers), both")
     ap.add_argument("--identical", action="store_true", help="the bundled pair's share of identical outputs")
     ap.add_argument("--rounds-per-chunk", type=int, default=4)
     ap.add_argument("--tag", default="", help="result file serve_engine_{shape}_{tag}.json")
@@ -339,19 +347,24 @@ def main():
         print("identical:", r)
         print("saved", common.save_json("serve_identical.json", {"env": common.env_info(), **r}))
         return
-    params = common.random_params(common.LLAMA31_8B if args.shape == "8b" else TINY)
-    vocab = params.config.vocab_size
+    cfg = common.LLAMA31_8B if args.shape == "8b" else TINY
+    parts = args.parts.split(",")
+    if parts == ["load"]:  # the load part makes its own target
+        params = None
+    else:
+        params = common.random_params(cfg)
+    vocab = cfg.vocab_size
     cache = jspec.CacheConfig("paged", page_size=16)
     out = {"env": common.env_info(), "shape": args.shape}
     name = f"serve_engine_{args.shape}{'_' + args.tag if args.tag else ''}.json"
     rng = np.random.default_rng(1)
-    parts = args.parts.split(",")
     if "host" in parts:
         r = host_time(params, args.batch, args.prompt, args.host_new, cache, args.rounds_per_chunk)
         out["host"] = r
         print("host:", common.rounded(r), flush=True)
     if "load" in parts:
-        out["load"] = load_8b(params.config, args.rates, args.requests, args.batch, args.load_new, args.prompt)
+        out["load"] = load_8b(cfg, args.rates, args.requests, args.batch, args.load_new, args.prompt, args.settings)
+        print("saved", common.save_json(name, out), flush=True)  # before any later part
     if "full" in parts:
         prompts = [rng.integers(1, vocab, args.prompt).tolist() for _ in range(args.batch)]
         options = tuple(tuple(kv.split("=", 1)) for kv in args.xla.split(";") if kv)

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from typing import Sequence
+from collections.abc import Callable, Sequence
 
 import numpy as np
 
@@ -82,10 +82,12 @@ def tier_shares(before: dict, after: dict) -> str:
 
 def run_serve_bench(params, prompts: Sequence, *, rates: Sequence[float], specs: Sequence, requests: int = 32,
                     max_new_tokens: int = 64, max_batch: int = 8, rounds_per_chunk: int = 4, seed: int = 0,
-                    prefill_chunk: int = 512) -> list[LoadRow]:
+                    prefill_chunk: int = 512, progress: Callable[[str], None] | None = None) -> list[LoadRow]:
     """One `LoadRow` per setting and rate; a setting is None (plain decoding, the draft left
     out), a SpecConfig (fixed) or an `Adaptive`. Each engine serves every rate of each of
-    its settings in turn (see the module for which settings share one)."""
+    its settings in turn (see the module for which settings share one). progress, where
+    given, is called with a line before and after each engine's warm-up and after each row."""
+    say = progress or (lambda line: None)
     lens = [len(params.tokenizer(p)["input_ids"]) if isinstance(p, str) else len(p) for p in prompts]
     adaptive = next((s for s in specs if isinstance(s, Adaptive)), None)
 
@@ -93,7 +95,10 @@ def run_serve_bench(params, prompts: Sequence, *, rates: Sequence[float], specs:
         p = params if spec is not None else params.with_draft(None)
         engine = Engine(p, max_batch=max_batch, max_prompt_len=max(lens), max_new_tokens=max_new_tokens, spec=spec,
                         rounds_per_chunk=rounds_per_chunk, max_waiting=max(requests, 1), prefill_chunk=prefill_chunk)
-        return engine, engine.warm_up(lens, sampled=False, logprobs=False)  # the requests are greedy
+        say(f"warming up the {'plain' if spec is None else setting_name(spec)} engine")
+        seconds = engine.warm_up(lens, sampled=False, logprobs=False)  # the requests are greedy
+        say(f"warm-up {seconds:.1f} s, {engine.stats.programs} programs")
+        return engine, seconds
     shared = engine_for(adaptive) if adaptive is not None else None
     rows = []
     for spec in specs:
@@ -119,6 +124,7 @@ def run_serve_bench(params, prompts: Sequence, *, rates: Sequence[float], specs:
                                      for h in hs]),
                 e2e_ms=percentiles([h.finished_at - h.submitted for h in hs]), tau=tau, compile_s=compile_s,
                 tiers=tier_shares(before[0], s.tier_chunks)))
+            say(format_load_table(rows[-1:]).splitlines()[-1])
         if shared is None or engine is not shared[0]:
             engine.close()
     if shared is not None:
