@@ -38,6 +38,23 @@ by hand instead failed in transformers 5.17: CUDA-graph outputs overwritten, the
 segmentation fault.)
      PYTHONPATH=. python3 benchmarks/bench_8b.py transformers [batch ...]
 Result: $OUT/transformers_8b.json
+
+prefill: one prompt of 4k, 16k, 32k and 128k tokens through `jspec.compile(...).run` with
+max_new_tokens=1 (prefilled in blocks of `Tuning.prefill_block`), every length through ONE
+program compiled for `CacheConfig(max_len=...)` (dense; `--paged` adds the paged cache),
+seconds a prompt (median of 3 after a warm run), tokens/s and MFU against the bf16 matmul
+rate measured in the same process. Then one layer's causal attention over T tokens, in
+milliseconds: cuDNN's fused attention (`jax.nn.dot_product_attention(implementation=
+"cudnn")`), jspec's prefill path (the first block by the reference, every later block by
+the Pallas cache kernel over the prefix) and jax's example Pallas kernels, Triton
+(`pallas.ops.gpu.attention`) and Mosaic GPU (`pallas.ops.gpu.attention_mgpu`), where they
+run.
+     PYTHONPATH=. python3 benchmarks/bench_8b.py prefill [4096 16384 32768 131072] [--paged]
+Result: $OUT/prefill_8b.json
+transformers_prefill: transformers' one prefill forward (sdpa, logits of the last position
+only) at the same lengths.
+     PYTHONPATH=. python3 benchmarks/bench_8b.py transformers_prefill [4096 ...]
+Result: $OUT/transformers_prefill_8b.json
 """
 from __future__ import annotations
 
@@ -47,7 +64,8 @@ import sys
 import time
 
 import jspec
-from benchmarks.common import (CTX, LLAMA31_8B, LONG, SHORT, Runner, ceiling_of, copy_bandwidth, eagle3_head,
+from benchmarks.common import (CTX, LLAMA31_8B, LONG, SHORT, Runner, best_call_time, ceiling_of, copy_bandwidth,
+                               eagle3_head, median_time,
                                env_info, kv_bytes, prompts, random_params, rounded, save_json, tagged, tunings,
                                weight_bytes)
 
@@ -165,6 +183,177 @@ def transformers_decode(batches):
     return res
 
 
+# --------------------------------------------------------------------------- prefill
+
+PREFILL_LENGTHS = (4096, 16384, 32768, 131072)
+
+
+def prefill_flops(cfg, T: int) -> float:
+    """FLOPs of one causal prefill of T tokens: the layers' products (2 a weight a token)
+    and attention (QK and PV over T / 2 keys on average); the LM head of one position."""
+    H, Hkv, Dh, D = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.hidden_size
+    per_layer = D * (H + 2 * Hkv) * Dh + H * Dh * D + 3 * D * cfg.intermediate_size
+    return 2.0 * cfg.num_layers * per_layer * T + 4.0 * cfg.num_layers * H * Dh * T * T / 2 + 2.0 * D * cfg.vocab_size
+
+
+def matmul_rate() -> float:
+    """bf16 FLOP/s of an 8192^3 product (XLA's GEMM), best of several calls."""
+    import jax
+    import jax.numpy as jnp
+    a = jax.random.normal(jax.random.key(0), (8192, 8192), jnp.bfloat16)
+    f = jax.jit(lambda a, b: a @ b)
+    per, _ = best_call_time(f, a, a, calls=20)
+    return 2 * 8192 ** 3 / per
+
+
+def attention_times(T: int, block: int = 2048) -> dict:
+    """ms of one layer's causal attention over T tokens of the 8B shape (see the module)."""
+    import jax
+    import jax.numpy as jnp
+    from jspec.cache.layout import causal_mask
+    from jspec.kernels.attention import decode as da
+    from jspec.kernels.attention import fused
+    from jspec.kernels.meta import AttnMeta
+    H, Hkv, Dh = LLAMA31_8B.num_heads, LLAMA31_8B.num_kv_heads, LLAMA31_8B.head_dim
+    ks = jax.random.split(jax.random.key(T), 3)
+    q = jax.random.normal(ks[0], (1, T, H, Dh), jnp.bfloat16)
+    k = jax.random.normal(ks[1], (1, T, Hkv, Dh), jnp.bfloat16)
+    v = jax.random.normal(ks[2], (1, T, Hkv, Dh), jnp.bfloat16)
+    scale = Dh ** -0.5
+    out = {}
+
+    def timed(name, f, *args):
+        try:
+            out[name] = median_time(jax.jit(f), *args, n=5) * 1e3
+        except Exception as e:  # noqa: BLE001 - a peer that does not run is a figure too
+            out[name] = f"failed: {type(e).__name__}: {str(e)[:300]}"
+        print(f"attention T={T}", name, out[name], flush=True)
+
+    timed("cudnn", lambda q, k, v: jax.nn.dot_product_attention(q, k, v, is_causal=True, scale=scale,
+                                                                implementation="cudnn"), q, k, v)
+
+    def jspec_path(q, k, v, fused_blocks: bool):
+        kv = jnp.stack([k, v], axis=2)  # the dense cache [1, T, 2, Hkv, Dh], every key written
+        outs = []
+        for start in range(0, T, block):
+            pos = jnp.arange(start, start + block, dtype=jnp.int32)[None]
+            meta = AttnMeta(positions=pos, prefix_len=jnp.full((1,), start, jnp.int32),
+                            local_mask=causal_mask(jnp.full((1,), block, jnp.int32), block), local_positions=pos,
+                            write_index=pos, page_table=None, prefill=start == 0, causal_block=True)
+            qb, kb, vb = q[:, start:start + block], k[:, start:start + block], v[:, start:start + block]
+            if fused_blocks:
+                outs.append(fused.block_attention(qb, kb, vb, None if start == 0 else kv, meta, scale=scale))
+            elif start == 0:
+                outs.append(da.attention_reference(qb, kb, vb, None, meta, scale=scale))
+            else:
+                outs.append(da.paged_decode_attention(qb, kv, meta, scale=scale))
+        return jnp.concatenate(outs, axis=1)
+    timed("jspec_kernel_blocks", lambda q, k, v: jspec_path(q, k, v, False), q, k, v)
+    timed("jspec_fused_blocks", lambda q, k, v: jspec_path(q, k, v, True), q, k, v)
+    a, b = (jax.jit(lambda q, k, v, f=f: jspec_path(q, k, v, f))(q, k, v).astype(jnp.float32) for f in (False, True))
+    c = jax.nn.dot_product_attention(q, k, v, is_causal=True, scale=scale, implementation="cudnn").astype(jnp.float32)
+    out["max_abs_diff_fused_vs_kernel"] = float(jnp.max(jnp.abs(a - b)))
+    out["max_abs_diff_fused_vs_one_cudnn_call"] = float(jnp.max(jnp.abs(c - b)))
+    print(f"attention T={T}", {k: v for k, v in out.items() if k.startswith("max")}, flush=True)
+    try:
+        from jax.experimental.pallas.ops.gpu import attention as triton_attention
+        kr, vr = (jnp.repeat(x, H // Hkv, axis=2) for x in (k, v))
+        timed("pallas_triton", lambda q, k, v: triton_attention.mha(q, k, v, None, sm_scale=scale, causal=True),
+              q, kr, vr)
+    except Exception as e:  # noqa: BLE001
+        out["pallas_triton"] = f"failed: {type(e).__name__}: {str(e)[:300]}"
+    try:
+        from jax.experimental.pallas.ops.gpu import attention_mgpu
+        cfg = attention_mgpu.TuningConfig(block_q=128, block_kv=128, max_concurrent_steps=2, causal=True)
+        timed("pallas_mosaic_gpu", lambda q, k, v: attention_mgpu.attention(q, k, v, cfg), q, k, v)
+    except Exception as e:  # noqa: BLE001
+        out["pallas_mosaic_gpu"] = f"failed: {type(e).__name__}: {str(e)[:300]}"
+    return out
+
+
+def prefill_jspec(lengths, paged: bool, kernel_blocks: bool = False):
+    from jspec.kernels.attention.decode import AttentionTiles
+    """`prefill` (the module docstring); kernel_blocks: also with the Pallas cache kernel
+    instead of cuDNN for the prompt blocks (`AttentionTiles(fused_prompt_blocks=False)`)."""
+    import numpy as np
+    res = {"env": env_info(), "lengths": list(lengths), "block": jspec.Tuning().prefill_block}
+    rate = matmul_rate()
+    res["matmul_tflops"] = rate / 1e12
+    print(res, flush=True)
+    target = random_params(LLAMA31_8B)
+    rng = np.random.default_rng(0)
+    longest = max(lengths)
+    settings = [("dense", True)] + [("paged", True)] * paged + [("dense", False)] * kernel_blocks
+    for kind, fused_blocks in settings:
+        cache = jspec.CacheConfig(kind, max_len=longest + 64)
+        tuning = jspec.Tuning(attention=AttentionTiles(fused_prompt_blocks=fused_blocks))
+        kind = kind if fused_blocks else f"{kind}_kernel_blocks"
+        t0 = time.perf_counter()
+        prog = jspec.compile(target, rng.integers(1, 100000, 100).tolist(), max_new_tokens=1, cache=cache,
+                             tuning=tuning)
+        res[f"{kind}_compile_s"] = time.perf_counter() - t0
+        res[f"{kind}_plan"] = {"prompt_len": prog.plan.prompt_len, "prefill_chunk": prog.plan.prefill_chunk}
+        print(kind, "compiled in", res[f"{kind}_compile_s"], res[f"{kind}_plan"], flush=True)
+        for T in lengths:
+            prompt = np.random.default_rng(T).integers(1, 100000, T).tolist()  # the same in every setting
+            first = prog.run(prompt, max_new_tokens=1)
+            times = []
+            for _ in range(3):
+                t = time.perf_counter()
+                prog.run(prompt, max_new_tokens=1)
+                times.append(time.perf_counter() - t)
+            sec = float(np.median(times))
+            row = {"setting": kind, "T": T, "seconds": sec, "first_token": first.tokens[0], "tokens_per_s": T / sec,
+                   "mfu": prefill_flops(LLAMA31_8B, T) / sec / rate}
+            res[f"{kind}_{T}"] = row
+            print("prefill", rounded(row), flush=True)
+            save_json("prefill_8b.json", res)
+        del prog
+    del target
+    for T in lengths[:3]:
+        res[f"attention_{T}"] = attention_times(T)
+        save_json("prefill_8b.json", res)
+    return res
+
+
+def prefill_transformers(lengths):
+    """`transformers_prefill` (the module docstring)."""
+    import numpy as np
+    import torch
+    import transformers
+    res = {"env": env_info(), "torch": torch.__version__, "transformers": transformers.__version__}
+    cfg = transformers.LlamaConfig(
+        vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
+        num_key_value_heads=8, rms_norm_eps=1e-5, max_position_embeddings=131072 + 1024, rope_theta=500000.0,
+        bos_token_id=1, eos_token_id=2, attn_implementation="sdpa")
+    torch.manual_seed(0)
+    torch.set_default_dtype(torch.bfloat16)
+    with torch.device("cuda"):
+        model = transformers.LlamaForCausalLM(cfg).eval()
+    rng = np.random.default_rng(0)
+    for T in lengths:
+        ids = torch.tensor([rng.integers(1, 100000, T).tolist()], device="cuda")
+
+        def run():
+            torch.cuda.synchronize()
+            t = time.perf_counter()
+            with torch.no_grad():
+                model(ids, logits_to_keep=1, use_cache=False)
+            torch.cuda.synchronize()
+            return time.perf_counter() - t
+        try:
+            run()
+            sec = float(np.median([run() for _ in range(3)]))
+            row = {"T": T, "seconds": sec, "tokens_per_s": T / sec}
+        except torch.OutOfMemoryError as e:
+            row = {"T": T, "failed": f"out of memory: {str(e)[:200]}"}
+            torch.cuda.empty_cache()
+        res[f"T{T}"] = row
+        print("transformers prefill", row, flush=True)
+        save_json("transformers_prefill_8b.json", res)
+    return res
+
+
 # --------------------------------------------------------------------------- main
 
 def main(argv=None):
@@ -173,6 +362,11 @@ def main(argv=None):
         return sampling(argv[1:])
     if argv[:1] == ["transformers"]:
         return transformers_decode([int(b) for b in argv[1:]] or [1, 32])
+    if argv[:1] == ["prefill"]:
+        lengths = [int(a) for a in argv[1:] if not a.startswith("--")] or list(PREFILL_LENGTHS)
+        return prefill_jspec(lengths, "--paged" in argv, "--kernel-blocks" in argv)
+    if argv[:1] == ["transformers_prefill"]:
+        return prefill_transformers([int(a) for a in argv[1:]] or list(PREFILL_LENGTHS))
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("parts", nargs="*", help=f"of {', '.join(PARTS)}, or sampling, transformers "
                                              "(default: decode chain tree)")

@@ -94,6 +94,13 @@ class Tuning:
     elsewhere; docs/benchmarks.md gives its cost. On a CPU it changes
     nothing: jspec's CPU products are row-invariant already and the kernels do not run.
 
+    prefill_block: `generate`, `compile` and `stream` prefill a prompt longer than this in
+    blocks of this many tokens, in a loop inside the program (`jspec.loop.rows.prefill_rest`):
+    activations and attention scores bounded by the block, and one program for every prompt
+    length up to the plan's (`make_plan`). 0: whole prompts in one pass. Targets whose cache
+    takes a prompt in blocks (GQA and MLA caches; hybrid targets with recurrent layers
+    prefill whole prompts). The serving engine has its own block, `Engine(prefill_chunk=)`.
+
     xla_options: (name, value) pairs of XLA options for the loop's programs on a GPU, on top
     of the target family's own (`TargetFamily.gpu_xla_options`), which family_xla_options
     False leaves out (XLA's defaults but for xla_options); see `compiler_options`. A dict is
@@ -118,6 +125,7 @@ class Tuning:
     two_row_backends: tuple[str, ...] = ("gpu",)
     cpu_matmul_max_rows: int = cpu_matmul.MAX_ROWS
     recurrent_commit: str = "replay"
+    prefill_block: int = 2048
     xla_options: tuple[tuple[str, bool | int | str], ...] = ()
     family_xla_options: bool = True
 
@@ -132,6 +140,8 @@ class Tuning:
             raise TypeError(f"Tuning.row_invariant must be True, False or None (auto), got {self.row_invariant!r}")
         if self.recurrent_commit not in ("replay", "checkpoint"):
             raise ValueError(f"Tuning.recurrent_commit must be 'replay' or 'checkpoint', got {self.recurrent_commit!r}")
+        if not (isinstance(self.prefill_block, int) and self.prefill_block >= 0 and self.prefill_block % 16 == 0):
+            raise ValueError(f"Tuning.prefill_block must be 0 or a positive multiple of 16, got {self.prefill_block!r}")
         opts = self.xla_options
         if isinstance(opts, dict):
             opts = tuple(opts.items())

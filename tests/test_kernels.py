@@ -349,3 +349,68 @@ def test_validation():
         call(q, k[:1, :32], v[:1, :32], meta.replace(page_table=None))
     assert da.is_supported(q, stack(k, v), meta)
     assert not da.is_supported(q, stack(k, v), meta.replace(prefill=True))
+
+
+# --------------------------------------------------------------------------- the blocked reference
+
+@pytest.mark.parametrize("page_size,T,window", [(0, 4, 0), (3, 20, 0), (16, 1, 9), (0, 16, 30)])
+def test_blocked_reference_equals_plain(page_size, T, window):
+    """Over more keys than its block, the reference runs an online softmax over key blocks
+    (so its scores stay [B, H, T, block_k]); it equals the one-block softmax, for caches
+    (dense, paged, trees, sliding windows) and for a prefill block attending to itself."""
+    q, k, v, meta = make_case(page_size * 10 + T, T=T, Gq=2, S=72, page_size=page_size, prefix=[0, 23, 72 - T])
+    kv, s = stack(k, v), q.shape[-1] ** -0.5
+    whole = da.attention_reference(q, None, None, kv, meta, window=window, scale=s)
+    blocked = jax.jit(functools.partial(da.attention_reference, window=window, scale=s, block_k=16))(
+        q, None, None, kv, meta)
+    chex.assert_trees_all_close(blocked, whole, atol=1e-5, rtol=1e-5)
+    with pytest.raises(AssertionError):  # the comparison sees a wrong mask (another window)
+        wrong = da.attention_reference(q, None, None, kv, meta, window=window + 5, scale=s, block_k=16)
+        chex.assert_trees_all_close(wrong, whole, atol=1e-5, rtol=1e-5)
+
+    lens = jnp.asarray([40, 17, 1])
+    pm = lay.prefill_meta(lens, 40)
+    rng = np.random.default_rng(1)
+    qp, kp, vp = (jnp.asarray(rng.standard_normal((3, 40, h, 16)), jnp.float32) for h in (4, 2, 2))
+    whole = da.attention_reference(qp, kp, vp, None, pm, window=window, scale=0.25)
+    blocked = da.attention_reference(qp, kp, vp, None, pm, window=window, scale=0.25, block_k=16)
+    valid = np.arange(40)[None, :] < np.asarray(lens)[:, None]
+    np.testing.assert_allclose(np.asarray(blocked)[valid], np.asarray(whole)[valid], atol=1e-5, rtol=1e-5)
+
+
+# --------------------------------------------------------------------------- fused prompt blocks
+
+@pytest.mark.parametrize("page_size", [0, 16])
+def test_fused_prompt_block_equals_reference(page_size):
+    """A prompt block in two fused calls (itself causally, the cache's prefix unmasked,
+    merged by log-sum-exp; `kernels.attention.fused`, cuDNN on the GPU, XLA's
+    implementation here) equals the reference, first blocks and later ones, rows with and
+    without a prefix, padded block tails aside."""
+    from jspec.kernels.attention import fused
+    B, T, Hkv, Gq, Dh, S = 3, 64, 2, 2, 16, 200
+    rng = np.random.default_rng(page_size)
+    prefix = np.asarray([0, 70, 128], np.int32)
+    count = np.asarray([64, 30, 64], np.int32)  # the block's prompt tokens (the rest: padding)
+    q = jnp.asarray(rng.standard_normal((B, T, Hkv * Gq, Dh)), jnp.float32)
+    k_new, v_new = (jnp.asarray(rng.standard_normal((B, T, Hkv, Dh)), jnp.float32) for _ in range(2))
+    _, kc, vc, meta = make_case(3, B=B, T=T, Hkv=Hkv, Gq=Gq, Dh=Dh, S=S, page_size=page_size, prefix=prefix)
+    pos = jnp.asarray(prefix[:, None] + np.arange(T)[None], jnp.int32)
+    meta = meta.replace(positions=pos, local_positions=pos, causal_block=True,
+                        local_mask=lay.causal_mask(jnp.asarray(count), T))
+    kv = stack(kc, vc)
+    slots = prefix[:, None] + np.arange(T)[None]  # the block's keys written at slots prefix .. prefix + T
+    if page_size:
+        pages = np.asarray(meta.page_table)[np.arange(B)[:, None], slots // page_size]
+        kv = kv.at[pages, slots % page_size].set(jnp.stack([k_new, v_new], axis=2))
+    else:
+        kv = kv.at[np.arange(B)[:, None], slots].set(jnp.stack([k_new, v_new], axis=2))
+    valid = np.arange(T)[None, :] < count[:, None]
+    for first in (True, False):
+        m = meta.replace(prefill=True, prefix_len=jnp.zeros((B,), jnp.int32)) if first else meta
+        buf = None if first else kv
+        want = np.asarray(da.attention_reference(q, k_new, v_new, buf, m, scale=0.3))
+        got = np.asarray(fused.block_attention(q, k_new, v_new, buf, m, scale=0.3, implementation="xla"))
+        np.testing.assert_allclose(got[valid], want[valid], atol=2e-5, rtol=2e-5)
+    wrong = np.asarray(fused.block_attention(q, k_new, v_new, kv, meta.replace(prefix_len=meta.prefix_len + 1),
+                                             scale=0.3, implementation="xla"))
+    assert np.abs(wrong[valid] - want[valid]).max() > 1e-3  # one prefix slot too many shows

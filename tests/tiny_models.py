@@ -110,8 +110,10 @@ def hf_greedy(model, prompt, n: int, stop=()):
     return _hf_greedy_cached(id(model), tuple(prompt), n, tuple(stop))
 
 
-def make_random_draft(path: str, kind: str, target, *, seed: int, draft_vocab: int | None = None):
-    """A random draft of `kind` for `target` (jspec Params), saved in its checkpoint format."""
+def make_random_draft(path: str, kind: str, target, *, seed: int, draft_vocab: int | None = None,
+                      aux_layers: tuple = (1, 2, 3)):
+    """A random draft of `kind` for `target` (jspec Params), saved in its checkpoint format
+    (an EAGLE-3 head captures the target layers `aux_layers`)."""
     import jax
     import jax.numpy as jnp
     import numpy as np
@@ -130,7 +132,7 @@ def make_random_draft(path: str, kind: str, target, *, seed: int, draft_vocab: i
         d = EagleDraft(m, fc_bias=True)
     else:
         Vd = draft_vocab or V
-        d = Eagle3Draft(m, target_hidden_size=tc.hidden_size, aux_layers=(1, 2, 3),
+        d = Eagle3Draft(m, target_hidden_size=tc.hidden_size, aux_layers=tuple(aux_layers),
                         draft_vocab_size=Vd)
     w = d.init(jax.random.key(seed), V)
     w = jax.tree.map(lambda a: a * 10 if a.ndim == 2 else a, w)  # sharper random logits

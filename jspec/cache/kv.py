@@ -25,8 +25,7 @@ from jspec.cache.layout import CacheLayout, PageState, slot_index
 from jspec.tuning import DEFAULT_TUNING
 from jspec.kernels.attention.decode import AttentionTiles
 from jspec.kernels.row.attention import RowAttentionTiles
-from jspec.kernels.attention.decode import attention_reference
-from jspec.kernels.attention.gqa import attention, uses_kernel
+from jspec.kernels.attention.gqa import attention, uses_fused, uses_kernel
 from jspec.kernels.meta import AttnMeta, read_kv  # noqa: F401  (read_kv: the cache read in slot order, re-exported)
 from jspec.sharding import constrain_heads, over_heads, tp_size
 from jspec.util import cdiv
@@ -179,8 +178,8 @@ def cached_attention(q, k, v, kv_buf, meta: AttnMeta, *, window: int = 0, scale:
     if kv_buf is None:
         if not meta.prefill:
             raise ValueError("attention without a cache needs a prefill AttnMeta")
-        return attention_reference(q, k, v, None, meta, window=window, scale=scale), None
-    if tp_size() and uses_kernel(q, kv_buf, meta, window=window):
+        return attention(q, k, v, None, meta, window=window, scale=scale, tiles=tiles), None
+    if tp_size() and (uses_kernel(q, kv_buf, meta, window=window) or uses_fused(q, meta, window=window, tiles=tiles)):
         # Split over devices: each runs the kernel on its own heads (XLA cannot split a Pallas call).
         local = functools.partial(_write_and_attend, window=window, scale=scale, tiles=tiles, row_tiles=row_tiles)
         return over_heads(local, q, k, v, kv_buf, meta)

@@ -101,7 +101,7 @@ def prefill_meta(lengths, T: int) -> AttnMeta:
     pos = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32)[None, :], (lengths.shape[0], T))
     return AttnMeta(positions=pos, prefix_len=jnp.zeros_like(lengths), local_mask=causal_mask(lengths, T),
                     local_positions=pos, write_index=jnp.zeros_like(pos), page_table=None, parents=pos - 1,
-                    valid=pos < lengths[:, None], prefill=True)
+                    valid=pos < lengths[:, None], prefill=True, causal_block=True)
 
 
 def init_page_state(batch: int, pages_per_seq: int, num_pages: int) -> PageState:

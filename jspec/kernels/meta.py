@@ -43,6 +43,9 @@ class AttnMeta:
     page_size: int = struct.field(pytree_node=False, default=0)
     # Prefill: the prefix is empty, so attention reads only the new keys (no cache read).
     prefill: bool = struct.field(pytree_node=False, default=False)
+    # A prompt's block: the local mask is causal over the block (token t sees local slots
+    # up to t, of the valid ones), so fused causal attention may take it (`kernels.attention.fused`).
+    causal_block: bool = struct.field(pytree_node=False, default=False)
     # Dense caches only: the slots right after the local block are free and in capacity for
     # what a cache kind keeps there during one forward (`KVCacheKind.extra_slots`).
     q_room: bool = struct.field(pytree_node=False, default=False)

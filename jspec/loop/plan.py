@@ -45,7 +45,8 @@ class Plan:
     Admissions, prefill passes and evictions do not depend on the tier (any of the plans
     runs them).
     prefill_chunk: C, the prompt tokens an admission's pass takes (`jspec.loop.rows`; 0:
-    the whole prompt, Tp, in one pass).
+    the whole prompt, Tp, in one pass); the rest of a prompt C tokens a pass, by the
+    engine between chunks or by `generate`'s program in a loop (`rows.prefill_rest`).
 
     logprobs: k, the alternatives a position's log-probabilities keep (0: the state keeps
     none, `LoopState.logprobs` is None); token_logprobs: rounds record the log-probabilities
@@ -171,12 +172,18 @@ def slot_limits(cache: CacheConfig, lens: list[int], max_new: list[int], slack: 
 
 def make_plan(params, lens: list[int], max_new: list[int], num_stop: int, samples: bool, cache: CacheConfig,
               spec: SpecConfig | None, tuning: Tuning = DEFAULT_TUNING, tiers: tuple = (),
-              prefill_chunk: int = 0, logprobs: int = 0, token_logprobs: bool = False,
+              prefill_chunk: int | None = None, logprobs: int = 0, token_logprobs: bool = False,
               prompt_logprobs: bool = False) -> Plan:
     """The Plan for requests of these prompt lengths and limits: buckets for batch, prompt
     length, rounds and stop ids; caches sized for them (or for `cache`'s max_len and
     num_pages); refused with a ValueError when it cannot fit in memory. tiers,
-    prefill_chunk, logprobs, token_logprobs, prompt_logprobs: see `Plan`."""
+    prefill_chunk, logprobs, token_logprobs, prompt_logprobs: see `Plan`.
+
+    prefill_chunk None (`generate`'s programs, which admit every request at once): blocks
+    of `tuning.prefill_block` where the target's cache takes a prompt in blocks and the
+    longest prompt (with `cache.max_len`: the longest it allows) is longer than a block;
+    then Tp is that length rounded up to whole blocks, so with max_len one program takes
+    every prompt length."""
     proposer = proposer_for(params.draft.config if params.draft is not None else None)
     paged = cache.kind == "paged"
     family = family_for(params.config)
@@ -188,13 +195,20 @@ def make_plan(params, lens: list[int], max_new: list[int], num_stop: int, sample
             params.config, pow2(len(lens)), jax.devices()[0]))
     if tuning.row_invariant and problem:
         raise ValueError(f"Tuning(row_invariant=True): {problem}")
-    if prefill_chunk and not (paged and family.cache_kind(params.config).prefill_in_chunks):
+    in_blocks = family.cache_kind(params.config).prefill_in_chunks
+    longest = max(max(lens), cache.max_len - 1 if cache.max_len else 0)
+    if prefill_chunk is None:
+        C = tuning.prefill_block
+        prefill_chunk = C if C and in_blocks and longest > C else 0
+        Tp = round_up(longest, C) if prefill_chunk else prompt_bucket(max(lens))
+    elif prefill_chunk and not (paged and in_blocks):
         raise ValueError("prefill in chunks needs a paged cache and a target whose cache takes a prompt in blocks "
                          "(hybrid targets with recurrent layers prefill whole prompts)")
+    else:
+        Tp = prompt_bucket(max(lens))
     slack = max(round_slack(params.config, proposer, s, paged) for s in (spec, *tiers))
     limits, max_new, _ = slot_limits(cache, lens, max_new, slack)
     B = pow2(len(lens))
-    Tp = prompt_bucket(max(lens))
     P = cache.page_size
     if paged:
         capacity = round_up(max(max(limits), Tp), P)

@@ -2,7 +2,8 @@
 
   run       a fresh state, every request admitted, rounds to the end -> the state
   generate  `run` -> what the host reads
-  start     a fresh state with requests admitted -> (state, readback)
+  start     a fresh state with requests admitted and their prompts prefilled (in blocks
+            of `Plan.prefill_chunk` where it is set) -> (state, readback)
   admit     requests into rows of a running state -> (state, window readback)
   prefill   the next block of parked rows' prompts -> (state, window readback)
   advance   rounds until every row finishes or a step count -> (state, readback)
@@ -31,15 +32,21 @@ import numpy as np
 from jspec.kernels import dispatch
 from jspec.loop.plan import Plan
 from jspec.loop.round import advance, advance_rounds
-from jspec.loop.rows import admit, evict, prefill
+from jspec.loop.rows import admit, evict, prefill, prefill_rest
 from jspec.loop.state import Admission, LoopState, init_state, readback, readback_window
 
 
-def run(plan: Plan, tw, pw, rows, adm: Admission) -> LoopState:
-    """A fresh state, the requests admitted into `rows`, rounds until every row finishes
-    (or plan.max_rounds rounds) -> the final state."""
+def start(plan: Plan, tw, pw, rows, adm: Admission) -> LoopState:
+    """A fresh state with the requests admitted into `rows` and their prompts prefilled
+    (in blocks of `plan.prefill_chunk`, where it is set)."""
     st = admit(plan, tw, pw, init_state(plan), rows, adm)
-    return advance(plan, tw, pw, st, plan.max_rounds)
+    return prefill_rest(plan, tw, pw, st, rows) if plan.prefill_chunk else st
+
+
+def run(plan: Plan, tw, pw, rows, adm: Admission) -> LoopState:
+    """`start`, then rounds until every row finishes (or plan.max_rounds rounds) -> the
+    final state."""
+    return advance(plan, tw, pw, start(plan, tw, pw, rows, adm), plan.max_rounds)
 
 
 def generate_fn(plan: Plan, tw, pw, rows, adm: Admission) -> dict:
@@ -47,7 +54,7 @@ def generate_fn(plan: Plan, tw, pw, rows, adm: Admission) -> dict:
 
 
 def start_fn(plan: Plan, tw, pw, rows, adm: Admission):
-    st = admit(plan, tw, pw, init_state(plan), rows, adm)
+    st = start(plan, tw, pw, rows, adm)
     return st, readback(st)
 
 

@@ -66,15 +66,32 @@ def prefill(plan: Plan, tw, pw, st: LoopState, rows, start) -> LoopState:
     """The next C = `plan.prefill_chunk` prompt tokens of parked rows `rows` [A] (see
     `admit`), from slot `start` [A] on (a multiple of C, below the prompt's length): the
     target attends to the slots before `start` in its cache and to the block causally;
-    rows whose prompt ends in this block choose their first token and run. Paged layouts
-    (a dense cache would be read by batch position, not by `rows`)."""
-    if not plan.layout.paged or not plan.prefill_chunk:
-        raise ValueError("prefill in chunks needs a paged cache and Plan.prefill_chunk > 0")
+    rows whose prompt ends in this block choose their first token and run. A dense cache
+    is read by batch position: there rows[a] must be a (or >= B, no row), as
+    `prefill_rest` passes them."""
+    if not plan.prefill_chunk:
+        raise ValueError("prefill in chunks needs Plan.prefill_chunk > 0")
     B, C = plan.batch, plan.prefill_chunk
     tokens = jnp.take_along_axis(st.tokens[jnp.minimum(rows, B - 1)],
                                  start[:, None] + jnp.arange(C, dtype=jnp.int32)[None, :], axis=1)  # [A, C]
     live = (rows < B) & (st.reason[jnp.minimum(rows, B - 1)] == RUNNING)
     return prompt_pass(plan, tw, pw, st, rows, start, tokens, live, first=False)
+
+
+def prefill_rest(plan: Plan, tw, pw, st: LoopState, rows) -> LoopState:
+    """After `admit` of rows [A] (as `jspec.loop.programs.run` admits them: rows[a] = a, or
+    B for no row), their prompts' later blocks, C = `plan.prefill_chunk` tokens a pass, in a
+    loop whose trip count is the longest prompt's blocks: one program for every prompt
+    length up to Tp, activations bounded by the block."""
+    B, C = plan.batch, plan.prefill_chunk
+    lens = st.request.prompt_len[jnp.minimum(rows, B - 1)]  # [A]
+    admitted = rows < B
+    blocks = (jnp.max(jnp.where(admitted, lens, 0)) + C - 1) // C
+
+    def block(k, st):
+        start = jnp.full(rows.shape, k * C, jnp.int32)
+        return prefill(plan, tw, pw, st, jnp.where(admitted & (start < lens), rows, B), start)
+    return jax.lax.fori_loop(1, blocks, block, st)
 
 
 def prompt_pass(plan: Plan, tw, pw, st: LoopState, rows, start, tokens, live, first: bool) -> LoopState:
@@ -99,6 +116,8 @@ def prompt_pass(plan: Plan, tw, pw, st: LoopState, rows, start, tokens, live, fi
     meta = plan.layout.meta(st.pages, positions=start[:, None] + ar, prefix_len=start,
                             local_mask=causal_mask(count, C), write_valid=(ar < count[:, None]) & live[:, None],
                             prefill=first, rows=rows)
+    # The loop reserves room for a round's parked queries, not for a block's; the block is causal.
+    meta = meta.replace(q_room=False, causal_block=True)
     # A prompt's blocks need not be row-invariant (plain and speculative programs share them):
     # its products stay XLA's, which tile a long block far better than the row kernels.
     hidden, aux, tcache = plan.family.forward(plan.target, tw, tokens, st.tcache, meta, plan.capture,

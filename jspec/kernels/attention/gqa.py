@@ -6,6 +6,7 @@ the cache and then calls `attention`.
 from __future__ import annotations
 
 from jspec.kernels.attention import decode as da
+from jspec.kernels.attention import fused
 from jspec.kernels import dispatch
 from jspec.kernels.attention.decode import AttentionTiles, attention_reference
 from jspec.kernels.meta import AttnMeta
@@ -19,6 +20,14 @@ def uses_kernel(q, kv_buf, meta: AttnMeta, *, window: int = 0) -> bool:
     return dispatch.want_pallas(dispatch.backend() == "pallas" or da.is_supported(q, kv_buf, meta, window=window))
 
 
+def uses_fused(q, meta: AttnMeta, *, window: int = 0, tiles: AttentionTiles | None = None) -> bool:
+    """Whether `attention` takes cuDNN's fused attention for these arguments: a causal
+    prompt block it supports (`fused.is_supported`), JSPEC_KERNELS auto, and
+    `AttentionTiles.fused_prompt_blocks`."""
+    on = tiles.fused_prompt_blocks if tiles is not None else AttentionTiles().fused_prompt_blocks
+    return on and dispatch.backend() == "auto" and fused.is_supported(q, meta, window=window)
+
+
 def attention(q, k_new, v_new, kv_buf, meta: AttnMeta, *, window: int = 0, scale: float,
               q_in_cache: bool = False, tiles: AttentionTiles | None = None,
               row_tiles: RowAttentionTiles | None = None):
@@ -27,7 +36,10 @@ def attention(q, k_new, v_new, kv_buf, meta: AttnMeta, *, window: int = 0, scale
     JSPEC_KERNELS=pallas forces the kernel (and raises for arguments it does not take).
     q_in_cache: the kernel reads the queries parked in the cache
     (`jspec.cache.kv.with_queries`) rather than q. row_tiles (`Tuning.row_invariant`):
-    the row-invariant kernel (`kernels.row.attention`) with these tiles instead."""
+    the row-invariant kernel (`kernels.row.attention`) with these tiles instead. A causal
+    prompt block goes to cuDNN's fused attention where it runs (`uses_fused`)."""
+    if uses_fused(q, meta, window=window, tiles=tiles):
+        return fused.block_attention(q, k_new, v_new, kv_buf, meta, scale=scale)
     if row_tiles is not None and uses_kernel(q, kv_buf, meta, window=window):
         return row_attention(q, kv_buf, meta, window=window, scale=scale, tiles=row_tiles)
     if uses_kernel(q, kv_buf, meta, window=window):

@@ -1,0 +1,77 @@
+"""Prompts of tens of thousands of tokens on the CPU: prefilled in blocks of
+`Tuning.prefill_block` (a loop inside the program), attention through the blocked
+reference, so memory stays bounded by the block, and the tokens are transformers' greedy
+ones: plain, EAGLE-3 chains and trees, dense and paged caches, and the engine."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import jspec
+from jspec import api
+import tiny_models
+
+LONG = 32_000  # prompt tokens
+
+
+@pytest.fixture(scope="module")
+def long_llama(tmp_path_factory):
+    """A 2-layer random Llama with a 33k-token context, the same with an EAGLE-3 head, a
+    32k-token prompt, transformers' 6 greedy tokens after it, and the transformers model."""
+    path = str(tmp_path_factory.mktemp("long_llama"))
+    model = tiny_models.make_model(path, "llama", layers=2, hidden=32, heads=2, kv_heads=1, inter=64,
+                                   max_position_embeddings=LONG + 1024, tokenizer=True)
+    target = jspec.load(path)
+    draft = str(tmp_path_factory.mktemp("long_eagle3"))
+    tiny_models.make_random_draft(draft, "eagle3", target, seed=1, aux_layers=(1, 1, 2))
+    from jspec.loading import load_draft
+    prompt = np.random.default_rng(0).integers(3, tiny_models.VOCAB, LONG).tolist()
+    return target, target.with_draft(load_draft(draft, target)), prompt, tiny_models.hf_greedy(model, prompt, 6), model
+
+
+def temp_bytes(compiled: jspec.Compiled) -> int:
+    return compiled.executable.memory_analysis().temp_size_in_bytes
+
+
+def test_a_32k_prompt_in_blocks(long_llama):
+    """Plain decoding after a 32k-token prompt, paged cache: transformers' tokens, from a
+    program whose scratch memory is under 256 MB (prefilled whole, the same prompt's
+    program needs its [T, T] causal mask: gigabytes)."""
+    target, _, prompt, want, _ = long_llama
+    prog = jspec.compile(target, prompt, max_new_tokens=6, cache="paged")
+    assert prog.plan.prefill_chunk == jspec.Tuning().prefill_block == 2048
+    assert prog.run().tokens == want
+    assert temp_bytes(prog) < 2 ** 28
+    whole = jspec.compile(target, prompt, max_new_tokens=6, cache="paged", tuning=jspec.Tuning(prefill_block=0))
+    assert whole.plan.prefill_chunk == 0 and temp_bytes(whole) > 2 ** 30  # compiled, not run
+
+
+@pytest.mark.parametrize("cache,spec", [("dense", jspec.SpecConfig(3)), ("paged", jspec.SpecConfig(2, topk=2,
+                                                                                                  num_draft_tokens=5))])
+def test_speculation_after_a_32k_prompt(long_llama, cache, spec):
+    """EAGLE-3 chains and trees after a 32k-token prompt (the draft's cache prefilled in
+    the same blocks): transformers' tokens."""
+    _, drafted, prompt, want, _ = long_llama
+    assert jspec.generate(drafted, prompt, max_new_tokens=6, cache=cache, spec=spec).tokens == want
+
+
+def test_one_program_for_every_prompt_length(long_llama):
+    """With `CacheConfig(max_len=...)` the plan takes every prompt up to it (Tp rounded up
+    to whole blocks), so prompts of any length run one compiled program; the loop runs only
+    the blocks the longest prompt has."""
+    target, _, prompt, _, model = long_llama
+    cache = jspec.CacheConfig("paged", page_size=16, max_len=4096)
+    prog = jspec.compile(target, prompt[:20], max_new_tokens=6, cache=cache, tuning=jspec.Tuning(prefill_block=256))
+    assert (prog.plan.prompt_len, prog.plan.prefill_chunk) == (4096, 256)
+    before = api.compiled_programs()
+    for n in (3, 256, 257, 1000, 4000):
+        out = prog.run(prompt[:n], max_new_tokens=6)
+        assert out.tokens == tiny_models.hf_greedy(model, prompt[:n], 6), n
+    assert api.compiled_programs() == before
+
+
+def test_engine_serves_a_32k_prompt(long_llama):
+    """The engine prefills a 32k-token prompt in blocks between chunks: transformers' tokens."""
+    _, drafted, prompt, want, _ = long_llama
+    with jspec.Engine(drafted, max_batch=2, max_prompt_len=LONG, max_new_tokens=6, prefill_chunk=2048) as engine:
+        assert engine.generate(prompt, max_new_tokens=6).tokens == want
