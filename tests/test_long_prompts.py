@@ -75,3 +75,30 @@ def test_engine_serves_a_32k_prompt(long_llama):
     _, drafted, prompt, want, _ = long_llama
     with jspec.Engine(drafted, max_batch=2, max_prompt_len=LONG, max_new_tokens=6, prefill_chunk=2048) as engine:
         assert engine.generate(prompt, max_new_tokens=6).tokens == want
+
+
+MID = 16_000  # prompt tokens of the DeepSeek and Qwen3.5 tests
+
+
+@pytest.mark.parametrize("family", ["deepseek_v2", "qwen3_5"])
+def test_a_16k_prompt_on_mla_and_hybrid_targets(tmp_path, family):
+    """A 16k-token prompt on a tiny DeepSeek-V2 (MLA + MoE: later blocks attend over the
+    latent cache through the blocked MLA reference) and a tiny Qwen3.5 (hybrid: gated
+    attention and gated-delta layers, prefilled whole): transformers' greedy tokens."""
+    import torch
+    import transformers
+    from test_deepseek import COMMON, hf_greedy_tokens
+    from test_qwen3_next import SHAPE
+    torch.manual_seed(0)
+    if family == "deepseek_v2":
+        model = transformers.DeepseekV2ForCausalLM(transformers.DeepseekV2Config(
+            num_hidden_layers=2, q_lora_rank=None, topk_method="greedy", attn_implementation="sdpa",
+            **{**COMMON, "max_position_embeddings": MID + 64}))
+    else:
+        model = transformers.Qwen3_5ForCausalLM(transformers.Qwen3_5TextConfig(
+            intermediate_size=96, **{**SHAPE, "max_position_embeddings": MID + 64}))
+    model.eval().save_pretrained(str(tmp_path))
+    prompt = np.random.default_rng(0).integers(3, COMMON["vocab_size"], MID).tolist()
+    target = jspec.load(str(tmp_path), dtype="float32")
+    out = jspec.generate(target, prompt, max_new_tokens=6, stop_token_ids=[], cache="paged")
+    assert out.tokens == hf_greedy_tokens(model, prompt, 6)

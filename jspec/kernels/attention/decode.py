@@ -146,7 +146,7 @@ def attention_reference(q, k_new, v_new, kv_buf, meta: AttnMeta, *, window: int 
         if Sk <= block_k:
             mask = meta.local_mask & _window_ok(meta.positions, meta.local_positions, window)
             return _softmax_attend(q, k_new, v_new, mask, scale)
-        kv = pad_slots(jnp.stack([k_new, v_new]).transpose(0, 1, 3, 2, 4), block_k, axis=3)  # [2,B,Hkv,Sk',Dh]
+        keys, values = (pad_slots(x.transpose(0, 2, 1, 3), block_k, axis=2) for x in (k_new, v_new))  # [B,Hkv,Sk',D]
         local_mask, k_pos = pad_slots(meta.local_mask, block_k, axis=2), pad_slots(meta.local_positions, block_k)
 
         def mask_at(lo):
@@ -160,14 +160,14 @@ def attention_reference(q, k_new, v_new, kv_buf, meta: AttnMeta, *, window: int 
             mask = cache_mask(meta, Sk, q.shape[1], window)
             return _softmax_attend(q, kv[:, :, 0], kv[:, :, 1], mask, scale)
         kv = pad_slots(kv.transpose(2, 0, 3, 1, 4), block_k, axis=3)  # [2, B, Hkv, Sk', Dh]
+        keys, values = kv[0], kv[1]
 
         def mask_at(lo):
             return cache_mask(meta, block_k, q.shape[1], window, first=lo, num_slots=Sk)
         num_blocks = pl.cdiv(jnp.minimum(jnp.max(meta.prefix_len) + meta.local_len, Sk), block_k)  # the rest: unread
 
     def keys_at(i):
-        block = lax.dynamic_slice_in_dim(kv, i * block_k, block_k, axis=3)
-        return block[0], block[1]
+        return tuple(lax.dynamic_slice_in_dim(x, i * block_k, block_k, axis=2) for x in (keys, values))
     return attend_in_blocks(q, keys_at, lambda i: mask_at(i * block_k), num_blocks, scale)
 
 

@@ -47,7 +47,8 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
-from jspec.kernels.attention.decode import cache_mask, check_meta, merge_splits, online_softmax_step, slot_table, walk_split
+from jspec.kernels.attention.decode import (REFERENCE_BLOCK_K, attend_in_blocks, cache_mask, check_meta, merge_splits,
+                                            online_softmax_step, pad_slots, slot_table, walk_split)
 from jspec.kernels.meta import AttnMeta, pool_rows, read_kv
 from jspec.kernels.tiling import KERNEL_DTYPES, is_pow2, pow2_ceil
 
@@ -76,13 +77,28 @@ NEG_INF = -1e30
 MIN_ROWS = 16  # smallest M of a tensor-core dot in Triton
 
 
-def mla_attention_reference(q_lat, q_pe, latent_buf, meta: AttnMeta, *, scale: float, select=None):
+def mla_attention_reference(q_lat, q_pe, latent_buf, meta: AttnMeta, *, scale: float, select=None,
+                            block_k: int = REFERENCE_BLOCK_K):
     """q_lat [B,T,H,Dc], q_pe [B,T,H,Dr]; latent_buf: the layer's buffer, already holding
     the new rows; select [B,T,Sk] bool or None: the slots each token may attend to beside
     the mask rule (sparse attention's selection). -> o_lat [B,T,H,Dc] float32 (softmax in
-    float32)."""
+    float32). Over more than block_k slots without a selection, an online
+    softmax over blocks of them (`attend_in_blocks`: the MLA as one key head of Dc + Dr
+    values, the latent its values), so the scores stay [B, H, T, block]."""
     Dc = q_lat.shape[-1]
     rows = read_kv(latent_buf, meta.page_table)  # [B, Sk, Dc + Dr]
+    Sk, T = rows.shape[1], q_lat.shape[1]
+    if select is None and Sk > block_k:
+        BK = block_k
+        keys = pad_slots(rows, BK).astype(jnp.float32)[:, None]  # [B, 1, Sk', Dc + Dr]
+
+        def keys_at(i):
+            block = lax.dynamic_slice_in_dim(keys, i * BK, BK, axis=2)
+            return block, block[..., :Dc]
+        q = jnp.concatenate([q_lat, q_pe], axis=-1).astype(jnp.float32)
+        num_blocks = pl.cdiv(jnp.minimum(jnp.max(meta.prefix_len) + meta.local_len, Sk), BK)
+        return attend_in_blocks(q, keys_at, lambda i: cache_mask(meta, BK, T, first=i * BK, num_slots=Sk),
+                                num_blocks, scale)
     c, k_pe = rows[..., :Dc], rows[..., Dc:]
     s = (jnp.einsum("bthc,bsc->bhts", q_lat, c, preferred_element_type=jnp.float32)
          + jnp.einsum("bthr,bsr->bhts", q_pe, k_pe, preferred_element_type=jnp.float32)) * scale
