@@ -84,7 +84,7 @@ MID = 16_000  # prompt tokens of the DeepSeek and Qwen3.5 tests
 def test_a_16k_prompt_on_mla_and_hybrid_targets(tmp_path, family):
     """A 16k-token prompt on a tiny DeepSeek-V2 (MLA + MoE: later blocks attend over the
     latent cache through the blocked MLA reference) and a tiny Qwen3.5 (hybrid: gated
-    attention and gated-delta layers, prefilled whole): transformers' greedy tokens."""
+    attention and gated-delta layers), both in blocks of 2048: transformers' greedy tokens."""
     import torch
     import transformers
     from test_deepseek import COMMON, hf_greedy_tokens
@@ -100,5 +100,41 @@ def test_a_16k_prompt_on_mla_and_hybrid_targets(tmp_path, family):
     model.eval().save_pretrained(str(tmp_path))
     prompt = np.random.default_rng(0).integers(3, COMMON["vocab_size"], MID).tolist()
     target = jspec.load(str(tmp_path), dtype="float32")
-    out = jspec.generate(target, prompt, max_new_tokens=6, stop_token_ids=[], cache="paged")
-    assert out.tokens == hf_greedy_tokens(model, prompt, 6)
+    prog = jspec.compile(target, prompt, max_new_tokens=6, stop_token_ids=[], cache="paged")
+    assert prog.plan.prefill_chunk == 2048  # the hybrid's linear layers continue their states block to block
+    assert prog.run().tokens == hf_greedy_tokens(model, prompt, 6)
+
+
+@pytest.mark.parametrize("cache", ["paged"])
+def test_hybrid_blocks_leave_the_states_of_a_whole_prefill(tmp_path_factory, cache):
+    """Qwen3.5 prompts prefilled in blocks of 16 (each later block continuing the linear
+    layers' conv and delta-rule states from where the blocks before left them): the states,
+    the KV cache and the first token equal a whole-prompt prefill's (float32), and the MTP
+    chain that follows gives transformers' greedy tokens."""
+    import jax
+    from jspec import requests as rq
+    from jspec.loop import programs
+    from jspec.loop.plan import make_plan
+    from test_qwen3_next import make_hybrid
+    from test_deepseek import hf_greedy_tokens
+    path = str(tmp_path_factory.mktemp("hybrid_blocks"))
+    model = make_hybrid(path, "qwen3_5")
+    params = jspec.load(path, dtype="float32", draft="mtp")
+    rng = np.random.default_rng(5)
+    prompts = [rng.integers(3, 128, n).tolist() for n in (70, 33, 16)]
+    reqs = rq.check_requests(params, prompts, 6, [], {})
+    states = []
+    for block in (0, 16):
+        plan = make_plan(params, reqs.lens, reqs.max_new, 0, False, rq.cache_config(cache), jspec.SpecConfig(2),
+                         jspec.Tuning(prefill_block=block))
+        assert plan.prefill_chunk == block
+        rows, adm = rq.pack(plan, reqs, rq.cache_config(cache))
+        st = jax.jit(programs.start, static_argnums=0)(plan, params.weights, params.draft.weights, rows, adm)
+        states.append(st)
+    whole, blocks = states
+    for a, b in zip(whole.tcache.conv + whole.tcache.ssm, blocks.tcache.conv + blocks.tcache.ssm):
+        np.testing.assert_allclose(np.asarray(a)[:3], np.asarray(b)[:3], rtol=1e-4, atol=1e-5)
+    np.testing.assert_array_equal(np.asarray(whole.root)[:3], np.asarray(blocks.root)[:3])
+    out = jspec.generate(params, prompts, max_new_tokens=6, stop_token_ids=[], cache=cache,
+                         spec=jspec.SpecConfig(2), tuning=jspec.Tuning(prefill_block=16))
+    assert out.tokens == [hf_greedy_tokens(model, p, 6) for p in prompts]

@@ -59,9 +59,9 @@ class HybridCacheKind:
     and delta-rule states of `num_linear` linear layers."""
 
     split_by_head: ClassVar[bool] = False  # hybrid targets are not split over devices
-    # A forward over T > 1 tokens that is not a prefill is a verification (states per node):
-    # prompts are prefilled whole, from zero states.
-    prefill_in_chunks: ClassVar[bool] = False
+    # A prompt's later blocks (`AttnMeta.causal_block`) continue the linear layers' states the
+    # blocks before them left; any other forward over T > 1 tokens is a verification.
+    prefill_in_chunks: ClassVar[bool] = True
 
     kv: KVCacheKind
     num_linear: int

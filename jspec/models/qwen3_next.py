@@ -115,17 +115,17 @@ class GatedAttention(nn.Module):
         return Linear(c.hidden_size, c.attention_bias, c.dtype, tuning=self.tuning, name="o_proj")(o), kv
 
 
-def sequence_conv(x, weight, lengths):
-    """The causal depthwise conv (SiLU) over right-padded sequences from a zero state: x
-    [B,T,Ch], weight [Ch,C], lengths [B] -> (out [B,T,Ch], conv state after each row's
-    lengths[b] inputs [B,C-1,Ch])."""
+def sequence_conv(x, weight, lengths, conv0=None):
+    """The causal depthwise conv (SiLU) over right-padded sequences from the conv state
+    conv0 [B,C-1,Ch] (None: zeros): x [B,T,Ch], weight [Ch,C], lengths [B] -> (out
+    [B,T,Ch], conv state after each row's lengths[b] inputs [B,C-1,Ch])."""
     B, T, Ch = x.shape
     C = weight.shape[1]
-    zero = jnp.zeros((B, C - 1, Ch), x.dtype)
-    xp = jnp.concatenate([zero, x], axis=1).astype(jnp.float32)
+    conv0 = jnp.zeros((B, C - 1, Ch), x.dtype) if conv0 is None else conv0.astype(x.dtype)
+    xp = jnp.concatenate([conv0, x], axis=1).astype(jnp.float32)
     w = weight.astype(jnp.float32)
     y = sum(xp[:, j:j + T] * w[:, j] for j in range(C))
-    return jax.nn.silu(y).astype(x.dtype), conv_window(zero, x, lengths)
+    return jax.nn.silu(y).astype(x.dtype), conv_window(conv0, x, lengths)
 
 
 class GatedDeltaNet(nn.Module):
@@ -152,13 +152,16 @@ class GatedDeltaNet(nn.Module):
         beta = jax.nn.sigmoid(b).astype(jnp.float32)
         g = -jnp.exp(A_log) * jax.nn.softplus(a.astype(jnp.float32) + dt_bias)  # [B,T,Hv]
         record = None
-        if meta.prefill:  # from zero states; padding (invalid tokens) changes no state
+        if meta.prefill or meta.causal_block:  # a prompt's block: padding (invalid tokens) changes no state
             valid = meta.valid if meta.valid is not None else jnp.ones((B, T), bool)
             lengths = valid.sum(axis=1).astype(jnp.int32)
-            y, new_conv = sequence_conv(mixed, w_conv, lengths)
+            if meta.prefill:  # the first block: from zero states
+                conv0, ssm0 = None, jnp.zeros((B, Hv, Dk, Dv), jnp.float32)
+            else:  # a later block: from the states the blocks before it left
+                conv0, ssm0 = take_rows(conv, meta.rows), take_rows(ssm, meta.rows).astype(jnp.float32)
+            y, new_conv = sequence_conv(mixed, w_conv, lengths, conv0)
             q, k, v = split_qkv(y, c)
-            o, new_ssm = gated_delta_prefill(q, k, v, g, beta, jnp.zeros((B, Hv, Dk, Dv), jnp.float32), lengths,
-                                           tiles=self.tuning.gated_delta)
+            o, new_ssm = gated_delta_prefill(q, k, v, g, beta, ssm0, lengths, tiles=self.tuning.gated_delta)
             if conv is not None:  # admitted rows with room (all rows when the pass names none)
                 live = jnp.ones((B,), bool) if meta.rows is None else valid.any(axis=1)
                 conv = put_rows(conv, new_conv, meta.rows, live)
