@@ -97,9 +97,9 @@ class Tuning:
     prefill_block: `generate`, `compile` and `stream` prefill a prompt longer than this in
     blocks of this many tokens, in a loop inside the program (`jspec.loop.rows.prefill_rest`):
     activations and attention scores bounded by the block, and one program for every prompt
-    length up to the plan's (`make_plan`). 0: whole prompts in one pass. Targets whose cache
-    takes a prompt in blocks (GQA and MLA caches; hybrid targets with recurrent layers
-    prefill whole prompts). The serving engine has its own block, `Engine(prefill_chunk=)`.
+    length up to the plan's (`make_plan`). 0: whole prompts in one pass. Every cache kind
+    takes a prompt in blocks (GQA, MLA, and the hybrid's linear layers, which continue their
+    states block to block). The serving engine has its own block, `Engine(prefill_chunk=)`.
 
     xla_options: (name, value) pairs of XLA options for the loop's programs on a GPU, on top
     of the target family's own (`TargetFamily.gpu_xla_options`), which family_xla_options

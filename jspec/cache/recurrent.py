@@ -7,8 +7,9 @@ Gated DeltaNet's two states:
 
 These are one row per request whatever the layout: a state does not grow with the sequence.
 
-A prefill (admission) writes the states after each admitted row's last prompt token. A
-one-token forward (plain decoding) writes the new states of its live rows. A verification
+A prefill (admission) writes the states after each admitted row's last prompt token; a
+prompt passed in blocks writes them after each block, the next block (`AttnMeta.causal_block`)
+starting from them. A one-token forward (plain decoding) writes the new states of its live rows. A verification
 over N > 1 nodes writes no state: each layer leaves a *pending* record of the round, and the
 commit (every round) turns it into the state after the last accepted node, for chains and
 trees alike. Two records exist (`Tuning.recurrent_commit` picks which the layers leave):

@@ -202,8 +202,7 @@ def make_plan(params, lens: list[int], max_new: list[int], num_stop: int, sample
         prefill_chunk = C if C and in_blocks and longest > C else 0
         Tp = round_up(longest, C) if prefill_chunk else prompt_bucket(max(lens))
     elif prefill_chunk and not (paged and in_blocks):
-        raise ValueError("prefill in chunks needs a paged cache and a target whose cache takes a prompt in blocks "
-                         "(hybrid targets with recurrent layers prefill whole prompts)")
+        raise ValueError("prefill in chunks needs a paged cache and a target whose cache takes a prompt in blocks")
     else:
         Tp = prompt_bucket(max(lens))
     slack = max(round_slack(params.config, proposer, s, paged) for s in (spec, *tiers))

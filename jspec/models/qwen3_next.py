@@ -14,8 +14,9 @@ one text position), and the output times sigmoid(gate). Every other norm is Qwen
 plus a shared expert scaled by sigmoid(shared_expert_gate(x))).
 
 The cache is `jspec.cache.recurrent`'s hybrid kind: keys and values of the full-attention
-layers, conv and delta-rule states of the linear ones. A prefill starts each admitted row
-from zero states; a forward over T > 1 nodes that is not a prefill (a verification) leaves
+layers, conv and delta-rule states of the linear ones. A prompt's first block starts each
+admitted row from zero states, its later blocks (`AttnMeta.causal_block`) from the states
+the blocks before left; any other forward over T > 1 nodes (a verification) leaves
 the round's record for the commit and writes no state (see that module); one token
 (plain decoding) writes its states.
 """
