@@ -353,12 +353,15 @@ def test_validation():
 
 # --------------------------------------------------------------------------- the blocked reference
 
-@pytest.mark.parametrize("page_size,T,window", [(0, 4, 0), (3, 20, 0), (16, 1, 9), (0, 16, 30)])
-def test_blocked_reference_equals_plain(page_size, T, window):
+@pytest.mark.parametrize("page_size,T,window,low", [(0, 4, 0, 0), (3, 20, 0, 35), (16, 1, 9, 0), (0, 16, 30, 0),
+                                                    (16, 4, 0, 40)])
+def test_blocked_reference_equals_plain(page_size, T, window, low):
     """Over more keys than its block, the reference runs an online softmax over key blocks
-    (so its scores stay [B, H, T, block_k]); it equals the one-block softmax, for caches
-    (dense, paged, trees, sliding windows) and for a prefill block attending to itself."""
-    q, k, v, meta = make_case(page_size * 10 + T, T=T, Gq=2, S=72, page_size=page_size, prefix=[0, 23, 72 - T])
+    (so its scores stay [B, H, T, block_k]; the blocks below every row's prefix unmasked);
+    it equals the one-block softmax, for caches (dense, paged, trees, sliding windows) and
+    for a prefill block attending to itself. low: the shortest row's prefix."""
+    q, k, v, meta = make_case(page_size * 10 + T, T=T, Gq=2, S=72, page_size=page_size,
+                              prefix=[low, max(low, 23), 72 - T])
     kv, s = stack(k, v), q.shape[-1] ** -0.5
     whole = da.attention_reference(q, None, None, kv, meta, window=window, scale=s)
     blocked = jax.jit(functools.partial(da.attention_reference, window=window, scale=s, block_k=16))(

@@ -461,11 +461,12 @@ def test_validation():
     assert not md.is_supported(q_lat, q_pe, buf.astype(jnp.bfloat16), meta)
 
 
-@pytest.mark.parametrize("page_size,T", [(0, 4), (16, 20)])
-def test_blocked_reference_equals_plain(page_size, T):
+@pytest.mark.parametrize("page_size,T,low", [(0, 4, 0), (16, 20, 33)])
+def test_blocked_reference_equals_plain(page_size, T, low):
     """Over more slots than its block the MLA reference runs an online softmax over slot
-    blocks (scores [B, H, T, block_k]); it equals the one-block softmax."""
-    q_lat, q_pe, buf, meta = make_case(40 + T, T=T, S=72, page_size=page_size, prefix=[0, 23, 72 - T])
+    blocks (scores [B, H, T, block_k]; below every row's prefix unmasked); it equals the
+    one-block softmax. low: the shortest row's prefix."""
+    q_lat, q_pe, buf, meta = make_case(40 + T, T=T, S=72, page_size=page_size, prefix=[low, max(low, 23), 72 - T])
     whole = md.mla_attention_reference(q_lat, q_pe, buf, meta, scale=0.2)
     blocked = md.mla_attention_reference(q_lat, q_pe, buf, meta, scale=0.2, block_k=16)
     chex.assert_trees_all_close(blocked, whole, atol=1e-5, rtol=1e-5)

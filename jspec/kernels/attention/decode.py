@@ -80,33 +80,41 @@ def _softmax_attend(q, k, v, mask, scale):
     return o.reshape(B, T, H, v.shape[-1]).astype(q.dtype)
 
 
-def attend_in_blocks(q, keys_at, mask_at, num_blocks, scale: float):
+def attend_in_blocks(q, keys_at, mask_at, num_blocks, scale: float, open_blocks=0):
     """Softmax attention of q [B,T,H,Dh] over key blocks 0 .. num_blocks-1 (an online
-    softmax in a loop; num_blocks may be traced): keys_at(lo) -> keys [B,Hkv,BK,Dh] and
-    values [B,Hkv,BK,Dv] of block lo, mask_at(lo) -> [B,T,BK] bool (slots that hold no
-    key: False). At most [B,H,T,BK] float32 scores live at once. A query that sees no key
-    gets zeros. -> [B,T,H,Dv] in q's dtype."""
+    softmax in loops; num_blocks may be traced): keys_at(i) -> keys [B,Hkv,BK,Dh] and
+    values [B,Hkv,BK,Dv] of block i, mask_at(i) -> [B,T,BK] bool (slots that hold no
+    key: False); blocks below open_blocks (may be traced) are seen whole by every query
+    and take no mask. At most [B,H,T,BK] float32 scores live at once. A query that sees no
+    key gets zeros. -> [B,T,H,Dv] in q's dtype."""
     B, T, H, Dh = q.shape
     k0, v0 = jax.eval_shape(keys_at, 0)
     Hkv, Dv = k0.shape[1], v0.shape[-1]
     G = H // Hkv
     qm = q.reshape(B, T, Hkv, G, Dh).transpose(0, 2, 3, 1, 4).reshape(B, Hkv, G * T, Dh)  # row m = g * T + t
+    qm = (qm.astype(jnp.float32) * scale).astype(q.dtype) if q.dtype == jnp.float32 else qm
 
-    def block(lo, carry):
+    def block(i, carry, masked: bool):
         acc, m, l = carry  # [B,Hkv,G*T,Dv] float32, running max and denominator [B,Hkv,G*T]
-        k, v = keys_at(lo)
-        mask = jnp.broadcast_to(mask_at(lo)[:, None, None], (B, 1, G, T, k.shape[2])).reshape(B, 1, G * T, -1)
-        s = jnp.einsum("bkmd,bksd->bkms", qm, k, preferred_element_type=jnp.float32) * scale
-        s = jnp.where(mask, s, NEG_INF)
+        k, v = keys_at(i)
+        s = jnp.einsum("bkmd,bksd->bkms", qm, k, preferred_element_type=jnp.float32)
+        s = s if q.dtype == jnp.float32 else s * scale  # float32 queries come scaled (one pass less a block)
+        if masked:
+            mask = jnp.broadcast_to(mask_at(i)[:, None, None], (B, 1, G, T, k.shape[2])).reshape(B, 1, G * T, -1)
+            s = jnp.where(mask, s, NEG_INF)
         m_new = jnp.maximum(m, jnp.max(s, axis=-1))
-        p = jnp.where(mask, jnp.exp(s - m_new[..., None]), 0.0)
+        p = jnp.exp(s - m_new[..., None])
+        if masked:
+            p = jnp.where(mask, p, 0.0)
         corr = jnp.exp(m - m_new)
         pv = jnp.einsum("bkms,bksd->bkmd", p.astype(v.dtype), v, preferred_element_type=jnp.float32)
         return acc * corr[..., None] + pv, m_new, l * corr + jnp.sum(p, axis=-1)
 
     carry = (jnp.zeros((B, Hkv, G * T, Dv), jnp.float32), jnp.full((B, Hkv, G * T), NEG_INF, jnp.float32),
              jnp.zeros((B, Hkv, G * T), jnp.float32))
-    acc, _, l = lax.fori_loop(0, num_blocks, block, carry)
+    open_blocks = jnp.minimum(open_blocks, num_blocks)
+    carry = lax.fori_loop(0, open_blocks, functools.partial(block, masked=False), carry)
+    acc, _, l = lax.fori_loop(open_blocks, num_blocks, functools.partial(block, masked=True), carry)
     o = acc / jnp.where(l > 0, l, 1.0)[..., None]
     return o.reshape(B, Hkv, G, T, Dv).transpose(0, 3, 1, 2, 4).reshape(B, T, H, Dv).astype(q.dtype)
 
@@ -152,7 +160,7 @@ def attention_reference(q, k_new, v_new, kv_buf, meta: AttnMeta, *, window: int 
         def mask_at(lo):
             mask = lax.dynamic_slice_in_dim(local_mask, lo, block_k, axis=2)
             return mask & _window_ok(meta.positions, lax.dynamic_slice_in_dim(k_pos, lo, block_k, axis=1), window)
-        num_blocks = pl.cdiv(Sk, block_k)
+        num_blocks, open_blocks = pl.cdiv(Sk, block_k), 0
     else:
         kv = read_kv(kv_buf, meta.page_table)  # [B, Sk, 2, Hkv, Dh]
         Sk = kv.shape[1]
@@ -165,10 +173,11 @@ def attention_reference(q, k_new, v_new, kv_buf, meta: AttnMeta, *, window: int 
         def mask_at(lo):
             return cache_mask(meta, block_k, q.shape[1], window, first=lo, num_slots=Sk)
         num_blocks = pl.cdiv(jnp.minimum(jnp.max(meta.prefix_len) + meta.local_len, Sk), block_k)  # the rest: unread
+        open_blocks = 0 if window else jnp.min(meta.prefix_len) // block_k  # every row's prefix: seen whole
 
     def keys_at(i):
         return tuple(lax.dynamic_slice_in_dim(x, i * block_k, block_k, axis=2) for x in (keys, values))
-    return attend_in_blocks(q, keys_at, lambda i: mask_at(i * block_k), num_blocks, scale)
+    return attend_in_blocks(q, keys_at, lambda i: mask_at(i * block_k), num_blocks, scale, open_blocks)
 
 
 def cache_mask(meta: AttnMeta, Sk: int, T: int, window: int = 0, first=0, num_slots: int | None = None):

@@ -98,7 +98,7 @@ def mla_attention_reference(q_lat, q_pe, latent_buf, meta: AttnMeta, *, scale: f
         q = jnp.concatenate([q_lat, q_pe], axis=-1).astype(jnp.float32)
         num_blocks = pl.cdiv(jnp.minimum(jnp.max(meta.prefix_len) + meta.local_len, Sk), BK)
         return attend_in_blocks(q, keys_at, lambda i: cache_mask(meta, BK, T, first=i * BK, num_slots=Sk),
-                                num_blocks, scale)
+                                num_blocks, scale, jnp.min(meta.prefix_len) // BK)
     c, k_pe = rows[..., :Dc], rows[..., Dc:]
     s = (jnp.einsum("bthc,bsc->bhts", q_lat, c, preferred_element_type=jnp.float32)
          + jnp.einsum("bthr,bsr->bhts", q_pe, k_pe, preferred_element_type=jnp.float32)) * scale
