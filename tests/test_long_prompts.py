@@ -91,9 +91,9 @@ def test_a_16k_prompt_on_mla_and_hybrid_targets(tmp_path, family):
     from test_qwen3_next import SHAPE
     torch.manual_seed(0)
     if family == "deepseek_v2":
-        model = transformers.DeepseekV2ForCausalLM(transformers.DeepseekV2Config(
-            num_hidden_layers=2, q_lora_rank=None, topk_method="greedy", attn_implementation="sdpa",
-            **{**COMMON, "max_position_embeddings": MID + 64}))
+        model = transformers.DeepseekV2ForCausalLM(transformers.DeepseekV2Config(  # one MLA + MoE layer
+            num_hidden_layers=1, q_lora_rank=None, topk_method="greedy", attn_implementation="sdpa",
+            **{**COMMON, "first_k_dense_replace": 0, "max_position_embeddings": MID + 64}))
     else:
         model = transformers.Qwen3_5ForCausalLM(transformers.Qwen3_5TextConfig(
             intermediate_size=96, **{**SHAPE, "max_position_embeddings": MID + 64}))

@@ -334,3 +334,34 @@ def test_prompt_in_blocks_fills_caches_as_a_whole_prefill(target, with_draft, ca
     np.testing.assert_array_equal(np.asarray(st_w.tokens[row]), np.asarray(st_b.tokens[row]))
     np.testing.assert_allclose(np.asarray(st_w.proposal.hidden[row]), np.asarray(st_b.proposal.hidden[row]),
                                rtol=2e-5, atol=2e-5)
+
+
+def test_hybrid_prompt_in_blocks_as_the_engine_passes_it(tmp_path_factory):
+    """A Qwen3.5 row's 15-token prompt passed as the engine passes it (prefill_chunk=4: the
+    admission's first block, then `prefill` of that row alone, the pass's other entry no
+    row) while another row runs: its conv and delta-rule states, first token and root
+    equal a whole-prompt admission's, and the running row's states are untouched."""
+    from test_qwen3_next import make_hybrid
+    path = str(tmp_path_factory.mktemp("rows_hybrid_blocks"))
+    make_hybrid(path, "qwen3_5")
+    params = jspec.load(path, dtype="float32", draft="mtp")
+    whole = Batch(params, CACHES["paged16"], spec=jspec.SpecConfig(num_steps=2))
+    blocks = Batch(params, CACHES["paged16"], spec=jspec.SpecConfig(num_steps=2))
+    blocks.plan = dataclasses.replace(blocks.plan, prefill_chunk=4)
+    i, row = 2, 1  # PROMPTS[2]: 15 tokens
+    states = []
+    for b in (whole, blocks):
+        st, _ = b.admit(b.fresh(), 0, 0)
+        st, _ = b.advance(st, 2)
+        running = [np.asarray(a)[0] for a in st.tcache.conv + st.tcache.ssm]
+        st, _ = b.admit(st, row, i)
+        for start in (4, 8, 12) if b is blocks else ():
+            st, _ = programs.prefill_jit(b.plan, *b.weights, st, np.array([row, B], np.int32),
+                                         np.array([start, 0], np.int32))
+        for x, y in zip(running, st.tcache.conv + st.tcache.ssm):
+            np.testing.assert_array_equal(x, np.asarray(y)[0])
+        states.append(st)
+    st_w, st_b = states
+    for x, y in zip(st_w.tcache.conv + st_w.tcache.ssm, st_b.tcache.conv + st_b.tcache.ssm):
+        np.testing.assert_allclose(np.asarray(x)[row], np.asarray(y)[row], rtol=1e-4, atol=1e-5)
+    assert int(st_w.root[row]) == int(st_b.root[row]) and int(st_w.L[row]) == int(st_b.L[row])
