@@ -55,17 +55,28 @@ transformers_prefill: transformers' one prefill forward (sdpa, logits of the las
 only) at the same lengths.
      PYTHONPATH=. python3 benchmarks/bench_8b.py transformers_prefill [4096 ...]
 Result: $OUT/transformers_prefill_8b.json
+long: decode and speculation over long caches. Each row's dense cache holds `ctx` random
+committed slots (`common.filled_state`; no prefill), and one program per (batch, shape),
+sized for the longest context, runs every context (`common.step_times`): the AR step
+(ms, and bandwidth utilisation = (weights + KV read) / time / copy ceiling), and the chain
+S=3 and tree (5,8,16) rounds of the EAGLE-3-shaped head as ratios to the AR step at the
+same context. Batch 1 at 1k, 4k, 32k and 128k; batch 8 at 1k, 4k and 32k (its 128k KV
+cache, 137 GB, does not fit one GPU beside the weights).
+     PYTHONPATH=. python3 benchmarks/bench_8b.py long [--rounds 40]
+Result: $OUT/long_context_8b.json
 """
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 import sys
 import time
 
 import jspec
-from benchmarks.common import (CTX, LLAMA31_8B, LONG, SHORT, Runner, best_call_time, ceiling_of, copy_bandwidth,
-                               eagle3_head, median_time,
+from benchmarks.common import (CTX, LLAMA31_8B, LONG, SHORT, Runner, ceiling_of, copy_bandwidth,
+                               eagle3_head, median_time, prefill_bench, prefill_rows, step_times,
+                               transformers_prefill_bench,
                                env_info, kv_bytes, prompts, random_params, rounded, save_json, tagged, tunings,
                                weight_bytes)
 
@@ -188,24 +199,6 @@ def transformers_decode(batches):
 PREFILL_LENGTHS = (4096, 16384, 32768, 131072)
 
 
-def prefill_flops(cfg, T: int) -> float:
-    """FLOPs of one causal prefill of T tokens: the layers' products (2 a weight a token)
-    and attention (QK and PV over T / 2 keys on average); the LM head of one position."""
-    H, Hkv, Dh, D = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.hidden_size
-    per_layer = D * (H + 2 * Hkv) * Dh + H * Dh * D + 3 * D * cfg.intermediate_size
-    return 2.0 * cfg.num_layers * per_layer * T + 4.0 * cfg.num_layers * H * Dh * T * T / 2 + 2.0 * D * cfg.vocab_size
-
-
-def matmul_rate() -> float:
-    """bf16 FLOP/s of an 8192^3 product (XLA's GEMM), best of several calls."""
-    import jax
-    import jax.numpy as jnp
-    a = jax.random.normal(jax.random.key(0), (8192, 8192), jnp.bfloat16)
-    f = jax.jit(lambda a, b: a @ b)
-    per, _ = best_call_time(f, a, a, calls=20)
-    return 2 * 8192 ** 3 / per
-
-
 def attention_times(T: int, block: int = 2048) -> dict:
     """ms of one layer's causal attention over T tokens of the 8B shape (see the module)."""
     import jax
@@ -272,85 +265,55 @@ def attention_times(T: int, block: int = 2048) -> dict:
 
 
 def prefill_jspec(lengths, paged: bool, kernel_blocks: bool = False):
-    from jspec.kernels.attention.decode import AttentionTiles
     """`prefill` (the module docstring); kernel_blocks: also with the Pallas cache kernel
     instead of cuDNN for the prompt blocks (`AttentionTiles(fused_prompt_blocks=False)`)."""
-    import numpy as np
-    res = {"env": env_info(), "lengths": list(lengths), "block": jspec.Tuning().prefill_block}
-    rate = matmul_rate()
-    res["matmul_tflops"] = rate / 1e12
-    print(res, flush=True)
-    target = random_params(LLAMA31_8B)
-    rng = np.random.default_rng(0)
-    longest = max(lengths)
-    settings = [("dense", True)] + [("paged", True)] * paged + [("dense", False)] * kernel_blocks
-    for kind, fused_blocks in settings:
-        cache = jspec.CacheConfig(kind, max_len=longest + 64)
-        tuning = jspec.Tuning(attention=AttentionTiles(fused_prompt_blocks=fused_blocks))
-        kind = kind if fused_blocks else f"{kind}_kernel_blocks"
-        t0 = time.perf_counter()
-        prog = jspec.compile(target, rng.integers(1, 100000, 100).tolist(), max_new_tokens=1, cache=cache,
-                             tuning=tuning)
-        res[f"{kind}_compile_s"] = time.perf_counter() - t0
-        res[f"{kind}_plan"] = {"prompt_len": prog.plan.prompt_len, "prefill_chunk": prog.plan.prefill_chunk}
-        print(kind, "compiled in", res[f"{kind}_compile_s"], res[f"{kind}_plan"], flush=True)
-        for T in lengths:
-            prompt = np.random.default_rng(T).integers(1, 100000, T).tolist()  # the same in every setting
-            first = prog.run(prompt, max_new_tokens=1)
-            times = []
-            for _ in range(3):
-                t = time.perf_counter()
-                prog.run(prompt, max_new_tokens=1)
-                times.append(time.perf_counter() - t)
-            sec = float(np.median(times))
-            row = {"setting": kind, "T": T, "seconds": sec, "first_token": first.tokens[0], "tokens_per_s": T / sec,
-                   "mfu": prefill_flops(LLAMA31_8B, T) / sec / rate}
-            res[f"{kind}_{T}"] = row
-            print("prefill", rounded(row), flush=True)
-            save_json("prefill_8b.json", res)
-        del prog
-    del target
+    from jspec.kernels.attention.decode import AttentionTiles
+    tunings = [None] + [jspec.Tuning(attention=AttentionTiles(fused_prompt_blocks=False))] * kernel_blocks
+    res = prefill_bench(LLAMA31_8B, "prefill_8b.json", lengths, tunings)
+    if paged:
+        target = random_params(LLAMA31_8B)
+        res.update(prefill_rows(target, lengths, setting="paged", rate=res["matmul_tflops"] * 1e12,
+                                log=functools.partial(print, flush=True)))
+        save_json("prefill_8b.json", res)
+        del target
     for T in lengths[:3]:
         res[f"attention_{T}"] = attention_times(T)
         save_json("prefill_8b.json", res)
     return res
 
 
-def prefill_transformers(lengths):
-    """`transformers_prefill` (the module docstring)."""
-    import numpy as np
-    import torch
-    import transformers
-    res = {"env": env_info(), "torch": torch.__version__, "transformers": transformers.__version__}
-    cfg = transformers.LlamaConfig(
-        vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
-        num_key_value_heads=8, rms_norm_eps=1e-5, max_position_embeddings=131072 + 1024, rope_theta=500000.0,
-        bos_token_id=1, eos_token_id=2, attn_implementation="sdpa")
-    torch.manual_seed(0)
-    torch.set_default_dtype(torch.bfloat16)
-    with torch.device("cuda"):
-        model = transformers.LlamaForCausalLM(cfg).eval()
-    rng = np.random.default_rng(0)
-    for T in lengths:
-        ids = torch.tensor([rng.integers(1, 100000, T).tolist()], device="cuda")
+# --------------------------------------------------------------------------- long
 
-        def run():
-            torch.cuda.synchronize()
-            t = time.perf_counter()
-            with torch.no_grad():
-                model(ids, logits_to_keep=1, use_cache=False)
-            torch.cuda.synchronize()
-            return time.perf_counter() - t
-        try:
-            run()
-            sec = float(np.median([run() for _ in range(3)]))
-            row = {"T": T, "seconds": sec, "tokens_per_s": T / sec}
-        except torch.OutOfMemoryError as e:
-            row = {"T": T, "failed": f"out of memory: {str(e)[:200]}"}
-            torch.cuda.empty_cache()
-        res[f"T{T}"] = row
-        print("transformers prefill", row, flush=True)
-        save_json("transformers_prefill_8b.json", res)
+LONG_CONTEXTS = {1: (1024, 4096, 32768, 131072), 8: (1024, 4096, 32768)}
+
+
+def long_context(rounds: int = 40):
+    """`long` (the module docstring)."""
+    res = {"env": env_info(), "rounds": rounds}
+    bw = copy_bandwidth()
+    ceiling = ceiling_of(bw)
+    res["copy_bandwidth"] = bw
+    target = random_params(LLAMA31_8B)
+    wb = weight_bytes(target)
+    spec_params = target.with_draft(eagle3_head(target))
+    for batch, ctxs in LONG_CONTEXTS.items():
+        ar = step_times(target, batch, ctxs, rounds)
+        for ctx in ctxs:
+            read = wb + kv_bytes(LLAMA31_8B, batch, ctx)
+            res[f"decode_b{batch}_ctx{ctx}"] = row = {
+                "batch": batch, "ctx": ctx, "ms_per_step": ar[ctx] * 1e3, "GB_read": read / 1e9,
+                "bandwidth_util": read / ar[ctx] / ceiling}
+            print("decode", rounded(row), flush=True)
+        save_json("long_context_8b.json", res)
+        for S, K, N in ((3, 1, 4), (5, 8, 16)):
+            spec = jspec.SpecConfig(num_steps=S, topk=K, num_draft_tokens=N)
+            per = step_times(spec_params, batch, ctxs, rounds, spec)
+            for ctx in ctxs:
+                res[f"round_S{S}_K{K}_N{N}_b{batch}_ctx{ctx}"] = row = {
+                    "S": S, "K": K, "N": N, "batch": batch, "ctx": ctx, "ms_per_round": per[ctx] * 1e3,
+                    "ratio_to_ar_step": per[ctx] / ar[ctx]}
+                print("round", rounded(row), flush=True)
+            save_json("long_context_8b.json", res)
     return res
 
 
@@ -365,8 +328,11 @@ def main(argv=None):
     if argv[:1] == ["prefill"]:
         lengths = [int(a) for a in argv[1:] if not a.startswith("--")] or list(PREFILL_LENGTHS)
         return prefill_jspec(lengths, "--paged" in argv, "--kernel-blocks" in argv)
+    if argv[:1] == ["long"]:
+        return long_context(int(argv[argv.index("--rounds") + 1]) if "--rounds" in argv else 40)
     if argv[:1] == ["transformers_prefill"]:
-        return prefill_transformers([int(a) for a in argv[1:]] or list(PREFILL_LENGTHS))
+        return transformers_prefill_bench(LLAMA31_8B, "transformers_prefill_8b.json",
+                                          [int(a) for a in argv[1:]] or list(PREFILL_LENGTHS))
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("parts", nargs="*", help=f"of {', '.join(PARTS)}, or sampling, transformers "
                                              "(default: decode chain tree)")

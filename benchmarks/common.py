@@ -92,6 +92,249 @@ def kv_bytes(cfg, batch: int, ctx: float) -> float:
     return 2 * cfg.num_layers * batch * ctx * cfg.num_kv_heads * cfg.head_dim * 2
 
 
+def filled_state(params, batch: int, ctx: int, rounds: int, spec=None, seed: int = 0):
+    """(plan, weights, a loop state whose rows have committed `ctx` random slots, in the
+    target's cache and the draft's), the dense cache sized for `ctx` plus `rounds` rounds."""
+    from jspec import requests as rq
+    from jspec.loop import programs
+    from jspec.loop.plan import make_plan
+    prompt = [[1 + i for i in range(16)]] * batch
+    reqs = rq.check_requests(params, prompt, ctx + 8 * rounds, [], {})
+    cache = jspec.CacheConfig("dense", max_len=ctx + 8 * rounds + 48)
+    plan = make_plan(params, reqs.lens, reqs.max_new, 0, False, cache, spec)
+    tw, pw = params.weights, params.draft.weights if params.draft is not None else None
+    st, _ = programs.start_jit(plan, tw, pw, *rq.pack(plan, reqs, cache))
+    key = jax.random.key(seed)
+
+    def fill(buf):
+        nonlocal key
+        key, k = jax.random.split(key)
+        return (jax.random.normal(k, buf.shape, jnp.float32) * 0.5).astype(buf.dtype)
+    st = st.replace(tcache=jax.tree.map(fill, st.tcache), L=jnp.full_like(st.L, ctx))
+    if st.proposal is not None:
+        st = st.replace(proposal=st.proposal.replace(cache=jax.tree.map(fill, st.proposal.cache)))
+    return plan, (tw, pw), st
+
+
+def step_times(params, batch: int, ctxs, rounds: int, spec=None) -> dict[int, float]:
+    """Seconds a round (a step when spec is None) with each context of `ctxs` committed,
+    every context through ONE program whose cache holds the longest (as a server compiled
+    for that length runs them): each from a fresh copy of the filled state."""
+    from jspec.loop import programs
+    plan, (tw, pw), filled = filled_state(params, batch, max(ctxs), rounds, spec)
+    run = jax.jit(lambda tw, pw, st, n: programs.advance_fn(plan, tw, pw, st, st.step + n), donate_argnums=2)
+    out = {}
+    for ctx in ctxs:
+        st = jax.tree.map(jnp.copy, filled).replace(L=jnp.full_like(filled.L, ctx))
+        st, back = run(tw, pw, st, 2)  # compile (the first context) and warm
+        jax.block_until_ready(back)
+        t0 = time.perf_counter()
+        st, back = run(tw, pw, st, rounds)
+        steps = int(jax.device_get(back["step"])) - 2
+        out[ctx] = (time.perf_counter() - t0) / max(steps, 1)
+        del st
+    return out
+
+
+def step_time(params, batch: int, ctx: int, rounds: int, spec=None) -> float:
+    """Seconds a round (a step when spec is None) at one context (`step_times`)."""
+    return step_times(params, batch, [ctx], rounds, spec)[ctx]
+
+
+def prefill_flops(cfg, T: int) -> float:
+    """Model FLOPs of one causal prefill of T tokens: 2 a weight a token for every product
+    (MoE: the experts a token uses, the router included), attention's two products over
+    T / 2 keys on average (MLA in the non-absorbed form, heads of Dn + Dr and Dv; gated
+    delta layers: their state products, 4 Dk Dv a value head a token), and the LM head of
+    one position."""
+    D, L = cfg.hidden_size, cfg.num_layers
+    pairs = T * T / 2  # (query, key) pairs of a causal prompt
+    if isinstance(cfg, DeepseekConfig):
+        H, Dn, Dr, Dv, Dc, Q = (cfg.num_heads, cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim,
+                                cfg.kv_lora_rank, cfg.q_lora_rank)
+        attn = (D * Q + Q * H * (Dn + Dr) if Q else D * H * (Dn + Dr)) + D * (Dc + Dr) + Dc * H * (Dn + Dv) + H * Dv * D
+        dense = cfg.first_k_dense_replace
+        moe = 3 * D * cfg.moe_intermediate_size * (cfg.num_experts_per_tok + cfg.n_shared_experts) \
+            + D * cfg.n_routed_experts
+        weights = L * attn + dense * 3 * D * cfg.intermediate_size + (L - dense) * moe
+        scores = L * 2 * H * (Dn + Dr + Dv) * pairs
+    elif isinstance(cfg, HybridConfig):
+        full = sum(t == "full_attention" for t in cfg.layer_types)
+        H, Hkv, Dh = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        Hk, Hv, Dk, Dv = (cfg.linear_num_key_heads, cfg.linear_num_value_heads, cfg.linear_key_head_dim,
+                          cfg.linear_value_head_dim)
+        attn = 2 * D * H * Dh + 2 * D * Hkv * Dh + H * Dh * D  # q with its output gate
+        linear = D * (2 * Hk * Dk + 2 * Hv * Dv + 2 * Hv) + Hv * Dv * D  # q k v z, b a; out
+        if cfg.num_experts:
+            mlp = (3 * D * cfg.moe_intermediate_size * cfg.num_experts_per_tok
+                   + 3 * D * cfg.shared_expert_intermediate_size + D * cfg.num_experts)
+        else:
+            mlp = 3 * D * cfg.intermediate_size
+        weights = full * attn + (L - full) * linear + L * mlp
+        scores = full * 4 * H * Dh * pairs + (L - full) * 4 * Hv * Dk * Dv * T / 2
+    else:
+        H, Hkv, Dh = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        weights = L * (D * (H + 2 * Hkv) * Dh + H * Dh * D + 3 * D * cfg.intermediate_size)
+        scores = L * 4 * H * Dh * pairs
+    return 2.0 * weights * T + scores + 2.0 * D * cfg.vocab_size
+
+
+def matmul_rate() -> float:
+    """bf16 FLOP/s of an 8192^3 product (XLA's GEMM), best of several calls."""
+    a = jax.random.normal(jax.random.key(0), (8192, 8192), jnp.bfloat16)
+    f = jax.jit(lambda a, b: a @ b)
+    per, _ = best_call_time(f, a, a, calls=20)
+    return 2 * 8192 ** 3 / per
+
+
+def prefill_rows(target, lengths, *, setting: str = "dense", tuning=None, reps=None, rate=None,
+                 vocab: int = 100000, log=print) -> dict:
+    """One prompt of each length (random ids, the same for a length in every setting)
+    through `jspec.compile(...).run` with max_new_tokens=1: every length through ONE
+    program compiled for `CacheConfig(setting, max_len=longest + 64)`, so prompts prefill
+    in blocks of `Tuning.prefill_block`. reps: {T: timed runs after a warm one} (default
+    3). -> {"<setting>_compile_s", "<setting>_plan", "<setting>_<T>": {seconds (median),
+    tokens_per_s, mfu (against rate, when given), first_token}}."""
+    reps = reps or {}
+    rng = np.random.default_rng(0)
+    cache = jspec.CacheConfig(setting, max_len=max(lengths) + 64)
+    t0 = time.perf_counter()
+    prog = jspec.compile(target, rng.integers(1, vocab, 100).tolist(), max_new_tokens=1, cache=cache,
+                         **({"tuning": tuning} if tuning is not None else {}))
+    label = setting if tuning is None else f"{setting}_{tuning_label(tuning)}"
+    out = {f"{label}_compile_s": time.perf_counter() - t0,
+           f"{label}_plan": {"prompt_len": prog.plan.prompt_len, "prefill_chunk": prog.plan.prefill_chunk}}
+    log(label, "compiled", out)
+    for T in lengths:
+        prompt = np.random.default_rng(T).integers(1, vocab, T).tolist()
+        first = prog.run(prompt, max_new_tokens=1)
+        times = []
+        for _ in range(reps.get(T, 3)):
+            t = time.perf_counter()
+            prog.run(prompt, max_new_tokens=1)
+            times.append(time.perf_counter() - t)
+        sec = float(np.median(times))
+        row = {"setting": label, "T": T, "seconds": sec, "first_token": first.tokens[0], "tokens_per_s": T / sec}
+        if rate:
+            row["mfu"] = prefill_flops(target.config, T) / sec / rate
+        out[f"{label}_{T}"] = row
+        log("prefill", rounded(row))
+    return out
+
+
+def tuning_label(tuning) -> str:
+    """A short name for a tuning's prompt-block settings (the prefill rows' keys)."""
+    names = []
+    if not tuning.attention.fused_prompt_blocks:
+        names.append("kernel_blocks")
+    if not tuning.mla_decode.expanded_prompt_blocks:
+        names.append("absorbed_blocks")
+    return "_".join(names) or "default"
+
+
+def transformers_prefill_rows(model, lengths, vocab: int = 100000, log=print) -> dict:
+    """transformers' one prefill forward of each length (its own attention, logits of the
+    last position only, no cache): {"T<T>": {seconds (median of 3 after a warm run),
+    tokens_per_s} or {failed: why}}."""
+    import torch
+    out = {}
+    for T in lengths:
+        ids = torch.tensor([np.random.default_rng(T).integers(1, vocab, T).tolist()], device="cuda")
+
+        def run():
+            torch.cuda.synchronize()
+            t = time.perf_counter()
+            with torch.no_grad():
+                model(ids, logits_to_keep=1, use_cache=False)
+            torch.cuda.synchronize()
+            return time.perf_counter() - t
+        try:
+            run()
+            sec = float(np.median([run() for _ in range(3)]))
+            row = {"T": T, "seconds": sec, "tokens_per_s": T / sec}
+        except torch.OutOfMemoryError as e:
+            row = {"T": T, "failed": f"out of memory: {str(e)[:200]}"}
+        torch.cuda.empty_cache()
+        out[f"T{T}"] = row
+        log("transformers prefill", row)
+    return out
+
+
+def prefill_bench(cfg, name: str, lengths, tunings=(None,), reps=None) -> dict:
+    """`prefill_rows` of a random model of shape cfg under each tuning (None: the
+    defaults), the bf16 matmul rate measured first for the MFU; saved to $OUT/name."""
+    res = {"env": env_info(), "lengths": list(lengths), "block": jspec.Tuning().prefill_block}
+    rate = matmul_rate()
+    res["matmul_tflops"] = rate / 1e12
+    print(res, flush=True)
+    t0 = time.perf_counter()
+    target = random_params(cfg)
+    print(f"weights ready in {time.perf_counter() - t0:.1f}s", flush=True)
+    for tuning in tunings:
+        try:
+            res.update(prefill_rows(target, lengths, tuning=tuning, reps=reps, rate=rate,
+                                    vocab=min(cfg.vocab_size, 100000), log=lambda *a: print(*a, flush=True)))
+        except Exception as e:  # noqa: BLE001 - a setting that fails is a result; the next one still runs
+            label = "default" if tuning is None else tuning_label(tuning)
+            res[f"{label}_failed"] = f"{type(e).__name__}: {str(e)[:500]}"
+            print(label, "failed:", res[f"{label}_failed"], flush=True)
+        save_json(name, res)
+    return res
+
+
+def transformers_prefill_bench(cfg, name: str, lengths) -> dict:
+    """`transformers_prefill_rows` of a random transformers model of shape cfg; saved to $OUT/name."""
+    import torch
+    import transformers
+    res = {"env": env_info(), "torch": torch.__version__, "transformers": transformers.__version__}
+    t0 = time.perf_counter()
+    model = transformers_model(cfg)
+    print(f"transformers model ready in {time.perf_counter() - t0:.1f}s", flush=True)
+    res.update(transformers_prefill_rows(model, lengths, vocab=min(cfg.vocab_size, 100000),
+                                         log=lambda *a: print(*a, flush=True)))
+    save_json(name, res)
+    return res
+
+
+def transformers_model(cfg, device: str = "cuda"):
+    """A random transformers model of one of the shapes above (bf16, sdpa) on `device`."""
+    import torch
+    import transformers
+    if isinstance(cfg, DeepseekConfig):
+        hf = transformers.DeepseekV2Config(
+            vocab_size=cfg.vocab_size, hidden_size=cfg.hidden_size, intermediate_size=cfg.intermediate_size,
+            moe_intermediate_size=cfg.moe_intermediate_size, num_hidden_layers=cfg.num_layers,
+            num_attention_heads=cfg.num_heads, num_key_value_heads=cfg.num_heads,
+            n_shared_experts=cfg.n_shared_experts, n_routed_experts=cfg.n_routed_experts,
+            num_experts_per_tok=cfg.num_experts_per_tok, first_k_dense_replace=cfg.first_k_dense_replace,
+            kv_lora_rank=cfg.kv_lora_rank, q_lora_rank=cfg.q_lora_rank or None,
+            qk_nope_head_dim=cfg.qk_nope_head_dim, qk_rope_head_dim=cfg.qk_rope_head_dim,
+            v_head_dim=cfg.v_head_dim, topk_method=cfg.topk_method, norm_topk_prob=cfg.norm_topk_prob,
+            max_position_embeddings=cfg.max_position_embeddings, attn_implementation="sdpa")
+        cls = transformers.DeepseekV2ForCausalLM
+    elif isinstance(cfg, HybridConfig):
+        hf = transformers.Qwen3_5TextConfig(
+            vocab_size=cfg.vocab_size, hidden_size=cfg.hidden_size, intermediate_size=cfg.intermediate_size,
+            num_hidden_layers=cfg.num_layers, layer_types=list(cfg.layer_types), num_attention_heads=cfg.num_heads,
+            num_key_value_heads=cfg.num_kv_heads, head_dim=cfg.head_dim,
+            linear_num_key_heads=cfg.linear_num_key_heads, linear_num_value_heads=cfg.linear_num_value_heads,
+            linear_key_head_dim=cfg.linear_key_head_dim, linear_value_head_dim=cfg.linear_value_head_dim,
+            max_position_embeddings=cfg.max_position_embeddings, attn_implementation="sdpa")
+        cls = transformers.Qwen3_5ForCausalLM
+    else:
+        hf = transformers.LlamaConfig(
+            vocab_size=cfg.vocab_size, hidden_size=cfg.hidden_size, intermediate_size=cfg.intermediate_size,
+            num_hidden_layers=cfg.num_layers, num_attention_heads=cfg.num_heads,
+            num_key_value_heads=cfg.num_kv_heads, rms_norm_eps=cfg.rms_norm_eps,
+            max_position_embeddings=cfg.max_position_embeddings + 1024, rope_theta=cfg.rope.theta,
+            bos_token_id=1, eos_token_id=2, attn_implementation="sdpa")
+        cls = transformers.LlamaForCausalLM
+    torch.manual_seed(0)
+    torch.set_default_dtype(torch.bfloat16)
+    with torch.device(device):
+        return cls(hf).eval()
+
+
 def device_memory() -> int:
     """Bytes of memory the first device may use (0 where the backend does not say)."""
     try:

@@ -65,14 +65,13 @@ import numpy as np
 
 import jspec
 from benchmarks.common import (CTX, V2_LITE, V3_LAYER, V32_LAYER, V32_TINY, Runner, ceiling_of, copy_bandwidth,
-                               device_memory, env_info, prompts, random_params, rounded, save_json, tagged, tunings)
-from jspec import requests as rq
+                               device_memory, env_info, prefill_bench, prompts, random_params, rounded, save_json,
+                               step_time, tagged, transformers_prefill_bench, tunings)
 from jspec.drafts import MtpDraft
 from jspec.drafts.mtp import layer_config
 from jspec.kernels.dsa.index import index_scores, index_scores_reference
+from jspec.kernels.mla.decode import MlaDecodeTiles
 from jspec.kernels.mla.sparse import sparse_mla_attention, sparse_mla_reference
-from jspec.loop import programs
-from jspec.loop.plan import make_plan
 from jspec.models.deepseek_hf import DeepseekConfig
 
 SHORT, LONG = 16, 112
@@ -221,39 +220,6 @@ class Bench:
 
 
 # --------------------------------------------------------------------------- dsa
-
-def filled_state(params, batch: int, ctx: int, rounds: int, spec=None, seed: int = 0):
-    """(plan, weights, a loop state whose rows have committed `ctx` random slots, in the
-    target's cache and the draft's)."""
-    prompt = [[1 + i for i in range(16)]] * batch
-    reqs = rq.check_requests(params, prompt, ctx + 8 * rounds, [], {})
-    cache = jspec.CacheConfig("dense", max_len=ctx + 8 * rounds + 48)
-    plan = make_plan(params, reqs.lens, reqs.max_new, 0, False, cache, spec)
-    tw, pw = params.weights, params.draft.weights if params.draft is not None else None
-    st, _ = programs.start_jit(plan, tw, pw, *rq.pack(plan, reqs, cache))
-    key = jax.random.key(seed)
-
-    def fill(buf):
-        nonlocal key
-        key, k = jax.random.split(key)
-        return (jax.random.normal(k, buf.shape, jnp.float32) * 0.5).astype(buf.dtype)
-    st = st.replace(tcache=jax.tree.map(fill, st.tcache), L=jnp.full_like(st.L, ctx))
-    if st.proposal is not None:
-        st = st.replace(proposal=st.proposal.replace(cache=jax.tree.map(fill, st.proposal.cache)))
-    return plan, (tw, pw), st
-
-
-def step_time(params, batch: int, ctx: int, rounds: int, spec=None) -> float:
-    """Seconds a round (a step when spec is None)."""
-    plan, (tw, pw), st = filled_state(params, batch, ctx, rounds, spec)
-    run = jax.jit(lambda tw, pw, st, n: programs.advance_fn(plan, tw, pw, st, st.step + n), donate_argnums=2)
-    st, back = run(tw, pw, st, 2)  # compile and warm
-    jax.block_until_ready(back)
-    t0 = time.perf_counter()
-    st, back = run(tw, pw, st, rounds)
-    steps = int(jax.device_get(back["step"])) - 2
-    return (time.perf_counter() - t0) / max(steps, 1)
-
 
 def layered(one: jspec.Params, layers: int) -> jspec.Params:
     """`one` (a one-layer target) with `layers` layers that all hold layer 0's arrays: the
@@ -468,6 +434,13 @@ def main(argv=None):
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["dsa"]:
         return dsa_main(argv[1:])
+    if argv[:1] in (["prefill"], ["transformers_prefill"]):
+        lengths = [int(a) for a in argv[1:] if not a.startswith("--")] or [4096, 32768, 65536]
+        if argv[0] == "transformers_prefill":
+            return transformers_prefill_bench(V2_LITE, "transformers_prefill_v2_lite.json", lengths)
+        absorbed = jspec.Tuning(mla_decode=MlaDecodeTiles(expanded_prompt_blocks=False))
+        return prefill_bench(V2_LITE, "prefill_v2_lite.json", lengths,
+                             [None] + [absorbed] * ("--absorbed" in argv), reps={65536: 2})
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("parts", nargs="*", help=f"of {', '.join(PARTS)}, or dsa (default: decode mtp v3layer)")
     ap.add_argument("--tunings", default="default", help="comma-separated common.TUNINGS names")

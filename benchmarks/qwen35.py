@@ -46,7 +46,6 @@ from __future__ import annotations
 
 import argparse
 import functools
-import math
 import os
 import sys
 import time
@@ -57,8 +56,10 @@ import numpy as np
 
 import jspec
 from benchmarks.common import (CTX, QWEN35_27B, QWEN35_35B_A3B, Runner, ceiling_of, copy_bandwidth, env_info,
-                               median_time, prompts, random_params, rounded, save_json, trace_events, traced)
+                               median_time, prefill_bench, prompts, random_params, rounded, save_json, trace_events,
+                               traced, transformers_prefill_bench)
 from jspec.cache.layout import CacheLayout
+from jspec.kernels.attention.decode import AttentionTiles
 from jspec.drafts.qwen_mtp import QwenMtpDraft, layer_config
 from jspec.kernels.gated_delta import reference as gd
 from jspec.kernels.gated_delta import kernels as gk
@@ -565,6 +566,13 @@ def main(argv=None):
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["gated_delta"]:
         return gated_delta_main(argv[1:])
+    if argv[:1] in (["prefill"], ["transformers_prefill"]):
+        lengths = [int(a) for a in argv[1:] if not a.startswith("--")] or [4096, 32768, 131072]
+        if argv[0] == "transformers_prefill":
+            return transformers_prefill_bench(QWEN35_27B, "transformers_prefill_qwen35_27b.json", lengths)
+        kernel_blocks = "--kernel-blocks" in argv
+        tuning = jspec.Tuning(attention=AttentionTiles(fused_prompt_blocks=False)) if kernel_blocks else None
+        return prefill_bench(QWEN35_27B, "prefill_qwen35_27b.json", lengths, [tuning], reps={131072: 1})
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("shape", choices=sorted(SHAPES) + ["check"], help="(or gated_delta, with options of its own)")
     ap.add_argument("parts", nargs="*", default=["decode", "mtp", "commit"])

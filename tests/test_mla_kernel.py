@@ -473,3 +473,68 @@ def test_blocked_reference_equals_plain(page_size, T, low):
     wrong = md.mla_attention_reference(q_lat, q_pe, buf, meta.replace(prefix_len=meta.prefix_len + 1), scale=0.2,
                                        block_k=16)
     assert float(jnp.max(jnp.abs(wrong - whole))) > 1e-3
+
+
+@pytest.mark.parametrize("page_size,T,low", [(0, 4, 0), (16, 20, 33)])
+def test_expanded_prompt_blocks_equal_the_absorbed_form(page_size, T, low):
+    """A prompt block's attention in the non-absorbed form (`kernels.mla.prefill`: the
+    cached latent up-projected a key block at a time) equals the absorbed reference then
+    W_UV: q_lat = q_nope W_UK^T scores the same keys. A wrong prefix shows."""
+    from jspec.kernels.mla import prefill as mp
+    q_lat, q_pe, buf, meta = make_case(50 + T, T=T, S=72, page_size=page_size, prefix=[low, max(low, 23), 72 - T])
+    rng = np.random.default_rng(T)
+    B, _, H, Dc = q_lat.shape
+    Dn, Dv = 8, 12
+    q_nope = jnp.asarray(rng.standard_normal((B, T, H, Dn)), jnp.float32)
+    w_uk = jnp.asarray(rng.standard_normal((Dc, H, Dn)) * 0.3, jnp.float32)
+    w_uv = jnp.asarray(rng.standard_normal((H, Dv, Dc)) * 0.3, jnp.float32)
+    with jax.default_matmul_precision("highest"):
+        absorbed = jnp.einsum("bthn,chn->bthc", q_nope, w_uk)
+        want = mo.up_project(md.mla_attention_reference(absorbed, q_pe, buf, meta, scale=0.2), w_uv, jnp.float32)
+        got = mp.expanded_attention(q_nope, q_pe, buf, meta, w_uk, w_uv, scale=0.2, block_k=16)
+        wrong = mp.expanded_attention(q_nope, q_pe, buf, meta.replace(prefix_len=meta.prefix_len + 1), w_uk, w_uv,
+                                      scale=0.2, block_k=16)
+    assert got.shape == (B, T, H, Dv)
+    chex.assert_trees_all_close(got, want, atol=1e-4, rtol=1e-4)
+    assert float(jnp.max(jnp.abs(wrong - want))) > 1e-3
+
+
+@pytest.mark.parametrize("page_size", [0, 16])
+def test_fused_prompt_blocks_equal_the_blocked_form(page_size):
+    """A causal prompt block through fused attention calls (`kernels.mla.prefill.
+    fused_attention`: its own keys causally, the prefix in key blocks, merged by
+    log-sum-exp; cuDNN on the GPU, XLA's here) equals the blocked non-absorbed form, on a
+    first block and on later blocks whose prefixes end inside, at the edge of and past a
+    key block. A wrong prefix shows."""
+    from jspec.kernels.mla import prefill as mp
+    from jspec.cache.layout import causal_mask
+    from jspec.kernels.meta import read_kv
+    T, S, H, Dn, Dv = 8, 72, 4, 8, 12
+    prefix = np.array([0, 16, 37, 64], np.int32)
+    _, q_pe, buf, meta = make_case(60, B=4, T=T, S=S, H=H, page_size=page_size, prefix=prefix)
+    rng = np.random.default_rng(3)
+    B, Dc = 4, 32
+    pos = jnp.asarray(prefix[:, None] + np.arange(T), jnp.int32)
+    meta = meta.replace(positions=pos, local_positions=pos, local_mask=causal_mask(jnp.full((B,), T, jnp.int32), T),
+                        causal_block=True)
+    rows = jnp.stack([read_kv(buf, meta.page_table)[b, p:p + T] for b, p in enumerate(prefix)])  # the block's rows
+    q_nope = jnp.asarray(rng.standard_normal((B, T, H, Dn)), jnp.float32)
+    w_uk = jnp.asarray(rng.standard_normal((Dc, H, Dn)) * 0.3, jnp.float32)
+    w_uv = jnp.asarray(rng.standard_normal((H, Dv, Dc)) * 0.3, jnp.float32)
+    call = functools.partial(mp.fused_attention, q_nope, q_pe, rows, buf, w_uk=w_uk, w_uv=w_uv, scale=0.2,
+                             block_k=16, implementation="xla")
+    with jax.default_matmul_precision("highest"):
+        want = mp.expanded_attention(q_nope, q_pe, buf, meta, w_uk, w_uv, scale=0.2, block_k=16)
+        got = call(meta=meta)
+        # a first block (no cache read) against the blocked form over a cache that holds
+        # only the block's rows, at slots 0 .. T-1
+        zero = jnp.zeros_like(meta.prefix_len)
+        alone = jnp.pad(rows, ((0, 0), (0, S - T), (0, 0)))
+        at0 = meta.replace(prefix_len=zero, page_table=None, page_size=0, positions=pos - pos[:, :1],
+                           local_positions=pos - pos[:, :1])
+        first = call(meta=at0.replace(prefill=True))
+        want_first = mp.expanded_attention(q_nope, q_pe, alone, at0, w_uk, w_uv, scale=0.2, block_k=16)
+        wrong = call(meta=meta.replace(prefix_len=meta.prefix_len + 1))
+    chex.assert_trees_all_close(got, want, atol=1e-4, rtol=1e-4)
+    chex.assert_trees_all_close(first, want_first, atol=1e-4, rtol=1e-4)
+    assert float(jnp.max(jnp.abs(wrong[1:] - want[1:]))) > 1e-3

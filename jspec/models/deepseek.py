@@ -28,10 +28,12 @@ from flax import linen as nn
 
 from jspec.cache.latent import LatentCache, LatentCacheKind, cached_mla_attention
 from jspec.tuning import DEFAULT_TUNING, Tuning
+from jspec.kernels.attention import gqa
 from jspec.kernels.attention.decode import attention_reference
 from jspec.kernels.mla import inputs as mla_inputs
 from jspec.kernels.meta import AttnMeta
 from jspec.kernels.mla.attention import mla_attention
+from jspec.kernels.mla import prefill as mla_prefill
 from jspec.kernels.moe import experts as moe_experts, grouped as moe_grouped
 from jspec.kernels.moe.experts import normed, silu_mul
 from jspec.kernels.moe.route import route
@@ -108,7 +110,15 @@ class MLAttention(nn.Module):
         latent_norm, _ = RMSNorm(LATENT_NORM_EPS, c.dtype, name="kv_a_layernorm")(
             jax.ShapeDtypeStruct((Dc,), dt), unapplied=True)
         cos, sin = rope_tables(meta.positions, c)  # [B,T,Dr/2]
-        absorb = not meta.prefill
+        # A prompt's blocks in the non-absorbed form (`kernels.mla.prefill`): through cuDNN
+        # where it runs (`fused`), else a later block over the latent cache by the blocked
+        # jnp form (`expanded`); sparse attention and row-invariant steps stay as they were.
+        own_form = meta.causal_block and not c.index_topk and not ri
+        fused = own_form and (meta.prefill or buf is not None) and gqa.uses_fused(jax.ShapeDtypeStruct((B, T, H, Dn + Dr), dt), meta,
+                                            tiles=tuning.attention)
+        expanded = (own_form and not meta.prefill and buf is not None
+                    and (fused or tuning.mla_decode.expanded_prompt_blocks))
+        absorb = not (meta.prefill or expanded)
         flat = (cos.reshape(B * T, -1), sin.reshape(B * T, -1))
         q_latent = None  # the normed query latent (sparse attention's indexer reads it)
         parts = None  # the projections' K splits [S, B*T, H(Dn+Dr)+Dc+Dr] float32 for `mla_inputs`
@@ -156,7 +166,11 @@ class MLAttention(nn.Module):
         select = None  # sparse attention's selection (`Indexer`; None: every visible slot)
         if c.index_topk:
             select, ibuf = Indexer(c, tuning, name="indexer")(normed(x, norm), q_latent, cos, sin, ibuf, meta)
-        if meta.prefill:  # keys and values from the latent, as the model computes them
+        if fused:
+            if buf is not None:
+                buf = write_kv(buf, rows, meta.write_index, meta.page_table is None)
+            o = mla_prefill.fused_attention(q_nope, q_pe, rows, buf, meta, w_uk, w_uv, scale=c.softmax_scale)
+        elif meta.prefill:  # keys and values from the latent, as the model computes them
             if select is not None:
                 meta = meta.replace(local_mask=meta.local_mask & select)
             if buf is not None:
@@ -167,6 +181,9 @@ class MLAttention(nn.Module):
             k = jnp.concatenate([k_nope, jnp.broadcast_to(k_pe[:, :, None], (B, T, H, Dr))], axis=-1)
             o = attention_reference(jnp.concatenate([q_nope, q_pe], axis=-1), k, v, None, meta,
                                     scale=c.softmax_scale)  # [B,T,H,Dv]
+        elif expanded:
+            buf = write_kv(buf, rows, meta.write_index, meta.page_table is None)
+            o = mla_prefill.expanded_attention(q_nope, q_pe, buf, meta, w_uk, w_uv, scale=c.softmax_scale)
         elif ri:
             if rows is not None:
                 buf = write_kv(buf, rows, meta.write_index, meta.page_table is None)

@@ -19,17 +19,25 @@ from jspec.kernels.meta import AttnMeta, read_kv
 FUSED_DTYPES = (jnp.bfloat16, jnp.float16)
 
 
+def max_head_dim() -> int:
+    """The largest head size cuDNN's fused attention takes through jax on this GPU: 256
+    from Hopper (compute capability 9.0) on, 128 before (jax's own check)."""
+    capability = getattr(jax.devices()[0], "compute_capability", "0.0")
+    return 256 if tuple(int(x) for x in capability.split(".")[:2]) >= (9, 0) else 128
+
+
 def is_supported(q, meta: AttnMeta, *, window: int = 0) -> bool:
     """Whether `block_attention` runs these arguments through cuDNN: a causal prompt block
     of a multiple of 64 tokens without a sliding window, bf16 or fp16 queries, head size
-    a multiple of 8 up to 128, on a GPU."""
+    a multiple of 8 up to `max_head_dim`, on a GPU."""
     Dh = q.shape[-1]
     return (meta.causal_block and not window and jax.default_backend() == "gpu" and q.dtype in FUSED_DTYPES
-            and Dh % 8 == 0 and Dh <= 128 and q.shape[1] % 64 == 0)
+            and Dh % 8 == 0 and q.shape[1] % 64 == 0 and Dh <= max_head_dim())
 
 
-def _btn(lse, B: int, T: int, H: int):
-    """A log-sum-exp residual as [B, T, H] float32 (implementations return BTN or BNT)."""
+def residual_lse(lse, B: int, T: int, H: int):
+    """A `jax.nn.dot_product_attention` log-sum-exp residual as [B, T, H] float32 (the
+    implementations return BTN or BNT)."""
     if lse.shape == (B, H, T) and H != T:
         lse = lse.transpose(0, 2, 1)
     return lse.astype(jnp.float32)
@@ -48,11 +56,21 @@ def block_attention(q, k_new, v_new, kv_buf, meta: AttnMeta, *, scale: float, im
     pre, pre_lse = jax.nn.dot_product_attention(q, kv[:, :, 0], kv[:, :, 1], scale=scale,
                                                 key_value_seq_lengths=jnp.maximum(meta.prefix_len, 1),
                                                 implementation=implementation, return_residual=True)
-    has_prefix = (meta.prefix_len > 0)[:, None, None]
-    pre = jnp.where(has_prefix[..., None], pre, 0)  # a row without a prefix read one placeholder key
-    own_lse, pre_lse = _btn(own_lse, B, T, H), jnp.where(has_prefix, _btn(pre_lse, B, T, H), -jnp.inf)
-    top = jnp.maximum(own_lse, pre_lse)
-    w_own, w_pre = jnp.exp(own_lse - top), jnp.exp(pre_lse - top)  # [B, T, H]
-    out = (own.astype(jnp.float32) * w_own[..., None] + pre.astype(jnp.float32) * w_pre[..., None]) \
-        / (w_own + w_pre)[..., None]
+    has_prefix = meta.prefix_len > 0
+    out, _ = merge_by_lse(own, residual_lse(own_lse, B, T, H), pre, residual_lse(pre_lse, B, T, H), has_prefix)
     return out.astype(q.dtype)
+
+
+def merge_by_lse(o_a, lse_a, o_b, lse_b, b_seen=None):
+    """Two softmax attentions over disjoint key sets merged into the one over their union:
+    o [B,T,H,Dv] and their log-sum-exps lse [B,T,H] float32; b_seen [B] bool or None: the
+    rows whose part b saw any key (the others read a placeholder: b counts nothing there).
+    -> (o float32, lse) of the union."""
+    if b_seen is not None:
+        o_b = jnp.where(b_seen[:, None, None, None], o_b, 0)
+        lse_b = jnp.where(b_seen[:, None, None], lse_b, -jnp.inf)
+    top = jnp.maximum(lse_a, lse_b)
+    w_a, w_b = jnp.exp(lse_a - top), jnp.exp(lse_b - top)  # [B, T, H]
+    total = w_a + w_b
+    out = (o_a.astype(jnp.float32) * w_a[..., None] + o_b.astype(jnp.float32) * w_b[..., None]) / total[..., None]
+    return out, top + jnp.log(total)

@@ -72,6 +72,9 @@ class MlaDecodeTiles:
     target_programs: int = 264  # about two waves of programs on an H200 (132 SMs)
     num_warps: int | None = None  # None: 4, or 8 for row tiles above 16 x 512
     num_stages: int = 2
+    # A prompt's blocks after the first attend in the non-absorbed form, the cached latent
+    # up-projected a key block at a time (`jspec.kernels.mla.prefill`), not through this kernel.
+    expanded_prompt_blocks: bool = True
 
 NEG_INF = -1e30
 MIN_ROWS = 16  # smallest M of a tensor-core dot in Triton
