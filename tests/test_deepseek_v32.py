@@ -112,6 +112,19 @@ def test_greedy_equals_transformers(v32, cache):
     assert out.tokens == want
 
 
+def test_prompt_in_blocks_equals_transformers(v32):
+    """A prompt of 180 tokens prefilled in blocks of 64 (`Tuning.prefill_block`): the later
+    blocks' indexer scores every cached key and picks its top-k over the whole prefix;
+    transformers' greedy tokens, as the whole prompt at once gives."""
+    path, model = v32
+    prompt = np.random.default_rng(0).integers(3, COMMON["vocab_size"], 180).tolist()
+    target = jspec.load(path, dtype="float32")
+    prog = jspec.compile(target, prompt, max_new_tokens=4, stop_token_ids=[],
+                         cache=jspec.CacheConfig("paged", page_size=16), tuning=jspec.Tuning(prefill_block=64))
+    assert prog.plan.prefill_chunk == 64
+    assert prog.run().tokens == hf_greedy_tokens(model, prompt, 4)
+
+
 SPEC_CASES = [((3, 1, 4), "dense"), ((3, 2, 6), "paged1"), ((3, 1, 4), "paged16"), ((3, 2, 6), "paged64")]
 
 
