@@ -175,10 +175,7 @@ class MLAttention(nn.Module):
                 meta = meta.replace(local_mask=meta.local_mask & select)
             if buf is not None:
                 buf = write_kv(buf, rows, meta.write_index, meta.page_table is None)
-            latent, k_pe = rows[..., :Dc], rows[..., Dc:]
-            k_nope = jnp.einsum("btc,chn->bthn", latent, w_uk)
-            v = jnp.einsum("btc,hvc->bthv", latent, w_uv)
-            k = jnp.concatenate([k_nope, jnp.broadcast_to(k_pe[:, :, None], (B, T, H, Dr))], axis=-1)
+            k, v = mla_prefill.up_project(rows, w_uk, w_uv)
             o = attention_reference(jnp.concatenate([q_nope, q_pe], axis=-1), k, v, None, meta,
                                     scale=c.softmax_scale)  # [B,T,H,Dv]
         elif expanded:

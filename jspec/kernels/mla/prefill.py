@@ -39,6 +39,17 @@ from jspec.kernels.meta import AttnMeta, read_kv
 FUSED_BLOCK_K = 4096  # prefix slots a fused call (their up-projected keys and values live at once)
 
 
+def up_project(rows, w_uk, w_uv):
+    """The model's keys and values from latent rows [B,S,Dc+Dr] (the normed latent c, the
+    roped key part k_pe): keys [B,S,H,Dn+Dr] = [c W_UK | k_pe] (k_pe shared by the heads)
+    and values [B,S,H,Dv] = c W_UV, in the rows' dtype; w_uk [Dc,H,Dn], w_uv [H,Dv,Dc]."""
+    Dc, H = w_uk.shape[:2]
+    c, k_pe = rows[..., :Dc], rows[..., Dc:]
+    k_nope = jnp.einsum("bsc,chn->bshn", c, w_uk).astype(rows.dtype)
+    k = jnp.concatenate([k_nope, jnp.broadcast_to(k_pe[:, :, None], k_pe.shape[:2] + (H, k_pe.shape[-1]))], axis=-1)
+    return k, jnp.einsum("bsc,hvc->bshv", c, w_uv).astype(rows.dtype)
+
+
 def expanded_attention(q_nope, q_pe, latent_buf, meta: AttnMeta, w_uk, w_uv, *, scale: float,
                        block_k: int = REFERENCE_BLOCK_K):
     """Attention of a prompt block in the non-absorbed form (see the module): q_nope
@@ -46,19 +57,15 @@ def expanded_attention(q_nope, q_pe, latent_buf, meta: AttnMeta, w_uk, w_uv, *, 
     holding the block's rows [.., Dc + Dr], w_uk [Dc,H,Dn], w_uv [H,Dv,Dc]; the mask rule
     is the cache's (`cache_mask`). -> o [B,T,H,Dv] in q_nope's dtype (softmax in float32;
     the keys and values rounded to the cache's dtype, as the model's prefill makes them)."""
-    B, T, H, Dn = q_nope.shape
-    Dc, Dr = w_uk.shape[0], q_pe.shape[-1]
+    T = q_nope.shape[1]
     rows = read_kv(latent_buf, meta.page_table)  # [B, Sk, Dc + Dr]
     Sk = rows.shape[1]
     BK = min(block_k, Sk)
     rows = pad_slots(rows, BK)
 
     def keys_at(i):  # the block's keys [B,H,BK,Dn+Dr] and values [B,H,BK,Dv], up-projected
-        block = lax.dynamic_slice_in_dim(rows, i * BK, BK, axis=1)
-        c, k_pe = block[..., :Dc], block[..., Dc:]
-        k_nope = jnp.einsum("bsc,chn->bhsn", c, w_uk).astype(rows.dtype)
-        k = jnp.concatenate([k_nope, jnp.broadcast_to(k_pe[:, None], (B, H, BK, Dr))], axis=-1)
-        return k, jnp.einsum("bsc,hvc->bhsv", c, w_uv).astype(rows.dtype)
+        k, v = up_project(lax.dynamic_slice_in_dim(rows, i * BK, BK, axis=1), w_uk, w_uv)
+        return k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3)
     q = jnp.concatenate([q_nope, q_pe.astype(q_nope.dtype)], axis=-1)
     num_blocks = pl.cdiv(jnp.minimum(jnp.max(meta.prefix_len) + meta.local_len, Sk), BK)
     return attend_in_blocks(q, keys_at, lambda i: cache_mask(meta, BK, T, first=i * BK, num_slots=Sk),
@@ -72,17 +79,12 @@ def fused_attention(q_nope, q_pe, rows, latent_buf, meta: AttnMeta, w_uk, w_uv, 
     read for the prefix (unused on a prompt's first block, meta.prefill). -> o [B,T,H,Dv] in
     q_nope's dtype. implementation: "cudnn" on the GPU, "xla" in the CPU tests."""
     B, T, H, Dn = q_nope.shape
-    Dc, Dr, Dv = w_uk.shape[0], q_pe.shape[-1], w_uv.shape[1]
-    Dq = Dn + Dr
+    Dv, Dq = w_uv.shape[1], Dn + q_pe.shape[-1]
     dtype = q_nope.dtype
     q = jnp.concatenate([q_nope, q_pe.astype(dtype)], axis=-1)  # [B,T,H,Dq]
 
     def expand(block):  # latent rows [B,S,Dc+Dr] -> keys [B,S,H,Dq], values [B,S,H,Dq] (zeros past Dv)
-        c, k_pe = block[..., :Dc], block[..., Dc:]
-        S = block.shape[1]
-        k_nope = jnp.einsum("bsc,chn->bshn", c, w_uk).astype(dtype)
-        k = jnp.concatenate([k_nope, jnp.broadcast_to(k_pe[:, :, None].astype(dtype), (B, S, H, Dr))], axis=-1)
-        v = jnp.einsum("bsc,hvc->bshv", c, w_uv).astype(dtype)
+        k, v = up_project(block, w_uk, w_uv)
         return k, jnp.pad(v, ((0, 0), (0, 0), (0, 0), (0, Dq - Dv)))
 
     def attend(k, v, **kw):  # -> (o [B,T,H,Dv] float32, lse [B,T,H])
