@@ -51,6 +51,16 @@ layers and their random initialisation do not fit an H100.
         [--topk-tiles chunk/block/warps/stages,..]   # the top-k selection (topk_bench)
 Result: $OUT/dsa_<shape>.json, $OUT/dsa_topk_<shape>.json. Written for the GPU; run on the
 CPU with --shape tiny only.
+
+prefill: one V2-Lite prompt of each length (default 4096 32768 65536) through one program
+compiled for the longest (`common.prefill_bench`: blocks of `Tuning.prefill_block`, MLA's
+prompt blocks in the non-absorbed form through cuDNN), seconds, tokens/s and MFU;
+--absorbed also runs them with the later blocks absorbed through the MLA decode kernel
+(`MlaDecodeTiles(expanded_prompt_blocks=False)`). transformers_prefill: transformers'
+DeepseekV2 of the same shape, one sdpa forward a length (run it in a process of its own).
+    PYTHONPATH=. python3 benchmarks/deepseek.py prefill [4096 32768 65536] [--absorbed]
+    PYTHONPATH=. python3 benchmarks/deepseek.py transformers_prefill [4096 32768]
+Result: $OUT/prefill_v2_lite.json, $OUT/transformers_prefill_v2_lite.json
 """
 from __future__ import annotations
 

@@ -41,6 +41,16 @@ Shapes: Hk = 16, Dk = Dv = 128, Hv = 32 (48 where named), B in {1, 32}, N in {1,
 
      PYTHONPATH=. python3 benchmarks/qwen35.py gated_delta [--sections sweep,check,time,fla] [--fla DIR] [--budget S]
 Results: $OUT/gated_delta_<device>.json (rows as they come) and a table on stdout.
+
+prefill: one Qwen3.5-27B prompt of each length (default 4096 32768 131072) through one
+program compiled for the longest (`common.prefill_bench`), seconds, tokens/s and MFU;
+--kernel-blocks: the full-attention layers' prompt blocks through the Pallas cache kernel
+instead of cuDNN. transformers_prefill: transformers' Qwen3_5ForCausalLM of the same shape,
+one sdpa forward a length (in a process of its own; with DIR, an unpacked fla-core wheel,
+on PYTHONPATH it runs fla's chunked gated-delta kernels).
+    PYTHONPATH=. python3 benchmarks/qwen35.py prefill [4096 32768 131072] [--kernel-blocks]
+    PYTHONPATH=.:DIR python3 benchmarks/qwen35.py transformers_prefill [4096 32768]
+Results: $OUT/prefill_qwen35_27b.json, $OUT/transformers_prefill_qwen35_27b.json
 """
 from __future__ import annotations
 
