@@ -11,7 +11,9 @@
 3. host time per chunk (`host`): B requests of `--host-new` tokens (2k) with stop strings
    that never match, the engine driven by its own thread; the driving thread's time per
    chunk outside its waits for the device, against the chunk's device time (the run's
-   wall time over its chunks). A word-level tokenizer of the 8B vocabulary gives the text.
+   wall time over its chunks), and the engine's split of its CPU time: its own work
+   (`stats.host_s`) and the program calls (`stats.launch_s`). A word-level tokenizer of the
+   8B vocabulary gives the text.
    It measures the engine it imports, so `PYTHONPATH=.old:.` measures an older jspec
    unpacked into .old (`git archive COMMIT jspec | tar -x -C .old`);
 4. the load test on the 8B shape (`load`): `jspec.serve.load.run_serve_bench` at
@@ -110,9 +112,11 @@ def host_time(params, batch: int, prompt: int, new: int, cache, rounds_per_chunk
     try:
         with engine:
             serve()  # compiles what it runs
-            chunks0 = stat(engine, "chunks")
+            chunks0, own0 = stat(engine, "chunks"), stat(engine, "host_s")
+            launch0 = getattr(engine.stats, "launch_s", 0)
             t0, t1, outs = serve()
             chunks = stat(engine, "chunks") - chunks0
+            own, launch = stat(engine, "host_s") - own0, getattr(engine.stats, "launch_s", 0) - launch0
     finally:
         jax.device_get = device_get
     wall = t1 - t0
@@ -122,6 +126,9 @@ def host_time(params, batch: int, prompt: int, new: int, cache, rounds_per_chunk
     return {"batch": batch, "new": new, "tokens": tokens, "chunks": chunks, "wall_s": wall,
             "chunk_ms": wall / chunks * 1e3, "host_cpu_ms_per_chunk": cpu * 1e3, "host_share": cpu / (wall / chunks),
             "step_ms_outside_readback_waits": sum(d - w for _, d, w, _ in timed) / chunks * 1e3,
+            # the engine's own split of that CPU time (engines from 2026-11-28 on): its Python
+            # work (`stats.host_s`) and the program calls (`stats.launch_s`: kernel launches)
+            "own_work_ms_per_chunk": own / chunks * 1e3, "launch_cpu_ms_per_chunk": launch / chunks * 1e3,
             "output_thread_cpu_ms_per_chunk": output_cpu[0] / chunks * 1e3 if output is not None else None,
             "text_chars": sum(len(o.text) for o in outs)}
 

@@ -83,6 +83,9 @@ def test_requests_equal_alone_whenever_they_join(target, with_draft, kind, cache
     if kind != "plain":
         assert engine.stats.accept_rounds > 0
     assert (engine.stats.prefill_passes > 0) == (cache != "dense")  # paged: prompts over 8 tokens in blocks
+    # the driving thread's CPU time: its own work apart from the program calls (all made in `step` here)
+    assert engine.stats.host_s > 0 and engine.stats.launch_s > 0
+    assert engine.stats.launch_s == pytest.approx(engine.runner.launch_s)
 
 
 LONG_PROMPTS = PROMPTS + [list(range(40, 64)), [8, 9, 8, 9, 8] * 4]  # 24 and 20 tokens

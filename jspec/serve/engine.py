@@ -152,6 +152,7 @@ class Engine:
         self._running = False
         self._closed = False
         self._last_done = 0.0  # when the last chunk's readback arrived
+        self._wait_cpu_s = 0.0  # the driving thread's CPU time inside readbacks (not host work)
         self.error: str | None = None
 
     @staticmethod
@@ -309,17 +310,22 @@ class Engine:
 
     def step(self) -> bool:
         """One iteration (see the module) -> whether any request is running or waiting, or
-        a chunk is in flight. The thread's CPU time in it adds to `stats.host_s`."""
-        t0 = time.thread_time()
+        a chunk is in flight. The thread's CPU time in it adds to `stats.launch_s` inside
+        program calls, to nothing inside readbacks (a wait may spin), and to
+        `stats.host_s` elsewhere."""
+        t0, launched, waited = time.thread_time(), self.runner.launch_s, self._wait_cpu_s
         busy = self._iterate()
-        self.stats.host_s += time.thread_time() - t0
+        launch = self.runner.launch_s - launched
+        self.stats.launch_s += launch
+        self.stats.host_s += time.thread_time() - t0 - launch - (self._wait_cpu_s - waited)
         return busy
 
     def _get(self, back):
         """A window readback on the host, its parts named (the wait adds to `stats.wait_s`)."""
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.thread_time()
         back = jax.device_get(back)
         self.stats.wait_s += time.perf_counter() - t0
+        self._wait_cpu_s += time.thread_time() - c0
         return unpack_window(back)
 
     def _iterate(self) -> bool:

@@ -65,6 +65,7 @@ class Runner:
         self.state = None
         self._programs: dict = {}  # small keys -> compiled programs (a full key hashes every weight's shape)
         self.compile_s = 0.0
+        self.launch_s = 0.0  # CPU time of the calling thread inside program calls (`_call`)
 
     @property
     def weights(self):
@@ -99,6 +100,14 @@ class Runner:
             self.compile_s += seconds
         return self._programs[key]
 
+    def _call(self, program, *args):
+        """program(weights, *args); the calling thread's CPU time in the call (the dispatch:
+        on a GPU without command buffers, every kernel's launch) adds to `launch_s`."""
+        t0 = time.thread_time()
+        out = program(*self.weights, *args)
+        self.launch_s += time.thread_time() - t0
+        return out
+
     def _admit_inputs(self, rows: list[int], reqs: rq.Requests, width: int):
         A = self.bucket(len(rows))
         packed_rows, adm = rq.pack(self.plan, reqs, self.cache)
@@ -114,7 +123,7 @@ class Runner:
         plan = self.plan.variant(sampling=True, prompt_logprobs=prompt_logprobs)
         program = self._program(("admit", len(rows_dev), width, prompt_logprobs), programs.admit_jit, plan,
                                 (self.state, rows_dev, adm))
-        self.state, back = program(*self.weights, self.state, rows_dev, adm)
+        self.state, back = self._call(program, self.state, rows_dev, adm)
         return back
 
     def prefill(self, blocks: list[tuple[int, int]], prompt_logprobs: bool = False):
@@ -129,7 +138,7 @@ class Runner:
         plan = self.plan.variant(sampling=True, prompt_logprobs=prompt_logprobs)
         program = self._program(("prefill", A, prompt_logprobs), programs.prefill_jit, plan,
                                 (self.state, rows_dev, start_dev))
-        self.state, back = program(*self.weights, self.state, rows_dev, start_dev)
+        self.state, back = self._call(program, self.state, rows_dev, start_dev)
         return back
 
     def chunk(self, tier: int, sampled: bool, logprobs: bool):
@@ -137,7 +146,7 @@ class Runner:
         plan = self.tier_plans[tier].variant(sampling=sampled, token_logprobs=logprobs)
         program = self._program(("chunk", tier, sampled, logprobs), programs.chunk_jit(self.rounds_per_chunk),
                                 plan, (self.state,))
-        self.state, back = program(*self.weights, self.state)
+        self.state, back = self._call(program, self.state)
         return back
 
     def evict(self, rows: list[int]) -> None:
@@ -146,7 +155,7 @@ class Runner:
         padded[:len(rows)] = rows
         rows_dev = self.put(padded)
         program = self._program(("evict",), programs.evict_jit, self.plan, (self.state, rows_dev))
-        self.state = program(*self.weights, self.state, rows_dev)
+        self.state = self._call(program, self.state, rows_dev)
 
     def reset(self) -> None:
         """A fresh state: every row free."""

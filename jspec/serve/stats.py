@@ -56,7 +56,8 @@ class EngineStats:
     accept_rounds: int = 0
     accept_tokens: int = 0
     startup_s: float = 0.0
-    host_s: float = 0.0  # the driving thread's CPU time in `step` (host work; waits for the device excluded)
+    host_s: float = 0.0  # the driving thread's CPU time in `step` outside program calls and readbacks: its own work
+    launch_s: float = 0.0  # its CPU time inside program calls (the dispatch; on a GPU, each kernel's launch)
     wait_s: float = 0.0  # its time waiting for readbacks
     programs: int = 0  # programs compiled at start-up (`Engine.warm_up`)
     finish_reasons: dict = dataclasses.field(default_factory=dict)
