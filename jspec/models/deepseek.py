@@ -114,8 +114,9 @@ class MLAttention(nn.Module):
         # where it runs (`fused`), else a later block over the latent cache by the blocked
         # jnp form (`expanded`); sparse attention and row-invariant steps stay as they were.
         own_form = meta.causal_block and not c.index_topk and not ri
-        fused = own_form and (meta.prefill or buf is not None) and gqa.uses_fused(jax.ShapeDtypeStruct((B, T, H, Dn + Dr), dt), meta,
-                                            tiles=tuning.attention)
+        own_q = jax.ShapeDtypeStruct((B, T, H, Dn + Dr), dt)  # the non-absorbed queries
+        fused = (own_form and (meta.prefill or buf is not None)
+                 and gqa.uses_fused(own_q, meta, tiles=tuning.attention))
         expanded = (own_form and not meta.prefill and buf is not None
                     and (fused or tuning.mla_decode.expanded_prompt_blocks))
         absorb = not (meta.prefill or expanded)
