@@ -119,6 +119,16 @@ def attend_in_blocks(q, keys_at, mask_at, num_blocks, scale: float, open_blocks=
     return o.reshape(B, Hkv, G, T, Dv).transpose(0, 3, 1, 2, 4).reshape(B, T, H, Dv).astype(q.dtype)
 
 
+def attend_cache_in_blocks(q, keys_at, meta: AttnMeta, num_slots: int, block_k: int, scale: float):
+    """`attend_in_blocks` over a cache of `num_slots` slots read in blocks of `block_k`
+    (keys_at(i): block i's keys and values) under the cache's mask rule (`cache_mask`, no
+    window): up to the last block any row reads, every row's prefix blocks unmasked."""
+    T = q.shape[1]
+    num_blocks = pl.cdiv(jnp.minimum(jnp.max(meta.prefix_len) + meta.local_len, num_slots), block_k)
+    return attend_in_blocks(q, keys_at, lambda i: cache_mask(meta, block_k, T, first=i * block_k, num_slots=num_slots),
+                            num_blocks, scale, jnp.min(meta.prefix_len) // block_k)
+
+
 def pad_slots(a, multiple: int, axis: int = 1):
     """a padded with zeros along `axis` to a multiple of `multiple`."""
     extra = -a.shape[axis] % multiple

@@ -47,8 +47,8 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
-from jspec.kernels.attention.decode import (REFERENCE_BLOCK_K, attend_in_blocks, cache_mask, check_meta, merge_splits,
-                                            online_softmax_step, pad_slots, slot_table, walk_split)
+from jspec.kernels.attention.decode import (REFERENCE_BLOCK_K, attend_cache_in_blocks, cache_mask, check_meta,
+                                            merge_splits, online_softmax_step, pad_slots, slot_table, walk_split)
 from jspec.kernels.meta import AttnMeta, pool_rows, read_kv
 from jspec.kernels.tiling import KERNEL_DTYPES, is_pow2, pow2_ceil
 
@@ -90,7 +90,7 @@ def mla_attention_reference(q_lat, q_pe, latent_buf, meta: AttnMeta, *, scale: f
     values, the latent its values), so the scores stay [B, H, T, block]."""
     Dc = q_lat.shape[-1]
     rows = read_kv(latent_buf, meta.page_table)  # [B, Sk, Dc + Dr]
-    Sk, T = rows.shape[1], q_lat.shape[1]
+    Sk = rows.shape[1]
     if select is None and Sk > block_k:
         BK = block_k
         keys = pad_slots(rows, BK).astype(jnp.float32)[:, None]  # [B, 1, Sk', Dc + Dr]
@@ -99,9 +99,7 @@ def mla_attention_reference(q_lat, q_pe, latent_buf, meta: AttnMeta, *, scale: f
             block = lax.dynamic_slice_in_dim(keys, i * BK, BK, axis=2)
             return block, block[..., :Dc]
         q = jnp.concatenate([q_lat, q_pe], axis=-1).astype(jnp.float32)
-        num_blocks = pl.cdiv(jnp.minimum(jnp.max(meta.prefix_len) + meta.local_len, Sk), BK)
-        return attend_in_blocks(q, keys_at, lambda i: cache_mask(meta, BK, T, first=i * BK, num_slots=Sk),
-                                num_blocks, scale, jnp.min(meta.prefix_len) // BK)
+        return attend_cache_in_blocks(q, keys_at, meta, Sk, BK, scale)
     c, k_pe = rows[..., :Dc], rows[..., Dc:]
     s = (jnp.einsum("bthc,bsc->bhts", q_lat, c, preferred_element_type=jnp.float32)
          + jnp.einsum("bthr,bsr->bhts", q_pe, k_pe, preferred_element_type=jnp.float32)) * scale

@@ -32,7 +32,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
-from jspec.kernels.attention.decode import REFERENCE_BLOCK_K, attend_in_blocks, cache_mask, pad_slots
+from jspec.kernels.attention.decode import REFERENCE_BLOCK_K, attend_cache_in_blocks, pad_slots
 from jspec.kernels.attention.fused import merge_by_lse, residual_lse
 from jspec.kernels.meta import AttnMeta, read_kv
 
@@ -57,7 +57,6 @@ def expanded_attention(q_nope, q_pe, latent_buf, meta: AttnMeta, w_uk, w_uv, *, 
     holding the block's rows [.., Dc + Dr], w_uk [Dc,H,Dn], w_uv [H,Dv,Dc]; the mask rule
     is the cache's (`cache_mask`). -> o [B,T,H,Dv] in q_nope's dtype (softmax in float32;
     the keys and values rounded to the cache's dtype, as the model's prefill makes them)."""
-    T = q_nope.shape[1]
     rows = read_kv(latent_buf, meta.page_table)  # [B, Sk, Dc + Dr]
     Sk = rows.shape[1]
     BK = min(block_k, Sk)
@@ -67,9 +66,7 @@ def expanded_attention(q_nope, q_pe, latent_buf, meta: AttnMeta, w_uk, w_uv, *, 
         k, v = up_project(lax.dynamic_slice_in_dim(rows, i * BK, BK, axis=1), w_uk, w_uv)
         return k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3)
     q = jnp.concatenate([q_nope, q_pe.astype(q_nope.dtype)], axis=-1)
-    num_blocks = pl.cdiv(jnp.minimum(jnp.max(meta.prefix_len) + meta.local_len, Sk), BK)
-    return attend_in_blocks(q, keys_at, lambda i: cache_mask(meta, BK, T, first=i * BK, num_slots=Sk),
-                            num_blocks, scale, jnp.min(meta.prefix_len) // BK)
+    return attend_cache_in_blocks(q, keys_at, meta, Sk, BK, scale)
 
 
 def fused_attention(q_nope, q_pe, rows, latent_buf, meta: AttnMeta, w_uk, w_uv, *, scale: float,
