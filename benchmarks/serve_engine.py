@@ -61,7 +61,7 @@ def word_tokenizer(vocab: int):
     return PreTrainedTokenizerFast(tokenizer_object=tok)
 
 
-def host_time(params, batch: int, prompt: int, new: int, cache, rounds_per_chunk: int) -> dict:
+def host_time(params, batch: int, prompt: int, new: int, cache, rounds_per_chunk: int, tuning=None) -> dict:
     """Host time per chunk of the engine's driving thread, B requests of `new` tokens with
     stop strings that never match (see the module)."""
     import dataclasses
@@ -73,7 +73,7 @@ def host_time(params, batch: int, prompt: int, new: int, cache, rounds_per_chunk
     prompts = [rng.integers(1, params.config.vocab_size, prompt).tolist() for _ in range(batch)]
     stops = ["w1 w1 w1 w1", "never appears"]
     engine = jspec.Engine(params, max_batch=batch, max_prompt_len=prompt, max_new_tokens=new, cache=cache,
-                          rounds_per_chunk=rounds_per_chunk)
+                          tuning=tuning, rounds_per_chunk=rounds_per_chunk)
     waits, steps = [0.0], []  # the driving thread's readback waits; (start, seconds, waits, CPU seconds) a step
     device_get, step = jax.device_get, engine.step
 
@@ -159,7 +159,7 @@ def permutation_target(cfg, seed: int = 0) -> jspec.Params:
     return jspec.Params(config=cfg, weights=w), pi
 
 
-def load_8b(cfg, rates, requests: int, batch: int, new: int, prompt: int, settings: str = "both") -> list:
+def load_8b(cfg, rates, requests: int, batch: int, new: int, prompt: int, settings: str = "both", tuning=None) -> list:
     """`run_serve_bench` on the permutation target with n-gram drafts (see the module);
     settings: "plain" (its own engine), "spec" (adaptive and the fixed tiers, one engine)
     or "both"."""
@@ -184,7 +184,7 @@ def load_8b(cfg, rates, requests: int, batch: int, new: int, prompt: int, settin
         specs += [Adaptive(), *[t for t in default_tiers(jspec.SpecConfig(3)) if t is not None]]
     t0 = time.perf_counter()
     rows = run_serve_bench(params, prompts, rates=rates, specs=specs, requests=requests, max_new_tokens=new,
-                           max_batch=batch, progress=lambda line: print(f"[{time.perf_counter() - t0:6.1f} s] {line}",
+                           max_batch=batch, tuning=tuning, progress=lambda line: print(f"[{time.perf_counter() - t0:6.1f} s] {line}",
                                                                        flush=True))
     print(format_load_table(rows), flush=True)
     return [r.__dict__ for r in rows]
@@ -347,7 +347,8 @@ def main():
     ap.add_argument("--identical", action="store_true", help="the bundled pair's share of identical outputs")
     ap.add_argument("--rounds-per-chunk", type=int, default=4)
     ap.add_argument("--tag", default="", help="result file serve_engine_{shape}_{tag}.json")
-    ap.add_argument("--xla", default="", help="XLA options for both sides' programs, NAME=VALUE;NAME=VALUE")
+    ap.add_argument("--xla", default="", help="XLA options (NAME=VALUE;NAME=VALUE) for every program: the engines' and, in the full part, "
+                    "Compiled.run's")
     args = ap.parse_args()
     if args.identical:
         r = identical(args.batch, 64, 64)
@@ -365,19 +366,20 @@ def main():
     out = {"env": common.env_info(), "shape": args.shape}
     name = f"serve_engine_{args.shape}{'_' + args.tag if args.tag else ''}.json"
     rng = np.random.default_rng(1)
+    options = tuple(tuple(kv.split("=", 1)) for kv in args.xla.split(";") if kv)
+    tuning = jspec.Tuning(xla_options=options) if options else None
+    out["xla_options"] = dict(options)
     if "host" in parts:
-        r = host_time(params, args.batch, args.prompt, args.host_new, cache, args.rounds_per_chunk)
+        r = host_time(params, args.batch, args.prompt, args.host_new, cache, args.rounds_per_chunk, tuning)
         out["host"] = r
         print("host:", common.rounded(r), flush=True)
     if "load" in parts:
-        out["load"] = load_8b(cfg, args.rates, args.requests, args.batch, args.load_new, args.prompt, args.settings)
+        out["load"] = load_8b(cfg, args.rates, args.requests, args.batch, args.load_new, args.prompt, args.settings,
+                              tuning)
         print("saved", common.save_json(name, out), flush=True)  # before any later part
     if "full" in parts:
         prompts = [rng.integers(1, vocab, args.prompt).tolist() for _ in range(args.batch)]
-        options = tuple(tuple(kv.split("=", 1)) for kv in args.xla.split(";") if kv)
-        fb = full_batch(params, prompts, args.new, cache, jspec.Tuning(xla_options=options) if options else None,
-                        args.rounds_per_chunk)
-        fb["xla_options"] = dict(options)
+        fb = full_batch(params, prompts, args.new, cache, tuning, args.rounds_per_chunk)
         fb["idle"] = idle_between_chunks(fb.pop("trace"), fb["chunks"], args.gap_us)
         fb["run_idle"] = idle_between_chunks(fb.pop("run_trace"), 0, args.gap_us)  # Compiled.run: one program
         out["full_batch"] = fb

@@ -190,8 +190,8 @@ def test_cancel_frees_the_row(target):
 
 def test_queue_full_and_bad_requests(target):
     engine = jspec.Engine(target, max_batch=1, max_prompt_len=8, max_new_tokens=8, max_waiting=1)
-    # The engine's programs ask XLA for no command buffers on a GPU, unless its tuning does.
-    assert dict(engine.plan.tuning.xla_options)["xla_gpu_enable_command_buffer"] == ""
+    # The engine's programs take the family's XLA options (command buffers on a GPU) and its tuning's.
+    assert engine.plan.tuning.xla_options == ()
     own = jspec.Tuning(xla_options={"xla_gpu_enable_command_buffer": "FUSION"})
     mine = jspec.Engine(target, max_batch=1, max_prompt_len=8, max_new_tokens=8, tuning=own)
     assert dict(mine.plan.tuning.xla_options)["xla_gpu_enable_command_buffer"] == "FUSION"

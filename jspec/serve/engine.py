@@ -55,7 +55,6 @@ __all__ = ["Engine", "EngineError", "Handle", "QueueFull", "RequestOutput"]
 
 log = logging.getLogger("jspec.serve")
 
-NO_COMMAND_BUFFERS = (("xla_gpu_enable_command_buffer", ""),)  # the engine's programs' XLA option (GPU)
 HOST_ENDS = ("cancelled", "timeout")  # finish reasons the engine itself delivers when it evicts the row
 
 
@@ -117,10 +116,10 @@ class Engine:
         self.adaptive = spec if isinstance(spec, Adaptive) else None
         tiers = self._tiers(params, spec)
         tuning = rq.tuning_config(tuning)
-        # No CUDA-graph command buffers (unless the tuning names them): XLA records a loop
-        # body's graphs at every execution, 3.3 ms before each 8B chunk on an H100, where a
-        # chunk's kernels launched one by one queue behind the running chunk at no cost.
-        tuning = dataclasses.replace(tuning, xla_options=NO_COMMAND_BUFFERS + tuning.xla_options)
+        # The programs keep the family's CUDA-graph command buffers (`Tuning.compiler_options`):
+        # without them the driving thread launches every kernel of a chunk itself, 21.5 ms of
+        # CPU a 24 ms 8B chunk at batch 32 on an H200 against 3.2 ms with them
+        # (docs/benchmarks.md, "The engine's own cost after the split").
         self.runner = Runner(params, batch=max_batch, max_prompt_len=self.max_prompt_len,
                              max_new_tokens=self.max_new_tokens, cache=rq.cache_config(cache or CacheConfig("paged")),
                              tiers=tiers, tuning=tuning, prefill_chunk=prefill_chunk,

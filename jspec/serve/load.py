@@ -82,10 +82,11 @@ def tier_shares(before: dict, after: dict) -> str:
 
 def run_serve_bench(params, prompts: Sequence, *, rates: Sequence[float], specs: Sequence, requests: int = 32,
                     max_new_tokens: int = 64, max_batch: int = 8, rounds_per_chunk: int = 4, seed: int = 0,
-                    prefill_chunk: int = 512, progress: Callable[[str], None] | None = None) -> list[LoadRow]:
+                    prefill_chunk: int = 512, tuning=None, progress: Callable[[str], None] | None = None) -> list[LoadRow]:
     """One `LoadRow` per setting and rate; a setting is None (plain decoding, the draft left
     out), a SpecConfig (fixed) or an `Adaptive`. Each engine serves every rate of each of
-    its settings in turn (see the module for which settings share one). progress, where
+    its settings in turn (see the module for which settings share one). tuning: the
+    engines' `jspec.Tuning` (None: the default). progress, where
     given, is called with a line before and after each engine's warm-up and after each row."""
     say = progress or (lambda line: None)
     lens = [len(params.tokenizer(p)["input_ids"]) if isinstance(p, str) else len(p) for p in prompts]
@@ -94,7 +95,8 @@ def run_serve_bench(params, prompts: Sequence, *, rates: Sequence[float], specs:
     def engine_for(spec):
         p = params if spec is not None else params.with_draft(None)
         engine = Engine(p, max_batch=max_batch, max_prompt_len=max(lens), max_new_tokens=max_new_tokens, spec=spec,
-                        rounds_per_chunk=rounds_per_chunk, max_waiting=max(requests, 1), prefill_chunk=prefill_chunk)
+                        tuning=tuning, rounds_per_chunk=rounds_per_chunk, max_waiting=max(requests, 1),
+                        prefill_chunk=prefill_chunk)
         say(f"warming up the {'plain' if spec is None else setting_name(spec)} engine")
         seconds = engine.warm_up(lens, sampled=False, logprobs=False)  # the requests are greedy
         say(f"warm-up {seconds:.1f} s, {engine.stats.programs} programs")
