@@ -300,3 +300,8 @@ def test_index_score_kernel_equals_reference(paged):
     assert got.shape == want.shape == (B, T, S if paged else S + 1)
     np.testing.assert_allclose(got, want, atol=1e-5, rtol=1e-5)
     assert (want < 0).any() and (want > 0).any()  # signed weights: both signs occur
+    # The reference scores slots a block at a time (bounded memory at any context): blocks
+    # of 16 over 40 or 41 slots (the last one partial) give the whole scores.
+    blocked = np.asarray(index_scores_reference(q, w, buf, table, scale=0.25, block=16))
+    np.testing.assert_allclose(blocked, want, atol=1e-6, rtol=1e-6)
+    assert not np.allclose(np.asarray(index_scores_reference(q, w, buf, table, scale=0.3, block=16)), want)

@@ -190,8 +190,10 @@ def test_cancel_frees_the_row(target):
 
 def test_queue_full_and_bad_requests(target):
     engine = jspec.Engine(target, max_batch=1, max_prompt_len=8, max_new_tokens=8, max_waiting=1)
-    # The engine's programs take the family's XLA options (command buffers on a GPU) and its tuning's.
-    assert engine.plan.tuning.xla_options == ()
+    # The engine's programs ask XLA for command buffers of kernels, not of loops (on a GPU),
+    # unless its tuning names its own.
+    options = dict(engine.plan.tuning.xla_options)
+    assert options["xla_gpu_enable_command_buffer"] == "FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN"
     own = jspec.Tuning(xla_options={"xla_gpu_enable_command_buffer": "FUSION"})
     mine = jspec.Engine(target, max_batch=1, max_prompt_len=8, max_new_tokens=8, tuning=own)
     assert dict(mine.plan.tuning.xla_options)["xla_gpu_enable_command_buffer"] == "FUSION"

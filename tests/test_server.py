@@ -409,7 +409,8 @@ def test_cli_serves_logs_and_stops_on_sigterm(tmp_path):
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     proc = subprocess.Popen([sys.executable, "-m", "jspec", "serve", "--port", str(port), "--max-batch", "1",
-                             "--max-len", "96", "--max-new-tokens", "8", "--served-model-name", "bundled",
+                             "--max-len", "96", "--max-new-tokens", "8", "--dtype", "float32",
+                             "--max-logprobs", "0", "--served-model-name", "bundled",
                              "--api-key", "k", "--log-level", "info"], stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True, env=os.environ | {"JAX_PLATFORMS": "cpu"})
     auth = {"Authorization": "Bearer k"}

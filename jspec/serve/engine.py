@@ -43,6 +43,7 @@ import numpy as np
 from jspec import requests as rq
 from jspec.config import CacheConfig, SpecConfig
 from jspec.loop.state import MAX_LOGPROBS, unpack_window
+from jspec.models import family_for
 from jspec.params import Params
 from jspec.results import token_logprobs
 from jspec.serve.output import Delivery, Handle, OutputProcessor, RequestOutput
@@ -55,6 +56,12 @@ __all__ = ["Engine", "EngineError", "Handle", "QueueFull", "RequestOutput"]
 
 log = logging.getLogger("jspec.serve")
 
+# The engine's command buffers on a GPU (where neither the family nor the tuning sets them):
+# graphs of its kernels, but not XLA's default graphs over while loops and conditionals, which
+# XLA re-recorded before every chunk (3.3 ms an 8B chunk on an H100). With none at all the
+# driving thread launches every kernel itself: 21.5 ms of CPU a 24 ms 8B chunk at batch 32 on
+# an H200, against 3.2 ms with these (docs/benchmarks.md, "The engine's own cost after the split").
+SERVE_COMMAND_BUFFERS = "FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN"
 HOST_ENDS = ("cancelled", "timeout")  # finish reasons the engine itself delivers when it evicts the row
 
 
@@ -116,10 +123,11 @@ class Engine:
         self.adaptive = spec if isinstance(spec, Adaptive) else None
         tiers = self._tiers(params, spec)
         tuning = rq.tuning_config(tuning)
-        # The programs keep the family's CUDA-graph command buffers (`Tuning.compiler_options`):
-        # without them the driving thread launches every kernel of a chunk itself, 21.5 ms of
-        # CPU a 24 ms 8B chunk at batch 32 on an H200 against 3.2 ms with them
-        # (docs/benchmarks.md, "The engine's own cost after the split").
+        # CUDA-graph command buffers of the chunks' kernels, not over their loops, unless the
+        # family or the tuning names its own (`SERVE_COMMAND_BUFFERS`).
+        key = "xla_gpu_enable_command_buffer"
+        if key not in family_for(params.config).gpu_xla_options(params.config) and key not in dict(tuning.xla_options):
+            tuning = dataclasses.replace(tuning, xla_options=((key, SERVE_COMMAND_BUFFERS),) + tuning.xla_options)
         self.runner = Runner(params, batch=max_batch, max_prompt_len=self.max_prompt_len,
                              max_new_tokens=self.max_new_tokens, cache=rq.cache_config(cache or CacheConfig("paged")),
                              tiers=tiers, tuning=tuning, prefill_chunk=prefill_chunk,

@@ -31,12 +31,27 @@ from jspec.kernels.tiling import KERNEL_DTYPES, is_pow2, pow2_ceil
 MIN_ROWS = 16
 
 
-def index_scores_reference(q, w, key_buf, page_table, *, scale: float):
+REFERENCE_BLOCK = 4096  # slots the reference scores at a time: its per-head scores are [B,T,Hi,REFERENCE_BLOCK]
+
+
+def index_scores_reference(q, w, key_buf, page_table, *, scale: float, block: int = REFERENCE_BLOCK):
     """q [B,T,Hi,Di], w [B,T,Hi] float32; key_buf dense [B,S,Di] (page_table None) or paged
-    [pages,P,Di] with page_table [B,G] -> scores [B,T,Sk] float32 (Sk = S or G*P)."""
+    [pages,P,Di] with page_table [B,G] -> scores [B,T,Sk] float32 (Sk = S or G*P). Slots
+    are scored `block` at a time (a loop), so memory beyond the result stays bounded at any
+    context."""
     keys = read_kv(key_buf, page_table)  # [B,Sk,Di]
-    s = jax.nn.relu(jnp.einsum("bthd,bsd->bths", q.astype(jnp.float32), keys.astype(jnp.float32)) * scale)
-    return jnp.einsum("bth,bths->bts", w.astype(jnp.float32), s)
+    qf, wf = q.astype(jnp.float32), w.astype(jnp.float32)
+
+    def scored(k):  # [B,BK,Di] -> [B,T,BK]
+        s = jax.nn.relu(jnp.einsum("bthd,bsd->bths", qf, k.astype(jnp.float32)) * scale)
+        return jnp.einsum("bth,bths->bts", wf, s)
+    B, Sk, Di = keys.shape
+    if Sk <= block:
+        return scored(keys)
+    n = pl.cdiv(Sk, block)
+    keys = jnp.pad(keys, ((0, 0), (0, n * block - Sk), (0, 0))).reshape(B, n, block, Di)
+    out = lax.map(scored, jnp.moveaxis(keys, 1, 0))  # [n,B,T,BK]
+    return jnp.moveaxis(out, 0, 2).reshape(B, q.shape[1], n * block)[:, :, :Sk]
 
 
 def _kernel(table_ref, key_ref, q_ref, w_ref, o_ref, *, scale: float, block_k: int, page_size: int, dense: bool,
