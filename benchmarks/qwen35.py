@@ -37,9 +37,13 @@ Sections (--sections, comma-separated, run in the order given; default sweep,che
          their error against the same reference
 Shapes: Hk = 16, Dk = Dv = 128, Hv = 32 (48 where named), B in {1, 32}, N in {1, 4, 8, 16,
 64} verified nodes (trees with random parents; chains where FLA is compared), prefill T =
-4096. --smoke: tiny shapes, a CPU run of the whole section list in interpret mode.
+4096 and 32768 (B = 1, Hv 32 and 48). The prefill's check and time rows are one per form
+(`PREFILL_FORMS`, --forms: the scan form and the split form with each product precision
+and intermediates' dtype), plus the sweep's pick. --kernels: the entry points to run
+(e.g. prefill). --smoke: tiny shapes, a CPU run of the whole section list in interpret mode.
 
      PYTHONPATH=. python3 benchmarks/qwen35.py gated_delta [--sections sweep,check,time,fla] [--fla DIR] [--budget S]
+         [--kernels verify,decode,replay,prefill] [--forms scan,split,...]
 Results: $OUT/gated_delta_<device>.json (rows as they come) and a table on stdout.
 
 prefill: one Qwen3.5-27B prompt of each length (default 4096 32768 131072) through one
@@ -194,6 +198,7 @@ def commit_only(c, shape: str):
 # the gated_delta subcommand's state (set by `gated_delta_main`)
 Hk, Dk, Dv = 16, 128, 128
 ROWS: list[dict] = []
+KINDS: list[str] = []  # --kernels
 START = 0.0
 ARGS = None
 ENV: dict = {}
@@ -240,6 +245,11 @@ def tree(seed: int, B: int, N: int, chain: bool = False):
 
 
 def rel(a, b) -> float:
+    if np.size(a) > 1 << 24:  # on the device, in float32 (a prefill of 32k tokens: GBs in float64 on the host)
+        a, b = jnp.asarray(a, jnp.float32), jnp.asarray(b, jnp.float32)
+        if not bool(jnp.all(jnp.isfinite(a))):
+            return float("nan")
+        return float(jnp.linalg.norm(a - b) / jnp.maximum(jnp.linalg.norm(b), 1e-30))
     a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
     if not np.all(np.isfinite(a)):
         return float("nan")
@@ -263,12 +273,13 @@ def kernel_check():
     verify = jax.jit(functools.partial(gk.gated_delta_verify_kernel, **TUNED.get("verify", {})))
     step = jax.jit(functools.partial(gk.gated_delta_step_kernel, **TUNED.get("decode", {})))
     step_noq = jax.jit(functools.partial(gk.gated_delta_step_kernel, None, **TUNED.get("decode", {})))
-    prefill = jax.jit(functools.partial(gk.gated_delta_prefill_kernel, **TUNED.get("prefill", {})))
     print(f"check: tiles {TUNED}", flush=True)
     seed = 100
     f32, bf16 = jnp.float32, jnp.bfloat16
     for B, N, Hv, chain, dtype in ((1, 16, 32, False, f32), (32, 8, 32, False, bf16), (4, 16, 48, False, bf16),
                                    (2, 64, 32, False, f32), (2, 1, 32, True, bf16)):
+        if "verify" not in KINDS:
+            break
         if left() < 150:
             print("check: out of budget", flush=True)
             return
@@ -279,6 +290,8 @@ def kernel_check():
         record({"section": "check", "kernel": "verify", "dtype": jnp.dtype(dtype).name, "B": B, "N": N, "Hv": Hv,
                 "shape": "chain" if chain else "tree", "err": rel(got, want), "xla_tree_err": rel(ref_tree(*x, p), want)})
     for B, T, Hv, kind, dtype in ((32, 1, 32, "decode", bf16), (32, 4, 32, "replay", f32), (2, 4, 48, "steps", bf16)):
+        if not {"decode", "replay"} & set(KINDS):
+            break
         seed += 1
         x = inputs(seed, B, T, Hv, dtype)
         count = None if kind == "decode" else jnp.asarray(
@@ -291,19 +304,39 @@ def kernel_check():
         record({"section": "check", "kernel": "step", "dtype": jnp.dtype(dtype).name, "B": B, "T": T, "Hv": Hv,
                 "shape": kind, "err": float("nan") if got_o is None else rel(got_o, want_o),
                 "state_err": rel(got_s, want_s)})
-    for B, T, Hv, lengths, dtype in ((1, 4096, 32, None, bf16), (2, 1000, 48, (1000, 517), f32)):
+    for B, T, Hv, lengths, dtype in ((1, 4096, 32, None, bf16), (2, 1000, 48, (1000, 517), f32),
+                                     (1, 32768, 32, None, bf16)):
+        if "prefill" not in KINDS:
+            break
+        if left() < 100:
+            print("check: out of budget", flush=True)
+            return
         seed += 1
         x = inputs(seed, B, T, Hv, dtype)
         ln = None if lengths is None else jnp.asarray(lengths[:x[0].shape[0]], jnp.int32) % (x[0].shape[1] + 1)
         want_o, want_s = ref_steps(*x, ln)
-        got_o, got_s = prefill(*x, ln)
-        xo, xs = ref_chunk(*x, ln)
-        valid = np.asarray(gd.valid_tokens(x[0].shape[1], ln, x[0].shape[0]))
-        record({"section": "check", "kernel": "prefill", "dtype": jnp.dtype(dtype).name, "B": B, "T": T, "Hv": Hv,
-                "lengths": str(lengths), "err": rel(np.asarray(got_o)[valid], np.asarray(want_o)[valid]),
-                "state_err": rel(got_s, want_s),
-                "xla_chunk_err": rel(np.asarray(xo)[valid], np.asarray(want_o)[valid]),
-                "xla_chunk_state_err": rel(xs, want_s)})
+        valid = None if ln is None else np.asarray(gd.valid_tokens(x[0].shape[1], ln, x[0].shape[0]))
+
+        def on_valid(o, valid=valid):  # the outputs of real tokens (the padding's read the final state)
+            return o if valid is None else np.asarray(o)[valid]
+
+        base = {"section": "check", "kernel": "prefill", "dtype": jnp.dtype(dtype).name, "B": B, "T": T, "Hv": Hv,
+                "lengths": str(lengths)}
+        if T <= 4096:
+            xo, xs = ref_chunk(*x, ln)
+            record({**base, "form": "xla_chunk", "err": rel(on_valid(xo), on_valid(want_o)), "state_err": rel(xs, want_s)})
+            del xo, xs
+        for form, kw in prefill_forms().items():
+            if left() < 60:
+                print("check: out of budget", flush=True)
+                return
+            try:
+                got_o, got_s = jax.jit(functools.partial(gk.gated_delta_prefill_kernel, **kw))(*x, ln)
+                record({**base, "form": form, "err": rel(on_valid(got_o), on_valid(want_o)),
+                        "state_err": rel(got_s, want_s), "tiles": kw})
+                del got_o, got_s
+            except Exception as e:  # noqa: BLE001 (a form that does not compile is a result)
+                record({**base, "form": form, "tiles": kw, "error": repr(e)[:300]})
 
 
 def grouped_us(groups, calls: int = 4) -> list[tuple[float, dict]]:
@@ -349,13 +382,36 @@ def grouped_us(groups, calls: int = 4) -> list[tuple[float, dict]]:
 
 
 def shapes():
-    """(kind, B, T, Hv, extra) of the timed shapes."""
+    """(kind, B, T, Hv, extra) of the timed shapes (of the kinds in --kernels)."""
     out = [("verify", B, N, 32, "tree") for B in (1, 32) for N in (4, 8, 16)]
     out += [("verify", 32, 8, 48, "tree")]
     out += [("decode", B, 1, Hv, "") for B in (1, 32) for Hv in (32, 48)]
     out += [("replay", B, 4, 32, "count") for B in (1, 32)]
-    out += [("prefill", 1, 4096, Hv, "") for Hv in (32, 48)]
-    return out
+    out += [("prefill", 1, T, Hv, "") for T in PREFILL_T for Hv in (32, 48)]
+    return [s for s in out if s[0] in KINDS]
+
+
+PREFILL_T = (4096, 32768)
+# The prefill's forms the check and time sections run (`GatedDeltaTiles` fields; --forms picks):
+# the scan (the default tiles), the split form with float32 or bfloat16 intermediates and
+# bf16x3 (the default), tf32 or one-pass bf16 products (FLA's: bf16 products and intermediates),
+# and the scan with one-pass bf16 products.
+PREFILL_FORMS = {
+    "scan": {},
+    "split": {"prefill_form": "split"},
+    "split_bf16io": {"prefill_form": "split", "prefill_split_dtype": "bfloat16"},
+    "split_tf32": {"prefill_form": "split", "prefill_precision": "tf32"},
+    "split_bf16": {"prefill_form": "split", "prefill_precision": "bf16", "prefill_split_dtype": "bfloat16"},
+    "scan_bf16": {"prefill_precision": "bf16"},
+}
+
+
+def prefill_forms() -> dict:
+    """{name: tile fields} of the prefill forms in --forms, and "swept" (the sweep's pick) if any."""
+    forms = {name: kw for name, kw in PREFILL_FORMS.items() if name in ARGS.forms.split(",")}
+    if TUNED.get("prefill"):
+        forms["swept"] = TUNED["prefill"]
+    return forms
 
 
 def fns(kind: str, tiles=None, **kw):
@@ -390,6 +446,9 @@ def timing():
         if left() < 60:
             print(f"time: out of budget at {kind} B={B} T={T}", flush=True)
             return
+        if kind == "prefill":
+            time_prefill(B, T, Hv)
+            continue
         kern, ref = fns(kind, **TUNED.get(kind, {}))
         make = arg_sets(kind, B, T, Hv)
         (k_us, split), (r_us, _) = grouped_us([(kern, make), (ref, make)])
@@ -401,7 +460,37 @@ def timing():
         record(row)
 
 
+def time_prefill(B: int, T: int, Hv: int):
+    """One row per prefill form (--forms) at this shape, its kernels timed in one trace with
+    the XLA chunk reference (T <= 4096 only: 32k tokens take it long)."""
+    make = arg_sets("prefill", B, T, Hv)
+    groups, names = [], []
+    for form, kw in prefill_forms().items():
+        kern = fns("prefill", **kw)[0]
+        try:
+            jax.block_until_ready(kern(*make(20_000)))  # compile here: a form that fails is a row, not the end
+        except Exception as e:  # noqa: BLE001
+            record({"section": "time", "kernel": "prefill", "form": form, "B": B, "T": T, "Hv": Hv, "tiles": kw,
+                    "error": repr(e)[:300]})
+            continue
+        groups.append((kern, make))
+        names.append((form, kw))
+    with_ref = T <= 4096
+    if with_ref:
+        groups.append((fns("prefill")[1], make))
+    if not groups:
+        return
+    res = grouped_us(groups)
+    r_us = res[-1][0] if with_ref else float("nan")
+    for (form, kw), (us, split) in zip(names, res):
+        record({"section": "time", "kernel": "prefill", "form": form, "B": B, "T": T, "Hv": Hv, "pallas_us": us,
+                "xla_ref_us": r_us, "tiles": kw, "split": split,
+                "state_GBps": B * Hv * Dk * Dv * 4 * 2 / max(us, 1e-9) / 1e3})
+
+
 TUNED: dict = {}  # kind -> the tile fields the sweep found fastest (within --tol of the reference)
+SPLIT = {"prefill_form": "split"}
+SPLIT_BF16 = {"prefill_form": "split", "prefill_precision": "bf16", "prefill_split_dtype": "bfloat16"}
 
 
 def sweep():
@@ -418,9 +507,24 @@ def sweep():
         ("prefill", 1, 4096, 32): [
             v(), v(precision="tf32x3"), v(prefill_stages=1), v(prefill_block_v=16), v(prefill_block_v=64),
             v(prefill_w=True, prefill_stages=1), v(chunk_prep_warps=2), v(prefill_chunk=32),
-            v(prefill_blocked=False), v(precision="tf32")],
+            v(prefill_blocked=False), v(precision="tf32")] + [
+            # the split form (FLA's decomposition): float32 intermediates, bf16x3 products ...
+            v(**SPLIT), v(**SPLIT, prefill_state_stages=1), v(**SPLIT, prefill_block_v=16), v(**SPLIT, prefill_block_v=64),
+            v(**SPLIT, chunk_prep_warps=8), v(**SPLIT, prefill_out_block_v=128, prefill_out_warps=8),
+            v(**SPLIT, prefill_out_block_v=32), v(**SPLIT, prefill_precision="tf32"),
+            # ... bfloat16 intermediates; with one-pass bf16 products (FLA's precision) and its tiles
+            v(**SPLIT, prefill_split_dtype="bfloat16"), v(**SPLIT_BF16), v(**SPLIT_BF16, prefill_state_stages=3),
+            v(**SPLIT_BF16, prefill_block_v=16), v(**SPLIT_BF16, prefill_block_v=64),
+            v(**SPLIT_BF16, prefill_warps=2), v(**SPLIT_BF16, chunk_prep_warps=2), v(**SPLIT_BF16, chunk_prep_warps=8),
+            v(**SPLIT_BF16, prefill_out_block_v=128, prefill_out_warps=8), v(**SPLIT_BF16, prefill_out_block_v=32),
+            v(**SPLIT_BF16, prefill_chunk=32), v(**SPLIT_BF16, prefill_blocked=False)],
     }
+    bases = {PREFILL_FORMS[f].get("prefill_form", "scan") for f in ARGS.forms.split(",") if f in PREFILL_FORMS}
+    grid["prefill", 1, 4096, 32] = [kw for kw in grid["prefill", 1, 4096, 32]
+                                    if kw.get("prefill_form", "scan") in bases]
     for (kind, B, T, Hv), variants in grid.items():
+        if kind not in KINDS:
+            continue
         if left() < 60:
             print("sweep: out of budget", flush=True)
             return
@@ -428,17 +532,24 @@ def sweep():
         want = jax.jit(highest(fns(kind)[1]))(*make(999))
         ok, errs = [], []
         for kw in variants:
+            if left() < 60:
+                print("sweep: out of budget", flush=True)
+                break
             kern = fns(kind, **kw)[0]
             try:
                 got = kern(*make(999))
             except Exception as e:  # noqa: BLE001
                 record({"section": "sweep", "kernel": kind, "B": B, "T": T, "Hv": Hv, **kw, "error": repr(e)[:300]})
                 continue
-            errs.append(rel(got if kind == "verify" else got[1], want if kind == "verify" else want[1]))
+            # err: the state's (the outputs' for verify); the prefill's outputs too (out_err)
+            errs.append({"err": rel(got if kind == "verify" else got[1], want if kind == "verify" else want[1])}
+                        | ({"out_err": rel(got[0], want[0])} if kind == "prefill" else {}))
+            del got
             ok.append((kw, kern))
         best = None
-        for (kw, _), err, (us, split_us) in zip(ok, errs, grouped_us([(f, make) for _, f in ok])):
-            record({"section": "sweep", "kernel": kind, "B": B, "T": T, "Hv": Hv, **kw, "us": us, "err": err,
+        for (kw, _), e, (us, split_us) in zip(ok, errs, grouped_us([(f, make) for _, f in ok]) if ok else []):
+            err = max(e.values())
+            record({"section": "sweep", "kernel": kind, "B": B, "T": T, "Hv": Hv, **kw, "us": us, **e,
                     "split": split_us})
             if err <= ARGS.tol and (best is None or us < best[0]):
                 best = (us, kw)
@@ -500,8 +611,10 @@ def fla():
     cases = [("chunk", chunk_gated_delta_rule, "verify", B, N, 32) for B in (1, 32) for N in (4, 16)]
     cases += [("recurrent", fused_recurrent_gated_delta_rule, "verify", B, N, 32) for B, N in ((1, 4), (32, 4), (32, 16))]
     cases += [("recurrent", fused_recurrent_gated_delta_rule, "decode", B, 1, Hv) for B in (1, 32) for Hv in (32, 48)]
-    cases += [("chunk", chunk_gated_delta_rule, "prefill", 1, 4096, Hv) for Hv in (32, 48)]
+    cases += [("chunk", chunk_gated_delta_rule, "prefill", 1, T, Hv) for T in PREFILL_T for Hv in (32, 48)]
     for name, fn, kind, B, T, Hv in cases:
+        if kind not in KINDS:
+            continue
         if left() < 30:
             print("fla: out of budget", flush=True)
             return
@@ -530,7 +643,8 @@ def table():
     for r in ROWS:
         if r["section"] == "time" and "pallas_us" in r:
             f = ", ".join(flas.get((r["kernel"], r["B"], r["T"], r["Hv"]), [])) or "-"
-            print(f"| {r['kernel']} | {r['B']} | {r['T']} | {r['Hv']} | {r['pallas_us']:.1f} | {r['xla_ref_us']:.1f} "
+            name = r["kernel"] + (f" ({r['form']})" if "form" in r else "")
+            print(f"| {name} | {r['B']} | {r['T']} | {r['Hv']} | {r['pallas_us']:.1f} | {r['xla_ref_us']:.1f} "
                   f"| {f} |")
     errs = [r for r in ROWS if r["section"] == "check" and "err" in r]
     if errs:
@@ -552,7 +666,13 @@ def gated_delta_main(argv):
     p.add_argument("--reps", type=int, default=1, help="FLA profiles a case")
     p.add_argument("--tol", type=float, default=2e-5, help="the sweep's largest error for a variant to be picked")
     p.add_argument("--smoke", action="store_true", help="tiny shapes (a CPU run of the script, interpret mode)")
+    p.add_argument("--kernels", default="verify,decode,replay,prefill",
+                   help="the entry points the sections run (comma-separated)")
+    p.add_argument("--forms", default=",".join(PREFILL_FORMS),
+                   help=f"the prefill forms the check and time sections run, of {','.join(PREFILL_FORMS)} "
+                        "(the sweep: the variants of their prefill_form)")
     ARGS = p.parse_args(argv)
+    KINDS[:] = ARGS.kernels.split(",")
     if ARGS.smoke:
         global Hk, Dk, Dv
         Hk, Dk, Dv = 2, 16, 16

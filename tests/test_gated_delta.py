@@ -260,6 +260,37 @@ def test_prefill_kernel_variants():
         np.testing.assert_allclose(np.asarray(last), np.asarray(want_last), rtol=1e-5, atol=1e-5, err_msg=str(kw))
 
 
+def test_prefill_split_form():
+    """The split form (FLA's: parallel prep of W, U and the decayed keys, a state kernel
+    with two products a chunk, a parallel output kernel) over two Dv tiles in each kernel,
+    chunks of 32 (two 16-row diagonal blocks and a merge; the last chunk partial), rows of
+    37 and 20 tokens, two value heads per key head: the rule's outputs and states, and the
+    scan form's. A wrong incoming state fails the same comparison; bfloat16 products and
+    intermediates stay within 2e-2 (relative)."""
+    rng = np.random.RandomState(13)
+    x = [jnp.asarray(a) for a in _wide(rng, 37)]
+    lengths = jnp.asarray([37, 20], jnp.int32)
+    want, want_last = gd.gated_delta_steps_reference(*x, lengths)
+    split = gk.GatedDeltaTiles(prefill_form="split", prefill_chunk=32, prefill_block_v=16, prefill_out_block_v=16)
+    with dispatch.use_backend("pallas"):
+        run = jax.jit(lambda *a: gk.gated_delta_prefill(*a, tiles=split))
+        out, last = run(*x, lengths)
+        wrong, _ = run(*x[:5], x[5] + 0.01 * jnp.sign(x[5]), lengths)
+    _, scan_last = gk.gated_delta_prefill_kernel(*x, lengths, interpret=True, prefill_chunk=32)
+    np.testing.assert_allclose(np.asarray(out[0]), np.asarray(want[0]), rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(np.asarray(out[1, :20]), np.asarray(want[1, :20]), rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(np.asarray(out[1, 20:]), np.asarray(want[1, 20:]), rtol=1e-5, atol=1e-5)  # padding
+    np.testing.assert_allclose(np.asarray(last), np.asarray(want_last), rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(np.asarray(last), np.asarray(scan_last), rtol=1e-5, atol=1e-6)
+    with pytest.raises(AssertionError):
+        np.testing.assert_allclose(np.asarray(wrong), np.asarray(want), rtol=1e-5, atol=1e-5)
+    out, last = gk.gated_delta_prefill_kernel(*x, lengths, interpret=True, prefill_form="split",
+                                              prefill_precision="bf16", prefill_split_dtype="bfloat16")
+    for got, ref in ((out[0], want[0]), (out[1, :20], want[1, :20]), (last, want_last)):
+        err = np.linalg.norm(np.asarray(got) - np.asarray(ref)) / np.linalg.norm(np.asarray(ref))
+        assert 1e-5 < err < 2e-2, err  # rounded (bf16's error shows in interpret mode too), and close
+
+
 def test_entry_points_reject_bad_inputs():
     rng = np.random.RandomState(12)
     x = [jnp.asarray(a) for a in _inputs(rng, 4)]
@@ -276,3 +307,9 @@ def test_entry_points_reject_bad_inputs():
         gk.gated_delta_verify(None, k, v, g, beta, state, jnp.zeros((B, 4), jnp.int32))
     with pytest.raises(ValueError, match="count"):
         gk.gated_delta_step(q, k, v, g, beta, state, jnp.zeros((B, 1), jnp.int32))
+    with pytest.raises(ValueError, match="prefill_form"):
+        gk.gated_delta_prefill_kernel(q, k, v, g, beta, state, prefill_form="chunked")
+    with pytest.raises(ValueError, match="prefill_split_dtype"):
+        gk.gated_delta_prefill_kernel(q, k, v, g, beta, state, prefill_form="split", prefill_split_dtype="float16")
+    with pytest.raises(ValueError, match="precision"):
+        gk.gated_delta_prefill_kernel(q, k, v, g, beta, state, prefill_precision="fp8")

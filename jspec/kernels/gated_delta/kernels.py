@@ -27,22 +27,32 @@ Entry points (inputs q, k [B, T, Hk, Dk] of any float dtype, v [B, T, Hv, Dv], g
   output (updated in place when the caller donates it).
 - `gated_delta_prefill(..., lengths)` -> (out, state after lengths[b] tokens): the chunked
   WY form (flash-linear-attention's chunk_gated_delta_rule, chunks of 64) over
-  right-padded prompts; tokens t >= lengths[b] are no-ops. Two kernels:
-  `_chunk_prep_kernel`, one program per (row, value head, chunk), all in parallel: the
-  chunk's (I + L)^-1 (16-row diagonal blocks by forward substitution, merged by products)
-  and its decayed causal q.k products Aqk [BT, BT]; `_chunk_scan_kernel`, one program per
-  (row, value head, Dv tile), walking the chunks in order with the state tile in
-  registers: u = (I + L)^-1 beta (V - exp(G) K S), o = exp(G) Q S + Aqk u,
-  S <- exp(G_last) S + (K exp(G_last - G))^T u.
+  right-padded prompts; tokens t >= lengths[b] are no-ops. Two forms
+  (`GatedDeltaTiles.prefill_form`):
+  "scan" (the default), two kernels: `_chunk_prep_kernel`, one program per (row, value
+  head, chunk), all in parallel: the chunk's (I + L)^-1 (16-row diagonal blocks by forward
+  substitution, merged by products) and its decayed causal q.k products Aqk [BT, BT];
+  `_chunk_scan_kernel`, one program per (row, value head, Dv tile), walking the chunks in
+  order with the state tile in registers: u = (I + L)^-1 beta (V - exp(G) K S), o =
+  exp(G) Q S + Aqk u, S <- exp(G_last) S + (K exp(G_last - G))^T u (five products a chunk
+  on the serial chain).
+  "split", FLA's decomposition, three kernels: `_split_prep_kernel` per (row, value head,
+  chunk) in parallel: W = X diag(beta exp(G)) K, U = X diag(beta) V (X = (I + L)^-1) and
+  the keys decayed to the chunk's end Kd; `_split_state_kernel` per (row, value head, Dv
+  tile), the only serial part: u = U - W S, S <- exp(G_last) S + Kd^T u (two products a
+  chunk), writing u and each chunk's starting state S_c; `_split_out_kernel` per (row,
+  value head, chunk, Dv tile) in parallel: o = exp(G) Q S_c + Aqk u. The intermediates
+  (W, U, Kd, u, S_c) are float32 or bfloat16 (`prefill_split_dtype`).
 
 Dispatch: `dispatch.want_pallas(supported)`: the kernels on a GPU, the references
 elsewhere; JSPEC_KERNELS=pallas forces the kernels (interpret mode off GPU). Dk and Dv that
 are not powers of two >= 16 are zero-padded (a copy; the models' 128 need none). Matrix
 products in the kernels take `GatedDeltaTiles.precision` (default bf16x3: each float32
 operand as a sum of two bf16 numbers, three bf16 products accumulated in float32; relative
-errors about 6e-6 on the GPU, see `GatedDeltaTiles`); elementwise work and accumulation
-are float32 throughout. Interpret mode computes the products in float32. Tiles are
-`GatedDeltaTiles` (`tiles=`).
+errors about 6e-6 on the GPU, see `GatedDeltaTiles`; the prefill's `prefill_precision`
+when set); elementwise work and accumulation are float32 throughout. Interpret mode
+computes the products in float32, except "bf16" (operands rounded to bfloat16, one
+product: FLA's), which it rounds as the GPU does. Tiles are `GatedDeltaTiles` (`tiles=`).
 """
 from __future__ import annotations
 
@@ -77,9 +87,23 @@ class GatedDeltaTiles:
     that does not read the state, as o = P S0 + R; then per Dv tile: the product with the
     state); verify_state_xla: that product by XLA, float32; precision: the matrix
     products' ("ieee"; "tf32x3", "bf16x6", "bf16x3": float32 split into 3 TF32 or 6 or 3
-    bf16 products; "tf32"; interpret mode takes float32's). bf16x3 keeps about 16 bits
-    of each operand (relative errors about 6e-6 against the float32 rule, measured) at a
-    fraction of tf32x3's time; the step kernel has no products (exact float32)."""
+    bf16 products; "tf32"; "bf16": operands rounded to bf16, one product, as FLA; interpret
+    mode takes float32's, bf16's rounding included). bf16x3 keeps about 16 bits of each
+    operand (relative errors about 6e-6 against the float32 rule, measured) at a fraction
+    of tf32x3's time; bf16 about 4e-3 (interpret mode); the step kernel has no products
+    (exact float32).
+
+    The prefill's form: prefill_form "scan" (prep kernel, then one serial kernel with
+    five products a chunk) or "split" (FLA's: parallel prep of W, U and the decayed keys,
+    a serial state kernel with two products a chunk on Dv tiles of prefill_block_v with
+    prefill_warps, then a parallel output kernel on Dv tiles of prefill_out_block_v with
+    prefill_out_warps; the prep takes chunk_prep_warps and prefill_blocked);
+    prefill_split_dtype: the split form's intermediates in HBM ("float32" or "bfloat16":
+    half the bytes, errors about 2e-3); prefill_state_stages: the split state kernel's
+    stages (2: 82 KB of shared memory with bfloat16 intermediates, 90 KB with float32
+    ones, in Triton 3.5's compile for sm_90: two programs an SM, so that Hv = 48's 192
+    programs of 32 columns run in one wave); prefill_precision: the prefill's products
+    (None: precision)."""
     step_block_v: int = 64
     step_warps: int = 4
     step_stages: int = 1
@@ -96,6 +120,12 @@ class GatedDeltaTiles:
     prefill_blocked: bool = True
     prefill_w: bool = False
     chunk_prep_warps: int = 4
+    prefill_form: str = "scan"
+    prefill_split_dtype: str = "float32"
+    prefill_state_stages: int = 2
+    prefill_out_block_v: int = 64
+    prefill_out_warps: int = 4
+    prefill_precision: str | None = None
     precision: str = "bf16x3"
 
 _EPS = 1e-6  # l2norm's, as transformers and FLA
@@ -103,12 +133,17 @@ MAX_VERIFY_NODES = 128  # the verify kernel's [M, M] tiles live in registers
 
 
 DEFAULT_TILES = GatedDeltaTiles()
-_PRECISIONS = ("ieee", "tf32x3", "bf16x6", "bf16x3", "tf32")
+_PRECISIONS = ("ieee", "tf32x3", "bf16x6", "bf16x3", "tf32", "bf16")
+_BF16_PASS = lax.DotAlgorithmPreset.BF16_BF16_F32  # "bf16": operands rounded to bfloat16, one product
+PREFILL_FORMS = ("scan", "split")
+SPLIT_DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
 
 
 def _dot_precision(name: str, interpret: bool):
     if name not in _PRECISIONS:
         raise ValueError(f"precision must be one of {_PRECISIONS}, got {name!r}")
+    if name == "bf16":  # rounded by `_dot` itself, so that interpret mode shows its error too
+        return _BF16_PASS
     if interpret or name == "ieee":
         return lax.Precision.HIGHEST  # the Triton lowering's IEEE float32 product
     presets = {"tf32x3": lax.DotAlgorithmPreset.TF32_TF32_F32_X3, "bf16x6": lax.DotAlgorithmPreset.BF16_BF16_F32_X6,
@@ -119,7 +154,13 @@ def _dot_precision(name: str, interpret: bool):
 # --------------------------------------------------------------------------- kernel pieces
 
 def _dot(a, b, prec, *, ta: bool = False, tb: bool = False):
-    """a @ b in float32 (ta, tb: a or b transposed) -> [M, N]."""
+    """a @ b in float32 (ta, tb: a or b transposed) -> [M, N]. prec `_BF16_PASS`: both
+    operands rounded to bfloat16 here (one bf16 product, float32 sums); otherwise operands of
+    two dtypes (a bfloat16 intermediate and a float32 one) are both taken as float32."""
+    if prec == _BF16_PASS:
+        a, b = a.astype(jnp.bfloat16), b.astype(jnp.bfloat16)
+    elif a.dtype != b.dtype:
+        a, b = a.astype(jnp.float32), b.astype(jnp.float32)
     dims = (((0 if ta else 1,), (1 if tb else 0,)), ((), ()))
     return lax.dot_general(a, b, dims, precision=prec, preferred_element_type=jnp.float32)
 
@@ -282,6 +323,43 @@ def _chunk_inputs(len_ref, g_ref, beta_ref, b, h, t0, chunk: int):
 _BC = 16  # rows of the diagonal blocks of the prefill's blocked solve
 
 
+def _blocked_solve(len_ref, k_ref, g_ref, beta_ref, b, h, hk, t0, chunk: int, bc: int, prec):
+    """The chunk's (I + L)^-1 in [bc, bc] blocks (nb = chunk / bc of them; bc = chunk: one
+    block, solved row by row). The diagonal blocks' inverses X_ii by one interleaved forward
+    substitution (bc steps), then X_ij = -X_ii sum_{j<=m<i} L_im X_mj for i > j
+    (flash-linear-attention's solve_tril merge). The rows are loaded block by block ->
+    (valids [nb] of [bc] bool, ks [nb] of [bc, Dk] float32 (normalised keys, zero past
+    lengths[b]), Gs [nb] of [bc] (the log decay summed from the chunk's start), betas [nb]
+    of [bc], g_last (G at the chunk's last token, a scalar), X {(i, j): [bc, bc]} for j <= i)."""
+    nb = chunk // bc
+    valids, ks, Gs, betas, G_end = [], [], [], [], 0.0
+    for i in range(nb):
+        v_i, g_i, beta_i = _chunk_inputs(len_ref, g_ref, beta_ref, b, h, t0 + i * bc, bc)
+        valids.append(v_i)
+        ks.append(jnp.where(v_i[:, None], _rownorm(k_ref[b, pl.ds(t0 + i * bc, bc), hk, :].astype(jnp.float32)), 0.0))
+        Gs.append(G_end + jnp.cumsum(g_i))
+        betas.append(beta_i)
+        G_end = G_end + jnp.sum(g_i)
+    rb, cb = _grid2(bc)
+
+    def L_block(i, j):  # [bc, bc]: L's block (i, j), j <= i
+        d = jnp.exp(jnp.minimum(Gs[i][:, None] - Gs[j][None, :], 0.0))
+        if i == j:
+            d = jnp.where(rb > cb, d, 0.0)
+        return betas[i][:, None] * _dot(ks[i], ks[j], prec, tb=True) * d
+
+    Ls = {(i, j): L_block(i, j) for i in range(nb) for j in range(i + 1)}
+    diag = _unit_lower_inverses([Ls[i, i] for i in range(nb)], transposed=bc <= 32)
+    X = {(i, i): diag[i] for i in range(nb)}
+    for i in range(1, nb):
+        for j in range(i - 1, -1, -1):
+            acc = _dot(Ls[i, j], X[j, j], prec)
+            for m in range(j + 1, i):
+                acc = acc + _dot(Ls[i, m], X[m, j], prec)
+            X[i, j] = -_dot(X[i, i], acc, prec)
+    return valids, ks, Gs, betas, G_end, X
+
+
 def _chunk_prep_kernel(len_ref, q_ref, k_ref, g_ref, beta_ref, ainv_ref, aqk_ref, *w_ref, chunk: int, rep: int,
                        scale: float, prec, blocked: bool):
     """One (row b, value head h, chunk c): the chunk's solve and its intra-chunk products.
@@ -311,30 +389,7 @@ def _chunk_prep_kernel(len_ref, q_ref, k_ref, g_ref, beta_ref, ainv_ref, aqk_ref
             w_ref[0][b, h, c] = _dot(X, (beta * jnp.exp(G))[:, None] * kn, prec)
         return
     nb = chunk // _BC
-    ks, Gs, betas, G_end = [], [], [], 0.0
-    for i in range(nb):  # the chunk's rows in blocks of BC, loaded again block by block
-        v_i, g_i, beta_i = _chunk_inputs(len_ref, g_ref, beta_ref, b, h, t0 + i * _BC, _BC)
-        ks.append(jnp.where(v_i[:, None], _rownorm(k_ref[b, pl.ds(t0 + i * _BC, _BC), hk, :].astype(jnp.float32)), 0.0))
-        Gs.append(G_end + jnp.cumsum(g_i))
-        betas.append(beta_i)
-        G_end = G_end + jnp.sum(g_i)
-    rb, cb = _grid2(_BC)
-
-    def L_block(i, j):  # [BC, BC]: L's block (i, j), j <= i
-        d = jnp.exp(jnp.minimum(Gs[i][:, None] - Gs[j][None, :], 0.0))
-        if i == j:
-            d = jnp.where(rb > cb, d, 0.0)
-        return betas[i][:, None] * _dot(ks[i], ks[j], prec, tb=True) * d
-
-    Ls = {(i, j): L_block(i, j) for i in range(nb) for j in range(i + 1)}
-    diag = _unit_lower_inverses([Ls[i, i] for i in range(nb)])
-    X = {(i, i): diag[i] for i in range(nb)}
-    for i in range(1, nb):
-        for j in range(i - 1, -1, -1):
-            acc = _dot(Ls[i, j], X[j, j], prec)
-            for m in range(j + 1, i):
-                acc = acc + _dot(Ls[i, m], X[m, j], prec)
-            X[i, j] = -_dot(X[i, i], acc, prec)
+    _, ks, Gs, betas, _, X = _blocked_solve(len_ref, k_ref, g_ref, beta_ref, b, h, hk, t0, chunk, _BC, prec)
     zero = jnp.zeros((_BC, _BC), jnp.float32)
     for i in range(nb):
         for j in range(nb):
@@ -380,6 +435,102 @@ def _chunk_scan_kernel(len_ref, q_ref, k_ref, v_ref, g_ref, beta_ref, ainv_ref, 
 
     s = lax.fori_loop(0, chunks, one_chunk, s_ref[b, h, :, pl.ds(v0, block_v)])
     so_ref[b, h, :, pl.ds(v0, block_v)] = s
+
+
+# ------------------------------------------------------------ prefill, split form (three kernels)
+#
+# flash-linear-attention's decomposition: with X = (I + L)^-1 per chunk, W = X diag(beta
+# exp(G)) K, U = X diag(beta) V and Kd = diag(exp(G_last - G)) K (keys decayed to the
+# chunk's end), a chunk starting from state S has u = U - W S (the new values), outputs
+# o = exp(G) Q S + Aqk u, and leaves exp(G_last) S + Kd^T u. Only the state recurrence
+# (two products a chunk) is sequential: `_split_prep_kernel` computes W, U and Kd for every
+# chunk in parallel, `_split_state_kernel` walks the chunks writing u and each chunk's
+# starting state, `_split_out_kernel` computes the outputs of every chunk in parallel.
+
+def _chunk_gates(len_ref, g_ref, b, h, t0, chunk: int):
+    """The chunk's no-op mask and masked log decays -> (valid [BT] bool, g [BT] float32)."""
+    valid = t0 + lax.broadcasted_iota(jnp.int32, (chunk,), 0) < len_ref[b]
+    return valid, jnp.where(valid, g_ref[b, pl.ds(t0, chunk), h], 0.0)
+
+
+def _split_prep_kernel(len_ref, k_ref, v_ref, g_ref, beta_ref, w_ref, u_ref, kd_ref, *, chunk: int, bc: int,
+                       rep: int, prec):
+    """One (row b, value head h, chunk c): the chunk's part that does not read the state.
+
+    len_ref [B] int32; k_ref [B, T, Hk, Dk]; v_ref [B, T, Hv, Dv]; g_ref, beta_ref [B, T, Hv]
+    float32; outputs (the intermediates' dtype) w_ref [B, Hv, NT, BT, Dk]: W = X diag(beta
+    exp(G)) K; u_ref [B, Hv, NT, BT, Dv]: U = X diag(beta) V; kd_ref [B, Hv, NT, BT, Dk]:
+    Kd = diag(exp(G_last - G)) K. X = (I + L)^-1 in [bc, bc] blocks (`_blocked_solve`), so
+    that W's and U's block rows are sums of [bc, bc] x [bc, D] products; tokens past
+    lengths[b] have zero keys, values and beta (rows of zeros in W, U and Kd)."""
+    b, h, c = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    hk, t0 = h // rep, c * chunk
+    valids, ks, Gs, betas, g_last, X = _blocked_solve(len_ref, k_ref, g_ref, beta_ref, b, h, hk, t0, chunk, bc, prec)
+    nb = len(ks)
+    rows = [pl.ds(i * bc, bc) for i in range(nb)]
+    for i in range(nb):
+        kd_ref[b, h, c, rows[i], :] = (jnp.exp(g_last - Gs[i])[:, None] * ks[i]).astype(kd_ref.dtype)
+
+    def block_rows(out_ref, xs):  # out's block row i = sum_{j <= i} X_ij xs_j
+        for i in range(nb):
+            acc = _dot(X[i, 0], xs[0], prec)
+            for j in range(1, i + 1):
+                acc = acc + _dot(X[i, j], xs[j], prec)
+            out_ref[b, h, c, rows[i], :] = acc.astype(out_ref.dtype)
+
+    block_rows(w_ref, [(betas[j] * jnp.exp(Gs[j]))[:, None] * ks[j] for j in range(nb)])  # [bc, Dk] each
+    block_rows(u_ref, [jnp.where(valids[j][:, None], betas[j][:, None] * v_ref[b, pl.ds(t0 + j * bc, bc), h, :]
+                                 .astype(jnp.float32), 0.0) for j in range(nb)])  # [bc, Dv] each
+
+
+def _split_state_kernel(len_ref, g_ref, w_ref, u_ref, kd_ref, s_ref, vn_ref, sc_ref, so_ref, *, chunk: int,
+                        chunks: int, block_v: int, prec):
+    """One (row b, value head h, Dv tile j), walking the NT chunks in order with the state
+    tile [Dk, BV] float32 in registers: per chunk u = U - W S, S <- exp(G_last) S + Kd^T u.
+
+    len_ref [B] int32; g_ref [B, T, Hv] float32; w_ref, kd_ref [B, Hv, NT, BT, Dk], u_ref
+    [B, Hv, NT, BT, Dv] (`_split_prep_kernel`; u_ref aliased with vn_ref); s_ref [B, Hv, Dk,
+    Dv] float32 (the incoming state, aliased with so_ref); outputs vn_ref [B, Hv, NT, BT,
+    Dv]: the new values u; sc_ref [B, Hv, NT, Dk, Dv]: the state before each chunk (both in
+    the intermediates' dtype); so_ref [B, Hv, Dk, Dv] float32: the state after the last."""
+    b, h, j = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    cols = pl.ds(j * block_v, block_v)
+    length = len_ref[b]
+
+    def g_last(c):  # the chunk's log decay summed over its tokens before lengths[b] (a scalar)
+        t = c * chunk + lax.broadcasted_iota(jnp.int32, (chunk,), 0)
+        return jnp.sum(jnp.where(t < length, g_ref[b, pl.ds(c * chunk, chunk), h], 0.0))
+
+    def one_chunk(c, carry):  # s [Dk, BV]: the state before chunk c; gl: g_last(c)
+        s, gl = carry
+        gl_next = g_last(jnp.minimum(c + 1, chunks - 1))  # loaded a chunk ahead, off the chain
+        sc_ref[b, h, c, :, cols] = s.astype(sc_ref.dtype)
+        u = u_ref[b, h, c, :, cols].astype(jnp.float32) - _dot(w_ref[b, h, c], s, prec)  # [BT, BV]
+        vn_ref[b, h, c, :, cols] = u.astype(vn_ref.dtype)
+        return jnp.exp(gl) * s + _dot(kd_ref[b, h, c], u, prec, ta=True), gl_next
+
+    s, _ = lax.fori_loop(0, chunks, one_chunk, (s_ref[b, h, :, cols], g_last(0)))
+    so_ref[b, h, :, cols] = s
+
+
+def _split_out_kernel(len_ref, q_ref, k_ref, g_ref, sc_ref, vn_ref, o_ref, *, chunk: int, rep: int, block_v: int,
+                      scale: float, prec):
+    """One (row b, value head h, chunk c, Dv tile j): o = exp(G) Q S_c + Aqk u, with Aqk[t, a]
+    = exp(G_t - G_a) q_t.k_a (a <= t) computed here.
+
+    len_ref [B] int32; q_ref, k_ref [B, T, Hk, Dk]; g_ref [B, T, Hv] float32; sc_ref [B, Hv,
+    NT, Dk, Dv], vn_ref [B, Hv, NT, BT, Dv] (`_split_state_kernel`); o_ref [B, T, Hv, Dv]
+    float32."""
+    b, h, c, j = pl.program_id(0), pl.program_id(1), pl.program_id(2), pl.program_id(3)
+    hk, t0, cols = h // rep, c * chunk, pl.ds(j * block_v, block_v)
+    valid, g = _chunk_gates(len_ref, g_ref, b, h, t0, chunk)
+    qn = _rownorm(q_ref[b, pl.ds(t0, chunk), hk, :].astype(jnp.float32)) * scale  # [BT, Dk]
+    kn = jnp.where(valid[:, None], _rownorm(k_ref[b, pl.ds(t0, chunk), hk, :].astype(jnp.float32)), 0.0)
+    G = jnp.cumsum(g)  # [BT]
+    r, col = _grid2(chunk)
+    aqk = jnp.where(r >= col, jnp.exp(jnp.minimum(G[:, None] - G[None, :], 0.0)), 0.0) * _dot(qn, kn, prec, tb=True)
+    o = jnp.exp(G)[:, None] * _dot(qn, sc_ref[b, h, c, :, cols], prec) + _dot(aqk, vn_ref[b, h, c, :, cols], prec)
+    o_ref[b, pl.ds(t0, chunk), h, cols] = o
 
 
 # --------------------------------------------------------------------------- wrappers
@@ -561,8 +712,12 @@ def gated_delta_prefill_kernel(q, k, v, g, beta, state, lengths=None, *, tiles: 
     BT = t.prefill_chunk
     if BT not in (16, 32, 64):
         raise ValueError(f"prefill_chunk must be 16, 32 or 64, got {BT!r}")
+    if t.prefill_form not in PREFILL_FORMS:
+        raise ValueError(f"prefill_form must be one of {PREFILL_FORMS}, got {t.prefill_form!r}")
+    if t.prefill_split_dtype not in SPLIT_DTYPES:
+        raise ValueError(f"prefill_split_dtype must be one of {tuple(SPLIT_DTYPES)}, got {t.prefill_split_dtype!r}")
     interpret = _interpret(interpret)
-    prec = _dot_precision(t.precision, interpret)
+    prec = _dot_precision(t.precision if t.prefill_precision is None else t.prefill_precision, interpret)
     q, k, v, state, Dv0 = _pad_heads(q, k, v, state)
     Dv = v.shape[-1]
     BV = _block_v(t.prefill_block_v, Dv, 16)
@@ -571,6 +726,10 @@ def gated_delta_prefill_kernel(q, k, v, g, beta, state, lengths=None, *, tiles: 
     q, k, v = (_pad(x, 1, NT * BT) for x in (q, k, v))
     g, beta = (_pad(x.astype(jnp.float32), 1, NT * BT) for x in (g, beta))
     rep, scale = Hv // Hk, Dk ** -0.5
+    if t.prefill_form == "split":
+        out, last = _prefill_split(lengths, q, k, v, g, beta, state, t, rep=rep, scale=scale, prec=prec,
+                                   interpret=interpret)
+        return out[:, :T, :, :Dv0], last[:, :, :Dk, :Dv0]
     stages = t.prefill_stages if max(x.dtype.itemsize for x in (q, k, v)) <= 2 else 1
     tri = jax.ShapeDtypeStruct((B, Hv, NT, BT, BT), jnp.float32)
     w_shape = (jax.ShapeDtypeStruct((B, Hv, NT, BT, q.shape[-1]), jnp.float32),) if t.prefill_w else ()
@@ -589,6 +748,47 @@ def gated_delta_prefill_kernel(q, k, v, g, beta, state, lengths=None, *, tiles: 
         name="jspec_gated_delta_chunk_scan",
     )(lengths, q, k, v, g, beta, *prep, state)
     return out[:, :T, :, :Dv0], last[:, :, :Dk, :Dv0]
+
+
+def _prefill_split(lengths, q, k, v, g, beta, state, t: GatedDeltaTiles, *, rep: int, scale: float, prec,
+                   interpret: bool):
+    """The split form's three kernels over inputs padded to NT chunks of BT tokens (q, k [B,
+    NT BT, Hk, Dk], v [B, NT BT, Hv, Dv], g, beta [B, NT BT, Hv] float32, state [B, Hv, Dk,
+    Dv] float32; Dk, Dv powers of two >= 16) -> (out [B, NT BT, Hv, Dv] float32, the last
+    state [B, Hv, Dk, Dv] float32). Intermediates (W, U, Kd, the new values and the chunks'
+    states: 2 NT BT (Dk + Dv) + NT Dk Dv numbers per row and value head) in
+    t.prefill_split_dtype."""
+    B, Tp, _, Dk = k.shape
+    Hv, Dv = v.shape[2:]
+    BT = t.prefill_chunk
+    NT = Tp // BT
+    dt = SPLIT_DTYPES[t.prefill_split_dtype]
+    def per_chunk(d):  # [B, Hv, NT, BT, d] in the intermediates' dtype
+        return jax.ShapeDtypeStruct((B, Hv, NT, BT, d), dt)
+
+    w, u, kd = pl.pallas_call(
+        functools.partial(_split_prep_kernel, chunk=BT, bc=_BC if t.prefill_blocked else BT, rep=rep, prec=prec),
+        grid=(B, Hv, NT), out_shape=(per_chunk(Dk), per_chunk(Dv), per_chunk(Dk)), interpret=interpret,
+        compiler_params=_compiler_params(interpret, t.chunk_prep_warps), name="jspec_gated_delta_split_prep",
+    )(lengths, k, v, g, beta)
+    BV = _block_v(t.prefill_block_v, Dv, 16)
+    vn, sc, last = pl.pallas_call(
+        functools.partial(_split_state_kernel, chunk=BT, chunks=NT, block_v=BV, prec=prec),
+        grid=(B, Hv, Dv // BV),
+        out_shape=(per_chunk(Dv), jax.ShapeDtypeStruct((B, Hv, NT, Dk, Dv), dt),
+                   jax.ShapeDtypeStruct(state.shape, jnp.float32)),
+        input_output_aliases={3: 0, 5: 2}, interpret=interpret,
+        compiler_params=_compiler_params(interpret, t.prefill_warps, t.prefill_state_stages),
+        name="jspec_gated_delta_split_state",
+    )(lengths, g, w, u, kd, state)
+    BVo = _block_v(t.prefill_out_block_v, Dv, 16)
+    out = pl.pallas_call(
+        functools.partial(_split_out_kernel, chunk=BT, rep=rep, block_v=BVo, scale=scale, prec=prec),
+        grid=(B, Hv, NT, Dv // BVo), out_shape=jax.ShapeDtypeStruct((B, Tp, Hv, Dv), jnp.float32),
+        interpret=interpret, compiler_params=_compiler_params(interpret, t.prefill_out_warps),
+        name="jspec_gated_delta_split_out",
+    )(lengths, q, k, g, sc, vn)
+    return out, last
 
 
 # --------------------------------------------------------------------------- entry points
