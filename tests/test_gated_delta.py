@@ -248,13 +248,14 @@ def test_prefill_lengths(backend):
 
 
 def test_prefill_kernel_variants():
-    """Chunks of 16 (one block) with W precomputed, over two Dv tiles, and chunks of 64
-    solved row by row: the same as the rule."""
+    """The scan form with chunks of 16 (one block) and W precomputed, over two Dv tiles,
+    and chunks of 64 solved row by row (scan and split forms): the same as the rule."""
     rng = np.random.RandomState(11)
     x = [jnp.asarray(a) for a in _wide(rng, 21)]
     lengths = jnp.asarray([21, 9], jnp.int32)
     want, want_last = gd.gated_delta_steps_reference(*x, lengths)
-    for kw in ({"prefill_chunk": 16, "prefill_w": True, "prefill_block_v": 16}, {"prefill_blocked": False}):
+    for kw in ({"prefill_chunk": 16, "prefill_w": True, "prefill_block_v": 16, "prefill_form": "scan"},
+               {"prefill_blocked": False, "prefill_form": "scan"}, {"prefill_blocked": False}):
         out, last = gk.gated_delta_prefill_kernel(*x, lengths, interpret=True, **kw)
         np.testing.assert_allclose(np.asarray(out[0]), np.asarray(want[0]), rtol=1e-5, atol=1e-5, err_msg=str(kw))
         np.testing.assert_allclose(np.asarray(last), np.asarray(want_last), rtol=1e-5, atol=1e-5, err_msg=str(kw))
@@ -276,7 +277,7 @@ def test_prefill_split_form():
         run = jax.jit(lambda *a: gk.gated_delta_prefill(*a, tiles=split))
         out, last = run(*x, lengths)
         wrong, _ = run(*x[:5], x[5] + 0.01 * jnp.sign(x[5]), lengths)
-    _, scan_last = gk.gated_delta_prefill_kernel(*x, lengths, interpret=True, prefill_chunk=32)
+    _, scan_last = gk.gated_delta_prefill_kernel(*x, lengths, interpret=True, prefill_chunk=32, prefill_form="scan")
     np.testing.assert_allclose(np.asarray(out[0]), np.asarray(want[0]), rtol=1e-5, atol=1e-5)
     np.testing.assert_allclose(np.asarray(out[1, :20]), np.asarray(want[1, :20]), rtol=1e-5, atol=1e-5)
     np.testing.assert_allclose(np.asarray(out[1, 20:]), np.asarray(want[1, 20:]), rtol=1e-5, atol=1e-5)  # padding
