@@ -101,10 +101,11 @@ class Tuning:
     takes a prompt in blocks (GQA, MLA, and the hybrid's linear layers, which continue their
     states block to block). The serving engine has its own block, `Engine(prefill_chunk=)`.
 
-    xla_options: (name, value) pairs of XLA options for the loop's programs on a GPU, on top
+    xla_options: (name, value) pairs of XLA options for the loop's programs, on a GPU on top
     of the target family's own (`TargetFamily.gpu_xla_options`), which family_xla_options
-    False leaves out (XLA's defaults but for xla_options); see `compiler_options`. A dict is
-    taken as its items."""
+    False leaves out (XLA's defaults but for xla_options); off the GPU those not named
+    xla_gpu_* (the CPU's code generation, say `xla_backend_optimization_level`); see
+    `compiler_options`. A dict is taken as its items."""
 
     experts: ExpertTiles = ExpertTiles()
     grouped: GroupedTiles = GroupedTiles()
@@ -163,11 +164,12 @@ class Tuning:
     def compiler_options(self, family_options: dict | None = None) -> dict[str, bool | int | str]:
         """The XLA options the loop's programs are compiled with: on a GPU backend the target
         family's (`TargetFamily.gpu_xla_options`; left out where `family_xla_options` is
-        False) updated with `xla_options`, none elsewhere. `row_invariant` adds
-        xla_allow_excess_precision=False: XLA may otherwise keep a bf16 rounding in float32
-        where its fusion, which follows the shapes, lets it. Returns a new dict."""
+        False) updated with `xla_options`; elsewhere the `xla_options` not named xla_gpu_*.
+        On a GPU `row_invariant` adds xla_allow_excess_precision=False: XLA may otherwise
+        keep a bf16 rounding in float32 where its fusion, which follows the shapes, lets it.
+        Returns a new dict."""
         if jax.default_backend() != "gpu":
-            return {}
+            return {k: v for k, v in self.xla_options if not k.startswith("xla_gpu_")}
         base = dict(family_options or {}) if self.family_xla_options else {}
         if self.row_invariant:
             base["xla_allow_excess_precision"] = False

@@ -221,10 +221,14 @@ def test_random_shapes(data):
 # --------------------------------------------------------------------------- dispatch, errors
 
 def test_gpu_xla_options_apply_on_gpu_only(monkeypatch):
+    """The family's options and the tuning's xla_gpu_* ones apply on a GPU only; the
+    tuning's others everywhere (the CPU's code generation)."""
     from jspec.tuning import DEFAULT_TUNING, Tuning
     tuning = Tuning(xla_options=(("xla_gpu_disable_async_collectives", "ALLREDUCE"),))
     monkeypatch.setattr(jax, "default_backend", lambda: "cpu")
     assert DEFAULT_TUNING.compiler_options() == {} and tuning.compiler_options() == {}
+    cpu = Tuning(xla_options={"xla_backend_optimization_level": 2, "xla_gpu_enable_command_buffer": ""})
+    assert cpu.compiler_options({"xla_gpu_graph_min_graph_size": 1}) == {"xla_backend_optimization_level": 2}
     monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
     assert DEFAULT_TUNING.compiler_options() == {}
     opts = tuning.compiler_options()

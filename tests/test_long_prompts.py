@@ -13,6 +13,9 @@ import tiny_models
 
 LONG = 32_000  # prompt tokens
 pytestmark = pytest.mark.slow  # tens of thousands of tokens through the CPU: not in the fast subset
+# These programs run long: compiled with LLVM's optimizations, which the suite's XLA_FLAGS
+# (conftest) turn off to compile faster, a 32k-token run takes 3.5 s instead of 23 s.
+OPTIMIZED = jspec.Tuning(xla_options={"xla_backend_optimization_level": 2, "xla_llvm_disable_expensive_passes": False})
 
 
 @pytest.fixture(scope="module")
@@ -39,7 +42,7 @@ def test_a_32k_prompt_in_blocks(long_llama):
     program whose scratch memory is under 256 MB (prefilled whole, the same prompt's
     program needs its [T, T] causal mask: gigabytes)."""
     target, _, prompt, want, _ = long_llama
-    prog = jspec.compile(target, prompt, max_new_tokens=6, cache="paged")
+    prog = jspec.compile(target, prompt, max_new_tokens=6, cache="paged", tuning=OPTIMIZED)
     assert prog.plan.prefill_chunk == jspec.Tuning().prefill_block == 2048
     assert prog.run().tokens == want
     assert temp_bytes(prog) < 2 ** 28
@@ -53,7 +56,7 @@ def test_speculation_after_a_32k_prompt(long_llama, cache, spec):
     """EAGLE-3 chains and trees after a 32k-token prompt (the draft's cache prefilled in
     the same blocks): transformers' tokens."""
     _, drafted, prompt, want, _ = long_llama
-    assert jspec.generate(drafted, prompt, max_new_tokens=6, cache=cache, spec=spec).tokens == want
+    assert jspec.generate(drafted, prompt, max_new_tokens=6, cache=cache, spec=spec, tuning=OPTIMIZED).tokens == want
 
 
 def test_one_program_for_every_prompt_length(long_llama):
@@ -62,7 +65,8 @@ def test_one_program_for_every_prompt_length(long_llama):
     the blocks the longest prompt has."""
     target, _, prompt, _, model = long_llama
     cache = jspec.CacheConfig("paged", page_size=16, max_len=4096)
-    prog = jspec.compile(target, prompt[:20], max_new_tokens=6, cache=cache, tuning=jspec.Tuning(prefill_block=256))
+    prog = jspec.compile(target, prompt[:20], max_new_tokens=6, cache=cache,
+                         tuning=OPTIMIZED.replace(prefill_block=256))
     assert (prog.plan.prompt_len, prog.plan.prefill_chunk) == (4096, 256)
     before = api.compiled_programs()
     for n in (3, 256, 257, 1000, 4000):
@@ -74,7 +78,8 @@ def test_one_program_for_every_prompt_length(long_llama):
 def test_engine_serves_a_32k_prompt(long_llama):
     """The engine prefills a 32k-token prompt in blocks between chunks: transformers' tokens."""
     target, _, prompt, want, _ = long_llama
-    with jspec.Engine(target, max_batch=1, max_prompt_len=LONG, max_new_tokens=6, prefill_chunk=2048) as engine:
+    with jspec.Engine(target, max_batch=1, max_prompt_len=LONG, max_new_tokens=6, prefill_chunk=2048,
+                      tuning=OPTIMIZED) as engine:
         assert engine.generate(prompt, max_new_tokens=6).tokens == want
 
 
@@ -101,7 +106,7 @@ def test_a_16k_prompt_on_mla_and_hybrid_targets(tmp_path, family):
     model.eval().save_pretrained(str(tmp_path))
     prompt = np.random.default_rng(0).integers(3, COMMON["vocab_size"], MID).tolist()
     target = jspec.load(str(tmp_path), dtype="float32")
-    prog = jspec.compile(target, prompt, max_new_tokens=6, stop_token_ids=[], cache="paged")
+    prog = jspec.compile(target, prompt, max_new_tokens=6, stop_token_ids=[], cache="paged", tuning=OPTIMIZED)
     assert prog.plan.prefill_chunk == 2048  # the hybrid's linear layers continue their states block to block
     assert prog.run().tokens == hf_greedy_tokens(model, prompt, 6)
 
