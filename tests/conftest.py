@@ -34,6 +34,10 @@ if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
 import jax  # noqa: E402
 import tiny_models  # noqa: E402
 
+if os.environ.get("PYTEST_XDIST_WORKER"):  # two workers on two cores: one PyTorch thread each (the references)
+    import torch
+    torch.set_num_threads(1)
+
 
 def pytest_unconfigure(config):
     if _MADE_CACHE_DIR is not None:

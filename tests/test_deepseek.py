@@ -22,6 +22,7 @@ from jspec.export import save_draft, save_target
 from jspec.models import family_for
 from jspec.models.deepseek_hf import DeepseekConfig
 from conftest import PROMPTS, loop_state
+import tiny_models
 
 VOCAB = 128
 COMMON = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, moe_intermediate_size=32, num_attention_heads=4,
@@ -146,10 +147,10 @@ def with_draft(models, tmp_path_factory):
 
 
 def hf_greedy_tokens(model, prompt, n):
-    with torch.no_grad():
-        out = model.generate(torch.tensor([prompt]), max_new_tokens=n, do_sample=False, eos_token_id=None,
-                             pad_token_id=0)
-    return out[0, len(prompt):].tolist()
+    """transformers' greedy continuation, computed once per (model, prompt, n) in the run
+    (`tiny_models.hf_greedy`: the tests sweeping drafts and caches over one model ask for
+    the same reference again)."""
+    return tiny_models.hf_greedy(model, prompt, n)
 
 
 @pytest.mark.parametrize("spec,cache", [
