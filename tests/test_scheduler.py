@@ -165,3 +165,28 @@ def test_chooser_sees_speculating_rows_accept_lengths():
     assert d.tier == 1
     s.update(back(2, {0: 6, 1: 3}, rounds={0: [3, 2], 1: [1, 1]}), d.running, chunk=True, tier=1)
     assert seen == [(1, [3, 2])] and a.rounds == 2 and b.rounds == 2
+
+
+def test_chooser_gets_the_running_requests_and_their_own_accept_lengths():
+    got = []
+
+    class Chooser:
+        def choose(self, current, running):
+            got.append([(q.row, [(t, list(lens)) for t, lens in q.accepts]) for q in running])
+            return 1
+
+        def observe(self, tier, lens):
+            pass
+    s = scheduler(batch=2)
+    s.chooser = Chooser()
+    a, b = request(4, max_new=30), request(4, max_new=30, speculative=False)
+    s.add(a)
+    s.add(b)
+    d = s.schedule(0.0)
+    s.update(back(2, {0: 6, 1: 3}, rounds={0: [3, 2], 1: [1, 1]}), d.running, chunk=True, tier=1)
+    s.schedule(1.0)
+    assert got == [[(0, []), (1, [])], [(0, [(1, [3, 2])]), (1, [])]]  # rows with speculation off: none
+    s.pinned = 0  # a pinned tier: nothing is kept for a choice that is not made
+    d = s.schedule(2.0)
+    s.update(back(2, {0: 8, 1: 5}, rounds={0: [3, 2, 1, 1], 1: [1, 1, 1, 1]}), d.running, chunk=True, tier=0)
+    assert len(a.accepts) == 1

@@ -6,6 +6,12 @@
 - The choice picks plain rounds when drafts are rarely accepted and deep chains when
   they mostly are, stays put inside the margin, probes a chain while on the plain tier,
   and uses a tree's own accepted lengths once it has run.
+- The choice follows the rows that run, each with its own acceptance: rows that never
+  accept a draft run plain rounds whatever the pool saw of rows gone; with every row
+  taken the batch's tokens a second count, with rows free each request's own speed (a
+  deep chain that speeds up the accepting rows but slows the others is left).
+- The start-up costs are medians of measurements taken in turns: a pause during one of
+  them sets no cost.
 - Bad settings are refused with the setting's name.
 """
 from __future__ import annotations
@@ -14,7 +20,7 @@ import numpy as np
 import pytest
 
 from jspec.config import SpecConfig
-from jspec.serve.tiers import Adaptive, Chooser, bucket_of, buckets, default_tiers
+from jspec.serve.tiers import Adaptive, Chooser, bucket_of, buckets, default_tiers, measure_costs
 
 TIERS = [None, SpecConfig(1), SpecConfig(3), SpecConfig(5), SpecConfig(num_steps=3, topk=2, num_draft_tokens=6)]
 # Seconds a round at every bucket: drafting costs more the deeper it goes.
@@ -80,6 +86,74 @@ def test_probe_from_plain_and_tree_acceptance():
     guess = t.expected_len(4)
     t.observe(4, np.full(100, 3.5))
     assert t.expected_len(4) == pytest.approx(3.5) and guess != pytest.approx(3.5)
+
+
+class Row:
+    """A running request as the chooser reads it: its accept lengths, (tier, lengths) a
+    chunk, and whether it speculates."""
+
+    def __init__(self, *chunks, speculative=True):
+        self.accepts, self.speculative = list(chunks), speculative
+
+
+def test_choice_follows_the_running_rows():
+    # Rows that accepted every draft ran and left; those running now never accept one.
+    c = Chooser(Adaptive(), TIERS, COSTS, 8)
+    gone, running = [Row() for _ in range(8)], [Row() for _ in range(4)]
+    for _ in range(3):
+        for q in gone:
+            q.accepts.append((2, np.full(4, 4)))
+        c.choose(2, gone)
+        c.observe(2, np.full(32, 4))
+    for _ in range(2):
+        for q in running:
+            q.accepts.append((2, np.ones(4, np.int32)))
+        c.observe(2, np.ones(16, np.int32))
+    assert c.choose(2, 4) == 3  # the pool still leans on the rows gone: the deepest chain
+    assert c.choose(2, running) == 0  # the rows running never accept: plain rounds
+    assert c.row_keys == running and len(c.row_stats) == 4  # the records of rows gone are dropped
+
+
+def test_objective_with_every_row_taken_or_rows_free():
+    # Half the rows accept every draft, half none; a chain of 3 costs twice a plain round.
+    costs = {(t, n): c for t, c in enumerate([1.0, 1.9, 2.0, 2.6, 2.6]) for n in buckets(8)}
+
+    def rows(n):
+        return [Row((2, np.full(4, 4 if i % 2 else 1)), (2, np.full(4, 4 if i % 2 else 1))) for i in range(n)]
+    full, part = Chooser(Adaptive(), TIERS, costs, 8), Chooser(Adaptive(), TIERS, costs, 8)
+    # Every row taken: the batch's tokens a second, the accepting rows' speed counts.
+    assert full.choose(0, rows(8)) == 2
+    # Rows free: each request's own speed; the chain would slow the rejecting half by 2x.
+    assert part.choose(0, rows(4)) == 0
+    assert part.choose(2, rows(4)) == 0
+    part.read_rows(rows(2))
+    E = part.row_lens()
+    assert E[0, 2] < 1.3 and E[1, 2] > 3.5 and E[0, 0] == E[1, 0] == 1.0
+    # A request with speculation off accepts no draft, whatever the pool.
+    off = Chooser(Adaptive(), TIERS, costs, 8)
+    off.read_rows([Row(speculative=False), Row()])
+    assert list(off.row_lens()[0]) == [1.0] * 5 and off.row_lens()[1, 2] > 1.5
+    # The pooled estimate alone (an int) cannot tell: the same tier either way.
+    pooled = Chooser(Adaptive(), TIERS, costs, 8)
+    pooled.observe(2, np.array([4, 1] * 8))
+    assert pooled.choose(0, 8) == pooled.choose(0, 4)
+
+
+def test_start_up_costs_are_medians_taken_in_turns():
+    class Runner:
+        tiers, batch = TIERS[:3], 4
+
+        def __init__(self):
+            self.calls = []
+
+        def time_rounds(self, tier, n, context, repeats):
+            self.calls.append((tier, n))
+            return 10.0 if len(self.calls) == 5 else 1.0 + tier + n / 100  # a pause in the fifth
+    r = Runner()
+    costs = measure_costs(r, context=16)
+    assert costs == {(t, n): 1.0 + t + n / 100 for t in range(3) for n in buckets(4)}
+    assert r.calls[:4] == [(0, 1), (1, 1), (2, 1), (0, 2)]  # every tier at a bucket, then the next bucket
+    assert len(r.calls) == 3 * 3 * 3
 
 
 def test_buckets_and_defaults():

@@ -403,18 +403,18 @@ class Engine:
         """The accept lengths a chunk's speculating rows reported -> the statistics."""
         s, spec = self.stats, self.tiers[tier]
         s.rounds += self.runner.rounds_per_chunk
-        if spec is None:
+        lens = [p.accept_lens for p in progress if p.accept_lens is not None and len(p.accept_lens)]
+        if spec is None or not lens:
             return
-        for p in progress:
-            if p.accept_lens is None or not len(p.accept_lens):
-                continue
-            n, total = len(p.accept_lens), int(p.accept_lens.sum())
-            s.accept_rounds += n
-            s.accept_tokens += total
-            s.spec_draft_tokens += (spec.num_draft_tokens - 1) * n
-            s.spec_accepted_tokens += total - n
-            for length, times in zip(*np.unique(p.accept_lens, return_counts=True)):
-                s.accept_length.observe(int(length), int(times))
+        lens = np.concatenate(lens)  # every row's at once: a np.unique a row cost 0.6 ms a chunk of 32 rows
+        n, total = len(lens), int(lens.sum())
+        s.accept_rounds += n
+        s.accept_tokens += total
+        s.spec_draft_tokens += (spec.num_draft_tokens - 1) * n
+        s.spec_accepted_tokens += total - n
+        for length, times in enumerate(np.bincount(lens)):
+            if times:
+                s.accept_length.observe(length, int(times))
 
     def _deliver_ends(self, evicted) -> None:
         """Final outputs of requests the host ended (cancelled, timed out)."""

@@ -24,7 +24,7 @@ from collections.abc import Callable, Sequence
 import numpy as np
 
 from jspec.serve.engine import Engine
-from jspec.serve.tiers import Adaptive, tier_name
+from jspec.serve.tiers import Adaptive, buckets, tier_name
 
 
 @dataclasses.dataclass(frozen=True)
@@ -72,6 +72,15 @@ def setting_name(spec) -> str:
     return "adaptive" if isinstance(spec, Adaptive) else tier_name(spec)
 
 
+def format_costs(engine: Engine) -> str:
+    """The adaptive choice's round costs in ms, per tier over the occupancy buckets
+    ("plain 5.1 5.2 ..., 1,1,2 ..."), as it uses them now (start-up, then online)."""
+    costs = engine.scheduler.chooser.costs
+    ns = buckets(engine.batch)
+    return f"round costs ms at {'/'.join(map(str, ns))} rows: " + ", ".join(
+        f"{tier_name(t)} " + " ".join(f"{costs[i, n] * 1e3:.2f}" for n in ns) for i, t in enumerate(engine.tiers))
+
+
 def tier_shares(before: dict, after: dict) -> str:
     """Chunks each tier ran between two `tier_chunks` counts -> "S,K,N 80%, ..." (tiers
     that ran)."""
@@ -87,7 +96,9 @@ def run_serve_bench(params, prompts: Sequence, *, rates: Sequence[float], specs:
     out), a SpecConfig (fixed) or an `Adaptive`. Each engine serves every rate of each of
     its settings in turn (see the module for which settings share one). tuning: the
     engines' `jspec.Tuning` (None: the default). progress, where
-    given, is called with a line before and after each engine's warm-up and after each row."""
+    given, is called with a line before and after each engine's warm-up and after each row
+    (for adaptive speculation also with the round costs the choice uses: after the
+    warm-up, the start-up measurement; after each of its rows, as measured online)."""
     say = progress or (lambda line: None)
     lens = [len(params.tokenizer(p)["input_ids"]) if isinstance(p, str) else len(p) for p in prompts]
     adaptive = next((s for s in specs if isinstance(s, Adaptive)), None)
@@ -100,6 +111,8 @@ def run_serve_bench(params, prompts: Sequence, *, rates: Sequence[float], specs:
         say(f"warming up the {'plain' if spec is None else setting_name(spec)} engine")
         seconds = engine.warm_up(lens, sampled=False, logprobs=False)  # the requests are greedy
         say(f"warm-up {seconds:.1f} s, {engine.stats.programs} programs")
+        if engine.scheduler.chooser is not None:
+            say(format_costs(engine))
         return engine, seconds
     shared = engine_for(adaptive) if adaptive is not None else None
     rows = []
@@ -127,6 +140,8 @@ def run_serve_bench(params, prompts: Sequence, *, rates: Sequence[float], specs:
                 e2e_ms=percentiles([h.finished_at - h.submitted for h in hs]), tau=tau, compile_s=compile_s,
                 tiers=tier_shares(before[0], s.tier_chunks)))
             say(format_load_table(rows[-1:]).splitlines()[-1])
+            if isinstance(spec, Adaptive):
+                say(format_costs(engine))
         if shared is None or engine is not shared[0]:
             engine.close()
     if shared is not None:

@@ -54,6 +54,7 @@ class Request:
     rounds: int = 0  # rounds the device reported (accept lengths counted up to here)
     finish: str | None = None  # why it ended, once DONE
     admitted_at: float | None = None
+    accepts: list = dataclasses.field(default_factory=list)  # (tier, accept lengths) a chunk, until the chooser reads them
 
     def __post_init__(self):
         r = self.reqs
@@ -168,7 +169,7 @@ class Scheduler:
             if self.pinned is not None:
                 self.tier = self.pinned
             elif self.chooser is not None:
-                self.tier = self.chooser.choose(self.tier, len(running))
+                self.tier = self.chooser.choose(self.tier, list(d.running.values()))
             d.tier = self.tier
             d.sampled = any(self.rows[r].processing for r in running)
             d.logprobs = any(self.rows[r].token_logprobs for r in running)
@@ -231,6 +232,8 @@ class Scheduler:
                 if q.speculative:
                     accepted = back["hist"][row, q.rounds - start: rounds - start]
                     lens.append(accepted)
+                    if self.chooser is not None and self.pinned is None and tier is not None:
+                        q.accepts.append((tier, accepted))
                 q.rounds = rounds
             out.append(Progress(q, row, q.generated, now, reason, accepted))
             q.generated = now

@@ -4,13 +4,16 @@ Under load speculation can cost more than it saves: a round verifies N nodes per
 once the batch's products are compute-bound those nodes cost nearly what N decode steps
 cost. The engine therefore keeps a few *tiers* (`Adaptive.tiers`: SpecConfigs, and None
 for a plain tier), all sharing one loop state (`jspec.loop.plan.Plan.tiers`), and before
-each chunk picks the tier with the most tokens a second for the rows that run:
+each chunk picks a tier from the expected accepted length E_r of each running row r on
+each tier and the cost c of a round of the tier at this occupancy:
 
-    tokens/s of tier t  ~  E[accepted length of t] / cost of a round of t at this occupancy
+    every row taken:  the most tokens a second of the batch,      sum_r E_r / c
+    rows free:        the least mean time a token of the rows,    c x sum_r 1 / E_r
 
 - The cost of a round, per tier and per occupancy bucket (1, 2, 4, ... rows running), is
   measured when the engine starts (`measure_costs`, at `Adaptive.context` tokens of
-  context), or given (`Adaptive.costs`), and then measured online: each chunk that ran
+  context; the median of three turns over every bucket and tier), or given
+  (`Adaptive.costs`), and then measured online: each chunk that ran
   with the device busy from its start (no admission or prefill queued before it) gives
   its seconds a round at its tier and occupancy (`observe_cost`), averaged with decay.
 - The accepted length comes from what the device reports with each chunk (the accept
@@ -25,6 +28,19 @@ each chunk picks the tier with the most tokens a second for the rows that run:
   Older rounds fade (`Adaptive.decay` a chunk).
 - The plain tier drafts nothing, so while it runs the rate is not observed: every
   `probe_every` chunks one chunk runs the cheapest drafting chain to keep it fresh.
+- The acceptance is also kept per running request (the same counts from its own rounds,
+  faded with each drafting chunk it runs; plain rounds leave them as they are): rows
+  differ (a request that repeats itself against one that never does), and the batch's
+  tokens a round are theirs, not the pool's, whose rounds lean on rows that ran long or
+  already left. A row's expected length starts at the pooled estimate and moves to its
+  own as its rounds come in (`ROW_PRIOR`: the pool weighs as much as one of its rounds):
+  its own mean on the tier, and the model at its own rates for the tiers it did not run.
+- The objective: with every row taken, a row freed sooner takes the next request sooner,
+  so the batch's tokens a second count; with rows free, finishing a row sooner frees one
+  nobody needs, so the running requests' own speed does. With rows alike both pick the
+  same tier. With the pooled acceptance and the batch's tokens a second alone, the 8B
+  permutation target (half the requests accept every draft, half none) ran 5,1,6 for 55%
+  of its chunks at 64 req/s, the slowest fixed tier there (H200, 2026-11-28).
 - A switch needs the best tier to beat the current one by `margin` (no flapping).
 
 The plain tier still lets the proposer observe each round (a draft model's cache stays
@@ -39,6 +55,8 @@ from typing import Sequence
 import numpy as np
 
 from jspec.config import SpecConfig
+
+ROW_PRIOR = 1.0  # rounds: the pooled estimate weighs as much as this many of a running row's own rounds
 
 
 def default_tiers(default: SpecConfig) -> tuple[SpecConfig | None, ...]:
@@ -119,6 +137,9 @@ class Chooser:
         self.tier_len = {i: (0.0, 0.0) for i, t in enumerate(self.tiers) if t is not None}  # (sum, rounds)
         self.since_observed = 0  # chunks since a chain's acceptance was last observed
         self.chosen: dict[str, int] = {tier_name(t): 0 for t in self.tiers}
+        self.row_keys: list = []  # the running requests last read (`read_rows`)
+        self.row_stats = np.zeros((0, 2 * depth + 2 * len(self.tiers)))  # their own acceptance, a row each
+        self.row_off = np.zeros((0,), bool)  # those with speculation off
 
     def alphas(self, depth: int) -> np.ndarray:
         """The acceptance rate of the draft at depths 1..depth: observed where rounds tested
@@ -150,25 +171,72 @@ class Chooser:
         if spec.topk > 1:
             self.since_observed += 1
             return
-        drafts = lens - 1  # accepted drafts, <= S
-        depths = np.arange(1, spec.num_steps + 1)
-        self.accepted[:spec.num_steps] += np.sum(drafts[:, None] >= depths[None, :], axis=0)
-        self.tried[:spec.num_steps] += np.sum(drafts[:, None] >= depths[None, :] - 1, axis=0)
+        accepted, tried = depth_counts(spec, lens)
+        self.accepted[:spec.num_steps] += accepted
+        self.tried[:spec.num_steps] += tried
         self.since_observed = 0
 
+    def pooled_lens(self, model: np.ndarray | None = None) -> np.ndarray:
+        """Expected tokens a round commits per row on each tier (the pooled estimate): a
+        tier's own mean once it ran `min_rounds` rounds, else the model at the pooled
+        rates (model: those values, where already computed)."""
+        if model is None:
+            a = self.alphas(len(self.accepted))[None]
+            model = np.array([model_len(t, a)[0] for t in self.tiers])
+        own = [self.tier_len.get(i, (0.0, 0.0)) for i in range(len(self.tiers))]
+        return np.array([s / n if n >= self.config.min_rounds else m for (s, n), m in zip(own, model)])
+
     def expected_len(self, tier: int) -> float:
-        """Expected tokens a round commits per row on `tier`."""
-        spec = self.tiers[tier]
-        if spec is None:
-            return 1.0
-        s, n = self.tier_len[tier]
-        if n >= self.config.min_rounds:
-            return s / n
-        S = spec.num_steps if spec.topk == 1 else min(spec.num_steps, spec.num_draft_tokens - 1)
-        a = self.alphas(S)
-        if spec.topk > 1:
-            a = 1.0 - (1.0 - a) ** spec.topk
-        return 1.0 + float(np.sum(np.cumprod(a)))
+        """Expected tokens a round commits per row on `tier` (the pooled estimate)."""
+        return float(self.pooled_lens()[tier])
+
+    def read_rows(self, running: Sequence) -> None:
+        """The running requests' accept lengths since the last call (each request's
+        `accepts`, the scheduler's: (tier, lengths) a chunk, emptied here) into their own
+        records, a row of `row_stats` each (in the order of `running`, now `row_keys`):
+        drafts accepted and tried at each depth (chain rounds), and per tier the sum of the
+        lengths and the rounds; older chunks fade with each drafting chunk the row runs
+        (plain rounds say nothing of the drafts). Requests no longer running are dropped;
+        those with speculation off (`speculative` False) accept no draft."""
+        D, T = len(self.accepted), len(self.tiers)
+        where = {q: i for i, q in enumerate(self.row_keys)}
+        stats = np.vstack([self.row_stats, np.zeros((1, 2 * D + 2 * T))])[[where.get(q, -1) for q in running]]
+        chunks: dict = {}  # (k, tier) -> [(row, lengths)]: each row's k-th chunk since the last call
+        for i, q in enumerate(running):
+            for k, (tier, lens) in enumerate(q.accepts):
+                if self.tiers[tier] is not None and len(lens):
+                    chunks.setdefault((k, tier), []).append((i, np.asarray(lens)))
+            q.accepts.clear()
+        for (_, tier), items in sorted(chunks.items(), key=lambda kv: kv[0]):
+            rows = np.array([i for i, _ in items])
+            lens = np.concatenate([lens for _, lens in items])
+            starts = np.cumsum([0] + [len(x) for _, x in items[:-1]])
+            stats[rows] *= self.config.decay
+            stats[rows, 2 * D + tier] += np.add.reduceat(lens, starts)
+            stats[rows, 2 * D + T + tier] += [len(x) for _, x in items]
+            spec = self.tiers[tier]
+            if spec.topk == 1:
+                depths = np.arange(1, spec.num_steps + 1)
+                stats[rows, :spec.num_steps] += np.add.reduceat((lens[:, None] - 1 >= depths).astype(float), starts)
+                stats[rows, D:D + spec.num_steps] += np.add.reduceat((lens[:, None] - 1 >= depths - 1).astype(float),
+                                                                      starts)
+        self.row_keys, self.row_stats = list(running), stats
+        self.row_off = np.array([not q.speculative for q in running], bool)
+
+    def row_lens(self) -> np.ndarray:
+        """Expected tokens a round commits, [rows, tiers], for the rows last read
+        (`read_rows`): each row's own mean on the tier and the draft model at its own
+        acceptance rates, shrunk toward the pooled estimate by `ROW_PRIOR` rounds (a row
+        with no rounds of its own has the pooled estimate)."""
+        D, T = len(self.accepted), len(self.tiers)
+        stats, w = self.row_stats, ROW_PRIOR
+        pool = self.alphas(D)
+        a = np.vstack([np.minimum((stats[:, :D] + w * pool) / (stats[:, D:2 * D] + w), 0.999), pool])
+        model = np.stack([model_len(t, a) for t in self.tiers], axis=1)  # [rows + 1, tiers]: the last at the pool's
+        prior = model[:-1] * (self.pooled_lens(model[-1]) / model[-1])  # the model, scaled to the pooled estimate
+        lens = (stats[:, 2 * D:2 * D + T] + w * prior) / (stats[:, 2 * D + T:] + w)
+        lens[self.row_off] = 1.0
+        return lens
 
     def observe_cost(self, tier: int, running: int, seconds: float) -> None:
         """A chunk's measured seconds a round on `tier` with `running` rows."""
@@ -176,32 +244,74 @@ class Chooser:
         d = self.config.cost_decay
         self.costs[key] = d * self.costs[key] + (1 - d) * seconds if key in self.costs else seconds
 
-    def rate(self, tier: int, running: int) -> float:
-        """Predicted tokens a second per running row."""
-        return self.expected_len(tier) / self.costs[tier, bucket_of(running, self.batch)]
+    def rates(self, lens: np.ndarray) -> np.ndarray:
+        """Each tier's score for the next chunk (see the module), higher is better, from the
+        running rows' expected lengths [rows, tiers]: with every row taken, the batch's
+        predicted tokens a second; else the rows' number over their summed seconds a token."""
+        n = len(lens)
+        cost = np.array([self.costs[t, bucket_of(n, self.batch)] for t in range(len(self.tiers))])
+        if n >= self.batch:
+            return lens.sum(axis=0) / cost
+        return n / (cost * (1.0 / lens).sum(axis=0))
 
-    def choose(self, current: int, running: int) -> int:
-        """The tier for the next chunk with `running` rows running."""
-        if running == 0:
+    def choose(self, current: int, running) -> int:
+        """The tier for the next chunk. running: the running requests (the scheduler's, with
+        their `accepts`), or how many rows run (each then has the pooled estimate)."""
+        if isinstance(running, int):
+            lens = np.tile(self.pooled_lens(), (running, 1))
+        else:
+            self.read_rows(running)
+            lens = self.row_lens()
+        n = len(lens)
+        if n == 0:
             return current
         if self.tiers[current] is None and self.since_observed >= self.config.probe_every:
             chains = [i for i, t in enumerate(self.tiers) if t is not None and t.topk == 1]
             if chains:  # probe: the cheapest chain, for one chunk
-                probe = min(chains, key=lambda i: self.costs[i, bucket_of(running, self.batch)])
+                probe = min(chains, key=lambda i: self.costs[i, bucket_of(n, self.batch)])
                 self.since_observed = 0
                 self.chosen[tier_name(self.tiers[probe])] += 1
                 return probe
-        rates = [self.rate(i, running) for i in range(len(self.tiers))]
+        rates = self.rates(lens)
         best = int(np.argmax(rates))
         pick = best if rates[best] > rates[current] * (1.0 + self.config.margin) else current
         self.chosen[tier_name(self.tiers[pick])] += 1
         return pick
 
 
-def measure_costs(runner, context: int, repeats: int = 2) -> dict:
+def depth_counts(spec: SpecConfig, lens: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """A chain's rounds (accept lengths, root included) -> drafts accepted and drafts tried
+    at depths 1..S (a round tries depth d when it accepted the d - 1 drafts before it)."""
+    drafts = np.asarray(lens)[:, None] - 1  # accepted drafts, <= S
+    depths = np.arange(1, spec.num_steps + 1)[None, :]
+    return np.sum(drafts >= depths, axis=0), np.sum(drafts >= depths - 1, axis=0)
+
+
+def model_len(spec: SpecConfig | None, alphas: np.ndarray) -> np.ndarray:
+    """Expected tokens a round commits on tier `spec` at draft acceptance rates alphas
+    [rows, depth] (see the module) -> [rows]."""
+    if spec is None:
+        return np.ones(len(alphas))
+    S = spec.num_steps if spec.topk == 1 else min(spec.num_steps, spec.num_draft_tokens - 1)
+    a = alphas[:, :S]
+    if spec.topk > 1:
+        a = 1.0 - (1.0 - a) ** spec.topk
+    return 1.0 + np.sum(np.cumprod(a, axis=1), axis=1)
+
+
+def measure_costs(runner, context: int, repeats: int = 2, samples: int = 3) -> dict:
     """Seconds a round per (tier index, occupancy bucket), measured on a runner's own
     programs before the engine serves (`jspec.serve.runner.Runner.time_rounds`): for each
     tier and bucket n, n placeholder requests with `context` prompt tokens are admitted,
-    run a warm-up chunk and `repeats` timed chunks, then evicted."""
-    return {(tier, n): runner.time_rounds(tier, n, context, repeats)
-            for tier in range(len(runner.tiers)) for n in buckets(runner.batch)}
+    run a warm-up chunk and `repeats` timed chunks, then evicted; the median of `samples`
+    such measurements, taken in turns (each sample every bucket, each bucket every tier),
+    so that a pause or a drift of the device's speed does not fall on one tier's costs.
+    (One sample of two chunks, tier after tier, gave the 2-core CPU a plain round at 16
+    rows 1.7 times its cost at 8 and 32, which the choice kept: the plain tier never ran
+    there to measure it again.)"""
+    times = {(tier, n): [] for tier in range(len(runner.tiers)) for n in buckets(runner.batch)}
+    for _ in range(samples):
+        for n in buckets(runner.batch):
+            for tier in range(len(runner.tiers)):
+                times[tier, n].append(runner.time_rounds(tier, n, context, repeats))
+    return {key: float(np.median(t)) for key, t in times.items()}
