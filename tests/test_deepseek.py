@@ -146,11 +146,17 @@ def with_draft(models, tmp_path_factory):
     return jspec.load(path, draft=_standalone_draft(str(tmp_path_factory.mktemp("ds_draft")), target), dtype="float32")
 
 
-def hf_greedy_tokens(model, prompt, n):
+def hf_greedy_tokens(model, prompt, n, cached: bool = True):
     """transformers' greedy continuation, computed once per (model, prompt, n) in the run
     (`tiny_models.hf_greedy`: the tests sweeping drafts and caches over one model ask for
-    the same reference again)."""
-    return tiny_models.hf_greedy(model, prompt, n)
+    the same reference again); cached False: run transformers now (a test that watches
+    its forward)."""
+    if cached:
+        return tiny_models.hf_greedy(model, prompt, n)
+    with torch.no_grad():
+        out = model.generate(torch.tensor([prompt]), max_new_tokens=n, do_sample=False, eos_token_id=None,
+                             pad_token_id=0)
+    return out[0, len(prompt):].tolist()
 
 
 @pytest.mark.parametrize("spec,cache", [

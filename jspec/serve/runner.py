@@ -204,11 +204,16 @@ class Runner:
     def time_rounds(self, tier: int, n: int, context: int, repeats: int) -> float:
         """Seconds a round of tier `tier` takes with n rows running placeholder requests
         whose prompts hold `context` tokens: admitted into an idle state, a warm-up chunk,
-        `repeats` timed chunks, then evicted (`jspec.serve.tiers.measure_costs`)."""
+        `repeats` timed chunks, then evicted (`jspec.serve.tiers.measure_costs`). No row may
+        end while timed (an ended row's rounds cost less, and rows whose drafts are all
+        accepted commit max_emit tokens a round): fewer timed chunks where the engine's
+        max_new_tokens would not last the warm-up and `repeats` chunks at max_emit a round."""
         if self.state is None:
             self.reset()
         prompt = [1 + (i % 97) for i in range(max(1, min(context, self.max_prompt_len)))]
-        max_new = max(1, min(self.max_new_tokens, self.rounds_per_chunk * (repeats + 1) * self.plan.max_emit))
+        per_chunk = self.rounds_per_chunk * self.plan.max_emit  # the most tokens a chunk commits a row
+        repeats = max(1, min(repeats, self.max_new_tokens // per_chunk - 1))
+        max_new = max(1, min(self.max_new_tokens, per_chunk * (repeats + 1)))
         reqs = rq.check_requests(self.params, [prompt] * n, max_new, [], {})
         rows = list(range(n))
         jax.block_until_ready(self.admit(rows, reqs))
