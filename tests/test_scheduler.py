@@ -147,45 +147,44 @@ def test_host_ends_timeouts_and_queue_full():
     assert not s.has_work or s.inflight
 
 
-def test_chooser_sees_speculating_rows_accept_lengths():
-    seen = []
+class RecordingChooser:
+    """Always tier 1; records what `observe` and `choose` are given."""
 
-    class Chooser:
-        def choose(self, current, running):
-            return 1
+    def __init__(self):
+        self.seen, self.got = [], []
 
-        def observe(self, tier, lens):
-            seen.append((tier, list(lens)))
+    def choose(self, current, running):
+        self.got.append([(q.row, [(t, list(lens)) for t, lens in q.accepts]) for q in running])
+        return 1
+
+    def observe(self, tier, lens):
+        self.seen.append((tier, list(lens)))
+
+
+def chunk_on_two_rows():
+    """A scheduler of 2 rows with a RecordingChooser, a speculating request and one with
+    speculation off admitted, and one chunk of 2 rounds on tier 1 read back."""
     s = scheduler(batch=2)
-    s.chooser = Chooser()
+    s.chooser = RecordingChooser()
     a, b = request(4, max_new=30), request(4, max_new=30, speculative=False)
     s.add(a)
     s.add(b)
     d = s.schedule(0.0)
-    assert d.tier == 1
     s.update(back(2, {0: 6, 1: 3}, rounds={0: [3, 2], 1: [1, 1]}), d.running, chunk=True, tier=1)
-    assert seen == [(1, [3, 2])] and a.rounds == 2 and b.rounds == 2
+    return s, a, b, d
+
+
+def test_chooser_sees_speculating_rows_accept_lengths():
+    s, a, b, d = chunk_on_two_rows()
+    assert d.tier == 1
+    assert s.chooser.seen == [(1, [3, 2])] and a.rounds == 2 and b.rounds == 2
 
 
 def test_chooser_gets_the_running_requests_and_their_own_accept_lengths():
-    got = []
-
-    class Chooser:
-        def choose(self, current, running):
-            got.append([(q.row, [(t, list(lens)) for t, lens in q.accepts]) for q in running])
-            return 1
-
-        def observe(self, tier, lens):
-            pass
-    s = scheduler(batch=2)
-    s.chooser = Chooser()
-    a, b = request(4, max_new=30), request(4, max_new=30, speculative=False)
-    s.add(a)
-    s.add(b)
-    d = s.schedule(0.0)
-    s.update(back(2, {0: 6, 1: 3}, rounds={0: [3, 2], 1: [1, 1]}), d.running, chunk=True, tier=1)
+    s, a, b, d = chunk_on_two_rows()
     s.schedule(1.0)
-    assert got == [[(0, []), (1, [])], [(0, [(1, [3, 2])]), (1, [])]]  # rows with speculation off: none
+    # rows with speculation off: none
+    assert s.chooser.got == [[(0, []), (1, [])], [(0, [(1, [3, 2])]), (1, [])]]
     s.pinned = 0  # a pinned tier: nothing is kept for a choice that is not made
     d = s.schedule(2.0)
     s.update(back(2, {0: 8, 1: 5}, rounds={0: [3, 2, 1, 1], 1: [1, 1, 1, 1]}), d.running, chunk=True, tier=0)
