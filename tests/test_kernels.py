@@ -195,6 +195,33 @@ def test_with_make_meta_and_allocated_pages():
     check(q, kv_buf[:, :, 0], kv_buf[:, :, 1], meta)
 
 
+@pytest.mark.parametrize("paged", [False, True])
+def test_trash_writes_are_dropped_and_indices_distinct(paged):
+    """Writes and moves into the trash are dropped, each with an index of its own past the
+    end: the scatter is told its indices are distinct (a scatter that may repeat an index
+    updates elements atomically on a GPU, and hundreds of writes to one trash slot
+    serialise). Valid slots get their values; nothing else changes, the trash included."""
+    rng = np.random.default_rng(0)
+    rows, slots = (5, 4) if paged else (3, 9)  # paged: 4 pages + trash of 4 slots; dense: 8 slots + trash a row
+    buf = jnp.asarray(rng.normal(size=(rows, slots, 2, 1, 4)), jnp.float32)
+    trash = [16, 16, 16] if paged else [8, 17, 17]  # paged: page 4's first slot; dense: a row's last
+    valid = [0, 7, 13] if paged else [0, 10, 25]
+    index = jnp.asarray([valid + trash], jnp.int32)  # [1, 6]
+    new = jnp.asarray(rng.normal(size=(1, 6, 2, 1, 4)), jnp.float32)
+    out = np.asarray(kvc.write_kv(buf, new, index, dense=not paged)).reshape(rows * slots, -1)
+    want = np.asarray(buf).reshape(rows * slots, -1).copy()
+    want[valid] = np.asarray(new).reshape(6, -1)[:3]
+    np.testing.assert_array_equal(out, want)
+    moved = kvc.move_buffers((buf,), jnp.asarray([valid[:2] + trash[:2]]), jnp.asarray([valid[1:] + trash[1:]]),
+                             dense=not paged)[0]
+    want = np.asarray(buf).reshape(rows * slots, -1).copy()
+    want[valid[1:]] = want[valid[:2]]
+    np.testing.assert_array_equal(np.asarray(moved).reshape(rows * slots, -1), want)
+    jaxpr = jax.make_jaxpr(lambda b, n: kvc.write_kv(b, n, index, dense=not paged))(buf, new)
+    scatters = [e for e in jaxpr.eqns if e.primitive.name == "scatter"]
+    assert scatters and all(e.params["unique_indices"] for e in scatters)
+
+
 # --------------------------------------------------------------------------- property test
 
 @pytest.mark.slow

@@ -84,7 +84,9 @@ class LatentCacheKind:
         if in_place:
             return cache
         moves = path_moves(layout, pages, L, path, accept_len, active)
-        return LatentCache(latent=move_buffers(cache.latent, *moves), index_keys=move_buffers(cache.index_keys, *moves))
+        dense = not layout.paged
+        return LatentCache(latent=move_buffers(cache.latent, *moves, dense),
+                           index_keys=move_buffers(cache.index_keys, *moves, dense))
 
 
 def cached_mla_attention(q_lat, q_pe, latent_new, latent_buf, meta: AttnMeta, w_uv, *, scale: float,

@@ -12,7 +12,9 @@ The extra slot of each dense row and the extra page of a pool are *trash*: a wri
 must not land (a finished request, a slot past the capacity, an unallocated page) goes
 there instead of being dropped. Every write index is then in bounds, so a one-token write
 is a plain in-place update; XLA turns a dropping scatter into a read, a select and an
-update, three kernels per layer in batch-1 decoding. Nothing ever reads the trash.
+update, three kernels per layer in batch-1 decoding. Nothing ever reads the trash. A
+scatter of many tokens (`jspec.cache.kv.set_slots`) drops its trash writes after all, each
+at an index of its own past the end: all to one trash slot, they serialised on a GPU.
 
 A forward pass over T new tokens writes them to consecutive slots and attends to a
 *prefix* (slots < prefix_len, all visible) plus a *local block* (the Tl slots from
