@@ -88,6 +88,30 @@ def test_probe_from_plain_and_tree_acceptance():
     assert t.expected_len(4) == pytest.approx(3.5) and guess != pytest.approx(3.5)
 
 
+def tree_rounds(rng, alpha: float, levels: int, K: int, n: int) -> np.ndarray:
+    """Accept lengths of n tree rounds whose every level holds K candidates, each the right
+    token with probability alpha: a level is accepted with 1 - (1 - alpha)^K."""
+    b = 1.0 - (1.0 - alpha) ** K
+    return np.minimum(rng.geometric(1.0 - b, size=n) - 1, levels) + 1
+
+
+def test_tree_rounds_inform_the_chains():
+    rng = np.random.default_rng(4)
+    # Tree rounds (K = 2) alone give each draft's rate through the tree's model inverted;
+    # taking the tree's level rate for it (the wrong reference) is far off.
+    c = Chooser(Adaptive(decay=1.0), TIERS, COSTS, 8)
+    c.observe(4, tree_rounds(rng, 0.5, 3, 2, 20000))
+    assert abs(c.alpha - 0.5) < 0.02 and abs(c.alpha - 0.75) > 0.2, c.alpha
+    # Rows whose tree rounds accept every level accept every draft of a chain: the chain
+    # of the same depth (cheaper, 1.35 against 1.5) beats the tree, and the deepest wins.
+    rows = [Row((4, np.full(4, 4)), (4, np.full(4, 4))) for _ in range(8)]
+    t = Chooser(Adaptive(), TIERS, COSTS, 8)
+    t.read_rows(rows)
+    E = t.row_lens()
+    assert E[0, 2] > 3.5 and E[0, 2] > E[0, 4] - 0.3
+    assert t.choose(4, rows) == 3
+
+
 class Row:
     """A running request as the chooser reads it: its accept lengths, (tier, lengths) a
     chunk, and whether it speculates."""

@@ -25,9 +25,14 @@ each tier and the cost c of a round of the tier at this occupancy:
   every chain: E = 1 + sum_{d<=S} alpha_1 ... alpha_d (depths never observed take the
   deepest observed rate); a tree's, 1 - (1 - alpha_d)^K a level. One pooled rate
   overestimated deep chains, whose later drafts are accepted less often than the first.
+  A tree's rounds inform alpha_d through that relation inverted (`chain_equivalent`):
+  without them, a tree that ran kept the chains' rates at the pool's guess, which
+  favoured the tree again (the 8B permutation target ran its tree for 69% of the chunks
+  at 256 req/s, where the chain of the same depth, which accepts as much there, costs
+  less; H200, 2026-11-28).
   Older rounds fade (`Adaptive.decay` a chunk).
-- The plain tier drafts nothing, so while it runs the rate is not observed: every
-  `probe_every` chunks one chunk runs the cheapest drafting chain to keep it fresh.
+- The plain tier drafts nothing, so while it runs the rates are not observed: every
+  `probe_every` chunks one chunk runs the cheapest drafting chain to keep them fresh.
 - The acceptance is also kept per running request (the same counts from its own rounds,
   faded with each drafting chunk it runs; plain rounds leave them as they are): rows
   differ (a request that repeats itself against one that never does), and the batch's
@@ -135,7 +140,7 @@ class Chooser:
         self.accepted = np.zeros(depth)  # drafts accepted at depth d + 1 (decayed)
         self.tried = np.zeros(depth)  # rounds whose chain tested depth d + 1 (decayed)
         self.tier_len = {i: (0.0, 0.0) for i, t in enumerate(self.tiers) if t is not None}  # (sum, rounds)
-        self.since_observed = 0  # chunks since a chain's acceptance was last observed
+        self.since_observed = 0  # chunks since drafts' acceptance was last observed
         self.chosen: dict[str, int] = {tier_name(t): 0 for t in self.tiers}
         self.row_keys: list = []  # the running requests last read (`read_rows`)
         self.row_stats = np.zeros((0, 2 * depth + 2 * len(self.tiers)))  # their own acceptance, a row each
@@ -168,12 +173,9 @@ class Chooser:
         lens = np.asarray(accept_lens)
         s, n = self.tier_len[tier]
         self.tier_len[tier] = (s + float(np.sum(lens)), n + len(lens))
-        if spec.topk > 1:
-            self.since_observed += 1
-            return
         accepted, tried = depth_counts(spec, lens)
-        self.accepted[:spec.num_steps] += accepted
-        self.tried[:spec.num_steps] += tried
+        self.accepted[:len(tried)] += accepted
+        self.tried[:len(tried)] += tried
         self.since_observed = 0
 
     def pooled_lens(self, model: np.ndarray | None = None) -> np.ndarray:
@@ -214,12 +216,12 @@ class Chooser:
             stats[rows] *= self.config.decay
             stats[rows, 2 * D + tier] += np.add.reduceat(lens, starts)
             stats[rows, 2 * D + T + tier] += [len(x) for _, x in items]
-            spec = self.tiers[tier]
-            if spec.topk == 1:
-                depths = np.arange(1, spec.num_steps + 1)
-                stats[rows, :spec.num_steps] += np.add.reduceat((lens[:, None] - 1 >= depths).astype(float), starts)
-                stats[rows, D:D + spec.num_steps] += np.add.reduceat((lens[:, None] - 1 >= depths - 1).astype(float),
-                                                                      starts)
+            S = levels(self.tiers[tier])
+            depths = np.arange(1, S + 1)
+            accepted = np.add.reduceat((lens[:, None] - 1 >= depths).astype(float), starts)  # [rows, S]
+            tried = np.add.reduceat((lens[:, None] - 1 >= depths - 1).astype(float), starts)
+            stats[rows, :S] += chain_equivalent(self.tiers[tier], accepted, tried)
+            stats[rows, D:D + S] += tried
         self.row_keys, self.row_stats = list(running), stats
         self.row_off = np.array([not q.speculative for q in running], bool)
 
@@ -279,12 +281,32 @@ class Chooser:
         return pick
 
 
+def levels(spec: SpecConfig) -> int:
+    """The depths a round of a drafting tier can accept: a chain's drafts, a tree's levels."""
+    return spec.num_steps if spec.topk == 1 else min(spec.num_steps, spec.num_draft_tokens - 1)
+
+
+def chain_equivalent(spec: SpecConfig, accepted: np.ndarray, tried: np.ndarray) -> np.ndarray:
+    """Drafts accepted at each depth as one chain's draft would have been, from a tier's
+    counts (accepted, tried [..., depth]): a chain's own; a tree of K candidates a level
+    accepts a level with 1 - (1 - alpha)^K (`model_len`), so its rate b over the tried
+    counts gives alpha = 1 - (1 - b)^(1/K). A tree's rounds then inform the chains' rates
+    as the model would predict them back: rows that accept every level of a tree accept
+    every draft of a chain, and the cheaper chain of the same depth wins."""
+    if spec.topk == 1:
+        return accepted
+    b = np.divide(accepted, tried, out=np.zeros(np.shape(accepted)), where=np.asarray(tried) > 0)
+    return tried * (1.0 - (1.0 - np.minimum(b, 1.0)) ** (1.0 / spec.topk))
+
+
 def depth_counts(spec: SpecConfig, lens: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """A chain's rounds (accept lengths, root included) -> drafts accepted and drafts tried
-    at depths 1..S (a round tries depth d when it accepted the d - 1 drafts before it)."""
-    drafts = np.asarray(lens)[:, None] - 1  # accepted drafts, <= S
-    depths = np.arange(1, spec.num_steps + 1)[None, :]
-    return np.sum(drafts >= depths, axis=0), np.sum(drafts >= depths - 1, axis=0)
+    """A drafting tier's rounds (accept lengths, root included) -> drafts accepted (as a
+    chain's, `chain_equivalent`) and drafts tried at depths 1..levels (a round tries depth d
+    when it accepted the d - 1 before it)."""
+    drafts = np.asarray(lens)[:, None] - 1  # accepted drafts, <= levels
+    depths = np.arange(1, levels(spec) + 1)[None, :]
+    tried = np.sum(drafts >= depths - 1, axis=0)
+    return chain_equivalent(spec, np.sum(drafts >= depths, axis=0), tried), tried
 
 
 def model_len(spec: SpecConfig | None, alphas: np.ndarray) -> np.ndarray:
@@ -292,7 +314,7 @@ def model_len(spec: SpecConfig | None, alphas: np.ndarray) -> np.ndarray:
     [rows, depth] (see the module) -> [rows]."""
     if spec is None:
         return np.ones(len(alphas))
-    S = spec.num_steps if spec.topk == 1 else min(spec.num_steps, spec.num_draft_tokens - 1)
+    S = levels(spec)
     a = alphas[:, :S]
     if spec.topk > 1:
         a = 1.0 - (1.0 - a) ** spec.topk
