@@ -8,8 +8,9 @@
   and uses a tree's own accepted lengths once it has run.
 - The choice follows the rows that run, each with its own acceptance: rows that never
   accept a draft run plain rounds whatever the pool saw of rows gone; with every row
-  taken the batch's tokens a second count, with rows free each request's own speed (a
-  deep chain that speeds up the accepting rows but slows the others is left).
+  taken the requests' time a token counts (the rows weighted back to the requests they
+  stand for), with rows free each request's own speed (a deep chain that speeds up the
+  accepting rows but slows the others is left).
 - The start-up costs are medians of measurements taken in turns: a pause during one of
   them sets no cost.
 - Bad settings are refused with the setting's name.
@@ -145,8 +146,22 @@ def test_objective_with_every_row_taken_or_rows_free():
     def rows(n):
         return [Row((2, np.full(4, 4 if i % 2 else 1)), (2, np.full(4, 4 if i % 2 else 1))) for i in range(n)]
     full, part = Chooser(Adaptive(), TIERS, costs, 8), Chooser(Adaptive(), TIERS, costs, 8)
-    # Every row taken: the batch's tokens a second, the accepting rows' speed counts.
-    assert full.choose(0, rows(8)) == 2
+    # Every row taken, a batch formed on plain rounds (as many rows of each kind as
+    # requests): the requests' time a token. Plain: 1 a token each; the chain: 2 / 4 and
+    # 2 / 1, 2.5 over the pair. The batch's tokens a second (16 + 4 over 2 against 8 over
+    # 1) would take the chain, which serves the requests 1.25x slower.
+    assert full.choose(0, rows(8)) == 0
+    # A batch formed on the chain over-represents the rejecting requests (they stay 4x the
+    # rounds); weighted back, with a chain of 1.45 the chain serves them faster (1.45 x
+    # 1.25 against 2 a pair), where the rows' mean time a token, unweighted, would not.
+    cheap = dict(costs) | {(2, 8): 1.45}
+    formed = [Row((2, np.full(4, 4)), (2, np.full(4, 4))) for _ in range(2)]
+    formed += [Row((2, np.ones(4, np.int32)), (2, np.ones(4, np.int32))) for _ in range(6)]
+    on_chain = Chooser(Adaptive(), TIERS, cheap, 8)
+    assert on_chain.choose(2, formed) == 2
+    on_chain.read_rows(formed)
+    E = on_chain.row_lens()
+    assert 1.45 * (1 / E[:, 2]).sum() > 1.0 * (1 / E[:, 0]).sum() * 1.03
     # Rows free: each request's own speed; the chain would slow the rejecting half by 2x.
     assert part.choose(0, rows(4)) == 0
     assert part.choose(2, rows(4)) == 0

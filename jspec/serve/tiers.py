@@ -7,8 +7,9 @@ for a plain tier), all sharing one loop state (`jspec.loop.plan.Plan.tiers`), an
 each chunk picks a tier from the expected accepted length E_r of each running row r on
 each tier and the cost c of a round of the tier at this occupancy:
 
-    every row taken:  the most tokens a second of the batch,      sum_r E_r / c
     rows free:        the least mean time a token of the rows,    c x sum_r 1 / E_r
+    every row taken:  the least time a token of the requests,     c x sum_r E_r,now / E_r
+                      (E_r,now: row r's on the tier that ran last)
 
 - The cost of a round, per tier and per occupancy bucket (1, 2, 4, ... rows running), is
   measured when the engine starts (`measure_costs`, at `Adaptive.context` tokens of
@@ -40,12 +41,19 @@ each tier and the cost c of a round of the tier at this occupancy:
   already left. A row's expected length starts at the pooled estimate and moves to its
   own as its rounds come in (`ROW_PRIOR`: the pool weighs as much as one of its rounds):
   its own mean on the tier, and the model at its own rates for the tiers it did not run.
-- The objective: with every row taken, a row freed sooner takes the next request sooner,
-  so the batch's tokens a second count; with rows free, finishing a row sooner frees one
-  nobody needs, so the running requests' own speed does. With rows alike both pick the
-  same tier. With the pooled acceptance and the batch's tokens a second alone, the 8B
-  permutation target (half the requests accept every draft, half none) ran 5,1,6 for 55%
-  of its chunks at 64 req/s, the slowest fixed tier there (H200, 2026-11-28).
+- The objective: with rows free, finishing a row sooner frees one nobody needs, so the
+  running requests' own speed counts, the least mean time a token. With every row taken
+  and requests waiting, the time to serve them all does: a tier run throughout serves
+  requests of T tokens in c x sum_req T / E_req row-seconds over the batch's rows, so the
+  least time a token, over the *requests* rather than the rows. The batch over-represents
+  the slow ones: a request stays T / E_r,now rounds on the tier that runs, so each row
+  stands for E_r,now / T requests, and the weights E_r,now turn the batch back into the
+  requests. (The batch's tokens a second, sum_r E_r / c, used here before, ran 5,1,6 for
+  58% of the chunks of the 8B permutation target at 256 req/s, where half the requests
+  accept every draft and half none: it counts the accepting rows' tokens, not the rounds
+  the rejecting rows still hold their rows for. By the requests' time, 3,1,4 at the
+  measured costs, the fastest fixed tier there; H200, 2026-11-28.) With rows alike every
+  objective picks the same tier.
 - A switch needs the best tier to beat the current one by `margin` (no flapping).
 
 The plain tier still lets the proposer observe each round (a draft model's cache stays
@@ -246,15 +254,15 @@ class Chooser:
         d = self.config.cost_decay
         self.costs[key] = d * self.costs[key] + (1 - d) * seconds if key in self.costs else seconds
 
-    def rates(self, lens: np.ndarray) -> np.ndarray:
-        """Each tier's score for the next chunk (see the module), higher is better, from the
-        running rows' expected lengths [rows, tiers]: with every row taken, the batch's
-        predicted tokens a second; else the rows' number over their summed seconds a token."""
+    def rates(self, lens: np.ndarray, current: int) -> np.ndarray:
+        """Each tier's score for the next chunk (see the module), higher is better: the
+        tokens a second of a row, from the running rows' expected lengths [rows, tiers]:
+        their number over their summed seconds a token, each row weighted by its length on
+        the `current` tier when every row is taken (the requests it stands for)."""
         n = len(lens)
         cost = np.array([self.costs[t, bucket_of(n, self.batch)] for t in range(len(self.tiers))])
-        if n >= self.batch:
-            return lens.sum(axis=0) / cost
-        return n / (cost * (1.0 / lens).sum(axis=0))
+        weight = lens[:, current:current + 1] if n >= self.batch else np.ones((n, 1))
+        return weight.sum() / (cost * (weight / lens).sum(axis=0))
 
     def choose(self, current: int, running) -> int:
         """The tier for the next chunk. running: the running requests (the scheduler's, with
@@ -274,7 +282,7 @@ class Chooser:
                 self.since_observed = 0
                 self.chosen[tier_name(self.tiers[probe])] += 1
                 return probe
-        rates = self.rates(lens)
+        rates = self.rates(lens, current)
         best = int(np.argmax(rates))
         pick = best if rates[best] > rates[current] * (1.0 + self.config.margin) else current
         self.chosen[tier_name(self.tiers[pick])] += 1
