@@ -391,6 +391,9 @@ def _serve_parser() -> _Parser:
                     help="draft steps, topk, verified tokens of every round (default: the draft's), or 'adaptive': "
                          "a tier chosen before each chunk of rounds from the measured acceptance and round costs")
     ap.add_argument("--rounds-per-chunk", type=_int(1), default=4, help="rounds between admissions (default: 4)")
+    ap.add_argument("--kv-cache-tokens", type=_int(1), default=None, metavar="N",
+                    help="the page pool's size in tokens (pages of 16); a request is admitted while the pages it may "
+                         "come to hold fit, the rest wait (default: every row's whole --max-len)")
     ap.add_argument("--prefill-chunk", type=_int(1), default=512,
                     help="prompt tokens a prefill pass takes; longer prompts are prefilled in blocks between "
                          "chunks of rounds (default: 512)")
@@ -445,13 +448,19 @@ def _serve(argv) -> int:
     max_new = args.max_new_tokens or min(max_len // 2, 1024)
     if max_new >= max_len:
         ap.error(f"--max-new-tokens ({max_new}) must be below --max-len ({max_len})")
+    page = jspec.CacheConfig.page_size
+    cache = jspec.CacheConfig("paged", num_pages=-(-args.kv_cache_tokens // page) if args.kv_cache_tokens else None)
     try:
         engine = jspec.Engine(params, max_batch=args.max_batch, max_prompt_len=max_len - max_new,
                               max_new_tokens=max_new, spec=args.spec, rounds_per_chunk=args.rounds_per_chunk,
                               prefill_chunk=args.prefill_chunk, max_logprobs=args.max_logprobs,
-                              request_timeout=args.request_timeout)
+                              request_timeout=args.request_timeout, cache=cache)
     except (ValueError, TypeError) as err:
         ap.error(str(err))
+    pool = engine.pool_pages
+    whole = engine.runner.pages_needed(max_len - max_new, max_new)
+    print(f"{PROG} serve: page pool of {pool} pages of {page} tokens ({pool * page} tokens); "
+          f"{pool // whole} requests of {max_len} tokens fit at once", flush=True)
     name = args.served_model_name or (os.path.basename(os.path.normpath(args.target)) if args.target and
                                       os.path.isdir(args.target) else args.target) or "jspec-bundled"
     t0 = time.perf_counter()

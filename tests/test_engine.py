@@ -88,6 +88,34 @@ def test_requests_equal_alone_whenever_they_join(target, with_draft, kind, cache
     assert engine.stats.launch_s == pytest.approx(engine.runner.launch_s)
 
 
+def test_a_small_page_pool_admits_by_pages(target):
+    """A pool of 4 pages of 16 tokens under 3 rows: every request may come to hold 2 pages,
+    so two run at a time and the third row waits for pages; none is cut short, and every
+    output equals the request run alone. A request that could never fit is refused."""
+    cache = jspec.CacheConfig("paged", page_size=16, num_pages=4)
+    engine = jspec.Engine(target, max_batch=3, max_prompt_len=16, max_new_tokens=16, cache=cache,
+                          rounds_per_chunk=2, prefill_chunk=8)
+    assert engine.plan.layout.guarded and engine.pool_pages == 4
+    seen = []
+    step = engine.step
+
+    def counted():
+        step()
+        seen.append((len(engine.scheduler.rows), engine.scheduler.pages_free, len(engine.scheduler.waiting)))
+    engine.step = counted
+    got = staggered(engine)
+    for i, out in got.items():
+        tokens, reason = alone(target, i, cache="paged16")
+        assert out.tokens == tokens and out.finish_reason == reason, i
+    assert max(rows for rows, _, _ in seen) == 2 and min(free for _, free, _ in seen) >= 0
+    assert any(rows == 2 and waiting for rows, _, waiting in seen)  # a row free, requests waiting for pages
+    small = jspec.Engine(target, max_batch=1, max_prompt_len=60, max_new_tokens=16, cache=cache)
+    with pytest.raises(ValueError, match="may need 5 pages of 16 tokens; the engine's page pool holds 4"):
+        small.submit(list(range(1, 56)), max_new_tokens=16)
+    with pytest.raises(ValueError, match="prompt 0 needs 6 pages of 16 tokens but the pool has num_pages=4"):
+        jspec.Engine(target, max_batch=1, max_prompt_len=80, max_new_tokens=8, cache=cache)
+
+
 LONG_PROMPTS = PROMPTS + [list(range(40, 64)), [8, 9, 8, 9, 8] * 4]  # 24 and 20 tokens
 
 

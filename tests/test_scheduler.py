@@ -189,3 +189,63 @@ def test_chooser_gets_the_running_requests_and_their_own_accept_lengths():
     d = s.schedule(2.0)
     s.update(back(2, {0: 8, 1: 5}, rounds={0: [3, 2, 1, 1], 1: [1, 1, 1, 1]}), d.running, chunk=True, tier=0)
     assert len(a.accepts) == 1
+
+
+def test_admission_by_pages():
+    """With a page pool, a request is admitted only while the pages it may hold fit beside
+    those of every request in a row; the head of the queue waits for pages and keeps the
+    rest waiting (first come, first served); eviction returns a request's pages."""
+    pages_of = lambda q: -(-(len(q.prompt) + q.max_new) // 4)  # noqa: E731 (pages of 4 tokens)
+    s = Scheduler(4, prefill_chunk=0, width_class=lambda n: 64, rounds_per_chunk=2, max_waiting=16,
+                  pool_pages=10, pages_of=pages_of)
+    qs = [request(8, 8), request(12, 8), request(4, 4), request(4, 4)]  # 4, 5, 2, 2 pages
+    for q in qs:
+        s.add(q)
+    d = s.schedule(now=0.0)
+    # 4 + 5 fit (9 of 10); the third (2 pages) waits though a row is free, and so does the fourth.
+    assert [q.state for q in qs] == [RUNNING, RUNNING, WAITING, WAITING] and s.pages_free == 1
+    assert [q.pages for q in qs] == [4, 5, 0, 0] and d.dispatch
+    s.update(back(4, {0: 8, 1: 3}, finished=[0]), {0: qs[0], 1: qs[1]}, chunk=True)
+    d = s.schedule(now=1.0)  # the first evicted: its 4 pages take both waiting requests
+    assert d.evict == [(0, qs[0])] and [q.state for q in qs[2:]] == [RUNNING, RUNNING]
+    assert s.pages_free == 10 - 5 - 2 - 2
+
+
+def test_page_accounting_conserves_pages():
+    """10,000 random operations (submissions, readbacks that finish rows, host ends): the
+    pages held by the requests in rows never exceed the pool, every request in a row holds
+    exactly its `pages_of`, the free count is the pool less theirs, and every request is
+    served whole in the end."""
+    rng = np.random.default_rng(0)
+    pool, B = 40, 6
+    pages_of = lambda q: -(-(len(q.prompt) + q.max_new) // 8)  # noqa: E731
+    s = Scheduler(B, prefill_chunk=0, width_class=lambda n: 64, rounds_per_chunk=2, max_waiting=10_000,
+                  pool_pages=pool, pages_of=pages_of)
+    submitted, finished = [], []
+    for step in range(10_000):
+        op = rng.random()
+        if op < 0.3 and len(s.waiting) < 50:
+            q = request(int(rng.integers(1, 120)), int(rng.integers(1, 100)))
+            s.add(q)
+            submitted.append(q)
+        elif op < 0.35 and s.rows:
+            q = list(s.rows.values())[int(rng.integers(len(s.rows)))]
+            s.end(q, "cancelled")
+        d = s.schedule(now=float(step))
+        finished += [q for _, q in d.evict] + d.ended
+        held = [q for q in s.rows.values()]
+        assert sum(q.pages for q in held) <= pool
+        assert all(q.pages == pages_of(q) for q in held)
+        assert s.pages_free == pool - sum(q.pages for q in held)
+        if d.dispatch:
+            done = [r for r in d.running if rng.random() < 0.3]
+            gen = {r: q.max_new if r in done else min(q.generated + 1, q.max_new - 1) for r, q in d.running.items()}
+            s.update(back(B, gen, finished=done), dict(d.running), chunk=True)
+    while s.has_work:  # drain: every row finishes
+        d = s.schedule(now=1e9)
+        finished += [q for _, q in d.evict] + d.ended
+        if d.dispatch:
+            s.update(back(B, {r: q.max_new for r in d.running for q in [d.running[r]]}, finished=list(d.running)),
+                     dict(d.running), chunk=True)
+    assert len(finished) == len(submitted) and {id(q) for q in finished} == {id(q) for q in submitted}
+    assert s.pages_free == pool

@@ -399,8 +399,9 @@ def test_chat_template_is_encoded_once(target, tmp_path):
 
 def test_cli_serves_logs_and_stops_on_sigterm(tmp_path):
     """`python -m jspec serve` with the bundled pair (its own chat template) compiles its
-    programs, logs, answers chat and completions with an API key, and SIGTERM stops it
-    cleanly (exit status 0)."""
+    programs, logs, answers chat and completions with an API key, refuses a request its
+    page pool (`--kv-cache-tokens`) could never hold, and SIGTERM stops it cleanly (exit
+    status 0)."""
     import os
     import signal
     import subprocess
@@ -410,7 +411,7 @@ def test_cli_serves_logs_and_stops_on_sigterm(tmp_path):
         port = s.getsockname()[1]
     proc = subprocess.Popen([sys.executable, "-m", "jspec", "serve", "--port", str(port), "--max-batch", "1",
                              "--max-len", "96", "--max-new-tokens", "8", "--dtype", "float32",
-                             "--max-logprobs", "0", "--served-model-name", "bundled",
+                             "--max-logprobs", "0", "--served-model-name", "bundled", "--kv-cache-tokens", "96",
                              "--api-key", "k", "--log-level", "info"], stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True, env=os.environ | {"JAX_PLATFORMS": "cpu"})
     auth = {"Authorization": "Bearer k"}
@@ -429,6 +430,9 @@ def test_cli_serves_logs_and_stops_on_sigterm(tmp_path):
             {"role": "user", "content": "a function that adds two numbers"}]}, auth)
         assert code == 200 and out["choices"][0]["message"]["content"]
         assert post(url + "/v1/completions", {"prompt": "x", "max_tokens": 1, "temperature": -1}, auth)[0] == 400
+        # A request the page pool (6 pages of 16 tokens) could never hold: a 400 naming the limit.
+        code, out, _ = post(url + "/v1/completions", {"prompt": [100] * 88, "max_tokens": 8}, auth)
+        assert code == 400 and "page pool holds 6 (96 tokens)" in out["error"]["message"]
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(timeout=60) == 0
     finally:
@@ -436,6 +440,7 @@ def test_cli_serves_logs_and_stops_on_sigterm(tmp_path):
             proc.kill()
     printed = proc.stdout.read()
     assert "programs compiled in" in printed and "serve: bundled on http://127.0.0.1" in printed
+    assert "page pool of 6 pages of 16 tokens (96 tokens)" in printed
     assert "/v1/completions 200 prompt_tokens=" in printed and "/v1/completions 400" in printed
     assert "serve: stopped (SIGTERM)" in printed
     bad = subprocess.run([sys.executable, "-m", "jspec", "serve", "--port", "70000"], capture_output=True, text=True)

@@ -40,12 +40,15 @@ class CacheLayout:
 
     paged: a shared page pool (else a dense region per request). capacity: slots per
     request (paged: a multiple of page_size). page_size, num_pages: the pool (0 when dense).
+    guarded: the caller admits requests only while their slot limits fit the pool together
+    (the serving engine's scheduler), so the pool cannot run dry however small it is.
     """
 
     paged: bool
     capacity: int
     page_size: int = 0
     num_pages: int = 0
+    guarded: bool = False
 
     @property
     def pages_per_seq(self) -> int:
@@ -170,14 +173,15 @@ def reserve(layout: CacheLayout, pages: PageState | None, need_len, active, cap,
     A row fits when need_len <= its limit cap [B]. Paged, additionally: rows get pages in
     batch order; when the pool runs dry, the first row that cannot be served is dropped
     and returns its pages, and the rest are served again. A pool of at least
-    pages_per_seq pages a row (the default) cannot run dry: one allocation, no retry loop
-    (whose predicate XLA would read on the host)."""
+    pages_per_seq pages a row (the default), or one the caller guards (`CacheLayout.guarded`),
+    cannot run dry: one allocation, no retry loop (whose predicate XLA would read on the
+    host)."""
     full = active & (need_len > cap)
     if not layout.paged:
         return pages, full
     max_new = min(layout.pages_per_seq, max_new_pages)
     pages = free_pages(pages, full)
-    if layout.num_pages >= pages.page_table.shape[0] * layout.pages_per_seq:
+    if layout.guarded or layout.num_pages >= pages.page_table.shape[0] * layout.pages_per_seq:
         return alloc_pages(pages, need_len, active & ~full, layout.page_size, max_new)[0], full
 
     def attempt(c):

@@ -87,7 +87,10 @@ class Engine:
     speculation; None: the proposer's default), or `jspec.Adaptive(...)` (a tier chosen
     before each chunk, `jspec.serve.tiers`). max_prompt_len, max_new_tokens: the largest
     request the engine takes (they size the programs and caches; a larger one is refused
-    at `submit`). cache: as `jspec.compile`, paged by default (None). prefill_chunk: prompt
+    at `submit`). cache: as `jspec.compile`, paged by default (None); a pool smaller than
+    every row's whole room (`CacheConfig(num_pages=...)`) admits requests only while the
+    pages they may come to hold fit (`jspec.serve.scheduler`: the rest wait, none is cut
+    short; one that could never fit is refused at `submit`). prefill_chunk: prompt
     tokens a pass takes (paged caches of targets that take a prompt in blocks; otherwise
     prompts are passed whole). tuning: as `jspec.compile`. rounds_per_chunk: rounds
     between admissions (smaller: new requests start sooner, more host round trips).
@@ -144,9 +147,12 @@ class Engine:
             if missing:
                 raise ValueError(f"Adaptive.costs has no cost for (tier, bucket) {missing[0]}; it needs one for every "
                                  f"tier index and occupancy bucket {buckets(self.batch)} (the batch bucketed)")
+        layout = self.plan.layout
+        self.pool_pages = layout.num_pages if layout.paged else 0
         self.scheduler = Scheduler(self.batch, prefill_chunk=self.runner.prefill_chunk,
                                    width_class=self.runner.width_class, rounds_per_chunk=rounds_per_chunk,
-                                   max_waiting=max_waiting, tier=self._first_tier)
+                                   max_waiting=max_waiting, tier=self._first_tier, pool_pages=self.pool_pages,
+                                   pages_of=lambda q: self.runner.pages_needed(len(q.prompt), q.max_new))
         self.output = OutputProcessor(params.tokenizer, on_stop=self._stopped, on_finish=self._finished,
                                       on_error=self._fail)
         self.stats = EngineStats(max_accept=max(t.num_steps + 1 if t else 1 for t in tiers))
@@ -246,6 +252,11 @@ class Engine:
                              f"tokens (max_prompt_len)")
         if m > self.max_new_tokens:
             raise ValueError(f"max_new_tokens={m}; this engine allows at most {self.max_new_tokens}")
+        need = self.runner.pages_needed(n, m)
+        if need > self.pool_pages > 0:
+            P = self.plan.layout.page_size
+            raise ValueError(f"a prompt of {n} tokens with max_new_tokens={m} may need {need} pages of {P} tokens; "
+                             f"the engine's page pool holds {self.pool_pages} ({self.pool_pages * P} tokens)")
         if len(reqs.stop_ids[0]) > NUM_STOP:
             raise ValueError(f"{len(reqs.stop_ids[0])} stop token ids; this engine takes at most {NUM_STOP}")
         for name in ("logprobs", "prompt_logprobs"):

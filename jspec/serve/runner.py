@@ -29,8 +29,9 @@ from jspec import requests as rq
 from jspec import sharding
 from jspec.config import CacheConfig, SpecConfig
 from jspec.tuning import Tuning
+from jspec.util import cdiv
 from jspec.loop import programs
-from jspec.loop.plan import make_plan, pow2, prompt_bucket
+from jspec.loop.plan import make_plan, pow2, prompt_bucket, slot_limits
 from jspec.loop.state import unpack_window
 from jspec.models import family_for
 from jspec.params import Params
@@ -59,7 +60,7 @@ class Runner:
         self.tiers = list(tiers)
         self.plan = make_plan(params, [max_prompt_len] * batch, [max_new_tokens] * batch, NUM_STOP, True, cache,
                               self.tiers[0], tuning, tiers=tuple(self.tiers) if len(self.tiers) > 1 else (),
-                              prefill_chunk=self.prefill_chunk, logprobs=max_logprobs)
+                              prefill_chunk=self.prefill_chunk, logprobs=max_logprobs, pool_guarded=True)
         self.batch = self.plan.batch
         self.tier_plans = [self.plan.variant(spec=t) for t in self.tiers]
         self.state = None
@@ -91,6 +92,17 @@ class Runner:
 
     def bucket(self, n: int) -> int:
         return min(pow2(n), self.batch)
+
+    def pages_needed(self, prompt_len: int, max_new: int) -> int:
+        """Pages a request may come to hold (its slot limit: prompt, max_new and a round's
+        slack, as `jspec.requests.pack` sets it); 0 with a dense cache, whose rows hold
+        their own regions. The scheduler admits requests only while these fit the pool
+        together (the plan's layout is `guarded`)."""
+        lay = self.plan.layout
+        if not lay.paged:
+            return 0
+        limit = slot_limits(self.cache, [prompt_len], [max_new], self.plan.slack)[0][0]
+        return cdiv(min(limit, lay.capacity), lay.page_size)
 
     # ------------------------------------------------------------------ programs
 
@@ -204,16 +216,19 @@ class Runner:
     def time_rounds(self, tier: int, n: int, context: int, repeats: int) -> float:
         """Seconds a round of tier `tier` takes with n rows running placeholder requests
         whose prompts hold `context` tokens: admitted into an idle state, a warm-up chunk,
-        `repeats` timed chunks, then evicted (`jspec.serve.tiers.measure_costs`). No row may
-        end while timed (an ended row's rounds cost less, and rows whose drafts are all
+        `repeats` timed chunks, then evicted (`jspec.serve.tiers.measure_costs`); with a page
+        pool too small for n such rows, shorter prompts. No row may end while timed (an ended row's rounds cost less, and rows whose drafts are all
         accepted commit max_emit tokens a round): fewer timed chunks where the engine's
         max_new_tokens would not last the warm-up and `repeats` chunks at max_emit a round."""
         if self.state is None:
             self.reset()
-        prompt = [1 + (i % 97) for i in range(max(1, min(context, self.max_prompt_len)))]
         per_chunk = self.rounds_per_chunk * self.plan.max_emit  # the most tokens a chunk commits a row
         repeats = max(1, min(repeats, self.max_new_tokens // per_chunk - 1))
         max_new = max(1, min(self.max_new_tokens, per_chunk * (repeats + 1)))
+        lay = self.plan.layout
+        if lay.paged:  # a small pool: shorter placeholder prompts, so that the n rows fit it
+            context = min(context, (lay.num_pages // n) * lay.page_size - max_new - self.plan.slack)
+        prompt = [1 + (i % 97) for i in range(max(1, min(context, self.max_prompt_len)))]
         reqs = rq.check_requests(self.params, [prompt] * n, max_new, [], {})
         rows = list(range(n))
         jax.block_until_ready(self.admit(rows, reqs))

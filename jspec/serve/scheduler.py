@@ -13,6 +13,13 @@ time) -> RUNNING (its rounds run in every chunk) -> DONE (finished on the device
 on the host: cancelled, a stop string, its time out, an engine error). A row whose request
 is done is evicted at the next `schedule` and can take the next request in the same call.
 
+Pages (a paged cache): a request is admitted only while the pages it may come to hold
+(`pages_of`: its prompt, max_new and a round's slack) fit the pool (`pool_pages`) beside
+those of every request in a row; it holds them until its row is evicted. The device then
+never runs out of pages, however small the pool: it hands them out as rows grow, within
+each row's limit. A request that waits for pages keeps the ones behind it waiting (first
+come, first served).
+
 Order of work in one `schedule`: evict the rows of done requests; admit waiting requests
 into free rows (first come, first served; groups of one program call each); the next
 block of every prompt that is being prefilled; then whether to dispatch a chunk of rounds
@@ -54,6 +61,7 @@ class Request:
     rounds: int = 0  # rounds the device reported (accept lengths counted up to here)
     finish: str | None = None  # why it ended, once DONE
     admitted_at: float | None = None
+    pages: int = 0  # pages held from admission to eviction (a paged cache; `Scheduler.pool_pages`)
     accepts: list = dataclasses.field(default_factory=list)  # (tier, accept lengths) a chunk, until the chooser reads them
 
     def __post_init__(self):
@@ -104,10 +112,15 @@ class Scheduler:
     width, which groups admissions; rounds_per_chunk: rounds a chunk runs; max_waiting:
     requests that may wait before `add` raises `QueueFull`; chooser: the adaptive tier
     choice (`jspec.serve.tiers.Chooser`) or None; tier: the tier without a chooser (and
-    the chooser's first)."""
+    the chooser's first); pool_pages: the page pool (0: no page accounting, a dense
+    cache); pages_of(request) -> the pages it may come to hold."""
 
     def __init__(self, batch: int, *, prefill_chunk: int, width_class: Callable[[int], int], rounds_per_chunk: int,
-                 max_waiting: int, chooser=None, tier: int = 0):
+                 max_waiting: int, chooser=None, tier: int = 0, pool_pages: int = 0,
+                 pages_of: Callable[[Request], int] | None = None):
+        if pool_pages and pages_of is None:
+            raise ValueError("pool_pages needs pages_of")
+        self.pool_pages, self.pages_of = pool_pages, pages_of
         self.batch, self.prefill_chunk, self.width_class = batch, prefill_chunk, width_class
         self.rounds_per_chunk, self.max_waiting = rounds_per_chunk, max_waiting
         self.chooser, self.tier = chooser, tier
@@ -142,6 +155,11 @@ class Scheduler:
     @property
     def prefilling(self) -> list[int]:
         return [r for r, q in self.rows.items() if q.state == PREFILLING]
+
+    @property
+    def pages_free(self) -> int:
+        """Pages of the pool that no request in a row holds."""
+        return self.pool_pages - sum(q.pages for q in self.rows.values())
 
     @property
     def has_work(self) -> bool:
@@ -182,16 +200,21 @@ class Scheduler:
         return any(self.rows[r].generated + self.rounds_per_chunk < self.rows[r].max_new for r in running)
 
     def _admissions(self, now: float) -> list[list[tuple[int, Request]]]:
-        """Waiting requests into free rows, first come first served, grouped by program:
-        the admission's prompt width (`width_class`) and whether it records prompt
-        logprobs (such a request is admitted alone: its pass computes logits at every
-        prompt position)."""
+        """Waiting requests into free rows while their pages fit, first come first served,
+        grouped by program: the admission's prompt width (`width_class`) and whether it
+        records prompt logprobs (such a request is admitted alone: its pass computes logits
+        at every prompt position)."""
         free = [r for r in range(self.batch) if r not in self.rows]
+        pages = self.pages_free
         groups: dict[tuple, list] = {}
         while free and self.waiting:
+            need = self.pages_of(self.waiting[0]) if self.pool_pages else 0
+            if need > pages:
+                break
             q = self.waiting.popleft()
+            pages -= need
             row = free.pop(0)
-            q.state, q.row, q.admitted_at = PREFILLING, row, now
+            q.state, q.row, q.admitted_at, q.pages = PREFILLING, row, now, need
             q.prefilled = min(len(q.prompt), self.prefill_chunk or len(q.prompt))
             if q.prefilled == len(q.prompt):
                 q.state = RUNNING
