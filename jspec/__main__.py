@@ -393,7 +393,11 @@ def _serve_parser() -> _Parser:
     ap.add_argument("--rounds-per-chunk", type=_int(1), default=4, help="rounds between admissions (default: 4)")
     ap.add_argument("--kv-cache-tokens", type=_int(1), default=None, metavar="N",
                     help="the page pool's size in tokens (pages of 16); a request is admitted while the pages it may "
-                         "come to hold fit, the rest wait (default: every row's whole --max-len)")
+                         "come to hold fit, the rest wait (default: what fits in --gpu-memory-utilization)")
+    ap.add_argument("--gpu-memory-utilization", type=_float(lambda v: 0 < v <= 1, "a number in (0, 1]"), default=0.9,
+                    metavar="U", help="without --kv-cache-tokens, the pool takes the pages that fit in this share of "
+                                      "the device's memory beside the weights, at most every row's whole --max-len "
+                                      "(default: 0.9)")
     ap.add_argument("--prefill-chunk", type=_int(1), default=512,
                     help="prompt tokens a prefill pass takes; longer prompts are prefilled in blocks between "
                          "chunks of rounds (default: 512)")
@@ -454,12 +458,14 @@ def _serve(argv) -> int:
         engine = jspec.Engine(params, max_batch=args.max_batch, max_prompt_len=max_len - max_new,
                               max_new_tokens=max_new, spec=args.spec, rounds_per_chunk=args.rounds_per_chunk,
                               prefill_chunk=args.prefill_chunk, max_logprobs=args.max_logprobs,
-                              request_timeout=args.request_timeout, cache=cache)
+                              request_timeout=args.request_timeout, cache=cache,
+                              memory_utilization=None if args.kv_cache_tokens else args.gpu_memory_utilization)
     except (ValueError, TypeError) as err:
         ap.error(str(err))
     pool = engine.pool_pages
     whole = engine.runner.pages_needed(max_len - max_new, max_new)
-    print(f"{PROG} serve: page pool of {pool} pages of {page} tokens ({pool * page} tokens); "
+    sized = f" ({engine.runner.pool_note})" if engine.runner.pool_note else ""
+    print(f"{PROG} serve: page pool of {pool} pages of {page} tokens ({pool * page} tokens{sized}); "
           f"{pool // whole} requests of {max_len} tokens fit at once", flush=True)
     name = args.served_model_name or (os.path.basename(os.path.normpath(args.target)) if args.target and
                                       os.path.isdir(args.target) else args.target) or "jspec-bundled"

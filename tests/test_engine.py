@@ -17,6 +17,7 @@ rows between chunks of rounds, evicted when they finish or are cancelled.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import itertools
 import threading
 
@@ -114,6 +115,31 @@ def test_a_small_page_pool_admits_by_pages(target):
         small.submit(list(range(1, 56)), max_new_tokens=16)
     with pytest.raises(ValueError, match="prompt 0 needs 6 pages of 16 tokens but the pool has num_pages=4"):
         jspec.Engine(target, max_batch=1, max_prompt_len=80, max_new_tokens=8, cache=cache)
+
+
+def test_the_pool_sized_from_memory(target, monkeypatch):
+    """memory_utilization: the pool takes the pages that fit in that share of the device's
+    memory beside the weights and the loop's other buffers, at most every row's whole room;
+    too little memory for the largest request is a clear error naming the numbers."""
+    from jspec.loop import plan as plan_mod
+    kw = dict(max_batch=4, max_prompt_len=32, max_new_tokens=16)
+    whole = jspec.Engine(target, **kw)  # every row's whole room
+    per_row = whole.plan.layout.pages_per_seq
+    assert whole.pool_pages == 4 * per_row
+    weights = plan_mod.weight_bytes(target)
+    lay = whole.plan.layout
+    sized = lambda n: dataclasses.replace(whole.plan, layout=dataclasses.replace(lay, num_pages=n))  # noqa: E731
+    base, page = plan_mod.plan_bytes(sized(0)), plan_mod.plan_bytes(sized(1)) - plan_mod.plan_bytes(sized(0))
+    limit = int((weights + base + 7.5 * page) / 0.5)  # half of it holds 7 pages beside the rest
+    monkeypatch.setattr(plan_mod, "device_memory", lambda: (limit, "the test's device"))
+    engine = jspec.Engine(target, memory_utilization=0.5, **kw)
+    assert engine.pool_pages == 7 < 4 * per_row and engine.plan.layout.guarded
+    assert "at utilization 0.5" in engine.runner.pool_note
+    monkeypatch.setattr(plan_mod, "device_memory", lambda: (int((weights + base + 2 * page) / 0.5), "the test's device"))
+    with pytest.raises(ValueError, match=r"the page pool that fits in memory holds 2 pages .* needs 4"):
+        jspec.Engine(target, memory_utilization=0.5, **kw)
+    with pytest.raises(ValueError, match="memory_utilization must be a number in"):
+        jspec.Engine(target, memory_utilization=1.5, **kw)
 
 
 LONG_PROMPTS = PROMPTS + [list(range(40, 64)), [8, 9, 8, 9, 8] * 4]  # 24 and 20 tokens

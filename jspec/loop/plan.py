@@ -271,6 +271,40 @@ def device_memory() -> tuple[int, str] | None:
         return None
 
 
+def weight_bytes(params) -> int:
+    """Bytes of the target's and the draft's weights on one device (an array held twice
+    counts once)."""
+    leaves = jax.tree.leaves((params.weights, params.draft.weights if params.draft is not None else None))
+    return sum(shard_bytes(a) for a in {id(a): a for a in leaves}.values())
+
+
+def device_plan_bytes(params, plan: Plan) -> int:
+    """`plan_bytes` on one device: KV caches split by head over a mesh, latent ones not."""
+    split = params.mesh is not None and plan.family.cache_kind(plan.target).split_by_head
+    return plan_bytes(plan) // (params.mesh.size if split else 1)
+
+
+def pool_for_memory(params, plan: Plan, utilization: float) -> tuple[int, str]:
+    """The pages of a paged plan's pool that fit in `utilization` of the device's memory
+    beside the weights and the loop's other buffers (a plan's bytes are linear in its
+    pages), at most every row's whole room -> (pages, how the number came: the bytes).
+    Activations are not counted: 1 - utilization is their headroom. ValueError when the
+    device's memory is not known."""
+    have = device_memory()
+    if have is None:
+        raise ValueError("the device's memory is not known: give the pool's size (CacheConfig(num_pages=...))")
+    limit, where = have
+    lay = plan.layout
+    sized = lambda n: dataclasses.replace(plan, layout=dataclasses.replace(lay, num_pages=n))  # noqa: E731
+    base = device_plan_bytes(params, sized(0))
+    per_page = device_plan_bytes(params, sized(1)) - base
+    room = int(utilization * limit) - weight_bytes(params) - base
+    pages = max(min(room // per_page, plan.batch * lay.pages_per_seq), 0)
+    gib = lambda b: f"{b / 2 ** 30:,.1f} GiB"  # noqa: E731
+    return pages, (f"{gib(pages * per_page)} of {where}'s {gib(limit)} at utilization {utilization}, beside "
+                   f"{gib(weight_bytes(params))} of weights")
+
+
 def check_memory(params, plan: Plan, max_new: int) -> None:
     """Refuses a plan whose caches and token buffers, with the weights, exceed the device's
     memory: a clear error now instead of an out-of-memory error from XLA after compiling."""
@@ -278,10 +312,7 @@ def check_memory(params, plan: Plan, max_new: int) -> None:
     if have is None:
         return
     limit, where = have
-    split = params.mesh is not None and plan.family.cache_kind(plan.target).split_by_head
-    need = plan_bytes(plan) // (params.mesh.size if split else 1)  # KV caches split by head, latent ones not
-    leaves = jax.tree.leaves((params.weights, params.draft.weights if params.draft is not None else None))
-    weights = sum(shard_bytes(a) for a in {id(a): a for a in leaves}.values())  # an array held twice counts once
+    need, weights = device_plan_bytes(params, plan), weight_bytes(params)
     if need + weights > limit:
         gib = lambda b: f"{b / 2 ** 30:,.1f} GiB"  # noqa: E731
         lay = plan.layout

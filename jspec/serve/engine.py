@@ -90,7 +90,10 @@ class Engine:
     at `submit`). cache: as `jspec.compile`, paged by default (None); a pool smaller than
     every row's whole room (`CacheConfig(num_pages=...)`) admits requests only while the
     pages they may come to hold fit (`jspec.serve.scheduler`: the rest wait, none is cut
-    short; one that could never fit is refused at `submit`). prefill_chunk: prompt
+    short; one that could never fit is refused at `submit`). memory_utilization: a paged
+    cache of no given size takes the pages that fit in this share of the device's memory
+    beside the weights (at most every row's whole room; None: every row's whole room,
+    whatever the memory). prefill_chunk: prompt
     tokens a pass takes (paged caches of targets that take a prompt in blocks; otherwise
     prompts are passed whole). tuning: as `jspec.compile`. rounds_per_chunk: rounds
     between admissions (smaller: new requests start sooner, more host round trips).
@@ -108,7 +111,8 @@ class Engine:
 
     def __init__(self, params: Params, *, max_batch: int = 8, max_prompt_len: int = 512, max_new_tokens: int = 256,
                  cache=None, spec=None, tuning=None, rounds_per_chunk: int = 4, max_waiting: int = 256,
-                 prefill_chunk: int = 512, max_logprobs: int = MAX_LOGPROBS, request_timeout: float | None = None):
+                 prefill_chunk: int = 512, max_logprobs: int = MAX_LOGPROBS, request_timeout: float | None = None,
+                 memory_utilization: float | None = None):
         rq.check_params(params)
         for name, v, low in (("max_batch", max_batch, 1), ("max_prompt_len", max_prompt_len, 1),
                              ("max_new_tokens", max_new_tokens, 1), ("rounds_per_chunk", rounds_per_chunk, 1),
@@ -120,6 +124,9 @@ class Engine:
             raise ValueError(f"max_logprobs must be at most {MAX_LOGPROBS}, got {max_logprobs}")
         if request_timeout is not None and not (isinstance(request_timeout, (int, float)) and request_timeout > 0):
             raise ValueError(f"request_timeout must be a number of seconds > 0 or None, got {request_timeout!r}")
+        if memory_utilization is not None and not (isinstance(memory_utilization, (int, float))
+                                                   and 0 < memory_utilization <= 1):
+            raise ValueError(f"memory_utilization must be a number in (0, 1] or None, got {memory_utilization!r}")
         self.params = params
         self.max_prompt_len, self.max_new_tokens = int(max_prompt_len), int(max_new_tokens)
         self.max_logprobs, self.request_timeout = int(max_logprobs), request_timeout
@@ -134,7 +141,8 @@ class Engine:
         self.runner = Runner(params, batch=max_batch, max_prompt_len=self.max_prompt_len,
                              max_new_tokens=self.max_new_tokens, cache=rq.cache_config(cache or CacheConfig("paged")),
                              tiers=tiers, tuning=tuning, prefill_chunk=prefill_chunk,
-                             rounds_per_chunk=rounds_per_chunk, max_logprobs=self.max_logprobs)
+                             rounds_per_chunk=rounds_per_chunk, max_logprobs=self.max_logprobs,
+                             memory_utilization=memory_utilization)
         self.plan = self.runner.plan
         self.batch = self.runner.batch
         self.tiers = tiers

@@ -19,6 +19,7 @@ The programs, for a batch of B rows (A = 1, 2, 4, ... B an admission or prefill 
 """
 from __future__ import annotations
 
+import dataclasses
 import time
 from typing import Sequence
 
@@ -31,7 +32,7 @@ from jspec.config import CacheConfig, SpecConfig
 from jspec.tuning import Tuning
 from jspec.util import cdiv
 from jspec.loop import programs
-from jspec.loop.plan import make_plan, pow2, prompt_bucket, slot_limits
+from jspec.loop.plan import make_plan, pool_for_memory, pow2, prompt_bucket, slot_limits
 from jspec.loop.state import unpack_window
 from jspec.models import family_for
 from jspec.params import Params
@@ -46,11 +47,18 @@ class Runner:
     batch, max_prompt_len, max_new_tokens: the largest requests; prefill_chunk: prompt
     tokens a pass takes (used with paged caches of targets that take a prompt in blocks);
     rounds_per_chunk: rounds a chunk runs; max_logprobs: alternatives a logprob lists (0:
-    no logprobs at all, and a smaller state)."""
+    no logprobs at all, and a smaller state); memory_utilization: with a paged cache of no
+    given size, the pool takes the pages that fit in this share of the device's memory
+    (`jspec.loop.plan.pool_for_memory`; at most every row's whole room; None: every row's
+    whole room, whatever the memory)."""
 
     def __init__(self, params: Params, *, batch: int, max_prompt_len: int, max_new_tokens: int, cache: CacheConfig,
                  tiers: Sequence[SpecConfig | None], tuning: Tuning, prefill_chunk: int, rounds_per_chunk: int,
-                 max_logprobs: int):
+                 max_logprobs: int, memory_utilization: float | None = None):
+        self.pool_note = ""  # how the pool was sized, for the start-up log
+        if cache.kind == "paged" and cache.num_pages is None and memory_utilization is not None:
+            cache = self._pool_for_memory(params, batch, max_prompt_len, max_new_tokens, cache, tiers, tuning,
+                                          prefill_chunk, max_logprobs, memory_utilization)
         self.params, self.cache, self.rounds_per_chunk = params, cache, rounds_per_chunk
         self.max_prompt_len, self.max_new_tokens = max_prompt_len, max_new_tokens
         Tp = prompt_bucket(max_prompt_len)
@@ -67,6 +75,24 @@ class Runner:
         self._programs: dict = {}  # small keys -> compiled programs (a full key hashes every weight's shape)
         self.compile_s = 0.0
         self.launch_s = 0.0  # CPU time of the calling thread inside program calls (`_call`)
+
+    def _pool_for_memory(self, params, batch, max_prompt_len, max_new_tokens, cache, tiers, tuning, prefill_chunk,
+                         max_logprobs, utilization) -> CacheConfig:
+        """`cache` with the pool that fits in `utilization` of the device's memory (the
+        plan's bytes, measured on a plan of a pool for one request). ValueError when not
+        even the largest request's pages fit."""
+        one = cdiv(max_prompt_len + max_new_tokens + 64, cache.page_size)
+        small = Runner(params, batch=batch, max_prompt_len=max_prompt_len, max_new_tokens=max_new_tokens,
+                       cache=dataclasses.replace(cache, num_pages=one), tiers=tiers, tuning=tuning,
+                       prefill_chunk=prefill_chunk, rounds_per_chunk=1, max_logprobs=max_logprobs)
+        pages, note = pool_for_memory(params, small.plan, utilization)
+        need = small.pages_needed(max_prompt_len, max_new_tokens)
+        if pages < need:
+            raise ValueError(f"the page pool that fits in memory holds {pages} pages of {cache.page_size} tokens "
+                             f"({note}); the largest request (max_prompt_len={max_prompt_len} + max_new_tokens="
+                             f"{max_new_tokens}) needs {need}: ask for shorter requests or a higher utilization")
+        self.pool_note = note
+        return dataclasses.replace(cache, num_pages=pages)
 
     @property
     def weights(self):
