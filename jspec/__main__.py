@@ -386,7 +386,8 @@ def _serve_parser() -> _Parser:
     ap.add_argument("--max-len", type=_int(2), default=None,
                     help="prompt + generated tokens a request may hold (default: the model's context)")
     ap.add_argument("--max-new-tokens", type=_int(1), default=None,
-                    help="the most tokens a request may ask for (default: half of --max-len, at most 1024)")
+                    help="a chat request's max_tokens when it gives none; a request may ask for up to --max-len less "
+                         "its prompt (default: half of --max-len, at most 1024)")
     ap.add_argument("--spec", type=_spec_or_adaptive, default=None, metavar="S,K,N|adaptive",
                     help="draft steps, topk, verified tokens of every round (default: the draft's), or 'adaptive': "
                          "a tier chosen before each chunk of rounds from the measured acceptance and round costs")
@@ -455,8 +456,8 @@ def _serve(argv) -> int:
     page = jspec.CacheConfig.page_size
     cache = jspec.CacheConfig("paged", num_pages=-(-args.kv_cache_tokens // page) if args.kv_cache_tokens else None)
     try:
-        engine = jspec.Engine(params, max_batch=args.max_batch, max_prompt_len=max_len - max_new,
-                              max_new_tokens=max_new, spec=args.spec, rounds_per_chunk=args.rounds_per_chunk,
+        engine = jspec.Engine(params, max_batch=args.max_batch, max_prompt_len=max_len - 1, max_new_tokens=max_len - 1,
+                              max_len=max_len, spec=args.spec, rounds_per_chunk=args.rounds_per_chunk,
                               prefill_chunk=args.prefill_chunk, max_logprobs=args.max_logprobs,
                               request_timeout=args.request_timeout, cache=cache,
                               memory_utilization=None if args.kv_cache_tokens else args.gpu_memory_utilization)
@@ -476,16 +477,17 @@ def _serve(argv) -> int:
               f"whole, in one of {len(engine.runner.widths())} widths")
     print(f"{PROG} serve: {engine.stats.programs} programs compiled in {time.perf_counter() - t0:.1f} s "
           f"(prompt length makes none: prompts are passed {blocks})", flush=True)
-    print(f"{PROG} serve: {name} on http://{args.host}:{args.port}/v1 (batch {args.max_batch}, prompts up to "
-          f"{max_len - max_new} tokens, {max_new} new{', API key required' if args.api_key else ''})", flush=True)
+    print(f"{PROG} serve: {name} on http://{args.host}:{args.port}/v1 (batch {args.max_batch}, {max_len} tokens a "
+          f"request, prompt and new; {max_new} new by default{', API key required' if args.api_key else ''})",
+          flush=True)
 
     def stopped(signum, frame):  # uvicorn stops gracefully (the engine closed), then re-raises the signal here
         print(f"{PROG} serve: stopped ({signal.Signals(signum).name})", flush=True)
         raise SystemExit(0)
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, stopped)
-    uvicorn.run(build_app(engine, name, api_key=args.api_key, chat_template=template), host=args.host,
-                port=args.port, log_level="warning")
+    uvicorn.run(build_app(engine, name, api_key=args.api_key, chat_template=template, default_max_tokens=max_new),
+                host=args.host, port=args.port, log_level="warning")
     return 0
 
 

@@ -92,11 +92,16 @@ def test_requests_equal_alone_whenever_they_join(target, with_draft, kind, cache
 def test_a_small_page_pool_admits_by_pages(target):
     """A pool of 4 pages of 16 tokens under 3 rows: every request may come to hold 2 pages,
     so two run at a time and the third row waits for pages; none is cut short, and every
-    output equals the request run alone. A request that could never fit is refused."""
+    output equals the request run alone. A request that could never fit is refused.
+    max_len bounds prompt and new tokens together (a row holds 28 tokens, not 16 + 20)."""
     cache = jspec.CacheConfig("paged", page_size=16, num_pages=4)
-    engine = jspec.Engine(target, max_batch=3, max_prompt_len=16, max_new_tokens=16, cache=cache,
+    engine = jspec.Engine(target, max_batch=3, max_prompt_len=16, max_new_tokens=20, max_len=28, cache=cache,
                           rounds_per_chunk=2, prefill_chunk=8)
     assert engine.plan.layout.guarded and engine.pool_pages == 4
+    assert engine.plan.layout.capacity == 32 and engine.plan.max_rounds >= 20  # 28 + slack, in pages of 16
+    with pytest.raises(ValueError, match="max_new_tokens=20 with a prompt of 16 tokens asks for 36 tokens; this "
+                                         "engine holds at most max_len=28"):
+        engine.submit(list(range(1, 17)), max_new_tokens=20)
     seen = []
     step = engine.step
 
@@ -113,8 +118,6 @@ def test_a_small_page_pool_admits_by_pages(target):
     small = jspec.Engine(target, max_batch=1, max_prompt_len=60, max_new_tokens=16, cache=cache)
     with pytest.raises(ValueError, match="may need 5 pages of 16 tokens; the engine's page pool holds 4"):
         small.submit(list(range(1, 56)), max_new_tokens=16)
-    with pytest.raises(ValueError, match="prompt 0 needs 6 pages of 16 tokens but the pool has num_pages=4"):
-        jspec.Engine(target, max_batch=1, max_prompt_len=80, max_new_tokens=8, cache=cache)
 
 
 def test_the_pool_sized_from_memory(target, monkeypatch):

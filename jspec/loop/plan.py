@@ -166,8 +166,8 @@ def slot_limits(cache: CacheConfig, lens: list[int], max_new: list[int], slack: 
         raise ValueError(f"prompt {i} has {lens[i]} tokens, which does not fit a cache of max_len="
                          f"{cache.max_len} (it needs room for at least one generated token)")
     room = [cache.max_len - l for l in lens]  # a request holds at most max_len tokens
-    return ([cache.max_len + slack] * len(lens), [min(r, m) for r, m in zip(room, max_new)],
-            [r < m for r, m in zip(room, max_new)])
+    new = [min(r, m) for r, m in zip(room, max_new)]
+    return [l + n + slack for l, n in zip(lens, new)], new, [r < m for r, m in zip(room, max_new)]
 
 
 def make_plan(params, lens: list[int], max_new: list[int], num_stop: int, samples: bool, cache: CacheConfig,
@@ -213,7 +213,7 @@ def make_plan(params, lens: list[int], max_new: list[int], num_stop: int, sample
     if paged:
         capacity = round_up(max(max(limits), Tp), P)
         num_pages = cache.num_pages if cache.num_pages is not None else capacity // P * B
-        for i, l in enumerate(lens):
+        for i, l in enumerate(lens if not pool_guarded else ()):  # guarded: the caller refuses what cannot fit
             if cdiv(l + slack, P) > num_pages:
                 raise ValueError(f"prompt {i} needs {cdiv(l + slack, P)} pages of {P} tokens but the pool "
                                  f"has num_pages={num_pages}")

@@ -93,7 +93,10 @@ class Engine:
     short; one that could never fit is refused at `submit`). memory_utilization: a paged
     cache of no given size takes the pages that fit in this share of the device's memory
     beside the weights (at most every row's whole room; None: every row's whole room,
-    whatever the memory). prefill_chunk: prompt
+    whatever the memory). max_len: tokens a request may hold, prompt and generated
+    together (as vLLM's max_model_len): a request may then ask for any max_new_tokens up to
+    max_len less its prompt (and max_new_tokens), and the cache's rows hold max_len tokens,
+    not max_prompt_len + max_new_tokens (None: the two limits apart). prefill_chunk: prompt
     tokens a pass takes (paged caches of targets that take a prompt in blocks; otherwise
     prompts are passed whole). tuning: as `jspec.compile`. rounds_per_chunk: rounds
     between admissions (smaller: new requests start sooner, more host round trips).
@@ -112,7 +115,7 @@ class Engine:
     def __init__(self, params: Params, *, max_batch: int = 8, max_prompt_len: int = 512, max_new_tokens: int = 256,
                  cache=None, spec=None, tuning=None, rounds_per_chunk: int = 4, max_waiting: int = 256,
                  prefill_chunk: int = 512, max_logprobs: int = MAX_LOGPROBS, request_timeout: float | None = None,
-                 memory_utilization: float | None = None):
+                 memory_utilization: float | None = None, max_len: int | None = None):
         rq.check_params(params)
         for name, v, low in (("max_batch", max_batch, 1), ("max_prompt_len", max_prompt_len, 1),
                              ("max_new_tokens", max_new_tokens, 1), ("rounds_per_chunk", rounds_per_chunk, 1),
@@ -124,11 +127,23 @@ class Engine:
             raise ValueError(f"max_logprobs must be at most {MAX_LOGPROBS}, got {max_logprobs}")
         if request_timeout is not None and not (isinstance(request_timeout, (int, float)) and request_timeout > 0):
             raise ValueError(f"request_timeout must be a number of seconds > 0 or None, got {request_timeout!r}")
+        if max_len is not None:
+            if not rq.is_int(max_len) or max_len < 2:
+                raise ValueError(f"max_len must be an int >= 2 or None, got {max_len!r}")
+            if max_prompt_len >= max_len or max_new_tokens >= max_len:
+                raise ValueError(f"max_prompt_len ({max_prompt_len}) and max_new_tokens ({max_new_tokens}) must be "
+                                 f"below max_len ({max_len})")
+            cache = rq.cache_config(cache or CacheConfig("paged"))
+            if cache.max_len not in (None, max_len):
+                raise ValueError(f"max_len={max_len} and the cache's max_len={cache.max_len} differ")
+            cache = dataclasses.replace(cache, max_len=max_len)
         if memory_utilization is not None and not (isinstance(memory_utilization, (int, float))
                                                    and 0 < memory_utilization <= 1):
             raise ValueError(f"memory_utilization must be a number in (0, 1] or None, got {memory_utilization!r}")
         self.params = params
         self.max_prompt_len, self.max_new_tokens = int(max_prompt_len), int(max_new_tokens)
+        self.max_len = int(max_len) if max_len is not None else self.max_prompt_len + self.max_new_tokens
+        self._total_bound = max_len is not None  # prompt + max_new_tokens limited by max_len
         self.max_logprobs, self.request_timeout = int(max_logprobs), request_timeout
         self.adaptive = spec if isinstance(spec, Adaptive) else None
         tiers = self._tiers(params, spec)
@@ -260,6 +275,9 @@ class Engine:
                              f"tokens (max_prompt_len)")
         if m > self.max_new_tokens:
             raise ValueError(f"max_new_tokens={m}; this engine allows at most {self.max_new_tokens}")
+        if self._total_bound and n + m > self.max_len:
+            raise ValueError(f"max_new_tokens={m} with a prompt of {n} tokens asks for {n + m} tokens; this engine "
+                             f"holds at most max_len={self.max_len}")
         need = self.runner.pages_needed(n, m)
         if need > self.pool_pages > 0:
             P = self.plan.layout.page_size

@@ -66,7 +66,10 @@ class Runner:
         chunked = cache.kind == "paged" and kind.prefill_in_chunks and prefill_chunk < Tp
         self.prefill_chunk = int(prefill_chunk) if chunked else 0  # 0: prompts passed whole
         self.tiers = list(tiers)
-        self.plan = make_plan(params, [max_prompt_len] * batch, [max_new_tokens] * batch, NUM_STOP, True, cache,
+        # Sized by the longest prompt and the most new tokens, on rows of their own (under a
+        # cache's max_len a request's room is max_len less its prompt, not both at once).
+        lens = [max_prompt_len] + [1] * (batch - 1)
+        self.plan = make_plan(params, lens, [max_new_tokens] * batch, NUM_STOP, True, cache,
                               self.tiers[0], tuning, tiers=tuple(self.tiers) if len(self.tiers) > 1 else (),
                               prefill_chunk=self.prefill_chunk, logprobs=max_logprobs, pool_guarded=True)
         self.batch = self.plan.batch

@@ -67,8 +67,10 @@ class Server:
     """The routes' logic over one engine. model_name: what /v1/models lists and requests
     must name; chat_template: a template to use instead of the tokenizer's."""
 
-    def __init__(self, engine: Engine, model_name: str, chat_template: str | None = None):
+    def __init__(self, engine: Engine, model_name: str, chat_template: str | None = None,
+                 default_max_tokens: int | None = None):
         self.engine, self.model_name, self.chat_template = engine, model_name, chat_template
+        self.default_max_tokens = default_max_tokens or engine.max_new_tokens
         self.tokenizer = engine.params.tokenizer
         self.started = time.time()
 
@@ -87,8 +89,8 @@ class Server:
     def submit_kwargs(self, req, chat: bool) -> dict:
         """The engine's arguments for each sample of a request (seed: the first sample's)."""
         max_tokens = req.max_completion_tokens if chat and req.max_completion_tokens is not None else req.max_tokens
-        if max_tokens is None:
-            max_tokens = self.engine.max_new_tokens if chat else min(16, self.engine.max_new_tokens)
+        if max_tokens is None:  # (cut to each prompt's room in `submit`)
+            max_tokens = self.default_max_tokens if chat else min(16, self.default_max_tokens)
         kw: dict[str, Any] = {"max_new_tokens": max(max_tokens, 1), "min_tokens": min(req.min_tokens,
                                                                                      max(max_tokens, 1)),
                               "speculative": req.speculative, "skip_special_tokens": req.skip_special_tokens,
@@ -119,11 +121,16 @@ class Server:
         prompts = self.prompts(req, chat)
         kw = self.submit_kwargs(req, chat)
         seed = kw.pop("seed")
+        given = (req.max_completion_tokens if chat and req.max_completion_tokens is not None else req.max_tokens)
         handles = []
         try:
             for ids in prompts:
+                each = kw
+                if given is None:  # the default, within the prompt's room (max_model_len less the prompt)
+                    m = max(min(kw["max_new_tokens"], self.engine.max_len - len(ids)), 1)
+                    each = kw | {"max_new_tokens": m, "min_tokens": min(kw["min_tokens"], m)}
                 for j in range(req.n):
-                    handles.append((ids, self.engine.submit(ids, seed=child_seed(seed, j), **kw)))
+                    handles.append((ids, self.engine.submit(ids, seed=child_seed(seed, j), **each)))
         except QueueFull as err:
             self.cancel(handles)
             raise BadRequest(str(err), None, 429, "queue_full") from None
@@ -251,15 +258,18 @@ def metrics_collector(engine: Engine):
     return Collector()
 
 
-def build_app(engine: Engine, model_name: str, *, api_key: str | None = None, chat_template: str | None = None):
-    """The Starlette app serving `engine` (started and closed with the app)."""
+def build_app(engine: Engine, model_name: str, *, api_key: str | None = None, chat_template: str | None = None,
+              default_max_tokens: int | None = None):
+    """The Starlette app serving `engine` (started and closed with the app).
+    default_max_tokens: a chat request's max_tokens when it gives none (a completion's: at
+    most 16, as OpenAI's), within each prompt's room; None: the engine's max_new_tokens."""
     from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
     from starlette.applications import Starlette
     from starlette.requests import Request
     from starlette.responses import JSONResponse, Response, StreamingResponse
     from starlette.routing import Route
 
-    server = Server(engine, model_name, chat_template)
+    server = Server(engine, model_name, chat_template, default_max_tokens)
     registry = CollectorRegistry()
     registry.register(metrics_collector(engine))
 
@@ -420,7 +430,7 @@ def build_app(engine: Engine, model_name: str, *, api_key: str | None = None, ch
 
     def model_card() -> dict:
         return {"id": model_name, "object": "model", "created": int(server.started), "owned_by": "jspec",
-                "max_model_len": engine.max_prompt_len + engine.max_new_tokens}
+                "max_model_len": engine.max_len}
 
     async def models(request):
         return JSONResponse({"object": "list", "data": [model_card()]})
@@ -447,7 +457,7 @@ def build_app(engine: Engine, model_name: str, *, api_key: str | None = None, ch
                 ids = list(server.tokenizer(req.prompt, add_special_tokens=req.add_special_tokens)["input_ids"])
         except BadRequest as err:
             return error(err, request.url.path, t0)
-        return JSONResponse({"count": len(ids), "max_model_len": engine.max_prompt_len + engine.max_new_tokens,
+        return JSONResponse({"count": len(ids), "max_model_len": engine.max_len,
                              "tokens": ids})
 
     async def detokenize(request):
@@ -469,7 +479,7 @@ def build_app(engine: Engine, model_name: str, *, api_key: str | None = None, ch
         return JSONResponse({"tokenizer_class": type(tok).__name__, "eos_token": tok.eos_token,
                              "bos_token": tok.bos_token, "pad_token": tok.pad_token,
                              "chat_template": server.chat_template or getattr(tok, "chat_template", None),
-                             "model_max_length": engine.max_prompt_len + engine.max_new_tokens})
+                             "model_max_length": engine.max_len})
 
     async def health(request):
         if not engine.healthy:
