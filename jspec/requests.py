@@ -62,11 +62,12 @@ class Requests:
     speculative: list = None  # drafts may be accepted (False: plain rounds for that request)
     logprobs: list = None  # alternatives listed with each generated token's logprob (None: no logprobs)
     prompt_logprobs: list = None  # the same for the prompt's tokens
+    resumed: list = None  # the prompt's last tokens that are its output already (a preempted request; 0: none)
 
     def __post_init__(self):
         n = len(self.prompts)
         for name, default in (("min_tokens", 0), ("speculative", True), ("logprobs", None),
-                              ("prompt_logprobs", None)):
+                              ("prompt_logprobs", None), ("resumed", 0)):
             if getattr(self, name) is None:
                 object.__setattr__(self, name, [default] * n)
 
@@ -102,7 +103,8 @@ class Requests:
         return Requests(prompts=pick(self.prompts), is_batch=True, max_new=pick(self.max_new),
                         sampling={k: pick(v) for k, v in self.sampling.items()}, stop_ids=pick(self.stop_ids),
                         min_tokens=pick(self.min_tokens), speculative=pick(self.speculative),
-                        logprobs=pick(self.logprobs), prompt_logprobs=pick(self.prompt_logprobs))
+                        logprobs=pick(self.logprobs), prompt_logprobs=pick(self.prompt_logprobs),
+                        resumed=pick(self.resumed))
 
     @staticmethod
     def concat(parts: list["Requests"]) -> "Requests":
@@ -111,7 +113,7 @@ class Requests:
         return Requests(prompts=cat("prompts"), is_batch=True, max_new=cat("max_new"),
                         sampling={k: [v for p in parts for v in p.sampling[k]] for k in SAMPLING_ARGS},
                         stop_ids=cat("stop_ids"), min_tokens=cat("min_tokens"), speculative=cat("speculative"),
-                        logprobs=cat("logprobs"), prompt_logprobs=cat("prompt_logprobs"))
+                        logprobs=cat("logprobs"), prompt_logprobs=cat("prompt_logprobs"), resumed=cat("resumed"))
 
 
 # ----------------------------------------------------------------------------- checks
@@ -344,7 +346,7 @@ def pack(plan: Plan, reqs: Requests, cache: CacheConfig) -> tuple[np.ndarray, Ad
     request = RequestRows(prompt_len=col(lens, 1, np.int32), max_new=col(max_new, 1, np.int32),
                           room_bound=col(room_bound, False, bool), slot_limit=col(limits, 0, np.int32),
                           sampling=SamplingParams(**sp), stop_ids=stops, min_tokens=col(reqs.min_tokens, 0, np.int32),
-                          speculative=col(reqs.speculative, True, bool))
+                          speculative=col(reqs.speculative, True, bool), resumed=col(reqs.resumed, 0, np.int32))
     rows = np.full((B,), B, np.int32)
     rows[:n] = np.arange(n)
     return rows, Admission(prompt=prompt, request=request)

@@ -120,6 +120,39 @@ def test_a_small_page_pool_admits_by_pages(target):
         small.submit(list(range(1, 56)), max_new_tokens=16)
 
 
+@pytest.mark.parametrize("kind", ["plain", "eagle3"])
+def test_preempted_requests_resume_exactly(target, with_draft, kind):
+    """A pool of 3 pages of 16 tokens under 3 rows, admission by the pages held now: the
+    rows outgrow the pool, the latest requests are preempted and resume from their output
+    so far (prompt + output prefilled again, their penalties' counts restored); every
+    output equals the request run alone, greedy and seeded sampling, with and without
+    speculation. With preemption off the same requests wait instead and none is preempted."""
+    params = target if kind == "plain" else with_draft(kind)
+    cache = jspec.CacheConfig("paged", page_size=16, num_pages=3)
+    engine = jspec.Engine(params, max_batch=3, max_prompt_len=16, max_new_tokens=16, cache=cache,
+                          rounds_per_chunk=2, prefill_chunk=8)
+    got = staggered(engine)
+    for i, out in got.items():
+        tokens, reason = alone(params, i, cache="paged16")
+        assert out.tokens == tokens and out.finish_reason == reason, i
+    assert engine.stats.num_preemptions > 0
+    assert engine.stats.admitted == len(PROMPTS) + engine.stats.num_preemptions
+    # Three at once, the latest admitted preempted first: its presence and frequency
+    # penalties read the counts of its output so far, restored when it resumes (they
+    # change its tokens from the 8th on).
+    penalties = {"presence_penalty": 1.5, "frequency_penalty": 1.0}
+    handles = {i: engine.submit(PROMPTS[i], max_new_tokens=16, stop_token_ids=[], **(penalties if i == 5 else {}))
+               for i in (4, 6, 5)}
+    while not all(h.done for h in handles.values()):
+        engine.step()
+    assert handles[5].request.preemptions > 0
+    program = _ALONE[(id(params), "paged16", id(PROMPTS))]
+    for i, h in handles.items():
+        want = program.run(PROMPTS[i], max_new_tokens=16, stop_token_ids=[], temperature=0.0,
+                           **(penalties if i == 5 else {}))
+        assert h.result().tokens == want.tokens, i
+
+
 def test_the_pool_sized_from_memory(target, monkeypatch):
     """memory_utilization: the pool takes the pages that fit in that share of the device's
     memory beside the weights and the loop's other buffers, at most every row's whole room;

@@ -249,3 +249,41 @@ def test_page_accounting_conserves_pages():
                      dict(d.running), chunk=True)
     assert len(finished) == len(submitted) and {id(q) for q in finished} == {id(q) for q in submitted}
     assert s.pages_free == pool
+
+
+def test_preemption_order_and_resume():
+    """Admission by the pages held now (prompt, a first token and a chunk's growth); when
+    the rows' growth no longer fits, no chunk goes ahead of the one in flight, and with
+    none in flight the latest admitted requests are preempted: their rows evicted, each
+    back at the front of the queue with its output appended to its prompt (`resumed`),
+    max_new and min_tokens less what it generated."""
+    pages_at = lambda q, slots: -(-min(slots, len(q.prompt) + q.max_new) // 4)  # noqa: E731 (pages of 4)
+    s = Scheduler(3, prefill_chunk=0, width_class=lambda n: 64, rounds_per_chunk=2, max_waiting=16, pool_pages=9,
+                  pages_of=lambda q: pages_at(q, 10 ** 9), pages_at=pages_at, chunk_slots=2)
+    qs = [request(4, 12), request(4, 12), request(4, 12), request(4, 12)]
+    for q in qs:
+        s.add(q)
+    d = s.schedule(now=0.0)  # each needs 4 + 1 + 2 = 7 slots, 2 pages: three fit, the fourth waits (a row short)
+    assert [q.state for q in qs] == [RUNNING, RUNNING, RUNNING, WAITING] and d.dispatch
+    assert s.pages_free == 9 - 3 * 2
+    for q in qs[:3]:
+        q.output = [7, 8, 9, 10]
+    s.update(back(3, {0: 4, 1: 4, 2: 4}), dict(d.running), chunk=True)  # 8 slots each, 2 chunks ahead: 3 pages
+    d = s.schedule(now=1.0)
+    assert not d.preempt and d.dispatch  # 4 + 4 + 2 = 10 slots: 3 pages each, 9 in all
+    s.update(back(3, {0: 6, 1: 6, 2: 6}), dict(d.running), chunk=True)
+    for q in qs[:3]:
+        q.output = [7, 8, 9, 10, 11, 12]
+    d = s.schedule(now=2.0)  # 4 + 6 + 2 = 12 slots: 3 pages each... and the latest must go when short
+    assert not d.preempt
+    s.inflight = 1  # a chunk in flight and the rows short: nothing queued ahead of it
+    for q in qs[:3]:
+        q.generated = 8
+    assert s.pages_free < 0 and not s.schedule(now=3.0).dispatch
+    s.inflight = 0
+    d = s.schedule(now=4.0)  # none in flight: the latest admitted (row 2) is preempted
+    assert [(r, q) for r, q in d.preempt] == [(2, qs[2])] and d.dispatch and sorted(d.running) == [0, 1]
+    q = qs[2]
+    assert q.state == WAITING and s.waiting[0] is q and q.preemptions == 1
+    assert q.prompt == [1, 2, 3, 4, 7, 8, 9, 10, 11, 12] and q.max_new == 12 - 6 and q.reqs.resumed == [6]
+    assert q.generated == 0 and q.row is None and s.pages_free >= 0

@@ -47,13 +47,18 @@ def admit(plan: Plan, tw, pw, st: LoopState, rows, adm: Admission) -> LoopState:
 
     st = release_pages(plan, st, mask)
     in_prompt = sampling.init_history(adm.prompt, lens, V).in_prompt  # [A, V]
+    # A resumed request's output so far (the prompt's last `resumed` tokens) counts as generated.
+    j = jnp.arange(T, dtype=jnp.int32)[None, :]
+    outputs = (j >= lens[:, None] - req.resumed[:, None]) & (j < lens[:, None])
+    counts = sampling.record(sampling.History(in_prompt=in_prompt, counts=jnp.zeros((A, V), jnp.int32)),
+                             adm.prompt, outputs).counts
     st = st.replace(
         tokens=put(st.tokens, jnp.pad(adm.prompt, ((0, 0), (0, plan.buffer_len - T)))),
         L=put(st.L, lens - 1),  # emit writes the first token after L
         generated=put(st.generated, jnp.zeros((A,), jnp.int32)), finished=st.finished & ~mask,
         reason=jnp.where(mask, RUNNING, st.reason), request=jax.tree.map(put, st.request, req),
         history=sampling.History(in_prompt=put(st.history.in_prompt, in_prompt),
-                                 counts=put(st.history.counts, jnp.zeros((A, V), jnp.int32))),
+                                 counts=put(st.history.counts, counts)),
         rounds=put(st.rounds, jnp.zeros((A,), jnp.int32)),
         hist=put(st.hist, jnp.zeros((A,) + st.hist.shape[1:], jnp.int32)))
     st, active = reserve_room(plan, st, st.request.prompt_len + plan.slack, mask, plan.layout.pages_per_seq)
@@ -124,7 +129,7 @@ def prompt_pass(plan: Plan, tw, pw, st: LoopState, rows, start, tokens, live, fi
                                               tuning=plan.tuning.replace(row_invariant=False))
     last = jnp.take_along_axis(hidden, jnp.maximum(count - 1, 0)[:, None, None], axis=1)[:, 0]
     logits = plan.family.logits(plan.target, tw, last, tuning=plan.tuning)[:, None]  # [A, 1, V]
-    history = sampling.History(in_prompt=take(st.history.in_prompt), counts=jnp.zeros((A, V), jnp.int32))
+    history = sampling.History(in_prompt=take(st.history.in_prompt), counts=take(st.history.counts))
     processed = bar_early_stops(logits, req, lens[:, None]) if plan.sampling else logits
     first_token = sampling.choose(plan.sampling, processed, req.sampling, lens[:, None], history)[:, 0]  # position len
     following = jnp.take_along_axis(take(st.tokens), jnp.minimum(start + C, st.tokens.shape[1] - 1)[:, None],

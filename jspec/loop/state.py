@@ -37,6 +37,7 @@ class RequestRows:
     stop_ids: jax.Array  # [., Ks] int32 (-1: unused slot)
     min_tokens: jax.Array  # [.] int32 tokens generated before a stop id may be chosen (0: off)
     speculative: jax.Array  # [.] bool: drafts may be accepted (False: every round keeps the root alone)
+    resumed: jax.Array  # [.] int32 the prompt's last tokens that are output already (a preempted request resumed)
 
 
 @struct.dataclass
@@ -82,7 +83,7 @@ def empty_requests(batch: int, num_stop: int) -> RequestRows:
     z = jnp.zeros((batch,), jnp.int32)
     return RequestRows(prompt_len=z, max_new=z, room_bound=jnp.zeros((batch,), bool), slot_limit=z,
                        sampling=sampling.neutral(batch), stop_ids=jnp.full((batch, num_stop), -1, jnp.int32),
-                       min_tokens=z, speculative=jnp.ones((batch,), bool))
+                       min_tokens=z, speculative=jnp.ones((batch,), bool), resumed=z)
 
 
 def empty_logprobs(batch: int, length: int, k: int) -> TokenLogprobs:

@@ -93,7 +93,10 @@ class Engine:
     short; one that could never fit is refused at `submit`). memory_utilization: a paged
     cache of no given size takes the pages that fit in this share of the device's memory
     beside the weights (at most every row's whole room; None: every row's whole room,
-    whatever the memory). max_len: tokens a request may hold, prompt and generated
+    whatever the memory). preemption: with such a pool, admit requests by the pages they
+    hold now and preempt the latest when the rows' growth would not fit (each resumes where
+    it stopped, its output the same); False: admit by the pages each may come to hold, and
+    never preempt (`jspec.serve.scheduler`). max_len: tokens a request may hold, prompt and generated
     together (as vLLM's max_model_len): a request may then ask for any max_new_tokens up to
     max_len less its prompt (and max_new_tokens), and the cache's rows hold max_len tokens,
     not max_prompt_len + max_new_tokens (None: the two limits apart). prefill_chunk: prompt
@@ -115,7 +118,7 @@ class Engine:
     def __init__(self, params: Params, *, max_batch: int = 8, max_prompt_len: int = 512, max_new_tokens: int = 256,
                  cache=None, spec=None, tuning=None, rounds_per_chunk: int = 4, max_waiting: int = 256,
                  prefill_chunk: int = 512, max_logprobs: int = MAX_LOGPROBS, request_timeout: float | None = None,
-                 memory_utilization: float | None = None, max_len: int | None = None):
+                 memory_utilization: float | None = None, max_len: int | None = None, preemption: bool = True):
         rq.check_params(params)
         for name, v, low in (("max_batch", max_batch, 1), ("max_prompt_len", max_prompt_len, 1),
                              ("max_new_tokens", max_new_tokens, 1), ("rounds_per_chunk", rounds_per_chunk, 1),
@@ -153,11 +156,15 @@ class Engine:
         key = "xla_gpu_enable_command_buffer"
         if key not in family_for(params.config).gpu_xla_options(params.config) and key not in dict(tuning.xla_options):
             tuning = dataclasses.replace(tuning, xla_options=((key, SERVE_COMMAND_BUFFERS),) + tuning.xla_options)
-        self.runner = Runner(params, batch=max_batch, max_prompt_len=self.max_prompt_len,
-                             max_new_tokens=self.max_new_tokens, cache=rq.cache_config(cache or CacheConfig("paged")),
-                             tiers=tiers, tuning=tuning, prefill_chunk=prefill_chunk,
-                             rounds_per_chunk=rounds_per_chunk, max_logprobs=self.max_logprobs,
-                             memory_utilization=memory_utilization)
+        runner = dict(batch=max_batch, max_new_tokens=self.max_new_tokens, tiers=tiers, tuning=tuning,
+                      prefill_chunk=prefill_chunk, rounds_per_chunk=rounds_per_chunk, max_logprobs=self.max_logprobs)
+        self.runner = Runner(params, max_prompt_len=self.max_prompt_len, cache=rq.cache_config(cache or CacheConfig("paged")),
+                             memory_utilization=memory_utilization, **runner)
+        lay = self.runner.plan.layout
+        resumed = min(self.max_prompt_len + self.max_new_tokens - 1, self.max_len - 1)
+        if preemption and lay.paged and lay.num_pages < self.runner.batch * lay.pages_per_seq and \
+                resumed > self.max_prompt_len:  # a preempted request resumes with its output in its prompt
+            self.runner = Runner(params, max_prompt_len=resumed, cache=self.runner.cache, **runner)
         self.plan = self.runner.plan
         self.batch = self.runner.batch
         self.tiers = tiers
@@ -175,7 +182,10 @@ class Engine:
         self.scheduler = Scheduler(self.batch, prefill_chunk=self.runner.prefill_chunk,
                                    width_class=self.runner.width_class, rounds_per_chunk=rounds_per_chunk,
                                    max_waiting=max_waiting, tier=self._first_tier, pool_pages=self.pool_pages,
-                                   pages_of=lambda q: self.runner.pages_needed(len(q.prompt), q.max_new))
+                                   pages_of=lambda q: self.runner.pages_needed(len(q.prompt), q.max_new),
+                                   pages_at=(lambda q, slots: self.runner.pages_at(len(q.prompt), q.max_new, slots))
+                                   if preemption else None,
+                                   chunk_slots=rounds_per_chunk * self.plan.slack)
         self.output = OutputProcessor(params.tokenizer, on_stop=self._stopped, on_finish=self._finished,
                                       on_error=self._fail)
         self.stats = EngineStats(max_accept=max(t.num_steps + 1 if t else 1 for t in tiers))
@@ -377,9 +387,10 @@ class Engine:
         with self._lock:
             d = self.scheduler.schedule(time.perf_counter())
         self._deliver_ends([(None, q) for q in d.ended])
-        if d.evict:
-            self.runner.evict([r for r, _ in d.evict])
+        if d.evict or d.preempt:
+            self.runner.evict([r for r, _ in d.evict + d.preempt])
             self._deliver_ends(d.evict)
+            self.stats.num_preemptions += len(d.preempt)
         passes = []
         for group in d.admit:
             rows, reqs = [r for r, _ in group], rq.Requests.concat([q.reqs for _, q in group])
@@ -427,10 +438,11 @@ class Engine:
             if not chunk and q.prompt_logprobs and "lp_chosen" in back:
                 prompt_lps = token_logprobs(back, p.row, 0, max(0, min(n - start, back["tokens"].shape[1])),
                                             q.reqs.prompt_logprobs[0])
-            deliveries.append(Delivery(self._handles[q], back["tokens"][p.row, lo:hi].tolist() if hi > lo else [],
-                                       lps, prompt_lps, p.finish))
+            new = back["tokens"][p.row, lo:hi].tolist() if hi > lo else []
+            q.output.extend(new)  # a preempted request resumes from them
+            deliveries.append(Delivery(self._handles[q], new, lps, prompt_lps, p.finish))
             self.stats.generation_tokens += p.now - p.before
-            if p.before == 0 and p.now > 0:
+            if p.before == 0 and p.now > 0 and not q.preemptions:
                 self.stats.prompt_tokens += n
         if chunk:
             self._count_rounds(progress, tier)

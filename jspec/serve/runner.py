@@ -130,8 +130,15 @@ class Runner:
         lay = self.plan.layout
         if not lay.paged:
             return 0
+        return self.pages_at(prompt_len, max_new, lay.capacity)
+
+    def pages_at(self, prompt_len: int, max_new: int, slots: int) -> int:
+        """Pages that hold `slots` slots of such a request, within its slot limit."""
+        lay = self.plan.layout
+        if not lay.paged:
+            return 0
         limit = slot_limits(self.cache, [prompt_len], [max_new], self.plan.slack)[0][0]
-        return cdiv(min(limit, lay.capacity), lay.page_size)
+        return cdiv(min(slots, limit, lay.capacity), lay.page_size)
 
     # ------------------------------------------------------------------ programs
 

@@ -13,12 +13,19 @@ time) -> RUNNING (its rounds run in every chunk) -> DONE (finished on the device
 on the host: cancelled, a stop string, its time out, an engine error). A row whose request
 is done is evicted at the next `schedule` and can take the next request in the same call.
 
-Pages (a paged cache): a request is admitted only while the pages it may come to hold
-(`pages_of`: its prompt, max_new and a round's slack) fit the pool (`pool_pages`) beside
-those of every request in a row; it holds them until its row is evicted. The device then
-never runs out of pages, however small the pool: it hands them out as rows grow, within
-each row's limit. A request that waits for pages keeps the ones behind it waiting (first
-come, first served).
+Pages (a paged cache), two policies. Reserving (`pages_at` None): a request is admitted
+only while the pages it may come to hold (`pages_of`: its prompt, max_new and a round's
+slack) fit the pool (`pool_pages`) beside those of every request in a row, and holds them
+until its row is evicted. Preempting (`pages_at` given): a request is admitted while its
+prompt and a chunk's growth fit beside what the rows hold now and will hold after the
+chunks in flight and the next one (`chunk_slots` a chunk, a row); when the rows' growth
+would not fit, no chunk is queued ahead, and with none in flight the most recently
+admitted requests are preempted (`Decisions.preempt`): their rows are evicted and each goes
+back to the front of the queue, its prompt followed by its output so far (`resumed`), to
+be prefilled again and go on where it stopped (its noise is keyed by position: the same
+tokens). Either way the device never runs out of pages, however small the pool: it hands
+them out as rows grow, within each row's limit. A request that waits for pages keeps the
+ones behind it waiting (first come, first served).
 
 Order of work in one `schedule`: evict the rows of done requests; admit waiting requests
 into free rows (first come, first served; groups of one program call each); the next
@@ -61,7 +68,9 @@ class Request:
     rounds: int = 0  # rounds the device reported (accept lengths counted up to here)
     finish: str | None = None  # why it ended, once DONE
     admitted_at: float | None = None
-    pages: int = 0  # pages held from admission to eviction (a paged cache; `Scheduler.pool_pages`)
+    pages: int = 0  # pages reserved from admission to eviction (a paged cache; `Scheduler.pool_pages`)
+    output: list = dataclasses.field(default_factory=list)  # the tokens generated so far (the engine appends them)
+    preemptions: int = 0
     accepts: list = dataclasses.field(default_factory=list)  # (tier, accept lengths) a chunk, until the chooser reads them
 
     def __post_init__(self):
@@ -72,6 +81,19 @@ class Request:
         self.token_logprobs: bool = r.logprobs[0] is not None
         self.prompt_logprobs: bool = r.prompt_logprobs[0] is not None
         self.speculative: bool = r.speculative[0]
+
+    def resume(self) -> None:
+        """Back to WAITING after a preemption: the prompt followed by the output so far,
+        to be prefilled again (`rq.Requests.resumed`), the rest of max_new and min_tokens;
+        its prompt's logprobs were delivered already."""
+        r = self.reqs
+        done = len(self.output) - r.resumed[0]  # generated since the last (re)admission
+        self.reqs = dataclasses.replace(r, prompts=[r.prompts[0] + self.output[r.resumed[0]:]],
+                                        max_new=[r.max_new[0] - done], min_tokens=[max(r.min_tokens[0] - done, 0)],
+                                        prompt_logprobs=[None], resumed=[len(self.output)])
+        self.__post_init__()
+        self.state, self.row, self.prefilled, self.generated, self.rounds, self.pages = WAITING, None, 0, 0, 0, 0
+        self.preemptions += 1
 
 
 @dataclasses.dataclass
@@ -104,6 +126,7 @@ class Decisions:
     logprobs: bool = False
     running: dict[int, Request] = dataclasses.field(default_factory=dict)  # the rows the chunk runs
     ended: list[Request] = dataclasses.field(default_factory=list)
+    preempt: list[tuple[int, Request]] = dataclasses.field(default_factory=list)  # rows to evict, requests requeued
 
 
 class Scheduler:
@@ -113,14 +136,17 @@ class Scheduler:
     requests that may wait before `add` raises `QueueFull`; chooser: the adaptive tier
     choice (`jspec.serve.tiers.Chooser`) or None; tier: the tier without a chooser (and
     the chooser's first); pool_pages: the page pool (0: no page accounting, a dense
-    cache); pages_of(request) -> the pages it may come to hold."""
+    cache); pages_of(request) -> the pages it may come to hold; pages_at(request, slots)
+    -> the pages that hold that many of its slots (within its limit), given to preempt
+    instead of reserving; chunk_slots: the slots a chunk may add to a row."""
 
     def __init__(self, batch: int, *, prefill_chunk: int, width_class: Callable[[int], int], rounds_per_chunk: int,
                  max_waiting: int, chooser=None, tier: int = 0, pool_pages: int = 0,
-                 pages_of: Callable[[Request], int] | None = None):
+                 pages_of: Callable[[Request], int] | None = None,
+                 pages_at: Callable[[Request, int], int] | None = None, chunk_slots: int = 0):
         if pool_pages and pages_of is None:
             raise ValueError("pool_pages needs pages_of")
-        self.pool_pages, self.pages_of = pool_pages, pages_of
+        self.pool_pages, self.pages_of, self.pages_at, self.chunk_slots = pool_pages, pages_of, pages_at, chunk_slots
         self.batch, self.prefill_chunk, self.width_class = batch, prefill_chunk, width_class
         self.rounds_per_chunk, self.max_waiting = rounds_per_chunk, max_waiting
         self.chooser, self.tier = chooser, tier
@@ -158,8 +184,16 @@ class Scheduler:
 
     @property
     def pages_free(self) -> int:
-        """Pages of the pool that no request in a row holds."""
-        return self.pool_pages - sum(q.pages for q in self.rows.values())
+        """Pages of the pool that no request in a row holds (preempting: may hold once the
+        chunks in flight and the next one ran)."""
+        return self.pool_pages - sum(self._held(q, self.inflight + 1) for q in self.rows.values())
+
+    def _held(self, q: Request, ahead: int) -> int:
+        """The pages request q (in a row) holds: reserving, all it may ever hold; preempting,
+        its prompt and output so far and `ahead` chunks' growth."""
+        if self.pages_at is None:
+            return q.pages
+        return self.pages_at(q, len(q.prompt) + q.generated + ahead * self.chunk_slots)
 
     @property
     def has_work(self) -> bool:
@@ -178,10 +212,14 @@ class Scheduler:
             del self.rows[r]
         d.prefill = self._prefill_blocks()  # rows parked before this call: their next blocks
         d.admit = self._admissions(now)
+        short = self.pool_pages and self.pages_at is not None and self.pages_free < 0
+        if short and self.inflight == 0:
+            d.preempt = self._preempt({r for g in d.admit for r, _ in g})
+            short = False
         running = self.running
         queue = bool(self.waiting or self.prefilling)
         ahead = self.inflight == 1 and not queue and self._outlasts(running)
-        if running and (self.inflight == 0 or ahead):
+        if running and not short and (self.inflight == 0 or ahead):
             d.dispatch = True
             d.running = {r: self.rows[r] for r in running}
             if self.pinned is not None:
@@ -193,6 +231,22 @@ class Scheduler:
             d.logprobs = any(self.rows[r].token_logprobs for r in running)
             self.inflight += 1
         return d
+
+    def _preempt(self, admitted: set) -> list[tuple[int, Request]]:
+        """The most recently admitted running requests (not those admitted in this call)
+        leave their rows and go back to the front of the queue until the rest fit (see the
+        module)."""
+        out = []
+        for r, q in sorted(self.rows.items(), key=lambda rq_: (-rq_[1].admitted_at, -rq_[0])):  # latest first
+            if self.pages_free >= 0:
+                break
+            if r in admitted or q.state != RUNNING:  # a prompt half prefilled has a block queued in this call
+                continue
+            del self.rows[r]
+            q.resume()
+            self.waiting.appendleft(q)
+            out.append((r, q))
+        return out
 
     def _outlasts(self, running: list[int]) -> bool:
         """Whether a running request may still run after the chunk in flight (each of its
@@ -208,7 +262,11 @@ class Scheduler:
         pages = self.pages_free
         groups: dict[tuple, list] = {}
         while free and self.waiting:
-            need = self.pages_of(self.waiting[0]) if self.pool_pages else 0
+            head = self.waiting[0]
+            need = 0
+            if self.pool_pages:
+                need = (self.pages_of(head) if self.pages_at is None else
+                        self.pages_at(head, len(head.prompt) + 1 + self.chunk_slots))
             if need > pages:
                 break
             q = self.waiting.popleft()

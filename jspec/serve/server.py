@@ -224,7 +224,7 @@ def metrics_collector(engine: Engine):
             for name, doc, value in (
                     ("prompt_tokens", "Prompt tokens prefilled.", s.prompt_tokens),
                     ("generation_tokens", "Tokens generated.", s.generation_tokens),
-                    ("num_preemptions", "Requests preempted (none: rows hold their whole context).",
+                    ("num_preemptions", "Requests preempted (their rows taken back for want of pages; each resumes).",
                      s.num_preemptions),
                     ("prefix_cache_queries", "Prompt tokens looked up in the prefix cache (none yet).",
                      s.prefix_cache_queries),
