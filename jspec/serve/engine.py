@@ -158,13 +158,15 @@ class Engine:
             tuning = dataclasses.replace(tuning, xla_options=((key, SERVE_COMMAND_BUFFERS),) + tuning.xla_options)
         runner = dict(batch=max_batch, max_new_tokens=self.max_new_tokens, tiers=tiers, tuning=tuning,
                       prefill_chunk=prefill_chunk, rounds_per_chunk=rounds_per_chunk, max_logprobs=self.max_logprobs)
-        self.runner = Runner(params, max_prompt_len=self.max_prompt_len, cache=rq.cache_config(cache or CacheConfig("paged")),
-                             memory_utilization=memory_utilization, **runner)
+        self.runner = Runner(params, max_prompt_len=self.max_prompt_len, memory_utilization=memory_utilization,
+                             cache=rq.cache_config(cache or CacheConfig("paged")), **runner)
         lay = self.runner.plan.layout
         resumed = min(self.max_prompt_len + self.max_new_tokens - 1, self.max_len - 1)
         if preemption and lay.paged and lay.num_pages < self.runner.batch * lay.pages_per_seq and \
                 resumed > self.max_prompt_len:  # a preempted request resumes with its output in its prompt
+            note = self.runner.pool_note
             self.runner = Runner(params, max_prompt_len=resumed, cache=self.runner.cache, **runner)
+            self.runner.pool_note = note
         self.plan = self.runner.plan
         self.batch = self.runner.batch
         self.tiers = tiers

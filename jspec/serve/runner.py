@@ -253,8 +253,9 @@ class Runner:
         """Seconds a round of tier `tier` takes with n rows running placeholder requests
         whose prompts hold `context` tokens: admitted into an idle state, a warm-up chunk,
         `repeats` timed chunks, then evicted (`jspec.serve.tiers.measure_costs`); with a page
-        pool too small for n such rows, shorter prompts. No row may end while timed (an ended row's rounds cost less, and rows whose drafts are all
-        accepted commit max_emit tokens a round): fewer timed chunks where the engine's
+        pool too small for n such rows, shorter prompts. No row may end while timed (an
+        ended row's rounds cost less, and rows whose drafts are all accepted commit
+        max_emit tokens a round): fewer timed chunks where the engine's
         max_new_tokens would not last the warm-up and `repeats` chunks at max_emit a round."""
         if self.state is None:
             self.reset()
