@@ -161,9 +161,10 @@ class Engine:
         self.runner = Runner(params, max_prompt_len=self.max_prompt_len, memory_utilization=memory_utilization,
                              cache=rq.cache_config(cache or CacheConfig("paged")), **runner)
         lay = self.runner.plan.layout
+        # A pool smaller than every row's whole room: pages decide admission (else no row can run short).
+        pages_decide = lay.paged and lay.num_pages < self.runner.batch * lay.pages_per_seq
         resumed = min(self.max_prompt_len + self.max_new_tokens - 1, self.max_len - 1)
-        if preemption and lay.paged and lay.num_pages < self.runner.batch * lay.pages_per_seq and \
-                resumed > self.max_prompt_len:  # a preempted request resumes with its output in its prompt
+        if preemption and pages_decide and resumed > self.max_prompt_len:  # a resumed prompt holds its output
             note = self.runner.pool_note
             self.runner = Runner(params, max_prompt_len=resumed, cache=self.runner.cache, **runner)
             self.runner.pool_note = note
@@ -179,11 +180,11 @@ class Engine:
             if missing:
                 raise ValueError(f"Adaptive.costs has no cost for (tier, bucket) {missing[0]}; it needs one for every "
                                  f"tier index and occupancy bucket {buckets(self.batch)} (the batch bucketed)")
-        layout = self.plan.layout
-        self.pool_pages = layout.num_pages if layout.paged else 0
+        self.pool_pages = lay.num_pages if lay.paged else 0
         self.scheduler = Scheduler(self.batch, prefill_chunk=self.runner.prefill_chunk,
                                    width_class=self.runner.width_class, rounds_per_chunk=rounds_per_chunk,
-                                   max_waiting=max_waiting, tier=self._first_tier, pool_pages=self.pool_pages,
+                                   max_waiting=max_waiting, tier=self._first_tier,
+                                   pool_pages=self.pool_pages if pages_decide else 0,
                                    pages_of=lambda q: self.runner.pages_needed(len(q.prompt), q.max_new),
                                    pages_at=(lambda q, slots: self.runner.pages_at(len(q.prompt), q.max_new, slots))
                                    if preemption else None,
