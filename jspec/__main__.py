@@ -310,6 +310,8 @@ def _bench_serve_parser() -> _Parser:
                     help="prompt tokens a prefill pass takes (default: 512)")
     ap.add_argument("--prompts", type=_prompt_file, default=None, metavar="FILE",
                     help="one prompt per line (default: a few code prompts)")
+    ap.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
+                    help="the engines' prefix caching (default: on)")
     return ap
 
 
@@ -342,7 +344,8 @@ def _bench_serve(argv) -> int:
     return _bench_table(ap, lambda: run_serve_bench(
         params, prompts, rates=args.rates, specs=[None, *specs], requests=args.requests,
         max_new_tokens=args.max_new_tokens, max_batch=args.max_batch, rounds_per_chunk=args.rounds_per_chunk,
-        prefill_chunk=args.prefill_chunk), format_load_table, _bench_header(
+        prefill_chunk=args.prefill_chunk, prefix_caching=args.enable_prefix_caching,
+        progress=lambda line: print(line, file=sys.stderr, flush=True)), format_load_table, _bench_header(
         args, params, draft, f"{args.requests} requests a rate, {args.max_new_tokens} new tokens each, greedy; "
                              f"batch {args.max_batch}"))
 
@@ -393,8 +396,13 @@ def _serve_parser() -> _Parser:
                          "a tier chosen before each chunk of rounds from the measured acceptance and round costs")
     ap.add_argument("--rounds-per-chunk", type=_int(1), default=4, help="rounds between admissions (default: 4)")
     ap.add_argument("--kv-cache-tokens", type=_int(1), default=None, metavar="N",
-                    help="the page pool's size in tokens (pages of 16); a request is admitted while the pages it may "
-                         "come to hold fit, the rest wait (default: what fits in --gpu-memory-utilization)")
+                    help="the page pool's size in tokens (pages of 16), shared by every request: a request is admitted "
+                         "while its prompt and a little growth fit, and the latest is preempted (and later resumes) "
+                         "when the rows outgrow it (default: what fits in --gpu-memory-utilization)")
+    ap.add_argument("--enable-prefix-caching", "--prefix-cache", action=argparse.BooleanOptionalAction, default=True,
+                    help="keep the full pages of prompts and outputs, so that a request beginning with a kept "
+                         "prefix skips its prefill (default: on, where the model's cache allows it; "
+                         "--no-prefix-cache is the same as --no-enable-prefix-caching)")
     ap.add_argument("--gpu-memory-utilization", type=_float(lambda v: 0 < v <= 1, "a number in (0, 1]"), default=0.9,
                     metavar="U", help="without --kv-cache-tokens, the pool takes the pages that fit in this share of "
                                       "the device's memory beside the weights, at most every row's whole --max-len "
@@ -460,14 +468,16 @@ def _serve(argv) -> int:
                               max_len=max_len, spec=args.spec, rounds_per_chunk=args.rounds_per_chunk,
                               prefill_chunk=args.prefill_chunk, max_logprobs=args.max_logprobs,
                               request_timeout=args.request_timeout, cache=cache,
-                              memory_utilization=None if args.kv_cache_tokens else args.gpu_memory_utilization)
+                              memory_utilization=None if args.kv_cache_tokens else args.gpu_memory_utilization,
+                              prefix_caching=args.enable_prefix_caching)
     except (ValueError, TypeError) as err:
         ap.error(str(err))
     pool = engine.pool_pages
     whole = engine.runner.pages_needed(max_len - max_new, max_new)
     sized = f" ({engine.runner.pool_note})" if engine.runner.pool_note else ""
+    caching = "prefix caching on" if engine.runner.prefix_caching else "no prefix caching"
     print(f"{PROG} serve: page pool of {pool} pages of {page} tokens ({pool * page} tokens{sized}); "
-          f"{pool // whole} requests of {max_len} tokens fit at once", flush=True)
+          f"{pool // whole} requests of {max_len} tokens fit at once; {caching}", flush=True)
     name = args.served_model_name or (os.path.basename(os.path.normpath(args.target)) if args.target and
                                       os.path.isdir(args.target) else args.target) or "jspec-bundled"
     t0 = time.perf_counter()

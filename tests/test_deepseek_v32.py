@@ -146,6 +146,34 @@ def test_mtp_greedy_equals_target(v32, spec, cache):
     assert out.stats.mean_accept_length >= 1.0
 
 
+def test_prefix_cache_hits_equal_misses(v32):
+    """The serving engine's prefix caching over the latent cache with its indexer keys and
+    the MTP draft's cache (pages of 8): requests that share a 40-token prefix with an
+    earlier one take its pages (4 and 5 of them) and give the target's greedy tokens, and
+    the draft accepts exactly what it accepts in an engine without the cache."""
+    path, _ = v32
+    p = jspec.load(path, draft="mtp", dtype="float32")
+    system = np.random.default_rng(1).integers(3, COMMON["vocab_size"], 40).tolist()
+    prompts = [system + [5, 6], system + [7, 8, 9], system + [5, 6]]
+    want = jspec.generate(p.with_draft(None), prompts, max_new_tokens=10, stop_token_ids=[]).tokens
+
+    def serve(caching):
+        engine = jspec.Engine(p, max_batch=2, max_prompt_len=48, max_new_tokens=10, prefill_chunk=16,
+                              cache=jspec.CacheConfig("paged", page_size=8), rounds_per_chunk=2,
+                              prefix_caching=caching)
+        first = engine.generate(prompts[0], max_new_tokens=10, stop_token_ids=[])
+        handles = [engine.submit(q, max_new_tokens=10, stop_token_ids=[]) for q in prompts[1:]]
+        while engine.step():
+            pass
+        return engine, [first.tokens] + [h.result().tokens for h in handles]
+    cached, got = serve(True)
+    assert got == want
+    assert cached.stats.prefix_cache_hits == 8 * (4 + 5)  # the second differs at token 40, the page-4 key's last
+    plain, again = serve(False)
+    assert again == want and plain.stats.prefix_cache_hits == 0
+    assert cached.stats.accept_tokens == plain.stats.accept_tokens > 0
+
+
 @pytest.mark.slow
 def test_the_top_k_kernel_in_the_loop(v32, monkeypatch, fresh_compiles):
     """The top-k selection kernel (`kernels.dsa.topk`, interpret mode) in an MTP tree over a

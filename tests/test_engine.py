@@ -98,7 +98,7 @@ def test_a_small_page_pool_admits_by_pages(target):
     cache = jspec.CacheConfig("paged", page_size=16, num_pages=4)
     engine = jspec.Engine(target, max_batch=3, max_prompt_len=16, max_new_tokens=20, max_len=28, cache=cache,
                           rounds_per_chunk=2, prefill_chunk=8, preemption=False)
-    assert engine.plan.layout.guarded and engine.pool_pages == 4
+    assert engine.plan.layout.host_pages and engine.pool_pages == 4
     assert engine.plan.layout.capacity == 32 and engine.plan.max_rounds >= 20  # 28 + slack, in pages of 16
     with pytest.raises(ValueError, match="max_new_tokens=20 with a prompt of 16 tokens asks for 36 tokens; this "
                                          "engine holds at most max_len=28"):
@@ -172,7 +172,7 @@ def test_the_pool_sized_from_memory(target, monkeypatch):
     limit = int((weights + base + 7.5 * page) / 0.5)  # half of it holds 7 pages beside the rest
     monkeypatch.setattr(plan_mod, "device_memory", lambda: (limit, "the test's device"))
     engine = jspec.Engine(target, memory_utilization=0.5, **kw)
-    assert engine.pool_pages == 7 < 4 * per_row and engine.plan.layout.guarded
+    assert engine.pool_pages == 7 < 4 * per_row and engine.plan.layout.host_pages
     assert "at utilization 0.5" in engine.runner.pool_note
     small = int((weights + base + 2 * page) / 0.5)
     monkeypatch.setattr(plan_mod, "device_memory", lambda: (small, "the test's device"))
@@ -180,6 +180,61 @@ def test_the_pool_sized_from_memory(target, monkeypatch):
         jspec.Engine(target, memory_utilization=0.5, **kw)
     with pytest.raises(ValueError, match="memory_utilization must be a number in"):
         jspec.Engine(target, memory_utilization=1.5, **kw)
+
+
+SYSTEM = list(range(40, 70))  # a 30-token shared prefix: 3 full pages of 8 with the token after each
+
+
+@pytest.mark.parametrize("kind", ["eagle3", "ngram"])
+def test_prefix_caching_shares_pages_exactly(target, with_draft, kind):
+    """Prefix caching over pages of 8: a request whose prompt begins with a prefix kept
+    from an earlier one (its prompt, or for a second turn its prompt and output) shares
+    those pages and is prefilled from past them; two requests with one new prefix admitted
+    together share it at once; a pool too small to keep everything drops the least
+    recently used pages. Every output (greedy and seeded sampling) equals the request run
+    alone, and drafts read exactly what they would have written: the same accepted tokens
+    as an engine without prefix caching. The hits are counted in tokens."""
+    params = target.with_draft(jspec.NgramDraft()) if kind == "ngram" else with_draft(kind)
+    cache = jspec.CacheConfig("paged", page_size=8)
+    first = SYSTEM + [5, 6, 7]
+    kw = dict(max_batch=3, max_prompt_len=64, max_new_tokens=12, cache=cache, rounds_per_chunk=2, prefill_chunk=16)
+    program = jspec.compile(params, [list(range(1, 65))], max_new_tokens=12, stop_token_ids=[], cache=cache,
+                            temperature=0.5)
+
+    def serve(engine):
+        outs = []
+        a = engine.generate(first, max_new_tokens=12, stop_token_ids=[])
+        outs.append((first, {}, a))
+        second_turn = first + a.tokens + [11, 12]
+        batch = [(SYSTEM + [9, 10], {}), (SYSTEM + [9, 10, 3], {"temperature": 0.9, "seed": 4}),
+                 (list(range(70, 90)), {}), (second_turn, {})]
+        handles = [(p, v, engine.submit(p, max_new_tokens=12, stop_token_ids=[], **v)) for p, v in batch]
+        while engine.step():  # to the end: the last rows evicted
+            pass
+        return outs + [(p, v, h.result()) for p, v, h in handles]
+
+    cached = jspec.Engine(params, **kw)
+    got = serve(cached)
+    for prompt, values, out in got:
+        want = program.run(prompt, max_new_tokens=12, stop_token_ids=[], **({"temperature": 0.0} | values))
+        assert out.tokens == want.tokens, prompt
+    # hits: both SYSTEM requests find its 3 pages (24 tokens); the second turn finds the
+    # first request's 4 prompt pages and its output's full pages
+    turn = len(got[4][0])
+    assert cached.stats.prefix_cache_queries == sum(len(p) for p, _, _ in got)
+    assert cached.stats.prefix_cache_hits >= 24 + 24 + 8 * ((len(first) + 12 - 1 - cached.plan.slack) // 8)
+    assert cached.stats.prefix_cache_hits <= 24 + 24 + 8 * ((turn - 1) // 8)
+    plain = jspec.Engine(params, prefix_caching=False, **kw)
+    assert [o.tokens for _, _, o in serve(plain)] == [o.tokens for _, _, o in got]
+    assert plain.stats.prefix_cache_hits == 0
+    assert cached.stats.accept_tokens == plain.stats.accept_tokens  # the drafts proposed the same
+    assert cached.pool.available == cached.pool.num_pages and cached.pool.cached > 0
+    # A pool of 6 pages for 1 row: each request takes most of it, so older prefixes make way.
+    small = jspec.Engine(params, **(kw | dict(max_batch=1, cache=jspec.CacheConfig("paged", page_size=8, num_pages=7))))
+    for prompt in (first, SYSTEM + [9, 10], list(range(70, 100)), first):
+        out = small.generate(prompt, max_new_tokens=12, stop_token_ids=[])
+        assert out.tokens == program.run(prompt, max_new_tokens=12, stop_token_ids=[], temperature=0.0).tokens
+    assert small.stats.prefix_cache_hits == 24  # the second finds the first's; the last finds nothing left
 
 
 LONG_PROMPTS = PROMPTS + [list(range(40, 64)), [8, 9, 8, 9, 8] * 4]  # 24 and 20 tokens

@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 
 from jspec import requests as rq
+from jspec.serve.pages import PagePool
 from jspec.serve.scheduler import DONE, PREFILLING, RUNNING, WAITING, QueueFull, Request, Scheduler
 
 
@@ -195,16 +196,18 @@ def test_admission_by_pages():
     """With a page pool, a request is admitted only while the pages it may hold fit beside
     those of every request in a row; the head of the queue waits for pages and keeps the
     rest waiting (first come, first served); eviction returns a request's pages."""
-    pages_of = lambda q: -(-(len(q.prompt) + q.max_new) // 4)  # noqa: E731 (pages of 4 tokens)
+    pages_at = lambda q, slots: -(-min(slots, len(q.prompt) + q.max_new) // 4)  # noqa: E731 (pages of 4 tokens)
     s = Scheduler(4, prefill_chunk=0, width_class=lambda n: 64, rounds_per_chunk=2, max_waiting=16,
-                  pool_pages=10, pages_of=pages_of)
+                  pool=PagePool(10, 4, prefix_caching=False), pages_at=pages_at)
     qs = [request(8, 8), request(12, 8), request(4, 4), request(4, 4)]  # 4, 5, 2, 2 pages
     for q in qs:
         s.add(q)
     d = s.schedule(now=0.0)
     # 4 + 5 fit (9 of 10); the third (2 pages) waits though a row is free, and so does the fourth.
     assert [q.state for q in qs] == [RUNNING, RUNNING, WAITING, WAITING] and s.pages_free == 1
-    assert [q.pages for q in qs] == [4, 5, 0, 0] and d.dispatch
+    assert [len(q.pages) for q in qs] == [4, 5, 0, 0] and d.dispatch
+    assert sorted(d.pages) == sorted((q.row, j, p) for q in qs[:2] for j, p in enumerate(q.pages))
+    assert len({p for q in qs for p in q.pages}) == 9  # no page in two rows
     s.update(back(4, {0: 8, 1: 3}, finished=[0]), {0: qs[0], 1: qs[1]}, chunk=True)
     d = s.schedule(now=1.0)  # the first evicted: its 4 pages take both waiting requests
     assert d.evict == [(0, qs[0])] and [q.state for q in qs[2:]] == [RUNNING, RUNNING]
@@ -213,14 +216,14 @@ def test_admission_by_pages():
 
 def test_page_accounting_conserves_pages():
     """10,000 random operations (submissions, readbacks that finish rows, host ends): the
-    pages held by the requests in rows never exceed the pool, every request in a row holds
-    exactly its `pages_of`, the free count is the pool less theirs, and every request is
-    served whole in the end."""
+    pages held by the requests in rows never exceed the pool and no page is in two rows,
+    every request in a row holds exactly the pages of its whole limit, the free count is
+    the pool less theirs, and every request is served whole in the end."""
     rng = np.random.default_rng(0)
     pool, B = 40, 6
     pages_of = lambda q: -(-(len(q.prompt) + q.max_new) // 8)  # noqa: E731
     s = Scheduler(B, prefill_chunk=0, width_class=lambda n: 64, rounds_per_chunk=2, max_waiting=10_000,
-                  pool_pages=pool, pages_of=pages_of)
+                  pool=PagePool(pool, 8, prefix_caching=False), pages_at=lambda q, slots: pages_of(q))
     submitted, finished = [], []
     for step in range(10_000):
         op = rng.random()
@@ -234,9 +237,10 @@ def test_page_accounting_conserves_pages():
         d = s.schedule(now=float(step))
         finished += [q for _, q in d.evict] + d.ended
         held = [q for q in s.rows.values()]
-        assert sum(q.pages for q in held) <= pool
-        assert all(q.pages == pages_of(q) for q in held)
-        assert s.pages_free == pool - sum(q.pages for q in held)
+        pages = [p for q in held for p in q.pages]
+        assert len(pages) == len(set(pages)) <= pool
+        assert all(len(q.pages) == pages_of(q) for q in held)
+        assert s.pages_free == s.pool.available == pool - len(pages)
         if d.dispatch:
             done = [r for r in d.running if rng.random() < 0.3]
             gen = {r: q.max_new if r in done else min(q.generated + 1, q.max_new - 1) for r, q in d.running.items()}
@@ -258,8 +262,8 @@ def test_preemption_order_and_resume():
     back at the front of the queue with its output appended to its prompt (`resumed`),
     max_new and min_tokens less what it generated."""
     pages_at = lambda q, slots: -(-min(slots, len(q.prompt) + q.max_new) // 4)  # noqa: E731 (pages of 4)
-    s = Scheduler(3, prefill_chunk=0, width_class=lambda n: 64, rounds_per_chunk=2, max_waiting=16, pool_pages=9,
-                  pages_of=lambda q: pages_at(q, 10 ** 9), pages_at=pages_at, chunk_slots=2)
+    s = Scheduler(3, prefill_chunk=0, width_class=lambda n: 64, rounds_per_chunk=2, max_waiting=16,
+                  pool=PagePool(9, 4, prefix_caching=False), pages_at=pages_at, preempting=True, chunk_slots=2)
     qs = [request(4, 12), request(4, 12), request(4, 12), request(4, 12)]
     for q in qs:
         s.add(q)
@@ -287,3 +291,45 @@ def test_preemption_order_and_resume():
     assert q.state == WAITING and s.waiting[0] is q and q.preemptions == 1
     assert q.prompt == [1, 2, 3, 4, 7, 8, 9, 10, 11, 12] and q.max_new == 12 - 6 and q.reqs.resumed == [6]
     assert q.generated == 0 and q.row is None and s.pages_free >= 0
+
+
+def test_prefix_cache_hits_share_pages():
+    """Pages of 4, blocks of 8: a request's full prompt pages are cached once their pass is
+    dispatched (an admission's at once, a later block's at the next call); a request whose
+    prompt begins with them shares those pages (the same page ids in its row's first
+    columns), is admitted with no pass (`Decisions.cached`) and gets its first block from
+    the slot past them in the same call; pages shared count once against the pool; an
+    evicted row's output pages are cached too, short of `cache_margin`."""
+    pages_at = lambda q, slots: -(-min(slots, len(q.prompt) + q.max_new) // 4)  # noqa: E731
+    pool = PagePool(40, 4)
+    s = Scheduler(3, prefill_chunk=8, width_class=lambda n: 64, rounds_per_chunk=2, max_waiting=16, pool=pool,
+                  pages_at=pages_at, preempting=True, chunk_slots=2, cache_margin=1)
+    a = request(20, 8)  # tokens 1..20: its first block (8 tokens) is in its admission
+    b = request(20, 8)  # the same prompt, admitted in the same call
+    s.add(a)
+    s.add(b)
+    d = s.schedule(now=0.0)
+    assert [len(g) for g in d.admit] == [1] and d.admit[0][0][1] is a
+    # a's admission pass writes pages 0 and 1 (slots 0-7; the token after, 9, is known): b shares them
+    assert d.cached == [[(1, b)]] and b.cached == 2 and b.pages[:2] == a.pages[:2]
+    assert d.prefill == [[(1, 8)]] and b.prefilled == 16
+    assert {(1, 0, a.pages[0]), (1, 1, a.pages[1])} <= set(d.pages)
+    assert pool.hit_tokens == 8 and pool.query_tokens == 40
+    held = {p for q in (a, b) for p in q.pages}
+    assert s.pool.available == 40 - len(held) and len(held) == len(a.pages) + len(b.pages) - 2
+    # b's block of slots 8-15 ran in the last call: a third request finds its pages too
+    c = request(20, 8)
+    s.add(c)
+    d = s.schedule(now=1.0)
+    assert d.cached == [[(2, c)]] and c.cached == 4  # b's block of the last call: pages 2 and 3 as well
+    assert c.pages[2:4] == b.pages[2:4] and (2, 16) in d.prefill[0]
+    s.schedule(now=2.0)  # a's last block: it runs
+    assert a.state == RUNNING
+    # a finishes after 6 tokens (prompt 20 + 6: 25 slots known, 24 less the margin): pages 0-5
+    a.output = [50, 51, 52, 53, 54, 55]
+    s.update(back(3, {0: 6}, finished=[0]), {0: a}, chunk=False)
+    pages, tokens = list(a.pages), a.tokens
+    s.schedule(now=3.0)
+    assert a.pages == []
+    found = pool.lookup(tokens + [99], len(tokens))[0]  # a second turn finds 6 pages:
+    assert found == pages[:2] + b.pages[2:4] + pages[4:6]  # b's pages 2-3 were cached first, a's stayed its own

@@ -48,6 +48,7 @@ class KVCacheKind:
 
     split_by_head: ClassVar[bool] = True  # split over a mesh's devices by KV head (`init`)
     prefill_in_chunks: ClassVar[bool] = True  # a prompt's later blocks attend to the earlier ones in the cache
+    prefix_in_pages: ClassVar[bool] = True  # a prefix's whole state is in its pages (prefix caching)
 
     num_layers: int
     num_heads: int

@@ -6,7 +6,9 @@ in one of two layouts:
 - dense: per layer one buffer [B, C + 1, ...]; slot s < C of request b lives at [b, s].
 - paged: per layer one buffer [num_pages + 1, P, ...] shared by all requests; slot s of
   request b lives in page `page_table[b, s // P]` at offset `s % P`. Pages are handed out
-  on device by `alloc_pages` as sequences grow and returned by `free_pages`.
+  on device by `alloc_pages` as sequences grow and returned by `free_pages`, or (a
+  layout of `host_pages`, the serving engine's) by the host, which sets each row's pages
+  in the table before the programs that write them (`set_pages`).
 
 The extra slot of each dense row and the extra page of a pool are *trash*: a write that
 must not land (a finished request, a slot past the capacity, an unallocated page) goes
@@ -40,22 +42,27 @@ class CacheLayout:
 
     paged: a shared page pool (else a dense region per request). capacity: slots per
     request (paged: a multiple of page_size). page_size, num_pages: the pool (0 when dense).
-    guarded: the caller admits requests only while their slot limits fit the pool together
-    (the serving engine's scheduler), so the pool cannot run dry however small it is.
+    host_pages: the host owns the pool (the serving engine's `jspec.serve.pages.PagePool`):
+    before each program it sets the pages each row will write (`set_pages`); the device
+    neither hands pages out nor takes them back, and clears a row's table when it ends. A
+    page may then sit in several rows' tables at once (a shared prefix).
     """
 
     paged: bool
     capacity: int
     page_size: int = 0
     num_pages: int = 0
-    guarded: bool = False
+    host_pages: bool = False
 
     @property
     def pages_per_seq(self) -> int:
         return self.capacity // self.page_size if self.paged else 0
 
     def init_pages(self, batch: int) -> PageState | None:
-        return init_page_state(batch, self.pages_per_seq, self.num_pages) if self.paged else None
+        if not self.paged:
+            return None
+        state = init_page_state(batch, self.pages_per_seq, self.num_pages)
+        return state.replace(num_free=jnp.int32(0)) if self.host_pages else state  # the device hands out none
 
     def buffer_shape(self, batch: int) -> tuple[int, int]:
         """Leading [rows, slots] of one layer's buffer, trash included."""
@@ -153,6 +160,18 @@ def row_pages(state: PageState, rows=None) -> jax.Array:
     return state.page_table[jnp.minimum(rows, state.page_table.shape[0] - 1)]
 
 
+def set_pages(state: PageState, rows, cols, pages) -> PageState:
+    """Page-table entries [rows[u], cols[u]] = pages[u] (U updates; a row index past the
+    batch: none) -- the host's pages (`CacheLayout.host_pages`)."""
+    return state.replace(page_table=state.page_table.at[rows, cols].set(pages, mode="drop"))
+
+
+def clear_pages(state: PageState, release: jax.Array) -> PageState:
+    """Rows `release` [B] hold no pages (their tables cleared; the host takes them back)."""
+    return state.replace(page_table=jnp.where(release[:, None], state.free.shape[0], state.page_table),
+                         num_alloc=jnp.where(release, 0, state.num_alloc))
+
+
 def free_pages(state: PageState, release: jax.Array) -> PageState:
     """Returns the pages of requests with `release` [B] = True to the free stack."""
     B, G = state.page_table.shape
@@ -173,15 +192,17 @@ def reserve(layout: CacheLayout, pages: PageState | None, need_len, active, cap,
     A row fits when need_len <= its limit cap [B]. Paged, additionally: rows get pages in
     batch order; when the pool runs dry, the first row that cannot be served is dropped
     and returns its pages, and the rest are served again. A pool of at least
-    pages_per_seq pages a row (the default), or one the caller guards (`CacheLayout.guarded`),
-    cannot run dry: one allocation, no retry loop (whose predicate XLA would read on the
-    host)."""
+    pages_per_seq pages a row (the default) cannot run dry: one allocation, no retry loop
+    (whose predicate XLA would read on the host). With `host_pages` the host set every
+    row's pages before: nothing is allocated."""
     full = active & (need_len > cap)
     if not layout.paged:
         return pages, full
+    if layout.host_pages:
+        return clear_pages(pages, full), full
     max_new = min(layout.pages_per_seq, max_new_pages)
     pages = free_pages(pages, full)
-    if layout.guarded or layout.num_pages >= pages.page_table.shape[0] * layout.pages_per_seq:
+    if layout.num_pages >= pages.page_table.shape[0] * layout.pages_per_seq:
         return alloc_pages(pages, need_len, active & ~full, layout.page_size, max_new)[0], full
 
     def attempt(c):

@@ -63,6 +63,7 @@ class HybridCacheKind:
     # A prompt's later blocks (`AttnMeta.causal_block`) continue the linear layers' states the
     # blocks before them left; any other forward over T > 1 tokens is a verification.
     prefill_in_chunks: ClassVar[bool] = True
+    prefix_in_pages: ClassVar[bool] = False  # the recurrent state of a prefix is in no page: no prefix caching
 
     kv: KVCacheKind
     num_linear: int

@@ -173,12 +173,13 @@ def slot_limits(cache: CacheConfig, lens: list[int], max_new: list[int], slack: 
 def make_plan(params, lens: list[int], max_new: list[int], num_stop: int, samples: bool, cache: CacheConfig,
               spec: SpecConfig | None, tuning: Tuning = DEFAULT_TUNING, tiers: tuple = (),
               prefill_chunk: int | None = None, logprobs: int = 0, token_logprobs: bool = False,
-              prompt_logprobs: bool = False, pool_guarded: bool = False) -> Plan:
+              prompt_logprobs: bool = False, host_pages: bool = False) -> Plan:
     """The Plan for requests of these prompt lengths and limits: buckets for batch, prompt
     length, rounds and stop ids; caches sized for them (or for `cache`'s max_len and
     num_pages); refused with a ValueError when it cannot fit in memory. tiers,
-    prefill_chunk, logprobs, token_logprobs, prompt_logprobs: see `Plan`. pool_guarded:
-    the caller admits requests only while their pages fit the pool (`CacheLayout.guarded`).
+    prefill_chunk, logprobs, token_logprobs, prompt_logprobs: see `Plan`. host_pages: the
+    caller hands out the pool's pages and admits requests only while theirs fit
+    (`CacheLayout.host_pages`, the serving engine).
 
     prefill_chunk None (`generate`'s programs, which admit every request at once): blocks
     of `tuning.prefill_block` where the target's cache takes a prompt in blocks and the
@@ -213,11 +214,11 @@ def make_plan(params, lens: list[int], max_new: list[int], num_stop: int, sample
     if paged:
         capacity = round_up(max(max(limits), Tp), P)
         num_pages = cache.num_pages if cache.num_pages is not None else capacity // P * B
-        for i, l in enumerate(lens if not pool_guarded else ()):  # guarded: the caller refuses what cannot fit
+        for i, l in enumerate(lens if not host_pages else ()):  # the host refuses what cannot fit
             if cdiv(l + slack, P) > num_pages:
                 raise ValueError(f"prompt {i} needs {cdiv(l + slack, P)} pages of {P} tokens but the pool "
                                  f"has num_pages={num_pages}")
-        layout = CacheLayout(paged=True, capacity=capacity, page_size=P, num_pages=num_pages, guarded=pool_guarded)
+        layout = CacheLayout(paged=True, capacity=capacity, page_size=P, num_pages=num_pages, host_pages=host_pages)
     else:
         layout = CacheLayout(paged=False, capacity=round_up(max(max(limits), Tp), 64))
     plan = Plan(target=params.config, proposer=proposer, spec=spec, layout=layout, batch=B, prompt_len=Tp,

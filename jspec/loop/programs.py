@@ -5,6 +5,9 @@
   start     a fresh state with requests admitted and their prompts prefilled (in blocks
             of `Plan.prefill_chunk` where it is set) -> (state, readback)
   admit     requests into rows of a running state -> (state, window readback)
+  admit_cached  requests whose prompts begin with a cached prefix into rows, set up and
+            parked with no pass (their blocks come as `prefill`) -> state
+  set_pages the host's pages into rows' page tables (`CacheLayout.host_pages`) -> state
   prefill   the next block of parked rows' prompts -> (state, window readback)
   advance   rounds until every row finishes or a step count -> (state, readback)
   chunk     exactly a static number of rounds, no host read -> (state, window readback)
@@ -16,7 +19,7 @@ logprobs); after a prompt pass, the first token, or with `Plan.prompt_logprobs` 
 block's positions. Its size does not grow with the context.
 
 `generate`, `Compiled.run` and `stream` are clients of these; a serving engine calls
-`admit`, `prefill`, `chunk` and `evict` between chunks. The state is donated to the calls that
+`set_pages`, `admit`, `admit_cached`, `prefill`, `chunk` and `evict` between chunks. The state is donated to the calls that
 take one, so each updates it in place.
 """
 from __future__ import annotations
@@ -32,7 +35,8 @@ import numpy as np
 from jspec.kernels import dispatch
 from jspec.loop.plan import Plan
 from jspec.loop.round import advance, advance_rounds
-from jspec.loop.rows import admit, evict, prefill, prefill_rest
+from jspec.cache.layout import set_pages
+from jspec.loop.rows import admit, admit_cached, evict, prefill, prefill_rest
 from jspec.loop.state import Admission, LoopState, init_state, readback, readback_window
 
 
@@ -89,6 +93,14 @@ def chunk_fn(plan: Plan, tw, pw, st: LoopState, rounds: int):
     return st, readback_window(st, token_start, round_start, rounds * plan.max_emit, rounds)
 
 
+def admit_cached_fn(plan: Plan, tw, pw, st: LoopState, rows, adm: Admission) -> LoopState:
+    return admit_cached(plan, tw, pw, st, rows, adm)
+
+
+def set_pages_fn(plan: Plan, tw, pw, st: LoopState, rows, cols, pages) -> LoopState:
+    return st.replace(pages=set_pages(st.pages, rows, cols, pages))  # reads no weights
+
+
 def evict_fn(plan: Plan, tw, pw, st: LoopState, rows) -> LoopState:
     return evict(plan, st, rows)  # every entry point takes the weights; this one reads none
 
@@ -98,6 +110,8 @@ start_jit = jax.jit(start_fn, static_argnums=0)
 admit_jit = jax.jit(admit_fn, static_argnums=0, donate_argnums=3)
 advance_jit = jax.jit(advance_fn, static_argnums=0, donate_argnums=3)
 prefill_jit = jax.jit(prefill_fn, static_argnums=0, donate_argnums=3)
+admit_cached_jit = jax.jit(admit_cached_fn, static_argnums=0, donate_argnums=3)
+set_pages_jit = jax.jit(set_pages_fn, static_argnums=0, donate_argnums=3)
 
 evict_jit = jax.jit(evict_fn, static_argnums=0, donate_argnums=3)
 init_jit = jax.jit(init_state, static_argnums=0)

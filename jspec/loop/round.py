@@ -24,7 +24,7 @@ import jax.numpy as jnp
 from flax import struct
 
 from jspec import sampling
-from jspec.cache.layout import free_pages, reserve
+from jspec.cache.layout import clear_pages, free_pages, reserve
 from jspec.loop import accept, logprobs
 from jspec.loop.plan import Plan
 from jspec.loop.proposers.base import Observation
@@ -192,8 +192,11 @@ def emit(st: LoopState, emitted, count, active, values=None) -> LoopState:
 
 
 def release_pages(plan: Plan, st: LoopState, done) -> LoopState:
-    """Returns the pages of rows `done` [B] to the pool (paged layouts)."""
-    return st.replace(pages=free_pages(st.pages, done)) if plan.layout.paged else st
+    """Returns the pages of rows `done` [B] to the pool (paged layouts; with the host's
+    pages, `CacheLayout.host_pages`, their tables are cleared: the host takes them back)."""
+    if not plan.layout.paged:
+        return st
+    return st.replace(pages=(clear_pages if plan.layout.host_pages else free_pages)(st.pages, done))
 
 
 # --------------------------------------------------------------------------- a round

@@ -36,6 +36,24 @@ def admit(plan: Plan, tw, pw, st: LoopState, rows, adm: Admission) -> LoopState:
     With `plan.prefill_chunk` = C > 0 this pass takes the prompts' first C tokens; a row
     whose prompt is longer waits, parked (finished, reason RUNNING, holding its pages),
     for `prefill` to take the rest C tokens at a time, between rounds of the others."""
+    st, live = setup(plan, st, rows, adm)
+    C = plan.prefill_chunk or adm.prompt.shape[1]
+    return prompt_pass(plan, tw, pw, st, rows, jnp.zeros(rows.shape, jnp.int32), adm.prompt[:, :C], live, first=True)
+
+
+def admit_cached(plan: Plan, tw, pw, st: LoopState, rows, adm: Admission) -> LoopState:
+    """`admit` of requests whose prompts begin with a prefix already in their rows' pages
+    (a shared prefix: the host set those pages, `CacheLayout.host_pages`): the rows are set
+    up and parked with no pass; `prefill` takes their prompts from the first slot past the
+    prefix. tw, pw: unused (one signature for the admission programs)."""
+    del tw, pw
+    st, live = setup(plan, st, rows, adm)
+    return st.replace(finished=st.finished | row_mask(plan.batch, jnp.where(live, rows, plan.batch)))
+
+
+def setup(plan: Plan, st: LoopState, rows, adm: Admission) -> tuple[LoopState, jax.Array]:
+    """The rows of an admission (see `admit`) set up for their requests, their prompts'
+    room reserved -> (state, live [A]: admitted rows with room)."""
     B, V = plan.batch, plan.target.vocab_size
     A, T = adm.prompt.shape  # T <= Tp: an admission of short prompts may pass fewer columns
     req = adm.request
@@ -45,7 +63,8 @@ def admit(plan: Plan, tw, pw, st: LoopState, rows, adm: Admission) -> LoopState:
     def put(old, new):
         return old.at[rows].set(new.astype(old.dtype), mode="drop")
 
-    st = release_pages(plan, st, mask)
+    if not plan.layout.host_pages:  # the host set the rows' pages (evicted rows hold none)
+        st = release_pages(plan, st, mask)
     in_prompt = sampling.init_history(adm.prompt, lens, V).in_prompt  # [A, V]
     # A resumed request's output so far (the prompt's last `resumed` tokens) counts as generated.
     j = jnp.arange(T, dtype=jnp.int32)[None, :]
@@ -62,14 +81,12 @@ def admit(plan: Plan, tw, pw, st: LoopState, rows, adm: Admission) -> LoopState:
         rounds=put(st.rounds, jnp.zeros((A,), jnp.int32)),
         hist=put(st.hist, jnp.zeros((A,) + st.hist.shape[1:], jnp.int32)))
     st, active = reserve_room(plan, st, st.request.prompt_len + plan.slack, mask, plan.layout.pages_per_seq)
-    live = active[jnp.minimum(rows, B - 1)] & (rows < B)  # [A] admitted rows with room
-    C = plan.prefill_chunk or T
-    return prompt_pass(plan, tw, pw, st, rows, jnp.zeros((A,), jnp.int32), adm.prompt[:, :C], live, first=True)
+    return st, active[jnp.minimum(rows, B - 1)] & (rows < B)
 
 
 def prefill(plan: Plan, tw, pw, st: LoopState, rows, start) -> LoopState:
     """The next C = `plan.prefill_chunk` prompt tokens of parked rows `rows` [A] (see
-    `admit`), from slot `start` [A] on (a multiple of C, below the prompt's length): the
+    `admit`), from slot `start` [A] on (below the prompt's length): the
     target attends to the slots before `start` in its cache and to the block causally;
     rows whose prompt ends in this block choose their first token and run. A dense cache
     is read by batch position: there rows[a] must be a (or >= B, no row), as
@@ -77,8 +94,8 @@ def prefill(plan: Plan, tw, pw, st: LoopState, rows, start) -> LoopState:
     if not plan.prefill_chunk:
         raise ValueError("prefill in chunks needs Plan.prefill_chunk > 0")
     B, C = plan.batch, plan.prefill_chunk
-    tokens = jnp.take_along_axis(st.tokens[jnp.minimum(rows, B - 1)],
-                                 start[:, None] + jnp.arange(C, dtype=jnp.int32)[None, :], axis=1)  # [A, C]
+    at = jnp.minimum(start[:, None] + jnp.arange(C, dtype=jnp.int32)[None, :], st.tokens.shape[1] - 1)
+    tokens = jnp.take_along_axis(st.tokens[jnp.minimum(rows, B - 1)], at, axis=1)  # [A, C] (past the prompt: unused)
     live = (rows < B) & (st.reason[jnp.minimum(rows, B - 1)] == RUNNING)
     return prompt_pass(plan, tw, pw, st, rows, start, tokens, live, first=False)
 

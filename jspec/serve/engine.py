@@ -50,6 +50,7 @@ from jspec.serve.output import Delivery, Handle, OutputProcessor, RequestOutput
 from jspec.serve.runner import NUM_STOP, Runner
 from jspec.serve.scheduler import QueueFull, Request, Scheduler
 from jspec.serve.stats import EngineStats
+from jspec.serve.pages import PagePool
 from jspec.serve.tiers import Adaptive, Chooser, buckets, default_tiers, measure_costs, tier_name
 
 __all__ = ["Engine", "EngineError", "Handle", "QueueFull", "RequestOutput"]
@@ -96,7 +97,10 @@ class Engine:
     whatever the memory). preemption: with such a pool, admit requests by the pages they
     hold now and preempt the latest when the rows' growth would not fit (each resumes where
     it stopped, its output the same); False: admit by the pages each may come to hold, and
-    never preempt (`jspec.serve.scheduler`). max_len: tokens a request may hold, prompt and generated
+    never preempt (`jspec.serve.scheduler`). prefix_caching: a paged cache keeps the full
+    pages of prompts and outputs, and a request whose prompt begins with a kept prefix
+    shares those pages and is prefilled from past them (`jspec.serve.pages`; targets whose
+    prefix state lies in its pages: not hybrid linear-attention ones). max_len: tokens a request may hold, prompt and generated
     together (as vLLM's max_model_len): a request may then ask for any max_new_tokens up to
     max_len less its prompt (and max_new_tokens), and the cache's rows hold max_len tokens,
     not max_prompt_len + max_new_tokens (None: the two limits apart). prefill_chunk: prompt
@@ -118,7 +122,8 @@ class Engine:
     def __init__(self, params: Params, *, max_batch: int = 8, max_prompt_len: int = 512, max_new_tokens: int = 256,
                  cache=None, spec=None, tuning=None, rounds_per_chunk: int = 4, max_waiting: int = 256,
                  prefill_chunk: int = 512, max_logprobs: int = MAX_LOGPROBS, request_timeout: float | None = None,
-                 memory_utilization: float | None = None, max_len: int | None = None, preemption: bool = True):
+                 memory_utilization: float | None = None, max_len: int | None = None, preemption: bool = True,
+                 prefix_caching: bool = True):
         rq.check_params(params)
         for name, v, low in (("max_batch", max_batch, 1), ("max_prompt_len", max_prompt_len, 1),
                              ("max_new_tokens", max_new_tokens, 1), ("rounds_per_chunk", rounds_per_chunk, 1),
@@ -157,7 +162,8 @@ class Engine:
         if key not in family_for(params.config).gpu_xla_options(params.config) and key not in dict(tuning.xla_options):
             tuning = dataclasses.replace(tuning, xla_options=((key, SERVE_COMMAND_BUFFERS),) + tuning.xla_options)
         runner = dict(batch=max_batch, max_new_tokens=self.max_new_tokens, tiers=tiers, tuning=tuning,
-                      prefill_chunk=prefill_chunk, rounds_per_chunk=rounds_per_chunk, max_logprobs=self.max_logprobs)
+                      prefill_chunk=prefill_chunk, rounds_per_chunk=rounds_per_chunk, max_logprobs=self.max_logprobs,
+                      prefix_caching=prefix_caching)
         self.runner = Runner(params, max_prompt_len=self.max_prompt_len, memory_utilization=memory_utilization,
                              cache=rq.cache_config(cache or CacheConfig("paged")), **runner)
         lay = self.runner.plan.layout
@@ -181,14 +187,13 @@ class Engine:
                 raise ValueError(f"Adaptive.costs has no cost for (tier, bucket) {missing[0]}; it needs one for every "
                                  f"tier index and occupancy bucket {buckets(self.batch)} (the batch bucketed)")
         self.pool_pages = lay.num_pages if lay.paged else 0
+        self.pool = PagePool(lay.num_pages, lay.page_size, self.runner.prefix_caching) if lay.paged else None
         self.scheduler = Scheduler(self.batch, prefill_chunk=self.runner.prefill_chunk,
                                    width_class=self.runner.width_class, rounds_per_chunk=rounds_per_chunk,
-                                   max_waiting=max_waiting, tier=self._first_tier,
-                                   pool_pages=self.pool_pages if pages_decide else 0,
-                                   pages_of=lambda q: self.runner.pages_needed(len(q.prompt), q.max_new),
-                                   pages_at=(lambda q, slots: self.runner.pages_at(len(q.prompt), q.max_new, slots))
-                                   if preemption else None,
-                                   chunk_slots=rounds_per_chunk * self.plan.slack)
+                                   max_waiting=max_waiting, tier=self._first_tier, pool=self.pool,
+                                   pages_at=lambda q, slots: self.runner.pages_at(len(q.prompt), q.max_new, slots),
+                                   preempting=preemption and pages_decide,
+                                   chunk_slots=rounds_per_chunk * self.plan.slack, cache_margin=self.plan.slack)
         self.output = OutputProcessor(params.tokenizer, on_stop=self._stopped, on_finish=self._finished,
                                       on_error=self._fail)
         self.stats = EngineStats(max_accept=max(t.num_steps + 1 if t else 1 for t in tiers))
@@ -253,14 +258,16 @@ class Engine:
         return self.error is None
 
     def kv_cache_usage(self) -> float:
-        """The share of the cache's slots that the requests in rows may use (0 to 1): their
-        prompt, their tokens so far and a chunk's rounds ahead, over the cache's slots."""
+        """The share of the cache's slots in use (0 to 1): paged, the pages the rows hold
+        (cached pages nobody holds are free); dense, the slots the rows' requests may use."""
         lay = self.plan.layout
-        slots = lay.num_pages * lay.page_size if lay.paged else lay.capacity * self.batch
+        if self.pool is not None:
+            with self._lock:
+                return 1.0 - self.pool.available / max(self.pool.num_pages, 1)
         ahead = self.runner.rounds_per_chunk * self.plan.slack
         with self._lock:
             used = sum(min(len(q.prompt) + q.generated + ahead, lay.capacity) for q in self.scheduler.rows.values())
-        return min(1.0, used / slots)
+        return min(1.0, used / (lay.capacity * self.batch))
 
     # ------------------------------------------------------------------ requests
 
@@ -394,6 +401,13 @@ class Engine:
             self.runner.evict([r for r, _ in d.evict + d.preempt])
             self._deliver_ends(d.evict)
             self.stats.num_preemptions += len(d.preempt)
+        if d.pages:
+            self.runner.set_pages(d.pages)
+        if self.pool is not None:
+            self.stats.prefix_cache_queries, self.stats.prefix_cache_hits = self.pool.query_tokens, self.pool.hit_tokens
+        for group in d.cached:  # a cached prefix: no pass; their first blocks are among d.prefill
+            self.runner.admit_cached([r for r, _ in group], rq.Requests.concat([q.reqs for _, q in group]))
+            self.stats.admitted += len(group)
         passes = []
         for group in d.admit:
             rows, reqs = [r for r, _ in group], rq.Requests.concat([q.reqs for _, q in group])
@@ -477,6 +491,8 @@ class Engine:
         """The state (every row free) and, for adaptive speculation, the round costs."""
         if self.runner.state is None:
             self.runner.reset()
+            if self.pool is not None:
+                self.pool.clear()  # the device's pages hold nothing now
         if self.adaptive is not None and self.scheduler.chooser is None:
             t0 = time.perf_counter()
             costs = self.adaptive.costs

@@ -91,11 +91,12 @@ def tier_shares(before: dict, after: dict) -> str:
 
 def run_serve_bench(params, prompts: Sequence, *, rates: Sequence[float], specs: Sequence, requests: int = 32,
                     max_new_tokens: int = 64, max_batch: int = 8, rounds_per_chunk: int = 4, seed: int = 0,
-                    prefill_chunk: int = 512, tuning=None, progress: Callable[[str], None] | None = None) -> list[LoadRow]:
+                    prefill_chunk: int = 512, tuning=None, prefix_caching: bool = True,
+                    progress: Callable[[str], None] | None = None) -> list[LoadRow]:
     """One `LoadRow` per setting and rate; a setting is None (plain decoding, the draft left
     out), a SpecConfig (fixed) or an `Adaptive`. Each engine serves every rate of each of
     its settings in turn (see the module for which settings share one). tuning: the
-    engines' `jspec.Tuning` (None: the default). progress, where
+    engines' `jspec.Tuning` (None: the default); prefix_caching: the engines'. progress, where
     given, is called with a line before and after each engine's warm-up and after each row
     (for adaptive speculation also with the round costs the choice uses: after the
     warm-up, the start-up measurement; after each of its rows, as measured online)."""
@@ -107,7 +108,7 @@ def run_serve_bench(params, prompts: Sequence, *, rates: Sequence[float], specs:
         p = params if spec is not None else params.with_draft(None)
         engine = Engine(p, max_batch=max_batch, max_prompt_len=max(lens), max_new_tokens=max_new_tokens, spec=spec,
                         tuning=tuning, rounds_per_chunk=rounds_per_chunk, max_waiting=max(requests, 1),
-                        prefill_chunk=prefill_chunk)
+                        prefill_chunk=prefill_chunk, prefix_caching=prefix_caching)
         say(f"warming up the {'plain' if spec is None else setting_name(spec)} engine")
         seconds = engine.warm_up(lens, sampled=False, logprobs=False)  # the requests are greedy
         say(f"warm-up {seconds:.1f} s, {engine.stats.programs} programs")

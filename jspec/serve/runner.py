@@ -12,10 +12,16 @@ tokens, and an admission's prompt array has one of a few fixed widths (`widths`)
 The programs, for a batch of B rows (A = 1, 2, 4, ... B an admission or prefill pass):
   admit    one per (A, width) with the sampling steps, and one per width of A = 1 that
            records the prompt's logprobs (such a request is admitted alone);
+  admit_cached  one per A (prefix caching: requests that begin with a cached prefix);
   prefill  one per A, and one of A = 1 that records the prompt's logprobs (paged caches
            whose prompts are longer than a block);
   chunk    one per tier x {greedy, sampling steps} x {logprobs recorded or not};
-  evict    one.
+  evict    one;
+  set_pages  two (paged caches: up to a few pages a row, and many).
+
+With a paged cache the pool's pages are the host's (`CacheLayout.host_pages`): the
+engine's scheduler hands them out and `set_pages` writes them into the page table before
+the calls that use them.
 """
 from __future__ import annotations
 
@@ -50,28 +56,31 @@ class Runner:
     no logprobs at all, and a smaller state); memory_utilization: with a paged cache of no
     given size, the pool takes the pages that fit in this share of the device's memory
     (`jspec.loop.plan.pool_for_memory`; at most every row's whole room; None: every row's
-    whole room, whatever the memory)."""
+    whole room, whatever the memory); prefix_caching: prompts are passed in blocks wherever
+    the cache is paged and a prefix's state lies in its pages (`prefix_in_pages`), so that
+    a request may start past a cached prefix (`admit_cached`)."""
 
     def __init__(self, params: Params, *, batch: int, max_prompt_len: int, max_new_tokens: int, cache: CacheConfig,
                  tiers: Sequence[SpecConfig | None], tuning: Tuning, prefill_chunk: int, rounds_per_chunk: int,
-                 max_logprobs: int, memory_utilization: float | None = None):
+                 max_logprobs: int, memory_utilization: float | None = None, prefix_caching: bool = False):
         self.pool_note = ""  # how the pool was sized, for the start-up log
         if cache.kind == "paged" and cache.num_pages is None and memory_utilization is not None:
             cache = self._pool_for_memory(params, batch, max_prompt_len, max_new_tokens, cache, tiers, tuning,
-                                          prefill_chunk, max_logprobs, memory_utilization)
+                                          prefill_chunk, max_logprobs, memory_utilization, prefix_caching)
         self.params, self.cache, self.rounds_per_chunk = params, cache, rounds_per_chunk
         self.max_prompt_len, self.max_new_tokens = max_prompt_len, max_new_tokens
         Tp = prompt_bucket(max_prompt_len)
         kind = family_for(params.config).cache_kind(params.config)
-        chunked = cache.kind == "paged" and kind.prefill_in_chunks and prefill_chunk < Tp
-        self.prefill_chunk = int(prefill_chunk) if chunked else 0  # 0: prompts passed whole
+        self.prefix_caching = bool(prefix_caching and cache.kind == "paged" and kind.prefix_in_pages)
+        chunked = cache.kind == "paged" and kind.prefill_in_chunks and (prefill_chunk < Tp or self.prefix_caching)
+        self.prefill_chunk = min(int(prefill_chunk), Tp) if chunked else 0  # 0: prompts passed whole
         self.tiers = list(tiers)
         # Sized by the longest prompt and the most new tokens, on rows of their own (under a
         # cache's max_len a request's room is max_len less its prompt, not both at once).
         lens = [max_prompt_len] + [1] * (batch - 1)
         self.plan = make_plan(params, lens, [max_new_tokens] * batch, NUM_STOP, True, cache,
                               self.tiers[0], tuning, tiers=tuple(self.tiers) if len(self.tiers) > 1 else (),
-                              prefill_chunk=self.prefill_chunk, logprobs=max_logprobs, pool_guarded=True)
+                              prefill_chunk=self.prefill_chunk, logprobs=max_logprobs, host_pages=True)
         self.batch = self.plan.batch
         self.tier_plans = [self.plan.variant(spec=t) for t in self.tiers]
         self.state = None
@@ -80,14 +89,15 @@ class Runner:
         self.launch_s = 0.0  # CPU time of the calling thread inside program calls (`_call`)
 
     def _pool_for_memory(self, params, batch, max_prompt_len, max_new_tokens, cache, tiers, tuning, prefill_chunk,
-                         max_logprobs, utilization) -> CacheConfig:
+                         max_logprobs, utilization, prefix_caching) -> CacheConfig:
         """`cache` with the pool that fits in `utilization` of the device's memory (the
         plan's bytes, measured on a plan of a pool for one request). ValueError when not
         even the largest request's pages fit."""
         one = cdiv(max_prompt_len + max_new_tokens + 64, cache.page_size)
         small = Runner(params, batch=batch, max_prompt_len=max_prompt_len, max_new_tokens=max_new_tokens,
                        cache=dataclasses.replace(cache, num_pages=one), tiers=tiers, tuning=tuning,
-                       prefill_chunk=prefill_chunk, rounds_per_chunk=1, max_logprobs=max_logprobs)
+                       prefill_chunk=prefill_chunk, rounds_per_chunk=1, max_logprobs=max_logprobs,
+                       prefix_caching=prefix_caching)
         pages, note = pool_for_memory(params, small.plan, utilization)
         need = small.pages_needed(max_prompt_len, max_new_tokens)
         if pages < need:
@@ -125,8 +135,7 @@ class Runner:
     def pages_needed(self, prompt_len: int, max_new: int) -> int:
         """Pages a request may come to hold (its slot limit: prompt, max_new and a round's
         slack, as `jspec.requests.pack` sets it); 0 with a dense cache, whose rows hold
-        their own regions. The scheduler admits requests only while these fit the pool
-        together (the plan's layout is `guarded`)."""
+        their own regions."""
         lay = self.plan.layout
         if not lay.paged:
             return 0
@@ -189,6 +198,34 @@ class Runner:
         self.state, back = self._call(program, self.state, rows_dev, start_dev)
         return back
 
+    def admit_cached(self, rows: list[int], reqs: rq.Requests) -> None:
+        """Dispatches the admission of requests whose prompts begin with a prefix already in
+        their rows' pages (`set_pages`): set up and parked, no pass."""
+        rows_dev, adm = self._admit_inputs(rows, reqs, self.plan.prompt_len)
+        program = self._program(("admit_cached", len(rows_dev)), programs.admit_cached_jit, self.plan,
+                                (self.state, rows_dev, adm))
+        self.state = self._call(program, self.state, rows_dev, adm)
+
+    def page_batches(self) -> list[int]:
+        """The update counts of the `set_pages` programs: a chunk's growth of every row, and
+        an admission's many pages."""
+        lay = self.plan.layout
+        few = pow2(self.batch * (cdiv(self.rounds_per_chunk * self.plan.slack, lay.page_size) + 1))
+        return sorted({few, max(few, 1024)})
+
+    def set_pages(self, updates: list[tuple[int, int, int]]) -> None:
+        """Dispatches page-table entries (row, column, page): the host's pages."""
+        counts = self.page_batches()
+        for i in range(0, len(updates), counts[-1]):
+            part = updates[i:i + counts[-1]]
+            U = next(u for u in counts if u >= len(part))
+            rows = np.full((U,), self.batch, np.int32)
+            cols, pages = np.zeros((U,), np.int32), np.zeros((U,), np.int32)
+            rows[:len(part)], cols[:len(part)], pages[:len(part)] = zip(*part)
+            args = self.put((rows, cols, pages))
+            program = self._program(("set_pages", U), programs.set_pages_jit, self.plan, (self.state, *args))
+            self.state = self._call(program, self.state, *args)
+
     def chunk(self, tier: int, sampled: bool, logprobs: bool):
         """Dispatches `rounds_per_chunk` rounds of tier `tier` -> the window readback."""
         plan = self.tier_plans[tier].variant(sampling=sampled, token_logprobs=logprobs)
@@ -236,6 +273,14 @@ class Runner:
                                 plan.variant(sampling=s, token_logprobs=lp), (self.state,)))
         out.append((("evict",), programs.evict_jit, self.plan,
                     (self.state, self.put(np.zeros((self.batch,), np.int32)))))
+        if self.plan.layout.paged:
+            for U in self.page_batches():
+                args = self.put((np.zeros((U,), np.int32),) * 3)
+                out.append((("set_pages", U), programs.set_pages_jit, self.plan, (self.state, *args)))
+        if self.prefix_caching:
+            for A in buckets(self.batch):
+                args = (self.state, *self._admit_inputs(list(range(A)), dummy.take(range(A)), self.plan.prompt_len))
+                out.append((("admit_cached", A), programs.admit_cached_jit, self.plan, args))
         return out
 
     def compile_all(self, **which) -> tuple[int, float]:
@@ -268,6 +313,9 @@ class Runner:
         prompt = [1 + (i % 97) for i in range(max(1, min(context, self.max_prompt_len)))]
         reqs = rq.check_requests(self.params, [prompt] * n, max_new, [], {})
         rows = list(range(n))
+        if lay.paged:  # the pool is idle (nothing cached yet): row i takes the i-th run of pages
+            per = self.pages_needed(len(prompt), max_new)
+            self.set_pages([(r, j, r * per + j) for r in rows for j in range(per)])
         jax.block_until_ready(self.admit(rows, reqs))
         for start in range(self.prefill_chunk, len(prompt), self.prefill_chunk) if self.prefill_chunk else ():
             self.prefill([(r, start) for r in rows])

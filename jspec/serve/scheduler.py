@@ -13,19 +13,32 @@ time) -> RUNNING (its rounds run in every chunk) -> DONE (finished on the device
 on the host: cancelled, a stop string, its time out, an engine error). A row whose request
 is done is evicted at the next `schedule` and can take the next request in the same call.
 
-Pages (a paged cache), two policies. Reserving (`pages_at` None): a request is admitted
-only while the pages it may come to hold (`pages_of`: its prompt, max_new and a round's
-slack) fit the pool (`pool_pages`) beside those of every request in a row, and holds them
-until its row is evicted. Preempting (`pages_at` given): a request is admitted while its
-prompt and a chunk's growth fit beside what the rows hold now and will hold after the
-chunks in flight and the next one (`chunk_slots` a chunk, a row); when the rows' growth
-would not fit, no chunk is queued ahead, and with none in flight the most recently
-admitted requests are preempted (`Decisions.preempt`): their rows are evicted and each goes
-back to the front of the queue, its prompt followed by its output so far (`resumed`), to
-be prefilled again and go on where it stopped (its noise is keyed by position: the same
-tokens). Either way the device never runs out of pages, however small the pool: it hands
-them out as rows grow, within each row's limit. A request that waits for pages keeps the
-ones behind it waiting (first come, first served).
+Pages (a paged cache): the scheduler holds the engine's page pool (`jspec.serve.pages.
+PagePool`) and decides which pages each request holds; the runner writes them into the
+device's page table before the calls that use them (`Decisions.pages`). Two policies.
+Reserving (`preempting` False, a pool that holds every row's whole room, or preemption
+off): a request is admitted only while the pages of its whole limit (`pages_at` of its
+prompt, max_new and a round's slack) are free, and holds them until its row is evicted.
+Preempting: a request is admitted while its prompt and a chunk's growth fit beside the
+growth the rows in flight will need; before each chunk every running row is given the
+pages of the chunks in flight and the next one (`chunk_slots` a chunk, a row); when they
+do not fit, no chunk is queued ahead, and with none in flight the most recently admitted
+requests are preempted (`Decisions.preempt`): their rows are evicted and each goes back to
+the front of the queue, its prompt followed by its output so far (`resumed`), to be
+prefilled again and go on where it stopped (its noise is keyed by position: the same
+tokens). Either way the device never runs out of pages. A request that waits for pages
+keeps the ones behind it waiting (first come, first served).
+
+Prefix caching (a pool with `prefix_caching`, prompts passed in blocks): a request's
+prompt is looked up when it is admitted; the pages of its longest cached prefix (at most
+its prompt less one token) are shared into its row, which is set up with no pass
+(`Decisions.cached`) and prefilled from the first slot past them. Full pages are
+registered in the cache once the call whose pass writes them is dispatched: an
+admission's at once (the device runs calls in order, so a pass in a later call reads them
+written: requests with a new common prefix admitted together share it), a prefill
+block's at the next `schedule` (a block of a request admitted in the same call may run
+in the same pass); when a row is evicted, those of its output too (`cache_margin` slots
+short of its end, where a draft's cache may lag).
 
 Order of work in one `schedule`: evict the rows of done requests; admit waiting requests
 into free rows (first come, first served; groups of one program call each); the next
@@ -45,6 +58,7 @@ import numpy as np
 
 from jspec import requests as rq
 from jspec.loop.state import FINISH_REASONS
+from jspec.serve.pages import PagePool
 
 WAITING, PREFILLING, RUNNING, DONE = "waiting", "prefilling", "running", "done"
 
@@ -68,7 +82,10 @@ class Request:
     rounds: int = 0  # rounds the device reported (accept lengths counted up to here)
     finish: str | None = None  # why it ended, once DONE
     admitted_at: float | None = None
-    pages: int = 0  # pages reserved from admission to eviction (a paged cache; `Scheduler.pool_pages`)
+    pages: list = dataclasses.field(default_factory=list)  # the pages its row holds, in order (a page pool)
+    cached: int = 0  # of which the first `cached` were a cached prefix at its admission
+    node: int = 0  # the prefix-cache node of its last registered page (`PagePool.register`; < 0: none)
+    registered: int = 0  # its pages registered in (or found in) the prefix cache
     output: list = dataclasses.field(default_factory=list)  # the tokens generated so far (the engine appends them)
     preemptions: int = 0
     accepts: list = dataclasses.field(default_factory=list)  # (tier, accept lengths) a chunk, until the chooser reads them
@@ -82,6 +99,11 @@ class Request:
         self.prompt_logprobs: bool = r.prompt_logprobs[0] is not None
         self.speculative: bool = r.speculative[0]
 
+    @property
+    def tokens(self) -> list[int]:
+        """The tokens its row holds: its prompt and the output since its last admission."""
+        return self.prompt + self.output[self.reqs.resumed[0]:]
+
     def resume(self) -> None:
         """Back to WAITING after a preemption: the prompt followed by the output so far,
         to be prefilled again (`rq.Requests.resumed`), the rest of max_new and min_tokens;
@@ -92,7 +114,8 @@ class Request:
                                         max_new=[r.max_new[0] - done], min_tokens=[max(r.min_tokens[0] - done, 0)],
                                         prompt_logprobs=[None], resumed=[len(self.output)])
         self.__post_init__()
-        self.state, self.row, self.prefilled, self.generated, self.rounds, self.pages = WAITING, None, 0, 0, 0, 0
+        self.state, self.row, self.prefilled, self.generated, self.rounds = WAITING, None, 0, 0, 0
+        self.pages, self.cached, self.node, self.registered = [], 0, 0, 0
         self.preemptions += 1
 
 
@@ -127,6 +150,8 @@ class Decisions:
     running: dict[int, Request] = dataclasses.field(default_factory=dict)  # the rows the chunk runs
     ended: list[Request] = dataclasses.field(default_factory=list)
     preempt: list[tuple[int, Request]] = dataclasses.field(default_factory=list)  # rows to evict, requests requeued
+    pages: list[tuple[int, int, int]] = dataclasses.field(default_factory=list)  # (row, column, page) to set
+    cached: list[list[tuple[int, Request]]] = dataclasses.field(default_factory=list)  # admissions with no pass
 
 
 class Scheduler:
@@ -135,18 +160,19 @@ class Scheduler:
     width, which groups admissions; rounds_per_chunk: rounds a chunk runs; max_waiting:
     requests that may wait before `add` raises `QueueFull`; chooser: the adaptive tier
     choice (`jspec.serve.tiers.Chooser`) or None; tier: the tier without a chooser (and
-    the chooser's first); pool_pages: the page pool (0: no page accounting, a dense
-    cache); pages_of(request) -> the pages it may come to hold; pages_at(request, slots)
-    -> the pages that hold that many of its slots (within its limit), given to preempt
-    instead of reserving; chunk_slots: the slots a chunk may add to a row."""
+    the chooser's first); pool: the page pool (None: no page accounting, a dense cache);
+    pages_at(request, slots) -> the pages that hold that many of its slots (within its
+    limit); preempting: the policy (see the module); chunk_slots: the slots a chunk may add
+    to a row; cache_margin: slots short of an evicted row's end that its cached pages stay."""
 
     def __init__(self, batch: int, *, prefill_chunk: int, width_class: Callable[[int], int], rounds_per_chunk: int,
-                 max_waiting: int, chooser=None, tier: int = 0, pool_pages: int = 0,
-                 pages_of: Callable[[Request], int] | None = None,
-                 pages_at: Callable[[Request, int], int] | None = None, chunk_slots: int = 0):
-        if pool_pages and pages_of is None:
-            raise ValueError("pool_pages needs pages_of")
-        self.pool_pages, self.pages_of, self.pages_at, self.chunk_slots = pool_pages, pages_of, pages_at, chunk_slots
+                 max_waiting: int, chooser=None, tier: int = 0, pool: PagePool | None = None,
+                 pages_at: Callable[[Request, int], int] | None = None, preempting: bool = False,
+                 chunk_slots: int = 0, cache_margin: int = 0):
+        if pool is not None and pages_at is None:
+            raise ValueError("a page pool needs pages_at")
+        self.pool, self.pages_at, self.preempting, self.chunk_slots = pool, pages_at, preempting, chunk_slots
+        self.cache_margin = cache_margin
         self.batch, self.prefill_chunk, self.width_class = batch, prefill_chunk, width_class
         self.rounds_per_chunk, self.max_waiting = rounds_per_chunk, max_waiting
         self.chooser, self.tier = chooser, tier
@@ -184,16 +210,18 @@ class Scheduler:
 
     @property
     def pages_free(self) -> int:
-        """Pages of the pool that no request in a row holds (preempting: may hold once the
-        chunks in flight and the next one ran)."""
-        return self.pool_pages - sum(self._held(q, self.inflight + 1) for q in self.rows.values())
+        """Pages of the pool free after the rows in flight got their growth (preempting:
+        the pages of the chunks in flight and the next one; below 0: they do not fit)."""
+        if self.pool is None:
+            return 0
+        return self.pool.available - sum(self._growth(q) for q in self.rows.values())
 
-    def _held(self, q: Request, ahead: int) -> int:
-        """The pages request q (in a row) holds: reserving, all it may ever hold; preempting,
-        its prompt and output so far and `ahead` chunks' growth."""
-        if self.pages_at is None:
-            return q.pages
-        return self.pages_at(q, len(q.prompt) + q.generated + ahead * self.chunk_slots)
+    def _growth(self, q: Request) -> int:
+        """Pages request q (in a row) needs beyond those it holds before the next chunk."""
+        if not self.preempting or q.state != RUNNING:
+            return 0
+        want = self.pages_at(q, len(q.prompt) + q.generated + (self.inflight + 1) * self.chunk_slots)
+        return max(0, want - len(q.pages))
 
     @property
     def has_work(self) -> bool:
@@ -208,18 +236,24 @@ class Scheduler:
         d = Decisions(tier=self.tier, ended=self.ended_waiting)
         self.ended_waiting = []
         d.evict = [(r, q) for r, q in self.rows.items() if q.state == DONE]
-        for r, _ in d.evict:
+        for r, q in d.evict:
             del self.rows[r]
+            self._let_go(q)
+        if self.pool is not None and self.pool.prefix_caching:
+            for q in self.rows.values():  # the pages of the blocks dispatched in earlier calls
+                self._register(q, q.prompt, q.prefilled)
         d.prefill = self._prefill_blocks()  # rows parked before this call: their next blocks
-        d.admit = self._admissions(now)
-        short = self.pool_pages and self.pages_at is not None and self.pages_free < 0
+        d.admit, d.cached = self._admissions(now, d)
+        short = self.pages_free < 0
         if short and self.inflight == 0:
-            d.preempt = self._preempt({r for g in d.admit for r, _ in g})
+            d.preempt = self._preempt({r for g in d.admit + d.cached for r, _ in g})
             short = False
         running = self.running
         queue = bool(self.waiting or self.prefilling)
         ahead = self.inflight == 1 and not queue and self._outlasts(running)
         if running and not short and (self.inflight == 0 or ahead):
+            for r in running:
+                self._give(r, self.rows[r], self._growth(self.rows[r]), d)
             d.dispatch = True
             d.running = {r: self.rows[r] for r in running}
             if self.pinned is not None:
@@ -232,6 +266,36 @@ class Scheduler:
             self.inflight += 1
         return d
 
+    def _give(self, row: int, q: Request, n: int, d: Decisions) -> None:
+        """n more pages for request q in `row` (set on the device by `d.pages`)."""
+        if n <= 0:
+            return
+        pages = self.pool.take(n)
+        d.pages += [(row, len(q.pages) + i, p) for i, p in enumerate(pages)]
+        q.pages += pages
+
+    def _let_go(self, q: Request) -> None:
+        """Request q leaves its row: its full pages go into the prefix cache (its tokens known
+        up to the end, less `cache_margin`), then all its pages back to the pool."""
+        if self.pool is None:
+            return
+        if q.prefilled == len(q.prompt):  # a prompt half prefilled was registered as far as its passes went
+            self._register(q, q.tokens, len(q.tokens) - 1 - self.cache_margin)
+        self.pool.release(q.pages)
+        q.pages = []
+
+    def _register(self, q: Request, tokens: list[int], known: int) -> None:
+        """q's pages up to slot `known` (whose token after is in `tokens`) into the cache."""
+        P = self.pool.page_size
+        upto = min(max(known, 0), len(tokens) - 1) // P
+        if upto <= q.registered:
+            return
+        for j in range(q.registered, min(upto, len(q.pages))):
+            if q.node < 0:
+                break
+            q.node = self.pool.register(q.node, tokens[j * P:(j + 1) * P + 1], q.pages[j])
+        q.registered = max(q.registered, min(upto, len(q.pages)))
+
     def _preempt(self, admitted: set) -> list[tuple[int, Request]]:
         """The most recently admitted running requests (not those admitted in this call)
         leave their rows and go back to the front of the queue until the rest fit (see the
@@ -243,6 +307,7 @@ class Scheduler:
             if r in admitted or q.state != RUNNING:  # a prompt half prefilled has a block queued in this call
                 continue
             del self.rows[r]
+            self._let_go(q)
             q.resume()
             self.waiting.appendleft(q)
             out.append((r, q))
@@ -253,33 +318,66 @@ class Scheduler:
         rounds emits at least a token a running row): if not, no chunk is queued behind."""
         return any(self.rows[r].generated + self.rounds_per_chunk < self.rows[r].max_new for r in running)
 
-    def _admissions(self, now: float) -> list[list[tuple[int, Request]]]:
+    def _admissions(self, now: float, d: Decisions) -> tuple[list, list]:
         """Waiting requests into free rows while their pages fit, first come first served,
         grouped by program: the admission's prompt width (`width_class`) and whether it
         records prompt logprobs (such a request is admitted alone: its pass computes logits
-        at every prompt position)."""
+        at every prompt position) -> (admissions with a pass, admissions of cached prefixes
+        with none, whose first blocks join `d.prefill`)."""
         free = [r for r in range(self.batch) if r not in self.rows]
-        pages = self.pages_free
         groups: dict[tuple, list] = {}
+        cached: list = []
         while free and self.waiting:
             head = self.waiting[0]
-            need = 0
-            if self.pool_pages:
-                need = (self.pages_of(head) if self.pages_at is None else
-                        self.pages_at(head, len(head.prompt) + 1 + self.chunk_slots))
-            if need > pages:
-                break
+            hit, node = [], 0
+            if self.pool is not None:
+                if self.prefill_chunk and not head.prompt_logprobs:
+                    hit, node = self.pool.lookup(head.prompt, len(head.prompt) - 1)
+                slots = len(head.prompt) + 1 + self.chunk_slots if self.preempting else 1 << 62
+                new = max(self.pages_at(head, slots) - len(hit), 0)
+                if new + self.pool.cost(hit) > self.pages_free:
+                    if hit:  # the lookup counted a query that waits: uncount it
+                        self.pool.query_tokens -= len(head.prompt)
+                        self.pool.hit_tokens -= len(hit) * self.pool.page_size
+                    break
             q = self.waiting.popleft()
-            pages -= need
             row = free.pop(0)
-            q.state, q.row, q.admitted_at, q.pages = PREFILLING, row, now, need
+            q.state, q.row, q.admitted_at = PREFILLING, row, now
+            if self.pool is not None:
+                self.pool.share(hit)
+                q.pages, q.cached, q.node, q.registered = list(hit), len(hit), node, len(hit)
+                d.pages += [(row, j, p) for j, p in enumerate(hit)]
+                self._give(row, q, new, d)
+            self.rows[row] = q
+            if hit:
+                q.prefilled = len(hit) * self.pool.page_size
+                cached.append((row, q))
+                self._next_block(row, q, d)
+                continue
             q.prefilled = min(len(q.prompt), self.prefill_chunk or len(q.prompt))
             if q.prefilled == len(q.prompt):
                 q.state = RUNNING
-            self.rows[row] = q
+            if self.pool is not None:
+                self._register(q, q.prompt, q.prefilled)
             key = ("alone", row) if q.prompt_logprobs else ("width", self.width_class(len(q.prompt)))
             groups.setdefault(key, []).append((row, q))
-        return list(groups.values())
+        return list(groups.values()), [cached] if cached else []
+
+    def _next_block(self, row: int, q: Request, d: Decisions) -> None:
+        """The first block of a cached admission (with no prompt logprobs) joins the shared
+        prefill group of this call."""
+        if not d.prefill or any(self.rows[r].prompt_logprobs for r, _ in d.prefill[0]):
+            d.prefill.insert(0, [])
+        d.prefill[0].append((row, q.prefilled))
+        self._advance(q)
+
+    def _advance(self, q: Request) -> None:
+        """A block of q's prompt was dispatched: how far it got. (Its pages are cached at the
+        next call: a request admitted in this one may have its first block in the same
+        prefill pass, which must not read pages that pass writes.)"""
+        q.prefilled = min(len(q.prompt), q.prefilled + self.prefill_chunk)
+        if q.prefilled == len(q.prompt):
+            q.state = RUNNING
 
     def _prefill_blocks(self) -> list[list[tuple[int, int]]]:
         """The next block of every prompt being prefilled (rows with prompt logprobs alone)."""
@@ -287,9 +385,7 @@ class Scheduler:
         for r in self.prefilling:
             q = self.rows[r]
             (alone.append([(r, q.prefilled)]) if q.prompt_logprobs else shared.append((r, q.prefilled)))
-            q.prefilled = min(len(q.prompt), q.prefilled + self.prefill_chunk)
-            if q.prefilled == len(q.prompt):
-                q.state = RUNNING
+            self._advance(q)
         return ([shared] if shared else []) + alone
 
     # ------------------------------------------------------------------ what the device reported

@@ -219,16 +219,16 @@ def metrics_collector(engine: Engine):
             yield GaugeMetricFamily("jspec:num_requests_running", "Requests in the batch's rows.",
                                     value=engine.running)
             yield GaugeMetricFamily("jspec:num_requests_waiting", "Requests waiting for a row.", value=engine.waiting)
-            yield GaugeMetricFamily("jspec:kv_cache_usage_perc", "Share of the cache's slots the requests in rows "
-                                    "may use (1 = full).", value=engine.kv_cache_usage())
+            yield GaugeMetricFamily("jspec:kv_cache_usage_perc", "Share of the cache's pages the requests in rows "
+                                    "hold (1 = full).", value=engine.kv_cache_usage())
             for name, doc, value in (
                     ("prompt_tokens", "Prompt tokens prefilled.", s.prompt_tokens),
                     ("generation_tokens", "Tokens generated.", s.generation_tokens),
                     ("num_preemptions", "Requests preempted (their rows taken back for want of pages; each resumes).",
                      s.num_preemptions),
-                    ("prefix_cache_queries", "Prompt tokens looked up in the prefix cache (none yet).",
+                    ("prefix_cache_queries", "Prompt tokens looked up in the prefix cache.",
                      s.prefix_cache_queries),
-                    ("prefix_cache_hits", "Prompt tokens found in the prefix cache (none yet).", s.prefix_cache_hits),
+                    ("prefix_cache_hits", "Prompt tokens found in the prefix cache.", s.prefix_cache_hits),
                     ("spec_decode_num_draft_tokens", "Draft tokens verified.", s.spec_draft_tokens),
                     ("spec_decode_num_accepted_tokens", "Draft tokens accepted.", s.spec_accepted_tokens)):
                 yield CounterMetricFamily(f"jspec:{name}", doc, value=value)

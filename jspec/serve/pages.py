@@ -1,0 +1,131 @@
+"""The serving engine's page pool, kept on the host (`jspec.cache.layout.CacheLayout.host_pages`):
+which pages are free, how many rows hold each page, and the prefix cache.
+
+Pure host logic (tested on its own, `tests/test_pages.py`); the scheduler asks it for
+pages and the runner writes them into the device's page table.
+
+The prefix cache. A page is *full* when all its P slots hold a request's keys and values
+and the token after them is known. Such a page is registered under a key: its parent's
+key and its own P tokens plus the next one (an EAGLE-style draft's value at the page's
+last slot is computed from that next token, so the page is exact for drafts as well as the
+target). Keys chain from the first page, so a key names a whole prefix: a later request
+whose prompt begins with the same tokens looks its pages up (`lookup`) and shares them
+(`share`), its pass starting past them. A page nobody holds stays cached among the free
+pages; pages that hold nothing cached are handed out first, then cached ones, least
+recently freed first (`take` forgets what a page held).
+"""
+from __future__ import annotations
+
+import collections
+from typing import Sequence
+
+ROOT = 0  # the key of the empty prefix, every chain's first parent
+
+
+class PoolEmpty(RuntimeError):
+    """More pages were taken than are free (a scheduler bug: it checks `available` first)."""
+
+
+class PagePool:
+    """num_pages pages of page_size tokens. prefix_caching: keep and look up full pages."""
+
+    def __init__(self, num_pages: int, page_size: int, prefix_caching: bool = True):
+        self.num_pages, self.page_size, self.prefix_caching = num_pages, page_size, prefix_caching
+        self.query_tokens = self.hit_tokens = 0  # prompt tokens looked up and found (metrics; never reset)
+        self.clear()
+
+    def clear(self) -> None:
+        """Every page free, nothing cached (the device's pages were reset)."""
+        self.free: collections.OrderedDict[int, None] = collections.OrderedDict.fromkeys(range(self.num_pages))
+        self.refs = [0] * self.num_pages  # rows holding each page
+        self.key_of: dict[int, tuple] = {}  # cached page -> its key
+        self.nodes: dict[tuple, tuple[int, int]] = {}  # key -> (node id, page)
+        self._next_node = ROOT + 1
+
+    @property
+    def available(self) -> int:
+        """Pages that can be taken: held by no row (cached or not)."""
+        return len(self.free)
+
+    @property
+    def cached(self) -> int:
+        return len(self.key_of)
+
+    def take(self, n: int) -> list[int]:
+        """n free pages for a row (each then held once), uncached ones first."""
+        if n > len(self.free):
+            raise PoolEmpty(f"{n} pages asked, {len(self.free)} free")
+        out = []
+        for _ in range(n):
+            page, _ = self.free.popitem(last=False)
+            self._forget(page)
+            self.refs[page] = 1
+            out.append(page)
+        return out
+
+    def share(self, pages: Sequence[int]) -> None:
+        """A row holds these (cached) pages too."""
+        for p in pages:
+            if self.refs[p] == 0:
+                del self.free[p]
+            self.refs[p] += 1
+
+    def release(self, pages: Sequence[int]) -> None:
+        """A row lets go of its pages: those nobody holds become free (cached ones last in
+        line, so they are kept longest; the rest first)."""
+        for p in pages:
+            self.refs[p] -= 1
+            if self.refs[p] < 0:
+                raise RuntimeError(f"page {p} released more often than taken")
+            if self.refs[p] == 0:
+                self.free[p] = None
+                if p not in self.key_of:
+                    self.free.move_to_end(p, last=False)
+
+    def cost(self, pages: Sequence[int]) -> int:
+        """Free pages that sharing `pages` takes out of the free ones (those nobody holds)."""
+        return sum(self.refs[p] == 0 for p in pages)
+
+    # ------------------------------------------------------------------ the prefix cache
+
+    def key(self, parent: int, tokens: Sequence[int]) -> tuple:
+        return parent, tuple(tokens)
+
+    def lookup(self, tokens: Sequence[int], most: int) -> tuple[list[int], int]:
+        """The cached pages of the longest prefix of `tokens` of at most `most` tokens ->
+        (pages, the node id of the last; ROOT if none). Counts the query for the metrics."""
+        P = self.page_size
+        pages, node = [], ROOT
+        if self.prefix_caching:
+            for j in range(min(most, len(tokens) - 1) // P):
+                hit = self.nodes.get(self.key(node, tokens[j * P:(j + 1) * P + 1]))
+                if hit is None:
+                    break
+                node = hit[0]
+                pages.append(hit[1])
+        self.query_tokens += len(tokens)
+        self.hit_tokens += len(pages) * P
+        return pages, node
+
+    def register(self, parent: int, tokens: Sequence[int], page: int) -> int:
+        """Page `page`, full, holds `tokens` (its P tokens and the next) after the prefix
+        of node `parent` -> the node id of the longer prefix. If that prefix is cached in
+        another page already, this page stays uncached and that node is returned."""
+        if len(tokens) != self.page_size + 1:
+            raise ValueError(f"a page's key takes {self.page_size + 1} tokens, got {len(tokens)}")
+        k = self.key(parent, tokens)
+        hit = self.nodes.get(k)
+        if hit is not None:
+            return hit[0]
+        if not self.prefix_caching or page in self.key_of:
+            return -1  # nothing can chain from it
+        node = self._next_node
+        self._next_node += 1
+        self.nodes[k] = (node, page)
+        self.key_of[page] = k
+        return node
+
+    def _forget(self, page: int) -> None:
+        k = self.key_of.pop(page, None)
+        if k is not None:
+            del self.nodes[k]  # its descendants can no longer be reached: they age out
