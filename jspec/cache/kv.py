@@ -49,6 +49,7 @@ class KVCacheKind:
     split_by_head: ClassVar[bool] = True  # split over a mesh's devices by KV head (`init`)
     prefill_in_chunks: ClassVar[bool] = True  # a prompt's later blocks attend to the earlier ones in the cache
     prefix_in_pages: ClassVar[bool] = True  # a prefix's whole state is in its pages (prefix caching)
+    state_snapshots: ClassVar[bool] = False  # no state outside the pages to snapshot
 
     num_layers: int
     num_heads: int

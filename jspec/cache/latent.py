@@ -56,6 +56,7 @@ class LatentCacheKind:
     split_by_head: ClassVar[bool] = False  # replicated on every device of a mesh (one latent for all heads)
     prefill_in_chunks: ClassVar[bool] = True  # a prompt's later blocks attend to the earlier ones in the cache
     prefix_in_pages: ClassVar[bool] = True  # a prefix's whole state is in its pages (prefix caching)
+    state_snapshots: ClassVar[bool] = False  # no state outside the pages to snapshot
 
     num_layers: int
     kv_lora_rank: int

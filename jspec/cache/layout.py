@@ -45,7 +45,8 @@ class CacheLayout:
     host_pages: the host owns the pool (the serving engine's `jspec.serve.pages.PagePool`):
     before each program it sets the pages each row will write (`set_pages`); the device
     neither hands pages out nor takes them back, and clears a row's table when it ends. A
-    page may then sit in several rows' tables at once (a shared prefix).
+    page may then sit in several rows' tables at once (a shared prefix). snapshots: the
+    recurrent-state snapshots a hybrid cache keeps for prefix caching (`jspec.cache.recurrent`).
     """
 
     paged: bool
@@ -53,6 +54,7 @@ class CacheLayout:
     page_size: int = 0
     num_pages: int = 0
     host_pages: bool = False
+    snapshots: int = 0
 
     @property
     def pages_per_seq(self) -> int:

@@ -6,6 +6,11 @@ Gated DeltaNet's two states:
 - ssm [B, Hv, Dk, Dv]: the delta rule's matrix per value head (float32).
 
 These are one row per request whatever the layout: a state does not grow with the sequence.
+For prefix caching (`CacheLayout.snapshots` = S > 0) the cache also keeps S *snapshots* of
+both states per linear layer ([S, ...]): the serving engine saves a row's states after a
+prompt block that ends on a cached page boundary (`save_states`) and restores them into
+the row of a request that begins with that prefix (`load_states`), which goes on from
+there; the attention layers' keys and values of the prefix are in its pages.
 
 A prefill (admission) writes the states after each admitted row's last prompt token; a
 prompt passed in blocks writes them after each block, the next block (`AttnMeta.causal_block`)
@@ -46,12 +51,15 @@ COMMITS = ("replay", "checkpoint")
 @struct.dataclass
 class HybridCache:
     """kv: the full-attention layers' `KVCache`; conv, ssm: per linear layer (see the
-    module docstring); pending: per linear layer the round's record (a dict) or None."""
+    module docstring); pending: per linear layer the round's record (a dict) or None;
+    snap_conv, snap_ssm: per linear layer the S snapshots ([S, ...]; () when S = 0)."""
 
     kv: KVCache
     conv: tuple
     ssm: tuple
     pending: tuple | None = None
+    snap_conv: tuple = ()
+    snap_ssm: tuple = ()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -63,7 +71,8 @@ class HybridCacheKind:
     # A prompt's later blocks (`AttnMeta.causal_block`) continue the linear layers' states the
     # blocks before them left; any other forward over T > 1 tokens is a verification.
     prefill_in_chunks: ClassVar[bool] = True
-    prefix_in_pages: ClassVar[bool] = False  # the recurrent state of a prefix is in no page: no prefix caching
+    prefix_in_pages: ClassVar[bool] = False  # a prefix's recurrent state is in no page: prefix caching needs
+    state_snapshots: ClassVar[bool] = True  # ... the snapshots of it (`save_states`, `load_states`)
 
     kv: KVCacheKind
     num_linear: int
@@ -85,9 +94,29 @@ class HybridCacheKind:
 
     def init(self, layout: CacheLayout, batch: int) -> HybridCache:
         conv, ssm = self.state_shapes()
-        return HybridCache(kv=self.kv.init(layout, batch),
-                           conv=tuple(jnp.zeros((batch,) + conv, self.dtype) for _ in range(self.num_linear)),
-                           ssm=tuple(jnp.zeros((batch,) + ssm, jnp.float32) for _ in range(self.num_linear)))
+
+        def states(n):
+            return (tuple(jnp.zeros((n,) + conv, self.dtype) for _ in range(self.num_linear)),
+                    tuple(jnp.zeros((n,) + ssm, jnp.float32) for _ in range(self.num_linear)))
+        row_conv, row_ssm = states(batch)
+        snap_conv, snap_ssm = states(layout.snapshots) if layout.snapshots else ((), ())
+        return HybridCache(kv=self.kv.init(layout, batch), conv=row_conv, ssm=row_ssm, snap_conv=snap_conv,
+                           snap_ssm=snap_ssm)
+
+    def save_states(self, cache: HybridCache, rows, slots) -> HybridCache:
+        """Snapshots slots[u] <- the states of request row rows[u] (U of them; a slot past
+        the store: none)."""
+        return cache.replace(snap_conv=tuple(s.at[slots].set(c[jnp.minimum(rows, c.shape[0] - 1)], mode="drop")
+                                             for s, c in zip(cache.snap_conv, cache.conv)),
+                             snap_ssm=tuple(s.at[slots].set(c[jnp.minimum(rows, c.shape[0] - 1)], mode="drop")
+                                            for s, c in zip(cache.snap_ssm, cache.ssm)))
+
+    def load_states(self, cache: HybridCache, rows, slots) -> HybridCache:
+        """Request rows rows[u] <- the states of snapshot slots[u] (a row past the batch: none)."""
+        return cache.replace(conv=tuple(c.at[rows].set(s[jnp.minimum(slots, s.shape[0] - 1)], mode="drop")
+                                        for s, c in zip(cache.snap_conv, cache.conv)),
+                             ssm=tuple(c.at[rows].set(s[jnp.minimum(slots, s.shape[0] - 1)], mode="drop")
+                                       for s, c in zip(cache.snap_ssm, cache.ssm)))
 
     def extra_slots(self, T: int, paged: bool) -> int:
         return self.kv.extra_slots(T, paged)
@@ -107,7 +136,7 @@ class HybridCacheKind:
                 new_c, new_s = checkpoint_commit(c, s, rec, path, accept_len)
             conv.append(jnp.where(active[:, None, None], new_c, c))
             ssm.append(jnp.where(active[:, None, None, None], new_s, s))
-        return HybridCache(kv=kv, conv=tuple(conv), ssm=tuple(ssm), pending=None)
+        return cache.replace(kv=kv, conv=tuple(conv), ssm=tuple(ssm), pending=None)
 
 
 def conv_window(conv, inputs, count):

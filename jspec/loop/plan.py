@@ -173,13 +173,14 @@ def slot_limits(cache: CacheConfig, lens: list[int], max_new: list[int], slack: 
 def make_plan(params, lens: list[int], max_new: list[int], num_stop: int, samples: bool, cache: CacheConfig,
               spec: SpecConfig | None, tuning: Tuning = DEFAULT_TUNING, tiers: tuple = (),
               prefill_chunk: int | None = None, logprobs: int = 0, token_logprobs: bool = False,
-              prompt_logprobs: bool = False, host_pages: bool = False) -> Plan:
+              prompt_logprobs: bool = False, host_pages: bool = False,
+              snapshots: int = 0) -> Plan:
     """The Plan for requests of these prompt lengths and limits: buckets for batch, prompt
     length, rounds and stop ids; caches sized for them (or for `cache`'s max_len and
     num_pages); refused with a ValueError when it cannot fit in memory. tiers,
     prefill_chunk, logprobs, token_logprobs, prompt_logprobs: see `Plan`. host_pages: the
     caller hands out the pool's pages and admits requests only while theirs fit
-    (`CacheLayout.host_pages`, the serving engine).
+    (`CacheLayout.host_pages`, the serving engine); snapshots: `CacheLayout.snapshots`.
 
     prefill_chunk None (`generate`'s programs, which admit every request at once): blocks
     of `tuning.prefill_block` where the target's cache takes a prompt in blocks and the
@@ -218,7 +219,8 @@ def make_plan(params, lens: list[int], max_new: list[int], num_stop: int, sample
             if cdiv(l + slack, P) > num_pages:
                 raise ValueError(f"prompt {i} needs {cdiv(l + slack, P)} pages of {P} tokens but the pool "
                                  f"has num_pages={num_pages}")
-        layout = CacheLayout(paged=True, capacity=capacity, page_size=P, num_pages=num_pages, host_pages=host_pages)
+        layout = CacheLayout(paged=True, capacity=capacity, page_size=P, num_pages=num_pages, host_pages=host_pages,
+                             snapshots=snapshots)
     else:
         layout = CacheLayout(paged=False, capacity=round_up(max(max(limits), Tp), 64))
     plan = Plan(target=params.config, proposer=proposer, spec=spec, layout=layout, batch=B, prompt_len=Tp,

@@ -8,6 +8,8 @@
   admit_cached  requests whose prompts begin with a cached prefix into rows, set up and
             parked with no pass (their blocks come as `prefill`) -> state
   set_pages the host's pages into rows' page tables (`CacheLayout.host_pages`) -> state
+  save_states, load_states  rows' recurrent states into snapshots and back (a hybrid
+            cache's prefix caching) -> state
   prefill   the next block of parked rows' prompts -> (state, window readback)
   advance   rounds until every row finishes or a step count -> (state, readback)
   chunk     exactly a static number of rounds, no host read -> (state, window readback)
@@ -101,6 +103,14 @@ def set_pages_fn(plan: Plan, tw, pw, st: LoopState, rows, cols, pages) -> LoopSt
     return st.replace(pages=set_pages(st.pages, rows, cols, pages))  # reads no weights
 
 
+def save_states_fn(plan: Plan, tw, pw, st: LoopState, rows, slots) -> LoopState:
+    return st.replace(tcache=plan.family.cache_kind(plan.target).save_states(st.tcache, rows, slots))
+
+
+def load_states_fn(plan: Plan, tw, pw, st: LoopState, rows, slots) -> LoopState:
+    return st.replace(tcache=plan.family.cache_kind(plan.target).load_states(st.tcache, rows, slots))
+
+
 def evict_fn(plan: Plan, tw, pw, st: LoopState, rows) -> LoopState:
     return evict(plan, st, rows)  # every entry point takes the weights; this one reads none
 
@@ -112,6 +122,8 @@ advance_jit = jax.jit(advance_fn, static_argnums=0, donate_argnums=3)
 prefill_jit = jax.jit(prefill_fn, static_argnums=0, donate_argnums=3)
 admit_cached_jit = jax.jit(admit_cached_fn, static_argnums=0, donate_argnums=3)
 set_pages_jit = jax.jit(set_pages_fn, static_argnums=0, donate_argnums=3)
+save_states_jit = jax.jit(save_states_fn, static_argnums=0, donate_argnums=3)
+load_states_jit = jax.jit(load_states_fn, static_argnums=0, donate_argnums=3)
 
 evict_jit = jax.jit(evict_fn, static_argnums=0, donate_argnums=3)
 init_jit = jax.jit(init_state, static_argnums=0)

@@ -307,8 +307,8 @@ class HybridModel(DecoderLM):
         if cache is None:
             return self.norm(x), aux, None
         pending = None if all(r is None for r in records) else tuple(records)
-        return self.norm(x), aux, HybridCache(kv=KVCache(kv=tuple(kvs)), conv=tuple(convs), ssm=tuple(ssms),
-                                              pending=pending)
+        return self.norm(x), aux, cache.replace(kv=KVCache(kv=tuple(kvs)), conv=tuple(convs), ssm=tuple(ssms),
+                                                pending=pending)
 
 
 class HybridFamily(FlaxFamily):

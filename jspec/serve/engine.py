@@ -99,8 +99,8 @@ class Engine:
     it stopped, its output the same); False: admit by the pages each may come to hold, and
     never preempt (`jspec.serve.scheduler`). prefix_caching: a paged cache keeps the full
     pages of prompts and outputs, and a request whose prompt begins with a kept prefix
-    shares those pages and is prefilled from past them (`jspec.serve.pages`; targets whose
-    prefix state lies in its pages: not hybrid linear-attention ones). max_len: tokens a request may hold, prompt and generated
+    shares those pages and is prefilled from past them (`jspec.serve.pages`; a hybrid
+    linear-attention target's at whole prompt blocks, from saved recurrent states). max_len: tokens a request may hold, prompt and generated
     together (as vLLM's max_model_len): a request may then ask for any max_new_tokens up to
     max_len less its prompt (and max_new_tokens), and the cache's rows hold max_len tokens,
     not max_prompt_len + max_new_tokens (None: the two limits apart). prefill_chunk: prompt
@@ -187,7 +187,8 @@ class Engine:
                 raise ValueError(f"Adaptive.costs has no cost for (tier, bucket) {missing[0]}; it needs one for every "
                                  f"tier index and occupancy bucket {buckets(self.batch)} (the batch bucketed)")
         self.pool_pages = lay.num_pages if lay.paged else 0
-        self.pool = PagePool(lay.num_pages, lay.page_size, self.runner.prefix_caching) if lay.paged else None
+        self.pool = PagePool(lay.num_pages, lay.page_size, self.runner.prefix_caching, snapshots=lay.snapshots,
+                             boundary=self.runner.prefill_chunk) if lay.paged else None
         self.scheduler = Scheduler(self.batch, prefill_chunk=self.runner.prefill_chunk,
                                    width_class=self.runner.width_class, rounds_per_chunk=rounds_per_chunk,
                                    max_waiting=max_waiting, tier=self._first_tier, pool=self.pool,
@@ -408,6 +409,8 @@ class Engine:
         for group in d.cached:  # a cached prefix: no pass; their first blocks are among d.prefill
             self.runner.admit_cached([r for r, _ in group], rq.Requests.concat([q.reqs for _, q in group]))
             self.stats.admitted += len(group)
+        if d.restore:  # a hybrid's cached prefix: its recurrent states
+            self.runner.load_states(d.restore)
         passes = []
         for group in d.admit:
             rows, reqs = [r for r, _ in group], rq.Requests.concat([q.reqs for _, q in group])
@@ -417,6 +420,8 @@ class Engine:
             rows = {r: self.scheduler.rows[r] for r, _ in blocks}
             passes.append((self.runner.prefill(blocks, next(iter(rows.values())).prompt_logprobs), rows))
             self.stats.prefill_passes += 1
+        if d.save:  # a hybrid's states where a prompt block ended: a prefix's, for later requests
+            self.runner.save_states(d.save)
         if d.dispatch:
             self._inflight.append(Inflight(self.runner.chunk(d.tier, d.sampled, d.logprobs), d.running, d.tier,
                                            time.perf_counter(), clean=not passes))

@@ -27,10 +27,15 @@ class PoolEmpty(RuntimeError):
 
 
 class PagePool:
-    """num_pages pages of page_size tokens. prefix_caching: keep and look up full pages."""
+    """num_pages pages of page_size tokens. prefix_caching: keep and look up full pages;
+    snapshots, boundary: the state snapshots a prefix needs (0: none needed; see the module)."""
 
-    def __init__(self, num_pages: int, page_size: int, prefix_caching: bool = True):
+    def __init__(self, num_pages: int, page_size: int, prefix_caching: bool = True, snapshots: int = 0,
+                 boundary: int = 0):
+        if snapshots and (boundary <= 0 or boundary % page_size):
+            raise ValueError(f"snapshot boundaries ({boundary}) must be a multiple of the page size ({page_size})")
         self.num_pages, self.page_size, self.prefix_caching = num_pages, page_size, prefix_caching
+        self.snapshots, self.boundary = snapshots, boundary
         self.query_tokens = self.hit_tokens = 0  # prompt tokens looked up and found (metrics; never reset)
         self.clear()
 
@@ -41,6 +46,10 @@ class PagePool:
         self.key_of: dict[int, tuple] = {}  # cached page -> its key
         self.nodes: dict[tuple, tuple[int, int]] = {}  # key -> (node id, page)
         self._next_node = ROOT + 1
+        self.page_of_node: dict[int, int] = {}  # cached node -> its page
+        self.slot_of: dict[int, int] = {}  # node -> its snapshot's slot
+        self.node_of_slot: collections.OrderedDict[int, int] = collections.OrderedDict()  # LRU: oldest first
+        self.free_slots = list(range(self.snapshots))[::-1]
 
     @property
     def available(self) -> int:
@@ -91,21 +100,53 @@ class PagePool:
     def key(self, parent: int, tokens: Sequence[int]) -> tuple:
         return parent, tuple(tokens)
 
-    def lookup(self, tokens: Sequence[int], most: int) -> tuple[list[int], int]:
+    def lookup(self, tokens: Sequence[int], most: int) -> tuple[list[int], int, int | None]:
         """The cached pages of the longest prefix of `tokens` of at most `most` tokens ->
-        (pages, the node id of the last; ROOT if none). Counts the query for the metrics."""
+        (pages, the node id of the last, ROOT if none; the slot of its state snapshot, None
+        if the pool keeps none). Counts the query for the metrics."""
         P = self.page_size
-        pages, node = [], ROOT
+        pages, nodes = [], [ROOT]
         if self.prefix_caching:
             for j in range(min(most, len(tokens) - 1) // P):
-                hit = self.nodes.get(self.key(node, tokens[j * P:(j + 1) * P + 1]))
+                hit = self.nodes.get(self.key(nodes[-1], tokens[j * P:(j + 1) * P + 1]))
                 if hit is None:
                     break
-                node = hit[0]
+                nodes.append(hit[0])
                 pages.append(hit[1])
+        slot = None
+        if self.snapshots:  # only as deep as a saved state
+            while pages and nodes[-1] not in self.slot_of:
+                pages.pop()
+                nodes.pop()
+            if pages:
+                slot = self.slot_of[nodes[-1]]
+                self.node_of_slot.move_to_end(slot)
         self.query_tokens += len(tokens)
         self.hit_tokens += len(pages) * P
-        return pages, node
+        return pages, nodes[-1], slot
+
+    def snapshot_slot(self) -> int | None:
+        """A slot for a state saved now, pending until `attach` or `drop_slot` (None: every
+        slot is pending)."""
+        if self.free_slots:
+            return self.free_slots.pop()
+        if not self.node_of_slot:
+            return None
+        slot, node = self.node_of_slot.popitem(last=False)
+        del self.slot_of[node]
+        return slot
+
+    def attach(self, node: int, slot: int) -> None:
+        """The pending snapshot `slot` holds the state after the prefix of `node`."""
+        if node not in self.page_of_node or node in self.slot_of:
+            self.drop_slot(slot)
+            return
+        self.slot_of[node] = slot
+        self.node_of_slot[slot] = node
+
+    def drop_slot(self, slot: int) -> None:
+        """A pending slot that holds nothing to keep."""
+        self.free_slots.append(slot)
 
     def register(self, parent: int, tokens: Sequence[int], page: int) -> int:
         """Page `page`, full, holds `tokens` (its P tokens and the next) after the prefix
@@ -123,9 +164,15 @@ class PagePool:
         self._next_node += 1
         self.nodes[k] = (node, page)
         self.key_of[page] = k
+        self.page_of_node[node] = page
         return node
 
     def _forget(self, page: int) -> None:
         k = self.key_of.pop(page, None)
         if k is not None:
-            del self.nodes[k]  # its descendants can no longer be reached: they age out
+            node, _ = self.nodes.pop(k)  # its descendants can no longer be reached: they age out
+            del self.page_of_node[node]
+            slot = self.slot_of.pop(node, None)
+            if slot is not None:
+                del self.node_of_slot[slot]
+                self.free_slots.append(slot)

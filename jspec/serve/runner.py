@@ -17,7 +17,8 @@ The programs, for a batch of B rows (A = 1, 2, 4, ... B an admission or prefill 
            whose prompts are longer than a block);
   chunk    one per tier x {greedy, sampling steps} x {logprobs recorded or not};
   evict    one;
-  set_pages  two (paged caches: up to a few pages a row, and many).
+  set_pages  two (paged caches: up to a few pages a row, and many);
+  save_states, load_states  one each (prefix caching of a hybrid target's recurrent states).
 
 With a paged cache the pool's pages are the host's (`CacheLayout.host_pages`): the
 engine's scheduler hands them out and `set_pages` writes them into the page table before
@@ -57,8 +58,9 @@ class Runner:
     given size, the pool takes the pages that fit in this share of the device's memory
     (`jspec.loop.plan.pool_for_memory`; at most every row's whole room; None: every row's
     whole room, whatever the memory); prefix_caching: prompts are passed in blocks wherever
-    the cache is paged and a prefix's state lies in its pages (`prefix_in_pages`), so that
-    a request may start past a cached prefix (`admit_cached`)."""
+    the cache is paged and a prefix's state lies in its pages (`prefix_in_pages`) or in
+    snapshots of it (`state_snapshots`: a hybrid's, where blocks are whole pages), so that a
+    request may start past a cached prefix (`admit_cached`)."""
 
     def __init__(self, params: Params, *, batch: int, max_prompt_len: int, max_new_tokens: int, cache: CacheConfig,
                  tiers: Sequence[SpecConfig | None], tuning: Tuning, prefill_chunk: int, rounds_per_chunk: int,
@@ -71,16 +73,21 @@ class Runner:
         self.max_prompt_len, self.max_new_tokens = max_prompt_len, max_new_tokens
         Tp = prompt_bucket(max_prompt_len)
         kind = family_for(params.config).cache_kind(params.config)
-        self.prefix_caching = bool(prefix_caching and cache.kind == "paged" and kind.prefix_in_pages)
-        chunked = cache.kind == "paged" and kind.prefill_in_chunks and (prefill_chunk < Tp or self.prefix_caching)
+        paged = cache.kind == "paged"
+        self.prefix_caching = bool(prefix_caching and paged and (kind.prefix_in_pages or (
+            kind.state_snapshots and min(prefill_chunk, Tp) % cache.page_size == 0)))
+        chunked = paged and kind.prefill_in_chunks and (prefill_chunk < Tp or self.prefix_caching)
         self.prefill_chunk = min(int(prefill_chunk), Tp) if chunked else 0  # 0: prompts passed whole
+        # a hybrid's prefixes need their recurrent states: snapshots at prompt blocks' ends
+        snapshots = 2 * pow2(batch) if self.prefix_caching and kind.state_snapshots else 0
         self.tiers = list(tiers)
         # Sized by the longest prompt and the most new tokens, on rows of their own (under a
         # cache's max_len a request's room is max_len less its prompt, not both at once).
         lens = [max_prompt_len] + [1] * (batch - 1)
         self.plan = make_plan(params, lens, [max_new_tokens] * batch, NUM_STOP, True, cache,
                               self.tiers[0], tuning, tiers=tuple(self.tiers) if len(self.tiers) > 1 else (),
-                              prefill_chunk=self.prefill_chunk, logprobs=max_logprobs, host_pages=True)
+                              prefill_chunk=self.prefill_chunk, logprobs=max_logprobs, host_pages=True,
+                              snapshots=snapshots)
         self.batch = self.plan.batch
         self.tier_plans = [self.plan.variant(spec=t) for t in self.tiers]
         self.state = None
@@ -226,6 +233,22 @@ class Runner:
             program = self._program(("set_pages", U), programs.set_pages_jit, self.plan, (self.state, *args))
             self.state = self._call(program, self.state, *args)
 
+    def save_states(self, pairs: list[tuple[int, int]]) -> None:
+        """Dispatches the saving of rows' recurrent states into snapshots: (row, slot) each."""
+        self._states(pairs, "save_states", programs.save_states_jit)
+
+    def load_states(self, pairs: list[tuple[int, int]]) -> None:
+        """Dispatches the restoring of snapshots into rows' recurrent states: (row, slot) each."""
+        self._states(pairs, "load_states", programs.load_states_jit)
+
+    def _states(self, pairs, name, entry):
+        rows = np.full((self.batch,), self.batch, np.int32)
+        slots = np.full((self.batch,), self.plan.layout.snapshots, np.int32)
+        rows[:len(pairs)], slots[:len(pairs)] = zip(*pairs)
+        args = self.put((rows, slots))
+        program = self._program((name,), entry, self.plan, (self.state, *args))
+        self.state = self._call(program, self.state, *args)
+
     def chunk(self, tier: int, sampled: bool, logprobs: bool):
         """Dispatches `rounds_per_chunk` rounds of tier `tier` -> the window readback."""
         plan = self.tier_plans[tier].variant(sampling=sampled, token_logprobs=logprobs)
@@ -277,6 +300,10 @@ class Runner:
             for U in self.page_batches():
                 args = self.put((np.zeros((U,), np.int32),) * 3)
                 out.append((("set_pages", U), programs.set_pages_jit, self.plan, (self.state, *args)))
+        if self.plan.layout.snapshots:
+            args = self.put((np.zeros((self.batch,), np.int32),) * 2)
+            out += [(("save_states",), programs.save_states_jit, self.plan, (self.state, *args)),
+                    (("load_states",), programs.load_states_jit, self.plan, (self.state, *args))]
         if self.prefix_caching:
             for A in buckets(self.batch):
                 args = (self.state, *self._admit_inputs(list(range(A)), dummy.take(range(A)), self.plan.prompt_len))

@@ -38,7 +38,9 @@ admission's at once (the device runs calls in order, so a pass in a later call r
 written: requests with a new common prefix admitted together share it), a prefill
 block's at the next `schedule` (a block of a request admitted in the same call may run
 in the same pass); when a row is evicted, those of its output too (`cache_margin` slots
-short of its end, where a draft's cache may lag).
+short of its end, where a draft's cache may lag). A hybrid target's recurrent states are
+saved where a prompt block ends inside the prompt (`Decisions.save`) and attached to the
+page that ends there at the next call; a hit restores them (`Decisions.restore`).
 
 Order of work in one `schedule`: evict the rows of done requests; admit waiting requests
 into free rows (first come, first served; groups of one program call each); the next
@@ -85,7 +87,9 @@ class Request:
     pages: list = dataclasses.field(default_factory=list)  # the pages its row holds, in order (a page pool)
     cached: int = 0  # of which the first `cached` were a cached prefix at its admission
     node: int = 0  # the prefix-cache node of its last registered page (`PagePool.register`; < 0: none)
+    nodes: list = dataclasses.field(default_factory=list)  # the prefix-cache node of each of its pages registered
     registered: int = 0  # its pages registered in (or found in) the prefix cache
+    snaps: dict = dataclasses.field(default_factory=dict)  # prompt slot -> the pending state snapshot saved there
     output: list = dataclasses.field(default_factory=list)  # the tokens generated so far (the engine appends them)
     preemptions: int = 0
     accepts: list = dataclasses.field(default_factory=list)  # (tier, accept lengths) a chunk, until the chooser reads them
@@ -115,7 +119,7 @@ class Request:
                                         prompt_logprobs=[None], resumed=[len(self.output)])
         self.__post_init__()
         self.state, self.row, self.prefilled, self.generated, self.rounds = WAITING, None, 0, 0, 0
-        self.pages, self.cached, self.node, self.registered = [], 0, 0, 0
+        self.pages, self.cached, self.node, self.nodes, self.registered, self.snaps = [], 0, 0, [], 0, {}
         self.preemptions += 1
 
 
@@ -152,6 +156,8 @@ class Decisions:
     preempt: list[tuple[int, Request]] = dataclasses.field(default_factory=list)  # rows to evict, requests requeued
     pages: list[tuple[int, int, int]] = dataclasses.field(default_factory=list)  # (row, column, page) to set
     cached: list[list[tuple[int, Request]]] = dataclasses.field(default_factory=list)  # admissions with no pass
+    restore: list[tuple[int, int]] = dataclasses.field(default_factory=list)  # (row, snapshot) after `cached`
+    save: list[tuple[int, int]] = dataclasses.field(default_factory=list)  # (row, snapshot) after the passes
 
 
 class Scheduler:
@@ -240,9 +246,10 @@ class Scheduler:
             del self.rows[r]
             self._let_go(q)
         if self.pool is not None and self.pool.prefix_caching:
-            for q in self.rows.values():  # the pages of the blocks dispatched in earlier calls
+            for q in self.rows.values():  # the pages and states of the passes dispatched in earlier calls
                 self._register(q, q.prompt, q.prefilled)
-        d.prefill = self._prefill_blocks()  # rows parked before this call: their next blocks
+                self._attach(q)
+        d.prefill = self._prefill_blocks(d)  # rows parked before this call: their next blocks
         d.admit, d.cached = self._admissions(now, d)
         short = self.pages_free < 0
         if short and self.inflight == 0:
@@ -281,8 +288,11 @@ class Scheduler:
             return
         if q.prefilled == len(q.prompt):  # a prompt half prefilled was registered as far as its passes went
             self._register(q, q.tokens, len(q.tokens) - 1 - self.cache_margin)
+        self._attach(q)
         self.pool.release(q.pages)
-        q.pages = []
+        for slot in q.snaps.values():
+            self.pool.drop_slot(slot)
+        q.pages, q.snaps = [], {}
 
     def _register(self, q: Request, tokens: list[int], known: int) -> None:
         """q's pages up to slot `known` (whose token after is in `tokens`) into the cache."""
@@ -294,7 +304,16 @@ class Scheduler:
             if q.node < 0:
                 break
             q.node = self.pool.register(q.node, tokens[j * P:(j + 1) * P + 1], q.pages[j])
+            q.nodes.append(q.node)
         q.registered = max(q.registered, min(upto, len(q.pages)))
+
+    def _attach(self, q: Request) -> None:
+        """q's states saved in earlier calls, where their pages are registered, into the
+        cache (not in the call that saves them: a request admitted in it would restore
+        them before they are saved)."""
+        P = self.pool.page_size
+        for b in [b for b in q.snaps if 0 < b // P <= len(q.nodes)]:
+            self.pool.attach(q.nodes[b // P - 1], q.snaps.pop(b))
 
     def _preempt(self, admitted: set) -> list[tuple[int, Request]]:
         """The most recently admitted running requests (not those admitted in this call)
@@ -330,9 +349,10 @@ class Scheduler:
         while free and self.waiting:
             head = self.waiting[0]
             hit, node = [], 0
+            slot = None
             if self.pool is not None:
                 if self.prefill_chunk and not head.prompt_logprobs:
-                    hit, node = self.pool.lookup(head.prompt, len(head.prompt) - 1)
+                    hit, node, slot = self.pool.lookup(head.prompt, len(head.prompt) - 1)
                 slots = len(head.prompt) + 1 + self.chunk_slots if self.preempting else 1 << 62
                 new = max(self.pages_at(head, slots) - len(hit), 0)
                 if new + self.pool.cost(hit) > self.pages_free:
@@ -352,6 +372,8 @@ class Scheduler:
             if hit:
                 q.prefilled = len(hit) * self.pool.page_size
                 cached.append((row, q))
+                if slot is not None:
+                    d.restore.append((row, slot))
                 self._next_block(row, q, d)
                 continue
             q.prefilled = min(len(q.prompt), self.prefill_chunk or len(q.prompt))
@@ -359,6 +381,7 @@ class Scheduler:
                 q.state = RUNNING
             if self.pool is not None:
                 self._register(q, q.prompt, q.prefilled)
+                self._snapshot(row, q, d)
             key = ("alone", row) if q.prompt_logprobs else ("width", self.width_class(len(q.prompt)))
             groups.setdefault(key, []).append((row, q))
         return list(groups.values()), [cached] if cached else []
@@ -369,23 +392,35 @@ class Scheduler:
         if not d.prefill or any(self.rows[r].prompt_logprobs for r, _ in d.prefill[0]):
             d.prefill.insert(0, [])
         d.prefill[0].append((row, q.prefilled))
-        self._advance(q)
+        self._advance(row, q, d)
 
-    def _advance(self, q: Request) -> None:
+    def _advance(self, row: int, q: Request, d: Decisions) -> None:
         """A block of q's prompt was dispatched: how far it got. (Its pages are cached at the
         next call: a request admitted in this one may have its first block in the same
         prefill pass, which must not read pages that pass writes.)"""
         q.prefilled = min(len(q.prompt), q.prefilled + self.prefill_chunk)
         if q.prefilled == len(q.prompt):
             q.state = RUNNING
+        elif self.pool is not None:
+            self._snapshot(row, q, d)
 
-    def _prefill_blocks(self) -> list[list[tuple[int, int]]]:
+    def _snapshot(self, row: int, q: Request, d: Decisions) -> None:
+        """A pass that ends inside q's prompt on a snapshot boundary: its state saved there
+        (pools that keep snapshots)."""
+        b = q.prefilled
+        if self.pool.snapshots and self.pool.prefix_caching and b < len(q.prompt) and b % self.pool.boundary == 0:
+            slot = self.pool.snapshot_slot()
+            if slot is not None:
+                q.snaps[b] = slot
+                d.save.append((row, slot))
+
+    def _prefill_blocks(self, d: Decisions) -> list[list[tuple[int, int]]]:
         """The next block of every prompt being prefilled (rows with prompt logprobs alone)."""
         shared, alone = [], []
         for r in self.prefilling:
             q = self.rows[r]
             (alone.append([(r, q.prefilled)]) if q.prompt_logprobs else shared.append((r, q.prefilled)))
-            self._advance(q)
+            self._advance(r, q, d)
         return ([shared] if shared else []) + alone
 
     # ------------------------------------------------------------------ what the device reported
