@@ -6,6 +6,7 @@
 - A prefix is found page by page along its chain of keys (a page's key holds its tokens and
   the next one), at most `most` tokens and never the whole sequence; the same content
   registered twice keeps the first page.
+- With state snapshots (a hybrid target) a prefix is found only as deep as a saved state.
 """
 from __future__ import annotations
 
@@ -87,3 +88,34 @@ def test_no_caching_registers_nothing():
     pages = pool.take(2)
     register_all(pool, [1, 2, 3, 4, 5], pages)
     assert pool.cached == 0 and pool.lookup([1, 2, 3, 4, 5], 4)[0] == []
+
+
+def test_snapshots_bound_hits_and_go_with_their_pages():
+    """A pool that keeps state snapshots (a hybrid target) finds a prefix only as deep as
+    its deepest page with an attached snapshot; slots are pending until attached, reused
+    least recently used first, and freed when their page is taken."""
+    with pytest.raises(ValueError, match="multiple of the page size"):
+        PagePool(8, 4, snapshots=2, boundary=6)
+    pool = PagePool(8, 2, snapshots=2, boundary=4)
+    tokens = list(range(1, 10))  # 4 full pages with a next token
+    pages = pool.take(4)
+    node, nodes = ROOT, []
+    for j, page in enumerate(pages):
+        node = pool.register(node, tokens[2 * j:2 * j + 3], page)
+        nodes.append(node)
+    assert pool.lookup(tokens, 8) == ([], ROOT, None)  # no snapshot yet: no hit
+    first, second = pool.snapshot_slot(), pool.snapshot_slot()
+    assert pool.snapshot_slot() is None  # both pending
+    pool.attach(nodes[1], first)  # the state after 4 tokens
+    assert pool.lookup(tokens, 8) == (pages[:2], nodes[1], first)
+    pool.attach(nodes[3], second)  # after 8
+    assert pool.lookup(tokens, 8) == (pages, nodes[3], second)
+    assert pool.lookup(tokens, 7)[0] == pages[:2]  # at most 7 tokens: back to the snapshot at 4
+    third = pool.snapshot_slot()  # reuses the least recently used: `second` (the last lookup touched `first`)
+    assert third == second and pool.lookup(tokens, 8)[0] == pages[:2]
+    pool.drop_slot(third)
+    pool.release(pages)
+    pool.take(5)  # the 4 uncached pages first, then the oldest cached (pages[0]): the chain breaks
+    assert pool.lookup(tokens, 8)[0] == [] and pool.free_slots == [second]
+    pool.take(1)  # pages[1]: its snapshot goes with it
+    assert sorted(pool.free_slots) == sorted([first, second])
