@@ -474,9 +474,11 @@ def _serve(argv) -> int:
         ap.error(str(err))
     pool = engine.pool_pages
     whole = engine.runner.pages_needed(max_len - max_new, max_new)
-    sized = f" ({engine.runner.pool_note})" if engine.runner.pool_note else ""
+    from jspec.loop.plan import page_bytes
+    gib = page_bytes(params, engine.plan) * pool / 2 ** 30
+    sized = f"; {engine.runner.pool_note}" if engine.runner.pool_note else ""
     caching = "prefix caching on" if engine.runner.prefix_caching else "no prefix caching"
-    print(f"{PROG} serve: page pool of {pool} pages of {page} tokens ({pool * page} tokens{sized}); "
+    print(f"{PROG} serve: page pool of {pool} pages of {page} tokens ({pool * page} tokens, {gib:,.2f} GiB{sized}); "
           f"{pool // whole} requests of {max_len} tokens fit at once; {caching}", flush=True)
     name = args.served_model_name or (os.path.basename(os.path.normpath(args.target)) if args.target and
                                       os.path.isdir(args.target) else args.target) or "jspec-bundled"

@@ -287,6 +287,16 @@ def device_plan_bytes(params, plan: Plan) -> int:
     return plan_bytes(plan) // (params.mesh.size if split else 1)
 
 
+def with_pages(plan: Plan, n: int) -> Plan:
+    """A paged plan with a pool of n pages."""
+    return dataclasses.replace(plan, layout=dataclasses.replace(plan.layout, num_pages=n))
+
+
+def page_bytes(params, plan: Plan) -> int:
+    """Bytes one page of a paged plan's pool takes on a device (every cache's share)."""
+    return device_plan_bytes(params, with_pages(plan, 1)) - device_plan_bytes(params, with_pages(plan, 0))
+
+
 def pool_for_memory(params, plan: Plan, utilization: float) -> tuple[int, str]:
     """The pages of a paged plan's pool that fit in `utilization` of the device's memory
     beside the weights and the loop's other buffers (a plan's bytes are linear in its
@@ -298,9 +308,8 @@ def pool_for_memory(params, plan: Plan, utilization: float) -> tuple[int, str]:
         raise ValueError("the device's memory is not known: give the pool's size (CacheConfig(num_pages=...))")
     limit, where = have
     lay = plan.layout
-    sized = lambda n: dataclasses.replace(plan, layout=dataclasses.replace(lay, num_pages=n))  # noqa: E731
-    base = device_plan_bytes(params, sized(0))
-    per_page = device_plan_bytes(params, sized(1)) - base
+    base = device_plan_bytes(params, with_pages(plan, 0))
+    per_page = page_bytes(params, plan)
     room = int(utilization * limit) - weight_bytes(params) - base
     pages = max(min(room // per_page, plan.batch * lay.pages_per_seq), 0)
     gib = lambda b: f"{b / 2 ** 30:,.1f} GiB"  # noqa: E731
