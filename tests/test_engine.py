@@ -189,7 +189,8 @@ def test_prefix_caching_shares_pages_exactly(with_draft):
     """Prefix caching over pages of 8: a request whose prompt begins with a prefix kept
     from an earlier one (its prompt, or for a second turn its prompt and output) shares
     those pages and is prefilled from past them; two requests with one new prefix admitted
-    together share it at once; a pool too small to keep everything drops the least
+    together share it (two samples of one new prompt: the second waits for the first's
+    blocks and takes them all); a pool too small to keep everything drops the least
     recently used pages. Every output (greedy and seeded sampling) equals the request run
     alone, and the EAGLE-3 head reads exactly what it would have written: the same accepted
     tokens as an engine without prefix caching. The hits are counted in tokens. (DeepSeek's
@@ -206,8 +207,10 @@ def test_prefix_caching_shares_pages_exactly(with_draft):
         a = engine.generate(first, max_new_tokens=12, stop_token_ids=[])
         outs.append((first, {}, a))
         second_turn = first + a.tokens + [11, 12]
+        fresh = list(range(100, 140))  # two samples of a new 40-token prompt: the second waits for the first's pages
         batch = [(SYSTEM + [9, 10], {}), (SYSTEM + [9, 10, 3], {"temperature": 0.9, "seed": 4}),
-                 (list(range(70, 90)), {}), (second_turn, {})]
+                 (list(range(70, 90)), {}), (second_turn, {}), (fresh, {"temperature": 1.0, "seed": 1}),
+                 (fresh, {"temperature": 1.0, "seed": 2})]
         handles = [(p, v, engine.submit(p, max_new_tokens=12, stop_token_ids=[], **v)) for p, v in batch]
         while engine.step():  # to the end: the last rows evicted
             pass
@@ -219,11 +222,12 @@ def test_prefix_caching_shares_pages_exactly(with_draft):
         want = program.run(prompt, max_new_tokens=12, stop_token_ids=[], **({"temperature": 0.0} | values))
         assert out.tokens == want.tokens, prompt
     # hits: both SYSTEM requests find its 3 pages (24 tokens); the second turn finds the
-    # first request's 4 prompt pages and its output's full pages
+    # first request's 4 prompt pages and its output's full pages; the second sample of the
+    # new prompt finds its 4 full pages (32 tokens)
     turn = len(got[4][0])
     assert cached.stats.prefix_cache_queries == sum(len(p) for p, _, _ in got)
-    assert cached.stats.prefix_cache_hits >= 24 + 24 + 8 * ((len(first) + 12 - 1 - cached.plan.slack) // 8)
-    assert cached.stats.prefix_cache_hits <= 24 + 24 + 8 * ((turn - 1) // 8)
+    assert cached.stats.prefix_cache_hits >= 24 + 24 + 32 + 8 * ((len(first) + 12 - 1 - cached.plan.slack) // 8)
+    assert cached.stats.prefix_cache_hits <= 24 + 24 + 32 + 8 * ((turn - 1) // 8)
     plain = jspec.Engine(params, prefix_caching=False, **kw)
     assert [o.tokens for _, _, o in serve(plain)] == [o.tokens for _, _, o in got]
     assert plain.stats.prefix_cache_hits == 0

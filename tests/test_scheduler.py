@@ -298,38 +298,40 @@ def test_prefix_cache_hits_share_pages():
     dispatched (an admission's at once, a later block's at the next call); a request whose
     prompt begins with them shares those pages (the same page ids in its row's first
     columns), is admitted with no pass (`Decisions.cached`) and gets its first block from
-    the slot past them in the same call; pages shared count once against the pool; an
+    the slot past them in the same call; a request that would find a block more once a
+    row's passes are cached waits for them; pages shared count once against the pool; an
     evicted row's output pages are cached too, short of `cache_margin`."""
     pages_at = lambda q, slots: -(-min(slots, len(q.prompt) + q.max_new) // 4)  # noqa: E731
     pool = PagePool(40, 4)
     s = Scheduler(3, prefill_chunk=8, width_class=lambda n: 64, rounds_per_chunk=2, max_waiting=16, pool=pool,
                   pages_at=pages_at, preempting=True, chunk_slots=2, cache_margin=1)
     a = request(20, 8)  # tokens 1..20: its first block (8 tokens) is in its admission
-    b = request(20, 8)  # the same prompt, admitted in the same call
+    b = request(20, 8)  # the same prompt (a second sample, say)
     s.add(a)
     s.add(b)
     d = s.schedule(now=0.0)
-    assert [len(g) for g in d.admit] == [1] and d.admit[0][0][1] is a
-    # a's admission pass writes pages 0 and 1 (slots 0-7; the token after, 9, is known): b shares them
-    assert d.cached == [[(1, b)]] and b.cached == 2 and b.pages[:2] == a.pages[:2]
-    assert d.prefill == [[(1, 8)]] and b.prefilled == 16
-    assert {(1, 0, a.pages[0]), (1, 1, a.pages[1])} <= set(d.pages)
-    assert pool.hit_tokens == 8 and pool.query_tokens == 40
+    assert [len(g) for g in d.admit] == [1] and d.admit[0][0][1] is a and not d.cached
+    # b finds a's pages 0-1 (slots 0-7, cached with a's admission) and waits for a's next block
+    assert b.state == WAITING and pool.query_tokens == 20 and pool.hit_tokens == 0
+    d = s.schedule(now=1.0)  # a's block 8-15
+    assert b.state == WAITING and d.prefill == [[(0, 8)]]
+    d = s.schedule(now=2.0)  # a's last block (16-19); its pages 2-3 cached: b finds 16 tokens, all it can
+    assert d.cached == [[(1, b)]] and b.cached == 4 and b.pages[:4] == a.pages[:4]
+    assert d.prefill == [[(0, 16), (1, 16)]] and b.prefilled == 20 and b.state == a.state == RUNNING
+    assert {(1, j, a.pages[j]) for j in range(4)} <= set(d.pages)
+    assert pool.query_tokens == 40 and pool.hit_tokens == 16
     held = {p for q in (a, b) for p in q.pages}
-    assert s.pool.available == 40 - len(held) and len(held) == len(a.pages) + len(b.pages) - 2
-    # b's block of slots 8-15 ran in the last call: a third request finds its pages too
+    assert pool.available == 40 - len(held) and len(held) == len(a.pages) + len(b.pages) - 4
+    # a third with a new ending after 12 of a's tokens: 2 pages (page 8-11's key holds token 12, a's 13)
     c = request(20, 8)
+    c.prompt = c.prompt[:12] + [99] * 8
     s.add(c)
-    d = s.schedule(now=1.0)
-    assert d.cached == [[(2, c)]] and c.cached == 4  # b's block of the last call: pages 2 and 3 as well
-    assert c.pages[2:4] == b.pages[2:4] and (2, 16) in d.prefill[0]
-    s.schedule(now=2.0)  # a's last block: it runs
-    assert a.state == RUNNING
+    d = s.schedule(now=3.0)
+    assert d.cached == [[(2, c)]] and c.cached == 2 and c.pages[:2] == a.pages[:2] and d.prefill == [[(2, 8)]]
     # a finishes after 6 tokens (prompt 20 + 6: 25 slots known, 24 less the margin): pages 0-5
     a.output = [50, 51, 52, 53, 54, 55]
     s.update(back(3, {0: 6}, finished=[0]), {0: a}, chunk=False)
     pages, tokens = list(a.pages), a.tokens
-    s.schedule(now=3.0)
+    s.schedule(now=4.0)
     assert a.pages == []
-    found = pool.lookup(tokens + [99], len(tokens))[0]  # a second turn finds 6 pages:
-    assert found == pages[:2] + b.pages[2:4] + pages[4:6]  # b's pages 2-3 were cached first, a's stayed its own
+    assert pool.lookup(tokens + [99], len(tokens))[0] == pages[:6]  # a second turn finds 6 pages

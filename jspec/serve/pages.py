@@ -103,7 +103,7 @@ class PagePool:
     def lookup(self, tokens: Sequence[int], most: int) -> tuple[list[int], int, int | None]:
         """The cached pages of the longest prefix of `tokens` of at most `most` tokens ->
         (pages, the node id of the last, ROOT if none; the slot of its state snapshot, None
-        if the pool keeps none). Counts the query for the metrics."""
+        if the pool keeps none). The metrics count a query when it is used (`count`)."""
         P = self.page_size
         pages, nodes = [], [ROOT]
         if self.prefix_caching:
@@ -121,9 +121,12 @@ class PagePool:
             if pages:
                 slot = self.slot_of[nodes[-1]]
                 self.node_of_slot.move_to_end(slot)
-        self.query_tokens += len(tokens)
-        self.hit_tokens += len(pages) * P
         return pages, nodes[-1], slot
+
+    def count(self, query: int, hit: int) -> None:
+        """A prompt of `query` tokens looked up, `hit` of them found (the metrics)."""
+        self.query_tokens += query
+        self.hit_tokens += hit
 
     def snapshot_slot(self) -> int | None:
         """A slot for a state saved now, pending until `attach` or `drop_slot` (None: every

@@ -32,7 +32,11 @@ keeps the ones behind it waiting (first come, first served).
 Prefix caching (a pool with `prefix_caching`, prompts passed in blocks): a request's
 prompt is looked up when it is admitted; the pages of its longest cached prefix (at most
 its prompt less one token) are shared into its row, which is set up with no pass
-(`Decisions.cached`) and prefilled from the first slot past them. Full pages are
+(`Decisions.cached`) and prefilled from the first slot past them. A request whose prompt
+begins with at least a block more than it finds, of a prompt in a row whose passes will
+cache it, waits for them (and the queue behind it), as SGLang's in-batch prefix check
+does: `n` samples of one prompt and requests that arrive together with a new common
+prefix compute it once. Full pages are
 registered in the cache once the call whose pass writes them is dispatched: an
 admission's at once (the device runs calls in order, so a pass in a later call reads them
 written: requests with a new common prefix admitted together share it), a prefill
@@ -350,20 +354,22 @@ class Scheduler:
             head = self.waiting[0]
             hit, node = [], 0
             slot = None
+            caching = self.pool is not None and self.pool.prefix_caching and self.prefill_chunk
             if self.pool is not None:
-                if self.prefill_chunk and not head.prompt_logprobs:
+                if caching and not head.prompt_logprobs:
                     hit, node, slot = self.pool.lookup(head.prompt, len(head.prompt) - 1)
+                    if self._follows(head, len(hit) * self.pool.page_size):
+                        break
                 slots = len(head.prompt) + 1 + self.chunk_slots if self.preempting else 1 << 62
                 new = max(self.pages_at(head, slots) - len(hit), 0)
                 if new + self.pool.cost(hit) > self.pages_free:
-                    if hit:  # the lookup counted a query that waits: uncount it
-                        self.pool.query_tokens -= len(head.prompt)
-                        self.pool.hit_tokens -= len(hit) * self.pool.page_size
                     break
             q = self.waiting.popleft()
             row = free.pop(0)
             q.state, q.row, q.admitted_at = PREFILLING, row, now
             if self.pool is not None:
+                if caching:
+                    self.pool.count(len(q.prompt), len(hit) * self.pool.page_size)
                 self.pool.share(hit)
                 q.pages, q.cached, q.node, q.registered = list(hit), len(hit), node, len(hit)
                 d.pages += [(row, j, p) for j, p in enumerate(hit)]
@@ -385,6 +391,18 @@ class Scheduler:
             key = ("alone", row) if q.prompt_logprobs else ("width", self.width_class(len(q.prompt)))
             groups.setdefault(key, []).append((row, q))
         return list(groups.values()), [cached] if cached else []
+
+    def _follows(self, head: Request, found: int) -> bool:
+        """Whether a request in a row will cache at least a block more of head's prompt
+        than the `found` tokens head finds now (its prompt begins with those tokens and its
+        passes have not cached them yet): head then waits for it, rather than compute what
+        it computes (`n` samples of one prompt, requests with a new common prefix)."""
+        t = found + self.prefill_chunk  # a block's worth more
+        if t > len(head.prompt) - 1:
+            return False
+        want = head.prompt[:t]
+        return any(q.registered * self.pool.page_size < t <= len(q.prompt) - 1 and q.state != DONE
+                   and q.prompt[:t] == want for q in self.rows.values())
 
     def _next_block(self, row: int, q: Request, d: Decisions) -> None:
         """The first block of a cached admission (with no prompt logprobs) joins the shared
