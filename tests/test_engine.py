@@ -127,7 +127,8 @@ def test_preempted_requests_resume_exactly(target, with_draft, kind):
     rows outgrow the pool, the latest requests are preempted and resume from their output
     so far (prompt + output prefilled again, their penalties' counts restored); every
     output equals the request run alone, greedy and seeded sampling, with and without
-    speculation. With preemption off the same requests wait instead and none is preempted."""
+    speculation; a resumed request finds its own pages in the prefix cache. With preemption
+    off the same requests wait instead and none is preempted."""
     params = target if kind == "plain" else with_draft(kind)
     cache = jspec.CacheConfig("paged", page_size=16, num_pages=3)
     engine = jspec.Engine(params, max_batch=3, max_prompt_len=16, max_new_tokens=16, cache=cache,
@@ -138,6 +139,7 @@ def test_preempted_requests_resume_exactly(target, with_draft, kind):
         assert out.tokens == tokens and out.finish_reason == reason, i
     assert engine.stats.num_preemptions > 0
     assert engine.stats.admitted == len(PROMPTS) + engine.stats.num_preemptions
+    assert kind != "plain" or engine.stats.prefix_cache_hits > 0  # a resumed request found its own pages
     if kind != "plain":
         return
     # Three at once, the latest admitted preempted first: its presence and frequency
