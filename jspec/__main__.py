@@ -110,6 +110,28 @@ def _prompt_file(path: str) -> list[str]:
         raise argparse.ArgumentTypeError(str(err)) from None
 
 
+def _compilation_cache_arg(ap: argparse.ArgumentParser):
+    ap.add_argument("--compilation-cache", default=None, metavar="DIR|none",
+                    help="keep compiled programs on disk, so that the next start with the same model and settings "
+                         "compiles nothing (JAX's persistent compilation cache; default: $JAX_COMPILATION_CACHE_DIR, "
+                         "else ~/.cache/jspec/xla; 'none': off)")
+
+
+def _compilation_cache(where: str | None) -> str | None:
+    """Turns JAX's persistent compilation cache on at `where` (None: $JAX_COMPILATION_CACHE_DIR,
+    which JAX reads itself, else ~/.cache/jspec/xla; "none": off) -> the directory."""
+    import jax
+    if where is None:
+        if os.environ.get("JAX_COMPILATION_CACHE_DIR"):
+            return os.environ["JAX_COMPILATION_CACHE_DIR"]
+        base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+        where = os.path.join(base, "jspec", "xla")
+    if where == "none":
+        return None
+    jax.config.update("jax_compilation_cache_dir", where)
+    return where
+
+
 def _model_args(ap: argparse.ArgumentParser, draft_help: str):
     ap.add_argument("--target", type=_model_dir, default=None, metavar="DIR|ID",
                     help="a Hugging Face target directory or hub id (default: the bundled target)")
@@ -312,6 +334,7 @@ def _bench_serve_parser() -> _Parser:
                     help="one prompt per line (default: a few code prompts)")
     ap.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
                     help="the engines' prefix caching (default: on)")
+    _compilation_cache_arg(ap)
     return ap
 
 
@@ -338,6 +361,7 @@ def _bench_serve(argv) -> int:
 
     ap = _bench_serve_parser()
     args, params, draft, prompts = _bench_inputs(ap, argv, "bench serve")
+    _compilation_cache(args.compilation_cache)
     from jspec.serve.tiers import Adaptive, default_tiers
 
     specs = args.spec or [Adaptive(), *[t for t in default_tiers(SpecConfig(3)) if t is not None]]
@@ -399,6 +423,7 @@ def _serve_parser() -> _Parser:
                     help="the page pool's size in tokens (pages of 16), shared by every request: a request is admitted "
                          "while its prompt and a little growth fit, and the latest is preempted (and later resumes) "
                          "when the rows outgrow it (default: what fits in --gpu-memory-utilization)")
+    _compilation_cache_arg(ap)
     ap.add_argument("--enable-prefix-caching", "--prefix-cache", action=argparse.BooleanOptionalAction, default=True,
                     help="keep the full pages of prompts and outputs, so that a request beginning with a kept "
                          "prefix skips its prefill (default: on, where the model's cache allows it; "
@@ -455,6 +480,7 @@ def _serve(argv) -> int:
     from jspec.serve.server import build_app
 
     template = _chat_template(ap, args.chat_template)
+    cache_dir = _compilation_cache(args.compilation_cache)
     params, _ = _load(ap, args)
     context = getattr(params.config, "max_position_embeddings", None) or 4096
     max_len = args.max_len or context
@@ -487,8 +513,9 @@ def _serve(argv) -> int:
     engine.warm_up()
     blocks = (f"in blocks of {engine.runner.prefill_chunk} tokens" if engine.runner.prefill_chunk else
               f"whole, in one of {len(engine.runner.widths())} widths")
+    kept = f"; kept in {cache_dir}" if cache_dir else ""
     print(f"{PROG} serve: {engine.stats.programs} programs compiled in {time.perf_counter() - t0:.1f} s "
-          f"(prompt length makes none: prompts are passed {blocks})", flush=True)
+          f"(prompt length makes none: prompts are passed {blocks}{kept})", flush=True)
     print(f"{PROG} serve: {name} on http://{args.host}:{args.port}/v1 (batch {args.max_batch}, {max_len} tokens a "
           f"request, prompt and new; {max_new} new by default{', API key required' if args.api_key else ''})",
           flush=True)
