@@ -335,3 +335,49 @@ def test_prefix_cache_hits_share_pages():
     s.schedule(now=4.0)
     assert a.pages == []
     assert pool.lookup(tokens + [99], len(tokens))[0] == pages[:6]  # a second turn finds 6 pages
+
+
+def test_snapshots_of_a_cached_admission_attach_where_they_were_saved():
+    """A hybrid's pool (snapshots at every block of 8, pages of 4): a request admitted past
+    a cached prefix saves its states at the ends of its later blocks, and each attaches to
+    the page that ends there (its pages counted from the first past the prefix), so that
+    its own prompt looked up again finds the state saved at its deepest boundary."""
+    pages_at = lambda q, slots: -(-min(slots, len(q.prompt) + q.max_new) // 4)  # noqa: E731
+    pool = PagePool(60, 4, snapshots=8, boundary=8)
+    s = Scheduler(2, prefill_chunk=8, width_class=lambda n: 64, rounds_per_chunk=2, max_waiting=16, pool=pool,
+                  pages_at=pages_at, chunk_slots=2)
+    a = request(30, 4)
+    s.add(a)
+    for t in range(6):
+        s.schedule(now=float(t))  # a's blocks, its pages and states cached
+    b = request(36, 4)
+    b.prompt = a.prompt[:16] + [90 + i for i in range(20)]  # a's first 16 tokens, then its own
+    s.add(b)
+    saved = {}
+    for t in range(6, 12):
+        d = s.schedule(now=float(t))
+        if t == 6:
+            assert d.cached == [[(1, b)]] and b.cached == 2  # a's 8 tokens with a state (page 3's key holds token 16)
+        saved.update({b.prefilled: slot for row, slot in d.save if row == 1})
+    assert sorted(saved) == [16, 24, 32]
+    pages, _, slot = pool.lookup(b.prompt, len(b.prompt) - 1)  # a's pages while they match (b's copies stay its own)
+    assert pages == a.pages[:3] + b.pages[3:8] and slot == saved[32]
+
+
+def test_a_row_with_its_last_block_in_the_call_is_not_preempted():
+    """Preempting: a row whose last prompt block is queued in the call that finds the
+    running rows short is not the one preempted (its block would run in a freed row)."""
+    pages_at = lambda q, slots: -(-min(slots, len(q.prompt) + q.max_new) // 4)  # noqa: E731
+    s = Scheduler(2, prefill_chunk=8, width_class=lambda n: 64, rounds_per_chunk=2, max_waiting=16,
+                  pool=PagePool(12, 4, prefix_caching=False), pages_at=pages_at, preempting=True, chunk_slots=2)
+    a, x = request(4, 40), request(24, 8)
+    s.add(a)
+    s.add(x)
+    d = s.schedule(now=0.0)  # a runs (2 pages), x's first block (its 7 pages)
+    assert d.dispatch and a.state == RUNNING and x.state == PREFILLING
+    d = s.schedule(now=1.0)  # x's second block, the chunk in flight
+    s.update(back(2, {0: 20}), {0: a}, chunk=True)  # a grew: 24 slots + a chunk ahead, 7 pages
+    d = s.schedule(now=2.0)  # x's last block, and a's growth does not fit beside x's pages
+    assert d.prefill == [[(1, 16)]] and x.state == RUNNING
+    assert all(r != 1 for r, _ in d.preempt) and 1 in s.rows
+    assert [q for _, q in d.preempt] == [a] and not d.dispatch or s.pages_free >= 0

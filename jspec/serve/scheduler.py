@@ -46,10 +46,12 @@ short of its end, where a draft's cache may lag). A hybrid target's recurrent st
 saved where a prompt block ends inside the prompt (`Decisions.save`) and attached to the
 page that ends there at the next call; a hit restores them (`Decisions.restore`).
 
-Order of work in one `schedule`: evict the rows of done requests; admit waiting requests
-into free rows (first come, first served; groups of one program call each); the next
-block of every prompt that is being prefilled; then whether to dispatch a chunk of rounds
-now. With no request waiting and no prompt half prefilled, a second chunk is dispatched
+Order of work in one `schedule`: cache the pages (and hybrid states) of the passes of
+earlier calls; evict the rows of done requests; the next block of every prompt that is
+being prefilled; admit waiting requests into free rows (first come, first served; groups
+of one program call each); preempt if the running rows' growth does not fit (none with a
+pass in this call); then whether to dispatch a chunk of rounds now, giving the running
+rows their pages. With no request waiting and no prompt half prefilled, a second chunk is dispatched
 behind the one in flight (the device never waits for the host); otherwise the engine
 reads the chunk in flight back first, so that the rows it frees take new requests at the
 very next chunk.
@@ -91,7 +93,7 @@ class Request:
     pages: list = dataclasses.field(default_factory=list)  # the pages its row holds, in order (a page pool)
     cached: int = 0  # of which the first `cached` were a cached prefix at its admission
     node: int = 0  # the prefix-cache node of its last registered page (`PagePool.register`; < 0: none)
-    nodes: list = dataclasses.field(default_factory=list)  # the prefix-cache node of each of its pages registered
+    nodes: list = dataclasses.field(default_factory=list)  # the prefix-cache node of each page it registered (from `cached` on)
     registered: int = 0  # its pages registered in (or found in) the prefix cache
     snaps: dict = dataclasses.field(default_factory=dict)  # prompt slot -> the pending state snapshot saved there
     output: list = dataclasses.field(default_factory=list)  # the tokens generated so far (the engine appends them)
@@ -245,19 +247,19 @@ class Scheduler:
                 self.end(q, "timeout")
         d = Decisions(tier=self.tier, ended=self.ended_waiting)
         self.ended_waiting = []
-        d.evict = [(r, q) for r, q in self.rows.items() if q.state == DONE]
-        for r, q in d.evict:
-            del self.rows[r]
-            self._let_go(q)
         if self.pool is not None and self.pool.prefix_caching:
             for q in self.rows.values():  # the pages and states of the passes dispatched in earlier calls
                 self._register(q, q.prompt, q.prefilled)
                 self._attach(q)
+        d.evict = [(r, q) for r, q in self.rows.items() if q.state == DONE]
+        for r, q in d.evict:
+            del self.rows[r]
+            self._let_go(q)
         d.prefill = self._prefill_blocks(d)  # rows parked before this call: their next blocks
         d.admit, d.cached = self._admissions(now, d)
         short = self.pages_free < 0
-        if short and self.inflight == 0:
-            d.preempt = self._preempt({r for g in d.admit + d.cached for r, _ in g})
+        if short and self.inflight == 0:  # not the rows with a pass in this call (they need no more pages)
+            d.preempt = self._preempt({r for g in d.admit + d.cached + d.prefill for r, _ in g})
             short = False
         running = self.running
         queue = bool(self.waiting or self.prefilling)
@@ -316,18 +318,18 @@ class Scheduler:
         cache (not in the call that saves them: a request admitted in it would restore
         them before they are saved)."""
         P = self.pool.page_size
-        for b in [b for b in q.snaps if 0 < b // P <= len(q.nodes)]:
-            self.pool.attach(q.nodes[b // P - 1], q.snaps.pop(b))
+        for b in [b for b in q.snaps if q.cached < b // P <= q.cached + len(q.nodes)]:
+            self.pool.attach(q.nodes[b // P - 1 - q.cached], q.snaps.pop(b))  # the node of the page ending at b
 
-    def _preempt(self, admitted: set) -> list[tuple[int, Request]]:
-        """The most recently admitted running requests (not those admitted in this call)
-        leave their rows and go back to the front of the queue until the rest fit (see the
-        module)."""
+    def _preempt(self, passing: set) -> list[tuple[int, Request]]:
+        """The most recently admitted running requests (not those with a pass in this call:
+        `passing`) leave their rows and go back to the front of the queue until the rest fit
+        (see the module)."""
         out = []
         for r, q in sorted(self.rows.items(), key=lambda rq_: (-rq_[1].admitted_at, -rq_[0])):  # latest first
             if self.pages_free >= 0:
                 break
-            if r in admitted or q.state != RUNNING:  # a prompt half prefilled has a block queued in this call
+            if r in passing or q.state != RUNNING:
                 continue
             del self.rows[r]
             self._let_go(q)
