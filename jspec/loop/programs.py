@@ -21,8 +21,9 @@ logprobs); after a prompt pass, the first token, or with `Plan.prompt_logprobs` 
 block's positions. Its size does not grow with the context.
 
 `generate`, `Compiled.run` and `stream` are clients of these; a serving engine calls
-`set_pages`, `admit`, `admit_cached`, `prefill`, `chunk` and `evict` between chunks. The state is donated to the calls that
-take one, so each updates it in place.
+`set_pages`, `admit`, `admit_cached`, `prefill`, `save_states`, `load_states`, `chunk` and
+`evict` between chunks. The state is donated to the calls that take one, so each updates
+it in place.
 """
 from __future__ import annotations
 

@@ -47,10 +47,10 @@ from jspec.models import family_for
 from jspec.params import Params
 from jspec.results import token_logprobs
 from jspec.serve.output import Delivery, Handle, OutputProcessor, RequestOutput
+from jspec.serve.pages import PagePool
 from jspec.serve.runner import NUM_STOP, Runner
 from jspec.serve.scheduler import QueueFull, Request, Scheduler
 from jspec.serve.stats import EngineStats
-from jspec.serve.pages import PagePool
 from jspec.serve.tiers import Adaptive, Chooser, buckets, default_tiers, measure_costs, tier_name
 
 __all__ = ["Engine", "EngineError", "Handle", "QueueFull", "RequestOutput"]
@@ -100,7 +100,8 @@ class Engine:
     never preempt (`jspec.serve.scheduler`). prefix_caching: a paged cache keeps the full
     pages of prompts and outputs, and a request whose prompt begins with a kept prefix
     shares those pages and is prefilled from past them (`jspec.serve.pages`; a hybrid
-    linear-attention target's at whole prompt blocks, from saved recurrent states). max_len: tokens a request may hold, prompt and generated
+    linear-attention target's at whole prompt blocks, from saved recurrent states).
+    max_len: tokens a request may hold, prompt and generated
     together (as vLLM's max_model_len): a request may then ask for any max_new_tokens up to
     max_len less its prompt (and max_new_tokens), and the cache's rows hold max_len tokens,
     not max_prompt_len + max_new_tokens (None: the two limits apart). prefill_chunk: prompt
@@ -259,8 +260,8 @@ class Engine:
         return self.error is None
 
     def kv_cache_usage(self) -> float:
-        """The share of the cache's slots in use (0 to 1): paged, the pages the rows hold
-        (cached pages nobody holds are free); dense, the slots the rows' requests may use."""
+        """The share of the cache in use (0 to 1): paged, the pages the rows hold (cached
+        pages nobody holds count as free); dense, the slots the rows' requests may use."""
         lay = self.plan.layout
         if self.pool is not None:
             with self._lock:

@@ -93,7 +93,7 @@ class Request:
     pages: list = dataclasses.field(default_factory=list)  # the pages its row holds, in order (a page pool)
     cached: int = 0  # of which the first `cached` were a cached prefix at its admission
     node: int = 0  # the prefix-cache node of its last registered page (`PagePool.register`; < 0: none)
-    nodes: list = dataclasses.field(default_factory=list)  # the prefix-cache node of each page it registered (from `cached` on)
+    nodes: list = dataclasses.field(default_factory=list)  # the cache node of each page it registered, from `cached` on
     registered: int = 0  # its pages registered in (or found in) the prefix cache
     snaps: dict = dataclasses.field(default_factory=dict)  # prompt slot -> the pending state snapshot saved there
     output: list = dataclasses.field(default_factory=list)  # the tokens generated so far (the engine appends them)
