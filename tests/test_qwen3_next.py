@@ -332,27 +332,22 @@ def test_prefix_cache_restores_recurrent_states(drafted):
     8, prompt blocks of 16): the linear layers' states are saved where a prompt block ends
     inside the prompt and restored into a request that begins with that prefix, which is
     prefilled from there (hits stop at block ends: 16 and 32 tokens); every output equals
-    the target's greedy tokens and the draft accepts what it accepts without the cache."""
+    the target's greedy tokens, with its logprobs (a wrong restored state changes them
+    even where the tiny model's tokens stay the same)."""
     p = drafted["mtp"]
     system = np.random.default_rng(2).integers(3, VOCAB, 36).tolist()
     prompts = [system + [5, 6], system[:20] + [7, 8, 9], system + [5, 6, 4]]
-    want = jspec.generate(p.with_draft(None), prompts, max_new_tokens=10, stop_token_ids=[]).tokens
-
-    def serve(caching):
-        engine = jspec.Engine(p, max_batch=2, max_prompt_len=48, max_new_tokens=10, prefill_chunk=16,
-                              cache=jspec.CacheConfig("paged", page_size=8), rounds_per_chunk=2,
-                              prefix_caching=caching)
-        first = engine.generate(prompts[0], max_new_tokens=10, stop_token_ids=[], logprobs=0)
-        handles = [engine.submit(q, max_new_tokens=10, stop_token_ids=[], logprobs=0) for q in prompts[1:]]
-        while engine.step():
-            pass
-        return engine, [first] + [h.result() for h in handles]
-    cached, got = serve(True)
-    assert cached.plan.layout.snapshots > 0 and cached.runner.prefix_caching
-    assert [o.tokens for o in got] == want
-    assert cached.stats.prefix_cache_hits == 16 + 32  # the second shares 20 tokens: one block; the third two
-    plain, again = serve(False)
-    assert [o.tokens for o in again] == want and plain.stats.prefix_cache_hits == 0
-    assert cached.stats.accept_tokens == plain.stats.accept_tokens > 0
-    for a, b in zip(got, again):  # the restored states give the same logits (a wrong state would not)
-        np.testing.assert_allclose([t.logprob for t in a.logprobs], [t.logprob for t in b.logprobs], atol=2e-5)
+    want = jspec.generate(p.with_draft(None), prompts, max_new_tokens=10, stop_token_ids=[], logprobs=0)
+    engine = jspec.Engine(p, max_batch=2, max_prompt_len=48, max_new_tokens=10, prefill_chunk=16,
+                          cache=jspec.CacheConfig("paged", page_size=8), rounds_per_chunk=2)
+    first = engine.generate(prompts[0], max_new_tokens=10, stop_token_ids=[], logprobs=0)
+    handles = [engine.submit(q, max_new_tokens=10, stop_token_ids=[], logprobs=0) for q in prompts[1:]]
+    while engine.step():
+        pass
+    got = [first] + [h.result() for h in handles]
+    assert engine.plan.layout.snapshots > 0 and engine.runner.prefix_caching
+    assert [o.tokens for o in got] == want.tokens
+    assert engine.stats.prefix_cache_hits == 16 + 32  # the second shares 20 tokens: one block; the third two
+    assert engine.stats.accept_tokens > 0
+    for out, lps in zip(got, want.logprobs):
+        np.testing.assert_allclose([t.logprob for t in out.logprobs], [t.logprob for t in lps], atol=2e-5)
