@@ -12,12 +12,12 @@ tokens, and an admission's prompt array has one of a few fixed widths (`widths`)
 The programs, for a batch of B rows (A = 1, 2, 4, ... B an admission or prefill pass):
   admit    one per (A, width) with the sampling steps, and one per width of A = 1 that
            records the prompt's logprobs (such a request is admitted alone);
-  admit_cached  one per A (prefix caching: requests that begin with a cached prefix);
+  admit_cached  one, of A = 1 (prefix caching: requests that begin with a cached prefix);
   prefill  one per A, and one of A = 1 that records the prompt's logprobs (paged caches
            whose prompts are longer than a block);
   chunk    one per tier x {greedy, sampling steps} x {logprobs recorded or not};
   evict    one;
-  set_pages  two (paged caches: up to a few pages a row, and many);
+  set_pages  one (paged caches);
   save_states, load_states  one each (prefix caching of a hybrid target's recurrent states).
 
 With a paged cache the pool's pages are the host's (`CacheLayout.host_pages`): the
@@ -207,30 +207,30 @@ class Runner:
 
     def admit_cached(self, rows: list[int], reqs: rq.Requests) -> None:
         """Dispatches the admission of requests whose prompts begin with a prefix already in
-        their rows' pages (`set_pages`): set up and parked, no pass."""
-        rows_dev, adm = self._admit_inputs(rows, reqs, self.plan.prompt_len)
-        program = self._program(("admit_cached", len(rows_dev)), programs.admit_cached_jit, self.plan,
-                                (self.state, rows_dev, adm))
-        self.state = self._call(program, self.state, rows_dev, adm)
+        their rows' pages (`set_pages`): set up and parked, no pass. One call a request (one
+        program; its prompt array is the longest prompt's width)."""
+        for i, row in enumerate(rows):
+            rows_dev, adm = self._admit_inputs([row], reqs.take([i]), self.plan.prompt_len)
+            args = (self.state, rows_dev, adm)
+            program = self._program(("admit_cached",), programs.admit_cached_jit, self.plan, args)
+            self.state = self._call(program, *args)
 
-    def page_batches(self) -> list[int]:
-        """The update counts of the `set_pages` programs: a chunk's growth of every row, and
-        an admission's many pages."""
+    def page_updates(self) -> int:
+        """Entries a `set_pages` call takes (one program): at least a chunk's growth of every
+        row; an admission of many pages takes several calls."""
         lay = self.plan.layout
-        few = pow2(self.batch * (cdiv(self.rounds_per_chunk * self.plan.slack, lay.page_size) + 1))
-        return sorted({few, max(few, 1024)})
+        return max(1024, pow2(self.batch * (cdiv(self.rounds_per_chunk * self.plan.slack, lay.page_size) + 1)))
 
     def set_pages(self, updates: list[tuple[int, int, int]]) -> None:
         """Dispatches page-table entries (row, column, page): the host's pages."""
-        counts = self.page_batches()
-        for i in range(0, len(updates), counts[-1]):
-            part = updates[i:i + counts[-1]]
-            U = next(u for u in counts if u >= len(part))
+        U = self.page_updates()
+        for i in range(0, len(updates), U):
+            part = updates[i:i + U]
             rows = np.full((U,), self.batch, np.int32)
             cols, pages = np.zeros((U,), np.int32), np.zeros((U,), np.int32)
             rows[:len(part)], cols[:len(part)], pages[:len(part)] = zip(*part)
             args = self.put((rows, cols, pages))
-            program = self._program(("set_pages", U), programs.set_pages_jit, self.plan, (self.state, *args))
+            program = self._program(("set_pages",), programs.set_pages_jit, self.plan, (self.state, *args))
             self.state = self._call(program, self.state, *args)
 
     def save_states(self, pairs: list[tuple[int, int]]) -> None:
@@ -297,17 +297,15 @@ class Runner:
         out.append((("evict",), programs.evict_jit, self.plan,
                     (self.state, self.put(np.zeros((self.batch,), np.int32)))))
         if self.plan.layout.paged:
-            for U in self.page_batches():
-                args = self.put((np.zeros((U,), np.int32),) * 3)
-                out.append((("set_pages", U), programs.set_pages_jit, self.plan, (self.state, *args)))
+            args = self.put((np.zeros((self.page_updates(),), np.int32),) * 3)
+            out.append((("set_pages",), programs.set_pages_jit, self.plan, (self.state, *args)))
         if self.plan.layout.snapshots:
             args = self.put((np.zeros((self.batch,), np.int32),) * 2)
             out += [(("save_states",), programs.save_states_jit, self.plan, (self.state, *args)),
                     (("load_states",), programs.load_states_jit, self.plan, (self.state, *args))]
         if self.prefix_caching:
-            for A in buckets(self.batch):
-                args = (self.state, *self._admit_inputs(list(range(A)), dummy.take(range(A)), self.plan.prompt_len))
-                out.append((("admit_cached", A), programs.admit_cached_jit, self.plan, args))
+            args = (self.state, *self._admit_inputs([0], dummy.take([0]), self.plan.prompt_len))
+            out.append((("admit_cached",), programs.admit_cached_jit, self.plan, args))
         return out
 
     def compile_all(self, **which) -> tuple[int, float]:
