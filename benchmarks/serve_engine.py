@@ -20,10 +20,19 @@
    `--rates`, plain, adaptive and each fixed tier, with n-gram drafts over a target whose
    greedy next token is a fixed permutation of the previous one (its attention and MLP
    outputs zeroed: every layer still runs) and prompts half of which hold their own
-   continuation (drafts accepted) and half not (drafts rejected).
+   continuation (drafts accepted) and half not (drafts rejected);
+5. the server's defaults at the model's whole context (`context`): the engine
+   `python -m jspec serve` builds (batch derived from a pool of 0.9 of the memory),
+   `--context-requests` random prompts of `--context-prompt` tokens and `--new` new ones
+   submitted at once: tokens/s, TTFT, preemptions;
+6. a shared system prompt (`shared`): `--batch` requests of one `--shared-prefix`-token
+   prefix and `--shared-question` tokens of their own, submitted at once, prefix caching on
+   against off: TTFT p50 and tokens/s;
+7. oversubscription (`oversub`): 2 x `--batch` requests of `--oversub-prompt` prompt and
+   new tokens at once, over a pool of every row's room and over one of half of it.
 
     PYTHONPATH=. python3 benchmarks/serve_engine.py [--shape 8b|tiny] [--batch 32] [--new 256]
-        [--parts full,stall,host,load] [--settings plain|spec|both]
+        [--parts full,stall,host,load,context,shared,oversub] [--settings plain|spec|both]
 
 `--identical` instead serves the bundled pair's requests (the built-in prompts with
 several lengths and seeds, greedy and sampled) through an adaptive engine at staggered
@@ -241,6 +250,95 @@ def full_batch(params, prompts, new: int, cache, tuning=None, rounds_per_chunk: 
             "chunks": chunks, "trace": trace, "run_trace": run_trace, **host}
 
 
+def burst(engine, prompts, new: int) -> dict:
+    """Every prompt submitted at once to a started engine, greedy, exactly `new` tokens each
+    -> tokens/s (generated tokens over the first submission to the last finish), TTFT and
+    latency p50 / p99 ms, and the preemptions and prefix-cache hits and queries (tokens)."""
+    s = engine.stats
+    before = (s.num_preemptions, s.prefix_cache_hits, s.prefix_cache_queries)
+    hs = [engine.submit(p, max_new_tokens=new, stop_token_ids=[]) for p in prompts]
+    lens = [len(h.result().tokens) for h in hs]
+    if any(n != new for n in lens):
+        raise AssertionError(f"token counts {sorted(set(lens))}, expected {new}: "
+                             f"{sorted({h.result().finish_reason for h in hs})}")
+    start, end = min(h.submitted for h in hs), max(h.finished_at for h in hs)
+
+    def pct(xs):
+        return [float(np.percentile(xs, q)) * 1e3 for q in (50, 99)]
+    return {"requests": len(prompts), "tokens_per_s": new * len(prompts) / (end - start), "seconds": end - start,
+            "ttft_ms": pct([h.first_token_at - h.submitted for h in hs]),
+            "latency_ms": pct([h.finished_at - h.submitted for h in hs]),
+            "preemptions": s.num_preemptions - before[0], "prefix_hit_tokens": s.prefix_cache_hits - before[1],
+            "prefix_query_tokens": s.prefix_cache_queries - before[2]}
+
+
+def full_context(params, requests: int, prompt: int, new: int, vocab: int) -> dict:
+    """The server's defaults on the model's whole context (`python -m jspec serve` builds
+    this engine: batch derived from a pool of 0.9 of the memory), `requests` random
+    prompts of `prompt` tokens and `new` new ones submitted at once."""
+    rng = np.random.default_rng(4)
+    max_len = params.config.max_position_embeddings
+    t0 = time.perf_counter()
+    engine = jspec.Engine(params, max_batch=None, max_len=max_len, max_prompt_len=max_len - 1,
+                          max_new_tokens=max_len - 1, memory_utilization=0.9)
+    lay = engine.plan.layout
+    out = {"max_len": max_len, "batch": engine.batch, "pool_tokens": lay.num_pages * lay.page_size,
+           "pool": engine.runner.pool_note, "build_s": time.perf_counter() - t0}
+    print("context:", out, flush=True)
+    out["warm_up_s"] = engine.warm_up([prompt], sampled=False, logprobs=False)
+    out["programs"] = stat(engine, "programs")
+    with engine:
+        burst(engine, [rng.integers(1, vocab, prompt).tolist() for _ in range(8)], 8)
+        out["run"] = burst(engine, [rng.integers(1, vocab, prompt).tolist() for _ in range(requests)], new)
+    return out
+
+
+def shared_prefix(params, batch: int, requests: int, prefix: int, question: int, new: int, vocab: int) -> dict:
+    """`requests` prompts of one `prefix`-token system prompt and a `question`-token
+    question of their own, submitted at once, with prefix caching on and off (an engine
+    each; a warm-up burst on another system prompt first)."""
+    rng = np.random.default_rng(5)
+    out = {}
+    for caching in (True, False):
+        engine = jspec.Engine(params, max_batch=batch, max_prompt_len=prefix + question, max_new_tokens=new,
+                              prefix_caching=caching)
+        warm = engine.warm_up([prefix + question], sampled=False, logprobs=False)
+        with engine:
+            for n in (4, requests):  # the warm-up burst, then the measured one
+                system = rng.integers(1, vocab, prefix).tolist()
+                r = burst(engine, [system + rng.integers(1, vocab, question).tolist() for _ in range(n)], new)
+        out["on" if caching else "off"] = r | {"warm_up_s": warm, "programs": stat(engine, "programs")}
+        print(f"shared prefix, caching {'on' if caching else 'off'}:", common.rounded(out["on" if caching else "off"]),
+              flush=True)
+    on, off = out["on"], out["off"]
+    out["ttft_p50_off_over_on"] = off["ttft_ms"][0] / on["ttft_ms"][0]
+    out["tokens_per_s_on_over_off"] = on["tokens_per_s"] / off["tokens_per_s"]
+    return out
+
+
+def oversubscribed(params, batch: int, requests: int, prompt: int, new: int, vocab: int) -> dict:
+    """`requests` prompts of `prompt` tokens and `new` new ones submitted at once to a batch
+    of `batch` rows, over a pool of every row's whole room and over one of half of it (the
+    rows' page demand twice the pool: requests preempted and resumed)."""
+    rng = np.random.default_rng(6)
+    out, pages = {}, None  # every row's whole room, then half of it
+    for share in (1.0, 0.5):
+        engine = jspec.Engine(params, max_batch=batch, max_prompt_len=prompt, max_new_tokens=new,
+                              cache=jspec.CacheConfig("paged", page_size=16, num_pages=pages))
+        pages = engine.plan.layout.num_pages
+        # (a resumed prompt holds its output: the preempting engine's longest prompt is longer)
+        warm = engine.warm_up([prompt, engine.runner.max_prompt_len], sampled=False, logprobs=False)
+        with engine:
+            burst(engine, [rng.integers(1, vocab, prompt).tolist() for _ in range(4)], 8)
+            r = burst(engine, [rng.integers(1, vocab, prompt).tolist() for _ in range(requests)], new)
+        key = "whole" if share == 1.0 else "half"
+        out[key] = r | {"pool_tokens": pages * 16, "warm_up_s": warm, "programs": stat(engine, "programs")}
+        print(f"oversubscription, pool {key}:", common.rounded(out[key]), flush=True)
+        pages //= 2
+    out["half_over_whole"] = out["half"]["tokens_per_s"] / out["whole"]["tokens_per_s"]
+    return out
+
+
 def idle_between_chunks(trace: str, chunks: int, gap_us: float) -> dict:
     _, spans = common.kernel_spans(trace)
     if not spans:
@@ -337,7 +435,13 @@ def main():
     ap.add_argument("--long", type=int, default=4096)
     ap.add_argument("--prefill-chunk", type=int, default=512)
     ap.add_argument("--gap-us", type=float, default=20.0)
-    ap.add_argument("--parts", default="full,stall", help="comma-separated parts: full,stall,host,load")
+    ap.add_argument("--parts", default="full,stall", help="comma-separated parts: full,stall,host,load,context,shared,oversub")
+    ap.add_argument("--context-requests", type=int, default=64, help="the context part's requests (of --new tokens)")
+    ap.add_argument("--context-prompt", type=int, default=2048, help="the context part's prompt tokens")
+    ap.add_argument("--shared-prefix", type=int, default=4096, help="the shared part's system prompt tokens")
+    ap.add_argument("--shared-question", type=int, default=128, help="the shared part's own tokens a request")
+    ap.add_argument("--shared-new", type=int, default=128, help="the shared part's new tokens a request")
+    ap.add_argument("--oversub-prompt", type=int, default=512, help="the oversub part's prompt and new tokens")
     ap.add_argument("--host-new", type=int, default=2048, help="tokens each request of the host part generates")
     ap.add_argument("--rates", type=float, nargs="+", default=[16.0, 64.0, 256.0], help="the load part's rates")
     ap.add_argument("--requests", type=int, default=96, help="the load part's requests a rate")
@@ -377,6 +481,18 @@ def main():
         out["load"] = load_8b(cfg, args.rates, args.requests, args.batch, args.load_new, args.prompt, args.settings,
                               tuning)
         print("saved", common.save_json(name, out), flush=True)  # before any later part
+    if "context" in parts:
+        out["context"] = full_context(params, args.context_requests, args.context_prompt, args.new, vocab)
+        print("context:", common.rounded(out["context"]), flush=True)
+        print("saved", common.save_json(name, out), flush=True)
+    if "shared" in parts:
+        out["shared"] = shared_prefix(params, args.batch, args.batch, args.shared_prefix, args.shared_question,
+                                      args.shared_new, vocab)
+        print("saved", common.save_json(name, out), flush=True)
+    if "oversub" in parts:
+        out["oversub"] = oversubscribed(params, args.batch, 2 * args.batch, args.oversub_prompt, args.oversub_prompt,
+                                        vocab)
+        print("saved", common.save_json(name, out), flush=True)
     if "full" in parts:
         prompts = [rng.integers(1, vocab, args.prompt).tolist() for _ in range(args.batch)]
         fb = full_batch(params, prompts, args.new, cache, tuning, args.rounds_per_chunk)

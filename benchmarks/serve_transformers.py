@@ -16,6 +16,8 @@ printed with `format_load_table`. The manager is warmed up first (CUDA graphs ca
 5.17 and 5.24.
 
 Run: PYTHONPATH=. python3 benchmarks/serve_transformers.py --target DIR [--rates 2 8 32]
+(`--random-weights --prompt-tokens N`: a config's shape with random weights and random
+prompts of N tokens, as jspec's 8B-shape benchmarks; a huge rate submits them at once)
 """
 from __future__ import annotations
 
@@ -25,6 +27,8 @@ import json
 import os
 import platform
 import time
+
+import numpy as np
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")  # jspec's imports bring JAX: keep it off the GPU
 from jspec.bench import BUILTIN_PROMPTS, read_prompts
@@ -42,11 +46,22 @@ def load(args):
     except (ImportError, AssertionError):
         raise SystemExit(f"transformers {transformers.__version__} lacks the continuous batching API used here "
                          "(ContinuousBatchingConfig, model.init_continuous_batching); use transformers 5.17 to 5.24")
-    tok = transformers.AutoTokenizer.from_pretrained(args.target)
-    texts = read_prompts(args.prompts) if args.prompts else list(BUILTIN_PROMPTS)
-    prompts = [list(tok(p)["input_ids"]) for p in texts]  # as jspec tokenises a string prompt
-    model = transformers.AutoModelForCausalLM.from_pretrained(
-        args.target, dtype=getattr(torch, args.dtype), attn_implementation=args.attn).to(args.device).eval()
+    dtype = getattr(torch, args.dtype)
+    if args.prompt_tokens:  # random ids, as jspec's benchmarks of random weights
+        config = transformers.AutoConfig.from_pretrained(args.target)
+        rng = np.random.default_rng(args.seed)
+        prompts = [rng.integers(1, config.vocab_size, args.prompt_tokens).tolist() for _ in range(args.requests)]
+    else:
+        tok = transformers.AutoTokenizer.from_pretrained(args.target)
+        texts = read_prompts(args.prompts) if args.prompts else list(BUILTIN_PROMPTS)
+        prompts = [list(tok(p)["input_ids"]) for p in texts]  # as jspec tokenises a string prompt
+    if args.random_weights:  # the config's shape, weights made on the device (nothing read)
+        config = transformers.AutoConfig.from_pretrained(args.target, attn_implementation=args.attn)
+        with torch.device(args.device):
+            model = transformers.AutoModelForCausalLM.from_config(config, dtype=dtype).eval()
+    else:
+        model = transformers.AutoModelForCausalLM.from_pretrained(
+            args.target, dtype=dtype, attn_implementation=args.attn).to(args.device).eval()
     if not hasattr(model, "init_continuous_batching"):
         raise SystemExit(f"{type(model).__name__} has no init_continuous_batching")
     # The KV cache sized for --max-batch requests (as jspec's engine), not from free memory (transformers'
@@ -115,6 +130,11 @@ def main():
     ap.add_argument("--seed", type=int, default=0, help="seed of the arrival times")
     ap.add_argument("--prompts", default=None, metavar="FILE", help="one prompt per line (default: jspec's "
                                                                     "built-in code prompts)")
+    ap.add_argument("--random-weights", action="store_true", help="the --target config's shape with random weights "
+                                                                    "made on the device (the directory needs only "
+                                                                    "config.json)")
+    ap.add_argument("--prompt-tokens", type=int, default=0, metavar="N",
+                    help="random token-id prompts of N tokens, one a request (default: text prompts)")
     ap.add_argument("--out", default=None, metavar="FILE.json")
     args = ap.parse_args()
     if min(args.rates) <= 0 or min(args.requests, args.max_new_tokens, args.max_batch) < 1:

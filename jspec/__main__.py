@@ -9,7 +9,7 @@
                                 [--prefill-chunk C]
     python -m jspec serve [--target DIR|ID --draft NAME|DIR|ID|mtp|ngram|none] [--host H] [--port P]
                           [--max-batch B] [--max-len L] [--max-new-tokens N] [--spec S,K,N|adaptive]
-                          [--prefill-chunk C] [--dtype D] [--served-model-name NAME]
+                          [--prefill-chunk C] [--max-num-batched-tokens N] [--dtype D] [--served-model-name NAME]
                           [--chat-template FILE|STRING] [--api-key KEY] [--request-timeout S]
                           [--max-logprobs K] [--log-level LEVEL]
 
@@ -409,7 +409,9 @@ def _serve_parser() -> _Parser:
                     "target 'eagle3' (the default) or 'standalone'")
     ap.add_argument("--host", default="127.0.0.1", help="address to listen on (default: 127.0.0.1)")
     ap.add_argument("--port", type=_int(0, 65536), default=8000)
-    ap.add_argument("--max-batch", type=_int(1), default=8, help="requests decoded together (default: 8)")
+    ap.add_argument("--max-batch", type=_int(1), default=None,
+                    help="requests decoded together (default: derived from the page pool, a row per 4096 of its "
+                         "tokens, a power of two from 8 to 128; 8 on the CPU)")
     ap.add_argument("--max-len", type=_int(2), default=None,
                     help="prompt + generated tokens a request may hold (default: the model's context)")
     ap.add_argument("--max-new-tokens", type=_int(1), default=None,
@@ -435,6 +437,9 @@ def _serve_parser() -> _Parser:
     ap.add_argument("--prefill-chunk", type=_int(1), default=512,
                     help="prompt tokens a prefill pass takes; longer prompts are prefilled in blocks between "
                          "chunks of rounds (default: 512)")
+    ap.add_argument("--max-num-batched-tokens", type=_int(1), default=16384, metavar="N",
+                    help="prompt tokens one pass takes at most, over all its rows (a block of --prefill-chunk "
+                         "each; default: 16384)")
     ap.add_argument("--served-model-name", default=None, help="the name /v1/models lists and requests give "
                                                              "(default: the target's directory name or hub id, or "
                                                              "jspec-bundled)")
@@ -495,7 +500,8 @@ def _serve(argv) -> int:
                               prefill_chunk=args.prefill_chunk, max_logprobs=args.max_logprobs,
                               request_timeout=args.request_timeout, cache=cache,
                               memory_utilization=None if args.kv_cache_tokens else args.gpu_memory_utilization,
-                              prefix_caching=args.enable_prefix_caching)
+                              prefix_caching=args.enable_prefix_caching,
+                              max_batched_tokens=args.max_num_batched_tokens)
     except (ValueError, TypeError) as err:
         ap.error(str(err))
     pool = engine.pool_pages
@@ -505,7 +511,8 @@ def _serve(argv) -> int:
     sized = f"; {engine.runner.pool_note}" if engine.runner.pool_note else ""
     caching = "prefix caching on" if engine.runner.prefix_caching else "no prefix caching"
     print(f"{PROG} serve: page pool of {pool} pages of {page} tokens ({pool * page} tokens, {gib:,.2f} GiB{sized}); "
-          f"{pool // whole} requests of {max_len} tokens fit at once; {caching}", flush=True)
+          f"{pool // whole} requests of {max_len} tokens fit at once; batch {engine.batch}"
+          f"{'' if args.max_batch else ' (derived from the pool)'}; {caching}", flush=True)
     name = args.served_model_name or (os.path.basename(os.path.normpath(args.target)) if args.target and
                                       os.path.isdir(args.target) else args.target) or "jspec-bundled"
     t0 = time.perf_counter()
@@ -516,7 +523,7 @@ def _serve(argv) -> int:
     kept = f"; kept in {cache_dir}" if cache_dir else ""
     print(f"{PROG} serve: {engine.stats.programs} programs compiled in {time.perf_counter() - t0:.1f} s "
           f"(prompt length makes none: prompts are passed {blocks}{kept})", flush=True)
-    print(f"{PROG} serve: {name} on http://{args.host}:{args.port}/v1 (batch {args.max_batch}, {max_len} tokens a "
+    print(f"{PROG} serve: {name} on http://{args.host}:{args.port}/v1 (batch {engine.batch}, {max_len} tokens a "
           f"request, prompt and new; {max_new} new by default{', API key required' if args.api_key else ''})",
           flush=True)
 

@@ -121,18 +121,20 @@ def test_a_small_page_pool_admits_by_pages(target):
         small.submit(list(range(1, 56)), max_new_tokens=16)
 
 
-@pytest.mark.parametrize("kind", ["plain", "eagle3"])
+@pytest.mark.parametrize("kind", ["plain", "eagle3", "ngram"])
 def test_preempted_requests_resume_exactly(target, with_draft, kind):
     """A pool of 3 pages of 16 tokens under 3 rows, admission by the pages held now: the
     rows outgrow the pool, the latest requests are preempted and resume from their output
     so far (prompt + output prefilled again, their penalties' counts restored); every
     output equals the request run alone, greedy and seeded sampling, with and without
-    speculation; a resumed request finds its own pages in the prefix cache. With preemption
-    off the same requests wait instead and none is preempted."""
-    params = target if kind == "plain" else with_draft(kind)
+    speculation; a resumed request finds its own pages in the prefix cache; passes of two
+    rows at most (max_batched_tokens). With preemption off the same requests wait instead
+    and none is preempted."""
+    params = {"plain": target, "ngram": target.with_draft(jspec.NgramDraft())}.get(kind) or with_draft(kind)
     cache = jspec.CacheConfig("paged", page_size=16, num_pages=3)
     engine = jspec.Engine(params, max_batch=3, max_prompt_len=16, max_new_tokens=16, cache=cache,
-                          rounds_per_chunk=2, prefill_chunk=8)
+                          rounds_per_chunk=2, prefill_chunk=8, max_batched_tokens=16)
+    assert engine.runner.pass_rows == 2  # a pass takes two rows' blocks of 8 at most
     got = staggered(engine)
     for i, out in got.items():
         tokens, reason = alone(params, i, cache="paged16")
@@ -343,6 +345,13 @@ def test_cancel_frees_the_row(target):
     assert waiting.result().finish_reason == "cancelled" and waiting.result().tokens == []
 
 
+def test_batch_derived_from_the_pool():
+    from jspec.serve.engine import ROW_TOKENS, derived_batch
+    pools = [0, 8 * ROW_TOKENS, 9 * ROW_TOKENS, 64 * ROW_TOKENS + 1, 127 * ROW_TOKENS, 1 << 40]
+    assert [derived_batch(t, "gpu") for t in pools] == [8, 8, 8, 64, 64, 128]
+    assert derived_batch(1 << 40, "cpu") == 8
+
+
 def test_queue_full_and_bad_requests(target):
     engine = jspec.Engine(target, max_batch=1, max_prompt_len=8, max_new_tokens=8, max_waiting=1)
     # The engine's programs ask XLA for command buffers of kernels, not of loops (on a GPU),
@@ -373,6 +382,7 @@ def test_queue_full_and_bad_requests(target):
             engine.submit(kw.pop("prompt"), **kw)
     with pytest.raises(ValueError, match="max_batch must be an int >= 1"):
         jspec.Engine(target, max_batch=0)
+    assert jspec.Engine(target, max_batch=None, max_prompt_len=8, max_new_tokens=8).batch == 8  # the CPU's
     with pytest.raises(ValueError, match="max_logprobs must be at most 20"):
         jspec.Engine(target, max_batch=1, max_logprobs=21)
     none = jspec.Engine(target, max_batch=1, max_prompt_len=8, max_new_tokens=8, max_logprobs=0)

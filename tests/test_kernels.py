@@ -419,7 +419,7 @@ def test_fused_prompt_block_equals_reference(page_size):
     """A prompt block in two fused calls (itself causally, the cache's prefix unmasked,
     merged by log-sum-exp; `kernels.attention.fused`, cuDNN on the GPU, XLA's
     implementation here) equals the reference, first blocks and later ones, rows with and
-    without a prefix, padded block tails aside."""
+    without a prefix, a paged prefix read whole or 32 slots a step, padded block tails aside."""
     from jspec.kernels.attention import fused
     B, T, Hkv, Gq, Dh, S = 3, 64, 2, 2, 16, 200
     rng = np.random.default_rng(page_size)
@@ -439,11 +439,12 @@ def test_fused_prompt_block_equals_reference(page_size):
     else:
         kv = kv.at[np.arange(B)[:, None], slots].set(jnp.stack([k_new, v_new], axis=2))
     valid = np.arange(T)[None, :] < count[:, None]
-    for first in (True, False):
+    for first, prefix_block in ((True, 4096), (False, 4096), (False, 32)):  # 32: the paged prefix in steps
         m = meta.replace(prefill=True, prefix_len=jnp.zeros((B,), jnp.int32)) if first else meta
         buf = None if first else kv
         want = np.asarray(da.attention_reference(q, k_new, v_new, buf, m, scale=0.3))
-        got = np.asarray(fused.block_attention(q, k_new, v_new, buf, m, scale=0.3, implementation="xla"))
+        got = np.asarray(fused.block_attention(q, k_new, v_new, buf, m, scale=0.3, implementation="xla",
+                                               prefix_block=prefix_block))
         np.testing.assert_allclose(got[valid], want[valid], atol=2e-5, rtol=2e-5)
     wrong = np.asarray(fused.block_attention(q, k_new, v_new, kv, meta.replace(prefix_len=meta.prefix_len + 1),
                                              scale=0.3, implementation="xla"))

@@ -99,7 +99,8 @@ def test_a_16k_prompt_on_mla_and_hybrid_targets(tmp_path, family):
     if family == "deepseek_v2":
         model = transformers.DeepseekV2ForCausalLM(transformers.DeepseekV2Config(  # one MLA + MoE layer
             num_hidden_layers=1, q_lora_rank=None, topk_method="greedy", attn_implementation="sdpa",
-            **{**COMMON, "first_k_dense_replace": 0, "max_position_embeddings": MID + 64}))
+            **{**COMMON, "first_k_dense_replace": 0, "max_position_embeddings": MID + 64,
+               "num_attention_heads": 2}))  # (transformers' reference materialises [H, T, T]: 2 heads, not 4)
     else:
         model = transformers.Qwen3_5ForCausalLM(transformers.Qwen3_5TextConfig(
             intermediate_size=96, **{**SHAPE, "max_position_embeddings": MID + 64}))

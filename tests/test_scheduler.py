@@ -79,6 +79,20 @@ def test_admission_order_groups_blocks_and_dispatch():
     assert d.dispatch and sorted(d.running) == [0, 1, 2]
 
 
+def test_passes_take_at_most_pass_rows():
+    """An admission and a prefill pass take at most `pass_rows` rows (the engine's
+    max_batched_tokens over the block): five long prompts in groups of two, two, one."""
+    s = Scheduler(8, prefill_chunk=8, width_class=lambda n: 64, rounds_per_chunk=2, max_waiting=16, pass_rows=2)
+    qs = [request(20) for _ in range(5)]
+    for q in qs:
+        s.add(q)
+    d = s.schedule(0.0)
+    assert sorted(len(g) for g in d.admit) == [1, 2, 2]
+    assert sorted(r for g in d.admit for r, _ in g) == [0, 1, 2, 3, 4]
+    d = s.schedule(1.0)
+    assert [len(g) for g in d.prefill] == [2, 2, 1] and sorted(r for g in d.prefill for r, _ in g) == [0, 1, 2, 3, 4]
+
+
 def test_prompt_logprob_rows_prefill_alone():
     s = scheduler()
     a, b = request(20, prompt_logprobs=2), request(20)

@@ -63,6 +63,11 @@ log = logging.getLogger("jspec.serve")
 # driving thread launches every kernel itself: 21.5 ms of CPU a 24 ms 8B chunk at batch 32 on
 # an H200, against 3.2 ms with these (docs/benchmarks.md, "The engine's own cost after the split").
 SERVE_COMMAND_BUFFERS = "FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN"
+# A batch derived from the pool (`max_batch=None`): a row for every ROW_TOKENS of its tokens,
+# a power of two from 8 to 128 rows; always 8 on the CPU, where a chunk costs in proportion
+# to its rows (on a GPU a decode step reads the weights once for every row).
+ROW_TOKENS = 4096
+DERIVED_ROWS = (8, 128)
 HOST_ENDS = ("cancelled", "timeout")  # finish reasons the engine itself delivers when it evicts the row
 
 
@@ -81,6 +86,16 @@ class Inflight:
     clean: bool  # nothing else was queued on the device before it since the previous chunk
 
 
+def derived_batch(pool_tokens: int, platform: str) -> int:
+    """The batch of an engine given no max_batch, from its page pool's tokens (see
+    ROW_TOKENS) on a device of `platform` ("cpu", "gpu", ...)."""
+    least, most = DERIVED_ROWS
+    if platform == "cpu":
+        return least
+    rows = max(pool_tokens // ROW_TOKENS, 1)
+    return min(max(1 << (rows.bit_length() - 1), least), most)
+
+
 class Engine:
     """Continuous batching over one batch of `max_batch` rows (see the module).
 
@@ -88,7 +103,9 @@ class Engine:
     speculation; None: the proposer's default), or `jspec.Adaptive(...)` (a tier chosen
     before each chunk, `jspec.serve.tiers`). max_prompt_len, max_new_tokens: the largest
     request the engine takes (they size the programs and caches; a larger one is refused
-    at `submit`). cache: as `jspec.compile`, paged by default (None); a pool smaller than
+    at `submit`). max_batch: rows decoded together; None: derived from a paged cache's pool
+    (`derived_batch`: a row per ROW_TOKENS tokens of it, 8 to 128 rows; 8 on the CPU or
+    with a dense cache). cache: as `jspec.compile`, paged by default (None); a pool smaller than
     every row's whole room (`CacheConfig(num_pages=...)`) admits requests only while the
     pages they may come to hold fit (`jspec.serve.scheduler`: the rest wait, none is cut
     short; one that could never fit is refused at `submit`). memory_utilization: a paged
@@ -111,7 +128,9 @@ class Engine:
     max_waiting: requests that may wait for a row before `submit` raises `QueueFull`.
     max_logprobs: the most alternatives a request's logprobs may list (0: none, and no
     logprob buffers). request_timeout: seconds a request may take from its submission
-    (None: no limit; `submit(timeout=...)` sets one per request).
+    (None: no limit; `submit(timeout=...)` sets one per request). max_batched_tokens: with
+    prompts in blocks, the most prompt tokens one pass takes (rows of prefill_chunk tokens;
+    vLLM's max_num_batched_tokens): a pass's activations stay bounded beside a full pool.
 
         engine = jspec.Engine(params, max_batch=8)
         with engine:                                  # threads drive it
@@ -120,16 +139,19 @@ class Engine:
                 print(delta.text, end="")
     """
 
-    def __init__(self, params: Params, *, max_batch: int = 8, max_prompt_len: int = 512, max_new_tokens: int = 256,
+    def __init__(self, params: Params, *, max_batch: int | None = 8, max_prompt_len: int = 512, max_new_tokens: int = 256,
                  cache=None, spec=None, tuning=None, rounds_per_chunk: int = 4, max_waiting: int = 256,
                  prefill_chunk: int = 512, max_logprobs: int = MAX_LOGPROBS, request_timeout: float | None = None,
                  memory_utilization: float | None = None, max_len: int | None = None, preemption: bool = True,
-                 prefix_caching: bool = True):
+                 prefix_caching: bool = True, max_batched_tokens: int = 16384):
         rq.check_params(params)
+        derive = max_batch is None  # then the pool sized at the most rows decides the batch
+        if derive:
+            max_batch = derived_batch(1 << 62, jax.devices()[0].platform)
         for name, v, low in (("max_batch", max_batch, 1), ("max_prompt_len", max_prompt_len, 1),
                              ("max_new_tokens", max_new_tokens, 1), ("rounds_per_chunk", rounds_per_chunk, 1),
                              ("max_waiting", max_waiting, 0), ("prefill_chunk", prefill_chunk, 1),
-                             ("max_logprobs", max_logprobs, 0)):
+                             ("max_logprobs", max_logprobs, 0), ("max_batched_tokens", max_batched_tokens, 1)):
             if not rq.is_int(v) or v < low:
                 raise ValueError(f"{name} must be an int >= {low}, got {v!r}")
         if max_logprobs > MAX_LOGPROBS:
@@ -164,10 +186,18 @@ class Engine:
             tuning = dataclasses.replace(tuning, xla_options=((key, SERVE_COMMAND_BUFFERS),) + tuning.xla_options)
         runner = dict(batch=max_batch, max_new_tokens=self.max_new_tokens, tiers=tiers, tuning=tuning,
                       prefill_chunk=prefill_chunk, rounds_per_chunk=rounds_per_chunk, max_logprobs=self.max_logprobs,
-                      prefix_caching=prefix_caching)
+                      prefix_caching=prefix_caching, max_batched_tokens=max_batched_tokens)
+        cache = rq.cache_config(cache or CacheConfig("paged"))
         self.runner = Runner(params, max_prompt_len=self.max_prompt_len, memory_utilization=memory_utilization,
-                             cache=rq.cache_config(cache or CacheConfig("paged")), **runner)
+                             cache=cache, **runner)
         lay = self.runner.plan.layout
+        if derive:  # (a dense cache's rows are the least)
+            runner["batch"] = (derived_batch(lay.num_pages * lay.page_size, jax.devices()[0].platform) if lay.paged
+                               else DERIVED_ROWS[0])
+            if runner["batch"] != self.runner.batch:
+                self.runner = Runner(params, max_prompt_len=self.max_prompt_len,
+                                     memory_utilization=memory_utilization, cache=cache, **runner)
+                lay = self.runner.plan.layout
         # A pool smaller than every row's whole room: pages decide admission (else no row can run short).
         pages_decide = lay.paged and lay.num_pages < self.runner.batch * lay.pages_per_seq
         resumed = min(self.max_prompt_len + self.max_new_tokens - 1, self.max_len - 1)
@@ -195,7 +225,8 @@ class Engine:
                                    max_waiting=max_waiting, tier=self._first_tier, pool=self.pool,
                                    pages_at=lambda q, slots: self.runner.pages_at(len(q.prompt), q.max_new, slots),
                                    preempting=preemption and pages_decide,
-                                   chunk_slots=rounds_per_chunk * self.plan.slack, cache_margin=self.plan.slack)
+                                   chunk_slots=rounds_per_chunk * self.plan.slack, cache_margin=self.plan.slack,
+                                   pass_rows=self.runner.pass_rows)
         self.output = OutputProcessor(params.tokenizer, on_stop=self._stopped, on_finish=self._finished,
                                       on_error=self._fail)
         self.stats = EngineStats(max_accept=max(t.num_steps + 1 if t else 1 for t in tiers))

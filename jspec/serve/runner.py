@@ -60,11 +60,14 @@ class Runner:
     whole room, whatever the memory); prefix_caching: prompts are passed in blocks wherever
     the cache is paged and a prefix's state lies in its pages (`prefix_in_pages`) or in
     snapshots of it (`state_snapshots`: a hybrid's, where blocks are whole pages), so that a
-    request may start past a cached prefix (`admit_cached`)."""
+    request may start past a cached prefix (`admit_cached`); max_batched_tokens: with
+    prompts in blocks, a pass takes at most this many tokens (rows of C: `pass_rows`;
+    None: a pass may take every row)."""
 
     def __init__(self, params: Params, *, batch: int, max_prompt_len: int, max_new_tokens: int, cache: CacheConfig,
                  tiers: Sequence[SpecConfig | None], tuning: Tuning, prefill_chunk: int, rounds_per_chunk: int,
-                 max_logprobs: int, memory_utilization: float | None = None, prefix_caching: bool = False):
+                 max_logprobs: int, memory_utilization: float | None = None, prefix_caching: bool = False,
+                 max_batched_tokens: int | None = None):
         self.pool_note = ""  # how the pool was sized, for the start-up log
         if cache.kind == "paged" and cache.num_pages is None and memory_utilization is not None:
             cache = self._pool_for_memory(params, batch, max_prompt_len, max_new_tokens, cache, tiers, tuning,
@@ -89,6 +92,10 @@ class Runner:
                               prefill_chunk=self.prefill_chunk, logprobs=max_logprobs, host_pages=True,
                               snapshots=snapshots)
         self.batch = self.plan.batch
+        # Rows a prompt pass takes at most (an admission or a block of C tokens each): the
+        # activations of one pass stay within max_batched_tokens tokens, not batch x C.
+        self.pass_rows = self.batch if not (self.prefill_chunk and max_batched_tokens) else \
+            min(self.batch, max(1, max_batched_tokens // self.prefill_chunk))
         self.tier_plans = [self.plan.variant(spec=t) for t in self.tiers]
         self.state = None
         self._programs: dict = {}  # small keys -> compiled programs (a full key hashes every weight's shape)
@@ -137,7 +144,8 @@ class Runner:
         return next(w for w in self.widths() if w >= prompt_len)
 
     def bucket(self, n: int) -> int:
-        return min(pow2(n), self.batch)
+        """The rows of a pass (an admission or a prefill block) of n rows."""
+        return min(pow2(n), self.pass_rows)
 
     def pages_needed(self, prompt_len: int, max_new: int) -> int:
         """Pages a request may come to hold (its slot limit: prompt, max_new and a round's
@@ -280,7 +288,7 @@ class Runner:
         logprobs = with_lp if logprobs is None else logprobs
         dummy = rq.check_requests(self.params, [[1]] * self.batch, [1] * self.batch, [], {})
         out = []
-        for A in buckets(self.batch):
+        for A in buckets(self.pass_rows):
             for lp in with_lp if A == 1 else (False,):
                 plan = self.plan.variant(sampling=True, prompt_logprobs=lp)
                 for width in widths or self.widths():
@@ -341,9 +349,12 @@ class Runner:
         if lay.paged:  # the pool is idle (nothing cached yet): row i takes the i-th run of pages
             per = self.pages_needed(len(prompt), max_new)
             self.set_pages([(r, j, r * per + j) for r in rows for j in range(per)])
-        jax.block_until_ready(self.admit(rows, reqs))
+        P = self.pass_rows
+        for i in range(0, n, P):
+            jax.block_until_ready(self.admit(rows[i:i + P], reqs.take(range(i, min(i + P, n)))))
         for start in range(self.prefill_chunk, len(prompt), self.prefill_chunk) if self.prefill_chunk else ():
-            self.prefill([(r, start) for r in rows])
+            for i in range(0, n, P):
+                self.prefill([(r, start) for r in rows[i:i + P]])
         step = lambda back: int(unpack_window(jax.device_get(back))["step"])  # noqa: E731
         step0 = step(self.chunk(tier, False, False))
         t0 = time.perf_counter()

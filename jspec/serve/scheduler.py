@@ -180,12 +180,13 @@ class Scheduler:
     def __init__(self, batch: int, *, prefill_chunk: int, width_class: Callable[[int], int], rounds_per_chunk: int,
                  max_waiting: int, chooser=None, tier: int = 0, pool: PagePool | None = None,
                  pages_at: Callable[[Request, int], int] | None = None, preempting: bool = False,
-                 chunk_slots: int = 0, cache_margin: int = 0):
+                 chunk_slots: int = 0, cache_margin: int = 0, pass_rows: int | None = None):
         if pool is not None and pages_at is None:
             raise ValueError("a page pool needs pages_at")
         self.pool, self.pages_at, self.preempting, self.chunk_slots = pool, pages_at, preempting, chunk_slots
         self.cache_margin = cache_margin
         self.batch, self.prefill_chunk, self.width_class = batch, prefill_chunk, width_class
+        self.pass_rows = pass_rows or batch  # rows one admission or prefill pass takes at most
         self.rounds_per_chunk, self.max_waiting = rounds_per_chunk, max_waiting
         self.chooser, self.tier = chooser, tier
         self.pinned: int | None = None  # a tier every chunk runs, whatever the chooser says
@@ -351,6 +352,7 @@ class Scheduler:
         with none, whose first blocks join `d.prefill`)."""
         free = [r for r in range(self.batch) if r not in self.rows]
         groups: dict[tuple, list] = {}
+        full: list = []  # groups of pass_rows rows
         cached: list = []
         while free and self.waiting:
             head = self.waiting[0]
@@ -391,8 +393,10 @@ class Scheduler:
                 self._register(q, q.prompt, q.prefilled)
                 self._snapshot(row, q, d)
             key = ("alone", row) if q.prompt_logprobs else ("width", self.width_class(len(q.prompt)))
+            if len(groups.setdefault(key, [])) == self.pass_rows:
+                full.append(groups.pop(key))
             groups.setdefault(key, []).append((row, q))
-        return list(groups.values()), [cached] if cached else []
+        return full + list(groups.values()), [cached] if cached else []
 
     def _follows(self, head: Request, found: int) -> bool:
         """Whether a request in a row will cache at least a block more of head's prompt
@@ -409,7 +413,8 @@ class Scheduler:
     def _next_block(self, row: int, q: Request, d: Decisions) -> None:
         """The first block of a cached admission (with no prompt logprobs) joins the shared
         prefill group of this call."""
-        if not d.prefill or any(self.rows[r].prompt_logprobs for r, _ in d.prefill[0]):
+        if not d.prefill or len(d.prefill[0]) == self.pass_rows or any(self.rows[r].prompt_logprobs
+                                                                      for r, _ in d.prefill[0]):
             d.prefill.insert(0, [])
         d.prefill[0].append((row, q.prefilled))
         self._advance(row, q, d)
@@ -441,7 +446,8 @@ class Scheduler:
             q = self.rows[r]
             (alone.append([(r, q.prefilled)]) if q.prompt_logprobs else shared.append((r, q.prefilled)))
             self._advance(r, q, d)
-        return ([shared] if shared else []) + alone
+        P = self.pass_rows
+        return [shared[i:i + P] for i in range(0, len(shared), P)] + alone
 
     # ------------------------------------------------------------------ what the device reported
 

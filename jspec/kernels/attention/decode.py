@@ -60,6 +60,9 @@ class AttentionTiles:
     # A prompt's causal blocks through cuDNN's fused attention where it runs
     # (`kernels.attention.fused`): 3.6x faster than this kernel at a 32k prompt on the H200.
     fused_prompt_blocks: bool = True
+    # Slots of a paged cache's prefix such a block reads a step (`fused.prefix_attention`):
+    # bounded memory for many rows of a long context (8B: 1 GiB a step at 128 rows).
+    prefix_block: int = 4096
 
 NEG_INF = -1e30
 MIN_ROWS = 16  # smallest M of a tensor-core dot in Triton

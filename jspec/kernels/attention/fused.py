@@ -12,11 +12,13 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+from jax import lax
 
 from jspec.kernels.attention.decode import pad_slots
 from jspec.kernels.meta import AttnMeta, read_kv
 
 FUSED_DTYPES = (jnp.bfloat16, jnp.float16)
+NO_KEYS = -1e30  # the log-sum-exp of a merge that saw no key yet (finite: two of them merge to no NaN)
 
 
 def max_head_dim() -> int:
@@ -43,22 +45,56 @@ def residual_lse(lse, B: int, T: int, H: int):
     return lse.astype(jnp.float32)
 
 
-def block_attention(q, k_new, v_new, kv_buf, meta: AttnMeta, *, scale: float, implementation: str = "cudnn"):
+def block_attention(q, k_new, v_new, kv_buf, meta: AttnMeta, *, scale: float, implementation: str = "cudnn",
+                    prefix_block: int = 4096):
     """Attention of a causal prompt block (see the module): q [B,T,H,Dh], its keys and
     values k_new/v_new [B,T,Hkv,Dh], the layer's cache kv_buf (dense or paged, see
-    jspec.cache.kv; None on a prompt's first block, meta.prefill) -> [B,T,H,Dh]."""
+    jspec.cache.kv; None on a prompt's first block, meta.prefill) -> [B,T,H,Dh].
+    prefix_block: slots of a paged cache's prefix read a step (`prefix_attention`)."""
     B, T, H, _ = q.shape
     own, own_lse = jax.nn.dot_product_attention(q, k_new, v_new, scale=scale, is_causal=True,
                                                 implementation=implementation, return_residual=True)
     if meta.prefill:
         return own
-    kv = pad_slots(read_kv(kv_buf, meta.page_table), 64)  # [B, S, 2, Hkv, Dh], slots in order
-    pre, pre_lse = jax.nn.dot_product_attention(q, kv[:, :, 0], kv[:, :, 1], scale=scale,
-                                                key_value_seq_lengths=jnp.maximum(meta.prefix_len, 1),
-                                                implementation=implementation, return_residual=True)
+    pre, pre_lse = prefix_attention(q, kv_buf, meta, scale=scale, implementation=implementation,
+                                    block=prefix_block)
     has_prefix = meta.prefix_len > 0
-    out, _ = merge_by_lse(own, residual_lse(own_lse, B, T, H), pre, residual_lse(pre_lse, B, T, H), has_prefix)
+    out, _ = merge_by_lse(own, residual_lse(own_lse, B, T, H), pre, pre_lse, has_prefix)
     return out.astype(q.dtype)
+
+
+def prefix_attention(q, kv_buf, meta: AttnMeta, *, scale: float, implementation: str, block: int):
+    """q [B,T,H,Dh] over the cache's first meta.prefix_len [B] slots, unmasked -> (out
+    [B,T,H,Dh], its log-sum-exp [B,T,H] float32; a row with no prefix reads a placeholder).
+    A dense cache is read in place, in one call. A paged one is gathered `block` slots (whole
+    pages) at a time, only as many steps as the longest prefix needs, the steps merged by
+    their log-sum-exps: gathering a row's whole table (128k slots of an 8B layer: 512 MiB a
+    row) would take more memory than a batch of admissions has beside a full pool."""
+    B, T, H, _ = q.shape
+
+    def attend(kv, n):  # kv [B, Sk, 2, Hkv, Dh], n [B] slots of it to read
+        o, lse = jax.nn.dot_product_attention(q, kv[:, :, 0], kv[:, :, 1], scale=scale,
+                                              key_value_seq_lengths=jnp.maximum(n, 1),
+                                              implementation=implementation, return_residual=True)
+        return o.astype(jnp.float32), residual_lse(lse, B, T, H)
+
+    table = meta.page_table
+    if table is None:
+        return attend(pad_slots(kv_buf, 64), meta.prefix_len)
+    page = kv_buf.shape[1]
+    cols = max(block // page, 1)  # pages a step: whole pages, a multiple of 64 slots (cuDNN's)
+    while cols * page % 64:
+        cols += 1
+    table = pad_slots(table, cols)  # padding entries read a clamped page, past every prefix
+    step = cols * page
+
+    def body(j, carry):
+        part = read_kv(kv_buf, lax.dynamic_slice_in_dim(table, j * cols, cols, axis=1))  # [B, step, 2, Hkv, Dh]
+        n = jnp.clip(meta.prefix_len - j * step, 0, step)
+        o, lse = attend(part, n)
+        return merge_by_lse(*carry, o, lse, n > 0)
+    init = (jnp.zeros(q.shape, jnp.float32), jnp.full((B, T, H), NO_KEYS, jnp.float32))
+    return lax.fori_loop(0, (jnp.max(meta.prefix_len) + step - 1) // step, body, init)
 
 
 def merge_by_lse(o_a, lse_a, o_b, lse_b, b_seen=None):

@@ -39,7 +39,8 @@ def attention(q, k_new, v_new, kv_buf, meta: AttnMeta, *, window: int = 0, scale
     the row-invariant kernel (`kernels.row.attention`) with these tiles instead. A causal
     prompt block goes to cuDNN's fused attention where it runs (`uses_fused`)."""
     if uses_fused(q, meta, window=window, tiles=tiles):
-        return fused.block_attention(q, k_new, v_new, kv_buf, meta, scale=scale)
+        return fused.block_attention(q, k_new, v_new, kv_buf, meta, scale=scale,
+                                     prefix_block=(tiles or AttentionTiles()).prefix_block)
     if row_tiles is not None and uses_kernel(q, kv_buf, meta, window=window):
         return row_attention(q, kv_buf, meta, window=window, scale=scale, tiles=row_tiles)
     if uses_kernel(q, kv_buf, meta, window=window):
