@@ -197,12 +197,13 @@ def test_prefix_caching_shares_pages_exactly(with_draft):
     blocks and takes them all); a pool too small to keep everything drops the least
     recently used pages. Every output (greedy and seeded sampling) equals the request run
     alone, and the EAGLE-3 head reads exactly what it would have written: the same accepted
-    tokens as an engine without prefix caching. The hits are counted in tokens. (DeepSeek's
+    tokens as an engine without prefix caching; prompt tails of at most a quarter block
+    pass the narrower block program. The hits are counted in tokens. (DeepSeek's
     MTP and Qwen3.5's: tests/test_deepseek_v32.py, tests/test_qwen3_next.py.)"""
     params = with_draft("eagle3")
     cache = jspec.CacheConfig("paged", page_size=8)
     first = SYSTEM + [5, 6, 7]
-    kw = dict(max_batch=3, max_prompt_len=64, max_new_tokens=12, cache=cache, rounds_per_chunk=2, prefill_chunk=16)
+    kw = dict(max_batch=3, max_prompt_len=64, max_new_tokens=12, cache=cache, rounds_per_chunk=2, prefill_chunk=32)
     program = jspec.compile(params, [list(range(1, 65))], max_new_tokens=12, stop_token_ids=[], cache=cache,
                             temperature=0.5)
 
@@ -222,6 +223,7 @@ def test_prefix_caching_shares_pages_exactly(with_draft):
 
     cached = jspec.Engine(params, **kw)
     got = serve(cached)
+    assert cached.runner.narrow == 8 and cached.runner.narrow_passes > 0  # prompts' tails of 8 tokens or less
     for prompt, values, out in got:
         want = program.run(prompt, max_new_tokens=12, stop_token_ids=[], **({"temperature": 0.0} | values))
         assert out.tokens == want.tokens, prompt

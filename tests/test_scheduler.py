@@ -93,6 +93,19 @@ def test_passes_take_at_most_pass_rows():
     assert [len(g) for g in d.prefill] == [2, 2, 1] and sorted(r for g in d.prefill for r, _ in g) == [0, 1, 2, 3, 4]
 
 
+def test_short_last_blocks_pass_apart():
+    """A block in which the prompt ends within `narrow_block` tokens passes apart from the
+    full blocks (the narrower program): prompts of 12 and 20 in blocks of 8, narrow 4."""
+    s = Scheduler(4, prefill_chunk=8, width_class=lambda n: 64, rounds_per_chunk=2, max_waiting=16, narrow_block=4)
+    a, b = request(12), request(20)
+    s.add(a)
+    s.add(b)
+    s.schedule(0.0)
+    d = s.schedule(1.0)
+    assert d.prefill == [[(1, 8)], [(0, 8)]]  # b's full block, a's last 4 tokens
+    assert s.short_block(a, 8) and not s.short_block(b, 8) and s.short_block(b, 16)
+
+
 def test_prompt_logprob_rows_prefill_alone():
     s = scheduler()
     a, b = request(20, prompt_logprobs=2), request(20)

@@ -70,11 +70,14 @@ class Plan:
     token_logprobs: bool = False
     prompt_logprobs: bool = False
 
-    def variant(self, *, spec=..., sampling=None, token_logprobs=None, prompt_logprobs=None) -> "Plan":
+    def variant(self, *, spec=..., sampling=None, token_logprobs=None, prompt_logprobs=None,
+                prefill_chunk=None) -> "Plan":
         """The plan of another program over the same state: a tier (`spec`, one of `spec`
-        and `tiers`), with or without the sampling steps, recording logprobs or not."""
+        and `tiers`), with or without the sampling steps, recording logprobs or not, or
+        passing prompt blocks of another width (a narrower last block: `rows.prefill`)."""
         changes = {k: v for k, v in (("sampling", sampling), ("token_logprobs", token_logprobs),
-                                     ("prompt_logprobs", prompt_logprobs)) if v is not None}
+                                     ("prompt_logprobs", prompt_logprobs), ("prefill_chunk", prefill_chunk))
+                   if v is not None}
         if spec is not ...:
             if spec not in (self.spec, *self.tiers):
                 raise ValueError(f"{spec} is not a tier of this plan")

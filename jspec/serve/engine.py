@@ -226,7 +226,7 @@ class Engine:
                                    pages_at=lambda q, slots: self.runner.pages_at(len(q.prompt), q.max_new, slots),
                                    preempting=preemption and pages_decide,
                                    chunk_slots=rounds_per_chunk * self.plan.slack, cache_margin=self.plan.slack,
-                                   pass_rows=self.runner.pass_rows)
+                                   pass_rows=self.runner.pass_rows, narrow_block=self.runner.narrow)
         self.output = OutputProcessor(params.tokenizer, on_stop=self._stopped, on_finish=self._finished,
                                       on_error=self._fail)
         self.stats = EngineStats(max_accept=max(t.num_steps + 1 if t else 1 for t in tiers))
@@ -450,7 +450,8 @@ class Engine:
             self.stats.admitted += len(group)
         for blocks in d.prefill:
             rows = {r: self.scheduler.rows[r] for r, _ in blocks}
-            passes.append((self.runner.prefill(blocks, next(iter(rows.values())).prompt_logprobs), rows))
+            narrow = all(self.scheduler.short_block(rows[r], s) for r, s in blocks)
+            passes.append((self.runner.prefill(blocks, next(iter(rows.values())).prompt_logprobs, narrow), rows))
             self.stats.prefill_passes += 1
         if d.save:  # a hybrid's states where a prompt block ended: a prefix's, for later requests
             self.runner.save_states(d.save)

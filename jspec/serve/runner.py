@@ -96,6 +96,11 @@ class Runner:
         # activations of one pass stay within max_batched_tokens tokens, not batch x C.
         self.pass_rows = self.batch if not (self.prefill_chunk and max_batched_tokens) else \
             min(self.batch, max(1, max_batched_tokens // self.prefill_chunk))
+        # A prompt's last block, where it holds at most a quarter of C tokens (a multiple of 8),
+        # passes that narrower width: a request past a cached prefix is often only its tail.
+        quarter = self.prefill_chunk // 4
+        self.narrow = quarter if quarter >= 8 and quarter % 8 == 0 else 0
+        self.narrow_passes = 0  # block passes that took it
         self.tier_plans = [self.plan.variant(spec=t) for t in self.tiers]
         self.state = None
         self._programs: dict = {}  # small keys -> compiled programs (a full key hashes every weight's shape)
@@ -198,17 +203,20 @@ class Runner:
         self.state, back = self._call(program, self.state, rows_dev, adm)
         return back
 
-    def prefill(self, blocks: list[tuple[int, int]], prompt_logprobs: bool = False):
+    def prefill(self, blocks: list[tuple[int, int]], prompt_logprobs: bool = False, narrow: bool = False):
         """Dispatches the next block of parked rows: (row, first slot of the block) each ->
-        the window readback."""
+        the window readback. narrow: every prompt ends within `self.narrow` tokens of its
+        block's start (a narrower program)."""
         A = self.bucket(len(blocks))
         rows = np.full((A,), self.batch, np.int32)
         start = np.zeros((A,), np.int32)
         rows[:len(blocks)] = [r for r, _ in blocks]
         start[:len(blocks)] = [s for _, s in blocks]
         rows_dev, start_dev = self.put((rows, start))
-        plan = self.plan.variant(sampling=True, prompt_logprobs=prompt_logprobs)
-        program = self._program(("prefill", A, prompt_logprobs), programs.prefill_jit, plan,
+        width = self.narrow if narrow and not prompt_logprobs else self.prefill_chunk
+        self.narrow_passes += width != self.prefill_chunk
+        plan = self.plan.variant(sampling=True, prompt_logprobs=prompt_logprobs, prefill_chunk=width)
+        program = self._program(("prefill", A, prompt_logprobs, width), programs.prefill_jit, plan,
                                 (self.state, rows_dev, start_dev))
         self.state, back = self._call(program, self.state, rows_dev, start_dev)
         return back
@@ -296,7 +304,9 @@ class Runner:
                     out.append((("admit", A, width, lp), programs.admit_jit, plan, args))
                 if self.prefill_chunk:
                     args = (self.state, *self.put((np.zeros((A,), np.int32), np.zeros((A,), np.int32))))
-                    out.append((("prefill", A, lp), programs.prefill_jit, plan, args))
+                    for width in (self.prefill_chunk,) + ((self.narrow,) if self.narrow and not lp else ()):
+                        out.append((("prefill", A, lp, width), programs.prefill_jit,
+                                    plan.variant(prefill_chunk=width), args))
         for tier, plan in enumerate(self.tier_plans):
             for s in sampled:
                 for lp in logprobs:

@@ -180,13 +180,15 @@ class Scheduler:
     def __init__(self, batch: int, *, prefill_chunk: int, width_class: Callable[[int], int], rounds_per_chunk: int,
                  max_waiting: int, chooser=None, tier: int = 0, pool: PagePool | None = None,
                  pages_at: Callable[[Request, int], int] | None = None, preempting: bool = False,
-                 chunk_slots: int = 0, cache_margin: int = 0, pass_rows: int | None = None):
+                 chunk_slots: int = 0, cache_margin: int = 0, pass_rows: int | None = None,
+                 narrow_block: int = 0):
         if pool is not None and pages_at is None:
             raise ValueError("a page pool needs pages_at")
         self.pool, self.pages_at, self.preempting, self.chunk_slots = pool, pages_at, preempting, chunk_slots
         self.cache_margin = cache_margin
         self.batch, self.prefill_chunk, self.width_class = batch, prefill_chunk, width_class
         self.pass_rows = pass_rows or batch  # rows one admission or prefill pass takes at most
+        self.narrow_block = narrow_block  # a narrower block program's width (0: none)
         self.rounds_per_chunk, self.max_waiting = rounds_per_chunk, max_waiting
         self.chooser, self.tier = chooser, tier
         self.pinned: int | None = None  # a tier every chunk runs, whatever the chooser says
@@ -410,13 +412,21 @@ class Scheduler:
         return any(q.registered * self.pool.page_size < t <= len(q.prompt) - 1 and q.state != DONE
                    and q.prompt[:t] == want for q in self.rows.values())
 
+    def short_block(self, q: Request, start: int) -> bool:
+        """Whether q's prompt ends within `narrow_block` tokens of `start` (its block may
+        take the narrower program)."""
+        return bool(self.narrow_block) and not q.prompt_logprobs and len(q.prompt) - start <= self.narrow_block
+
     def _next_block(self, row: int, q: Request, d: Decisions) -> None:
-        """The first block of a cached admission (with no prompt logprobs) joins the shared
-        prefill group of this call."""
-        if not d.prefill or len(d.prefill[0]) == self.pass_rows or any(self.rows[r].prompt_logprobs
-                                                                      for r, _ in d.prefill[0]):
-            d.prefill.insert(0, [])
-        d.prefill[0].append((row, q.prefilled))
+        """The first block of a cached admission (with no prompt logprobs) joins a prefill
+        group of this call with room, whose blocks are as short or as long as its own."""
+        short = self.short_block(q, q.prefilled)
+        group = next((g for g in d.prefill if len(g) < self.pass_rows and all(
+            not self.rows[r].prompt_logprobs and self.short_block(self.rows[r], s) == short for r, s in g)), None)
+        if group is None:
+            group = []
+            d.prefill.insert(0, group)
+        group.append((row, q.prefilled))
         self._advance(row, q, d)
 
     def _advance(self, row: int, q: Request, d: Decisions) -> None:
@@ -440,14 +450,19 @@ class Scheduler:
                 d.save.append((row, slot))
 
     def _prefill_blocks(self, d: Decisions) -> list[list[tuple[int, int]]]:
-        """The next block of every prompt being prefilled (rows with prompt logprobs alone)."""
-        shared, alone = [], []
+        """The next block of every prompt being prefilled, in passes of at most pass_rows
+        rows: blocks where the prompt ends within `narrow_block` tokens apart from the
+        others (they take the narrower program), rows with prompt logprobs alone."""
+        longer, short, alone = [], [], []
         for r in self.prefilling:
             q = self.rows[r]
-            (alone.append([(r, q.prefilled)]) if q.prompt_logprobs else shared.append((r, q.prefilled)))
+            if q.prompt_logprobs:
+                alone.append([(r, q.prefilled)])
+            else:
+                (short if self.short_block(q, q.prefilled) else longer).append((r, q.prefilled))
             self._advance(r, q, d)
         P = self.pass_rows
-        return [shared[i:i + P] for i in range(0, len(shared), P)] + alone
+        return [g[i:i + P] for g in (longer, short) for i in range(0, len(g), P)] + alone
 
     # ------------------------------------------------------------------ what the device reported
 
