@@ -85,7 +85,7 @@ def prefix_attention(q, kv_buf, meta: AttnMeta, *, scale: float, implementation:
     cols = max(block // page, 1)  # pages a step: whole pages, a multiple of 64 slots (cuDNN's)
     while cols * page % 64:
         cols += 1
-    table = pad_slots(table, cols)  # padding entries read a clamped page, past every prefix
+    table = pad_slots(table, cols)  # padding entries (page 0) lie past every prefix: never counted
     step = cols * page
 
     def body(j, carry):
