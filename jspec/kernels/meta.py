@@ -1,5 +1,6 @@
 """What the cache-reading kernels know of a cache: how the T new tokens of a forward pass
-meet it (`AttnMeta`), a layer's buffer read in slot order (`read_kv`), and where a slot
+meet it (`AttnMeta`), a layer's buffer read in slot order (`read_kv`, or a block of slots
+at a time: `slot_blocks`), and where a slot
 lies in a pool flattened over pages (`pool_rows`, inside a kernel).
 
 The slot layouts themselves (dense rows, paged pools, the trash slot, page allocation) are
@@ -64,6 +65,26 @@ def read_kv(buf: jax.Array, page_table: jax.Array | None) -> jax.Array:
     B, G = page_table.shape
     pages = buf[jnp.clip(page_table, 0, buf.shape[0] - 1)]  # [B, G, P, ...]
     return pages.reshape((B, G * buf.shape[1]) + buf.shape[2:])
+
+
+def slot_blocks(buf: jax.Array, page_table: jax.Array | None, block: int):
+    """A reader of one layer's buffer `block` slots at a time, in slot order -> (read,
+    block) where read(i) [B, block, ...] holds slots i*block .. (i+1)*block - 1 of each row
+    (past the buffer: whatever, to be masked). block: at most the row's slots rounded up to
+    64, then (paged) to whole pages; give a multiple of 64 for cuDNN's fused attention.
+    Paged: only block i's pages are gathered, so a loop over the blocks a prefix needs
+    holds one block of each row, not the row's whole table (at a 128k context, 512 MiB a
+    row of an 8B layer's keys and values). Dense: a slice of the buffer (padded to whole
+    blocks)."""
+    page = buf.shape[1] if page_table is not None else 1
+    slots = page_table.shape[1] * page if page_table is not None else buf.shape[1]
+    cols = -(-min(block, -(-slots // 64) * 64) // page)
+    block = cols * page
+    if page_table is None:
+        padded = jnp.pad(buf, [(0, 0), (0, -slots % block)] + [(0, 0)] * (buf.ndim - 2))
+        return (lambda i: lax.dynamic_slice_in_dim(padded, i * block, block, axis=1)), block
+    table = jnp.pad(page_table, [(0, 0), (0, -page_table.shape[1] % cols)])  # (page 0: past every prefix)
+    return (lambda i: read_kv(buf, lax.dynamic_slice_in_dim(table, i * cols, cols, axis=1))), block
 
 
 def pool_rows(table_ref, b, slot, *, page_size: int, num_pages: int, dense: bool):

@@ -14,8 +14,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from jspec.kernels.attention.decode import pad_slots
-from jspec.kernels.meta import AttnMeta, read_kv
+from jspec.kernels.meta import AttnMeta, slot_blocks
 
 FUSED_DTYPES = (jnp.bfloat16, jnp.float16)
 NO_KEYS = -1e30  # the log-sum-exp of a merge that saw no key yet (finite: two of them merge to no NaN)
@@ -50,7 +49,7 @@ def block_attention(q, k_new, v_new, kv_buf, meta: AttnMeta, *, scale: float, im
     """Attention of a causal prompt block (see the module): q [B,T,H,Dh], its keys and
     values k_new/v_new [B,T,Hkv,Dh], the layer's cache kv_buf (dense or paged, see
     jspec.cache.kv; None on a prompt's first block, meta.prefill) -> [B,T,H,Dh].
-    prefix_block: slots of a paged cache's prefix read a step (`prefix_attention`)."""
+    prefix_block: slots of the cache's prefix read a step (`prefix_attention`)."""
     B, T, H, _ = q.shape
     own, own_lse = jax.nn.dot_product_attention(q, k_new, v_new, scale=scale, is_causal=True,
                                                 implementation=implementation, return_residual=True)
@@ -65,34 +64,21 @@ def block_attention(q, k_new, v_new, kv_buf, meta: AttnMeta, *, scale: float, im
 
 def prefix_attention(q, kv_buf, meta: AttnMeta, *, scale: float, implementation: str, block: int):
     """q [B,T,H,Dh] over the cache's first meta.prefix_len [B] slots, unmasked -> (out
-    [B,T,H,Dh], its log-sum-exp [B,T,H] float32; a row with no prefix reads a placeholder).
-    A dense cache is read in place, in one call. A paged one is gathered `block` slots (whole
-    pages) at a time, only as many steps as the longest prefix needs, the steps merged by
-    their log-sum-exps: gathering a row's whole table (128k slots of an 8B layer: 512 MiB a
-    row) would take more memory than a batch of admissions has beside a full pool."""
+    [B,T,H,Dh] float32, its log-sum-exp [B,T,H]; a row with no prefix reads a placeholder).
+    The cache is read `block` slots at a time (`slot_blocks`: a paged one gathers only those
+    pages), only as many steps as the longest prefix needs, the steps merged by their
+    log-sum-exps: gathering a row's whole table (128k slots of an 8B layer: 512 MiB a row)
+    ran a batch of admissions out of memory beside a full pool."""
     B, T, H, _ = q.shape
+    read, step = slot_blocks(kv_buf, meta.page_table, block)  # (give 64-slot multiples for cuDNN)
 
-    def attend(kv, n):  # kv [B, Sk, 2, Hkv, Dh], n [B] slots of it to read
+    def body(j, carry):
+        kv = read(j)  # [B, step, 2, Hkv, Dh]
+        n = jnp.clip(meta.prefix_len - j * step, 0, step)
         o, lse = jax.nn.dot_product_attention(q, kv[:, :, 0], kv[:, :, 1], scale=scale,
                                               key_value_seq_lengths=jnp.maximum(n, 1),
                                               implementation=implementation, return_residual=True)
-        return o.astype(jnp.float32), residual_lse(lse, B, T, H)
-
-    table = meta.page_table
-    if table is None:
-        return attend(pad_slots(kv_buf, 64), meta.prefix_len)
-    page = kv_buf.shape[1]
-    cols = max(block // page, 1)  # pages a step: whole pages, a multiple of 64 slots (cuDNN's)
-    while cols * page % 64:
-        cols += 1
-    table = pad_slots(table, cols)  # padding entries (page 0) lie past every prefix: never counted
-    step = cols * page
-
-    def body(j, carry):
-        part = read_kv(kv_buf, lax.dynamic_slice_in_dim(table, j * cols, cols, axis=1))  # [B, step, 2, Hkv, Dh]
-        n = jnp.clip(meta.prefix_len - j * step, 0, step)
-        o, lse = attend(part, n)
-        return merge_by_lse(*carry, o, lse, n > 0)
+        return merge_by_lse(*carry, o.astype(jnp.float32), residual_lse(lse, B, T, H), n > 0)
     init = (jnp.zeros(q.shape, jnp.float32), jnp.full((B, T, H), NO_KEYS, jnp.float32))
     return lax.fori_loop(0, (jnp.max(meta.prefix_len) + step - 1) // step, body, init)
 

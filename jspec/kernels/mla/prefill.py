@@ -34,7 +34,7 @@ from jax.experimental import pallas as pl
 
 from jspec.kernels.attention.decode import REFERENCE_BLOCK_K, attend_cache_in_blocks, pad_slots
 from jspec.kernels.attention.fused import merge_by_lse, residual_lse
-from jspec.kernels.meta import AttnMeta, read_kv
+from jspec.kernels.meta import AttnMeta, read_kv, slot_blocks
 
 FUSED_BLOCK_K = 4096  # prefix slots a fused call (their up-projected keys and values live at once)
 
@@ -91,13 +91,11 @@ def fused_attention(q_nope, q_pe, rows, latent_buf, meta: AttnMeta, w_uk, w_uv, 
     own = attend(*expand(rows), is_causal=True)
     if meta.prefill:
         return own[0].astype(dtype)
-    cache = read_kv(latent_buf, meta.page_table)  # [B, S, Dc+Dr], slots in order
-    BK = min(block_k, -(-cache.shape[1] // 64) * 64)
-    cache = pad_slots(cache, BK)
+    read, BK = slot_blocks(latent_buf, meta.page_table, block_k)  # [B, BK, Dc+Dr] a block
 
     def prefix_block(i, carry):
         seen = jnp.clip(meta.prefix_len - i * BK, 0, BK)  # [B] prefix slots in block i
-        k, v = expand(lax.dynamic_slice_in_dim(cache, i * BK, BK, axis=1))
+        k, v = expand(read(i))
         o, lse = attend(k, v, key_value_seq_lengths=jnp.maximum(seen, 1))
         return merge_by_lse(*carry, o, lse, seen > 0)
     o, _ = lax.fori_loop(0, pl.cdiv(jnp.max(meta.prefix_len), BK), prefix_block, own)
