@@ -139,8 +139,8 @@ class Engine:
                 print(delta.text, end="")
     """
 
-    def __init__(self, params: Params, *, max_batch: int | None = 8, max_prompt_len: int = 512, max_new_tokens: int = 256,
-                 cache=None, spec=None, tuning=None, rounds_per_chunk: int = 4, max_waiting: int = 256,
+    def __init__(self, params: Params, *, max_batch: int | None = 8, max_prompt_len: int = 512,
+                 max_new_tokens: int = 256, cache=None, spec=None, tuning=None, rounds_per_chunk: int = 4, max_waiting: int = 256,
                  prefill_chunk: int = 512, max_logprobs: int = MAX_LOGPROBS, request_timeout: float | None = None,
                  memory_utilization: float | None = None, max_len: int | None = None, preemption: bool = True,
                  prefix_caching: bool = True, max_batched_tokens: int = 16384):
@@ -451,7 +451,8 @@ class Engine:
         for blocks in d.prefill:
             rows = {r: self.scheduler.rows[r] for r, _ in blocks}
             narrow = all(self.scheduler.short_block(rows[r], s) for r, s in blocks)
-            passes.append((self.runner.prefill(blocks, next(iter(rows.values())).prompt_logprobs, narrow), rows))
+            logprobs = next(iter(rows.values())).prompt_logprobs
+            passes.append((self.runner.prefill(blocks, logprobs, narrow), rows))
             self.stats.prefill_passes += 1
         if d.save:  # a hybrid's states where a prompt block ended: a prefix's, for later requests
             self.runner.save_states(d.save)

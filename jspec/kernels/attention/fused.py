@@ -14,6 +14,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from jspec.kernels.attention.decode import AttentionTiles
 from jspec.kernels.meta import AttnMeta, slot_blocks
 
 FUSED_DTYPES = (jnp.bfloat16, jnp.float16)
@@ -45,18 +46,19 @@ def residual_lse(lse, B: int, T: int, H: int):
 
 
 def block_attention(q, k_new, v_new, kv_buf, meta: AttnMeta, *, scale: float, implementation: str = "cudnn",
-                    prefix_block: int = 4096):
+                    prefix_block: int | None = None):
     """Attention of a causal prompt block (see the module): q [B,T,H,Dh], its keys and
     values k_new/v_new [B,T,Hkv,Dh], the layer's cache kv_buf (dense or paged, see
     jspec.cache.kv; None on a prompt's first block, meta.prefill) -> [B,T,H,Dh].
-    prefix_block: slots of the cache's prefix read a step (`prefix_attention`)."""
+    prefix_block: slots of the cache's prefix read a step (`prefix_attention`; None:
+    `AttentionTiles.prefix_block`)."""
     B, T, H, _ = q.shape
     own, own_lse = jax.nn.dot_product_attention(q, k_new, v_new, scale=scale, is_causal=True,
                                                 implementation=implementation, return_residual=True)
     if meta.prefill:
         return own
     pre, pre_lse = prefix_attention(q, kv_buf, meta, scale=scale, implementation=implementation,
-                                    block=prefix_block)
+                                    block=prefix_block or AttentionTiles().prefix_block)
     has_prefix = meta.prefix_len > 0
     out, _ = merge_by_lse(own, residual_lse(own_lse, B, T, H), pre, pre_lse, has_prefix)
     return out.astype(q.dtype)
