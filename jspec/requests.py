@@ -137,6 +137,8 @@ def token_list(seq, vocab: int, what: str) -> list[int]:
         raise TypeError(f"{what} must be a string or a list of token ids, got {type(seq).__name__}")
     if len(seq) == 0:
         raise ValueError(f"{what} is empty")
+    if all(type(t) is int for t in seq) and 0 <= min(seq) and max(seq) < vocab:  # the common case, at C speed
+        return list(seq)
     for t in seq:
         if not is_int(t):
             raise TypeError(f"{what} holds {t!r} ({type(t).__name__}); token ids must be ints")

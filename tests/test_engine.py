@@ -253,8 +253,9 @@ LONG_PROMPTS = PROMPTS + [list(range(40, 64)), [8, 9, 8, 9, 8] * 4]  # 24 and 20
 def test_adaptive_tiers_and_prompt_blocks_equal_alone(target, with_draft):
     """Adaptive speculation over a plain tier, a chain and a tree, the tier switched before
     every chunk in turn, prompts of up to 24 tokens prefilled in blocks of 8 on a page-1
-    pool: every request (greedy and seeded sampling) equals its run alone, whole prompt
-    and the default chain."""
+    pool (the first prompt, alone, in a wide block of 32 after its admission): every
+    request (greedy and seeded sampling) equals its run alone, whole prompt and the
+    default chain."""
     params = with_draft("eagle3")
     tiers = (None, jspec.SpecConfig(2), jspec.SpecConfig(num_steps=2, topk=2, num_draft_tokens=4))
     costs = {(t, n): 1.0 for t in range(3) for n in (1, 2, 4)}  # the batch: 3 rows, bucketed to 4
@@ -277,6 +278,7 @@ def test_adaptive_tiers_and_prompt_blocks_equal_alone(target, with_draft):
         assert h.result().tokens == alone(params, i, "paged16", LONG_PROMPTS)[0], i
     assert all(n > 0 for n in engine.stats.tier_chunks.values()), engine.stats
     assert engine.stats.prefill_passes >= 2
+    assert engine.runner.wide == 32 and engine.runner.wide_passes > 0
 
 
 def test_threads_and_asyncio(target):
@@ -489,7 +491,8 @@ def test_logprobs_speculation_off_and_min_tokens(perm):
 def test_no_compile_while_serving(with_draft):
     """After `warm_up`, serving greedy and sampled requests, with and without logprobs,
     prompt logprobs, speculation off, stop strings and prompts of every length up to the
-    largest (prefilled in blocks) compiles nothing: XLA reports no compilation."""
+    largest (prefilled in blocks) compiles nothing: XLA reports no compilation. A warm-up
+    with requests in the engine is refused."""
     import jax
     params = with_draft("eagle3")
     engine = jspec.Engine(params, max_batch=2, max_prompt_len=40, max_new_tokens=8, rounds_per_chunk=2,
@@ -507,6 +510,9 @@ def test_no_compile_while_serving(with_draft):
         engine.step()
     assert not compiles, compiles
     assert all(h.result().finish_reason in ("length", "stop") for h in hs)
+    engine.submit([5, 6], max_new_tokens=8)
+    with pytest.raises(RuntimeError, match="warm_up runs before serving"):  # its runs start the state afresh
+        engine.warm_up()
 
 
 def test_faults_fail_every_request_and_nothing_hangs(target):

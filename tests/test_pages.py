@@ -57,6 +57,23 @@ def test_prefix_lookup_chain_and_limits():
     assert pool.query_tokens == 18 and pool.hit_tokens == 16  # counted when a lookup is used
 
 
+def test_keys_without_the_next_token():
+    """Where no draft's cache reads the token after a page (`next_token=False`: plain
+    decoding, standalone and n-gram drafts), a page's key is its own tokens: a prompt
+    that differs right after a page still finds it, and a page is full at its last slot."""
+    pool = PagePool(8, 4, next_token=False)
+    tokens = list(range(100, 116))  # 16 tokens: 4 full pages
+    pages = pool.take(4)
+    node = 0
+    for j, page in enumerate(pages):
+        node = pool.register(node, tokens[j * 4:(j + 1) * 4], page)
+    assert pool.lookup(tokens, 16)[0] == pages and pool.lookup(tokens, 15)[0] == pages[:3]
+    differs_after = tokens[:4] + [9] + tokens[5:]  # differs at the second page's first token
+    assert pool.lookup(differs_after, 15)[0] == pages[:1]
+    with pytest.raises(ValueError, match="a page's key takes 4 tokens, got 5"):
+        pool.register(node, tokens[:5], pages[0])
+
+
 def test_duplicates_keep_the_first_page_and_chain_on():
     pool = PagePool(8, 2)
     tokens = [1, 2, 3, 4, 5, 6, 7]

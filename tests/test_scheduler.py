@@ -106,6 +106,37 @@ def test_short_last_blocks_pass_apart():
     assert s.short_block(a, 8) and not s.short_block(b, 8) and s.short_block(b, 16)
 
 
+def test_a_lone_prompt_takes_wide_blocks():
+    """A lone prompt (the only full block to pass, no row decoding) passes `wide_block`
+    tokens while at least half of that is left, then blocks of C; with a row decoding, or
+    two prompts to pass, blocks of C. Blocks of 8, wide 32, narrow 4: a prompt of 50
+    passes 8 (its admission), 32, 8 (10 left: less than half of 32), 4 (narrow)."""
+    s = Scheduler(4, prefill_chunk=8, width_class=lambda n: 64, rounds_per_chunk=2, max_waiting=16, narrow_block=4,
+                  wide_block=32)
+    a = request(50, max_new=20)
+    s.add(a)
+    s.schedule(0.0)
+    seen = []
+    while a.state == PREFILLING:
+        d = s.schedule(1.0)
+        seen.append((d.prefill, d.widths))
+    assert seen == [([[(0, 8)]], [32]), ([[(0, 40)]], [8]), ([[(0, 48)]], [4])]
+    # a runs now: the next prompt's blocks are of 8 (its rows would wait behind a wide pass)
+    b = request(60)
+    s.add(b)
+    s.schedule(2.0)
+    s.update(back(4, {0: 2}), {0: a}, chunk=True)
+    d = s.schedule(3.0)
+    assert d.prefill == [[(1, 8)]] and d.widths == [8]
+    # two prompts, nothing running: blocks of 8 for both
+    s2 = Scheduler(4, prefill_chunk=8, width_class=lambda n: 64, rounds_per_chunk=2, max_waiting=16, wide_block=32)
+    for q in (request(60), request(60)):
+        s2.add(q)
+    s2.schedule(0.0)
+    d = s2.schedule(1.0)
+    assert d.prefill == [[(0, 8), (1, 8)]] and d.widths == [8]
+
+
 def test_prompt_logprob_rows_prefill_alone():
     s = scheduler()
     a, b = request(20, prompt_logprobs=2), request(20)

@@ -218,15 +218,18 @@ class Engine:
                 raise ValueError(f"Adaptive.costs has no cost for (tier, bucket) {missing[0]}; it needs one for every "
                                  f"tier index and occupancy bucket {buckets(self.batch)} (the batch bucketed)")
         self.pool_pages = lay.num_pages if lay.paged else 0
+        proposer = self.plan.proposer
+        next_token = proposer is not None and proposer.cache_reads_next_token()
         self.pool = PagePool(lay.num_pages, lay.page_size, self.runner.prefix_caching, snapshots=lay.snapshots,
-                             boundary=self.runner.prefill_chunk) if lay.paged else None
+                             boundary=self.runner.prefill_chunk, next_token=next_token) if lay.paged else None
         self.scheduler = Scheduler(self.batch, prefill_chunk=self.runner.prefill_chunk,
                                    width_class=self.runner.width_class, rounds_per_chunk=rounds_per_chunk,
                                    max_waiting=max_waiting, tier=self._first_tier, pool=self.pool,
                                    pages_at=lambda q, slots: self.runner.pages_at(len(q.prompt), q.max_new, slots),
                                    preempting=preemption and pages_decide,
                                    chunk_slots=rounds_per_chunk * self.plan.slack, cache_margin=self.plan.slack,
-                                   pass_rows=self.runner.pass_rows, narrow_block=self.runner.narrow)
+                                   pass_rows=self.runner.pass_rows, narrow_block=self.runner.narrow,
+                                   wide_block=self.runner.wide)
         self.output = OutputProcessor(params.tokenizer, on_stop=self._stopped, on_finish=self._finished,
                                       on_error=self._fail)
         self.stats = EngineStats(max_accept=max(t.num_steps + 1 if t else 1 for t in tiers))
@@ -448,11 +451,10 @@ class Engine:
             rows, reqs = [r for r, _ in group], rq.Requests.concat([q.reqs for _, q in group])
             passes.append((self.runner.admit(rows, reqs, group[0][1].prompt_logprobs), dict(group)))
             self.stats.admitted += len(group)
-        for blocks in d.prefill:
+        for blocks, width in zip(d.prefill, d.widths):
             rows = {r: self.scheduler.rows[r] for r, _ in blocks}
-            narrow = all(self.scheduler.short_block(rows[r], s) for r, s in blocks)
             logprobs = next(iter(rows.values())).prompt_logprobs
-            passes.append((self.runner.prefill(blocks, logprobs, narrow), rows))
+            passes.append((self.runner.prefill(blocks, width, logprobs), rows))
             self.stats.prefill_passes += 1
         if d.save:  # a hybrid's states where a prompt block ended: a prefix's, for later requests
             self.runner.save_states(d.save)
@@ -543,19 +545,26 @@ class Engine:
 
     def warm_up(self, prompt_lens: Sequence[int] | None = None, sampled: bool = True,
                 logprobs: bool | None = None) -> float:
-        """Compiles every program serving may run (`Runner.programs_needed`): prompt_lens:
-        only the admission widths these prompt lengths take (None: all); sampled: also the
-        programs with the sampling steps; logprobs: also those recording logprobs (None:
-        where the engine keeps them). For adaptive speculation the round costs are
-        measured first. -> seconds (programs compiled before cost nothing); the count is
-        `stats.programs`."""
+        """Compiles every program serving may run (`Runner.programs_needed`) and runs each
+        once (`Runner.compile_all`), before the engine serves: prompt_lens: only the
+        admission widths these prompt lengths take (None: all); sampled: also the programs
+        with the sampling steps; logprobs: also those recording logprobs (None: where the
+        engine keeps them). For adaptive speculation the round costs are measured first.
+        -> seconds (programs compiled before cost only their run); the count is
+        `stats.programs`. RuntimeError while requests are in the engine (the runs start the
+        device state afresh, and the prefix cache with it)."""
         t0 = time.perf_counter()
+        with self._lock:
+            if self.scheduler.has_work or self._inflight:
+                raise RuntimeError("warm_up runs before serving: this engine has requests in it")
         self._ready()
         widths = None if prompt_lens is None else sorted({self.runner.width_class(n) for n in prompt_lens})
         count, _ = self.runner.compile_all(widths=widths, sampled=(False, True) if sampled else (False,),
                                            logprobs=None if logprobs is None else
                                            ((False, True) if logprobs else (False,)))
         self.stats.programs = count
+        if self.pool is not None:
+            self.pool.clear()  # the device's pages hold nothing now
         seconds = time.perf_counter() - t0
         self.stats.startup_s += seconds
         return seconds

@@ -5,10 +5,11 @@ Pure host logic (tested on its own, `tests/test_pages.py`); the scheduler asks i
 pages and the runner writes them into the device's page table.
 
 The prefix cache. A page is *full* when all its P slots hold a request's keys and values
-and the token after them is known. Such a page is registered under a key: its parent's
-key and its own P tokens plus the next one (an EAGLE-style draft's value at the page's
-last slot is computed from that next token, so the page is exact for drafts as well as the
-target). Keys chain from the first page, so a key names a whole prefix: a later request
+(and, with `next_token`, the token after them is known). Such a page is registered under a
+key: its parent's key and its own P tokens, plus the next one where a draft's cache at a
+slot reads the token after it (an EAGLE-style head's value at the page's last slot is
+computed from that next token, so the page is exact for the draft as well as the target;
+`Proposer.cache_reads_next_token`). Keys chain from the first page, so a key names a whole prefix: a later request
 whose prompt begins with the same tokens looks its pages up (`lookup`) and shares them
 (`share`), its pass starting past them. A page nobody holds stays cached among the free
 pages; pages that hold nothing cached are handed out first, then cached ones, least
@@ -28,14 +29,17 @@ class PoolEmpty(RuntimeError):
 
 class PagePool:
     """num_pages pages of page_size tokens. prefix_caching: keep and look up full pages;
-    snapshots, boundary: the state snapshots a prefix needs (0: none needed; see the module)."""
+    snapshots, boundary: the state snapshots a prefix needs (0: none needed); next_token: a
+    page's key holds the token after it too (see the module)."""
 
     def __init__(self, num_pages: int, page_size: int, prefix_caching: bool = True, snapshots: int = 0,
-                 boundary: int = 0):
+                 boundary: int = 0, next_token: bool = True):
         if snapshots and (boundary <= 0 or boundary % page_size):
             raise ValueError(f"snapshot boundaries ({boundary}) must be a multiple of the page size ({page_size})")
         self.num_pages, self.page_size, self.prefix_caching = num_pages, page_size, prefix_caching
         self.snapshots, self.boundary = snapshots, boundary
+        self.next_token = int(next_token)
+        self.key_len = page_size + self.next_token  # the tokens a page's key holds
         self.query_tokens = self.hit_tokens = 0  # prompt tokens looked up and found (metrics; never reset)
         self.clear()
 
@@ -107,8 +111,8 @@ class PagePool:
         P = self.page_size
         pages, nodes = [], [ROOT]
         if self.prefix_caching:
-            for j in range(min(most, len(tokens) - 1) // P):
-                hit = self.nodes.get(self.key(nodes[-1], tokens[j * P:(j + 1) * P + 1]))
+            for j in range(min(most, len(tokens) - self.next_token) // P):
+                hit = self.nodes.get(self.key(nodes[-1], tokens[j * P:j * P + self.key_len]))
                 if hit is None:
                     break
                 nodes.append(hit[0])
@@ -152,11 +156,11 @@ class PagePool:
         self.free_slots.append(slot)
 
     def register(self, parent: int, tokens: Sequence[int], page: int) -> int:
-        """Page `page`, full, holds `tokens` (its P tokens and the next) after the prefix
-        of node `parent` -> the node id of the longer prefix. If that prefix is cached in
-        another page already, this page stays uncached and that node is returned."""
-        if len(tokens) != self.page_size + 1:
-            raise ValueError(f"a page's key takes {self.page_size + 1} tokens, got {len(tokens)}")
+        """Page `page`, full, holds `tokens` (its P tokens, and the next with `next_token`)
+        after the prefix of node `parent` -> the node id of the longer prefix. If that prefix
+        is cached in another page already, this page stays uncached and that node is returned."""
+        if len(tokens) != self.key_len:
+            raise ValueError(f"a page's key takes {self.key_len} tokens, got {len(tokens)}")
         k = self.key(parent, tokens)
         hit = self.nodes.get(k)
         if hit is not None:

@@ -14,7 +14,9 @@ The programs, for a batch of B rows (A = 1, 2, 4, ... B an admission or prefill 
            records the prompt's logprobs (such a request is admitted alone);
   admit_cached  one, of A = 1 (prefix caching: requests that begin with a cached prefix);
   prefill  one per A, and one of A = 1 that records the prompt's logprobs (paged caches
-           whose prompts are longer than a block);
+           whose prompts are longer than a block); one per A of the narrower width
+           (`narrow`, a prompt's short last block), and one of A = 1 of the wider width
+           (`wide`, a lone prompt's blocks);
   chunk    one per tier x {greedy, sampling steps} x {logprobs recorded or not};
   evict    one;
   set_pages  one (paged caches);
@@ -46,6 +48,7 @@ from jspec.params import Params
 from jspec.serve.tiers import buckets
 
 NUM_STOP = 8  # stop ids a request may give (its own and the model's EOS ids together)
+WIDE_BLOCKS = 8  # blocks a lone prompt's pass takes at most (`Runner.wide`)
 
 
 class Runner:
@@ -101,6 +104,11 @@ class Runner:
         quarter = self.prefill_chunk // 4
         self.narrow = quarter if quarter >= 8 and quarter % 8 == 0 else 0
         self.narrow_passes = 0  # block passes that took it
+        # A lone prompt (no row decoding) passes WIDE_BLOCKS blocks at once where a pass may take
+        # that many tokens and a prompt can be that long: fewer engine iterations to its first token.
+        wide = self.prefill_chunk * min(WIDE_BLOCKS, self.pass_rows)
+        self.wide = wide if self.prefill_chunk and wide > self.prefill_chunk and wide // 2 < Tp else 0
+        self.wide_passes = 0  # block passes that took it
         self.tier_plans = [self.plan.variant(spec=t) for t in self.tiers]
         self.state = None
         self._programs: dict = {}  # small keys -> compiled programs (a full key hashes every weight's shape)
@@ -203,18 +211,21 @@ class Runner:
         self.state, back = self._call(program, self.state, rows_dev, adm)
         return back
 
-    def prefill(self, blocks: list[tuple[int, int]], prompt_logprobs: bool = False, narrow: bool = False):
+    def prefill(self, blocks: list[tuple[int, int]], width: int | None = None, prompt_logprobs: bool = False):
         """Dispatches the next block of parked rows: (row, first slot of the block) each ->
-        the window readback. narrow: every prompt ends within `self.narrow` tokens of its
-        block's start (a narrower program)."""
+        the window readback. width: the block's tokens, `prefill_chunk` (None), `narrow`
+        (every prompt ends within it) or `wide` (one row)."""
+        width = width or self.prefill_chunk
+        if width not in (self.prefill_chunk, self.narrow, self.wide) or (width == self.wide and len(blocks) > 1):
+            raise ValueError(f"no prefill program of {len(blocks)} rows of {width} tokens")
         A = self.bucket(len(blocks))
         rows = np.full((A,), self.batch, np.int32)
         start = np.zeros((A,), np.int32)
         rows[:len(blocks)] = [r for r, _ in blocks]
         start[:len(blocks)] = [s for _, s in blocks]
         rows_dev, start_dev = self.put((rows, start))
-        width = self.narrow if narrow and not prompt_logprobs else self.prefill_chunk
-        self.narrow_passes += width != self.prefill_chunk
+        self.narrow_passes += width < self.prefill_chunk
+        self.wide_passes += width > self.prefill_chunk
         plan = self.plan.variant(sampling=True, prompt_logprobs=prompt_logprobs, prefill_chunk=width)
         program = self._program(("prefill", A, prompt_logprobs, width), programs.prefill_jit, plan,
                                 (self.state, rows_dev, start_dev))
@@ -304,7 +315,8 @@ class Runner:
                     out.append((("admit", A, width, lp), programs.admit_jit, plan, args))
                 if self.prefill_chunk:
                     args = (self.state, *self.put((np.zeros((A,), np.int32), np.zeros((A,), np.int32))))
-                    for width in (self.prefill_chunk,) + ((self.narrow,) if self.narrow and not lp else ()):
+                    others = (self.narrow, self.wide if A == 1 else 0) if not lp else ()
+                    for width in [self.prefill_chunk] + [w for w in others if w]:
                         out.append((("prefill", A, lp, width), programs.prefill_jit,
                                     plan.variant(prefill_chunk=width), args))
         for tier, plan in enumerate(self.tier_plans):
@@ -327,14 +339,23 @@ class Runner:
         return out
 
     def compile_all(self, **which) -> tuple[int, float]:
-        """Compiles `programs_needed(**which)` -> (how many, seconds; programs compiled
-        before cost nothing)."""
+        """Compiles `programs_needed(**which)` and runs each once on placeholder inputs, then
+        starts from a fresh state -> (how many, seconds; programs compiled before cost only
+        their run). The run matters on a GPU: a program's first call loads its kernels and
+        builds its cuDNN plans (0.4 s of the first pass of 31 rows of 512 tokens on the 8B
+        shape, H200), which would otherwise fall on a request."""
         if self.state is None:
             self.reset()
         t0 = time.perf_counter()
         needed = self.programs_needed(**which)
         for key, entry, plan, args in needed:
             self._program(key, entry, plan, args)
+        state = self.state  # every program's args begin with the state, which each call donates
+        for key, _, _, args in needed:
+            out = self._programs[key](*self.weights, state, *args[1:])
+            state = out[0] if isinstance(out, tuple) else out
+        jax.block_until_ready(state)
+        self.reset()
         return len(needed), time.perf_counter() - t0
 
     def time_rounds(self, tier: int, n: int, context: int, repeats: int) -> float:

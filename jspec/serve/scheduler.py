@@ -153,6 +153,7 @@ class Decisions:
     evict: list[tuple[int, Request]] = dataclasses.field(default_factory=list)
     admit: list[list[tuple[int, Request]]] = dataclasses.field(default_factory=list)
     prefill: list[list[tuple[int, int]]] = dataclasses.field(default_factory=list)
+    widths: list[int] = dataclasses.field(default_factory=list)  # each prefill pass's block width (tokens a row)
     dispatch: bool = False
     tier: int = 0
     sampled: bool = False
@@ -175,13 +176,16 @@ class Scheduler:
     the chooser's first); pool: the page pool (None: no page accounting, a dense cache);
     pages_at(request, slots) -> the pages that hold that many of its slots (within its
     limit); preempting: the policy (see the module); chunk_slots: the slots a chunk may add
-    to a row; cache_margin: slots short of an evicted row's end that its cached pages stay."""
+    to a row; cache_margin: slots short of an evicted row's end that its cached pages stay;
+    pass_rows: rows a pass takes at most; narrow_block: the width of a narrower block
+    program for a prompt's short last block (0: none); wide_block: the width of a wider
+    block program of one row, for a lone prompt (0: none; see `_prefill_blocks`)."""
 
     def __init__(self, batch: int, *, prefill_chunk: int, width_class: Callable[[int], int], rounds_per_chunk: int,
                  max_waiting: int, chooser=None, tier: int = 0, pool: PagePool | None = None,
                  pages_at: Callable[[Request, int], int] | None = None, preempting: bool = False,
                  chunk_slots: int = 0, cache_margin: int = 0, pass_rows: int | None = None,
-                 narrow_block: int = 0):
+                 narrow_block: int = 0, wide_block: int = 0):
         if pool is not None and pages_at is None:
             raise ValueError("a page pool needs pages_at")
         self.pool, self.pages_at, self.preempting, self.chunk_slots = pool, pages_at, preempting, chunk_slots
@@ -189,6 +193,7 @@ class Scheduler:
         self.batch, self.prefill_chunk, self.width_class = batch, prefill_chunk, width_class
         self.pass_rows = pass_rows or batch  # rows one admission or prefill pass takes at most
         self.narrow_block = narrow_block  # a narrower block program's width (0: none)
+        self.wide_block = wide_block  # a wider block program's width, for one row (0: none)
         self.rounds_per_chunk, self.max_waiting = rounds_per_chunk, max_waiting
         self.chooser, self.tier = chooser, tier
         self.pinned: int | None = None  # a tier every chunk runs, whatever the chooser says
@@ -258,7 +263,7 @@ class Scheduler:
         for r, q in d.evict:
             del self.rows[r]
             self._let_go(q)
-        d.prefill = self._prefill_blocks(d)  # rows parked before this call: their next blocks
+        d.prefill, d.widths = self._prefill_blocks(d)  # rows parked before this call: their next blocks
         d.admit, d.cached = self._admissions(now, d)
         short = self.pages_free < 0
         if short and self.inflight == 0:  # not the rows with a pass in this call (they need no more pages)
@@ -304,15 +309,16 @@ class Scheduler:
         q.pages, q.snaps = [], {}
 
     def _register(self, q: Request, tokens: list[int], known: int) -> None:
-        """q's pages up to slot `known` (whose token after is in `tokens`) into the cache."""
+        """q's pages up to slot `known` (and, where the pool's keys hold it, whose token after
+        is in `tokens`) into the cache."""
         P = self.pool.page_size
-        upto = min(max(known, 0), len(tokens) - 1) // P
+        upto = min(max(known, 0), len(tokens) - self.pool.next_token) // P
         if upto <= q.registered:
             return
         for j in range(q.registered, min(upto, len(q.pages))):
             if q.node < 0:
                 break
-            q.node = self.pool.register(q.node, tokens[j * P:(j + 1) * P + 1], q.pages[j])
+            q.node = self.pool.register(q.node, tokens[j * P:j * P + self.pool.key_len], q.pages[j])
             q.nodes.append(q.node)
         q.registered = max(q.registered, min(upto, len(q.pages)))
 
@@ -420,20 +426,21 @@ class Scheduler:
     def _next_block(self, row: int, q: Request, d: Decisions) -> None:
         """The first block of a cached admission (with no prompt logprobs) joins a prefill
         group of this call with room, whose blocks are as short or as long as its own."""
-        short = self.short_block(q, q.prefilled)
-        group = next((g for g in d.prefill if len(g) < self.pass_rows and all(
-            not self.rows[r].prompt_logprobs and self.short_block(self.rows[r], s) == short for r, s in g)), None)
+        width = self.narrow_block if self.short_block(q, q.prefilled) else self.prefill_chunk
+        group = next((g for g, w in zip(d.prefill, d.widths) if w == width and len(g) < self.pass_rows and all(
+            not self.rows[r].prompt_logprobs for r, _ in g)), None)
         if group is None:
             group = []
             d.prefill.insert(0, group)
+            d.widths.insert(0, width)
         group.append((row, q.prefilled))
-        self._advance(row, q, d)
+        self._advance(row, q, d, width)
 
-    def _advance(self, row: int, q: Request, d: Decisions) -> None:
-        """A block of q's prompt was dispatched: how far it got. (Its pages are cached at the
-        next call: a request admitted in this one may have its first block in the same
-        prefill pass, which must not read pages that pass writes.)"""
-        q.prefilled = min(len(q.prompt), q.prefilled + self.prefill_chunk)
+    def _advance(self, row: int, q: Request, d: Decisions, width: int) -> None:
+        """A block of q's prompt, `width` tokens wide, was dispatched: how far it got. (Its
+        pages are cached at the next call: a request admitted in this one may have its first
+        block in the same prefill pass, which must not read pages that pass writes.)"""
+        q.prefilled = min(len(q.prompt), q.prefilled + width)
         if q.prefilled == len(q.prompt):
             q.state = RUNNING
         elif self.pool is not None:
@@ -449,10 +456,14 @@ class Scheduler:
                 q.snaps[b] = slot
                 d.save.append((row, slot))
 
-    def _prefill_blocks(self, d: Decisions) -> list[list[tuple[int, int]]]:
+    def _prefill_blocks(self, d: Decisions) -> tuple[list[list[tuple[int, int]]], list[int]]:
         """The next block of every prompt being prefilled, in passes of at most pass_rows
-        rows: blocks where the prompt ends within `narrow_block` tokens apart from the
-        others (they take the narrower program), rows with prompt logprobs alone."""
+        rows -> (the passes, each pass's block width). Blocks where the prompt ends within
+        `narrow_block` tokens pass apart from the others (the narrower program), rows with
+        prompt logprobs alone. A lone prompt (the only one with a full block to pass, no row
+        decoding) takes `wide_block` tokens a pass while at least half of that is left:
+        nothing waits behind its passes but the requests that will share its prefix, so it
+        gets to its first token in fewer engine iterations."""
         longer, short, alone = [], [], []
         for r in self.prefilling:
             q = self.rows[r]
@@ -460,9 +471,15 @@ class Scheduler:
                 alone.append([(r, q.prefilled)])
             else:
                 (short if self.short_block(q, q.prefilled) else longer).append((r, q.prefilled))
-            self._advance(r, q, d)
-        P = self.pass_rows
-        return [g[i:i + P] for g in (longer, short) for i in range(0, len(g), P)] + alone
+        wide = (self.wide_block and len(longer) == 1 and not self.running
+                and len(self.rows[longer[0][0]].prompt) - longer[0][1] >= self.wide_block // 2)
+        P, C = self.pass_rows, self.prefill_chunk
+        passes = [(g[i:i + P], w) for g, w in ((longer, self.wide_block if wide else C), (short, self.narrow_block))
+                  for i in range(0, len(g), P)] + [(g, C) for g in alone]
+        for blocks, width in passes:
+            for r, _ in blocks:
+                self._advance(r, self.rows[r], d, width)
+        return [g for g, _ in passes], [w for _, w in passes]
 
     # ------------------------------------------------------------------ what the device reported
 

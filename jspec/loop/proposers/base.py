@@ -70,6 +70,12 @@ class Proposer:
         forwards and the room their cache kind asks past them); 0 without caches."""
         return 0
 
+    def cache_reads_next_token(self) -> bool:
+        """Whether this proposer's state at a slot depends on the token after it (an EAGLE
+        head's cache pairs token i+1 with the target's feature at i): a prefix-cached page
+        is then keyed by that token too (`jspec.serve.pages`)."""
+        return False
+
     def init(self, plan, batch: int) -> Any:
         """The proposer's state for `batch` free rows."""
         return None

@@ -62,6 +62,9 @@ class NeuralProposer(Proposer):
         extra = lambda T: self.draft.cache_kind().extra_slots(T, paged)  # noqa: E731
         return max(S + 1 + lag + extra(S + 1 + lag), lag + (S - 1) * K + extra(K))
 
+    def cache_reads_next_token(self) -> bool:
+        return self.draft.lag == 0  # an EAGLE-style head (a standalone draft's slot i holds token i)
+
     def init(self, plan, batch: int) -> NeuralState:
         return NeuralState(cache=self.draft.cache_kind().init(plan.layout, batch),
                            hidden=jnp.zeros((batch, self.draft.hidden_size), jnp.dtype(plan.target.dtype)))
