@@ -29,9 +29,10 @@
    prefix and `--shared-question` tokens of their own, submitted at once, prefix caching on
    against off: TTFT p50 and tokens/s;
 7. oversubscription (`oversub`): 2 x `--batch` requests of `--oversub-prompt` prompt and
-   new tokens at once, over a pool of every row's room and over one of half of it.
+   new tokens at once, over a pool of every row's room, over one of half of it, and over
+   that half with half the rows (`--oversub-runs`).
 
-    PYTHONPATH=. python3 benchmarks/serve_engine.py [--shape 8b|tiny] [--batch 32] [--new 256]
+    PYTHONPATH=. python3 benchmarks/serve_engine.py [--shape 8b|tiny] [--layers N] [--batch 32] [--new 256]
         [--parts full,stall,host,load,context,shared,oversub] [--settings plain|spec|both]
 
 `--identical` instead serves the bundled pair's requests (the built-in prompts with
@@ -43,6 +44,7 @@ model's dtype (bf16 on a GPU, where a row's arithmetic may depend on the batch).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import time
 
 import numpy as np
@@ -73,7 +75,6 @@ def word_tokenizer(vocab: int):
 def host_time(params, batch: int, prompt: int, new: int, cache, rounds_per_chunk: int, tuning=None) -> dict:
     """Host time per chunk of the engine's driving thread, B requests of `new` tokens with
     stop strings that never match (see the module)."""
-    import dataclasses
     import threading
 
     import jax
@@ -210,8 +211,9 @@ def full_batch(params, prompts, new: int, cache, tuning=None, rounds_per_chunk: 
         run_s.append(out.timing["run_s"])
     tokens = B * new
     _, run_trace = common.traced(lambda: prog.run().tokens)
+    # (no prefix caching: the same prompts are served four times, as Compiled.run runs them)
     engine = jspec.Engine(params, max_batch=B, max_prompt_len=len(prompts[0]), max_new_tokens=new, cache=cache,
-                          tuning=tuning, rounds_per_chunk=rounds_per_chunk)
+                          tuning=tuning, rounds_per_chunk=rounds_per_chunk, prefix_caching=False)
 
     def serve():
         hs = [engine.submit(p, max_new_tokens=new, stop_token_ids=[]) for p in prompts]
@@ -316,26 +318,32 @@ def shared_prefix(params, batch: int, requests: int, prefix: int, question: int,
     return out
 
 
-def oversubscribed(params, batch: int, requests: int, prompt: int, new: int, vocab: int) -> dict:
-    """`requests` prompts of `prompt` tokens and `new` new ones submitted at once to a batch
-    of `batch` rows, over a pool of every row's whole room and over one of half of it (the
-    rows' page demand twice the pool: requests preempted and resumed)."""
+def oversubscribed(params, batch: int, requests: int, prompt: int, new: int, vocab: int,
+                   runs=("whole", "half", "fit")) -> dict:
+    """`requests` prompts of `prompt` tokens and `new` new ones submitted at once, `runs` of:
+    whole, `batch` rows over a pool of every row's whole room; half, `batch` rows over half
+    of it (the rows' page demand twice the pool: requests preempted and resumed); fit, half
+    the rows over that half pool (every row's room fits: the pool uncongested)."""
     rng = np.random.default_rng(6)
-    out, pages = {}, None  # every row's whole room, then half of it
-    for share in (1.0, 0.5):
-        engine = jspec.Engine(params, max_batch=batch, max_prompt_len=prompt, max_new_tokens=new,
+    whole = jspec.Engine(params, max_batch=batch, max_prompt_len=prompt, max_new_tokens=new,
+                         cache=jspec.CacheConfig("paged", page_size=16)).plan.layout.num_pages
+    shapes = {"whole": (batch, whole), "half": (batch, whole // 2), "fit": (batch // 2, whole // 2)}
+    out = {}
+    for key in runs:
+        rows, pages = shapes[key]
+        engine = jspec.Engine(params, max_batch=rows, max_prompt_len=prompt, max_new_tokens=new,
                               cache=jspec.CacheConfig("paged", page_size=16, num_pages=pages))
-        pages = engine.plan.layout.num_pages
         # (a resumed prompt holds its output: the preempting engine's longest prompt is longer)
         warm = engine.warm_up([prompt, engine.runner.max_prompt_len], sampled=False, logprobs=False)
         with engine:
             burst(engine, [rng.integers(1, vocab, prompt).tolist() for _ in range(4)], 8)
             r = burst(engine, [rng.integers(1, vocab, prompt).tolist() for _ in range(requests)], new)
-        key = "whole" if share == 1.0 else "half"
-        out[key] = r | {"pool_tokens": pages * 16, "warm_up_s": warm, "programs": stat(engine, "programs")}
-        print(f"oversubscription, pool {key}:", common.rounded(out[key]), flush=True)
-        pages //= 2
-    out["half_over_whole"] = out["half"]["tokens_per_s"] / out["whole"]["tokens_per_s"]
+        out[key] = r | {"batch": rows, "pool_tokens": pages * 16, "warm_up_s": warm,
+                        "programs": stat(engine, "programs")}
+        print(f"oversubscription, {key}:", common.rounded(out[key]), flush=True)
+    for a, b in (("half", "whole"), ("half", "fit")):
+        if a in out and b in out:
+            out[f"{a}_over_{b}"] = out[a]["tokens_per_s"] / out[b]["tokens_per_s"]
     return out
 
 
@@ -428,6 +436,7 @@ def identical(batch: int, requests: int, new: int) -> dict:
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--shape", default="8b", choices=["8b", "tiny"])
+    ap.add_argument("--layers", type=int, default=None, help="the shape cut to this many layers (fewer compiles)")
     ap.add_argument("--batch", type=int, default=32)
     ap.add_argument("--prompt", type=int, default=128, help="prompt tokens of the full-batch requests")
     ap.add_argument("--new", type=int, default=256)
@@ -442,6 +451,7 @@ def main():
     ap.add_argument("--shared-question", type=int, default=128, help="the shared part's own tokens a request")
     ap.add_argument("--shared-new", type=int, default=128, help="the shared part's new tokens a request")
     ap.add_argument("--oversub-prompt", type=int, default=512, help="the oversub part's prompt and new tokens")
+    ap.add_argument("--oversub-runs", default="whole,half,fit", help="the oversub part's pools (see oversubscribed)")
     ap.add_argument("--host-new", type=int, default=2048, help="tokens each request of the host part generates")
     ap.add_argument("--rates", type=float, nargs="+", default=[16.0, 64.0, 256.0], help="the load part's rates")
     ap.add_argument("--requests", type=int, default=96, help="the load part's requests a rate")
@@ -460,6 +470,9 @@ def main():
         print("saved", common.save_json("serve_identical.json", {"env": common.env_info(), **r}))
         return
     cfg = common.LLAMA31_8B if args.shape == "8b" else TINY
+    if args.layers:
+        windows = (cfg.sliding_windows * args.layers)[:args.layers]
+        cfg = dataclasses.replace(cfg, num_layers=args.layers, sliding_windows=windows)
     parts = args.parts.split(",")
     if parts == ["load"]:  # the load part makes its own target
         params = None
@@ -467,8 +480,9 @@ def main():
         params = common.random_params(cfg)
     vocab = cfg.vocab_size
     cache = jspec.CacheConfig("paged", page_size=16)
-    out = {"env": common.env_info(), "shape": args.shape}
-    name = f"serve_engine_{args.shape}{'_' + args.tag if args.tag else ''}.json"
+    shape = args.shape + (f"_{args.layers}layers" if args.layers else "")
+    out = {"env": common.env_info(), "shape": shape}
+    name = f"serve_engine_{shape}{'_' + args.tag if args.tag else ''}.json"
     rng = np.random.default_rng(1)
     options = tuple(tuple(kv.split("=", 1)) for kv in args.xla.split(";") if kv)
     tuning = jspec.Tuning(xla_options=options) if options else None
@@ -491,7 +505,7 @@ def main():
         print("saved", common.save_json(name, out), flush=True)
     if "oversub" in parts:
         out["oversub"] = oversubscribed(params, args.batch, 2 * args.batch, args.oversub_prompt, args.oversub_prompt,
-                                        vocab)
+                                        vocab, args.oversub_runs.split(","))
         print("saved", common.save_json(name, out), flush=True)
     if "full" in parts:
         prompts = [rng.integers(1, vocab, args.prompt).tolist() for _ in range(args.batch)]

@@ -12,7 +12,7 @@ tokens, and an admission's prompt array has one of a few fixed widths (`widths`)
 The programs, for a batch of B rows (A = 1, 2, 4, ... B an admission or prefill pass):
   admit    one per (A, width) with the sampling steps, and one per width of A = 1 that
            records the prompt's logprobs (such a request is admitted alone);
-  admit_cached  one, of A = 1 (prefix caching: requests that begin with a cached prefix);
+  admit_cached  one per A (prefix caching: requests that begin with a cached prefix);
   prefill  one per A, and one of A = 1 that records the prompt's logprobs (paged caches
            whose prompts are longer than a block); one per A of the narrower width
            (`narrow`, a prompt's short last block), and one of A = 1 of the wider width
@@ -106,8 +106,11 @@ class Runner:
         self.narrow_passes = 0  # block passes that took it
         # A lone prompt (no row decoding) passes WIDE_BLOCKS blocks at once where a pass may take
         # that many tokens and a prompt can be that long: fewer engine iterations to its first token.
+        # Not where prefixes need state snapshots (a hybrid's are saved at pass ends: its hits
+        # would be fewer blocks deep).
         wide = self.prefill_chunk * min(WIDE_BLOCKS, self.pass_rows)
-        self.wide = wide if self.prefill_chunk and wide > self.prefill_chunk and wide // 2 < Tp else 0
+        self.wide = wide if (self.prefill_chunk and wide > self.prefill_chunk and wide // 2 < Tp
+                             and not self.plan.layout.snapshots) else 0
         self.wide_passes = 0  # block passes that took it
         self.tier_plans = [self.plan.variant(spec=t) for t in self.tiers]
         self.state = None
@@ -234,12 +237,14 @@ class Runner:
 
     def admit_cached(self, rows: list[int], reqs: rq.Requests) -> None:
         """Dispatches the admission of requests whose prompts begin with a prefix already in
-        their rows' pages (`set_pages`): set up and parked, no pass. One call a request (one
-        program; its prompt array is the longest prompt's width)."""
-        for i, row in enumerate(rows):
-            rows_dev, adm = self._admit_inputs([row], reqs.take([i]), self.plan.prompt_len)
+        their rows' pages (`set_pages`): set up and parked, no pass. A call per pass_rows
+        requests (their prompt arrays are the longest prompt's width)."""
+        P = self.pass_rows
+        for i in range(0, len(rows), P):
+            rows_dev, adm = self._admit_inputs(rows[i:i + P], reqs.take(range(i, min(i + P, len(rows)))),
+                                               self.plan.prompt_len)
             args = (self.state, rows_dev, adm)
-            program = self._program(("admit_cached",), programs.admit_cached_jit, self.plan, args)
+            program = self._program(("admit_cached", len(rows_dev)), programs.admit_cached_jit, self.plan, args)
             self.state = self._call(program, *args)
 
     def page_updates(self) -> int:
@@ -334,8 +339,9 @@ class Runner:
             out += [(("save_states",), programs.save_states_jit, self.plan, (self.state, *args)),
                     (("load_states",), programs.load_states_jit, self.plan, (self.state, *args))]
         if self.prefix_caching:
-            args = (self.state, *self._admit_inputs([0], dummy.take([0]), self.plan.prompt_len))
-            out.append((("admit_cached",), programs.admit_cached_jit, self.plan, args))
+            for A in buckets(self.pass_rows):
+                args = (self.state, *self._admit_inputs(list(range(A)), dummy.take(range(A)), self.plan.prompt_len))
+                out.append((("admit_cached", A), programs.admit_cached_jit, self.plan, args))
         return out
 
     def compile_all(self, **which) -> tuple[int, float]:
