@@ -1,6 +1,6 @@
 """`python -m jspec`: bad input is a one-line usage error (exit status 2), `bench` prints its
 table, and the text is streamed (`jspec.stream`). Runs `main(argv)` in-process
-on the tiny 4-layer Llama with a random EAGLE-3 head; the bench and generate runs share
+on the tiny 2-layer Llama with a random EAGLE-3 head; the bench and generate runs share
 one plan per configuration, so the file compiles two loops."""
 from __future__ import annotations
 

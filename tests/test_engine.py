@@ -315,12 +315,17 @@ def test_threads_and_asyncio(target):
 def test_stop_strings(target):
     """A stop string ends the request at its first appearance: the text is cut before it,
     the tokens end with the one that completed it, streamed text never shows it."""
-    full = jspec.generate(target, PROMPTS[0], max_new_tokens=16, stop_token_ids=[])
-    text = full.text
-    stop = text[5:8]
+    for prompt in PROMPTS:  # a stop of three printable ASCII characters, not at the start
+        full = jspec.generate(target, prompt, max_new_tokens=16, stop_token_ids=[])
+        text = full.text
+        at = next((i for i in range(2, len(text) - 2) if text[i:i + 3].isascii() and text[i:i + 3].isprintable()),
+                  None)
+        if at is not None:
+            break
+    stop = text[at:at + 3]
     at = text.find(stop)
     engine = jspec.Engine(target, max_batch=2, max_prompt_len=16, max_new_tokens=16, rounds_per_chunk=1)
-    h = engine.submit(PROMPTS[0], max_new_tokens=16, stop_token_ids=[], stop=[stop, "never appears"])
+    h = engine.submit(prompt, max_new_tokens=16, stop_token_ids=[], stop=[stop, "never appears"])
     while not h.done:
         engine.step()
     out = h.result()

@@ -26,7 +26,7 @@ TREE = jspec.SpecConfig(num_steps=3, topk=2, num_draft_tokens=6)
 
 @pytest.fixture(scope="module")
 def split(llama_dir, drafts):
-    """split(n, draft name or None) -> the 4-layer target (and draft) loaded over n devices."""
+    """split(n, draft name or None) -> the 2-layer target (and draft) loaded over n devices."""
     loaded = {}
 
     def build(n, draft=None):

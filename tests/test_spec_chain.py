@@ -172,18 +172,19 @@ def test_spec_stats(perm, tmp_path):
 @pytest.mark.slow
 def test_eagle3_default_aux_layers(target, drafts, hf_greedy, tmp_path):
     """An EAGLE-3 config.json with no eagle_config reads the inputs of target layers
-    (2, n//2, n-3) (SGLang's default): here n = 4, so (2, 2, 1), repeated and unsorted."""
+    (2, n//2, n-3) (SGLang's default), each moved into 1..n: here n = 2, so (2, 1, 1),
+    repeated and unsorted."""
     import json
     import shutil
 
     path = tmp_path / "eagle3_default_aux"
     shutil.copytree(drafts["eagle3"], path)
     cfg = json.load(open(path / "config.json"))
-    assert cfg.pop("eagle_config")["eagle_aux_hidden_state_layer_ids"] == [0, 1, 2]
+    assert cfg.pop("eagle_config")["eagle_aux_hidden_state_layer_ids"] == [0, 1, 1]
     json.dump(cfg, open(path / "config.json", "w"))
     p = _with_draft(target, str(path))
     n = target.config.num_layers
-    assert n == 4 and p.draft.config.aux_layers == (2, n // 2, n - 3) == (2, 2, 1)
+    assert n == 2 and p.draft.config.aux_layers == (2, 1, 1)
     assert p.draft.config.target_layers == (1, 2)
     out = jspec.generate(p, PROMPTS, max_new_tokens=12, stop_token_ids=[])
     assert out.tokens == [hf_greedy(q, 12) for q in PROMPTS]

@@ -24,6 +24,8 @@ from jspec.train.eagle3 import draft_vocab, head_config, init_head
 from jspec.export import save_target
 from jspec.models import family_for
 
+AUX = (1, 2, 2)  # the features of target layers 1, 2, 2 (the shared tiny Llama has two layers)
+
 pytestmark = pytest.mark.slow  # training runs: CI runs them, the fast subset leaves them out
 
 
@@ -43,7 +45,7 @@ def corpus(tmp_path_factory):
 
 def test_ttt_unroll_shapes(target, monkeypatch):
     cfg = Eagle3TrainConfig(ttt_steps=3, draft_vocab_size=50, compute_dtype="float32")
-    d = head_config(target, cfg, aux_layers=(1, 2, 3))
+    d = head_config(target, cfg, aux_layers=AUX)
     d2t = draft_vocab(np.arange(300)[::-1].astype(np.int64), 50)
     params = init_head(target, d, d2t, 0)
     B, T = 2, 12
@@ -95,16 +97,16 @@ def test_eagle3_training_lowers_loss_exports_and_resumes(target, llama_dir, corp
     out = str(tmp_path / "head")
     cfg = Eagle3TrainConfig(steps=24, batch_size=4, seq_len=24, ttt_steps=2, draft_vocab_size=64, lr=1e-2,
                             warmup=2, compute_dtype="float32", checkpoint_every=12)
-    draft, hist = train_eagle3(target, corpus, out, cfg, aux_layers=(1, 2, 3), progress=False, log_every=1)
+    draft, hist = train_eagle3(target, corpus, out, cfg, aux_layers=AUX, progress=False, log_every=1)
     losses = [h["loss"] for h in hist]
     assert np.mean(losses[-5:]) < losses[0] - 1.0, losses
     assert set(hist[-1]) >= {"loss", "acc0", "acc1"}
     cfg_json = json.load(open(os.path.join(out, "config.json")))
     assert cfg_json["architectures"] == ["LlamaForCausalLMEagle3"] and cfg_json["draft_vocab_size"] == 64
-    assert cfg_json["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == [0, 1, 2]
+    assert cfg_json["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == [i - 1 for i in AUX]
     # Export then load: the same draft logits.
     p = target.with_draft(load_draft(out, target))
-    assert isinstance(p.draft.config, Eagle3Draft) and p.draft.config.aux_layers == (1, 2, 3)
+    assert isinstance(p.draft.config, Eagle3Draft) and p.draft.config.aux_layers == AUX
     from jspec import safetensors_io
     t = safetensors_io.load(os.path.join(out, "model.safetensors"))
     assert t["t2d"].dtype == np.bool_ and t["t2d"].sum() == 64 and t["d2t"].shape == (64,)
@@ -116,12 +118,12 @@ def test_eagle3_training_lowers_loss_exports_and_resumes(target, llama_dir, corp
     np.testing.assert_array_equal(np.asarray(draft.weights["d2t"]), np.asarray(p.draft.weights["d2t"]))
     # Resume: a longer run picks up at the checkpoint instead of starting over.
     cfg2 = Eagle3TrainConfig(**{**cfg.__dict__, "steps": 30})
-    _, hist2 = train_eagle3(target, corpus, out, cfg2, aux_layers=(1, 2, 3), progress=False, log_every=1)
+    _, hist2 = train_eagle3(target, corpus, out, cfg2, aux_layers=AUX, progress=False, log_every=1)
     assert hist2[0]["step"] == 25 and hist2[-1]["step"] == 30
     # A checkpoint for other settings is refused.
     cfg3 = Eagle3TrainConfig(**{**cfg.__dict__, "steps": 40, "draft_vocab_size": 32})
     with pytest.raises(ValueError, match="checkpoint .* was made with"):
-        train_eagle3(target, corpus, out, cfg3, aux_layers=(1, 2, 3), progress=False)
+        train_eagle3(target, corpus, out, cfg3, aux_layers=AUX, progress=False)
 
 
 def test_eagle3_bfloat16_compute_keeps_float32_master_weights(target, corpus, tmp_path, monkeypatch):
@@ -136,7 +138,7 @@ def test_eagle3_bfloat16_compute_keeps_float32_master_weights(target, corpus, tm
     out = str(tmp_path / "bf16")
     cfg = Eagle3TrainConfig(steps=16, batch_size=4, seq_len=24, ttt_steps=2, draft_vocab_size=64, lr=1e-2,
                             warmup=2, compute_dtype="bfloat16")
-    draft, hist = train_eagle3(target, corpus, out, cfg, aux_layers=(1, 2, 3), progress=False, log_every=1)
+    draft, hist = train_eagle3(target, corpus, out, cfg, aux_layers=AUX, progress=False, log_every=1)
     assert seen == {("bfloat16", "bfloat16", "bfloat16")}  # the head's forward pass runs in bfloat16
     losses = [h["loss"] for h in hist]
     assert np.all(np.isfinite(losses)) and np.mean(losses[-4:]) < losses[0] - 0.5, losses
@@ -157,7 +159,7 @@ def test_eagle3_resume_is_exact(target, corpus, tmp_path, monkeypatch):
     on (seed, s) and the checkpoint holds the optimiser state, schedule count included."""
     cfg = Eagle3TrainConfig(steps=6, batch_size=2, seq_len=12, ttt_steps=2, draft_vocab_size=32, lr=1e-2,
                             warmup=2, compute_dtype="float32", checkpoint_every=3)
-    kw = dict(aux_layers=(1, 2, 3), progress=False, log_every=1)
+    kw = dict(aux_layers=AUX, progress=False, log_every=1)
     full, hist_full = train_eagle3(target, corpus, str(tmp_path / "full"), cfg, **kw)
 
     real_batches = data_mod.batches
@@ -240,11 +242,11 @@ def test_training_bad_input(target, llama_dir, corpus, tmp_path):
     (empty / "blank.txt").write_text("   \n")
     cfg = Eagle3TrainConfig(steps=2, batch_size=2, seq_len=8, compute_dtype="float32")
     with pytest.raises(ValueError, match="corpus is empty"):
-        train_eagle3(target, str(empty), None, cfg, aux_layers=(1, 2, 3), progress=False)
+        train_eagle3(target, str(empty), None, cfg, aux_layers=AUX, progress=False)
     bad = tmp_path / "bad.txt"
     bad.write_bytes(b"\xff\xfe\x00 not utf-8 \xc3")
     with pytest.raises(ValueError, match="bad.txt.*not UTF-8"):
-        train_eagle3(target, [str(bad)], None, cfg, aux_layers=(1, 2, 3), progress=False)
+        train_eagle3(target, [str(bad)], None, cfg, aux_layers=AUX, progress=False)
     with pytest.raises(ValueError, match="does not exist"):
         train_eagle3(target, [str(tmp_path / "nope.txt")], None, cfg, progress=False)
     jl = tmp_path / "x.jsonl"

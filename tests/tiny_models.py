@@ -111,9 +111,10 @@ def hf_greedy(model, prompt, n: int, stop=()):
 
 
 def make_random_draft(path: str, kind: str, target, *, seed: int, draft_vocab: int | None = None,
-                      aux_layers: tuple = (1, 2, 3)):
+                      aux_layers: tuple | None = None):
     """A random draft of `kind` for `target` (jspec Params), saved in its checkpoint format
-    (an EAGLE-3 head captures the target layers `aux_layers`)."""
+    (an EAGLE-3 head captures the target layers `aux_layers`; None: 1, 2, 3, each at most
+    the target's layers)."""
     import jax
     import jax.numpy as jnp
     import numpy as np
@@ -132,6 +133,7 @@ def make_random_draft(path: str, kind: str, target, *, seed: int, draft_vocab: i
         d = EagleDraft(m, fc_bias=True)
     else:
         Vd = draft_vocab or V
+        aux_layers = aux_layers or tuple(min(i, tc.num_layers) for i in (1, 2, 3))
         d = Eagle3Draft(m, target_hidden_size=tc.hidden_size, aux_layers=tuple(aux_layers),
                         draft_vocab_size=Vd)
     w = d.init(jax.random.key(seed), V)
