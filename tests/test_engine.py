@@ -121,7 +121,7 @@ def test_a_small_page_pool_admits_by_pages(target):
         small.submit(list(range(1, 56)), max_new_tokens=16)
 
 
-@pytest.mark.parametrize("kind", ["plain", "eagle3", "standalone", "ngram"])
+@pytest.mark.parametrize("kind", ["plain", "eagle", "eagle3", "standalone", "ngram"])
 def test_preempted_requests_resume_exactly(target, with_draft, kind):
     """A pool of 3 pages of 16 tokens under 3 rows, admission by the pages held now: the
     rows outgrow the pool, the latest requests are preempted and resume from their output

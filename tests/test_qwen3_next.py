@@ -198,7 +198,7 @@ def test_greedy_equals_transformers(models, drafted, draft, spec, cache, family)
     model = models[family][1]
     params = drafted[draft] if family == "qwen3_5" else jspec.load(models[family][0], dtype="float32")
     sc = None if spec is None else jspec.SpecConfig(num_steps=spec[0], topk=spec[1], num_draft_tokens=spec[2])
-    out = jspec.generate(params, PROMPTS, max_new_tokens=16, stop_token_ids=[], spec=sc, cache=cache)
+    out = jspec.generate(params, PROMPTS, max_new_tokens=20, stop_token_ids=[], spec=sc, cache=cache)
     for prompt, got in zip(PROMPTS, out.tokens):
         assert got == hf_greedy_tokens(model, prompt, 16)
 
@@ -351,3 +351,27 @@ def test_prefix_cache_restores_recurrent_states(drafted):
     assert engine.stats.accept_tokens > 0
     for out, lps in zip(got, want.logprobs):
         np.testing.assert_allclose([t.logprob for t in out.logprobs], [t.logprob for t in lps], atol=2e-5)
+
+
+def test_preempted_requests_resume_exactly(drafted):
+    """A pool of 7 pages of 8 tokens under 2 rows of the hybrid target with its MTP draft:
+    both rows are admitted by the pages they hold, outgrow the pool, and the latest is
+    preempted; it resumes by prefilling its prompt and output so far (its conv and
+    delta-rule states rebuilt, or restored from a snapshot of its own prefix), and every
+    output equals the target's greedy tokens, and a seeded sampled request equals the same
+    request run alone."""
+    p = drafted["mtp"]
+    rng = np.random.default_rng(5)
+    prompts = [rng.integers(3, VOCAB, n).tolist() for n in (10, 9, 12)]
+    want = jspec.generate(p.with_draft(None), prompts, max_new_tokens=20, stop_token_ids=[]).tokens
+    sampled = dict(temperature=0.9, seed=4)
+    alone = jspec.generate(p, prompts[1], max_new_tokens=20, stop_token_ids=[], **sampled).tokens
+    engine = jspec.Engine(p, max_batch=2, max_prompt_len=16, max_new_tokens=20, prefill_chunk=16,
+                          cache=jspec.CacheConfig("paged", page_size=8, num_pages=7), rounds_per_chunk=2)
+    handles = [engine.submit(q, max_new_tokens=20, stop_token_ids=[]) for q in prompts]
+    handles.append(engine.submit(prompts[1], max_new_tokens=20, stop_token_ids=[], **sampled))
+    while engine.step():
+        pass
+    assert [h.result().tokens for h in handles[:3]] == want
+    assert handles[3].result().tokens == alone
+    assert engine.stats.num_preemptions > 0 and engine.stats.accept_tokens > 0
