@@ -32,8 +32,13 @@
    new tokens at once, over a pool of every row's room, over one of half of it, and over
    that half with half the rows (`--oversub-runs`).
 
-    PYTHONPATH=. python3 benchmarks/serve_engine.py [--shape 8b|tiny] [--layers N] [--batch 32] [--new 256]
-        [--parts full,stall,host,load,context,shared,oversub] [--settings plain|spec|both]
+    PYTHONPATH=. python3 benchmarks/serve_engine.py [--shape 8b|tiny|qwen35_27b|tiny_hybrid] [--layers N]
+        [--mtp] [--batch 32] [--new 256] [--parts full,stall,host,load,context,shared,oversub]
+        [--settings plain|spec|both]
+
+`--shape qwen35_27b` is the Qwen3.5-27B hybrid (Gated DeltaNet and gated attention);
+`--mtp` gives the target a random MTP draft of its own kind (the engine's default
+chain), for the parts that take the target (context, shared, oversub, full).
 
 `--identical` instead serves the bundled pair's requests (the built-in prompts with
 several lengths and seeds, greedy and sampled) through an adaptive engine at staggered
@@ -55,6 +60,32 @@ from jspec.config import ModelConfig
 
 TINY = ModelConfig(vocab_size=512, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4, num_kv_heads=2,
                    head_dim=16, dtype="float32", max_position_embeddings=8192)
+TINY_HYBRID = dataclasses.replace(  # the Qwen3.5 layout in small, for a CPU check of the hybrid shape's parts
+    common.QWEN35_27B, vocab_size=512, hidden_size=64, num_layers=4, layer_types=common.QWEN35_27B.layer_types[:4],
+    num_heads=4, num_kv_heads=2, head_dim=16, rotary_dim=8, linear_num_key_heads=2, linear_num_value_heads=4,
+    linear_key_head_dim=16, linear_value_head_dim=16, intermediate_size=128, dtype="float32")
+SHAPES = {"8b": common.LLAMA31_8B, "tiny": TINY, "qwen35_27b": common.QWEN35_27B, "tiny_hybrid": TINY_HYBRID}
+
+
+def cut_layers(cfg, layers: int):
+    """`cfg` with its first `layers` layers (their windows or kinds kept)."""
+    fields = {"num_layers": layers}
+    if getattr(cfg, "layer_types", None):
+        fields["layer_types"] = tuple(cfg.layer_types)[:layers]
+    if getattr(cfg, "sliding_windows", None) is not None:
+        fields["sliding_windows"] = (tuple(cfg.sliding_windows) * layers)[:layers]
+    return dataclasses.replace(cfg, **fields)
+
+
+def with_random_mtp(params):
+    """`params` with a random MTP layer of its own kind as the draft (a Qwen3.5 shape): its
+    acceptance is not the point, its cost and caches are."""
+    import jax
+    from jspec.drafts.qwen_mtp import QwenMtpDraft, layer_config
+    cfg = params.config
+    draft = QwenMtpDraft(layer_config(cfg))
+    weights = jax.jit(lambda key: draft.init(key, cfg.vocab_size))(jax.random.key(1))
+    return params.with_draft(jspec.DraftParams(draft, weights))
 
 
 def stat(engine, name: str):
@@ -295,7 +326,8 @@ def full_context(params, requests: int, prompt: int, new: int, vocab: int) -> di
     return out
 
 
-def shared_prefix(params, batch: int, requests: int, prefix: int, question: int, new: int, vocab: int) -> dict:
+def shared_prefix(params, batch: int, requests: int, prefix: int, question: int, new: int, vocab: int,
+                  prefill_chunk: int = 512) -> dict:
     """`requests` prompts of one `prefix`-token system prompt and a `question`-token
     question of their own, submitted at once, with prefix caching on and off (an engine
     each; a warm-up burst on another system prompt first)."""
@@ -303,7 +335,7 @@ def shared_prefix(params, batch: int, requests: int, prefix: int, question: int,
     out = {}
     for caching in (True, False):
         engine = jspec.Engine(params, max_batch=batch, max_prompt_len=prefix + question, max_new_tokens=new,
-                              prefix_caching=caching)
+                              prefix_caching=caching, prefill_chunk=prefill_chunk)
         warm = engine.warm_up([prefix + question], sampled=False, logprobs=False)
         with engine:
             for n in (4, requests):  # the warm-up burst, then the measured one
@@ -435,7 +467,8 @@ def identical(batch: int, requests: int, new: int) -> dict:
 
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("--shape", default="8b", choices=["8b", "tiny"])
+    ap.add_argument("--shape", default="8b", choices=sorted(SHAPES))
+    ap.add_argument("--mtp", action="store_true", help="a random MTP draft for the target (Qwen3.5 shapes)")
     ap.add_argument("--layers", type=int, default=None, help="the shape cut to this many layers (fewer compiles)")
     ap.add_argument("--batch", type=int, default=32)
     ap.add_argument("--prompt", type=int, default=128, help="prompt tokens of the full-batch requests")
@@ -469,18 +502,19 @@ def main():
         print("identical:", r)
         print("saved", common.save_json("serve_identical.json", {"env": common.env_info(), **r}))
         return
-    cfg = common.LLAMA31_8B if args.shape == "8b" else TINY
+    cfg = SHAPES[args.shape]
     if args.layers:
-        windows = (cfg.sliding_windows * args.layers)[:args.layers]
-        cfg = dataclasses.replace(cfg, num_layers=args.layers, sliding_windows=windows)
+        cfg = cut_layers(cfg, args.layers)
     parts = args.parts.split(",")
     if parts == ["load"]:  # the load part makes its own target
         params = None
     else:
         params = common.random_params(cfg)
+        if args.mtp:
+            params = with_random_mtp(params)
     vocab = cfg.vocab_size
     cache = jspec.CacheConfig("paged", page_size=16)
-    shape = args.shape + (f"_{args.layers}layers" if args.layers else "")
+    shape = args.shape + (f"_{args.layers}layers" if args.layers else "") + ("_mtp" if args.mtp else "")
     out = {"env": common.env_info(), "shape": shape}
     name = f"serve_engine_{shape}{'_' + args.tag if args.tag else ''}.json"
     rng = np.random.default_rng(1)
@@ -501,7 +535,7 @@ def main():
         print("saved", common.save_json(name, out), flush=True)
     if "shared" in parts:
         out["shared"] = shared_prefix(params, args.batch, args.batch, args.shared_prefix, args.shared_question,
-                                      args.shared_new, vocab)
+                                      args.shared_new, vocab, args.prefill_chunk)
         print("saved", common.save_json(name, out), flush=True)
     if "oversub" in parts:
         out["oversub"] = oversubscribed(params, args.batch, 2 * args.batch, args.oversub_prompt, args.oversub_prompt,

@@ -198,7 +198,7 @@ def test_greedy_equals_transformers(models, drafted, draft, spec, cache, family)
     model = models[family][1]
     params = drafted[draft] if family == "qwen3_5" else jspec.load(models[family][0], dtype="float32")
     sc = None if spec is None else jspec.SpecConfig(num_steps=spec[0], topk=spec[1], num_draft_tokens=spec[2])
-    out = jspec.generate(params, PROMPTS, max_new_tokens=20, stop_token_ids=[], spec=sc, cache=cache)
+    out = jspec.generate(params, PROMPTS, max_new_tokens=16, stop_token_ids=[], spec=sc, cache=cache)
     for prompt, got in zip(PROMPTS, out.tokens):
         assert got == hf_greedy_tokens(model, prompt, 16)
 

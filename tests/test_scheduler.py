@@ -422,6 +422,28 @@ def test_snapshots_of_a_cached_admission_attach_where_they_were_saved():
     assert pages == a.pages[:3] + b.pages[3:8] and slot == saved[32]
 
 
+def test_a_follower_waits_for_the_state_it_will_find():
+    """A hybrid's pool (states saved at block ends, blocks of 8, pages of 4, keys without
+    the next token): two requests of one 24-token prefix arrive at once; the second waits
+    while the first's passes are yet to save and attach the state at a block deeper than
+    it finds (its pages registered are not enough), and is admitted past all 24 tokens."""
+    pages_at = lambda q, slots: -(-min(slots, len(q.prompt) + q.max_new) // 4)  # noqa: E731
+    pool = PagePool(60, 4, snapshots=8, boundary=8, next_token=False)
+    s = Scheduler(2, prefill_chunk=8, width_class=lambda n: 64, rounds_per_chunk=2, max_waiting=16, pool=pool,
+                  pages_at=pages_at, chunk_slots=2)
+    a, b = request(28, 4), request(28, 4)
+    b.prompt = a.prompt[:24] + [90, 91, 92, 93]
+    s.add(a)
+    s.add(b)
+    for t in range(3):  # a's blocks end at 8, 16, 24, each state saved there: b waits for each
+        d = s.schedule(now=float(t))
+        assert b.state == WAITING and d.save == [(0, a.snaps[8 * (t + 1)])], t
+        assert pool.lookup(b.prompt, 27)[0] == a.pages[:2 * t]  # the states attached a call later
+    d = s.schedule(now=3.0)  # the state at 24 attached: b finds all 24 shared tokens
+    assert d.cached == [[(1, b)]] and b.cached == 6 and b.pages[:6] == a.pages[:6] and pool.hit_tokens == 24
+    assert d.restore == [(1, pool.lookup(b.prompt, 27)[2])]
+
+
 def test_a_row_with_its_last_block_in_the_call_is_not_preempted():
     """Preempting: a row whose last prompt block is queued in the call that finds the
     running rows short is not the one preempted (its block would run in a freed row)."""

@@ -415,8 +415,15 @@ class Scheduler:
         if t > len(head.prompt) - 1:
             return False
         want = head.prompt[:t]
-        return any(q.registered * self.pool.page_size < t <= len(q.prompt) - 1 and q.state != DONE
-                   and q.prompt[:t] == want for q in self.rows.values())
+        return any(self._will_cache(q, t) and q.state != DONE and q.prompt[:t] == want for q in self.rows.values())
+
+    def _will_cache(self, q: Request, t: int) -> bool:
+        """Whether q's passes are yet to make a hit of its first t prompt tokens findable:
+        their pages not registered yet, or (pools that keep snapshots, where a hit needs a
+        saved state at its end) the state at t neither attached nor passed by without one."""
+        if self.pool.snapshots:
+            return t < len(q.prompt) and t % self.pool.boundary == 0 and (t in q.snaps or t > q.prefilled)
+        return q.registered * self.pool.page_size < t <= len(q.prompt) - 1
 
     def short_block(self, q: Request, start: int) -> bool:
         """Whether q's prompt ends within `narrow_block` tokens of `start` (its block may
