@@ -146,6 +146,17 @@ def test_tiles_of_a_tuning():
     chex.assert_trees_all_close(out, ref, atol=1e-5, rtol=1e-5)
 
 
+def test_key_blocks_fit_shared_memory():
+    """The kernel's key block shrinks until its buffers fit a program's shared memory: a
+    512-token block of Qwen3.5's head size 256 (its MTP layer reading a prompt block) asked
+    the compiler for 303,104 bytes at blocks of 128; 8B's 128 keeps its blocks of 128."""
+    t = da.AttentionTiles()
+    assert da.shared_bytes(128, 2, 256, 2, 64, 512) == 303104 > da.SMEM_BYTES
+    assert da.fitting_block(t, 2, 6 * 512, 256, 2, 512) == 64
+    assert da.shared_bytes(64, 2, 256, 2, 64, 512) <= da.SMEM_BYTES
+    assert da.fitting_block(t, 2, 4 * 512, 128, 2, 512) == 128
+
+
 def test_dense_capacity_not_multiple_of_block():
     q, k, v, meta = make_case(1, B=2, T=3, S=37, prefix=[34, 5])  # S % 16 != 0, full row 0
     check(q, k, v, meta, block_k=16)

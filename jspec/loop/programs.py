@@ -168,7 +168,13 @@ def compiled(entry, plan: Plan, weights, args, mesh=None) -> tuple:
         return _COMPILED[key], 0.0
     t0 = time.perf_counter()
     with under(mesh):
-        _COMPILED[key] = entry.lower(plan, *weights, *args).compile(options or None)
+        try:
+            _COMPILED[key] = entry.lower(plan, *weights, *args).compile(options or None)
+        except Exception as err:  # name the program: a kernel's failure to compile names none
+            name = getattr(entry, "__name__", None) or getattr(getattr(entry, "__wrapped__", None), "__name__", entry)
+            err.add_note(f"jspec: while compiling {name} for batch {plan.batch}, N={plan.N}, prefill_chunk="
+                         f"{plan.prefill_chunk}, arguments {shapes_of(args)}")
+            raise
     return _COMPILED[key], time.perf_counter() - t0
 
 

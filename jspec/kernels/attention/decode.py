@@ -335,6 +335,27 @@ def _decode_kernel(bounds_ref, table_ref, qpos_ref, tail_mask_ref, kv_ref, *refs
 
 # --------------------------------------------------------------------------- wrapper
 
+SMEM_BYTES = 232448  # shared memory a Triton program may take on Hopper (227 KiB)
+
+
+def shared_bytes(block_k: int, stages: int, Dh: int, itemsize: int, BR: int, local_len: int) -> int:
+    """The kernel's shared memory: `stages` buffers of a key and a value block [block_k,
+    Dh] and a tail-mask tile [BR, C] of int8 (the compiler's request for Qwen3.5's Dh of
+    256, 2 stages, blocks of 128 and a 512-token block: 303,104 bytes, over the limit)."""
+    C = pl.cdiv(local_len + block_k - 1, block_k) * block_k
+    return stages * block_k * 2 * Dh * itemsize + BR * C
+
+
+def fitting_block(tiles: AttentionTiles, stages: int, rows: int, Dh: int, itemsize: int, local_len: int) -> int:
+    """`tiles.block_k`, halved (down to 16) until the kernel's buffers fit a program's
+    shared memory (`shared_bytes`; rows: query rows per kv head)."""
+    _, _, BR = _row_tiling(rows, tiles.max_rows)
+    block_k = tiles.block_k
+    while block_k > 16 and shared_bytes(block_k, stages, Dh, itemsize, BR, local_len) > SMEM_BYTES:
+        block_k //= 2
+    return block_k
+
+
 def _row_tiling(rows: int, max_rows: int) -> tuple[int, int, int]:
     """Query rows per kv head -> (rows, R: padded to a power of two >= 16, BR: per program,
     at most max_rows)."""
@@ -548,7 +569,9 @@ def paged_decode_attention(q, kv_buf, meta: AttnMeta, *, window: int = 0, scale:
     table, num_keys = slot_table(meta, B, page_size)
 
     t = AttentionTiles() if tiles is None else tiles
-    block_k = t.block_k if block_k is None else block_k
+    stages = t.num_stages if num_stages is None else num_stages
+    if block_k is None:
+        block_k = fitting_block(t, stages, T * (H // Hkv), Dh, kv_buf.dtype.itemsize, meta.local_len)
     if not (is_pow2(block_k) and block_k >= 16):
         raise ValueError(f"block_k must be a power of two >= 16, got {block_k}")
     max_blocks = pl.cdiv(num_keys, block_k)
@@ -567,5 +590,4 @@ def paged_decode_attention(q, kv_buf, meta: AttnMeta, *, window: int = 0, scale:
                         window=window, scale=float(scale), block_k=block_k,
                         num_splits=num_splits, interpret=interpret,
                         num_warps=t.num_warps if num_warps is None else num_warps,
-                        num_stages=t.num_stages if num_stages is None else num_stages,
-                        q_in_cache=q_in_cache, max_rows=t.max_rows)
+                        num_stages=stages, q_in_cache=q_in_cache, max_rows=t.max_rows)
