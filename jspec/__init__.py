@@ -4,10 +4,12 @@
     out = jspec.generate(params, "def fib(n):", max_new_tokens=64)
     prog = jspec.compile(params, prompts, max_new_tokens=64)   # compile once, run many times
     out = prog.run(other_prompts)
+    out = jspec.generate(params, prompt, constraint=jspec.JsonSchema(schema))   # structured output
     for chunk in jspec.stream(params, "def fib(n):"):          # tokens and text as rounds commit
         print(chunk.text, end="")
 """
 from jspec.config import CacheConfig, ModelConfig, SpecConfig
+from jspec.constraints import Choice, Json, JsonSchema, Regex
 from jspec.tuning import Tuning
 from jspec.api import Compiled, GenerateOutput, SpecStats, clear_caches, compile, generate, logits, stream
 from jspec.drafts import Draft, Eagle3Draft, EagleDraft, MtpDraft, StandaloneDraft
@@ -20,7 +22,7 @@ from jspec.streaming import StreamChunk
 
 __version__ = "0.1.0"
 
-__all__ = ["Adaptive", "CacheConfig", "Compiled", "Delta", "Draft", "DraftParams", "Eagle3Draft", "EagleDraft", "Engine",
-           "EngineError", "GenerateOutput", "ModelConfig", "MtpDraft", "NgramDraft", "Params", "QueueFull", "RequestOutput",
-           "SpecConfig", "SpecStats", "StandaloneDraft", "StreamChunk", "TokenLogprob", "Tuning", "clear_caches",
+__all__ = ["Adaptive", "CacheConfig", "Choice", "Compiled", "Delta", "Draft", "DraftParams", "Eagle3Draft", "EagleDraft", "Engine",
+           "EngineError", "GenerateOutput", "Json", "JsonSchema", "ModelConfig", "MtpDraft", "NgramDraft", "Params", "QueueFull", "RequestOutput",
+           "Regex", "SpecConfig", "SpecStats", "StandaloneDraft", "StreamChunk", "TokenLogprob", "Tuning", "clear_caches",
            "compile", "generate", "load", "load_draft", "logits", "shard", "stream"]

@@ -95,7 +95,7 @@ class Compiled:
         self._reqs = reqs
         self.compile_s = 0.0
         self.plan = make_plan(params, reqs.lens, reqs.max_new, max(len(s) for s in reqs.stop_ids), reqs.samples,
-                              cache, spec, tuning, **logprob_fields(reqs))
+                              cache, spec, tuning, **logprob_fields(reqs), grammar=reqs.grammar)
         if eager:  # jspec.compile compiles now; jspec.stream compiles its own programs at its first chunk
             self.program(programs.generate_jit, *self.device_inputs(reqs))
 
@@ -125,11 +125,16 @@ class Compiled:
         """Moves a greedy program to its sampling twin when these requests sample, and one
         without logprobs to the plan that keeps them when these requests ask for them."""
         fields = logprob_fields(reqs)
-        if any(v and not getattr(self.plan, k) for k, v in fields.items()):
+        grammar = reqs.grammar
+        roomier = grammar and (not self.plan.grammar or any(a > b for a, b in zip(grammar, self.plan.grammar)))
+        if any(v and not getattr(self.plan, k) for k, v in fields.items()) or roomier:
             base = self._reqs
+            if roomier:
+                grammar = tuple(max(a, b) for a, b in zip(grammar, self.plan.grammar or grammar))
             self.plan = make_plan(self.params, base.lens, base.max_new, max(len(s) for s in base.stop_ids),
                                   self.plan.sampling, self.cache, self.spec, self.plan.tuning,
-                                  **{k: v or getattr(self.plan, k) for k, v in fields.items()})
+                                  **{k: v or getattr(self.plan, k) for k, v in fields.items()},
+                                  grammar=grammar if roomier else self.plan.grammar)
         if reqs.samples and not self.plan.sampling:
             self.plan = self.plan.variant(sampling=True)
 

@@ -12,6 +12,8 @@ import secrets
 import numpy as np
 
 from jspec.config import CacheConfig, SpecConfig
+from jspec.constraints import Constraint, compile_constraint
+from jspec.constraints import tables as gt
 from jspec.tuning import DEFAULT_TUNING, Tuning
 from jspec.loop.plan import Plan, proposer_for, slot_limits
 from jspec.loop.state import MAX_LOGPROBS, Admission, RequestRows
@@ -63,11 +65,13 @@ class Requests:
     logprobs: list = None  # alternatives listed with each generated token's logprob (None: no logprobs)
     prompt_logprobs: list = None  # the same for the prompt's tokens
     resumed: list = None  # the prompt's last tokens that are its output already (a preempted request; 0: none)
+    constraint: list = None  # each request's constraint (`jspec.constraints`), None: unconstrained
+    automata: list = None  # the constraints compiled for the tokenizer (None where none)
 
     def __post_init__(self):
         n = len(self.prompts)
         for name, default in (("min_tokens", 0), ("speculative", True), ("logprobs", None),
-                              ("prompt_logprobs", None), ("resumed", 0)):
+                              ("prompt_logprobs", None), ("resumed", 0), ("constraint", None), ("automata", None)):
             if getattr(self, name) is None:
                 object.__setattr__(self, name, [default] * n)
 
@@ -87,7 +91,14 @@ class Requests:
         """Every per-request value (sampling and options), one list each: what
         `check_requests` takes to check them again."""
         return {**self.sampling, "min_tokens": self.min_tokens, "speculative": self.speculative,
-                "logprobs": self.logprobs, "prompt_logprobs": self.prompt_logprobs}
+                "logprobs": self.logprobs, "prompt_logprobs": self.prompt_logprobs, "constraint": self.constraint}
+
+    @property
+    def grammar(self) -> tuple:
+        """The capacities of the tables these requests' constraints need (`Plan.grammar`;
+        (): none)."""
+        automata = [a for a in self.automata if a is not None]
+        return gt.capacity(automata) if automata else ()
 
     @property
     def wants_logprobs(self) -> bool:
@@ -104,7 +115,7 @@ class Requests:
                         sampling={k: pick(v) for k, v in self.sampling.items()}, stop_ids=pick(self.stop_ids),
                         min_tokens=pick(self.min_tokens), speculative=pick(self.speculative),
                         logprobs=pick(self.logprobs), prompt_logprobs=pick(self.prompt_logprobs),
-                        resumed=pick(self.resumed))
+                        resumed=pick(self.resumed), constraint=pick(self.constraint), automata=pick(self.automata))
 
     @staticmethod
     def concat(parts: list["Requests"]) -> "Requests":
@@ -113,7 +124,8 @@ class Requests:
         return Requests(prompts=cat("prompts"), is_batch=True, max_new=cat("max_new"),
                         sampling={k: [v for p in parts for v in p.sampling[k]] for k in SAMPLING_ARGS},
                         stop_ids=cat("stop_ids"), min_tokens=cat("min_tokens"), speculative=cat("speculative"),
-                        logprobs=cat("logprobs"), prompt_logprobs=cat("prompt_logprobs"), resumed=cat("resumed"))
+                        logprobs=cat("logprobs"), prompt_logprobs=cat("prompt_logprobs"), resumed=cat("resumed"),
+                        constraint=cat("constraint"), automata=cat("automata"))
 
 
 # ----------------------------------------------------------------------------- checks
@@ -229,7 +241,7 @@ def stop_ids(params: Params, stop_token_ids, n: int) -> list[list[int]]:
     return [_id_list(stop_token_ids, V, "stop_token_ids")] * n
 
 
-REQUEST_OPTIONS = ("min_tokens", "speculative", "logprobs", "prompt_logprobs")  # per-request values beside sampling
+REQUEST_OPTIONS = ("min_tokens", "speculative", "logprobs", "prompt_logprobs", "constraint")  # per-request values beside sampling
 
 
 def check_sampling_names(values: dict) -> None:
@@ -266,11 +278,19 @@ def check_requests(params: Params, prompt, max_new_tokens, stop_token_ids, value
     for i, (lo, hi) in enumerate(zip(mins, max_new)):
         if lo > hi:
             raise ValueError(f"min_tokens={lo} is above max_new_tokens={hi}" + (f" (prompt {i})" if n > 1 else ""))
+    constraints = one_each(values.get("constraint"), n, "constraint")
+    for c in constraints:
+        if c is not None and not isinstance(c, Constraint):
+            raise TypeError(f"constraint must be a jspec.JsonSchema, Json, Regex or Choice (or one per prompt), "
+                            f"got {type(c).__name__}")
+    automata = [None if c is None else compile_constraint(c, params.tokenizer, params.config.vocab_size)
+                for c in constraints]
     return Requests(prompts=token_lists, is_batch=is_batch, max_new=max_new, sampling=sampling,
                     stop_ids=stop_ids(params, stop_token_ids, n), min_tokens=mins, speculative=spec,
                     logprobs=[check_logprobs(v, "logprobs") for v in one_each(values.get("logprobs"), n, "logprobs")],
                     prompt_logprobs=[check_logprobs(v, "prompt_logprobs")
-                                     for v in one_each(values.get("prompt_logprobs"), n, "prompt_logprobs")])
+                                     for v in one_each(values.get("prompt_logprobs"), n, "prompt_logprobs")],
+                    constraint=constraints, automata=automata)
 
 
 def one_each(value, n: int, name: str) -> list:
@@ -315,9 +335,11 @@ def tuning_config(tuning) -> Tuning:
 
 # ----------------------------------------------------------------------------- packing
 
-def pack(plan: Plan, reqs: Requests, cache: CacheConfig) -> tuple[np.ndarray, Admission]:
+def pack(plan: Plan, reqs: Requests, cache: CacheConfig, tables: bool = True) -> tuple[np.ndarray, Admission]:
     """Host arrays admitting `reqs` into rows 0..n-1 of a batch of `plan` -> (rows [B]
-    (padding entries: B, no row), Admission [B]); ValueError if they do not fit the plan."""
+    (padding entries: B, no row), Admission [B]); ValueError if they do not fit the plan.
+    tables: with `plan.grammar`, the Admission brings the constraints' tables (False: the
+    rows' start states index tables the caller keeps in the state)."""
     n, B = len(reqs.prompts), plan.batch
     lens = reqs.lens
     limits, max_new, room_bound = slot_limits(cache, lens, reqs.max_new, plan.slack)
@@ -327,7 +349,8 @@ def pack(plan: Plan, reqs: Requests, cache: CacheConfig) -> tuple[np.ndarray, Ad
                (max(max_new) > plan.max_rounds, f"max_new_tokens={max(max_new)} (it allows {plan.max_rounds})"),
                (max(limits) > plan.layout.capacity, f"{max(limits)} cache slots per request (it has "
                                                     f"{plan.layout.capacity})"),
-               (num_stop > plan.num_stop, f"{num_stop} stop ids (it holds {plan.num_stop})")]
+               (num_stop > plan.num_stop, f"{num_stop} stop ids (it holds {plan.num_stop})"),
+               (bool(reqs.grammar) and not plan.grammar, "constraints (it was compiled without any)")]
     for bad, what in misfits:
         if bad:
             raise ValueError(f"these requests do not fit the compiled program: {what}; compile with them instead")
@@ -345,10 +368,16 @@ def pack(plan: Plan, reqs: Requests, cache: CacheConfig) -> tuple[np.ndarray, Ad
     for i, (p, s) in enumerate(zip(reqs.prompts, reqs.stop_ids)):
         prompt[i, : len(p)] = p
         stops[i, : len(s)] = s
+    grammar, starts = None, [0] * n
+    if plan.grammar and tables:
+        grammar, offsets = gt.pack([a for a in reqs.automata if a is not None], *plan.grammar, plan.target.vocab_size)
+        starts = [0 if a is None else offsets[a.key] + a.walk(p[len(p) - r:] if r else [])
+                  for a, p, r in zip(reqs.automata, reqs.prompts, reqs.resumed)]
     request = RequestRows(prompt_len=col(lens, 1, np.int32), max_new=col(max_new, 1, np.int32),
                           room_bound=col(room_bound, False, bool), slot_limit=col(limits, 0, np.int32),
                           sampling=SamplingParams(**sp), stop_ids=stops, min_tokens=col(reqs.min_tokens, 0, np.int32),
-                          speculative=col(reqs.speculative, True, bool), resumed=col(reqs.resumed, 0, np.int32))
+                          speculative=col(reqs.speculative, True, bool), resumed=col(reqs.resumed, 0, np.int32),
+                          grammar_start=col(starts, 0, np.int32))
     rows = np.full((B,), B, np.int32)
     rows[:n] = np.arange(n)
-    return rows, Admission(prompt=prompt, request=request)
+    return rows, Admission(prompt=prompt, request=request, grammar=grammar)

@@ -52,7 +52,10 @@ class Plan:
     none, `LoopState.logprobs` is None); token_logprobs: rounds record the log-probabilities
     of the tokens they emit (a prompt pass records the first token's whenever k > 0);
     prompt_logprobs: prompt passes record the prompt tokens' too. Both are variants of one
-    state (`variant`), as `sampling` is."""
+    state (`variant`), as `sampling` is.
+
+    grammar: (Q, E), the capacities of the constraints' tables (`jspec.constraints.tables`:
+    states and exceptions; () : no constraints, `LoopState.grammar` is None)."""
 
     target: object
     proposer: Proposer | None
@@ -69,6 +72,7 @@ class Plan:
     logprobs: int = 0
     token_logprobs: bool = False
     prompt_logprobs: bool = False
+    grammar: tuple = ()
 
     def variant(self, *, spec=..., sampling=None, token_logprobs=None, prompt_logprobs=None,
                 prefill_chunk=None) -> "Plan":
@@ -177,13 +181,14 @@ def make_plan(params, lens: list[int], max_new: list[int], num_stop: int, sample
               spec: SpecConfig | None, tuning: Tuning = DEFAULT_TUNING, tiers: tuple = (),
               prefill_chunk: int | None = None, logprobs: int = 0, token_logprobs: bool = False,
               prompt_logprobs: bool = False, host_pages: bool = False,
-              snapshots: int = 0) -> Plan:
+              snapshots: int = 0, grammar: tuple = ()) -> Plan:
     """The Plan for requests of these prompt lengths and limits: buckets for batch, prompt
     length, rounds and stop ids; caches sized for them (or for `cache`'s max_len and
     num_pages); refused with a ValueError when it cannot fit in memory. tiers,
     prefill_chunk, logprobs, token_logprobs, prompt_logprobs: see `Plan`. host_pages: the
     caller hands out the pool's pages and admits requests only while theirs fit
-    (`CacheLayout.host_pages`, the serving engine); snapshots: `CacheLayout.snapshots`.
+    (`CacheLayout.host_pages`, the serving engine); snapshots: `CacheLayout.snapshots`;
+    grammar: `Plan.grammar`.
 
     prefill_chunk None (`generate`'s programs, which admit every request at once): blocks
     of `tuning.prefill_block` where the target's cache takes a prompt in blocks and the
@@ -229,7 +234,8 @@ def make_plan(params, lens: list[int], max_new: list[int], num_stop: int, sample
     plan = Plan(target=params.config, proposer=proposer, spec=spec, layout=layout, batch=B, prompt_len=Tp,
                 max_rounds=pow2(max(max_new), 8), num_stop=pow2(num_stop, 4), sampling=samples, tuning=tuning,
                 tiers=tuple(tiers), prefill_chunk=prefill_chunk, logprobs=logprobs,
-                token_logprobs=bool(token_logprobs and logprobs), prompt_logprobs=bool(prompt_logprobs and logprobs))
+                token_logprobs=bool(token_logprobs and logprobs), prompt_logprobs=bool(prompt_logprobs and logprobs),
+                grammar=tuple(grammar))
     check_memory(params, plan, max(max_new))
     return plan
 
@@ -258,7 +264,11 @@ def plan_bytes(plan: Plan) -> int:
     hist = plan.max_rounds if plan.proposer is not None else 0
     k = plan.logprobs
     logprobs = 4 * B * plan.buffer_len * (1 + 2 * k) if k else 0  # chosen, top ids and values, 4 bytes each
-    return nbytes(shapes) + 4 * B * (plan.buffer_len + hist) + logprobs  # tokens [B, buffer_len], hist [B, R]
+    grammar = 0
+    if plan.grammar:  # the constraints' tables: bitmasks [Q, V / 32], three [Q] and two [E] columns
+        Q, E = plan.grammar
+        grammar = 4 * (Q * (-(-plan.target.vocab_size // 32) + 3) + 2 * E)
+    return nbytes(shapes) + 4 * B * (plan.buffer_len + hist) + logprobs + grammar  # tokens, hist
 
 
 def device_memory() -> tuple[int, str] | None:

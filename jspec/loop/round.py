@@ -25,6 +25,7 @@ from flax import struct
 
 from jspec import sampling
 from jspec.cache.layout import clear_pages, free_pages, reserve
+from jspec.constraints import tables as gt
 from jspec.loop import accept, logprobs
 from jspec.loop.plan import Plan
 from jspec.loop.proposers.base import Observation
@@ -51,6 +52,7 @@ class Accepted:
     path: jax.Array  # [B, S+1] node index at each depth, valid < accept_len
     path_tokens: jax.Array  # [B, S+1] their tokens
     bonus: jax.Array  # [B] the target's token after the path: the next root
+    grammar_after: jax.Array | None = None  # [B, S+1] constraint state after each emitted token (None: none)
     in_place: bool = struct.field(pytree_node=False, default=False)
 
 
@@ -93,12 +95,40 @@ def accept_phase(plan: Plan, st: LoopState, tree: Tree, logits, logq) -> Accepte
     choice at every node (its argmax, or a draw for sampled rows) walks the tree, or sampled
     drafts (logq [B,S,V]) are accepted with probability min(1, p/q). Plain decoding is the
     tree of the root alone: its choice is the next token. A row whose request turned
-    speculation off keeps the root alone: its bonus is the target's own choice there."""
+    speculation off keeps the root alone: its bonus is the target's own choice there.
+    With constraints (`st.grammar`) each node's logits allow only what its path's state
+    allows, so the choices, the accepted path and the bonus follow the constraint (and a
+    sampled row draws from the target's masked, renormalised distribution)."""
     req = st.request
     sp = req.sampling
     positions = st.L[:, None] + tree.depth + 1  # the choice at node i is the token at position L + depth_i + 1
     if plan.sampling:
         logits = bar_early_stops(logits, req, positions)
+    node_q = None
+    if st.grammar is not None:
+        node_q = gt.node_states(st.grammar.tables, st.grammar.state, tree.tokens, tree.parents, tree.depth, plan.S)
+        logits = gt.mask_logits(st.grammar.tables, node_q, logits)
+    acc = accept_masked(plan, st, tree, logits, logq, req, sp, positions)
+    if node_q is None:
+        return acc
+    return acc.replace(grammar_after=states_after(st.grammar.tables, node_q, acc))
+
+
+def states_after(tables, node_q, acc: "Accepted"):
+    """The constraint state after each token a round emits [B, S+1]: emitted[j] (j < m) is
+    path node j+1's token, whose state is that node's; emitted[m] is the bonus, after the
+    last path node."""
+    S1 = acc.path.shape[1]
+    path_q = node_q[:, :S1] if acc.in_place else jnp.take_along_axis(node_q, acc.path, axis=1)  # [B, S+1]
+    m = acc.accept_len - 1
+    last = jnp.take_along_axis(path_q, m[:, None], axis=1)[:, 0]
+    bonus_q = gt.next_state(tables, last, acc.bonus)
+    shifted = jnp.concatenate([path_q[:, 1:], path_q[:, -1:]], axis=1)
+    return jnp.where(jnp.arange(S1)[None, :] == m[:, None], bonus_q[:, None], shifted)
+
+
+def accept_masked(plan: Plan, st: LoopState, tree: Tree, logits, logq, req, sp, positions) -> "Accepted":
+    """`accept_phase` on logits already processed for each node."""
     valid = tree.valid
     if plan.drafts:
         valid = valid & (req.speculative[:, None] | (jnp.arange(plan.N) == 0)[None, :])
@@ -141,7 +171,12 @@ def commit_phase(plan: Plan, st: LoopState, acc: Accepted, active, logits=None) 
     if plan.token_logprobs:  # emitted[j] was chosen at path node j
         at_path = logits[:, :S1] if acc.in_place else jnp.take_along_axis(logits, acc.path[:, :, None], axis=1)
         values = logprobs.of_tokens(at_path, emitted, plan.logprobs)
-    st = emit(st, emitted, acc.accept_len, active, values)
+    complete = None
+    if st.grammar is not None:  # a token that completes its constraint ends the row after it
+        complete = st.grammar.tables.terminal[acc.grammar_after]
+        last = jnp.take_along_axis(acc.grammar_after, m[:, None], axis=1)[:, 0]
+        st = st.replace(grammar=st.grammar.replace(state=jnp.where(active, last, st.grammar.state)))
+    st = emit(st, emitted, acc.accept_len, active, values, complete=complete)
     if plan.proposer is not None:  # plain decoding accepts one token a round: no histogram to keep
         st = st.replace(hist=st.hist.at[jnp.arange(B), jnp.where(active, st.rounds, plan.max_rounds)].set(
             acc.accept_len, mode="drop"))
@@ -159,10 +194,11 @@ def observe_phase(plan: Plan, tw, pw, st: LoopState, verified: Verified, acc: Ac
     return st.replace(proposal=plan.proposer.observe(plan, tw, pw, st.proposal, obs))
 
 
-def emit(st: LoopState, emitted, count, active, values=None) -> LoopState:
+def emit(st: LoopState, emitted, count, active, values=None, complete=None) -> LoopState:
     """Writes up to `count` [B] of `emitted` [B,E] after the root, stopping at one of the
     row's stop tokens or at its max_new; marks finished rows. values: their
-    log-probabilities (`logprobs.of_tokens`), kept beside them. The stop ids and the E
+    log-probabilities (`logprobs.of_tokens`), kept beside them. complete [B,E] bool: the
+    token completes the row's constraint (a stop, kept as a stop token is). The stop ids and the E
     emitted slots are few and static: unrolled comparisons instead of reductions let XLA
     compute all of this in a few fused kernels."""
     B, E = emitted.shape
@@ -170,6 +206,8 @@ def emit(st: LoopState, emitted, count, active, values=None) -> LoopState:
     stop_ids = req.stop_ids  # [B, Ks]
     j = jnp.arange(E)[None, :]
     is_stop = functools.reduce(jnp.logical_or, [emitted == stop_ids[:, k:k + 1] for k in range(stop_ids.shape[1])])
+    if complete is not None:
+        is_stop = is_stop | complete
     is_stop = is_stop & (j < count[:, None])  # [B, E]
     first_stop = jnp.full((B,), E, jnp.int32)
     for i in reversed(range(E)):

@@ -14,6 +14,7 @@ import jax.numpy as jnp
 
 from jspec import sampling
 from jspec.cache.layout import causal_mask
+from jspec.constraints import tables as gt
 from jspec.loop import logprobs
 from jspec.loop.plan import Plan
 from jspec.loop.proposers.base import Observation
@@ -80,6 +81,9 @@ def setup(plan: Plan, st: LoopState, rows, adm: Admission) -> tuple[LoopState, j
                                  counts=put(st.history.counts, counts)),
         rounds=put(st.rounds, jnp.zeros((A,), jnp.int32)),
         hist=put(st.hist, jnp.zeros((A,) + st.hist.shape[1:], jnp.int32)))
+    if st.grammar is not None:  # the rows' constraint states (and the admission's tables, if it brings them)
+        tables = st.grammar.tables if adm.grammar is None else adm.grammar
+        st = st.replace(grammar=st.grammar.replace(tables=tables, state=put(st.grammar.state, req.grammar_start)))
     st, active = reserve_room(plan, st, st.request.prompt_len + plan.slack, mask, plan.layout.pages_per_seq)
     return st, active[jnp.minimum(rows, B - 1)] & (rows < B)
 
@@ -148,6 +152,8 @@ def prompt_pass(plan: Plan, tw, pw, st: LoopState, rows, start, tokens, live, fi
     logits = plan.family.logits(plan.target, tw, last, tuning=plan.tuning)[:, None]  # [A, 1, V]
     history = sampling.History(in_prompt=take(st.history.in_prompt), counts=take(st.history.counts))
     processed = bar_early_stops(logits, req, lens[:, None]) if plan.sampling else logits
+    if st.grammar is not None:  # the first token as the row's constraint allows
+        processed = gt.mask_logits(st.grammar.tables, take(st.grammar.state)[:, None], processed)
     first_token = sampling.choose(plan.sampling, processed, req.sampling, lens[:, None], history)[:, 0]  # position len
     following = jnp.take_along_axis(take(st.tokens), jnp.minimum(start + C, st.tokens.shape[1] - 1)[:, None],
                                     axis=1)[:, 0]  # the next prompt token of a parked row
@@ -165,7 +171,14 @@ def prompt_pass(plan: Plan, tw, pw, st: LoopState, rows, start, tokens, live, fi
     starting = row_mask(B, jnp.where(ends, rows, B))  # [B] rows that run from now
     parked = row_mask(B, jnp.where(live & ~ends, rows, B))
     st = st.replace(tcache=tcache, finished=(st.finished & ~starting) | parked)
-    st = emit(st, put(jnp.zeros((B,), jnp.int32), first_token)[:, None], jnp.ones((B,), jnp.int32), starting)
+    complete = None
+    if st.grammar is not None:
+        after = gt.next_state(st.grammar.tables, take(st.grammar.state), first_token)  # [A]
+        complete = put(jnp.zeros((B,), bool), st.grammar.tables.terminal[after])[:, None]
+        st = st.replace(grammar=st.grammar.replace(state=jnp.where(starting, put(st.grammar.state, after),
+                                                                   st.grammar.state)))
+    st = emit(st, put(jnp.zeros((B,), jnp.int32), first_token)[:, None], jnp.ones((B,), jnp.int32), starting,
+              complete=complete)
     st = st.replace(L=jnp.where(starting, put(st.L, lens), st.L), root=jnp.where(starting, put(st.root, first_token),
                                                                                   st.root))
     if plan.proposer is not None:

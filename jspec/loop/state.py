@@ -18,6 +18,7 @@ from flax import struct
 
 from jspec import sampling
 from jspec.cache.layout import PageState
+from jspec.constraints.tables import GrammarTables, free_tables
 from jspec.sampling import SamplingParams
 
 RUNNING, STOP, LENGTH, CACHE_FULL = 0, 1, 2, 3
@@ -38,6 +39,7 @@ class RequestRows:
     min_tokens: jax.Array  # [.] int32 tokens generated before a stop id may be chosen (0: off)
     speculative: jax.Array  # [.] bool: drafts may be accepted (False: every round keeps the root alone)
     resumed: jax.Array  # [.] int32 the prompt's last tokens that are output already (a preempted request resumed)
+    grammar_start: jax.Array  # [.] int32 its constraint's state after its output so far (0: FREE, unconstrained)
 
 
 @struct.dataclass
@@ -46,6 +48,7 @@ class Admission:
 
     prompt: jax.Array  # [A, Tp] int32, right-padded
     request: RequestRows  # [A]
+    grammar: GrammarTables | None = None  # the tables its rows' states index (None: the state's stay)
 
 
 @struct.dataclass
@@ -57,6 +60,15 @@ class TokenLogprobs:
     chosen: jax.Array  # [B, buffer_len] float32
     top_ids: jax.Array  # [B, buffer_len, k] int32, most likely first
     top: jax.Array  # [B, buffer_len, k] float32
+
+
+@struct.dataclass
+class GrammarState:
+    """The constraints of a batch (`jspec.constraints.tables`): the tables, and each row's
+    state after its committed tokens (0, FREE: unconstrained)."""
+
+    tables: GrammarTables
+    state: jax.Array  # [B] int32
 
 
 @struct.dataclass
@@ -76,6 +88,7 @@ class LoopState:
     hist: jax.Array  # [B, R] accept length per round ([B, 0] without a proposer: always 1)
     step: jax.Array  # [] rounds of the loop
     logprobs: TokenLogprobs | None  # None unless Plan.logprobs > 0
+    grammar: GrammarState | None = None  # None unless Plan.grammar (the tables' capacities)
 
 
 def empty_requests(batch: int, num_stop: int) -> RequestRows:
@@ -83,7 +96,7 @@ def empty_requests(batch: int, num_stop: int) -> RequestRows:
     z = jnp.zeros((batch,), jnp.int32)
     return RequestRows(prompt_len=z, max_new=z, room_bound=jnp.zeros((batch,), bool), slot_limit=z,
                        sampling=sampling.neutral(batch), stop_ids=jnp.full((batch, num_stop), -1, jnp.int32),
-                       min_tokens=z, speculative=jnp.ones((batch,), bool), resumed=z)
+                       min_tokens=z, speculative=jnp.ones((batch,), bool), resumed=z, grammar_start=z)
 
 
 def empty_logprobs(batch: int, length: int, k: int) -> TokenLogprobs:
@@ -104,7 +117,9 @@ def init_state(plan) -> LoopState:
         history=sampling.History(in_prompt=jnp.zeros((B, V), bool), counts=jnp.zeros((B, V), jnp.int32)),
         proposal=proposal, request=empty_requests(B, plan.num_stop), rounds=jnp.zeros((B,), jnp.int32),
         hist=jnp.zeros((B, plan.max_rounds if plan.proposer is not None else 0), jnp.int32), step=jnp.int32(0),
-        logprobs=empty_logprobs(B, plan.buffer_len, plan.logprobs) if plan.logprobs else None)
+        logprobs=empty_logprobs(B, plan.buffer_len, plan.logprobs) if plan.logprobs else None,
+        grammar=GrammarState(tables=free_tables(*plan.grammar, V), state=jnp.zeros((B,), jnp.int32))
+        if plan.grammar else None)
 
 
 def readback(st: LoopState) -> dict:

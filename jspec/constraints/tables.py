@@ -1,0 +1,150 @@
+"""Compiled constraints on the device: one set of tables for every automaton a batch
+holds (`GrammarTables`), and the lookups a round makes in them.
+
+States are numbered globally: state 0 is FREE (every token allowed, never left), the
+unconstrained rows' state; each automaton's states follow at an offset of its own. For
+state q:
+
+- allowed[q]: a bitmask of the tokens q may emit (bit t % 32 of word t // 32);
+- next(q, t) = the exception's next state where t is among q's exceptions (sorted token
+  ids, exc_tokens[starts[q]:starts[q+1]]), else default[q]: most of a state's tokens lead to
+  one state (inside a JSON string, nearly every token leads back there), so the table
+  keeps only the others: the 335,687 transitions of `Json()` over the bundled tokenizer's
+  4,096 tokens keep 10,672 exceptions;
+- terminal[q]: the constraint is complete at q (a request that reaches it ends).
+
+A token q does not allow leads anywhere (its node is never accepted: the choice at its
+parent was masked with the parent's state). Shapes are static (capacities Q and E, powers
+of two): new constraints never recompile a program that has room for them.
+"""
+from __future__ import annotations
+
+import collections
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import struct
+
+from jspec.constraints.automaton import Automaton
+
+FREE = 0
+
+
+@struct.dataclass
+class GrammarTables:
+    allowed: jax.Array  # [Q, W] uint32, W = ceil(V / 32)
+    default: jax.Array  # [Q] int32
+    starts: jax.Array  # [Q + 1] int32
+    exc_tokens: jax.Array  # [E] int32, sorted within each state
+    exc_next: jax.Array  # [E] int32
+    terminal: jax.Array  # [Q] bool
+
+
+def pow2(n: int, lo: int) -> int:
+    return max(lo, 1 << (max(n, 1) - 1).bit_length())
+
+
+def exceptions(automaton: Automaton) -> list[tuple[int, dict]]:
+    """Per state: (its default next state, {token: next} of the tokens that go elsewhere)."""
+    out = []
+    for tr in automaton.transitions:
+        default = collections.Counter(tr.values()).most_common(1)[0][0] if tr else 0
+        out.append((default, {t: n for t, n in tr.items() if n != default}))
+    return out
+
+
+def capacity(automata) -> tuple[int, int]:
+    """(Q, E): the states (FREE included) and exceptions these automata need, as powers of
+    two (at least 16 and 64)."""
+    states = 1 + sum(a.num_states for a in automata)
+    edges = sum(len(exc) for a in automata for _, exc in exceptions(a))
+    return pow2(states, 16), pow2(edges, 64)
+
+
+def pack(automata, Q: int, E: int, V: int) -> tuple[GrammarTables, dict]:
+    """Host tables (numpy) of `automata` in capacities Q, E over a vocabulary of V ->
+    (tables, {automaton key: its state offset}); ValueError if they do not fit."""
+    need = capacity(automata)
+    if need[0] > Q or need[1] > E:
+        raise ValueError(f"these constraints need {need[0]} states and {need[1]} transitions of the tables; "
+                         f"the program holds {Q} and {E}: compile with them instead")
+    W = -(-V // 32)
+    allowed = np.zeros((Q, W), np.uint32)
+    full = np.zeros(W * 32, bool)
+    full[:V] = True
+    allowed[FREE] = bitmask(full, W)
+    default = np.zeros(Q, np.int32)
+    starts = np.zeros(Q + 1, np.int32)
+    exc_tokens = np.full(E, np.iinfo(np.int32).max, np.int32)
+    exc_next = np.zeros(E, np.int32)
+    terminal = np.zeros(Q, bool)
+    offsets, q, e = {}, 1, 0
+    for a in automata:
+        if a.key in offsets:
+            continue
+        offsets[a.key] = q
+        for local, (tr, (dflt, exc)) in enumerate(zip(a.transitions, exceptions(a))):
+            bits = np.zeros(W * 32, bool)
+            bits[[t for t in tr if t < V]] = True
+            allowed[q + local] = bitmask(bits, W)
+            default[q + local] = q + dflt
+            starts[q + local] = e
+            for t in sorted(exc):
+                exc_tokens[e], exc_next[e] = t, q + exc[t]
+                e += 1
+            starts[q + local + 1] = e
+            terminal[q + local] = a.terminal[local]
+        q += a.num_states
+    starts[q:] = e
+    return GrammarTables(allowed=allowed, default=default, starts=starts, exc_tokens=exc_tokens, exc_next=exc_next,
+                         terminal=terminal), offsets
+
+
+def bitmask(bits: np.ndarray, W: int) -> np.ndarray:
+    """bool [W * 32] -> uint32 [W], token t at bit t % 32 of word t // 32."""
+    return (bits.reshape(W, 32).astype(np.uint64) << np.arange(32, dtype=np.uint64)).sum(axis=1).astype(np.uint32)
+
+
+def free_tables(Q: int, E: int, V: int) -> GrammarTables:
+    """Tables holding FREE alone (device arrays)."""
+    return jax.tree.map(jnp.asarray, pack([], Q, E, V)[0])
+
+
+# ----------------------------------------------------------------------------- on the device
+
+def next_state(tables: GrammarTables, q, t):
+    """The state after state q emits token t (arrays of one shape, int32)."""
+    E = tables.exc_tokens.shape[0]
+    lo, hi = tables.starts[q], tables.starts[q + 1]
+    end = hi
+    for _ in range(max(E, 2).bit_length()):  # the first exception >= t (a lower bound)
+        mid = (lo + hi) // 2
+        right = (lo < hi) & (tables.exc_tokens[jnp.minimum(mid, E - 1)] < t)
+        lo, hi = jnp.where(right, mid + 1, lo), jnp.where((lo < hi) & ~right, mid, hi)
+    at = jnp.minimum(lo, E - 1)
+    found = (lo < end) & (tables.exc_tokens[at] == t)
+    return jnp.where(found, tables.exc_next[at], tables.default[q]).astype(jnp.int32)
+
+
+def allowed_mask(tables: GrammarTables, q, V: int):
+    """q [...] -> bool [..., V]: the tokens state q allows."""
+    words = tables.allowed[q]  # [..., W]
+    bits = (words[..., None] >> jnp.arange(32, dtype=jnp.uint32)) & 1
+    return bits.reshape(q.shape + (-1,))[..., :V].astype(bool)
+
+
+def mask_logits(tables: GrammarTables, q, logits):
+    """logits [..., V] with the tokens state q [...] does not allow at -inf."""
+    return jnp.where(allowed_mask(tables, q, logits.shape[-1]), logits, -jnp.inf)
+
+
+def node_states(tables: GrammarTables, row_state, tokens, parents, depth, max_depth: int):
+    """Each node's state [B, N]: the root's is its row's (the state after the committed
+    tokens), a node's the state after its parent's emits its token (a chain or tree of
+    at most `max_depth` levels below the root)."""
+    q = jnp.broadcast_to(row_state[:, None], tokens.shape)
+    for d in range(1, max_depth + 1):
+        parent_q = jnp.take_along_axis(q, jnp.maximum(parents, 0), axis=1)
+        q = jnp.where(depth == d, next_state(tables, parent_q, tokens), q)
+    return q
