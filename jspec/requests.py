@@ -335,11 +335,12 @@ def tuning_config(tuning) -> Tuning:
 
 # ----------------------------------------------------------------------------- packing
 
-def pack(plan: Plan, reqs: Requests, cache: CacheConfig, tables: bool = True) -> tuple[np.ndarray, Admission]:
+def pack(plan: Plan, reqs: Requests, cache: CacheConfig, offsets: dict | None = None) -> tuple[np.ndarray, Admission]:
     """Host arrays admitting `reqs` into rows 0..n-1 of a batch of `plan` -> (rows [B]
     (padding entries: B, no row), Admission [B]); ValueError if they do not fit the plan.
-    tables: with `plan.grammar`, the Admission brings the constraints' tables (False: the
-    rows' start states index tables the caller keeps in the state)."""
+    With `plan.grammar` the Admission brings the constraints' tables, or with `offsets`
+    ({automaton key: its first state}, the serving engine's `ConstraintSlots`) the rows'
+    start states index the tables the state holds already."""
     n, B = len(reqs.prompts), plan.batch
     lens = reqs.lens
     limits, max_new, room_bound = slot_limits(cache, lens, reqs.max_new, plan.slack)
@@ -369,8 +370,10 @@ def pack(plan: Plan, reqs: Requests, cache: CacheConfig, tables: bool = True) ->
         prompt[i, : len(p)] = p
         stops[i, : len(s)] = s
     grammar, starts = None, [0] * n
-    if plan.grammar and tables:
-        grammar, offsets = gt.pack([a for a in reqs.automata if a is not None], *plan.grammar, plan.target.vocab_size)
+    if plan.grammar:
+        if offsets is None:
+            grammar, offsets = gt.pack([a for a in reqs.automata if a is not None], *plan.grammar,
+                                       plan.target.vocab_size)
         starts = [0 if a is None else offsets[a.key] + a.walk(p[len(p) - r:] if r else [])
                   for a, p, r in zip(reqs.automata, reqs.prompts, reqs.resumed)]
     request = RequestRows(prompt_len=col(lens, 1, np.int32), max_new=col(max_new, 1, np.int32),

@@ -189,3 +189,28 @@ def test_bad_constraints_get_clear_errors(target):
     prog = jspec.compile(target, [[5, 6]], max_new_tokens=4)
     with pytest.raises(ValueError, match="constraints \\(it was compiled without any\\)"):
         prog.inputs(constraint=jspec.Choice(["a"]))
+
+
+def test_engine_serves_constrained_requests(target, with_draft):
+    """The serving engine (EAGLE-3 chain, paged, 2 rows) with constrained and free requests
+    submitted at once: each equals `generate`'s constrained output; the tables hold the
+    automata placed as requests are admitted (an automaton asked again is placed once); a
+    request whose automaton could never fit the tables, or sent to an engine without
+    tables, is refused at submit."""
+    params = with_draft("eagle3")
+    engine = jspec.Engine(params, max_batch=2, max_prompt_len=16, max_new_tokens=64, rounds_per_chunk=2,
+                          constraint_states=256)
+    handles = [engine.submit(p, max_new_tokens=64, stop_token_ids=[], constraint=c) for p, c in zip(PROMPTS, KINDS)]
+    handles.append(engine.submit(PROMPTS[0], max_new_tokens=64, stop_token_ids=[], constraint=KINDS[1]))
+    while engine.step():
+        pass
+    want = _plain(target).tokens + [jspec.generate(target, PROMPTS[0], max_new_tokens=64, stop_token_ids=[],
+                                                   constraint=KINDS[1]).tokens]
+    assert [h.result().tokens for h in handles] == want
+    assert [h.result().finish_reason for h in handles[:3]] == ["stop"] * 3
+    assert len(engine.runner.slots.placed) == 4
+    with pytest.raises(ValueError, match="the engine's tables hold 255"):
+        engine.submit("x", constraint=jspec.Json())
+    plain_engine = jspec.Engine(target, max_batch=1, max_prompt_len=16, max_new_tokens=8)
+    with pytest.raises(ValueError, match="this engine takes no constraints"):
+        plain_engine.submit("x", max_new_tokens=4, constraint=KINDS[2])

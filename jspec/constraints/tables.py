@@ -20,6 +20,7 @@ of two): new constraints never recompile a program that has room for them.
 from __future__ import annotations
 
 import collections
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -45,6 +46,7 @@ def pow2(n: int, lo: int) -> int:
     return max(lo, 1 << (max(n, 1) - 1).bit_length())
 
 
+@functools.lru_cache(maxsize=64)
 def exceptions(automaton: Automaton) -> list[tuple[int, dict]]:
     """Per state: (its default next state, {token: next} of the tokens that go elsewhere)."""
     out = []
@@ -57,48 +59,66 @@ def exceptions(automaton: Automaton) -> list[tuple[int, dict]]:
 def capacity(automata) -> tuple[int, int]:
     """(Q, E): the states (FREE included) and exceptions these automata need, as powers of
     two (at least 16 and 64)."""
-    states = 1 + sum(a.num_states for a in automata)
-    edges = sum(len(exc) for a in automata for _, exc in exceptions(a))
+    distinct = {a.key: a for a in automata}.values()
+    states = 1 + sum(needs(a)[0] for a in distinct)
+    edges = sum(needs(a)[1] for a in distinct)
     return pow2(states, 16), pow2(edges, 64)
 
 
+def empty(Q: int, E: int, V: int) -> GrammarTables:
+    """Host tables (numpy) holding FREE alone."""
+    W = -(-V // 32)
+    full = np.zeros(W * 32, bool)
+    full[:V] = True
+    allowed = np.zeros((Q, W), np.uint32)
+    allowed[FREE] = bitmask(full, W)
+    return GrammarTables(allowed=allowed, default=np.zeros(Q, np.int32), starts=np.zeros(Q + 1, np.int32),
+                         exc_tokens=np.full(E, np.iinfo(np.int32).max, np.int32), exc_next=np.zeros(E, np.int32),
+                         terminal=np.zeros(Q, bool))
+
+
+def needs(automaton: Automaton) -> tuple[int, int]:
+    """(states, exceptions) an automaton takes in the tables."""
+    return automaton.num_states, sum(len(exc) for _, exc in exceptions(automaton))
+
+
+def write(host: GrammarTables, automaton: Automaton, q0: int, e0: int) -> None:
+    """Writes `automaton` into host tables (numpy, in place): its states from q0, its
+    exceptions from e0 (each state's in token order)."""
+    V = host.allowed.shape[1] * 32
+    e = e0
+    for local, (tr, (dflt, exc)) in enumerate(zip(automaton.transitions, exceptions(automaton))):
+        q = q0 + local
+        bits = np.zeros(V, bool)
+        bits[[t for t in tr if t < V]] = True
+        host.allowed[q] = bitmask(bits, host.allowed.shape[1])
+        host.default[q] = q0 + dflt
+        host.starts[q] = e
+        for t in sorted(exc):
+            host.exc_tokens[e], host.exc_next[e] = t, q0 + exc[t]
+            e += 1
+        host.starts[q + 1] = e  # (the next state's own start overwrites it where it follows)
+        host.terminal[q] = automaton.terminal[local]
+
+
 def pack(automata, Q: int, E: int, V: int) -> tuple[GrammarTables, dict]:
-    """Host tables (numpy) of `automata` in capacities Q, E over a vocabulary of V ->
-    (tables, {automaton key: its state offset}); ValueError if they do not fit."""
+    """Host tables (numpy) of `automata` in capacities Q, E over a vocabulary of V, one
+    after another -> (tables, {automaton key: its state offset}); ValueError if they do
+    not fit."""
     need = capacity(automata)
     if need[0] > Q or need[1] > E:
         raise ValueError(f"these constraints need {need[0]} states and {need[1]} transitions of the tables; "
                          f"the program holds {Q} and {E}: compile with them instead")
-    W = -(-V // 32)
-    allowed = np.zeros((Q, W), np.uint32)
-    full = np.zeros(W * 32, bool)
-    full[:V] = True
-    allowed[FREE] = bitmask(full, W)
-    default = np.zeros(Q, np.int32)
-    starts = np.zeros(Q + 1, np.int32)
-    exc_tokens = np.full(E, np.iinfo(np.int32).max, np.int32)
-    exc_next = np.zeros(E, np.int32)
-    terminal = np.zeros(Q, bool)
+    host = empty(Q, E, V)
     offsets, q, e = {}, 1, 0
     for a in automata:
         if a.key in offsets:
             continue
         offsets[a.key] = q
-        for local, (tr, (dflt, exc)) in enumerate(zip(a.transitions, exceptions(a))):
-            bits = np.zeros(W * 32, bool)
-            bits[[t for t in tr if t < V]] = True
-            allowed[q + local] = bitmask(bits, W)
-            default[q + local] = q + dflt
-            starts[q + local] = e
-            for t in sorted(exc):
-                exc_tokens[e], exc_next[e] = t, q + exc[t]
-                e += 1
-            starts[q + local + 1] = e
-            terminal[q + local] = a.terminal[local]
-        q += a.num_states
-    starts[q:] = e
-    return GrammarTables(allowed=allowed, default=default, starts=starts, exc_tokens=exc_tokens, exc_next=exc_next,
-                         terminal=terminal), offsets
+        write(host, a, q, e)
+        states, exc = needs(a)
+        q, e = q + states, e + exc
+    return host, offsets
 
 
 def bitmask(bits: np.ndarray, W: int) -> np.ndarray:
@@ -108,7 +128,7 @@ def bitmask(bits: np.ndarray, W: int) -> np.ndarray:
 
 def free_tables(Q: int, E: int, V: int) -> GrammarTables:
     """Tables holding FREE alone (device arrays)."""
-    return jax.tree.map(jnp.asarray, pack([], Q, E, V)[0])
+    return jax.tree.map(jnp.asarray, empty(Q, E, V))
 
 
 # ----------------------------------------------------------------------------- on the device

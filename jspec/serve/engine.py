@@ -131,6 +131,9 @@ class Engine:
     (None: no limit; `submit(timeout=...)` sets one per request). max_batched_tokens: with
     prompts in blocks, the most prompt tokens one pass takes (rows of prefill_chunk tokens;
     vLLM's max_num_batched_tokens): a pass's activations stay bounded beside a full pool.
+    constraint_states: the states of the constraint tables (`submit(constraint=...)`,
+    `jspec.serve.grammar`; rounded up to a power of two, with 32 exceptions a state; 0: the
+    engine takes no constraints, and its rounds mask nothing).
 
         engine = jspec.Engine(params, max_batch=8)
         with engine:                                  # threads drive it
@@ -143,7 +146,7 @@ class Engine:
                  max_new_tokens: int = 256, cache=None, spec=None, tuning=None, rounds_per_chunk: int = 4, max_waiting: int = 256,
                  prefill_chunk: int = 512, max_logprobs: int = MAX_LOGPROBS, request_timeout: float | None = None,
                  memory_utilization: float | None = None, max_len: int | None = None, preemption: bool = True,
-                 prefix_caching: bool = True, max_batched_tokens: int = 16384):
+                 prefix_caching: bool = True, max_batched_tokens: int = 16384, constraint_states: int = 0):
         rq.check_params(params)
         derive = max_batch is None  # then the pool sized at the most rows decides the batch
         if derive:
@@ -151,7 +154,8 @@ class Engine:
         for name, v, low in (("max_batch", max_batch, 1), ("max_prompt_len", max_prompt_len, 1),
                              ("max_new_tokens", max_new_tokens, 1), ("rounds_per_chunk", rounds_per_chunk, 1),
                              ("max_waiting", max_waiting, 0), ("prefill_chunk", prefill_chunk, 1),
-                             ("max_logprobs", max_logprobs, 0), ("max_batched_tokens", max_batched_tokens, 1)):
+                             ("max_logprobs", max_logprobs, 0), ("max_batched_tokens", max_batched_tokens, 1),
+                             ("constraint_states", constraint_states, 0)):
             if not rq.is_int(v) or v < low:
                 raise ValueError(f"{name} must be an int >= {low}, got {v!r}")
         if max_logprobs > MAX_LOGPROBS:
@@ -184,9 +188,13 @@ class Engine:
         key = "xla_gpu_enable_command_buffer"
         if key not in family_for(params.config).gpu_xla_options(params.config) and key not in dict(tuning.xla_options):
             tuning = dataclasses.replace(tuning, xla_options=((key, SERVE_COMMAND_BUFFERS),) + tuning.xla_options)
+        grammar = ()
+        if constraint_states:  # tables of that many states, and 32 exceptions a state
+            Q = 1 << (constraint_states - 1).bit_length()
+            grammar = (Q, 32 * Q)
         runner = dict(batch=max_batch, max_new_tokens=self.max_new_tokens, tiers=tiers, tuning=tuning,
                       prefill_chunk=prefill_chunk, rounds_per_chunk=rounds_per_chunk, max_logprobs=self.max_logprobs,
-                      prefix_caching=prefix_caching, max_batched_tokens=max_batched_tokens)
+                      prefix_caching=prefix_caching, max_batched_tokens=max_batched_tokens, grammar=grammar)
         cache = rq.cache_config(cache or CacheConfig("paged"))
         self.runner = Runner(params, max_prompt_len=self.max_prompt_len, memory_utilization=memory_utilization,
                              cache=cache, **runner)
@@ -312,7 +320,7 @@ class Engine:
                timeout: float | None = None, **values) -> Handle:
         """Queues one request -> its `Handle`. prompt: a string or token ids; values: as
         `jspec.generate`, one each (sampling values, seed: a fresh one if left out,
-        min_tokens, speculative, logprobs, prompt_logprobs); stop: strings that end the
+        min_tokens, speculative, logprobs, prompt_logprobs, constraint); stop: strings that end the
         request where they appear in its text (cut before them, or after with
         include_stop_str_in_output); skip_special_tokens: left out of the text; timeout:
         seconds for this request (None: the engine's request_timeout). ValueError /
@@ -339,6 +347,11 @@ class Engine:
             P = self.plan.layout.page_size
             raise ValueError(f"a prompt of {n} tokens with max_new_tokens={m} may need {need} pages of {P} tokens; "
                              f"the engine's page pool holds {self.pool_pages} ({self.pool_pages * P} tokens)")
+        automaton = reqs.automata[0]
+        if automaton is not None:
+            if self.runner.slots is None:
+                raise ValueError("constraint: this engine takes no constraints (Engine(constraint_states=0))")
+            self.runner.slots.check(automaton)
         if len(reqs.stop_ids[0]) > NUM_STOP:
             raise ValueError(f"{len(reqs.stop_ids[0])} stop token ids; this engine takes at most {NUM_STOP}")
         for name in ("logprobs", "prompt_logprobs"):
@@ -441,6 +454,10 @@ class Engine:
             self.runner.set_pages(d.pages)
         if self.pool is not None:
             self.stats.prefix_cache_queries, self.stats.prefix_cache_hits = self.pool.query_tokens, self.pool.hit_tokens
+        if self.runner.slots is not None and (d.cached or d.admit):  # their constraints into the tables
+            self.runner.place_constraints([q.reqs.automata[0] for g in d.cached + d.admit for _, q in g],
+                                          {q.reqs.automata[0].key for q in self.scheduler.rows.values()
+                                           if q.reqs.automata[0] is not None})
         for group in d.cached:  # a cached prefix: no pass; their first blocks are among d.prefill
             self.runner.admit_cached([r for r, _ in group], rq.Requests.concat([q.reqs for _, q in group]))
             self.stats.admitted += len(group)

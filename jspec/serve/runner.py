@@ -43,6 +43,7 @@ from jspec.util import cdiv
 from jspec.loop import programs
 from jspec.loop.plan import make_plan, pool_for_memory, pow2, prompt_bucket, slot_limits
 from jspec.loop.state import unpack_window
+from jspec.serve.grammar import ConstraintSlots
 from jspec.models import family_for
 from jspec.params import Params
 from jspec.serve.tiers import buckets
@@ -70,11 +71,11 @@ class Runner:
     def __init__(self, params: Params, *, batch: int, max_prompt_len: int, max_new_tokens: int, cache: CacheConfig,
                  tiers: Sequence[SpecConfig | None], tuning: Tuning, prefill_chunk: int, rounds_per_chunk: int,
                  max_logprobs: int, memory_utilization: float | None = None, prefix_caching: bool = False,
-                 max_batched_tokens: int | None = None):
+                 max_batched_tokens: int | None = None, grammar: tuple = ()):
         self.pool_note = ""  # how the pool was sized, for the start-up log
         if cache.kind == "paged" and cache.num_pages is None and memory_utilization is not None:
             cache = self._pool_for_memory(params, batch, max_prompt_len, max_new_tokens, cache, tiers, tuning,
-                                          prefill_chunk, max_logprobs, memory_utilization, prefix_caching)
+                                          prefill_chunk, max_logprobs, memory_utilization, prefix_caching, grammar)
         self.params, self.cache, self.rounds_per_chunk = params, cache, rounds_per_chunk
         self.max_prompt_len, self.max_new_tokens = max_prompt_len, max_new_tokens
         Tp = prompt_bucket(max_prompt_len)
@@ -93,7 +94,9 @@ class Runner:
         self.plan = make_plan(params, lens, [max_new_tokens] * batch, NUM_STOP, True, cache,
                               self.tiers[0], tuning, tiers=tuple(self.tiers) if len(self.tiers) > 1 else (),
                               prefill_chunk=self.prefill_chunk, logprobs=max_logprobs, host_pages=True,
-                              snapshots=snapshots)
+                              snapshots=snapshots, grammar=grammar)
+        self.slots = ConstraintSlots(*grammar, params.config.vocab_size) if grammar else None
+        self.offsets: dict[str, int] = {}  # the placed automata's first states (`place_constraints`)
         self.batch = self.plan.batch
         # Rows a prompt pass takes at most (an admission or a block of C tokens each): the
         # activations of one pass stay within max_batched_tokens tokens, not batch x C.
@@ -119,7 +122,7 @@ class Runner:
         self.launch_s = 0.0  # CPU time of the calling thread inside program calls (`_call`)
 
     def _pool_for_memory(self, params, batch, max_prompt_len, max_new_tokens, cache, tiers, tuning, prefill_chunk,
-                         max_logprobs, utilization, prefix_caching) -> CacheConfig:
+                         max_logprobs, utilization, prefix_caching, grammar) -> CacheConfig:
         """`cache` with the pool that fits in `utilization` of the device's memory (the
         plan's bytes, measured on a plan of a pool for one request). ValueError when not
         even the largest request's pages fit."""
@@ -127,7 +130,7 @@ class Runner:
         small = Runner(params, batch=batch, max_prompt_len=max_prompt_len, max_new_tokens=max_new_tokens,
                        cache=dataclasses.replace(cache, num_pages=one), tiers=tiers, tuning=tuning,
                        prefill_chunk=prefill_chunk, rounds_per_chunk=1, max_logprobs=max_logprobs,
-                       prefix_caching=prefix_caching)
+                       prefix_caching=prefix_caching, grammar=grammar)
         pages, note = pool_for_memory(params, small.plan, utilization)
         need = small.pages_needed(max_prompt_len, max_new_tokens)
         if pages < need:
@@ -198,7 +201,7 @@ class Runner:
 
     def _admit_inputs(self, rows: list[int], reqs: rq.Requests, width: int):
         A = self.bucket(len(rows))
-        packed_rows, adm = rq.pack(self.plan, reqs, self.cache)
+        packed_rows, adm = rq.pack(self.plan, reqs, self.cache, self.offsets if self.slots is not None else None)
         packed_rows[:len(rows)] = rows
         adm = adm.replace(prompt=adm.prompt[:, :width])
         return self.put((packed_rows[:A], jax.tree.map(lambda a: a[:A], adm)))
@@ -298,9 +301,26 @@ class Runner:
         self.state = self._call(program, self.state, rows_dev)
 
     def reset(self) -> None:
-        """A fresh state: every row free."""
+        """A fresh state: every row free (and no constraint placed)."""
         with programs.under(self.params.mesh):
             self.state = programs.init_jit(self.plan)
+        if self.slots is not None:
+            self.slots = ConstraintSlots(self.slots.Q, self.slots.E, self.slots.V)
+            self.offsets = {}
+
+    def place_constraints(self, automata, held: set[str]) -> None:
+        """The automata of requests about to be admitted placed in the constraint tables
+        (`jspec.serve.grammar`; `held`: the keys running rows hold); new ones go to the
+        device's tables before the admission. ValueError if they cannot fit."""
+        automata = [a for a in automata if a is not None]
+        if self.slots is None:
+            if automata:
+                raise ValueError("this engine takes no constraints (Engine(constraint_states=0))")
+            return
+        self.offsets = self.slots.place(automata, held)
+        if self.slots.dirty:
+            tables = self.put(self.slots.tables())
+            self.state = self.state.replace(grammar=self.state.grammar.replace(tables=tables))
 
     # ------------------------------------------------------------------ start-up
 
