@@ -9,7 +9,8 @@
                                 [--prefill-chunk C]
     python -m jspec serve [--target DIR|ID --draft NAME|DIR|ID|mtp|ngram|none] [--host H] [--port P]
                           [--max-batch B] [--max-len L] [--max-new-tokens N] [--spec S,K,N|adaptive]
-                          [--prefill-chunk C] [--max-num-batched-tokens N] [--dtype D] [--served-model-name NAME]
+                          [--prefill-chunk C] [--max-num-batched-tokens N] [--constraint-states N] [--dtype D]
+                          [--served-model-name NAME]
                           [--chat-template FILE|STRING] [--api-key KEY] [--request-timeout S]
                           [--max-logprobs K] [--log-level LEVEL]
 
@@ -440,6 +441,9 @@ def _serve_parser() -> _Parser:
     ap.add_argument("--max-num-batched-tokens", type=_int(1), default=16384, metavar="N",
                     help="prompt tokens one pass takes at most, over all its rows (a block of --prefill-chunk "
                          "each; default: 16384)")
+    ap.add_argument("--constraint-states", type=_int(0), default=4096, metavar="N",
+                    help="states of the structured-output tables (response_format, structured_outputs; 64 "
+                         "exceptions a state; 0: no structured output; default: 4096)")
     ap.add_argument("--served-model-name", default=None, help="the name /v1/models lists and requests give "
                                                              "(default: the target's directory name or hub id, or "
                                                              "jspec-bundled)")
@@ -501,7 +505,8 @@ def _serve(argv) -> int:
                               request_timeout=args.request_timeout, cache=cache,
                               memory_utilization=None if args.kv_cache_tokens else args.gpu_memory_utilization,
                               prefix_caching=args.enable_prefix_caching,
-                              max_batched_tokens=args.max_num_batched_tokens)
+                              max_batched_tokens=args.max_num_batched_tokens,
+                              constraint_states=args.constraint_states if params.tokenizer is not None else 0)
     except (ValueError, TypeError) as err:
         ap.error(str(err))
     pool = engine.pool_pages

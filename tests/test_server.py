@@ -6,8 +6,9 @@ listens, talked to with the official `openai` client:
   logprobs with the prompt's, as lm-eval's loglikelihood asks, max_tokens 0 and 1) and
   chat (content as parts, system and assistant messages, logprobs), streamed or not,
   each equal to the request run alone, logprobs equal to the target's log-softmax;
-- usage in a last chunk only when asked; unknown fields ignored; vLLM's extras; a JSON
-  response_format refused naming it; a chat template encoded once (one BOS);
+- usage in a last chunk only when asked; unknown fields ignored; vLLM's extras; structured
+  output (response_format json_schema, structured_outputs regex and choice) equal to the
+  request run alone under its constraint; a chat template encoded once (one BOS);
 - requests without a seed sample afresh; per-request speculation off;
 - errors: 4xx naming the field from the typed models, JSON 404 for an unknown model, 401
   without the API key, 429 when the queue is full, 500 / a stream's error event and a 503
@@ -19,6 +20,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import json
+import re
 import socket
 import threading
 import time
@@ -68,7 +70,7 @@ def served(with_draft):
     tokenizer.chat_template = TEMPLATE
     params = dataclasses.replace(params, tokenizer=tokenizer)
     engine = jspec.Engine(params, max_batch=3, max_prompt_len=64, max_new_tokens=24, rounds_per_chunk=2,
-                          max_waiting=32)
+                          max_waiting=32, constraint_states=64)
     engine.warm_up()
     url, stop = running_server(engine, "tiny")
     yield url, params, engine
@@ -246,15 +248,26 @@ def test_fresh_seeds_and_usage_options(served, client):
     ({"model": "tiny", "prompt": "x", "seed": "1"}, 400, "seed", "seed"),
     ({"model": "tiny", "prompt": [1, 99999]}, 400, "prompt", "outside the vocabulary"),
     ({"model": "tiny", "prompt": "x", "suffix": "y"}, 400, "suffix", "not supported"),
+    ({"model": "tiny", "prompt": "x", "response_format": {"type": "json_schema"}}, 400, "response_format",
+     "needs a json_schema"),
+    ({"model": "tiny", "prompt": "x", "response_format": {"type": "json_schema", "json_schema": {
+        "name": "n", "schema": {"type": "nonsense"}}}}, 400, "response_format", "Unsupported type: nonsense"),
+    ({"model": "tiny", "prompt": "x", "structured_outputs": {"regex": "a(b"}}, 400, "structured_outputs",
+     "invalid pattern"),
+    ({"model": "tiny", "prompt": "x", "structured_outputs": {"grammar": "root ::= 'a'"}}, 400, "structured_outputs",
+     "grammar is not supported"),
+    ({"model": "tiny", "prompt": "x", "guided_regex": "a", "structured_outputs": {"regex": "b"}}, 400,
+     "guided_regex", "give one"),
     ({"model": "tiny", "prompt": "x", "response_format": {"type": "json_object"}}, 400, "response_format",
-     "response_format"),
+     "tables hold 63"),
     ({"model": "tiny", "messages": "hi"}, 400, "messages", "messages"),
     ({"model": "tiny", "messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, 400, "messages",
      "only text parts"),
     ({"model": "tiny", "messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function"}]}, 400,
      "tools", "not supported"),
 ], ids=["json", "temperature", "top_p", "max_tokens_negative", "max_tokens_big", "model", "empty", "empty_list",
-        "too_long", "n", "logprobs", "stop", "seed_type", "token_id", "suffix", "response_format", "messages",
+        "too_long", "n", "logprobs", "stop", "seed_type", "token_id", "suffix", "json_schema_missing",
+        "json_schema_bad", "regex_bad", "grammar", "two_constraints", "json_object_too_big", "messages",
         "image", "tools"])
 def test_bad_requests_get_4xx(served, body, status, param, match):
     url = served[0]
@@ -263,6 +276,33 @@ def test_bad_requests_get_4xx(served, body, status, param, match):
     assert code == status, err
     assert err["error"]["param"] == param and match in err["error"]["message"], err
     assert json.loads(get(url + "/health")[1])["status"] == "ok"
+
+
+def test_structured_output(served, client):
+    """response_format json_schema through the official client (chat), vLLM's
+    structured_outputs regex and choice (completions, streamed too): each equals the request
+    run alone under the same constraint, and is valid."""
+    _, params, _ = served
+    schema = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"]}
+    messages = [{"role": "user", "content": "is it?"}]
+    ids = params.tokenizer(params.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True),
+                           add_special_tokens=False)["input_ids"]
+    got = client.chat.completions.create(model="tiny", messages=messages, max_tokens=24, temperature=0,
+                                         response_format={"type": "json_schema", "json_schema": {
+                                             "name": "answer", "schema": schema, "strict": True}})
+    want = alone(params, ids, 24, constraint=jspec.JsonSchema(schema))
+    assert got.choices[0].message.content == want.text and got.choices[0].finish_reason == "stop"
+    assert set(json.loads(want.text)) == {"ok"}
+    for extra, constraint in [({"regex": "[0-9]{3}-[a-c]{2}"}, jspec.Regex("[0-9]{3}-[a-c]{2}")),
+                              ({"choice": ["left", "right"]}, jspec.Choice(["left", "right"]))]:
+        want = alone(params, "go ", 24, constraint=constraint)
+        out = client.completions.create(model="tiny", prompt="go ", max_tokens=24, temperature=0,
+                                        extra_body={"structured_outputs": extra})
+        assert out.choices[0].text == want.text and out.choices[0].finish_reason == "stop"
+        assert re.fullmatch(constraint.regex(), want.text)
+        pieces = list(client.completions.create(model="tiny", prompt="go ", max_tokens=24, temperature=0,
+                                                stream=True, extra_body={"structured_outputs": extra}))
+        assert "".join(p.choices[0].text for p in pieces) == want.text
 
 
 def test_models_auth_metrics_and_queue(served, target):

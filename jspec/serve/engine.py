@@ -132,7 +132,7 @@ class Engine:
     prompts in blocks, the most prompt tokens one pass takes (rows of prefill_chunk tokens;
     vLLM's max_num_batched_tokens): a pass's activations stay bounded beside a full pool.
     constraint_states: the states of the constraint tables (`submit(constraint=...)`,
-    `jspec.serve.grammar`; rounded up to a power of two, with 32 exceptions a state; 0: the
+    `jspec.serve.grammar`; rounded up to a power of two, with 64 exceptions a state; 0: the
     engine takes no constraints, and its rounds mask nothing).
 
         engine = jspec.Engine(params, max_batch=8)
@@ -189,9 +189,9 @@ class Engine:
         if key not in family_for(params.config).gpu_xla_options(params.config) and key not in dict(tuning.xla_options):
             tuning = dataclasses.replace(tuning, xla_options=((key, SERVE_COMMAND_BUFFERS),) + tuning.xla_options)
         grammar = ()
-        if constraint_states:  # tables of that many states, and 32 exceptions a state
+        if constraint_states:  # tables of that many states, and 64 exceptions a state
             Q = 1 << (constraint_states - 1).bit_length()
-            grammar = (Q, 32 * Q)
+            grammar = (Q, 64 * Q)
         runner = dict(batch=max_batch, max_new_tokens=self.max_new_tokens, tiers=tiers, tuning=tuning,
                       prefill_chunk=prefill_chunk, rounds_per_chunk=rounds_per_chunk, max_logprobs=self.max_logprobs,
                       prefix_caching=prefix_caching, max_batched_tokens=max_batched_tokens, grammar=grammar)

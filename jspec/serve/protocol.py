@@ -4,9 +4,12 @@ chat messages rendered with the model's chat template and encoded once.
 
 A body that does not validate is a `BadRequest` naming the field (a 400 over HTTP); a
 field the server does not know is ignored (`unknown_fields` lists them, the server logs
-one warning line), as vLLM does. Values OpenAI allows and jspec cannot honour (a JSON
-response format, tools, suffix, logit_bias, best_of above n) are refused with a 400 naming
-the field.
+one warning line), as vLLM does. Values OpenAI allows and jspec cannot honour (tools,
+suffix, logit_bias, best_of above n, an EBNF grammar) are refused with a 400 naming the
+field. Structured output (`constraint`): `response_format` {"type": "json_object"} or
+{"type": "json_schema", "json_schema": {"name", "schema", "strict"}}, and vLLM's
+`structured_outputs` {"json" | "regex" | "choice": ...} (and its older `guided_json`,
+`guided_regex`, `guided_choice`).
 """
 from __future__ import annotations
 
@@ -16,6 +19,7 @@ from typing import Any, Literal, Union
 import pydantic
 from pydantic import BaseModel, ConfigDict, Field
 
+from jspec import constraints
 from jspec.loop.state import MAX_LOGPROBS
 
 MAX_N = 16  # choices a request may ask for
@@ -35,9 +39,29 @@ class StreamOptions(BaseModel):
     continuous_usage_stats: bool = False
 
 
+class JsonSchemaFormat(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    name: str | None = None
+    schema_: dict = Field(alias="schema")
+    strict: bool | None = None
+    description: str | None = None
+
+
 class ResponseFormat(BaseModel):
     model_config = ConfigDict(extra="allow")
     type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+
+class StructuredOutputs(BaseModel):
+    """vLLM's structured-output extras: one of them."""
+
+    model_config = ConfigDict(extra="allow")
+    json_: Union[dict, str, None] = Field(None, alias="json")
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
 
 
 class Sampling(BaseModel):
@@ -67,6 +91,10 @@ class Sampling(BaseModel):
     speculative: bool = True
     logit_bias: dict[str, float] | None = None
     response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputs | None = None
+    guided_json: Union[dict, str, None] = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
 
 
 class CompletionRequest(Sampling):
@@ -150,9 +178,7 @@ def parse(model: type[BaseModel], raw: bytes) -> BaseModel:
                    ("logit_bias", bool(req.logit_bias), "logit_bias is not supported"),
                    ("best_of", (getattr(req, "best_of", None) or req.n) > req.n,
                     "best_of above n is not supported (n independent samples are)"),
-                   ("tools", bool(getattr(req, "tools", None)), "tools are not supported"),
-                   ("response_format", req.response_format is not None and req.response_format.type != "text",
-                    "response_format: only {\"type\": \"text\"} is supported (JSON output is not yet)")]
+                   ("tools", bool(getattr(req, "tools", None)), "tools are not supported")]
     for name, bad, why in unsupported:
         if bad:
             raise BadRequest(why, name)
@@ -160,6 +186,64 @@ def parse(model: type[BaseModel], raw: bytes) -> BaseModel:
         if req.top_logprobs > 0:
             raise BadRequest("top_logprobs needs logprobs: true", "top_logprobs")
     return req
+
+
+def constraint_of(req: Sampling) -> tuple[constraints.Constraint | None, str | None]:
+    """The request's structured-output constraint and the field that asked for it ->
+    (constraint or None, field); BadRequest naming the field for a bad one (two at once, a
+    json_schema without its schema, an invalid schema or regex, an EBNF grammar)."""
+    asked = []
+    rf = req.response_format
+    if rf is not None and rf.type != "text":
+        if rf.type == "json_object":
+            asked.append(("response_format", lambda: constraints.Json()))
+        elif rf.json_schema is None:
+            raise BadRequest("response_format: type json_schema needs a json_schema object with a schema",
+                             "response_format")
+        else:
+            asked.append(("response_format", lambda: constraints.JsonSchema(rf.json_schema.schema_)))
+    so = req.structured_outputs
+    if so is not None:
+        if so.grammar is not None:
+            raise BadRequest("structured_outputs.grammar is not supported (EBNF and Lark grammars: use json, regex "
+                             "or choice)", "structured_outputs")
+        given = [(k, v) for k, v in (("json", so.json_), ("regex", so.regex), ("choice", so.choice),
+                                     ("json_object", so.json_object or None)) if v is not None]
+        if len(given) != 1:
+            raise BadRequest("structured_outputs takes exactly one of json, regex, choice and json_object",
+                             "structured_outputs")
+        asked.append(("structured_outputs", lambda: kind_of(*given[0])))
+    for name, kind in (("guided_json", "json"), ("guided_regex", "regex"), ("guided_choice", "choice")):
+        value = getattr(req, name)
+        if value is not None:
+            asked.append((name, lambda kind=kind, value=value: kind_of(kind, value)))
+    if len(asked) > 1:
+        raise BadRequest(f"{asked[0][0]} and {asked[1][0]} both ask for structured output: give one", asked[1][0])
+    if not asked:
+        return None, None
+    name, make = asked[0]
+    try:
+        c = make()
+        c.regex()  # an unsupported or invalid schema fails here
+    except ValueError as err:
+        raise BadRequest(f"{name}: {err}", name) from None
+    return c, name
+
+
+def kind_of(kind: str, value) -> constraints.Constraint:
+    """A vLLM structured-output value as a constraint."""
+    if kind == "json":
+        if isinstance(value, str):
+            try:
+                value = json.loads(value)
+            except json.JSONDecodeError as err:
+                raise ValueError(f"the JSON schema is not valid JSON: {err}") from None
+        return constraints.JsonSchema(value)
+    if kind == "regex":
+        return constraints.Regex(value)
+    if kind == "choice":
+        return constraints.Choice(value)
+    return constraints.Json()
 
 
 def unknown_fields(req: BaseModel) -> list[str]:

@@ -34,6 +34,7 @@ from jspec import requests as rq
 from jspec.serve.engine import Engine, EngineError, QueueFull
 from jspec.serve.protocol import (
     BadRequest,
+    constraint_of,
     ChatCompletionRequest,
     CompletionRequest,
     DetokenizeRequest,
@@ -120,6 +121,7 @@ class Server:
         """Submits every sample of every prompt -> [(prompt ids, handle)] in choice order."""
         prompts = self.prompts(req, chat)
         kw = self.submit_kwargs(req, chat)
+        kw["constraint"], constraint_field = constraint_of(req)
         seed = kw.pop("seed")
         given = (req.max_completion_tokens if chat and req.max_completion_tokens is not None else req.max_tokens)
         handles = []
@@ -144,6 +146,8 @@ class Server:
                       *SAMPLING_FIELDS)
             field = next((f for f in fields if msg.startswith(f)), None) or next(
                 (f for f in fields if f" {f}" in msg), None)
+            if msg.startswith(("constraint", "Json", "Regex", "Choice")):  # compiling the constraint for the vocabulary
+                field = constraint_field
             raise BadRequest(msg, "logprobs" if field == "prompt_logprobs" else field) from None
         return handles
 
