@@ -29,6 +29,15 @@ and nearly every draft is rejected: this measures cost, not acceptance.
      PYTHONPATH=. python3 benchmarks/bench_8b.py sampling [--batches 1 32] [--shapes plain 3,1,4 3,1,4,q 5,8,16]
 Result: $OUT/bench_sampling.json
 
+constraint: what a JSON-schema constraint costs a round (`jspec.constraints`): plain
+decoding, the EAGLE-3-shaped chain S=3 and the tree (5,8,16) at batch 1 and 32, each
+compiled twice, free and with every row under one schema (an array of at least 100
+integers, `CONSTRAINT_SCHEMA`: it cannot complete within the run), the time per round
+from the difference of two lengths; the tokenizer is the bundled pair's (4,096 tokens of
+the 128,256: the masks and tables have the 8B vocabulary's width).
+     PYTHONPATH=. python3 benchmarks/bench_8b.py constraint [--batches 1 32] [--shapes plain 3,1,4 5,8,16] [--tiny]
+Result: $OUT/bench_constraint.json
+
 transformers: transformers' decode step on the same shape, as a peer figure: greedy
 `generate` from a 1k prompt with a static cache, which makes transformers compile its
 decoding forward itself (`CompileConfig(fullgraph=True, mode="reduce-overhead")`:
@@ -147,6 +156,53 @@ def sampling(argv):
             save_json("bench_sampling.json", res)
             del r
     print("saved", save_json("bench_sampling.json", res))
+
+
+CONSTRAINT_SCHEMA = {"type": "array", "items": {"type": "integer"}, "minItems": 100}  # cannot complete in LONG tokens
+
+
+def constraint_cost(argv):
+    """`constraint` (the module docstring)."""
+    import dataclasses
+    from jspec import bundle
+    from jspec.constraints import compile_constraint
+    from jspec.constraints import tables as gt
+    ap = argparse.ArgumentParser(prog="bench_8b.py constraint")
+    ap.add_argument("--batches", type=int, nargs="*", default=[1, 32])
+    ap.add_argument("--shapes", nargs="*", default=["3,1,4", "5,8,16"])
+    ap.add_argument("--tiny", action="store_true", help="a 4-layer toy of the shape (a CPU check)")
+    args = ap.parse_args(argv)
+    res = {"env": env_info(), "schema": CONSTRAINT_SCHEMA, "rows": []}
+    print(res["env"], flush=True)
+    cfg = LLAMA31_8B if not args.tiny else dataclasses.replace(
+        LLAMA31_8B, hidden_size=256, intermediate_size=512, num_layers=4, num_heads=4, num_kv_heads=2, head_dim=64,
+        sliding_windows=(0,) * 4)
+    tokenizer = bundle.load(None, dtype="float32").tokenizer
+    target = dataclasses.replace(random_params(cfg), tokenizer=tokenizer)
+    spec_params = target.with_draft(eagle3_head(target, draft_vocab=4096 if args.tiny else 32000))
+    constraint = jspec.JsonSchema(CONSTRAINT_SCHEMA)
+    automaton = compile_constraint(constraint, tokenizer, cfg.vocab_size)
+    res["automaton"] = {"states": automaton.num_states, "transitions": automaton.edges(),
+                        "exceptions": gt.needs(automaton)[1], "tables": gt.capacity([automaton])}
+    print(res["automaton"], flush=True)
+    vocab = min(cfg.vocab_size, 4096)
+    for batch in args.batches:
+        for shape in args.shapes:
+            spec = spec_of(shape)
+            row = {"batch": batch, "shape": shape}
+            for name, kw in (("free", {}), ("json", {"constraint": constraint})):
+                r = Runner(spec_params if spec else target, prompts(batch, vocab), LONG, spec=spec, **kw)
+                per, rounds, toks = r.per_round(SHORT, LONG)
+                row[name] = {"ms_per_round": per * 1e3, "tokens_per_round": toks / max(rounds, 1) / batch,
+                             "compile_s": r.compile_s}
+                del r
+            row["ratio"] = row["json"]["ms_per_round"] / row["free"]["ms_per_round"]
+            res["rows"].append(row)
+            print(batch, shape, {k: (round(v["ms_per_round"], 3), round(v["tokens_per_round"], 2))
+                                 for k, v in row.items() if isinstance(v, dict)}, "ratio", round(row["ratio"], 3),
+                  flush=True)
+            save_json("bench_constraint.json", res)
+    print("saved", save_json("bench_constraint.json", res))
 
 
 # --------------------------------------------------------------------------- transformers
@@ -323,6 +379,8 @@ def main(argv=None):
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["sampling"]:
         return sampling(argv[1:])
+    if argv[:1] == ["constraint"]:
+        return constraint_cost(argv[1:])
     if argv[:1] == ["transformers"]:
         return transformers_decode([int(b) for b in argv[1:]] or [1, 32])
     if argv[:1] == ["prefill"]:

@@ -327,23 +327,35 @@ def full_context(params, requests: int, prompt: int, new: int, vocab: int) -> di
 
 
 def shared_prefix(params, batch: int, requests: int, prefix: int, question: int, new: int, vocab: int,
-                  prefill_chunk: int = 512) -> dict:
+                  prefill_chunk: int = 512, off_in_place: bool = False) -> dict:
     """`requests` prompts of one `prefix`-token system prompt and a `question`-token
     question of their own, submitted at once, with prefix caching on and off (an engine
-    each; a warm-up burst on another system prompt first)."""
+    each; a warm-up burst on another system prompt first). off_in_place: off is the same
+    engine after its pool stops caching (`PagePool.prefix_caching` False: nothing looked up,
+    registered or snapshotted; the same programs, none compiled again), not an engine built
+    with prefix_caching=False (whose programs differ where a hybrid keeps snapshots)."""
     rng = np.random.default_rng(5)
     out = {}
-    for caching in (True, False):
+
+    def bursts(engine):  # the warm-up burst, then the measured one
+        for n in (4, requests):
+            system = rng.integers(1, vocab, prefix).tolist()
+            r = burst(engine, [system + rng.integers(1, vocab, question).tolist() for _ in range(n)], new)
+        return r
+
+    def record(name, r, engine, warm):
+        out[name] = r | {"warm_up_s": warm, "programs": stat(engine, "programs")}
+        print(f"shared prefix, caching {name}:", common.rounded(out[name]), flush=True)
+
+    for caching in (True, False) if not off_in_place else (True,):
         engine = jspec.Engine(params, max_batch=batch, max_prompt_len=prefix + question, max_new_tokens=new,
                               prefix_caching=caching, prefill_chunk=prefill_chunk)
         warm = engine.warm_up([prefix + question], sampled=False, logprobs=False)
         with engine:
-            for n in (4, requests):  # the warm-up burst, then the measured one
-                system = rng.integers(1, vocab, prefix).tolist()
-                r = burst(engine, [system + rng.integers(1, vocab, question).tolist() for _ in range(n)], new)
-        out["on" if caching else "off"] = r | {"warm_up_s": warm, "programs": stat(engine, "programs")}
-        print(f"shared prefix, caching {'on' if caching else 'off'}:", common.rounded(out["on" if caching else "off"]),
-              flush=True)
+            record("on" if caching else "off", bursts(engine), engine, warm)
+            if off_in_place:
+                engine.pool.prefix_caching = False
+                record("off", bursts(engine), engine, 0.0)
     on, off = out["on"], out["off"]
     out["ttft_p50_off_over_on"] = off["ttft_ms"][0] / on["ttft_ms"][0]
     out["tokens_per_s_on_over_off"] = on["tokens_per_s"] / off["tokens_per_s"]
@@ -483,6 +495,8 @@ def main():
     ap.add_argument("--shared-prefix", type=int, default=4096, help="the shared part's system prompt tokens")
     ap.add_argument("--shared-question", type=int, default=128, help="the shared part's own tokens a request")
     ap.add_argument("--shared-new", type=int, default=128, help="the shared part's new tokens a request")
+    ap.add_argument("--off-in-place", action="store_true", help="the shared part's caching off in the same engine "
+                                                                "(see shared_prefix)")
     ap.add_argument("--oversub-prompt", type=int, default=512, help="the oversub part's prompt and new tokens")
     ap.add_argument("--oversub-runs", default="whole,half,fit", help="the oversub part's pools (see oversubscribed)")
     ap.add_argument("--host-new", type=int, default=2048, help="tokens each request of the host part generates")
@@ -535,7 +549,7 @@ def main():
         print("saved", common.save_json(name, out), flush=True)
     if "shared" in parts:
         out["shared"] = shared_prefix(params, args.batch, args.batch, args.shared_prefix, args.shared_question,
-                                      args.shared_new, vocab, args.prefill_chunk)
+                                      args.shared_new, vocab, args.prefill_chunk, args.off_in_place)
         print("saved", common.save_json(name, out), flush=True)
     if "oversub" in parts:
         out["oversub"] = oversubscribed(params, args.batch, 2 * args.batch, args.oversub_prompt, args.oversub_prompt,
