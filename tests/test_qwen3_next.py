@@ -375,3 +375,21 @@ def test_preempted_requests_resume_exactly(drafted):
     assert [h.result().tokens for h in handles[:3]] == want
     assert handles[3].result().tokens == alone
     assert engine.stats.num_preemptions > 0 and engine.stats.accept_tokens > 0
+
+
+@pytest.mark.parametrize("spec", [(3, 1, 4), (3, 2, 6)], ids=["chain", "tree"])
+def test_constrained_mtp_equals_plain(drafted, target, spec):
+    """Structured output on the hybrid target with its MTP draft (the tests' byte-level
+    tokenizer, whose letters fall in this 128-token vocabulary): constrained speculative
+    greedy output equals constrained plain greedy output, chain and tree, paged."""
+    pytest.importorskip("outlines_core")
+    tok = target.tokenizer
+    p = dataclasses.replace(drafted["mtp"], tokenizer=tok)
+    prompts = [[5, 9, 2, 77, 31], [100, 101, 102]]
+    constraint = [jspec.Regex(r"(ab|c)+d{2,3}"), jspec.Choice(["deaf", "bead", "cab"])]
+    kw = dict(max_new_tokens=24, stop_token_ids=[], constraint=constraint,
+              cache=jspec.CacheConfig("paged", page_size=16))
+    want = jspec.generate(p.with_draft(None), prompts, **kw)
+    got = jspec.generate(p, prompts, spec=jspec.SpecConfig(*spec), **kw)
+    assert got.tokens == want.tokens
+    assert got.finish_reasons[1] == "stop" and tok.decode(got.tokens[1]) in ("deaf", "bead", "cab")
