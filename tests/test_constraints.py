@@ -214,3 +214,17 @@ def test_engine_serves_constrained_requests(target, with_draft):
     plain_engine = jspec.Engine(target, max_batch=1, max_prompt_len=16, max_new_tokens=8)
     with pytest.raises(ValueError, match="this engine takes no constraints"):
         plain_engine.submit("x", max_new_tokens=4, constraint=KINDS[2])
+
+
+def test_preempted_constrained_requests_resume_exactly(target):
+    """A pool of 7 pages of 16 tokens under 2 rows: constrained requests are preempted and
+    resume with their constraint's state walked over their output so far; each equals
+    `generate`'s constrained output."""
+    engine = jspec.Engine(target, max_batch=2, max_prompt_len=16, max_new_tokens=64, rounds_per_chunk=2,
+                          cache=jspec.CacheConfig("paged", page_size=16, num_pages=7), constraint_states=256)
+    order = [3, 1, 3, 0, 1, 2, 4]  # free rows of 65 tokens (5 pages) beside constrained ones
+    handles = [engine.submit(PROMPTS[i], max_new_tokens=64, stop_token_ids=[], constraint=KINDS[i]) for i in order]
+    while engine.step():
+        pass
+    assert [h.result().tokens for h in handles] == [_plain(target).tokens[i] for i in order]
+    assert engine.stats.num_preemptions > 0
