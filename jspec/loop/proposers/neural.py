@@ -20,6 +20,7 @@ from flax import struct
 from jspec import sampling
 from jspec.cache.layout import causal_mask
 from jspec.config import SpecConfig
+from jspec.constraints import tables as gt
 from jspec.drafts.base import Draft
 from jspec.loop.proposers.base import Observation, Proposer
 from jspec.loop.tree import chain_tree, select_tree, vocab_top_k
@@ -81,8 +82,16 @@ class NeuralProposer(Proposer):
         """The root's children under `plan`'s SpecConfig: the kept hidden through the
         draft's head -> (target ids [B,K], draft probabilities [B,K] (a tree's scores), the
         draft's log q [B,V] of a sampled draw (else [B,0])). The root is at L: the first
-        draft is the token at L + 1."""
-        return self._first_level(plan, tw, dw, state.hidden, st.request.sampling, st.L + 1)
+        draft is the token at L + 1. Rows under a constraint draft only what their state
+        allows (`allowed`)."""
+        mask = None if st.grammar is None else self.allowed(plan, dw, st, st.grammar.state[:, None])[:, 0]
+        return self._first_level(plan, tw, dw, state.hidden, st.request.sampling, st.L + 1, mask)
+
+    def allowed(self, plan, dw, st, q):
+        """The draft-vocabulary tokens constraint states q [B,M] allow -> bool [B,M,Vd]
+        (the target's allowed tokens at the draft's ids)."""
+        ids = self.draft.to_target_ids(dw, jnp.arange(self.draft.vocab_size, dtype=jnp.int32))
+        return gt.allowed_mask(st.grammar.tables, q, plan.target.vocab_size)[..., ids]
 
     def _step(self, plan, tw, dw, pages, cache, tokens, hidden, positions, prefix_len, local_mask, live):
         """One draft forward over the K newest nodes: tokens [B,K], the draft's own hidden
@@ -106,16 +115,21 @@ class NeuralProposer(Proposer):
         tok, h, cache = first_tokens[:, 0], state.hidden, state.cache
         out, logqs = [root, tok], [first_logq]
         one = jnp.ones((root.shape[0], 1, 1), bool)
+        q = None if st.grammar is None else gt.next_state(st.grammar.tables, st.grammar.state, tok)
         for j in range(1, plan.S):
             pos = L + self.draft.lag + j - 1
             logits_d, hs, cache = self._step(plan, tw, dw, st.pages, cache, tok[:, None], h[:, None], pos[:, None],
                                              pos, one, active)
+            if q is not None:  # the constraint's state along the chain
+                logits_d = jnp.where(self.allowed(plan, dw, st, q[:, None]), logits_d, -jnp.inf)
             if plan.sample_drafts:  # the token at sequence position L + j + 1
                 t, logq = self._draw(plan, dw, logits_d, sp, (L + j + 1)[:, None])
                 tok = t[:, 0]
                 logqs.append(logq[:, 0])
             else:
                 tok = self.draft.to_target_ids(dw, jnp.argmax(logits_d[:, 0], axis=-1).astype(jnp.int32))
+            if q is not None:
+                q = gt.next_state(st.grammar.tables, q, tok)
             h = hs[:, 0]
             out.append(tok)
         logq = jnp.stack(logqs, axis=1) if plan.sample_drafts else None
@@ -129,6 +143,8 @@ class NeuralProposer(Proposer):
         base = L + self.draft.lag  # first draft slot of this round
         cache = state.cache
         sel_tok, sel_score, _ = first
+        grammar = st.grammar
+        sel_q = None if grammar is None else gt.next_state(grammar.tables, grammar.state[:, None], sel_tok)  # [B,K]
         sel_h = state.hidden[:, None].repeat(K, axis=1)
         sel_cand = jnp.broadcast_to(jnp.arange(K, dtype=jnp.int32)[None], (B, K))
         sel_anc = jnp.zeros((B, K, max(S - 1, 1) * K), bool)  # draft slots (from base) seen by each
@@ -141,6 +157,8 @@ class NeuralProposer(Proposer):
             local = sel_anc[:, :, : j * K]
             pos = jnp.broadcast_to((base + j - 1)[:, None], (B, K))
             logits_d, hs, cache = self._step(plan, tw, dw, st.pages, cache, sel_tok, sel_h, pos, base, local, active)
+            if sel_q is not None:  # each expanded node's children as its constraint state allows
+                logits_d = jnp.where(self.allowed(plan, dw, st, sel_q), logits_d, -jnp.inf)
             vals, idx = vocab_top_k(logits_d, K)  # [B,K,K]
             probs = jnp.exp(vals - jax.nn.logsumexp(logits_d, axis=-1, keepdims=True))
             score = (sel_score[:, :, None] * probs).reshape(B, K * K)
@@ -153,6 +171,8 @@ class NeuralProposer(Proposer):
                 sel_score, pick = jax.lax.top_k(score, K)
                 parent = pick // K
                 sel_tok = jnp.take_along_axis(tok, pick, axis=1)
+                if sel_q is not None:
+                    sel_q = gt.next_state(grammar.tables, jnp.take_along_axis(sel_q, parent, axis=1), sel_tok)
                 sel_cand = offset + pick
                 sel_h = jnp.take_along_axis(hs, parent[:, :, None], axis=1)
                 sel_anc = jnp.take_along_axis(sel_anc, parent[:, :, None], axis=1)
@@ -187,14 +207,16 @@ class NeuralProposer(Proposer):
         hidden_kept = jnp.where(keep, last, state.hidden) if rows is None else put_rows(state.hidden, last, rows)
         return state.replace(cache=cache, hidden=hidden_kept)
 
-    def _first_level(self, plan, tw, dw, last, sp: sampling.SamplingParams, position):
+    def _first_level(self, plan, tw, dw, last, sp: sampling.SamplingParams, position, mask=None):
         """The draft's hidden [R,Dd] at the newest slot -> the root's children: target ids
         [R,K], draft probabilities [R,K] (a tree's scores), and with sampled drafts the
         draft's processed log-probabilities over the target vocabulary [R,V] (else
         [R,0]). A chain takes the argmax, or with sampled drafts a draw for the token at
-        `position` [R]."""
+        `position` [R]. mask [R,Vd]: the draft tokens a constraint allows (None: all)."""
         d = self.draft
         logits_d = d.logits(plan.target, tw, dw, last, tuning=plan.tuning)
+        if mask is not None:
+            logits_d = jnp.where(mask, logits_d, -jnp.inf)
         R = logits_d.shape[0]
         if plan.sample_drafts:
             tok, logq = self._draw(plan, dw, logits_d[:, None], sp, position[:, None])
