@@ -24,6 +24,14 @@ prompts of new tokens over wall time; the share of prompts whose output equals j
 plain greedy output is reported for each row.
      PYTHONPATH=. python3 benchmarks/bundle_eval.py transformers [--prompts 8]
 Result: $OUT/bundle_vs_transformers.json
+
+constraint: the speed-up of speculation over plain decoding, free and under a JSON schema
+(`JSON_SCHEMA`, a function call's arguments; both sides constrained), batch 1 over
+held-out prompts followed by " # the call as JSON: ": plain decoding, the EAGLE-3 chain
+S=3 and tree (5,8,16); tokens/s (median over prompts), tau, and the share of prompts whose
+output equals plain decoding's.
+     PYTHONPATH=. python3 benchmarks/bundle_eval.py constraint [--prompts 8] [--dtype float32]
+Result: $OUT/bundle_constraint_<backend>_<dtype>.json
 """
 from __future__ import annotations
 
@@ -174,12 +182,59 @@ def against_transformers(argv):
     print("saved", save_json("bundle_vs_transformers.json", res), jax.__version__)
 
 
+JSON_SCHEMA = {"type": "object", "properties": {  # a function call's arguments, as a tool-using model writes them
+    "name": {"type": "string", "maxLength": 40}, "args": {"type": "array", "items": {"type": "string"}, "maxItems": 6},
+    "returns": {"type": "string"}}, "required": ["name", "args", "returns"]}
+
+
+def constrained(argv):
+    """`constraint` (the module docstring)."""
+    ap = argparse.ArgumentParser(prog="bundle_eval.py constraint")
+    ap.add_argument("--prompts", type=int, default=8)
+    ap.add_argument("--dtype", default=None)
+    args = ap.parse_args(argv)
+    root = bundle_path()
+    dtype = args.dtype or ("bfloat16" if jax.default_backend() == "gpu" else "float32")
+    target = jspec.load(os.path.join(root, "target"), dtype=dtype)
+    eagle3 = target.with_draft(jspec.load_draft(os.path.join(root, "eagle3"), target))
+    prompts = [p + target.tokenizer(" # the call as JSON: ", add_special_tokens=False)["input_ids"]
+               for p in held_out_prompts(target.tokenizer, args.prompts)]
+    res = {"env": env_info(), "prompts": len(prompts), "new_tokens": NEW, "schema": JSON_SCHEMA, "rows": {}}
+    for label, constraint in (("free", None), ("json", jspec.JsonSchema(JSON_SCHEMA))):
+        for name, params, spec in (("plain", target, None), ("EAGLE-3 chain S=3", eagle3, jspec.SpecConfig(3)),
+                                   ("EAGLE-3 tree 5,8,16", eagle3, jspec.SpecConfig(5, 8, 16))):
+            prog = jspec.compile(params, prompts[0], max_new_tokens=NEW, stop_token_ids=[], spec=spec,
+                                 constraint=constraint)
+            rates, taus, toks = [], [], []
+            prog.run()
+            for p in prompts:
+                out = prog.run(p, max_new_tokens=NEW, stop_token_ids=[], constraint=constraint)
+                rates.append(len(out.tokens) / out.timing["run_s"])
+                taus.append(out.stats.mean_accept_length if spec else 1.0)
+                toks.append(out.tokens)
+            res["rows"][f"{label} {name}"] = {"tokens_per_s": float(np.median(rates)), "tau": float(np.mean(taus)),
+                                              "tokens": toks}
+    for label in ("free", "json"):
+        base = res["rows"][f"{label} plain"]
+        for name in ("plain", "EAGLE-3 chain S=3", "EAGLE-3 tree 5,8,16"):
+            r = res["rows"][f"{label} {name}"]
+            r["speedup"] = r["tokens_per_s"] / base["tokens_per_s"]
+            r["same_as_plain"] = float(np.mean([a == b for a, b in zip(r["tokens"], base["tokens"])]))
+            print(f"{label:5s} {name:22s} {r['tokens_per_s']:9.1f} tok/s  tau {r['tau']:.2f}  speed-up "
+                  f"{r['speedup']:.2f}x  same as plain {r['same_as_plain']:.2f}", flush=True)
+    for r in res["rows"].values():
+        r.pop("tokens")
+    print("saved", save_json(f"bundle_constraint_{jax.default_backend()}_{dtype}.json", res))
+
+
 # --------------------------------------------------------------------------- main
 
 def main(argv=None):
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["transformers"]:
         return against_transformers(argv[1:])
+    if argv[:1] == ["constraint"]:
+        return constrained(argv[1:])
     ap = argparse.ArgumentParser()
     ap.add_argument("--prompts", type=int, default=16)
     ap.add_argument("--batch1", type=int, default=4, help="prompts timed one at a time")
