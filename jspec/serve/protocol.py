@@ -230,6 +230,13 @@ def constraint_of(req: Sampling) -> tuple[constraints.Constraint | None, str | N
     return c, name
 
 
+def asks_structure(req: Sampling) -> bool:
+    """Whether the request asks for structured output (see `constraint_of`)."""
+    return ((req.response_format is not None and req.response_format.type != "text")
+            or any(v is not None for v in (req.structured_outputs, req.guided_json, req.guided_regex,
+                                           req.guided_choice)))
+
+
 def kind_of(kind: str, value) -> constraints.Constraint:
     """A vLLM structured-output value as a constraint."""
     if kind == "json":

@@ -34,6 +34,7 @@ from jspec import requests as rq
 from jspec.serve.engine import Engine, EngineError, QueueFull
 from jspec.serve.protocol import (
     BadRequest,
+    asks_structure,
     constraint_of,
     ChatCompletionRequest,
     CompletionRequest,
@@ -299,7 +300,10 @@ def build_app(engine: Engine, model_name: str, *, api_key: str | None = None, ch
             extra = unknown_fields(req)
             if extra:
                 log.warning("%s: ignoring unknown fields %s", path, ", ".join(extra))
-            handles = server.submit(req, chat)
+            if asks_structure(req):  # compiling a new constraint may take seconds: not on the event loop
+                handles = await asyncio.to_thread(server.submit, req, chat)
+            else:
+                handles = server.submit(req, chat)
         except BadRequest as err:
             return error(err, path, t0)
         prompts = [ids for ids, _ in handles[::req.n]]
