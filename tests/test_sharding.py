@@ -210,3 +210,13 @@ def test_lookup_rows_is_the_tables_rows_per_device(n):
     np.testing.assert_array_equal(np.asarray(got), np.asarray(table)[ids])
     np.testing.assert_array_equal(np.asarray(odd), np.asarray(table)[ids[:, :8]])
     assert "all-gather" not in hlo and "all-reduce" in hlo
+
+
+def test_constrained_split_equals_one_device(split, single):
+    """Structured output over 2 devices (the constraint tables replicated): the same tokens
+    as on one device, EAGLE-3 tree."""
+    pytest.importorskip("outlines_core")
+    kw = dict(max_new_tokens=24, stop_token_ids=[], spec=TREE,
+              constraint=[jspec.Regex(r"[a-c]+d"), jspec.Choice(["one", "two"]), None])
+    want = jspec.generate(single("eagle3"), PROMPTS[:3], **kw)
+    assert jspec.generate(split(2, "eagle3"), PROMPTS[:3], **kw).tokens == want.tokens
