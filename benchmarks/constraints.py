@@ -122,7 +122,7 @@ def outlines_row(schema: dict, tokenizer, vocab: int, reps: int) -> dict:
     pack_s, _ = timed(lambda: gt.pack([a], Q, E, vocab), 1)
     W = -(-vocab // 32)
     return {"compile_s": seconds, "states": a.num_states, "transitions": a.edges(), "exceptions": gt.needs(a)[1],
-            "capacity": [Q, E], "table_bytes": 4 * (Q * (W + 3) + 2 * E), "pack_s": pack_s}
+            "capacity": [Q, E], "table_bytes": 4 * (Q * (W + 4) + 2 * E), "pack_s": pack_s}
 
 
 def xgrammar_row(schema: dict, tokenizer, vocab: int, reps: int) -> dict:

@@ -228,3 +228,45 @@ def test_preempted_constrained_requests_resume_exactly(target):
         pass
     assert [h.result().tokens for h in handles] == [_plain(target).tokens[i] for i in order]
     assert engine.stats.num_preemptions > 0
+
+
+def test_engine_tables_placed_first_fit_in_place(target):
+    """The engine's placement (`jspec.serve.grammar.ConstraintSlots`) over tables exactly as
+    large as three automata: they take first-fit ranges; a fourth drops the one no row holds
+    and fills its gap, in front of the held ones, without touching them; the rows written
+    in place (`write_rows`, chunks of 8 states and 64 exceptions) leave the device's tables
+    equal to the host's copy, whose lookups equal every placed automaton's transitions."""
+    from jspec.serve.grammar import ConstraintSlots
+    V = target.config.vocab_size
+    compile_ = lambda c: compile_constraint(c, target.tokenizer, V)  # noqa: E731
+    a, b, c, d = (compile_(jspec.Choice(["ab", "cd"])), compile_(jspec.Choice(["xyz", "w"])),
+                  compile_(jspec.Regex(r"[a-f]{3,20}")), compile_(jspec.Choice(["q"])))
+    assert d.num_states <= a.num_states
+    Q = 1 + a.num_states + b.num_states + c.num_states
+    slots = ConstraintSlots(Q, 4096, V)
+    device = gt.free_tables(Q, 4096, V)
+
+    def sync():
+        nonlocal device
+        for rows in slots.take_rows(8, 64):
+            device = gt.write_rows(device, jax.tree.map(jnp.asarray, rows))
+        for got, want in zip(jax.tree.leaves(device), jax.tree.leaves(slots.host)):
+            np.testing.assert_array_equal(np.asarray(got), want)
+
+    def check(automaton, offset):
+        qs, ts, want = [], [], []
+        for q, tr in enumerate(automaton.transitions):
+            qs += [offset + q] * len(tr)
+            ts += list(tr)
+            want += [offset + n for n in tr.values()]
+        assert np.asarray(gt.next_state(device, jnp.array(qs), jnp.array(ts))).tolist() == want
+    placed = slots.place([a, b, c], held=set())
+    sync()
+    assert [placed[x.key] for x in (a, b, c)] == [1, 1 + a.num_states, 1 + a.num_states + b.num_states]
+    placed = slots.place([d], held={b.key, c.key})  # full: `a` (held by no row) is dropped
+    sync()
+    assert a.key not in placed and placed[d.key] == 1
+    for x in (b, c, d):
+        check(x, placed[x.key])
+    with pytest.raises(ValueError, match="full with the constraints of running requests"):
+        slots.place([a], held={b.key, c.key, d.key})

@@ -495,22 +495,24 @@ def test_logprobs_speculation_off_and_min_tokens(perm):
 
 def test_no_compile_while_serving(with_draft):
     """After `warm_up`, serving greedy and sampled requests, with and without logprobs,
-    prompt logprobs, speculation off, stop strings and prompts of every length up to the
-    largest (prefilled in blocks) compiles nothing: XLA reports no compilation. A warm-up
-    with requests in the engine is refused."""
+    prompt logprobs, speculation off, stop strings, constraints (their tables placed as
+    they come) and prompts of every length up to the largest (prefilled in blocks)
+    compiles nothing: XLA reports no compilation. A warm-up with requests in the engine is
+    refused."""
     import jax
     params = with_draft("eagle3")
     engine = jspec.Engine(params, max_batch=2, max_prompt_len=40, max_new_tokens=8, rounds_per_chunk=2,
-                          prefill_chunk=16)
+                          prefill_chunk=16, constraint_states=64)
     engine.warm_up()
     assert engine.stats.programs == len(engine.runner.programs_needed())
     compiles = []
     jax.monitoring.register_event_duration_secs_listener(
         lambda event, duration, **kw: compiles.append(event) if "backend_compile" in event else None)
     cases = [dict(), dict(temperature=0.8, seed=1), dict(logprobs=3), dict(prompt_logprobs=2, logprobs=0),
-             dict(speculative=False, temperature=0.5), dict(stop=["a"], min_tokens=2)]
+             dict(speculative=False, temperature=0.5), dict(stop=["a"], min_tokens=2),
+             dict(constraint=jspec.Choice(["ab", "cd"])), dict(constraint=jspec.Regex("[a-z]+"), temperature=0.7)]
     hs = [engine.submit(list(range(3, 3 + n)), max_new_tokens=8, stop_token_ids=[], **cases[i % len(cases)])
-          for i, n in enumerate((1, 5, 17, 40, 33, 64 // 2, 2, 39))]
+          for i, n in enumerate((1, 5, 17, 40, 33, 64 // 2, 2, 39, 12, 6))]
     while not all(h.done for h in hs):
         engine.step()
     assert not compiles, compiles

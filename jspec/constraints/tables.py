@@ -7,7 +7,7 @@ state q:
 
 - allowed[q]: a bitmask of the tokens q may emit (bit t % 32 of word t // 32);
 - next(q, t) = the exception's next state where t is among q's exceptions (sorted token
-  ids, exc_tokens[starts[q]:starts[q+1]]), else default[q]: most of a state's tokens lead to
+  ids, exc_tokens[exc_start[q]:exc_end[q]]), else default[q]: most of a state's tokens lead to
   one state (inside a JSON string, nearly every token leads back there), so the table
   keeps only the others: the 335,687 transitions of `Json()` over the bundled tokenizer's
   4,096 tokens keep 10,672 exceptions;
@@ -36,7 +36,8 @@ FREE = 0
 class GrammarTables:
     allowed: jax.Array  # [Q, W] uint32, W = ceil(V / 32)
     default: jax.Array  # [Q] int32
-    starts: jax.Array  # [Q + 1] int32
+    exc_start: jax.Array  # [Q] int32: state q's exceptions are [exc_start[q], exc_end[q])
+    exc_end: jax.Array  # [Q] int32 (its own bound: automata placed anywhere never share one)
     exc_tokens: jax.Array  # [E] int32, sorted within each state
     exc_next: jax.Array  # [E] int32
     terminal: jax.Array  # [Q] bool
@@ -72,7 +73,8 @@ def empty(Q: int, E: int, V: int) -> GrammarTables:
     full[:V] = True
     allowed = np.zeros((Q, W), np.uint32)
     allowed[FREE] = bitmask(full, W)
-    return GrammarTables(allowed=allowed, default=np.zeros(Q, np.int32), starts=np.zeros(Q + 1, np.int32),
+    return GrammarTables(allowed=allowed, default=np.zeros(Q, np.int32), exc_start=np.zeros(Q, np.int32),
+                         exc_end=np.zeros(Q, np.int32),
                          exc_tokens=np.full(E, np.iinfo(np.int32).max, np.int32), exc_next=np.zeros(E, np.int32),
                          terminal=np.zeros(Q, bool))
 
@@ -93,11 +95,11 @@ def write(host: GrammarTables, automaton: Automaton, q0: int, e0: int) -> None:
         bits[[t for t in tr if t < V]] = True
         host.allowed[q] = bitmask(bits, host.allowed.shape[1])
         host.default[q] = q0 + dflt
-        host.starts[q] = e
+        host.exc_start[q] = e
         for t in sorted(exc):
             host.exc_tokens[e], host.exc_next[e] = t, q0 + exc[t]
             e += 1
-        host.starts[q + 1] = e  # (the next state's own start overwrites it where it follows)
+        host.exc_end[q] = e
         host.terminal[q] = automaton.terminal[local]
 
 
@@ -126,6 +128,55 @@ def bitmask(bits: np.ndarray, W: int) -> np.ndarray:
     return (bits.reshape(W, 32).astype(np.uint64) << np.arange(32, dtype=np.uint64)).sum(axis=1).astype(np.uint32)
 
 
+@struct.dataclass
+class TableRows:
+    """Some states' rows and some exceptions of the tables, to write in place
+    (`write_rows`): U states and X exceptions, indices past the tables (Q, E) for none."""
+
+    states: jax.Array  # [U] int32
+    allowed: jax.Array  # [U, W] uint32
+    default: jax.Array  # [U] int32
+    terminal: jax.Array  # [U] bool
+    exc_start: jax.Array  # [U] int32
+    exc_end: jax.Array  # [U] int32
+    exc_at: jax.Array  # [X] int32
+    exc_tokens: jax.Array  # [X] int32
+    exc_next: jax.Array  # [X] int32
+
+
+def rows_of(host: GrammarTables, q0: int, n: int, e0: int, m: int, U: int, X: int) -> list[TableRows]:
+    """The host tables' states [q0, q0 + n) and exceptions [e0, e0 + m) as `TableRows` of
+    U states and X exceptions each (numpy)."""
+    Q, E = host.default.shape[0], host.exc_tokens.shape[0]
+    out = []
+    for k in range(max(-(-n // U), -(-m // X), 1)):
+        qs = np.arange(q0 + k * U, q0 + (k + 1) * U)
+        live = qs < q0 + n
+        rows = np.where(live, qs, Q)
+        es = np.arange(e0 + k * X, e0 + (k + 1) * X)
+        elive = es < e0 + m
+        pick = np.minimum(qs, Q - 1)
+        epick = np.minimum(es, E - 1)
+        out.append(TableRows(states=rows.astype(np.int32), allowed=host.allowed[pick] * live[:, None],
+                             default=host.default[pick], terminal=host.terminal[pick] & live,
+                             exc_start=host.exc_start[pick], exc_end=host.exc_end[pick],
+                             exc_at=np.where(elive, es, E).astype(np.int32), exc_tokens=host.exc_tokens[epick],
+                             exc_next=host.exc_next[epick]))
+    return out
+
+
+def write_rows(tables: GrammarTables, rows: TableRows) -> GrammarTables:
+    """`rows` written into the device's tables (entries past them dropped)."""
+    return tables.replace(
+        allowed=tables.allowed.at[rows.states].set(rows.allowed, mode="drop"),
+        default=tables.default.at[rows.states].set(rows.default, mode="drop"),
+        terminal=tables.terminal.at[rows.states].set(rows.terminal, mode="drop"),
+        exc_start=tables.exc_start.at[rows.states].set(rows.exc_start, mode="drop"),
+        exc_end=tables.exc_end.at[rows.states].set(rows.exc_end, mode="drop"),
+        exc_tokens=tables.exc_tokens.at[rows.exc_at].set(rows.exc_tokens, mode="drop"),
+        exc_next=tables.exc_next.at[rows.exc_at].set(rows.exc_next, mode="drop"))
+
+
 def free_tables(Q: int, E: int, V: int) -> GrammarTables:
     """Tables holding FREE alone (device arrays)."""
     return jax.tree.map(jnp.asarray, empty(Q, E, V))
@@ -136,7 +187,7 @@ def free_tables(Q: int, E: int, V: int) -> GrammarTables:
 def next_state(tables: GrammarTables, q, t):
     """The state after state q emits token t (arrays of one shape, int32)."""
     E = tables.exc_tokens.shape[0]
-    lo, hi = tables.starts[q], tables.starts[q + 1]
+    lo, hi = tables.exc_start[q], tables.exc_end[q]
     end = hi
     for _ in range(max(E, 2).bit_length()):  # the first exception >= t (a lower bound)
         mid = (lo + hi) // 2

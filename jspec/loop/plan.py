@@ -265,9 +265,9 @@ def plan_bytes(plan: Plan) -> int:
     k = plan.logprobs
     logprobs = 4 * B * plan.buffer_len * (1 + 2 * k) if k else 0  # chosen, top ids and values, 4 bytes each
     grammar = 0
-    if plan.grammar:  # the constraints' tables: bitmasks [Q, V / 32], three [Q] and two [E] columns
+    if plan.grammar:  # the constraints' tables: bitmasks [Q, V / 32], four [Q] and two [E] columns
         Q, E = plan.grammar
-        grammar = 4 * (Q * (-(-plan.target.vocab_size // 32) + 3) + 2 * E)
+        grammar = 4 * (Q * (-(-plan.target.vocab_size // 32) + 4) + 2 * E)
     return nbytes(shapes) + 4 * B * (plan.buffer_len + hist) + logprobs + grammar  # tokens, hist
 
 

@@ -8,6 +8,7 @@
   admit_cached  requests whose prompts begin with a cached prefix into rows, set up and
             parked with no pass (their blocks come as `prefill`) -> state
   set_pages the host's pages into rows' page tables (`CacheLayout.host_pages`) -> state
+  set_grammar  rows of the constraint tables written in place (a new automaton) -> state
   save_states, load_states  rows' recurrent states into snapshots and back (a hybrid
             cache's prefix caching) -> state
   prefill   the next block of parked rows' prompts -> (state, window readback)
@@ -21,8 +22,8 @@ logprobs); after a prompt pass, the first token, or with `Plan.prompt_logprobs` 
 block's positions. Its size does not grow with the context.
 
 `generate`, `Compiled.run` and `stream` are clients of these; a serving engine calls
-`set_pages`, `admit`, `admit_cached`, `prefill`, `save_states`, `load_states`, `chunk` and
-`evict` between chunks. The state is donated to the calls that take one, so each updates
+`set_pages`, `set_grammar`, `admit`, `admit_cached`, `prefill`, `save_states`, `load_states`,
+`chunk` and `evict` between chunks. The state is donated to the calls that take one, so each updates
 it in place.
 """
 from __future__ import annotations
@@ -36,9 +37,10 @@ import jax.numpy as jnp
 import numpy as np
 
 from jspec.kernels import dispatch
+from jspec.cache.layout import set_pages
+from jspec.constraints.tables import write_rows
 from jspec.loop.plan import Plan
 from jspec.loop.round import advance, advance_rounds
-from jspec.cache.layout import set_pages
 from jspec.loop.rows import admit, admit_cached, evict, prefill, prefill_rest
 from jspec.loop.state import Admission, LoopState, init_state, readback, readback_window
 
@@ -104,6 +106,11 @@ def set_pages_fn(plan: Plan, tw, pw, st: LoopState, rows, cols, pages) -> LoopSt
     return st.replace(pages=set_pages(st.pages, rows, cols, pages))  # reads no weights
 
 
+def set_grammar_fn(plan: Plan, tw, pw, st: LoopState, rows) -> LoopState:
+    """Rows of the constraint tables written in place (`constraints.tables.write_rows`)."""
+    return st.replace(grammar=st.grammar.replace(tables=write_rows(st.grammar.tables, rows)))  # reads no weights
+
+
 def save_states_fn(plan: Plan, tw, pw, st: LoopState, rows, slots) -> LoopState:
     return st.replace(tcache=plan.family.cache_kind(plan.target).save_states(st.tcache, rows, slots))
 
@@ -123,6 +130,7 @@ advance_jit = jax.jit(advance_fn, static_argnums=0, donate_argnums=3)
 prefill_jit = jax.jit(prefill_fn, static_argnums=0, donate_argnums=3)
 admit_cached_jit = jax.jit(admit_cached_fn, static_argnums=0, donate_argnums=3)
 set_pages_jit = jax.jit(set_pages_fn, static_argnums=0, donate_argnums=3)
+set_grammar_jit = jax.jit(set_grammar_fn, static_argnums=0, donate_argnums=3)
 save_states_jit = jax.jit(save_states_fn, static_argnums=0, donate_argnums=3)
 load_states_jit = jax.jit(load_states_fn, static_argnums=0, donate_argnums=3)
 

@@ -2,8 +2,9 @@
 which automata hold which states and exceptions of the device's tables.
 
 An automaton is placed when a request that carries it is admitted: its states and its
-exceptions each take a contiguous range (first fit), written into the host's copy, and the
-tables go to the device before the admission's call. Automata stay placed after their
+exceptions each take a contiguous range (first fit), written into the host's copy, and
+those rows go to the device's tables in place (`set_grammar`, a few calls of fixed size)
+before the admission's call. Automata stay placed after their
 requests finish (a schema asked again needs no write); when a new one does not fit, the
 least recently used that no row holds are dropped. A row's state indexes the tables, so
 an automaton a row holds never moves; a preempted request is placed again when it
@@ -55,7 +56,7 @@ class ConstraintSlots:
         self.host = gt.empty(Q, E, V)
         self.states, self.edges = Ranges(1, Q), Ranges(0, E)
         self.placed: collections.OrderedDict[str, tuple[int, int, int, int]] = collections.OrderedDict()
-        self.dirty = False  # the host's copy changed since the device's was written
+        self.written: list[tuple[int, int, int, int]] = []  # (q0, states, e0, exceptions) not yet on the device
 
     def check(self, automaton: Automaton) -> None:
         """ValueError if the automaton could never fit the tables."""
@@ -92,13 +93,15 @@ class ConstraintSlots:
                 self.edges.give(ve, vn)
             gt.write(self.host, a, q0, e0)
             self.placed[a.key] = (q0, states, e0, exc)
-            self.dirty = True
+            self.written.append((q0, states, e0, exc))
         return {k: v[0] for k, v in self.placed.items()}
 
-    def tables(self) -> gt.GrammarTables:
-        """The host's copy (numpy), marked written."""
-        self.dirty = False
-        return self.host
+    def take_rows(self, U: int, X: int) -> list[gt.TableRows]:
+        """The rows of the automata placed since the last call, as `TableRows` of U states
+        and X exceptions (numpy) for the device."""
+        out = [rows for q0, n, e0, m in self.written for rows in gt.rows_of(self.host, q0, n, e0, m, U, X)]
+        self.written = []
+        return out
 
     @property
     def used(self) -> tuple[int, int]:

@@ -43,6 +43,7 @@ from jspec.util import cdiv
 from jspec.loop import programs
 from jspec.loop.plan import make_plan, pool_for_memory, pow2, prompt_bucket, slot_limits
 from jspec.loop.state import unpack_window
+from jspec.constraints import tables as gt
 from jspec.serve.grammar import ConstraintSlots
 from jspec.models import family_for
 from jspec.params import Params
@@ -318,9 +319,15 @@ class Runner:
                 raise ValueError("this engine takes no constraints (Engine(constraint_states=0))")
             return
         self.offsets = self.slots.place(automata, held)
-        if self.slots.dirty:
-            tables = self.put(self.slots.tables())
-            self.state = self.state.replace(grammar=self.state.grammar.replace(tables=tables))
+        for rows in self.slots.take_rows(*self.grammar_chunk):
+            args = (self.state, self.put(rows))
+            program = self._program(("set_grammar",), programs.set_grammar_jit, self.plan, args)
+            self.state = self._call(program, *args)
+
+    @property
+    def grammar_chunk(self) -> tuple[int, int]:
+        """(states, exceptions) a `set_grammar` call writes."""
+        return min(self.slots.Q, 256), min(self.slots.E, 16384)
 
     # ------------------------------------------------------------------ start-up
 
@@ -354,6 +361,9 @@ class Runner:
         if self.plan.layout.paged:
             args = self.put((np.zeros((self.page_updates(),), np.int32),) * 3)
             out.append((("set_pages",), programs.set_pages_jit, self.plan, (self.state, *args)))
+        if self.slots is not None:
+            rows = gt.rows_of(self.slots.host, 0, 0, 0, 0, *self.grammar_chunk)[0]  # writes nothing
+            out.append((("set_grammar",), programs.set_grammar_jit, self.plan, (self.state, self.put(rows))))
         if self.plan.layout.snapshots:
             args = self.put((np.zeros((self.batch,), np.int32),) * 2)
             out += [(("save_states",), programs.save_states_jit, self.plan, (self.state, *args)),
