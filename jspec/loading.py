@@ -13,7 +13,7 @@ import os
 
 import numpy as np
 
-from jspec import safetensors_io, sharding
+from jspec import quantization, safetensors_io, sharding
 from jspec.config import DTYPES
 from jspec.drafts import EMBEDDED_DRAFTS, embedded_kind, kind_of_checkpoint
 from jspec.loop.proposers.ngram import NgramDraft
@@ -169,7 +169,7 @@ def load_target(model_dir: str, dtype: str | None = None, embedded_draft: str | 
     where = os.fspath(model_dir)
     family = family_for_hf(cfg_json, where)
     config = family.config_from_hf(cfg_json, dtype)
-    tensors = read_tensors(model_dir)
+    tensors = quantization.dequantize(read_tensors(model_dir), cfg_json, where)
     config, weights = _split_target(config, family.weights_from_hf(tensors, config, where), mesh, where)
     params = Params(config=config, weights=weights, tokenizer=load_tokenizer(model_dir), mesh=mesh)
     if embedded_draft is not None:
@@ -184,7 +184,7 @@ def load_draft(draft_dir: str, target: Params) -> DraftParams:
     the target's mesh, if it has one."""
     cfg_json = read_config(draft_dir)
     where = os.fspath(draft_dir)
-    tensors = read_tensors(draft_dir)
+    tensors = quantization.dequantize(read_tensors(draft_dir), cfg_json, where)
     kind = kind_of_checkpoint(cfg_json, tensors, where)
     return _split_draft(DraftParams(*kind.from_hf(cfg_json, tensors, target.config, where)), target.mesh, where)
 

@@ -1,0 +1,108 @@
+"""FP8 checkpoints read into the compute dtype (`loading.read_tensors` calls `dequantize`).
+
+Two layouts, named by config.json's `quantization_config`:
+
+- `quant_method: "fp8"` (DeepSeek-V3, Qwen3-FP8): each quantized `<x>.weight` [out, in] is
+  F8_E4M3 beside `<x>.weight_scale_inv`, float32 [ceil(out / bm), ceil(in / bn)] for
+  `weight_block_size` [bm, bn] (128 x 128 in every published checkpoint; any block size is
+  read); weight = fp8 x scale of its block. Which weights are quantized is read off the
+  files (a weight with a scale beside it); the others stay as they are.
+- `quant_method: "compressed-tensors"` with 8-bit float weights (the "FP8" and
+  "FP8-dynamic" Llama/Qwen checkpoints): `<x>.weight` F8_E4M3 with `<x>.weight_scale`,
+  per output channel [out, 1] or per tensor ([] or [1]); an `<x>.input_scale` (static
+  activation scales) is dropped: activations stay in the compute dtype.
+
+The weights are dequantized on the host, tensor by tensor, into float32 (then the family
+casts them to the compute dtype): the model computes with the dequantized weights, so its
+logits equal transformers' on the same dequantized weights. Not yet: FP8 weights kept in
+device memory and FP8 products (Hopper), an FP8 KV cache, online quantization.
+"""
+from __future__ import annotations
+
+import ml_dtypes
+import numpy as np
+
+FP8 = (np.dtype(ml_dtypes.float8_e4m3fn), np.dtype(ml_dtypes.float8_e5m2))
+METHODS = ("fp8", "compressed-tensors")
+
+
+def dequantize(tensors: dict, cfg_json, where: str) -> dict:
+    """The checkpoint's tensors with every FP8 weight dequantized to float32 and its scales
+    removed (others untouched). ValueError: an unsupported method or scheme, a quantized
+    weight without its scale or with one of the wrong shape, FP8 tensors in a checkpoint
+    that declares no quantization."""
+    qc = cfg_json.get("quantization_config") if hasattr(cfg_json, "get") else None
+    fp8 = [n for n, a in tensors.items() if np.dtype(a.dtype) in FP8]
+    if qc is None:
+        if fp8:
+            raise ValueError(f"{where}: tensor {fp8[0]!r} is FP8 but config.json has no quantization_config")
+        return tensors
+    if not isinstance(qc, dict):
+        raise ValueError(f"{where}: quantization_config must be a JSON object, got {qc!r}")
+    method = qc.get("quant_method")
+    if method == "fp8":
+        block = qc.get("weight_block_size")
+        if not (isinstance(block, (list, tuple)) and len(block) == 2 and all(isinstance(b, int) and b > 0
+                                                                             for b in block)):
+            raise ValueError(f"{where}: quantization_config.weight_block_size must be two positive ints (such "
+                             f"as [128, 128]), got {block!r}")
+        return _apply(tensors, fp8, "_scale_inv", where, lambda w, s, name: _blocks(w, s, block, name, where))
+    if method == "compressed-tensors":
+        _check_compressed(qc, where)
+        weights = {n: a for n, a in tensors.items() if not n.endswith(".input_scale")}
+        return _apply(weights, fp8, "_scale", where, lambda w, s, name: _channels(w, s, name, where))
+    raise ValueError(f"{where}: quantization method {method!r} is not supported (jspec reads FP8 checkpoints: "
+                     f"quant_method {' or '.join(repr(m) for m in METHODS)})")
+
+
+def _apply(tensors: dict, fp8: list, suffix: str, where: str, dequant) -> dict:
+    out = dict(tensors)
+    for name in fp8:
+        scale_name = name + suffix
+        if scale_name not in out:
+            raise ValueError(f"{where}: FP8 tensor {name!r} has no scale {scale_name!r}")
+        out[name] = dequant(np.asarray(out[name]), np.asarray(out.pop(scale_name), np.float32), scale_name)
+    stray = sorted(n for n in out if n.endswith(suffix))
+    if stray:
+        raise ValueError(f"{where}: scale {stray[0]!r} belongs to no FP8 tensor")
+    return out
+
+
+def _blocks(w: np.ndarray, s: np.ndarray, block, name: str, where: str) -> np.ndarray:
+    """A block-scaled FP8 weight [out, in] (scales [ceil(out/bm), ceil(in/bn)]) -> float32."""
+    if w.ndim != 2:
+        raise ValueError(f"{where}: FP8 tensor {name[:-len('_scale_inv')]!r} has shape {w.shape}; block scales "
+                         f"need a 2-D weight")
+    bm, bn = block
+    want = (-(-w.shape[0] // bm), -(-w.shape[1] // bn))
+    if s.shape != want:
+        raise ValueError(f"{where}: scale {name!r} has shape {s.shape}, expected {want} for a weight of shape "
+                         f"{w.shape} in blocks of {bm} x {bn}")
+    full = np.repeat(np.repeat(s, bm, axis=0), bn, axis=1)[:w.shape[0], :w.shape[1]]
+    return w.astype(np.float32) * full
+
+
+def _channels(w: np.ndarray, s: np.ndarray, name: str, where: str) -> np.ndarray:
+    """A compressed-tensors FP8 weight [out, in], its scale per output channel [out, 1] (or
+    [out]) or per tensor ([] or [1]) -> float32."""
+    if s.size == 1:
+        return w.astype(np.float32) * s.reshape(())
+    if s.shape in ((w.shape[0], 1), (w.shape[0],)):
+        return w.astype(np.float32) * s.reshape(-1, 1)
+    raise ValueError(f"{where}: scale {name!r} has shape {s.shape}, expected [{w.shape[0]}, 1] (per channel) or "
+                     f"[1] (per tensor) for a weight of shape {w.shape}")
+
+
+def _check_compressed(qc: dict, where: str) -> None:
+    """compressed-tensors: every config group's weights 8-bit floats, per channel or tensor."""
+    groups = qc.get("config_groups") or {}
+    if not isinstance(groups, dict) or not groups:
+        raise ValueError(f"{where}: compressed-tensors quantization_config has no config_groups")
+    for gname, group in groups.items():
+        wts = (group or {}).get("weights") or {}
+        if wts.get("num_bits") != 8 or wts.get("type") != "float":
+            raise ValueError(f"{where}: compressed-tensors group {gname!r} quantizes weights to "
+                             f"{wts.get('num_bits')}-bit {wts.get('type')}; jspec reads 8-bit float (FP8) only")
+        if wts.get("strategy") not in ("channel", "tensor"):
+            raise ValueError(f"{where}: compressed-tensors group {gname!r} has weight strategy "
+                             f"{wts.get('strategy')!r}; jspec reads 'channel' and 'tensor'")

@@ -1,0 +1,197 @@
+"""FP8 checkpoints (`jspec.quantization`): tiny Qwen3 and DeepSeek-V3 models written in the
+block-FP8 layout (F8_E4M3 weights with `weight_scale_inv`, as DeepSeek-V3 and Qwen3-FP8
+ship) and a Llama in compressed-tensors FP8 (per-channel and per-tensor scales) load, and
+their logits equal transformers' on the dequantized weights; greedy decoding and
+speculation (n-gram, MTP) match it. Bad input: a missing or mis-shaped scale, FP8 tensors
+without a quantization_config, unsupported methods and schemes."""
+from __future__ import annotations
+
+import json
+import os
+
+import ml_dtypes
+import numpy as np
+import pytest
+import torch
+
+import jspec
+import tiny_models
+from jspec import safetensors_io
+from test_deepseek import COMMON, YARN
+from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
+
+PROMPTS = [[5, 9, 2, 77, 31, 8], [100, 101, 102, 7]]
+FP8_MAX = 448.0
+
+
+def quantized_names(tensors: dict) -> list[str]:
+    """The weights an FP8 checkpoint quantizes: 2-D projection weights (not the embedding,
+    the LM head, norms or a router)."""
+    skip = ("embed_tokens", "lm_head", "norm", "mlp.gate.weight", "shared_head", "e_score_correction_bias")
+    return [n for n, a in tensors.items() if n.endswith(".weight") and a.ndim == 2 and not any(s in n for s in skip)]
+
+
+def block_fp8(w: np.ndarray, bm: int, bn: int) -> tuple[np.ndarray, np.ndarray]:
+    """w [out, in] float32 -> (F8_E4M3 weight, float32 scale_inv per bm x bn block)."""
+    out, inn = w.shape
+    gm, gn = -(-out // bm), -(-inn // bn)
+    pad = np.zeros((gm * bm, gn * bn), np.float32)
+    pad[:out, :inn] = w
+    blocks = pad.reshape(gm, bm, gn, bn)
+    scale = np.maximum(np.abs(blocks).max(axis=(1, 3)), 1e-12) / FP8_MAX  # [gm, gn]
+    q = (blocks / scale[:, None, :, None]).reshape(gm * bm, gn * bn)[:out, :inn]
+    return q.astype(ml_dtypes.float8_e4m3fn), scale.astype(np.float32)
+
+
+def write_block_fp8(path: str, block=(128, 128)) -> dict:
+    """Rewrites the checkpoint in `path` in the block-FP8 layout -> {name: dequantized float32
+    weight} (what transformers is then given)."""
+    file = os.path.join(path, "model.safetensors")
+    tensors = {k: np.array(v) for k, v in safetensors_io.load(file).items()}
+    deq = {}
+    for name in quantized_names(tensors):
+        q, s = block_fp8(tensors[name].astype(np.float32), *block)
+        tensors[name], tensors[name + "_scale_inv"] = q, s
+        full = np.repeat(np.repeat(s, block[0], 0), block[1], 1)[:q.shape[0], :q.shape[1]]
+        deq[name] = q.astype(np.float32) * full
+    safetensors_io.save(file, tensors)
+    with open(os.path.join(path, "config.json")) as f:
+        cfg = json.load(f)
+    cfg["quantization_config"] = {"quant_method": "fp8", "activation_scheme": "dynamic",
+                                  "fmt": "e4m3", "weight_block_size": list(block)}
+    with open(os.path.join(path, "config.json"), "w") as f:
+        json.dump(cfg, f)
+    return deq
+
+
+def with_weights(model, deq: dict):
+    """The transformers model with the dequantized weights put in."""
+    state = model.state_dict()
+    with torch.no_grad():
+        for name, w in deq.items():
+            state[name].copy_(torch.from_numpy(w))
+    return model
+
+
+def logits_of(params, prompt):
+    return np.asarray(jspec.logits(params, [prompt]))[0]
+
+
+def hf_logits(model, prompt):
+    with torch.no_grad():
+        return model(torch.tensor([prompt])).logits[0].float().numpy()
+
+
+@pytest.mark.parametrize("block", [(128, 128), (16, 32)], ids=["128x128", "16x32"])
+def test_block_fp8_qwen3_equals_transformers_on_dequantized(tmp_path, block):
+    """A tiny Qwen3 in block FP8 (one 128 x 128 block per weight at this size, or 16 x 32
+    blocks: several per weight, with partial edge blocks): jspec's logits equal
+    transformers' with the dequantized weights; greedy and n-gram speculation match."""
+    path = str(tmp_path)
+    model = tiny_models.make_model(path, "qwen3", inter=100)
+    deq = write_block_fp8(path, block)
+    assert deq and all(np.abs(w).max() > 0 for w in deq.values())
+    ref = with_weights(model, deq)
+    params = jspec.load(path, dtype="float32")
+    for p in PROMPTS:
+        np.testing.assert_allclose(logits_of(params, p), hf_logits(ref, p), atol=2e-4, rtol=1e-4)
+    want = [tiny_models.hf_greedy(ref, p, 12) for p in PROMPTS]
+    assert jspec.generate(params, PROMPTS, max_new_tokens=12, stop_token_ids=[]).tokens == want
+    ngram = params.with_draft(jspec.NgramDraft())
+    assert jspec.generate(ngram, PROMPTS, max_new_tokens=12, stop_token_ids=[]).tokens == want
+
+
+def test_block_fp8_deepseek_v3_with_mtp(tmp_path):
+    """A tiny DeepSeek-V3 (MLA, MoE experts, the dense first layer) in block FP8, with its
+    MTP layer's projections in FP8 too (the router and norms stay float): logits equal
+    transformers' on the dequantized weights, and MTP speculation gives the target's
+    greedy tokens."""
+    from test_mtp import add_mtp_layer
+    path = str(tmp_path)
+    torch.manual_seed(0)
+    cfg = DeepseekV3Config(num_hidden_layers=2, num_key_value_heads=4, n_group=2, topk_group=1, q_lora_rank=48,
+                           rope_scaling=YARN, num_nextn_predict_layers=1, **COMMON)
+    DeepseekV3ForCausalLM(cfg).save_pretrained(path)
+    add_mtp_layer(path, 2, 0, with_head=True)
+    deq = write_block_fp8(path)
+    assert any(".experts." in n for n in deq) and any("kv_a_proj" in n for n in deq)
+    assert any(n.startswith("model.layers.2.") for n in deq)  # the MTP layer's
+    dense = str(tmp_path / "dequantized")  # the same checkpoint with the dequantized weights, for transformers
+    os.makedirs(dense)
+    state = {k: np.array(v) for k, v in safetensors_io.load(os.path.join(path, "model.safetensors")).items()}
+    safetensors_io.save(os.path.join(dense, "model.safetensors"),
+                        {k: deq.get(k, v) for k, v in state.items() if not k.endswith("_scale_inv")})
+    cfg.save_pretrained(dense)
+    model = DeepseekV3ForCausalLM.from_pretrained(dense).eval()
+    params = jspec.load(path, dtype="float32", draft="mtp")
+    plain = params.with_draft(None)
+    for p in PROMPTS:
+        np.testing.assert_allclose(logits_of(plain, p), hf_logits(model, p), atol=3e-4, rtol=1e-4)
+    want = jspec.generate(plain, PROMPTS, max_new_tokens=10, stop_token_ids=[]).tokens
+    assert want == [tiny_models.hf_greedy(model, p, 10) for p in PROMPTS]
+    out = jspec.generate(params, PROMPTS, max_new_tokens=10, stop_token_ids=[], spec=jspec.SpecConfig(3, 1, 4))
+    assert out.tokens == want
+
+
+@pytest.mark.parametrize("strategy", ["channel", "tensor"])
+def test_compressed_tensors_fp8(tmp_path, strategy):
+    """A Llama in compressed-tensors FP8 (static input scales present and dropped): logits
+    equal transformers' on the dequantized weights."""
+    path = str(tmp_path)
+    model = tiny_models.make_model(path, "llama")
+    file = os.path.join(path, "model.safetensors")
+    tensors = {k: np.array(v) for k, v in safetensors_io.load(file).items()}
+    deq = {}
+    for name in quantized_names(tensors):
+        w = tensors[name].astype(np.float32)
+        amax = np.abs(w).max(axis=1, keepdims=True) if strategy == "channel" else np.abs(w).max().reshape(1)
+        scale = (np.maximum(amax, 1e-12) / FP8_MAX).astype(np.float32)
+        q = (w / scale.reshape(-1, 1) if strategy == "channel" else w / scale).astype(ml_dtypes.float8_e4m3fn)
+        tensors[name], tensors[name + "_scale"] = q, scale
+        tensors[name[:-len("weight")] + "input_scale"] = np.ones(1, np.float32)
+        deq[name] = q.astype(np.float32) * (scale.reshape(-1, 1) if strategy == "channel" else scale)
+    safetensors_io.save(file, tensors)
+    with open(os.path.join(path, "config.json")) as f:
+        cfg = json.load(f)
+    cfg["quantization_config"] = {"quant_method": "compressed-tensors", "format": "float-quantized", "config_groups": {
+        "group_0": {"targets": ["Linear"], "weights": {"num_bits": 8, "type": "float", "strategy": strategy},
+                    "input_activations": {"num_bits": 8, "type": "float", "strategy": "tensor", "dynamic": False}}},
+        "ignore": ["lm_head"]}
+    with open(os.path.join(path, "config.json"), "w") as f:
+        json.dump(cfg, f)
+    ref = with_weights(model, deq)
+    params = jspec.load(path, dtype="float32")
+    for p in PROMPTS:
+        np.testing.assert_allclose(logits_of(params, p), hf_logits(ref, p), atol=2e-4, rtol=1e-4)
+
+
+def test_bad_fp8_checkpoints_get_clear_errors(tmp_path):
+    path = str(tmp_path)
+    tiny_models.make_model(path, "llama")
+    write_block_fp8(path)
+    file = os.path.join(path, "model.safetensors")
+    good = {k: np.array(v) for k, v in safetensors_io.load(file).items()}
+    name = "model.layers.0.self_attn.q_proj.weight"
+    cfg_path = os.path.join(path, "config.json")
+    with open(cfg_path) as f:
+        cfg = json.load(f)
+
+    def expect(tensors, config, match):
+        safetensors_io.save(file, tensors)
+        with open(cfg_path, "w") as f:
+            json.dump(config, f)
+        with pytest.raises(ValueError, match=match):
+            jspec.load(path)
+    expect({k: v for k, v in good.items() if k != name + "_scale_inv"}, cfg,
+           f"FP8 tensor '{name}' has no scale '{name}_scale_inv'")
+    expect(good | {name + "_scale_inv": np.ones((2, 2), np.float32)}, cfg,
+           r"has shape \(2, 2\), expected \(1, 1\) for a weight of shape \(64, 64\) in blocks of 128 x 128")
+    expect(good, {k: v for k, v in cfg.items() if k != "quantization_config"}, "is FP8 but config.json has no "
+                                                                                "quantization_config")
+    for method in ("awq", "gptq", "bitsandbytes"):
+        expect(good, cfg | {"quantization_config": {"quant_method": method}},
+               f"quantization method '{method}' is not supported")
+    expect(good, cfg | {"quantization_config": {"quant_method": "fp8", "weight_block_size": [128]}},
+           "weight_block_size must be two positive ints")
+    expect(good, cfg | {"quantization_config": {"quant_method": "compressed-tensors", "config_groups": {
+        "g": {"weights": {"num_bits": 4, "type": "int", "strategy": "group"}}}}}, "4-bit int")
