@@ -32,6 +32,15 @@ S=3 and tree (5,8,16); tokens/s (median over prompts), tau, and the share of pro
 output equals plain decoding's.
      PYTHONPATH=. python3 benchmarks/bundle_eval.py constraint [--prompts 8] [--dtype float32]
 Result: $OUT/bundle_constraint_<backend>_<dtype>.json
+
+fp8: what FP8 weights cost the bundled pair's quality: the target loaded as trained and
+with its projection weights rounded online to block FP8 (`jspec.load(..., quantization=
+"fp8")`), greedy over the held-out prompts: the share of the trained model's own greedy
+tokens the FP8 model also chooses given the same context (teacher-forced), the share of
+free-running positions equal, of tokens before the first difference and of identical
+outputs, and the EAGLE-3 chain's tau with each.
+     PYTHONPATH=. python3 benchmarks/bundle_eval.py fp8 [--prompts 16] [--dtype float32]
+Result: $OUT/bundle_fp8_<backend>_<dtype>.json
 """
 from __future__ import annotations
 
@@ -227,6 +236,43 @@ def constrained(argv):
     print("saved", save_json(f"bundle_constraint_{jax.default_backend()}_{dtype}.json", res))
 
 
+def fp8_quality(argv):
+    """`fp8` (the module docstring)."""
+    ap = argparse.ArgumentParser(prog="bundle_eval.py fp8")
+    ap.add_argument("--prompts", type=int, default=16)
+    ap.add_argument("--dtype", default=None)
+    args = ap.parse_args(argv)
+    root = bundle_path()
+    dtype = args.dtype or ("bfloat16" if jax.default_backend() == "gpu" else "float32")
+    res = {"env": env_info(), "dtype": dtype, "new_tokens": NEW, "rows": {}}
+    outs, targets = {}, []
+    for name, quant in (("weights as trained", None), ("FP8 weights (online, 128 x 128 blocks)", "fp8")):
+        target = jspec.load(os.path.join(root, "target"), dtype=dtype, quantization=quant)
+        targets.append(target)
+        eagle3 = target.with_draft(jspec.load_draft(os.path.join(root, "eagle3"), target))
+        prompts = held_out_prompts(target.tokenizer, args.prompts)
+        plain = jspec.generate(target, prompts, max_new_tokens=NEW, stop_token_ids=[])
+        spec = jspec.generate(eagle3, prompts, max_new_tokens=NEW, stop_token_ids=[], spec=jspec.SpecConfig(3))
+        outs[name] = plain.tokens
+        res["rows"][name] = {"tau": float(spec.stats.mean_accept_length),
+                             "spec_equals_plain": float(np.mean([a == b for a, b in zip(spec.tokens, plain.tokens)]))}
+    ref, got = outs.values()
+    same = [sum(x == y for x, y in zip(a, b)) / len(a) for a, b in zip(ref, got)]
+    prefix = [(len(a) if first_diff(a, b) is None else first_diff(a, b)) / len(a) for a, b in zip(ref, got)]
+    # Teacher-forced: the FP8 model's greedy choice at every position of the trained model's own output.
+    forced = []
+    for p, out in zip(prompts, ref):
+        logits = np.asarray(jspec.logits(targets[1], [p + out]))[0, len(p) - 1:-1]
+        forced.append(float(np.mean(np.argmax(logits, axis=-1) == np.asarray(out))))
+    res["agreement"] = {"teacher_forced": float(np.mean(forced)), "positions_equal": float(np.mean(same)),
+                        "tokens_before_first_difference": float(np.mean(prefix)),
+                        "prompts_identical": float(np.mean([a == b for a, b in zip(ref, got)]))}
+    taus = [r["tau"] for r in res["rows"].values()]
+    res["tau_ratio"] = taus[1] / taus[0]
+    print(json.dumps(res, indent=1), flush=True)
+    print("saved", save_json(f"bundle_fp8_{jax.default_backend()}_{dtype}.json", res))
+
+
 # --------------------------------------------------------------------------- main
 
 def main(argv=None):
@@ -235,6 +281,8 @@ def main(argv=None):
         return against_transformers(argv[1:])
     if argv[:1] == ["constraint"]:
         return constrained(argv[1:])
+    if argv[:1] == ["fp8"]:
+        return fp8_quality(argv[1:])
     ap = argparse.ArgumentParser()
     ap.add_argument("--prompts", type=int, default=16)
     ap.add_argument("--batch1", type=int, default=4, help="prompts timed one at a time")

@@ -1,7 +1,7 @@
 """`python -m jspec [PROMPT]`: speculative code generation with the bundled models.
 
     python -m jspec [PROMPT] [--target DIR] [--draft NAME|DIR] [--steps S --topk K --tokens N]
-                    [--temperature T --top-p P --top-k K --seed S --sample-drafts] [--dtype D]
+                    [--temperature T --top-p P --top-k K --seed S --sample-drafts] [--dtype D] [--quantization fp8]
     python -m jspec bench [--target DIR --draft DIR] [--batch B ...] [--spec S,K,N ...]
                           [--prompts FILE] [--max-new-tokens N] [--repeats R]
     python -m jspec bench serve [--target DIR --draft DIR] [--rates R ...] [--spec S,K,N|adaptive ...]
@@ -10,7 +10,7 @@
     python -m jspec serve [--target DIR|ID --draft NAME|DIR|ID|mtp|ngram|none] [--host H] [--port P]
                           [--max-batch B] [--max-len L] [--max-new-tokens N] [--spec S,K,N|adaptive]
                           [--prefill-chunk C] [--max-num-batched-tokens N] [--constraint-states N] [--dtype D]
-                          [--served-model-name NAME]
+                          [--quantization fp8] [--served-model-name NAME]
                           [--chat-template FILE|STRING] [--api-key KEY] [--request-timeout S]
                           [--max-logprobs K] [--log-level LEVEL]
 
@@ -140,6 +140,9 @@ def _model_args(ap: argparse.ArgumentParser, draft_help: str):
                     help=draft_help)
     ap.add_argument("--dtype", default=None, choices=DTYPES,
                     help="weights and activations (default: float32 on CPU, else the checkpoint's)")
+    ap.add_argument("--quantization", default=None, choices=["fp8"],
+                    help="round the target's projection weights to block FP8 when loading (FP8 checkpoints "
+                         "need no flag)")
 
 
 def _load(ap: argparse.ArgumentParser, args):
@@ -165,10 +168,10 @@ def _load(ap: argparse.ArgumentParser, args):
     dtype = args.dtype or ("float32" if jax.default_backend() == "cpu" else None)
     try:
         if args.target is None and (draft is None or draft in BUNDLED_DRAFTS):
-            params = bundle.load(draft, dtype=dtype)
+            params = bundle.load(draft, dtype=dtype, quantization=args.quantization)
         else:
             params = jspec.load(args.target or os.path.join(bundle.bundle_path(), "target"), draft=draft,
-                                dtype=dtype)
+                                dtype=dtype, quantization=args.quantization)
     except (ValueError, TypeError, OSError) as err:
         ap.error(str(err))
     return params, draft

@@ -13,7 +13,8 @@ import os
 
 import numpy as np
 
-from jspec import quantization, safetensors_io, sharding
+from jspec import safetensors_io, sharding
+from jspec.quantization import dequantize, quantize_fp8
 from jspec.config import DTYPES
 from jspec.drafts import EMBEDDED_DRAFTS, embedded_kind, kind_of_checkpoint
 from jspec.loop.proposers.ngram import NgramDraft
@@ -161,15 +162,20 @@ def _split_draft(draft: DraftParams, mesh, where: str = "draft") -> DraftParams:
 
 
 def load_target(model_dir: str, dtype: str | None = None, embedded_draft: str | None = None,
-                mesh=None) -> Params:
+                mesh=None, quantization: str | None = None) -> Params:
     """A target; embedded_draft: also the draft kept in its checkpoint (`EMBEDDED_DRAFTS`),
-    from the same tensors; mesh: split over its devices (`jspec.sharding`)."""
+    from the same tensors; mesh: split over its devices (`jspec.sharding`); quantization:
+    "fp8" rounds its projection weights to block FP8 (`quantization.quantize_fp8`)."""
+    if quantization not in (None, "fp8"):
+        raise ValueError(f"quantization must be None or 'fp8', got {quantization!r}")
     _check_dtype(dtype)
     cfg_json = read_config(model_dir)
     where = os.fspath(model_dir)
     family = family_for_hf(cfg_json, where)
     config = family.config_from_hf(cfg_json, dtype)
-    tensors = quantization.dequantize(read_tensors(model_dir), cfg_json, where)
+    tensors = dequantize(read_tensors(model_dir), cfg_json, where)
+    if quantization == "fp8":
+        tensors = quantize_fp8(tensors)
     config, weights = _split_target(config, family.weights_from_hf(tensors, config, where), mesh, where)
     params = Params(config=config, weights=weights, tokenizer=load_tokenizer(model_dir), mesh=mesh)
     if embedded_draft is not None:
@@ -184,13 +190,13 @@ def load_draft(draft_dir: str, target: Params) -> DraftParams:
     the target's mesh, if it has one."""
     cfg_json = read_config(draft_dir)
     where = os.fspath(draft_dir)
-    tensors = quantization.dequantize(read_tensors(draft_dir), cfg_json, where)
+    tensors = dequantize(read_tensors(draft_dir), cfg_json, where)
     kind = kind_of_checkpoint(cfg_json, tensors, where)
     return _split_draft(DraftParams(*kind.from_hf(cfg_json, tensors, target.config, where)), target.mesh, where)
 
 
 def load(target_dir: str, *, draft: str | NgramDraft | None = None, dtype: str | None = None,
-         devices=None) -> Params:
+         devices=None, quantization: str | None = None) -> Params:
     """Loads a target (and optionally a draft) from Hugging Face directories, or hub ids
     ('Qwen/Qwen3-8B') resolved through huggingface_hub's cache (`resolve`).
 
@@ -203,7 +209,9 @@ def load(target_dir: str, *, draft: str | NgramDraft | None = None, dtype: str |
     parallelism; DeepSeek: attention by heads, routed experts by expert; see
     `jspec.sharding`): a count (the first n of `jax.devices()`), a list of devices or a
     1-D `jax.sharding.Mesh` with the axis "tp". Each device reads only its own part of
-    every weight from the safetensors files.
+    every weight from the safetensors files. quantization: "fp8" rounds the target's
+    projection weights to block FP8 on the host (FP8 checkpoints need nothing: they are
+    recognised by their config; `jspec.quantization`).
     """
     mesh = None if devices is None else sharding.make_mesh(devices)
     target_dir = resolve(target_dir)
@@ -212,12 +220,12 @@ def load(target_dir: str, *, draft: str | NgramDraft | None = None, dtype: str |
     if draft == "ngram":
         draft = NgramDraft()
     if isinstance(draft, NgramDraft):
-        return load_target(target_dir, dtype, mesh=mesh).with_draft(draft)
+        return load_target(target_dir, dtype, mesh=mesh, quantization=quantization).with_draft(draft)
     if draft is not None and not isinstance(draft, (str, os.PathLike)):
         raise TypeError(f"draft must be a directory, 'mtp', 'ngram' or a jspec.NgramDraft, got {type(draft).__name__}")
     if isinstance(draft, str) and draft in EMBEDDED_DRAFTS:
-        return load_target(target_dir, dtype, embedded_draft=draft, mesh=mesh)
-    params = load_target(target_dir, dtype, mesh=mesh)
+        return load_target(target_dir, dtype, embedded_draft=draft, mesh=mesh, quantization=quantization)
+    params = load_target(target_dir, dtype, mesh=mesh, quantization=quantization)
     if draft is not None:
         params = params.with_draft(load_draft(draft, params))
     return params

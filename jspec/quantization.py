@@ -14,8 +14,14 @@ Two layouts, named by config.json's `quantization_config`:
 
 The weights are dequantized on the host, tensor by tensor, into float32 (then the family
 casts them to the compute dtype): the model computes with the dequantized weights, so its
-logits equal transformers' on the same dequantized weights. Not yet: FP8 weights kept in
-device memory and FP8 products (Hopper), an FP8 KV cache, online quantization.
+logits equal transformers' on the same dequantized weights.
+
+Online (`jspec.load(..., quantization="fp8")`, `quantize_fp8`): a float checkpoint's
+projection weights rounded to block FP8 as a block-FP8 checkpoint would hold them (E4M3,
+128 x 128 blocks, each block's scale its largest magnitude over 448), then dequantized the
+same way: the numerics of FP8 weights (not of FP8 activations), for measuring what the
+rounding costs. Not yet: FP8 weights kept in device memory and FP8 products (Hopper), an
+FP8 KV cache.
 """
 from __future__ import annotations
 
@@ -24,6 +30,32 @@ import numpy as np
 
 FP8 = (np.dtype(ml_dtypes.float8_e4m3fn), np.dtype(ml_dtypes.float8_e5m2))
 METHODS = ("fp8", "compressed-tensors")
+E4M3_MAX = 448.0
+NOT_QUANTIZED = ("embed", "lm_head", "norm", "mlp.gate.weight", "shared_head")  # as DeepSeek's FP8 checkpoints
+
+
+def quantize_fp8(tensors: dict, block=(128, 128)) -> dict:
+    """A float checkpoint's projection weights (2-D `*.weight` tensors but the embeddings,
+    LM heads, norms and routers) rounded to block FP8 and dequantized to float32 (see the
+    module); the rest untouched."""
+    out = dict(tensors)
+    for name, a in tensors.items():
+        if name.endswith(".weight") and a.ndim == 2 and not any(s in name for s in NOT_QUANTIZED):
+            q, scale = fp8_blocks(np.asarray(a, np.float32), block)
+            out[name] = _blocks(q, scale, block, name + "_scale_inv", "")
+    return out
+
+
+def fp8_blocks(w: np.ndarray, block) -> tuple[np.ndarray, np.ndarray]:
+    """w [out, in] float32 -> (E4M3 weight, float32 scale per bm x bn block: amax / 448)."""
+    bm, bn = block
+    gm, gn = -(-w.shape[0] // bm), -(-w.shape[1] // bn)
+    pad = np.zeros((gm * bm, gn * bn), np.float32)
+    pad[:w.shape[0], :w.shape[1]] = w
+    blocks = pad.reshape(gm, bm, gn, bn)
+    scale = (np.maximum(np.abs(blocks).max(axis=(1, 3)), 1e-12) / E4M3_MAX).astype(np.float32)
+    q = (blocks / scale[:, None, :, None]).reshape(gm * bm, gn * bn)[:w.shape[0], :w.shape[1]]
+    return q.astype(ml_dtypes.float8_e4m3fn), scale
 
 
 def dequantize(tensors: dict, cfg_json, where: str) -> dict:

@@ -195,3 +195,23 @@ def test_bad_fp8_checkpoints_get_clear_errors(tmp_path):
            "weight_block_size must be two positive ints")
     expect(good, cfg | {"quantization_config": {"quant_method": "compressed-tensors", "config_groups": {
         "g": {"weights": {"num_bits": 4, "type": "int", "strategy": "group"}}}}}, "4-bit int")
+
+
+def test_online_fp8_rounds_projections_as_a_checkpoint_would(tmp_path):
+    """`jspec.load(..., quantization="fp8")` on a float Qwen3 computes what the same model
+    written as a block-FP8 checkpoint computes (the same rounding: logits equal), and
+    differs from the float model; embeddings, norms and the LM head are left as they are."""
+    float_dir, fp8_dir = str(tmp_path / "float"), str(tmp_path / "fp8")
+    tiny_models.make_model(float_dir, "qwen3", inter=100)
+    tiny_models.make_model(fp8_dir, "qwen3", inter=100)
+    write_block_fp8(fp8_dir)
+    online = jspec.load(float_dir, dtype="float32", quantization="fp8")
+    stored = jspec.load(fp8_dir, dtype="float32")
+    plain = jspec.load(float_dir, dtype="float32")
+    for p in PROMPTS:
+        np.testing.assert_allclose(logits_of(online, p), logits_of(stored, p), atol=1e-5, rtol=1e-5)
+        assert np.abs(logits_of(online, p) - logits_of(plain, p)).max() > 1e-3
+    np.testing.assert_array_equal(np.asarray(online.weights["params"]["embed_tokens"]["embedding"]),
+                                  np.asarray(plain.weights["params"]["embed_tokens"]["embedding"]))
+    with pytest.raises(ValueError, match="quantization must be None or 'fp8', got 'int4'"):
+        jspec.load(float_dir, quantization="int4")

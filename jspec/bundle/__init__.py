@@ -9,11 +9,12 @@ def bundle_path() -> str:
     return os.path.dirname(os.path.abspath(__file__))
 
 
-def load(draft: str | None = "eagle3", dtype: str | None = None):
-    """The bundled target with the draft 'eagle3', 'standalone' or None."""
+def load(draft: str | None = "eagle3", dtype: str | None = None, quantization: str | None = None):
+    """The bundled target with the draft 'eagle3', 'standalone' or None (quantization: as
+    `jspec.load`)."""
     import jspec
     root = bundle_path()
     if not os.path.isfile(os.path.join(root, "target", "config.json")):
         raise FileNotFoundError(f"the bundled models are missing from {root}")
     return jspec.load(os.path.join(root, "target"), draft=None if draft is None else os.path.join(root, draft),
-                      dtype=dtype)
+                      dtype=dtype, quantization=quantization)
