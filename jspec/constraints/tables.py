@@ -178,8 +178,15 @@ def write_rows(tables: GrammarTables, rows: TableRows) -> GrammarTables:
 
 
 def free_tables(Q: int, E: int, V: int) -> GrammarTables:
-    """Tables holding FREE alone (device arrays)."""
-    return jax.tree.map(jnp.asarray, empty(Q, E, V))
+    """Tables holding FREE alone (device arrays, built from small pieces: traced inside a
+    program they add no large constant to it)."""
+    W = -(-V // 32)
+    free_row = jnp.asarray(empty(1, 1, V).allowed[0])  # [W]
+    return GrammarTables(allowed=jnp.zeros((Q, W), jnp.uint32).at[FREE].set(free_row),
+                         default=jnp.zeros((Q,), jnp.int32), exc_start=jnp.zeros((Q,), jnp.int32),
+                         exc_end=jnp.zeros((Q,), jnp.int32),
+                         exc_tokens=jnp.full((E,), np.iinfo(np.int32).max, jnp.int32),
+                         exc_next=jnp.zeros((E,), jnp.int32), terminal=jnp.zeros((Q,), bool))
 
 
 # ----------------------------------------------------------------------------- on the device
