@@ -518,9 +518,12 @@ def _serve(argv) -> int:
     gib = page_bytes(params, engine.plan) * pool / 2 ** 30
     sized = f"; {engine.runner.pool_note}" if engine.runner.pool_note else ""
     caching = "prefix caching on" if engine.runner.prefix_caching else "no prefix caching"
+    slots = engine.runner.slots
+    structured = ("no structured output" if slots is None else
+                  f"structured output: tables of {slots.Q} states ({slots.nbytes / 2 ** 20:,.1f} MiB)")
     print(f"{PROG} serve: page pool of {pool} pages of {page} tokens ({pool * page} tokens, {gib:,.2f} GiB{sized}); "
           f"{pool // whole} requests of {max_len} tokens fit at once; batch {engine.batch}"
-          f"{'' if args.max_batch else ' (derived from the pool)'}; {caching}", flush=True)
+          f"{'' if args.max_batch else ' (derived from the pool)'}; {caching}; {structured}", flush=True)
     name = args.served_model_name or (os.path.basename(os.path.normpath(args.target)) if args.target and
                                       os.path.isdir(args.target) else args.target) or "jspec-bundled"
     t0 = time.perf_counter()

@@ -498,6 +498,7 @@ def test_cli_serves_logs_and_stops_on_sigterm(tmp_path):
     printed = proc.stdout.read()
     assert "programs compiled in" in printed and "serve: bundled on http://127.0.0.1" in printed
     assert "page pool of 6 pages of 16 tokens (96 tokens, 0.00 GiB)" in printed
+    assert "structured output: tables of 4096 states (" in printed
     assert "/v1/completions 200 prompt_tokens=" in printed and "/v1/completions 400" in printed
     assert "serve: stopped (SIGTERM)" in printed
     bad = subprocess.run([sys.executable, "-m", "jspec", "serve", "--port", "70000"], capture_output=True, text=True)

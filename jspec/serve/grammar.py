@@ -104,7 +104,8 @@ class ConstraintSlots:
         return out
 
     @property
-    def used(self) -> tuple[int, int]:
-        """(states, exceptions) placed."""
-        return (sum(v[1] for v in self.placed.values()), sum(v[3] for v in self.placed.values()))
+    def nbytes(self) -> int:
+        """The tables' bytes (the device holds the same)."""
+        return sum(a.nbytes for a in (self.host.allowed, self.host.default, self.host.exc_start, self.host.exc_end,
+                                      self.host.exc_tokens, self.host.exc_next, self.host.terminal))
 
