@@ -114,7 +114,7 @@ def outlines_row(schema: dict, tokenizer, vocab: int, reps: int) -> dict:
     constraint = jspec.JsonSchema(schema)
 
     def build():
-        am._CACHE.clear()
+        am.clear_cache()
         gt.exceptions.cache_clear()
         return am.compile_constraint(constraint, tokenizer, vocab)
     seconds, a = timed(build, reps)

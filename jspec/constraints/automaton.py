@@ -118,6 +118,11 @@ _CACHE: collections.OrderedDict = collections.OrderedDict()
 CACHE_SIZE = 64
 
 
+def clear_cache() -> None:
+    """Forgets every compiled automaton (the vocabularies built for outlines-core stay)."""
+    _CACHE.clear()
+
+
 def compile_constraint(constraint: Constraint, tokenizer, vocab_size: int) -> Automaton:
     """`constraint` compiled for `tokenizer` (cached by its text and the vocabulary).
     ValueError: no tokenizer, no EOS token, an invalid constraint, or one no token
