@@ -196,14 +196,19 @@ JSON_SCHEMA = {"type": "object", "properties": {  # a function call's arguments,
     "returns": {"type": "string"}}, "required": ["name", "args", "returns"]}
 
 
-def constrained(argv):
-    """`constraint` (the module docstring)."""
-    ap = argparse.ArgumentParser(prog="bundle_eval.py constraint")
-    ap.add_argument("--prompts", type=int, default=8)
+def part_args(name: str, argv, prompts: int):
+    """A part's options (--prompts, --dtype) -> (args, the bundle's directory, the dtype:
+    bfloat16 on a GPU, float32 elsewhere, unless given)."""
+    ap = argparse.ArgumentParser(prog=f"bundle_eval.py {name}")
+    ap.add_argument("--prompts", type=int, default=prompts)
     ap.add_argument("--dtype", default=None)
     args = ap.parse_args(argv)
-    root = bundle_path()
-    dtype = args.dtype or ("bfloat16" if jax.default_backend() == "gpu" else "float32")
+    return args, bundle_path(), args.dtype or ("bfloat16" if jax.default_backend() == "gpu" else "float32")
+
+
+def constrained(argv):
+    """`constraint` (the module docstring)."""
+    args, root, dtype = part_args("constraint", argv, 8)
     target = jspec.load(os.path.join(root, "target"), dtype=dtype)
     eagle3 = target.with_draft(jspec.load_draft(os.path.join(root, "eagle3"), target))
     prompts = [p + target.tokenizer(" # the call as JSON: ", add_special_tokens=False)["input_ids"]
@@ -238,12 +243,7 @@ def constrained(argv):
 
 def fp8_quality(argv):
     """`fp8` (the module docstring)."""
-    ap = argparse.ArgumentParser(prog="bundle_eval.py fp8")
-    ap.add_argument("--prompts", type=int, default=16)
-    ap.add_argument("--dtype", default=None)
-    args = ap.parse_args(argv)
-    root = bundle_path()
-    dtype = args.dtype or ("bfloat16" if jax.default_backend() == "gpu" else "float32")
+    args, root, dtype = part_args("fp8", argv, 16)
     res = {"env": env_info(), "dtype": dtype, "new_tokens": NEW, "rows": {}}
     outs, targets = {}, []
     for name, quant in (("weights as trained", None), ("FP8 weights (online, 128 x 128 blocks)", "fp8")):
