@@ -270,3 +270,19 @@ def test_engine_tables_placed_first_fit_in_place(target):
         check(x, placed[x.key])
     with pytest.raises(ValueError, match="full with the constraints of running requests"):
         slots.place([a], held={b.key, c.key, d.key})
+
+
+def test_logprobs_stay_the_targets_raw_ones(target, with_draft):
+    """Under a constraint the reported logprobs are the target's raw log-softmax (vLLM's
+    default), not the masked distribution's: equal to `jspec.logits` at each position, and
+    the top alternatives include tokens the constraint forbids (EAGLE-3 chain)."""
+    prompt = target.tokenizer("def add(a, b):", add_special_tokens=False)["input_ids"]
+    out = jspec.generate(with_draft("eagle3"), [prompt], max_new_tokens=12, stop_token_ids=[], logprobs=3,
+                         constraint=jspec.Regex("[a-e]{4,12}"), spec=jspec.SpecConfig(3, 1, 4))
+    tokens = out.tokens[0]
+    raw = np.asarray(jspec.logits(target, [prompt + tokens]))[0, len(prompt) - 1:-1]
+    logp = raw - np.log(np.exp(raw - raw.max(-1, keepdims=True)).sum(-1, keepdims=True)) - raw.max(-1, keepdims=True)
+    got = [lp.logprob for lp in out.logprobs[0]]
+    np.testing.assert_allclose(got, [logp[i, t] for i, t in enumerate(tokens)], atol=2e-5)
+    letters = set(target.tokenizer.convert_tokens_to_ids(list("abcde")))
+    assert any(tid not in letters for lp in out.logprobs[0] for tid, _ in lp.top)
