@@ -109,9 +109,17 @@ def _vocabulary(tokenizer_key: str, tokenizer):
 
 
 def tokenizer_key(tokenizer) -> str:
-    vocab = tokenizer.get_vocab()
-    text = repr((type(tokenizer).__name__, tokenizer.eos_token_id, sorted(vocab.items())[:64], len(vocab)))
-    return hashlib.sha1(text.encode()).hexdigest()
+    """What identifies the tokenizer's vocabulary (computed once per tokenizer object)."""
+    cached = getattr(tokenizer, "_jspec_vocab_key", None)
+    if cached is None:
+        vocab = tokenizer.get_vocab()
+        text = repr((type(tokenizer).__name__, tokenizer.eos_token_id, sorted(vocab.items()), len(vocab)))
+        cached = hashlib.sha1(text.encode()).hexdigest()
+        try:
+            tokenizer._jspec_vocab_key = cached
+        except AttributeError:  # a tokenizer that takes no attributes: computed every call
+            pass
+    return cached
 
 
 _CACHE: collections.OrderedDict = collections.OrderedDict()
@@ -136,16 +144,17 @@ def compile_constraint(constraint: Constraint, tokenizer, vocab_size: int) -> Au
     except ImportError as err:  # pragma: no cover - the extra is installed with the tests
         raise ImportError("constraints need outlines-core: pip install 'jspec[structured]'") from err
     tkey = tokenizer_key(tokenizer)
-    key = (constraint.key, tkey, vocab_size)
+    regex = constraint.regex()  # (a JSON schema's translation: once a call)
+    name = f"{type(constraint).__name__}:{regex}"
+    key = (name, tkey, vocab_size)
     if key in _CACHE:
         _CACHE.move_to_end(key)
         return _CACHE[key]
-    regex = constraint.regex()
     try:
         index = Index(regex, _vocabulary(tkey, tokenizer))
     except Exception as err:  # outlines-core's own error types
         raise ValueError(f"{type(constraint).__name__}: cannot compile {regex[:200]!r}: {err}") from err
-    automaton = from_index(index, tokenizer.eos_token_id, vocab_size, constraint.key)
+    automaton = from_index(index, tokenizer.eos_token_id, vocab_size, name)
     _CACHE[key] = automaton
     if len(_CACHE) > CACHE_SIZE:
         _CACHE.popitem(last=False)
