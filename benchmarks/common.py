@@ -25,7 +25,7 @@ from jspec import sharding
 from jspec.config import ModelConfig, RopeConfig
 from jspec.models import family_for
 from jspec.models.deepseek_hf import DeepseekConfig
-from jspec.models.llama import TP_SPLITS, VOCAB_SPLITS, kv_groups
+from jspec.models.llama import TP_SPLITS, UNEVEN_REPLICATED, kv_groups
 from jspec.models.qwen3_next_hf import HybridConfig
 
 # --------------------------------------------------------------------------- shapes
@@ -566,7 +566,7 @@ def split_init(init, n: int, mesh, key):
     """Random weights made on their devices: init under jit with the split's out_shardings."""
     if mesh is None:
         return jax.jit(init)(key)
-    specs = sharding.weight_specs(jax.eval_shape(init, key), n, TP_SPLITS, VOCAB_SPLITS)
+    specs = sharding.weight_specs(jax.eval_shape(init, key), n, TP_SPLITS, UNEVEN_REPLICATED)
     return jax.jit(init, out_shardings=sharding.shardings(mesh, specs))(key)
 
 

@@ -521,6 +521,9 @@ def _serve(argv) -> int:
     slots = engine.runner.slots
     structured = ("no structured output" if slots is None else
                   f"structured output: tables of {slots.Q} states ({slots.nbytes / 2 ** 20:,.1f} MiB)")
+    weight_bytes, fp8_bytes = params.weight_bytes()
+    fp8 = f", {fp8_bytes / 2 ** 30:,.2f} GiB of them FP8" if fp8_bytes else ""
+    print(f"{PROG} serve: weights {weight_bytes / 2 ** 30:,.2f} GiB{fp8}", flush=True)
     print(f"{PROG} serve: page pool of {pool} pages of {page} tokens ({pool * page} tokens, {gib:,.2f} GiB{sized}); "
           f"{pool // whole} requests of {max_len} tokens fit at once; batch {engine.batch}"
           f"{'' if args.max_batch else ' (derived from the pool)'}; {caching}; {structured}", flush=True)

@@ -173,9 +173,10 @@ def load_target(model_dir: str, dtype: str | None = None, embedded_draft: str | 
     where = os.fspath(model_dir)
     family = family_for_hf(cfg_json, where)
     config = family.config_from_hf(cfg_json, dtype)
-    tensors = dequantize(read_tensors(model_dir), cfg_json, where)
+    keep = family.fp8_weights and embedded_draft is None  # an embedded draft reads the tensors as they come
+    tensors = dequantize(read_tensors(model_dir), cfg_json, where, keep=keep)
     if quantization == "fp8":
-        tensors = quantize_fp8(tensors)
+        tensors = quantize_fp8(tensors, keep=keep)
     config, weights = _split_target(config, family.weights_from_hf(tensors, config, where), mesh, where)
     params = Params(config=config, weights=weights, tokenizer=load_tokenizer(model_dir), mesh=mesh)
     if embedded_draft is not None:

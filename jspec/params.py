@@ -30,3 +30,15 @@ class Params:
         if draft is not None and not isinstance(draft, DraftParams):
             draft = DraftParams(draft, None)
         return dataclasses.replace(self, draft=draft)
+
+    def weight_bytes(self) -> tuple[int, int]:
+        """(bytes of the target's and the draft's weights in device memory, of which in FP8
+        arrays: projections kept FP8, `jspec.quantization`), over all devices."""
+        import jax
+        import numpy as np
+
+        from jspec.quantization import FP8_DTYPES
+        leaves = jax.tree.leaves((self.weights, None if self.draft is None else self.draft.weights))
+        sizes = [(int(np.prod(a.shape)) * np.dtype(a.dtype).itemsize, np.dtype(a.dtype) in FP8_DTYPES)
+                 for a in leaves if hasattr(a, "dtype")]
+        return sum(n for n, _ in sizes), sum(n for n, fp8 in sizes if fp8)

@@ -12,38 +12,85 @@ Two layouts, named by config.json's `quantization_config`:
   per output channel [out, 1] or per tensor ([] or [1]); an `<x>.input_scale` (static
   activation scales) is dropped: activations stay in the compute dtype.
 
-The weights are dequantized on the host, tensor by tensor, into float32 (then the family
-casts them to the compute dtype): the model computes with the dequantized weights, so its
-logits equal transformers' on the same dequantized weights.
+Where the family keeps FP8 weights (`TargetFamily.fp8_weights`: the Llama family) and the
+scales allow it, a projection stays FP8 in device memory: `dequantize(..., keep=True)`
+leaves the weight as it is and puts beside it `<x>.weight` + SCALE_SUFFIX, its scales per
+output row and group of GROUP (128) input columns [out, ceil(in / GROUP)] (a block scale
+repeated over its rows; a channel or tensor scale over its groups); `Tensors.linear` makes
+that a `Linear`'s FP8 `kernel` [in, out] and float32 `kernel_scale` [ceil(in / GROUP),
+out]. Scales per output row (not per 128 x 128 block) follow any reordering, fusion or
+split of a projection's outputs, for 1/128 of a float32 a weight (3% of the FP8 bytes).
+`models.layers.Linear` computes with it: `dequantize_kernel` in the graph, then the
+product in the compute dtype (the same values as dequantizing on the host, so the same
+logits), or on a GPU at one row the matvec kernel reading the FP8 bytes
+(`kernels.moe.experts.matvec(w_scale=)`). Other weights (the experts' stacks, DeepSeek's,
+block sizes whose columns are not whole groups) are dequantized on the host, tensor by
+tensor, into float32 (then the family casts them to the compute dtype): the model computes
+with the dequantized weights, so its logits equal transformers' on the same dequantized
+weights.
 
 Online (`jspec.load(..., quantization="fp8")`, `quantize_fp8`): a float checkpoint's
 projection weights rounded to block FP8 as a block-FP8 checkpoint would hold them (E4M3,
-128 x 128 blocks, each block's scale its largest magnitude over 448), then dequantized the
-same way: the numerics of FP8 weights (not of FP8 activations), for measuring what the
-rounding costs. Not yet: FP8 weights kept in device memory and FP8 products (Hopper), an
-FP8 KV cache.
+128 x 128 blocks, each block's scale its largest magnitude over 448), kept or dequantized
+the same way: the numerics of FP8 weights (not of FP8 activations). Not yet: FP8 products
+on the tensor cores (FP8 activations), an FP8 KV cache.
 """
 from __future__ import annotations
 
+import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 
 FP8 = (np.dtype(ml_dtypes.float8_e4m3fn), np.dtype(ml_dtypes.float8_e5m2))
+FP8_DTYPES = FP8  # the weight dtypes `dequantize_kernel` and the kernels' `w_scale` take
+GROUP = 128  # input columns (kernel rows) sharing a scale in device memory
+SCALE_SUFFIX = ".group_scales"  # beside a kept FP8 `<x>.weight`: its scales [out, ceil(in / GROUP)]
 METHODS = ("fp8", "compressed-tensors")
 E4M3_MAX = 448.0
 NOT_QUANTIZED = ("embed", "lm_head", "norm", "mlp.gate.weight", "shared_head")  # as DeepSeek's FP8 checkpoints
 
 
-def quantize_fp8(tensors: dict, block=(128, 128)) -> dict:
+def quantize_fp8(tensors: dict, block=(128, 128), keep: bool = False) -> dict:
     """A float checkpoint's projection weights (2-D `*.weight` tensors but the embeddings,
-    LM heads, norms and routers) rounded to block FP8 and dequantized to float32 (see the
-    module); the rest untouched."""
+    LM heads, norms and routers) rounded to block FP8 and dequantized to float32, or with
+    `keep` left FP8 beside their group scales (see the module); the rest untouched."""
     out = dict(tensors)
     for name, a in tensors.items():
         if name.endswith(".weight") and a.ndim == 2 and not any(s in name for s in NOT_QUANTIZED):
             q, scale = fp8_blocks(np.asarray(a, np.float32), block)
-            out[name] = _blocks(q, scale, block, name + "_scale_inv", "")
+            if keep and block[1] % GROUP == 0:
+                out[name], out[name + SCALE_SUFFIX] = q, block_group_scales(scale, block, q.shape)
+            else:
+                out[name] = _blocks(q, scale, block, name + "_scale_inv", "")
     return out
+
+
+def groups_of(columns: int) -> int:
+    """Scale groups of a weight with `columns` input columns."""
+    return -(-columns // GROUP)
+
+
+def block_group_scales(scale: np.ndarray, block, shape) -> np.ndarray:
+    """Block scales [ceil(out / bm), ceil(in / bn)] (bn a multiple of GROUP) of a weight
+    [out, in] -> its scales per row and group [out, ceil(in / GROUP)]."""
+    bm, bn = block
+    rows = np.repeat(scale, bm, axis=0)[:shape[0]]
+    return np.ascontiguousarray(np.repeat(rows, bn // GROUP, axis=1)[:, :groups_of(shape[1])], np.float32)
+
+
+def dequantize_kernel(kernel, scale, dtype):
+    """In the graph: an FP8 `kernel` [K, N] and its `scale` [ceil(K / GROUP), N] float32 ->
+    [K, N] in `dtype` (each value times its scale in float32, then rounded once: what
+    dequantizing on the host gives)."""
+    K = kernel.shape[0]
+    full = jnp.repeat(scale, GROUP, axis=0, total_repeat_length=scale.shape[0] * GROUP)[:K]
+    return (kernel.astype(jnp.float32) * full).astype(dtype)
+
+
+def dequantize_host(kernel: np.ndarray, scale: np.ndarray) -> np.ndarray:
+    """`dequantize_kernel` on the host, to float32 (an FP8 kernel exported or read back)."""
+    full = np.repeat(np.asarray(scale, np.float32), GROUP, axis=0)[:kernel.shape[0]]
+    return np.asarray(kernel).astype(np.float32) * full
 
 
 def fp8_blocks(w: np.ndarray, block) -> tuple[np.ndarray, np.ndarray]:
@@ -58,11 +105,12 @@ def fp8_blocks(w: np.ndarray, block) -> tuple[np.ndarray, np.ndarray]:
     return q.astype(ml_dtypes.float8_e4m3fn), scale
 
 
-def dequantize(tensors: dict, cfg_json, where: str) -> dict:
+def dequantize(tensors: dict, cfg_json, where: str, keep: bool = False) -> dict:
     """The checkpoint's tensors with every FP8 weight dequantized to float32 and its scales
-    removed (others untouched). ValueError: an unsupported method or scheme, a quantized
-    weight without its scale or with one of the wrong shape, FP8 tensors in a checkpoint
-    that declares no quantization."""
+    removed (others untouched); with `keep`, 2-D FP8 weights whose scales allow it stay FP8
+    beside their group scales (`SCALE_SUFFIX`, see the module). ValueError: an unsupported
+    method or scheme, a quantized weight without its scale or with one of the wrong shape,
+    FP8 tensors in a checkpoint that declares no quantization."""
     qc = cfg_json.get("quantization_config") if hasattr(cfg_json, "get") else None
     fp8 = [n for n, a in tensors.items() if np.dtype(a.dtype) in FP8]
     if qc is None:
@@ -78,22 +126,38 @@ def dequantize(tensors: dict, cfg_json, where: str) -> dict:
                                                                              for b in block)):
             raise ValueError(f"{where}: quantization_config.weight_block_size must be two positive ints (such "
                              f"as [128, 128]), got {block!r}")
-        return _apply(tensors, fp8, "_scale_inv", where, lambda w, s, name: _blocks(w, s, block, name, where))
+        keeps = keep and block[1] % GROUP == 0
+
+        def blocks(w, s, name):
+            _check_blocks(w, s, block, name, where)
+            return (w, block_group_scales(s, block, w.shape)) if keeps else _blocks(w, s, block, name, where)
+        return _apply(tensors, fp8, "_scale_inv", where, blocks)
     if method == "compressed-tensors":
         _check_compressed(qc, where)
         weights = {n: a for n, a in tensors.items() if not n.endswith(".input_scale")}
-        return _apply(weights, fp8, "_scale", where, lambda w, s, name: _channels(w, s, name, where))
+        def channels(w, s, name):
+            rows = _channel_scales(w, s, name, where)  # [out, 1]
+            if not keep:
+                return w.astype(np.float32) * rows
+            return w, np.ascontiguousarray(np.broadcast_to(rows, (w.shape[0], groups_of(w.shape[1]))))
+        return _apply(weights, fp8, "_scale", where, channels)
     raise ValueError(f"{where}: quantization method {method!r} is not supported (jspec reads FP8 checkpoints: "
                      f"quant_method {' or '.join(repr(m) for m in METHODS)})")
 
 
-def _apply(tensors: dict, fp8: list, suffix: str, where: str, dequant) -> dict:
+def _apply(tensors: dict, fp8: list, suffix: str, where: str, convert) -> dict:
+    """Every FP8 tensor through convert(weight, scale, scale's name): a float32 array, or
+    (the FP8 weight, its group scales) to keep."""
     out = dict(tensors)
     for name in fp8:
         scale_name = name + suffix
         if scale_name not in out:
             raise ValueError(f"{where}: FP8 tensor {name!r} has no scale {scale_name!r}")
-        out[name] = dequant(np.asarray(out[name]), np.asarray(out.pop(scale_name), np.float32), scale_name)
+        got = convert(np.asarray(out[name]), np.asarray(out.pop(scale_name), np.float32), scale_name)
+        if isinstance(got, tuple):
+            out[name], out[name + SCALE_SUFFIX] = got
+        else:
+            out[name] = got
     stray = sorted(n for n in out if n.endswith(suffix))
     if stray:
         raise ValueError(f"{where}: scale {stray[0]!r} belongs to no FP8 tensor")
@@ -102,6 +166,13 @@ def _apply(tensors: dict, fp8: list, suffix: str, where: str, dequant) -> dict:
 
 def _blocks(w: np.ndarray, s: np.ndarray, block, name: str, where: str) -> np.ndarray:
     """A block-scaled FP8 weight [out, in] (scales [ceil(out/bm), ceil(in/bn)]) -> float32."""
+    _check_blocks(w, s, block, name, where)
+    bm, bn = block
+    full = np.repeat(np.repeat(s, bm, axis=0), bn, axis=1)[:w.shape[0], :w.shape[1]]
+    return w.astype(np.float32) * full
+
+
+def _check_blocks(w: np.ndarray, s: np.ndarray, block, name: str, where: str) -> None:
     if w.ndim != 2:
         raise ValueError(f"{where}: FP8 tensor {name[:-len('_scale_inv')]!r} has shape {w.shape}; block scales "
                          f"need a 2-D weight")
@@ -110,17 +181,15 @@ def _blocks(w: np.ndarray, s: np.ndarray, block, name: str, where: str) -> np.nd
     if s.shape != want:
         raise ValueError(f"{where}: scale {name!r} has shape {s.shape}, expected {want} for a weight of shape "
                          f"{w.shape} in blocks of {bm} x {bn}")
-    full = np.repeat(np.repeat(s, bm, axis=0), bn, axis=1)[:w.shape[0], :w.shape[1]]
-    return w.astype(np.float32) * full
 
 
-def _channels(w: np.ndarray, s: np.ndarray, name: str, where: str) -> np.ndarray:
-    """A compressed-tensors FP8 weight [out, in], its scale per output channel [out, 1] (or
-    [out]) or per tensor ([] or [1]) -> float32."""
+def _channel_scales(w: np.ndarray, s: np.ndarray, name: str, where: str) -> np.ndarray:
+    """A compressed-tensors FP8 weight [out, in]'s scale per output channel [out, 1] (or
+    [out]) or per tensor ([] or [1]) -> its scale per row [out, 1] float32."""
     if s.size == 1:
-        return w.astype(np.float32) * s.reshape(())
+        return np.full((w.shape[0], 1), s.reshape(()), np.float32)
     if s.shape in ((w.shape[0], 1), (w.shape[0],)):
-        return w.astype(np.float32) * s.reshape(-1, 1)
+        return s.reshape(-1, 1).astype(np.float32)
     raise ValueError(f"{where}: scale {name!r} has shape {s.shape}, expected [{w.shape[0]}, 1] (per channel) or "
                      f"[1] (per tensor) for a weight of shape {w.shape}")
 

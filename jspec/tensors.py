@@ -17,6 +17,8 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 
+from jspec.quantization import SCALE_SUFFIX, dequantize_host, groups_of
+
 _NP_DTYPES = {"float32": np.float32, "bfloat16": ml_dtypes.bfloat16, "float16": np.float16}
 
 
@@ -161,6 +163,15 @@ class Tensors:
         return name in self.tensors
 
     def take(self, name: str, shape: tuple[int, ...]) -> np.ndarray:
+        """A tensor by name and shape; an FP8 weight kept beside its group scales
+        (`jspec.quantization`) comes dequantized to float32 (only `linear` keeps it FP8)."""
+        a = self._pop(name, shape)
+        if name + SCALE_SUFFIX in self.tensors:
+            scales = self._pop(name + SCALE_SUFFIX, (shape[0], groups_of(shape[1])))
+            return dequantize_host(np.asarray(a).T, np.asarray(scales).T).T
+        return a
+
+    def _pop(self, name: str, shape: tuple[int, ...]) -> np.ndarray:
         if name not in self.tensors:
             raise ValueError(f"{self.where}: missing tensor {name!r}")
         a = self.tensors.pop(name)
@@ -180,7 +191,17 @@ class Tensors:
 
     def linear(self, *names_shapes, order=None):
         """A projection: Hugging Face [out, in] tensors, concatenated along `out` (rows
-        `order` of that), as the [in, out] `kernel` that `jspec.models.layers.Linear` uses."""
+        `order` of that), as the [in, out] `kernel` that `jspec.models.layers.Linear` uses.
+        FP8 tensors kept beside their group scales (`jspec.quantization.SCALE_SUFFIX`, all
+        parts of one FP8 dtype) stay FP8, with the scales as `kernel_scale` [ceil(in /
+        GROUP), out] float32 in the same column order."""
+        scale_names = [n + SCALE_SUFFIX for n, _ in names_shapes]
+        if all(map(self.has, scale_names)) and len({self.tensors[n].dtype for n, _ in names_shapes}) == 1:
+            dtype = self.tensors[names_shapes[0][0]].dtype
+            kernel = HostParam([self._pop(n, s) for n, s in names_shapes], dtype, order)
+            scales = HostParam([self._pop(sn, (s[0], groups_of(s[1]))) for sn, (_, s) in zip(scale_names, names_shapes)],
+                               np.float32, order)
+            return {"kernel": kernel.T, "kernel_scale": scales.T}
         return {"kernel": self.param(*names_shapes, order=order).T}
 
     def ignore(self, *names):
@@ -200,5 +221,9 @@ def to_numpy(a, dtype: str) -> np.ndarray:
 
 
 def hf_linear(p: dict, dtype: str) -> np.ndarray:
-    """A `Linear`'s [in, out] kernel as Hugging Face's [out, in] weight."""
+    """A `Linear`'s [in, out] kernel as Hugging Face's [out, in] weight (an FP8 kernel
+    dequantized with its `kernel_scale`)."""
+    if "kernel_scale" in p:
+        kernel = dequantize_host(np.asarray(jax.device_get(p["kernel"])), np.asarray(jax.device_get(p["kernel_scale"])))
+        return np.ascontiguousarray(kernel.astype(_NP_DTYPES[dtype]).T)
     return np.ascontiguousarray(to_numpy(p["kernel"], dtype).T)

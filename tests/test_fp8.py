@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import os
 
+import jax
 import ml_dtypes
 import numpy as np
 import pytest
@@ -217,15 +218,110 @@ def test_online_fp8_rounds_projections_as_a_checkpoint_would(tmp_path):
         jspec.load(float_dir, quantization="int4")
 
 
-def test_block_fp8_split_over_devices(tmp_path):
-    """A block-FP8 checkpoint split over two devices (tensor parallelism; the weights are
-    dequantized before the split) gives one device's greedy tokens."""
+@pytest.mark.parametrize("block", [(128, 128), (16, 32)], ids=["kept-fp8", "dequantized"])
+def test_block_fp8_split_over_devices(tmp_path, block):
+    """A block-FP8 checkpoint split over two devices (tensor parallelism) gives one
+    device's greedy tokens: kept FP8 with its scales split beside the kernels (128 x 128
+    blocks), or dequantized before the split (16 x 32)."""
     import jax
     if len(jax.devices()) < 2:
         pytest.skip("needs 2 devices (conftest asks XLA for 4 CPU devices)")
     path = str(tmp_path)
-    tiny_models.make_model(path, "qwen3", inter=100)
-    write_block_fp8(path, (16, 32))
+    tiny_models.make_model(path, "qwen3", hidden=256, inter=512)
+    write_block_fp8(path, block)
     kw = dict(max_new_tokens=10, stop_token_ids=[])
     want = jspec.generate(jspec.load(path, dtype="float32"), PROMPTS, **kw).tokens
     assert jspec.generate(jspec.load(path, dtype="float32", devices=2), PROMPTS, **kw).tokens == want
+
+
+def fp8_and_float_checkpoints(tmp_path, **kw):
+    """A tiny Llama in block FP8 (128 x 128) and the same model with the dequantized weights
+    as a float checkpoint -> (FP8 directory, float directory, transformers on the latter)."""
+    fp8_dir, float_dir = str(tmp_path / "fp8"), str(tmp_path / "float")
+    model = tiny_models.make_model(fp8_dir, "llama", **kw)
+    ref = with_weights(model, write_block_fp8(fp8_dir))
+    ref.save_pretrained(float_dir)
+    return fp8_dir, float_dir, ref
+
+
+def test_fp8_weights_stay_fp8_in_device_memory(tmp_path):
+    """A block-FP8 Llama (hidden 256, MLP 384: several groups of 128 a projection) keeps
+    its projections FP8 in device memory with scales per group and column, reports their
+    bytes, and computes exactly what the same model with the dequantized weights in float32
+    computes (logits bit for bit); greedy, n-gram and EAGLE-3 speculation give
+    transformers' greedy tokens."""
+    fp8_dir, float_dir, ref = fp8_and_float_checkpoints(tmp_path, hidden=256, inter=384)
+    params = jspec.load(fp8_dir, dtype="float32")
+    dense = jspec.load(float_dir, dtype="float32")
+    layer = params.weights["params"]["layers_0"]
+    for mod, (k, n) in (("self_attn", ("qkv_proj", 256)), ("mlp", ("down_proj", 384))):
+        kernel, scale = layer[mod][k]["kernel"], layer[mod][k]["kernel_scale"]
+        assert kernel.dtype == ml_dtypes.float8_e4m3fn and scale.dtype == np.float32
+        assert kernel.shape[0] == n and scale.shape == (n // 128, kernel.shape[1])
+    assert params.weights["params"]["embed_tokens"]["embedding"].dtype == np.float32
+    total, fp8 = params.weight_bytes()
+    kernels = [a for a in jax.tree.leaves(params.weights) if a.dtype == ml_dtypes.float8_e4m3fn]
+    assert len(kernels) == 2 * 4 and fp8 == sum(a.size for a in kernels)  # 4 projections a layer, 1 byte each
+    assert total < dense.weight_bytes()[0] and dense.weight_bytes()[1] == 0
+    for p in PROMPTS:
+        np.testing.assert_array_equal(logits_of(params, p), logits_of(dense, p))
+        np.testing.assert_allclose(logits_of(params, p), hf_logits(ref, p), atol=2e-4, rtol=1e-4)
+    want = [tiny_models.hf_greedy(ref, p, 12) for p in PROMPTS]
+    kw = dict(max_new_tokens=12, stop_token_ids=[])
+    assert jspec.generate(params, PROMPTS, **kw).tokens == want
+    assert jspec.generate(params.with_draft(jspec.NgramDraft()), PROMPTS, **kw).tokens == want
+    head = str(tmp_path / "eagle3")
+    tiny_models.make_random_draft(head, "eagle3", dense, seed=3)
+    eagle3 = jspec.load(fp8_dir, dtype="float32", draft=head)
+    assert jspec.generate(eagle3, PROMPTS, spec=jspec.SpecConfig(3, 1, 4), **kw).tokens == want
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_fp8_matvec_kernel_equals_its_reference(dtype):
+    """The matvec kernel reading FP8 weights (interpret mode) equals the product with the
+    weight dequantized in the graph, and the `Linear` of a one-row product takes it under
+    JSPEC_KERNELS=pallas; bad scales are refused."""
+    import jax.numpy as jnp
+    from jspec.kernels import dispatch
+    from jspec.kernels.moe import experts
+    from jspec.quantization import dequantize_kernel
+    rng = np.random.default_rng(0)
+    w32 = rng.normal(0, 0.05, (384, 200)).astype(np.float32)
+    q, s = block_fp8(w32.T, 128, 128)  # blocks of the [out, in] layout
+    kernel = jnp.asarray(q.T)  # [in, out] FP8
+    scale = jnp.asarray(np.repeat(s, 128, axis=0)[:200].T)  # [groups, out]
+    x = jnp.asarray(rng.normal(0, 1, (1, 384)), dtype)
+    got = experts.matvec(x, kernel, w_scale=scale, interpret=True)
+    want = jnp.dot(x.astype(jnp.float32), dequantize_kernel(kernel, scale, jnp.float32))
+    assert got.dtype == jnp.dtype(dtype)
+    np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want), rtol=1e-2 if dtype == "bfloat16" else 1e-5,
+                               atol=2e-2 if dtype == "bfloat16" else 1e-5)
+    if dtype == "float32":  # a wrong scale row is not a small error
+        off = experts.matvec(x, kernel, w_scale=jnp.roll(scale, 1, axis=0), interpret=True)
+        assert np.abs(np.asarray(off) - np.asarray(want)).max() > 1e-2
+    from jspec.models.layers import Linear
+    lin = Linear(200, dtype=dtype)
+    with dispatch.use_backend("pallas"):
+        y = lin.apply({"params": {"kernel": kernel, "kernel_scale": scale}}, x)
+    np.testing.assert_allclose(np.asarray(y, np.float32), np.asarray(got, np.float32), rtol=1e-6, atol=1e-6)
+    with pytest.raises(ValueError, match=r"needs Din a multiple of 128 and float32 scales \[E, Din / 128, Dout\]"):
+        experts.matvec(x, kernel, w_scale=scale[:2, :100], interpret=True)
+    with pytest.raises(TypeError, match="w_scale goes with an FP8 weight"):
+        experts.matvec(x, kernel.astype(jnp.float32), w_scale=scale, interpret=True)
+
+
+def test_online_fp8_keeps_weights_fp8_and_exports_them_dequantized(tmp_path):
+    """Online FP8 (`quantization="fp8"`) keeps the rounded projections FP8 on the Llama
+    family; `jspec.export` writes them dequantized, and that checkpoint computes the same
+    logits."""
+    from jspec.export import save_target
+    float_dir = str(tmp_path / "float")
+    tiny_models.make_model(float_dir, "llama", hidden=128, inter=256)
+    online = jspec.load(float_dir, dtype="float32", quantization="fp8")
+    assert online.weight_bytes()[1] > 0
+    out = str(tmp_path / "exported")
+    save_target(out, online.config, online.weights)
+    back = jspec.load(out, dtype="float32")
+    assert back.weight_bytes()[1] == 0
+    for p in PROMPTS:
+        np.testing.assert_array_equal(logits_of(back, p), logits_of(online, p))

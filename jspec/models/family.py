@@ -33,6 +33,10 @@ class TargetFamily:
 
     config_type: ClassVar[type]
     architectures: ClassVar[tuple[str, ...]]
+    # Whether the family's projections may keep FP8 weights in device memory (every one it
+    # builds with `Tensors.linear` is a `models.layers.Linear`; `jspec.quantization`);
+    # otherwise FP8 checkpoints are dequantized on the host.
+    fp8_weights: ClassVar[bool] = False
 
     def config_from_hf(self, cfg_json: dict, dtype: str | None) -> Any:
         """config.json dict -> the family's config (dtype None: the checkpoint's)."""

@@ -15,6 +15,7 @@ import numpy as np
 from flax import linen as nn
 
 from jspec import sharding
+from jspec.quantization import dequantize_kernel
 from jspec.cache.layout import prefill_meta
 from jspec.kernels import dispatch
 from jspec.kernels.cpu import matmul as cpu_matmul
@@ -69,7 +70,12 @@ def product(x: jax.Array, w: jax.Array, transpose_w: bool = False, float32_out: 
 
 class Linear(nn.Module):
     """y = x W + b with the weight `kernel` [in, out] (Hugging Face's [out, in] transposed:
-    XLA's batch-1 products stream this layout faster, see docs/benchmarks.md)."""
+    XLA's batch-1 products stream this layout faster, see docs/benchmarks.md).
+
+    An FP8 kernel comes with `kernel_scale` [ceil(in / GROUP), out] float32 (`jspec.quantization`,
+    kept FP8 in device memory): one row on a GPU runs the matvec kernel, which reads the FP8
+    bytes and scales them as it loads them; every other product dequantizes the kernel into
+    the compute dtype in the graph first (`dequantize_kernel`)."""
 
     features: int
     use_bias: bool = False
@@ -88,6 +94,14 @@ class Linear(nn.Module):
         and no norm, `row_matmul`'s, which must take the weight). row_invariant: `product`'s
         (`rows_alone`)."""
         w = self.param("kernel", INIT, (x.shape[-1], self.features), jnp.dtype(self.dtype))
+        if self.has_variable("params", "kernel_scale"):
+            scale = self.get_variable("params", "kernel_scale")
+            if not (splits or row_invariant or norm is not None) and moe_experts.uses_matvec(
+                    x, w, self.tuning.experts, any_size=True, scaled=True):
+                y = moe_experts.matvec(x.astype(self.dtype), w, w_scale=scale, float32_out=self.float32_out,
+                                       tiles=self.tuning.experts)
+                return self.finish(y, norm_factor)
+            w = dequantize_kernel(w, scale, self.dtype)
         if splits and row_invariant and not self.use_bias and norm is None:
             return row_matmul.row_matmul(x.reshape(-1, x.shape[-1]), w, tiles=self.tuning.row_matmul,
                                          sum_splits=False)
@@ -103,6 +117,10 @@ class Linear(nn.Module):
             # product.
             y = product(x, w, float32_out=self.float32_out, tuning=self.tuning, row_invariant=row_invariant,
                         norm=norm)
+        return self.finish(y, norm_factor)
+
+    def finish(self, y, norm_factor):
+        """The product y [..., out] times `norm_factor`, plus the bias."""
         if norm_factor is not None:  # fuses into the product's consumer
             y = (y.astype(jnp.float32) * norm_factor).astype(y.dtype)
         if self.use_bias:

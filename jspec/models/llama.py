@@ -139,8 +139,14 @@ TP_SPLITS = {
     ("o_proj", "kernel"): P(sharding.AXIS, None), ("down_proj", "kernel"): P(sharding.AXIS, None),
     ("embed_tokens", "embedding"): P(sharding.AXIS, None), ("lm_head", "kernel"): P(None, sharding.AXIS),
     ("embed",): P(sharding.AXIS, None),
+    # FP8 kernels' scales [groups, out] split with their kernels (`jspec.quantization`)
+    ("qkv_proj", "kernel_scale"): P(None, sharding.AXIS), ("gate_up_proj", "kernel_scale"): P(None, sharding.AXIS),
+    ("o_proj", "kernel_scale"): P(sharding.AXIS, None), ("down_proj", "kernel_scale"): P(sharding.AXIS, None),
 }
-VOCAB_SPLITS = (("embed_tokens", "embedding"), ("lm_head", "kernel"), ("embed",))
+# Replicated where they do not divide: embeddings and heads, and the scales of a kernel
+# whose rows split into fewer groups of 128 than devices (GSPMD then reads each device's).
+UNEVEN_REPLICATED = (("embed_tokens", "embedding"), ("lm_head", "kernel"), ("embed",),
+                ("o_proj", "kernel_scale"), ("down_proj", "kernel_scale"))
 
 
 def kv_groups(cfg: ModelConfig, n: int) -> int:
@@ -177,7 +183,7 @@ def split_llama(cfg: ModelConfig, weights, n: int):
             return jnp.take(w, jnp.asarray(cols), axis=w.ndim - 1)
         weights = sharding.map_weights(repeat, weights)
         cfg = dataclasses.replace(cfg, num_kv_heads=groups)
-    return cfg, weights, sharding.weight_specs(weights, n, TP_SPLITS, VOCAB_SPLITS)
+    return cfg, weights, sharding.weight_specs(weights, n, TP_SPLITS, UNEVEN_REPLICATED)
 
 
 class LlamaFamily(FlaxFamily):
@@ -185,6 +191,7 @@ class LlamaFamily(FlaxFamily):
 
     config_type = ModelConfig
     model = LlamaModel
+    fp8_weights = True
 
     architectures = tuple(llama_hf.TARGET_ARCHITECTURES)
 

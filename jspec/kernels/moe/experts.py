@@ -55,6 +55,7 @@ from jax.experimental import pallas as pl
 
 from jspec.kernels import dispatch
 from jspec.kernels.tiling import KERNEL_DTYPES, chunk_start, in_order_sum, is_pow2, pow2_floor
+from jspec.quantization import FP8_DTYPES, GROUP
 
 
 @dataclasses.dataclass(frozen=True)
@@ -207,17 +208,20 @@ def _row_chunk(x_ref, norm_ref, row, kc, size: int, rstd):
 
 def _kernel(ids_ref, x_ref, w_ref, *rest, din: int, dout: int, num_experts: int, num_extra: int,
             block_k: int, block_n: int, chunks_per_split: int, num_chunks: int,
-            reduce_each_step: bool, slots: int, token_rows: bool, gated, norm_eps):
+            reduce_each_step: bool, slots: int, token_rows: bool, gated, norm_eps, scaled: bool = False):
     """One (pair p, column tile j, K split s).
 
     ids_ref [N, KP] int32 (pair p: ids[p // slots, p % slots]); x_ref [N, Din] (token_rows)
     or [P, Din], or with `gated` (the activations' dtype) [S1, P, 2 Din] float32: a
     product's K splits, whose sum's halves give silu(gate) * up; w_ref [E, Din, Dout] and,
     with `num_extra`, the extra experts' [E2, Din, Dout] (ids E.. E+E2-1) (whole arrays);
-    with `norm_eps`, norm_ref [Din]: x's rows RMS-normed with that weight first;
+    with `norm_eps`, norm_ref [Din]: x's rows RMS-normed with that weight first; with
+    `scaled`, scale_ref [E, Din / GROUP, Dout] float32: w holds FP8 values, each weight
+    times the scale of its group of GROUP rows and its column (a chunk lies in one group);
     o_ref [S, P, Dout] float32 (whole; this program writes [s, p, n0:n0+BN])."""
     rest = list(rest)
     norm_ref = rest.pop(0) if norm_eps is not None else None
+    scale_ref = rest.pop(0) if scaled else None
     extra_ref = rest.pop(0) if num_extra else None
     o_ref, = rest
     p, j, s = pl.program_id(0), pl.program_id(1), pl.program_id(2)
@@ -243,6 +247,8 @@ def _kernel(ids_ref, x_ref, w_ref, *rest, din: int, dout: int, num_experts: int,
             kc, fresh = chunk_start(c, block_k, din)
             xv = activations(kc) if fresh is None else jnp.where(fresh, activations(kc), 0.0)
             wv = ref[expert, pl.ds(kc, block_k), pl.ds(n0, block_n)].astype(jnp.float32)
+            if scale_ref is not None:
+                wv = wv * scale_ref[expert, kc // GROUP, pl.ds(n0, block_n)][None, :]
             if reduce_each_step:
                 return acc + jnp.sum(xv[:, None] * wv, axis=0)
             return acc + xv[:, None] * wv
@@ -277,9 +283,11 @@ def _table(ids, slots):
     return ids2, slots
 
 
-def _check_matmul(x, ids, w, extra=None, slots=None, gated=None, norm=None):
+def _check_matmul(x, ids, w, extra=None, slots=None, gated=None, norm=None, w_scale=None):
     """Raises ValueError / TypeError for arguments `expert_matmul` does not take; else
     -> (ids as a table [N, KP], slots, pairs P, whether x has a row per token)."""
+    if w_scale is not None:
+        _check_scale(w, w_scale, extra)
     if norm is not None:
         if gated is not None:
             raise ValueError("norm and gated exclude each other (a gated input is a product's K splits)")
@@ -320,13 +328,26 @@ def _check_matmul(x, ids, w, extra=None, slots=None, gated=None, norm=None):
         raise ValueError(f"Din and Dout must be >= 16 (Triton tiles), got {Din} and {Dout}")
     if not jnp.issubdtype(ids.dtype, jnp.integer):
         raise TypeError(f"ids must be integer, got {ids.dtype}")
-    for name, a in (("x", x), ("w", w)):
+    for name, a in (("x", x),) + (() if w_scale is not None else (("w", w),)):
         if jnp.dtype(a.dtype) not in map(jnp.dtype, KERNEL_DTYPES):
             raise TypeError(f"{name} dtype {a.dtype} is not float32, bfloat16 or float16")
     return ids2, slots, P, gated is None and rows == N and slots > 1
 
 
-def expert_matmul(x, ids, w, extra=None, *, slots: int | None = None, gated=None, norm=None,
+def _check_scale(w, w_scale, extra) -> None:
+    """An FP8 weight's group scales (`expert_matmul(w_scale=)`): ValueError / TypeError."""
+    if jnp.dtype(w.dtype) not in FP8_DTYPES:
+        raise TypeError(f"w_scale goes with an FP8 weight, w is {w.dtype}")
+    if extra is not None:
+        raise ValueError("extra experts do not take FP8 weights")
+    E, Din, Dout = w.shape
+    if Din % GROUP or getattr(w_scale, "shape", None) != (E, Din // GROUP, Dout) or w_scale.dtype != jnp.float32:
+        raise ValueError(f"an FP8 weight [E, Din, Dout] = {w.shape} needs Din a multiple of {GROUP} and float32 "
+                         f"scales [E, Din / {GROUP}, Dout], got {getattr(w_scale, 'dtype', None)} "
+                         f"{getattr(w_scale, 'shape', w_scale)}")
+
+
+def expert_matmul(x, ids, w, extra=None, *, slots: int | None = None, gated=None, norm=None, w_scale=None,
                   sum_splits: bool = True,
                   block_n: int | None = None, block_k: int | None = None, num_splits: int | None = None,
                   num_warps: int | None = None, num_stages: int | None = None,
@@ -356,8 +377,10 @@ def expert_matmul(x, ids, w, extra=None, *, slots: int | None = None, gated=None
     accumulator) instead of accumulating the tile and summing it at the end.
     interpret None: interpret mode unless the default backend is a GPU. tile_pairs: choose
     the default splits as for this many pairs (None: P): a fixed number makes each pair's
-    sums independent of the others (`Tuning.row_invariant`)."""
-    ids2, slots, P, token_rows = _check_matmul(x, ids, w, extra, slots, gated, norm)
+    sums independent of the others (`Tuning.row_invariant`). w_scale [E, Din / GROUP, Dout]
+    float32: w is FP8 (`jspec.quantization`), each weight times the scale of its group of
+    GROUP rows and its column; chunks then take at most GROUP rows."""
+    ids2, slots, P, token_rows = _check_matmul(x, ids, w, extra, slots, gated, norm, w_scale)
     E, Din, Dout = w.shape
     E2 = 0 if extra is None else extra.shape[0]
     t = ExpertTiles() if tiles is None else tiles
@@ -367,7 +390,7 @@ def expert_matmul(x, ids, w, extra=None, *, slots: int | None = None, gated=None
         if not is_pow2(v):
             raise ValueError(f"{name} must be a power of two, got {v!r}")
     BN = min(block_n, pow2_floor(Dout))
-    BK = min(block_k, pow2_floor(Din))
+    BK = min(block_k, pow2_floor(Din), GROUP if w_scale is not None else Din)
     col_tiles = pl.cdiv(Dout, BN)
     num_chunks = pl.cdiv(Din, BK)
     if num_splits is None:
@@ -384,7 +407,7 @@ def expert_matmul(x, ids, w, extra=None, *, slots: int | None = None, gated=None
                                block_n=BN, chunks_per_split=per_split, num_chunks=num_chunks,
                                reduce_each_step=bool(reduce_each_step), slots=slots, token_rows=token_rows,
                                gated=None if gated is None else jnp.dtype(gated),
-                               norm_eps=None if norm is None else float(norm[1]))
+                               norm_eps=None if norm is None else float(norm[1]), scaled=w_scale is not None)
     params = None
     if not interpret:
         from jax.experimental.pallas import triton as plt
@@ -394,13 +417,14 @@ def expert_matmul(x, ids, w, extra=None, *, slots: int | None = None, gated=None
     out = pl.pallas_call(
         kernel,
         grid=(P, col_tiles, S),
-        in_specs=[whole] * (3 + (norm is not None) + (E2 > 0)),
+        in_specs=[whole] * (3 + (norm is not None) + (w_scale is not None) + (E2 > 0)),
         out_specs=whole,
         out_shape=jax.ShapeDtypeStruct((S, P, Dout), jnp.float32),
         interpret=interpret,
         compiler_params=params,
         name="jspec_expert_matmul",
-    )(ids2.astype(jnp.int32), x, w, *(() if norm is None else (norm[0],)), *(() if extra is None else (extra,)))
+    )(ids2.astype(jnp.int32), x, w, *(() if norm is None else (norm[0],)), *(() if w_scale is None else (w_scale,)),
+      *(() if extra is None else (extra,)))
     if not sum_splits:
         return out
     return in_order_sum(out)
@@ -409,22 +433,25 @@ def expert_matmul(x, ids, w, extra=None, *, slots: int | None = None, gated=None
 
 # --------------------------------------------------------------------------- dense rows
 
-def uses_matvec(x, w, tiles: ExpertTiles | None = None, *, any_size: bool = False) -> bool:
+def uses_matvec(x, w, tiles: ExpertTiles | None = None, *, any_size: bool = False, scaled: bool = False) -> bool:
     """Whether `matvec` runs the kernel for x [..., K] @ w [K, N]: at most
     `tiles.matvec_max_rows` rows and (unless any_size) a weight of fewer than
-    `tiles.matvec_max_elements` elements, on a GPU (see the dispatch; a 2-D float weight).
-    tiles None: the defaults."""
+    `tiles.matvec_max_elements` elements, on a GPU (see the dispatch; a 2-D float weight,
+    or with `scaled` an FP8 one of K a multiple of GROUP). tiles None: the defaults."""
     t = ExpertTiles() if tiles is None else tiles
     rows = x.size // x.shape[-1]
     if dispatch.backend() == "reference" or getattr(w, "ndim", None) != 2 or not 1 <= rows <= t.matvec_max_rows:
         return False  # more rows: XLA's product (the limits hold under JSPEC_KERNELS=pallas too)
     if not any_size and w.size >= t.matvec_max_elements:
         return False
-    return dispatch.want_pallas(jnp.dtype(w.dtype) in map(jnp.dtype, KERNEL_DTYPES) and min(w.shape) >= 16)
+    if scaled and not (jnp.dtype(w.dtype) in FP8_DTYPES and w.shape[0] % GROUP == 0):
+        return False  # the kernel's FP8 path takes whole groups only (also under JSPEC_KERNELS=pallas)
+    takes = scaled or jnp.dtype(w.dtype) in map(jnp.dtype, KERNEL_DTYPES)
+    return dispatch.want_pallas(takes and min(w.shape) >= 16)
 
 
-def matvec(x, w, norm=None, *, float32_out: bool = False, sum_splits: bool = True, interpret: bool | None = None,
-           tiles: ExpertTiles | None = None):
+def matvec(x, w, norm=None, *, w_scale=None, float32_out: bool = False, sum_splits: bool = True,
+           interpret: bool | None = None, tiles: ExpertTiles | None = None):
     """x [..., K] @ w [K, N] for a few rows through the expert kernel (w as one expert,
     one pair a row) -> [..., N] in w's dtype (float32 with `float32_out`); norm (weight,
     eps): x's rows RMS-normed first, in the kernel. XLA runs a one-row product with split-K
@@ -432,16 +459,20 @@ def matvec(x, w, norm=None, *, float32_out: bool = False, sum_splits: bool = Tru
     splits are summed by the consumer's fusion and the norm needs no kernel of its own.
     sum_splits False: -> the K splits [S, rows, N] float32 unsummed, for a kernel that sums
     them as it loads them (`kernels.mla.inputs`). tiles: `matvec_block_n` columns a
-    program, `matvec_splits` K splits, the rest as `expert_matmul` (None: the defaults)."""
+    program, `matvec_splits` K splits, the rest as `expert_matmul` (None: the defaults).
+    w_scale [K / GROUP, N] float32: w is FP8 (`jspec.quantization`), read as FP8 and scaled
+    in the kernel; the product is then in x's dtype."""
     t = ExpertTiles() if tiles is None else tiles
-    if norm is not None and not x.dtype == norm[0].dtype == w.dtype:  # the prologue rounds in one dtype
+    dtype = x.dtype if w_scale is not None else w.dtype  # the dtype the product rounds to
+    if norm is not None and not x.dtype == norm[0].dtype == dtype:  # the prologue rounds in one dtype
         x, norm = rms_norm(x, *norm), None
-    rows = x.reshape(-1, x.shape[-1]).astype(w.dtype)
-    y = expert_matmul(rows, jnp.zeros((rows.shape[0],), jnp.int32), w[None], norm=norm, block_n=t.matvec_block_n,
+    rows = x.reshape(-1, x.shape[-1]).astype(dtype)
+    y = expert_matmul(rows, jnp.zeros((rows.shape[0],), jnp.int32), w[None], norm=norm,
+                      w_scale=None if w_scale is None else w_scale[None], block_n=t.matvec_block_n,
                       num_splits=t.matvec_splits, sum_splits=sum_splits, interpret=interpret, tiles=t)
     if not sum_splits:
         return y
-    return y.astype(jnp.float32 if float32_out else w.dtype).reshape(x.shape[:-1] + (w.shape[1],))
+    return y.astype(jnp.float32 if float32_out else dtype).reshape(x.shape[:-1] + (w.shape[1],))
 
 
 # --------------------------------------------------------------------------- routed experts
