@@ -38,6 +38,16 @@ the 128,256: the masks and tables have the 8B vocabulary's width).
      PYTHONPATH=. python3 benchmarks/bench_8b.py constraint [--batches 1 32] [--shapes plain 3,1,4 5,8,16] [--tiny]
 Result: $OUT/bench_constraint.json
 
+fp8: FP8 weights (`jspec.quantization.quantize_params`: every projection but the LM head
+rounded to E4M3 in 128 x 128 blocks and kept FP8, scales per 128 rows and column) against
+the same random bf16 weights, one process: first each projection shape's product at 1, 32
+and 2048 rows (`fp8_products`: bf16, FP8 dequantized in the graph, the FP8 matvec kernel,
+FP8 x FP8 per group of 128, torch's bf16 and cuBLASLt FP8 `_scaled_mm`), then the decode
+step at batch 1 and 32 and the chain S=3 and tree (5,8,16) rounds of the EAGLE-3-shaped
+head at batch 1 (ms a round, and as ratios to each precision's own AR step).
+     PYTHONPATH=. python3 benchmarks/bench_8b.py fp8 [--batches 1 32] [--shapes 3,1,4 5,8,16] [--product-rows 1 32 2048] [--skip-products] [--tiny]
+Result: $OUT/bench_fp8.json
+
 transformers: transformers' decode step on the same shape, as a peer figure: greedy
 `generate` from a 1k prompt with a static cache, which makes transformers compile its
 decoding forward itself (`CompileConfig(fullgraph=True, mode="reduce-overhead")`:
@@ -203,6 +213,169 @@ def constraint_cost(argv):
                   flush=True)
             save_json("bench_constraint.json", res)
     print("saved", save_json("bench_constraint.json", res))
+
+
+# --------------------------------------------------------------------------- FP8 weights
+
+FP8_PRODUCTS = {"qkv_proj": (4096, 6144), "o_proj": (4096, 4096), "gate_up_proj": (4096, 28672),
+                "down_proj": (14336, 4096)}
+
+
+def fp8_products(rows_list, copies: int = 6, tiny: bool = False) -> list[dict]:
+    """Each 8B projection shape at each row count: ms a product of bf16 (XLA's dot, as the
+    model runs it), FP8 dequantized in the graph then XLA's dot, the FP8 matvec kernel (one
+    row), FP8 x FP8 on the tensor cores (activations rounded to E4M3 per row and group of
+    128, one XLA dot a group, scales applied to the float32 partial sums), and torch's
+    bf16 `mm` and cuBLASLt's FP8 `_scaled_mm` (row-wise scales) as peers. Each timed call
+    runs `copies` distinct weights, so no weight is read from L2."""
+    import jax
+    import jax.numpy as jnp
+    from jspec.kernels.moe import experts
+    from jspec.models.layers import product
+    from jspec.quantization import GROUP, dequantize_kernel, quantize_kernel
+
+    def w8a8(x, q, scale):
+        M, K = x.shape
+        G = K // GROUP
+        xg = x.astype(jnp.float32).reshape(M, G, GROUP)
+        sx = jnp.maximum(jnp.abs(xg).max(axis=-1), 1e-12) / 448.0  # [M, G]
+        xq = (xg / sx[..., None]).astype(jnp.float8_e4m3fn)
+        part = jax.lax.dot_general(xq, q.reshape(G, GROUP, -1), (((2,), (1,)), ((1,), (0,))),
+                                   preferred_element_type=jnp.float32)  # [G, M, N]
+        return jnp.einsum("gmn,mg,gn->mn", part, sx, scale).astype(x.dtype)
+
+    variants = {
+        "bf16": lambda x, w, q, s: product(x, w),
+        "fp8_dequant": lambda x, w, q, s: product(x, dequantize_kernel(q, s, x.dtype)),
+        "fp8_matvec": lambda x, w, q, s: experts.matvec(x, q, w_scale=s),
+        "fp8_w8a8": lambda x, w, q, s: w8a8(x, q, s),
+    }
+    rows_out = []
+    key = jax.random.key(0)
+    for name, (K, N) in FP8_PRODUCTS.items():
+        if tiny:
+            K, N = K // 16, N // 16
+        ws = [jax.random.normal(jax.random.fold_in(key, i), (K, N), jnp.bfloat16) * 0.02 for i in range(copies)]
+        qs = [jax.jit(quantize_kernel)(w) for w in ws]
+        for rows in rows_list:
+            x = jax.random.normal(jax.random.fold_in(key, 99), (rows, K), jnp.bfloat16)
+            row = {"product": name, "K": K, "N": N, "rows": rows}
+            ref = None
+            for vname, fn in variants.items():
+                if vname == "fp8_matvec" and rows != 1:
+                    continue
+
+                def many(x, ws, qs, fn=fn):
+                    return sum(fn(x, w, q, s).astype(jnp.float32) for w, (q, s) in zip(ws, qs))
+                try:
+                    f = jax.jit(many)
+                    out = f(x, ws, qs)
+                    t = median_time(f, x, ws, qs, n=10) / copies
+                except Exception as e:  # noqa: BLE001
+                    row[vname] = repr(e)[:300]
+                    continue
+                row[vname + "_ms"] = t * 1e3
+                if ref is None:
+                    ref = out
+                else:
+                    row[vname + "_rel_err"] = float(jnp.abs(out - ref).max() / jnp.abs(ref).max())
+            row.update(torch_products(rows, K, N, copies))
+            for vname in ("fp8_dequant", "fp8_matvec", "fp8_w8a8", "torch_scaled_mm"):
+                if vname + "_ms" in row and "bf16_ms" in row:
+                    row[vname + "_speedup"] = row["bf16_ms"] / row[vname + "_ms"]
+            rows_out.append(row)
+            print("product", rounded(row), flush=True)
+    return rows_out
+
+
+def torch_products(rows: int, K: int, N: int, copies: int) -> dict:
+    """torch's bf16 `mm` and `_scaled_mm` (FP8, row-wise scales; rows padded to 16) on the
+    same shape, ms a product (CUDA events over `copies` weights, median of 10)."""
+    try:
+        import torch
+        if not torch.cuda.is_available():
+            return {}
+    except ImportError:
+        return {}
+    dev = "cuda"
+    x = torch.randn(max(rows, 16), K, device=dev, dtype=torch.bfloat16)
+    ws = [torch.randn(N, K, device=dev, dtype=torch.bfloat16) * 0.02 for _ in range(copies)]
+    xq = x.to(torch.float8_e4m3fn)
+    wq = [w.to(torch.float8_e4m3fn) for w in ws]
+    sa = torch.ones(x.shape[0], 1, device=dev, dtype=torch.float32)
+    sb = torch.ones(1, N, device=dev, dtype=torch.float32)
+    out = {}
+
+    def timed(fn):
+        for _ in range(3):
+            fn()
+        times = []
+        for _ in range(10):
+            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            a.record()
+            fn()
+            b.record()
+            torch.cuda.synchronize()
+            times.append(a.elapsed_time(b) / copies)
+        return sorted(times)[len(times) // 2]
+    xr = x[:rows]
+    out["torch_bf16_ms"] = timed(lambda: [xr @ w.t() for w in ws])
+    try:
+        out["torch_scaled_mm_ms"] = timed(lambda: [torch._scaled_mm(xq, w.t(), scale_a=sa, scale_b=sb,
+                                                                    out_dtype=torch.bfloat16) for w in wq])
+    except Exception as e:  # noqa: BLE001
+        out["torch_scaled_mm"] = repr(e)[:300]
+    return out
+
+
+def fp8_cost(argv):
+    """`fp8` (the module docstring)."""
+    import dataclasses
+    from jspec.quantization import quantize_params
+    ap = argparse.ArgumentParser(prog="bench_8b.py fp8")
+    ap.add_argument("--batches", type=int, nargs="*", default=[1, 32])
+    ap.add_argument("--shapes", nargs="*", default=["3,1,4", "5,8,16"])
+    ap.add_argument("--product-rows", type=int, nargs="*", default=[1, 32, 2048])
+    ap.add_argument("--skip-products", action="store_true")
+    ap.add_argument("--tiny", action="store_true", help="a 4-layer toy of the shape (a CPU check)")
+    args = ap.parse_args(argv)
+    res = {"env": env_info(), "rows": []}
+    print(res["env"], flush=True)
+    if not args.skip_products:
+        res["products"] = fp8_products(args.product_rows, tiny=args.tiny)
+        save_json("bench_fp8.json", res)
+    cfg = LLAMA31_8B if not args.tiny else dataclasses.replace(
+        LLAMA31_8B, hidden_size=256, intermediate_size=512, num_layers=4, num_heads=4, num_kv_heads=2, head_dim=64,
+        sliding_windows=(0,) * 4)
+    t0 = time.perf_counter()
+    float_target = random_params(cfg)
+    fp8_target = quantize_params(float_target)
+    res["weight_bytes"] = {"bf16": weight_bytes(float_target), "fp8": weight_bytes(fp8_target),
+                           "fp8_of_them": fp8_target.weight_bytes()[1]}
+    print(f"weights ready in {time.perf_counter() - t0:.1f}s", res["weight_bytes"], flush=True)
+    head = eagle3_head(float_target, draft_vocab=4096 if args.tiny else 32000)
+    vocab = min(cfg.vocab_size, 4096) if args.tiny else 100000
+    for batch, shape in [(b, "plain") for b in args.batches] + [(1, shape) for shape in args.shapes]:
+        if True:
+            spec = spec_of(shape)
+            row = {"batch": batch, "shape": shape}
+            for name, target in (("bf16", float_target), ("fp8", fp8_target)):
+                r = Runner(target.with_draft(head) if spec else target, prompts(batch, vocab), LONG, spec=spec)
+                per, rounds, toks = r.per_round(SHORT, LONG)
+                row[name] = {"ms_per_round": per * 1e3, "tokens_per_round": toks / max(rounds, 1) / batch,
+                             "compile_s": r.compile_s}
+                del r
+            row["fp8_speedup"] = row["bf16"]["ms_per_round"] / row["fp8"]["ms_per_round"]
+            res["rows"].append(row)
+            print(batch, shape, {k: round(v["ms_per_round"], 3) for k, v in row.items() if isinstance(v, dict)},
+                  "fp8 speed-up", round(row["fp8_speedup"], 3), flush=True)
+            save_json("bench_fp8.json", res)
+    plain = {r["batch"]: r for r in res["rows"] if r["shape"] == "plain"}
+    for r in res["rows"]:
+        if r["shape"] != "plain" and r["batch"] in plain:
+            for name in ("bf16", "fp8"):
+                r[name]["ratio_to_ar_step"] = r[name]["ms_per_round"] / plain[r["batch"]][name]["ms_per_round"]
+    print("saved", save_json("bench_fp8.json", res))
 
 
 # --------------------------------------------------------------------------- transformers
@@ -381,6 +554,8 @@ def main(argv=None):
         return sampling(argv[1:])
     if argv[:1] == ["constraint"]:
         return constraint_cost(argv[1:])
+    if argv[:1] == ["fp8"]:
+        return fp8_cost(argv[1:])
     if argv[:1] == ["transformers"]:
         return transformers_decode([int(b) for b in argv[1:]] or [1, 32])
     if argv[:1] == ["prefill"]:

@@ -65,6 +65,45 @@ def quantize_fp8(tensors: dict, block=(128, 128), keep: bool = False) -> dict:
     return out
 
 
+def quantize_kernel(kernel):
+    """In the graph: a float `kernel` [K, N] rounded to E4M3 in 128 x 128 blocks as
+    `fp8_blocks` rounds a checkpoint's weight (each block's scale its largest magnitude over
+    448) -> (FP8 kernel [K, N], scales [ceil(K / GROUP), N] float32)."""
+    K, N = kernel.shape
+    gk, gn = groups_of(K), groups_of(N)
+    w = jnp.pad(kernel.astype(jnp.float32), ((0, gk * GROUP - K), (0, gn * GROUP - N))).reshape(gk, GROUP, gn, GROUP)
+    scale = jnp.maximum(jnp.abs(w).max(axis=(1, 3)), 1e-12) / E4M3_MAX  # [gk, gn]
+    q = (w / scale[:, None, :, None]).reshape(gk * GROUP, gn * GROUP)[:K, :N].astype(jnp.float8_e4m3fn)
+    return q, jnp.repeat(scale, GROUP, axis=1)[:, :N]
+
+
+def quantize_params(params):
+    """`jspec.Params` whose target family keeps FP8 weights (`TargetFamily.fp8_weights`) ->
+    the same with every projection kernel (not the embedding or the LM head) rounded to FP8
+    on its device (`quantize_kernel`), for weights built or trained in Python; as
+    `jspec.load(..., quantization="fp8")` but with the blocks taken over the fused kernels
+    (a block of q|k|v or gate|up columns can span two projections). The draft is left as
+    it is."""
+    import dataclasses
+
+    import jax
+
+    from jspec.models import family_for
+    if not family_for(params.config).fp8_weights:
+        raise ValueError(f"{type(params.config).__name__} targets do not keep FP8 weights in device memory")
+    rounded = jax.jit(quantize_kernel)
+
+    def walk(tree, keys=()):
+        if not isinstance(tree, dict):
+            return tree
+        if "kernel" in tree and getattr(tree["kernel"], "ndim", 0) == 2 and "kernel_scale" not in tree and \
+                not any(s in k for k in keys for s in NOT_QUANTIZED):
+            q, scale = rounded(tree["kernel"])
+            return {**tree, "kernel": q, "kernel_scale": scale}
+        return {k: walk(v, keys + (k,)) for k, v in tree.items()}
+    return dataclasses.replace(params, weights=walk(params.weights))
+
+
 def groups_of(columns: int) -> int:
     """Scale groups of a weight with `columns` input columns."""
     return -(-columns // GROUP)
