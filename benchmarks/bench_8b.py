@@ -221,7 +221,10 @@ FP8_PRODUCTS = {"qkv_proj": (4096, 6144), "o_proj": (4096, 4096), "gate_up_proj"
                 "down_proj": (14336, 4096)}
 
 
-def fp8_products(rows_list, copies: int = 6, tiny: bool = False) -> list[dict]:
+FP8_SWEEP = [(bm, bn, w, st) for bm in (16, 64) for bn in (64, 128, 256) for w, st in ((4, 3), (8, 4))]
+
+
+def fp8_products(rows_list, copies: int = 6, tiny: bool = False, sweep: bool = False) -> list[dict]:
     """Each 8B projection shape at each row count: ms a product of bf16 (XLA's dot, as the
     model runs it), FP8 dequantized in the graph then XLA's dot, the FP8 matvec kernel (one
     row), FP8 x FP8 on the tensor cores (activations rounded to E4M3 per row and group of
@@ -230,6 +233,7 @@ def fp8_products(rows_list, copies: int = 6, tiny: bool = False) -> list[dict]:
     runs `copies` distinct weights, so no weight is read from L2."""
     import jax
     import jax.numpy as jnp
+    from jspec.kernels.fp8 import matmul as fp8_matmul
     from jspec.kernels.moe import experts
     from jspec.models.layers import product
     from jspec.quantization import GROUP, dequantize_kernel, quantize_kernel
@@ -249,7 +253,14 @@ def fp8_products(rows_list, copies: int = 6, tiny: bool = False) -> list[dict]:
         "fp8_dequant": lambda x, w, q, s: product(x, dequantize_kernel(q, s, x.dtype)),
         "fp8_matvec": lambda x, w, q, s: experts.matvec(x, q, w_scale=s),
         "fp8_w8a8": lambda x, w, q, s: w8a8(x, q, s),
+        "fp8_kernel": lambda x, w, q, s: fp8_matmul.fp8_matmul(x, q, s),
     }
+    if sweep:  # bf16 against the kernel's tilings
+        variants = {"bf16": variants["bf16"], "fp8_matvec": variants["fp8_matvec"]}
+        for bm, bn, warps, stages in FP8_SWEEP:
+            tiles = fp8_matmul.Fp8Tiles(block_m=bm, block_n=bn, num_warps=warps, num_stages=stages)
+            variants[f"fp8_kernel_{bm}_{bn}_{warps}_{stages}"] = functools.partial(
+                lambda x, w, q, s, tiles: fp8_matmul.fp8_matmul(x, q, s, tiles=tiles), tiles=tiles)
     rows_out = []
     key = jax.random.key(0)
     for name, (K, N) in FP8_PRODUCTS.items():
@@ -264,6 +275,8 @@ def fp8_products(rows_list, copies: int = 6, tiny: bool = False) -> list[dict]:
             for vname, fn in variants.items():
                 if vname == "fp8_matvec" and rows != 1:
                     continue
+                if vname.startswith("fp8_kernel_") and int(vname.split("_")[2]) > max(16, rows):
+                    continue  # a row tile taller than the rows
 
                 def many(x, ws, qs, fn=fn):
                     return sum(fn(x, w, q, s).astype(jnp.float32) for w, (q, s) in zip(ws, qs))
@@ -280,12 +293,28 @@ def fp8_products(rows_list, copies: int = 6, tiny: bool = False) -> list[dict]:
                 else:
                     row[vname + "_rel_err"] = float(jnp.abs(out - ref).max() / jnp.abs(ref).max())
             row.update(torch_products(rows, K, N, copies))
-            for vname in ("fp8_dequant", "fp8_matvec", "fp8_w8a8", "torch_scaled_mm"):
+            for vname in ["fp8_dequant", "fp8_matvec", "fp8_w8a8", "fp8_kernel", "torch_scaled_mm"] + [
+                    k[:-3] for k in row if k.startswith("fp8_kernel_") and k.endswith("_ms")]:
                 if vname + "_ms" in row and "bf16_ms" in row:
                     row[vname + "_speedup"] = row["bf16_ms"] / row[vname + "_ms"]
             rows_out.append(row)
             print("product", rounded(row), flush=True)
     return rows_out
+
+
+def best_fp8_tuning(products: list[dict]):
+    """The Tuning whose FP8 tiles took the least time summed over the products at 1 and 32
+    rows (of the swept tilings with a 16-row tile)."""
+    from jspec.kernels.fp8.matmul import Fp8Tiles
+    from jspec.tuning import Tuning
+    totals = {}
+    for row in products:
+        if row["rows"] in (1, 32):
+            for k, v in row.items():
+                if k.startswith("fp8_kernel_16_") and k.endswith("_ms"):
+                    totals[k] = totals.get(k, 0.0) + v
+    bm, bn, warps, stages = map(int, min(totals, key=totals.get)[len("fp8_kernel_"):-3].split("_"))
+    return Tuning(fp8=Fp8Tiles(block_m=bm, block_n=bn, num_warps=warps, num_stages=stages))
 
 
 def torch_products(rows: int, K: int, N: int, copies: int) -> dict:
@@ -337,13 +366,20 @@ def fp8_cost(argv):
     ap.add_argument("--shapes", nargs="*", default=["3,1,4", "5,8,16"])
     ap.add_argument("--product-rows", type=int, nargs="*", default=[1, 32, 2048])
     ap.add_argument("--skip-products", action="store_true")
+    ap.add_argument("--sweep", action="store_true", help="products: bf16 against the FP8 kernel's tilings "
+                                                         "(FP8_SWEEP); the decode then takes the best at 1 and 32 rows")
     ap.add_argument("--tiny", action="store_true", help="a 4-layer toy of the shape (a CPU check)")
     args = ap.parse_args(argv)
     res = {"env": env_info(), "rows": []}
     print(res["env"], flush=True)
+    tuning = None
     if not args.skip_products:
-        res["products"] = fp8_products(args.product_rows, tiny=args.tiny)
+        res["products"] = fp8_products(args.product_rows, tiny=args.tiny, sweep=args.sweep)
         save_json("bench_fp8.json", res)
+        if args.sweep:
+            tuning = best_fp8_tuning(res["products"])
+            res["tuning"] = str(tuning.fp8)
+            print("decode with", tuning.fp8, flush=True)
     cfg = LLAMA31_8B if not args.tiny else dataclasses.replace(
         LLAMA31_8B, hidden_size=256, intermediate_size=512, num_layers=4, num_heads=4, num_kv_heads=2, head_dim=64,
         sliding_windows=(0,) * 4)
@@ -360,7 +396,8 @@ def fp8_cost(argv):
             spec = spec_of(shape)
             row = {"batch": batch, "shape": shape}
             for name, target in (("bf16", float_target), ("fp8", fp8_target)):
-                r = Runner(target.with_draft(head) if spec else target, prompts(batch, vocab), LONG, spec=spec)
+                r = Runner(target.with_draft(head) if spec else target, prompts(batch, vocab), LONG, spec=spec,
+                           tuning=tuning)
                 per, rounds, toks = r.per_round(SHORT, LONG)
                 row[name] = {"ms_per_round": per * 1e3, "tokens_per_round": toks / max(rounds, 1) / batch,
                              "compile_s": r.compile_s}

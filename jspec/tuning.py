@@ -17,6 +17,7 @@ import jax
 
 from jspec.kernels.attention.decode import AttentionTiles
 from jspec.kernels.cpu import matmul as cpu_matmul
+from jspec.kernels.fp8.matmul import Fp8Tiles
 from jspec.kernels.gated_delta.kernels import GatedDeltaTiles
 from jspec.kernels.mla.decode import MlaDecodeTiles
 from jspec.kernels.mla.inputs import MlaInputsTiles
@@ -42,7 +43,7 @@ class Tuning:
     `Tuning(experts=ExpertTiles(num_stages=4), cache_write_in_kernel=False)`.
 
     One group of tiles per kernel (each class beside its kernel, with the measurements behind
-    its defaults): experts (`kernels.moe.experts.ExpertTiles`), grouped (`kernels.moe.grouped`),
+    its defaults): experts (`kernels.moe.experts.ExpertTiles`), fp8 (`kernels.fp8.matmul`), grouped (`kernels.moe.grouped`),
     route (`kernels.moe.route`), mla_inputs, mla_decode, mla_output (`kernels.mla.inputs`,
     `.decode`, `.output`), attention (`kernels.attention.decode`), gated_delta
     (`kernels.gated_delta.kernels`), row_attention, row_mla (`kernels.row.attention`'s
@@ -108,6 +109,7 @@ class Tuning:
     `compiler_options`. A dict is taken as its items."""
 
     experts: ExpertTiles = ExpertTiles()
+    fp8: Fp8Tiles = Fp8Tiles()
     grouped: GroupedTiles = GroupedTiles()
     route: RouteTiles = RouteTiles()
     mla_inputs: MlaInputsTiles = MlaInputsTiles()

@@ -279,8 +279,7 @@ def test_fp8_weights_stay_fp8_in_device_memory(tmp_path):
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_fp8_matvec_kernel_equals_its_reference(dtype):
     """The matvec kernel reading FP8 weights (interpret mode) equals the product with the
-    weight dequantized in the graph, and the `Linear` of a one-row product takes it under
-    JSPEC_KERNELS=pallas; bad scales are refused."""
+    weight dequantized in the graph; bad scales are refused."""
     import jax.numpy as jnp
     from jspec.kernels import dispatch
     from jspec.kernels.moe import experts
@@ -299,11 +298,6 @@ def test_fp8_matvec_kernel_equals_its_reference(dtype):
     if dtype == "float32":  # a wrong scale row is not a small error
         off = experts.matvec(x, kernel, w_scale=jnp.roll(scale, 1, axis=0), interpret=True)
         assert np.abs(np.asarray(off) - np.asarray(want)).max() > 1e-2
-    from jspec.models.layers import Linear
-    lin = Linear(200, dtype=dtype)
-    with dispatch.use_backend("pallas"):
-        y = lin.apply({"params": {"kernel": kernel, "kernel_scale": scale}}, x)
-    np.testing.assert_allclose(np.asarray(y, np.float32), np.asarray(got, np.float32), rtol=1e-6, atol=1e-6)
     with pytest.raises(ValueError, match=r"needs Din a multiple of 128 and float32 scales \[E, Din / 128, Dout\]"):
         experts.matvec(x, kernel, w_scale=scale[:2, :100], interpret=True)
     with pytest.raises(TypeError, match="w_scale goes with an FP8 weight"):
@@ -342,3 +336,38 @@ def test_online_fp8_keeps_weights_fp8_and_exports_them_dequantized(tmp_path):
     assert back.weight_bytes()[1] == 0
     for p in PROMPTS:
         np.testing.assert_array_equal(logits_of(back, p), logits_of(online, p))
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_fp8_matmul_kernel_equals_its_reference(dtype):
+    """`kernels.fp8.matmul` (interpret mode; rows padded to the tile, K splits, a column
+    count that is not a multiple of the tile) equals `matmul_reference` and, within FP8's
+    rounding of nothing more, the product with the weight dequantized first; a `Linear`
+    with an FP8 kernel runs it under JSPEC_KERNELS=pallas; a shifted scale row is caught."""
+    import jax.numpy as jnp
+    from jspec.kernels import dispatch
+    from jspec.kernels.fp8 import matmul as fm
+    from jspec.models.layers import Linear
+    from jspec.quantization import dequantize_kernel, quantize_kernel
+    rng = np.random.default_rng(1)
+    kernel, scale = quantize_kernel(jnp.asarray(rng.normal(0, 0.05, (384, 208)), jnp.float32))  # 3 groups
+    x = jnp.asarray(rng.normal(0, 1, (2, 3, 384)), dtype)
+    want = fm.matmul_reference(x.reshape(6, 384), kernel, scale, jnp.float32).reshape(2, 3, 208)
+    dequantized = jnp.dot(x.astype(jnp.float32), dequantize_kernel(kernel, scale, jnp.float32))
+    np.testing.assert_allclose(np.asarray(want), np.asarray(dequantized), rtol=1e-4, atol=1e-4)
+    tight = dict(rtol=1e-5, atol=1e-5) if dtype == "float32" else dict(rtol=1e-2, atol=1e-2)
+    for splits in (1, 3):
+        for tiles in (fm.Fp8Tiles(), fm.Fp8Tiles(block_m=32, block_n=64)):
+            got = fm.fp8_matmul(x, kernel, scale, float32_out=True, tiles=tiles, num_splits=splits, interpret=True)
+            assert got.shape == (2, 3, 208) and got.dtype == jnp.float32
+            np.testing.assert_allclose(np.asarray(got), np.asarray(want), **tight)
+    assert fm.fp8_matmul(x, kernel, scale, interpret=True).dtype == jnp.dtype(dtype)
+    off = fm.fp8_matmul(x, kernel, jnp.roll(scale, 1, axis=0), float32_out=True, interpret=True)
+    assert np.abs(np.asarray(off) - np.asarray(want)).max() > 1e-2
+    lin = Linear(208, dtype=dtype)
+    with dispatch.use_backend("pallas"):
+        y = lin.apply({"params": {"kernel": kernel, "kernel_scale": scale}}, x)
+    np.testing.assert_allclose(np.asarray(y, np.float32), np.asarray(want), **tight)
+    assert not fm.supported(x, kernel[:, :200], scale[:, :200]) and not fm.supported(x[..., :256], kernel[:256], scale)
+    with pytest.raises(ValueError, match="fp8_matmul takes x"):
+        fm.fp8_matmul(x, kernel.astype(jnp.float32), scale, interpret=True)

@@ -19,6 +19,7 @@ from jspec.quantization import dequantize_kernel
 from jspec.cache.layout import prefill_meta
 from jspec.kernels import dispatch
 from jspec.kernels.cpu import matmul as cpu_matmul
+from jspec.kernels.fp8 import matmul as fp8_matmul
 from jspec.kernels.meta import AttnMeta
 from jspec.kernels.moe import experts as moe_experts
 from jspec.kernels.row import matmul as row_matmul, norm as row_norm
@@ -73,9 +74,10 @@ class Linear(nn.Module):
     XLA's batch-1 products stream this layout faster, see docs/benchmarks.md).
 
     An FP8 kernel comes with `kernel_scale` [ceil(in / GROUP), out] float32 (`jspec.quantization`,
-    kept FP8 in device memory): one row on a GPU runs the matvec kernel, which reads the FP8
-    bytes and scales them as it loads them; every other product dequantizes the kernel into
-    the compute dtype in the graph first (`dequantize_kernel`)."""
+    kept FP8 in device memory): up to `Tuning.fp8.max_rows` rows on a GPU run
+    `kernels.fp8.matmul`, which reads the FP8 bytes; other products (a prompt's blocks,
+    the CPU, row-invariant passes) dequantize the kernel into the compute dtype in the graph
+    first (`dequantize_kernel`)."""
 
     features: int
     use_bias: bool = False
@@ -96,10 +98,10 @@ class Linear(nn.Module):
         w = self.param("kernel", INIT, (x.shape[-1], self.features), jnp.dtype(self.dtype))
         if self.has_variable("params", "kernel_scale"):
             scale = self.get_variable("params", "kernel_scale")
-            if not (splits or row_invariant or norm is not None) and moe_experts.uses_matvec(
-                    x, w, self.tuning.experts, any_size=True, scaled=True):
-                y = moe_experts.matvec(x.astype(self.dtype), w, w_scale=scale, float32_out=self.float32_out,
-                                       tiles=self.tuning.experts)
+            xc = x.astype(self.dtype)
+            if not (splits or row_invariant or norm is not None) and fp8_matmul.uses_kernel(xc, w, scale,
+                                                                                            self.tuning.fp8):
+                y = fp8_matmul.fp8_matmul(xc, w, scale, float32_out=self.float32_out, tiles=self.tuning.fp8)
                 return self.finish(y, norm_factor)
             w = dequantize_kernel(w, scale, self.dtype)
         if splits and row_invariant and not self.use_bias and norm is None:

@@ -1,0 +1,1 @@
+"""FP8 weights: matmul.py (products with an FP8 weight kept in device memory, read as FP8)."""
