@@ -252,11 +252,12 @@ def fp8_products(rows_list, copies: int = 6, tiny: bool = False, sweep: bool = F
         "bf16": lambda x, w, q, s: product(x, w),
         "fp8_dequant": lambda x, w, q, s: product(x, dequantize_kernel(q, s, x.dtype)),
         "fp8_matvec": lambda x, w, q, s: experts.matvec(x, q, w_scale=s),
+        "bf16_matvec": lambda x, w, q, s: experts.matvec(x, w),  # the same kernel reading bf16
         "fp8_w8a8": lambda x, w, q, s: w8a8(x, q, s),
         "fp8_kernel": lambda x, w, q, s: fp8_matmul.fp8_matmul(x, q, s),
     }
     if sweep:  # bf16 against the kernel's tilings
-        variants = {"bf16": variants["bf16"], "fp8_matvec": variants["fp8_matvec"]}
+        variants = {k: variants[k] for k in ("bf16", "fp8_matvec", "bf16_matvec")}
         for bm, bn, warps, stages in FP8_SWEEP:
             tiles = fp8_matmul.Fp8Tiles(block_m=bm, block_n=bn, num_warps=warps, num_stages=stages)
             variants[f"fp8_kernel_{bm}_{bn}_{warps}_{stages}"] = functools.partial(
@@ -273,7 +274,7 @@ def fp8_products(rows_list, copies: int = 6, tiny: bool = False, sweep: bool = F
             row = {"product": name, "K": K, "N": N, "rows": rows}
             ref = None
             for vname, fn in variants.items():
-                if vname == "fp8_matvec" and rows != 1:
+                if vname in ("fp8_matvec", "bf16_matvec") and rows != 1:
                     continue
                 if vname.startswith("fp8_kernel_") and int(vname.split("_")[2]) > max(16, rows):
                     continue  # a row tile taller than the rows
