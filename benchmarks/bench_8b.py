@@ -224,7 +224,8 @@ FP8_PRODUCTS = {"qkv_proj": (4096, 6144), "o_proj": (4096, 4096), "gate_up_proj"
 FP8_SWEEP = [(bm, bn, w, st) for bm in (16, 64) for bn in (64, 128, 256) for w, st in ((4, 3), (8, 4))]
 
 
-def fp8_products(rows_list, copies: int = 6, tiny: bool = False, sweep: bool = False) -> list[dict]:
+def fp8_products(rows_list, copies: int = 6, tiny: bool = False, sweep: bool = False,
+                 diagnose: bool = False) -> list[dict]:
     """Each 8B projection shape at each row count: ms a product of bf16 (XLA's dot, as the
     model runs it), FP8 dequantized in the graph then XLA's dot, the FP8 matvec kernel (one
     row), FP8 x FP8 on the tensor cores (activations rounded to E4M3 per row and group of
@@ -256,6 +257,24 @@ def fp8_products(rows_list, copies: int = 6, tiny: bool = False, sweep: bool = F
         "fp8_w8a8": lambda x, w, q, s: w8a8(x, q, s),
         "fp8_kernel": lambda x, w, q, s: fp8_matmul.fp8_matmul(x, q, s),
     }
+    def by_groups(x, q, scale):  # one dot a group of the weight widened only, scales on the partial sums
+        M, K = x.shape
+        G = K // GROUP
+        part = jnp.einsum("mgk,gkn->gmn", x.reshape(M, G, GROUP), q.reshape(G, GROUP, -1).astype(x.dtype),
+                          preferred_element_type=jnp.float32)
+        return jnp.einsum("gmn,gn->mn", part, scale).astype(x.dtype)
+
+    any_triton = {"xla_gpu_triton_gemm_any": True}
+    options = {}
+    if diagnose:  # where the FP8 products' time goes
+        variants = {k: variants[k] for k in ("bf16", "bf16_matvec", "fp8_matvec", "fp8_kernel", "fp8_dequant")}
+        variants["fp8_dequant_tga"] = variants["fp8_dequant"]
+        variants["fp8_column_scale"] = lambda x, w, q, s: (product(x, q.astype(x.dtype), float32_out=True)
+                                                           * s[0]).astype(x.dtype)  # timing only
+        variants["fp8_column_scale_tga"] = variants["fp8_column_scale"]
+        variants["fp8_groups"] = lambda x, w, q, s: by_groups(x, q, s)
+        variants["fp8_groups_tga"] = variants["fp8_groups"]
+        options = {k: any_triton for k in variants if k.endswith("_tga")}
     if sweep:  # bf16 against the kernel's tilings
         variants = {k: variants[k] for k in ("bf16", "fp8_matvec", "bf16_matvec")}
         for bm, bn, warps, stages in FP8_SWEEP:
@@ -274,7 +293,7 @@ def fp8_products(rows_list, copies: int = 6, tiny: bool = False, sweep: bool = F
             row = {"product": name, "K": K, "N": N, "rows": rows}
             ref = None
             for vname, fn in variants.items():
-                if vname in ("fp8_matvec", "bf16_matvec") and rows != 1:
+                if vname in ("fp8_matvec", "bf16_matvec") and rows != 1 or vname.startswith("fp8_groups") and rows > 4:
                     continue
                 if vname.startswith("fp8_kernel_") and int(vname.split("_")[2]) > max(16, rows):
                     continue  # a row tile taller than the rows
@@ -283,6 +302,8 @@ def fp8_products(rows_list, copies: int = 6, tiny: bool = False, sweep: bool = F
                     return sum(fn(x, w, q, s).astype(jnp.float32) for w, (q, s) in zip(ws, qs))
                 try:
                     f = jax.jit(many)
+                    if vname in options and jax.default_backend() == "gpu":
+                        f = f.lower(x, ws, qs).compile(compiler_options=options[vname])
                     out = f(x, ws, qs)
                     t = median_time(f, x, ws, qs, n=10) / copies
                 except Exception as e:  # noqa: BLE001
@@ -294,7 +315,9 @@ def fp8_products(rows_list, copies: int = 6, tiny: bool = False, sweep: bool = F
                 else:
                     row[vname + "_rel_err"] = float(jnp.abs(out - ref).max() / jnp.abs(ref).max())
             row.update(torch_products(rows, K, N, copies))
-            for vname in ["fp8_dequant", "fp8_matvec", "fp8_w8a8", "fp8_kernel", "torch_scaled_mm"] + [
+            for vname in ["fp8_dequant", "fp8_matvec", "fp8_w8a8", "fp8_kernel", "torch_scaled_mm", "bf16_matvec",
+                          "fp8_dequant_tga", "fp8_column_scale", "fp8_column_scale_tga", "fp8_groups",
+                          "fp8_groups_tga"] + [
                     k[:-3] for k in row if k.startswith("fp8_kernel_") and k.endswith("_ms")]:
                 if vname + "_ms" in row and "bf16_ms" in row:
                     row[vname + "_speedup"] = row["bf16_ms"] / row[vname + "_ms"]
@@ -367,6 +390,8 @@ def fp8_cost(argv):
     ap.add_argument("--shapes", nargs="*", default=["3,1,4", "5,8,16"])
     ap.add_argument("--product-rows", type=int, nargs="*", default=[1, 32, 2048])
     ap.add_argument("--skip-products", action="store_true")
+    ap.add_argument("--diagnose", action="store_true", help="products: where FP8's time goes (the matvec kernel "
+                                                            "on bf16, XLA's Triton GEMMs on widened weights)")
     ap.add_argument("--sweep", action="store_true", help="products: bf16 against the FP8 kernel's tilings "
                                                          "(FP8_SWEEP); the decode then takes the best at 1 and 32 rows")
     ap.add_argument("--tiny", action="store_true", help="a 4-layer toy of the shape (a CPU check)")
@@ -375,7 +400,7 @@ def fp8_cost(argv):
     print(res["env"], flush=True)
     tuning = None
     if not args.skip_products:
-        res["products"] = fp8_products(args.product_rows, tiny=args.tiny, sweep=args.sweep)
+        res["products"] = fp8_products(args.product_rows, tiny=args.tiny, sweep=args.sweep, diagnose=args.diagnose)
         save_json("bench_fp8.json", res)
         if args.sweep:
             tuning = best_fp8_tuning(res["products"])
