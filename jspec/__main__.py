@@ -10,7 +10,7 @@
     python -m jspec serve [--target DIR|ID --draft NAME|DIR|ID|mtp|ngram|none] [--host H] [--port P]
                           [--max-batch B] [--max-len L] [--max-new-tokens N] [--spec S,K,N|adaptive]
                           [--prefill-chunk C] [--max-num-batched-tokens N] [--constraint-states N] [--dtype D]
-                          [--quantization fp8] [--served-model-name NAME]
+                          [--quantization fp8] [--kv-cache-dtype auto|fp8] [--served-model-name NAME]
                           [--chat-template FILE|STRING] [--api-key KEY] [--request-timeout S]
                           [--max-logprobs K] [--log-level LEVEL]
 
@@ -425,6 +425,9 @@ def _serve_parser() -> _Parser:
                     help="draft steps, topk, verified tokens of every round (default: the draft's), or 'adaptive': "
                          "a tier chosen before each chunk of rounds from the measured acceptance and round costs")
     ap.add_argument("--rounds-per-chunk", type=_int(1), default=4, help="rounds between admissions (default: 4)")
+    ap.add_argument("--kv-cache-dtype", choices=["auto", "fp8", "fp8_e4m3"], default="auto",
+                    help="what keys and values are stored in: auto (the model's dtype) or fp8 / fp8_e4m3 (E4M3, "
+                         "half a bf16 cache's pages; GQA caches only)")
     ap.add_argument("--kv-cache-tokens", type=_int(1), default=None, metavar="N",
                     help="the page pool's size in tokens (pages of 16), shared by every request: a request is admitted "
                          "while its prompt and a little growth fit, and the latest is preempted (and later resumes) "
@@ -500,7 +503,8 @@ def _serve(argv) -> int:
     if max_new >= max_len:
         ap.error(f"--max-new-tokens ({max_new}) must be below --max-len ({max_len})")
     page = jspec.CacheConfig.page_size
-    cache = jspec.CacheConfig("paged", num_pages=-(-args.kv_cache_tokens // page) if args.kv_cache_tokens else None)
+    cache = jspec.CacheConfig("paged", num_pages=-(-args.kv_cache_tokens // page) if args.kv_cache_tokens else None,
+                              dtype=None if args.kv_cache_dtype == "auto" else "float8_e4m3fn")
     try:
         engine = jspec.Engine(params, max_batch=args.max_batch, max_prompt_len=max_len - 1, max_new_tokens=max_len - 1,
                               max_len=max_len, spec=args.spec, rounds_per_chunk=args.rounds_per_chunk,

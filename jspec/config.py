@@ -204,6 +204,9 @@ class SpecConfig:
         return K + (S - 1) * K * K
 
 
+KV_CACHE_DTYPES = (None, "float8_e4m3fn")  # `CacheConfig.dtype`
+
+
 @dataclasses.dataclass(frozen=True)
 class CacheConfig:
     """KV cache: `kind` 'dense' (a region per request) or 'paged' (a shared page pool).
@@ -211,16 +214,26 @@ class CacheConfig:
     max_len: tokens a request may hold (prompt + generated); None sizes it from the call.
     page_size: tokens per page (paged only, any value >= 1).
     num_pages: pages in the pool (paged only); None gives every request max_len worth.
+    dtype: what the keys and values are stored in; None: the model's dtype;
+    "float8_e4m3fn": FP8 (E4M3), half a bf16 cache's bytes. Keys and values are rounded
+    to E4M3 as they are written (clipped to +-448, scale 1: vLLM's default when a
+    checkpoint carries no calibrated scales) and widened to the compute dtype where
+    attention reads them (the jnp reference; the Pallas kernels do not take FP8 caches
+    yet). GQA caches only (Llama, Qwen2/3, Mistral, and the full-attention layers of
+    Qwen3.5/Qwen3-Next); an MLA latent cache refuses it.
     """
 
     kind: str = "dense"
     max_len: int | None = None
     page_size: int = 16
     num_pages: int | None = None
+    dtype: str | None = None
 
     def __post_init__(self):
         if self.kind not in ("dense", "paged"):
             raise ValueError(f"CacheConfig.kind must be 'dense' or 'paged', got {self.kind!r}")
+        if self.dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"CacheConfig.dtype must be one of {KV_CACHE_DTYPES}, got {self.dtype!r}")
         for name in ("max_len", "num_pages"):
             v = getattr(self, name)
             if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < 1):

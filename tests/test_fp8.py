@@ -371,3 +371,44 @@ def test_fp8_matmul_kernel_equals_its_reference(dtype):
     assert not fm.supported(x, kernel[:, :200], scale[:, :200]) and not fm.supported(x[..., :256], kernel[:256], scale)
     with pytest.raises(ValueError, match="fp8_matmul takes x"):
         fm.fp8_matmul(x, kernel.astype(jnp.float32), scale, interpret=True)
+
+
+def test_fp8_kv_cache(tmp_path):
+    """`CacheConfig(dtype="float8_e4m3fn")`: keys and values stored in E4M3 (a quarter of a
+    float32 cache's bytes), dense and paged; with the same cache, n-gram and EAGLE-3 chain
+    and tree speculation and seeded sampling give plain decoding's tokens; values past the
+    format's 448 are clipped, not NaN; a latent (MLA) cache and unknown dtypes are refused."""
+    import jax.numpy as jnp
+    from jspec.cache.kv import stored
+    from jspec.loop.plan import make_plan, plan_bytes
+    path, head = str(tmp_path / "llama"), str(tmp_path / "eagle3")
+    tiny_models.make_model(path, "llama")
+    params = jspec.load(path, dtype="float32")
+    tiny_models.make_random_draft(head, "eagle3", params, seed=3)
+    eagle3 = jspec.load(path, dtype="float32", draft=head)
+    fp8 = dict(dtype="float8_e4m3fn")
+    kw = dict(max_new_tokens=12, stop_token_ids=[])
+    dense, paged = jspec.CacheConfig(**fp8), jspec.CacheConfig(kind="paged", **fp8)
+    want = jspec.generate(params, PROMPTS, cache=dense, **kw).tokens
+    assert jspec.generate(params.with_draft(jspec.NgramDraft()), PROMPTS, cache=dense, **kw).tokens == want
+    assert jspec.generate(eagle3, PROMPTS, cache=dense, spec=jspec.SpecConfig(3, 1, 4), **kw).tokens == want
+    assert jspec.generate(params, PROMPTS, cache=paged, **kw).tokens == want
+    assert jspec.generate(eagle3, PROMPTS, cache=paged, spec=jspec.SpecConfig(3, 2, 6), **kw).tokens == want
+    sampled = dict(kw, temperature=0.8, seed=5)
+    assert (jspec.generate(eagle3, PROMPTS, cache=paged, spec=jspec.SpecConfig(3, 1, 4), **sampled).tokens ==
+            jspec.generate(params, PROMPTS, cache=paged, **sampled).tokens)
+    plans = [make_plan(params, [6, 4], [12, 12], 1, False, c, None) for c in (jspec.CacheConfig(), dense)]
+    assert plans[1].layout.kv_dtype == "float8_e4m3fn"
+    kv32 = plan_bytes(plans[0]) - plan_bytes(plans[1])  # 3/4 of the float32 cache's bytes
+    c = params.config  # float32 keys and values [B, C + 1, 2, Hkv, Dh] a layer
+    kv_bytes = c.num_layers * plans[0].batch * (plans[0].layout.capacity + 1) * 2 * c.num_kv_heads * c.head_dim * 4
+    assert kv32 == kv_bytes * 3 // 4
+    big = stored(jnp.asarray([1000.0, -1e6, 3.0, 0.1]), jnp.float8_e4m3fn)
+    np.testing.assert_array_equal(np.asarray(big, np.float32), [448.0, -448.0, 3.0, 0.1015625])
+    with pytest.raises(ValueError, match=r"CacheConfig.dtype must be one of \(None, 'float8_e4m3fn'\)"):
+        jspec.CacheConfig(dtype="int8")
+    ds = str(tmp_path / "deepseek")
+    DeepseekV3ForCausalLM(DeepseekV3Config(num_hidden_layers=1, num_key_value_heads=4, n_group=2, topk_group=1,
+                                           q_lora_rank=48, rope_scaling=YARN, **COMMON)).save_pretrained(ds)
+    with pytest.raises(ValueError, match="are not stored in FP8 yet; GQA caches are"):
+        jspec.generate(jspec.load(ds, dtype="float32"), PROMPTS, cache=dense, **kw)

@@ -22,6 +22,7 @@ import jax.numpy as jnp
 from flax import struct
 
 from jspec.cache.layout import CacheLayout, PageState, slot_index
+from jspec.quantization import FP8_DTYPES
 from jspec.tuning import DEFAULT_TUNING
 from jspec.kernels.attention.decode import AttentionTiles
 from jspec.kernels.row.attention import RowAttentionTiles
@@ -47,6 +48,7 @@ class KVCacheKind:
     num_heads (H) sizes the parked queries (`extra_slots`)."""
 
     split_by_head: ClassVar[bool] = True  # split over a mesh's devices by KV head (`init`)
+    stores_fp8: ClassVar[bool] = True  # `CacheConfig(dtype="float8_e4m3fn")` (`layout.kv_dtype`)
     prefill_in_chunks: ClassVar[bool] = True  # a prompt's later blocks attend to the earlier ones in the cache
     prefix_in_pages: ClassVar[bool] = True  # a prefix's whole state is in its pages (prefix caching)
     state_snapshots: ClassVar[bool] = False  # no state outside the pages to snapshot
@@ -58,10 +60,12 @@ class KVCacheKind:
     dtype: str
 
     def init(self, layout: CacheLayout, batch: int) -> KVCache:
-        """Zero buffers, one per layer, trash row or page included; split by KV head over
-        the devices of a mesh (`jspec.sharding`)."""
+        """Zero buffers, one per layer, trash row or page included, in `layout.kv_dtype`
+        (None: the model's dtype); split by KV head over the devices of a mesh
+        (`jspec.sharding`)."""
         shape = layout.buffer_shape(batch) + (2, self.num_kv_heads, self.head_dim)
-        return KVCache(kv=tuple(constrain_heads(jnp.zeros(shape, self.dtype), -2) for _ in range(self.num_layers)))
+        dtype = layout.kv_dtype or self.dtype
+        return KVCache(kv=tuple(constrain_heads(jnp.zeros(shape, dtype), -2) for _ in range(self.num_layers)))
 
     def extra_slots(self, T: int, paged: bool) -> int:
         """Slots past the T written ones that a forward may use: a dense cache parks the
@@ -137,7 +141,7 @@ def write_kv(buf: jax.Array, new: jax.Array, write_index: jax.Array, dense: bool
     other row."""
     B, T = write_index.shape
     shape = buf.shape
-    rows = new.astype(buf.dtype)
+    rows = stored(new, buf.dtype)
     if dense and B == 1 and shape[0] == 1 and T <= shape[1]:
         start = write_index[0, 0]  # flat index of row 0 = its slot
         return jax.lax.dynamic_update_slice(buf, rows, (0, start) + (0,) * (buf.ndim - 2))
@@ -148,6 +152,15 @@ def write_kv(buf: jax.Array, new: jax.Array, write_index: jax.Array, dense: bool
     else:
         flat = set_slots(flat, write_index, rows, shape[1], dense)
     return flat.reshape(shape)
+
+
+def stored(x: jax.Array, dtype) -> jax.Array:
+    """x as a cache of `dtype` holds it: an FP8 cache (`CacheConfig.dtype`) clips to its
+    largest finite value first (E4M3 has no infinity: a value past it would be NaN)."""
+    if jnp.dtype(dtype) in FP8_DTYPES and jnp.dtype(x.dtype) not in FP8_DTYPES:
+        big = float(jnp.finfo(dtype).max)
+        return jnp.clip(x.astype(jnp.float32), -big, big).astype(dtype)
+    return x.astype(dtype)
 
 
 def set_slots(flat: jax.Array, index: jax.Array, vals: jax.Array, slots_per_row: int, dense: bool) -> jax.Array:
@@ -210,7 +223,8 @@ def cached_attention(q, k, v, kv_buf, meta: AttnMeta, *, window: int = 0, scale:
 
 def _write_and_attend(q, k, v, kv_buf, meta: AttnMeta, *, window: int, scale: float, tiles: AttentionTiles | None,
                       row_tiles: RowAttentionTiles | None):
-    park = meta.q_room and row_tiles is None and uses_kernel(q, kv_buf, meta, window=window)
+    park = (meta.q_room and row_tiles is None and jnp.dtype(kv_buf.dtype) not in FP8_DTYPES
+            and uses_kernel(q, kv_buf, meta, window=window))
     rows, index = jnp.stack([k, v], axis=2), meta.write_index  # a slot's keys and values: one write
     if park:
         rows, index = with_queries(rows, q, meta, kv_buf)

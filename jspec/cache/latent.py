@@ -54,6 +54,7 @@ class LatentCacheKind:
     """The cache an MLA model needs: per layer, Dc latent and Dr roped key values a token."""
 
     split_by_head: ClassVar[bool] = False  # replicated on every device of a mesh (one latent for all heads)
+    stores_fp8: ClassVar[bool] = False  # `CacheConfig(dtype="float8_e4m3fn")`: not for latent rows yet
     prefill_in_chunks: ClassVar[bool] = True  # a prompt's later blocks attend to the earlier ones in the cache
     prefix_in_pages: ClassVar[bool] = True  # a prefix's whole state is in its pages (prefix caching)
     state_snapshots: ClassVar[bool] = False  # no state outside the pages to snapshot

@@ -47,6 +47,8 @@ class CacheLayout:
     neither hands pages out nor takes them back, and clears a row's table when it ends. A
     page may then sit in several rows' tables at once (a shared prefix). snapshots: the
     recurrent-state snapshots a hybrid cache keeps for prefix caching (`jspec.cache.recurrent`).
+    kv_dtype: the dtype a GQA cache stores keys and values in (`CacheConfig.dtype`; None:
+    the model's).
     """
 
     paged: bool
@@ -55,6 +57,7 @@ class CacheLayout:
     num_pages: int = 0
     host_pages: bool = False
     snapshots: int = 0
+    kv_dtype: str | None = None
 
     @property
     def pages_per_seq(self) -> int:

@@ -68,6 +68,7 @@ class HybridCacheKind:
     and delta-rule states of `num_linear` linear layers."""
 
     split_by_head: ClassVar[bool] = False  # hybrid targets are not split over devices
+    stores_fp8: ClassVar[bool] = True  # its GQA layers' keys and values (the recurrent states stay as they are)
     # A prompt's later blocks (`AttnMeta.causal_block`) continue the linear layers' states the
     # blocks before them left; any other forward over T > 1 tokens is a verification.
     prefill_in_chunks: ClassVar[bool] = True

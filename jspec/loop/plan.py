@@ -207,6 +207,9 @@ def make_plan(params, lens: list[int], max_new: list[int], num_stop: int, sample
     if tuning.row_invariant and problem:
         raise ValueError(f"Tuning(row_invariant=True): {problem}")
     in_blocks = family.cache_kind(params.config).prefill_in_chunks
+    if cache.dtype is not None and not family.cache_kind(params.config).stores_fp8:
+        raise ValueError(f"CacheConfig(dtype={cache.dtype!r}): {type(params.config).__name__} targets' caches "
+                         f"({type(family.cache_kind(params.config)).__name__}) are not stored in FP8 yet; GQA caches are")
     longest = max(max(lens), cache.max_len - 1 if cache.max_len else 0)
     if prefill_chunk is None:
         C = tuning.prefill_block
@@ -228,9 +231,9 @@ def make_plan(params, lens: list[int], max_new: list[int], num_stop: int, sample
                 raise ValueError(f"prompt {i} needs {cdiv(l + slack, P)} pages of {P} tokens but the pool "
                                  f"has num_pages={num_pages}")
         layout = CacheLayout(paged=True, capacity=capacity, page_size=P, num_pages=num_pages, host_pages=host_pages,
-                             snapshots=snapshots)
+                             snapshots=snapshots, kv_dtype=cache.dtype)
     else:
-        layout = CacheLayout(paged=False, capacity=round_up(max(max(limits), Tp), 64))
+        layout = CacheLayout(paged=False, capacity=round_up(max(max(limits), Tp), 64), kv_dtype=cache.dtype)
     plan = Plan(target=params.config, proposer=proposer, spec=spec, layout=layout, batch=B, prompt_len=Tp,
                 max_rounds=pow2(max(max_new), 8), num_stop=pow2(num_stop, 4), sampling=samples, tuning=tuning,
                 tiers=tuple(tiers), prefill_chunk=prefill_chunk, logprobs=logprobs,

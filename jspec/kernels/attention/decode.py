@@ -46,6 +46,7 @@ from jax.experimental import pallas as pl
 
 from jspec.kernels.meta import AttnMeta, pool_rows, read_kv
 from jspec.kernels.tiling import KERNEL_DTYPES, is_pow2, pow2_ceil
+from jspec.quantization import FP8_DTYPES
 
 
 @dataclasses.dataclass(frozen=True)
@@ -176,6 +177,8 @@ def attention_reference(q, k_new, v_new, kv_buf, meta: AttnMeta, *, window: int 
         num_blocks, open_blocks = pl.cdiv(Sk, block_k), 0
     else:
         kv = read_kv(kv_buf, meta.page_table)  # [B, Sk, 2, Hkv, Dh]
+        if jnp.dtype(kv.dtype) in FP8_DTYPES:  # an FP8 cache (`CacheConfig.dtype`), widened
+            kv = kv.astype(q.dtype)
         Sk = kv.shape[1]
         if Sk <= block_k:
             mask = cache_mask(meta, Sk, q.shape[1], window)

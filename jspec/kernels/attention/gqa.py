@@ -5,12 +5,15 @@ the cache and then calls `attention`.
 """
 from __future__ import annotations
 
+import jax.numpy as jnp
+
 from jspec.kernels.attention import decode as da
 from jspec.kernels.attention import fused
 from jspec.kernels import dispatch
 from jspec.kernels.attention.decode import AttentionTiles, attention_reference
 from jspec.kernels.meta import AttnMeta
 from jspec.kernels.row.attention import RowAttentionTiles, row_attention
+from jspec.quantization import FP8_DTYPES
 
 
 def uses_kernel(q, kv_buf, meta: AttnMeta, *, window: int = 0) -> bool:
@@ -37,7 +40,10 @@ def attention(q, k_new, v_new, kv_buf, meta: AttnMeta, *, window: int = 0, scale
     q_in_cache: the kernel reads the queries parked in the cache
     (`jspec.cache.kv.with_queries`) rather than q. row_tiles (`Tuning.row_invariant`):
     the row-invariant kernel (`kernels.row.attention`) with these tiles instead. A causal
-    prompt block goes to cuDNN's fused attention where it runs (`uses_fused`)."""
+    prompt block goes to cuDNN's fused attention where it runs (`uses_fused`). An FP8
+    cache (`CacheConfig.dtype`) is read by the reference, widened to q's dtype."""
+    if kv_buf is not None and jnp.dtype(kv_buf.dtype) in FP8_DTYPES:
+        return attention_reference(q, k_new, v_new, kv_buf, meta, window=window, scale=scale)
     if uses_fused(q, meta, window=window, tiles=tiles):
         return fused.block_attention(q, k_new, v_new, kv_buf, meta, scale=scale,
                                      prefix_block=(tiles or AttentionTiles()).prefix_block)
