@@ -171,6 +171,15 @@ def sampling(argv):
 CONSTRAINT_SCHEMA = {"type": "array", "items": {"type": "integer"}, "minItems": 100}  # cannot complete in LONG tokens
 
 
+def round_row(params, batch_prompts, spec, **kw) -> dict:
+    """One compiled program's ms a round (the difference of two lengths), tokens a round
+    and row, and compile seconds."""
+    r = Runner(params, batch_prompts, LONG, spec=spec, **kw)
+    per, rounds, toks = r.per_round(SHORT, LONG)
+    return {"ms_per_round": per * 1e3, "tokens_per_round": toks / max(rounds, 1) / len(batch_prompts),
+            "compile_s": r.compile_s}
+
+
 def constraint_cost(argv):
     """`constraint` (the module docstring)."""
     import dataclasses
@@ -201,11 +210,7 @@ def constraint_cost(argv):
             spec = spec_of(shape)
             row = {"batch": batch, "shape": shape}
             for name, kw in (("free", {}), ("json", {"constraint": constraint})):
-                r = Runner(spec_params if spec else target, prompts(batch, vocab), LONG, spec=spec, **kw)
-                per, rounds, toks = r.per_round(SHORT, LONG)
-                row[name] = {"ms_per_round": per * 1e3, "tokens_per_round": toks / max(rounds, 1) / batch,
-                             "compile_s": r.compile_s}
-                del r
+                row[name] = round_row(spec_params if spec else target, prompts(batch, vocab), spec, **kw)
             row["ratio"] = row["json"]["ms_per_round"] / row["free"]["ms_per_round"]
             res["rows"].append(row)
             print(batch, shape, {k: (round(v["ms_per_round"], 3), round(v["tokens_per_round"], 2))
@@ -418,21 +423,16 @@ def fp8_cost(argv):
     head = eagle3_head(float_target, draft_vocab=4096 if args.tiny else 32000)
     vocab = min(cfg.vocab_size, 4096) if args.tiny else 100000
     for batch, shape in [(b, "plain") for b in args.batches] + [(1, shape) for shape in args.shapes]:
-        if True:
-            spec = spec_of(shape)
-            row = {"batch": batch, "shape": shape}
-            for name, target in (("bf16", float_target), ("fp8", fp8_target)):
-                r = Runner(target.with_draft(head) if spec else target, prompts(batch, vocab), LONG, spec=spec,
-                           tuning=tuning)
-                per, rounds, toks = r.per_round(SHORT, LONG)
-                row[name] = {"ms_per_round": per * 1e3, "tokens_per_round": toks / max(rounds, 1) / batch,
-                             "compile_s": r.compile_s}
-                del r
-            row["fp8_speedup"] = row["bf16"]["ms_per_round"] / row["fp8"]["ms_per_round"]
-            res["rows"].append(row)
-            print(batch, shape, {k: round(v["ms_per_round"], 3) for k, v in row.items() if isinstance(v, dict)},
-                  "fp8 speed-up", round(row["fp8_speedup"], 3), flush=True)
-            save_json("bench_fp8.json", res)
+        spec = spec_of(shape)
+        row = {"batch": batch, "shape": shape}
+        for name, target in (("bf16", float_target), ("fp8", fp8_target)):
+            row[name] = round_row(target.with_draft(head) if spec else target, prompts(batch, vocab), spec,
+                                  tuning=tuning)
+        row["fp8_speedup"] = row["bf16"]["ms_per_round"] / row["fp8"]["ms_per_round"]
+        res["rows"].append(row)
+        print(batch, shape, {k: round(v["ms_per_round"], 3) for k, v in row.items() if isinstance(v, dict)},
+              "fp8 speed-up", round(row["fp8_speedup"], 3), flush=True)
+        save_json("bench_fp8.json", res)
     plain = {r["batch"]: r for r in res["rows"] if r["shape"] == "plain"}
     for r in res["rows"]:
         if r["shape"] != "plain" and r["batch"] in plain:
