@@ -80,10 +80,10 @@ def hf_greedy(llama_dir):
 @pytest.fixture(scope="session")
 def drafts(tmp_path_factory, llama_dir, target):
     """Random drafts for the 2-layer Llama: EAGLE, EAGLE-3 (full and reduced vocab; features of
-    layers 1, 2, 2), standalone."""
+    layers 1, 2, 2), standalone, DFlash (blocks of 6)."""
     out = {}
     for name, kw in [("eagle", {}), ("eagle3", {}), ("eagle3_reduced", {"draft_vocab": 100}),
-                     ("standalone", {})]:
+                     ("standalone", {}), ("dflash", {})]:
         path = str(tmp_path_factory.mktemp(name))
         tiny_models.make_random_draft(path, name.split("_")[0], target, seed=len(out) + 1, **kw)
         out[name] = path

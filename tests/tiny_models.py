@@ -112,20 +112,24 @@ def hf_greedy(model, prompt, n: int, stop=()):
 
 def make_random_draft(path: str, kind: str, target, *, seed: int, draft_vocab: int | None = None,
                       aux_layers: tuple | None = None):
-    """A random draft of `kind` for `target` (jspec Params), saved in its checkpoint format
-    (an EAGLE-3 head captures the target layers `aux_layers`; None: 1, 2, 3, each at most
-    the target's layers)."""
+    """A random draft of `kind` (eagle, eagle3, standalone, dflash) for `target` (jspec
+    Params), saved in its checkpoint format (an EAGLE-3 head captures the target layers
+    `aux_layers`; None: 1, 2, 3, each at most the target's layers)."""
     import jax
     import jax.numpy as jnp
     import numpy as np
 
-    from jspec.drafts import Eagle3Draft, EagleDraft, StandaloneDraft
+    from jspec.drafts import DFlashDraft, Eagle3Draft, EagleDraft, StandaloneDraft
     from jspec.export import save_draft
 
     tc = target.config
     V = tc.vocab_size
     m = tc.replace(num_layers=1, sliding_windows=(0,))
-    if kind == "standalone":
+    if kind == "dflash":  # two Qwen3 layers reading the first and the last target layer; blocks of 6
+        m = tc.replace(num_layers=2, sliding_windows=(0, 0), qk_norm=True, model_type="qwen3")
+        d = DFlashDraft(m, target_layer_ids=(0, tc.num_layers - 1), num_target_layers=tc.num_layers, block_size=6,
+                        mask_token_id=V - 1)
+    elif kind == "standalone":
         m = tc.replace(num_layers=2, hidden_size=32, intermediate_size=64, num_heads=2, num_kv_heads=1,
                        head_dim=16, sliding_windows=(0, 0))
         d = StandaloneDraft(m)

@@ -7,13 +7,14 @@ EMBEDDED_DRAFTS names the kinds that live inside a target's own checkpoint
 from __future__ import annotations
 
 from jspec.drafts.base import Draft
+from jspec.drafts.dflash import DFlashDraft
 from jspec.drafts.eagle import EagleDraft
 from jspec.drafts.eagle3 import Eagle3Draft
 from jspec.drafts.mtp import MtpDraft
 from jspec.drafts.qwen_mtp import QwenMtpDraft
 from jspec.drafts.standalone import StandaloneDraft
 
-DRAFT_KINDS: tuple[type[Draft], ...] = (Eagle3Draft, EagleDraft, MtpDraft, StandaloneDraft)
+DRAFT_KINDS: tuple[type[Draft], ...] = (DFlashDraft, Eagle3Draft, EagleDraft, MtpDraft, StandaloneDraft)
 EMBEDDED_DRAFTS: dict[str, tuple[type[Draft], ...]] = {"mtp": (QwenMtpDraft, MtpDraft)}
 
 
@@ -32,8 +33,8 @@ def kind_of_checkpoint(cfg_json: dict, tensors: dict, where: str) -> type[Draft]
     archs = cfg_json.get("architectures") or []
     raise ValueError(f"{where}: unknown draft architecture {archs!r}; expected an EAGLE head "
                      f"(LlamaForCausalLMEagle), an EAGLE-3 head (LlamaForCausalLMEagle3), a NextN layer "
-                     f"(DeepseekV3ForCausalLMNextN) or a model of a target family")
+                     f"(DeepseekV3ForCausalLMNextN), a DFlash block drafter (DFlashDraftModel) or a model of a target family")
 
 
-__all__ = ["DRAFT_KINDS", "EMBEDDED_DRAFTS", "Draft", "Eagle3Draft", "EagleDraft", "MtpDraft", "QwenMtpDraft",
+__all__ = ["DRAFT_KINDS", "EMBEDDED_DRAFTS", "DFlashDraft", "Draft", "Eagle3Draft", "EagleDraft", "MtpDraft", "QwenMtpDraft",
            "StandaloneDraft", "embedded_kind", "kind_of_checkpoint"]

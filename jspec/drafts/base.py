@@ -32,6 +32,9 @@ class Draft:
     num_layers counts the head's layers)."""
 
     kind: ClassVar[str]  # a name for messages; never compared outside the kind's own file
+    # A block drafter (`jspec.drafts.dflash`): one forward proposes a whole block, run by the
+    # block proposer (`jspec.loop.proposers.block`) instead of the step-by-step neural one.
+    proposes_blocks: ClassVar[bool] = False
     model: ModelConfig
 
     @property

@@ -22,6 +22,7 @@ from jspec.config import CacheConfig, SpecConfig
 from jspec.tuning import DEFAULT_TUNING, Tuning
 from jspec.drafts.base import Draft
 from jspec.loop.proposers.base import Proposer
+from jspec.loop.proposers.block import BlockProposer
 from jspec.loop.proposers.neural import NeuralProposer
 from jspec.models import family_for
 from jspec.util import cdiv, round_up
@@ -138,11 +139,12 @@ class Plan:
 
 def proposer_for(draft) -> Proposer | None:
     """The proposer of a loaded draft's config: a draft model kind is wrapped by the
-    neural proposer; a proposer (`jspec.NgramDraft`) is itself; None: plain decoding."""
+    neural proposer, a block drafter (`Draft.proposes_blocks`) by the block proposer; a
+    proposer (`jspec.NgramDraft`) is itself; None: plain decoding."""
     if draft is None or isinstance(draft, Proposer):
         return draft
     if isinstance(draft, Draft):
-        return NeuralProposer(draft)
+        return BlockProposer(draft) if draft.proposes_blocks else NeuralProposer(draft)
     raise TypeError(f"not a draft: {type(draft).__name__}")
 
 
