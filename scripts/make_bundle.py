@@ -1,6 +1,7 @@
 """Reproduces the bundled models (jspec/bundle): a byte-level BPE tokenizer, a small
-Llama-architecture target, its EAGLE-3 head and a tiny standalone draft, all trained on
-the Python standard library's own source files (a fixed ~5% of files held out).
+Llama-architecture target, its EAGLE-3 head, a DFlash block drafter and a tiny standalone
+draft, all trained on the Python standard library's own source files (a fixed ~5% of files
+held out).
 
     PYTHONPATH=. python3 scripts/make_bundle.py --out jspec/bundle          # the real recipe (GPU)
     PYTHONPATH=. python3 scripts/make_bundle.py --out /tmp/b --smoke        # minutes on a CPU
@@ -8,13 +9,15 @@ the Python standard library's own source files (a fixed ~5% of files held out).
 Steps: tokenizer (4096 tokens) -> target (20 layers, width 256, tied embeddings, ~16.1M
 parameters, 800 steps: more memorises the ~3M-token corpus) -> EAGLE-3 head (features of
 layers 2, 10, 17; draft vocabulary 2048, 5 training-time-test steps) ->
-standalone draft (2 layers, width 128, distilled from the target). Weights are saved in
+DFlash drafter (blocks of 16, 2 Qwen3 layers reading the outputs of target layers 1, 5, 9,
+13, 17, the pad token as its mask) -> standalone draft (2 layers, width 128, distilled
+from the target). Weights are saved in
 bfloat16. Timings and losses go to <out>/recipe.json.
 
 The target is deep and narrow so that the one-layer head costs little beside it: a draft
 step reads about a tenth of the target's weights and runs a twentieth of its layers.
 
---keep reuses the parts already in <out> (target, eagle3, standalone) and trains only
+--keep reuses the parts already in <out> (target, eagle3, dflash, standalone) and trains only
 the missing ones, so the recipe can run in pieces.
 """
 from __future__ import annotations
@@ -30,15 +33,15 @@ import jax.numpy as jnp
 import jspec
 from jspec.config import ModelConfig, RopeConfig
 from jspec.export import save_target
-from jspec.train import Eagle3TrainConfig, train_eagle3, train_lm
+from jspec.train import DFlashTrainConfig, Eagle3TrainConfig, train_dflash, train_eagle3, train_lm
 from jspec.train import data as data_mod
 from jspec.train.stdlib import split
 from jspec.train.tokenizer import train_bpe
 
 FULL = dict(vocab=4096, target_steps=800, target_batch=64, seq=512, head_steps=4000, head_batch=32,
-            draft_steps=2000, draft_batch=64)
+            draft_steps=2000, draft_batch=64, dflash_steps=4000, dflash_batch=32, dflash_layers=2)
 SMOKE = dict(vocab=512, target_steps=60, target_batch=8, seq=128, head_steps=40, head_batch=4,
-             draft_steps=40, draft_batch=8)
+             draft_steps=40, draft_batch=8, dflash_steps=40, dflash_batch=4, dflash_layers=1)
 
 
 def target_config(vocab: int, eos: int, smoke: bool) -> ModelConfig:
@@ -85,7 +88,7 @@ def main():
         train_files = train_files[:40]
     docs = data_mod.read_corpus(train_files)
     log["files"] = {"train": len(train_files), "held_out": len(held), "train_bytes": sum(len(d) for d in docs)}
-    tdir, hdir, sdir = (os.path.join(args.out, part) for part in ("target", "eagle3", "standalone"))
+    tdir, hdir, fdir, sdir = (os.path.join(args.out, part) for part in ("target", "eagle3", "dflash", "standalone"))
     kept = lambda d: args.keep and os.path.isfile(os.path.join(d, "config.json"))  # noqa: E731
     cdt = _dtype(args.smoke)
     if kept(tdir):
@@ -96,14 +99,14 @@ def main():
         stream = make_target(tdir, docs, held, s, args.smoke, log)
         save_log()
         target = jspec.load(tdir, dtype=cdt)
-    for d, make in ((hdir, make_head), (sdir, make_standalone)):
+    for d, make in ((hdir, make_head), (fdir, make_dflash), (sdir, make_standalone)):
         if kept(d):
             print("kept", d, flush=True)
         else:
             make(d, target, stream, s, args.smoke, log)
             save_log()
     log["last_run_s"] = time.perf_counter() - t_all
-    log["total_s"] = sum(log[k]["s"] for k in ("tokenizer", "target", "eagle3", "standalone") if k in log)
+    log["total_s"] = sum(log[k]["s"] for k in ("tokenizer", "target", "eagle3", "dflash", "standalone") if k in log)
     save_log()
     print("done in", round(log["last_run_s"]), "s", flush=True)
 
@@ -151,6 +154,18 @@ def make_head(hdir, target, stream, s, smoke, log):
     log["eagle3"] = {"s": time.perf_counter() - t, "final": hist[-1]}
     print("eagle3", log["eagle3"], flush=True)
     _rm_checkpoint(hdir)
+
+
+def make_dflash(fdir, target, stream, s, smoke, log):
+    """Trains the DFlash block drafter for the target and exports it to fdir."""
+    t = time.perf_counter()
+    cfg = DFlashTrainConfig(steps=s["dflash_steps"], batch_size=s["dflash_batch"], seq_len=s["seq"], lr=6e-4,
+                            warmup=100 if not smoke else 5, block_size=16, num_layers=s["dflash_layers"],
+                            loss_decay=7.0, compute_dtype=_dtype(smoke), checkpoint_every=10 ** 9)
+    _, hist = train_dflash(target, stream, fdir, cfg, export_dtype="bfloat16", resume=False, **_quiet(s))
+    log["dflash"] = {"s": time.perf_counter() - t, "final": hist[-1]}
+    print("dflash", log["dflash"], flush=True)
+    _rm_checkpoint(fdir)
 
 
 def make_standalone(sdir, target, stream, s, smoke, log):

@@ -18,6 +18,7 @@ import functools
 import json
 import os
 
+import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -261,3 +262,63 @@ def test_checkpoint_round_trip_and_errors(llama_dir, target, drafts, tmp_path):
     p = target.with_draft(d)
     with pytest.raises(ValueError, match="block_size is 6"):
         jspec.generate(p, [PROMPTS[1]], max_new_tokens=4, spec=jspec.SpecConfig(num_steps=6))
+
+
+# ------------------------------------------------------------------ training
+
+def test_training_blocks_equal_inference_blocks(target, with_draft):
+    """The training forward (every anchor's block at once, masked to the context before its
+    anchor and its own block) gives each block the logits drafting gives it: the context
+    of the tokens before the anchor, then the anchor's token and mask tokens."""
+    from jspec.train.dflash import block_logits
+    p = with_draft("dflash")
+    d, tc = p.draft.config, p.config
+    tokens = jnp.asarray(np.random.RandomState(0).randint(3, 250, size=(1, 24)), jnp.int32)
+    anchors = jnp.asarray([[2, 5, 13, 18]], jnp.int32)
+    hidden, aux, _ = family_forward(tc, d.target_layers, p.weights, tokens)
+    feats = d.target_features(hidden, aux)
+    got = jax.jit(block_logits, static_argnums=(1, 3, 7))(p.draft.weights["params"], d, p.weights, tc, tokens, feats,
+                                                          anchors, jnp.float32)
+    for j, a in enumerate(np.asarray(anchors[0])):
+        block = jnp.asarray([[int(tokens[0, a])] + [d.mask_token_id] * (d.block_size - 1)])
+        want = jspec_block(tc, d, p.weights, p.draft.weights, feats[:, :a], block)
+        np.testing.assert_allclose(np.asarray(got[0, j]), np.asarray(want[1:]), atol=2e-4, err_msg=f"anchor {a}")
+
+
+@pytest.mark.slow
+def test_training_lowers_loss_exports_resumes_and_cli(target, llama_dir, tmp_path, capsys):
+    from jspec.train import DFlashTrainConfig, train_dflash
+    from jspec.train.cli import main as cli_main
+    rng = np.random.RandomState(1)
+    unit = rng.randint(3, 250, size=7)
+    stream = np.concatenate([unit] * 60 + [rng.randint(3, 250, size=50)]).astype(np.int32)  # a repeating corpus
+    out = str(tmp_path / "dflash")
+    cfg = DFlashTrainConfig(steps=24, batch_size=4, seq_len=32, block_size=4, lr=1e-2, warmup=2,
+                            compute_dtype="float32", checkpoint_every=12)
+    draft, hist = train_dflash(target, stream, out, cfg, layer_ids=(0, 1), progress=False, log_every=1)
+    losses = [h["loss"] for h in hist]
+    assert np.mean(losses[-5:]) < losses[0] - 0.3, losses
+    assert {"loss", "tau", "acc1", "acc2", "acc3"} <= set(hist[-1])
+    cfg_json = read_config(out)
+    assert cfg_json["architectures"] == ["DFlashDraftModel"] and cfg_json["block_size"] == 4
+    assert cfg_json["dflash_config"] == {"mask_token_id": 0, "target_layer_ids": [0, 1]}  # the tokenizer's pad
+    loaded = load_draft(out, target)
+    assert loaded.config == draft.config
+    chex.assert_trees_all_close(jax.tree.map(np.asarray, loaded.weights), jax.tree.map(np.asarray, draft.weights))
+    # speculation with it equals plain decoding
+    q = [int(t) for t in unit] * 2
+    assert jspec.generate(target.with_draft(loaded), [q], max_new_tokens=12).tokens == \
+        jspec.generate(target, [q], max_new_tokens=12).tokens
+    # resume, then the CLI over text
+    _, hist2 = train_dflash(target, stream, out, DFlashTrainConfig(**{**cfg.__dict__, "steps": 28}),
+                            layer_ids=(0, 1), progress=False, log_every=1)
+    assert hist2[0]["step"] == 25
+    text = tmp_path / "c.py"
+    text.write_text("def f(x):\n    return x + 1\n" * 40)
+    rc = cli_main(["dflash", "--target", llama_dir[0], "--data", str(text), "--out", str(tmp_path / "cli"),
+                   "--steps", "3", "--batch-size", "2", "--seq-len", "24", "--block-size", "4", "--dtype", "float32",
+                   "--target-layer-ids", "1"])
+    assert rc == 0 and read_config(str(tmp_path / "cli"))["dflash_config"]["target_layer_ids"] == [1]
+    assert cli_main(["dflash", "--target", llama_dir[0], "--data", str(text), "--out", str(tmp_path / "bad"),
+                     "--block-size", "1"]) == 2
+    assert "block_size must be at least 2" in capsys.readouterr().err

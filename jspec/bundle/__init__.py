@@ -1,5 +1,6 @@
 """The bundled models: a small Python-code target trained on the standard library, its
-EAGLE-3 head and a tiny standalone draft (see scripts/make_bundle.py for the recipe)."""
+EAGLE-3 head, a DFlash block drafter and a tiny standalone draft (see
+scripts/make_bundle.py for the recipe)."""
 from __future__ import annotations
 
 import os
@@ -10,8 +11,8 @@ def bundle_path() -> str:
 
 
 def load(draft: str | None = "eagle3", dtype: str | None = None, quantization: str | None = None):
-    """The bundled target with the draft 'eagle3', 'standalone' or None (quantization: as
-    `jspec.load`)."""
+    """The bundled target with the draft 'eagle3', 'dflash', 'standalone' or None
+    (quantization: as `jspec.load`)."""
     import jspec
     root = bundle_path()
     if not os.path.isfile(os.path.join(root, "target", "config.json")):

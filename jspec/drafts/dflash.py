@@ -185,7 +185,7 @@ class DFlashDraft(Draft):
                              f"{tcfg.hidden_size} (it reads the target's embedding and LM head)")
         bias = bool(cfg_json.get("attention_bias", False))
         return m.replace(qk_norm=True, qkv_bias=bias, o_bias=bias, model_type="qwen3", architecture=ARCHITECTURE,
-                         tie_word_embeddings=False)
+                         tie_word_embeddings=False, bos_token_id=None, eos_token_ids=())  # the target's ids serve
 
     @staticmethod
     def layer_params(t: Tensors, prefix: str, c) -> dict:

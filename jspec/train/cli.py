@@ -1,10 +1,13 @@
-"""`jspec-train`: train an EAGLE-3 head for a local target on your text.
+"""`jspec-train`: train a draft for a local target on your text: an EAGLE-3 head or a
+DFlash block drafter.
 
     jspec-train eagle3 --target DIR --data PATH [PATH ...] --out DIR [options]
+    jspec-train dflash --target DIR --data PATH [PATH ...] --out DIR [--block-size 16] [options]
 
 Data: text files, directories (walked; --ext filters by name ending) and .jsonl files with
-a "text" field per line. The head is written in the LlamaForCausalLMEagle3 format that
-jspec, SGLang and vLLM load; re-running with the same --out resumes from its checkpoint.
+a "text" field per line. An EAGLE-3 head is written in the LlamaForCausalLMEagle3 format
+that jspec, SGLang and vLLM load; a DFlash drafter in z-lab's DFlashDraftModel format.
+Re-running with the same --out resumes from its checkpoint.
 """
 from __future__ import annotations
 
@@ -35,16 +38,49 @@ def main(argv=None) -> int:
                    help="compute dtype (master weights stay float32)")
     e.add_argument("--checkpoint-every", type=int, default=500)
     e.add_argument("--no-resume", action="store_true", help="ignore an existing checkpoint in --out")
+    f = sub.add_parser("dflash", help="train a DFlash block drafter (the block-diffusion objective) for a target")
+    f.add_argument("--target", required=True, help="local Hugging Face directory of the target")
+    f.add_argument("--data", required=True, nargs="+", help="text files, directories or .jsonl files")
+    f.add_argument("--out", required=True, help="output directory (checkpoints and the exported drafter)")
+    f.add_argument("--ext", nargs="*", default=None, help="in directories, keep files ending with these")
+    f.add_argument("--steps", type=int, default=2000)
+    f.add_argument("--batch-size", type=int, default=16)
+    f.add_argument("--seq-len", type=int, default=512)
+    f.add_argument("--lr", type=float, default=6e-4)
+    f.add_argument("--warmup", type=int, default=100)
+    f.add_argument("--block-size", type=int, default=16, help="tokens a block proposes, the root included")
+    f.add_argument("--blocks-per-seq", type=int, default=None, help="anchors a sequence (default seq-len / block)")
+    f.add_argument("--layers", type=int, default=1, help="the drafter's decoder layers")
+    f.add_argument("--loss-decay", type=float, default=0.0,
+                   help="weight block slot i by exp(-(i-1)/decay) (0: equal weights)")
+    f.add_argument("--target-layer-ids", type=int, nargs="+", default=None, metavar="ID",
+                   help="target layers whose outputs feed the drafter, 0-based (default: 5 spread from 1 to n-3)")
+    f.add_argument("--mask-token-id", type=int, default=None,
+                   help="the id filling a block (default: the pad token, else the corpus' rarest id)")
+    f.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16", "float16"],
+                   help="compute dtype (master weights stay float32)")
+    f.add_argument("--checkpoint-every", type=int, default=500)
+    f.add_argument("--no-resume", action="store_true", help="ignore an existing checkpoint in --out")
     args = ap.parse_args(argv)
 
-    from jspec.train import Eagle3TrainConfig, train_eagle3
+    from jspec.train import DFlashTrainConfig, Eagle3TrainConfig, train_dflash, train_eagle3
     try:
-        cfg = Eagle3TrainConfig(steps=args.steps, batch_size=args.batch_size, seq_len=args.seq_len, lr=args.lr,
-                                warmup=args.warmup, ttt_steps=args.ttt_steps, draft_vocab_size=args.draft_vocab,
-                                compute_dtype=args.dtype, checkpoint_every=args.checkpoint_every)
-        aux = None if args.aux_layer_ids is None else [i + 1 for i in args.aux_layer_ids]
-        _, history = train_eagle3(args.target, args.data, args.out, cfg, aux_layers=aux, extensions=args.ext,
-                                  resume=not args.no_resume)
+        if args.cmd == "dflash":
+            cfg = DFlashTrainConfig(steps=args.steps, batch_size=args.batch_size, seq_len=args.seq_len, lr=args.lr,
+                                    warmup=args.warmup, block_size=args.block_size,
+                                    blocks_per_seq=args.blocks_per_seq, num_layers=args.layers,
+                                    loss_decay=args.loss_decay, compute_dtype=args.dtype,
+                                    checkpoint_every=args.checkpoint_every)
+            _, history = train_dflash(args.target, args.data, args.out, cfg, layer_ids=args.target_layer_ids,
+                                      mask_token_id=args.mask_token_id, extensions=args.ext,
+                                      resume=not args.no_resume)
+        else:
+            cfg = Eagle3TrainConfig(steps=args.steps, batch_size=args.batch_size, seq_len=args.seq_len, lr=args.lr,
+                                    warmup=args.warmup, ttt_steps=args.ttt_steps, draft_vocab_size=args.draft_vocab,
+                                    compute_dtype=args.dtype, checkpoint_every=args.checkpoint_every)
+            aux = None if args.aux_layer_ids is None else [i + 1 for i in args.aux_layer_ids]
+            _, history = train_eagle3(args.target, args.data, args.out, cfg, aux_layers=aux, extensions=args.ext,
+                                      resume=not args.no_resume)
     except (ValueError, TypeError) as err:
         print(f"jspec-train: error: {err}", file=sys.stderr)
         return 2

@@ -13,6 +13,19 @@ import optax
 from flax import serialization
 
 
+def load_target(target, out_dir: str | None):
+    """A trainer's target: jspec Params, or a model directory loaded; out_dir checked."""
+    import jspec
+    from jspec.params import Params
+    if isinstance(target, (str, os.PathLike)):
+        target = jspec.load(target)
+    if not isinstance(target, Params):
+        raise TypeError(f"target must be a model directory or jspec.Params, got {type(target).__name__}")
+    if out_dir and os.path.exists(out_dir) and not os.path.isdir(out_dir):
+        raise ValueError(f"out_dir {out_dir!r} exists and is not a directory")
+    return target
+
+
 def make_optimizer(lr: float, steps: int, warmup: int, weight_decay: float = 0.01, clip: float = 1.0):
     """AdamW with linear warm-up then cosine decay to lr/10, and global-norm clipping."""
     schedule = optax.warmup_cosine_decay_schedule(0.0, lr, max(warmup, 1), max(steps, warmup + 1), lr * 0.1)

@@ -95,3 +95,20 @@ def batches(stream: np.ndarray, batch: int, seq_len: int, seed: int, start_step:
 
 def token_counts(stream: np.ndarray, vocab: int) -> np.ndarray:
     return np.bincount(stream, minlength=vocab)[:vocab]
+
+
+def token_stream(target, data, extensions=None) -> np.ndarray:
+    """A trainer's corpus as one token stream: an int array of target ids (checked), or
+    text files, directories and .jsonl files tokenized with the target's tokenizer."""
+    V = target.config.vocab_size
+    if isinstance(data, np.ndarray):
+        stream = data.astype(np.int32)
+        if stream.ndim != 1 or stream.size < 2:
+            raise ValueError("a token-array corpus must be 1-D with at least 2 tokens")
+        if stream.min() < 0 or stream.max() >= V:
+            raise ValueError("the token-array corpus holds ids outside the target vocabulary")
+        return stream
+    if target.tokenizer is None:
+        raise ValueError("training on text needs the target's tokenizer; its directory has none")
+    docs = read_corpus(data, extensions=extensions)
+    return tokenize(target.tokenizer, docs, getattr(target.tokenizer, "eos_token_id", None))

@@ -173,28 +173,11 @@ def train_eagle3(target: Params | str, data, out_dir: str | None = None, config:
     array. Checkpoints go to out_dir/checkpoint every config.checkpoint_every steps and are
     resumed when resume=True. Returns (DraftParams, history of logged metrics).
     """
-    import jspec
     cfg = config or Eagle3TrainConfig()
-    if isinstance(target, (str, os.PathLike)):
-        target = jspec.load(target)
-    if not isinstance(target, Params):
-        raise TypeError(f"target must be a model directory or jspec.Params, got {type(target).__name__}")
+    target = common.load_target(target, out_dir)
     tc = target.config
-    if out_dir and os.path.exists(out_dir) and not os.path.isdir(out_dir):
-        raise ValueError(f"out_dir {out_dir!r} exists and is not a directory")
     d = head_config(target, cfg, aux_layers)
-    if isinstance(data, np.ndarray):
-        stream = data.astype(np.int32)
-        if stream.ndim != 1 or stream.size < 2:
-            raise ValueError("a token-array corpus must be 1-D with at least 2 tokens")
-        if stream.min() < 0 or stream.max() >= tc.vocab_size:
-            raise ValueError("the token-array corpus holds ids outside the target vocabulary")
-    else:
-        if target.tokenizer is None:
-            raise ValueError("training on text needs the target's tokenizer; its directory has none")
-        docs = data_mod.read_corpus(data, extensions=extensions)
-        eos = getattr(target.tokenizer, "eos_token_id", None)
-        stream = data_mod.tokenize(target.tokenizer, docs, eos)
+    stream = data_mod.token_stream(target, data, extensions)
     d2t = draft_vocab(data_mod.token_counts(stream, tc.vocab_size), d.draft_vocab_size)
     params = init_head(target, d, d2t, cfg.seed)
     opt = common.make_optimizer(cfg.lr, cfg.steps, cfg.warmup, cfg.weight_decay, cfg.clip)
