@@ -74,6 +74,15 @@ transformers_prefill: transformers' one prefill forward (sdpa, logits of the las
 only) at the same lengths.
      PYTHONPATH=. python3 benchmarks/bench_8b.py transformers_prefill [4096 ...]
 Result: $OUT/transformers_prefill_8b.json
+dflash: what a DFlash block drafter's round costs: a random drafter of z-lab's shape for
+this target (5 Qwen3 layers of the target's width, 32/8 heads, the target's MLP width,
+reading the outputs of target layers 1, 8, 15, 22, 29; `benchmarks.common.dflash_drafter`)
+at blocks of 16, 8 and 4 (chains of 15, 7 and 3 drafts) and a tree from per-slot top-2
+(S=15, N=24), at batch 1 (and --batches), ms a round and as a ratio to the AR step of the
+same call, then tokens/s projected at accepted lengths (--taus: the published range for
+z-lab's Qwen3-8B drafter, 6.35-8.0, and 4.0).
+     PYTHONPATH=. python3 benchmarks/bench_8b.py dflash [--batches 1 8] [--taus 4 6.35 8]
+Result: $OUT/bench_dflash_8b.json
 long: decode and speculation over long caches. Each row's dense cache holds `ctx` random
 committed slots (`common.filled_state`; no prefill), and one program per (batch, shape),
 sized for the longest context, runs every context (`common.step_times`): the AR step
@@ -94,7 +103,7 @@ import time
 
 import jspec
 from benchmarks.common import (CTX, LLAMA31_8B, LONG, SHORT, Runner, ceiling_of, copy_bandwidth,
-                               eagle3_head, median_time, prefill_bench, prefill_rows, step_times,
+                               dflash_drafter, eagle3_head, median_time, prefill_bench, prefill_rows, step_times,
                                transformers_prefill_bench,
                                env_info, kv_bytes, prompts, random_params, rounded, save_json, tagged, tunings,
                                weight_bytes)
@@ -178,6 +187,34 @@ def round_row(params, batch_prompts, spec, **kw) -> dict:
     per, rounds, toks = r.per_round(SHORT, LONG)
     return {"ms_per_round": per * 1e3, "tokens_per_round": toks / max(rounds, 1) / len(batch_prompts),
             "compile_s": r.compile_s}
+
+
+def dflash_cost(argv):
+    """`dflash` (the module docstring)."""
+    ap = argparse.ArgumentParser(prog="bench_8b.py dflash")
+    ap.add_argument("--batches", type=int, nargs="*", default=[1])
+    ap.add_argument("--taus", type=float, nargs="*", default=[4.0, 6.35, 8.0])
+    args = ap.parse_args(argv)
+    res = {"env": env_info(), "rows": []}
+    print(res["env"], flush=True)
+    t0 = time.perf_counter()
+    target = random_params(LLAMA31_8B)
+    drafter = dflash_drafter(target)
+    spec_params = target.with_draft(drafter)
+    res["drafter"] = repr(drafter.config)
+    print(f"weights ready in {time.perf_counter() - t0:.1f}s", flush=True)
+    for batch in args.batches:
+        ar = round_row(target, prompts(batch), None)
+        res["rows"].append(dict(ar, batch=batch, shape="plain"))
+        print(batch, "plain", rounded(ar), flush=True)
+        for shape in ("15,1,16", "7,1,8", "3,1,4", "15,2,24"):
+            row = round_row(spec_params, prompts(batch), spec_of(shape))
+            row.update(batch=batch, shape=shape, ratio_to_ar_step=row["ms_per_round"] / ar["ms_per_round"],
+                       projected_tokens_per_s={str(t): batch * t / row["ms_per_round"] * 1e3 for t in args.taus})
+            res["rows"].append(row)
+            print(batch, shape, rounded(row), flush=True)
+            save_json("bench_dflash_8b.json", res)
+    print("saved", save_json("bench_dflash_8b.json", res))
 
 
 def constraint_cost(argv):
@@ -619,6 +656,8 @@ def main(argv=None):
         return constraint_cost(argv[1:])
     if argv[:1] == ["fp8"]:
         return fp8_cost(argv[1:])
+    if argv[:1] == ["dflash"]:
+        return dflash_cost(argv[1:])
     if argv[:1] == ["transformers"]:
         return transformers_decode([int(b) for b in argv[1:]] or [1, 32])
     if argv[:1] == ["prefill"]:

@@ -2,7 +2,8 @@
 
 For each held-out file with enough tokens, the prompt is PROMPT tokens from a third of the
 way in and the model continues for NEW tokens, greedy. Reports tau (mean accepted length per round) for
-the EAGLE-3 chain at S = 3, 4, 5, trees at S = 5, the standalone draft, and tokens/s
+the EAGLE-3 chain at S = 3, 4, 5, trees at S = 5, the DFlash drafter's blocks of 16, 8 and
+4 and its trees, the standalone draft, and tokens/s
 against plain decoding of the same target (batch 1 and the whole batch), plus the share of
 prompts whose speculative output equals plain decoding and where the first difference is.
 
@@ -91,8 +92,9 @@ def first_diff(a, b):
     return None if len(a) == len(b) else min(len(a), len(b))
 
 
-def evaluate(args, prompts, target, with_e3, with_sa, kw):
-    """One row per configuration at the sampling values of kw (the first: plain decoding)."""
+def evaluate(args, prompts, target, drafts, kw):
+    """One row per configuration at the sampling values of kw (the first: plain decoding);
+    drafts: the target with each bundled draft, by name (a missing one: its rows left out)."""
     T = kw.get("temperature", 0.0)
 
     def measure(name, params, spec):
@@ -112,23 +114,29 @@ def evaluate(args, prompts, target, with_e3, with_sa, kw):
     plain = measure("plain", target, None)
     rows = [plain]
     if T == 0:
-        configs = [("eagle3 chain S=3", with_e3, jspec.SpecConfig(3)), ("eagle3 chain S=4", with_e3, jspec.SpecConfig(4)),
-                   ("eagle3 chain S=5", with_e3, jspec.SpecConfig(5)),
-                   ("eagle3 tree S=5 K=4 N=16", with_e3, jspec.SpecConfig(5, 4, 16)),
-                   ("eagle3 tree S=5 K=8 N=32", with_e3, jspec.SpecConfig(5, 8, 32)),
-                   ("standalone chain S=4", with_sa, jspec.SpecConfig(4))]
+        configs = [("eagle3 chain S=3", "eagle3", jspec.SpecConfig(3)), ("eagle3 chain S=4", "eagle3", jspec.SpecConfig(4)),
+                   ("eagle3 chain S=5", "eagle3", jspec.SpecConfig(5)),
+                   ("eagle3 tree S=5 K=4 N=16", "eagle3", jspec.SpecConfig(5, 4, 16)),
+                   ("eagle3 tree S=5 K=8 N=32", "eagle3", jspec.SpecConfig(5, 8, 32)),
+                   ("dflash block 16", "dflash", jspec.SpecConfig(15)), ("dflash block 8", "dflash", jspec.SpecConfig(7)),
+                   ("dflash block 4", "dflash", jspec.SpecConfig(3)),
+                   ("dflash tree S=15 K=2 N=24", "dflash", jspec.SpecConfig(15, 2, 24)),
+                   ("dflash tree S=7 K=4 N=16", "dflash", jspec.SpecConfig(7, 4, 16)),
+                   ("standalone chain S=4", "standalone", jspec.SpecConfig(4))]
     else:
-        configs = [("eagle3 chain S=3 target-only", with_e3, jspec.SpecConfig(3)),
-                   ("eagle3 chain S=3 sampled drafts", with_e3, jspec.SpecConfig(3, sample_drafts=True)),
-                   ("eagle3 chain S=4 target-only", with_e3, jspec.SpecConfig(4)),
-                   ("eagle3 chain S=4 sampled drafts", with_e3, jspec.SpecConfig(4, sample_drafts=True)),
-                   ("eagle3 tree S=5 K=4 N=16 target-only", with_e3, jspec.SpecConfig(5, 4, 16)),
-                   ("standalone chain S=4 target-only", with_sa, jspec.SpecConfig(4)),
-                   ("standalone chain S=4 sampled drafts", with_sa, jspec.SpecConfig(4, sample_drafts=True))]
-    for name, params, spec in configs:
-        if args.only and not any(o in name for o in args.only):
+        configs = [("eagle3 chain S=3 target-only", "eagle3", jspec.SpecConfig(3)),
+                   ("eagle3 chain S=3 sampled drafts", "eagle3", jspec.SpecConfig(3, sample_drafts=True)),
+                   ("eagle3 chain S=4 target-only", "eagle3", jspec.SpecConfig(4)),
+                   ("eagle3 chain S=4 sampled drafts", "eagle3", jspec.SpecConfig(4, sample_drafts=True)),
+                   ("eagle3 tree S=5 K=4 N=16 target-only", "eagle3", jspec.SpecConfig(5, 4, 16)),
+                   ("dflash block 16 target-only", "dflash", jspec.SpecConfig(15)),
+                   ("dflash block 16 sampled drafts", "dflash", jspec.SpecConfig(15, sample_drafts=True)),
+                   ("standalone chain S=4 target-only", "standalone", jspec.SpecConfig(4)),
+                   ("standalone chain S=4 sampled drafts", "standalone", jspec.SpecConfig(4, sample_drafts=True))]
+    for name, draft, spec in configs:
+        if draft not in drafts or (args.only and not any(o in name for o in args.only)):
             continue
-        rows.append(measure(name, params, spec))
+        rows.append(measure(name, drafts[draft], spec))
     reference = plain["tokens"]
     for r in rows:
         diffs = [first_diff(a, b) for a, b in zip(r["tokens"], reference)]
@@ -306,8 +314,8 @@ def main(argv=None):
     dtype = args.dtype or ("float32" if jax.default_backend() == "cpu" else "bfloat16")
     root = args.bundle or bundle_path()
     target = jspec.load(os.path.join(root, "target"), dtype=dtype)
-    with_e3 = jspec.load(os.path.join(root, "target"), draft=os.path.join(root, "eagle3"), dtype=dtype)
-    with_sa = jspec.load(os.path.join(root, "target"), draft=os.path.join(root, "standalone"), dtype=dtype)
+    drafts = {name: jspec.load(os.path.join(root, "target"), draft=os.path.join(root, name), dtype=dtype)
+              for name in ("eagle3", "dflash", "standalone") if os.path.isdir(os.path.join(root, name))}
     prompts = held_out_prompts(target.tokenizer, args.prompts)
     res = {"jax": jax.__version__, "device": getattr(jax.devices()[0], "device_kind", "cpu"), "dtype": dtype,
            "date": time.strftime("%Y-%m-%d"), "prompts": len(prompts), "prompt_tokens": PROMPT, "new_tokens": NEW,
@@ -316,7 +324,7 @@ def main(argv=None):
         kw = dict(max_new_tokens=NEW, stop_token_ids=[])
         if temperature > 0:
             kw.update(temperature=temperature, top_p=args.top_p, seed=list(range(len(prompts))))
-        res["rows"] += evaluate(args, prompts, target, with_e3, with_sa, kw)
+        res["rows"] += evaluate(args, prompts, target, drafts, kw)
     tag = "" if args.temperature == [0.0] else "_sampled"
     name = f"bundle_eval_{jax.default_backend()}_{dtype}{tag}.json"
     os.makedirs(args.out, exist_ok=True)

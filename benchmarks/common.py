@@ -552,6 +552,20 @@ def eagle3_head(target: jspec.Params, draft_vocab: int = 32000, seed: int = 1) -
     return jspec.DraftParams(config=d, weights=w)
 
 
+def dflash_drafter(target: jspec.Params, layers: int = 5, seed: int = 2) -> jspec.DraftParams:
+    """A random DFlash block drafter of z-lab's shape for `target` (Qwen3 layers of the
+    target's width and heads, its MLP width; the outputs of five target layers spread from
+    1 to n-3, as z-lab's Qwen3-8B drafter reads 1, 9, 17, 25, 33 of 36; blocks of 16)."""
+    from jspec.train.dflash import default_layer_ids
+    tc = target.config
+    m = tc.replace(num_layers=layers, sliding_windows=(0,) * layers, qk_norm=True, model_type="qwen3",
+                   tie_word_embeddings=False)
+    d = jspec.DFlashDraft(m, target_layer_ids=default_layer_ids(tc.num_layers), num_target_layers=tc.num_layers,
+                          block_size=16, mask_token_id=tc.vocab_size - 1)
+    w = jax.jit(lambda k: d.init(k, tc.vocab_size))(jax.random.key(seed))
+    return jspec.DraftParams(config=d, weights=w)
+
+
 def model_for(shape: str = ""):
     """The 8B-shaped target with random weights, and for shape "S,K,N" a random EAGLE-3-shaped
     head with the matching SpecConfig -> (params, spec or None)."""

@@ -15,7 +15,8 @@
                           [--max-logprobs K] [--log-level LEVEL]
 
 Loads the bundled target (a small model trained on the Python standard library) with its
-EAGLE-3 head, or your own local target and draft, continues PROMPT (greedy, or sampled with
+EAGLE-3 head and its DFlash block drafter (timed side by side; the faster writes the text),
+or your own local target and draft, continues PROMPT (greedy, or sampled with
 --temperature/--top-p/--top-k), and prints the text, the mean accepted length per round and
 tokens/s, next to plain decoding of the same target with the same settings.
 
@@ -40,7 +41,7 @@ import sys
 from jspec.config import DTYPES, SpecConfig
 
 PROG = "python -m jspec"
-BUNDLED_DRAFTS = ("eagle3", "standalone")
+BUNDLED_DRAFTS = ("eagle3", "dflash", "standalone")
 
 
 class _Parser(argparse.ArgumentParser):
@@ -162,7 +163,7 @@ def _load(ap: argparse.ArgumentParser, args):
     named = draft == "ngram" or embedded or (args.target is None and draft in BUNDLED_DRAFTS)  # no directory
     from jspec.loading import looks_like_hub_id
     if draft is not None and not named and not os.path.isdir(draft) and not looks_like_hub_id(draft):
-        why = (" ('eagle3' and 'standalone' name the bundled drafts, which go with the bundled target)"
+        why = (" ('eagle3', 'dflash' and 'standalone' name the bundled drafts, which go with the bundled target)"
                if draft in BUNDLED_DRAFTS else "")
         ap.error(f"argument --draft: no such directory: {draft!r}{why}")
     dtype = args.dtype or ("float32" if jax.default_backend() == "cpu" else None)
@@ -188,7 +189,8 @@ def _generate_parser() -> _Parser:
     ap.add_argument("--max-new-tokens", type=_int(1), default=160)
     _model_args(ap, "a draft directory, 'none' (plain decoding only), 'ngram' (prompt lookup in the text "
                     "itself), 'mtp' (the MTP layer in a --target DeepSeek-V3 checkpoint), or with the bundled target "
-                    "'eagle3' or 'standalone' (default: eagle3 with the bundled target, none with --target)")
+                    "'eagle3', 'dflash' or 'standalone' (default with the bundled target: eagle3 and dflash, timed "
+                    "side by side; none with --target)")
     ap.add_argument("--steps", type=_int(1), default=None,
                     help="draft steps per round (default: 2 on a CPU, 5 elsewhere: the fastest chains of the "
                          "bundled pair, docs/benchmarks.md)")
@@ -217,6 +219,14 @@ def default_steps() -> int:
     of each other and S=2 compiles and runs least; on the H200 S=5 and 6 beat S=4."""
     import jax
     return 2 if jax.default_backend() == "cpu" else 5
+
+
+def default_block_steps() -> int:
+    """Drafts per block for the bundled DFlash drafter when --steps is not given (block
+    S + 1): its whole trained block of 16 on a GPU, where a longer block costs little; 3
+    on a CPU, where each block token costs a verification its compute."""
+    import jax
+    return 3 if jax.default_backend() == "cpu" else 15
 
 
 def _stream_text(params, prompt, **kw) -> None:
@@ -249,6 +259,8 @@ def _generate(argv) -> int:
     try:
         spec = SpecConfig(num_steps=args.steps or default_steps(), topk=args.topk, num_draft_tokens=args.tokens,
                           sample_drafts=args.sample_drafts)
+        block_spec = SpecConfig(num_steps=args.steps or default_block_steps(), topk=args.topk,
+                                num_draft_tokens=args.tokens, sample_drafts=args.sample_drafts)
     except ValueError as err:
         ap.error(f"--steps/--topk/--tokens: {err}")
     params, draft = _load(ap, args)
@@ -257,28 +269,46 @@ def _generate(argv) -> int:
     tuning = jspec.Tuning() if args.row_invariant is None else jspec.Tuning(row_invariant=args.row_invariant)
     kw = dict(max_new_tokens=args.max_new_tokens, stop_token_ids=[], temperature=args.temperature,
               top_p=args.top_p, top_k=args.top_k, seed=args.seed, tuning=tuning)
+    # The first run (the bundled target, no --draft): both bundled drafters, timed side by
+    # side; the faster on this machine writes the text.
+    runs = [(draft, params, spec)]
+    if args.target is None and args.draft is None and bundled_dflash():
+        from jspec import bundle
+        runs.append(("dflash", bundle.load("dflash", dtype=params.config.dtype, quantization=args.quantization),
+                     block_spec))
     plain_params = params.with_draft(None)
     try:  # jspec checks its arguments before compiling: a refusal is a usage error
-        prog = jspec.compile(params, args.prompt, spec=spec, **kw)
+        progs = [jspec.compile(p, args.prompt, spec=s, **kw) for _, p, s in runs]
         plain_prog = jspec.compile(plain_params, args.prompt, **kw) if draft is not None else None
     except (ValueError, TypeError) as err:
         ap.error(str(err))
-    _stream_text(params, args.prompt, spec=spec, **kw)  # the text as rounds commit; then timed runs
-    if draft is None:
-        [(out, tps)] = _timed([prog], args.repeats)
-    else:
-        (out, tps), (plain, plain_tps) = _timed([prog, plain_prog], args.repeats)
+    if len(runs) == 1:
+        _stream_text(params, args.prompt, spec=spec, **kw)  # the text as rounds commit; then timed runs
+    timed = _timed(progs + ([plain_prog] if plain_prog is not None else []), args.repeats)
+    if len(runs) > 1:
+        best = max(range(len(runs)), key=lambda i: timed[i][1])
+        _stream_text(runs[best][1], args.prompt, spec=runs[best][2], **kw)
     print("-" * 72)
     if draft is None:
+        out, tps = timed[0]
         print(f"plain decoding (no draft): {len(out.tokens)} tokens, {tps:.0f} tokens/s")
         return 0
-    print(f"speculative ({draft}, S={spec.num_steps}, K={spec.topk}, N={spec.num_draft_tokens}): "
-          f"{len(out.tokens)} tokens, mean accepted length {out.stats.mean_accept_length:.2f}, "
-          f"{tps:.0f} tokens/s")
-    print(f"plain decoding: {plain_tps:.0f} tokens/s (speed-up {tps / plain_tps:.2f}x; tokens/s: medians of "
-          f"{args.repeats} timed runs each); " + outputs_line(plain.tokens, out.tokens, args.temperature,
-                                                                  prog.plan.tuning))
+    plain, plain_tps = timed[-1]
+    for i, ((name, _, s), prog) in enumerate(zip(runs, progs)):
+        out, tps = timed[i]
+        used = " (the faster here: it wrote the text)" if len(runs) > 1 and i == best else ""
+        print(f"speculative ({name}, S={s.num_steps}, K={s.topk}, N={s.num_draft_tokens}): "
+              f"{len(out.tokens)} tokens, mean accepted length {out.stats.mean_accept_length:.2f}, "
+              f"{tps:.0f} tokens/s, speed-up {tps / plain_tps:.2f}x{used}; "
+              + outputs_line(plain.tokens, out.tokens, args.temperature, prog.plan.tuning))
+    print(f"plain decoding: {plain_tps:.0f} tokens/s (tokens/s: medians of {args.repeats} timed runs each)")
     return 0
+
+
+def bundled_dflash() -> bool:
+    """Whether the bundle holds its DFlash block drafter."""
+    from jspec import bundle
+    return os.path.isfile(os.path.join(bundle.bundle_path(), "dflash", "config.json"))
 
 
 def outputs_line(plain: list[int], spec: list[int], temperature: float, tuning) -> str:
@@ -305,7 +335,7 @@ def _bench_parser() -> _Parser:
                  description="Times plain decoding against speculative chains and trees, per batch size "
                              "(greedy, no stop tokens), and prints tau, tokens/s and the speed-up.")
     _model_args(ap, "a draft directory, 'ngram' or 'mtp' (needed with --target), or with the bundled target "
-                    "'eagle3' (the default), 'standalone' or 'ngram'")
+                    "'eagle3' (the default), 'dflash', 'standalone' or 'ngram'")
     ap.add_argument("--batch", type=_int(1), nargs="+", default=[1], metavar="B", help="batch sizes (default: 1)")
     ap.add_argument("--spec", type=_spec, nargs="+", default=None, metavar="S,K,N",
                     help=f"draft steps, topk, verified tokens; K=1 is a chain (default: {defaults})")
@@ -322,7 +352,7 @@ def _bench_serve_parser() -> _Parser:
                              "engine, plain decoding and each speculative setting on the same arrivals; "
                              "throughput, TTFT, TPOT and latency (p50, p99).")
     _model_args(ap, "a draft directory, 'ngram' or 'mtp', or with the bundled target 'eagle3' (the default), "
-                    "'standalone' or 'ngram'")
+                    "'dflash', 'standalone' or 'ngram'")
     ap.add_argument("--rates", type=_float(lambda v: v > 0, "a rate > 0"), nargs="+", default=[2.0, 8.0, 32.0],
                     metavar="R", help="arrival rates, requests a second (default: 2 8 32)")
     ap.add_argument("--spec", type=_spec_or_adaptive, nargs="+", default=None, metavar="S,K,N|adaptive",
@@ -410,7 +440,7 @@ def _serve_parser() -> _Parser:
                                                    "/metrics) until SIGINT or SIGTERM. Every program it can run is "
                                                    "compiled before it listens.")
     _model_args(ap, "a draft directory or hub id, 'mtp', 'ngram' or 'none' (plain decoding); with the bundled "
-                    "target 'eagle3' (the default) or 'standalone'")
+                    "target 'eagle3' (the default), 'dflash' or 'standalone'")
     ap.add_argument("--host", default="127.0.0.1", help="address to listen on (default: 127.0.0.1)")
     ap.add_argument("--port", type=_int(0, 65536), default=8000)
     ap.add_argument("--max-batch", type=_int(1), default=None,

@@ -285,6 +285,24 @@ def test_training_blocks_equal_inference_blocks(target, with_draft):
         np.testing.assert_allclose(np.asarray(got[0, j]), np.asarray(want[1:]), atol=2e-4, err_msg=f"anchor {a}")
 
 
+def test_training_differentiates_over_many_keys(with_draft):
+    """Over more keys than the reference attends at once (1,024: it then runs an online
+    softmax over blocks of them), the training loss still has gradients."""
+    from jspec.kernels.attention.decode import REFERENCE_BLOCK_K
+    from jspec.train import block_loss
+    p = with_draft("dflash")
+    d, tc = p.draft.config, p.config
+    T, A = 540, 90  # keys: 540 + 90 * 6 > 1024
+    assert T + A * d.block_size > REFERENCE_BLOCK_K
+    tokens = jnp.asarray(np.random.RandomState(2).randint(3, 250, size=(1, T)), jnp.int32)
+    anchors = jnp.asarray(np.sort(np.random.RandomState(3).choice(T - d.block_size + 1, A, replace=False))[None],
+                          jnp.int32)
+    grads, metrics = jax.jit(jax.grad(block_loss, has_aux=True), static_argnums=(1, 3))(
+        p.draft.weights["params"], d, p.weights, tc, tokens, anchors)
+    norms = [float(jnp.linalg.norm(g)) for g in jax.tree.leaves(grads)]
+    assert all(np.isfinite(norms)) and max(norms) > 0 and np.isfinite(float(metrics["loss"]))
+
+
 @pytest.mark.slow
 def test_training_lowers_loss_exports_resumes_and_cli(target, llama_dir, tmp_path, capsys):
     from jspec.train import DFlashTrainConfig, train_dflash

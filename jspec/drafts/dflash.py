@@ -97,6 +97,12 @@ class DFlashDraft(Draft):
         return DFlashModel(self.model, tuning).apply({"params": dw["params"]}, feats, cache, meta,
                                                      method=DFlashModel.context)
 
+    def train_blocks(self, tcfg, tw, dw, tokens, feats, meta, tuning=DEFAULT_TUNING):
+        """Training: block tokens [B,T] over the context of features [B,Tc,F] in one pass, no
+        cache (`DFlashModel.train_blocks`) -> final-norm hidden [B,T,D]."""
+        return DFlashModel(self.model, tuning).apply({"params": dw["params"]}, self.embed(tcfg, tw, tokens), feats,
+                                                     meta, method=DFlashModel.train_blocks)
+
     def logits(self, tcfg, tw, dw, hidden, tuning=DEFAULT_TUNING):
         logits = family_for(tcfg).logits(tcfg, tw, hidden, tuning=tuning)
         if self.logit_scale != 1.0:

@@ -52,14 +52,20 @@ class DFlashAttention(nn.Module):
         k = apply_rope(self.k_norm(kv[:, :, :, 0]), positions, c.rope.inv_freq(c.head_dim), c.rope.cos_sin_scale())
         return k, kv[:, :, :, 1]
 
-    def __call__(self, x, kv_buf, meta):
+    def __call__(self, x, kv_buf, meta, ctx=None):
         """The block: x [B,T,D] -> (out [B,T,D], the buffer with the block's keys and values
-        written at meta.write_index). meta.local_mask says which block tokens each sees."""
+        written at meta.write_index). meta.local_mask says which block tokens each sees.
+        Training (`DFlashModel.train_blocks`): no buffer; the context ctx [B,Tc,D] at
+        positions meta.local_positions[:, :Tc] gives keys and values placed before the
+        block's, and meta (a prefill's) masks the Tc + T keys."""
         c = self.cfg
         B, T, _ = x.shape
         q = self.q_norm(self.q_proj(x).reshape(B, T, c.num_heads, c.head_dim))
         q = apply_rope(q, meta.positions, c.rope.inv_freq(c.head_dim), c.rope.cos_sin_scale())
         k, v = self.keys_values(x, meta.positions)
+        if ctx is not None:
+            kc, vc = self.keys_values(ctx, meta.local_positions[:, :ctx.shape[1]])
+            k, v = jnp.concatenate([kc, k], axis=1), jnp.concatenate([vc, v], axis=1)
         o, kv_buf = cached_attention(q, k, v, kv_buf, meta, scale=c.head_dim ** -0.5, tiles=self.tuning.attention)
         return self.o_proj(o.reshape(B, T, c.num_heads * c.head_dim)), kv_buf
 
@@ -81,8 +87,8 @@ class DFlashLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(c.rms_norm_eps, c.dtype)
         self.mlp = MLP(c, self.tuning)
 
-    def __call__(self, x, kv_buf, meta):
-        a, kv_buf = self.self_attn(self.input_layernorm(x), kv_buf, meta)
+    def __call__(self, x, kv_buf, meta, ctx=None):
+        a, kv_buf = self.self_attn(self.input_layernorm(x), kv_buf, meta, ctx)
         x = x + a
         return x + self.mlp(self.post_attention_layernorm(x)), kv_buf
 
@@ -112,8 +118,23 @@ class DFlashModel(nn.Module):
         return self.norm(x), KVCache(kv=tuple(kvs))
 
     def context(self, feats, cache: KVCache, meta):
-        ctx = self.hidden_norm(self.fc(feats.astype(self.cfg.jnp_dtype)))
+        ctx = self.project(feats)
         return KVCache(kv=tuple(layer.context(ctx, cache.kv[i], meta) for i, layer in enumerate(self.layers)))
+
+    def project(self, feats):
+        """Target features [B,T,F] -> the context [B,T,D] every layer's keys and values come from."""
+        return self.hidden_norm(self.fc(feats.astype(self.cfg.jnp_dtype)))
+
+    def train_blocks(self, embeds, feats, meta):
+        """Training: blocks embeds [B,T,D] over the context of feats [B,Tc,F], no cache ->
+        final-norm hidden [B,T,D]. meta: a prefill's over the Tc + T keys (the context's
+        first: `local_positions` [B,Tc+T], `local_mask` [B,T,Tc+T]); the same keys,
+        values and mask drafting reads from its cache, in one pass a differentiable
+        reference attends over."""
+        ctx, x = self.project(feats), embeds
+        for layer in self.layers:
+            x, _ = layer(x, None, meta, ctx)
+        return self.norm(x)
 
     def init_all(self, embeds, feats, cache, meta):
         """Touches every parameter (for `init`)."""

@@ -27,10 +27,11 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from jspec.cache.layout import CacheLayout, make_meta, prefill_meta
+from jspec.cache.layout import prefill_meta
 from jspec.drafts.dflash import DFlashDraft
 from jspec.export import save_draft
 from jspec.kernels.dispatch import use_backend
+from jspec.kernels.meta import AttnMeta
 from jspec.models import family_for
 from jspec.params import DraftParams, Params
 from jspec.train import common, data as data_mod
@@ -115,30 +116,26 @@ def draft_config(target: Params, cfg: DFlashTrainConfig, layer_ids, mask_id: int
 
 def block_logits(params, d: DFlashDraft, tw, tc, tokens, feats, anchors, compute_dtype):
     """Every anchor's block in one forward: tokens [B,T], context features [B,T,F],
-    anchors [B,A] -> logits [B,A,b-1,V] of block slots 1..b-1."""
+    anchors [B,A] -> logits [B,A,b-1,V] of block slots 1..b-1. No cache: each layer's
+    context keys and values go before the blocks' in one attention (`train_blocks`)."""
     B, T = tokens.shape
     A, b = anchors.shape[1], d.block_size
     dc = dataclasses.replace(d, model=d.model.replace(dtype=jnp.dtype(compute_dtype).name))
     dw = {"params": common.cast_floats(params, compute_dtype)}
-    layout = CacheLayout(paged=False, capacity=T + A * b)
-    cache = dc.cache_kind().init(layout, B)
     ar = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32)[None], (B, T))
-    zero = jnp.zeros((B,), jnp.int32)
-    # the context of every position at slots 0..T-1
-    meta = make_meta(layout, None, positions=ar, prefix_len=zero, local_mask=jnp.ones((1, T, T), bool),
-                     write_valid=jnp.ones((B, T), bool))
-    cache = dc.context(tc, tw, dw, feats.astype(compute_dtype), cache, meta)
-    # the blocks at slots T..T+A*b-1: each sees the context before its anchor and its own block
     first = jnp.take_along_axis(tokens, anchors, axis=1)  # [B,A]
     blk = jnp.concatenate([first[..., None], jnp.full((B, A, b - 1), d.mask_token_id, jnp.int32)], -1)
     pos = (anchors[..., None] + jnp.arange(b, dtype=jnp.int32)).reshape(B, A * b)
+    # keys: the context of every position, then every block; a block sees the context
+    # before its anchor and its own block
     sees_ctx = jnp.arange(T)[None, None, :] < jnp.repeat(anchors, b, axis=1)[:, :, None]  # [B, A*b, T]
     block_id = jnp.arange(A * b) // b
     sees_blk = jnp.broadcast_to(block_id[:, None] == block_id[None, :], (B, A * b, A * b))
-    meta = make_meta(layout, None, positions=pos, prefix_len=zero,
-                     local_mask=jnp.concatenate([sees_ctx, sees_blk], axis=-1),
-                     local_positions=jnp.concatenate([ar, pos], axis=1), write_valid=jnp.ones((B, A * b), bool))
-    hidden, _ = dc.block(tc, tw, dw, blk.reshape(B, A * b), cache, meta)
+    meta = AttnMeta(positions=pos, prefix_len=jnp.zeros((B,), jnp.int32),
+                    local_mask=jnp.concatenate([sees_ctx, sees_blk], axis=-1),
+                    local_positions=jnp.concatenate([ar, pos], axis=1), write_index=jnp.zeros_like(pos),
+                    page_table=None, prefill=True)
+    hidden = dc.train_blocks(tc, tw, dw, blk.reshape(B, A * b), feats.astype(compute_dtype), meta)
     hidden = hidden.reshape(B, A, b, -1)[:, :, 1:]
     return dc.logits(tc, tw, dw, hidden)
 

@@ -116,7 +116,9 @@ def attend_in_blocks(q, keys_at, mask_at, num_blocks, scale: float, open_blocks=
 
     carry = (jnp.zeros((B, Hkv, G * T, Dv), jnp.float32), jnp.full((B, Hkv, G * T), NEG_INF, jnp.float32),
              jnp.zeros((B, Hkv, G * T), jnp.float32))
-    open_blocks = jnp.minimum(open_blocks, num_blocks)
+    # Static bounds (a prompt's keys) make the loops scans, which differentiate (training).
+    static = isinstance(open_blocks, int) and isinstance(num_blocks, int)
+    open_blocks = min(open_blocks, num_blocks) if static else jnp.minimum(open_blocks, num_blocks)
     carry = lax.fori_loop(0, open_blocks, functools.partial(block, masked=False), carry)
     acc, _, l = lax.fori_loop(open_blocks, num_blocks, functools.partial(block, masked=True), carry)
     o = acc / jnp.where(l > 0, l, 1.0)[..., None]
