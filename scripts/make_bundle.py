@@ -9,7 +9,7 @@ held out).
 Steps: tokenizer (4096 tokens) -> target (20 layers, width 256, tied embeddings, ~16.1M
 parameters, 800 steps: more memorises the ~3M-token corpus) -> EAGLE-3 head (features of
 layers 2, 10, 17; draft vocabulary 2048, 5 training-time-test steps) ->
-DFlash drafter (blocks of 16, 2 Qwen3 layers reading the outputs of target layers 1, 5, 9,
+DFlash drafter (blocks of 16, 4 Qwen3 layers reading the outputs of target layers 1, 5, 9,
 13, 17, the pad token as its mask) -> standalone draft (2 layers, width 128, distilled
 from the target). Weights are saved in
 bfloat16. Timings and losses go to <out>/recipe.json.
@@ -39,7 +39,7 @@ from jspec.train.stdlib import split
 from jspec.train.tokenizer import train_bpe
 
 FULL = dict(vocab=4096, target_steps=800, target_batch=64, seq=512, head_steps=4000, head_batch=32,
-            draft_steps=2000, draft_batch=64, dflash_steps=4000, dflash_batch=32, dflash_layers=2)
+            draft_steps=2000, draft_batch=64, dflash_steps=10000, dflash_batch=32, dflash_layers=4)
 SMOKE = dict(vocab=512, target_steps=60, target_batch=8, seq=128, head_steps=40, head_batch=4,
              draft_steps=40, draft_batch=8, dflash_steps=40, dflash_batch=4, dflash_layers=1)
 

@@ -49,6 +49,8 @@ CASES = [  # (devices, draft, spec, cache); the tiny standalone draft has 2 head
     pytest.param(4, "eagle3", CHAIN, "dense", id="4-eagle3-chain-dense", marks=SLOW),
     pytest.param(2, "standalone", TREE, "paged1", id="2-standalone-tree-paged1", marks=SLOW),
     pytest.param(4, "eagle", TREE, "paged16", id="4-eagle-tree-paged16", marks=SLOW),
+    pytest.param(2, "dflash", None, "paged16", id="2-dflash-block6-paged16"),
+    pytest.param(4, "dflash", TREE, "dense", id="4-dflash-tree-dense", marks=SLOW),  # KV heads repeated
 ]
 
 

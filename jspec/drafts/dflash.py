@@ -23,17 +23,28 @@ from typing import ClassVar
 
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import PartitionSpec as P
 
+from jspec import sharding
 from jspec.cache.layout import CacheLayout, make_meta
 from jspec.drafts.base import Draft, strip_model_prefix
 from jspec.models import family_for
 from jspec.models.dflash import DFlashModel
+from jspec.models.llama import kv_groups
 from jspec.models.llama_hf import gate_up_order, model_config_from_hf
-from jspec.tensors import Tensors, hf_linear, to_numpy
+from jspec.tensors import HostParam, Tensors, hf_linear, to_numpy
 from jspec.tuning import DEFAULT_TUNING
 
 ARCHITECTURE = "DFlashDraftModel"
 UNSUPPORTED_ARCHITECTURES = ("DFlash2DraftModel",)  # grouped dynamic convolutions and a candidate selector
+
+
+# Over n devices: attention by heads (q_proj and kv_proj by columns, o_proj by rows), the MLP
+# by columns then rows; fc and the norms replicated.
+SPLITS = {("q_proj", "kernel"): P(None, sharding.AXIS), ("q_proj", "bias"): P(sharding.AXIS),
+          ("kv_proj", "kernel"): P(None, sharding.AXIS), ("kv_proj", "bias"): P(sharding.AXIS),
+          ("o_proj", "kernel"): P(sharding.AXIS, None),
+          ("gate_up_proj", "kernel"): P(None, sharding.AXIS), ("down_proj", "kernel"): P(sharding.AXIS, None)}
 
 
 def kv_order(Hkv: int, Dh: int) -> np.ndarray:
@@ -110,6 +121,23 @@ class DFlashDraft(Draft):
         if self.softcap > 0:
             logits = jnp.tanh(logits / self.softcap) * self.softcap
         return logits
+
+    def split(self, weights, n: int):
+        """The drafter over n devices (`SPLITS`); with more devices than KV heads each KV
+        head's key and value columns are repeated, as the Llama family's split does."""
+        m = self.model
+        groups = kv_groups(m, n)
+        if groups != m.num_kv_heads:
+            width = 2 * m.head_dim  # kv_proj: per KV head its key, then its value columns
+            cols = np.concatenate([(g * m.num_kv_heads // groups) * width + np.arange(width) for g in range(groups)])
+
+            def repeat(keys, w):
+                if keys[-2:-1] != ("kv_proj",):
+                    return w
+                return w.take_rows(cols) if isinstance(w, HostParam) else jnp.take(w, jnp.asarray(cols), axis=-1)
+            weights = sharding.map_weights(repeat, weights)
+            m = m.replace(num_kv_heads=groups)
+        return dataclasses.replace(self, model=m), weights, sharding.weight_specs(weights, n, SPLITS)
 
     def init(self, key, target_vocab: int):
         m, T = self.model, 2
