@@ -16,10 +16,10 @@ def _size(path):
 
 def test_bundle_is_complete_and_small():
     root = bundle.bundle_path()
-    for part in ("target", "eagle3", "standalone"):
+    parts = ("target", "eagle3", "dflash", "standalone")
+    for part in parts:
         assert os.path.isfile(os.path.join(root, part, "config.json"))
-    assert _size(os.path.join(root, "target")) + _size(os.path.join(root, "eagle3")) + \
-        _size(os.path.join(root, "standalone")) <= 40 * 2 ** 20
+    assert sum(_size(os.path.join(root, part)) for part in parts) <= 48 * 2 ** 20
     p = bundle.load("eagle3", dtype="float32")
     assert p.config.num_params() <= 20_000_000 and isinstance(p.draft.config, jspec.Eagle3Draft)
     # The first run's speed-up rests on a head that is cheap beside its target: a draft step
@@ -27,6 +27,9 @@ def test_bundle_is_complete_and_small():
     head = sum(w.size for w in jax.tree.leaves(p.draft.weights["params"]))
     assert head <= 0.12 * p.config.num_params() and p.config.num_layers >= 16
     assert p.draft.config.draft_vocab_size < p.config.vocab_size and "d2t" in p.draft.weights
+    d = bundle.load("dflash", dtype="float32").draft
+    assert isinstance(d.config, jspec.DFlashDraft) and d.config.block_size == 16
+    assert d.config.mask_token_id == p.tokenizer.pad_token_id  # never in the training text
 
 
 @pytest.mark.slow
@@ -45,3 +48,17 @@ def test_bundle_speculation_is_exact_and_accepts(capsys):
     assert main([prompt, "--max-new-tokens", "48", "--steps", "4"]) == 0
     out = capsys.readouterr().out
     assert "mean accepted length" in out and "tokens/s" in out and "outputs identical" in out
+    # ... which times both bundled drafters and says which was faster
+    assert "speculative (eagle3" in out and "speculative (dflash" in out and "the faster here" in out
+
+
+@pytest.mark.slow
+def test_bundle_dflash_is_exact_and_accepts():
+    """The trained DFlash drafter: blocks of 16 accept well over one token a round on code,
+    and the output equals plain greedy decoding (float32 on CPU)."""
+    p = bundle.load("dflash", dtype="float32")
+    prompt = "import os\nimport sys\n\n\ndef main(argv=None):\n    if argv is None:\n        argv = sys.argv[1:]\n"
+    kw = dict(max_new_tokens=48, stop_token_ids=[])
+    spec = jspec.generate(p, prompt, **kw)
+    assert spec.tokens == jspec.generate(p.with_draft(None), prompt, **kw).tokens
+    assert spec.stats.mean_accept_length > 2.0, spec.stats
