@@ -18,8 +18,9 @@ a standalone draft that is the target with perturbed weights.
   exact distribution at another temperature (T * 1.25) the same samples must give
   p < 1e-6: the test has power. Modes: plain decoding; chains and trees verified by the
   target's own samples and chains with sampled drafts, each with every draft kind (n-gram
-  drafts, which have no distribution to sample, in trees); dense caches and
-  pages of 1 and 16 tokens.
+  drafts, which have no distribution to sample, in trees; a DFlash block drafter, whose
+  slots each draw from their own distribution, in sampled chains and trees); dense caches
+  and pages of 1 and 16 tokens.
 - The accept length of the first round, with the standalone draft and target-only
   verification (chain and tree): its exact distribution is a mixture over the prefill's
   token y0 of the probabilities, under the target's processed distributions, that the
@@ -45,7 +46,7 @@ import jspec
 from conftest import CACHES
 from jspec.cache.layout import prefill_meta
 from jspec.config import ModelConfig
-from jspec.drafts import Eagle3Draft, EagleDraft
+from jspec.drafts import DFlashDraft, Eagle3Draft, EagleDraft
 from jspec.export import save_draft, save_target
 from jspec.loading import load_draft
 from jspec.models.llama import LLAMA
@@ -103,6 +104,8 @@ MODES = {
     "sampled-eagle": Mode("eagle", SAMPLED, "dense", ("T0.7-topk5", "T0.8-penalties")),
     "sampled-eagle3_reduced-paged1": Mode("eagle3_reduced", SAMPLED, "paged1", ("T1", "T1.2-topk6-topp0.9-minp0.15")),
     "tree-ngram-paged16": Mode("ngram", TREE, "paged16", ("T0.8-penalties", "T1.2-topk6-topp0.9-minp0.15")),
+    "sampled-dflash-paged16": Mode("dflash", SAMPLED, "paged16", ("T1", "T0.7-topk5")),
+    "tree-dflash": Mode("dflash", TREE, "dense", ("T0.8-penalties", "T1.2-topk6-topp0.9-minp0.15")),
 }
 FAST = ("plain", "sampled-standalone", "tree-standalone")
 
@@ -233,6 +236,32 @@ def make_eagle3(path: str, target, states, *, eps: float, seed: int, draft_vocab
     return path
 
 
+def make_dflash(path: str, target, states, *, seed: int) -> str:
+    """A one-layer DFlash drafter (blocks of 3) whose MLP adds nothing and whose attention is
+    random, so each slot's distribution depends on its position and the root; its mask
+    token and final-norm scale are those (of all tokens and of 0.5, 1, 2) whose first slot
+    overlaps most with the target's marginal distribution of the second generated token,
+    so that drafts are accepted often, not always."""
+    rng = np.random.RandomState(seed)
+    K = np.asarray(target.weights["params"]["lm_head"]["kernel"], np.float64)
+    E = np.asarray(target.weights["params"]["embed_tokens"]["embedding"], np.float64)
+    def softmax(z):
+        e = np.exp(z - z.max(-1, keepdims=True))
+        return e / e.sum(-1, keepdims=True)
+    p1 = softmax(states[()][0] @ K)
+    second = sum(p1[y] * softmax(states[(y,)][0] @ K) for y in range(V))
+    unit = E / np.sqrt(np.mean(E ** 2, axis=1, keepdims=True))
+    overlap = {(t, c): np.minimum(softmax(c * unit[t] @ K), second).sum() for t in range(V) for c in (0.5, 1, 2)}
+    mask, scale = max(overlap, key=overlap.get)
+    d = DFlashDraft(target.config.replace(num_layers=1, sliding_windows=(0,), qk_norm=True), target_layer_ids=(0, 2),
+                    num_target_layers=3, block_size=3, mask_token_id=int(mask))
+    w = random_weights(jax.eval_shape(lambda: d.init(jax.random.key(0), V)), rng, 0.2)
+    w["params"]["layers_0"]["mlp"]["down_proj"]["kernel"][:] = 0
+    w["params"]["norm"]["weight"][:] = scale
+    save_draft(path, d, w, V)
+    return path
+
+
 def make_perturbed_copy(target, path: str, *, eps: float, seed: int) -> str:
     """The target with every matrix perturbed by eps * its std * N(0, 1), saved as a Llama
     checkpoint: a standalone draft that agrees with the target often, not always (here its
@@ -275,7 +304,8 @@ def family(tmp_path_factory):
               "eagle3": make_eagle3(str(root / "eagle3"), target, states, eps=0.5, seed=2),
               "eagle3_reduced": make_eagle3(str(root / "eagle3_reduced"), target, states, eps=0.5, seed=3,
                                             draft_vocab=16),
-              "standalone": make_perturbed_copy(target, str(root / "standalone"), eps=0.1, seed=0)}
+              "standalone": make_perturbed_copy(target, str(root / "standalone"), eps=0.1, seed=0),
+              "dflash": make_dflash(str(root / "dflash"), target, states, seed=4)}
     return Family(target, drafts, jspec.load(drafts["standalone"]))
 
 
