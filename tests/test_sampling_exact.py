@@ -239,9 +239,10 @@ def make_eagle3(path: str, target, states, *, eps: float, seed: int, draft_vocab
 def make_dflash(path: str, target, states, *, seed: int) -> str:
     """A one-layer DFlash drafter (blocks of 3) whose MLP adds nothing and whose attention is
     random, so each slot's distribution depends on its position and the root; its mask
-    token and final-norm scale are those (of all tokens and of 0.5, 1, 2) whose first slot
-    overlaps most with the target's marginal distribution of the second generated token,
-    so that drafts are accepted often, not always."""
+    token and final-norm scale are those (of all tokens and of 0.5, 1, 2) whose slot
+    distribution overlaps most with the target's marginal distributions of the second and
+    third generated tokens (the product of the two overlaps), so that drafts are accepted
+    often, not always."""
     rng = np.random.RandomState(seed)
     K = np.asarray(target.weights["params"]["lm_head"]["kernel"], np.float64)
     E = np.asarray(target.weights["params"]["embed_tokens"]["embedding"], np.float64)
@@ -249,9 +250,15 @@ def make_dflash(path: str, target, states, *, seed: int) -> str:
         e = np.exp(z - z.max(-1, keepdims=True))
         return e / e.sum(-1, keepdims=True)
     p1 = softmax(states[()][0] @ K)
-    second = sum(p1[y] * softmax(states[(y,)][0] @ K) for y in range(V))
+    p2 = {y: softmax(states[(y,)][0] @ K) for y in range(V)}
+    second = sum(p1[y] * p2[y] for y in range(V))
+    third = sum(p1[y] * p2[y][z] * softmax(states[(y, z)][0] @ K) for y in range(V) for z in range(V))
     unit = E / np.sqrt(np.mean(E ** 2, axis=1, keepdims=True))
-    overlap = {(t, c): np.minimum(softmax(c * unit[t] @ K), second).sum() for t in range(V) for c in (0.5, 1, 2)}
+    overlap = {}
+    for t in range(V):
+        for c in (0.5, 1, 2):
+            q = softmax(c * unit[t] @ K)
+            overlap[t, c] = np.minimum(q, second).sum() * np.minimum(q, third).sum()
     mask, scale = max(overlap, key=overlap.get)
     d = DFlashDraft(target.config.replace(num_layers=1, sliding_windows=(0,), qk_norm=True), target_layer_ids=(0, 2),
                     num_target_layers=3, block_size=3, mask_token_id=int(mask))
@@ -604,7 +611,13 @@ def test_first_tokens_follow_the_exact_joint(exact, samples, mode):
         # Every draft model here agrees with the target often; n-gram drafts repeat PROMPT,
         # which this random target does not continue (its accepted paths under sampling:
         # test_ngram.py::test_sampled_equals_plain_sampling).
-        assert (hist > 0).all() or MODES[mode].kind == "ngram", f"{mode}: first-round accept lengths {hist}"
+        # Every accept length occurs, except with n-gram drafts (none may match) and the
+        # DFlash tree: its slots' distributions are nearly one (the drafter's MLP is off
+        # and the mask tokens differ only by position), so the depth-2 node repeats its
+        # parent's token, which the target does not emit twice here; its sampled chains
+        # (each slot drawing on its own) reach every length.
+        depths = hist[:2] if mode == "tree-dflash" else hist
+        assert (depths > 0).all() or MODES[mode].kind == "ngram", f"{mode}: first-round accept lengths {hist}"
 
 
 @pytest.mark.parametrize("mode", mode_params(["tree-standalone", "chain-standalone"]))
