@@ -15,19 +15,24 @@ import argparse
 import sys
 
 
+def _common_args(ap: argparse.ArgumentParser, exported: str, lr: float):
+    """The flags every trainer takes: target, data, output, steps, batch, optimiser."""
+    ap.add_argument("--target", required=True, help="local Hugging Face directory of the target")
+    ap.add_argument("--data", required=True, nargs="+", help="text files, directories or .jsonl files")
+    ap.add_argument("--out", required=True, help=f"output directory (checkpoints and {exported})")
+    ap.add_argument("--ext", nargs="*", default=None, help="in directories, keep files ending with these")
+    ap.add_argument("--steps", type=int, default=2000)
+    ap.add_argument("--batch-size", type=int, default=16)
+    ap.add_argument("--seq-len", type=int, default=512)
+    ap.add_argument("--lr", type=float, default=lr)
+    ap.add_argument("--warmup", type=int, default=100)
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="jspec-train", description=__doc__.splitlines()[0])
     sub = ap.add_subparsers(dest="cmd", required=True)
     e = sub.add_parser("eagle3", help="train an EAGLE-3 head (training-time test) for a target")
-    e.add_argument("--target", required=True, help="local Hugging Face directory of the target")
-    e.add_argument("--data", required=True, nargs="+", help="text files, directories or .jsonl files")
-    e.add_argument("--out", required=True, help="output directory (checkpoints and the exported head)")
-    e.add_argument("--ext", nargs="*", default=None, help="in directories, keep files ending with these")
-    e.add_argument("--steps", type=int, default=2000)
-    e.add_argument("--batch-size", type=int, default=16)
-    e.add_argument("--seq-len", type=int, default=512)
-    e.add_argument("--lr", type=float, default=5e-4)
-    e.add_argument("--warmup", type=int, default=100)
+    _common_args(e, "the exported head", lr=5e-4)
     e.add_argument("--ttt-steps", type=int, default=4, help="draft steps unrolled in training")
     e.add_argument("--draft-vocab", type=int, default=None, help="draft vocabulary size (most frequent tokens)")
     e.add_argument("--aux-layer-ids", type=int, nargs="+", default=None, metavar="ID",
@@ -39,15 +44,7 @@ def main(argv=None) -> int:
     e.add_argument("--checkpoint-every", type=int, default=500)
     e.add_argument("--no-resume", action="store_true", help="ignore an existing checkpoint in --out")
     f = sub.add_parser("dflash", help="train a DFlash block drafter (the block-diffusion objective) for a target")
-    f.add_argument("--target", required=True, help="local Hugging Face directory of the target")
-    f.add_argument("--data", required=True, nargs="+", help="text files, directories or .jsonl files")
-    f.add_argument("--out", required=True, help="output directory (checkpoints and the exported drafter)")
-    f.add_argument("--ext", nargs="*", default=None, help="in directories, keep files ending with these")
-    f.add_argument("--steps", type=int, default=2000)
-    f.add_argument("--batch-size", type=int, default=16)
-    f.add_argument("--seq-len", type=int, default=512)
-    f.add_argument("--lr", type=float, default=6e-4)
-    f.add_argument("--warmup", type=int, default=100)
+    _common_args(f, "the exported drafter", lr=6e-4)
     f.add_argument("--block-size", type=int, default=16, help="tokens a block proposes, the root included")
     f.add_argument("--blocks-per-seq", type=int, default=None, help="anchors a sequence (default seq-len / block)")
     f.add_argument("--layers", type=int, default=1, help="the drafter's decoder layers")

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import math
 import os
 import time
 from typing import Any, Callable, Iterator
@@ -11,6 +12,32 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 from flax import serialization
+
+
+def check_settings(cfg, ints=(), counts=(), positive=(), non_negative=(), optional_ints=()):
+    """A trainer's config checked field by field, errors naming `Class.field`: `ints` at
+    least 1 and `counts` at least 0 (ints, not bools); `positive` and `non_negative`
+    finite numbers; `optional_ints` None or at least 1; compute_dtype a float type."""
+    name = type(cfg).__name__
+
+    def is_int(v):
+        return isinstance(v, int) and not isinstance(v, bool)
+    for field in (*ints, *counts):
+        v = getattr(cfg, field)
+        if not is_int(v) or v < (1 if field in ints else 0):
+            raise ValueError(f"{name}.{field} must be a positive int, got {v!r}")
+    for field in (*positive, *non_negative):
+        v = getattr(cfg, field)
+        ok = isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+        if not ok or (v <= 0 if field in positive else v < 0):
+            raise ValueError(f"{name}.{field} must be a finite {'positive' if field in positive else 'non-negative'}"
+                             f" number, got {v!r}")
+    for field in optional_ints:
+        v = getattr(cfg, field)
+        if v is not None and (not is_int(v) or v < 1):
+            raise ValueError(f"{name}.{field} must be a positive int or None (the default), got {v!r}")
+    if cfg.compute_dtype not in ("float32", "bfloat16", "float16"):
+        raise ValueError(f"compute_dtype must be float32, bfloat16 or float16, got {cfg.compute_dtype!r}")
 
 
 def load_target(target, out_dir: str | None):

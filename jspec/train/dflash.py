@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import math
 
 import jax
 import jax.numpy as jnp
@@ -56,27 +55,17 @@ class DFlashTrainConfig:
     seed: int = 0
 
     def __post_init__(self):
-        for name in ("steps", "batch_size", "seq_len", "block_size", "num_layers", "warmup"):
-            v = getattr(self, name)
-            if not isinstance(v, int) or isinstance(v, bool) or v < (0 if name == "warmup" else 1):
-                raise ValueError(f"DFlashTrainConfig.{name} must be a positive int, got {v!r}")
+        common.check_settings(self, ints=("steps", "batch_size", "seq_len", "block_size", "num_layers"),
+                              counts=("warmup",), positive=("lr", "clip"), non_negative=("weight_decay", "loss_decay"),
+                              optional_ints=("blocks_per_seq", "intermediate_size"))
         if self.block_size < 2:
             raise ValueError(f"DFlashTrainConfig.block_size must be at least 2 (the root and a draft), "
                              f"got {self.block_size}")
         if self.seq_len < self.block_size + 1:
             raise ValueError(f"seq_len ({self.seq_len}) must exceed block_size ({self.block_size})")
-        A = self.anchors
-        if A < 1 or A > self.seq_len - self.block_size + 1:
+        if self.anchors > self.seq_len - self.block_size + 1:
             raise ValueError(f"DFlashTrainConfig.blocks_per_seq must be in 1..{self.seq_len - self.block_size + 1} "
-                             f"(distinct anchors in a sequence of {self.seq_len}), got {A}")
-        if self.compute_dtype not in ("float32", "bfloat16", "float16"):
-            raise ValueError(f"compute_dtype must be float32, bfloat16 or float16, got {self.compute_dtype!r}")
-        for name, low in (("lr", None), ("weight_decay", 0.0), ("clip", None), ("loss_decay", 0.0)):
-            v = getattr(self, name)
-            ok = isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
-            if not ok or (v <= 0 if low is None else v < low):
-                raise ValueError(f"DFlashTrainConfig.{name} must be a finite "
-                                 f"{'positive' if low is None else 'non-negative'} number, got {v!r}")
+                             f"(distinct anchors in a sequence of {self.seq_len}), got {self.anchors}")
 
     @property
     def anchors(self) -> int:

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import math
 import os
 
 import jax
@@ -47,24 +46,11 @@ class Eagle3TrainConfig:
     seed: int = 0
 
     def __post_init__(self):
-        for name in ("steps", "batch_size", "seq_len", "ttt_steps", "warmup"):
-            v = getattr(self, name)
-            if not isinstance(v, int) or isinstance(v, bool) or v < (0 if name == "warmup" else 1):
-                raise ValueError(f"Eagle3TrainConfig.{name} must be a positive int, got {v!r}")
+        common.check_settings(self, ints=("steps", "batch_size", "seq_len", "ttt_steps"), counts=("warmup",),
+                              positive=("lr", "clip"), non_negative=("weight_decay",),
+                              optional_ints=("draft_vocab_size", "intermediate_size"))
         if self.seq_len < self.ttt_steps + 2:
             raise ValueError(f"seq_len ({self.seq_len}) must exceed ttt_steps + 1 ({self.ttt_steps + 1})")
-        if self.compute_dtype not in ("float32", "bfloat16", "float16"):
-            raise ValueError(f"compute_dtype must be float32, bfloat16 or float16, got {self.compute_dtype!r}")
-        for name, low in (("lr", None), ("weight_decay", 0.0), ("clip", None)):
-            v = getattr(self, name)
-            ok = isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
-            if not ok or (v <= 0 if low is None else v < low):
-                raise ValueError(f"Eagle3TrainConfig.{name} must be a finite {'positive' if low is None else 'non-negative'}"
-                                 f" number, got {v!r}")
-        for name in ("draft_vocab_size", "intermediate_size"):
-            v = getattr(self, name)
-            if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < 1):
-                raise ValueError(f"Eagle3TrainConfig.{name} must be a positive int or None (the default), got {v!r}")
 
 
 def head_config(target: Params, cfg: Eagle3TrainConfig, aux_layers=None) -> Eagle3Draft:
