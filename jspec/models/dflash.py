@@ -44,8 +44,8 @@ class DFlashAttention(nn.Module):
         self.k_norm = RMSNorm(c.rms_norm_eps, c.dtype)
 
     def keys_values(self, x, positions):
-        """x [B,T,D] at positions [B,T] -> the cache's entries [B,T,2,Hkv,Dh] (keys normed and
-        rotated, values as projected)."""
+        """x [B,T,D] at positions [B,T] -> (keys [B,T,Hkv,Dh], normed and rotated; values
+        [B,T,Hkv,Dh], as projected)."""
         c = self.cfg
         B, T, _ = x.shape
         kv = self.kv_proj(x).reshape(B, T, c.num_kv_heads, 2, c.head_dim)

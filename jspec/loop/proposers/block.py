@@ -74,7 +74,7 @@ class BlockProposer(Proposer):
         logits, cache = self.block_logits(plan, tw, dw, state, st, active)
         state = state.replace(cache=cache)
         if plan.K == 1:
-            return (state,) + self._chain(plan, dw, st, logits)
+            return (state,) + self._chain(plan, st, logits)
         return state, self._tree(plan, st, logits), None
 
     def block_logits(self, plan, tw, dw, state: BlockState, st, active):
@@ -88,7 +88,7 @@ class BlockProposer(Proposer):
         hidden, cache = d.block(plan.target, tw, dw, tokens, state.cache, meta, tuning=plan.tuning)
         return d.logits(plan.target, tw, dw, hidden[:, 1:], tuning=plan.tuning), cache
 
-    def _chain(self, plan, dw, st, logits):
+    def _chain(self, plan, st, logits):
         """A chain of S+1 nodes from the slots' logits [B,S,V], and with sampled drafts the
         log q [B,S,V] of each slot's draw."""
         L, S = st.L, plan.S
