@@ -30,6 +30,12 @@ def test_bundle_is_complete_and_small():
     d = bundle.load("dflash", dtype="float32").draft
     assert isinstance(d.config, jspec.DFlashDraft) and d.config.block_size == 16
     assert d.config.mask_token_id == p.tokenizer.pad_token_id  # never in the training text
+    # Its own chat template, so chat-first clients run out of the box (served over HTTP with
+    # a template given by --chat-template in tests/test_server.py).
+    chat = p.tokenizer.apply_chat_template([{"role": "system", "content": "Be brief."},
+                                            {"role": "user", "content": "add two numbers"}],
+                                           tokenize=False, add_generation_prompt=True)
+    assert "Be brief." in chat and "add two numbers" in chat and len(chat) > len("Be brief.add two numbers")
 
 
 @pytest.mark.slow

@@ -437,16 +437,15 @@ def test_chat_template_is_encoded_once(target, tmp_path):
         stop()
 
 
-def test_cli_serves_logs_and_stops_on_sigterm(tmp_path):
-    """`python -m jspec serve` with the bundled pair (its own chat template) compiles its
-    programs, logs, answers chat and completions with an API key, refuses a request its
+def test_cli_serves_logs_and_stops_on_sigterm(llama_dir, tmp_path):
+    """`python -m jspec serve` with a target directory and a --chat-template string compiles
+    its programs, logs, answers chat and completions with an API key, refuses a request its
     page pool (`--kv-cache-tokens`) could never hold, serves 8 concurrent requests on 2
     rows whose pages are 1.5 times the pool (preempting), and SIGTERM stops it cleanly
-    (exit status 0). Without prefix caching and structured output (8 programs of the
-    20-layer target instead of 25: 35 s of compiles instead of 121 s; both are served
-    in-process elsewhere). (The issue's `--max-len 2048 --kv-cache-tokens 1536
-    --max-batch 8` with 8 requests of 700 tokens, scaled down: docs/serving.md has the
-    full-size run.)"""
+    (exit status 0). The 2-layer target without prefix caching and structured output (both
+    are served in-process elsewhere; the bundled pair's 20 layers took 35 s of compiles
+    more). (The issue's `--max-len 2048 --kv-cache-tokens 1536 --max-batch 8` with 8
+    requests of 700 tokens, scaled down: docs/serving.md has the full-size run.)"""
     import os
     import signal
     import subprocess
@@ -454,7 +453,9 @@ def test_cli_serves_logs_and_stops_on_sigterm(tmp_path):
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    proc = subprocess.Popen([sys.executable, "-m", "jspec", "serve", "--port", str(port), "--max-batch", "2",
+    template = "{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}{% endfor %}<assistant>"
+    proc = subprocess.Popen([sys.executable, "-m", "jspec", "serve", "--target", llama_dir[0], "--draft", "none",
+                             "--chat-template", template, "--port", str(port), "--max-batch", "2",
                              "--max-len", "128", "--max-new-tokens", "8", "--dtype", "float32",
                              "--max-logprobs", "0", "--served-model-name", "bundled", "--kv-cache-tokens", "64",
                              "--no-prefix-cache", "--constraint-states", "0", "--api-key", "k", "--log-level",
