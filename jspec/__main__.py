@@ -522,6 +522,7 @@ def _serve(argv) -> int:
     logging.basicConfig(format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     logging.getLogger("jspec").setLevel(args.log_level.upper())
     import jspec
+    from jspec.serve.engine import static_heap
     from jspec.serve.server import build_app
 
     template = _chat_template(ap, args.chat_template)
@@ -580,8 +581,9 @@ def _serve(argv) -> int:
         raise SystemExit(0)
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, stopped)
-    uvicorn.run(build_app(engine, name, api_key=args.api_key, chat_template=template, default_max_tokens=max_new),
-                host=args.host, port=args.port, log_level="warning")
+    with static_heap():  # the start-up heap out of the garbage collector's full passes while serving
+        uvicorn.run(build_app(engine, name, api_key=args.api_key, chat_template=template, default_max_tokens=max_new),
+                    host=args.host, port=args.port, log_level="warning")
     return 0
 
 

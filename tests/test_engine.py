@@ -522,6 +522,34 @@ def test_no_compile_while_serving(with_draft):
         engine.warm_up()
 
 
+def test_static_heap_keeps_start_up_objects_out_of_full_collections():
+    """`jspec.serve.static_heap`: objects alive on entry are frozen (a cycle among them is
+    not collected while inside), cycles made inside are collected as before, and on exit
+    every object is the collector's again."""
+    import gc
+    import weakref
+
+    class Node:
+        pass
+    old = Node()
+    old.me = old  # a cycle alive on entry: only the cyclic collector can free it
+    old_ref = weakref.ref(old)
+    with jspec.serve.static_heap():
+        assert gc.get_freeze_count() > 0
+        del old
+        gc.collect()
+        assert old_ref() is not None  # frozen: not walked, not freed
+        new = Node()
+        new.me = new
+        new_ref = weakref.ref(new)
+        del new
+        gc.collect()
+        assert new_ref() is None
+    assert gc.get_freeze_count() == 0
+    gc.collect()
+    assert old_ref() is None
+
+
 def test_faults_fail_every_request_and_nothing_hangs(target):
     """A failure injected into the runner's chunk: every running and waiting request ends
     with finish_reason "error" and the message; results and streams return; the engine

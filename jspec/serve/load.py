@@ -23,7 +23,7 @@ from collections.abc import Callable, Sequence
 
 import numpy as np
 
-from jspec.serve.engine import Engine
+from jspec.serve.engine import Engine, static_heap
 from jspec.serve.tiers import Adaptive, buckets, tier_name
 
 
@@ -124,25 +124,26 @@ def run_serve_bench(params, prompts: Sequence, *, rates: Sequence[float], specs:
         else:
             engine, compile_s = engine_for(spec)
         engine.start()
-        for rate in rates:
-            s = engine.stats
-            before = (dict(s.tier_chunks), s.accept_rounds, s.accept_tokens)
-            res = run_load(engine, prompts, rate, requests, max_new_tokens, seed)
-            hs = res["handles"]
-            tokens = sum(len(h.output.tokens) for h in hs)
-            rounds = s.accept_rounds - before[1]
-            tau = (s.accept_tokens - before[2]) / rounds if rounds else 1.0
-            rows.append(LoadRow(
-                setting=setting_name(spec), rate=rate, requests=requests,
-                tokens_per_s=tokens / (res["end"] - res["start"]),
-                ttft_ms=percentiles([h.first_token_at - h.submitted for h in hs]),
-                tpot_ms=percentiles([(h.finished_at - h.first_token_at) / max(len(h.output.tokens) - 1, 1)
-                                     for h in hs]),
-                e2e_ms=percentiles([h.finished_at - h.submitted for h in hs]), tau=tau, compile_s=compile_s,
-                tiers=tier_shares(before[0], s.tier_chunks)))
-            say(format_load_table(rows[-1:]).splitlines()[-1])
-            if isinstance(spec, Adaptive):
-                say(format_costs(engine))
+        with static_heap():  # no full garbage collection over the warm-up's objects while timed
+            for rate in rates:
+                s = engine.stats
+                before = (dict(s.tier_chunks), s.accept_rounds, s.accept_tokens)
+                res = run_load(engine, prompts, rate, requests, max_new_tokens, seed)
+                hs = res["handles"]
+                tokens = sum(len(h.output.tokens) for h in hs)
+                rounds = s.accept_rounds - before[1]
+                tau = (s.accept_tokens - before[2]) / rounds if rounds else 1.0
+                rows.append(LoadRow(
+                    setting=setting_name(spec), rate=rate, requests=requests,
+                    tokens_per_s=tokens / (res["end"] - res["start"]),
+                    ttft_ms=percentiles([h.first_token_at - h.submitted for h in hs]),
+                    tpot_ms=percentiles([(h.finished_at - h.first_token_at) / max(len(h.output.tokens) - 1, 1)
+                                         for h in hs]),
+                    e2e_ms=percentiles([h.finished_at - h.submitted for h in hs]), tau=tau, compile_s=compile_s,
+                    tiers=tier_shares(before[0], s.tier_chunks)))
+                say(format_load_table(rows[-1:]).splitlines()[-1])
+                if isinstance(spec, Adaptive):
+                    say(format_costs(engine))
         if shared is None or engine is not shared[0]:
             engine.close()
     if shared is not None:
