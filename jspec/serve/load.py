@@ -8,7 +8,8 @@ the same work. Per setting and rate: throughput (generated tokens over the time 
 first arrival to the last finish), time to first token, time per output token after the
 first, end-to-end latency (p50 and p99), the mean accepted length and the share of chunks
 each tier ran. Each engine is warmed up first (`Engine.warm_up`: its programs compiled,
-adaptive round costs measured), that time reported.
+adaptive round costs measured), that time reported; it then serves with the objects alive
+after warm-up out of Python's full garbage collections (`static_heap`).
 
 Adaptive speculation and the fixed settings among its tiers run on one engine (a fixed
 setting pins its tier: `Engine.pin_tier`), so they share their compiled programs and
