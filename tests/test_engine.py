@@ -421,6 +421,8 @@ def test_serve_load_benchmark(with_draft):
     for r in rows:
         assert r.tokens_per_s > 0 and r.ttft_ms[0] <= r.e2e_ms[0] and r.ttft_ms[0] <= r.ttft_ms[1]
         assert r.compile_s > 0
+        # the engine's longest iteration while the row ran: some, and within the run
+        assert 0 < r.longest_step_ms <= r.e2e_ms[1] + 1e3 and r.full_gcs >= 0 and r.full_gc_ms >= 0
     assert rows[0].tau == 1.0 and rows[1].tau >= 1.0
     assert rows[1].tiers == "2,1,3 100%" and rows[2].tiers.endswith("%")
     table = format_load_table(rows)
@@ -520,6 +522,19 @@ def test_no_compile_while_serving(with_draft):
     engine.submit([5, 6], max_new_tokens=8)
     with pytest.raises(RuntimeError, match="warm_up runs before serving"):  # its runs start the state afresh
         engine.warm_up()
+
+
+def test_full_collections_are_counted():
+    """`jspec.serve.load.full_collections`: the seconds of each full garbage collection
+    while inside, none of a younger generation's, and none after."""
+    import gc
+    from jspec.serve.load import full_collections
+    with full_collections() as pauses:
+        gc.collect(0)
+        gc.collect(2)
+        gc.collect(2)
+    gc.collect(2)
+    assert len(pauses) == 2 and all(p > 0 for p in pauses)
 
 
 def test_static_heap_keeps_start_up_objects_out_of_full_collections():

@@ -445,9 +445,11 @@ class Engine:
         """One iteration (see the module) -> whether any request is running or waiting, or
         a chunk is in flight. The thread's CPU time in it adds to `stats.launch_s` inside
         program calls, to nothing inside readbacks (a wait may spin), and to
-        `stats.host_s` elsewhere."""
+        `stats.host_s` elsewhere; its wall time raises `stats.longest_step_s`."""
         t0, launched, waited = time.thread_time(), self.runner.launch_s, self._wait_cpu_s
+        began = time.perf_counter()
         busy = self._iterate()
+        self.stats.longest_step_s = max(self.stats.longest_step_s, time.perf_counter() - began)
         launch = self.runner.launch_s - launched
         self.stats.launch_s += launch
         self.stats.host_s += time.thread_time() - t0 - launch - (self._wait_cpu_s - waited)

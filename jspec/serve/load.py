@@ -18,7 +18,9 @@ without the draft, other fixed settings on engines of their own.
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import gc
 import time
 from collections.abc import Callable, Sequence
 
@@ -40,6 +42,28 @@ class LoadRow:
     tau: float
     compile_s: float
     tiers: str = ""  # share of chunks each tier ran, e.g. "3,1,4 80%, 5,1,6 20%"
+    longest_step_ms: float = 0.0  # the engine's longest iteration (`EngineStats.longest_step_s`)
+    full_gcs: int = 0  # Python's full garbage collections while the requests ran
+    full_gc_ms: float = 0.0  # and their time together
+
+
+@contextlib.contextmanager
+def full_collections():
+    """Python's full (generation 2) garbage collections while inside -> the list of their
+    seconds, filled as they end: a stall of the engine's thread told from the device's."""
+    pauses, began = [], []
+
+    def watch(phase, info):
+        if info["generation"] == 2:
+            if phase == "start":
+                began.append(time.perf_counter())
+            elif began:
+                pauses.append(time.perf_counter() - began.pop())
+    gc.callbacks.append(watch)
+    try:
+        yield pauses
+    finally:
+        gc.callbacks.remove(watch)
 
 
 def poisson_arrivals(rate: float, n: int, seed: int = 0) -> np.ndarray:
@@ -129,7 +153,9 @@ def run_serve_bench(params, prompts: Sequence, *, rates: Sequence[float], specs:
             for rate in rates:
                 s = engine.stats
                 before = (dict(s.tier_chunks), s.accept_rounds, s.accept_tokens)
-                res = run_load(engine, prompts, rate, requests, max_new_tokens, seed)
+                s.longest_step_s = 0.0
+                with full_collections() as pauses:
+                    res = run_load(engine, prompts, rate, requests, max_new_tokens, seed)
                 hs = res["handles"]
                 tokens = sum(len(h.output.tokens) for h in hs)
                 rounds = s.accept_rounds - before[1]
@@ -141,8 +167,10 @@ def run_serve_bench(params, prompts: Sequence, *, rates: Sequence[float], specs:
                     tpot_ms=percentiles([(h.finished_at - h.first_token_at) / max(len(h.output.tokens) - 1, 1)
                                          for h in hs]),
                     e2e_ms=percentiles([h.finished_at - h.submitted for h in hs]), tau=tau, compile_s=compile_s,
-                    tiers=tier_shares(before[0], s.tier_chunks)))
-                say(format_load_table(rows[-1:]).splitlines()[-1])
+                    tiers=tier_shares(before[0], s.tier_chunks), longest_step_ms=s.longest_step_s * 1e3,
+                    full_gcs=len(pauses), full_gc_ms=sum(pauses) * 1e3))
+                say(format_load_table(rows[-1:]).splitlines()[-1] + f" longest step {s.longest_step_s * 1e3:.1f} ms; "
+                    f"{len(pauses)} full garbage collections ({sum(pauses) * 1e3:.1f} ms)")
                 if isinstance(spec, Adaptive):
                     say(format_costs(engine))
         if shared is None or engine is not shared[0]:

@@ -59,6 +59,7 @@ class EngineStats:
     host_s: float = 0.0  # the driving thread's CPU time in `step` outside program calls and readbacks: its own work
     launch_s: float = 0.0  # its CPU time inside program calls (the dispatch; on a GPU, each kernel's launch)
     wait_s: float = 0.0  # its time waiting for readbacks
+    longest_step_s: float = 0.0  # the longest iteration's wall time (a stall of the driving thread shows here)
     programs: int = 0  # programs compiled at start-up (`Engine.warm_up`)
     finish_reasons: dict = dataclasses.field(default_factory=dict)
     tier_chunks: dict = dataclasses.field(default_factory=dict)
