@@ -114,6 +114,27 @@ def tier_shares(before: dict, after: dict) -> str:
     return ", ".join(f"{t} {100 * n / total:.0f}%" for t, n in ran.items() if n) if total else ""
 
 
+def measure_rate(engine: Engine, setting: str, rate: float, prompts: Sequence, requests: int, max_new_tokens: int,
+                 seed: int, compile_s: float) -> LoadRow:
+    """`run_load` on a started engine -> its row (the engine's stats read before and after)."""
+    s = engine.stats
+    before = (dict(s.tier_chunks), s.accept_rounds, s.accept_tokens)
+    s.longest_step_s = 0.0
+    with full_collections() as pauses:
+        res = run_load(engine, prompts, rate, requests, max_new_tokens, seed)
+    hs = res["handles"]
+    tokens = sum(len(h.output.tokens) for h in hs)
+    rounds = s.accept_rounds - before[1]
+    return LoadRow(
+        setting=setting, rate=rate, requests=requests, tokens_per_s=tokens / (res["end"] - res["start"]),
+        ttft_ms=percentiles([h.first_token_at - h.submitted for h in hs]),
+        tpot_ms=percentiles([(h.finished_at - h.first_token_at) / max(len(h.output.tokens) - 1, 1) for h in hs]),
+        e2e_ms=percentiles([h.finished_at - h.submitted for h in hs]),
+        tau=(s.accept_tokens - before[2]) / rounds if rounds else 1.0, compile_s=compile_s,
+        tiers=tier_shares(before[0], s.tier_chunks), longest_step_ms=s.longest_step_s * 1e3,
+        full_gcs=len(pauses), full_gc_ms=sum(pauses) * 1e3)
+
+
 def run_serve_bench(params, prompts: Sequence, *, rates: Sequence[float], specs: Sequence, requests: int = 32,
                     max_new_tokens: int = 64, max_batch: int = 8, rounds_per_chunk: int = 4, seed: int = 0,
                     prefill_chunk: int = 512, tuning=None, prefix_caching: bool = True,
@@ -151,26 +172,10 @@ def run_serve_bench(params, prompts: Sequence, *, rates: Sequence[float], specs:
         engine.start()
         with static_heap():  # no full garbage collection over the warm-up's objects while timed
             for rate in rates:
-                s = engine.stats
-                before = (dict(s.tier_chunks), s.accept_rounds, s.accept_tokens)
-                s.longest_step_s = 0.0
-                with full_collections() as pauses:
-                    res = run_load(engine, prompts, rate, requests, max_new_tokens, seed)
-                hs = res["handles"]
-                tokens = sum(len(h.output.tokens) for h in hs)
-                rounds = s.accept_rounds - before[1]
-                tau = (s.accept_tokens - before[2]) / rounds if rounds else 1.0
-                rows.append(LoadRow(
-                    setting=setting_name(spec), rate=rate, requests=requests,
-                    tokens_per_s=tokens / (res["end"] - res["start"]),
-                    ttft_ms=percentiles([h.first_token_at - h.submitted for h in hs]),
-                    tpot_ms=percentiles([(h.finished_at - h.first_token_at) / max(len(h.output.tokens) - 1, 1)
-                                         for h in hs]),
-                    e2e_ms=percentiles([h.finished_at - h.submitted for h in hs]), tau=tau, compile_s=compile_s,
-                    tiers=tier_shares(before[0], s.tier_chunks), longest_step_ms=s.longest_step_s * 1e3,
-                    full_gcs=len(pauses), full_gc_ms=sum(pauses) * 1e3))
-                say(format_load_table(rows[-1:]).splitlines()[-1] + f" longest step {s.longest_step_s * 1e3:.1f} ms; "
-                    f"{len(pauses)} full garbage collections ({sum(pauses) * 1e3:.1f} ms)")
+                rows.append(measure_rate(engine, setting_name(spec), rate, prompts, requests, max_new_tokens, seed,
+                                         compile_s))
+                say(format_load_table(rows[-1:]).splitlines()[-1] + f" longest step {rows[-1].longest_step_ms:.1f} "
+                    f"ms; {rows[-1].full_gcs} full garbage collections ({rows[-1].full_gc_ms:.1f} ms)")
                 if isinstance(spec, Adaptive):
                     say(format_costs(engine))
         if shared is None or engine is not shared[0]:
