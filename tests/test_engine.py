@@ -421,8 +421,9 @@ def test_serve_load_benchmark(with_draft):
     for r in rows:
         assert r.tokens_per_s > 0 and r.ttft_ms[0] <= r.e2e_ms[0] and r.ttft_ms[0] <= r.ttft_ms[1]
         assert r.compile_s > 0
-        # the engine's longest iteration while the row ran: some, and within the run
-        assert 0 < r.longest_step_ms <= r.e2e_ms[1] + 1e3 and r.full_gcs >= 0 and r.full_gc_ms >= 0
+        # the engine's longest iteration while the row ran (a step begun before the row's
+        # first arrival counts too, so no bound from the requests' latency)
+        assert r.longest_step_ms > 0 and r.full_gcs >= 0 and r.full_gc_ms >= 0
     assert rows[0].tau == 1.0 and rows[1].tau >= 1.0
     assert rows[1].tiers == "2,1,3 100%" and rows[2].tiers.endswith("%")
     table = format_load_table(rows)
