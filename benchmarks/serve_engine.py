@@ -13,7 +13,9 @@
    chunk outside its waits for the device, against the chunk's device time (the run's
    wall time over its chunks), and the engine's split of its CPU time: its own work
    (`stats.host_s`) and the program calls (`stats.launch_s`). A word-level tokenizer of the
-   8B vocabulary gives the text.
+   8B vocabulary gives the text. The timed run is served twice: with Python's garbage
+   collector as it is, then inside `jspec.serve.static_heap` (as the server serves); each
+   reports its longest engine iteration and the full collections that fell in it.
    It measures the engine it imports, so `PYTHONPATH=.old:.` measures an older jspec
    unpacked into .old (`git archive COMMIT jspec | tar -x -C .old`);
 4. the load test on the 8B shape (`load`): `jspec.serve.load.run_serve_bench` at
@@ -49,6 +51,7 @@ model's dtype (bf16 on a GPU, where a row's arithmetic may depend on the batch).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import time
 
@@ -57,6 +60,8 @@ import numpy as np
 import jspec
 from benchmarks import common
 from jspec.config import ModelConfig
+from jspec.serve.engine import static_heap
+from jspec.serve.load import full_collections
 
 TINY = ModelConfig(vocab_size=512, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4, num_kv_heads=2,
                    head_dim=16, dtype="float32", max_position_embeddings=8192)
@@ -147,57 +152,42 @@ def host_time(params, batch: int, prompt: int, new: int, cache, rounds_per_chunk
         hs = [engine.submit(p, max_new_tokens=new, stop_token_ids=[], stop=stops) for p in prompts]
         outs = [h.result() for h in hs]
         return t0, time.perf_counter(), outs
+    def timed_run(frozen: bool) -> dict:  # one timed serve; frozen: inside `static_heap`, as the server serves
+        chunks0, own0, launch0 = stat(engine, "chunks"), stat(engine, "host_s"), getattr(engine.stats, "launch_s", 0)
+        cpu0 = output_cpu[0]
+        with contextlib.ExitStack() as stack:
+            if frozen:
+                stack.enter_context(static_heap())
+            pauses = stack.enter_context(full_collections())
+            t0, t1, outs = serve()
+        chunks = stat(engine, "chunks") - chunks0
+        own, launch = stat(engine, "host_s") - own0, getattr(engine.stats, "launch_s", 0) - launch0
+        wall = t1 - t0
+        timed = [x for x in steps if t0 <= x[0] <= t1]  # the steps of the timed run
+        cpu = sum(x[3] for x in timed) / chunks  # the driving thread's CPU time: host work, not waits
+        return {"batch": batch, "new": new, "tokens": sum(len(o.tokens) for o in outs), "chunks": chunks,
+                "wall_s": wall, "chunk_ms": wall / chunks * 1e3, "host_cpu_ms_per_chunk": cpu * 1e3,
+                "host_share": cpu / (wall / chunks),
+                "step_ms_outside_readback_waits": sum(d - w for _, d, w, _ in timed) / chunks * 1e3,
+                # the engine's own split of that CPU time (engines from 2026-11-28 on): its Python
+                # work (`stats.host_s`) and the program calls (`stats.launch_s`: kernel launches)
+                "own_work_ms_per_chunk": own / chunks * 1e3, "launch_cpu_ms_per_chunk": launch / chunks * 1e3,
+                "output_thread_cpu_ms_per_chunk": (output_cpu[0] - cpu0) / chunks * 1e3 if output is not None else None,
+                "text_chars": sum(len(o.text) for o in outs),
+                # a stall of the driving thread, and whether a full garbage collection fell in the run
+                "longest_step_ms": max(d for _, d, _, _ in timed) * 1e3, "steps_over_50ms": sum(d > 0.05 for _, d, _, _ in timed),
+                "full_gcs": len(pauses), "full_gc_ms": sum(pauses) * 1e3}
     engine.warm_up([prompt], sampled=False)
     engine.step = timed_step
     jax.device_get = timed_get
     try:
         with engine:
             serve()  # compiles what it runs
-            chunks0, own0 = stat(engine, "chunks"), stat(engine, "host_s")
-            launch0 = getattr(engine.stats, "launch_s", 0)
-            t0, t1, outs = serve()
-            chunks = stat(engine, "chunks") - chunks0
-            own, launch = stat(engine, "host_s") - own0, getattr(engine.stats, "launch_s", 0) - launch0
+            collected = timed_run(frozen=False)
+            frozen = timed_run(frozen=True)
     finally:
         jax.device_get = device_get
-    wall = t1 - t0
-    tokens = sum(len(o.tokens) for o in outs)
-    timed = [x for x in steps if t0 <= x[0] <= t1]  # the steps of the timed run
-    cpu = sum(x[3] for x in timed) / chunks  # the driving thread's CPU time: host work, not waits
-    return {"batch": batch, "new": new, "tokens": tokens, "chunks": chunks, "wall_s": wall,
-            "chunk_ms": wall / chunks * 1e3, "host_cpu_ms_per_chunk": cpu * 1e3, "host_share": cpu / (wall / chunks),
-            "step_ms_outside_readback_waits": sum(d - w for _, d, w, _ in timed) / chunks * 1e3,
-            # the engine's own split of that CPU time (engines from 2026-11-28 on): its Python
-            # work (`stats.host_s`) and the program calls (`stats.launch_s`: kernel launches)
-            "own_work_ms_per_chunk": own / chunks * 1e3, "launch_cpu_ms_per_chunk": launch / chunks * 1e3,
-            "output_thread_cpu_ms_per_chunk": output_cpu[0] / chunks * 1e3 if output is not None else None,
-            "text_chars": sum(len(o.text) for o in outs)}
-
-
-def permutation_target(cfg, seed: int = 0) -> jspec.Params:
-    """A target of shape `cfg` whose greedy next token is pi(token) for a fixed random
-    cycle pi: attention and MLP outputs zeroed (every layer still runs), the LM head rows
-    the embeddings of pi's inverse -> (params, pi)."""
-    import jax
-    import jax.numpy as jnp
-    params = common.random_params(cfg, seed)
-    rng = np.random.default_rng(seed)
-    order = rng.permutation(cfg.vocab_size)
-    pi = np.empty(cfg.vocab_size, np.int64)
-    pi[order] = np.roll(order, -1)
-    inv = jnp.asarray(np.argsort(pi))
-
-    def edit(path, w):
-        name = "/".join(str(getattr(k, "key", k)) for k in path)
-        if "o_proj" in name or "down_proj" in name:
-            return jnp.zeros_like(w)
-        return w
-    w = jax.tree_util.tree_map_with_path(edit, params.weights)
-    e = w["params"]["embed_tokens"]["embedding"].astype(jnp.float32)
-    e = e / jnp.linalg.norm(e, axis=1, keepdims=True)
-    w["params"]["embed_tokens"]["embedding"] = e.astype(cfg.jnp_dtype)
-    w["params"]["lm_head"]["kernel"] = (4.0 * e[inv]).T.astype(cfg.jnp_dtype)
-    return jspec.Params(config=cfg, weights=w), pi
+    return {**collected, "static_heap": frozen}
 
 
 def load_8b(cfg, rates, requests: int, batch: int, new: int, prompt: int, settings: str = "both", tuning=None) -> list:
