@@ -303,38 +303,6 @@ def test_training_differentiates_over_many_keys(with_draft):
     assert all(np.isfinite(norms)) and max(norms) > 0 and np.isfinite(float(metrics["loss"]))
 
 
-def test_layers_from_target(target):
-    """The draft's layers started from the target's: draft layer i's queries, keys and
-    values are target layer ids[i]'s heads (its fused matrix split by head), its norms,
-    MLP and output projection the same arrays; a wrong count, id or shape is refused."""
-    from jspec.train import DFlashTrainConfig
-    from jspec.train.dflash import draft_config, layers_from_target
-    tc = target.config
-    cfg = DFlashTrainConfig(num_layers=2, block_size=4, seq_len=32, init_layers=(1, 0))
-    d = draft_config(target, cfg, (0, 1), 0)
-    params = layers_from_target(d.init(jax.random.key(0), tc.vocab_size)["params"], d, target, cfg.init_layers)
-    D, Hkv, G, Dh = tc.hidden_size, tc.num_kv_heads, tc.num_heads // tc.num_kv_heads, tc.head_dim
-    x = np.random.RandomState(0).randn(3, D).astype(np.float32)
-    for i, t in enumerate(cfg.init_layers):
-        src, got = target.weights["params"][f"layers_{t}"], params[f"layers_{i}"]
-        qkv = (x @ np.asarray(src["self_attn"]["qkv_proj"]["kernel"], np.float32)).reshape(3, Hkv, G + 2, Dh)
-        q = (x @ np.asarray(got["self_attn"]["q_proj"]["kernel"])).reshape(3, Hkv * G, Dh)  # as DFlashAttention
-        kv = (x @ np.asarray(got["self_attn"]["kv_proj"]["kernel"])).reshape(3, Hkv, 2, Dh)
-        np.testing.assert_allclose(q, qkv[:, :, :G].reshape(3, Hkv * G, Dh), rtol=1e-5, atol=1e-5)
-        np.testing.assert_allclose(kv, qkv[:, :, G:], rtol=1e-5, atol=1e-5)  # per KV head: key, value
-        for name in ("input_layernorm", "post_attention_layernorm", "mlp"):
-            chex.assert_trees_all_close(jax.tree.map(np.asarray, got[name]), jax.tree.map(np.asarray, src[name]))
-        np.testing.assert_array_equal(got["self_attn"]["q_norm"]["weight"], 1.0)
-    assert params["fc"] is not None and set(params) == set(d.init(jax.random.key(0), tc.vocab_size)["params"])
-    with pytest.raises(ValueError, match="one a layer"):
-        DFlashTrainConfig(num_layers=2, init_layers=(1,))
-    with pytest.raises(ValueError, match="do not fit"):
-        layers_from_target(params, d, target, (0, tc.num_layers))
-    narrow = draft_config(target, DFlashTrainConfig(num_layers=1, intermediate_size=8), (0,), 0)
-    with pytest.raises(ValueError, match="intermediate_size 8"):
-        layers_from_target(narrow.init(jax.random.key(0), tc.vocab_size)["params"], narrow, target, (0,))
-
-
 @pytest.mark.slow
 def test_training_lowers_loss_exports_resumes_and_cli(target, llama_dir, tmp_path, capsys):
     from jspec.train import DFlashTrainConfig, train_dflash
@@ -367,7 +335,7 @@ def test_training_lowers_loss_exports_resumes_and_cli(target, llama_dir, tmp_pat
     text.write_text("def f(x):\n    return x + 1\n" * 40)
     rc = cli_main(["dflash", "--target", llama_dir[0], "--data", str(text), "--out", str(tmp_path / "cli"),
                    "--steps", "3", "--batch-size", "2", "--seq-len", "24", "--block-size", "4", "--dtype", "float32",
-                   "--target-layer-ids", "1", "--init-layers", "1"])
+                   "--target-layer-ids", "1"])
     assert rc == 0 and read_config(str(tmp_path / "cli"))["dflash_config"]["target_layer_ids"] == [1]
     assert cli_main(["dflash", "--target", llama_dir[0], "--data", str(text), "--out", str(tmp_path / "bad"),
                      "--block-size", "1"]) == 2

@@ -52,9 +52,6 @@ def main(argv=None) -> int:
                    help="weight block slot i by exp(-(i-1)/decay) (0: equal weights)")
     f.add_argument("--target-layer-ids", type=int, nargs="+", default=None, metavar="ID",
                    help="target layers whose outputs feed the drafter, 0-based (default: 5 spread from 1 to n-3)")
-    f.add_argument("--init-layers", type=int, nargs="+", default=None, metavar="ID",
-                   help="target layers whose weights start the drafter's layers, one a layer, 0-based "
-                        "(default: random)")
     f.add_argument("--mask-token-id", type=int, default=None,
                    help="the id filling a block (default: the pad token, else the corpus' rarest id)")
     f.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16", "float16"],
@@ -70,7 +67,6 @@ def main(argv=None) -> int:
                                     warmup=args.warmup, block_size=args.block_size,
                                     blocks_per_seq=args.blocks_per_seq, num_layers=args.layers,
                                     loss_decay=args.loss_decay, compute_dtype=args.dtype,
-                                    init_layers=None if args.init_layers is None else tuple(args.init_layers),
                                     checkpoint_every=args.checkpoint_every)
             _, history = train_dflash(args.target, args.data, args.out, cfg, layer_ids=args.target_layer_ids,
                                       mask_token_id=args.mask_token_id, extensions=args.ext,

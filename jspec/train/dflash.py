@@ -50,8 +50,6 @@ class DFlashTrainConfig:
     num_layers: int = 1  # the draft's decoder layers
     intermediate_size: int | None = None  # None: the target's
     loss_decay: float = 0.0  # slot i's weight exp(-(i - 1) / loss_decay); 0: equal weights
-    # target layers whose weights start the draft's layers, one a layer (`layers_from_target`); None: random
-    init_layers: tuple[int, ...] | None = None
     compute_dtype: str = "bfloat16"  # float32 master weights, this for the forward pass
     checkpoint_every: int = 500
     seed: int = 0
@@ -65,9 +63,6 @@ class DFlashTrainConfig:
                              f"got {self.block_size}")
         if self.seq_len < self.block_size + 1:
             raise ValueError(f"seq_len ({self.seq_len}) must exceed block_size ({self.block_size})")
-        if self.init_layers is not None and len(self.init_layers) != self.num_layers:
-            raise ValueError(f"DFlashTrainConfig.init_layers names {len(self.init_layers)} target layers for a "
-                             f"{self.num_layers}-layer drafter: give one a layer")
         if self.anchors > self.seq_len - self.block_size + 1:
             raise ValueError(f"DFlashTrainConfig.blocks_per_seq must be in 1..{self.seq_len - self.block_size + 1} "
                              f"(distinct anchors in a sequence of {self.seq_len}), got {self.anchors}")
@@ -170,40 +165,6 @@ def random_anchors(key, batch: int, seq_len: int, block: int, count: int):
     return jnp.sort(pick, axis=1).astype(jnp.int32)
 
 
-def layers_from_target(params: dict, d: DFlashDraft, target: Params, layer_ids) -> dict:
-    """The draft's weights (params: its `init`'s "params") with draft layer i's weights
-    taken from target layer layer_ids[i]: the norms, the MLP, the output projection, and
-    the fused query-key-value matrix split into `q_proj` and `kv_proj` (per KV head its
-    G query heads, key and value -> the heads' queries; per KV head its key, then value).
-    The query and key norms keep their start (ones). The draft's MLP width is the target's."""
-    tc, m = target.config, d.model
-    n = tc.num_layers
-    if any(not 0 <= i < n for i in layer_ids):
-        raise ValueError(f"DFlash init layers {list(layer_ids)} do not fit the {n}-layer target: each must be in "
-                         f"0..{n - 1}")
-    same = ("hidden_size", "num_heads", "num_kv_heads", "head_dim", "intermediate_size")
-    if any(getattr(tc, f) != getattr(m, f) for f in same):
-        raise ValueError("DFlash init layers need the draft's layer shape to be the target's (" + ", ".join(
-            f"{f} {getattr(m, f)} vs {getattr(tc, f)}" for f in same if getattr(tc, f) != getattr(m, f)) + ")")
-    tw = target.weights["params"]
-    if "qkv_proj" not in tw.get("layers_0", {}).get("self_attn", {}):
-        raise ValueError(f"DFlash init layers need a target with fused query-key-value layers (Llama, Qwen, "
-                         f"Mistral), not {tc.model_type}")
-    D, Hkv, G, Dh = tc.hidden_size, tc.num_kv_heads, tc.num_heads // tc.num_kv_heads, tc.head_dim
-    copy = lambda a: jnp.array(a, jnp.float32)  # noqa: E731  (copies: training donates the draft's buffers)
-    out = dict(params)
-    for i, t in enumerate(layer_ids):
-        src, layer = tw[f"layers_{t}"], jax.tree.map(lambda a: a, params[f"layers_{i}"])
-        qkv = copy(src["self_attn"]["qkv_proj"]["kernel"]).reshape(D, Hkv, G + 2, Dh)
-        layer["self_attn"]["q_proj"]["kernel"] = qkv[:, :, :G].reshape(D, Hkv * G * Dh)
-        layer["self_attn"]["kv_proj"]["kernel"] = qkv[:, :, G:].reshape(D, Hkv * 2 * Dh)
-        layer["self_attn"]["o_proj"]["kernel"] = copy(src["self_attn"]["o_proj"]["kernel"])
-        for name in ("input_layernorm", "post_attention_layernorm", "mlp"):
-            layer[name] = jax.tree.map(copy, src[name])
-        out[f"layers_{i}"] = layer
-    return out
-
-
 def train_dflash(target: Params | str, data, out_dir: str | None = None, config: DFlashTrainConfig | None = None, *,
                  layer_ids=None, mask_token_id: int | None = None, extensions=None, resume: bool = True,
                  progress: bool = True, export_dtype: str | None = None, log_every: int = 10, print_every: int = 0):
@@ -223,8 +184,6 @@ def train_dflash(target: Params | str, data, out_dir: str | None = None, config:
         raise ValueError(f"mask_token_id {mask_token_id} is outside the target's vocabulary of {tc.vocab_size}")
     d = draft_config(target, cfg, layer_ids, int(mask_token_id))
     params = jax.tree.map(lambda a: jnp.asarray(a, jnp.float32), d.init(jax.random.key(cfg.seed), tc.vocab_size)["params"])
-    if cfg.init_layers is not None:
-        params = layers_from_target(params, d, target, cfg.init_layers)
     opt = common.make_optimizer(cfg.lr, cfg.steps, cfg.warmup, cfg.weight_decay, cfg.clip)
     opt_state = opt.init(params)
     meta = {"target": repr(tc), "draft": repr(d),
