@@ -152,6 +152,7 @@ def host_time(params, batch: int, prompt: int, new: int, cache, rounds_per_chunk
         hs = [engine.submit(p, max_new_tokens=new, stop_token_ids=[], stop=stops) for p in prompts]
         outs = [h.result() for h in hs]
         return t0, time.perf_counter(), outs
+
     def timed_run(frozen: bool) -> dict:  # one timed serve; frozen: inside `static_heap`, as the server serves
         chunks0, own0, launch0 = stat(engine, "chunks"), stat(engine, "host_s"), getattr(engine.stats, "launch_s", 0)
         cpu0 = output_cpu[0]
@@ -175,7 +176,8 @@ def host_time(params, batch: int, prompt: int, new: int, cache, rounds_per_chunk
                 "output_thread_cpu_ms_per_chunk": (output_cpu[0] - cpu0) / chunks * 1e3 if output is not None else None,
                 "text_chars": sum(len(o.text) for o in outs),
                 # a stall of the driving thread, and whether a full garbage collection fell in the run
-                "longest_step_ms": max(d for _, d, _, _ in timed) * 1e3, "steps_over_50ms": sum(d > 0.05 for _, d, _, _ in timed),
+                "longest_step_ms": max(d for _, d, _, _ in timed) * 1e3,
+                "steps_over_50ms": sum(d > 0.05 for _, d, _, _ in timed),
                 "full_gcs": len(pauses), "full_gc_ms": sum(pauses) * 1e3}
     engine.warm_up([prompt], sampled=False)
     engine.step = timed_step
@@ -188,6 +190,32 @@ def host_time(params, batch: int, prompt: int, new: int, cache, rounds_per_chunk
     finally:
         jax.device_get = device_get
     return {**collected, "static_heap": frozen}
+
+
+def permutation_target(cfg, seed: int = 0) -> jspec.Params:
+    """A target of shape `cfg` whose greedy next token is pi(token) for a fixed random
+    cycle pi: attention and MLP outputs zeroed (every layer still runs), the LM head rows
+    the embeddings of pi's inverse -> (params, pi)."""
+    import jax
+    import jax.numpy as jnp
+    params = common.random_params(cfg, seed)
+    rng = np.random.default_rng(seed)
+    order = rng.permutation(cfg.vocab_size)
+    pi = np.empty(cfg.vocab_size, np.int64)
+    pi[order] = np.roll(order, -1)
+    inv = jnp.asarray(np.argsort(pi))
+
+    def edit(path, w):
+        name = "/".join(str(getattr(k, "key", k)) for k in path)
+        if "o_proj" in name or "down_proj" in name:
+            return jnp.zeros_like(w)
+        return w
+    w = jax.tree_util.tree_map_with_path(edit, params.weights)
+    e = w["params"]["embed_tokens"]["embedding"].astype(jnp.float32)
+    e = e / jnp.linalg.norm(e, axis=1, keepdims=True)
+    w["params"]["embed_tokens"]["embedding"] = e.astype(cfg.jnp_dtype)
+    w["params"]["lm_head"]["kernel"] = (4.0 * e[inv]).T.astype(cfg.jnp_dtype)
+    return jspec.Params(config=cfg, weights=w), pi
 
 
 def load_8b(cfg, rates, requests: int, batch: int, new: int, prompt: int, settings: str = "both", tuning=None) -> list:
