@@ -55,6 +55,12 @@ def _caches():
 
 CACHES = _caches()  # the cache configurations tests sweep, by name
 
+# The EAGLE-3 engine of the in-process server (test_server.py) and of the warm-up test
+# (test_engine.py's test_no_compile_while_serving): one set of settings, so that the two
+# share their compiled programs (in one worker, or through the XLA compilation cache).
+SERVED_ENGINE = dict(max_batch=2, max_prompt_len=64, max_new_tokens=24, rounds_per_chunk=2, prefill_chunk=16,
+                     constraint_states=64)
+
 
 @pytest.fixture(scope="session")
 def llama_dir(tmp_path_factory):

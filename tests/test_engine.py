@@ -25,7 +25,7 @@ import numpy as np
 import pytest
 
 import jspec
-from conftest import CACHES
+from conftest import CACHES, SERVED_ENGINE
 
 PROMPTS = ["def add(a, b):", [5, 7, 9, 11, 13, 5, 7], [20, 21, 22], list(range(30, 45)), [8, 9, 8, 9, 8],
            "import os\n", [3, 100, 7, 3]]
@@ -504,8 +504,7 @@ def test_no_compile_while_serving(with_draft):
     refused."""
     import jax
     params = with_draft("eagle3")
-    engine = jspec.Engine(params, max_batch=2, max_prompt_len=40, max_new_tokens=8, rounds_per_chunk=2,
-                          prefill_chunk=16, constraint_states=64)
+    engine = jspec.Engine(params, **SERVED_ENGINE)
     engine.warm_up()
     assert engine.stats.programs == len(engine.runner.programs_needed())
     compiles = []
@@ -515,7 +514,7 @@ def test_no_compile_while_serving(with_draft):
              dict(speculative=False, temperature=0.5), dict(stop=["a"], min_tokens=2),
              dict(constraint=jspec.Choice(["ab", "cd"])), dict(constraint=jspec.Regex("[a-z]+"), temperature=0.7)]
     hs = [engine.submit(list(range(3, 3 + n)), max_new_tokens=8, stop_token_ids=[], **cases[i % len(cases)])
-          for i, n in enumerate((1, 5, 17, 40, 33, 64 // 2, 2, 39, 12, 6))]
+          for i, n in enumerate((1, 5, 17, 64, 33, 32, 2, 39, 12, 6))]
     while not all(h.done for h in hs):
         engine.step()
     assert not compiles, compiles

@@ -32,6 +32,7 @@ import numpy as np
 import pytest
 
 import jspec
+from conftest import SERVED_ENGINE
 
 openai = pytest.importorskip("openai")
 uvicorn = pytest.importorskip("uvicorn")
@@ -69,8 +70,7 @@ def served(with_draft):
     tokenizer = copy.deepcopy(params.tokenizer)
     tokenizer.chat_template = TEMPLATE
     params = dataclasses.replace(params, tokenizer=tokenizer)
-    engine = jspec.Engine(params, max_batch=2, max_prompt_len=64, max_new_tokens=24, rounds_per_chunk=2,
-                          max_waiting=32, constraint_states=64)
+    engine = jspec.Engine(params, **SERVED_ENGINE, max_waiting=32)
     engine.warm_up()
     url, stop = running_server(engine, "tiny")
     yield url, params, engine
