@@ -13,11 +13,6 @@ state q:
   4,096 tokens keep 10,672 exceptions;
 - terminal[q]: the constraint is complete at q (a request that reaches it ends).
 
-Where the whole next-state table fits (Q x V int32 in at most `DENSE_BYTES`: small
-vocabularies, or few states), it is kept too (`dense`, [Q, V]; else [0, V]) and next(q, t)
-is one gather instead of the exceptions' binary search (about log2 E dependent gathers,
-for every level of a round's drafts and nodes: most of a small model's constrained round).
-
 A token q does not allow leads anywhere (its node is never accepted: the choice at its
 parent was masked with the parent's state). Shapes are static (capacities Q and E, powers
 of two): new constraints never recompile a program that has room for them.
@@ -35,7 +30,6 @@ from flax import struct
 from jspec.constraints.automaton import Automaton
 
 FREE = 0
-DENSE_BYTES = 1 << 26  # the largest whole next-state table kept (64 MiB)
 
 
 @struct.dataclass
@@ -47,12 +41,6 @@ class GrammarTables:
     exc_tokens: jax.Array  # [E] int32, sorted within each state
     exc_next: jax.Array  # [E] int32
     terminal: jax.Array  # [Q] bool
-    dense: jax.Array  # [Q, V] int32: next(q, t) for every pair, where it fits (`dense_rows`); else [0, V]
-
-
-def dense_rows(Q: int, V: int) -> int:
-    """The rows of the whole next-state table: Q where Q x V int32 fit `DENSE_BYTES`, else 0."""
-    return Q if Q * V * 4 <= DENSE_BYTES else 0
 
 
 def pow2(n: int, lo: int) -> int:
@@ -88,7 +76,7 @@ def empty(Q: int, E: int, V: int) -> GrammarTables:
     return GrammarTables(allowed=allowed, default=np.zeros(Q, np.int32), exc_start=np.zeros(Q, np.int32),
                          exc_end=np.zeros(Q, np.int32),
                          exc_tokens=np.full(E, np.iinfo(np.int32).max, np.int32), exc_next=np.zeros(E, np.int32),
-                         terminal=np.zeros(Q, bool), dense=np.zeros((dense_rows(Q, V), V), np.int32))
+                         terminal=np.zeros(Q, bool))
 
 
 def needs(automaton: Automaton) -> tuple[int, int]:
@@ -100,7 +88,6 @@ def write(host: GrammarTables, automaton: Automaton, q0: int, e0: int) -> None:
     """Writes `automaton` into host tables (numpy, in place): its states from q0, its
     exceptions from e0 (each state's in token order)."""
     V = host.allowed.shape[1] * 32
-    dense = host.dense.shape[0] > 0
     e = e0
     for local, (tr, (dflt, exc)) in enumerate(zip(automaton.transitions, exceptions(automaton))):
         q = q0 + local
@@ -114,10 +101,6 @@ def write(host: GrammarTables, automaton: Automaton, q0: int, e0: int) -> None:
             e += 1
         host.exc_end[q] = e
         host.terminal[q] = automaton.terminal[local]
-        if dense:
-            host.dense[q] = q0 + dflt
-            tokens = [t for t in exc if t < host.dense.shape[1]]
-            host.dense[q, tokens] = [q0 + exc[t] for t in tokens]
 
 
 def pack(automata, Q: int, E: int, V: int) -> tuple[GrammarTables, dict]:
@@ -159,7 +142,6 @@ class TableRows:
     exc_at: jax.Array  # [X] int32
     exc_tokens: jax.Array  # [X] int32
     exc_next: jax.Array  # [X] int32
-    dense: jax.Array  # [U, V] int32 (the tables' `dense` rows of `states`; [U, 0] where they keep none)
 
 
 def rows_of(host: GrammarTables, q0: int, n: int, e0: int, m: int, U: int, X: int) -> list[TableRows]:
@@ -179,8 +161,7 @@ def rows_of(host: GrammarTables, q0: int, n: int, e0: int, m: int, U: int, X: in
                              default=host.default[pick], terminal=host.terminal[pick] & live,
                              exc_start=host.exc_start[pick], exc_end=host.exc_end[pick],
                              exc_at=np.where(elive, es, E).astype(np.int32), exc_tokens=host.exc_tokens[epick],
-                             exc_next=host.exc_next[epick],
-                             dense=host.dense[pick] if host.dense.shape[0] else np.zeros((U, 0), np.int32)))
+                             exc_next=host.exc_next[epick]))
     return out
 
 
@@ -193,8 +174,7 @@ def write_rows(tables: GrammarTables, rows: TableRows) -> GrammarTables:
         exc_start=tables.exc_start.at[rows.states].set(rows.exc_start, mode="drop"),
         exc_end=tables.exc_end.at[rows.states].set(rows.exc_end, mode="drop"),
         exc_tokens=tables.exc_tokens.at[rows.exc_at].set(rows.exc_tokens, mode="drop"),
-        exc_next=tables.exc_next.at[rows.exc_at].set(rows.exc_next, mode="drop"),
-        dense=tables.dense.at[rows.states].set(rows.dense, mode="drop") if tables.dense.shape[0] else tables.dense)
+        exc_next=tables.exc_next.at[rows.exc_at].set(rows.exc_next, mode="drop"))
 
 
 def free_tables(Q: int, E: int, V: int) -> GrammarTables:
@@ -206,25 +186,13 @@ def free_tables(Q: int, E: int, V: int) -> GrammarTables:
                          default=jnp.zeros((Q,), jnp.int32), exc_start=jnp.zeros((Q,), jnp.int32),
                          exc_end=jnp.zeros((Q,), jnp.int32),
                          exc_tokens=jnp.full((E,), np.iinfo(np.int32).max, jnp.int32),
-                         exc_next=jnp.zeros((E,), jnp.int32), terminal=jnp.zeros((Q,), bool),
-                         dense=jnp.zeros((dense_rows(Q, V), V), jnp.int32))
+                         exc_next=jnp.zeros((E,), jnp.int32), terminal=jnp.zeros((Q,), bool))
 
 
 # ----------------------------------------------------------------------------- on the device
 
 def next_state(tables: GrammarTables, q, t):
-    """The state after state q emits token t (arrays of one shape, int32): one gather from
-    the whole table where the tables keep it, else a binary search of q's exceptions."""
-    if tables.dense.shape[0]:
-        V = tables.dense.shape[1]
-        inside = (t >= 0) & (t < V)
-        return jnp.where(inside, tables.dense[q, jnp.clip(t, 0, V - 1)], tables.default[q]).astype(jnp.int32)
-    return sparse_next_state(tables, q, t)
-
-
-def sparse_next_state(tables: GrammarTables, q, t):
-    """`next_state` from the exceptions alone: the first of q's exceptions >= t (a binary
-    search, about log2 E dependent gathers), its next state if it is t, else default[q]."""
+    """The state after state q emits token t (arrays of one shape, int32)."""
     E = tables.exc_tokens.shape[0]
     lo, hi = tables.exc_start[q], tables.exc_end[q]
     end = hi

@@ -107,5 +107,5 @@ class ConstraintSlots:
     def nbytes(self) -> int:
         """The tables' bytes (the device holds the same)."""
         return sum(a.nbytes for a in (self.host.allowed, self.host.default, self.host.exc_start, self.host.exc_end,
-                                      self.host.exc_tokens, self.host.exc_next, self.host.terminal, self.host.dense))
+                                      self.host.exc_tokens, self.host.exc_next, self.host.terminal))
 
