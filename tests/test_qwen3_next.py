@@ -329,25 +329,29 @@ def test_bad_config_gets_a_clear_error(models, tmp_path, edit, match):
 
 def test_prefix_cache_restores_recurrent_states(drafted):
     """The serving engine's prefix caching on a hybrid target with its MTP draft (pages of
-    8, prompt blocks of 16): the linear layers' states are saved where a prompt block ends
-    inside the prompt and restored into a request that begins with that prefix, which is
-    prefilled from there (hits stop at block ends: 16 and 32 tokens); every output equals
-    the target's greedy tokens, with its logprobs (a wrong restored state changes them
-    even where the tiny model's tokens stay the same)."""
+    4, prompt blocks of 16): the linear layers' states are saved where a prompt block ends
+    inside the prompt and at the prompt's last page boundary (its pass stops there), and
+    restored into a request that begins with that prefix, which is prefilled from there:
+    the second request shares 20 tokens of the first and finds 16 (a block's end), the
+    third all 38 and finds 36 (the first's last page boundary), a short prompt's next turn
+    the 8 of its 10 (no block ended in it). Every output equals the target's greedy
+    tokens, with its logprobs (a wrong restored state changes them even where the tiny
+    model's tokens stay the same)."""
     p = drafted["mtp"]
-    system = np.random.default_rng(2).integers(3, VOCAB, 36).tolist()
-    prompts = [system + [5, 6], system[:20] + [7, 8, 9], system + [5, 6, 4]]
+    rng = np.random.default_rng(2)
+    system, short = rng.integers(3, VOCAB, 36).tolist(), rng.integers(3, VOCAB, 10).tolist()
+    prompts = [system + [5, 6], short, system[:20] + [7, 8, 9], system + [5, 6, 4], short + [9, 9, 9]]
     want = jspec.generate(p.with_draft(None), prompts, max_new_tokens=10, stop_token_ids=[], logprobs=0)
     engine = jspec.Engine(p, max_batch=2, max_prompt_len=48, max_new_tokens=10, prefill_chunk=16,
-                          cache=jspec.CacheConfig("paged", page_size=8), rounds_per_chunk=2)
-    first = engine.generate(prompts[0], max_new_tokens=10, stop_token_ids=[], logprobs=0)
-    handles = [engine.submit(q, max_new_tokens=10, stop_token_ids=[], logprobs=0) for q in prompts[1:]]
+                          cache=jspec.CacheConfig("paged", page_size=4), rounds_per_chunk=2)
+    got = [engine.generate(q, max_new_tokens=10, stop_token_ids=[], logprobs=0) for q in prompts[:2]]
+    handles = [engine.submit(q, max_new_tokens=10, stop_token_ids=[], logprobs=0) for q in prompts[2:]]
     while engine.step():
         pass
-    got = [first] + [h.result() for h in handles]
+    got += [h.result() for h in handles]
     assert engine.plan.layout.snapshots > 0 and engine.runner.prefix_caching
     assert [o.tokens for o in got] == want.tokens
-    assert engine.stats.prefix_cache_hits == 16 + 32  # the second shares 20 tokens: one block; the third two
+    assert engine.stats.prefix_cache_hits == 16 + 36 + 8
     assert engine.stats.accept_tokens > 0
     for out, lps in zip(got, want.logprobs):
         np.testing.assert_allclose([t.logprob for t in out.logprobs], [t.logprob for t in lps], atol=2e-5)

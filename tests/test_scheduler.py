@@ -444,6 +444,39 @@ def test_a_follower_waits_for_the_state_it_will_find():
     assert d.restore == [(1, pool.lookup(b.prompt, 27)[2])]
 
 
+def test_a_pass_stops_at_the_prompts_last_page_boundary():
+    """A hybrid's pool (blocks of 16, pages of 4): a 14-token prompt's admission pass stops
+    at 12 (`Decisions.stops`), its last page boundary short of its last token, where its
+    state is saved; the next pass takes the last 2 tokens. A second request of the same
+    prompt (`n` samples) waits for that state and is admitted past 12 tokens, its first
+    block in the same pass. A prompt whose logprobs are recorded is passed whole, and so is
+    one whose last page boundary lies less than a narrow block (8) past a block's end."""
+    pages_at = lambda q, slots: -(-min(slots, len(q.prompt) + q.max_new) // 4)  # noqa: E731
+
+    def hybrid():
+        pool = PagePool(60, 4, snapshots=8, boundary=16)
+        return pool, Scheduler(2, prefill_chunk=16, width_class=lambda n: 64, rounds_per_chunk=2, max_waiting=16,
+                               pool=pool, pages_at=pages_at, chunk_slots=2, narrow_block=8)
+    pool, s = hybrid()
+    a, b = request(14, 4), request(14, 4)
+    s.add(a)
+    s.add(b)
+    d = s.schedule(now=0.0)
+    assert d.admit == [[(0, a)]] and d.stops == {0: 12} and a.state == PREFILLING and b.state == WAITING
+    assert d.save == [(0, a.snaps[12])]
+    d = s.schedule(now=1.0)
+    assert d.cached == [[(1, b)]] and b.cached == 3 and b.pages[:3] == a.pages[:3] and pool.hit_tokens == 12
+    assert d.restore == [(1, pool.lookup(b.prompt, 13)[2])] and d.prefill == [[(0, 12), (1, 12)]]
+    assert d.stops == {0: 14, 1: 14} and a.state == b.state == RUNNING and not d.save
+    _, s = hybrid()
+    c, e = request(14, 4, prompt_logprobs=1), request(22, 4)  # e: its last page boundary 20, 4 past a block's end
+    s.add(c)
+    s.add(e)
+    d = s.schedule(now=0.0)
+    assert d.stops == {0: 14, 1: 16} and c.state == RUNNING and d.save == [(1, e.snaps[16])]
+    assert s.schedule(now=1.0).stops == {1: 22} and e.state == RUNNING
+
+
 def test_a_row_with_its_last_block_in_the_call_is_not_preempted():
     """Preempting: a row whose last prompt block is queued in the call that finds the
     running rows short is not the one preempted (its block would run in a freed row)."""

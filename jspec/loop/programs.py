@@ -77,8 +77,8 @@ def pass_readback(plan: Plan, st: LoopState, rows, start) -> dict:
     return readback_window(st, st.request.prompt_len, st.rounds, 1, 0)
 
 
-def admit_fn(plan: Plan, tw, pw, st: LoopState, rows, adm: Admission):
-    st = admit(plan, tw, pw, st, rows, adm)
+def admit_fn(plan: Plan, tw, pw, st: LoopState, rows, adm: Admission, stop=None):
+    st = admit(plan, tw, pw, st, rows, adm, stop)
     return st, pass_readback(plan, st, rows, jnp.zeros_like(rows))
 
 
@@ -87,8 +87,8 @@ def advance_fn(plan: Plan, tw, pw, st: LoopState, until):
     return st, readback(st)
 
 
-def prefill_fn(plan: Plan, tw, pw, st: LoopState, rows, start):
-    st = prefill(plan, tw, pw, st, rows, start)
+def prefill_fn(plan: Plan, tw, pw, st: LoopState, rows, start, stop=None):
+    st = prefill(plan, tw, pw, st, rows, start, stop)
     return st, pass_readback(plan, st, rows, start)
 
 

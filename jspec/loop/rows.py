@@ -27,7 +27,7 @@ def row_mask(batch: int, rows) -> jax.Array:
     return jnp.zeros((batch,), bool).at[rows].set(True, mode="drop")
 
 
-def admit(plan: Plan, tw, pw, st: LoopState, rows, adm: Admission) -> LoopState:
+def admit(plan: Plan, tw, pw, st: LoopState, rows, adm: Admission, stop=None) -> LoopState:
     """Puts the A requests of `adm` into rows `rows` [A] (an index >= B: no request, a
     padding entry; each named row's old pages are returned first), reserves the room of
     their whole prompts and prefills them: the target over their prompts, the first token
@@ -36,10 +36,13 @@ def admit(plan: Plan, tw, pw, st: LoopState, rows, adm: Admission) -> LoopState:
 
     With `plan.prefill_chunk` = C > 0 this pass takes the prompts' first C tokens; a row
     whose prompt is longer waits, parked (finished, reason RUNNING, holding its pages),
-    for `prefill` to take the rest C tokens at a time, between rounds of the others."""
+    for `prefill` to take the rest C tokens at a time, between rounds of the others.
+    stop [A] (None: none): the slot each row's pass stops at, before its block's end (see
+    `prompt_pass`)."""
     st, live = setup(plan, st, rows, adm)
     C = plan.prefill_chunk or adm.prompt.shape[1]
-    return prompt_pass(plan, tw, pw, st, rows, jnp.zeros(rows.shape, jnp.int32), adm.prompt[:, :C], live, first=True)
+    return prompt_pass(plan, tw, pw, st, rows, jnp.zeros(rows.shape, jnp.int32), adm.prompt[:, :C], live, first=True,
+                       stop=stop)
 
 
 def admit_cached(plan: Plan, tw, pw, st: LoopState, rows, adm: Admission) -> LoopState:
@@ -88,12 +91,13 @@ def setup(plan: Plan, st: LoopState, rows, adm: Admission) -> tuple[LoopState, j
     return st, active[jnp.minimum(rows, B - 1)] & (rows < B)
 
 
-def prefill(plan: Plan, tw, pw, st: LoopState, rows, start) -> LoopState:
+def prefill(plan: Plan, tw, pw, st: LoopState, rows, start, stop=None) -> LoopState:
     """The next C = `plan.prefill_chunk` prompt tokens of parked rows `rows` [A] (see
     `admit`), from slot `start` [A] on (below the prompt's length): the
     target attends to the slots before `start` in its cache and to the block causally;
-    rows whose prompt ends in this block choose their first token and run. A dense cache
-    is read by batch position: there rows[a] must be a (or >= B, no row), as
+    rows whose prompt ends in this block choose their first token and run; stop [A] (None:
+    none): the slot each row's pass stops at, before its block's end (see `prompt_pass`).
+    A dense cache is read by batch position: there rows[a] must be a (or >= B, no row), as
     `prefill_rest` passes them."""
     if not plan.prefill_chunk:
         raise ValueError("prefill in chunks needs Plan.prefill_chunk > 0")
@@ -101,7 +105,7 @@ def prefill(plan: Plan, tw, pw, st: LoopState, rows, start) -> LoopState:
     at = jnp.minimum(start[:, None] + jnp.arange(C, dtype=jnp.int32)[None, :], st.tokens.shape[1] - 1)
     tokens = jnp.take_along_axis(st.tokens[jnp.minimum(rows, B - 1)], at, axis=1)  # [A, C] (past the prompt: unused)
     live = (rows < B) & (st.reason[jnp.minimum(rows, B - 1)] == RUNNING)
-    return prompt_pass(plan, tw, pw, st, rows, start, tokens, live, first=False)
+    return prompt_pass(plan, tw, pw, st, rows, start, tokens, live, first=False, stop=stop)
 
 
 def prefill_rest(plan: Plan, tw, pw, st: LoopState, rows) -> LoopState:
@@ -120,11 +124,14 @@ def prefill_rest(plan: Plan, tw, pw, st: LoopState, rows) -> LoopState:
     return jax.lax.fori_loop(1, blocks, block, st)
 
 
-def prompt_pass(plan: Plan, tw, pw, st: LoopState, rows, start, tokens, live, first: bool) -> LoopState:
+def prompt_pass(plan: Plan, tw, pw, st: LoopState, rows, start, tokens, live, first: bool, stop=None) -> LoopState:
     """One pass of admitted rows `rows` [A] over their prompt tokens [A, C] from slot
     `start` [A] (live [A]: rows with room). first (static): the prompts' first block (no
     prefix: prefill attention, recurrent states from zero). Rows whose prompt ends in the
-    block get their first token (position = prompt length) and run; the others are parked."""
+    block get their first token (position = prompt length) and run; the others are parked.
+    stop [A] (None: none): a row's pass ends at this slot where it lies inside the block
+    before the prompt's end, the row parked there (its caches and states hold the prompt
+    up to it: a hybrid's state at a page boundary, saved for prefix caching)."""
     B, V = plan.batch, plan.target.vocab_size
     A, C = tokens.shape
 
@@ -136,8 +143,9 @@ def prompt_pass(plan: Plan, tw, pw, st: LoopState, rows, start, tokens, live, fi
 
     req = jax.tree.map(take, st.request)
     lens = req.prompt_len  # [A]
-    count = jnp.clip(lens - start, 0, C)  # this block's prompt tokens
-    ends = live & (start + C >= lens)  # [A] the prompt ends in this block
+    end = lens if stop is None else jnp.minimum(lens, stop)  # [A] where this pass stops
+    count = jnp.clip(end - start, 0, C)  # this block's prompt tokens
+    ends = live & (start + count >= lens)  # [A] the prompt ends in this block
     ar = jnp.arange(C, dtype=jnp.int32)[None, :]
     meta = plan.layout.meta(st.pages, positions=start[:, None] + ar, prefix_len=start,
                             local_mask=causal_mask(count, C), write_valid=(ar < count[:, None]) & live[:, None],
@@ -155,7 +163,7 @@ def prompt_pass(plan: Plan, tw, pw, st: LoopState, rows, start, tokens, live, fi
     if st.grammar is not None:  # the first token as the row's constraint allows
         processed = gt.mask_logits(st.grammar.tables, take(st.grammar.state)[:, None], processed)
     first_token = sampling.choose(plan.sampling, processed, req.sampling, lens[:, None], history)[:, 0]  # position len
-    following = jnp.take_along_axis(take(st.tokens), jnp.minimum(start + C, st.tokens.shape[1] - 1)[:, None],
+    following = jnp.take_along_axis(take(st.tokens), jnp.minimum(start + count, st.tokens.shape[1] - 1)[:, None],
                                     axis=1)[:, 0]  # the next prompt token of a parked row
     if plan.logprobs:
         lp = st.logprobs

@@ -488,12 +488,13 @@ class Engine:
         passes = []
         for group in d.admit:
             rows, reqs = [r for r, _ in group], rq.Requests.concat([q.reqs for _, q in group])
-            passes.append((self.runner.admit(rows, reqs, group[0][1].prompt_logprobs), dict(group)))
+            passes.append((self.runner.admit(rows, reqs, group[0][1].prompt_logprobs, [d.stops[r] for r in rows]),
+                           dict(group)))
             self.stats.admitted += len(group)
         for blocks, width in zip(d.prefill, d.widths):
             rows = {r: self.scheduler.rows[r] for r, _ in blocks}
             logprobs = next(iter(rows.values())).prompt_logprobs
-            passes.append((self.runner.prefill(blocks, width, logprobs), rows))
+            passes.append((self.runner.prefill(blocks, width, logprobs, [d.stops[r] for r, _ in blocks]), rows))
             self.stats.prefill_passes += 1
         if d.save:  # a hybrid's states where a prompt block ended: a prefix's, for later requests
             self.runner.save_states(d.save)

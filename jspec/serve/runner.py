@@ -200,28 +200,39 @@ class Runner:
         self.launch_s += time.thread_time() - t0
         return out
 
-    def _admit_inputs(self, rows: list[int], reqs: rq.Requests, width: int):
+    def _admit_inputs(self, rows: list[int], reqs: rq.Requests, width: int, stops: list[int] | None = None):
         A = self.bucket(len(rows))
         packed_rows, adm = rq.pack(self.plan, reqs, self.cache, self.offsets if self.slots is not None else None)
         packed_rows[:len(rows)] = rows
         adm = adm.replace(prompt=adm.prompt[:, :width])
-        return self.put((packed_rows[:A], jax.tree.map(lambda a: a[:A], adm)))
+        return self.put((packed_rows[:A], jax.tree.map(lambda a: a[:A], adm), self._stops(A, stops)))
 
-    def admit(self, rows: list[int], reqs: rq.Requests, prompt_logprobs: bool = False):
+    @staticmethod
+    def _stops(A: int, stops: list[int] | None) -> np.ndarray:
+        """[A] the slots the rows' passes stop at (`jspec.loop.rows.prompt_pass`; None or
+        padding: none before their blocks' ends)."""
+        out = np.full((A,), np.iinfo(np.int32).max, np.int32)
+        out[:len(stops or ())] = stops or ()
+        return out
+
+    def admit(self, rows: list[int], reqs: rq.Requests, prompt_logprobs: bool = False,
+              stops: list[int] | None = None):
         """Dispatches the admission of requests `reqs` (one per row of `rows`) -> its window
-        readback (on the device). Their prompts' first blocks are passed."""
+        readback (on the device). Their prompts' first blocks are passed, each up to its
+        slot of `stops` at most (None: whole blocks)."""
         width = self.width_class(max(reqs.lens))
-        rows_dev, adm = self._admit_inputs(rows, reqs, width)
+        args = (self.state, *self._admit_inputs(rows, reqs, width, stops))
         plan = self.plan.variant(sampling=True, prompt_logprobs=prompt_logprobs)
-        program = self._program(("admit", len(rows_dev), width, prompt_logprobs), programs.admit_jit, plan,
-                                (self.state, rows_dev, adm))
-        self.state, back = self._call(program, self.state, rows_dev, adm)
+        program = self._program(("admit", len(args[1]), width, prompt_logprobs), programs.admit_jit, plan, args)
+        self.state, back = self._call(program, *args)
         return back
 
-    def prefill(self, blocks: list[tuple[int, int]], width: int | None = None, prompt_logprobs: bool = False):
+    def prefill(self, blocks: list[tuple[int, int]], width: int | None = None, prompt_logprobs: bool = False,
+                stops: list[int] | None = None):
         """Dispatches the next block of parked rows: (row, first slot of the block) each ->
         the window readback. width: the block's tokens, `prefill_chunk` (None), `narrow`
-        (every prompt ends within it) or `wide` (one row)."""
+        (every prompt ends within it) or `wide` (one row); stops: the slot each row's block
+        stops at, if before its end (None: whole blocks)."""
         width = width or self.prefill_chunk
         if width not in (self.prefill_chunk, self.narrow, self.wide) or (width == self.wide and len(blocks) > 1):
             raise ValueError(f"no prefill program of {len(blocks)} rows of {width} tokens")
@@ -230,13 +241,12 @@ class Runner:
         start = np.zeros((A,), np.int32)
         rows[:len(blocks)] = [r for r, _ in blocks]
         start[:len(blocks)] = [s for _, s in blocks]
-        rows_dev, start_dev = self.put((rows, start))
+        args = (self.state, *self.put((rows, start, self._stops(A, stops))))
         self.narrow_passes += width < self.prefill_chunk
         self.wide_passes += width > self.prefill_chunk
         plan = self.plan.variant(sampling=True, prompt_logprobs=prompt_logprobs, prefill_chunk=width)
-        program = self._program(("prefill", A, prompt_logprobs, width), programs.prefill_jit, plan,
-                                (self.state, rows_dev, start_dev))
-        self.state, back = self._call(program, self.state, rows_dev, start_dev)
+        program = self._program(("prefill", A, prompt_logprobs, width), programs.prefill_jit, plan, args)
+        self.state, back = self._call(program, *args)
         return back
 
     def admit_cached(self, rows: list[int], reqs: rq.Requests) -> None:
@@ -245,8 +255,8 @@ class Runner:
         requests (their prompt arrays are the longest prompt's width)."""
         P = self.pass_rows
         for i in range(0, len(rows), P):
-            rows_dev, adm = self._admit_inputs(rows[i:i + P], reqs.take(range(i, min(i + P, len(rows)))),
-                                               self.plan.prompt_len)
+            rows_dev, adm, _ = self._admit_inputs(rows[i:i + P], reqs.take(range(i, min(i + P, len(rows)))),
+                                                  self.plan.prompt_len)
             args = (self.state, rows_dev, adm)
             program = self._program(("admit_cached", len(rows_dev)), programs.admit_cached_jit, self.plan, args)
             self.state = self._call(program, *args)
@@ -346,7 +356,8 @@ class Runner:
                     args = (self.state, *self._admit_inputs(list(range(A)), dummy.take(range(A)), width))
                     out.append((("admit", A, width, lp), programs.admit_jit, plan, args))
                 if self.prefill_chunk:
-                    args = (self.state, *self.put((np.zeros((A,), np.int32), np.zeros((A,), np.int32))))
+                    args = (self.state, *self.put((np.zeros((A,), np.int32), np.zeros((A,), np.int32),
+                                                   self._stops(A, None))))
                     others = (self.narrow, self.wide if A == 1 else 0) if not lp else ()
                     for width in [self.prefill_chunk] + [w for w in others if w]:
                         out.append((("prefill", A, lp, width), programs.prefill_jit,
@@ -370,7 +381,7 @@ class Runner:
                     (("load_states",), programs.load_states_jit, self.plan, (self.state, *args))]
         if self.prefix_caching:
             for A in buckets(self.pass_rows):
-                args = (self.state, *self._admit_inputs(list(range(A)), dummy.take(range(A)), self.plan.prompt_len))
+                args = (self.state, *self._admit_inputs(list(range(A)), dummy.take(range(A)), self.plan.prompt_len)[:2])
                 out.append((("admit_cached", A), programs.admit_cached_jit, self.plan, args))
         return out
 

@@ -43,8 +43,10 @@ written: requests with a new common prefix admitted together share it), a prefil
 block's at the next `schedule` (a block of a request admitted in the same call may run
 in the same pass); when a row is evicted, those of its output too (`cache_margin` slots
 short of its end, where a draft's cache may lag). A hybrid target's recurrent states are
-saved where a prompt block ends inside the prompt (`Decisions.save`) and attached to the
-page that ends there at the next call; a hit restores them (`Decisions.restore`).
+saved where a prompt block ends inside the prompt and at its *state point*, the prompt's
+last page boundary before its last token (`_state_point`: the pass that would cross it
+stops there, `Decisions.stops`, and the next takes the rest), and attached to the page
+that ends there at the next call; a hit restores them (`Decisions.restore`).
 
 Order of work in one `schedule`: cache the pages (and hybrid states) of the passes of
 earlier calls; evict the rows of done requests; the next block of every prompt that is
@@ -165,6 +167,7 @@ class Decisions:
     cached: list[list[tuple[int, Request]]] = dataclasses.field(default_factory=list)  # admissions with no pass
     restore: list[tuple[int, int]] = dataclasses.field(default_factory=list)  # (row, snapshot) after `cached`
     save: list[tuple[int, int]] = dataclasses.field(default_factory=list)  # (row, snapshot) after the passes
+    stops: dict[int, int] = dataclasses.field(default_factory=dict)  # row -> the slot its pass in this call stops at
 
 
 class Scheduler:
@@ -394,7 +397,7 @@ class Scheduler:
                     d.restore.append((row, slot))
                 self._next_block(row, q, d)
                 continue
-            q.prefilled = min(len(q.prompt), self.prefill_chunk or len(q.prompt))
+            q.prefilled = d.stops[row] = self._pass_end(q, 0, self.prefill_chunk or len(q.prompt))
             if q.prefilled == len(q.prompt):
                 q.state = RUNNING
             if self.pool is not None:
@@ -408,21 +411,24 @@ class Scheduler:
 
     def _follows(self, head: Request, found: int) -> bool:
         """Whether a request in a row will cache at least a block more of head's prompt
-        than the `found` tokens head finds now (its prompt begins with those tokens and its
-        passes have not cached them yet): head then waits for it, rather than compute what
-        it computes (`n` samples of one prompt, requests with a new common prefix)."""
-        t = found + self.prefill_chunk  # a block's worth more
-        if t > len(head.prompt) - 1:
-            return False
-        want = head.prompt[:t]
-        return any(self._will_cache(q, t) and q.state != DONE and q.prompt[:t] == want for q in self.rows.values())
+        than the `found` tokens head finds now, or (pools that keep snapshots) its prefix
+        up to its state point, deeper than `found` (its prompt begins with those tokens and
+        its passes have not cached them yet): head then waits for it, rather than compute
+        what it computes (`n` samples of one prompt, requests with a new common prefix)."""
+        for q in self.rows.values():
+            for t in {found + self.prefill_chunk, self._state_point(q)}:  # a block's worth more; q's state point
+                if found < t <= len(head.prompt) - 1 and q.state != DONE and self._will_cache(q, t) \
+                        and q.prompt[:t] == head.prompt[:t]:
+                    return True
+        return False
 
     def _will_cache(self, q: Request, t: int) -> bool:
         """Whether q's passes are yet to make a hit of its first t prompt tokens findable:
         their pages not registered yet, or (pools that keep snapshots, where a hit needs a
         saved state at its end) the state at t neither attached nor passed by without one."""
         if self.pool.snapshots:
-            return t < len(q.prompt) and t % self.pool.boundary == 0 and (t in q.snaps or t > q.prefilled)
+            at = t % self.pool.boundary == 0 or t == self._state_point(q)
+            return t < len(q.prompt) and at and (t in q.snaps or t > q.prefilled)
         return q.registered * self.pool.page_size < t <= len(q.prompt) - 1
 
     def short_block(self, q: Request, start: int) -> bool:
@@ -447,17 +453,39 @@ class Scheduler:
         """A block of q's prompt, `width` tokens wide, was dispatched: how far it got. (Its
         pages are cached at the next call: a request admitted in this one may have its first
         block in the same prefill pass, which must not read pages that pass writes.)"""
-        q.prefilled = min(len(q.prompt), q.prefilled + width)
+        q.prefilled = d.stops[row] = self._pass_end(q, q.prefilled, width)
         if q.prefilled == len(q.prompt):
             q.state = RUNNING
         elif self.pool is not None:
             self._snapshot(row, q, d)
 
+    def _state_point(self, q: Request) -> int:
+        """Where a pool that keeps snapshots saves q's state besides its blocks' ends: the
+        last page boundary before its prompt's last token, as deep as a later request with
+        the same prompt can find it (`PagePool.lookup` takes all but the last token), where
+        it lies at least `narrow_block` tokens past the last block's end before it (the pass
+        it adds costs about a narrow block's); 0: none (nor for a prompt whose logprobs are
+        recorded, or a pool that keeps no snapshots)."""
+        if not (self.pool is not None and self.pool.snapshots and self.pool.prefix_caching) or q.prompt_logprobs:
+            return 0
+        point = (len(q.prompt) - 1) // self.pool.page_size * self.pool.page_size
+        return point if point % self.prefill_chunk >= max(self.narrow_block, 1) else 0
+
+    def _pass_end(self, q: Request, start: int, width: int) -> int:
+        """Where a pass of `width` tokens of q's prompt from slot `start` stops: the prompt's
+        end or the block's, or q's state point where it lies between (the pass then stops
+        there, its state saved, and the next pass takes the rest: a short prompt's prefix,
+        or a long one's past its last whole block, is found by later requests)."""
+        end = min(len(q.prompt), start + width)
+        point = self._state_point(q)
+        return point if start < point < end else end
+
     def _snapshot(self, row: int, q: Request, d: Decisions) -> None:
-        """A pass that ends inside q's prompt on a snapshot boundary: its state saved there
-        (pools that keep snapshots)."""
+        """A pass that ends inside q's prompt on a snapshot boundary (a block's end, or its
+        state point): its state saved there (pools that keep snapshots)."""
         b = q.prefilled
-        if self.pool.snapshots and self.pool.prefix_caching and b < len(q.prompt) and b % self.pool.boundary == 0:
+        at = b % self.pool.boundary == 0 or b == self._state_point(q) if self.pool.snapshots else False
+        if self.pool.snapshots and self.pool.prefix_caching and b < len(q.prompt) and at:
             slot = self.pool.snapshot_slot()
             if slot is not None:
                 q.snaps[b] = slot
