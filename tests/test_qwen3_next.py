@@ -330,13 +330,15 @@ def test_bad_config_gets_a_clear_error(models, tmp_path, edit, match):
 def test_prefix_cache_restores_recurrent_states(drafted):
     """The serving engine's prefix caching on a hybrid target with its MTP draft (pages of
     4, prompt blocks of 16): the linear layers' states are saved where a prompt block ends
-    inside the prompt and at the prompt's last page boundary (its pass stops there), and
-    restored into a request that begins with that prefix, which is prefilled from there:
-    the second request shares 20 tokens of the first and finds 16 (a block's end), the
-    third all 38 and finds 36 (the first's last page boundary), a short prompt's next turn
-    the 8 of its 10 (no block ended in it). Every output equals the target's greedy
-    tokens, with its logprobs (a wrong restored state changes them even where the tiny
-    model's tokens stay the same)."""
+    inside the prompt and at the prompt's last page boundary (a pass stops there), and
+    restored into a request that begins with that prefix, which is prefilled from there.
+    Run one after the other, a 38-token prompt and
+    a 10-token one; then, together: one sharing 20 tokens of the first finds 16 (a block's
+    end), one sharing all 38 finds 36 (the first's last page boundary), the short one's
+    next turn 8 of its 10 (no block ended in it). (Where a shared prefix found ends is
+    tested in `tests/test_scheduler.py`: here the engine's 4 snapshots would be reused
+    before it.) Every output equals the target's greedy tokens, with its logprobs (a
+    wrong restored state changes them even where the tiny model's tokens stay the same)."""
     p = drafted["mtp"]
     rng = np.random.default_rng(2)
     system, short = rng.integers(3, VOCAB, 36).tolist(), rng.integers(3, VOCAB, 10).tolist()

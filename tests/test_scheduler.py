@@ -397,9 +397,11 @@ def test_prefix_cache_hits_share_pages():
 
 def test_snapshots_of_a_cached_admission_attach_where_they_were_saved():
     """A hybrid's pool (snapshots at every block of 8, pages of 4): a request admitted past
-    a cached prefix saves its states at the ends of its later blocks, and each attaches to
-    the page that ends there (its pages counted from the first past the prefix), so that
-    its own prompt looked up again finds the state saved at its deepest boundary."""
+    a cached prefix (8 tokens with a state, 12 cached) saves its states where the cached
+    prefix ends (its first pass stops there) and at the ends of its later blocks (the next
+    pass stops at 16), and each attaches to the page that ends there (its pages counted
+    from the first past the prefix), so that its own prompt looked up again finds the
+    state saved at its deepest boundary."""
     pages_at = lambda q, slots: -(-min(slots, len(q.prompt) + q.max_new) // 4)  # noqa: E731
     pool = PagePool(60, 4, snapshots=8, boundary=8)
     s = Scheduler(2, prefill_chunk=8, width_class=lambda n: 64, rounds_per_chunk=2, max_waiting=16, pool=pool,
@@ -417,7 +419,7 @@ def test_snapshots_of_a_cached_admission_attach_where_they_were_saved():
         if t == 6:
             assert d.cached == [[(1, b)]] and b.cached == 2  # a's 8 tokens with a state (page 3's key holds token 16)
         saved.update({b.prefilled: slot for row, slot in d.save if row == 1})
-    assert sorted(saved) == [16, 24, 32]
+    assert sorted(saved) == [12, 16, 24, 32]
     pages, _, slot = pool.lookup(b.prompt, len(b.prompt) - 1)  # a's pages while they match (b's copies stay its own)
     assert pages == a.pages[:3] + b.pages[3:8] and slot == saved[32]
 
@@ -470,11 +472,40 @@ def test_a_pass_stops_at_the_prompts_last_page_boundary():
     assert d.stops == {0: 14, 1: 14} and a.state == b.state == RUNNING and not d.save
     _, s = hybrid()
     c, e = request(14, 4, prompt_logprobs=1), request(22, 4)  # e: its last page boundary 20, 4 past a block's end
+    e.prompt = [50 + i for i in range(22)]  # nothing in common with c
     s.add(c)
     s.add(e)
     d = s.schedule(now=0.0)
     assert d.stops == {0: 14, 1: 16} and c.state == RUNNING and d.save == [(1, e.snaps[16])]
     assert s.schedule(now=1.0).stops == {1: 22} and e.state == RUNNING
+
+
+def test_a_shared_prefix_past_the_last_state_is_saved_for_the_next_request():
+    """A hybrid's pool (blocks of 16, pages of 4): three requests share a 22-token prefix.
+    The first's states are saved at 16 (a block's end) and 28 (its last page boundary);
+    the second finds 16 tokens with a state and 20 cached, so its first pass stops at 20,
+    where its state is saved and attached to the first's page; the third, arriving with
+    it, waits for that state and finds all 20."""
+    pages_at = lambda q, slots: -(-min(slots, len(q.prompt) + q.max_new) // 4)  # noqa: E731
+    pool = PagePool(60, 4, snapshots=8, boundary=16)
+    s = Scheduler(3, prefill_chunk=16, width_class=lambda n: 64, rounds_per_chunk=2, max_waiting=16, pool=pool,
+                  pages_at=pages_at, chunk_slots=2, narrow_block=4)
+    a, b, c = request(30, 4), request(30, 4), request(30, 4)
+    b.prompt, c.prompt = (a.prompt[:22] + [90 + i + k for i in range(8)] for k in (0, 10))
+    s.add(a)
+    saved = {}
+    for t in range(4):
+        d = s.schedule(now=float(t))
+        saved.update({a.prefilled: slot for row, slot in d.save if row == 0})
+    assert sorted(saved) == [16, 28] and a.state == RUNNING
+    s.add(b)
+    s.add(c)
+    d = s.schedule(now=4.0)
+    assert d.cached == [[(1, b)]] and b.cached == 4 and b.shared == 20 and d.stops[1] == 20
+    assert d.save == [(1, b.snaps[20])] and c.state == WAITING
+    d = s.schedule(now=5.0)
+    assert d.cached == [[(2, c)]] and c.cached == 5 and c.pages[:5] == a.pages[:5] and pool.hit_tokens == 16 + 20
+    assert d.restore == [(2, pool.lookup(a.prompt, 20)[2])] and d.stops == {1: 28, 2: 28}  # their last page boundaries
 
 
 def test_a_row_with_its_last_block_in_the_call_is_not_preempted():

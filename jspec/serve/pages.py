@@ -108,15 +108,7 @@ class PagePool:
         """The cached pages of the longest prefix of `tokens` of at most `most` tokens ->
         (pages, the node id of the last, ROOT if none; the slot of its state snapshot, None
         if the pool keeps none). The metrics count a query when it is used (`count`)."""
-        P = self.page_size
-        pages, nodes = [], [ROOT]
-        if self.prefix_caching:
-            for j in range(min(most, len(tokens) - self.next_token) // P):
-                hit = self.nodes.get(self.key(nodes[-1], tokens[j * P:j * P + self.key_len]))
-                if hit is None:
-                    break
-                nodes.append(hit[0])
-                pages.append(hit[1])
+        pages, nodes = self._walk(tokens, most)
         slot = None
         if self.snapshots:  # only as deep as a saved state
             while pages and nodes[-1] not in self.slot_of:
@@ -126,6 +118,26 @@ class PagePool:
                 slot = self.slot_of[nodes[-1]]
                 self.node_of_slot.move_to_end(slot)
         return pages, nodes[-1], slot
+
+    def _walk(self, tokens: Sequence[int], most: int) -> tuple[list[int], list[int]]:
+        """The cached pages of the longest prefix of `tokens` of at most `most` tokens and
+        their nodes (ROOT first), whether or not a state snapshot is saved at its end."""
+        P = self.page_size
+        pages, nodes = [], [ROOT]
+        if self.prefix_caching:
+            for j in range(min(most, len(tokens) - self.next_token) // P):
+                hit = self.nodes.get(self.key(nodes[-1], tokens[j * P:j * P + self.key_len]))
+                if hit is None:
+                    break
+                nodes.append(hit[0])
+                pages.append(hit[1])
+        return pages, nodes
+
+    def cached_depth(self, tokens: Sequence[int], most: int) -> int:
+        """Tokens of the longest cached prefix of `tokens` (at most `most`), as `lookup`
+        would find them if a snapshot were saved at its end (a pool that keeps them: a
+        prefix another request shares, which a state saved there would make a hit)."""
+        return len(self._walk(tokens, most)[0]) * self.page_size
 
     def count(self, query: int, hit: int) -> None:
         """A prompt of `query` tokens looked up, `hit` of them found (the metrics)."""

@@ -43,10 +43,11 @@ written: requests with a new common prefix admitted together share it), a prefil
 block's at the next `schedule` (a block of a request admitted in the same call may run
 in the same pass); when a row is evicted, those of its output too (`cache_margin` slots
 short of its end, where a draft's cache may lag). A hybrid target's recurrent states are
-saved where a prompt block ends inside the prompt and at its *state point*, the prompt's
-last page boundary before its last token (`_state_point`: the pass that would cross it
-stops there, `Decisions.stops`, and the next takes the rest), and attached to the page
-that ends there at the next call; a hit restores them (`Decisions.restore`).
+saved where a prompt block ends inside the prompt and at its *state points*: the prompt's
+last page boundary before its last token, and the end of a cached prefix it found deeper
+than a saved state (`_state_points`: the pass that would cross one stops there,
+`Decisions.stops`, and the next takes the rest); each is attached to the page that ends
+there at the next call; a hit restores them (`Decisions.restore`).
 
 Order of work in one `schedule`: cache the pages (and hybrid states) of the passes of
 earlier calls; evict the rows of done requests; the next block of every prompt that is
@@ -98,6 +99,7 @@ class Request:
     nodes: list = dataclasses.field(default_factory=list)  # the cache node of each page it registered, from `cached` on
     registered: int = 0  # its pages registered in (or found in) the prefix cache
     snaps: dict = dataclasses.field(default_factory=dict)  # prompt slot -> the pending state snapshot saved there
+    shared: int = 0  # the cached prefix it found deeper than a saved state (a hybrid's; a state point)
     output: list = dataclasses.field(default_factory=list)  # the tokens generated so far (the engine appends them)
     preemptions: int = 0
     accepts: list = dataclasses.field(default_factory=list)  # (tier, accept lengths) a chunk, until the chooser reads them
@@ -128,6 +130,7 @@ class Request:
         self.__post_init__()
         self.state, self.row, self.prefilled, self.generated, self.rounds = WAITING, None, 0, 0, 0
         self.pages, self.cached, self.node, self.nodes, self.registered, self.snaps = [], 0, 0, [], 0, {}
+        self.shared = 0
         self.preemptions += 1
 
 
@@ -373,6 +376,8 @@ class Scheduler:
             if self.pool is not None:
                 if caching and not head.prompt_logprobs:
                     hit, node, slot = self.pool.lookup(head.prompt, len(head.prompt) - 1)
+                    if self.pool.snapshots:
+                        head.shared = self.pool.cached_depth(head.prompt, len(head.prompt) - 1)
                     if self._follows(head, len(hit) * self.pool.page_size):
                         break
                 slots = len(head.prompt) + 1 + self.chunk_slots if self.preempting else 1 << 62
@@ -416,7 +421,7 @@ class Scheduler:
         its passes have not cached them yet): head then waits for it, rather than compute
         what it computes (`n` samples of one prompt, requests with a new common prefix)."""
         for q in self.rows.values():
-            for t in {found + self.prefill_chunk, self._state_point(q)}:  # a block's worth more; q's state point
+            for t in {found + self.prefill_chunk, *self._state_points(q)}:  # a block's worth more; q's state points
                 if found < t <= len(head.prompt) - 1 and q.state != DONE and self._will_cache(q, t) \
                         and q.prompt[:t] == head.prompt[:t]:
                     return True
@@ -427,7 +432,7 @@ class Scheduler:
         their pages not registered yet, or (pools that keep snapshots, where a hit needs a
         saved state at its end) the state at t neither attached nor passed by without one."""
         if self.pool.snapshots:
-            at = t % self.pool.boundary == 0 or t == self._state_point(q)
+            at = t % self.pool.boundary == 0 or t in self._state_points(q)
             return t < len(q.prompt) and at and (t in q.snaps or t > q.prefilled)
         return q.registered * self.pool.page_size < t <= len(q.prompt) - 1
 
@@ -459,32 +464,38 @@ class Scheduler:
         elif self.pool is not None:
             self._snapshot(row, q, d)
 
-    def _state_point(self, q: Request) -> int:
-        """Where a pool that keeps snapshots saves q's state besides its blocks' ends: the
-        last page boundary before its prompt's last token, as deep as a later request with
-        the same prompt can find it (`PagePool.lookup` takes all but the last token), where
-        it lies at least `narrow_block` tokens past the last block's end before it (the pass
-        it adds costs about a narrow block's); 0: none (nor for a prompt whose logprobs are
-        recorded, or a pool that keeps no snapshots)."""
+    def _state_points(self, q: Request) -> list[int]:
+        """Where a pool that keeps snapshots saves q's state besides its blocks' ends, in
+        order: the end of the cached prefix it found deeper than a saved state (`shared`:
+        another request's prompt began so; the requests that share it after q find it
+        whole), and the last page boundary before its prompt's last token, as deep as a
+        later request with the same prompt can find it (`PagePool.lookup` takes all but the
+        last token). Each only where it lies at least `narrow_block` tokens past the last
+        block's end before it (the pass it adds costs about a narrow block's); none for a
+        prompt whose logprobs are recorded, or a pool that keeps no snapshots."""
         if not (self.pool is not None and self.pool.snapshots and self.pool.prefix_caching) or q.prompt_logprobs:
-            return 0
-        point = (len(q.prompt) - 1) // self.pool.page_size * self.pool.page_size
-        return point if point % self.prefill_chunk >= max(self.narrow_block, 1) else 0
+            return []
+        last = (len(q.prompt) - 1) // self.pool.page_size * self.pool.page_size
+        return sorted({t for t in (q.shared, last) if t % self.prefill_chunk >= max(self.narrow_block, 1)})
 
     def _pass_end(self, q: Request, start: int, width: int) -> int:
         """Where a pass of `width` tokens of q's prompt from slot `start` stops: the prompt's
-        end or the block's, or q's state point where it lies between (the pass then stops
-        there, its state saved, and the next pass takes the rest: a short prompt's prefix,
-        or a long one's past its last whole block, is found by later requests)."""
+        end or the block's, or q's first state point between (the pass then stops there,
+        its state saved, and the next pass takes the rest: a prefix other requests share,
+        a short prompt's, or a long one's past its last whole block, is found by later
+        requests). Where the pool keeps snapshots a pass that starts past a state point
+        (or a hit there) stops at the next multiple of the block, so that the later passes
+        end, and save their states, at whole blocks."""
         end = min(len(q.prompt), start + width)
-        point = self._state_point(q)
-        return point if start < point < end else end
+        if self.pool is not None and self.pool.snapshots and self.pool.prefix_caching and self.prefill_chunk:
+            end = min(end, (start // self.prefill_chunk + 1) * self.prefill_chunk)
+        return next((t for t in self._state_points(q) if start < t < end), end)
 
     def _snapshot(self, row: int, q: Request, d: Decisions) -> None:
         """A pass that ends inside q's prompt on a snapshot boundary (a block's end, or its
         state point): its state saved there (pools that keep snapshots)."""
         b = q.prefilled
-        at = b % self.pool.boundary == 0 or b == self._state_point(q) if self.pool.snapshots else False
+        at = b % self.pool.boundary == 0 or b in self._state_points(q) if self.pool.snapshots else False
         if self.pool.snapshots and self.pool.prefix_caching and b < len(q.prompt) and at:
             slot = self.pool.snapshot_slot()
             if slot is not None:
