@@ -67,6 +67,26 @@ def test_ttt_unroll_shapes(target, monkeypatch):
     assert float(jnp.abs(grads["midlayer"]["self_attn"]["qkv_proj"]["kernel"]).sum()) > 0
 
 
+def test_ttt_differentiates_over_many_cache_slots(target):
+    """Over more cache slots than the reference attends at once (1,024: it then runs an
+    online softmax over blocks of them; 3 steps of 350 tokens fill 1,050), the TTT loss
+    has gradients (its meta's `differentiable`: the loops' bounds static), as the
+    bundle's recipe (5 steps of 512 tokens) needs on a GPU."""
+    from jspec.kernels.attention.decode import REFERENCE_BLOCK_K
+    from jspec.train import ttt_loss
+    cfg = Eagle3TrainConfig(ttt_steps=3, draft_vocab_size=50, compute_dtype="float32")
+    d = head_config(target, cfg, aux_layers=AUX)
+    d2t = draft_vocab(np.arange(300)[::-1].astype(np.int64), 50)
+    params = init_head(target, d, d2t, 0)
+    T = 350
+    assert 3 * T > REFERENCE_BLOCK_K
+    tokens = jnp.asarray(np.random.RandomState(0).randint(3, 300, (1, T)), jnp.int32)
+    grads = jax.jit(jax.grad(lambda p, tw: ttt_loss(p, d, jnp.asarray(d2t), tw, target.config, tokens, 3)[0]))(
+        params, target.weights)
+    chex.assert_tree_all_finite(grads)
+    assert float(jnp.abs(grads["midlayer"]["self_attn"]["qkv_proj"]["kernel"]).sum()) > 0
+
+
 def test_ttt_step0_equals_inference_extend(target, with_draft):
     """Training step 0 computes exactly what the inference draft-extend computes."""
     p = with_draft("eagle3")

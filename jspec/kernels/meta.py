@@ -50,6 +50,9 @@ class AttnMeta:
     # Dense caches only: the slots right after the local block are free and in capacity for
     # what a cache kind keeps there during one forward (`KVCacheKind.extra_slots`).
     q_room: bool = struct.field(pytree_node=False, default=False)
+    # Training: the jnp reference reads every block of the cache, its loops' bounds static
+    # (scans, which differentiate), not up to the last block a row reads (traced bounds).
+    differentiable: bool = struct.field(pytree_node=False, default=False)
 
     @property
     def local_len(self) -> int:

@@ -109,7 +109,7 @@ def ttt_logits(params, d: Eagle3Draft, d2t, tw, tc, tokens, feats, ttt_steps: in
         local_pos = jnp.broadcast_to(jnp.concatenate([ar + j for j in range(k + 1)]), (B, (k + 1) * T))
         meta = make_meta(layout, None, positions=pos, prefix_len=jnp.zeros((B,), jnp.int32),
                          local_mask=jnp.broadcast_to(local, (B, T, (k + 1) * T)), local_positions=local_pos,
-                         write_valid=jnp.ones((B, T), bool))
+                         write_valid=jnp.ones((B, T), bool)).replace(differentiable=True)
         hidden, cache = dc.forward(tc, tw, dw, tok_in, hidden, cache, meta, k == 0)
         out.append(dc.logits(tc, tw, dw, hidden))
     return out

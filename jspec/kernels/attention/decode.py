@@ -164,7 +164,8 @@ def attention_reference(q, k_new, v_new, kv_buf, meta: AttnMeta, *, window: int 
     [B,T,H,Dh]; `scale` is the softmax scale. Over more than block_k keys, an online
     softmax over blocks of block_k keys, up to the last block a row reads
     (`attend_in_blocks`: the same result within rounding; a query that sees no key gets
-    zeros there)."""
+    zeros there). With `meta.differentiable` every block is read, in loops of static bounds
+    (training)."""
     if meta.prefill:
         Sk = k_new.shape[1]
         if Sk <= block_k:
@@ -190,8 +191,11 @@ def attention_reference(q, k_new, v_new, kv_buf, meta: AttnMeta, *, window: int 
 
         def mask_at(lo):
             return cache_mask(meta, block_k, q.shape[1], window, first=lo, num_slots=Sk)
-        num_blocks = pl.cdiv(jnp.minimum(jnp.max(meta.prefix_len) + meta.local_len, Sk), block_k)  # the rest: unread
-        open_blocks = 0 if window else jnp.min(meta.prefix_len) // block_k  # every row's prefix: seen whole
+        if meta.differentiable:  # every block, static bounds (scans)
+            num_blocks, open_blocks = keys.shape[2] // block_k, 0
+        else:
+            num_blocks = pl.cdiv(jnp.minimum(jnp.max(meta.prefix_len) + meta.local_len, Sk), block_k)  # the rest: unread
+            open_blocks = 0 if window else jnp.min(meta.prefix_len) // block_k  # every row's prefix: seen whole
 
     def keys_at(i):
         return tuple(lax.dynamic_slice_in_dim(x, i * block_k, block_k, axis=2) for x in (keys, values))
