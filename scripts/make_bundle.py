@@ -10,7 +10,8 @@ Steps: tokenizer (4096 tokens) -> target (20 layers, width 256, tied embeddings,
 parameters, 800 steps: more memorises the ~3M-token corpus) -> EAGLE-3 head (features of
 layers 2, 10, 17; draft vocabulary 2048, 5 training-time-test steps) ->
 DFlash drafter (blocks of 16, 4 Qwen3 layers reading the outputs of target layers 1, 5, 9,
-13, 17, the pad token as its mask) -> standalone draft (2 layers, width 128, distilled
+13, 17, the pad token as its mask; trained on the corpus and the target's own greedy
+continuations of 4,096 windows of it) -> standalone draft (2 layers, width 128, distilled
 from the target). Weights are saved in
 bfloat16. Timings and losses go to <out>/recipe.json.
 
@@ -39,9 +40,11 @@ from jspec.train.stdlib import split
 from jspec.train.tokenizer import train_bpe
 
 FULL = dict(vocab=4096, target_steps=800, target_batch=64, seq=512, head_steps=4000, head_batch=32,
-            draft_steps=2000, draft_batch=64, dflash_steps=10000, dflash_batch=32, dflash_layers=4)
+            draft_steps=2000, draft_batch=64, dflash_steps=10000, dflash_batch=32, dflash_layers=4,
+            dflash_target_text=4096)
 SMOKE = dict(vocab=512, target_steps=60, target_batch=8, seq=128, head_steps=40, head_batch=4,
-             draft_steps=40, draft_batch=8, dflash_steps=40, dflash_batch=4, dflash_layers=1)
+             draft_steps=40, draft_batch=8, dflash_steps=40, dflash_batch=4, dflash_layers=1,
+             dflash_target_text=4)
 
 
 def target_config(vocab: int, eos: int, smoke: bool) -> ModelConfig:
@@ -161,7 +164,8 @@ def make_dflash(fdir, target, stream, s, smoke, log):
     t = time.perf_counter()
     cfg = DFlashTrainConfig(steps=s["dflash_steps"], batch_size=s["dflash_batch"], seq_len=s["seq"], lr=6e-4,
                             warmup=100 if not smoke else 5, block_size=16, num_layers=s["dflash_layers"],
-                            loss_decay=7.0, compute_dtype=_dtype(smoke), checkpoint_every=10 ** 9)
+                            loss_decay=7.0, compute_dtype=_dtype(smoke), checkpoint_every=10 ** 9,
+                            target_text=s["dflash_target_text"])
     _, hist = train_dflash(target, stream, fdir, cfg, export_dtype="bfloat16", resume=False, **_quiet(s))
     log["dflash"] = {"s": time.perf_counter() - t, "final": hist[-1]}
     print("dflash", log["dflash"], flush=True)

@@ -303,6 +303,22 @@ def test_training_differentiates_over_many_keys(with_draft):
     assert all(np.isfinite(norms)) and max(norms) > 0 and np.isfinite(float(metrics["loss"]))
 
 
+def test_target_text_is_the_targets_greedy_continuation(target, hf_greedy):
+    """`data.target_text`: seeded windows of the corpus, each followed by transformers'
+    own greedy continuation (to the end-of-text token) and that token."""
+    from jspec.train.data import TARGET_TEXT_PROMPT, target_text
+    stream = np.arange(3, 203, dtype=np.int32)
+    got = target_text(target, stream, windows=3, new_tokens=6, seed=5)
+    want = []
+    for s in np.random.RandomState(5).randint(0, stream.size - TARGET_TEXT_PROMPT + 1, size=3):
+        window = stream[s:s + TARGET_TEXT_PROMPT].tolist()
+        cont = list(hf_greedy(window, 6, stop=(2,)))
+        want += window + cont + ([] if cont[-1:] == [2] else [2])
+    assert got.tolist() == want
+    with pytest.raises(ValueError, match="fewer than a window"):
+        target_text(target, stream[:10], windows=1, new_tokens=6)
+
+
 @pytest.mark.slow
 def test_training_lowers_loss_exports_resumes_and_cli(target, llama_dir, tmp_path, capsys):
     from jspec.train import DFlashTrainConfig, train_dflash
@@ -335,7 +351,7 @@ def test_training_lowers_loss_exports_resumes_and_cli(target, llama_dir, tmp_pat
     text.write_text("def f(x):\n    return x + 1\n" * 40)
     rc = cli_main(["dflash", "--target", llama_dir[0], "--data", str(text), "--out", str(tmp_path / "cli"),
                    "--steps", "3", "--batch-size", "2", "--seq-len", "24", "--block-size", "4", "--dtype", "float32",
-                   "--target-layer-ids", "1"])
+                   "--target-layer-ids", "1", "--target-text", "2"])
     assert rc == 0 and read_config(str(tmp_path / "cli"))["dflash_config"]["target_layer_ids"] == [1]
     assert cli_main(["dflash", "--target", llama_dir[0], "--data", str(text), "--out", str(tmp_path / "bad"),
                      "--block-size", "1"]) == 2

@@ -481,31 +481,31 @@ def test_a_pass_stops_at_the_prompts_last_page_boundary():
 
 
 def test_a_shared_prefix_past_the_last_state_is_saved_for_the_next_request():
-    """A hybrid's pool (blocks of 16, pages of 4): three requests share a 22-token prefix.
-    The first's states are saved at 16 (a block's end) and 28 (its last page boundary);
-    the second finds 16 tokens with a state and 20 cached, so its first pass stops at 20,
-    where its state is saved and attached to the first's page; the third, arriving with
-    it, waits for that state and finds all 20."""
+    """A hybrid's pool (blocks of 16, pages of 4, keys with the next token): three requests
+    of one 22-token prefix arrive together. The first is admitted and its states saved at
+    16 (a block's end) and 28 (its last page boundary). The second waits for the state at
+    16, then for the first's passes to register the pages they share (to 20: page 20-24's
+    key holds token 24, not shared), and is admitted past 16 with 20 tokens cached: its
+    first pass stops at 20, where its state is saved and attached to the first's page.
+    The third waits for that state and finds all 20 (its own pass stops at 28, its last
+    page boundary)."""
     pages_at = lambda q, slots: -(-min(slots, len(q.prompt) + q.max_new) // 4)  # noqa: E731
     pool = PagePool(60, 4, snapshots=8, boundary=16)
     s = Scheduler(3, prefill_chunk=16, width_class=lambda n: 64, rounds_per_chunk=2, max_waiting=16, pool=pool,
                   pages_at=pages_at, chunk_slots=2, narrow_block=4)
     a, b, c = request(30, 4), request(30, 4), request(30, 4)
     b.prompt, c.prompt = (a.prompt[:22] + [90 + i + k for i in range(8)] for k in (0, 10))
-    s.add(a)
-    saved = {}
-    for t in range(4):
+    for q in (a, b, c):
+        s.add(q)
+    name = {id(a): "a", id(b): "b", id(c): "c"}
+    saved, admitted = [], {}
+    for t in range(6):
         d = s.schedule(now=float(t))
-        saved.update({a.prefilled: slot for row, slot in d.save if row == 0})
-    assert sorted(saved) == [16, 28] and a.state == RUNNING
-    s.add(b)
-    s.add(c)
-    d = s.schedule(now=4.0)
-    assert d.cached == [[(1, b)]] and b.cached == 4 and b.shared == 20 and d.stops[1] == 20
-    assert d.save == [(1, b.snaps[20])] and c.state == WAITING
-    d = s.schedule(now=5.0)
-    assert d.cached == [[(2, c)]] and c.cached == 5 and c.pages[:5] == a.pages[:5] and pool.hit_tokens == 16 + 20
-    assert d.restore == [(2, pool.lookup(a.prompt, 20)[2])] and d.stops == {1: 28, 2: 28}  # their last page boundaries
+        saved += [(name[id(s.rows[r])], s.rows[r].prefilled) for r, _ in d.save]
+        admitted.update({name[id(q)]: (t, q.cached, d.stops[r]) for g in d.admit + d.cached for r, q in g})
+    assert admitted == {"a": (0, 0, 16), "b": (2, 4, 20), "c": (3, 5, 28)}  # (call, pages found, first pass's end)
+    assert b.shared == 20 and pool.hit_tokens == 16 + 20 and c.pages[:5] == a.pages[:5]
+    assert [p for n, p in saved if n == "a"] == [16, 28] and ("b", 20) in saved
 
 
 def test_a_row_with_its_last_block_in_the_call_is_not_preempted():

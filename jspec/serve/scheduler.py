@@ -421,11 +421,32 @@ class Scheduler:
         its passes have not cached them yet): head then waits for it, rather than compute
         what it computes (`n` samples of one prompt, requests with a new common prefix)."""
         for q in self.rows.values():
+            if q.state == DONE:
+                continue
             for t in {found + self.prefill_chunk, *self._state_points(q)}:  # a block's worth more; q's state points
-                if found < t <= len(head.prompt) - 1 and q.state != DONE and self._will_cache(q, t) \
-                        and q.prompt[:t] == head.prompt[:t]:
+                if found < t <= len(head.prompt) - 1 and self._will_cache(q, t) and q.prompt[:t] == head.prompt[:t]:
                     return True
+            if self.pool.snapshots and self._will_register(q, head, found):
+                return True
         return False
+
+    def _will_register(self, q: Request, head: Request, found: int) -> bool:
+        """(Pools that keep snapshots.) Whether q's passes are yet to register the pages of
+        a prefix head's prompt shares with q's, at least a narrow block (a page at least)
+        deeper than the `found` tokens head finds with a state: head waits for them, then
+        finds them cached past that state, and its first pass stops at their end to save
+        the state there (`shared`), which the requests after it find whole."""
+        depth = self._shared_pages(q.prompt, head.prompt[:len(head.prompt) - 1])
+        return depth >= found + max(self.narrow_block, self.pool.page_size) and q.registered * self.pool.page_size < depth
+
+    def _shared_pages(self, a: list[int], b: list[int]) -> int:
+        """Tokens of the whole pages two prompts share as the cache keys them (a page's key
+        holds the token after it too where the pool's keys do)."""
+        lo, hi = 0, min(len(a), len(b))
+        while lo < hi:  # their longest common prefix
+            mid = (lo + hi + 1) // 2
+            lo, hi = (mid, hi) if a[:mid] == b[:mid] else (lo, mid - 1)
+        return max(lo - self.pool.next_token, 0) // self.pool.page_size * self.pool.page_size
 
     def _will_cache(self, q: Request, t: int) -> bool:
         """Whether q's passes are yet to make a hit of its first t prompt tokens findable:

@@ -54,6 +54,9 @@ def main(argv=None) -> int:
                    help="target layers whose outputs feed the drafter, 0-based (default: 5 spread from 1 to n-3)")
     f.add_argument("--mask-token-id", type=int, default=None,
                    help="the id filling a block (default: the pad token, else the corpus' rarest id)")
+    f.add_argument("--target-text", type=int, default=0, metavar="N",
+                   help="also train on the target's own text: N windows of 64 corpus tokens, each continued by the "
+                        "target (greedy) to --seq-len (0: the corpus alone)")
     f.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16", "float16"],
                    help="compute dtype (master weights stay float32)")
     f.add_argument("--checkpoint-every", type=int, default=500)
@@ -67,7 +70,7 @@ def main(argv=None) -> int:
                                     warmup=args.warmup, block_size=args.block_size,
                                     blocks_per_seq=args.blocks_per_seq, num_layers=args.layers,
                                     loss_decay=args.loss_decay, compute_dtype=args.dtype,
-                                    checkpoint_every=args.checkpoint_every)
+                                    checkpoint_every=args.checkpoint_every, target_text=args.target_text)
             _, history = train_dflash(args.target, args.data, args.out, cfg, layer_ids=args.target_layer_ids,
                                       mask_token_id=args.mask_token_id, extensions=args.ext,
                                       resume=not args.no_resume)

@@ -112,3 +112,32 @@ def token_stream(target, data, extensions=None) -> np.ndarray:
         raise ValueError("training on text needs the target's tokenizer; its directory has none")
     docs = read_corpus(data, extensions=extensions)
     return tokenize(target.tokenizer, docs, getattr(target.tokenizer, "eos_token_id", None))
+
+
+TARGET_TEXT_PROMPT = 64  # tokens of the corpus a window of the target's own text starts from
+
+
+def target_text(target, stream: np.ndarray, windows: int, new_tokens: int, seed: int = 0,
+                batch: int = 1024) -> np.ndarray:
+    """The target's own text: `windows` windows of TARGET_TEXT_PROMPT tokens drawn from
+    `stream` (seeded), each continued by the target, greedy, for `new_tokens` tokens (or
+    to its end-of-text token) and followed by one, as one token stream. A drafter trained
+    on it and the corpus together learns the text it will be asked to draft
+    (docs/training.md)."""
+    from jspec.api import generate
+    if windows < 1 or new_tokens < 1:
+        raise ValueError(f"target text needs windows >= 1 and new_tokens >= 1, got {windows} and {new_tokens}")
+    P = TARGET_TEXT_PROMPT
+    if stream.size < P:
+        raise ValueError(f"the corpus holds {stream.size} tokens, fewer than a window of the target's text ({P})")
+    eos = target.config.eos_token_ids[0] if target.config.eos_token_ids else None
+    starts = np.random.RandomState(seed).randint(0, stream.size - P + 1, size=windows)
+    prompts = [stream[s:s + P].tolist() for s in starts]
+    parts = []
+    for i in range(0, windows, batch):
+        out = generate(target, prompts[i:i + batch], max_new_tokens=new_tokens)
+        for prompt, tokens in zip(prompts[i:i + batch], out.tokens):
+            end = [eos] if eos is not None and (not tokens or tokens[-1] != eos) else []  # one end-of-text token
+            parts.append(np.asarray(prompt + list(tokens) + end, np.int32))
+    return np.concatenate(parts)
+

@@ -53,10 +53,13 @@ class DFlashTrainConfig:
     compute_dtype: str = "bfloat16"  # float32 master weights, this for the forward pass
     checkpoint_every: int = 500
     seed: int = 0
+    # Windows of the corpus the target continues, greedy, for seq_len - 64 tokens each,
+    # trained on before the corpus (`data.target_text`; 0: the corpus alone).
+    target_text: int = 0
 
     def __post_init__(self):
         common.check_settings(self, ints=("steps", "batch_size", "seq_len", "block_size", "num_layers"),
-                              counts=("warmup",), positive=("lr", "clip"), non_negative=("weight_decay", "loss_decay"),
+                              counts=("warmup", "target_text"), positive=("lr", "clip"), non_negative=("weight_decay", "loss_decay"),
                               optional_ints=("blocks_per_seq", "intermediate_size"))
         if self.block_size < 2:
             raise ValueError(f"DFlashTrainConfig.block_size must be at least 2 (the root and a draft), "
@@ -178,6 +181,10 @@ def train_dflash(target: Params | str, data, out_dir: str | None = None, config:
     target = common.load_target(target, out_dir)
     tc = target.config
     stream = data_mod.token_stream(target, data, extensions)
+    if cfg.target_text:
+        own = data_mod.target_text(target, stream, cfg.target_text, max(cfg.seq_len - data_mod.TARGET_TEXT_PROMPT, 1),
+                                   seed=cfg.seed)
+        stream = np.concatenate([own, stream])
     if mask_token_id is None:
         mask_token_id = mask_token(target, data_mod.token_counts(stream, tc.vocab_size))
     if not 0 <= mask_token_id < tc.vocab_size:
