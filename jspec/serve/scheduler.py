@@ -376,10 +376,10 @@ class Scheduler:
             if self.pool is not None:
                 if caching and not head.prompt_logprobs:
                     hit, node, slot = self.pool.lookup(head.prompt, len(head.prompt) - 1)
-                    if self.pool.snapshots:
-                        head.shared = self.pool.cached_depth(head.prompt, len(head.prompt) - 1)
                     if self._follows(head, len(hit) * self.pool.page_size):
                         break
+                    if self.pool.snapshots:  # once, as it is admitted
+                        head.shared = self.pool.cached_depth(head.prompt, len(head.prompt) - 1)
                 slots = len(head.prompt) + 1 + self.chunk_slots if self.preempting else 1 << 62
                 new = max(self.pages_at(head, slots) - len(hit), 0)
                 if new + self.pool.cost(hit) > self.pages_free:
@@ -420,11 +420,13 @@ class Scheduler:
         up to its state point, deeper than `found` (its prompt begins with those tokens and
         its passes have not cached them yet): head then waits for it, rather than compute
         what it computes (`n` samples of one prompt, requests with a new common prefix)."""
+        nt = self.pool.next_token  # a page's key holds the token after it too: head must share that one
         for q in self.rows.values():
             if q.state == DONE:
                 continue
             for t in {found + self.prefill_chunk, *self._state_points(q)}:  # a block's worth more; q's state points
-                if found < t <= len(head.prompt) - 1 and self._will_cache(q, t) and q.prompt[:t] == head.prompt[:t]:
+                if found < t <= len(head.prompt) - 1 and self._will_cache(q, t) \
+                        and q.prompt[:t + nt] == head.prompt[:t + nt]:
                     return True
             if self.pool.snapshots and self._will_register(q, head, found):
                 return True
@@ -435,18 +437,15 @@ class Scheduler:
         a prefix head's prompt shares with q's, at least a narrow block (a page at least)
         deeper than the `found` tokens head finds with a state: head waits for them, then
         finds them cached past that state, and its first pass stops at their end to save
-        the state there (`shared`), which the requests after it find whole."""
-        depth = self._shared_pages(q.prompt, head.prompt[:len(head.prompt) - 1])
-        return depth >= found + max(self.narrow_block, self.pool.page_size) and q.registered * self.pool.page_size < depth
-
-    def _shared_pages(self, a: list[int], b: list[int]) -> int:
-        """Tokens of the whole pages two prompts share as the cache keys them (a page's key
-        holds the token after it too where the pool's keys do)."""
-        lo, hi = 0, min(len(a), len(b))
-        while lo < hi:  # their longest common prefix
-            mid = (lo + hi + 1) // 2
-            lo, hi = (mid, hi) if a[:mid] == b[:mid] else (lo, mid - 1)
-        return max(lo - self.pool.next_token, 0) // self.pool.page_size * self.pool.page_size
+        the state there (`shared`), which the requests after it find whole. (One
+        comparison of the prompts, after a page's: unrelated rows cost a page's.)"""
+        P, nt = self.pool.page_size, self.pool.next_token
+        need = max(found + max(self.narrow_block, P), (q.registered + 1) * P)  # a page q has not registered
+        need = -(-need // P) * P
+        k = need + nt  # the tokens whose keys find the pages up to `need`
+        if k > min(len(q.prompt), len(head.prompt) - 1) or q.prompt[found:found + P] != head.prompt[found:found + P]:
+            return False
+        return q.prompt[:k] == head.prompt[:k]
 
     def _will_cache(self, q: Request, t: int) -> bool:
         """Whether q's passes are yet to make a hit of its first t prompt tokens findable:
@@ -494,7 +493,8 @@ class Scheduler:
         last token). Each only where it lies at least `narrow_block` tokens past the last
         block's end before it (the pass it adds costs about a narrow block's); none for a
         prompt whose logprobs are recorded, or a pool that keeps no snapshots."""
-        if not (self.pool is not None and self.pool.snapshots and self.pool.prefix_caching) or q.prompt_logprobs:
+        if not (self.pool is not None and self.pool.snapshots and self.pool.prefix_caching and self.prefill_chunk) \
+                or q.prompt_logprobs:
             return []
         last = (len(q.prompt) - 1) // self.pool.page_size * self.pool.page_size
         return sorted({t for t in (q.shared, last) if t % self.prefill_chunk >= max(self.narrow_block, 1)})
