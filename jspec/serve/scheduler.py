@@ -484,6 +484,13 @@ class Scheduler:
         elif self.pool is not None:
             self._snapshot(row, q, d)
 
+    @property
+    def _saves_states(self) -> bool:
+        """Whether prompt passes save a hybrid's states for prefix caching: a pool that
+        keeps snapshots and caches, prompts passed in blocks."""
+        return self.pool is not None and bool(self.pool.snapshots) and self.pool.prefix_caching \
+            and bool(self.prefill_chunk)
+
     def _state_points(self, q: Request) -> list[int]:
         """Where a pool that keeps snapshots saves q's state besides its blocks' ends, in
         order: the end of the cached prefix it found deeper than a saved state (`shared`:
@@ -493,8 +500,7 @@ class Scheduler:
         last token). Each only where it lies at least `narrow_block` tokens past the last
         block's end before it (the pass it adds costs about a narrow block's); none for a
         prompt whose logprobs are recorded, or a pool that keeps no snapshots."""
-        if not (self.pool is not None and self.pool.snapshots and self.pool.prefix_caching and self.prefill_chunk) \
-                or q.prompt_logprobs:
+        if not self._saves_states or q.prompt_logprobs:
             return []
         last = (len(q.prompt) - 1) // self.pool.page_size * self.pool.page_size
         return sorted({t for t in (q.shared, last) if t % self.prefill_chunk >= max(self.narrow_block, 1)})
@@ -508,7 +514,7 @@ class Scheduler:
         (or a hit there) stops at the next multiple of the block, so that the later passes
         end, and save their states, at whole blocks."""
         end = min(len(q.prompt), start + width)
-        if self.pool is not None and self.pool.snapshots and self.pool.prefix_caching and self.prefill_chunk:
+        if self._saves_states:
             end = min(end, (start // self.prefill_chunk + 1) * self.prefill_chunk)
         return next((t for t in self._state_points(q) if start < t < end), end)
 
@@ -516,8 +522,7 @@ class Scheduler:
         """A pass that ends inside q's prompt on a snapshot boundary (a block's end, or its
         state point): its state saved there (pools that keep snapshots)."""
         b = q.prefilled
-        at = b % self.pool.boundary == 0 or b in self._state_points(q) if self.pool.snapshots else False
-        if self.pool.snapshots and self.pool.prefix_caching and b < len(q.prompt) and at:
+        if self._saves_states and b < len(q.prompt) and (b % self.pool.boundary == 0 or b in self._state_points(q)):
             slot = self.pool.snapshot_slot()
             if slot is not None:
                 q.snaps[b] = slot
