@@ -177,10 +177,11 @@ def load_target(model_dir: str, dtype: str | None = None, embedded_draft: str | 
     tensors = dequantize(read_tensors(model_dir), cfg_json, where, keep=keep)
     if quantization == "fp8":
         tensors = quantize_fp8(tensors, keep=keep)
+    whole = config  # on one device: what an embedded draft's layer is read as (its `split` splits it)
     config, weights = _split_target(config, family.weights_from_hf(tensors, config, where), mesh, where)
     params = Params(config=config, weights=weights, tokenizer=load_tokenizer(model_dir), mesh=mesh)
     if embedded_draft is not None:
-        draft = embedded_kind(embedded_draft, config).from_target_checkpoint(tensors, config, where)
+        draft = embedded_kind(embedded_draft, whole).from_target_checkpoint(tensors, whole, where)
         params = params.with_draft(_split_draft(DraftParams(*draft), mesh, where))
     return params
 

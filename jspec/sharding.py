@@ -27,7 +27,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from jspec.tensors import HostParam
+from jspec.tensors import HostParam, StackedParam
 
 AXIS = "tp"
 
@@ -53,11 +53,22 @@ def make_mesh(devices: int | Sequence[Any] | Mesh) -> Mesh:
 
 
 def tp_size() -> int:
-    """Devices along `AXIS` in the mesh the current function is traced under (0: none)."""
+    """Devices along `AXIS` in the mesh the current function is traced under (0: none, or
+    inside a `jax.shard_map` over it, where the code runs on one device's block)."""
     mesh = jax.sharding.get_abstract_mesh()
-    if mesh is None or mesh.empty or AXIS not in mesh.axis_names:
+    if mesh is None or mesh.empty or AXIS not in mesh.axis_names or AXIS in getattr(mesh, "manual_axes", ()):
         return 0
     return int(mesh.shape[AXIS])
+
+
+def device_sum(y, c):
+    """A layer part's output under a config c with `per_device` and `jnp_dtype`: on one
+    device y itself; in a device's block (a family's `per_device` config, run under
+    `jax.shard_map`) its float32 partial sum added up over the devices (one all-reduce), in
+    the model's dtype."""
+    if not c.per_device:
+        return y
+    return jax.lax.psum(y.astype(jnp.float32), AXIS).astype(c.jnp_dtype)
 
 
 def constrain_heads(buf: jax.Array, head_axis: int) -> jax.Array:
@@ -122,6 +133,41 @@ def weight_specs(weights, n: int, splits: dict, vocab_splits: tuple = ()):
             raise ValueError(f"weight {'/'.join(keys)} of shape {tuple(w.shape)} cannot be split over {n} devices")
         return s
     return map_weights(spec, weights)
+
+
+def take_columns(w, cols: np.ndarray):
+    """w's last-axis entries `cols` (a kernel's columns, a bias' or a vector's entries, each
+    stacked expert's columns), lazily for host weights."""
+    if isinstance(w, StackedParam):
+        return w.map(lambda m: m.take_rows(cols))
+    if isinstance(w, HostParam) and (w.transposed or w.ndim == 1):
+        return w.take_rows(cols)  # a kernel's columns are its source rows
+    return jnp.take(w, jnp.asarray(cols), axis=w.ndim - 1)
+
+
+def take_rows(w, rows: np.ndarray):
+    """w's first-axis entries `rows` (a conv weight's channels, a vector's entries), lazily
+    for host weights stored untransposed."""
+    if isinstance(w, HostParam):
+        if w.transposed:
+            raise ValueError(f"take_rows: a transposed host weight {w.shape} (its rows are its source's columns)")
+        return w.take_rows(rows)
+    return jnp.take(w, jnp.asarray(rows), axis=0)
+
+
+def blocks_by_device(sizes, n: int) -> np.ndarray:
+    """Entries of an axis made of parts of the given sizes ([gate | up], [q | k | v], ...)
+    reordered so that device d's contiguous block is [its 1/n of the first part | its 1/n of
+    the second | ...]."""
+    starts = np.cumsum([0] + list(sizes[:-1]))
+    return np.concatenate([np.r_[tuple(slice(s + d * (w // n), s + (d + 1) * (w // n)) for s, w in zip(starts, sizes))]
+                           for d in range(n)])
+
+
+def halves_by_device(width: int, n: int) -> np.ndarray:
+    """Columns of a [gate | up] pair of width 2 * width reordered so that device d's
+    contiguous block is [its gate columns | its up columns]."""
+    return blocks_by_device((width, width), n)
 
 
 def map_weights(fn, weights):

@@ -63,12 +63,16 @@ def mtp_tensors(model, seed: int) -> dict:
     return {k: v.contiguous() for k, v in out.items()}
 
 
-def make_hybrid(path: str, name: str, seed: int = 0, *, multimodal: bool = False):
+def make_hybrid(path: str, name: str, seed: int = 0, *, multimodal: bool = False, **fields):
     """A tiny random model of `name` saved to `path` with an MTP layer (multimodal: laid out
-    as a Qwen3_5ForConditionalGeneration checkpoint: text_config, model.language_model.*)."""
-    cls, cfg = VARIANTS[name]
+    as a Qwen3_5ForConditionalGeneration checkpoint: text_config, model.language_model.*);
+    `fields` replace the variant's config fields."""
+    cls, make_cfg = VARIANTS[name]
+    cfg = make_cfg()
+    for k, v in fields.items():
+        setattr(cfg, k, v)
     torch.manual_seed(seed)
-    model = cls(cfg()).eval()
+    model = cls(cfg).eval()
     with torch.no_grad():  # non-trivial norms, decays and dt biases
         for n, p in model.named_parameters():
             if "norm" in n or n.endswith(("A_log", "dt_bias")):

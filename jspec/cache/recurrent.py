@@ -33,19 +33,30 @@ record lives only inside a round: the loop's state carries `pending=None`.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import ClassVar
 import math
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import struct
+from jax.sharding import PartitionSpec as P
 
 from jspec.cache.kv import KVCache, KVCacheKind
 from jspec.cache.layout import CacheLayout, PageState
+from jspec.sharding import AXIS, constrain_heads, tp_size
 from jspec.tuning import DEFAULT_TUNING
 from jspec.kernels.gated_delta.kernels import gated_delta_step
 
 COMMITS = ("replay", "checkpoint")
+# Split over a mesh's devices (`models.qwen3_next_split`): a row's states by channel and by
+# value head, and a round's record by the same: replay {x [B,N,Ch], k [B,N,Hk,Dk], v
+# [B,N,Hv,Dv], g, beta [B,N,Hv]}, checkpoint {conv [B,N,C-1,Ch], ssm [B,N,Hv,Dk,Dv]}.
+STATE_SPECS = {"conv": P(None, None, AXIS), "ssm": P(None, AXIS, None, None)}
+RECORD_SPECS = {"x": P(None, None, AXIS), "k": P(None, None, AXIS, None), "v": P(None, None, AXIS, None),
+                "g": P(None, None, AXIS), "beta": P(None, None, AXIS), "conv": P(None, None, None, AXIS),
+                "ssm": P(None, None, AXIS, None, None)}
 
 
 @struct.dataclass
@@ -67,7 +78,9 @@ class HybridCacheKind:
     """The cache a hybrid model needs: `kv` for its full-attention layers, and the conv
     and delta-rule states of `num_linear` linear layers."""
 
-    split_by_head: ClassVar[bool] = False  # hybrid targets are not split over devices
+    # split over a mesh's devices (`init`): keys and values by KV head, the conv state by channel,
+    # the delta rule's by value head (`models.qwen3_next_split`)
+    split_by_head: ClassVar[bool] = True
     stores_fp8: ClassVar[bool] = True  # its GQA layers' keys and values (the recurrent states stay as they are)
     # A prompt's later blocks (`AttnMeta.causal_block`) continue the linear layers' states the
     # blocks before them left; any other forward over T > 1 tokens is a verification.
@@ -97,8 +110,8 @@ class HybridCacheKind:
         conv, ssm = self.state_shapes()
 
         def states(n):
-            return (tuple(jnp.zeros((n,) + conv, self.dtype) for _ in range(self.num_linear)),
-                    tuple(jnp.zeros((n,) + ssm, jnp.float32) for _ in range(self.num_linear)))
+            return (tuple(constrain_heads(jnp.zeros((n,) + conv, self.dtype), 2) for _ in range(self.num_linear)),
+                    tuple(constrain_heads(jnp.zeros((n,) + ssm, jnp.float32), 1) for _ in range(self.num_linear)))
         row_conv, row_ssm = states(batch)
         snap_conv, snap_ssm = states(layout.snapshots) if layout.snapshots else ((), ())
         return HybridCache(kv=self.kv.init(layout, batch), conv=row_conv, ssm=row_ssm, snap_conv=snap_conv,
@@ -132,7 +145,7 @@ class HybridCacheKind:
         conv, ssm = [], []
         for c, s, rec in zip(cache.conv, cache.ssm, cache.pending):
             if "k" in rec:
-                new_c, new_s = replay_commit(c, s, rec, path, accept_len, tuning.gated_delta)
+                new_c, new_s = replay_on_devices(c, s, rec, path, accept_len, tuning.gated_delta)
             else:
                 new_c, new_s = checkpoint_commit(c, s, rec, path, accept_len)
             conv.append(jnp.where(active[:, None, None], new_c, c))
@@ -157,6 +170,18 @@ def replay_commit(conv, ssm, rec: dict, path, accept_len, tiles=None):
     _, new_ssm = gated_delta_step(None, along["k"], along["v"], along["g"], along["beta"], ssm, accept_len,
                                   tiles=tiles)
     return conv_window(conv, along["x"], accept_len), new_ssm
+
+
+def replay_on_devices(conv, ssm, rec: dict, path, accept_len, tiles=None):
+    """`replay_commit`, per device on its own heads and channels under a mesh (the step
+    kernel is a Pallas call, which XLA cannot split): conv [B,C-1,Ch] by channel, ssm and
+    the record's k, v, g, beta by head, x by channel; path and accept_len replicated."""
+    if not tp_size():
+        return replay_commit(conv, ssm, rec, path, accept_len, tiles)
+    states = (STATE_SPECS["conv"], STATE_SPECS["ssm"])
+    return jax.shard_map(functools.partial(replay_commit, tiles=tiles),
+                         in_specs=states + ({n: RECORD_SPECS[n] for n in rec}, P(), P()), out_specs=states,
+                         check_vma=False)(conv, ssm, rec, path, accept_len)
 
 
 def checkpoint_commit(conv, ssm, rec: dict, path, accept_len):

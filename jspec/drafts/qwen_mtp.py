@@ -24,6 +24,7 @@ from jspec.drafts.mtp import MtpDraft
 from jspec.models import qwen3_next_hf
 from jspec.models.qwen3_next import MtpLayer
 from jspec.models.qwen3_next_hf import FULL, HybridConfig
+from jspec.models.qwen3_next_split import split_qwen3_next
 from jspec.tensors import Tensors
 
 PREFIX = "mtp."
@@ -50,7 +51,10 @@ class QwenMtpDraft(MtpDraft):
         return isinstance(tcfg, HybridConfig)
 
     def split(self, weights, n: int):
-        raise ValueError("Qwen3.5 / Qwen3-Next MTP drafts cannot be split over devices yet")
+        """Split as the target's layers are (`models.qwen3_next_split.split_qwen3_next`); fc
+        and the norms replicated."""
+        model, weights, specs = split_qwen3_next(self.model, weights, n)
+        return dataclasses.replace(self, model=model), weights, specs
 
     @classmethod
     def recognises(cls, cfg_json, tensors):

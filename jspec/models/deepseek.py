@@ -44,7 +44,7 @@ from jspec.kernels.dsa.index import index_scores_reference
 from jspec import sharding
 from jspec.models import deepseek_hf
 from jspec.models.deepseek_hf import DeepseekConfig
-from jspec.models.deepseek_split import device_sum, layer_on_devices, split_deepseek
+from jspec.models.deepseek_split import layer_on_devices, split_deepseek
 from jspec.models.family import row_invariant_measured_cheap
 from jspec.kernels import dispatch
 from jspec.kernels.row import matmul as row_matmul, mla as row_mla, norm as row_norm
@@ -395,13 +395,13 @@ class DecoderLayer(nn.Module):
         ri = computes_rows_alone(tuning, meta)
         norm = RMSNorm(c.rms_norm_eps, c.dtype, name="input_layernorm")(x, unapplied=True)
         h, buf = MLAttention(c, tuning, name="self_attn")(x, norm, buf, meta, row_invariant=ri)
-        x = x + device_sum(h, c)
+        x = x + sharding.device_sum(h, c)
         norm = RMSNorm(c.rms_norm_eps, c.dtype, name="post_attention_layernorm")(x, unapplied=True)
         mlp = (MoE(c, tuning, name="mlp") if c.is_moe(self.layer)
                else MLP(c.intermediate_size, c.dtype, tuning, partial=c.per_device, name="mlp"))
         if ri or tuning.mlp_norm_in_kernel:
-            return x + device_sum(mlp(x, norm, row_invariant=ri), c), buf
-        return x + device_sum(mlp(normed(x, norm), None), c), buf
+            return x + sharding.device_sum(mlp(x, norm, row_invariant=ri), c), buf
+        return x + sharding.device_sum(mlp(normed(x, norm), None), c), buf
 
 
 def computes_rows_alone(tuning: Tuning, meta: AttnMeta) -> bool:

@@ -3,28 +3,18 @@ GPUs"): attention by heads, routed experts by expert (expert parallelism), the s
 experts' and dense MLPs' columns Megatron's way, the embedding and LM head by vocabulary.
 `split_deepseek` reorders a model's weights so that each device's block is what its layer
 code expects and gives their PartitionSpecs; `layer_on_devices` runs a layer on every
-device's block under `jax.shard_map`, and `device_sum` adds the devices' partial sums.
+device's block under `jax.shard_map`, and `sharding.device_sum` adds the devices' partial
+sums.
 """
 from __future__ import annotations
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 from flax import linen as nn
 from jax.sharding import PartitionSpec as P
 
 from jspec import sharding
 from jspec.models.deepseek_hf import DeepseekConfig
-from jspec.tensors import HostParam, StackedParam
-
-
-def device_sum(y, c: DeepseekConfig):
-    """A layer part's output: on one device y itself; in a device's block
-    (`DeepseekConfig.per_device`) its float32 partial sum added up over the devices (one
-    all-reduce), in the model's dtype."""
-    if not c.per_device:
-        return y
-    return jax.lax.psum(y.astype(jnp.float32), sharding.AXIS).astype(c.jnp_dtype)
 
 
 def layer_on_devices(c: DeepseekConfig, layer: nn.Module, params, x, buf, meta):
@@ -32,7 +22,7 @@ def layer_on_devices(c: DeepseekConfig, layer: nn.Module, params, x, buf, meta):
     module made with the block's config (`DeepseekConfig.block`), runs on every device's
     block of the weights under `jax.shard_map`, so the Pallas kernels run per device as they
     do on one; x [B,T,D], the latent buffer (every device writes the same rows) and meta are
-    replicated. Two all-reduces a layer (`device_sum`). -> (x [B,T,D], buffer)."""
+    replicated. Two all-reduces a layer (`sharding.device_sum`). -> (x [B,T,D], buffer)."""
     specs = sharding.weight_specs(params, c.devices, device_splits(c), VOCAB_SPLITS)
 
     def run(p, x, buf, meta):
@@ -78,23 +68,6 @@ def _check_split(c: DeepseekConfig, n: int) -> None:
         raise ValueError(f"this model is split over {c.devices} devices already")
 
 
-def _take_columns(w, cols: np.ndarray):
-    """w's last-axis entries `cols` (a kernel's columns, a bias' entries, each stacked
-    expert's columns), lazily for host weights."""
-    if isinstance(w, StackedParam):
-        return w.map(lambda m: m.take_rows(cols))
-    if isinstance(w, HostParam) and (w.transposed or w.ndim == 1):
-        return w.take_rows(cols)  # a kernel's columns are its source rows
-    return jnp.take(w, jnp.asarray(cols), axis=w.ndim - 1)
-
-
-def halves_by_device(width: int, n: int) -> np.ndarray:
-    """Columns of a [gate | up] pair of width 2 * width reordered so that device d's
-    contiguous block is [its gate columns | its up columns]."""
-    w = width // n
-    return np.concatenate([np.r_[d * w:(d + 1) * w, width + d * w:width + (d + 1) * w] for d in range(n)])
-
-
 def split_deepseek(c: DeepseekConfig, weights, n: int):
     """A DeepSeek model (target weights, or an MTP draft's) for n devices -> (config with
     `devices` n, weights, PartitionSpec tree), Megatron's way where it applies and expert
@@ -110,11 +83,11 @@ def split_deepseek(c: DeepseekConfig, weights, n: int):
 
     def reorder(keys, w):
         if keys[-2:-1] == ("qkv_a_proj",) and not c.q_lora_rank:
-            return _take_columns(w, qkv_cols)
+            return sharding.take_columns(w, qkv_cols)
         if keys[-2:] == ("gate_up_proj", "kernel"):
-            return _take_columns(w, halves_by_device(c.intermediate_size, n))
+            return sharding.take_columns(w, sharding.halves_by_device(c.intermediate_size, n))
         if keys[-2:] == ("shared_experts", "gate_up"):
-            return _take_columns(w, halves_by_device(c.moe_intermediate_size, n))
+            return sharding.take_columns(w, sharding.halves_by_device(c.moe_intermediate_size, n))
         return w
     weights = sharding.map_weights(reorder, weights)
     return c.replace(devices=n), weights, sharding.weight_specs(weights, n, device_splits(c), VOCAB_SPLITS)

@@ -26,6 +26,7 @@ import jax
 import jax.numpy as jnp
 from flax import linen as nn
 
+from jspec import sharding
 from jspec.cache.kv import KVCache, KVCacheKind, cached_attention
 from jspec.cache.recurrent import (
     HybridCache,
@@ -47,6 +48,7 @@ from jspec.kernels.moe.route import Routing, route
 from jspec.models import qwen3_next_hf
 from jspec.models.layers import INIT, DecoderLM, FlaxFamily, Linear, apply_rope
 from jspec.models.qwen3_next_hf import LINEAR, HybridConfig
+from jspec.models.qwen3_next_split import layer_on_devices, split_qwen3_next
 
 
 
@@ -113,7 +115,9 @@ class GatedAttention(nn.Module):
 
         o, kv = cached_attention(rope(q), rope(k), v, kv, meta, scale=Dh ** -0.5, tiles=self.tuning.attention)
         o = o.reshape(B, T, H * Dh) * jax.nn.sigmoid(gate)
-        return Linear(c.hidden_size, c.attention_bias, c.dtype, tuning=self.tuning, name="o_proj")(o), kv
+        # one device's heads (`HybridConfig.block`): a float32 partial sum for `sharding.device_sum`
+        return Linear(c.hidden_size, c.attention_bias, c.dtype, float32_out=c.per_device, tuning=self.tuning,
+                      name="o_proj")(o), kv
 
 
 def sequence_conv(x, weight, lengths, conv0=None):
@@ -176,15 +180,23 @@ class GatedDeltaNet(nn.Module):
                 o, new_ssm = gated_delta_step(q, k, v, g, beta, ssm0, tiles=self.tuning.gated_delta)
                 conv = put_rows(conv, windows[:, 0], meta.rows, live)
                 ssm = put_rows(ssm, new_ssm, meta.rows, live)
-            elif self.tuning.recurrent_commit == "checkpoint":  # every node's states, for the commit to pick
+            elif record_names(meta, T, self.tuning) == ("conv", "ssm"):  # every node's states, for the commit to pick
                 o, states = gated_delta_reference(q, k, v, g, beta, ssm0, meta.parents)
                 record = {"conv": windows, "ssm": states}
             else:  # the outputs only; the commit replays the accepted path from the nodes' inputs
                 o = gated_delta_verify(q, k, v, g, beta, ssm0, meta.parents, tiles=self.tuning.gated_delta)
                 record = {"x": mixed, "k": k, "v": v, "g": g, "beta": beta}
         o = GatedRMSNorm(c.rms_norm_eps, c.dtype, name="norm")(o.astype(dt), z).reshape(B, T, Vd)
-        out = Linear(c.hidden_size, False, c.dtype, tuning=self.tuning, name="out_proj")(o)
+        out = Linear(c.hidden_size, False, c.dtype, float32_out=c.per_device, tuning=self.tuning, name="out_proj")(o)
         return out, conv, ssm, record
+
+
+def record_names(meta: AttnMeta, T: int, tuning: Tuning) -> tuple[str, ...]:
+    """The names of the round's record a linear layer leaves for a forward over T tokens
+    (`GatedDeltaNet`; none outside a verification)."""
+    if meta.prefill or meta.causal_block or T == 1:
+        return ()
+    return ("conv", "ssm") if tuning.recurrent_commit == "checkpoint" else ("x", "k", "v", "g", "beta")
 
 
 def split_qkv(y, c: HybridConfig):
@@ -202,13 +214,14 @@ class MLP(nn.Module):
     width: int
     dtype: str
     tuning: Tuning = DEFAULT_TUNING
+    partial: bool = False  # one device's columns (`HybridConfig.block`): a float32 partial sum
 
     @nn.compact
     def __call__(self, x):
         F = self.width
         gu = Linear(2 * F, False, self.dtype, tuning=self.tuning, name="gate_up_proj")(x)
-        return Linear(x.shape[-1], False, self.dtype, tuning=self.tuning, name="down_proj")(
-            jax.nn.silu(gu[..., :F]) * gu[..., F:])
+        return Linear(x.shape[-1], False, self.dtype, float32_out=self.partial, tuning=self.tuning,
+                      name="down_proj")(jax.nn.silu(gu[..., :F]) * gu[..., F:])
 
 
 class SparseMoe(nn.Module):
@@ -228,25 +241,30 @@ class SparseMoe(nn.Module):
         E, k, Fm = c.num_experts, c.num_experts_per_tok, c.moe_intermediate_size
         dt = jnp.dtype(c.dtype)
         router = self.param("router", lambda key: {"kernel": INIT(key, (D, E), jnp.float32)})
-        experts = self.param("experts", lambda key: {"gate_up": INIT(key, (E, D, 2 * Fm), dt),
-                                                     "down": INIT(jax.random.fold_in(key, 1), (E, Fm, D), dt)})
+        n = c.devices if c.per_device else 1  # a device's block: E/n experts
+        experts = self.param("experts", lambda key: {"gate_up": INIT(key, (E // n, D, 2 * Fm), dt),
+                                                     "down": INIT(jax.random.fold_in(key, 1), (E // n, Fm, D), dt)})
         r = Routing(E, k, scoring="softmax", method="greedy", norm_topk_prob=c.norm_topk_prob)
         xs = x.reshape(B * T, D)
         weights, ids = route(r, xs, router["kernel"], tiles=tuning.route, expert_tiles=tuning.experts)  # [N, KP] each
+        ids = ids[:, :k]
+        if c.per_device:  # this device's E/n experts; other experts' pairs: id -1
+            local = ids - jax.lax.axis_index(sharding.AXIS) * (E // n)
+            ids = jnp.where((local >= 0) & (local < E // n), local, -1)
         if B * T * k < E:
-            y = moe_experts.moe_experts(xs, ids, experts["gate_up"], experts["down"], None, r.slots,
+            y = moe_experts.moe_experts(xs, ids, experts["gate_up"], experts["down"], None, k,
                                         tiles=tuning.experts)  # [N*k, D]
             out = jnp.einsum("nkd,nk->nd", y.reshape(B * T, k, D).astype(jnp.float32), weights[:, :k])
         else:
-            y = moe_grouped.grouped(xs, ids[:, :k], experts["gate_up"], experts["down"],
+            y = moe_grouped.grouped(xs, ids, experts["gate_up"], experts["down"],
                                     tiles=tuning.grouped).reshape(B * T, k, D)
             out = jnp.einsum("nkd,nk->nd", y.astype(jnp.float32), weights[:, :k])
-        out = out.astype(x.dtype).reshape(B, T, D)
-        if c.shared_expert_intermediate_size:
-            shared = MLP(c.shared_expert_intermediate_size, c.dtype, tuning, name="shared_expert")(x)
+        out = out.reshape(B, T, D) if c.per_device else out.astype(x.dtype).reshape(B, T, D)
+        if c.shared_expert_intermediate_size:  # split: this device's columns, a float32 partial sum
+            shared = MLP(c.shared_expert_intermediate_size, c.dtype, tuning, c.per_device, name="shared_expert")(x)
             gate = Linear(1, False, c.dtype, tuning=tuning, name="shared_expert_gate")(x)
             out = out + jax.nn.sigmoid(gate) * shared
-        return out
+        return out  # float32 when split: a partial sum over the devices
 
 
 class DecoderLayer(nn.Module):
@@ -264,11 +282,21 @@ class DecoderLayer(nn.Module):
             h, conv, ssm, record = GatedDeltaNet(c, tuning, name="linear_attn")(h, conv, ssm, meta)
         else:
             h, kv = GatedAttention(c, tuning, name="self_attn")(h, kv, meta)
-        x = x + h
+        x = x + sharding.device_sum(h, c)
         h = OffsetRMSNorm(c.rms_norm_eps, c.dtype, name="post_attention_layernorm")(x)
-        mlp = SparseMoe(c, tuning, name="mlp") if c.is_moe(self.layer) else MLP(c.intermediate_size, c.dtype, tuning,
-                                                                                 name="mlp")
-        return x + mlp(h), kv, conv, ssm, record
+        mlp = (SparseMoe(c, tuning, name="mlp") if c.is_moe(self.layer)
+               else MLP(c.intermediate_size, c.dtype, tuning, c.per_device, name="mlp"))
+        return x + sharding.device_sum(mlp(h), c), kv, conv, ssm, record
+
+
+def run_layer(c: HybridConfig, layer: DecoderLayer, x, kv, conv, ssm, meta):
+    """A bound decoder layer on one device, or split over c.devices on each device's block
+    (`qwen3_next_split.layer_on_devices`) -> (x, kv, conv, ssm, record)."""
+    if c.devices == 1:
+        return layer(x, kv, conv, ssm, meta)
+    local = DecoderLayer(c.block(), layer.layer, layer.tuning, parent=None)
+    names = record_names(meta, x.shape[1], layer.tuning) if c.layer_types[layer.layer] == LINEAR else ()
+    return layer_on_devices(c, local, layer.variables["params"], x, kv, conv, ssm, meta, names)
 
 
 class HybridModel(DecoderLM):
@@ -295,7 +323,7 @@ class HybridModel(DecoderLM):
                     kv = cache.kv.kv[full.index(i)]
                 else:
                     conv, ssm = cache.conv[lin.index(i)], cache.ssm[lin.index(i)]
-            x, kv, conv, ssm, record = layer(x, kv, conv, ssm, meta)
+            x, kv, conv, ssm, record = run_layer(self.cfg, layer, x, kv, conv, ssm, meta)
             if i in full:
                 kvs.append(kv)
             else:
@@ -327,6 +355,9 @@ class HybridFamily(FlaxFamily):
     def weights_to_hf(self, cfg: HybridConfig, weights) -> tuple[dict, dict]:
         return qwen3_next_hf.hf_config(cfg), qwen3_next_hf.target_tensors(cfg, weights)
 
+    def split(self, cfg: HybridConfig, weights, n: int):
+        return split_qwen3_next(cfg, weights, n)
+
     def cache_kind(self, cfg: HybridConfig) -> HybridCacheKind:
         kv = KVCacheKind(len(cfg.full_layers), cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.dtype)
         return HybridCacheKind(kv, len(cfg.linear_layers), cfg.conv_kernel, cfg.conv_dim,
@@ -356,6 +387,6 @@ class MtpLayer(nn.Module):
                              OffsetRMSNorm(c.rms_norm_eps, c.dtype, name="pre_fc_norm_hidden")(feats)], axis=-1)
         x = Linear(c.hidden_size, False, c.dtype, tuning=self.tuning, name="fc")(h)
         kv = None if cache is None else cache.kv[0]
-        x, kv, _, _, _ = DecoderLayer(c, 0, self.tuning, name="layers_0")(x, kv, None, None, meta)
+        x, kv, _, _, _ = run_layer(c, DecoderLayer(c, 0, self.tuning, name="layers_0"), x, kv, None, None, meta)
         out = OffsetRMSNorm(c.rms_norm_eps, c.dtype, name="norm")(x)
         return out, None if cache is None else KVCache(kv=(kv,))

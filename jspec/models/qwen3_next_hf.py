@@ -87,6 +87,10 @@ class HybridConfig:
     architecture: str = "Qwen3_5ForCausalLM"
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
+    # Several devices (`models.qwen3_next_split.split_qwen3_next`): the model split over
+    # `devices`; `per_device`: this config is one device's block of it (`block`).
+    devices: int = 1
+    per_device: bool = False
 
     def __post_init__(self):
         if self.dtype not in DTYPES:
@@ -133,6 +137,19 @@ class HybridConfig:
 
     def replace(self, **kw) -> "HybridConfig":
         return dataclasses.replace(self, **kw)
+
+    def block(self) -> "HybridConfig":
+        """The config one device's layer code runs with when the model is split over
+        `devices`: 1/n of the attention heads, KV heads, linear key and value heads, dense
+        MLP and shared expert columns (its E/n routed experts follow from the arrays it
+        holds; routing still chooses among all E); attention and MLP outputs are partial
+        sums that the layer adds up over the devices."""
+        n = self.devices
+        return self.replace(num_heads=self.num_heads // n, num_kv_heads=self.num_kv_heads // n,
+                            linear_num_key_heads=self.linear_num_key_heads // n,
+                            linear_num_value_heads=self.linear_num_value_heads // n,
+                            intermediate_size=self.intermediate_size // n,
+                            shared_expert_intermediate_size=self.shared_expert_intermediate_size // n, per_device=True)
 
 
 def text_config(cfg: Mapping[str, Any], where: str = "config.json") -> tuple[Mapping[str, Any], str, bool]:
@@ -419,6 +436,9 @@ def linear_tensors(lp: dict, a: str, c: HybridConfig, out: dict):
 
 def target_tensors(c: HybridConfig, weights) -> dict:
     """Weights as the CausalLM's tensors (`hf_config`'s architecture)."""
+    if c.devices > 1:
+        raise ValueError(f"this model is split over {c.devices} devices (its columns reordered for them): "
+                         "export the model loaded on one device")
     p, dt = weights["params"], c.dtype
     out = end_tensors(p, c.tie_word_embeddings, dt)
     for i in range(c.num_layers):

@@ -1,0 +1,139 @@
+"""Qwen3-Next's and Qwen3.5's split over several devices (`TargetFamily.split`;
+docs/design.md, "Several GPUs"), DeepSeek's way (`models.deepseek_split`): gated full
+attention by heads (its KV cache by KV head), Gated DeltaNet by key heads with their value
+heads (the conv state by the channels those heads read, the delta-rule state by value
+head), routed experts by expert, the shared expert's and dense MLPs' columns Megatron's
+way, the embedding and LM head by vocabulary. `split_qwen3_next` reorders a model's
+weights so that each device's block is what its layer code expects and gives their
+PartitionSpecs; `layer_on_devices` runs a decoder layer on every device's block under
+`jax.shard_map` with two all-reduces (`sharding.device_sum`).
+"""
+from __future__ import annotations
+
+import jax
+from flax import linen as nn
+import numpy as np
+from jax.sharding import PartitionSpec as P
+
+from jspec import sharding
+from jspec.cache.recurrent import RECORD_SPECS, STATE_SPECS
+from jspec.models.qwen3_next_hf import HybridConfig
+
+A = sharding.AXIS
+# Which weight splits how, by the last two keys of its path. Column-parallel input
+# projections (reordered by `split_qwen3_next`), row-parallel outputs, per-head vectors by
+# head; norms, the router, the shared expert's gate and the MTP layer's fc replicated.
+SPLITS = {("qkv_proj", "kernel"): P(None, A), ("o_proj", "kernel"): P(A, None),
+          ("in_proj", "kernel"): P(None, A), ("linear_attn", "conv_weight"): P(A, None),
+          ("linear_attn", "A_log"): P(A), ("linear_attn", "dt_bias"): P(A), ("out_proj", "kernel"): P(A, None),
+          ("gate_up_proj", "kernel"): P(None, A), ("down_proj", "kernel"): P(A, None),
+          ("experts", "gate_up"): P(A, None, None), ("experts", "down"): P(A, None, None),
+          ("embed_tokens", "embedding"): P(A, None), ("lm_head", "kernel"): P(None, A)}
+VOCAB_SPLITS = (("embed_tokens", "embedding"), ("lm_head", "kernel"))
+def along(axis: int, ndim: int) -> P:
+    """A PartitionSpec splitting axis `axis` of an array of `ndim` dimensions over the devices."""
+    spec = [None] * ndim
+    spec[axis] = A
+    return P(*spec)
+
+
+def state_specs(kv, conv, ssm):
+    """The specs of a layer's cache parts (None where the layer has none): keys and values by
+    KV head (axis -2), the conv and delta-rule states as the cache kind splits them
+    (`cache.recurrent.STATE_SPECS`)."""
+    return (None if kv is None else along(kv.ndim - 2, kv.ndim), None if conv is None else STATE_SPECS["conv"],
+            None if ssm is None else STATE_SPECS["ssm"])
+
+
+def layer_on_devices(c: HybridConfig, layer: nn.Module, params, x, kv, conv, ssm, meta, record: tuple[str, ...]):
+    """A decoder layer of a model split over c.devices (`split_qwen3_next`): `layer`, made
+    with the block's config (`HybridConfig.block`), runs on every device's block of the
+    weights and of the cache parts under `jax.shard_map`, so the Pallas kernels run per
+    device as they do on one; x [B,T,D] and meta are replicated; `record`: the names of the
+    round's record the layer leaves (`qwen3_next.record_names`). -> as the layer: (x, kv,
+    conv, ssm, record or None)."""
+    specs = sharding.weight_specs(params, c.devices, SPLITS, VOCAB_SPLITS)
+    cache_specs = state_specs(kv, conv, ssm)
+    record_specs = {n: RECORD_SPECS[n] for n in record} or None
+
+    def run(p, x, kv, conv, ssm, meta):
+        return layer.apply({"params": p}, x, kv, conv, ssm, meta)
+    return jax.shard_map(run, in_specs=(specs, P()) + cache_specs + (P(),),
+                         out_specs=(P(),) + cache_specs + (record_specs,), check_vma=False)(
+        params, x, kv, conv, ssm, meta)
+
+
+def kv_heads(c: HybridConfig, n: int) -> int:
+    """The full-attention layers' KV heads split over n devices: Hkv, or n when the devices
+    outnumber them (each KV head repeated n / Hkv times, as `models.llama.kv_groups`)."""
+    Hkv = c.num_kv_heads
+    if Hkv % n == 0:
+        return Hkv
+    if n % Hkv:
+        raise ValueError(f"{Hkv} KV heads cannot be split over {n} devices, nor repeated ({n} is not a "
+                         f"multiple of {Hkv})")
+    return n
+
+
+def qkv_columns(c: HybridConfig, n: int) -> np.ndarray:
+    """qkv_proj's columns [query and gate of H heads | keys | values of Hkv heads] reordered
+    so that device d's block is [its H/n heads' | its KV heads' keys | their values]; with
+    more devices than KV heads, each device's one KV head is the one its heads read."""
+    H, Hkv, Dh = c.num_heads, c.num_kv_heads, c.head_dim
+    groups = kv_heads(c, n)
+    cols = []
+    for d in range(n):
+        heads = np.arange(d * groups // n, (d + 1) * groups // n) * Hkv // groups  # its KV heads (repeated or not)
+        per_head = np.arange(Dh)
+        keys = (2 * H * Dh + heads[:, None] * Dh + per_head).reshape(-1)
+        cols += [np.arange(d * 2 * H * Dh // n, (d + 1) * 2 * H * Dh // n), keys, keys + Hkv * Dh]
+    return np.concatenate(cols)
+
+
+def check_split(c: HybridConfig, n: int) -> None:
+    kv_heads(c, n)
+    fits = [(c.num_heads, "attention heads"), (c.linear_num_key_heads, "linear attention key heads")]
+    if any(not c.is_moe(i) for i in range(c.num_layers)) or c.num_experts == 0:
+        fits.append((c.intermediate_size, "columns of the dense MLPs"))
+    if c.num_experts:
+        fits.append((c.num_experts, "routed experts"))
+    if c.shared_expert_intermediate_size:
+        fits.append((c.shared_expert_intermediate_size, "columns of the shared expert"))
+    for size, what in fits:
+        if size % n:
+            raise ValueError(f"{size} {what} cannot be split over {n} devices")
+    if c.attention_bias:
+        raise ValueError("a Qwen3-Next / Qwen3.5 model with attention biases cannot be split over devices yet "
+                         "(o_proj's bias would be added on every device)")
+    if c.devices != 1:
+        raise ValueError(f"this model is split over {c.devices} devices already")
+
+
+def split_qwen3_next(c: HybridConfig, weights, n: int):
+    """A Qwen3-Next / Qwen3.5 model (target weights, or an MTP layer's) for n devices ->
+    (config with `devices` n, weights, PartitionSpec tree). Columns are reordered so that
+    each device's block is what its layer code expects (`sharding.blocks_by_device`):
+    qkv_proj's (`qkv_columns`; more devices than KV heads: each repeated, the config then
+    has n KV heads, holding the same keys and values), in_proj's
+    [its q | k | v | z | b | a], the conv weight's channels as its q, k and v, the MLPs'
+    [gate | up] halves. Host weights stay unread (`HostParam`)."""
+    check_split(c, n)
+    Kd, Vd, Hv = c.key_dim, c.value_dim, c.linear_num_value_heads
+    qkv = qkv_columns(c, n)
+    in_proj = sharding.blocks_by_device((Kd, Kd, Vd, Vd, Hv, Hv), n)
+    channels = sharding.blocks_by_device((Kd, Kd, Vd), n)
+
+    def reorder(keys, w):
+        if keys[-2:] == ("qkv_proj", "kernel"):
+            return sharding.take_columns(w, qkv)
+        if keys[-2:] == ("in_proj", "kernel"):
+            return sharding.take_columns(w, in_proj)
+        if keys[-2:] == ("linear_attn", "conv_weight"):
+            return sharding.take_rows(w, channels)
+        if keys[-2:] == ("gate_up_proj", "kernel"):
+            width = c.shared_expert_intermediate_size if "shared_expert" in keys else c.intermediate_size
+            return sharding.take_columns(w, sharding.halves_by_device(width, n))
+        return w
+    weights = sharding.map_weights(reorder, weights)
+    return (c.replace(devices=n, num_kv_heads=kv_heads(c, n)), weights,
+            sharding.weight_specs(weights, n, SPLITS, VOCAB_SPLITS))
