@@ -71,6 +71,12 @@ QWEN35_35B_A3B = dataclasses.replace(
     QWEN35_27B, hidden_size=2048, num_layers=40, layer_types=_hybrid_types(40), num_heads=16, num_kv_heads=2,
     linear_num_value_heads=32, intermediate_size=0, num_experts=256, num_experts_per_tok=8, moe_intermediate_size=512,
     shared_expert_intermediate_size=512, variant="qwen3_5_moe", architecture="Qwen3_5MoeForConditionalGeneration")
+# Qwen3.5-122B-A10B's text model: 48 layers of width 3072, 32 heads (2 KV heads of 256), 256
+# experts of 1024 (8 a token) and a shared expert of 1024 in every layer; its linear layers
+# as the family's larger models have them (16 key and 64 value heads of 128)
+QWEN35_122B_A10B = dataclasses.replace(
+    QWEN35_35B_A3B, hidden_size=3072, num_layers=48, layer_types=_hybrid_types(48), num_heads=32, num_kv_heads=2,
+    linear_num_value_heads=64, moe_intermediate_size=1024, shared_expert_intermediate_size=1024)
 
 CTX, SHORT, LONG = 1024, 16, 144  # prompt tokens; the two run lengths whose difference gives a step
 

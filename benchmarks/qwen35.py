@@ -15,6 +15,12 @@ record's memory; and the S=3 round under `Tuning(recurrent_commit="checkpoint")`
 
 Run: PYTHONPATH=. python3 benchmarks/qwen35.py check | 27b|35b [decode] [mtp | mtp3] [commit] [--batches 1,32]
 
+split: the hybrid split over n GPUs against one (`split_main`): a small Qwen3.5-MoE's
+tokens through the kernels on n GPUs against one, and the Qwen3.5-122B-A10B shape cut to
+--layers: decode and the MTP chain on 1 and n GPUs.
+    PYTHONPATH=. python3 benchmarks/qwen35.py split [check] [decode] [--devices 2] [--layers 8] [--batches 1,32]
+Result: $OUT/qwen35_split_<n>.json
+
 gated_delta (options of its own): the Gated DeltaNet kernels of the linear-attention layers
 on a GPU (`jspec.kernels.gated_delta.kernels`): each Pallas kernel checked against the jnp
 references (float32 and bf16 inputs), then timed against the references compiled by XLA
@@ -69,7 +75,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import jspec
-from benchmarks.common import (CTX, QWEN35_27B, QWEN35_35B_A3B, Runner, ceiling_of, copy_bandwidth, env_info,
+from benchmarks.common import (CTX, QWEN35_122B_A10B, QWEN35_27B, QWEN35_35B_A3B, Runner, ceiling_of, copy_bandwidth, env_info,
                                median_time, prefill_bench, prompts, random_params, rounded, save_json, trace_events,
                                traced, transformers_prefill_bench)
 from jspec.cache.layout import CacheLayout
@@ -140,32 +146,46 @@ def commit_time(c, B: int, N: int, commit: str, reps: int = 20) -> tuple[float, 
     return (tn - t1) / reps, record_bytes
 
 
-def gpu_check():
-    """Float32 greedy on the GPU through the kernels: a small random Qwen3.5 with a random
-    MTP layer, plain against MTP chains and trees (dense and paged), and the kernels
-    against the jnp references (`dispatch.use_backend("reference")`) -> identical prompts."""
+def small_model(moe: bool = False):
+    """(target, target with a random MTP layer): a small random float32 Qwen3.5 (8 layers of
+    256; moe: Qwen3.5-MoE with 16 experts of 64, 4 a token, and a shared one), weights
+    scaled up so that its greedy choices are not near ties."""
     from benchmarks.common import _hybrid_types
-    from jspec.kernels import dispatch
-    c = QWEN35_27B.replace(vocab_size=4096, hidden_size=256, num_layers=8, layer_types=_hybrid_types(8),
-                           num_heads=4, num_kv_heads=2, head_dim=64, rotary_dim=16, linear_num_key_heads=2,
-                           linear_num_value_heads=4, linear_key_head_dim=64, linear_value_head_dim=64,
-                           intermediate_size=512, dtype="float32")
+    small = dict(vocab_size=4096, hidden_size=256, num_layers=8, layer_types=_hybrid_types(8), num_heads=4,
+                 num_kv_heads=2, head_dim=64, rotary_dim=16, linear_num_key_heads=2, linear_num_value_heads=4,
+                 linear_key_head_dim=64, linear_value_head_dim=64, dtype="float32")
+    if moe:
+        c = QWEN35_35B_A3B.replace(**small, num_experts=16, num_experts_per_tok=4, moe_intermediate_size=64,
+                                   shared_expert_intermediate_size=64)
+    else:
+        c = QWEN35_27B.replace(**small, intermediate_size=512)
     sharp = jax.jit(lambda w: jax.tree.map(lambda a: a * 4 if a.ndim >= 2 else a, w))
     target = random_params(c)
     target = jspec.Params(config=c, weights=sharp(target.weights))
     d = QwenMtpDraft(layer_config(c))
-    with_mtp = target.with_draft(jspec.DraftParams(d, sharp(jax.jit(lambda k: d.init(k, c.vocab_size))(
+    return target, target.with_draft(jspec.DraftParams(d, sharp(jax.jit(lambda k: d.init(k, c.vocab_size))(
         jax.random.key(1)))))
-    ps = [list(range(5, 5 + n)) for n in (7, 30, 100)]
+
+
+CHECK_PROMPTS = [list(range(5, 5 + n)) for n in (7, 30, 100)]
+CHECK_CASES = {"chain_paged16": (jspec.SpecConfig(num_steps=3), jspec.CacheConfig("paged", page_size=16)),
+               "tree_dense": (jspec.SpecConfig(num_steps=3, topk=2, num_draft_tokens=6), jspec.CacheConfig("dense")),
+               "tree_paged64": (jspec.SpecConfig(num_steps=3, topk=4, num_draft_tokens=8),
+                                jspec.CacheConfig("paged", page_size=64)),
+               "ngram_chain_paged16": (jspec.SpecConfig(num_steps=4), jspec.CacheConfig("paged", page_size=16))}
+
+
+def gpu_check():
+    """Float32 greedy on the GPU through the kernels: a small random Qwen3.5 with a random
+    MTP layer, plain against MTP chains and trees (dense and paged), and the kernels
+    against the jnp references (`dispatch.use_backend("reference")`) -> identical prompts."""
+    from jspec.kernels import dispatch
+    target, with_mtp = small_model()
+    ps = CHECK_PROMPTS
     kw = dict(max_new_tokens=48, stop_token_ids=[])
     res = {"env": env_info()}
     plain = jspec.generate(target, ps, **kw).tokens
-    cases = {"chain_paged16": (jspec.SpecConfig(num_steps=3), jspec.CacheConfig("paged", page_size=16)),
-             "tree_dense": (jspec.SpecConfig(num_steps=3, topk=2, num_draft_tokens=6), jspec.CacheConfig("dense")),
-             "tree_paged64": (jspec.SpecConfig(num_steps=3, topk=4, num_draft_tokens=8),
-                              jspec.CacheConfig("paged", page_size=64))}
-    cases["ngram_chain_paged16"] = (jspec.SpecConfig(num_steps=4), jspec.CacheConfig("paged", page_size=16))
-    for name, (spec, cache) in cases.items():
+    for name, (spec, cache) in CHECK_CASES.items():
         p = target.with_draft(jspec.NgramDraft()) if name.startswith("ngram") else with_mtp
         out = jspec.generate(p, ps, spec=spec, cache=cache, **kw)
         res[name] = {"identical": sum(a == b for a, b in zip(out.tokens, plain)), "of": len(ps),
@@ -178,6 +198,66 @@ def gpu_check():
     res["kernels_vs_reference_plain"] = {"identical": sum(a == b for a, b in zip(ref, plain)), "of": len(ps)}
     print("kernels_vs_reference_plain", res["kernels_vs_reference_plain"], flush=True)
     save_json("qwen35_gpu_check.json", res)
+
+
+def split_main(argv):
+    """`split`: the hybrid split over n GPUs (`models.qwen3_next_split`) against one GPU.
+    check: the small random Qwen3.5-MoE (float32, through the kernels) on n GPUs against one,
+    plain, MTP chains and trees and an n-gram chain: identical prompts. decode: the
+    Qwen3.5-122B-A10B shape cut to --layers, random bf16 weights, on 1 and n GPUs: ms/step
+    at --batches (context 1k) and the MTP chain S=3 round (batch 1) as a ratio to its step."""
+    ap = argparse.ArgumentParser(prog="qwen35.py split")
+    ap.add_argument("parts", nargs="*", default=["check", "decode"])
+    ap.add_argument("--devices", type=int, default=2)
+    ap.add_argument("--layers", type=int, default=8)
+    ap.add_argument("--batches", default="1,32")
+    args = ap.parse_args(argv)
+    n = args.devices
+    res = {"env": env_info(), "devices": n}
+    name = f"qwen35_split_{n}.json"
+
+    def log(key, row):
+        res[key] = row
+        print(key, rounded(row), flush=True)
+        save_json(name, res)
+
+    if "check" in args.parts:
+        target, with_mtp = small_model(moe=True)
+        kw = dict(max_new_tokens=48, stop_token_ids=[])
+        for case, (spec, cache) in {"plain_paged16": (None, jspec.CacheConfig("paged", page_size=16)),
+                                    **CHECK_CASES}.items():
+            p = target.with_draft(jspec.NgramDraft()) if case.startswith("ngram") else with_mtp
+            one = jspec.generate(p, CHECK_PROMPTS, spec=spec, cache=cache, **kw)
+            split = jspec.generate(jspec.shard(p, n), CHECK_PROMPTS, spec=spec, cache=cache, **kw)
+            log(f"check_{case}", {"identical": sum(a == b for a, b in zip(one.tokens, split.tokens)),
+                                  "of": len(CHECK_PROMPTS), "mean_accept_length": split.stats.mean_accept_length})
+        del target, with_mtp
+        jspec.clear_caches()
+    if "decode" in args.parts:
+        from benchmarks.common import _hybrid_types
+        c = QWEN35_122B_A10B.replace(num_layers=args.layers, layer_types=_hybrid_types(args.layers))
+        target = random_params(c)
+        d = QwenMtpDraft(layer_config(c))
+        target = target.with_draft(jspec.DraftParams(d, jax.jit(lambda k: d.init(k, c.vocab_size))(jax.random.key(1))))
+        res["parameters"] = sum(x.size for x in jax.tree.leaves(target.weights))
+        for devices in (1, n):
+            p = target if devices == 1 else jspec.shard(target, n)
+            for batch in [int(b) for b in args.batches.split(",")]:
+                t0 = time.perf_counter()
+                r = Runner(p, prompts(batch, c.vocab_size), LONG)
+                per, _, _ = r.per_round(SHORT, LONG, reps=2)
+                log(f"decode_gpus{devices}_b{batch}", {"ms_per_step": per * 1e3, "compile_s": r.compile_s,
+                                                       "wall_s": time.perf_counter() - t0})
+                del r
+                if batch == 1:
+                    r = Runner(p, prompts(1, c.vocab_size), LONG, spec=jspec.SpecConfig(num_steps=3))
+                    rper, _, _ = r.per_round(SHORT, LONG, reps=2)
+                    log(f"mtp_chain3_gpus{devices}_b1", {"ms_per_round": rper * 1e3, "ratio_to_step": rper / per,
+                                                         "compile_s": r.compile_s})
+                    del r
+            del p
+            jspec.clear_caches()
+    print("saved", save_json(name, res))
 
 
 def commit_only(c, shape: str):
@@ -696,6 +776,8 @@ def main(argv=None):
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["gated_delta"]:
         return gated_delta_main(argv[1:])
+    if argv[:1] == ["split"]:
+        return split_main(argv[1:])
     if argv[:1] in (["prefill"], ["transformers_prefill"]):
         lengths = [int(a) for a in argv[1:] if not a.startswith("--")] or [4096, 32768, 131072]
         if argv[0] == "transformers_prefill":

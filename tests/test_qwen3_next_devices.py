@@ -101,17 +101,23 @@ def test_weights_and_states_are_split(loaded):
     assert spec(cache.kv.kv[0])[-2] == "tp"
 
 
-@pytest.mark.parametrize("name,edit", [("qwen3_next", {}), ("qwen3_5", {"num_key_value_heads": 1})],
-                         ids=["next-grouped-dense", "q35-repeated-kv-head"])
-def test_split_logits_of_the_variants(tmp_path, name, edit):
+@pytest.mark.parametrize("name,edit,quantization", [("qwen3_next", {}, None),
+                                                     ("qwen3_5", {"num_key_value_heads": 1}, "fp8")],
+                         ids=["next-grouped-dense", "q35-repeated-kv-head-fp8"])
+def test_split_logits_of_the_variants(tmp_path, name, edit, quantization):
     """Qwen3-Next's grouped projections with a dense MLP layer among MoE ones, and a KV head
-    repeated over 2 devices: the logits of a split model equal one device's."""
+    repeated over 2 devices with the weights quantized to FP8 online: the logits of a split
+    model equal one device's."""
     make_hybrid(str(tmp_path), name, **edit)
     tokens = [PROMPTS[2][:8], PROMPTS[0]]
-    want = np.asarray(jspec.logits(jspec.load(str(tmp_path), dtype="float32"), tokens))
-    two = jspec.load(str(tmp_path), dtype="float32", devices=2)
+    kw = dict(dtype="float32", quantization=quantization)
+    want = np.asarray(jspec.logits(jspec.load(str(tmp_path), **kw), tokens))
+    two = jspec.load(str(tmp_path), devices=2, **kw)
     if edit:
         assert two.config.num_kv_heads == 2  # one KV head, repeated
+    if quantization:  # the weights were rounded to FP8: other logits than the float32 weights'
+        unrounded = np.asarray(jspec.logits(jspec.load(str(tmp_path), dtype="float32"), tokens))
+        assert np.abs(unrounded - want).max() > 1e-3
     np.testing.assert_allclose(np.asarray(jspec.logits(two, tokens)), want, atol=2e-5, rtol=2e-5)
 
 
