@@ -21,6 +21,11 @@ tokens through the kernels on n GPUs against one, and the Qwen3.5-122B-A10B shap
     PYTHONPATH=. python3 benchmarks/qwen35.py split [check] [decode] [--devices 2] [--layers 8] [--batches 1,32]
 Result: $OUT/qwen35_split_<n>.json
 
+fp8: the Qwen3.5-27B shape cut to --layers decoding with bf16 weights and with the same
+weights rounded to FP8 in device memory (`fp8_main`).
+    PYTHONPATH=. python3 benchmarks/qwen35.py fp8 [--layers 16] [--batches 1,32]
+Result: $OUT/qwen35_27b_fp8_L<layers>.json
+
 gated_delta (options of its own): the Gated DeltaNet kernels of the linear-attention layers
 on a GPU (`jspec.kernels.gated_delta.kernels`): each Pallas kernel checked against the jnp
 references (float32 and bf16 inputs), then timed against the references compiled by XLA
@@ -65,6 +70,7 @@ Results: $OUT/prefill_qwen35_27b.json, $OUT/transformers_prefill_qwen35_27b.json
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import functools
 import os
 import sys
@@ -211,6 +217,7 @@ def split_main(argv):
     ap.add_argument("--devices", type=int, default=2)
     ap.add_argument("--layers", type=int, default=8)
     ap.add_argument("--batches", default="1,32")
+    ap.add_argument("--precision", default="default", help="jax.default_matmul_precision of the check")
     args = ap.parse_args(argv)
     n = args.devices
     res = {"env": env_info(), "devices": n}
@@ -225,12 +232,16 @@ def split_main(argv):
         target, with_mtp = small_model(moe=True)
         kw = dict(max_new_tokens=48, stop_token_ids=[])
         for case, (spec, cache) in {"plain_paged16": (None, jspec.CacheConfig("paged", page_size=16)),
-                                    **CHECK_CASES}.items():
+                                    "plain_dense": (None, jspec.CacheConfig("dense")), **CHECK_CASES}.items():
             p = target.with_draft(jspec.NgramDraft()) if case.startswith("ngram") else with_mtp
-            one = jspec.generate(p, CHECK_PROMPTS, spec=spec, cache=cache, **kw)
-            split = jspec.generate(jspec.shard(p, n), CHECK_PROMPTS, spec=spec, cache=cache, **kw)
-            log(f"check_{case}", {"identical": sum(a == b for a, b in zip(one.tokens, split.tokens)),
-                                  "of": len(CHECK_PROMPTS), "mean_accept_length": split.stats.mean_accept_length})
+            with jax.default_matmul_precision(args.precision):
+                one = jspec.generate(p, CHECK_PROMPTS, spec=spec, cache=cache, **kw)
+                split = jspec.generate(jspec.shard(p, n), CHECK_PROMPTS, spec=spec, cache=cache, **kw)
+            same = [next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), None)
+                    for a, b in zip(one.tokens, split.tokens)]
+            log(f"check_{case}_{args.precision}", {
+                "identical": same.count(None), "of": len(CHECK_PROMPTS), "first_difference": same,
+                "mean_accept_length": split.stats.mean_accept_length})
         del target, with_mtp
         jspec.clear_caches()
     if "decode" in args.parts:
@@ -244,7 +255,7 @@ def split_main(argv):
             p = target if devices == 1 else jspec.shard(target, n)
             for batch in [int(b) for b in args.batches.split(",")]:
                 t0 = time.perf_counter()
-                r = Runner(p, prompts(batch, c.vocab_size), LONG)
+                r = Runner(dataclasses.replace(p, draft=None), prompts(batch, c.vocab_size), LONG)  # plain decoding
                 per, _, _ = r.per_round(SHORT, LONG, reps=2)
                 log(f"decode_gpus{devices}_b{batch}", {"ms_per_step": per * 1e3, "compile_s": r.compile_s,
                                                        "wall_s": time.perf_counter() - t0})
@@ -257,6 +268,37 @@ def split_main(argv):
                     del r
             del p
             jspec.clear_caches()
+    print("saved", save_json(name, res))
+
+
+def fp8_main(argv):
+    """`fp8`: the Qwen3.5-27B shape cut to --layers, random bf16 weights, decoding at
+    --batches (context 1k) with those weights and with them rounded to FP8 in device
+    memory (`quantization.quantize_params`: every projection, the embedding and LM head
+    left bf16), in one process: ms/step and the FP8 / bf16 ratio."""
+    from benchmarks.common import _hybrid_types
+    from jspec.quantization import quantize_params
+    ap = argparse.ArgumentParser(prog="qwen35.py fp8")
+    ap.add_argument("--layers", type=int, default=16)
+    ap.add_argument("--batches", default="1,32")
+    args = ap.parse_args(argv)
+    c = QWEN35_27B.replace(num_layers=args.layers, layer_types=_hybrid_types(args.layers))
+    res = {"env": env_info(), "layers": args.layers}
+    name = f"qwen35_27b_fp8_L{args.layers}.json"
+    bf16 = random_params(c)
+    ms = {}
+    for label, p in (("bf16", bf16), ("fp8", quantize_params(bf16))):
+        res[f"weight_GB_{label}"] = sum(x.nbytes for x in jax.tree.leaves(p.weights)) / 1e9
+        for batch in [int(b) for b in args.batches.split(",")]:
+            r = Runner(p, prompts(batch, c.vocab_size), LONG)
+            per, _, _ = r.per_round(SHORT, LONG, reps=2)
+            ms[label, batch] = per * 1e3
+            res[f"decode_{label}_b{batch}"] = {"ms_per_step": per * 1e3, "compile_s": r.compile_s}
+            if label == "fp8":
+                res[f"decode_fp8_b{batch}"]["speedup_over_bf16"] = ms["bf16", batch] / ms["fp8", batch]
+            print(f"decode_{label}_b{batch}", rounded(res[f"decode_{label}_b{batch}"]), flush=True)
+            save_json(name, res)
+            del r
     print("saved", save_json(name, res))
 
 
@@ -778,6 +820,8 @@ def main(argv=None):
         return gated_delta_main(argv[1:])
     if argv[:1] == ["split"]:
         return split_main(argv[1:])
+    if argv[:1] == ["fp8"]:
+        return fp8_main(argv[1:])
     if argv[:1] in (["prefill"], ["transformers_prefill"]):
         lengths = [int(a) for a in argv[1:] if not a.startswith("--")] or [4096, 32768, 131072]
         if argv[0] == "transformers_prefill":

@@ -173,7 +173,7 @@ def load_target(model_dir: str, dtype: str | None = None, embedded_draft: str | 
     where = os.fspath(model_dir)
     family = family_for_hf(cfg_json, where)
     config = family.config_from_hf(cfg_json, dtype)
-    keep = family.fp8_weights and embedded_draft is None  # an embedded draft reads the tensors as they come
+    keep = family.fp8_weights  # FP8 projections stay FP8 (an embedded MTP layer's too: `Tensors.linear`)
     tensors = dequantize(read_tensors(model_dir), cfg_json, where, keep=keep)
     if quantization == "fp8":
         tensors = quantize_fp8(tensors, keep=keep)

@@ -12,7 +12,8 @@ Two layouts, named by config.json's `quantization_config`:
   per output channel [out, 1] or per tensor ([] or [1]); an `<x>.input_scale` (static
   activation scales) is dropped: activations stay in the compute dtype.
 
-Where the family keeps FP8 weights (`TargetFamily.fp8_weights`: the Llama family) and the
+Where the family keeps FP8 weights (`TargetFamily.fp8_weights`: the Llama, Qwen3.5 and
+Qwen3-Next families) and the
 scales allow it, a projection stays FP8 in device memory: `dequantize(..., keep=True)`
 leaves the weight as it is and puts beside it `<x>.weight` + SCALE_SUFFIX, its scales per
 output row and group of GROUP (128) input columns [out, ceil(in / GROUP)] (a block scale
@@ -47,7 +48,7 @@ GROUP = 128  # input columns (kernel rows) sharing a scale in device memory
 SCALE_SUFFIX = ".group_scales"  # beside a kept FP8 `<x>.weight`: its scales [out, ceil(in / GROUP)]
 METHODS = ("fp8", "compressed-tensors")
 E4M3_MAX = 448.0
-NOT_QUANTIZED = ("embed", "lm_head", "norm", "mlp.gate.weight", "shared_head")  # as DeepSeek's FP8 checkpoints
+NOT_QUANTIZED = ("embed", "lm_head", "norm", "mlp.gate.weight", "shared_head", "router")  # as DeepSeek's FP8 checkpoints (router: a params key)
 
 
 def quantize_fp8(tensors: dict, block=(128, 128), keep: bool = False) -> dict:

@@ -412,3 +412,66 @@ def test_fp8_kv_cache(tmp_path):
                                            q_lora_rank=48, rope_scaling=YARN, **COMMON)).save_pretrained(ds)
     with pytest.raises(ValueError, match="are not stored in FP8 yet; GQA caches are"):
         jspec.generate(jspec.load(ds, dtype="float32"), PROMPTS, cache=dense, **kw)
+
+
+def test_block_fp8_hybrid_keeps_fp8_and_splits(tmp_path):
+    """A block-FP8 Qwen3.5-MoE with its MTP layer (hidden 128: one group of 128 a row)
+    keeps its projections FP8 in device memory (attention, Gated DeltaNet, shared expert,
+    the MTP layer's fc; the experts' stacks are read dequantized), its logits equal
+    transformers' on the dequantized weights, the MTP chain gives its greedy tokens, and
+    split over 2 devices (column-split kernels FP8 with their scales, row-split ones whose
+    halves are not whole groups dequantized) it gives the same tokens."""
+    from test_qwen3_next import hf_greedy_tokens, make_hybrid
+    path = str(tmp_path)
+    model = make_hybrid(path, "qwen3_5_moe", hidden_size=128)
+    deq = write_block_fp8(path)
+    ref = with_weights(model, fused_experts(deq, model.state_dict()))
+    params = jspec.load(path, draft="mtp", dtype="float32")
+    layers = params.weights["params"]
+    c = params.config
+    lin, full = layers[f"layers_{c.linear_layers[0]}"], layers[f"layers_{c.full_layers[0]}"]
+    for p in (lin["linear_attn"]["in_proj"], full["self_attn"]["qkv_proj"], full["mlp"]["shared_expert"]["down_proj"],
+              params.draft.weights["params"]["fc"]):
+        assert p["kernel"].dtype == ml_dtypes.float8_e4m3fn and p["kernel_scale"].dtype == np.float32
+    assert full["mlp"]["experts"]["gate_up"].dtype == np.float32
+    for p in PROMPTS:
+        np.testing.assert_allclose(logits_of(params, p), hf_logits(ref, p), atol=2e-4, rtol=1e-4)
+    want = [hf_greedy_tokens(ref, p, 10) for p in PROMPTS]
+    kw = dict(max_new_tokens=10, stop_token_ids=[], spec=jspec.SpecConfig(3, 1, 4))
+    assert jspec.generate(params, PROMPTS, **kw).tokens == want
+    if len(jax.devices()) >= 2:
+        two = jspec.load(path, draft="mtp", dtype="float32", devices=2)
+        in_proj = two.weights["params"][f"layers_{c.linear_layers[0]}"]["linear_attn"]["in_proj"]
+        assert in_proj["kernel"].dtype == ml_dtypes.float8_e4m3fn and "tp" in in_proj["kernel_scale"].sharding.spec
+        assert jspec.generate(two, PROMPTS, **kw).tokens == want
+
+
+def fused_experts(deq: dict, state: dict) -> dict:
+    """The dequantized weights of a checkpoint saved with one tensor per expert, as the
+    names of a transformers model that keeps them fused (`experts.gate_up_proj` [E, 2Fm, D],
+    `experts.down_proj` [E, D, Fm])."""
+    out = {k: v for k, v in deq.items() if k in state}
+    for name, w in state.items():
+        pre = name.rsplit(".", 1)[0] + "."
+        if name.endswith("mlp.experts.gate_up_proj"):
+            out[name] = np.stack([np.concatenate([deq[f"{pre}{e}.gate_proj.weight"], deq[f"{pre}{e}.up_proj.weight"]])
+                                  for e in range(w.shape[0])])
+        elif name.endswith("mlp.experts.down_proj"):
+            out[name] = np.stack([deq[f"{pre}{e}.down_proj.weight"] for e in range(w.shape[0])])
+    return out
+
+
+def test_quantize_params_of_a_hybrid_keeps_the_router(tmp_path):
+    """`quantize_params` on a Qwen3.5-MoE in memory: its projections FP8 with their scales,
+    the router, norms, embedding and the experts' stacks as they were."""
+    from jspec.quantization import quantize_params
+    from test_qwen3_next import make_hybrid
+    make_hybrid(str(tmp_path), "qwen3_5_moe")
+    params = jspec.load(str(tmp_path), dtype="float32")
+    q = quantize_params(params)
+    full = q.weights["params"][f"layers_{params.config.full_layers[0]}"]
+    assert full["self_attn"]["qkv_proj"]["kernel"].dtype == ml_dtypes.float8_e4m3fn
+    assert full["mlp"]["router"]["kernel"].dtype == np.float32 and "kernel_scale" not in full["mlp"]["router"]
+    assert full["mlp"]["experts"]["gate_up"].dtype == np.float32
+    got, want = logits_of(q, PROMPTS[0]), logits_of(params, PROMPTS[0])
+    assert np.isfinite(got).all() and 0 < np.abs(got - want).max() < 0.1 * np.abs(want).max()

@@ -345,6 +345,7 @@ class HybridFamily(FlaxFamily):
     config_type = HybridConfig
     model = HybridModel
     architectures = qwen3_next_hf.TARGET_ARCHITECTURES
+    fp8_weights = True  # FP8 projections stay FP8 (`Linear`); the experts' stacks are dequantized
 
     def config_from_hf(self, cfg_json: dict, dtype: str | None) -> HybridConfig:
         return qwen3_next_hf.config_from_hf(cfg_json, dtype)

@@ -293,9 +293,8 @@ def linear_params(t: Tensors, a: str, c: HybridConfig) -> dict:
     """A Gated DeltaNet layer (`a`: its prefix, ending in "linear_attn.")."""
     D, Hv, Ch, Vd = c.hidden_size, c.linear_num_value_heads, c.conv_dim, c.value_dim
     if c.variant == "qwen3_next":
-        qkvz = t.take(a + "in_proj_qkvz.weight", (Ch + Vd, D))[qkvz_order(c)]
-        ba = t.take(a + "in_proj_ba.weight", (2 * Hv, D))[ba_order(c)]
-        in_proj = {"kernel": t.as_param(np.concatenate([qkvz, ba], axis=0)).T}
+        in_proj = t.linear((a + "in_proj_qkvz.weight", (Ch + Vd, D)), (a + "in_proj_ba.weight", (2 * Hv, D)),
+                           order=np.concatenate([qkvz_order(c), Ch + Vd + ba_order(c)]))
     else:
         in_proj = t.linear((a + "in_proj_qkv.weight", (Ch, D)), (a + "in_proj_z.weight", (Vd, D)),
                            (a + "in_proj_b.weight", (Hv, D)), (a + "in_proj_a.weight", (Hv, D)))

@@ -12,12 +12,14 @@ from __future__ import annotations
 
 import jax
 from flax import linen as nn
+import jax.numpy as jnp
 import numpy as np
 from jax.sharding import PartitionSpec as P
 
 from jspec import sharding
 from jspec.cache.recurrent import RECORD_SPECS, STATE_SPECS
 from jspec.models.qwen3_next_hf import HybridConfig
+from jspec.quantization import GROUP, dequantize_host
 
 A = sharding.AXIS
 # Which weight splits how, by the last two keys of its path. Column-parallel input
@@ -29,6 +31,11 @@ SPLITS = {("qkv_proj", "kernel"): P(None, A), ("o_proj", "kernel"): P(A, None),
           ("gate_up_proj", "kernel"): P(None, A), ("down_proj", "kernel"): P(A, None),
           ("experts", "gate_up"): P(A, None, None), ("experts", "down"): P(A, None, None),
           ("embed_tokens", "embedding"): P(A, None), ("lm_head", "kernel"): P(None, A)}
+# An FP8 kernel's scales [ceil(in / 128), out] split as the kernel: by columns, or by groups
+# of rows (`split_qwen3_next` dequantizes a row-split kernel whose blocks are not whole groups)
+COLUMNS = ("qkv_proj", "in_proj", "gate_up_proj")
+ROWS = ("o_proj", "out_proj", "down_proj")
+SPLITS |= {(k, "kernel_scale"): P(None, A) for k in COLUMNS} | {(k, "kernel_scale"): P(A, None) for k in ROWS}
 VOCAB_SPLITS = (("embed_tokens", "embedding"), ("lm_head", "kernel"))
 def along(axis: int, ndim: int) -> P:
     """A PartitionSpec splitting axis `axis` of an array of `ndim` dimensions over the devices."""
@@ -109,6 +116,23 @@ def check_split(c: HybridConfig, n: int) -> None:
         raise ValueError(f"this model is split over {c.devices} devices already")
 
 
+def dequantize_uneven_rows(tree, n: int, dtype):
+    """A weight tree with every FP8 row-split kernel (`ROWS`) whose rows do not split into
+    whole groups of `quantization.GROUP` per device dequantized to `dtype` (its scales
+    dropped): a device's block must hold whole groups with their scales."""
+    if not isinstance(tree, dict):
+        return tree
+    out = {}
+    for k, v in tree.items():
+        if k in ROWS and isinstance(v, dict) and "kernel_scale" in v and (v["kernel"].shape[0] // n) % GROUP:
+            kernel = dequantize_host(np.asarray(v["kernel"]), np.asarray(v["kernel_scale"]))
+            out[k] = {**{x: w for x, w in v.items() if x not in ("kernel", "kernel_scale")},
+                      "kernel": jnp.asarray(kernel, dtype)}
+        else:
+            out[k] = dequantize_uneven_rows(v, n, dtype)
+    return out
+
+
 def split_qwen3_next(c: HybridConfig, weights, n: int):
     """A Qwen3-Next / Qwen3.5 model (target weights, or an MTP layer's) for n devices ->
     (config with `devices` n, weights, PartitionSpec tree). Columns are reordered so that
@@ -116,24 +140,25 @@ def split_qwen3_next(c: HybridConfig, weights, n: int):
     qkv_proj's (`qkv_columns`; more devices than KV heads: each repeated, the config then
     has n KV heads, holding the same keys and values), in_proj's
     [its q | k | v | z | b | a], the conv weight's channels as its q, k and v, the MLPs'
-    [gate | up] halves. Host weights stay unread (`HostParam`)."""
+    [gate | up] halves; FP8 kernels' scales with their columns (`dequantize_uneven_rows`).
+    Host weights stay unread (`HostParam`)."""
     check_split(c, n)
     Kd, Vd, Hv = c.key_dim, c.value_dim, c.linear_num_value_heads
     qkv = qkv_columns(c, n)
     in_proj = sharding.blocks_by_device((Kd, Kd, Vd, Vd, Hv, Hv), n)
     channels = sharding.blocks_by_device((Kd, Kd, Vd), n)
 
-    def reorder(keys, w):
-        if keys[-2:] == ("qkv_proj", "kernel"):
+    def reorder(keys, w):  # a kernel's columns, and its FP8 scales' with them
+        if keys[-2:] in (("qkv_proj", "kernel"), ("qkv_proj", "kernel_scale")):
             return sharding.take_columns(w, qkv)
-        if keys[-2:] == ("in_proj", "kernel"):
+        if keys[-2:] in (("in_proj", "kernel"), ("in_proj", "kernel_scale")):
             return sharding.take_columns(w, in_proj)
         if keys[-2:] == ("linear_attn", "conv_weight"):
             return sharding.take_rows(w, channels)
-        if keys[-2:] == ("gate_up_proj", "kernel"):
+        if keys[-2:] in (("gate_up_proj", "kernel"), ("gate_up_proj", "kernel_scale")):
             width = c.shared_expert_intermediate_size if "shared_expert" in keys else c.intermediate_size
             return sharding.take_columns(w, sharding.halves_by_device(width, n))
         return w
-    weights = sharding.map_weights(reorder, weights)
+    weights = sharding.map_weights(reorder, dequantize_uneven_rows(weights, n, c.jnp_dtype))
     return (c.replace(devices=n, num_kv_heads=kv_heads(c, n)), weights,
             sharding.weight_specs(weights, n, SPLITS, VOCAB_SPLITS))
