@@ -50,18 +50,19 @@ def loaded(moe_dir):
     return get
 
 
-@pytest.mark.parametrize("draft,spec,cache,sampled", [
-    pytest.param("mtp", None, PAGED16, False, id="plain-paged16"),
-    pytest.param("mtp", TREE, PAGED16, False, id="mtp-tree-paged16"),
-    pytest.param("mtp", CHAIN, jspec.CacheConfig("dense"), True, id="mtp-chain-dense-sampled"),
-    pytest.param("ngram", CHAIN, PAGED16, False, id="ngram-chain-paged16"),
+@pytest.mark.parametrize("draft,spec,cache,sampled,commit", [
+    pytest.param("mtp", None, PAGED16, False, "replay", id="plain-paged16"),
+    pytest.param("mtp", TREE, PAGED16, False, "checkpoint", id="mtp-tree-paged16-checkpoint"),
+    pytest.param("mtp", CHAIN, jspec.CacheConfig("dense"), True, "replay", id="mtp-chain-dense-sampled"),
+    pytest.param("ngram", CHAIN, PAGED16, False, "replay", id="ngram-chain-paged16"),
 ])
-def test_split_output_equals_one_device(loaded, draft, spec, cache, sampled):
+def test_split_output_equals_one_device(loaded, draft, spec, cache, sampled, commit):
     """Unequal prompts and lengths; the same tokens and, speculating, the same accepted
     drafts round by round (the n-gram chain accepts several tokens a round, so the split
-    states are committed past drafts)."""
+    states are committed past drafts; the tree commits from per-node checkpoints)."""
     prompts = PROMPTS if draft == "mtp" else [p * 3 for p in PROMPTS]  # repeats for the n-gram drafts
-    kw = dict(max_new_tokens=[14, 9, 11], stop_token_ids=[], spec=spec, cache=cache)
+    kw = dict(max_new_tokens=[14, 9, 11], stop_token_ids=[], spec=spec, cache=cache,
+              tuning=jspec.Tuning(recurrent_commit=commit))
     if sampled:
         kw |= dict(temperature=0.8, top_k=20, seed=[3, 4, 5])
     want = jspec.generate(loaded(None, draft), prompts, **kw)
