@@ -135,6 +135,31 @@ def weight_specs(weights, n: int, splits: dict, vocab_splits: tuple = ()):
     return map_weights(spec, weights)
 
 
+def check_divides(fits, n: int, family: str, attention_bias: bool, devices: int) -> None:
+    """A family's split checks (`split` of the DeepSeek and Qwen3.5 families): each (size,
+    what) of `fits` divides by n; no attention bias (o_proj's bias would be added on every
+    device); not split already."""
+    for size, what in fits:
+        if size % n:
+            raise ValueError(f"{size} {what} cannot be split over {n} devices")
+    if attention_bias:
+        raise ValueError(f"a {family} model with attention biases cannot be split over devices yet (o_proj's bias "
+                         "would be added on every device)")
+    if devices != 1:
+        raise ValueError(f"this model is split over {devices} devices already")
+
+
+def kv_heads_over(num_kv_heads: int, n: int) -> int:
+    """KV heads of a model split over n devices: Hkv, or n when the devices outnumber the KV
+    heads (each KV head is then repeated n / Hkv times, as SGLang and vLLM do)."""
+    if num_kv_heads % n == 0:
+        return num_kv_heads
+    if n % num_kv_heads:
+        raise ValueError(f"{num_kv_heads} KV heads cannot be split over {n} devices, nor repeated ({n} is not a "
+                         f"multiple of {num_kv_heads})")
+    return n
+
+
 def take_columns(w, cols: np.ndarray):
     """w's last-axis entries `cols` (a kernel's columns, a bias' or a vector's entries, each
     stacked expert's columns), lazily for host weights."""

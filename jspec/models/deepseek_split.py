@@ -58,14 +58,7 @@ def _check_split(c: DeepseekConfig, n: int) -> None:
         fits.append((c.intermediate_size, "columns of the dense MLPs"))
     if c.n_shared_experts:
         fits.append((c.moe_intermediate_size, "columns of the shared experts"))
-    for size, what in fits:
-        if size % n:
-            raise ValueError(f"{size} {what} cannot be split over {n} devices")
-    if c.attention_bias:
-        raise ValueError("a DeepSeek model with attention biases cannot be split over devices yet (o_proj's bias "
-                         "would be added on every device)")
-    if c.devices != 1:
-        raise ValueError(f"this model is split over {c.devices} devices already")
+    sharding.check_divides(fits, n, "DeepSeek", c.attention_bias, c.devices)
 
 
 def split_deepseek(c: DeepseekConfig, weights, n: int):

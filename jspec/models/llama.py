@@ -157,12 +157,7 @@ def kv_groups(cfg: ModelConfig, n: int) -> int:
         raise ValueError(f"{H} attention heads cannot be split over {n} devices")
     if cfg.intermediate_size % n:
         raise ValueError(f"an MLP of width {cfg.intermediate_size} cannot be split over {n} devices")
-    if Hkv % n == 0:
-        return Hkv
-    if n % Hkv:
-        raise ValueError(f"{Hkv} KV heads cannot be split over {n} devices, nor repeated ({n} is not a "
-                         f"multiple of {Hkv})")
-    return n
+    return sharding.kv_heads_over(Hkv, n)
 
 
 def split_llama(cfg: ModelConfig, weights, n: int):

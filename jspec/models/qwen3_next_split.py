@@ -70,24 +70,12 @@ def layer_on_devices(c: HybridConfig, layer: nn.Module, params, x, kv, conv, ssm
         params, x, kv, conv, ssm, meta)
 
 
-def kv_heads(c: HybridConfig, n: int) -> int:
-    """The full-attention layers' KV heads split over n devices: Hkv, or n when the devices
-    outnumber them (each KV head repeated n / Hkv times, as `models.llama.kv_groups`)."""
-    Hkv = c.num_kv_heads
-    if Hkv % n == 0:
-        return Hkv
-    if n % Hkv:
-        raise ValueError(f"{Hkv} KV heads cannot be split over {n} devices, nor repeated ({n} is not a "
-                         f"multiple of {Hkv})")
-    return n
-
-
 def qkv_columns(c: HybridConfig, n: int) -> np.ndarray:
     """qkv_proj's columns [query and gate of H heads | keys | values of Hkv heads] reordered
     so that device d's block is [its H/n heads' | its KV heads' keys | their values]; with
     more devices than KV heads, each device's one KV head is the one its heads read."""
     H, Hkv, Dh = c.num_heads, c.num_kv_heads, c.head_dim
-    groups = kv_heads(c, n)
+    groups = sharding.kv_heads_over(Hkv, n)
     cols = []
     for d in range(n):
         heads = np.arange(d * groups // n, (d + 1) * groups // n) * Hkv // groups  # its KV heads (repeated or not)
@@ -98,7 +86,7 @@ def qkv_columns(c: HybridConfig, n: int) -> np.ndarray:
 
 
 def check_split(c: HybridConfig, n: int) -> None:
-    kv_heads(c, n)
+    sharding.kv_heads_over(c.num_kv_heads, n)
     fits = [(c.num_heads, "attention heads"), (c.linear_num_key_heads, "linear attention key heads")]
     if any(not c.is_moe(i) for i in range(c.num_layers)) or c.num_experts == 0:
         fits.append((c.intermediate_size, "columns of the dense MLPs"))
@@ -106,14 +94,7 @@ def check_split(c: HybridConfig, n: int) -> None:
         fits.append((c.num_experts, "routed experts"))
     if c.shared_expert_intermediate_size:
         fits.append((c.shared_expert_intermediate_size, "columns of the shared expert"))
-    for size, what in fits:
-        if size % n:
-            raise ValueError(f"{size} {what} cannot be split over {n} devices")
-    if c.attention_bias:
-        raise ValueError("a Qwen3-Next / Qwen3.5 model with attention biases cannot be split over devices yet "
-                         "(o_proj's bias would be added on every device)")
-    if c.devices != 1:
-        raise ValueError(f"this model is split over {c.devices} devices already")
+    sharding.check_divides(fits, n, "Qwen3-Next / Qwen3.5", c.attention_bias, c.devices)
 
 
 def dequantize_uneven_rows(tree, n: int, dtype):
@@ -137,7 +118,7 @@ def split_qwen3_next(c: HybridConfig, weights, n: int):
     """A Qwen3-Next / Qwen3.5 model (target weights, or an MTP layer's) for n devices ->
     (config with `devices` n, weights, PartitionSpec tree). Columns are reordered so that
     each device's block is what its layer code expects (`sharding.blocks_by_device`):
-    qkv_proj's (`qkv_columns`; more devices than KV heads: each repeated, the config then
+    qkv_proj's (`qkv_columns`; more devices than KV heads: each repeated (`sharding.kv_heads_over`), the config then
     has n KV heads, holding the same keys and values), in_proj's
     [its q | k | v | z | b | a], the conv weight's channels as its q, k and v, the MLPs'
     [gate | up] halves; FP8 kernels' scales with their columns (`dequantize_uneven_rows`).
@@ -160,5 +141,5 @@ def split_qwen3_next(c: HybridConfig, weights, n: int):
             return sharding.take_columns(w, sharding.halves_by_device(width, n))
         return w
     weights = sharding.map_weights(reorder, dequantize_uneven_rows(weights, n, c.jnp_dtype))
-    return (c.replace(devices=n, num_kv_heads=kv_heads(c, n)), weights,
+    return (c.replace(devices=n, num_kv_heads=sharding.kv_heads_over(c.num_kv_heads, n)), weights,
             sharding.weight_specs(weights, n, SPLITS, VOCAB_SPLITS))
