@@ -16,7 +16,9 @@ protocol returns its config and weights for n devices and a PartitionSpec tree
 (`weight_specs`); Llama-architecture modules share `jspec.models.llama.split_llama`.
 DeepSeek targets and MTP layers (`jspec.models.deepseek_split.split_deepseek`) split attention
 by heads and the routed experts by expert, and run each decoder layer per device under
-`shard_map` with their own two all-reduces (docs/design.md, "Several GPUs").
+`shard_map` with their own two all-reduces (docs/design.md, "Several GPUs"); Qwen3.5 and
+Qwen3-Next targets and MTP layers (`jspec.models.qwen3_next_split`) too, their Gated DeltaNet
+layers by key heads.
 """
 from __future__ import annotations
 
