@@ -19,6 +19,7 @@ split: the hybrid split over n GPUs against one (`split_main`): a small Qwen3.5-
 tokens through the kernels on n GPUs against one, and the Qwen3.5-122B-A10B shape cut to
 --layers: decode and the MTP chain on 1 and n GPUs.
     PYTHONPATH=. python3 benchmarks/qwen35.py split [check] [decode] [--devices 2] [--layers 8] [--batches 1,32]
+        [--precision highest] [--fp8] [--cases plain_paged16,chain_paged16,...]
 Result: $OUT/qwen35_split_<n>.json
 
 fp8: the Qwen3.5-27B shape cut to --layers decoding with bf16 weights and with the same
@@ -211,17 +212,25 @@ def split_main(argv):
     check: the small random Qwen3.5-MoE (float32, through the kernels) on n GPUs against one,
     plain, MTP chains and trees and an n-gram chain: identical prompts. decode: the
     Qwen3.5-122B-A10B shape cut to --layers, random bf16 weights, on 1 and n GPUs: ms/step
-    at --batches (context 1k) and the MTP chain S=3 round (batch 1) as a ratio to its step."""
+    at --batches (context 1k) and the MTP chain S=3 round (batch 1) as a ratio to its step.
+    --fp8: the target's projections rounded to FP8 in device memory first (`quantize_params`);
+    --cases: the check's cases (default all)."""
+    from jspec.quantization import quantize_params
     ap = argparse.ArgumentParser(prog="qwen35.py split")
     ap.add_argument("parts", nargs="*", default=["check", "decode"])
     ap.add_argument("--devices", type=int, default=2)
     ap.add_argument("--layers", type=int, default=8)
     ap.add_argument("--batches", default="1,32")
     ap.add_argument("--precision", default="default", help="jax.default_matmul_precision of the check")
+    ap.add_argument("--fp8", action="store_true")
+    ap.add_argument("--cases", default="", help="comma-separated check cases (default: all)")
     args = ap.parse_args(argv)
     n = args.devices
-    res = {"env": env_info(), "devices": n}
-    name = f"qwen35_split_{n}.json"
+    res = {"env": env_info(), "devices": n, "fp8": args.fp8}
+    name = f"qwen35_split_{n}{'_fp8' if args.fp8 else ''}.json"
+
+    def fp8(p):  # the target's projections FP8 (the draft as it is), or p
+        return dataclasses.replace(quantize_params(p), draft=p.draft) if args.fp8 else p
 
     def log(key, row):
         res[key] = row
@@ -230,9 +239,13 @@ def split_main(argv):
 
     if "check" in args.parts:
         target, with_mtp = small_model(moe=True)
+        target, with_mtp = fp8(target), fp8(with_mtp)
         kw = dict(max_new_tokens=48, stop_token_ids=[])
-        for case, (spec, cache) in {"plain_paged16": (None, jspec.CacheConfig("paged", page_size=16)),
-                                    "plain_dense": (None, jspec.CacheConfig("dense")), **CHECK_CASES}.items():
+        cases = {"plain_paged16": (None, jspec.CacheConfig("paged", page_size=16)),
+                 "plain_dense": (None, jspec.CacheConfig("dense")), **CHECK_CASES}
+        for case, (spec, cache) in cases.items():
+            if args.cases and case not in args.cases.split(","):
+                continue
             p = target.with_draft(jspec.NgramDraft()) if case.startswith("ngram") else with_mtp
             with jax.default_matmul_precision(args.precision):
                 one = jspec.generate(p, CHECK_PROMPTS, spec=spec, cache=cache, **kw)
@@ -249,7 +262,8 @@ def split_main(argv):
         c = QWEN35_122B_A10B.replace(num_layers=args.layers, layer_types=_hybrid_types(args.layers))
         target = random_params(c)
         d = QwenMtpDraft(layer_config(c))
-        target = target.with_draft(jspec.DraftParams(d, jax.jit(lambda k: d.init(k, c.vocab_size))(jax.random.key(1))))
+        target = fp8(target.with_draft(jspec.DraftParams(d, jax.jit(lambda k: d.init(k, c.vocab_size))(
+            jax.random.key(1)))))
         res["parameters"] = sum(x.size for x in jax.tree.leaves(target.weights))
         for devices in (1, n):
             p = target if devices == 1 else jspec.shard(target, n)
