@@ -11,9 +11,9 @@ PartitionSpecs; `layer_on_devices` runs a decoder layer on every device's block 
 from __future__ import annotations
 
 import jax
-from flax import linen as nn
 import jax.numpy as jnp
 import numpy as np
+from flax import linen as nn
 from jax.sharding import PartitionSpec as P
 
 from jspec import sharding
@@ -37,6 +37,8 @@ COLUMNS = ("qkv_proj", "in_proj", "gate_up_proj")
 ROWS = ("o_proj", "out_proj", "down_proj")
 SPLITS |= {(k, "kernel_scale"): P(None, A) for k in COLUMNS} | {(k, "kernel_scale"): P(A, None) for k in ROWS}
 VOCAB_SPLITS = (("embed_tokens", "embedding"), ("lm_head", "kernel"))
+
+
 def along(axis: int, ndim: int) -> P:
     """A PartitionSpec splitting axis `axis` of an array of `ndim` dimensions over the devices."""
     spec = [None] * ndim
@@ -118,11 +120,11 @@ def split_qwen3_next(c: HybridConfig, weights, n: int):
     """A Qwen3-Next / Qwen3.5 model (target weights, or an MTP layer's) for n devices ->
     (config with `devices` n, weights, PartitionSpec tree). Columns are reordered so that
     each device's block is what its layer code expects (`sharding.blocks_by_device`):
-    qkv_proj's (`qkv_columns`; more devices than KV heads: each repeated (`sharding.kv_heads_over`), the config then
-    has n KV heads, holding the same keys and values), in_proj's
-    [its q | k | v | z | b | a], the conv weight's channels as its q, k and v, the MLPs'
-    [gate | up] halves; FP8 kernels' scales with their columns (`dequantize_uneven_rows`).
-    Host weights stay unread (`HostParam`)."""
+    qkv_proj's (`qkv_columns`; with more devices than KV heads each is repeated,
+    `sharding.kv_heads_over`, and the config has n KV heads holding the same keys and
+    values), in_proj's [its q | k | v | z | b | a], the conv weight's channels as its q, k
+    and v, the MLPs' [gate | up] halves; FP8 kernels' scales with their columns
+    (`dequantize_uneven_rows`). Host weights stay unread (`HostParam`)."""
     check_split(c, n)
     Kd, Vd, Hv = c.key_dim, c.value_dim, c.linear_num_value_heads
     qkv = qkv_columns(c, n)
