@@ -31,7 +31,7 @@ PAGED16 = jspec.CacheConfig("paged", page_size=16)
 
 @pytest.fixture(scope="module")
 def moe_dir(tmp_path_factory):
-    """A 4-layer Qwen3.5-MoE (3 linear layers, 1 full; 4 heads over 2 KV heads, 2 linear key
+    """A 3-layer Qwen3.5-MoE (linear, full, linear; 4 heads over 2 KV heads, 2 linear key
     heads over 4 value heads, 8 experts and a shared one) with its MTP layer."""
     path = str(tmp_path_factory.mktemp("q35_moe_devices"))
     make_hybrid(path, "qwen3_5_moe")
