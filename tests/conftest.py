@@ -109,6 +109,19 @@ def with_draft(target, drafts):
     return build
 
 
+def loader(path: str):
+    """get(devices or None, draft="mtp") -> the float32 params of the checkpoint at `path`,
+    split over that many devices, each loaded once (a module's fixture of split tests)."""
+    import jspec
+    out = {}
+
+    def get(n, draft="mtp"):
+        if (n, draft) not in out:
+            out[n, draft] = jspec.load(path, draft=draft, dtype="float32", devices=n)
+        return out[n, draft]
+    return get
+
+
 @pytest.fixture
 def fresh_compiles():
     """Every compiled program forgotten before and after the test (for tests that count

@@ -11,7 +11,7 @@ from __future__ import annotations
 import jax
 import numpy as np
 import pytest
-from conftest import CACHES, PROMPTS, replicated_share, spec_of
+from conftest import CACHES, PROMPTS, loader, replicated_share, spec_of
 from test_deepseek import make_deepseek
 from test_mtp import mtp_checkpoint, through_kernels
 
@@ -40,14 +40,8 @@ def mtp_dir(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def loaded(mtp_dir):
-    """loaded(devices or None, draft) -> params, loaded once per module."""
-    out = {}
-
-    def get(n, draft="mtp"):
-        if (n, draft) not in out:
-            out[n, draft] = jspec.load(mtp_dir, draft=draft, dtype="float32", devices=n)
-        return out[n, draft]
-    return get
+    """loaded(devices or None, draft) -> params, loaded once per module (`conftest.loader`)."""
+    return loader(mtp_dir)
 
 
 SLOW = pytest.mark.slow

@@ -13,7 +13,7 @@ from __future__ import annotations
 import jax
 import numpy as np
 import pytest
-from conftest import PROMPTS
+from conftest import PROMPTS, loader
 from test_qwen3_next import make_hybrid
 
 import jspec
@@ -40,14 +40,8 @@ def moe_dir(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def loaded(moe_dir):
-    """loaded(devices or None, draft) -> params, loaded once per module."""
-    out = {}
-
-    def get(n, draft="mtp"):
-        if (n, draft) not in out:
-            out[n, draft] = jspec.load(moe_dir, draft=draft, dtype="float32", devices=n)
-        return out[n, draft]
-    return get
+    """loaded(devices or None, draft) -> params, loaded once per module (`conftest.loader`)."""
+    return loader(moe_dir)
 
 
 @pytest.mark.parametrize("draft,spec,cache,sampled,commit", [
