@@ -20,12 +20,18 @@ Parts (arguments; default: decode mtp v3layer):
   difference, a 16-token run's time (median of 5) and what of it is not its steps (inputs,
   prefill, outputs), and whether the tokens equal the first tuning's.
 
+--fp8: decode, mtp and v3layer also run the same weights rounded to FP8 in device memory
+(`quantization.quantize_params`: 128 x 128 blocks; the projections and the routed experts,
+which the expert kernel reads as FP8), rows suffixed `_fp8`; the bytes a step must read
+count the FP8 weights and their scales.
+
 --tunings a,b,...: every part under each of these `common.TUNINGS` settings (`jspec.Tuning`
 objects passed to `jspec.compile`), side by side on the same weights; repeat a name to
 alternate. Rows of a tuning other than default are keyed `<row>_<tuning>`.
 
 Run: PYTHONPATH=. python3 benchmarks/deepseek.py [decode] [mtp] [v3layer] [ab] [--batches 1,32]
-     [--rounds 1x1x2,2x1x3,3x1x4,3x2x4] [--batch 1] [--layers 6] [--v3-layers 1,3] [--tunings default,...]
+     [--rounds 1x1x2,2x1x3,3x1x4,3x2x4] [--batch 1] [--layers 6] [--v3-layers 1,3] [--fp8]
+     [--tunings default,...]
 e.g. `deepseek.py ab --layers 27 --tunings graphs_off,default,graphs_off,default`;
      `deepseek.py v3layer --batch 32 --tunings default,few_pairs_ragged`.
 Result: $OUT/deepseek.json (JSPEC_BENCH_TAG: deepseek_<tag>.json)
@@ -83,13 +89,17 @@ from jspec.kernels.dsa.index import index_scores, index_scores_reference
 from jspec.kernels.mla.decode import MlaDecodeTiles
 from jspec.kernels.mla.sparse import sparse_mla_attention, sparse_mla_reference
 from jspec.models.deepseek_hf import DeepseekConfig
+from jspec.quantization import quantize_params
 
 SHORT, LONG = 16, 112
 PARTS = ("decode", "mtp", "v3layer", "ab")
 
 
-def expert_bytes(c: DeepseekConfig) -> int:
-    return 3 * c.hidden_size * c.moe_intermediate_size * 2
+def expert_bytes(params) -> float:
+    """Bytes of one routed expert as the target holds it (bf16, or FP8 with its scales)."""
+    c, w = params.config, params.weights["params"]
+    stack = w[f"layers_{c.first_k_dense_replace}"]["mlp"]["experts"]
+    return sum(x.nbytes for x in jax.tree.leaves(stack)) / c.n_routed_experts
 
 
 def distinct_experts(c: DeepseekConfig, tokens: int) -> float:
@@ -110,7 +120,7 @@ def step_bytes(params, tokens: int, batch: int, ctx: float) -> float:
     c = params.config
     moe_layers = sum(c.is_moe(i) for i in range(c.num_layers))
     latent = batch * ctx * (c.kv_lora_rank + c.qk_rope_head_dim) * 2 * c.num_layers
-    return fixed_bytes(params) + moe_layers * distinct_experts(c, tokens) * expert_bytes(c) + latent
+    return fixed_bytes(params) + moe_layers * distinct_experts(c, tokens) * expert_bytes(params) + latent
 
 
 class Bench:
@@ -125,6 +135,14 @@ class Bench:
         self.ceiling = ceiling_of(bw)
         print("copy bandwidth TB/s", {k: round(v / 1e12, 3) for k, v in bw.items() if isinstance(v, float)},
               flush=True)
+
+    def variants(self, target):
+        """(name suffix, target): the target, and with --fp8 its weights rounded to FP8 and
+        kept so in device memory (`quantization.quantize_params`: projections and routed
+        experts), measured side by side."""
+        yield "", target
+        if self.args.fp8:
+            yield "_fp8", quantize_params(target)
 
     def log(self, key: str, tname: str, row: dict, what: str):
         self.res[tagged(key, tname, self.seen)] = row
@@ -144,7 +162,9 @@ class Bench:
             dw = jax.jit(lambda k: draft.init(k, V2_LITE.vocab_size))(jax.random.key(1))
             spec_params = target.with_draft(jspec.DraftParams(draft, dw))
         first: dict = {}
-        for tname, tuning in self.tunings:
+        runs = [(tname + suffix, tuning, params) for suffix, params in self.variants(target)
+                for tname, tuning in self.tunings]
+        for tname, tuning, target in runs:
             ar = {}
             for batch in batches:
                 r = Runner(target, prompts(batch, V2_LITE.vocab_size), LONG, tuning=tuning)
@@ -162,6 +182,7 @@ class Bench:
                 del r
             if spec_params is None:
                 continue
+            spec_params = target.with_draft(spec_params.draft)
             moe_layers = V2_LITE.num_layers - V2_LITE.first_k_dense_replace
             for S, K, N in (tuple(int(v) for v in s.split("x")) for s in self.args.rounds.split(",")):
                 r = Runner(spec_params, prompts(1, V2_LITE.vocab_size), LONG,
@@ -172,8 +193,8 @@ class Bench:
                 self.log(f"v2lite_mtp_S{S}_K{K}_N{N}", tname, {
                     "S": S, "K": K, "N": N, "ms_per_round": per * 1e3, "ratio_to_ar_step": per / ar[1],
                     "verify_experts_per_layer": distinct_experts(V2_LITE, N),
-                    "verify_expert_GB": moe_layers * distinct_experts(V2_LITE, N) * expert_bytes(V2_LITE) / 1e9,
-                    "draft_expert_GB_per_step": distinct_experts(V2_LITE, K) * expert_bytes(V2_LITE) / 1e9,
+                    "verify_expert_GB": moe_layers * distinct_experts(V2_LITE, N) * expert_bytes(target) / 1e9,
+                    "draft_expert_GB_per_step": distinct_experts(V2_LITE, K) * expert_bytes(target) / 1e9,
                     "compile_s": r.compile_s, "same_tokens_as_first_tuning": tokens == first["mtp", S, K, N]},
                     "mtp round")
                 del r
@@ -185,29 +206,31 @@ class Bench:
         lo, hi = self.args.v3_layers or ((1, 3) if device_memory() >= 100e9 else (1, 2))
         self.res["v3_layers"] = [lo, hi]
         tag = "" if batch == 1 else f"_b{batch}"
-        times = {}
+        times, nbytes = {}, {}
         for layers in (lo, hi):
             cfg = V3_LAYER.replace(num_layers=layers)
-            target = random_params(cfg)
-            for i, (tname, tuning) in enumerate(self.tunings):
-                r = Runner(target, prompts(batch, cfg.vocab_size), LONG, tuning=tuning)
-                per, _, _ = r.per_round(SHORT, LONG, reps=2)
-                times[i, layers] = per
-                print(f"V3 shape, {layers} layers, batch {batch}, {tname}: {per * 1e3:.3f} ms/step", flush=True)
-                del r
-            w = target.weights["params"]["layers_0"]
-            attn = sum(x.nbytes for x in jax.tree.leaves(w["self_attn"]))
-            shared = sum(x.nbytes for x in jax.tree.leaves(w["mlp"]["shared_experts"]))
-            router = sum(x.nbytes for x in jax.tree.leaves(w["mlp"]["router"]))
-            latent = batch * (CTX + (SHORT + LONG) / 2) * (cfg.kv_lora_rank + cfg.qk_rope_head_dim) * 2
-            nbytes = attn + shared + router + distinct_experts(cfg, batch) * expert_bytes(cfg) + latent
-            del target, w
-        for i, (tname, _) in enumerate(self.tunings):
-            per_layer = (times[i, hi] - times[i, lo]) / (hi - lo)
-            self.log(f"v3_layer_decode{tag}", tname, {
-                "batch": batch, "layers": [lo, hi], "ms_per_step": [times[i, lo] * 1e3, times[i, hi] * 1e3],
-                "ms_per_layer": per_layer * 1e3, "GB_per_layer": nbytes / 1e9,
-                "bandwidth_util": nbytes / per_layer / self.ceiling}, "v3 layer")
+            for suffix, target in self.variants(random_params(cfg)):
+                for tname, tuning in self.tunings:
+                    r = Runner(target, prompts(batch, cfg.vocab_size), LONG, tuning=tuning)
+                    per, _, _ = r.per_round(SHORT, LONG, reps=2)
+                    times[tname + suffix, layers] = per
+                    print(f"V3 shape, {layers} layers, batch {batch}, {tname + suffix}: {per * 1e3:.3f} ms/step",
+                          flush=True)
+                    del r
+                    w = target.weights["params"]["layers_0"]
+                    attn = sum(x.nbytes for x in jax.tree.leaves(w["self_attn"]))
+                    shared = sum(x.nbytes for x in jax.tree.leaves(w["mlp"]["shared_experts"]))
+                    router = sum(x.nbytes for x in jax.tree.leaves(w["mlp"]["router"]))
+                    latent = batch * (CTX + (SHORT + LONG) / 2) * (cfg.kv_lora_rank + cfg.qk_rope_head_dim) * 2
+                    nbytes[tname + suffix] = (attn + shared + router + latent
+                                              + distinct_experts(cfg, batch) * expert_bytes(target))
+                del target
+        for name, b in nbytes.items():
+            per_layer = (times[name, hi] - times[name, lo]) / (hi - lo)
+            self.log(f"v3_layer_decode{tag}", name, {
+                "batch": batch, "layers": [lo, hi], "ms_per_step": [times[name, lo] * 1e3, times[name, hi] * 1e3],
+                "ms_per_layer": per_layer * 1e3, "GB_per_layer": b / 1e9,
+                "bandwidth_util": b / per_layer / self.ceiling}, "v3 layer")
 
     def ab(self):
         """V2-Lite with --layers layers under each tuning on the same weights."""
@@ -458,6 +481,8 @@ def main(argv=None):
     ap.add_argument("--rounds", default="1x1x2,2x1x3,3x1x4,3x2x4", help="mtp's rounds, SxKxN")
     ap.add_argument("--batch", type=int, default=1, help="v3layer's and ab's batch")
     ap.add_argument("--layers", type=int, default=6, help="ab's V2-Lite layers")
+    ap.add_argument("--fp8", action="store_true", help="decode, mtp and v3layer also with the weights rounded to "
+                    "FP8 and kept so (projections and routed experts), side by side")
     ap.add_argument("--v3-layers", type=lambda v: tuple(int(x) for x in v.split(",")), default=None,
                     help="v3layer's two layer counts, lo,hi")
     args = ap.parse_args(argv)

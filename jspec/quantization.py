@@ -12,8 +12,8 @@ Two layouts, named by config.json's `quantization_config`:
   per output channel [out, 1] or per tensor ([] or [1]); an `<x>.input_scale` (static
   activation scales) is dropped: activations stay in the compute dtype.
 
-Where the family keeps FP8 weights (`TargetFamily.fp8_weights`: the Llama, Qwen3.5 and
-Qwen3-Next families) and the
+Where the family keeps FP8 weights (`TargetFamily.fp8_weights`: the Llama, Qwen3.5,
+Qwen3-Next and DeepSeek families) and the
 scales allow it, a projection stays FP8 in device memory: `dequantize(..., keep=True)`
 leaves the weight as it is and puts beside it `<x>.weight` + SCALE_SUFFIX, its scales per
 output row and group of GROUP (128) input columns [out, ceil(in / GROUP)] (a block scale
@@ -24,8 +24,10 @@ split of a projection's outputs, for 1/128 of a float32 a weight (3% of the FP8 
 `models.layers.Linear` computes with it: `dequantize_kernel` in the graph, then the
 product in the compute dtype (the same values as dequantizing on the host, so the same
 logits), or on a GPU at one row the matvec kernel reading the FP8 bytes
-(`kernels.moe.experts.matvec(w_scale=)`). Other weights (the experts' stacks, DeepSeek's,
-block sizes whose columns are not whole groups) are dequantized on the host, tensor by
+(`kernels.moe.experts.matvec(w_scale=)`). DeepSeek's routed experts stay FP8 as stacks
+with their scales (`TargetFamily.fp8_experts`, `models.deepseek_hf.expert_params`), read by
+the expert kernel. Other weights (other experts' stacks, DeepSeek's kv_b_proj and shared
+experts, block sizes whose columns are not whole groups) are dequantized on the host, tensor by
 tensor, into float32 (then the family casts them to the compute dtype): the model computes
 with the dequantized weights, so its logits equal transformers' on the same dequantized
 weights.
@@ -84,15 +86,19 @@ def quantize_params(params):
     on its device (`quantize_kernel`), for weights built or trained in Python; as
     `jspec.load(..., quantization="fp8")` but with the blocks taken over the fused kernels
     (a block of q|k|v or gate|up columns can span two projections). The draft is left as
-    it is."""
+    it is. DeepSeek's routed experts (stacks {gate_up, down} whose inputs are whole groups)
+    are rounded expert by expert, with their scales beside them (`gate_up_scale`,
+    `down_scale`, as `models.deepseek_hf.expert_params` reads a checkpoint's)."""
     import dataclasses
 
     import jax
 
     from jspec.models import family_for
-    if not family_for(params.config).fp8_weights:
+    family = family_for(params.config)
+    if not family.fp8_weights:
         raise ValueError(f"{type(params.config).__name__} targets do not keep FP8 weights in device memory")
     rounded = jax.jit(quantize_kernel)
+    stacked = jax.jit(lambda stack: jax.lax.map(quantize_kernel, stack))  # an expert at a time: float32 copies of one
 
     def walk(tree, keys=()):
         if not isinstance(tree, dict):
@@ -101,6 +107,10 @@ def quantize_params(params):
                 not any(s in k for k in keys for s in NOT_QUANTIZED):
             q, scale = rounded(tree["kernel"])
             return {**tree, "kernel": q, "kernel_scale": scale}
+        if family.fp8_experts and keys[-1:] == ("experts",) and "gate_up_scale" not in tree and \
+                all(getattr(tree.get(n), "ndim", 0) == 3 and tree[n].shape[1] % GROUP == 0 for n in ("gate_up", "down")):
+            (gate_up, gate_up_scale), (down, down_scale) = stacked(tree["gate_up"]), stacked(tree["down"])
+            return {**tree, "gate_up": gate_up, "gate_up_scale": gate_up_scale, "down": down, "down_scale": down_scale}
         return {k: walk(v, keys + (k,)) for k, v in tree.items()}
     return dataclasses.replace(params, weights=walk(params.weights))
 
@@ -119,18 +129,42 @@ def block_group_scales(scale: np.ndarray, block, shape) -> np.ndarray:
 
 
 def dequantize_kernel(kernel, scale, dtype):
-    """In the graph: an FP8 `kernel` [K, N] and its `scale` [ceil(K / GROUP), N] float32 ->
-    [K, N] in `dtype` (each value times its scale in float32, then rounded once: what
-    dequantizing on the host gives)."""
-    K = kernel.shape[0]
-    full = jnp.repeat(scale, GROUP, axis=0, total_repeat_length=scale.shape[0] * GROUP)[:K]
+    """In the graph: an FP8 `kernel` [..., K, N] (a stack of experts' too) and its `scale`
+    [..., ceil(K / GROUP), N] float32 -> [..., K, N] in `dtype` (each value times its scale
+    in float32, then rounded once: what dequantizing on the host gives)."""
+    K = kernel.shape[-2]
+    full = jnp.repeat(scale, GROUP, axis=-2, total_repeat_length=scale.shape[-2] * GROUP)[..., :K, :]
     return (kernel.astype(jnp.float32) * full).astype(dtype)
 
 
+def kernel_of(p: dict, dtype):
+    """A projection's params {kernel[, kernel_scale]} -> its kernel in `dtype` (an FP8 one
+    dequantized in the graph, `dequantize_kernel`; another as it is)."""
+    return dequantize_kernel(p["kernel"], p["kernel_scale"], dtype) if "kernel_scale" in p else p["kernel"]
+
+
 def dequantize_host(kernel: np.ndarray, scale: np.ndarray) -> np.ndarray:
-    """`dequantize_kernel` on the host, to float32 (an FP8 kernel exported or read back)."""
-    full = np.repeat(np.asarray(scale, np.float32), GROUP, axis=0)[:kernel.shape[0]]
+    """`dequantize_kernel` on the host, to float32 (an FP8 kernel or stack exported or read back)."""
+    full = np.repeat(np.asarray(scale, np.float32), GROUP, axis=-2)[..., :kernel.shape[-2], :]
     return np.asarray(kernel).astype(np.float32) * full
+
+
+def dequantize_uneven_rows(tree, n: int, dtype, rows: tuple[str, ...]):
+    """A weight tree with every FP8 kernel of the modules named `rows` (split by rows over
+    n devices) whose rows do not split into whole groups of GROUP per device dequantized
+    to `dtype` (its scales dropped): a device's block of a layer run per device
+    (`jax.shard_map`) must hold whole groups with their scales."""
+    if not isinstance(tree, dict):
+        return tree
+    out = {}
+    for k, v in tree.items():
+        if k in rows and isinstance(v, dict) and "kernel_scale" in v and (v["kernel"].shape[0] // n) % GROUP:
+            kernel = dequantize_host(np.asarray(v["kernel"]), np.asarray(v["kernel_scale"]))
+            out[k] = {**{x: w for x, w in v.items() if x not in ("kernel", "kernel_scale")},
+                      "kernel": jnp.asarray(kernel, dtype)}
+        else:
+            out[k] = dequantize_uneven_rows(v, n, dtype, rows)
+    return out
 
 
 def fp8_blocks(w: np.ndarray, block) -> tuple[np.ndarray, np.ndarray]:

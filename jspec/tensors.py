@@ -171,6 +171,14 @@ class Tensors:
             return dequantize_host(np.asarray(a).T, np.asarray(scales).T).T
         return a
 
+    def kept_fp8(self, name: str, shape: tuple[int, ...]) -> tuple[np.ndarray, np.ndarray] | None:
+        """A weight [out, in] kept FP8 beside its group scales (`jspec.quantization`) -> (the
+        FP8 weight, its scales [out, ceil(in / GROUP)] float32); None for another weight
+        (left to be taken)."""
+        if not self.has(name + SCALE_SUFFIX):
+            return None
+        return self._pop(name, shape), self._pop(name + SCALE_SUFFIX, (shape[0], groups_of(shape[1])))
+
     def _pop(self, name: str, shape: tuple[int, ...]) -> np.ndarray:
         if name not in self.tensors:
             raise ValueError(f"{self.where}: missing tensor {name!r}")

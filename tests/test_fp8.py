@@ -102,11 +102,27 @@ def test_block_fp8_qwen3_equals_transformers_on_dequantized(tmp_path, block):
     assert jspec.generate(ngram, PROMPTS, max_new_tokens=12, stop_token_ids=[]).tokens == want
 
 
+def dequantized_deepseek(path: str, deq: dict, cfg, dense: str):
+    """transformers' DeepSeek-V3 of the block-FP8 checkpoint in `path` with its dequantized
+    weights `deq`, read from a copy written to `dense` (transformers fuses the experts it
+    reads)."""
+    os.makedirs(dense)
+    state = {k: np.array(v) for k, v in safetensors_io.load(os.path.join(path, "model.safetensors")).items()}
+    safetensors_io.save(os.path.join(dense, "model.safetensors"),
+                        {k: deq.get(k, v) for k, v in state.items() if not k.endswith("_scale_inv")})
+    cfg.save_pretrained(dense)
+    return DeepseekV3ForCausalLM.from_pretrained(dense).eval()
+
+
 def test_block_fp8_deepseek_v3_with_mtp(tmp_path):
     """A tiny DeepSeek-V3 (MLA, MoE experts, the dense first layer) in block FP8, with its
-    MTP layer's projections in FP8 too (the router and norms stay float): logits equal
-    transformers' on the dequantized weights, and MTP speculation gives the target's
-    greedy tokens."""
+    MTP layer's projections in FP8 too (the router and norms stay float): its projections
+    stay FP8 in device memory (attention, the dense MLP, the MTP layer's eh_proj; kv_b_proj
+    and the experts' stacks are read dequantized), logits equal transformers' on the
+    dequantized weights, MTP speculation gives the target's greedy tokens, and split over 2
+    devices (q_b_proj and the dense MLP's gate|up columns FP8 with their scales, o_proj and
+    down_proj, whose halves are not whole groups of 128 rows, dequantized) it gives the
+    same tokens."""
     from test_mtp import add_mtp_layer
     path = str(tmp_path)
     torch.manual_seed(0)
@@ -117,21 +133,32 @@ def test_block_fp8_deepseek_v3_with_mtp(tmp_path):
     deq = write_block_fp8(path)
     assert any(".experts." in n for n in deq) and any("kv_a_proj" in n for n in deq)
     assert any(n.startswith("model.layers.2.") for n in deq)  # the MTP layer's
-    dense = str(tmp_path / "dequantized")  # the same checkpoint with the dequantized weights, for transformers
-    os.makedirs(dense)
-    state = {k: np.array(v) for k, v in safetensors_io.load(os.path.join(path, "model.safetensors")).items()}
-    safetensors_io.save(os.path.join(dense, "model.safetensors"),
-                        {k: deq.get(k, v) for k, v in state.items() if not k.endswith("_scale_inv")})
-    cfg.save_pretrained(dense)
-    model = DeepseekV3ForCausalLM.from_pretrained(dense).eval()
+    model = dequantized_deepseek(path, deq, cfg, str(tmp_path / "dequantized"))
     params = jspec.load(path, dtype="float32", draft="mtp")
+    layers = params.weights["params"]
+    fp8 = [layers["layers_0"]["self_attn"][n] for n in ("qkv_a_proj", "q_b_proj", "o_proj")]
+    fp8 += [layers["layers_0"]["mlp"][n] for n in ("gate_up_proj", "down_proj")]
+    draft = params.draft.weights["params"]
+    fp8 += [draft[k]["eh_proj"] for k in draft if "eh_proj" in draft[k]] or [draft["eh_proj"]]
+    for p in fp8:
+        assert p["kernel"].dtype == ml_dtypes.float8_e4m3fn and p["kernel_scale"].dtype == np.float32
+    assert layers["layers_1"]["mlp"]["experts"]["gate_up"].dtype == np.float32
     plain = params.with_draft(None)
     for p in PROMPTS:
         np.testing.assert_allclose(logits_of(plain, p), hf_logits(model, p), atol=3e-4, rtol=1e-4)
     want = jspec.generate(plain, PROMPTS, max_new_tokens=10, stop_token_ids=[]).tokens
     assert want == [tiny_models.hf_greedy(model, p, 10) for p in PROMPTS]
-    out = jspec.generate(params, PROMPTS, max_new_tokens=10, stop_token_ids=[], spec=jspec.SpecConfig(3, 1, 4))
-    assert out.tokens == want
+    kw = dict(max_new_tokens=10, stop_token_ids=[], spec=jspec.SpecConfig(3, 1, 4))
+    assert jspec.generate(params, PROMPTS, **kw).tokens == want
+    if len(jax.devices()) >= 2:
+        two = jspec.load(path, dtype="float32", draft="mtp", devices=2)
+        attn, mlp = two.weights["params"]["layers_0"]["self_attn"], two.weights["params"]["layers_0"]["mlp"]
+        assert attn["q_b_proj"]["kernel"].dtype == ml_dtypes.float8_e4m3fn
+        assert "tp" in mlp["gate_up_proj"]["kernel_scale"].sharding.spec
+        assert "kernel_scale" not in attn["o_proj"] and attn["o_proj"]["kernel"].dtype == np.float32
+        np.testing.assert_allclose(logits_of(two.with_draft(None), PROMPTS[0]), logits_of(plain, PROMPTS[0]),
+                                   atol=2e-5, rtol=1e-5)
+        assert jspec.generate(two, PROMPTS, **kw).tokens == want
 
 
 @pytest.mark.parametrize("strategy", ["channel", "tensor"])
@@ -475,3 +502,81 @@ def test_quantize_params_of_a_hybrid_keeps_the_router(tmp_path):
     assert full["mlp"]["experts"]["gate_up"].dtype == np.float32
     got, want = logits_of(q, PROMPTS[0]), logits_of(params, PROMPTS[0])
     assert np.isfinite(got).all() and 0 < np.abs(got - want).max() < 0.1 * np.abs(want).max()
+
+
+def test_block_fp8_deepseek_keeps_its_experts_fp8(tmp_path):
+    """A tiny block-FP8 DeepSeek-V3 whose hidden and expert widths are whole groups of 128:
+    its routed experts stay FP8 in device memory with their group scales (the shared
+    expert, small, read dequantized), so FP8 is most of its weight bytes; its logits equal
+    transformers' on the dequantized weights and greedy decoding gives transformers'
+    tokens; exported, the experts come back dequantized and the export computes the same
+    logits; split over 2 devices (the experts and their scales by expert) the logits are
+    the same. `quantize_params` rounds a float model's experts to the same bytes and scales."""
+    import shutil
+
+    from jspec.export import save_target
+    from jspec.quantization import quantize_params
+    path = str(tmp_path / "fp8")
+    torch.manual_seed(0)
+    cfg = DeepseekV3Config(num_hidden_layers=2, num_key_value_heads=4, n_group=2, topk_group=1, q_lora_rank=48,
+                           rope_scaling=YARN, **(COMMON | dict(hidden_size=128, moe_intermediate_size=128,
+                                                                intermediate_size=256)))
+    DeepseekV3ForCausalLM(cfg).save_pretrained(path)
+    shutil.copytree(path, str(tmp_path / "float"))
+    deq = write_block_fp8(path)
+    model = dequantized_deepseek(path, deq, cfg, str(tmp_path / "dequantized"))
+    params = jspec.load(path, dtype="float32")
+    experts = params.weights["params"]["layers_1"]["mlp"]["experts"]
+    rounded = quantize_params(jspec.load(str(tmp_path / "float"), dtype="float32"))  # the same rounding on the device
+    for name, a in rounded.weights["params"]["layers_1"]["mlp"]["experts"].items():  # scales to an ulp (XLA's division)
+        np.testing.assert_allclose(np.asarray(a, np.float32), np.asarray(experts[name], np.float32), rtol=1e-6,
+                                   atol=0, err_msg=name)
+    assert experts["gate_up"].dtype == experts["down"].dtype == ml_dtypes.float8_e4m3fn
+    assert experts["gate_up_scale"].shape == (8, 1, 256) and experts["down_scale"].shape == (8, 1, 128)
+    assert params.weights["params"]["layers_1"]["mlp"]["shared_experts"]["gate_up"].dtype == np.float32
+    total, in_fp8 = params.weight_bytes()
+    assert in_fp8 > total / 3
+    for p in PROMPTS:
+        np.testing.assert_allclose(logits_of(params, p), hf_logits(model, p), atol=3e-4, rtol=1e-4)
+    want = jspec.generate(params, PROMPTS, max_new_tokens=8, stop_token_ids=[]).tokens
+    assert want == [tiny_models.hf_greedy(model, p, 8) for p in PROMPTS]
+    out = str(tmp_path / "exported")
+    save_target(out, params.config, params.weights)
+    exported = jspec.load(out, dtype="float32")
+    assert exported.weights["params"]["layers_1"]["mlp"]["experts"]["gate_up"].dtype == np.float32
+    np.testing.assert_allclose(logits_of(exported, PROMPTS[0]), logits_of(params, PROMPTS[0]), atol=1e-5, rtol=1e-5)
+    if len(jax.devices()) >= 2:
+        two = jspec.load(path, dtype="float32", devices=2)
+        split = two.weights["params"]["layers_1"]["mlp"]["experts"]
+        assert split["gate_up"].dtype == ml_dtypes.float8_e4m3fn and "tp" in split["down_scale"].sharding.spec
+        np.testing.assert_allclose(logits_of(two, PROMPTS[0]), logits_of(params, PROMPTS[0]), atol=2e-5, rtol=1e-5)
+
+
+def test_fp8_expert_kernel_reads_fp8_experts_beside_unscaled_shared_ones():
+    """The expert kernel (interpret mode) over FP8 routed experts with their group scales
+    and float32 shared (extra) experts read unscaled, both products, equals the reference
+    on the dequantized stacks; a wrong scale is not a small error."""
+    import jax.numpy as jnp
+    from jspec.kernels.moe import experts
+    from jspec.quantization import dequantize_kernel
+    rng = np.random.default_rng(1)
+    E, D, Fm = 4, 128, 128
+
+    def fp8_stack(shape):  # [E, K, N] float32 -> (FP8 stack, scales [E, K / 128, N]) in 128 x 128 blocks
+        qs, ss = zip(*(block_fp8(rng.normal(0, 0.05, shape[1:]).astype(np.float32).T, 128, 128) for _ in range(shape[0])))
+        return (jnp.asarray(np.stack([q.T for q in qs])),
+                jnp.asarray(np.stack([np.repeat(s, 128, axis=0)[:shape[2]].T for s in ss])))
+    (gu, gu_s), (down, down_s) = fp8_stack((E, D, 2 * Fm)), fp8_stack((E, Fm, D))
+    extra = (jnp.asarray(rng.normal(0, 0.05, (1, D, 2 * Fm)), jnp.float32),
+             jnp.asarray(rng.normal(0, 0.05, (1, Fm, D)), jnp.float32))
+    x = jnp.asarray(rng.normal(0, 1, (3, D)), jnp.float32)
+    ids = jnp.asarray([[0, 3, 4], [2, -1, 4], [1, 0, 4]], jnp.int32)  # two routed, then the shared one (id E)
+    got = experts.routed_experts(x, ids, gu, down, extra, scales=(gu_s, down_s), interpret=True)
+    want = experts.routed_experts_reference(x, ids, dequantize_kernel(gu, gu_s, jnp.float32),
+                                            dequantize_kernel(down, down_s, jnp.float32), extra)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-4, atol=1e-5)
+    off = experts.routed_experts(x, ids, gu, down, extra, scales=(jnp.roll(gu_s, 1, axis=0), down_s), interpret=True)
+    assert np.abs(np.asarray(off) - np.asarray(want)).max() > 1e-3
+    with pytest.raises(TypeError, match="extra experts beside FP8 ones are read unscaled"):
+        experts.routed_experts(x, ids, gu, down, tuple(e.astype(gu.dtype) for e in extra), scales=(gu_s, down_s),
+                               interpret=True)

@@ -341,7 +341,8 @@ def test_prefix_cache_restores_recurrent_states(drafted):
     4, prompt blocks of 16): the linear layers' states are saved where a prompt block ends
     inside the prompt and at the prompt's last page boundary (a pass stops there), and
     restored into a request that begins with that prefix, which is prefilled from there.
-    Run one after the other, a 38-token prompt and
+    The rest of a prompt past that boundary passes in the call that saves the state there
+    (its first token comes a call sooner). Run one after the other, a 38-token prompt and
     a 10-token one; then, together: one sharing 20 tokens of the first finds 16 (a block's
     end), one sharing all 38 finds 36 (the first's last page boundary), the short one's
     next turn 8 of its 10 (no block ended in it). (Where a shared prefix found ends is
@@ -355,7 +356,14 @@ def test_prefix_cache_restores_recurrent_states(drafted):
     want = jspec.generate(p.with_draft(None), prompts, max_new_tokens=10, stop_token_ids=[], logprobs=0)
     engine = jspec.Engine(p, max_batch=2, max_prompt_len=48, max_new_tokens=10, prefill_chunk=16,
                           cache=jspec.CacheConfig("paged", page_size=4), rounds_per_chunk=2)
-    got = [engine.generate(q, max_new_tokens=10, stop_token_ids=[], logprobs=0) for q in prompts[:2]]
+    first, calls = engine.submit(prompts[0], max_new_tokens=10, stop_token_ids=[], logprobs=0), 0
+    while not first.tokens:  # blocks 0-16 and 16-32, then 32-36 (a state saved) and 36-38 in one call
+        engine.step()
+        calls += 1
+    assert calls == 3
+    while engine.step():
+        pass
+    got = [first.result(), engine.generate(prompts[1], max_new_tokens=10, stop_token_ids=[], logprobs=0)]
     handles = [engine.submit(q, max_new_tokens=10, stop_token_ids=[], logprobs=0) for q in prompts[2:]]
     while engine.step():
         pass

@@ -449,10 +449,11 @@ def test_a_follower_waits_for_the_state_it_will_find():
 def test_a_pass_stops_at_the_prompts_last_page_boundary():
     """A hybrid's pool (blocks of 16, pages of 4): a 14-token prompt's admission pass stops
     at 12 (`Decisions.stops`), its last page boundary short of its last token, where its
-    state is saved; the next pass takes the last 2 tokens. A second request of the same
-    prompt (`n` samples) waits for that state and is admitted past 12 tokens, its first
-    block in the same pass. A prompt whose logprobs are recorded is passed whole, and so is
-    one whose last page boundary lies less than a narrow block (8) past a block's end."""
+    state is saved; a narrow pass in the same call takes the last 2 tokens
+    (`Decisions.tails`), so it runs at once. A second request of the same prompt (`n`
+    samples) waits for that state and is admitted past 12 tokens. A prompt whose logprobs
+    are recorded is passed whole, and so is one whose last page boundary lies less than a
+    narrow block (8) past a block's end."""
     pages_at = lambda q, slots: -(-min(slots, len(q.prompt) + q.max_new) // 4)  # noqa: E731
 
     def hybrid():
@@ -464,12 +465,12 @@ def test_a_pass_stops_at_the_prompts_last_page_boundary():
     s.add(a)
     s.add(b)
     d = s.schedule(now=0.0)
-    assert d.admit == [[(0, a)]] and d.stops == {0: 12} and a.state == PREFILLING and b.state == WAITING
-    assert d.save == [(0, a.snaps[12])]
+    assert d.admit == [[(0, a)]] and d.stops == {0: 12} and b.state == WAITING
+    assert d.save == [(0, a.snaps[12])] and d.tails == [[(0, 12)]] and a.state == RUNNING and d.dispatch
     d = s.schedule(now=1.0)
     assert d.cached == [[(1, b)]] and b.cached == 3 and b.pages[:3] == a.pages[:3] and pool.hit_tokens == 12
-    assert d.restore == [(1, pool.lookup(b.prompt, 13)[2])] and d.prefill == [[(0, 12), (1, 12)]]
-    assert d.stops == {0: 14, 1: 14} and a.state == b.state == RUNNING and not d.save
+    assert d.restore == [(1, pool.lookup(b.prompt, 13)[2])] and d.prefill == [[(1, 12)]]
+    assert d.stops == {1: 14} and b.state == RUNNING and not d.save and not d.tails
     _, s = hybrid()
     c, e = request(14, 4, prompt_logprobs=1), request(22, 4)  # e: its last page boundary 20, 4 past a block's end
     e.prompt = [50 + i for i in range(22)]  # nothing in common with c
@@ -498,14 +499,16 @@ def test_a_shared_prefix_past_the_last_state_is_saved_for_the_next_request():
     for q in (a, b, c):
         s.add(q)
     name = {id(a): "a", id(b): "b", id(c): "c"}
-    saved, admitted = [], {}
+    saved, admitted, running = [], {}, {}
     for t in range(6):
         d = s.schedule(now=float(t))
-        saved += [(name[id(s.rows[r])], s.rows[r].prefilled) for r, _ in d.save]
+        saved += [(name[id(s.rows[r])], d.stops[r]) for r, _ in d.save]
+        running.update({name[id(q)]: t for q in (a, b, c) if q.state == RUNNING and name[id(q)] not in running})
         admitted.update({name[id(q)]: (t, q.cached, d.stops[r]) for g in d.admit + d.cached for r, q in g})
     assert admitted == {"a": (0, 0, 16), "b": (2, 4, 20), "c": (3, 5, 28)}  # (call, pages found, first pass's end)
     assert b.shared == 20 and pool.hit_tokens == 16 + 20 and c.pages[:5] == a.pages[:5]
     assert [p for n, p in saved if n == "a"] == [16, 28] and ("b", 20) in saved
+    assert running["a"] == 1  # its last 2 tokens passed in the call that saved its state at 28 (`tails`)
 
 
 def test_a_row_with_its_last_block_in_the_call_is_not_preempted():

@@ -50,6 +50,7 @@ from jspec.kernels import dispatch
 from jspec.kernels.row import matmul as row_matmul, mla as row_mla, norm as row_norm
 from jspec.kernels.tiling import in_order_sum, is_pow2
 from jspec.models.layers import INIT, DecoderLM, FlaxFamily, Linear, RMSNorm, product, rows_alone
+from jspec.quantization import dequantize_kernel, kernel_of
 
 LATENT_NORM_EPS = 1e-6  # the q/kv latent norms use RMSNorm's default, not rms_norm_eps
 # `Tuning.row_invariant=None` turns it on for programs of up to this many rows: measured
@@ -281,8 +282,8 @@ class MLP(nn.Module):
         both products by the row kernel (`computes_rows_alone`)."""
         D, F, dt = x.shape[-1], self.width, jnp.dtype(self.dtype)
         tiles = self.tuning.experts
-        gate_up = self.param("gate_up_proj", lambda key: {"kernel": INIT(key, (D, 2 * F), dt)})["kernel"]
-        down = self.param("down_proj", lambda key: {"kernel": INIT(key, (F, D), dt)})["kernel"]
+        gate_up, down = (kernel_of(self.param(name, lambda key, s=shape: {"kernel": INIT(key, s, dt)}), dt)
+                         for name, shape in (("gate_up_proj", (D, 2 * F)), ("down_proj", (F, D))))
         if row_invariant:
             gu = product(x, gate_up, tuning=self.tuning, row_invariant=True, norm=norm)
             return product(silu_mul(gu[..., :F], gu[..., F:]), down, float32_out=self.partial, tuning=self.tuning,
@@ -333,7 +334,9 @@ class MoE(nn.Module):
         router = self.param("router", lambda key: {"kernel": INIT(key, (D, E), jnp.float32)}
                             | ({"bias": jnp.zeros((E,), jnp.float32)} if c.scoring == "sigmoid" else {}))
         n = c.devices if c.per_device else 1  # a device's block: E/n experts, Fm/n shared columns
-        experts = self.param("experts", stacked(E // n, Fm))
+        # FP8 stacks come with their scales (`fp8_scales`), which random weights have not: read as they are
+        experts = (self.get_variable("params", "experts") if self.has_variable("params", "experts")
+                   else self.param("experts", stacked(E // n, Fm)))
         shared = self.param("shared_experts", stacked(S, Fm // n)) if S else None
         xs = x.reshape(B * T, D)
         r = c.routing
@@ -352,8 +355,8 @@ class MoE(nn.Module):
         if B * T * k < E or row_invariant:  # decode and verification: read the chosen and the shared experts only
             extra = (shared["gate_up"], shared["down"]) if S else None
             y = moe_experts.moe_experts(xs, ids, experts["gate_up"], experts["down"], extra, r.slots,
-                                        norm=norm, tiles=tuning.experts,
-                                        as_tokens=1 if row_invariant else None)  # [N*(k+S), D]
+                                        norm=norm, tiles=tuning.experts, as_tokens=1 if row_invariant else None,
+                                        scales=fp8_scales(experts))  # [N*(k+S), D]
             y = y.reshape(B * T, r.slots, D)
             if row_invariant:  # slot order, elementwise
                 out = in_order_sum(jnp.moveaxis(y * weights[:, :r.slots, None], 1, 0))
@@ -361,7 +364,7 @@ class MoE(nn.Module):
                 out = jnp.einsum("nsd,ns->nd", y, weights[:, :r.slots])
         else:  # prefill (and large batches): (token, expert) pairs grouped by expert
             xs = normed(xs, norm)
-            y = moe_grouped.grouped(xs, ids[:, :k], experts["gate_up"], experts["down"],
+            y = moe_grouped.grouped(xs, ids[:, :k], *dequantized(experts, xs.dtype),
                                     tiles=tuning.grouped).reshape(B * T, k, D)
             out = jnp.einsum("nkd,nk->nd", y.astype(jnp.float32), weights[:, :k])
             if S:  # each shared expert as one dense product over the tokens
@@ -377,11 +380,27 @@ class MoE(nn.Module):
         N, j = table.shape
         if few:
             y = moe_experts.moe_experts(xs, table, stack["gate_up"], stack["down"], None, j, norm=norm,
-                                        tiles=self.tuning.experts)  # [N*j, D]
+                                        tiles=self.tuning.experts, scales=fp8_scales(stack))  # [N*j, D]
         else:
-            y = moe_grouped.grouped(normed(xs, norm), table, stack["gate_up"], stack["down"],
+            y = moe_grouped.grouped(normed(xs, norm), table, *dequantized(stack, xs.dtype),
                                     tiles=self.tuning.grouped).astype(jnp.float32)
         return jnp.einsum("njd,nj->nd", y.reshape(N, j, -1), weights)
+
+
+def fp8_scales(stack: dict):
+    """An experts' stack {gate_up, down[, gate_up_scale, down_scale]} -> (gate_up's scales,
+    down's) where it is FP8 (`deepseek_hf.expert_params`), else None."""
+    return (stack["gate_up_scale"], stack["down_scale"]) if "gate_up_scale" in stack else None
+
+
+def dequantized(stack: dict, dtype) -> tuple:
+    """An experts' stack -> (gate_up, down) in `dtype`, an FP8 stack dequantized in the
+    graph (the grouped products of a prompt's block: a copy of the device's stack in the
+    compute dtype while the layer runs; no FP8 grouped kernel yet)."""
+    scales = fp8_scales(stack)
+    if scales is None:
+        return stack["gate_up"], stack["down"]
+    return tuple(dequantize_kernel(stack[n], sc, dtype) for n, sc in zip(("gate_up", "down"), scales))
 
 
 class DecoderLayer(nn.Module):
@@ -470,6 +489,9 @@ class MtpLayer(nn.Module):
 
 class DeepseekFamily(FlaxFamily):
     """The target-family protocol for DeepSeek-V2/V3 (MLA + MoE) decoders."""
+
+    fp8_weights = True  # FP8 projections stay FP8 (`Linear`, the dense MLPs'); kv_b_proj is dequantized
+    fp8_experts = True  # ... and the routed experts' stacks whose inputs are whole groups (the shared ones are dequantized)
 
     config_type = DeepseekConfig
     model = DeepseekModel

@@ -9,11 +9,13 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Mapping
 
+import jax
 import numpy as np
 
 from jspec.config import DTYPES, RopeConfig
 from jspec.kernels.moe.route import Routing
 from jspec.models.llama_hf import rope_from_hf
+from jspec.quantization import GROUP, SCALE_SUFFIX, dequantize_host
 from jspec.tensors import HostParam, StackedParam, Tensors, hf_linear, to_numpy
 
 TARGET_ARCHITECTURES = ("DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM", "DeepseekV32ForCausalLM")
@@ -187,6 +189,27 @@ def mlp_params(t: Tensors, prefix: str, D: int, F: int) -> dict:
             "down_proj": t.linear((prefix + "down_proj.weight", (D, F)))}
 
 
+def expert_params(t: Tensors, prefix: str, E: int, D: int, Fm: int) -> dict:
+    """A layer's E routed experts (`prefix`{e}.{gate,up,down}_proj.weight) -> `_stacked`'s
+    stacks; FP8 weights kept beside their group scales stay FP8 (`jspec.quantization`):
+    {"gate_up", "down"} FP8 with {"gate_up_scale": [E, D / GROUP, 2Fm], "down_scale": [E,
+    Fm / GROUP, D]} float32, which the expert kernel reads (`kernels.moe.experts`, its
+    inputs in whole groups: D and Fm multiples of GROUP); else dequantized."""
+    names = [(f"{prefix}{e}.{n}_proj.weight", (D, Fm) if n == "down" else (Fm, D))
+             for e in range(E) for n in ("gate", "up", "down")]
+    if D % GROUP or Fm % GROUP or not all(t.has(n + SCALE_SUFFIX) for n, _ in names) \
+            or len({t.tensors[n].dtype for n, _ in names}) != 1:
+        return _stacked(t, [t.take(n, s) for n, s in names])
+    w, scales = zip(*(t.kept_fp8(n, s) for n, s in names))
+    fp8 = w[0].dtype
+
+    def stacks(parts, dtype):  # [(gate, up, down)] per expert -> (gate_up, down) stacks, [in, out] each
+        return (StackedParam([HostParam([g, u], dtype).T for g, u in zip(parts[0::3], parts[1::3])]),
+                StackedParam([HostParam([d], dtype).T for d in parts[2::3]]))
+    (gate_up, down), (gate_up_scale, down_scale) = stacks(w, fp8), stacks(scales, np.float32)
+    return {"gate_up": gate_up, "down": down, "gate_up_scale": gate_up_scale, "down_scale": down_scale}
+
+
 def _stacked(t: Tensors, tensors: list) -> dict:
     """Experts' (gate [Fm, D], up [Fm, D], down [D, Fm]) tensors, in that order per expert ->
     {"gate_up": [n, D, 2Fm], "down": [n, Fm, D]}, read lazily (`tensors.StackedParam`: a
@@ -196,8 +219,14 @@ def _stacked(t: Tensors, tensors: list) -> dict:
 
 
 def _unstacked(p: dict, dt: str) -> list:
-    """`_stacked`'s inverse: [(gate, up, down)] per expert, as on disk."""
-    gate_up, down = to_numpy(p["gate_up"], dt), to_numpy(p["down"], dt)
+    """`_stacked`'s inverse: [(gate, up, down)] per expert, as on disk (FP8 stacks
+    dequantized with their scales)."""
+    if "gate_up_scale" in p:
+        gate_up, down = (to_numpy(dequantize_host(np.asarray(jax.device_get(p[n])),
+                                                  np.asarray(jax.device_get(p[n + "_scale"]))), dt)
+                         for n in ("gate_up", "down"))
+    else:
+        gate_up, down = to_numpy(p["gate_up"], dt), to_numpy(p["down"], dt)
     Fm = down.shape[1]
     return [(np.ascontiguousarray(gate_up[e, :, :Fm].T), np.ascontiguousarray(gate_up[e, :, Fm:].T),
              np.ascontiguousarray(down[e].T)) for e in range(down.shape[0])]
@@ -264,9 +293,7 @@ def layer_params(t: Tensors, prefix: str, c: DeepseekConfig, layer: int) -> dict
     if c.is_moe(layer):
         E, S, Fm = c.n_routed_experts, c.n_shared_experts, c.moe_intermediate_size
         mlp: dict[str, Any] = {"router": {"kernel": t.param((m + "gate.weight", (E, D))).T.astype("float32")},
-                               "experts": _stacked(
-                                   t, [t.take(f"{m}experts.{e}.{n}_proj.weight", (D, Fm) if n == "down" else (Fm, D))
-                                       for e in range(E) for n in ("gate", "up", "down")])}
+                               "experts": expert_params(t, m + "experts.", E, D, Fm)}
         if S:  # the shared MLP of width S*Fm as S experts of width Fm (see `models.deepseek.MoE`)
             sh = m + "shared_experts."
             gate, up = (np.split(t.take(f"{sh}{n}_proj.weight", (S * Fm, D)), S, axis=0) for n in ("gate", "up"))

@@ -15,6 +15,7 @@ from jax.sharding import PartitionSpec as P
 
 from jspec import sharding
 from jspec.models.deepseek_hf import DeepseekConfig
+from jspec.quantization import dequantize_uneven_rows
 
 
 def layer_on_devices(c: DeepseekConfig, layer: nn.Module, params, x, buf, meta):
@@ -41,12 +42,20 @@ def device_splits(c: DeepseekConfig) -> dict:
               ("self_attn", "w_uv"): P(A, None, None), ("o_proj", "kernel"): P(A, None),
               ("gate_up_proj", "kernel"): P(None, A), ("down_proj", "kernel"): P(A, None),
               ("experts", "gate_up"): P(A, None, None), ("experts", "down"): P(A, None, None),
+              ("experts", "gate_up_scale"): P(A, None, None), ("experts", "down_scale"): P(A, None, None),
               ("shared_experts", "gate_up"): P(None, None, A), ("shared_experts", "down"): P(None, A, None),
               ("embed_tokens", "embedding"): P(A, None), ("lm_head", "kernel"): P(None, A),
               ("embed",): P(A, None), ("head",): P(None, A)}
     if not c.q_lora_rank:  # q_proj's columns by head, each device's followed by the latent's (`split_deepseek`)
         splits |= {("qkv_a_proj", "kernel"): P(None, A), ("qkv_a_proj", "bias"): P(A)}
+    # an FP8 kernel's scales [ceil(in / 128), out] split as the kernel: by columns, or by groups of
+    # rows (`split_deepseek` dequantizes a row-split kernel whose blocks are not whole groups)
+    splits |= {(k, "kernel_scale"): splits[k, "kernel"] for k in COLUMNS + ROWS if (k, "kernel") in splits}
     return splits
+
+
+COLUMNS = ("qkv_a_proj", "q_b_proj", "gate_up_proj")  # FP8 projections split by columns (qkv_a_proj: no query latent)
+ROWS = ("o_proj", "down_proj")  # ... and by rows
 
 
 VOCAB_SPLITS = (("embed_tokens", "embedding"), ("lm_head", "kernel"), ("embed",), ("head",))
@@ -68,19 +77,20 @@ def split_deepseek(c: DeepseekConfig, weights, n: int):
     Columns are reordered so that each device's block is what its layer code expects: the
     [gate | up] halves of dense and shared MLPs per device (`halves_by_device`) and, without
     a query latent, q_proj's columns of its heads followed by the latent's (those repeat
-    on every device). Host weights stay unread (`HostParam`)."""
+    on every device); FP8 kernels' scales with their columns
+    (`quantization.dequantize_uneven_rows`). Host weights stay unread (`HostParam`)."""
     _check_split(c, n)
     Q = c.num_heads * c.qk_head_dim
     Dcr = c.kv_lora_rank + c.qk_rope_head_dim
     qkv_cols = np.concatenate([np.r_[d * Q // n:(d + 1) * Q // n, Q:Q + Dcr] for d in range(n)])
 
-    def reorder(keys, w):
+    def reorder(keys, w):  # a kernel's columns, and its FP8 scales' with them
         if keys[-2:-1] == ("qkv_a_proj",) and not c.q_lora_rank:
             return sharding.take_columns(w, qkv_cols)
-        if keys[-2:] == ("gate_up_proj", "kernel"):
+        if keys[-2:] in (("gate_up_proj", "kernel"), ("gate_up_proj", "kernel_scale")):
             return sharding.take_columns(w, sharding.halves_by_device(c.intermediate_size, n))
         if keys[-2:] == ("shared_experts", "gate_up"):
             return sharding.take_columns(w, sharding.halves_by_device(c.moe_intermediate_size, n))
         return w
-    weights = sharding.map_weights(reorder, weights)
+    weights = sharding.map_weights(reorder, dequantize_uneven_rows(weights, n, c.jnp_dtype, ROWS))
     return c.replace(devices=n), weights, sharding.weight_specs(weights, n, device_splits(c), VOCAB_SPLITS)

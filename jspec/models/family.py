@@ -37,6 +37,9 @@ class TargetFamily:
     # builds with `Tensors.linear` is a `models.layers.Linear`; `jspec.quantization`);
     # otherwise FP8 checkpoints are dequantized on the host.
     fp8_weights: ClassVar[bool] = False
+    # Whether its routed experts' stacks may stay FP8 too, with their scales (DeepSeek's:
+    # `models.deepseek_hf.expert_params`, read by the expert kernel); otherwise dequantized.
+    fp8_experts: ClassVar[bool] = False
 
     def config_from_hf(self, cfg_json: dict, dtype: str | None) -> Any:
         """config.json dict -> the family's config (dtype None: the checkpoint's)."""

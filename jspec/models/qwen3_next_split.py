@@ -11,7 +11,6 @@ PartitionSpecs; `layer_on_devices` runs a decoder layer on every device's block 
 from __future__ import annotations
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 from flax import linen as nn
 from jax.sharding import PartitionSpec as P
@@ -19,7 +18,7 @@ from jax.sharding import PartitionSpec as P
 from jspec import sharding
 from jspec.cache.recurrent import RECORD_SPECS, STATE_SPECS
 from jspec.models.qwen3_next_hf import HybridConfig
-from jspec.quantization import GROUP, dequantize_host
+from jspec.quantization import dequantize_uneven_rows
 
 A = sharding.AXIS
 # Which weight splits how, by the last two keys of its path. Column-parallel input
@@ -99,23 +98,6 @@ def check_split(c: HybridConfig, n: int) -> None:
     sharding.check_divides(fits, n, "Qwen3-Next / Qwen3.5", c.attention_bias, c.devices)
 
 
-def dequantize_uneven_rows(tree, n: int, dtype):
-    """A weight tree with every FP8 row-split kernel (`ROWS`) whose rows do not split into
-    whole groups of `quantization.GROUP` per device dequantized to `dtype` (its scales
-    dropped): a device's block must hold whole groups with their scales."""
-    if not isinstance(tree, dict):
-        return tree
-    out = {}
-    for k, v in tree.items():
-        if k in ROWS and isinstance(v, dict) and "kernel_scale" in v and (v["kernel"].shape[0] // n) % GROUP:
-            kernel = dequantize_host(np.asarray(v["kernel"]), np.asarray(v["kernel_scale"]))
-            out[k] = {**{x: w for x, w in v.items() if x not in ("kernel", "kernel_scale")},
-                      "kernel": jnp.asarray(kernel, dtype)}
-        else:
-            out[k] = dequantize_uneven_rows(v, n, dtype)
-    return out
-
-
 def split_qwen3_next(c: HybridConfig, weights, n: int):
     """A Qwen3-Next / Qwen3.5 model (target weights, or an MTP layer's) for n devices ->
     (config with `devices` n, weights, PartitionSpec tree). Columns are reordered so that
@@ -124,7 +106,7 @@ def split_qwen3_next(c: HybridConfig, weights, n: int):
     `sharding.kv_heads_over`, and the config has n KV heads holding the same keys and
     values), in_proj's [its q | k | v | z | b | a], the conv weight's channels as its q, k
     and v, the MLPs' [gate | up] halves; FP8 kernels' scales with their columns
-    (`dequantize_uneven_rows`). Host weights stay unread (`HostParam`)."""
+    (`quantization.dequantize_uneven_rows`). Host weights stay unread (`HostParam`)."""
     check_split(c, n)
     Kd, Vd, Hv = c.key_dim, c.value_dim, c.linear_num_value_heads
     qkv = qkv_columns(c, n)
@@ -142,6 +124,6 @@ def split_qwen3_next(c: HybridConfig, weights, n: int):
             width = c.shared_expert_intermediate_size if "shared_expert" in keys else c.intermediate_size
             return sharding.take_columns(w, sharding.halves_by_device(width, n))
         return w
-    weights = sharding.map_weights(reorder, dequantize_uneven_rows(weights, n, c.jnp_dtype))
+    weights = sharding.map_weights(reorder, dequantize_uneven_rows(weights, n, c.jnp_dtype, ROWS))
     return (c.replace(devices=n, num_kv_heads=sharding.kv_heads_over(c.num_kv_heads, n)), weights,
             sharding.weight_specs(weights, n, SPLITS, VOCAB_SPLITS))

@@ -498,6 +498,10 @@ class Engine:
             self.stats.prefill_passes += 1
         if d.save:  # a hybrid's states where a prompt block ended: a prefix's, for later requests
             self.runner.save_states(d.save)
+        for blocks in d.tails:  # the rest of prompts whose pass stopped at a state point, saved above
+            rows = {r: self.scheduler.rows[r] for r, _ in blocks}
+            passes.append((self.runner.prefill(blocks, self.runner.narrow or self.runner.prefill_chunk), rows))
+            self.stats.prefill_passes += 1
         if d.dispatch:
             self._inflight.append(Inflight(self.runner.chunk(d.tier, d.sampled, d.logprobs), d.running, d.tier,
                                            time.perf_counter(), clean=not passes))

@@ -46,13 +46,14 @@ short of its end, where a draft's cache may lag). A hybrid target's recurrent st
 saved where a prompt block ends inside the prompt and at its *state points*: the prompt's
 last page boundary before its last token, and the end of a cached prefix it found deeper
 than a saved state (`_state_points`: the pass that would cross one stops there,
-`Decisions.stops`, and the next takes the rest); each is attached to the page that ends
-there at the next call; a hit restores them (`Decisions.restore`).
+`Decisions.stops`, its state is saved, and the rest passes in the same call when it lies
+within a narrow block, `Decisions.tails`, else in the next); each is attached to the
+page that ends there at the next call; a hit restores them (`Decisions.restore`).
 
 Order of work in one `schedule`: cache the pages (and hybrid states) of the passes of
 earlier calls; evict the rows of done requests; the next block of every prompt that is
 being prefilled; admit waiting requests into free rows (first come, first served; groups
-of one program call each); preempt if the running rows' growth does not fit (none with a
+of one program call each); the tails of prompts stopped at a state point; preempt if the running rows' growth does not fit (none with a
 pass in this call); then whether to dispatch a chunk of rounds now, giving the running
 rows their pages. With no request waiting and no prompt half prefilled, a second chunk is dispatched
 behind the one in flight (the device never waits for the host); otherwise the engine
@@ -151,7 +152,10 @@ class Progress:
 class Decisions:
     """One call's work, in this order: evict rows; admissions (each group one program
     call: rows and their requests); prefill passes (each group: rows and the slot their
-    next block starts at); a chunk of rounds (dispatch) on `tier`, with the sampling steps
+    next block starts at); the hybrid states saved (save); the tails of prompts whose pass
+    stopped at a state point (tails: groups like prefill's, in passes of the narrow width,
+    else the block's); a chunk of
+    rounds (dispatch) on `tier`, with the sampling steps
     (sampled) and logprobs recorded (logprobs) or not. ended: requests the scheduler ended
     without a row to evict (cancelled or timed out while waiting)."""
 
@@ -171,6 +175,7 @@ class Decisions:
     restore: list[tuple[int, int]] = dataclasses.field(default_factory=list)  # (row, snapshot) after `cached`
     save: list[tuple[int, int]] = dataclasses.field(default_factory=list)  # (row, snapshot) after the passes
     stops: dict[int, int] = dataclasses.field(default_factory=dict)  # row -> the slot its pass in this call stops at
+    tails: list[list[tuple[int, int]]] = dataclasses.field(default_factory=list)  # after `save`: (row, its stop)
 
 
 class Scheduler:
@@ -271,6 +276,7 @@ class Scheduler:
             self._let_go(q)
         d.prefill, d.widths = self._prefill_blocks(d)  # rows parked before this call: their next blocks
         d.admit, d.cached = self._admissions(now, d)
+        d.tails = self._tails(d)
         short = self.pages_free < 0
         if short and self.inflight == 0:  # not the rows with a pass in this call (they need no more pages)
             d.preempt = self._preempt({r for g in d.admit + d.cached + d.prefill for r, _ in g})
@@ -517,6 +523,21 @@ class Scheduler:
         if self._saves_states:
             end = min(end, (start // self.prefill_chunk + 1) * self.prefill_chunk)
         return next((t for t in self._state_points(q) if start < t < end), end)
+
+    def _tails(self, d: Decisions) -> list[list[tuple[int, int]]]:
+        """Rows whose pass in this call stops at a state point with the rest of the prompt
+        within a narrow block (or a block, with no narrow program: the last page boundary
+        before a prompt's last token): that rest passes in the same call, after the state
+        is saved (`Decisions.tails`, passes of that width and at most pass_rows rows), so a
+        state point costs no engine iteration before the first token."""
+        width = self.narrow_block or self.prefill_chunk
+        rows = [r for r, t in d.stops.items() if t < len(self.rows[r].prompt) and t in self._state_points(self.rows[r])
+                and self._pass_end(self.rows[r], t, width) == len(self.rows[r].prompt)]
+        for r in rows:
+            q = self.rows[r]
+            q.prefilled, q.state = len(q.prompt), RUNNING
+        P = self.pass_rows
+        return [[(r, d.stops[r]) for r in rows[i:i + P]] for i in range(0, len(rows), P)]
 
     def _snapshot(self, row: int, q: Request, d: Decisions) -> None:
         """A pass that ends inside q's prompt on a snapshot boundary (a block's end, or its

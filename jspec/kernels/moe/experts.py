@@ -55,7 +55,7 @@ from jax.experimental import pallas as pl
 
 from jspec.kernels import dispatch
 from jspec.kernels.tiling import KERNEL_DTYPES, chunk_start, in_order_sum, is_pow2, pow2_floor
-from jspec.quantization import FP8_DTYPES, GROUP
+from jspec.quantization import FP8_DTYPES, GROUP, dequantize_kernel
 
 
 @dataclasses.dataclass(frozen=True)
@@ -217,7 +217,8 @@ def _kernel(ids_ref, x_ref, w_ref, *rest, din: int, dout: int, num_experts: int,
     with `num_extra`, the extra experts' [E2, Din, Dout] (ids E.. E+E2-1) (whole arrays);
     with `norm_eps`, norm_ref [Din]: x's rows RMS-normed with that weight first; with
     `scaled`, scale_ref [E, Din / GROUP, Dout] float32: w holds FP8 values, each weight
-    times the scale of its group of GROUP rows and its column (a chunk lies in one group);
+    times the scale of its group of GROUP rows and its column (a chunk lies in one group;
+    the extra experts' weights are not scaled);
     o_ref [S, P, Dout] float32 (whole; this program writes [s, p, n0:n0+BN])."""
     rest = list(rest)
     norm_ref = rest.pop(0) if norm_eps is not None else None
@@ -242,13 +243,13 @@ def _kernel(ids_ref, x_ref, w_ref, *rest, din: int, dout: int, num_experts: int,
         return silu_mul_float32(gate.astype(gated).astype(jnp.float32), up.astype(gated).astype(jnp.float32),
                                  gated)
 
-    def product(ref, expert):  # this program's share of x[row] @ ref[expert][:, n0:n0+BN]
+    def product(ref, expert, scales=None):  # this program's share of x[row] @ ref[expert][:, n0:n0+BN]
         def step(c, acc):
             kc, fresh = chunk_start(c, block_k, din)
             xv = activations(kc) if fresh is None else jnp.where(fresh, activations(kc), 0.0)
             wv = ref[expert, pl.ds(kc, block_k), pl.ds(n0, block_n)].astype(jnp.float32)
-            if scale_ref is not None:
-                wv = wv * scale_ref[expert, kc // GROUP, pl.ds(n0, block_n)][None, :]
+            if scales is not None:
+                wv = wv * scales[expert, kc // GROUP, pl.ds(n0, block_n)][None, :]
             if reduce_each_step:
                 return acc + jnp.sum(xv[:, None] * wv, axis=0)
             return acc + xv[:, None] * wv
@@ -263,7 +264,7 @@ def _kernel(ids_ref, x_ref, w_ref, *rest, din: int, dout: int, num_experts: int,
 
     @pl.when((e >= 0) & (e < num_experts))
     def _():
-        product(w_ref, jnp.clip(e, 0, num_experts - 1))
+        product(w_ref, jnp.clip(e, 0, num_experts - 1), scale_ref)
 
     if num_extra:
         @pl.when((e >= num_experts) & (e < num_experts + num_extra))
@@ -287,7 +288,7 @@ def _check_matmul(x, ids, w, extra=None, slots=None, gated=None, norm=None, w_sc
     """Raises ValueError / TypeError for arguments `expert_matmul` does not take; else
     -> (ids as a table [N, KP], slots, pairs P, whether x has a row per token)."""
     if w_scale is not None:
-        _check_scale(w, w_scale, extra)
+        _check_scale(w, w_scale)
     if norm is not None:
         if gated is not None:
             raise ValueError("norm and gated exclude each other (a gated input is a product's K splits)")
@@ -301,8 +302,11 @@ def _check_matmul(x, ids, w, extra=None, slots=None, gated=None, norm=None, w_sc
         if getattr(extra, "ndim", None) != 3 or getattr(w, "ndim", None) != 3 or extra.shape[1:] != w.shape[1:]:
             raise ValueError(f"extra experts must be [E2, Din, Dout] like w {getattr(w, 'shape', w)}, got "
                              f"{getattr(extra, 'shape', extra)}")
-        if extra.dtype != w.dtype:
+        if w_scale is None and extra.dtype != w.dtype:
             raise TypeError(f"extra experts' dtype {extra.dtype} differs from w's {w.dtype}")
+        if w_scale is not None and jnp.dtype(extra.dtype) not in map(jnp.dtype, KERNEL_DTYPES):
+            raise TypeError(f"extra experts beside FP8 ones are read unscaled: float32, bfloat16 or float16, "
+                            f"got {extra.dtype}")
     if getattr(w, "ndim", None) != 3 or getattr(x, "ndim", None) != (3 if gated is not None else 2):
         want = "[S1, P, 2 Din] (gated)" if gated is not None else "[N or P, Din]"
         raise ValueError(f"expert_matmul needs x {want} and w [E, Din, Dout], got shapes "
@@ -334,12 +338,10 @@ def _check_matmul(x, ids, w, extra=None, slots=None, gated=None, norm=None, w_sc
     return ids2, slots, P, gated is None and rows == N and slots > 1
 
 
-def _check_scale(w, w_scale, extra) -> None:
+def _check_scale(w, w_scale) -> None:
     """An FP8 weight's group scales (`expert_matmul(w_scale=)`): ValueError / TypeError."""
     if jnp.dtype(w.dtype) not in FP8_DTYPES:
         raise TypeError(f"w_scale goes with an FP8 weight, w is {w.dtype}")
-    if extra is not None:
-        raise ValueError("extra experts do not take FP8 weights")
     E, Din, Dout = w.shape
     if Din % GROUP or getattr(w_scale, "shape", None) != (E, Din // GROUP, Dout) or w_scale.dtype != jnp.float32:
         raise ValueError(f"an FP8 weight [E, Din, Dout] = {w.shape} needs Din a multiple of {GROUP} and float32 "
@@ -379,7 +381,8 @@ def expert_matmul(x, ids, w, extra=None, *, slots: int | None = None, gated=None
     the default splits as for this many pairs (None: P): a fixed number makes each pair's
     sums independent of the others (`Tuning.row_invariant`). w_scale [E, Din / GROUP, Dout]
     float32: w is FP8 (`jspec.quantization`), each weight times the scale of its group of
-    GROUP rows and its column; chunks then take at most GROUP rows."""
+    GROUP rows and its column; chunks then take at most GROUP rows (the extra experts are
+    read as they are: the compute dtype, unscaled)."""
     ids2, slots, P, token_rows = _check_matmul(x, ids, w, extra, slots, gated, norm, w_scale)
     E, Din, Dout = w.shape
     E2 = 0 if extra is None else extra.shape[0]
@@ -477,7 +480,7 @@ def matvec(x, w, norm=None, *, w_scale=None, float32_out: bool = False, sum_spli
 
 # --------------------------------------------------------------------------- routed experts
 
-def _check_experts(x, ids, gate_up, down, extra=None, slots=None) -> None:
+def _check_experts(x, ids, gate_up, down, extra=None, slots=None, scales=None) -> None:
     """Raises ValueError / TypeError for arguments `routed_experts` does not take."""
     if getattr(gate_up, "ndim", None) != 3 or getattr(down, "ndim", None) != 3:
         raise ValueError(f"gate_up must be [E, D, 2Fm] and down [E, Fm, D], got "
@@ -489,18 +492,20 @@ def _check_experts(x, ids, gate_up, down, extra=None, slots=None) -> None:
     if gate_up.dtype != down.dtype:
         raise TypeError(f"gate_up and down dtypes differ: {gate_up.dtype}, {down.dtype}")
     extra_gu, extra_down = (None, None) if extra is None else extra
-    _, _, P, _ = _check_matmul(x, ids, gate_up, extra_gu, slots)
-    _check_matmul(jax.ShapeDtypeStruct((1, P, F2), jnp.float32), ids, down, extra_down, slots, gated=x.dtype)
+    gu_scale, down_scale = (None, None) if scales is None else scales
+    _, _, P, _ = _check_matmul(x, ids, gate_up, extra_gu, slots, w_scale=gu_scale)
+    _check_matmul(jax.ShapeDtypeStruct((1, P, F2), jnp.float32), ids, down, extra_down, slots, gated=x.dtype,
+                  w_scale=down_scale)
     if extra is not None and extra_gu.shape[0] != extra_down.shape[0]:
         raise ValueError(f"extra experts: gate_up {extra_gu.shape} and down {extra_down.shape} hold "
                          f"different numbers of experts")
 
 
-def is_supported(x, ids, gate_up, down, extra=None, slots=None) -> bool:
+def is_supported(x, ids, gate_up, down, extra=None, slots=None, scales=None) -> bool:
     """Whether `routed_experts` takes these arguments (the dispatch falls back to the
     reference when not)."""
     try:
-        _check_experts(x, ids, gate_up, down, extra, slots)
+        _check_experts(x, ids, gate_up, down, extra, slots, scales)
     except (TypeError, ValueError):
         return False
     return True
@@ -508,7 +513,7 @@ def is_supported(x, ids, gate_up, down, extra=None, slots=None) -> bool:
 
 def routed_experts(x, ids, gate_up, down, extra=None, slots: int | None = None, *, norm=None,
                    interpret: bool | None = None, gate_up_tiles: dict | None = None, down_tiles: dict | None = None,
-                   tiles: ExpertTiles | None = None, as_tokens: int | None = None):
+                   tiles: ExpertTiles | None = None, as_tokens: int | None = None, scales=None):
     """The routed experts of a routing table's (token, expert) pairs with the Pallas
     kernel: x [N, D] (each token's activation; or [P, D], each pair's), ids [N, KP] int
     (each token's experts; or [P]) and slots as `expert_matmul`, gate_up [E, D, 2Fm], down
@@ -522,8 +527,11 @@ def routed_experts(x, ids, gate_up, down, extra=None, slots: int | None = None, 
     take `tiles.gated_block_n`-wide tiles. *_tiles: `expert_matmul`'s keyword arguments
     for each product, over those. as_tokens: tiles and splits chosen as for this many
     tokens whatever the table holds (`Tuning.row_invariant` passes 1: each pair's sums then
-    run in the order of a one-token decode step's)."""
-    _check_experts(x, ids, gate_up, down, extra, slots)
+    run in the order of a one-token decode step's). scales (gate_up's [E, D / GROUP, 2Fm],
+    down's [E, Fm / GROUP, D], float32): gate_up and down are FP8 (`jspec.quantization`),
+    read as FP8 and scaled (`expert_matmul(w_scale=)`); the extra experts stay unscaled."""
+    _check_experts(x, ids, gate_up, down, extra, slots, scales)
+    gu_scale, down_scale = (None, None) if scales is None else scales
     t = ExpertTiles() if tiles is None else tiles
     x, norm = prologue_norm(x, norm)
     extra_gu, extra_down = (None, None) if extra is None else extra
@@ -536,27 +544,31 @@ def routed_experts(x, ids, gate_up, down, extra=None, slots: int | None = None, 
         pinned = {"tile_pairs": as_tokens * _table(ids, slots)[1]}
         first, second = first | pinned, second | pinned
     h = expert_matmul(x, ids, gate_up, extra_gu, slots=slots, sum_splits=False, norm=norm, interpret=interpret,
-                      tiles=t, **(first | (gate_up_tiles or {})))  # [S1, P, 2Fm]: K splits
+                      tiles=t, w_scale=gu_scale, **(first | (gate_up_tiles or {})))  # [S1, P, 2Fm]: K splits
     return expert_matmul(h, ids, down, extra_down, slots=slots, gated=x.dtype, interpret=interpret, tiles=t,
-                         **(second | (down_tiles or {})))
+                         w_scale=down_scale, **(second | (down_tiles or {})))
 
 
-def uses_kernel(x, ids, gate_up, down, extra=None, slots=None) -> bool:
+def uses_kernel(x, ids, gate_up, down, extra=None, slots=None, scales=None) -> bool:
     """Whether `moe_experts` takes the Pallas kernel for these arguments (see the dispatch)."""
     if dispatch.backend() == "reference":
         return False
     return dispatch.want_pallas(dispatch.backend() == "pallas" or
-                                is_supported(x, ids, gate_up, down, extra, slots))
+                                is_supported(x, ids, gate_up, down, extra, slots, scales))
 
 
 def moe_experts(x, ids, gate_up, down, extra=None, slots: int | None = None, norm=None, *,
-                tiles: ExpertTiles | None = None, as_tokens: int | None = None):
+                tiles: ExpertTiles | None = None, as_tokens: int | None = None, scales=None):
     """Dispatch: `routed_experts` (the kernel, with `tiles` and `as_tokens`) where
     `uses_kernel`, else `routed_experts_reference`; same arguments, [P, D] float32; norm
-    (weight, eps): x's rows RMS-normed first (`rms_norm`; the kernel's prologue).
-    JSPEC_KERNELS=pallas forces the kernel (interpret mode off GPU; raises for arguments it
-    does not take)."""
-    if uses_kernel(x, ids, gate_up, down, extra, slots):
-        return routed_experts(x, ids, gate_up, down, extra, slots, norm=norm, tiles=tiles, as_tokens=as_tokens)
+    (weight, eps): x's rows RMS-normed first (`rms_norm`; the kernel's prologue). scales:
+    FP8 stacks' (`routed_experts`); the reference dequantizes the stacks into x's dtype
+    first. JSPEC_KERNELS=pallas forces the kernel (interpret mode off GPU; raises for
+    arguments it does not take)."""
+    if uses_kernel(x, ids, gate_up, down, extra, slots, scales):
+        return routed_experts(x, ids, gate_up, down, extra, slots, norm=norm, tiles=tiles, as_tokens=as_tokens,
+                              scales=scales)
+    if scales is not None:
+        gate_up, down = (dequantize_kernel(w, sc, x.dtype) for w, sc in zip((gate_up, down), scales))
     return routed_experts_reference(normed(x, norm), ids, gate_up, down, extra, slots)
 
