@@ -522,10 +522,14 @@ def random_params(cfg, seed: int = 0) -> jspec.Params:
 
 @jax.jit
 def rolled(tree, key):
-    """Each array of `tree` with its values (flattened) rolled by a random offset of its own."""
+    """Each array of `tree` with its values (flattened) rolled by a random offset of its own
+    (a very large one: its rows)."""
     leaves, structure = jax.tree.flatten(tree)
     shifts = jax.random.randint(key, (len(leaves),), 0, 2 ** 30)
-    return structure.unflatten([jnp.roll(x.reshape(-1), s % x.size).reshape(x.shape) for x, s in zip(leaves, shifts)])
+    # (an array of 2**31 values or more, a V3 layer's experts, is rolled along its first axis
+    # instead: its flat index would overflow int32)
+    return structure.unflatten([jnp.roll(x.reshape(-1), s % x.size).reshape(x.shape) if x.size < 2 ** 31
+                                else jnp.roll(x, s % x.shape[0], axis=0) for x, s in zip(leaves, shifts)])
 
 
 def first_layers(cfg):

@@ -580,3 +580,31 @@ def test_fp8_expert_kernel_reads_fp8_experts_beside_unscaled_shared_ones():
     with pytest.raises(TypeError, match="extra experts beside FP8 ones are read unscaled"):
         experts.routed_experts(x, ids, gu, down, tuple(e.astype(gu.dtype) for e in extra), scales=(gu_s, down_s),
                                interpret=True)
+
+
+def test_fp8_grouped_kernel_reads_fp8_experts():
+    """The grouped expert kernel (a prompt's pairs sorted by expert; interpret mode) over FP8
+    stacks with their group scales equals the ragged_dot reference on the dequantized
+    stacks; a wrong scale is not a small error, and bad scales are refused."""
+    import jax.numpy as jnp
+    from jspec.kernels.moe import grouped
+    from jspec.quantization import dequantize_kernel
+    rng = np.random.default_rng(2)
+    E, D, Fm, N, k = 4, 128, 128, 8, 2
+
+    def fp8_stack(shape):
+        qs, ss = zip(*(block_fp8(rng.normal(0, 0.05, shape[1:]).astype(np.float32).T, 128, 128) for _ in range(shape[0])))
+        return (jnp.asarray(np.stack([q.T for q in qs])),
+                jnp.asarray(np.stack([np.repeat(s, 128, axis=0)[:shape[2]].T for s in ss])))
+    (gu, gu_s), (down, down_s) = fp8_stack((E, D, 2 * Fm)), fp8_stack((E, Fm, D))
+    xs = jnp.asarray(rng.normal(0, 1, (N, D)), jnp.float32)
+    ids = jnp.asarray(rng.integers(0, E, (N, k)), jnp.int32).at[3, 1].set(-1)  # a pair of no expert here
+    got = grouped.grouped_experts(xs, ids, gu, down, scales=(gu_s, down_s), interpret=True)
+    want = grouped.grouped_experts_reference(xs, ids, dequantize_kernel(gu, gu_s, jnp.float32),
+                                             dequantize_kernel(down, down_s, jnp.float32))
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-4, atol=1e-5)
+    assert np.abs(np.asarray(want)).max() > 1e-2
+    off = grouped.grouped_experts(xs, ids, gu, down, scales=(gu_s, jnp.roll(down_s, 1, axis=0)), interpret=True)
+    assert np.abs(np.asarray(off) - np.asarray(want)).max() > 1e-3
+    with pytest.raises(ValueError, match=r"float32 scales \[E, Din / 128, Dout\]"):
+        grouped.grouped_experts(xs, ids, gu, down, scales=(gu_s[:, :1, :8], down_s), interpret=True)

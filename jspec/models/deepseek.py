@@ -50,7 +50,7 @@ from jspec.kernels import dispatch
 from jspec.kernels.row import matmul as row_matmul, mla as row_mla, norm as row_norm
 from jspec.kernels.tiling import in_order_sum, is_pow2
 from jspec.models.layers import INIT, DecoderLM, FlaxFamily, Linear, RMSNorm, product, rows_alone
-from jspec.quantization import dequantize_kernel, kernel_of
+from jspec.quantization import kernel_of
 
 LATENT_NORM_EPS = 1e-6  # the q/kv latent norms use RMSNorm's default, not rms_norm_eps
 # `Tuning.row_invariant=None` turns it on for programs of up to this many rows: measured
@@ -364,8 +364,8 @@ class MoE(nn.Module):
                 out = jnp.einsum("nsd,ns->nd", y, weights[:, :r.slots])
         else:  # prefill (and large batches): (token, expert) pairs grouped by expert
             xs = normed(xs, norm)
-            y = moe_grouped.grouped(xs, ids[:, :k], *dequantized(experts, xs.dtype),
-                                    tiles=tuning.grouped).reshape(B * T, k, D)
+            y = moe_grouped.grouped(xs, ids[:, :k], experts["gate_up"], experts["down"], tiles=tuning.grouped,
+                                    scales=fp8_scales(experts)).reshape(B * T, k, D)
             out = jnp.einsum("nkd,nk->nd", y.astype(jnp.float32), weights[:, :k])
             if S:  # each shared expert as one dense product over the tokens
                 h = jnp.einsum("nd,sdf->nsf", xs, shared["gate_up"])  # [N,S,2Fm]
@@ -382,8 +382,8 @@ class MoE(nn.Module):
             y = moe_experts.moe_experts(xs, table, stack["gate_up"], stack["down"], None, j, norm=norm,
                                         tiles=self.tuning.experts, scales=fp8_scales(stack))  # [N*j, D]
         else:
-            y = moe_grouped.grouped(normed(xs, norm), table, *dequantized(stack, xs.dtype),
-                                    tiles=self.tuning.grouped).astype(jnp.float32)
+            y = moe_grouped.grouped(normed(xs, norm), table, stack["gate_up"], stack["down"],
+                                    tiles=self.tuning.grouped, scales=fp8_scales(stack)).astype(jnp.float32)
         return jnp.einsum("njd,nj->nd", y.reshape(N, j, -1), weights)
 
 
@@ -391,16 +391,6 @@ def fp8_scales(stack: dict):
     """An experts' stack {gate_up, down[, gate_up_scale, down_scale]} -> (gate_up's scales,
     down's) where it is FP8 (`deepseek_hf.expert_params`), else None."""
     return (stack["gate_up_scale"], stack["down_scale"]) if "gate_up_scale" in stack else None
-
-
-def dequantized(stack: dict, dtype) -> tuple:
-    """An experts' stack -> (gate_up, down) in `dtype`, an FP8 stack dequantized in the
-    graph (the grouped products of a prompt's block: a copy of the device's stack in the
-    compute dtype while the layer runs; no FP8 grouped kernel yet)."""
-    scales = fp8_scales(stack)
-    if scales is None:
-        return stack["gate_up"], stack["down"]
-    return tuple(dequantize_kernel(stack[n], sc, dtype) for n, sc in zip(("gate_up", "down"), scales))
 
 
 class DecoderLayer(nn.Module):

@@ -20,6 +20,12 @@ are zeroed), as in `kernels.moe.experts`.
 the activations' dtype, down), the same roundings as the `ragged_dot` formulation
 (`grouped_experts_reference`), which the CPU and `JSPEC_KERNELS=reference` use.
 
+FP8 experts (`w_scale` [E, Din / GROUP, Dout] float32 beside an FP8 w, `jspec.quantization`):
+each chunk (at most GROUP rows, inside one group) is widened to x's dtype on the tensor
+cores' path and its product times the group's column scales before it joins the float32
+sum, so a step reads the FP8 bytes; the reference dequantizes the stacks into x's dtype
+first (the two differ by that rounding).
+
 Tiles and thresholds are `GroupedTiles` (below; `Tuning.grouped`), taken as `tiles=`
 (None: the defaults, with the measurements behind them).
 """
@@ -36,6 +42,7 @@ from jax.experimental import pallas as pl
 from jspec.kernels import dispatch
 from jspec.kernels.moe.experts import silu_mul
 from jspec.kernels.tiling import KERNEL_DTYPES, chunk_start, is_pow2, pow2_floor
+from jspec.quantization import FP8_DTYPES, GROUP, dequantize_kernel
 
 
 @dataclasses.dataclass(frozen=True)
@@ -118,9 +125,11 @@ def grouped_matmul_reference(x, tile_expert, w, block_m: int):
     return out.reshape(R, -1).astype(x.dtype)
 
 
-def _kernel(tile_ref, x_ref, w_ref, o_ref, *, din: int, dout: int, num_experts: int, block_m: int, block_k: int,
-            block_n: int, interpret: bool):
-    """One (tile t, column block j): o[t rows, j columns] = x[t rows] @ w[tile_expert[t]]."""
+def _kernel(tile_ref, x_ref, w_ref, *rest, din: int, dout: int, num_experts: int, block_m: int, block_k: int,
+            block_n: int, interpret: bool, scaled: bool = False):
+    """One (tile t, column block j): o[t rows, j columns] = x[t rows] @ w[tile_expert[t]];
+    `scaled`: rest begins with scale_ref [E, Din / GROUP, Dout] float32 (w is FP8)."""
+    scale_ref, o_ref = rest if scaled else (None, *rest)
     t, j = pl.program_id(0), pl.program_id(1)
     e = tile_ref[t]
     m0 = t * block_m
@@ -138,22 +147,29 @@ def _kernel(tile_ref, x_ref, w_ref, o_ref, *, din: int, dout: int, num_experts: 
             if fresh is not None:  # the inputs an earlier chunk took count zero
                 xv = jnp.where(fresh[None, :], xv, jnp.zeros_like(xv))
             wv = w_ref[expert, pl.ds(kc, block_k), pl.ds(n0, block_n)]
+            if scale_ref is not None:  # FP8 widened exactly; the chunk's group scales on its product
+                wv = wv.astype(xv.dtype)
             if interpret:  # the CPU has no 16-bit dot with a float32 result; the products are exact in float32
                 xv, wv = xv.astype(jnp.float32), wv.astype(jnp.float32)
-            return acc + lax.dot(xv, wv, preferred_element_type=jnp.float32)
+            part = lax.dot(xv, wv, preferred_element_type=jnp.float32)
+            if scale_ref is not None:
+                part = part * scale_ref[expert, kc // GROUP, pl.ds(n0, block_n)][None, :]
+            return acc + part
 
         acc = lax.fori_loop(0, pl.cdiv(din, block_k), step, jnp.zeros((block_m, block_n), jnp.float32))
         o_ref[pl.ds(m0, block_m), pl.ds(n0, block_n)] = acc.astype(o_ref.dtype)
 
 
 def grouped_matmul(x, tile_expert, w, *, block_m: int, block_n: int | None = None, block_k: int | None = None,
-                   num_warps: int | None = None, num_stages: int | None = None, interpret: bool | None = None):
+                   num_warps: int | None = None, num_stages: int | None = None, interpret: bool | None = None,
+                   w_scale=None):
     """x [R, Din] (tiles of block_m rows, see the module doc), tile_expert [R / block_m]
     int, w [E, Din, Dout] -> [R, Dout] in x's dtype; rows of tiles with expert -1 are left
     unwritten. block_n, block_k: output columns a program and Din rows a loop step
-    (powers of two, capped at Dout and Din); num_warps, num_stages: Triton's; each None:
-    `GroupedTiles`' default. interpret None: interpret mode unless the default backend is
-    a GPU."""
+    (powers of two, capped at Dout and Din, and at GROUP with w_scale); num_warps,
+    num_stages: Triton's; each None: `GroupedTiles`' default. interpret None: interpret
+    mode unless the default backend is a GPU. w_scale [E, Din / GROUP, Dout] float32: w is
+    FP8 (see the module doc)."""
     if getattr(x, "ndim", None) != 2 or getattr(w, "ndim", None) != 3 or x.shape[1] != w.shape[1]:
         raise ValueError(f"grouped_matmul needs x [R, Din] and w [E, Din, Dout], got {getattr(x, 'shape', x)} "
                          f"and {getattr(w, 'shape', w)}")
@@ -166,10 +182,17 @@ def grouped_matmul(x, tile_expert, w, *, block_m: int, block_n: int | None = Non
                          f"{getattr(tile_expert, 'shape', tile_expert)}")
     if Din < 16 or Dout < 16:
         raise ValueError(f"Din and Dout must be >= 16 (Triton tiles), got {Din} and {Dout}")
-    for name, a in (("x", x), ("w", w)):
+    for name, a in (("x", x),) + (() if w_scale is not None else (("w", w),)):
         if jnp.dtype(a.dtype) not in map(jnp.dtype, KERNEL_DTYPES):
             raise TypeError(f"{name} dtype {a.dtype} is not float32, bfloat16 or float16")
-    if x.dtype != w.dtype:
+    if w_scale is not None:
+        if jnp.dtype(w.dtype) not in FP8_DTYPES:
+            raise TypeError(f"w_scale goes with an FP8 weight, w is {w.dtype}")
+        if Din % GROUP or getattr(w_scale, "shape", None) != (E, Din // GROUP, Dout) or w_scale.dtype != jnp.float32:
+            raise ValueError(f"an FP8 weight [E, Din, Dout] = {w.shape} needs Din a multiple of {GROUP} and float32 "
+                             f"scales [E, Din / {GROUP}, Dout], got {getattr(w_scale, 'dtype', None)} "
+                             f"{getattr(w_scale, 'shape', w_scale)}")
+    elif x.dtype != w.dtype:
         raise TypeError(f"x and w dtypes differ: {x.dtype}, {w.dtype}")
     t = GroupedTiles()
     block_n = t.block_n if block_n is None else block_n
@@ -177,11 +200,11 @@ def grouped_matmul(x, tile_expert, w, *, block_m: int, block_n: int | None = Non
     for name, v in (("block_n", block_n), ("block_k", block_k)):
         if not is_pow2(v):
             raise ValueError(f"{name} must be a power of two, got {v!r}")
-    BN, BK = min(block_n, pow2_floor(Dout)), min(block_k, pow2_floor(Din))
+    BN, BK = min(block_n, pow2_floor(Dout)), min(block_k, pow2_floor(Din), GROUP if w_scale is not None else Din)
     if interpret is None:
         interpret = jax.default_backend() != "gpu"
     kernel = functools.partial(_kernel, din=Din, dout=Dout, num_experts=E, block_m=block_m, block_k=BK, block_n=BN,
-                               interpret=interpret)
+                               interpret=interpret, scaled=w_scale is not None)
     params = None
     if not interpret:
         from jax.experimental.pallas import triton as plt
@@ -191,13 +214,13 @@ def grouped_matmul(x, tile_expert, w, *, block_m: int, block_n: int | None = Non
     return pl.pallas_call(
         kernel,
         grid=(R // block_m, pl.cdiv(Dout, BN)),
-        in_specs=[whole] * 3,
+        in_specs=[whole] * (3 + (w_scale is not None)),
         out_specs=whole,
         out_shape=jax.ShapeDtypeStruct((R, Dout), x.dtype),
         interpret=interpret,
         compiler_params=params,
         name="jspec_grouped_matmul",
-    )(tile_expert.astype(jnp.int32), x, w)
+    )(tile_expert.astype(jnp.int32), x, w, *(() if w_scale is None else (w_scale,)))
 
 
 def grouped_experts_reference(xs, ids, gate_up, down):
@@ -217,11 +240,12 @@ def grouped_experts_reference(xs, ids, gate_up, down):
 
 
 def grouped_experts(xs, ids, gate_up, down, *, block_m: int | None = None, tiles: GroupedTiles | None = None,
-                    interpret: bool | None = None):
+                    interpret: bool | None = None, scales=None):
     """`grouped_experts_reference` with the kernel: the pairs laid out by `group_layout`,
     both products as `grouped_matmul` (block_m None: `block_rows`; tiles: `GroupedTiles`,
     None: the defaults), silu(gate) * up in xs' dtype between them (an XLA fusion) ->
-    [N*k, D] in xs' dtype."""
+    [N*k, D] in xs' dtype. scales (gate_up's, down's): FP8 stacks (`grouped_matmul(w_scale=)`)."""
+    gu_scale, down_scale = (None, None) if scales is None else scales
     N, k = ids.shape
     E, D, F2 = gate_up.shape
     Fm = F2 // 2
@@ -233,29 +257,37 @@ def grouped_experts(xs, ids, gate_up, down, *, block_m: int | None = None, tiles
     x = jnp.zeros((R, D), xs.dtype).at[rows].set(jnp.repeat(xs, k, axis=0))  # [R, D]
     kw = dict(block_m=block_m, block_n=t.block_n, block_k=t.block_k, num_warps=t.num_warps,
               num_stages=t.num_stages, interpret=interpret)
-    h = grouped_matmul(x, tile_expert, gate_up, **kw)  # [R, 2Fm]
-    h = grouped_matmul(silu_mul(h[:, :Fm], h[:, Fm:]), tile_expert, down, **kw)  # [R, D]
+    h = grouped_matmul(x, tile_expert, gate_up, w_scale=gu_scale, **kw)  # [R, 2Fm]
+    h = grouped_matmul(silu_mul(h[:, :Fm], h[:, Fm:]), tile_expert, down, w_scale=down_scale, **kw)  # [R, D]
     named = _group_key(ids.reshape(-1), E) < E  # the rows of other pairs are not written
     return jnp.where(named[:, None], h[rows], jnp.zeros((), h.dtype))
 
 
-def uses_kernel(xs, ids, gate_up, down, tiles: GroupedTiles | None = None) -> bool:
+def uses_kernel(xs, ids, gate_up, down, tiles: GroupedTiles | None = None, scales=None) -> bool:
     """Whether `grouped` takes the kernel for these arguments (see the dispatch): at least
-    `tiles.min_pairs_per_expert` pairs an expert, 16-bit or float32 arrays of one dtype,
-    widths >= 16 (and `tiles.kernel`; tiles None: the defaults)."""
+    `tiles.min_pairs_per_expert` pairs an expert, 16-bit or float32 arrays of one dtype
+    (or FP8 stacks with their scales, inputs whole groups), widths >= 16 (and
+    `tiles.kernel`; tiles None: the defaults)."""
     t = GroupedTiles() if tiles is None else tiles
     if dispatch.backend() == "reference" or not t.kernel:
         return False
-    ok = (ids.size >= t.min_pairs_per_expert * gate_up.shape[0] and xs.dtype == gate_up.dtype == down.dtype
+    if scales is None:
+        dtypes = xs.dtype == gate_up.dtype == down.dtype
+    else:
+        dtypes = all(jnp.dtype(w.dtype) in FP8_DTYPES and w.shape[1] % GROUP == 0 for w in (gate_up, down))
+    ok = (ids.size >= t.min_pairs_per_expert * gate_up.shape[0] and dtypes
           and jnp.dtype(xs.dtype) in map(jnp.dtype, KERNEL_DTYPES) and min(gate_up.shape[1:]) >= 16
           and min(down.shape[1:]) >= 16)
     return dispatch.want_pallas(ok)
 
 
-def grouped(xs, ids, gate_up, down, *, tiles: GroupedTiles | None = None):
+def grouped(xs, ids, gate_up, down, *, tiles: GroupedTiles | None = None, scales=None):
     """Dispatch: `grouped_experts` (the kernel, with `tiles`) where `uses_kernel`, else
-    `grouped_experts_reference`; same arguments and result. JSPEC_KERNELS=pallas forces the
-    kernel (interpret mode off GPU)."""
-    if uses_kernel(xs, ids, gate_up, down, tiles):
-        return grouped_experts(xs, ids, gate_up, down, tiles=tiles)
+    `grouped_experts_reference`; same arguments and result. scales (gate_up's, down's):
+    FP8 stacks, read as FP8 by the kernel and dequantized into xs' dtype in the graph for
+    the reference. JSPEC_KERNELS=pallas forces the kernel (interpret mode off GPU)."""
+    if uses_kernel(xs, ids, gate_up, down, tiles, scales):
+        return grouped_experts(xs, ids, gate_up, down, tiles=tiles, scales=scales)
+    if scales is not None:
+        gate_up, down = (dequantize_kernel(w, sc, xs.dtype) for w, sc in zip((gate_up, down), scales))
     return grouped_experts_reference(xs, ids, gate_up, down)
