@@ -24,10 +24,10 @@ split of a projection's outputs, for 1/128 of a float32 a weight (3% of the FP8 
 `models.layers.Linear` computes with it: `dequantize_kernel` in the graph, then the
 product in the compute dtype (the same values as dequantizing on the host, so the same
 logits), or on a GPU at one row the matvec kernel reading the FP8 bytes
-(`kernels.moe.experts.matvec(w_scale=)`). DeepSeek's routed experts stay FP8 as stacks
-with their scales (`TargetFamily.fp8_experts`, `models.deepseek_hf.expert_params`), read by
-the expert kernel. Other weights (other experts' stacks, DeepSeek's kv_b_proj and shared
-experts, block sizes whose columns are not whole groups) are dequantized on the host, tensor by
+(`kernels.moe.experts.matvec(w_scale=)`). DeepSeek's and Qwen3.5's routed experts stay FP8
+as stacks with their scales (`TargetFamily.fp8_experts`, `Tensors.experts`), read by the
+expert kernels. Other weights (experts fused into one tensor on disk, DeepSeek's kv_b_proj
+and shared experts, block sizes whose columns are not whole groups) are dequantized on the host, tensor by
 tensor, into float32 (then the family casts them to the compute dtype): the model computes
 with the dequantized weights, so its logits equal transformers' on the same dequantized
 weights.
@@ -86,9 +86,10 @@ def quantize_params(params):
     on its device (`quantize_kernel`), for weights built or trained in Python; as
     `jspec.load(..., quantization="fp8")` but with the blocks taken over the fused kernels
     (a block of q|k|v or gate|up columns can span two projections). The draft is left as
-    it is. DeepSeek's routed experts (stacks {gate_up, down} whose inputs are whole groups)
-    are rounded expert by expert, with their scales beside them (`gate_up_scale`,
-    `down_scale`, as `models.deepseek_hf.expert_params` reads a checkpoint's)."""
+    it is. Routed experts of a family that keeps them FP8 (`TargetFamily.fp8_experts`;
+    stacks {gate_up, down} whose inputs are whole groups) are rounded expert by expert, with
+    their scales beside them (`gate_up_scale`, `down_scale`, as `Tensors.experts` reads a
+    checkpoint's)."""
     import dataclasses
 
     import jax
@@ -135,6 +136,13 @@ def dequantize_kernel(kernel, scale, dtype):
     K = kernel.shape[-2]
     full = jnp.repeat(scale, GROUP, axis=-2, total_repeat_length=scale.shape[-2] * GROUP)[..., :K, :]
     return (kernel.astype(jnp.float32) * full).astype(dtype)
+
+
+def expert_scales(stack: dict):
+    """A routed experts' stack {gate_up, down[, gate_up_scale, down_scale]} -> (gate_up's
+    scales, down's) where it is FP8 (`Tensors.experts`, `quantize_params`), else None: what
+    the expert kernels take as `scales`."""
+    return (stack["gate_up_scale"], stack["down_scale"]) if "gate_up_scale" in stack else None
 
 
 def kernel_of(p: dict, dtype):

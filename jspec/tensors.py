@@ -17,7 +17,7 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 
-from jspec.quantization import SCALE_SUFFIX, dequantize_host, groups_of
+from jspec.quantization import GROUP, SCALE_SUFFIX, dequantize_host, groups_of
 
 _NP_DTYPES = {"float32": np.float32, "bfloat16": ml_dtypes.bfloat16, "float16": np.float16}
 
@@ -197,6 +197,22 @@ class Tensors:
         """A host array built from taken tensors (the weights' dtype, or `dtype`)."""
         return HostParam([a], self.dtype if dtype is None else dtype)
 
+    def experts(self, prefix: str, E: int, D: int, Fm: int, keep_fp8: bool = False) -> dict:
+        """A layer's E routed experts, one tensor each (`prefix`{e}.{gate,up,down}_proj.weight:
+        [Fm, D], [Fm, D], [D, Fm]) -> `stacked_experts`' stacks. With `keep_fp8`, FP8 weights
+        kept beside their group scales (`jspec.quantization`) stay FP8 where D and Fm are
+        whole groups of GROUP (the expert kernels read chunks of one group): {"gate_up",
+        "down"} FP8 with {"gate_up_scale": [E, D / GROUP, 2Fm], "down_scale": [E, Fm / GROUP,
+        D]} float32 (`quantization.expert_scales`); otherwise dequantized."""
+        names = [(f"{prefix}{e}.{n}_proj.weight", (D, Fm) if n == "down" else (Fm, D))
+                 for e in range(E) for n in ("gate", "up", "down")]
+        if not keep_fp8 or D % GROUP or Fm % GROUP or not all(self.has(n + SCALE_SUFFIX) for n, _ in names) \
+                or len({self.tensors[n].dtype for n, _ in names}) != 1:
+            return stacked_experts([self.take(n, s) for n, s in names], self.dtype)
+        w, scales = zip(*(self.kept_fp8(n, s) for n, s in names))
+        out = stacked_experts(w, w[0].dtype)
+        return out | {k + "_scale": v for k, v in stacked_experts(scales, np.float32).items()}
+
     def linear(self, *names_shapes, order=None):
         """A projection: Hugging Face [out, in] tensors, concatenated along `out` (rows
         `order` of that), as the [in, out] `kernel` that `jspec.models.layers.Linear` uses.
@@ -221,6 +237,27 @@ class Tensors:
         if left:
             more = f" (and {len(left) - 5} more)" if len(left) > 5 else ""
             raise ValueError(f"{self.where}: unexpected tensors {left[:5]}{more}")
+
+
+def stacked_experts(tensors, dtype) -> dict:
+    """Experts' (gate [Fm, D], up [Fm, D], down [D, Fm]) tensors, in that order per expert ->
+    {"gate_up": [n, D, 2Fm], "down": [n, Fm, D]} in `dtype`, read lazily (`StackedParam`: a
+    device reads only its experts and its block of them)."""
+    gate_up = [HostParam([g, u], dtype).T for g, u in zip(tensors[0::3], tensors[1::3])]
+    return {"gate_up": StackedParam(gate_up), "down": StackedParam([HostParam([d], dtype).T for d in tensors[2::3]])}
+
+
+def unstacked_experts(p: dict, dt: str) -> list:
+    """`stacked_experts`' inverse: [(gate, up, down)] per expert, as on disk, in `dt` (FP8
+    stacks dequantized with their scales)."""
+    if "gate_up_scale" in p:
+        gate_up, down = (dequantize_host(np.asarray(jax.device_get(p[n])), np.asarray(jax.device_get(p[n + "_scale"])))
+                         .astype(_NP_DTYPES[dt]) for n in ("gate_up", "down"))
+    else:
+        gate_up, down = to_numpy(p["gate_up"], dt), to_numpy(p["down"], dt)
+    Fm = down.shape[1]
+    return [(np.ascontiguousarray(gate_up[e, :, :Fm].T), np.ascontiguousarray(gate_up[e, :, Fm:].T),
+             np.ascontiguousarray(down[e].T)) for e in range(down.shape[0])]
 
 
 def to_numpy(a, dtype: str) -> np.ndarray:

@@ -442,15 +442,16 @@ def test_fp8_kv_cache(tmp_path):
 
 
 def test_block_fp8_hybrid_keeps_fp8_and_splits(tmp_path):
-    """A block-FP8 Qwen3.5-MoE with its MTP layer (hidden 128: one group of 128 a row)
-    keeps its projections FP8 in device memory (attention, Gated DeltaNet, shared expert,
-    the MTP layer's fc; the experts' stacks are read dequantized), its logits equal
-    transformers' on the dequantized weights, the MTP chain gives its greedy tokens, and
-    split over 2 devices (column-split kernels FP8 with their scales, row-split ones whose
-    halves are not whole groups dequantized) it gives the same tokens."""
+    """A block-FP8 Qwen3.5-MoE with its MTP layer (hidden and expert widths 128: one group
+    of 128 a row) keeps its projections FP8 in device memory (attention, Gated DeltaNet,
+    shared expert, the MTP layer's fc) and its routed experts' stacks with their scales,
+    its logits equal transformers' on the dequantized weights, the MTP chain gives its
+    greedy tokens, and split over 2 devices (column-split kernels FP8 with their scales,
+    row-split ones whose halves are not whole groups dequantized, the experts and their
+    scales by expert) it gives the same tokens."""
     from test_qwen3_next import hf_greedy_tokens, make_hybrid
     path = str(tmp_path)
-    model = make_hybrid(path, "qwen3_5_moe", hidden_size=128)
+    model = make_hybrid(path, "qwen3_5_moe", hidden_size=128, moe_intermediate_size=128)
     deq = write_block_fp8(path)
     ref = with_weights(model, fused_experts(deq, model.state_dict()))
     params = jspec.load(path, draft="mtp", dtype="float32")
@@ -460,7 +461,9 @@ def test_block_fp8_hybrid_keeps_fp8_and_splits(tmp_path):
     for p in (lin["linear_attn"]["in_proj"], full["self_attn"]["qkv_proj"], full["mlp"]["shared_expert"]["down_proj"],
               params.draft.weights["params"]["fc"]):
         assert p["kernel"].dtype == ml_dtypes.float8_e4m3fn and p["kernel_scale"].dtype == np.float32
-    assert full["mlp"]["experts"]["gate_up"].dtype == np.float32
+    experts = full["mlp"]["experts"]
+    assert experts["gate_up"].dtype == experts["down"].dtype == ml_dtypes.float8_e4m3fn
+    assert experts["gate_up_scale"].dtype == experts["down_scale"].dtype == np.float32
     for p in PROMPTS:
         np.testing.assert_allclose(logits_of(params, p), hf_logits(ref, p), atol=2e-4, rtol=1e-4)
     want = [hf_greedy_tokens(ref, p, 10) for p in PROMPTS]
@@ -470,6 +473,8 @@ def test_block_fp8_hybrid_keeps_fp8_and_splits(tmp_path):
         two = jspec.load(path, draft="mtp", dtype="float32", devices=2)
         in_proj = two.weights["params"][f"layers_{c.linear_layers[0]}"]["linear_attn"]["in_proj"]
         assert in_proj["kernel"].dtype == ml_dtypes.float8_e4m3fn and "tp" in in_proj["kernel_scale"].sharding.spec
+        split = two.weights["params"][f"layers_{c.full_layers[0]}"]["mlp"]["experts"]
+        assert split["gate_up"].dtype == ml_dtypes.float8_e4m3fn and "tp" in split["gate_up_scale"].sharding.spec
         assert jspec.generate(two, PROMPTS, **kw).tokens == want
 
 

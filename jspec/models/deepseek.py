@@ -50,7 +50,7 @@ from jspec.kernels import dispatch
 from jspec.kernels.row import matmul as row_matmul, mla as row_mla, norm as row_norm
 from jspec.kernels.tiling import in_order_sum, is_pow2
 from jspec.models.layers import INIT, DecoderLM, FlaxFamily, Linear, RMSNorm, product, rows_alone
-from jspec.quantization import kernel_of
+from jspec.quantization import expert_scales, kernel_of
 
 LATENT_NORM_EPS = 1e-6  # the q/kv latent norms use RMSNorm's default, not rms_norm_eps
 # `Tuning.row_invariant=None` turns it on for programs of up to this many rows: measured
@@ -334,7 +334,7 @@ class MoE(nn.Module):
         router = self.param("router", lambda key: {"kernel": INIT(key, (D, E), jnp.float32)}
                             | ({"bias": jnp.zeros((E,), jnp.float32)} if c.scoring == "sigmoid" else {}))
         n = c.devices if c.per_device else 1  # a device's block: E/n experts, Fm/n shared columns
-        # FP8 stacks come with their scales (`fp8_scales`), which random weights have not: read as they are
+        # FP8 stacks come with their scales (`expert_scales`), which random weights have not: read as they are
         experts = (self.get_variable("params", "experts") if self.has_variable("params", "experts")
                    else self.param("experts", stacked(E // n, Fm)))
         shared = self.param("shared_experts", stacked(S, Fm // n)) if S else None
@@ -356,7 +356,7 @@ class MoE(nn.Module):
             extra = (shared["gate_up"], shared["down"]) if S else None
             y = moe_experts.moe_experts(xs, ids, experts["gate_up"], experts["down"], extra, r.slots,
                                         norm=norm, tiles=tuning.experts, as_tokens=1 if row_invariant else None,
-                                        scales=fp8_scales(experts))  # [N*(k+S), D]
+                                        scales=expert_scales(experts))  # [N*(k+S), D]
             y = y.reshape(B * T, r.slots, D)
             if row_invariant:  # slot order, elementwise
                 out = in_order_sum(jnp.moveaxis(y * weights[:, :r.slots, None], 1, 0))
@@ -365,7 +365,7 @@ class MoE(nn.Module):
         else:  # prefill (and large batches): (token, expert) pairs grouped by expert
             xs = normed(xs, norm)
             y = moe_grouped.grouped(xs, ids[:, :k], experts["gate_up"], experts["down"], tiles=tuning.grouped,
-                                    scales=fp8_scales(experts)).reshape(B * T, k, D)
+                                    scales=expert_scales(experts)).reshape(B * T, k, D)
             out = jnp.einsum("nkd,nk->nd", y.astype(jnp.float32), weights[:, :k])
             if S:  # each shared expert as one dense product over the tokens
                 h = jnp.einsum("nd,sdf->nsf", xs, shared["gate_up"])  # [N,S,2Fm]
@@ -380,17 +380,11 @@ class MoE(nn.Module):
         N, j = table.shape
         if few:
             y = moe_experts.moe_experts(xs, table, stack["gate_up"], stack["down"], None, j, norm=norm,
-                                        tiles=self.tuning.experts, scales=fp8_scales(stack))  # [N*j, D]
+                                        tiles=self.tuning.experts, scales=expert_scales(stack))  # [N*j, D]
         else:
             y = moe_grouped.grouped(normed(xs, norm), table, stack["gate_up"], stack["down"],
-                                    tiles=self.tuning.grouped, scales=fp8_scales(stack)).astype(jnp.float32)
+                                    tiles=self.tuning.grouped, scales=expert_scales(stack)).astype(jnp.float32)
         return jnp.einsum("njd,nj->nd", y.reshape(N, j, -1), weights)
-
-
-def fp8_scales(stack: dict):
-    """An experts' stack {gate_up, down[, gate_up_scale, down_scale]} -> (gate_up's scales,
-    down's) where it is FP8 (`deepseek_hf.expert_params`), else None."""
-    return (stack["gate_up_scale"], stack["down_scale"]) if "gate_up_scale" in stack else None
 
 
 class DecoderLayer(nn.Module):

@@ -9,14 +9,12 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Mapping
 
-import jax
 import numpy as np
 
 from jspec.config import DTYPES, RopeConfig
 from jspec.kernels.moe.route import Routing
 from jspec.models.llama_hf import rope_from_hf
-from jspec.quantization import GROUP, SCALE_SUFFIX, dequantize_host
-from jspec.tensors import HostParam, StackedParam, Tensors, hf_linear, to_numpy
+from jspec.tensors import HostParam, Tensors, hf_linear, stacked_experts, to_numpy, unstacked_experts
 
 TARGET_ARCHITECTURES = ("DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM", "DeepseekV32ForCausalLM")
 TOPK_METHODS = ("greedy", "group_limited_greedy", "noaux_tc")
@@ -189,49 +187,6 @@ def mlp_params(t: Tensors, prefix: str, D: int, F: int) -> dict:
             "down_proj": t.linear((prefix + "down_proj.weight", (D, F)))}
 
 
-def expert_params(t: Tensors, prefix: str, E: int, D: int, Fm: int) -> dict:
-    """A layer's E routed experts (`prefix`{e}.{gate,up,down}_proj.weight) -> `_stacked`'s
-    stacks; FP8 weights kept beside their group scales stay FP8 (`jspec.quantization`):
-    {"gate_up", "down"} FP8 with {"gate_up_scale": [E, D / GROUP, 2Fm], "down_scale": [E,
-    Fm / GROUP, D]} float32, which the expert kernel reads (`kernels.moe.experts`, its
-    inputs in whole groups: D and Fm multiples of GROUP); else dequantized."""
-    names = [(f"{prefix}{e}.{n}_proj.weight", (D, Fm) if n == "down" else (Fm, D))
-             for e in range(E) for n in ("gate", "up", "down")]
-    if D % GROUP or Fm % GROUP or not all(t.has(n + SCALE_SUFFIX) for n, _ in names) \
-            or len({t.tensors[n].dtype for n, _ in names}) != 1:
-        return _stacked(t, [t.take(n, s) for n, s in names])
-    w, scales = zip(*(t.kept_fp8(n, s) for n, s in names))
-    fp8 = w[0].dtype
-
-    def stacks(parts, dtype):  # [(gate, up, down)] per expert -> (gate_up, down) stacks, [in, out] each
-        return (StackedParam([HostParam([g, u], dtype).T for g, u in zip(parts[0::3], parts[1::3])]),
-                StackedParam([HostParam([d], dtype).T for d in parts[2::3]]))
-    (gate_up, down), (gate_up_scale, down_scale) = stacks(w, fp8), stacks(scales, np.float32)
-    return {"gate_up": gate_up, "down": down, "gate_up_scale": gate_up_scale, "down_scale": down_scale}
-
-
-def _stacked(t: Tensors, tensors: list) -> dict:
-    """Experts' (gate [Fm, D], up [Fm, D], down [D, Fm]) tensors, in that order per expert ->
-    {"gate_up": [n, D, 2Fm], "down": [n, Fm, D]}, read lazily (`tensors.StackedParam`: a
-    device reads only its experts and its block of them)."""
-    gate_up = [HostParam([g, u], t.dtype).T for g, u in zip(tensors[0::3], tensors[1::3])]
-    return {"gate_up": StackedParam(gate_up), "down": StackedParam([HostParam([d], t.dtype).T for d in tensors[2::3]])}
-
-
-def _unstacked(p: dict, dt: str) -> list:
-    """`_stacked`'s inverse: [(gate, up, down)] per expert, as on disk (FP8 stacks
-    dequantized with their scales)."""
-    if "gate_up_scale" in p:
-        gate_up, down = (to_numpy(dequantize_host(np.asarray(jax.device_get(p[n])),
-                                                  np.asarray(jax.device_get(p[n + "_scale"]))), dt)
-                         for n in ("gate_up", "down"))
-    else:
-        gate_up, down = to_numpy(p["gate_up"], dt), to_numpy(p["down"], dt)
-    Fm = down.shape[1]
-    return [(np.ascontiguousarray(gate_up[e, :, :Fm].T), np.ascontiguousarray(gate_up[e, :, Fm:].T),
-             np.ascontiguousarray(down[e].T)) for e in range(down.shape[0])]
-
-
 def kv_b_params(t: Tensors, name: str, c: DeepseekConfig) -> dict:
     """kv_b_proj [H*(Dn+Dv), Dc] -> its halves as `models.deepseek.MLAttention` keeps them:
     {"w_uk": [Dc, H, Dn], "w_uv": [H, Dv, Dc]}."""
@@ -293,12 +248,12 @@ def layer_params(t: Tensors, prefix: str, c: DeepseekConfig, layer: int) -> dict
     if c.is_moe(layer):
         E, S, Fm = c.n_routed_experts, c.n_shared_experts, c.moe_intermediate_size
         mlp: dict[str, Any] = {"router": {"kernel": t.param((m + "gate.weight", (E, D))).T.astype("float32")},
-                               "experts": expert_params(t, m + "experts.", E, D, Fm)}
+                               "experts": t.experts(m + "experts.", E, D, Fm, keep_fp8=True)}
         if S:  # the shared MLP of width S*Fm as S experts of width Fm (see `models.deepseek.MoE`)
             sh = m + "shared_experts."
             gate, up = (np.split(t.take(f"{sh}{n}_proj.weight", (S * Fm, D)), S, axis=0) for n in ("gate", "up"))
             down = np.split(t.take(sh + "down_proj.weight", (D, S * Fm)), S, axis=1)
-            mlp["shared_experts"] = _stacked(t, [w for parts in zip(gate, up, down) for w in parts])
+            mlp["shared_experts"] = stacked_experts([w for parts in zip(gate, up, down) for w in parts], t.dtype)
         if c.scoring == "sigmoid":
             mlp["router"]["bias"] = t.param((m + "gate.e_score_correction_bias", (E,)), dtype="float32")
     else:
@@ -424,11 +379,11 @@ def layer_tensors(lp: dict, pre: str, c: DeepseekConfig, layer: int, out: dict) 
         to_numpy(lp["input_layernorm"]["weight"], dt).dtype)
     if "bias" in mp["router"]:
         out[m + "gate.e_score_correction_bias"] = to_numpy(mp["router"]["bias"], "float32")
-    for e, ws in enumerate(_unstacked(mp["experts"], dt)):
+    for e, ws in enumerate(unstacked_experts(mp["experts"], dt)):
         for n, w in zip(("gate", "up", "down"), ws):
             out[f"{m}experts.{e}.{n}_proj.weight"] = w
     if "shared_experts" in mp:  # the S experts back into one MLP of width S*Fm
-        gate, up, down = zip(*_unstacked(mp["shared_experts"], dt))
+        gate, up, down = zip(*unstacked_experts(mp["shared_experts"], dt))
         out.update({m + "shared_experts.gate_proj.weight": np.concatenate(gate, axis=0),
                     m + "shared_experts.up_proj.weight": np.concatenate(up, axis=0),
                     m + "shared_experts.down_proj.weight": np.concatenate(down, axis=1)})

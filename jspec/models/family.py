@@ -38,7 +38,7 @@ class TargetFamily:
     # otherwise FP8 checkpoints are dequantized on the host.
     fp8_weights: ClassVar[bool] = False
     # Whether its routed experts' stacks may stay FP8 too, with their scales (DeepSeek's:
-    # `models.deepseek_hf.expert_params`, read by the expert kernel); otherwise dequantized.
+    # `Tensors.experts(keep_fp8=True)`, read by the expert kernels); otherwise dequantized.
     fp8_experts: ClassVar[bool] = False
 
     def config_from_hf(self, cfg_json: dict, dtype: str | None) -> Any:

@@ -49,6 +49,7 @@ from jspec.models import qwen3_next_hf
 from jspec.models.layers import INIT, DecoderLM, FlaxFamily, Linear, apply_rope
 from jspec.models.qwen3_next_hf import LINEAR, HybridConfig
 from jspec.models.qwen3_next_split import layer_on_devices, split_qwen3_next
+from jspec.quantization import expert_scales
 
 
 
@@ -242,8 +243,10 @@ class SparseMoe(nn.Module):
         dt = jnp.dtype(c.dtype)
         router = self.param("router", lambda key: {"kernel": INIT(key, (D, E), jnp.float32)})
         n = c.devices if c.per_device else 1  # a device's block: E/n experts
-        experts = self.param("experts", lambda key: {"gate_up": INIT(key, (E // n, D, 2 * Fm), dt),
-                                                     "down": INIT(jax.random.fold_in(key, 1), (E // n, Fm, D), dt)})
+        # FP8 stacks come with their scales (`expert_scales`), which random weights have not: read as they are
+        experts = (self.get_variable("params", "experts") if self.has_variable("params", "experts") else
+                   self.param("experts", lambda key: {"gate_up": INIT(key, (E // n, D, 2 * Fm), dt),
+                                                      "down": INIT(jax.random.fold_in(key, 1), (E // n, Fm, D), dt)}))
         r = Routing(E, k, scoring="softmax", method="greedy", norm_topk_prob=c.norm_topk_prob)
         xs = x.reshape(B * T, D)
         weights, ids = route(r, xs, router["kernel"], tiles=tuning.route, expert_tiles=tuning.experts)  # [N, KP] each
@@ -253,11 +256,11 @@ class SparseMoe(nn.Module):
             ids = jnp.where((local >= 0) & (local < E // n), local, -1)
         if B * T * k < E:
             y = moe_experts.moe_experts(xs, ids, experts["gate_up"], experts["down"], None, k,
-                                        tiles=tuning.experts)  # [N*k, D]
+                                        tiles=tuning.experts, scales=expert_scales(experts))  # [N*k, D]
             out = jnp.einsum("nkd,nk->nd", y.reshape(B * T, k, D).astype(jnp.float32), weights[:, :k])
         else:
-            y = moe_grouped.grouped(xs, ids, experts["gate_up"], experts["down"],
-                                    tiles=tuning.grouped).reshape(B * T, k, D)
+            y = moe_grouped.grouped(xs, ids, experts["gate_up"], experts["down"], tiles=tuning.grouped,
+                                    scales=expert_scales(experts)).reshape(B * T, k, D)
             out = jnp.einsum("nkd,nk->nd", y.astype(jnp.float32), weights[:, :k])
         out = out.reshape(B, T, D) if c.per_device else out.astype(x.dtype).reshape(B, T, D)
         if c.shared_expert_intermediate_size:  # split: this device's columns, a float32 partial sum
@@ -345,7 +348,8 @@ class HybridFamily(FlaxFamily):
     config_type = HybridConfig
     model = HybridModel
     architectures = qwen3_next_hf.TARGET_ARCHITECTURES
-    fp8_weights = True  # FP8 projections stay FP8 (`Linear`); the experts' stacks are dequantized
+    fp8_weights = True  # FP8 projections stay FP8 (`Linear`)
+    fp8_experts = True  # ... and the routed experts' stacks read one tensor an expert, inputs whole groups
 
     def config_from_hf(self, cfg_json: dict, dtype: str | None) -> HybridConfig:
         return qwen3_next_hf.config_from_hf(cfg_json, dtype)

@@ -34,7 +34,7 @@ from jspec.models.deepseek_hf import end_tensors
 from jspec.models.deepseek_hf import mlp_params as dense_mlp_params
 from jspec.models.deepseek_hf import mlp_tensors as dense_mlp_tensors
 from jspec.models.llama_hf import rope_from_hf
-from jspec.tensors import Tensors, hf_linear, to_numpy
+from jspec.tensors import Tensors, hf_linear, to_numpy, unstacked_experts
 
 # architectures entry -> (variant, text weights under model.language_model)
 ARCHITECTURES = {
@@ -254,11 +254,8 @@ def _experts(t: Tensors, m: str, c: HybridConfig) -> dict:
     if t.has(m + "experts.gate_up_proj"):  # transformers' fused layout
         gate_up = t.take(m + "experts.gate_up_proj", (E, 2 * Fm, D)).transpose(0, 2, 1)
         down = t.take(m + "experts.down_proj", (E, D, Fm)).transpose(0, 2, 1)
-    else:
-        def each(n, shape):
-            return np.stack([t.take(f"{m}experts.{e}.{n}_proj.weight", shape) for e in range(E)])
-        gate_up = np.concatenate([each("gate", (Fm, D)), each("up", (Fm, D))], axis=1).transpose(0, 2, 1)
-        down = each("down", (D, Fm)).transpose(0, 2, 1)
+    else:  # one tensor an expert: FP8 ones kept (`Tensors.experts`)
+        return t.experts(m + "experts.", E, D, Fm, keep_fp8=True)
     return {"gate_up": t.as_param(np.ascontiguousarray(gate_up)), "down": t.as_param(np.ascontiguousarray(down))}
 
 
@@ -389,12 +386,9 @@ def mlp_tensors(mp: dict, m: str, c: HybridConfig, out: dict):
         dense_mlp_tensors(mp, m, c.intermediate_size, out, dt)
         return
     out[m + "gate.weight"] = np.ascontiguousarray(to_numpy(mp["router"]["kernel"], dt).T)
-    gate_up, down = to_numpy(mp["experts"]["gate_up"], dt), to_numpy(mp["experts"]["down"], dt)
-    Fm = down.shape[1]
-    for e in range(down.shape[0]):
-        out[f"{m}experts.{e}.gate_proj.weight"] = np.ascontiguousarray(gate_up[e, :, :Fm].T)
-        out[f"{m}experts.{e}.up_proj.weight"] = np.ascontiguousarray(gate_up[e, :, Fm:].T)
-        out[f"{m}experts.{e}.down_proj.weight"] = np.ascontiguousarray(down[e].T)
+    for e, ws in enumerate(unstacked_experts(mp["experts"], dt)):
+        for n, w in zip(("gate", "up", "down"), ws):
+            out[f"{m}experts.{e}.{n}_proj.weight"] = w
     if "shared_expert" in mp:
         dense_mlp_tensors(mp["shared_expert"], m + "shared_expert.", c.shared_expert_intermediate_size, out, dt)
         out[m + "shared_expert_gate.weight"] = hf_linear(mp["shared_expert_gate"], dt)

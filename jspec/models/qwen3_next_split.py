@@ -29,6 +29,7 @@ SPLITS = {("qkv_proj", "kernel"): P(None, A), ("o_proj", "kernel"): P(A, None),
           ("linear_attn", "A_log"): P(A), ("linear_attn", "dt_bias"): P(A), ("out_proj", "kernel"): P(A, None),
           ("gate_up_proj", "kernel"): P(None, A), ("down_proj", "kernel"): P(A, None),
           ("experts", "gate_up"): P(A, None, None), ("experts", "down"): P(A, None, None),
+          ("experts", "gate_up_scale"): P(A, None, None), ("experts", "down_scale"): P(A, None, None),
           ("embed_tokens", "embedding"): P(A, None), ("lm_head", "kernel"): P(None, A)}
 # An FP8 kernel's scales [ceil(in / 128), out] split as the kernel: by columns, or by groups
 # of rows (`split_qwen3_next` dequantizes a row-split kernel whose blocks are not whole groups)
