@@ -145,6 +145,15 @@ def expert_scales(stack: dict):
     return (stack["gate_up_scale"], stack["down_scale"]) if "gate_up_scale" in stack else None
 
 
+def dequantized_experts(gate_up, down, scales, dtype) -> tuple:
+    """Routed experts' stacks (gate_up, down) in `dtype`: FP8 ones dequantized in the graph
+    with their `scales` (gate_up's, down's; the expert kernels' reference paths), others as
+    they are (scales None)."""
+    if scales is None:
+        return gate_up, down
+    return tuple(dequantize_kernel(w, sc, dtype) for w, sc in zip((gate_up, down), scales))
+
+
 def kernel_of(p: dict, dtype):
     """A projection's params {kernel[, kernel_scale]} -> its kernel in `dtype` (an FP8 one
     dequantized in the graph, `dequantize_kernel`; another as it is)."""

@@ -55,7 +55,7 @@ from jax.experimental import pallas as pl
 
 from jspec.kernels import dispatch
 from jspec.kernels.tiling import KERNEL_DTYPES, chunk_start, in_order_sum, is_pow2, pow2_floor
-from jspec.quantization import FP8_DTYPES, GROUP, dequantize_kernel
+from jspec.quantization import FP8_DTYPES, GROUP, dequantized_experts
 
 
 @dataclasses.dataclass(frozen=True)
@@ -568,7 +568,6 @@ def moe_experts(x, ids, gate_up, down, extra=None, slots: int | None = None, nor
     if uses_kernel(x, ids, gate_up, down, extra, slots, scales):
         return routed_experts(x, ids, gate_up, down, extra, slots, norm=norm, tiles=tiles, as_tokens=as_tokens,
                               scales=scales)
-    if scales is not None:
-        gate_up, down = (dequantize_kernel(w, sc, x.dtype) for w, sc in zip((gate_up, down), scales))
+    gate_up, down = dequantized_experts(gate_up, down, scales, x.dtype)
     return routed_experts_reference(normed(x, norm), ids, gate_up, down, extra, slots)
 

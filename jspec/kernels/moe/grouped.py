@@ -42,7 +42,7 @@ from jax.experimental import pallas as pl
 from jspec.kernels import dispatch
 from jspec.kernels.moe.experts import silu_mul
 from jspec.kernels.tiling import KERNEL_DTYPES, chunk_start, is_pow2, pow2_floor
-from jspec.quantization import FP8_DTYPES, GROUP, dequantize_kernel
+from jspec.quantization import FP8_DTYPES, GROUP, dequantized_experts
 
 
 @dataclasses.dataclass(frozen=True)
@@ -288,6 +288,4 @@ def grouped(xs, ids, gate_up, down, *, tiles: GroupedTiles | None = None, scales
     the reference. JSPEC_KERNELS=pallas forces the kernel (interpret mode off GPU)."""
     if uses_kernel(xs, ids, gate_up, down, tiles, scales):
         return grouped_experts(xs, ids, gate_up, down, tiles=tiles, scales=scales)
-    if scales is not None:
-        gate_up, down = (dequantize_kernel(w, sc, xs.dtype) for w, sc in zip((gate_up, down), scales))
-    return grouped_experts_reference(xs, ids, gate_up, down)
+    return grouped_experts_reference(xs, ids, *dequantized_experts(gate_up, down, scales, xs.dtype))
