@@ -49,7 +49,7 @@ from jspec.models.family import row_invariant_measured_cheap
 from jspec.kernels import dispatch
 from jspec.kernels.row import matmul as row_matmul, mla as row_mla, norm as row_norm
 from jspec.kernels.tiling import in_order_sum, is_pow2
-from jspec.models.layers import INIT, DecoderLM, FlaxFamily, Linear, RMSNorm, product, rows_alone
+from jspec.models.layers import INIT, DecoderLM, FlaxFamily, Linear, RMSNorm, loaded_param, product, rows_alone
 from jspec.quantization import expert_scales, kernel_of
 
 LATENT_NORM_EPS = 1e-6  # the q/kv latent norms use RMSNorm's default, not rms_norm_eps
@@ -282,7 +282,7 @@ class MLP(nn.Module):
         both products by the row kernel (`computes_rows_alone`)."""
         D, F, dt = x.shape[-1], self.width, jnp.dtype(self.dtype)
         tiles = self.tuning.experts
-        gate_up, down = (kernel_of(self.param(name, lambda key, s=shape: {"kernel": INIT(key, s, dt)}), dt)
+        gate_up, down = (kernel_of(loaded_param(self, name, lambda key, s=shape: {"kernel": INIT(key, s, dt)}), dt)
                          for name, shape in (("gate_up_proj", (D, 2 * F)), ("down_proj", (F, D))))
         if row_invariant:
             gu = product(x, gate_up, tuning=self.tuning, row_invariant=True, norm=norm)
@@ -334,9 +334,7 @@ class MoE(nn.Module):
         router = self.param("router", lambda key: {"kernel": INIT(key, (D, E), jnp.float32)}
                             | ({"bias": jnp.zeros((E,), jnp.float32)} if c.scoring == "sigmoid" else {}))
         n = c.devices if c.per_device else 1  # a device's block: E/n experts, Fm/n shared columns
-        # FP8 stacks come with their scales (`expert_scales`), which random weights have not: read as they are
-        experts = (self.get_variable("params", "experts") if self.has_variable("params", "experts")
-                   else self.param("experts", stacked(E // n, Fm)))
+        experts = loaded_param(self, "experts", stacked(E // n, Fm))  # FP8: with their scales (`expert_scales`)
         shared = self.param("shared_experts", stacked(S, Fm // n)) if S else None
         xs = x.reshape(B * T, D)
         r = c.routing

@@ -69,6 +69,16 @@ def product(x: jax.Array, w: jax.Array, transpose_w: bool = False, float32_out: 
     return y[:1].reshape(x.shape[:-1] + y.shape[-1:]) if pad else y
 
 
+def loaded_param(module: nn.Module, name: str, init):
+    """`module.param(name, init)`, but a group of params already given (loaded weights) is
+    read as it is: an FP8 one carries scales beside its arrays (`kernel_scale`,
+    `gate_up_scale`, ...) that random initialisation does not make, so flax's check against
+    the initializer's structure does not apply."""
+    if module.has_variable("params", name):
+        return module.get_variable("params", name)
+    return module.param(name, init)
+
+
 class Linear(nn.Module):
     """y = x W + b with the weight `kernel` [in, out] (Hugging Face's [out, in] transposed:
     XLA's batch-1 products stream this layout faster, see docs/benchmarks.md).

@@ -46,7 +46,7 @@ from jspec.kernels.gated_delta.kernels import (
 )
 from jspec.kernels.moe.route import Routing, route
 from jspec.models import qwen3_next_hf
-from jspec.models.layers import INIT, DecoderLM, FlaxFamily, Linear, apply_rope
+from jspec.models.layers import INIT, DecoderLM, FlaxFamily, Linear, apply_rope, loaded_param
 from jspec.models.qwen3_next_hf import LINEAR, HybridConfig
 from jspec.models.qwen3_next_split import layer_on_devices, split_qwen3_next
 from jspec.quantization import expert_scales
@@ -243,10 +243,8 @@ class SparseMoe(nn.Module):
         dt = jnp.dtype(c.dtype)
         router = self.param("router", lambda key: {"kernel": INIT(key, (D, E), jnp.float32)})
         n = c.devices if c.per_device else 1  # a device's block: E/n experts
-        # FP8 stacks come with their scales (`expert_scales`), which random weights have not: read as they are
-        experts = (self.get_variable("params", "experts") if self.has_variable("params", "experts") else
-                   self.param("experts", lambda key: {"gate_up": INIT(key, (E // n, D, 2 * Fm), dt),
-                                                      "down": INIT(jax.random.fold_in(key, 1), (E // n, Fm, D), dt)}))
+        experts = loaded_param(self, "experts", lambda key: {  # FP8: with their scales (`expert_scales`)
+            "gate_up": INIT(key, (E // n, D, 2 * Fm), dt), "down": INIT(jax.random.fold_in(key, 1), (E // n, Fm, D), dt)})
         r = Routing(E, k, scoring="softmax", method="greedy", norm_topk_prob=c.norm_topk_prob)
         xs = x.reshape(B * T, D)
         weights, ids = route(r, xs, router["kernel"], tiles=tuning.route, expert_tiles=tuning.experts)  # [N, KP] each
