@@ -23,8 +23,8 @@ out]. Scales per output row (not per 128 x 128 block) follow any reordering, fus
 split of a projection's outputs, for 1/128 of a float32 a weight (3% of the FP8 bytes).
 `models.layers.Linear` computes with it: `dequantize_kernel` in the graph, then the
 product in the compute dtype (the same values as dequantizing on the host, so the same
-logits), or on a GPU at one row the matvec kernel reading the FP8 bytes
-(`kernels.moe.experts.matvec(w_scale=)`). DeepSeek's and Qwen3.5's routed experts stay FP8
+logits), or on a GPU at decode sizes (up to `Tuning.fp8.max_rows` rows) `kernels.fp8.matmul`,
+which reads the FP8 bytes. DeepSeek's and Qwen3.5's routed experts stay FP8
 as stacks with their scales (`TargetFamily.fp8_experts`, `Tensors.experts`), read by the
 expert kernels. Other weights (experts fused into one tensor on disk, DeepSeek's kv_b_proj
 and shared experts, block sizes whose columns are not whole groups) are dequantized on the host, tensor by
@@ -35,8 +35,9 @@ weights.
 Online (`jspec.load(..., quantization="fp8")`, `quantize_fp8`): a float checkpoint's
 projection weights rounded to block FP8 as a block-FP8 checkpoint would hold them (E4M3,
 128 x 128 blocks, each block's scale its largest magnitude over 448), kept or dequantized
-the same way: the numerics of FP8 weights (not of FP8 activations). Not yet: FP8 products
-on the tensor cores (FP8 activations), an FP8 KV cache.
+the same way: the numerics of FP8 weights (not of FP8 activations). Not built: FP8 x FP8 products
+(FP8 activations; measured in docs/experiments.md, "FP8 products at decode rows"). The
+FP8 KV cache is `CacheConfig(dtype="float8_e4m3fn")`.
 """
 from __future__ import annotations
 

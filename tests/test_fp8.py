@@ -367,13 +367,18 @@ def test_online_fp8_keeps_weights_fp8_and_exports_them_dequantized(tmp_path):
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_fp8_matmul_kernel_equals_its_reference(dtype):
-    """`kernels.fp8.matmul` (interpret mode; rows padded to the tile, K splits, a column
-    count that is not a multiple of the tile) equals `matmul_reference` and, within FP8's
+    """`kernels.fp8.matmul` (interpret mode; rows padded to the tile and masked, more rows
+    than a tile, one row on the CUDA-core kernel, a bfloat16 row past float16's range, K
+    splits that divide the groups, a column count that is not a multiple of the tile: whole
+    tiles, then the rest in smaller ones) equals `matmul_reference` and, within FP8's
     rounding of nothing more, the product with the weight dequantized first; a `Linear`
-    with an FP8 kernel runs it under JSPEC_KERNELS=pallas; a shifted scale row is caught."""
+    with an FP8 kernel runs it under JSPEC_KERNELS=pallas, with a fused norm too; a shifted
+    scale row is caught."""
+    import jax
     import jax.numpy as jnp
     from jspec.kernels import dispatch
     from jspec.kernels.fp8 import matmul as fm
+    from jspec.kernels.moe.experts import rms_norm
     from jspec.models.layers import Linear
     from jspec.quantization import dequantize_kernel, quantize_kernel
     rng = np.random.default_rng(1)
@@ -388,6 +393,20 @@ def test_fp8_matmul_kernel_equals_its_reference(dtype):
             got = fm.fp8_matmul(x, kernel, scale, float32_out=True, tiles=tiles, num_splits=splits, interpret=True)
             assert got.shape == (2, 3, 208) and got.dtype == jnp.float32
             np.testing.assert_allclose(np.asarray(got), np.asarray(want), **tight)
+    many = jnp.asarray(rng.normal(0, 1, (40, 384)), dtype)  # three 16-row tiles, the last with 8 rows masked
+    np.testing.assert_allclose(
+        np.asarray(fm.fp8_matmul(many, kernel, scale, float32_out=True, tiles=fm.Fp8Tiles(block_m=16), interpret=True)),
+        np.asarray(fm.matmul_reference(many, kernel, scale, jnp.float32)), **tight)
+    one = x[:1, :1]  # one row: the CUDA-core kernel
+    np.testing.assert_allclose(np.asarray(fm.fp8_matmul(one, kernel, scale, float32_out=True, interpret=True)),
+                               np.asarray(want[:1, :1]), **tight)
+    big = many.at[3].multiply(3e5)  # a row past float16's range: divided by a power of two, multiplied back
+    big_want = np.asarray(jnp.dot(big.astype(jnp.float32), dequantize_kernel(kernel, scale, jnp.float32)))
+    np.testing.assert_allclose(np.asarray(fm.fp8_matmul(big, kernel, scale, float32_out=True, interpret=True)),
+                               big_want, rtol=tight["rtol"], atol=tight["atol"] * np.abs(big_want).max())
+    assert [fm.row_tile(m, fm.Fp8Tiles()) for m in (1, 16, 17, 40, 64, 65)] == [16, 16, 32, 64, 64, 64]
+    assert [fm.splits_of(g, 10, fm.Fp8Tiles(target_programs=80)) for g in (32, 112, 3)] == [8, 8, 1]
+    assert fm.column_spans(16480, 128) == [(0, 16384, 128), (16384, 96, 32)]  # 208 here: 128, then 80 in tiles of 16
     assert fm.fp8_matmul(x, kernel, scale, interpret=True).dtype == jnp.dtype(dtype)
     off = fm.fp8_matmul(x, kernel, jnp.roll(scale, 1, axis=0), float32_out=True, interpret=True)
     assert np.abs(np.asarray(off) - np.asarray(want)).max() > 1e-2
@@ -395,6 +414,15 @@ def test_fp8_matmul_kernel_equals_its_reference(dtype):
     with dispatch.use_backend("pallas"):
         y = lin.apply({"params": {"kernel": kernel, "kernel_scale": scale}}, x)
     np.testing.assert_allclose(np.asarray(y, np.float32), np.asarray(want), **tight)
+    norm = (jnp.asarray(rng.uniform(0.5, 1.5, 384), dtype), 1e-6)  # a fused RMSNorm: normed, then the kernel
+    with dispatch.use_backend("pallas"):
+        y = lin.apply({"params": {"kernel": kernel, "kernel_scale": scale}}, x, norm=norm)
+        traced = str(jax.make_jaxpr(lambda v: lin.apply({"params": {"kernel": kernel, "kernel_scale": scale}}, v,
+                                                        norm=norm))(x))
+    assert "jspec_fp8_matmul" in traced  # the kernel, not the weight dequantized in the graph
+    normed = rms_norm(x, *norm).reshape(6, 384)
+    np.testing.assert_allclose(np.asarray(y, np.float32).reshape(6, 208),
+                               np.asarray(fm.matmul_reference(normed, kernel, scale, jnp.float32)), **tight)
     assert not fm.supported(x, kernel[:, :200], scale[:, :200]) and not fm.supported(x[..., :256], kernel[:256], scale)
     with pytest.raises(ValueError, match="fp8_matmul takes x"):
         fm.fp8_matmul(x, kernel.astype(jnp.float32), scale, interpret=True)
