@@ -58,7 +58,9 @@ class Fp8Tiles:
     kernel for products of at most this many rows; more (a prompt's blocks) dequantize the
     weight and run XLA's product, which is then bound by arithmetic. vector_rows: products
     of at most this many rows run the CUDA-core kernel instead (`_vector_kernel`: a
-    [vector_block_k, vector_block_n] tile a step, no tensor-core tile to pad to)."""
+    [vector_block_k, vector_block_n] tile a step, no tensor-core tile to pad to). The
+    defaults are the H200's best of the tilings swept on the 8B shape's projections
+    (docs/experiments.md, "FP8 products at decode rows")."""
 
     block_m: int = 64
     block_n: int = 128
