@@ -42,10 +42,11 @@ fp8: FP8 weights (`jspec.quantization.quantize_params`: every projection but the
 rounded to E4M3 in 128 x 128 blocks and kept FP8, scales per 128 rows and column) against
 the same random bf16 weights, one process: first each projection shape's product at 1, 32
 and 2048 rows (`fp8_products`: bf16, FP8 dequantized in the graph, the FP8 matvec kernel,
-FP8 x FP8 per group of 128, torch's bf16 and cuBLASLt FP8 `_scaled_mm`), then the decode
+FP8 x FP8 per group of 128, jspec's FP8 kernel, torch's bf16 and cuBLASLt FP8
+`_scaled_mm`; `--sweep`: the FP8 kernel's tilings, `FP8_SWEEP`), then the decode
 step at batch 1 and 32 and the chain S=3 and tree (5,8,16) rounds of the EAGLE-3-shaped
 head at batch 1 (ms a round, and as ratios to each precision's own AR step).
-     PYTHONPATH=. python3 benchmarks/bench_8b.py fp8 [--batches 1 32] [--shapes 3,1,4 5,8,16] [--product-rows 1 32 2048] [--skip-products] [--tiny]
+     PYTHONPATH=. python3 benchmarks/bench_8b.py fp8 [--batches 1 32] [--shapes 3,1,4 5,8,16] [--product-rows 1 32 2048] [--sweep] [--skip-products] [--tiny]
 Result: $OUT/bench_fp8.json
 
 transformers: transformers' decode step on the same shape, as a peer figure: greedy
@@ -274,7 +275,8 @@ def fp8_products(rows_list, copies: int = 6, tiny: bool = False, sweep: bool = F
     row), FP8 x FP8 on the tensor cores (activations rounded to E4M3 per row and group of
     128, one XLA dot a group, scales applied to the float32 partial sums), and torch's
     bf16 `mm` and cuBLASLt's FP8 `_scaled_mm` (row-wise scales) as peers. Each timed call
-    runs `copies` distinct weights, so no weight is read from L2."""
+    runs `copies` distinct weights, so no weight is read from L2; calls are issued back to
+    back, best of 3 (`common.best_call_time`: the host's dispatch overlaps the device)."""
     import jax
     import jax.numpy as jnp
     from jspec.kernels.fp8 import matmul as fp8_matmul
