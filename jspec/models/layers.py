@@ -108,8 +108,8 @@ class Linear(nn.Module):
         w = self.param("kernel", INIT, (x.shape[-1], self.features), jnp.dtype(self.dtype))
         if self.has_variable("params", "kernel_scale"):
             scale = self.get_variable("params", "kernel_scale")
-            xc = x.astype(self.dtype)
-            if not (splits or row_invariant) and fp8_matmul.uses_kernel(xc, w, scale, self.tuning.fp8):
+            if not (splits or row_invariant) and fp8_matmul.uses_kernel(x.astype(self.dtype), w, scale,
+                                                                        self.tuning.fp8):
                 xc = moe_experts.normed(x, norm).astype(self.dtype)  # as `product` norms
                 y = fp8_matmul.fp8_matmul(xc, w, scale, float32_out=self.float32_out, tiles=self.tuning.fp8)
                 return self.finish(y, norm_factor)

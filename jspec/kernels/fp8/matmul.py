@@ -236,9 +236,10 @@ def fp8_matmul(x, w, scale, *, out_dtype=None, float32_out: bool = False, tiles:
     factor = None
     if not vector and rows.dtype == jnp.bfloat16:
         rows, factor = half_rows(rows)
-    BM = row_tile(M, t)
-    Mp = M if vector else -(-M // BM) * BM
-    rows = jnp.pad(rows, ((0, Mp - M), (0, 0)))  # never loaded (masked): in bounds for interpret mode
+    BM = M if vector else row_tile(M, t)
+    Mp = -(-M // BM) * BM
+    if Mp > M:
+        rows = jnp.pad(rows, ((0, Mp - M), (0, 0)))  # never loaded (masked): in bounds for interpret mode
     outs = []
     for n_base, width, BN in column_spans(N, t.vector_block_n if vector else t.block_n):
         if vector:
