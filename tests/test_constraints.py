@@ -78,6 +78,7 @@ def test_tables_equal_the_automaton(target):
     ("eagle", (2, 1, 3), "dense"),
     ("standalone", (3, 2, 5), "paged16"),
     ("ngram", (4, 1, 5), "dense"),
+    ("dflash", None, "dense"),  # the block's chain, its nodes' states from the proposer
 ])
 def test_constrained_speculation_equals_plain(target, with_draft, kind, spec, cache):
     """A batch of every constraint kind and a free row: speculative greedy output equals

@@ -192,17 +192,19 @@ def free_tables(Q: int, E: int, V: int) -> GrammarTables:
 # ----------------------------------------------------------------------------- on the device
 
 def next_state(tables: GrammarTables, q, t):
-    """The state after state q emits token t (arrays of one shape, int32)."""
+    """The state after state q emits token t (int32 arrays that broadcast). A lower-bound
+    search unrolled over the exceptions' capacity, in few operations: the programs make
+    this lookup once a draft step and tree level, and its size is most of theirs."""
     E = tables.exc_tokens.shape[0]
-    lo, hi = tables.exc_start[q], tables.exc_end[q]
+    q, t = jnp.broadcast_arrays(q, t)
+    lo, hi = tables.exc_start[q], tables.exc_end[q]  # lo <= hi throughout; lo == hi: found
     end = hi
-    for _ in range(max(E, 2).bit_length()):  # the first exception >= t (a lower bound)
-        mid = (lo + hi) // 2
-        right = (lo < hi) & (tables.exc_tokens[jnp.minimum(mid, E - 1)] < t)
-        lo, hi = jnp.where(right, mid + 1, lo), jnp.where((lo < hi) & ~right, mid, hi)
-    at = jnp.minimum(lo, E - 1)
-    found = (lo < end) & (tables.exc_tokens[at] == t)
-    return jnp.where(found, tables.exc_next[at], tables.default[q]).astype(jnp.int32)
+    for _ in range(max(E, 2).bit_length()):  # the first exception >= t
+        mid = jax.lax.shift_right_logical(lo + hi, 1)  # mid == lo == hi once they meet
+        right = (lo < hi) & (jnp.take(tables.exc_tokens, mid, mode="clip") < t)
+        lo, hi = jax.lax.select(right, mid + 1, lo), jax.lax.select(right, hi, mid)
+    found = (lo < end) & (jnp.take(tables.exc_tokens, lo, mode="clip") == t)
+    return jax.lax.select(found, jnp.take(tables.exc_next, lo, mode="clip"), tables.default[q]).astype(jnp.int32)
 
 
 def allowed_mask(tables: GrammarTables, q, V: int):

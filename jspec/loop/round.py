@@ -106,7 +106,8 @@ def accept_phase(plan: Plan, st: LoopState, tree: Tree, logits, logq) -> Accepte
         logits = bar_early_stops(logits, req, positions)
     node_q = None
     if st.grammar is not None:
-        node_q = gt.node_states(st.grammar.tables, st.grammar.state, tree.tokens, tree.parents, tree.depth, plan.S)
+        node_q = tree.states if tree.states is not None else gt.node_states(
+            st.grammar.tables, st.grammar.state, tree.tokens, tree.parents, tree.depth, plan.S)
         logits = gt.mask_logits(st.grammar.tables, node_q, logits)
     acc = accept_masked(plan, st, tree, logits, logq, req, sp, positions)
     if node_q is None:

@@ -7,6 +7,9 @@ A tree of N nodes (node 0 = the root, the last committed-but-unverified token) i
   anc [B,N,N]    anc[b, i, j]: node j is node i or one of its ancestors
   valid [B,N]    the node was proposed (the root always is); a node that was not is a
                  placeholder under the root that acceptance never takes
+  states [B,N]   (optional) each node's constraint state, the state after its token (the
+                 root's: its row's), where the proposer followed the constraint along its
+                 drafts; None: acceptance computes them (`constraints.tables.node_states`)
 A chain is the tree 0 <- 1 <- ... <- S; its structure is a constant.
 """
 from __future__ import annotations
@@ -28,6 +31,7 @@ class Tree:
     depth: jax.Array
     anc: jax.Array
     valid: jax.Array
+    states: jax.Array | None = None
 
 
 @functools.lru_cache(maxsize=None)
@@ -39,13 +43,14 @@ def chain_structure(num_nodes: int):
     return parents, depth, anc
 
 
-def chain_tree(tokens, valid=None) -> Tree:
-    """tokens [B,N] of a chain; valid [B,N] (None: every node proposed)."""
+def chain_tree(tokens, valid=None, states=None) -> Tree:
+    """tokens [B,N] of a chain; valid [B,N] (None: every node proposed); states [B,N]:
+    each node's constraint state, if the proposer has them."""
     B, N = tokens.shape
     parents, depth, anc = chain_structure(N)
     bc = lambda a: jnp.broadcast_to(jnp.asarray(a), (B,) + a.shape)  # host-ok: a numpy constant, traced in
     valid = bc(np.ones((N,), bool)) if valid is None else valid
-    return Tree(tokens=tokens, parents=bc(parents), depth=bc(depth), anc=bc(anc), valid=valid)
+    return Tree(tokens=tokens, parents=bc(parents), depth=bc(depth), anc=bc(anc), valid=valid, states=states)
 
 
 def ancestors(parents, max_depth: int):

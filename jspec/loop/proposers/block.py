@@ -94,18 +94,22 @@ class BlockProposer(Proposer):
         L, S = st.L, plan.S
         if st.grammar is not None:  # slot by slot: the constraint's state follows the drafts
             toks, logqs, q = [], [], st.grammar.state
+            qs = [q]  # each node's state: acceptance reuses them
             for j in range(S):
                 lj = gt.mask_logits(st.grammar.tables, q, logits[:, j])
                 tok, logq = self._pick(plan, lj[:, None], st, (L + 1 + j)[:, None])
                 toks.append(tok[:, 0])
                 logqs.append(None if logq is None else logq[:, 0])
                 q = gt.next_state(st.grammar.tables, q, tok[:, 0])
+                qs.append(q)
             drafts = jnp.stack(toks, axis=1)
+            states = jnp.stack(qs, axis=1)
             logq = jnp.stack(logqs, axis=1) if plan.sample_drafts else None
         else:
             drafts, logq = self._pick(plan, logits, st, L[:, None] + 1 + jnp.arange(S, dtype=jnp.int32)[None, :])
+            states = None
         tokens = jnp.concatenate([st.root[:, None], drafts], axis=1).astype(jnp.int32)
-        return chain_tree(tokens), logq
+        return chain_tree(tokens, states=states), logq
 
     def _pick(self, plan, logits, st, positions):
         """logits [B,M,V] of tokens at positions [B,M] -> (tokens [B,M], log q [B,M,V] of

@@ -116,6 +116,7 @@ class NeuralProposer(Proposer):
         out, logqs = [root, tok], [first_logq]
         one = jnp.ones((root.shape[0], 1, 1), bool)
         q = None if st.grammar is None else gt.next_state(st.grammar.tables, st.grammar.state, tok)
+        qs = [] if q is None else [st.grammar.state, q]  # each node's state: acceptance reuses them
         for j in range(1, plan.S):
             pos = L + self.draft.lag + j - 1
             logits_d, hs, cache = self._step(plan, tw, dw, st.pages, cache, tok[:, None], h[:, None], pos[:, None],
@@ -130,10 +131,12 @@ class NeuralProposer(Proposer):
                 tok = self.draft.to_target_ids(dw, jnp.argmax(logits_d[:, 0], axis=-1).astype(jnp.int32))
             if q is not None:
                 q = gt.next_state(st.grammar.tables, q, tok)
+                qs.append(q)
             h = hs[:, 0]
             out.append(tok)
         logq = jnp.stack(logqs, axis=1) if plan.sample_drafts else None
-        return state.replace(cache=cache), chain_tree(jnp.stack(out, axis=1).astype(jnp.int32)), logq
+        states = jnp.stack(qs, axis=1) if qs else None
+        return state.replace(cache=cache), chain_tree(jnp.stack(out, axis=1).astype(jnp.int32), states=states), logq
 
     def _tree(self, plan, tw, dw, state: NeuralState, st, active, first):
         """EAGLE-2 dynamic tree: expand the K best nodes of each level by cumulative score;
