@@ -199,7 +199,8 @@ def next_state(tables: GrammarTables, q, t):
     q, t = jnp.broadcast_arrays(q, t)
     lo, hi = tables.exc_start[q], tables.exc_end[q]  # lo <= hi throughout; lo == hi: found
     end = hi
-    for _ in range(max(E, 2).bit_length()):  # the first exception >= t
+    most = min(E, 32 * tables.allowed.shape[1])  # a state's exceptions: at most one a token
+    for _ in range(max(most, 2).bit_length()):  # the first exception >= t
         mid = jax.lax.shift_right_logical(lo + hi, 1)  # mid == lo == hi once they meet
         right = (lo < hi) & (jnp.take(tables.exc_tokens, mid, mode="clip") < t)
         lo, hi = jax.lax.select(right, mid + 1, lo), jax.lax.select(right, hi, mid)
