@@ -11,7 +11,8 @@ decode: the loop of a random-weight target (context 1k): a step timed from two r
   --batch; --spec S,K,N: rounds with a random EAGLE-3-shaped head (8b) or MTP layer
   (DeepSeek) instead of plain steps; --tuning: `common.TUNINGS` names (a,b: a profile
   of each, one after the other on the same weights); --devices n:
-  the model split over n GPUs, kernels per GPU and stream.
+  the model split over n GPUs, kernels per GPU and stream; --fp8 (DeepSeek shapes): the
+  weights rounded to FP8 and kept so, as `deepseek.py --fp8` runs them.
   Under DeepSeek's command buffers (the family's default) the trace shows none of the
   kernels inside the loop's CUDA graph: take --tuning no_graphs to see the decode
   step's kernels (its step is about 8% slower).
@@ -35,7 +36,7 @@ round: what a round of the bundled pair costs on this machine (CPU or GPU), agai
   same-run ratios count).
 
 Run: PYTHONPATH=. python3 benchmarks/profiler.py decode [--model 8b] [--batch 1] [--spec S,K,N] [--layers 4]
-         [--tuning NAME[,NAME...]] [--devices N] [--top 40]
+         [--fp8] [--tuning NAME[,NAME...]] [--devices N] [--top 40]
      PYTHONPATH=. python3 benchmarks/profiler.py phases [S,K,N ...]   (default 4,1,5)
      PYTHONPATH=. python3 benchmarks/profiler.py round [--dtype float32] [--steps 4] [--topk K --tokens N]
      PYTHONPATH=. python3 benchmarks/profiler.py round --products [--nodes 1 3 5] [--calls 60]
@@ -67,6 +68,7 @@ from jspec.drafts.mtp import layer_config
 from jspec.loop import programs
 from jspec.loop.round import Accepted, observe_phase, propose_phase, verify_phase
 from jspec.loop.tree import chain_tree
+from jspec.quantization import quantize_params
 
 PROMPT = "def fibonacci(n):\n"
 ROUND_PROMPT = "def fibonacci(n):"  # round's (its figures were taken with this prompt)
@@ -90,6 +92,8 @@ def model(args):
         from benchmarks.tp import random_deepseek_split
         return random_deepseek_split(cfg, args.devices, with_mtp=spec is not None), spec, cfg.vocab_size
     params = random_params(cfg)
+    if args.fp8:  # the projections and routed experts rounded to FP8 and kept so
+        params = quantize_params(params)
     if spec:
         draft = MtpDraft(layer_config(cfg))
         dw = jax.jit(lambda k: draft.init(k, cfg.vocab_size))(jax.random.key(1))
@@ -106,7 +110,7 @@ def decode(args):
 def decode_profile(args, params, spec, vocab: int, tuning_name: str):
     """One tuning's profile of `decode` (the model built once for every --tuning)."""
     tuning = None if tuning_name == "default" else tuning_of(tuning_name)
-    layers = "" if args.model == "8b" else f"_{args.layers}l"
+    layers = ("" if args.model == "8b" else f"_{args.layers}l") + ("_fp8" if args.fp8 else "")
     name = "_".join(x for x in (f"profile_{args.model}{layers}_b{args.batch}", bench_tag(args.spec or ""),
                                 "" if tuning_name == "default" else tuning_name,
                                 f"n{args.devices}" if args.devices else "") if x)
@@ -349,6 +353,8 @@ def main(argv=None):
     ap.add_argument("--batch", type=int, default=1)
     ap.add_argument("--spec", default="", help="decode: S,K,N rounds instead of plain steps")
     ap.add_argument("--layers", type=int, default=4, help="v2lite and v3layer: decoder layers")
+    ap.add_argument("--fp8", action="store_true", help="v2lite and v3layer: the weights rounded to FP8 and kept so "
+                    "(`quantization.quantize_params`)")
     ap.add_argument("--tuning", default="default",
                     help="common.TUNINGS names, comma-separated: one profile each, the model built once")
     ap.add_argument("--devices", type=int, default=0, help="8b: split over this many GPUs (0: unsplit)")

@@ -615,6 +615,40 @@ def test_fp8_expert_kernel_reads_fp8_experts_beside_unscaled_shared_ones():
                                interpret=True)
 
 
+@pytest.mark.parametrize("width", [128, 96])
+def test_fp8_dense_mlp_reads_its_fp8_projections_in_the_expert_kernel(width):
+    """DeepSeek's dense MLP at one row runs as one wide expert of the expert kernel; with
+    FP8 projections the kernel reads gate|up as FP8 with its scales (and down too where its
+    rows are whole groups of 128: width 128; width 96 keeps down dequantized), nothing is
+    dequantized for it in the graph, and the output equals the MLP on the dequantized
+    weights (interpret mode)."""
+    import jax.numpy as jnp
+    from jspec.kernels import dispatch
+    from jspec.models.deepseek import MLP
+    from jspec.quantization import dequantize_kernel, quantize_kernel
+    rng = np.random.default_rng(3)
+    D = 128
+    dense = {"gate_up_proj": {"kernel": jnp.asarray(rng.normal(0, 0.05, (D, 2 * width)), jnp.float32)},
+             "down_proj": {"kernel": jnp.asarray(rng.normal(0, 0.05, (width, D)), jnp.float32)}}
+    fp8 = {}
+    for name, p in dense.items():
+        q, scale = quantize_kernel(p["kernel"])
+        fp8[name] = {"kernel": q, "kernel_scale": scale}
+        dense[name] = {"kernel": dequantize_kernel(q, scale, jnp.float32)}
+    x = jnp.asarray(rng.normal(0, 1, (1, 1, D)), jnp.float32)
+    norm = (jnp.asarray(rng.uniform(0.5, 1.5, D), jnp.float32), 1e-6)
+    mlp = MLP(width, "float32")
+    with dispatch.use_backend("pallas"):
+        got = mlp.apply({"params": fp8}, x, norm)
+        want = mlp.apply({"params": dense}, x, norm)
+        traced = jax.make_jaxpr(lambda v: mlp.apply({"params": fp8}, v, norm))(x)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-6)
+    widened = [e for e in traced.jaxpr.eqns if e.primitive.name == "convert_element_type"
+               and e.invars[0].aval.dtype == ml_dtypes.float8_e4m3fn]
+    assert len(widened) == (0 if width % 128 == 0 else 1)  # only a down projection of partial groups
+    assert "jspec_expert_matmul" in str(traced)
+
+
 def test_fp8_grouped_kernel_reads_fp8_experts():
     """The grouped expert kernel (a prompt's pairs sorted by expert; interpret mode) over FP8
     stacks with their group scales equals the ragged_dot reference on the dequantized

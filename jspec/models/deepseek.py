@@ -50,7 +50,7 @@ from jspec.kernels import dispatch
 from jspec.kernels.row import matmul as row_matmul, mla as row_mla, norm as row_norm
 from jspec.kernels.tiling import in_order_sum, is_pow2
 from jspec.models.layers import INIT, DecoderLM, FlaxFamily, Linear, RMSNorm, loaded_param, product, rows_alone
-from jspec.quantization import expert_scales, kernel_of
+from jspec.quantization import GROUP, expert_scales, kernel_of
 
 LATENT_NORM_EPS = 1e-6  # the q/kv latent norms use RMSNorm's default, not rms_norm_eps
 # `Tuning.row_invariant=None` turns it on for programs of up to this many rows: measured
@@ -265,6 +265,16 @@ class Indexer(nn.Module):
         return chosen & visible, buf
 
 
+def one_expert(p: dict, dtype):
+    """A projection's params as one expert of the expert kernel -> (stack [1, K, N], its
+    scales [1, K / GROUP, N] or None): an FP8 kernel as it is where its rows are whole
+    groups (the kernel reads it so: half the bytes), else its kernel in `dtype` (an FP8
+    one dequantized in the graph) unscaled."""
+    if "kernel_scale" in p and p["kernel"].shape[0] % GROUP == 0:
+        return p["kernel"][None], p["kernel_scale"][None]
+    return kernel_of(p, dtype)[None], None
+
+
 class MLP(nn.Module):
     """A dense SwiGLU MLP (the first `first_k_dense_replace` layers). A few rows run as
     one expert of the expert kernel (`moe_experts.routed_experts`: the activation is
@@ -282,20 +292,23 @@ class MLP(nn.Module):
         both products by the row kernel (`computes_rows_alone`)."""
         D, F, dt = x.shape[-1], self.width, jnp.dtype(self.dtype)
         tiles = self.tuning.experts
-        gate_up, down = (kernel_of(loaded_param(self, name, lambda key, s=shape: {"kernel": INIT(key, s, dt)}), dt)
-                         for name, shape in (("gate_up_proj", (D, 2 * F)), ("down_proj", (F, D))))
+        gu_params, down_params = (loaded_param(self, name, lambda key, s=shape: {"kernel": INIT(key, s, dt)})
+                                  for name, shape in (("gate_up_proj", (D, 2 * F)), ("down_proj", (F, D))))
+        if not row_invariant and moe_experts.uses_matvec(x, jax.ShapeDtypeStruct((D, 2 * F), dt), tiles, any_size=True):
+            rows = x.reshape(-1, D)
+            one = jnp.zeros((rows.shape[0],), jnp.int32)  # every row to expert 0
+            (gate_up, gu_scale), (down, down_scale) = one_expert(gu_params, dt), one_expert(down_params, dt)
+            scales = None if gu_scale is None and down_scale is None else (gu_scale, down_scale)
+            if moe_experts.uses_kernel(rows, one, gate_up, down, scales=scales):
+                # the one wide expert's second product: `ExpertTiles.dense_down_block_n`
+                y = moe_experts.routed_experts(rows, one, gate_up, down, norm=norm, tiles=tiles, scales=scales,
+                                               down_tiles={"block_n": tiles.dense_down_block_n})
+                return y.astype(jnp.float32 if self.partial else x.dtype).reshape(x.shape)
+        gate_up, down = kernel_of(gu_params, dt), kernel_of(down_params, dt)  # FP8 ones dequantized in the graph
         if row_invariant:
             gu = product(x, gate_up, tuning=self.tuning, row_invariant=True, norm=norm)
             return product(silu_mul(gu[..., :F], gu[..., F:]), down, float32_out=self.partial, tuning=self.tuning,
                            row_invariant=True)
-        if moe_experts.uses_matvec(x, gate_up, tiles, any_size=True):
-            rows = x.reshape(-1, D)
-            one = jnp.zeros((rows.shape[0],), jnp.int32)  # every row to expert 0
-            if moe_experts.uses_kernel(rows, one, gate_up[None], down[None]):
-                # the one wide expert's second product: `ExpertTiles.dense_down_block_n`
-                y = moe_experts.routed_experts(rows, one, gate_up[None], down[None], norm=norm, tiles=tiles,
-                                               down_tiles={"block_n": tiles.dense_down_block_n})
-                return y.astype(jnp.float32 if self.partial else x.dtype).reshape(x.shape)
         x = normed(x, norm)
         gu = product(x, gate_up, tuning=self.tuning)
         return product(silu_mul(gu[..., :F], gu[..., F:]), down, float32_out=self.partial, tuning=self.tuning)

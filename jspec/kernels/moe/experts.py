@@ -489,10 +489,10 @@ def _check_experts(x, ids, gate_up, down, extra=None, slots=None, scales=None) -
     if down.shape != (E, F2 // 2, D) or F2 % 2:
         raise ValueError(f"down {down.shape} does not match gate_up {gate_up.shape} "
                          f"(want [E, Fm, D] = {(E, F2 // 2, D)})")
-    if gate_up.dtype != down.dtype:
-        raise TypeError(f"gate_up and down dtypes differ: {gate_up.dtype}, {down.dtype}")
     extra_gu, extra_down = (None, None) if extra is None else extra
     gu_scale, down_scale = (None, None) if scales is None else scales
+    if gate_up.dtype != down.dtype and gu_scale is None and down_scale is None:
+        raise TypeError(f"gate_up and down dtypes differ: {gate_up.dtype}, {down.dtype}")
     _, _, P, _ = _check_matmul(x, ids, gate_up, extra_gu, slots, w_scale=gu_scale)
     _check_matmul(jax.ShapeDtypeStruct((1, P, F2), jnp.float32), ids, down, extra_down, slots, gated=x.dtype,
                   w_scale=down_scale)
@@ -529,7 +529,9 @@ def routed_experts(x, ids, gate_up, down, extra=None, slots: int | None = None, 
     tokens whatever the table holds (`Tuning.row_invariant` passes 1: each pair's sums then
     run in the order of a one-token decode step's). scales (gate_up's [E, D / GROUP, 2Fm],
     down's [E, Fm / GROUP, D], float32): gate_up and down are FP8 (`jspec.quantization`),
-    read as FP8 and scaled (`expert_matmul(w_scale=)`); the extra experts stay unscaled."""
+    read as FP8 and scaled (`expert_matmul(w_scale=)`); the extra experts stay unscaled.
+    Either scale may be None, its stack then in the compute dtype (a dense MLP whose width
+    is no multiple of GROUP keeps its down projection dequantized)."""
     _check_experts(x, ids, gate_up, down, extra, slots, scales)
     gu_scale, down_scale = (None, None) if scales is None else scales
     t = ExpertTiles() if tiles is None else tiles
