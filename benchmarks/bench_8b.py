@@ -46,7 +46,7 @@ FP8 x FP8 per group of 128, jspec's FP8 kernel, torch's bf16 and cuBLASLt FP8
 `_scaled_mm`; `--sweep`: the FP8 kernel's tilings, `FP8_SWEEP`), then the decode
 step at batch 1 and 32 and the chain S=3 and tree (5,8,16) rounds of the EAGLE-3-shaped
 head at batch 1 (ms a round, and as ratios to each precision's own AR step).
-     PYTHONPATH=. python3 benchmarks/bench_8b.py fp8 [--batches 1 32] [--shapes 3,1,4 5,8,16] [--product-rows 1 32 2048] [--sweep] [--skip-products] [--tiny]
+     PYTHONPATH=. python3 benchmarks/bench_8b.py fp8 [--batches 1 32] [--shapes 3,1,4 5,8,16] [--product-rows 1 32 2048] [--sweep] [--skip-products] [--tuning NAME] [--tiny]
 Result: $OUT/bench_fp8.json
 
 transformers: transformers' decode step on the same shape, as a peer figure: greedy
@@ -107,6 +107,7 @@ from benchmarks.common import (CTX, LLAMA31_8B, LONG, SHORT, Runner, best_call_t
                                dflash_drafter, eagle3_head, median_time, prefill_bench, prefill_rows, step_times,
                                transformers_prefill_bench,
                                env_info, kv_bytes, prompts, random_params, rounded, save_json, tagged, tunings,
+                               tuning_of,
                                weight_bytes)
 
 PARTS = ("decode", "decode1", "chain", "chain3", "tree", "tree16", "tree60")
@@ -435,6 +436,8 @@ def fp8_cost(argv):
     ap.add_argument("--shapes", nargs="*", default=["3,1,4", "5,8,16"])
     ap.add_argument("--product-rows", type=int, nargs="*", default=[1, 32, 2048])
     ap.add_argument("--skip-products", action="store_true")
+    ap.add_argument("--tuning", default=None, help="the decode rows under this `common.TUNINGS` name (both "
+                                                    "sides; without --sweep)")
     ap.add_argument("--diagnose", action="store_true", help="products: where FP8's time goes (the matvec kernel "
                                                             "on bf16, XLA's Triton GEMMs on widened weights)")
     ap.add_argument("--sweep", action="store_true", help="products: bf16 against the FP8 kernel's tilings "
@@ -443,7 +446,7 @@ def fp8_cost(argv):
     args = ap.parse_args(argv)
     res = {"env": env_info(), "rows": []}
     print(res["env"], flush=True)
-    tuning = None
+    tuning = None if args.tuning is None else tuning_of(args.tuning)
     if not args.skip_products:
         res["products"] = fp8_products(args.product_rows, tiny=args.tiny, sweep=args.sweep, diagnose=args.diagnose)
         save_json("bench_fp8.json", res)
