@@ -82,7 +82,8 @@ at blocks of 16, 8 and 4 (chains of 15, 7 and 3 drafts) and a tree from per-slot
 (S=15, N=24), at batch 1 (and --batches), ms a round and as a ratio to the AR step of the
 same call, then tokens/s projected at accepted lengths (--taus: the published range for
 z-lab's Qwen3-8B drafter, 6.35-8.0, and 4.0).
-     PYTHONPATH=. python3 benchmarks/bench_8b.py dflash [--batches 1 8] [--taus 4 6.35 8]
+     PYTHONPATH=. python3 benchmarks/bench_8b.py dflash [--batches 1 8] [--taus 4 6.35 8] [--shapes S,K,N ...]
+         [--tunings NAME ...]   (each shape's round under each common.TUNINGS name)
 Result: $OUT/bench_dflash_8b.json
 long: decode and speculation over long caches. Each row's dense cache holds `ctx` random
 committed slots (`common.filled_state`; no prefill), and one program per (batch, shape),
@@ -98,6 +99,7 @@ from __future__ import annotations
 
 import argparse
 import functools
+import itertools
 import os
 import sys
 import time
@@ -196,6 +198,9 @@ def dflash_cost(argv):
     ap = argparse.ArgumentParser(prog="bench_8b.py dflash")
     ap.add_argument("--batches", type=int, nargs="*", default=[1])
     ap.add_argument("--taus", type=float, nargs="*", default=[4.0, 6.35, 8.0])
+    ap.add_argument("--shapes", nargs="*", default=["15,1,16", "7,1,8", "3,1,4", "15,2,24"])
+    ap.add_argument("--tunings", nargs="*", default=["default"],
+                    help="common.TUNINGS names: each shape's round under each (the AR step under the default)")
     args = ap.parse_args(argv)
     res = {"env": env_info(), "rows": []}
     print(res["env"], flush=True)
@@ -209,9 +214,10 @@ def dflash_cost(argv):
         ar = round_row(target, prompts(batch), None)
         res["rows"].append(dict(ar, batch=batch, shape="plain"))
         print(batch, "plain", rounded(ar), flush=True)
-        for shape in ("15,1,16", "7,1,8", "3,1,4", "15,2,24"):
-            row = round_row(spec_params, prompts(batch), spec_of(shape))
-            row.update(batch=batch, shape=shape, ratio_to_ar_step=row["ms_per_round"] / ar["ms_per_round"],
+        for shape, name in itertools.product(args.shapes, args.tunings):
+            tuning = {} if name == "default" else {"tuning": tuning_of(name)}
+            row = round_row(spec_params, prompts(batch), spec_of(shape), **tuning)
+            row.update(batch=batch, shape=shape, tuning=name, ratio_to_ar_step=row["ms_per_round"] / ar["ms_per_round"],
                        projected_tokens_per_s={str(t): batch * t / row["ms_per_round"] * 1e3 for t in args.taus})
             res["rows"].append(row)
             print(batch, shape, rounded(row), flush=True)

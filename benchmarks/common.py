@@ -656,6 +656,9 @@ TUNINGS: dict[str, dict] = {
     # the GQA attention kernel: Tuning.attention
     "attn_bk64": {"attention": {"block_k": 64}},
     "attn_programs128": {"attention": {"target_programs": 128}},
+    "attn_rows32": {"attention": {"max_rows": 32}},  # a verification's query rows split over more programs
+    "attn_rows16": {"attention": {"max_rows": 16}},
+    "attn_warps4": {"attention": {"num_warps": 4}},
     # row-invariant numerics (issue 40): Tuning.row_invariant and its kernels' tiles
     "row_invariant": {"row_invariant": True},
     "row_invariant_off": {"row_invariant": False},  # "default" is the family's auto rule (on at batch 1 on an H100)

@@ -9,7 +9,9 @@ decode: the loop of a random-weight target (context 1k): a step timed from two r
   --model 8b (Llama-3.1-8B shape), v2lite (DeepSeek-V2-Lite, --layers decoder layers:
   the first dense, the rest MoE) or v3layer (--layers DeepSeek-V3 MoE layers);
   --batch; --spec S,K,N: rounds with a random EAGLE-3-shaped head (8b) or MTP layer
-  (DeepSeek) instead of plain steps; --tuning: `common.TUNINGS` names (a,b: a profile
+  (DeepSeek) instead of plain steps (--draft dflash: a random DFlash drafter of z-lab's
+  shape instead of the head, blocks of 16); --phases: also the kernels by loop phase, as
+  `phases` attributes them; --tuning: `common.TUNINGS` names (a,b: a profile
   of each, one after the other on the same weights); --devices n:
   the model split over n GPUs, kernels per GPU and stream; --fp8 (DeepSeek shapes): the
   weights rounded to FP8 and kept so, as `deepseek.py --fp8` runs them.
@@ -36,7 +38,7 @@ round: what a round of the bundled pair costs on this machine (CPU or GPU), agai
   same-run ratios count).
 
 Run: PYTHONPATH=. python3 benchmarks/profiler.py decode [--model 8b] [--batch 1] [--spec S,K,N] [--layers 4]
-         [--fp8] [--tuning NAME[,NAME...]] [--devices N] [--top 40]
+         [--draft eagle3|dflash] [--phases] [--fp8] [--tuning NAME[,NAME...]] [--devices N] [--top 40]
      PYTHONPATH=. python3 benchmarks/profiler.py phases [S,K,N ...]   (default 4,1,5)
      PYTHONPATH=. python3 benchmarks/profiler.py round [--dtype float32] [--steps 4] [--topk K --tokens N]
      PYTHONPATH=. python3 benchmarks/profiler.py round --products [--nodes 1 3 5] [--calls 60]
@@ -58,7 +60,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import jspec
-from benchmarks.common import (LLAMA31_8B, V2_LITE, V3_LAYER, Runner, bench_tag, busy_and_gaps, eagle3_head,
+from benchmarks.common import (LLAMA31_8B, V2_LITE, V3_LAYER, Runner, bench_tag, busy_and_gaps, dflash_drafter, eagle3_head,
                                env_info, kernel_spans, kernel_stats, median_time, out_dir, prompts, random_params,
                                random_split_params, save_json, trace_events, traced, tuning_of)
 from jspec import bundle
@@ -85,7 +87,8 @@ def model(args):
             params = random_split_params(LLAMA31_8B, args.devices, with_head=spec is not None)
         else:
             params = random_params(LLAMA31_8B)
-            params = params.with_draft(eagle3_head(params)) if spec else params
+            if spec:
+                params = params.with_draft(dflash_drafter(params) if args.draft == "dflash" else eagle3_head(params))
         return params, spec, 100000
     cfg = (V2_LITE if args.model == "v2lite" else V3_LAYER).replace(num_layers=args.layers)
     if args.devices:
@@ -112,6 +115,7 @@ def decode_profile(args, params, spec, vocab: int, tuning_name: str):
     tuning = None if tuning_name == "default" else tuning_of(tuning_name)
     layers = ("" if args.model == "8b" else f"_{args.layers}l") + ("_fp8" if args.fp8 else "")
     name = "_".join(x for x in (f"profile_{args.model}{layers}_b{args.batch}", bench_tag(args.spec or ""),
+                                args.draft if args.spec and args.draft != "eagle3" else "",
                                 "" if tuning_name == "default" else tuning_name,
                                 f"n{args.devices}" if args.devices else "") if x)
     r = Runner(params, prompts(args.batch, vocab), 144, spec=spec, tuning=tuning)
@@ -152,10 +156,18 @@ def decode_profile(args, params, spec, vocab: int, tuning_name: str):
             by_stream[stream, kname][1] += dur / 1e3
         for (stream, kname), (c, t) in sorted(by_stream.items(), key=lambda kv: -kv[1][1])[:args.top]:
             print(f"   {t / steps:8.1f} us {c / steps:6.1f}x mean {t / c:6.1f}  [{stream}] {kname[:90]}")
+    by_phase = None
+    if args.phases:  # each kernel's loop phase, from the compiled HLO's named scopes
+        by_phase = phase_table(r, 40)
+        print(f"{by_phase['tokens_per_round']:.2f} tokens/round; " + "; ".join(
+            f"{p} {x['kernels_per_round']:.1f} kernels {x['us_per_round']:.1f} us" for p, x in by_phase["phases"].items()))
+        for ph, names in by_phase["kernels"].items():
+            print(f"  {ph}: " + ", ".join(f"{k} x{n:.1f}" for k, n in list(names.items())[:12]))
     save_json(f"{name}.json", {"env": env_info(), "model": args.model, "batch": args.batch, "spec": args.spec,
-                               "tuning": tuning_name, "steps": steps, "run_s": secs, "ms_per_step": per * 1e3,
-                               "busy_us": busy_us, "gaps_us": [round(g, 2) for g in gaps if g > 0.5],
-                               "per_gpu": per_gpu, "kernels": [(kname, n, t) for t, n, kname in rows]})
+                               "draft": args.draft, "tuning": tuning_name, "steps": steps, "run_s": secs,
+                               "ms_per_step": per * 1e3, "busy_us": busy_us,
+                               "gaps_us": [round(g, 2) for g in gaps if g > 0.5], "per_gpu": per_gpu,
+                               "kernels": [(kname, n, t) for t, n, kname in rows], "phases": by_phase})
 
 
 # --------------------------------------------------------------------------- phases
@@ -358,6 +370,11 @@ def main(argv=None):
     ap.add_argument("--tuning", default="default",
                     help="common.TUNINGS names, comma-separated: one profile each, the model built once")
     ap.add_argument("--devices", type=int, default=0, help="8b: split over this many GPUs (0: unsplit)")
+    ap.add_argument("--draft", default="eagle3", choices=("eagle3", "dflash"),
+                    help="8b with --spec: a random EAGLE-3 head, or a random DFlash drafter of z-lab's shape "
+                    "(`common.dflash_drafter`; --spec 15,1,16: blocks of 16)")
+    ap.add_argument("--phases", action="store_true", help="decode: also each kernel's loop phase (draft, verify, "
+                    "accept, commit, extend), as `phases` gives it")
     ap.add_argument("--top", type=int, default=40, help="kernels listed")
     args = ap.parse_args(argv)
     decode(args) if args.mode == "decode" else phases(args)

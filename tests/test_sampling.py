@@ -6,6 +6,7 @@ of the batch, and greedy rows in a sampled batch are unchanged. The distribution
 themselves are tested in test_sampling_exact.py."""
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -104,6 +105,27 @@ def test_order_keys_keep_the_float_order():
     keys = sampling.order_keys(jnp.asarray(x))
     assert (np.diff(np.asarray(keys).astype(np.int64)) > 0).all()
     assert (np.asarray(sampling.from_order_key(keys)) == x).all()
+
+
+def test_search_unrolled_equals_its_loop():
+    """The threshold search's two forms (unrolled on a GPU, a loop elsewhere) find the same
+    values, and each is the largest reaching its target."""
+    rng = np.random.RandomState(2)
+    x = rng.randn(64, 300).astype(np.float32) * 3
+    x[:8] = np.round(x[:8])  # ties
+    x[8:12, 4:] = -np.inf
+    for weigh, target in ((jnp.ones_like, rng.randint(1, 300, 64)),
+                          (jnp.exp, rng.uniform(0, 1, 64) * np.exp(x).sum(1))):
+        target = jnp.asarray(target, jnp.float32)
+        found = [np.asarray(jax.jit(lambda x, t, u=u: sampling.largest_value_reaching(x, weigh, t, unroll=u))(
+            jnp.asarray(x), target)) for u in (True, False)]
+        assert (found[0] == found[1]).all()
+        w = np.asarray(weigh(jnp.asarray(x)))
+        for r in range(64):
+            if np.isfinite(found[0][r]):
+                assert w[r][x[r] >= found[0][r]].sum() >= target[r] * (1 - 1e-6)
+                above = x[r][x[r] > found[0][r]]
+                assert above.size == 0 or w[r][x[r] >= above.min()].sum() < target[r]
 
 
 def _random_tree(rng, B, N, V):
