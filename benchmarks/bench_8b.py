@@ -83,7 +83,7 @@ at blocks of 16, 8 and 4 (chains of 15, 7 and 3 drafts) and a tree from per-slot
 same call, then tokens/s projected at accepted lengths (--taus: the published range for
 z-lab's Qwen3-8B drafter, 6.35-8.0, and 4.0).
      PYTHONPATH=. python3 benchmarks/bench_8b.py dflash [--batches 1 8] [--taus 4 6.35 8] [--shapes S,K,N ...]
-         [--tunings NAME ...]   (each shape's round under each common.TUNINGS name)
+         [--tunings NAME ...]   (the AR step and each shape's round under each common.TUNINGS name)
 Result: $OUT/bench_dflash_8b.json
 long: decode and speculation over long caches. Each row's dense cache holds `ctx` random
 committed slots (`common.filled_state`; no prefill), and one program per (batch, shape),
@@ -200,7 +200,7 @@ def dflash_cost(argv):
     ap.add_argument("--taus", type=float, nargs="*", default=[4.0, 6.35, 8.0])
     ap.add_argument("--shapes", nargs="*", default=["15,1,16", "7,1,8", "3,1,4", "15,2,24"])
     ap.add_argument("--tunings", nargs="*", default=["default"],
-                    help="common.TUNINGS names: each shape's round under each (the AR step under the default)")
+                    help="common.TUNINGS names: the AR step and each shape's round under each")
     args = ap.parse_args(argv)
     res = {"env": env_info(), "rows": []}
     print(res["env"], flush=True)
@@ -210,12 +210,12 @@ def dflash_cost(argv):
     spec_params = target.with_draft(drafter)
     res["drafter"] = repr(drafter.config)
     print(f"weights ready in {time.perf_counter() - t0:.1f}s", flush=True)
-    for batch in args.batches:
-        ar = round_row(target, prompts(batch), None)
-        res["rows"].append(dict(ar, batch=batch, shape="plain"))
-        print(batch, "plain", rounded(ar), flush=True)
-        for shape, name in itertools.product(args.shapes, args.tunings):
-            tuning = {} if name == "default" else {"tuning": tuning_of(name)}
+    for batch, name in itertools.product(args.batches, args.tunings):
+        tuning = {} if name == "default" else {"tuning": tuning_of(name)}
+        ar = round_row(target, prompts(batch), None, **tuning)
+        res["rows"].append(dict(ar, batch=batch, shape="plain", tuning=name))
+        print(batch, "plain", name, rounded(ar), flush=True)
+        for shape in args.shapes:
             row = round_row(spec_params, prompts(batch), spec_of(shape), **tuning)
             row.update(batch=batch, shape=shape, tuning=name, ratio_to_ar_step=row["ms_per_round"] / ar["ms_per_round"],
                        projected_tokens_per_s={str(t): batch * t / row["ms_per_round"] * 1e3 for t in args.taus})
