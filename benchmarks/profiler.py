@@ -11,7 +11,8 @@ decode: the loop of a random-weight target (context 1k): a step timed from two r
   --batch; --spec S,K,N: rounds with a random EAGLE-3-shaped head (8b) or MTP layer
   (DeepSeek) instead of plain steps (--draft dflash: a random DFlash drafter of z-lab's
   shape instead of the head, blocks of 16); --phases: also the kernels by loop phase, as
-  `phases` attributes them; --tuning: `common.TUNINGS` names (a,b: a profile
+  `phases` attributes them by name (a kernel XLA reuses in two phases, as the drafter's
+  and the target's products can be, counts under one of them); --tuning: `common.TUNINGS` names (a,b: a profile
   of each, one after the other on the same weights); --devices n:
   the model split over n GPUs, kernels per GPU and stream; --fp8 (DeepSeek shapes): the
   weights rounded to FP8 and kept so, as `deepseek.py --fp8` runs them.
@@ -60,9 +61,9 @@ import jax.numpy as jnp
 import numpy as np
 
 import jspec
-from benchmarks.common import (LLAMA31_8B, V2_LITE, V3_LAYER, Runner, bench_tag, busy_and_gaps, dflash_drafter, eagle3_head,
-                               env_info, kernel_spans, kernel_stats, median_time, out_dir, prompts, random_params,
-                               random_split_params, save_json, trace_events, traced, tuning_of)
+from benchmarks.common import (LLAMA31_8B, V2_LITE, V3_LAYER, Runner, bench_tag, busy_and_gaps, dflash_drafter,
+                               eagle3_head, env_info, kernel_spans, kernel_stats, median_time, out_dir, prompts,
+                               random_params, random_split_params, save_json, trace_events, traced, tuning_of)
 from jspec import bundle
 from jspec.bench import parse_spec
 from jspec.drafts import MtpDraft
@@ -160,7 +161,8 @@ def decode_profile(args, params, spec, vocab: int, tuning_name: str):
     if args.phases:  # each kernel's loop phase, from the compiled HLO's named scopes
         by_phase = phase_table(r, 40)
         print(f"{by_phase['tokens_per_round']:.2f} tokens/round; " + "; ".join(
-            f"{p} {x['kernels_per_round']:.1f} kernels {x['us_per_round']:.1f} us" for p, x in by_phase["phases"].items()))
+            f"{p} {x['kernels_per_round']:.1f} kernels {x['us_per_round']:.1f} us"
+            for p, x in by_phase["phases"].items()))
         for ph, names in by_phase["kernels"].items():
             print(f"  {ph}: " + ", ".join(f"{k} x{n:.1f}" for k, n in list(names.items())[:12]))
     save_json(f"{name}.json", {"env": env_info(), "model": args.model, "batch": args.batch, "spec": args.spec,
