@@ -180,8 +180,10 @@ def largest_value_reaching(x, weigh, target, unroll: bool | None = None):
         reach = jnp.sum((mass >= target[:, None]).astype(jnp.int32), axis=1)  # reaching probes: a prefix
         return found | (jnp.maximum(reach - 1, 0).astype(jnp.uint32) << shift)
 
+    if unroll is None:
+        unroll = jax.default_backend() == "gpu"
     found = jnp.zeros(x.shape[:1], jnp.uint32)
-    if jax.default_backend() == "gpu" if unroll is None else unroll:
+    if unroll:
         for i in range(32 // 4):
             found = search_pass(i, found)
     else:
