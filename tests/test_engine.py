@@ -507,6 +507,10 @@ def test_no_compile_while_serving(with_draft):
     engine = jspec.Engine(params, **SERVED_ENGINE)
     engine.warm_up()
     assert engine.stats.programs == len(engine.runner.programs_needed())
+    # without logprobs (as `bench serve` warms up): no admission, pass or chunk that records them
+    lean = {key for key, *_ in engine.runner.programs_needed(logprobs=(False,))}
+    assert lean < {key for key, *_ in engine.runner.programs_needed()}
+    assert not any(k[0] in ("admit", "chunk") and k[3] or k[0] == "prefill" and k[2] for k in lean)
     compiles = []
     jax.monitoring.register_event_duration_secs_listener(
         lambda event, duration, **kw: compiles.append(event) if "backend_compile" in event else None)

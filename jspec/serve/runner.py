@@ -343,14 +343,14 @@ class Runner:
 
     def programs_needed(self, widths=None, sampled=(False, True), logprobs=None) -> list[tuple]:
         """(key, entry, plan, args) of every program (see the module): admissions of the
-        given widths (None: all), chunks with these sampling and logprob variants (None:
-        both where the state keeps logprobs)."""
-        with_lp = (False, True) if self.plan.logprobs else (False,)
-        logprobs = with_lp if logprobs is None else logprobs
+        given widths (None: all), chunks with these sampling variants, admissions and chunks
+        with these logprob variants (recording prompt and token logprobs; None: both where
+        the state keeps logprobs)."""
+        logprobs = ((False, True) if self.plan.logprobs else (False,)) if logprobs is None else logprobs
         dummy = rq.check_requests(self.params, [[1]] * self.batch, [1] * self.batch, [], {})
         out = []
         for A in buckets(self.pass_rows):
-            for lp in with_lp if A == 1 else (False,):
+            for lp in logprobs if A == 1 else (False,):  # prompt logprobs: requests admitted one at a time
                 plan = self.plan.variant(sampling=True, prompt_logprobs=lp)
                 for width in widths or self.widths():
                     args = (self.state, *self._admit_inputs(list(range(A)), dummy.take(range(A)), width))
