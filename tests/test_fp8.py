@@ -374,6 +374,8 @@ def test_fp8_matmul_kernel_equals_its_reference(dtype):
     rounding of nothing more, the product with the weight dequantized first; a `Linear`
     with an FP8 kernel runs it under JSPEC_KERNELS=pallas, with a fused norm too; a shifted
     scale row is caught."""
+    import functools
+
     import jax
     import jax.numpy as jnp
     from jspec.kernels import dispatch
@@ -381,6 +383,9 @@ def test_fp8_matmul_kernel_equals_its_reference(dtype):
     from jspec.kernels.moe.experts import rms_norm
     from jspec.models.layers import Linear
     from jspec.quantization import dequantize_kernel, quantize_kernel
+
+    def fp8(x, kernel, scale, **kw):  # the interpreted kernel as one program, not one per operation
+        return jax.jit(functools.partial(fm.fp8_matmul, interpret=True, **kw))(x, kernel, scale)
     rng = np.random.default_rng(1)
     kernel, scale = quantize_kernel(jnp.asarray(rng.normal(0, 0.05, (384, 208)), jnp.float32))  # 3 groups
     x = jnp.asarray(rng.normal(0, 1, (2, 3, 384)), dtype)
@@ -390,25 +395,25 @@ def test_fp8_matmul_kernel_equals_its_reference(dtype):
     tight = dict(rtol=1e-5, atol=1e-5) if dtype == "float32" else dict(rtol=1e-2, atol=1e-2)
     for splits in (1, 3):
         for tiles in (fm.Fp8Tiles(), fm.Fp8Tiles(block_m=32, block_n=64)):
-            got = fm.fp8_matmul(x, kernel, scale, float32_out=True, tiles=tiles, num_splits=splits, interpret=True)
+            got = fp8(x, kernel, scale, float32_out=True, tiles=tiles, num_splits=splits)
             assert got.shape == (2, 3, 208) and got.dtype == jnp.float32
             np.testing.assert_allclose(np.asarray(got), np.asarray(want), **tight)
     many = jnp.asarray(rng.normal(0, 1, (40, 384)), dtype)  # three 16-row tiles, the last with 8 rows masked
     np.testing.assert_allclose(
-        np.asarray(fm.fp8_matmul(many, kernel, scale, float32_out=True, tiles=fm.Fp8Tiles(block_m=16), interpret=True)),
+        np.asarray(fp8(many, kernel, scale, float32_out=True, tiles=fm.Fp8Tiles(block_m=16))),
         np.asarray(fm.matmul_reference(many, kernel, scale, jnp.float32)), **tight)
     one = x[:1, :1]  # one row: the CUDA-core kernel
-    np.testing.assert_allclose(np.asarray(fm.fp8_matmul(one, kernel, scale, float32_out=True, interpret=True)),
+    np.testing.assert_allclose(np.asarray(fp8(one, kernel, scale, float32_out=True)),
                                np.asarray(want[:1, :1]), **tight)
     big = many.at[3].multiply(3e5)  # a row past float16's range: divided by a power of two, multiplied back
     big_want = np.asarray(jnp.dot(big.astype(jnp.float32), dequantize_kernel(kernel, scale, jnp.float32)))
-    np.testing.assert_allclose(np.asarray(fm.fp8_matmul(big, kernel, scale, float32_out=True, interpret=True)),
+    np.testing.assert_allclose(np.asarray(fp8(big, kernel, scale, float32_out=True)),
                                big_want, rtol=tight["rtol"], atol=tight["atol"] * np.abs(big_want).max())
     assert [fm.row_tile(m, fm.Fp8Tiles()) for m in (1, 16, 17, 40, 64, 65)] == [16, 16, 32, 64, 64, 64]
     assert [fm.splits_of(g, 10, fm.Fp8Tiles(target_programs=80)) for g in (32, 112, 3)] == [8, 8, 1]
     assert fm.column_spans(16480, 128) == [(0, 16384, 128), (16384, 96, 32)]  # 208 here: 128, then 80 in tiles of 16
-    assert fm.fp8_matmul(x, kernel, scale, interpret=True).dtype == jnp.dtype(dtype)
-    off = fm.fp8_matmul(x, kernel, jnp.roll(scale, 1, axis=0), float32_out=True, interpret=True)
+    assert fp8(x, kernel, scale).dtype == jnp.dtype(dtype)
+    off = fp8(x, kernel, jnp.roll(scale, 1, axis=0), float32_out=True)
     assert np.abs(np.asarray(off) - np.asarray(want)).max() > 1e-2
     lin = Linear(208, dtype=dtype)
     with dispatch.use_backend("pallas"):

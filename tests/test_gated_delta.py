@@ -25,6 +25,12 @@ def _inputs(rng, T):
     return q, k, v, g, beta, state
 
 
+# The references under jit in the path loops below: one program per path length, not one
+# per operation and shape (most of those tests' time eagerly).
+_delta_jit = jax.jit(gd.gated_delta_reference, static_argnames="node_states")
+_conv_jit = jax.jit(gd.causal_conv_reference)
+
+
 def _torch(*arrays):
     return [torch.from_numpy(np.ascontiguousarray(a)) for a in arrays]
 
@@ -69,8 +75,8 @@ def test_tree_nodes_equal_their_paths():
         for t in range(T):
             p = _path(parents[b], t)
             sel = (slice(b, b + 1), p)
-            want, want_state = gd.gated_delta_reference(q[sel], k[sel], v[sel], g[sel], beta[sel], state[b: b + 1],
-                                                        node_states=False)
+            want, want_state = _delta_jit(q[sel], k[sel], v[sel], g[sel], beta[sel], state[b: b + 1],
+                                          node_states=False)
             np.testing.assert_allclose(np.asarray(out[b, t]), np.asarray(want[0, -1]), rtol=1e-5, atol=1e-6)
             np.testing.assert_allclose(np.asarray(states[b, t]), np.asarray(want_state[0]), rtol=1e-5, atol=1e-6)
 
@@ -107,7 +113,7 @@ def test_conv_tree_nodes_equal_their_paths():
     for b in range(B):
         for t in range(T):
             p = _path(parents[b], t)
-            want, want_states = gd.causal_conv_reference(x[b: b + 1, p], state[b: b + 1], w)
+            want, want_states = _conv_jit(x[b: b + 1, p], state[b: b + 1], w)
             np.testing.assert_allclose(np.asarray(out[b, t]), np.asarray(want[0, -1]), rtol=1e-6, atol=1e-6)
             np.testing.assert_array_equal(np.asarray(node_states[b, t]), np.asarray(want_states[0, -1]))
 

@@ -102,9 +102,11 @@ def test_mtp_layer_equals_transformers(mtp_target):
         want = mtp._project_to_logits(mtp.forward_layer(0, h, pos, None, input_ids=torch.tensor(toks[:, 1:]))).numpy()
     d, meta = p.draft.config, prefill_meta(jnp.full((2,), 9, jnp.int32), 9)
     meta = meta.replace(positions=meta.positions + 1)
-    hidden, _ = d.forward(p.config, p.weights, p.draft.weights, jnp.asarray(toks[:, 1:]), jnp.asarray(h.numpy()),
-                          None, meta, True)
-    got = np.asarray(d.logits(p.config, p.weights, p.draft.weights, hidden))
+
+    @jax.jit  # one program, not one per operation
+    def logits(tw, dw, tokens, h, meta):
+        return d.logits(p.config, tw, dw, d.forward(p.config, tw, dw, tokens, h, None, meta, True)[0])
+    got = np.asarray(logits(p.weights, p.draft.weights, jnp.asarray(toks[:, 1:]), jnp.asarray(h.numpy()), meta))
     np.testing.assert_allclose(got, want, atol=1e-4 * np.abs(want).max())
 
 

@@ -240,13 +240,15 @@ def test_mtp_layer_equals_its_definition(models, drafted):
         mask = torch.full((T, T), float("-inf")).triu(1)[None, None]
         x = layer(x, position_embeddings=model.model.rotary_emb(x, pos), attention_mask=mask, position_ids=pos)
         want = model.lm_head(norm(x, "norm")).numpy()
-    d = p.draft.config
-    meta = lay.prefill_meta(jnp.full((1,), T, jnp.int32), T)
-    tw, dw = p.weights, p.draft.weights
-    feats = family_for(p.config).forward(p.config, tw, jnp.asarray(toks), None, lay.prefill_meta(
-        jnp.full((1,), T + 1, jnp.int32), T + 1))[0][:, :-1]
-    h, _ = d.forward(p.config, tw, dw, jnp.asarray(toks)[:, 1:], feats, None, meta, True)
-    got = np.asarray(d.logits(p.config, tw, dw, h))
+    d, c = p.draft.config, p.config
+
+    @jax.jit  # one program, not one per operation
+    def logits(tw, dw, tokens):
+        meta = lay.prefill_meta(jnp.full((1,), T, jnp.int32), T)
+        feats = family_for(c).forward(c, tw, tokens, None, lay.prefill_meta(jnp.full((1,), T + 1, jnp.int32),
+                                                                              T + 1))[0][:, :-1]
+        return d.logits(c, tw, dw, d.forward(c, tw, dw, tokens[:, 1:], feats, None, meta, True)[0])
+    got = np.asarray(logits(p.weights, p.draft.weights, jnp.asarray(toks)))
     np.testing.assert_allclose(got, want, atol=1e-4 * np.abs(want).max())
 
 

@@ -188,8 +188,9 @@ def _sampled_chain_rows(p0, p1, q0, n, u=None, monkeypatch=None, q_told=None):
         monkeypatch.setattr(sampling, "uniform", lambda seed, pos, stream: jnp.full(pos.shape, u, jnp.float32))
     sp = sp_rows(n, seed=np.arange(n))
     anc = jnp.broadcast_to(jnp.tril(jnp.ones((2, 2), bool)), (n, 2, 2))
-    acc_len, _, bonus = accept.accept_sampled_chain(tokens, logits, logq, sp, no_history(n, V), anc,
-                                                    jnp.zeros((n,), jnp.int32), jnp.ones((n, 2), bool))
+    accept_rows = jax.jit(lambda *a: accept.accept_sampled_chain(*a))  # one program, traced afresh (`uniform`)
+    acc_len, _, bonus = accept_rows(tokens, logits, logq, sp, no_history(n, V), anc, jnp.zeros((n,), jnp.int32),
+                                    jnp.ones((n, 2), bool))
     acc_len, bonus = np.asarray(acc_len), np.asarray(bonus)
     return np.where(acc_len > 1, d, bonus), acc_len
 

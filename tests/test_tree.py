@@ -252,7 +252,8 @@ def candidate_sets(draw):
 @given(candidate_sets())
 def test_select_tree_matches_python(case):
     S, tok, score, par, n = case
-    tree = select_tree(jnp.array([99]), jnp.array(tok[None]), jnp.array(score[None]), jnp.array(par[None]), n, S)
+    tree = jax.jit(select_tree, static_argnums=(4, 5))(jnp.array([99]), jnp.array(tok[None]), jnp.array(score[None]),
+                                                       jnp.array(par[None]), n, S)
     tokens, parents, depth, anc = _py_select(list(tok), list(score), list(par), n)
     assert tree.tokens[0].tolist() == [99] + [int(t) for t in tokens]
     assert tree.parents[0].tolist() == parents
@@ -267,6 +268,15 @@ def random_trees(draw):
     tokens = [draw(st.integers(0, 3)) for _ in range(n)]
     choice = [draw(st.integers(0, 3)) for _ in range(n)]
     return parents, tokens, choice
+
+
+@functools.partial(jax.jit, static_argnums=3)
+def _accept_tree(parents, tokens, choice, S):
+    """`accept.accept_tree` of the tree these parents [1,n] and tokens [1,n] make (one program
+    per shape, not one per operation)."""
+    depth, anc = ancestors(parents, S)
+    tree = Tree(tokens=tokens, parents=parents, depth=depth, anc=anc, valid=jnp.ones(parents.shape, bool))
+    return accept.accept_tree(tree, choice, S)
 
 
 @pytest.mark.slow
@@ -287,10 +297,8 @@ def test_accept_tree_matches_python(case):
             break
         node = kids[0]  # several matching siblings: the first (the kernel keeps any deepest)
         path.append(node)
-    p = jnp.array([parents], jnp.int32)
-    d, anc = ancestors(p, max(S, 1))
-    tree = Tree(tokens=jnp.array([tokens], jnp.int32), parents=p, depth=d, anc=anc, valid=jnp.ones((1, n), bool))
-    acc, got_path, bonus = accept.accept_tree(tree, jnp.array([choice], jnp.int32), max(S, 1))
+    acc, got_path, bonus = _accept_tree(jnp.array([parents], jnp.int32), jnp.array([tokens], jnp.int32),
+                                        jnp.array([choice], jnp.int32), max(S, 1))
     acc = int(acc[0])
     got = got_path[0, :acc].tolist()
     # With duplicate sibling tokens any deepest matching path is right: check it is valid.
@@ -414,7 +422,7 @@ def test_vocab_top_k_equals_lax_top_k(seed, k, V, chunk, ties):
     x = rng.randint(0, 5, size=(2, 3, V)) if ties else rng.randn(2, 3, V)
     x = jnp.asarray(x, jnp.float32)
     k = min(k, V)
-    v, i = vocab_top_k(x, k, chunk=chunk)
+    v, i = jax.jit(vocab_top_k, static_argnums=1, static_argnames="chunk")(x, k, chunk=chunk)  # one program
     rv, ri = jax.lax.top_k(x, k)
     np.testing.assert_array_equal(np.asarray(v), np.asarray(rv))
     np.testing.assert_array_equal(np.take_along_axis(np.asarray(x), np.asarray(i), -1), np.asarray(v))
