@@ -118,6 +118,7 @@ def evaluate(args, prompts, target, drafts, kw):
                    ("eagle3 chain S=5", "eagle3", jspec.SpecConfig(5)),
                    ("eagle3 tree S=5 K=4 N=16", "eagle3", jspec.SpecConfig(5, 4, 16)),
                    ("eagle3 tree S=5 K=8 N=32", "eagle3", jspec.SpecConfig(5, 8, 32)),
+                   ("eagle3 tree S=8 K=2 N=16", "eagle3", jspec.SpecConfig(8, 2, 16)),
                    ("dflash block 16", "dflash", jspec.SpecConfig(15)), ("dflash block 8", "dflash", jspec.SpecConfig(7)),
                    ("dflash block 4", "dflash", jspec.SpecConfig(3)),
                    ("dflash tree S=15 K=2 N=24", "dflash", jspec.SpecConfig(15, 2, 24)),
