@@ -25,6 +25,7 @@ import numpy as np
 import pytest
 
 import jspec
+from jspec.loop import programs
 from conftest import CACHES, SERVED_ENGINE
 
 PROMPTS = ["def add(a, b):", [5, 7, 9, 11, 13, 5, 7], [20, 21, 22], list(range(30, 45)), [8, 9, 8, 9, 8],
@@ -505,8 +506,11 @@ def test_no_compile_while_serving(with_draft):
     import jax
     params = with_draft("eagle3")
     engine = jspec.Engine(params, **SERVED_ENGINE)
-    engine.warm_up()
+    engine.warm_up()  # compiled in threads (`jspec.loop.programs.compile_many`)
     assert engine.stats.programs == len(engine.runner.programs_needed())
+    _, entry, plan, args = engine.runner.programs_needed()[0]  # kept: an item of one key compiles once
+    (first, s1), (again, s2) = programs.compile_many([(entry, plan, args)] * 2, engine.runner.weights, threads=2)
+    assert first is again and s1 == s2 == 0.0
     # without logprobs (as `bench serve` warms up): no admission, pass or chunk that records them
     lean = {key for key, *_ in engine.runner.programs_needed(logprobs=(False,))}
     assert lean < {key for key, *_ in engine.runner.programs_needed()}

@@ -30,7 +30,9 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import os
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import jax
 import jax.numpy as jnp
@@ -184,6 +186,34 @@ def compiled(entry, plan: Plan, weights, args, mesh=None) -> tuple:
                          f"{plan.prefill_chunk}, arguments {shapes_of(args)}")
             raise
     return _COMPILED[key], time.perf_counter() - t0
+
+
+def compile_threads() -> int:
+    """Threads `compile_many` uses by default: the machine's cores, at most 8 (XLA's
+    backend compile, most of a program's, releases Python's lock; tracing and lowering
+    hold it)."""
+    return max(1, min(8, os.cpu_count() or 1))
+
+
+def compile_many(items, weights, mesh=None, threads: int | None = None) -> list[tuple]:
+    """`compiled` for each (entry, plan, args) of `items`, `threads` at a time (None:
+    `compile_threads()`) -> [(program, seconds spent compiling it now)] in their order.
+    Items of one key compile once (the later ones cost 0 s)."""
+    items = list(items)
+    firsts, seen = [], set()
+    for i, (entry, plan, args) in enumerate(items):
+        key = (entry, plan, shapes_of(args))
+        if key not in seen:
+            seen.add(key)
+            firsts.append(i)
+    one = lambda i: compiled(*items[i][:2], weights, items[i][2], mesh)
+    threads = compile_threads() if threads is None else threads
+    if threads > 1 and len(firsts) > 1:
+        with ThreadPoolExecutor(min(threads, len(firsts)), thread_name_prefix="jspec-compile") as pool:
+            done = dict(zip(firsts, pool.map(one, firsts)))
+    else:
+        done = {i: one(i) for i in firsts}
+    return [done[i] if i in done else compiled(*items[i][:2], weights, items[i][2], mesh) for i in range(len(items))]
 
 
 def compiled_count() -> int:
