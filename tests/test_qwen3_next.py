@@ -378,6 +378,36 @@ def test_prefix_cache_restores_recurrent_states(drafted):
         np.testing.assert_allclose([t.logprob for t in out.logprobs], [t.logprob for t in lps], atol=2e-5)
 
 
+def test_prefix_hits_pass_short_blocks_narrow(drafted):
+    """Prefix caching on the hybrid target with its MTP draft in prompt blocks of 32 (a
+    narrow block of 8, pages of 4): a 30-token prompt saves its state at 28 (its last page
+    boundary); a request sharing its first 29 tokens finds 28 and passes 28-32 (to a
+    block's end, where its state is saved) through the narrow program, then (34 tokens)
+    its last 2 in the same call, or (58 tokens) its next block from 32. Every output
+    equals the target's greedy tokens and logprobs."""
+    p = drafted["mtp"]
+    rng = np.random.default_rng(7)
+    x = rng.integers(3, VOCAB, 30).tolist()
+    prompts = [x, x[:29] + rng.integers(3, VOCAB, 5).tolist(), x[:29] + rng.integers(3, VOCAB, 29).tolist()]
+    want = jspec.generate(p.with_draft(None), prompts, max_new_tokens=6, stop_token_ids=[], logprobs=0)
+    engine = jspec.Engine(p, max_batch=2, max_prompt_len=64, max_new_tokens=6, prefill_chunk=32,
+                          cache=jspec.CacheConfig("paged", page_size=4), rounds_per_chunk=2)
+    assert engine.runner.narrow == 8
+    got = [engine.generate(prompts[0], max_new_tokens=6, stop_token_ids=[], logprobs=0)]
+    before = engine.runner.narrow_passes
+    second = engine.submit(prompts[1], max_new_tokens=6, stop_token_ids=[], logprobs=0)
+    engine.step()  # its hit, the pass 28-32 and the tail 32-34 in one call: its first token
+    assert second.tokens and engine.stats.prefix_cache_hits == 28
+    assert engine.runner.narrow_passes == before + 2
+    while engine.step():
+        pass
+    got += [second.result(), engine.generate(prompts[2], max_new_tokens=6, stop_token_ids=[], logprobs=0)]
+    assert engine.stats.prefix_cache_hits == 28 + 28
+    assert [o.tokens for o in got] == want.tokens
+    for out, lps in zip(got, want.logprobs):
+        np.testing.assert_allclose([t.logprob for t in out.logprobs], [t.logprob for t in lps], atol=2e-5)
+
+
 def test_preempted_requests_resume_exactly(drafted):
     """A pool of 7 pages of 8 tokens under 2 rows of the hybrid target with its MTP draft:
     both rows are admitted by the pages they hold, outgrow the pool, and the latest is

@@ -106,6 +106,22 @@ def test_short_last_blocks_pass_apart():
     assert s.short_block(a, 8) and not s.short_block(b, 8) and s.short_block(b, 16)
 
 
+def test_a_pass_that_stops_soon_takes_the_narrow_block():
+    """Where a hybrid's pool aligns passes to blocks (states saved at their ends), a pass
+    from slot 12 of a 40-token prompt stops at 16, 4 tokens on: it is a short block (the
+    narrower program, 8) though the prompt goes on; from slot 4 it takes 12, a full block.
+    Without a pool that keeps snapshots the pass from 12 runs a whole block (to 28)."""
+    pages_at = lambda q, slots: -(-min(slots, len(q.prompt) + q.max_new) // 4)  # noqa: E731
+    hybrid = Scheduler(2, prefill_chunk=16, width_class=lambda n: 64, rounds_per_chunk=2, max_waiting=16,
+                       pool=PagePool(60, 4, snapshots=8, boundary=16), pages_at=pages_at, chunk_slots=2,
+                       narrow_block=8)
+    plain = Scheduler(2, prefill_chunk=16, width_class=lambda n: 64, rounds_per_chunk=2, max_waiting=16,
+                      narrow_block=8)
+    q = request(40)
+    assert hybrid.short_block(q, 12) and not hybrid.short_block(q, 4) and hybrid.short_block(q, 32)
+    assert not plain.short_block(q, 12) and plain.short_block(q, 32)
+
+
 def test_a_lone_prompt_takes_wide_blocks():
     """A lone prompt (the only full block to pass, no row decoding) passes `wide_block`
     tokens while at least half of that is left, then blocks of C; with a row decoding, or
@@ -453,7 +469,8 @@ def test_a_pass_stops_at_the_prompts_last_page_boundary():
     (`Decisions.tails`), so it runs at once. A second request of the same prompt (`n`
     samples) waits for that state and is admitted past 12 tokens. A prompt whose logprobs
     are recorded is passed whole, and so is one whose last page boundary lies less than a
-    narrow block (8) past a block's end."""
+    narrow block (8) past a block's end: its state saved at the block's end, its last 6
+    tokens pass in the same call (a tail)."""
     pages_at = lambda q, slots: -(-min(slots, len(q.prompt) + q.max_new) // 4)  # noqa: E731
 
     def hybrid():
@@ -478,7 +495,7 @@ def test_a_pass_stops_at_the_prompts_last_page_boundary():
     s.add(e)
     d = s.schedule(now=0.0)
     assert d.stops == {0: 14, 1: 16} and c.state == RUNNING and d.save == [(1, e.snaps[16])]
-    assert s.schedule(now=1.0).stops == {1: 22} and e.state == RUNNING
+    assert d.tails == [[(1, 16)]] and e.state == RUNNING
 
 
 def test_a_shared_prefix_past_the_last_state_is_saved_for_the_next_request():

@@ -47,7 +47,8 @@ saved where a prompt block ends inside the prompt and at its *state points*: the
 last page boundary before its last token, and the end of a cached prefix it found deeper
 than a saved state (`_state_points`: the pass that would cross one stops there,
 `Decisions.stops`, its state is saved, and the rest passes in the same call when it lies
-within a narrow block, `Decisions.tails`, else in the next); each is attached to the
+within a narrow block, `Decisions.tails`, else in the next; so does the rest past a
+block's end where the state is saved); each is attached to the
 page that ends there at the next call; a hit restores them (`Decisions.restore`).
 
 Order of work in one `schedule`: cache the pages (and hybrid states) of the passes of
@@ -463,9 +464,11 @@ class Scheduler:
         return q.registered * self.pool.page_size < t <= len(q.prompt) - 1
 
     def short_block(self, q: Request, start: int) -> bool:
-        """Whether q's prompt ends within `narrow_block` tokens of `start` (its block may
-        take the narrower program)."""
-        return bool(self.narrow_block) and not q.prompt_logprobs and len(q.prompt) - start <= self.narrow_block
+        """Whether q's pass from `start` takes at most `narrow_block` tokens (its prompt
+        ends that soon, or the pass stops that soon at a block's end or a state point:
+        `_pass_end`), so that it may take the narrower program."""
+        return bool(self.narrow_block) and not q.prompt_logprobs \
+            and self._pass_end(q, start, self.prefill_chunk) - start <= self.narrow_block
 
     def _next_block(self, row: int, q: Request, d: Decisions) -> None:
         """The first block of a cached admission (with no prompt logprobs) joins a prefill
@@ -525,13 +528,17 @@ class Scheduler:
         return next((t for t in self._state_points(q) if start < t < end), end)
 
     def _tails(self, d: Decisions) -> list[list[tuple[int, int]]]:
-        """Rows whose pass in this call stops at a state point with the rest of the prompt
-        within a narrow block (or a block, with no narrow program: the last page boundary
-        before a prompt's last token): that rest passes in the same call, after the state
-        is saved (`Decisions.tails`, passes of that width and at most pass_rows rows), so a
-        state point costs no engine iteration before the first token."""
+        """Rows whose pass in this call stops at a state point, or (with a narrow program)
+        at a block's end where its state is saved, with the rest of the prompt within a
+        narrow block (or a block, with no narrow program: the last page boundary before a
+        prompt's last token): that rest passes in the same call, after the state is saved
+        (`Decisions.tails`, passes of that width and at most pass_rows rows), so a state
+        point or a prompt's last short block costs no engine iteration before the first
+        token."""
         width = self.narrow_block or self.prefill_chunk
-        rows = [r for r, t in d.stops.items() if t < len(self.rows[r].prompt) and t in self._state_points(self.rows[r])
+        saved = {r for r, _ in d.save} if self.narrow_block else set()
+        rows = [r for r, t in d.stops.items() if t < len(self.rows[r].prompt)
+                and (t in self._state_points(self.rows[r]) or r in saved)
                 and self._pass_end(self.rows[r], t, width) == len(self.rows[r].prompt)]
         for r in rows:
             q = self.rows[r]
