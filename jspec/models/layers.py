@@ -9,6 +9,9 @@ load time).
 """
 from __future__ import annotations
 
+import dataclasses
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -189,6 +192,27 @@ def apply_rope(x, positions, inv_freq: np.ndarray, scale: float = 1.0):
     half = x.shape[-1] // 2
     x1, x2 = x[..., :half], x[..., half:]
     return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
+
+
+@functools.cache
+def _layer_program(module_type: type, fields: tuple):
+    """One jitted `apply` of a layer definition: its module rebuilt from `fields`."""
+    module = module_type(**dict(fields), parent=None)  # unbound, whatever module calls this
+    return jax.jit(lambda variables, *args: module.apply(variables, *args))
+
+
+def call_layer(layer: nn.Module, *args, same: dict | None = None):
+    """`layer(*args)` for a bound layer of a model's stack, through one jitted function per
+    layer definition (its fields but parent and name, with `same`'s values: fields that
+    name a layer of the same kind, e.g. the first layer index of its kind): inside a
+    program's trace the layers of one definition and argument shapes are traced and
+    lowered to MLIR once and called from each place (XLA inlines the calls, so the
+    compiled program is the one the unrolled layers give). A deep model's programs are
+    traced and lowered in a fraction of the time. While initializing: the plain call."""
+    if layer.is_initializing():
+        return layer(*args)
+    fields = {f.name: getattr(layer, f.name) for f in dataclasses.fields(layer) if f.name not in ("parent", "name")}
+    return _layer_program(type(layer), tuple((fields | (same or {})).items()))(layer.variables, *args)
 
 
 class DecoderLM(nn.Module):

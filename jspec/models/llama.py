@@ -23,7 +23,7 @@ from jspec.kernels.tiling import is_pow2
 from jspec import sharding
 from jspec.models import llama_hf
 from jspec.models.family import row_invariant_measured_cheap
-from jspec.models.layers import DecoderLM, FlaxFamily, Linear, RMSNorm, apply_rope, rows_alone
+from jspec.models.layers import DecoderLM, FlaxFamily, call_layer, Linear, RMSNorm, apply_rope, rows_alone
 from jspec.tensors import HostParam
 
 # `Tuning.row_invariant=None` turns it on for targets up to this hidden size at every batch
@@ -124,7 +124,7 @@ class LlamaModel(DecoderLM):
         for i, layer in enumerate(self.layers):
             if i in capture:
                 aux[i] = x
-            x, kv = layer(x, None if cache is None else cache.kv[i], meta)
+            x, kv = call_layer(layer, x, None if cache is None else cache.kv[i], meta)
             kvs.append(kv)
         if self.cfg.num_layers in capture:  # the last layer's output, before the final norm
             aux[self.cfg.num_layers] = x

@@ -46,7 +46,7 @@ from jspec.kernels.gated_delta.kernels import (
 )
 from jspec.kernels.moe.route import Routing, route
 from jspec.models import qwen3_next_hf
-from jspec.models.layers import INIT, DecoderLM, FlaxFamily, Linear, apply_rope, loaded_param
+from jspec.models.layers import INIT, DecoderLM, FlaxFamily, call_layer, Linear, apply_rope, loaded_param
 from jspec.models.qwen3_next_hf import LINEAR, HybridConfig
 from jspec.models.qwen3_next_split import layer_on_devices, split_qwen3_next
 from jspec.quantization import expert_scales
@@ -294,7 +294,9 @@ def run_layer(c: HybridConfig, layer: DecoderLayer, x, kv, conv, ssm, meta):
     """A bound decoder layer on one device, or split over c.devices on each device's block
     (`qwen3_next_split.layer_on_devices`) -> (x, kv, conv, ssm, record)."""
     if c.devices == 1:
-        return layer(x, kv, conv, ssm, meta)
+        kind = lambda i: (c.layer_types[i], c.is_moe(i))  # noqa: E731
+        first = next(i for i in range(c.num_layers) if kind(i) == kind(layer.layer))
+        return call_layer(layer, x, kv, conv, ssm, meta, same={"layer": first})
     local = DecoderLayer(c.block(), layer.layer, layer.tuning, parent=None)
     names = record_names(meta, x.shape[1], layer.tuning) if c.layer_types[layer.layer] == LINEAR else ()
     return layer_on_devices(c, local, layer.variables["params"], x, kv, conv, ssm, meta, names)
