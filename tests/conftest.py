@@ -151,6 +151,20 @@ def perm(tmp_path_factory):
     return tiny_models.make_permutation_family(str(root))
 
 
+def layer_traces(params) -> tuple[int, int]:
+    """(layer calls, distinct traced layer bodies) in the jaxpr of a prompt pass of the
+    target (`jspec.models.layers.call_layer`: one body per layer definition)."""
+    import jax.numpy as jnp
+    from jspec.cache.layout import prefill_meta
+    from jspec.models import family_for
+    meta = prefill_meta(jnp.full((1,), 4, jnp.int32), 4)
+    family = family_for(params.config)
+    jaxpr = jax.make_jaxpr(lambda w, t: family.forward(params.config, w, t, None, meta)[0])(
+        params.weights, jnp.zeros((1, 4), jnp.int32))
+    bodies = [e.params["jaxpr"] for e in jaxpr.jaxpr.eqns if e.params.get("name") == "DecoderLayer"]
+    return len(bodies), len({id(b) for b in bodies})
+
+
 def loop_inputs(params, prompts, max_new, cache, spec=None):
     """The plan of these greedy requests and the host inputs that admit them, nothing
     compiled -> (plan, (rows, Admission))."""

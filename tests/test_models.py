@@ -13,6 +13,7 @@ import torch
 
 import jspec
 import tiny_models
+from conftest import layer_traces
 from jspec.cache import kv as kvc
 from jspec.cache.layout import CacheLayout, make_meta, prefill_meta
 from jspec.config import ModelConfig, RopeConfig
@@ -116,6 +117,12 @@ def test_eval_shape_llama31_8b_allocates_nothing():
     cache = jax.eval_shape(lambda: LLAMA.cache_kind(cfg).init(CacheLayout(paged=False, capacity=1024), 32))
     assert len(cache.kv) == 32
     chex.assert_shape(cache.kv[0], (32, 1025, 2, 8, 128))  # + each row's trash slot; keys, values
+
+
+def test_layers_are_traced_once(target):
+    """A program traces and lowers the stack's layers of one definition once, called from
+    each layer's place (`jspec.models.layers.call_layer`): two Llama layers, one body."""
+    assert layer_traces(target) == (2, 1)
 
 
 def test_forward_shapes_with_cache(target):

@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 import torch
 import transformers
-from conftest import PROMPTS, loop_state
+from conftest import PROMPTS, layer_traces, loop_state
 from safetensors.torch import load_file, save_file
 from test_deepseek import _standalone_draft
 
@@ -116,6 +116,12 @@ def test_logits_equal_transformers(models, name):
         want = model(torch.tensor(toks)).logits.numpy()
     got = np.asarray(jspec.logits(jspec.load(path, dtype="float32"), toks.tolist()))
     assert np.abs(got - want).max() <= 1e-4 * np.abs(want).max()
+
+
+def test_layers_of_a_kind_are_traced_once(models):
+    """A program traces the stack's layers of one kind once (`jspec.models.layers.call_layer`):
+    three layers (linear, full, linear): two bodies."""
+    assert layer_traces(jspec.load(models["qwen3_5"][0], dtype="float32")) == (3, 2)
 
 
 def test_multimodal_checkpoint_and_grouped_projections(models, tmp_path):

@@ -49,7 +49,7 @@ from jspec.models.family import row_invariant_measured_cheap
 from jspec.kernels import dispatch
 from jspec.kernels.row import matmul as row_matmul, mla as row_mla, norm as row_norm
 from jspec.kernels.tiling import in_order_sum, is_pow2
-from jspec.models.layers import INIT, DecoderLM, FlaxFamily, call_layer, Linear, RMSNorm, loaded_param, product, rows_alone
+from jspec.models.layers import INIT, DecoderLM, FlaxFamily, Linear, RMSNorm, loaded_param, product, rows_alone
 from jspec.quantization import GROUP, expert_scales, kernel_of
 
 LATENT_NORM_EPS = 1e-6  # the q/kv latent norms use RMSNorm's default, not rms_norm_eps
@@ -446,9 +446,8 @@ class DeepseekModel(DecoderLM):
             if c.devices > 1:
                 x, buf = layer_on_devices(c, DecoderLayer(c.block(), i, self.tuning, parent=None),
                                           layer.variables["params"], x, buf, meta)
-            else:
-                first = next(j for j in range(c.num_layers) if c.is_moe(j) == c.is_moe(i))  # a layer of its kind
-                x, buf = call_layer(layer, x, buf, meta, same={"layer": first})
+            else:  # called directly: through `call_layer` XLA's optimized program differs a little
+                x, buf = layer(x, buf, meta)  # (CPU: a fusion, 16 bitcasts), not yet timed on a GPU
             bufs.append(buf)
         if self.cfg.num_layers in capture:
             aux[self.cfg.num_layers] = x

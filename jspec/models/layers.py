@@ -198,7 +198,11 @@ def apply_rope(x, positions, inv_freq: np.ndarray, scale: float = 1.0):
 def _layer_program(module_type: type, fields: tuple):
     """One jitted `apply` of a layer definition: its module rebuilt from `fields`."""
     module = module_type(**dict(fields), parent=None)  # unbound, whatever module calls this
-    return jax.jit(lambda variables, *args: module.apply(variables, *args))
+
+    def apply(variables, *args):
+        return module.apply(variables, *args)
+    apply.__name__ = apply.__qualname__ = module_type.__name__  # the name of its calls in a program
+    return jax.jit(apply)
 
 
 def call_layer(layer: nn.Module, *args, same: dict | None = None):

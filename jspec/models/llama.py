@@ -3,7 +3,8 @@
 Projection weights are stored [in, out] (`kernel`, Hugging Face's [out, in] transposed at
 load time); q/k/v and gate/up are fused into one matrix each (`qkv_proj`, `gate_up_proj`;
 column order in `llama_hf`) so a decode step reads them in one pass. Layers are unrolled
-in Python: a scanned layer stack copies weight slices and loses bandwidth.
+(a scanned layer stack copies weight slices and loses bandwidth), each called through one
+jitted function of their definition (`layers.call_layer`), so a program traces one.
 """
 from __future__ import annotations
 
