@@ -151,9 +151,9 @@ def perm(tmp_path_factory):
     return tiny_models.make_permutation_family(str(root))
 
 
-def layer_traces(params) -> tuple[int, int]:
-    """(layer calls, distinct traced layer bodies) in the jaxpr of a prompt pass of the
-    target (`jspec.models.layers.call_layer`: one body per layer definition)."""
+def layer_bodies(params) -> list:
+    """The traced layer body of each layer call in the jaxpr of a prompt pass of the target
+    (`jspec.models.layers.call_layer`: one body per layer definition)."""
     import jax.numpy as jnp
     from jspec.cache.layout import prefill_meta
     from jspec.models import family_for
@@ -161,7 +161,12 @@ def layer_traces(params) -> tuple[int, int]:
     family = family_for(params.config)
     jaxpr = jax.make_jaxpr(lambda w, t: family.forward(params.config, w, t, None, meta)[0])(
         params.weights, jnp.zeros((1, 4), jnp.int32))
-    bodies = [e.params["jaxpr"] for e in jaxpr.jaxpr.eqns if e.params.get("name") == "DecoderLayer"]
+    return [e.params["jaxpr"] for e in jaxpr.jaxpr.eqns if e.params.get("name") == "DecoderLayer"]
+
+
+def layer_traces(params) -> tuple[int, int]:
+    """(layer calls, distinct traced layer bodies) of `layer_bodies`."""
+    bodies = layer_bodies(params)
     return len(bodies), len({id(b) for b in bodies})
 
 

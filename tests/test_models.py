@@ -13,7 +13,7 @@ import torch
 
 import jspec
 import tiny_models
-from conftest import layer_traces
+from conftest import layer_bodies, layer_traces
 from jspec.cache import kv as kvc
 from jspec.cache.layout import CacheLayout, make_meta, prefill_meta
 from jspec.config import ModelConfig, RopeConfig
@@ -121,8 +121,13 @@ def test_eval_shape_llama31_8b_allocates_nothing():
 
 def test_layers_are_traced_once(target):
     """A program traces and lowers the stack's layers of one definition once, called from
-    each layer's place (`jspec.models.layers.call_layer`): two Llama layers, one body."""
+    each layer's place (`jspec.models.layers.call_layer`): two Llama layers, one body;
+    under other kernels (`dispatch.use_backend`, read while tracing) another body."""
+    from jspec.kernels import dispatch
     assert layer_traces(target) == (2, 1)
+    with dispatch.use_backend("pallas"):
+        forced = layer_bodies(target)
+    assert len({id(b) for b in forced}) == 1 and forced[0] is not layer_bodies(target)[0]
 
 
 def test_forward_shapes_with_cache(target):

@@ -195,8 +195,9 @@ def apply_rope(x, positions, inv_freq: np.ndarray, scale: float = 1.0):
 
 
 @functools.cache
-def _layer_program(module_type: type, fields: tuple):
-    """One jitted `apply` of a layer definition: its module rebuilt from `fields`."""
+def _layer_program(module_type: type, fields: tuple, backend: str):
+    """One jitted `apply` of a layer definition: its module rebuilt from `fields`; one per
+    kernel backend (`dispatch.backend()`, read while tracing: jit's traces do not know it)."""
     module = module_type(**dict(fields), parent=None)  # unbound, whatever module calls this
 
     def apply(variables, *args):
@@ -216,7 +217,8 @@ def call_layer(layer: nn.Module, *args, same: dict | None = None):
     if layer.is_initializing():
         return layer(*args)
     fields = {f.name: getattr(layer, f.name) for f in dataclasses.fields(layer) if f.name not in ("parent", "name")}
-    return _layer_program(type(layer), tuple((fields | (same or {})).items()))(layer.variables, *args)
+    definition = tuple((fields | (same or {})).items())
+    return _layer_program(type(layer), definition, dispatch.backend())(layer.variables, *args)
 
 
 class DecoderLM(nn.Module):
