@@ -200,12 +200,10 @@ def compile_many(items, weights, mesh=None, threads: int | None = None) -> list[
     `compile_threads()`) -> [(program, seconds spent compiling it now)] in their order.
     Items of one key compile once (the later ones cost 0 s)."""
     items = list(items)
-    firsts, seen = [], set()
+    first_of: dict = {}  # key -> the first item of it
     for i, (entry, plan, args) in enumerate(items):
-        key = (entry, plan, shapes_of(args))
-        if key not in seen:
-            seen.add(key)
-            firsts.append(i)
+        first_of.setdefault((entry, plan, shapes_of(args)), i)
+    firsts = list(first_of.values())
     one = lambda i: compiled(*items[i][:2], weights, items[i][2], mesh)
     threads = compile_threads() if threads is None else threads
     if threads > 1 and len(firsts) > 1:
