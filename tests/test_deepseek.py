@@ -21,7 +21,7 @@ from jspec.drafts import StandaloneDraft
 from jspec.export import save_draft, save_target
 from jspec.models import family_for
 from jspec.models.deepseek_hf import DeepseekConfig
-from conftest import PROMPTS, loop_state
+from conftest import PROMPTS, layer_traces, loop_state
 import tiny_models
 
 VOCAB = 128
@@ -76,6 +76,12 @@ def test_logits_equal_transformers(models, name):
         want = model(torch.tensor(toks)).logits.numpy()
     got = np.asarray(jspec.logits(jspec.load(path, dtype="float32"), toks.tolist()))
     assert np.abs(got - want).max() <= 1e-4 * np.abs(want).max()
+
+
+def test_layers_of_a_kind_are_traced_once(models):
+    """A program traces the stack's layers of one kind once (`jspec.models.layers.call_layer`):
+    three layers (dense, MoE, MoE): two bodies."""
+    assert layer_traces(jspec.load(models["v3"][0], dtype="float32")) == (3, 2)
 
 
 def test_config_forms_and_cache_size(models):

@@ -49,7 +49,8 @@ from jspec.models.family import row_invariant_measured_cheap
 from jspec.kernels import dispatch
 from jspec.kernels.row import matmul as row_matmul, mla as row_mla, norm as row_norm
 from jspec.kernels.tiling import in_order_sum, is_pow2
-from jspec.models.layers import INIT, DecoderLM, FlaxFamily, Linear, RMSNorm, loaded_param, product, rows_alone
+from jspec.models.layers import (INIT, DecoderLM, FlaxFamily, Linear, RMSNorm, call_layer, loaded_param, product,
+                                 rows_alone)
 from jspec.quantization import GROUP, expert_scales, kernel_of
 
 LATENT_NORM_EPS = 1e-6  # the q/kv latent norms use RMSNorm's default, not rms_norm_eps
@@ -446,8 +447,8 @@ class DeepseekModel(DecoderLM):
             if c.devices > 1:
                 x, buf = layer_on_devices(c, DecoderLayer(c.block(), i, self.tuning, parent=None),
                                           layer.variables["params"], x, buf, meta)
-            else:  # called directly: through `call_layer` XLA's optimized program differs a little
-                x, buf = layer(x, buf, meta)  # (CPU: a fusion, 16 bitcasts), not yet timed on a GPU
+            else:
+                x, buf = call_layer(layer, x, buf, meta, same={"layer": c.first_of_kind(i)})
             bufs.append(buf)
         if self.cfg.num_layers in capture:
             aux[self.cfg.num_layers] = x

@@ -109,6 +109,11 @@ class DeepseekConfig:
     def is_moe(self, layer: int) -> bool:
         return layer >= self.first_k_dense_replace and self.n_routed_experts > 0
 
+    def first_of_kind(self, layer: int) -> int:
+        """The first layer index of `layer`'s kind (dense or MoE): layers of one kind are
+        one definition (`layers.call_layer`)."""
+        return self.first_k_dense_replace if self.is_moe(layer) else 0
+
     @property
     def jnp_dtype(self):
         import jax.numpy as jnp
