@@ -199,7 +199,8 @@ def fp8_blocks(w: np.ndarray, block) -> tuple[np.ndarray, np.ndarray]:
 
 def dequantize(tensors: dict, cfg_json, where: str, keep: bool = False) -> dict:
     """The checkpoint's tensors with every FP8 weight dequantized to float32 and its scales
-    removed (others untouched); with `keep`, 2-D FP8 weights whose scales allow it stay FP8
+    removed (others untouched; block-scaled experts fused into one tensor [E, out, in] with
+    scales [E, ...] too); with `keep`, 2-D FP8 weights whose scales allow it stay FP8
     beside their group scales (`SCALE_SUFFIX`, see the module). ValueError: an unsupported
     method or scheme, a quantized weight without its scale or with one of the wrong shape,
     FP8 tensors in a checkpoint that declares no quantization."""
@@ -220,9 +221,10 @@ def dequantize(tensors: dict, cfg_json, where: str, keep: bool = False) -> dict:
                              f"as [128, 128]), got {block!r}")
         keeps = keep and block[1] % GROUP == 0
 
-        def blocks(w, s, name):
+        def blocks(w, s, name):  # experts fused into one tensor [E, out, in] on disk: dequantized
             _check_blocks(w, s, block, name, where)
-            return (w, block_group_scales(s, block, w.shape)) if keeps else _blocks(w, s, block, name, where)
+            return (w, block_group_scales(s, block, w.shape)) if keeps and w.ndim == 2 else \
+                _blocks(w, s, block, name, where)
         return _apply(tensors, fp8, "_scale_inv", where, blocks)
     if method == "compressed-tensors":
         _check_compressed(qc, where)
@@ -257,19 +259,20 @@ def _apply(tensors: dict, fp8: list, suffix: str, where: str, convert) -> dict:
 
 
 def _blocks(w: np.ndarray, s: np.ndarray, block, name: str, where: str) -> np.ndarray:
-    """A block-scaled FP8 weight [out, in] (scales [ceil(out/bm), ceil(in/bn)]) -> float32."""
+    """A block-scaled FP8 weight [out, in] (scales [ceil(out/bm), ceil(in/bn)]), or a stack
+    of them [E, out, in] (experts fused into one tensor; scales [E, ...]) -> float32."""
     _check_blocks(w, s, block, name, where)
     bm, bn = block
-    full = np.repeat(np.repeat(s, bm, axis=0), bn, axis=1)[:w.shape[0], :w.shape[1]]
+    full = np.repeat(np.repeat(s, bm, axis=-2), bn, axis=-1)[..., :w.shape[-2], :w.shape[-1]]
     return w.astype(np.float32) * full
 
 
 def _check_blocks(w: np.ndarray, s: np.ndarray, block, name: str, where: str) -> None:
-    if w.ndim != 2:
+    if w.ndim not in (2, 3):
         raise ValueError(f"{where}: FP8 tensor {name[:-len('_scale_inv')]!r} has shape {w.shape}; block scales "
-                         f"need a 2-D weight")
+                         f"need a 2-D weight (or a 3-D stack of experts)")
     bm, bn = block
-    want = (-(-w.shape[0] // bm), -(-w.shape[1] // bn))
+    want = w.shape[:-2] + (-(-w.shape[-2] // bm), -(-w.shape[-1] // bn))
     if s.shape != want:
         raise ValueError(f"{where}: scale {name!r} has shape {s.shape}, expected {want} for a weight of shape "
                          f"{w.shape} in blocks of {bm} x {bn}")

@@ -526,6 +526,52 @@ def fused_experts(deq: dict, state: dict) -> dict:
     return out
 
 
+def fuse_fp8_experts(path: str) -> None:
+    """Rewrites a block-FP8 checkpoint's per-expert tensors (the target's, not the MTP
+    layer's) as transformers' fused ones: `experts.gate_up_proj` [E, 2Fm, D] and
+    `experts.down_proj` [E, D, Fm], each with its block scales per expert [E, ...]."""
+    file = os.path.join(path, "model.safetensors")
+    tensors = {k: np.array(v) for k, v in safetensors_io.load(file).items()}
+    for name in [n for n in tensors if n.endswith("experts.0.gate_proj.weight") and not n.startswith("mtp.")]:
+        pre = name[:-len("0.gate_proj.weight")]
+        E = sum(1 for n in tensors if n.startswith(pre) and n.endswith(".down_proj.weight"))
+        take = lambda e, part, suffix="": tensors.pop(f"{pre}{e}.{part}_proj.weight{suffix}")
+        for fused, parts in (("gate_up_proj", ("gate", "up")), ("down_proj", ("down",))):
+            for suffix in ("", "_scale_inv"):
+                tensors[pre + fused + suffix] = np.stack([np.concatenate([take(e, p, suffix) for p in parts])
+                                                          for e in range(E)])
+    safetensors_io.save(file, tensors)
+
+
+def test_block_fp8_experts_fused_on_disk_are_read_dequantized(tmp_path):
+    """A block-FP8 Qwen3.5-MoE whose routed experts are fused into one tensor each on disk
+    (transformers' `experts.gate_up_proj` [E, 2Fm, D] and `experts.down_proj` [E, D, Fm],
+    block scales per expert [E, ...]) loads with those stacks dequantized (the attention's
+    projections stay FP8) and gives transformers' logits on the dequantized weights; a
+    fused scale of the wrong shape is refused by name."""
+    from test_qwen3_next import make_hybrid
+    path = str(tmp_path / "fused")
+    model = make_hybrid(path, "qwen3_5_moe", hidden_size=128, moe_intermediate_size=128)
+    deq = write_block_fp8(path)
+    ref = with_weights(model, fused_experts(deq, model.state_dict()))
+    fuse_fp8_experts(path)
+    params = jspec.load(path, dtype="float32")
+    c = params.config
+    full = params.weights["params"][f"layers_{c.full_layers[0]}"]
+    assert full["self_attn"]["qkv_proj"]["kernel"].dtype == ml_dtypes.float8_e4m3fn
+    experts = full["mlp"]["experts"]
+    assert experts["gate_up"].dtype == experts["down"].dtype == np.float32 and "gate_up_scale" not in experts
+    for p in PROMPTS:
+        np.testing.assert_allclose(logits_of(params, p), hf_logits(ref, p), atol=2e-4, rtol=1e-4)
+    file = os.path.join(path, "model.safetensors")
+    tensors = {k: np.array(v) for k, v in safetensors_io.load(file).items()}
+    bad = next(n for n in tensors if n.endswith("experts.down_proj_scale_inv"))
+    tensors[bad] = tensors[bad][:1]  # one expert's scales for E experts
+    safetensors_io.save(file, tensors)
+    with pytest.raises(ValueError, match=bad):
+        jspec.load(path, dtype="float32")
+
+
 def test_quantize_params_of_a_hybrid_keeps_the_router(tmp_path):
     """`quantize_params` on a Qwen3.5-MoE in memory: its projections FP8 with their scales,
     the router, norms, embedding and the experts' stacks as they were."""
