@@ -12,7 +12,8 @@
    that never match, the engine driven by its own thread; the driving thread's time per
    chunk outside its waits for the device, against the chunk's device time (the run's
    wall time over its chunks), and the engine's split of its CPU time: its own work
-   (`stats.host_s`) and the program calls (`stats.launch_s`). A word-level tokenizer of the
+   (`stats.host_s`) and the program calls (`stats.launch_s`); `--host-twin-off` measures
+   it again with one copy of each chunk program (`jspec.Engine(twin_chunks=False)`). A word-level tokenizer of the
    8B vocabulary gives the text. The timed run is served twice: with Python's garbage
    collector as it is, then inside `jspec.serve.static_heap` (as the server serves); each
    reports its longest engine iteration and the full collections that fell in it.
@@ -108,9 +109,10 @@ def word_tokenizer(vocab: int):
     return PreTrainedTokenizerFast(tokenizer_object=tok)
 
 
-def host_time(params, batch: int, prompt: int, new: int, cache, rounds_per_chunk: int, tuning=None) -> dict:
+def host_time(params, batch: int, prompt: int, new: int, cache, rounds_per_chunk: int, tuning=None,
+              twin_chunks=None) -> dict:
     """Host time per chunk of the engine's driving thread, B requests of `new` tokens with
-    stop strings that never match (see the module)."""
+    stop strings that never match (see the module); twin_chunks: as `jspec.Engine`'s."""
     import threading
 
     import jax
@@ -119,7 +121,7 @@ def host_time(params, batch: int, prompt: int, new: int, cache, rounds_per_chunk
     prompts = [rng.integers(1, params.config.vocab_size, prompt).tolist() for _ in range(batch)]
     stops = ["w1 w1 w1 w1", "never appears"]
     engine = jspec.Engine(params, max_batch=batch, max_prompt_len=prompt, max_new_tokens=new, cache=cache,
-                          tuning=tuning, rounds_per_chunk=rounds_per_chunk)
+                          tuning=tuning, rounds_per_chunk=rounds_per_chunk, twin_chunks=twin_chunks)
     waits, steps = [0.0], []  # the driving thread's readback waits; (start, seconds, waits, CPU seconds) a step
     device_get, step = jax.device_get, engine.step
 
@@ -518,6 +520,7 @@ def main():
     ap.add_argument("--oversub-prompt", type=int, default=512, help="the oversub part's prompt and new tokens")
     ap.add_argument("--oversub-runs", default="whole,half,fit", help="the oversub part's pools (see oversubscribed)")
     ap.add_argument("--host-new", type=int, default=2048, help="tokens each request of the host part generates")
+    ap.add_argument("--host-twin-off", action="store_true", help="the host part again with twin_chunks=False")
     ap.add_argument("--rates", type=float, nargs="+", default=[16.0, 64.0, 256.0], help="the load part's rates")
     ap.add_argument("--requests", type=int, default=96, help="the load part's requests a rate")
     ap.add_argument("--load-new", type=int, default=64, help="the load part's tokens a request")
@@ -557,6 +560,10 @@ def main():
         r = host_time(params, args.batch, args.prompt, args.host_new, cache, args.rounds_per_chunk, tuning)
         out["host"] = r
         print("host:", common.rounded(r), flush=True)
+        if args.host_twin_off:  # the same engine with one copy of each chunk program, same process
+            out["host_twin_off"] = host_time(params, args.batch, args.prompt, args.host_new, cache,
+                                             args.rounds_per_chunk, tuning, twin_chunks=False)
+            print("host, twin_chunks=False:", common.rounded(out["host_twin_off"]), flush=True)
     if "load" in parts:
         out["load"] = load_8b(cfg, args.rates, args.requests, args.batch, args.load_new, args.prompt, args.settings,
                               tuning)

@@ -70,11 +70,26 @@ def staggered(engine):
 
 
 @pytest.mark.parametrize("kind,cache", [("plain", "dense"), ("eagle3", "paged16")])
-def test_requests_equal_alone_whenever_they_join(target, with_draft, kind, cache):
+def test_requests_equal_alone_whenever_they_join(target, with_draft, kind, cache, monkeypatch):
+    """... with the speculating engine's chunks alternating between their program and its
+    twin (`twin_chunks`, a GPU engine's default): every other chunk runs the twin."""
     params = target if kind == "plain" else with_draft(kind)
+    twin_calls, make_twin = [], programs.twin
+
+    def counted_twin(program):
+        twin = make_twin(program)
+        assert twin is not None and twin is not program
+
+        def call(*args):
+            twin_calls.append(1)
+            return twin(*args)
+        return call
+    monkeypatch.setattr(programs, "twin", counted_twin)
     engine = jspec.Engine(params, max_batch=3, max_prompt_len=16, max_new_tokens=16, cache=CACHES[cache],
-                          rounds_per_chunk=2, prefill_chunk=8)  # paged: the 15-token prompt in two blocks
+                          rounds_per_chunk=2, prefill_chunk=8,  # paged: the 15-token prompt in two blocks
+                          twin_chunks=kind != "plain")
     got = staggered(engine)
+    assert len(twin_calls) == (engine.stats.chunks + 1) // 2 if kind != "plain" else not twin_calls
     for i, out in got.items():
         tokens, reason = alone(params, i, cache=cache)
         assert out.tokens == tokens, i
@@ -497,16 +512,18 @@ def test_logprobs_speculation_off_and_min_tokens(perm):
     assert all(a == 1 for row in off.stats.accept_lengths for a in row)
 
 
-def test_no_compile_while_serving(with_draft):
+def test_no_compile_while_serving(with_draft, monkeypatch):
     """After `warm_up`, serving greedy and sampled requests, with and without logprobs,
     prompt logprobs, speculation off, stop strings, constraints (their tables placed as
     they come) and prompts of every length up to the largest (prefilled in blocks)
-    compiles nothing: XLA reports no compilation. A warm-up with requests in the engine is
-    refused."""
+    compiles nothing: XLA reports no compilation, and the chunks' twins (`twin_chunks`) are
+    loaded by the warm-up too. A warm-up with requests in the engine is refused."""
     import jax
     params = with_draft("eagle3")
-    engine = jspec.Engine(params, **SERVED_ENGINE)
+    engine = jspec.Engine(params, **SERVED_ENGINE, twin_chunks=True)
     engine.warm_up()  # compiled in threads (`jspec.loop.programs.compile_many`)
+    twins_made = []
+    monkeypatch.setattr(programs, "twin", lambda program: twins_made.append(program))
     assert engine.stats.programs == len(engine.runner.programs_needed())
     _, entry, plan, args = engine.runner.programs_needed()[0]  # kept: an item of one key compiles once
     (first, s1), (again, s2) = programs.compile_many([(entry, plan, args)] * 2, engine.runner.weights, threads=2)
@@ -526,6 +543,7 @@ def test_no_compile_while_serving(with_draft):
     while not all(h.done for h in hs):
         engine.step()
     assert not compiles, compiles
+    assert not twins_made
     assert all(h.result().finish_reason in ("length", "stop") for h in hs)
     engine.submit([5, 6], max_new_tokens=8)
     with pytest.raises(RuntimeError, match="warm_up runs before serving"):  # its runs start the state afresh

@@ -222,3 +222,23 @@ def test_constrained_split_equals_one_device(split, single):
               constraint=[jspec.Regex(r"[a-c]+d"), jspec.Choice(["one", "two"]), None])
     want = jspec.generate(single("eagle3"), PROMPTS[:3], **kw)
     assert jspec.generate(split(2, "eagle3"), PROMPTS[:3], **kw).tokens == want.tokens
+
+
+def test_a_split_program_has_a_twin():
+    """`programs.twin` of a program split over two of the four devices: another loaded
+    copy (an engine alternates its chunk programs with theirs) on the same two devices,
+    with the same outputs and donation."""
+    mesh = jax.make_mesh((2,), ("x",), devices=jax.devices()[1:3])
+    spec = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("x"))
+    f = jax.jit(lambda w, s: (s + w * s, s.sum()), donate_argnums=1)
+    w = jax.device_put(np.arange(8, dtype=np.float32), spec)
+    program = f.lower(w, jax.device_put(np.ones(8, np.float32), spec)).compile()
+    twin = programs.twin(program)
+    assert twin is not None and twin is not program
+    assert twin.runtime_executable().local_devices() == program.runtime_executable().local_devices()
+    outs = [p(w, jax.device_put(np.ones(8, np.float32), spec)) for p in (program, twin)]
+    np.testing.assert_array_equal(outs[0][0], outs[1][0])
+    assert float(outs[1][1]) == 8.0 and outs[1][0].sharding == spec
+    donated = jax.device_put(np.ones(8, np.float32), spec)
+    twin(w, donated)
+    assert donated.is_deleted()

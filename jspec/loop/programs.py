@@ -188,6 +188,20 @@ def compiled(entry, plan: Plan, weights, args, mesh=None) -> tuple:
     return _COMPILED[key], time.perf_counter() - t0
 
 
+def twin(program):
+    """A second loaded copy of a compiled program, deserialized from it (no compile), or
+    None where the program cannot be serialized. On a GPU each copy keeps its own CUDA
+    graphs: an engine that alternates two copies of its chunk program finds each copy's
+    output buffers where that copy left them, so XLA does not update the graphs before
+    every chunk (`jspec.serve.runner.Runner.chunk`)."""
+    from jax.experimental.serialize_executable import deserialize_and_load, serialize
+    try:
+        payload, in_tree, out_tree = serialize(program)
+    except (ValueError, NotImplementedError):  # a program that closes over constants, say
+        return None
+    return deserialize_and_load(payload, in_tree, out_tree, execution_devices=program.runtime_executable().local_devices())
+
+
 def compile_threads() -> int:
     """Threads `compile_many` uses by default: the machine's cores, at most 8 (XLA's
     backend compile, most of a program's, releases Python's lock; tracing and lowering

@@ -153,7 +153,9 @@ class Engine:
     vLLM's max_num_batched_tokens): a pass's activations stay bounded beside a full pool.
     constraint_states: the states of the constraint tables (`submit(constraint=...)`,
     `jspec.serve.grammar`; rounded up to a power of two, with 64 exceptions a state; 0: the
-    engine takes no constraints, and its rounds mask nothing).
+    engine takes no constraints, and its rounds mask nothing). twin_chunks: chunks alternate
+    between two loaded copies of their program (`Runner.chunk`; None: on a GPU, where each
+    copy's CUDA graphs then stay as recorded instead of being updated before every chunk).
 
         engine = jspec.Engine(params, max_batch=8)
         with engine:                                  # threads drive it
@@ -166,7 +168,8 @@ class Engine:
                  max_new_tokens: int = 256, cache=None, spec=None, tuning=None, rounds_per_chunk: int = 4, max_waiting: int = 256,
                  prefill_chunk: int = 512, max_logprobs: int = MAX_LOGPROBS, request_timeout: float | None = None,
                  memory_utilization: float | None = None, max_len: int | None = None, preemption: bool = True,
-                 prefix_caching: bool = True, max_batched_tokens: int = 16384, constraint_states: int = 0):
+                 prefix_caching: bool = True, max_batched_tokens: int = 16384, constraint_states: int = 0,
+                 twin_chunks: bool | None = None):
         rq.check_params(params)
         derive = max_batch is None  # then the pool sized at the most rows decides the batch
         if derive:
@@ -214,7 +217,8 @@ class Engine:
             grammar = (Q, 64 * Q)
         runner = dict(batch=max_batch, max_new_tokens=self.max_new_tokens, tiers=tiers, tuning=tuning,
                       prefill_chunk=prefill_chunk, rounds_per_chunk=rounds_per_chunk, max_logprobs=self.max_logprobs,
-                      prefix_caching=prefix_caching, max_batched_tokens=max_batched_tokens, grammar=grammar)
+                      prefix_caching=prefix_caching, max_batched_tokens=max_batched_tokens, grammar=grammar,
+                      twin_chunks=jax.devices()[0].platform == "gpu" if twin_chunks is None else bool(twin_chunks))
         cache = rq.cache_config(cache or CacheConfig("paged"))
         self.runner = Runner(params, max_prompt_len=self.max_prompt_len, memory_utilization=memory_utilization,
                              cache=cache, **runner)

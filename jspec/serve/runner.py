@@ -67,12 +67,14 @@ class Runner:
     snapshots of it (`state_snapshots`: a hybrid's, where blocks are whole pages), so that a
     request may start past a cached prefix (`admit_cached`); max_batched_tokens: with
     prompts in blocks, a pass takes at most this many tokens (rows of C: `pass_rows`;
-    None: a pass may take every row)."""
+    None: a pass may take every row); twin_chunks: each chunk program has a second loaded
+    copy (`jspec.loop.programs.twin`) and chunks alternate between the two (on a GPU: no
+    update of the chunk's CUDA graphs before each chunk, see `chunk`)."""
 
     def __init__(self, params: Params, *, batch: int, max_prompt_len: int, max_new_tokens: int, cache: CacheConfig,
                  tiers: Sequence[SpecConfig | None], tuning: Tuning, prefill_chunk: int, rounds_per_chunk: int,
                  max_logprobs: int, memory_utilization: float | None = None, prefix_caching: bool = False,
-                 max_batched_tokens: int | None = None, grammar: tuple = ()):
+                 max_batched_tokens: int | None = None, grammar: tuple = (), twin_chunks: bool = False):
         self.pool_note = ""  # how the pool was sized, for the start-up log
         if cache.kind == "paged" and cache.num_pages is None and memory_utilization is not None:
             cache = self._pool_for_memory(params, batch, max_prompt_len, max_new_tokens, cache, tiers, tuning,
@@ -119,6 +121,9 @@ class Runner:
         self.tier_plans = [self.plan.variant(spec=t) for t in self.tiers]
         self.state = None
         self._programs: dict = {}  # small keys -> compiled programs (a full key hashes every weight's shape)
+        self.twin_chunks = bool(twin_chunks)
+        self._twins: dict = {}  # chunk keys -> the chunk program's twin (`chunk`)
+        self._chunk_parity = 0  # which copy the next chunk runs
         self.compile_s = 0.0
         self.launch_s = 0.0  # CPU time of the calling thread inside program calls (`_call`)
 
@@ -296,12 +301,29 @@ class Runner:
         self.state = self._call(program, self.state, *args)
 
     def chunk(self, tier: int, sampled: bool, logprobs: bool):
-        """Dispatches `rounds_per_chunk` rounds of tier `tier` -> the window readback."""
+        """Dispatches `rounds_per_chunk` rounds of tier `tier` -> the window readback.
+
+        With `twin_chunks`, every other chunk runs the program's twin. The engine keeps two
+        chunks in flight, so a chunk's readback is still held when the next is dispatched
+        and the allocator puts that one's outputs elsewhere; XLA shares an output's memory
+        with the loop's temporaries, so its CUDA graphs reference the output, and a program
+        whose output moved updates its graphs before it runs (on an H200, the 8B shape cut
+        to 8 layers: about 0.6 ms of the calling thread a chunk of 6 ms). Alternating two
+        copies, each finds its outputs where its last chunk, read by then, left them."""
+        key = ("chunk", tier, sampled, logprobs)
         plan = self.tier_plans[tier].variant(sampling=sampled, token_logprobs=logprobs)
-        program = self._program(("chunk", tier, sampled, logprobs), programs.chunk_jit(self.rounds_per_chunk),
-                                plan, (self.state,))
+        program = self._program(key, programs.chunk_jit(self.rounds_per_chunk), plan, (self.state,))
+        if self.twin_chunks:
+            self._chunk_parity ^= 1
+            program = self._twin(key, program) if self._chunk_parity else program
         self.state, back = self._call(program, self.state)
         return back
+
+    def _twin(self, key, program):
+        """The twin of chunk program `program` (made once; the program itself where it has none)."""
+        if key not in self._twins:
+            self._twins[key] = programs.twin(program) or program
+        return self._twins[key]
 
     def evict(self, rows: list[int]) -> None:
         """Dispatches the eviction of `rows` (pages back to the pool, the rows free)."""
@@ -403,8 +425,12 @@ class Runner:
             self.compile_s += seconds
         state = self.state  # every program's args begin with the state, which each call donates
         for key, _, _, args in needed:
-            out = self._programs[key](*self.weights, state, *args[1:])
-            state = out[0] if isinstance(out, tuple) else out
+            copies = [self._programs[key]]
+            if self.twin_chunks and key[0] == "chunk":  # the twin loads and runs once too
+                copies.append(self._twin(key, copies[0]))
+            for program in copies:
+                out = program(*self.weights, state, *args[1:])
+                state = out[0] if isinstance(out, tuple) else out
         jax.block_until_ready(state)
         self.reset()
         return len(needed), time.perf_counter() - t0
