@@ -199,7 +199,20 @@ def twin(program):
         payload, in_tree, out_tree = serialize(program)
     except (ValueError, NotImplementedError):  # a program that closes over constants, say
         return None
-    return deserialize_and_load(payload, in_tree, out_tree, execution_devices=program.runtime_executable().local_devices())
+    devices = program.runtime_executable().local_devices()
+    return deserialize_and_load(payload, in_tree, out_tree, execution_devices=devices)
+
+
+def twins(items, threads: int | None = None) -> list:
+    """`twin` of each compiled program of `items`, `threads` at a time (None:
+    `compile_threads()`; loading one is mostly outside Python's lock: about 1 s for the 8B
+    chunk program on an H200)."""
+    items = list(items)
+    threads = compile_threads() if threads is None else threads
+    if threads > 1 and len(items) > 1:
+        with ThreadPoolExecutor(min(threads, len(items)), thread_name_prefix="jspec-twin") as pool:
+            return list(pool.map(twin, items))
+    return [twin(p) for p in items]
 
 
 def compile_threads() -> int:

@@ -423,11 +423,15 @@ class Runner:
         for (key, *_), (program, seconds) in zip(todo, made):
             self._programs[key] = program
             self.compile_s += seconds
+        if self.twin_chunks:  # the chunks' twins load (in threads) and run once too
+            keys = [key for key, *_ in needed if key[0] == "chunk" and key not in self._twins]
+            for key, twin in zip(keys, programs.twins([self._programs[k] for k in keys], threads)):
+                self._twins[key] = twin or self._programs[key]
         state = self.state  # every program's args begin with the state, which each call donates
         for key, _, _, args in needed:
             copies = [self._programs[key]]
-            if self.twin_chunks and key[0] == "chunk":  # the twin loads and runs once too
-                copies.append(self._twin(key, copies[0]))
+            if self.twin_chunks and key[0] == "chunk":
+                copies.append(self._twins[key])
             for program in copies:
                 out = program(*self.weights, state, *args[1:])
                 state = out[0] if isinstance(out, tuple) else out
