@@ -24,10 +24,11 @@ split of a projection's outputs, for 1/128 of a float32 a weight (3% of the FP8 
 `models.layers.Linear` computes with it: `dequantize_kernel` in the graph, then the
 product in the compute dtype (the same values as dequantizing on the host, so the same
 logits), or on a GPU at decode sizes (up to `Tuning.fp8.max_rows` rows) `kernels.fp8.matmul`,
-which reads the FP8 bytes. DeepSeek's and Qwen3.5's routed experts stay FP8
-as stacks with their scales (`TargetFamily.fp8_experts`, `Tensors.experts`), read by the
-expert kernels. Other weights (experts fused into one tensor on disk, DeepSeek's kv_b_proj
-and shared experts, block sizes whose columns are not whole groups) are dequantized on the host, tensor by
+which reads the FP8 bytes. DeepSeek's and Qwen3.5's routed experts, and DeepSeek's shared
+experts, stay FP8 as stacks with their scales (`TargetFamily.fp8_experts`, `Tensors.experts`,
+`Tensors.shared_experts`), read by the expert kernels. Other weights (experts fused into one
+tensor on disk, DeepSeek's kv_b_proj, block sizes whose columns are not whole groups) are
+dequantized on the host, tensor by
 tensor, into float32 (then the family casts them to the compute dtype): the model computes
 with the dequantized weights, so its logits equal transformers' on the same dequantized
 weights.
@@ -87,10 +88,10 @@ def quantize_params(params):
     on its device (`quantize_kernel`), for weights built or trained in Python; as
     `jspec.load(..., quantization="fp8")` but with the blocks taken over the fused kernels
     (a block of q|k|v or gate|up columns can span two projections). The draft is left as
-    it is. Routed experts of a family that keeps them FP8 (`TargetFamily.fp8_experts`;
-    stacks {gate_up, down} whose inputs are whole groups) are rounded expert by expert, with
-    their scales beside them (`gate_up_scale`, `down_scale`, as `Tensors.experts` reads a
-    checkpoint's)."""
+    it is. Routed (and DeepSeek's shared) experts of a family that keeps them FP8
+    (`TargetFamily.fp8_experts`; stacks {gate_up, down} whose inputs are whole groups) are
+    rounded expert by expert, with their scales beside them (`gate_up_scale`, `down_scale`,
+    as `Tensors.experts` reads a checkpoint's)."""
     import dataclasses
 
     import jax
@@ -109,7 +110,7 @@ def quantize_params(params):
                 not any(s in k for k in keys for s in NOT_QUANTIZED):
             q, scale = rounded(tree["kernel"])
             return {**tree, "kernel": q, "kernel_scale": scale}
-        if family.fp8_experts and keys[-1:] == ("experts",) and "gate_up_scale" not in tree and \
+        if family.fp8_experts and keys[-1:] in (("experts",), ("shared_experts",)) and "gate_up_scale" not in tree and \
                 all(getattr(tree.get(n), "ndim", 0) == 3 and tree[n].shape[1] % GROUP == 0 for n in ("gate_up", "down")):
             (gate_up, gate_up_scale), (down, down_scale) = stacked(tree["gate_up"]), stacked(tree["down"])
             return {**tree, "gate_up": gate_up, "gate_up_scale": gate_up_scale, "down": down, "down_scale": down_scale}

@@ -213,6 +213,27 @@ class Tensors:
         out = stacked_experts(w, w[0].dtype)
         return out | {k + "_scale": v for k, v in stacked_experts(scales, np.float32).items()}
 
+    def shared_experts(self, prefix: str, S: int, D: int, Fm: int, keep_fp8: bool = False) -> dict:
+        """A shared MLP of width S*Fm (`prefix`{gate,up}_proj.weight [S*Fm, D],
+        `prefix`down_proj.weight [D, S*Fm]) as S experts of width Fm: `stacked_experts`'
+        stacks, FP8 with their scales as `experts` keeps them (D and Fm whole groups of
+        GROUP: each expert's scales are whole groups of the MLP's), else dequantized."""
+        names = [(f"{prefix}{n}_proj.weight", (D, S * Fm) if n == "down" else (S * Fm, D)) for n in ("gate", "up", "down")]
+        kept = keep_fp8 and not (D % GROUP or Fm % GROUP) and all(self.has(n + SCALE_SUFFIX) for n, _ in names) \
+            and len({self.tensors[n].dtype for n, _ in names}) == 1
+        taken = [self.kept_fp8(n, s) if kept else (self.take(n, s), None) for n, s in names]
+
+        def experts_of(gate, up, down):  # the MLP's tensors (or their scales) -> S experts' (gate, up, down)
+            parts = zip(np.split(np.asarray(gate), S, axis=0), np.split(np.asarray(up), S, axis=0),
+                        np.split(np.asarray(down), S, axis=1))
+            return [w for ws in parts for w in ws]
+        weights = experts_of(*(w for w, _ in taken))
+        out = stacked_experts(weights, weights[0].dtype if kept else self.dtype)
+        if kept:
+            scales = stacked_experts(experts_of(*(sc for _, sc in taken)), np.float32)
+            out |= {k + "_scale": v for k, v in scales.items()}
+        return out
+
     def linear(self, *names_shapes, order=None):
         """A projection: Hugging Face [out, in] tensors, concatenated along `out` (rows
         `order` of that), as the [in, out] `kernel` that `jspec.models.layers.Linear` uses.

@@ -590,12 +590,13 @@ def test_quantize_params_of_a_hybrid_keeps_the_router(tmp_path):
 
 def test_block_fp8_deepseek_keeps_its_experts_fp8(tmp_path):
     """A tiny block-FP8 DeepSeek-V3 whose hidden and expert widths are whole groups of 128:
-    its routed experts stay FP8 in device memory with their group scales (the shared
-    expert, small, read dequantized), so FP8 is most of its weight bytes; its logits equal
-    transformers' on the dequantized weights and greedy decoding gives transformers'
-    tokens; exported, the experts come back dequantized and the export computes the same
-    logits; split over 2 devices (the experts and their scales by expert) the logits are
-    the same. `quantize_params` rounds a float model's experts to the same bytes and scales."""
+    its routed and shared experts stay FP8 in device memory with their group scales, so
+    FP8 is most of its weight bytes; its logits equal transformers' on the dequantized
+    weights and greedy decoding gives transformers' tokens; exported, the experts come back
+    dequantized and the export computes the same logits; split over 2 devices (the routed
+    experts and their scales by expert; the shared expert's 64 columns a device, not whole
+    groups, dequantized) the logits are the same. `quantize_params` rounds a float model's
+    experts to the same bytes and scales."""
     import shutil
 
     from jspec.export import save_target
@@ -610,14 +611,17 @@ def test_block_fp8_deepseek_keeps_its_experts_fp8(tmp_path):
     deq = write_block_fp8(path)
     model = dequantized_deepseek(path, deq, cfg, str(tmp_path / "dequantized"))
     params = jspec.load(path, dtype="float32")
-    experts = params.weights["params"]["layers_1"]["mlp"]["experts"]
+    mlp = params.weights["params"]["layers_1"]["mlp"]
     rounded = quantize_params(jspec.load(str(tmp_path / "float"), dtype="float32"))  # the same rounding on the device
-    for name, a in rounded.weights["params"]["layers_1"]["mlp"]["experts"].items():  # scales to an ulp (XLA's division)
-        np.testing.assert_allclose(np.asarray(a, np.float32), np.asarray(experts[name], np.float32), rtol=1e-6,
-                                   atol=0, err_msg=name)
+    for stack in ("experts", "shared_experts"):
+        for name, a in rounded.weights["params"]["layers_1"]["mlp"][stack].items():  # scales to an ulp (XLA's division)
+            np.testing.assert_allclose(np.asarray(a, np.float32), np.asarray(mlp[stack][name], np.float32),
+                                       rtol=1e-6, atol=0, err_msg=f"{stack} {name}")
+    experts, shared = mlp["experts"], mlp["shared_experts"]
     assert experts["gate_up"].dtype == experts["down"].dtype == ml_dtypes.float8_e4m3fn
     assert experts["gate_up_scale"].shape == (8, 1, 256) and experts["down_scale"].shape == (8, 1, 128)
-    assert params.weights["params"]["layers_1"]["mlp"]["shared_experts"]["gate_up"].dtype == np.float32
+    assert shared["gate_up"].dtype == shared["down"].dtype == ml_dtypes.float8_e4m3fn
+    assert shared["gate_up_scale"].shape == (1, 1, 256) and shared["down_scale"].shape == (1, 1, 128)
     total, in_fp8 = params.weight_bytes()
     assert in_fp8 > total / 3
     for p in PROMPTS:
@@ -633,13 +637,39 @@ def test_block_fp8_deepseek_keeps_its_experts_fp8(tmp_path):
         two = jspec.load(path, dtype="float32", devices=2)
         split = two.weights["params"]["layers_1"]["mlp"]["experts"]
         assert split["gate_up"].dtype == ml_dtypes.float8_e4m3fn and "tp" in split["down_scale"].sharding.spec
+        split_shared = two.weights["params"]["layers_1"]["mlp"]["shared_experts"]
+        assert split_shared["down"].dtype == np.float32 and "down_scale" not in split_shared
         np.testing.assert_allclose(logits_of(two, PROMPTS[0]), logits_of(params, PROMPTS[0]), atol=2e-5, rtol=1e-5)
 
 
-def test_fp8_expert_kernel_reads_fp8_experts_beside_unscaled_shared_ones():
+@pytest.mark.skipif(len(jax.devices()) < 2, reason="needs 2 devices")
+def test_block_fp8_deepseek_shared_experts_split_fp8(tmp_path):
+    """A tiny block-FP8 DeepSeek-V3 whose shared expert is 256 wide: split over 2 devices,
+    each holds 128 of its columns, whole groups, so it stays FP8 with its scales split
+    the same way (gate|up's columns reordered by device with the weights'), and the
+    logits equal one device's."""
+    path = str(tmp_path / "fp8")
+    torch.manual_seed(1)
+    cfg = DeepseekV3Config(num_hidden_layers=2, num_key_value_heads=4, n_group=2, topk_group=1, q_lora_rank=48,
+                           rope_scaling=YARN, **(COMMON | dict(hidden_size=128, moe_intermediate_size=256,
+                                                                intermediate_size=256, n_routed_experts=4)))
+    DeepseekV3ForCausalLM(cfg).save_pretrained(path)
+    write_block_fp8(path)
+    one = jspec.load(path, dtype="float32")
+    two = jspec.load(path, dtype="float32", devices=2)
+    shared = two.weights["params"]["layers_1"]["mlp"]["shared_experts"]
+    assert shared["gate_up"].dtype == shared["down"].dtype == ml_dtypes.float8_e4m3fn
+    assert shared["gate_up_scale"].shape == (1, 1, 512) and shared["down_scale"].shape == (1, 2, 128)
+    assert "tp" in shared["gate_up_scale"].sharding.spec and "tp" in shared["down_scale"].sharding.spec
+    for p in PROMPTS[:2]:
+        np.testing.assert_allclose(logits_of(two, p), logits_of(one, p), atol=2e-5, rtol=1e-5)
+
+
+def test_fp8_expert_kernel_reads_fp8_experts_beside_shared_ones():
     """The expert kernel (interpret mode) over FP8 routed experts with their group scales
-    and float32 shared (extra) experts read unscaled, both products, equals the reference
-    on the dequantized stacks; a wrong scale is not a small error."""
+    and float32 shared (extra) experts read unscaled, or FP8 shared experts with scales of
+    their own, both products, equals the reference on the dequantized stacks; a wrong
+    scale is not a small error."""
     import jax.numpy as jnp
     from jspec.kernels.moe import experts
     from jspec.quantization import dequantize_kernel
@@ -661,9 +691,23 @@ def test_fp8_expert_kernel_reads_fp8_experts_beside_unscaled_shared_ones():
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-4, atol=1e-5)
     off = experts.routed_experts(x, ids, gu, down, extra, scales=(jnp.roll(gu_s, 1, axis=0), down_s), interpret=True)
     assert np.abs(np.asarray(off) - np.asarray(want)).max() > 1e-3
-    with pytest.raises(TypeError, match="extra experts beside FP8 ones are read unscaled"):
+    with pytest.raises(TypeError, match="extra experts beside FP8 ones are float32, bfloat16 or float16, or FP8"):
         experts.routed_experts(x, ids, gu, down, tuple(e.astype(gu.dtype) for e in extra), scales=(gu_s, down_s),
                                interpret=True)
+    # FP8 shared experts with their own scales (DeepSeek's, kept FP8): read as FP8 too
+    (egu, egu_s), (edown, edown_s) = fp8_stack((1, D, 2 * Fm)), fp8_stack((1, Fm, D))
+    got = experts.routed_experts(x, ids, gu, down, (egu, edown), scales=(gu_s, down_s),
+                                 extra_scales=(egu_s, edown_s), interpret=True)
+    want = experts.routed_experts_reference(
+        x, ids, dequantize_kernel(gu, gu_s, jnp.float32), dequantize_kernel(down, down_s, jnp.float32),
+        (dequantize_kernel(egu, egu_s, jnp.float32), dequantize_kernel(edown, edown_s, jnp.float32)))
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-4, atol=1e-5)
+    off = experts.routed_experts(x, ids, gu, down, (egu, edown), scales=(gu_s, down_s),
+                                 extra_scales=(egu_s, edown_s * 2), interpret=True)
+    assert np.abs(np.asarray(off) - np.asarray(want)).max() > 1e-3
+    with pytest.raises(ValueError, match="scales"):  # an extra scale of the wrong shape is named
+        experts.routed_experts(x, ids, gu, down, (egu, edown), scales=(gu_s, down_s),
+                               extra_scales=(egu_s[:, :, :8], edown_s), interpret=True)
 
 
 @pytest.mark.parametrize("width", [128, 96])

@@ -51,7 +51,7 @@ from jspec.kernels.row import matmul as row_matmul, mla as row_mla, norm as row_
 from jspec.kernels.tiling import in_order_sum, is_pow2
 from jspec.models.layers import (INIT, DecoderLM, FlaxFamily, Linear, RMSNorm, call_layer, loaded_param, product,
                                  rows_alone)
-from jspec.quantization import GROUP, expert_scales, kernel_of
+from jspec.quantization import GROUP, dequantized_experts, expert_scales, kernel_of
 
 LATENT_NORM_EPS = 1e-6  # the q/kv latent norms use RMSNorm's default, not rms_norm_eps
 # `Tuning.row_invariant=None` turns it on for programs of up to this many rows: measured
@@ -349,7 +349,7 @@ class MoE(nn.Module):
                             | ({"bias": jnp.zeros((E,), jnp.float32)} if c.scoring == "sigmoid" else {}))
         n = c.devices if c.per_device else 1  # a device's block: E/n experts, Fm/n shared columns
         experts = loaded_param(self, "experts", stacked(E // n, Fm))  # FP8: with their scales (`expert_scales`)
-        shared = self.param("shared_experts", stacked(S, Fm // n)) if S else None
+        shared = loaded_param(self, "shared_experts", stacked(S, Fm // n)) if S else None  # FP8: with scales
         xs = x.reshape(B * T, D)
         r = c.routing
         tuning = self.tuning
@@ -368,7 +368,8 @@ class MoE(nn.Module):
             extra = (shared["gate_up"], shared["down"]) if S else None
             y = moe_experts.moe_experts(xs, ids, experts["gate_up"], experts["down"], extra, r.slots,
                                         norm=norm, tiles=tuning.experts, as_tokens=1 if row_invariant else None,
-                                        scales=expert_scales(experts))  # [N*(k+S), D]
+                                        scales=expert_scales(experts),
+                                        extra_scales=expert_scales(shared) if S else None)  # [N*(k+S), D]
             y = y.reshape(B * T, r.slots, D)
             if row_invariant:  # slot order, elementwise
                 out = in_order_sum(jnp.moveaxis(y * weights[:, :r.slots, None], 1, 0))
@@ -379,9 +380,10 @@ class MoE(nn.Module):
             y = moe_grouped.grouped(xs, ids[:, :k], experts["gate_up"], experts["down"], tiles=tuning.grouped,
                                     scales=expert_scales(experts)).reshape(B * T, k, D)
             out = jnp.einsum("nkd,nk->nd", y.astype(jnp.float32), weights[:, :k])
-            if S:  # each shared expert as one dense product over the tokens
-                h = jnp.einsum("nd,sdf->nsf", xs, shared["gate_up"])  # [N,S,2Fm]
-                out = out + jnp.einsum("nsf,sfd->nd", silu_mul(h[..., :Fm], h[..., Fm:]), shared["down"],
+            if S:  # each shared expert as one dense product over the tokens (FP8 ones dequantized)
+                gate_up, down = dequantized_experts(shared["gate_up"], shared["down"], expert_scales(shared), xs.dtype)
+                h = jnp.einsum("nd,sdf->nsf", xs, gate_up)  # [N,S,2Fm]
+                out = out + jnp.einsum("nsf,sfd->nd", silu_mul(h[..., :Fm], h[..., Fm:]), down,
                                        preferred_element_type=jnp.float32)
         return out.astype(x.dtype).reshape(B, T, D)
 

@@ -14,7 +14,7 @@ import numpy as np
 from jspec.config import DTYPES, RopeConfig
 from jspec.kernels.moe.route import Routing
 from jspec.models.llama_hf import rope_from_hf
-from jspec.tensors import HostParam, Tensors, hf_linear, stacked_experts, to_numpy, unstacked_experts
+from jspec.tensors import HostParam, Tensors, hf_linear, to_numpy, unstacked_experts
 
 TARGET_ARCHITECTURES = ("DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM", "DeepseekV32ForCausalLM")
 TOPK_METHODS = ("greedy", "group_limited_greedy", "noaux_tc")
@@ -255,10 +255,7 @@ def layer_params(t: Tensors, prefix: str, c: DeepseekConfig, layer: int) -> dict
         mlp: dict[str, Any] = {"router": {"kernel": t.param((m + "gate.weight", (E, D))).T.astype("float32")},
                                "experts": t.experts(m + "experts.", E, D, Fm, keep_fp8=True)}
         if S:  # the shared MLP of width S*Fm as S experts of width Fm (see `models.deepseek.MoE`)
-            sh = m + "shared_experts."
-            gate, up = (np.split(t.take(f"{sh}{n}_proj.weight", (S * Fm, D)), S, axis=0) for n in ("gate", "up"))
-            down = np.split(t.take(sh + "down_proj.weight", (D, S * Fm)), S, axis=1)
-            mlp["shared_experts"] = stacked_experts([w for parts in zip(gate, up, down) for w in parts], t.dtype)
+            mlp["shared_experts"] = t.shared_experts(m + "shared_experts.", S, D, Fm, keep_fp8=True)
         if c.scoring == "sigmoid":
             mlp["router"]["bias"] = t.param((m + "gate.e_score_correction_bias", (E,)), dtype="float32")
     else:

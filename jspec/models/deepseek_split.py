@@ -9,13 +9,14 @@ sums.
 from __future__ import annotations
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from flax import linen as nn
 from jax.sharding import PartitionSpec as P
 
 from jspec import sharding
 from jspec.models.deepseek_hf import DeepseekConfig
-from jspec.quantization import dequantize_uneven_rows
+from jspec.quantization import GROUP, dequantize_host, dequantize_uneven_rows
 
 
 def layer_on_devices(c: DeepseekConfig, layer: nn.Module, params, x, buf, meta):
@@ -44,6 +45,7 @@ def device_splits(c: DeepseekConfig) -> dict:
               ("experts", "gate_up"): P(A, None, None), ("experts", "down"): P(A, None, None),
               ("experts", "gate_up_scale"): P(A, None, None), ("experts", "down_scale"): P(A, None, None),
               ("shared_experts", "gate_up"): P(None, None, A), ("shared_experts", "down"): P(None, A, None),
+              ("shared_experts", "gate_up_scale"): P(None, None, A), ("shared_experts", "down_scale"): P(None, A, None),
               ("embed_tokens", "embedding"): P(A, None), ("lm_head", "kernel"): P(None, A),
               ("embed",): P(A, None), ("head",): P(None, A)}
     if not c.q_lora_rank:  # q_proj's columns by head, each device's followed by the latent's (`split_deepseek`)
@@ -78,7 +80,9 @@ def split_deepseek(c: DeepseekConfig, weights, n: int):
     [gate | up] halves of dense and shared MLPs per device (`halves_by_device`) and, without
     a query latent, q_proj's columns of its heads followed by the latent's (those repeat
     on every device); FP8 kernels' scales with their columns
-    (`quantization.dequantize_uneven_rows`). Host weights stay unread (`HostParam`)."""
+    (`quantization.dequantize_uneven_rows`; FP8 shared experts whose Fm / n rows of down are
+    not whole groups dequantized, `dequantize_uneven_shared`). Host weights stay unread
+    (`HostParam`)."""
     _check_split(c, n)
     Q = c.num_heads * c.qk_head_dim
     Dcr = c.kv_lora_rank + c.qk_rope_head_dim
@@ -89,8 +93,26 @@ def split_deepseek(c: DeepseekConfig, weights, n: int):
             return sharding.take_columns(w, qkv_cols)
         if keys[-2:] in (("gate_up_proj", "kernel"), ("gate_up_proj", "kernel_scale")):
             return sharding.take_columns(w, sharding.halves_by_device(c.intermediate_size, n))
-        if keys[-2:] == ("shared_experts", "gate_up"):
+        if keys[-2:] in (("shared_experts", "gate_up"), ("shared_experts", "gate_up_scale")):
             return sharding.take_columns(w, sharding.halves_by_device(c.moe_intermediate_size, n))
         return w
-    weights = sharding.map_weights(reorder, dequantize_uneven_rows(weights, n, c.jnp_dtype, ROWS))
+    weights = dequantize_uneven_shared(dequantize_uneven_rows(weights, n, c.jnp_dtype, ROWS), n, c.jnp_dtype)
+    weights = sharding.map_weights(reorder, weights)
     return c.replace(devices=n), weights, sharding.weight_specs(weights, n, device_splits(c), VOCAB_SPLITS)
+
+
+def dequantize_uneven_shared(tree, n: int, dtype):
+    """A weight tree with every FP8 shared-experts stack whose down projection's Fm / n rows
+    a device (its block of the Fm columns split over n) are not whole groups of GROUP
+    dequantized to `dtype` (its scales dropped): a device's block must hold whole groups."""
+    if not isinstance(tree, dict):
+        return tree
+    out = {}
+    for k, v in tree.items():
+        if k == "shared_experts" and isinstance(v, dict) and "down_scale" in v and (v["down"].shape[1] // n) % GROUP:
+            out[k] = {name: jnp.asarray(dequantize_host(np.asarray(v[name]), np.asarray(v[name + "_scale"])), dtype)
+                      for name in ("gate_up", "down")}
+        else:
+            out[k] = dequantize_uneven_shared(v, n, dtype)
+    return out
+

@@ -208,7 +208,8 @@ def _row_chunk(x_ref, norm_ref, row, kc, size: int, rstd):
 
 def _kernel(ids_ref, x_ref, w_ref, *rest, din: int, dout: int, num_experts: int, num_extra: int,
             block_k: int, block_n: int, chunks_per_split: int, num_chunks: int,
-            reduce_each_step: bool, slots: int, token_rows: bool, gated, norm_eps, scaled: bool = False):
+            reduce_each_step: bool, slots: int, token_rows: bool, gated, norm_eps, scaled: bool = False,
+            extra_scaled: bool = False):
     """One (pair p, column tile j, K split s).
 
     ids_ref [N, KP] int32 (pair p: ids[p // slots, p % slots]); x_ref [N, Din] (token_rows)
@@ -217,13 +218,14 @@ def _kernel(ids_ref, x_ref, w_ref, *rest, din: int, dout: int, num_experts: int,
     with `num_extra`, the extra experts' [E2, Din, Dout] (ids E.. E+E2-1) (whole arrays);
     with `norm_eps`, norm_ref [Din]: x's rows RMS-normed with that weight first; with
     `scaled`, scale_ref [E, Din / GROUP, Dout] float32: w holds FP8 values, each weight
-    times the scale of its group of GROUP rows and its column (a chunk lies in one group;
-    the extra experts' weights are not scaled);
+    times the scale of its group of GROUP rows and its column (a chunk lies in one group);
+    with `extra_scaled`, extra_scale_ref [E2, Din / GROUP, Dout]: the same for the extra experts;
     o_ref [S, P, Dout] float32 (whole; this program writes [s, p, n0:n0+BN])."""
     rest = list(rest)
     norm_ref = rest.pop(0) if norm_eps is not None else None
     scale_ref = rest.pop(0) if scaled else None
     extra_ref = rest.pop(0) if num_extra else None
+    extra_scale_ref = rest.pop(0) if extra_scaled else None
     o_ref, = rest
     p, j, s = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     e = ids_ref[p // slots, p % slots]
@@ -269,7 +271,7 @@ def _kernel(ids_ref, x_ref, w_ref, *rest, din: int, dout: int, num_experts: int,
     if num_extra:
         @pl.when((e >= num_experts) & (e < num_experts + num_extra))
         def _():
-            product(extra_ref, jnp.clip(e - num_experts, 0, num_extra - 1))
+            product(extra_ref, jnp.clip(e - num_experts, 0, num_extra - 1), extra_scale_ref)
 
 
 def _table(ids, slots):
@@ -284,11 +286,15 @@ def _table(ids, slots):
     return ids2, slots
 
 
-def _check_matmul(x, ids, w, extra=None, slots=None, gated=None, norm=None, w_scale=None):
+def _check_matmul(x, ids, w, extra=None, slots=None, gated=None, norm=None, w_scale=None, extra_scale=None):
     """Raises ValueError / TypeError for arguments `expert_matmul` does not take; else
     -> (ids as a table [N, KP], slots, pairs P, whether x has a row per token)."""
     if w_scale is not None:
         _check_scale(w, w_scale)
+    if extra_scale is not None:
+        if extra is None:
+            raise ValueError("extra_scale goes with extra experts, and there are none")
+        _check_scale(extra, extra_scale)
     if norm is not None:
         if gated is not None:
             raise ValueError("norm and gated exclude each other (a gated input is a product's K splits)")
@@ -302,11 +308,11 @@ def _check_matmul(x, ids, w, extra=None, slots=None, gated=None, norm=None, w_sc
         if getattr(extra, "ndim", None) != 3 or getattr(w, "ndim", None) != 3 or extra.shape[1:] != w.shape[1:]:
             raise ValueError(f"extra experts must be [E2, Din, Dout] like w {getattr(w, 'shape', w)}, got "
                              f"{getattr(extra, 'shape', extra)}")
-        if w_scale is None and extra.dtype != w.dtype:
+        if w_scale is None and extra_scale is None and extra.dtype != w.dtype:
             raise TypeError(f"extra experts' dtype {extra.dtype} differs from w's {w.dtype}")
-        if w_scale is not None and jnp.dtype(extra.dtype) not in map(jnp.dtype, KERNEL_DTYPES):
-            raise TypeError(f"extra experts beside FP8 ones are read unscaled: float32, bfloat16 or float16, "
-                            f"got {extra.dtype}")
+        if w_scale is not None and extra_scale is None and jnp.dtype(extra.dtype) not in map(jnp.dtype, KERNEL_DTYPES):
+            raise TypeError(f"extra experts beside FP8 ones are float32, bfloat16 or float16, or FP8 with "
+                            f"extra_scale, got {extra.dtype}")
     if getattr(w, "ndim", None) != 3 or getattr(x, "ndim", None) != (3 if gated is not None else 2):
         want = "[S1, P, 2 Din] (gated)" if gated is not None else "[N or P, Din]"
         raise ValueError(f"expert_matmul needs x {want} and w [E, Din, Dout], got shapes "
@@ -350,7 +356,7 @@ def _check_scale(w, w_scale) -> None:
 
 
 def expert_matmul(x, ids, w, extra=None, *, slots: int | None = None, gated=None, norm=None, w_scale=None,
-                  sum_splits: bool = True,
+                  extra_scale=None, sum_splits: bool = True,
                   block_n: int | None = None, block_k: int | None = None, num_splits: int | None = None,
                   num_warps: int | None = None, num_stages: int | None = None,
                   reduce_each_step: bool = False, interpret: bool | None = None, tiles: ExpertTiles | None = None,
@@ -381,9 +387,10 @@ def expert_matmul(x, ids, w, extra=None, *, slots: int | None = None, gated=None
     the default splits as for this many pairs (None: P): a fixed number makes each pair's
     sums independent of the others (`Tuning.row_invariant`). w_scale [E, Din / GROUP, Dout]
     float32: w is FP8 (`jspec.quantization`), each weight times the scale of its group of
-    GROUP rows and its column; chunks then take at most GROUP rows (the extra experts are
-    read as they are: the compute dtype, unscaled)."""
-    ids2, slots, P, token_rows = _check_matmul(x, ids, w, extra, slots, gated, norm, w_scale)
+    GROUP rows and its column; chunks then take at most GROUP rows. extra_scale [E2, Din /
+    GROUP, Dout]: the same for FP8 extra experts (without it they are read as they are: the
+    compute dtype, unscaled)."""
+    ids2, slots, P, token_rows = _check_matmul(x, ids, w, extra, slots, gated, norm, w_scale, extra_scale)
     E, Din, Dout = w.shape
     E2 = 0 if extra is None else extra.shape[0]
     t = ExpertTiles() if tiles is None else tiles
@@ -393,7 +400,7 @@ def expert_matmul(x, ids, w, extra=None, *, slots: int | None = None, gated=None
         if not is_pow2(v):
             raise ValueError(f"{name} must be a power of two, got {v!r}")
     BN = min(block_n, pow2_floor(Dout))
-    BK = min(block_k, pow2_floor(Din), GROUP if w_scale is not None else Din)
+    BK = min(block_k, pow2_floor(Din), GROUP if w_scale is not None or extra_scale is not None else Din)
     col_tiles = pl.cdiv(Dout, BN)
     num_chunks = pl.cdiv(Din, BK)
     if num_splits is None:
@@ -410,7 +417,8 @@ def expert_matmul(x, ids, w, extra=None, *, slots: int | None = None, gated=None
                                block_n=BN, chunks_per_split=per_split, num_chunks=num_chunks,
                                reduce_each_step=bool(reduce_each_step), slots=slots, token_rows=token_rows,
                                gated=None if gated is None else jnp.dtype(gated),
-                               norm_eps=None if norm is None else float(norm[1]), scaled=w_scale is not None)
+                               norm_eps=None if norm is None else float(norm[1]), scaled=w_scale is not None,
+                               extra_scaled=extra_scale is not None)
     params = None
     if not interpret:
         from jax.experimental.pallas import triton as plt
@@ -420,14 +428,14 @@ def expert_matmul(x, ids, w, extra=None, *, slots: int | None = None, gated=None
     out = pl.pallas_call(
         kernel,
         grid=(P, col_tiles, S),
-        in_specs=[whole] * (3 + (norm is not None) + (w_scale is not None) + (E2 > 0)),
+        in_specs=[whole] * (3 + (norm is not None) + (w_scale is not None) + (E2 > 0) + (extra_scale is not None)),
         out_specs=whole,
         out_shape=jax.ShapeDtypeStruct((S, P, Dout), jnp.float32),
         interpret=interpret,
         compiler_params=params,
         name="jspec_expert_matmul",
     )(ids2.astype(jnp.int32), x, w, *(() if norm is None else (norm[0],)), *(() if w_scale is None else (w_scale,)),
-      *(() if extra is None else (extra,)))
+      *(() if extra is None else (extra,)), *(() if extra_scale is None else (extra_scale,)))
     if not sum_splits:
         return out
     return in_order_sum(out)
@@ -480,7 +488,7 @@ def matvec(x, w, norm=None, *, w_scale=None, float32_out: bool = False, sum_spli
 
 # --------------------------------------------------------------------------- routed experts
 
-def _check_experts(x, ids, gate_up, down, extra=None, slots=None, scales=None) -> None:
+def _check_experts(x, ids, gate_up, down, extra=None, slots=None, scales=None, extra_scales=None) -> None:
     """Raises ValueError / TypeError for arguments `routed_experts` does not take."""
     if getattr(gate_up, "ndim", None) != 3 or getattr(down, "ndim", None) != 3:
         raise ValueError(f"gate_up must be [E, D, 2Fm] and down [E, Fm, D], got "
@@ -491,21 +499,22 @@ def _check_experts(x, ids, gate_up, down, extra=None, slots=None, scales=None) -
                          f"(want [E, Fm, D] = {(E, F2 // 2, D)})")
     extra_gu, extra_down = (None, None) if extra is None else extra
     gu_scale, down_scale = (None, None) if scales is None else scales
+    extra_gu_scale, extra_down_scale = (None, None) if extra_scales is None else extra_scales
     if gate_up.dtype != down.dtype and gu_scale is None and down_scale is None:
         raise TypeError(f"gate_up and down dtypes differ: {gate_up.dtype}, {down.dtype}")
-    _, _, P, _ = _check_matmul(x, ids, gate_up, extra_gu, slots, w_scale=gu_scale)
+    _, _, P, _ = _check_matmul(x, ids, gate_up, extra_gu, slots, w_scale=gu_scale, extra_scale=extra_gu_scale)
     _check_matmul(jax.ShapeDtypeStruct((1, P, F2), jnp.float32), ids, down, extra_down, slots, gated=x.dtype,
-                  w_scale=down_scale)
+                  w_scale=down_scale, extra_scale=extra_down_scale)
     if extra is not None and extra_gu.shape[0] != extra_down.shape[0]:
         raise ValueError(f"extra experts: gate_up {extra_gu.shape} and down {extra_down.shape} hold "
                          f"different numbers of experts")
 
 
-def is_supported(x, ids, gate_up, down, extra=None, slots=None, scales=None) -> bool:
+def is_supported(x, ids, gate_up, down, extra=None, slots=None, scales=None, extra_scales=None) -> bool:
     """Whether `routed_experts` takes these arguments (the dispatch falls back to the
     reference when not)."""
     try:
-        _check_experts(x, ids, gate_up, down, extra, slots, scales)
+        _check_experts(x, ids, gate_up, down, extra, slots, scales, extra_scales)
     except (TypeError, ValueError):
         return False
     return True
@@ -513,7 +522,8 @@ def is_supported(x, ids, gate_up, down, extra=None, slots=None, scales=None) -> 
 
 def routed_experts(x, ids, gate_up, down, extra=None, slots: int | None = None, *, norm=None,
                    interpret: bool | None = None, gate_up_tiles: dict | None = None, down_tiles: dict | None = None,
-                   tiles: ExpertTiles | None = None, as_tokens: int | None = None, scales=None):
+                   tiles: ExpertTiles | None = None, as_tokens: int | None = None, scales=None,
+                   extra_scales=None):
     """The routed experts of a routing table's (token, expert) pairs with the Pallas
     kernel: x [N, D] (each token's activation; or [P, D], each pair's), ids [N, KP] int
     (each token's experts; or [P]) and slots as `expert_matmul`, gate_up [E, D, 2Fm], down
@@ -529,11 +539,13 @@ def routed_experts(x, ids, gate_up, down, extra=None, slots: int | None = None, 
     tokens whatever the table holds (`Tuning.row_invariant` passes 1: each pair's sums then
     run in the order of a one-token decode step's). scales (gate_up's [E, D / GROUP, 2Fm],
     down's [E, Fm / GROUP, D], float32): gate_up and down are FP8 (`jspec.quantization`),
-    read as FP8 and scaled (`expert_matmul(w_scale=)`); the extra experts stay unscaled.
-    Either scale may be None, its stack then in the compute dtype (a dense MLP whose width
-    is no multiple of GROUP keeps its down projection dequantized)."""
-    _check_experts(x, ids, gate_up, down, extra, slots, scales)
+    read as FP8 and scaled (`expert_matmul(w_scale=)`). Either scale may be None, its stack
+    then in the compute dtype (a dense MLP whose width is no multiple of GROUP keeps its
+    down projection dequantized). extra_scales: the same for FP8 extra experts (None: they
+    are in the compute dtype)."""
+    _check_experts(x, ids, gate_up, down, extra, slots, scales, extra_scales)
     gu_scale, down_scale = (None, None) if scales is None else scales
+    extra_gu_scale, extra_down_scale = (None, None) if extra_scales is None else extra_scales
     t = ExpertTiles() if tiles is None else tiles
     x, norm = prologue_norm(x, norm)
     extra_gu, extra_down = (None, None) if extra is None else extra
@@ -546,30 +558,33 @@ def routed_experts(x, ids, gate_up, down, extra=None, slots: int | None = None, 
         pinned = {"tile_pairs": as_tokens * _table(ids, slots)[1]}
         first, second = first | pinned, second | pinned
     h = expert_matmul(x, ids, gate_up, extra_gu, slots=slots, sum_splits=False, norm=norm, interpret=interpret,
-                      tiles=t, w_scale=gu_scale, **(first | (gate_up_tiles or {})))  # [S1, P, 2Fm]: K splits
+                      tiles=t, w_scale=gu_scale, extra_scale=extra_gu_scale,
+                      **(first | (gate_up_tiles or {})))  # [S1, P, 2Fm]: K splits
     return expert_matmul(h, ids, down, extra_down, slots=slots, gated=x.dtype, interpret=interpret, tiles=t,
-                         w_scale=down_scale, **(second | (down_tiles or {})))
+                         w_scale=down_scale, extra_scale=extra_down_scale, **(second | (down_tiles or {})))
 
 
-def uses_kernel(x, ids, gate_up, down, extra=None, slots=None, scales=None) -> bool:
+def uses_kernel(x, ids, gate_up, down, extra=None, slots=None, scales=None, extra_scales=None) -> bool:
     """Whether `moe_experts` takes the Pallas kernel for these arguments (see the dispatch)."""
     if dispatch.backend() == "reference":
         return False
     return dispatch.want_pallas(dispatch.backend() == "pallas" or
-                                is_supported(x, ids, gate_up, down, extra, slots, scales))
+                                is_supported(x, ids, gate_up, down, extra, slots, scales, extra_scales))
 
 
 def moe_experts(x, ids, gate_up, down, extra=None, slots: int | None = None, norm=None, *,
-                tiles: ExpertTiles | None = None, as_tokens: int | None = None, scales=None):
+                tiles: ExpertTiles | None = None, as_tokens: int | None = None, scales=None, extra_scales=None):
     """Dispatch: `routed_experts` (the kernel, with `tiles` and `as_tokens`) where
     `uses_kernel`, else `routed_experts_reference`; same arguments, [P, D] float32; norm
-    (weight, eps): x's rows RMS-normed first (`rms_norm`; the kernel's prologue). scales:
-    FP8 stacks' (`routed_experts`); the reference dequantizes the stacks into x's dtype
-    first. JSPEC_KERNELS=pallas forces the kernel (interpret mode off GPU; raises for
-    arguments it does not take)."""
-    if uses_kernel(x, ids, gate_up, down, extra, slots, scales):
+    (weight, eps): x's rows RMS-normed first (`rms_norm`; the kernel's prologue). scales,
+    extra_scales: FP8 stacks' (`routed_experts`); the reference dequantizes the stacks into
+    x's dtype first. JSPEC_KERNELS=pallas forces the kernel (interpret mode off GPU; raises
+    for arguments it does not take)."""
+    if uses_kernel(x, ids, gate_up, down, extra, slots, scales, extra_scales):
         return routed_experts(x, ids, gate_up, down, extra, slots, norm=norm, tiles=tiles, as_tokens=as_tokens,
-                              scales=scales)
+                              scales=scales, extra_scales=extra_scales)
     gate_up, down = dequantized_experts(gate_up, down, scales, x.dtype)
+    if extra is not None:
+        extra = dequantized_experts(*extra, extra_scales, x.dtype)
     return routed_experts_reference(normed(x, norm), ids, gate_up, down, extra, slots)
 
