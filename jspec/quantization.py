@@ -24,11 +24,12 @@ split of a projection's outputs, for 1/128 of a float32 a weight (3% of the FP8 
 `models.layers.Linear` computes with it: `dequantize_kernel` in the graph, then the
 product in the compute dtype (the same values as dequantizing on the host, so the same
 logits), or on a GPU at decode sizes (up to `Tuning.fp8.max_rows` rows) `kernels.fp8.matmul`,
-which reads the FP8 bytes. DeepSeek's and Qwen3.5's routed experts, and DeepSeek's shared
-experts, stay FP8 as stacks with their scales (`TargetFamily.fp8_experts`, `Tensors.experts`,
-`Tensors.shared_experts`), read by the expert kernels. Other weights (experts fused into one
-tensor on disk, DeepSeek's kv_b_proj, block sizes whose columns are not whole groups) are
-dequantized on the host, tensor by
+which reads the FP8 bytes. DeepSeek's and Qwen3.5's routed experts (one tensor an expert,
+or fused into one on disk), and DeepSeek's shared experts, stay FP8 as stacks with their
+scales (`TargetFamily.fp8_experts`, `Tensors.experts`, `Tensors.fused_experts`,
+`Tensors.shared_experts`), read by the expert kernels. Other weights (DeepSeek's
+kv_b_proj, block sizes whose columns are not whole groups) are dequantized on the host,
+tensor by
 tensor, into float32 (then the family casts them to the compute dtype): the model computes
 with the dequantized weights, so its logits equal transformers' on the same dequantized
 weights.
@@ -124,11 +125,12 @@ def groups_of(columns: int) -> int:
 
 
 def block_group_scales(scale: np.ndarray, block, shape) -> np.ndarray:
-    """Block scales [ceil(out / bm), ceil(in / bn)] (bn a multiple of GROUP) of a weight
-    [out, in] -> its scales per row and group [out, ceil(in / GROUP)]."""
+    """Block scales [..., ceil(out / bm), ceil(in / bn)] (bn a multiple of GROUP) of a weight
+    [..., out, in] (a stack of experts' too) -> its scales per row and group [..., out,
+    ceil(in / GROUP)]."""
     bm, bn = block
-    rows = np.repeat(scale, bm, axis=0)[:shape[0]]
-    return np.ascontiguousarray(np.repeat(rows, bn // GROUP, axis=1)[:, :groups_of(shape[1])], np.float32)
+    rows = np.repeat(scale, bm, axis=-2)[..., :shape[-2], :]
+    return np.ascontiguousarray(np.repeat(rows, bn // GROUP, axis=-1)[..., :groups_of(shape[-1])], np.float32)
 
 
 def dequantize_kernel(kernel, scale, dtype):
@@ -201,8 +203,9 @@ def fp8_blocks(w: np.ndarray, block) -> tuple[np.ndarray, np.ndarray]:
 def dequantize(tensors: dict, cfg_json, where: str, keep: bool = False) -> dict:
     """The checkpoint's tensors with every FP8 weight dequantized to float32 and its scales
     removed (others untouched; block-scaled experts fused into one tensor [E, out, in] with
-    scales [E, ...] too); with `keep`, 2-D FP8 weights whose scales allow it stay FP8
-    beside their group scales (`SCALE_SUFFIX`, see the module). ValueError: an unsupported
+    scales [E, ...] too); with `keep`, FP8 weights whose scales allow it stay FP8 beside
+    their group scales (`SCALE_SUFFIX`, see the module; a fused stack's [E, out,
+    ceil(in / GROUP)]). ValueError: an unsupported
     method or scheme, a quantized weight without its scale or with one of the wrong shape,
     FP8 tensors in a checkpoint that declares no quantization."""
     qc = cfg_json.get("quantization_config") if hasattr(cfg_json, "get") else None
@@ -222,10 +225,9 @@ def dequantize(tensors: dict, cfg_json, where: str, keep: bool = False) -> dict:
                              f"as [128, 128]), got {block!r}")
         keeps = keep and block[1] % GROUP == 0
 
-        def blocks(w, s, name):  # experts fused into one tensor [E, out, in] on disk: dequantized
+        def blocks(w, s, name):  # (experts fused into one tensor [E, out, in] on disk too)
             _check_blocks(w, s, block, name, where)
-            return (w, block_group_scales(s, block, w.shape)) if keeps and w.ndim == 2 else \
-                _blocks(w, s, block, name, where)
+            return (w, block_group_scales(s, block, w.shape)) if keeps else _blocks(w, s, block, name, where)
         return _apply(tensors, fp8, "_scale_inv", where, blocks)
     if method == "compressed-tensors":
         _check_compressed(qc, where)

@@ -167,17 +167,18 @@ class Tensors:
         (`jspec.quantization`) comes dequantized to float32 (only `linear` keeps it FP8)."""
         a = self._pop(name, shape)
         if name + SCALE_SUFFIX in self.tensors:
-            scales = self._pop(name + SCALE_SUFFIX, (shape[0], groups_of(shape[1])))
-            return dequantize_host(np.asarray(a).T, np.asarray(scales).T).T
+            scales = self._pop(name + SCALE_SUFFIX, tuple(shape[:-1]) + (groups_of(shape[-1]),))
+            return np.swapaxes(dequantize_host(np.swapaxes(np.asarray(a), -1, -2),
+                                               np.swapaxes(np.asarray(scales), -1, -2)), -1, -2)
         return a
 
     def kept_fp8(self, name: str, shape: tuple[int, ...]) -> tuple[np.ndarray, np.ndarray] | None:
-        """A weight [out, in] kept FP8 beside its group scales (`jspec.quantization`) -> (the
-        FP8 weight, its scales [out, ceil(in / GROUP)] float32); None for another weight
-        (left to be taken)."""
+        """A weight [out, in] (or a stack [E, out, in]) kept FP8 beside its group scales
+        (`jspec.quantization`) -> (the FP8 weight, its scales [..., out, ceil(in / GROUP)]
+        float32); None for another weight (left to be taken)."""
         if not self.has(name + SCALE_SUFFIX):
             return None
-        return self._pop(name, shape), self._pop(name + SCALE_SUFFIX, (shape[0], groups_of(shape[1])))
+        return self._pop(name, shape), self._pop(name + SCALE_SUFFIX, tuple(shape[:-1]) + (groups_of(shape[-1]),))
 
     def _pop(self, name: str, shape: tuple[int, ...]) -> np.ndarray:
         if name not in self.tensors:
@@ -212,6 +213,22 @@ class Tensors:
         w, scales = zip(*(self.kept_fp8(n, s) for n, s in names))
         out = stacked_experts(w, w[0].dtype)
         return out | {k + "_scale": v for k, v in stacked_experts(scales, np.float32).items()}
+
+    def fused_experts(self, prefix: str, E: int, D: int, Fm: int, keep_fp8: bool = False) -> dict:
+        """A layer's E routed experts fused into one tensor each on disk (transformers'
+        `prefix`gate_up_proj [E, 2Fm, D], gate then up, and `prefix`down_proj [E, D, Fm]) ->
+        the stacks `experts` gives, FP8 with their scales where `experts` would keep them."""
+        names = [(prefix + "gate_up_proj", (E, 2 * Fm, D)), (prefix + "down_proj", (E, D, Fm))]
+        if keep_fp8 and not (D % GROUP or Fm % GROUP) and all(self.has(n + SCALE_SUFFIX) for n, _ in names) \
+                and len({self.tensors[n].dtype for n, _ in names}) == 1:
+            (gate_up, gate_up_scale), (down, down_scale) = (self.kept_fp8(n, s) for n, s in names)
+            swap = lambda a: np.ascontiguousarray(np.swapaxes(np.asarray(a), 1, 2))  # noqa: E731  [E, in, out]
+            fp8, f32 = np.asarray(gate_up).dtype, np.float32
+            return {"gate_up": self.as_param(swap(gate_up), fp8), "down": self.as_param(swap(down), fp8),
+                    "gate_up_scale": self.as_param(swap(gate_up_scale), f32),
+                    "down_scale": self.as_param(swap(down_scale), f32)}
+        gate_up, down = (np.swapaxes(self.take(n, s), 1, 2) for n, s in names)
+        return {"gate_up": self.as_param(np.ascontiguousarray(gate_up)), "down": self.as_param(np.ascontiguousarray(down))}
 
     def shared_experts(self, prefix: str, S: int, D: int, Fm: int, keep_fp8: bool = False) -> dict:
         """A shared MLP of width S*Fm (`prefix`{gate,up}_proj.weight [S*Fm, D],

@@ -543,24 +543,32 @@ def fuse_fp8_experts(path: str) -> None:
     safetensors_io.save(file, tensors)
 
 
-def test_block_fp8_experts_fused_on_disk_are_read_dequantized(tmp_path):
+def test_block_fp8_experts_fused_on_disk_stay_fp8(tmp_path):
     """A block-FP8 Qwen3.5-MoE whose routed experts are fused into one tensor each on disk
     (transformers' `experts.gate_up_proj` [E, 2Fm, D] and `experts.down_proj` [E, D, Fm],
-    block scales per expert [E, ...]) loads with those stacks dequantized (the attention's
-    projections stay FP8) and gives transformers' logits on the dequantized weights; a
-    fused scale of the wrong shape is refused by name."""
+    block scales per expert [E, ...]) loads with those stacks FP8 and their group scales,
+    the same bytes and scales as the one-tensor-an-expert checkpoint gives, and gives
+    transformers' logits on the dequantized weights; a fused scale of the wrong shape is
+    refused by name."""
+    import shutil
     from test_qwen3_next import make_hybrid
     path = str(tmp_path / "fused")
     model = make_hybrid(path, "qwen3_5_moe", hidden_size=128, moe_intermediate_size=128)
     deq = write_block_fp8(path)
     ref = with_weights(model, fused_experts(deq, model.state_dict()))
+    shutil.copytree(path, str(tmp_path / "per_expert"))
     fuse_fp8_experts(path)
     params = jspec.load(path, dtype="float32")
     c = params.config
     full = params.weights["params"][f"layers_{c.full_layers[0]}"]
     assert full["self_attn"]["qkv_proj"]["kernel"].dtype == ml_dtypes.float8_e4m3fn
     experts = full["mlp"]["experts"]
-    assert experts["gate_up"].dtype == experts["down"].dtype == np.float32 and "gate_up_scale" not in experts
+    assert experts["gate_up"].dtype == experts["down"].dtype == ml_dtypes.float8_e4m3fn
+    per_expert = jspec.load(str(tmp_path / "per_expert"), dtype="float32")
+    want = per_expert.weights["params"][f"layers_{c.full_layers[0]}"]["mlp"]["experts"]
+    assert sorted(experts) == sorted(want) == ["down", "down_scale", "gate_up", "gate_up_scale"]
+    for name in want:
+        np.testing.assert_array_equal(np.asarray(experts[name], np.float32), np.asarray(want[name], np.float32), name)
     for p in PROMPTS:
         np.testing.assert_allclose(logits_of(params, p), hf_logits(ref, p), atol=2e-4, rtol=1e-4)
     file = os.path.join(path, "model.safetensors")

@@ -252,11 +252,8 @@ def ba_order(c: HybridConfig) -> np.ndarray:
 def _experts(t: Tensors, m: str, c: HybridConfig) -> dict:
     E, D, Fm = c.num_experts, c.hidden_size, c.moe_intermediate_size
     if t.has(m + "experts.gate_up_proj"):  # transformers' fused layout
-        gate_up = t.take(m + "experts.gate_up_proj", (E, 2 * Fm, D)).transpose(0, 2, 1)
-        down = t.take(m + "experts.down_proj", (E, D, Fm)).transpose(0, 2, 1)
-    else:  # one tensor an expert: FP8 ones kept (`Tensors.experts`)
-        return t.experts(m + "experts.", E, D, Fm, keep_fp8=True)
-    return {"gate_up": t.as_param(np.ascontiguousarray(gate_up)), "down": t.as_param(np.ascontiguousarray(down))}
+        return t.fused_experts(m + "experts.", E, D, Fm, keep_fp8=True)
+    return t.experts(m + "experts.", E, D, Fm, keep_fp8=True)  # one tensor an expert; FP8 ones kept either way
 
 
 def mlp_params(t: Tensors, m: str, c: HybridConfig, moe: bool) -> dict:
