@@ -207,20 +207,26 @@ class Tensors:
         D]} float32 (`quantization.expert_scales`); otherwise dequantized."""
         names = [(f"{prefix}{e}.{n}_proj.weight", (D, Fm) if n == "down" else (Fm, D))
                  for e in range(E) for n in ("gate", "up", "down")]
-        if not keep_fp8 or D % GROUP or Fm % GROUP or not all(self.has(n + SCALE_SUFFIX) for n, _ in names) \
-                or len({self.tensors[n].dtype for n, _ in names}) != 1:
+        if not (keep_fp8 and self._experts_stay_fp8(names, D, Fm)):
             return stacked_experts([self.take(n, s) for n, s in names], self.dtype)
         w, scales = zip(*(self.kept_fp8(n, s) for n, s in names))
         out = stacked_experts(w, w[0].dtype)
         return out | {k + "_scale": v for k, v in stacked_experts(scales, np.float32).items()}
+
+    def _experts_stay_fp8(self, names_shapes, D: int, Fm: int) -> bool:
+        """Whether experts' tensors stay FP8: D and Fm whole groups of GROUP (the expert
+        kernels read chunks of one group) and every tensor kept FP8 beside its scales, all of
+        one FP8 dtype."""
+        names = [n for n, _ in names_shapes]
+        return not (D % GROUP or Fm % GROUP) and all(self.has(n + SCALE_SUFFIX) for n in names) \
+            and len({self.tensors[n].dtype for n in names}) == 1
 
     def fused_experts(self, prefix: str, E: int, D: int, Fm: int, keep_fp8: bool = False) -> dict:
         """A layer's E routed experts fused into one tensor each on disk (transformers'
         `prefix`gate_up_proj [E, 2Fm, D], gate then up, and `prefix`down_proj [E, D, Fm]) ->
         the stacks `experts` gives, FP8 with their scales where `experts` would keep them."""
         names = [(prefix + "gate_up_proj", (E, 2 * Fm, D)), (prefix + "down_proj", (E, D, Fm))]
-        if keep_fp8 and not (D % GROUP or Fm % GROUP) and all(self.has(n + SCALE_SUFFIX) for n, _ in names) \
-                and len({self.tensors[n].dtype for n, _ in names}) == 1:
+        if keep_fp8 and self._experts_stay_fp8(names, D, Fm):
             (gate_up, gate_up_scale), (down, down_scale) = (self.kept_fp8(n, s) for n, s in names)
             swap = lambda a: np.ascontiguousarray(np.swapaxes(np.asarray(a), 1, 2))  # noqa: E731  [E, in, out]
             fp8, f32 = np.asarray(gate_up).dtype, np.float32
@@ -236,8 +242,7 @@ class Tensors:
         stacks, FP8 with their scales as `experts` keeps them (D and Fm whole groups of
         GROUP: each expert's scales are whole groups of the MLP's), else dequantized."""
         names = [(f"{prefix}{n}_proj.weight", (D, S * Fm) if n == "down" else (S * Fm, D)) for n in ("gate", "up", "down")]
-        kept = keep_fp8 and not (D % GROUP or Fm % GROUP) and all(self.has(n + SCALE_SUFFIX) for n, _ in names) \
-            and len({self.tensors[n].dtype for n, _ in names}) == 1
+        kept = keep_fp8 and self._experts_stay_fp8(names, D, Fm)
         taken = [self.kept_fp8(n, s) if kept else (self.take(n, s), None) for n, s in names]
 
         def experts_of(gate, up, down):  # the MLP's tensors (or their scales) -> S experts' (gate, up, down)
