@@ -29,8 +29,7 @@ or fused into one on disk), and DeepSeek's shared experts, stay FP8 as stacks wi
 scales (`TargetFamily.fp8_experts`, `Tensors.experts`, `Tensors.fused_experts`,
 `Tensors.shared_experts`), read by the expert kernels. Other weights (DeepSeek's
 kv_b_proj, block sizes whose columns are not whole groups) are dequantized on the host,
-tensor by
-tensor, into float32 (then the family casts them to the compute dtype): the model computes
+tensor by tensor, into float32 (then the family casts them to the compute dtype): the model computes
 with the dequantized weights, so its logits equal transformers' on the same dequantized
 weights.
 
