@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import functools
 import glob
 import json
 import os
@@ -532,6 +533,55 @@ def rolled(tree, key):
                                 else jnp.roll(x, s % x.shape[0], axis=0) for x, s in zip(leaves, shifts)])
 
 
+def random_copies_split(cfg, n: int, *, fp8: bool = False, draft=None, seed: int = 0) -> jspec.Params:
+    """`random_params` for a model that fits only split over n devices (n = 1: no split),
+    never whole on one: the leading layers that hold one layer of every shape
+    (`first_layers`) are made on the first device with `draft(cfg)` (a DraftParams, or
+    None), rounded to FP8 there with fp8 (`quantize_params`: the target's projections and
+    experts, the draft as it is), split by `jspec.shard`, and every later layer is a copy
+    of the split first layer of its shape with its values rolled (`rolled_split`): its
+    memory its own, on its devices."""
+    from jspec.quantization import quantize_params
+    jax.config.update("jax_default_prng_impl", "rbg")
+    small, firsts, kinds = first_layers(cfg)
+    made = jax.jit(lambda key: family_for(small).init_weights(small, key))(jax.random.key(seed))
+    params = jspec.Params(config=small, weights=made, draft=None if draft is None else draft(cfg))
+    del made
+    if fp8:
+        params = dataclasses.replace(quantize_params(params), draft=params.draft)
+    if n > 1:
+        params = jspec.shard(params, n)
+    template = params.weights["params"]
+    weights = {name: w for name, w in template.items() if not name.startswith("layers_")}
+    keys = jax.random.split(jax.random.key(seed + 1), cfg.num_layers)
+    for i, kind in enumerate(kinds):
+        first = template[f"layers_{firsts[kind]}"]
+        weights[f"layers_{i}"] = first if i == firsts[kind] else rolled_split(first, keys[i])
+    cut = {f.name: getattr(cfg, f.name) for f in dataclasses.fields(cfg)
+           if getattr(cfg, f.name) != getattr(small, f.name)}  # the fields `first_layers` cut
+    return dataclasses.replace(params, config=dataclasses.replace(params.config, **cut), weights={"params": weights})
+
+
+def rolled_split(tree, key):
+    """`rolled` for split arrays: each array's values rolled along its first axis that every
+    device holds whole, in place on its devices (nothing moves between them)."""
+    leaves, structure = jax.tree.flatten(tree)
+    def whole_axis(x):  # the first axis no device holds a part of (0 if none)
+        spec = tuple(x.sharding.spec) if isinstance(x.sharding, jax.sharding.NamedSharding) else ()
+        return next((a for a in range(x.ndim) if a >= len(spec) or spec[a] is None), 0)
+    axes = tuple(whole_axis(x) for x in leaves)
+    out = _rolled_along(axes, tuple(x.sharding for x in leaves))(leaves, key)
+    return structure.unflatten(out)
+
+
+@functools.cache
+def _rolled_along(axes: tuple, shardings: tuple):
+    def roll(leaves, key):
+        shifts = jax.random.randint(key, (len(leaves),), 0, 2 ** 30)
+        return [jnp.roll(x, s % x.shape[a], axis=a) if x.ndim else x for x, s, a in zip(leaves, shifts, axes)]
+    return jax.jit(roll, out_shardings=list(shardings))
+
+
 def first_layers(cfg):
     """(cfg cut to the fewest leading layers that hold one layer of every shape, {shape
     kind: its first layer}, each layer's shape kind), the kinds told apart by the layers'
@@ -771,6 +821,15 @@ class Runner:
             if best is None or per < best[0]:
                 best = (per, rounds, toks)
         return best
+
+
+def program_temp_GB(prog) -> float | None:
+    """GB of temporaries (XLA's memory analysis, on each device) of a compiled generation's
+    program (`jspec.compile`) for its compiled requests; None where the backend gives none."""
+    from jspec.loop import programs
+    rows, adm = prog.device_inputs(prog.requests())
+    analysis = prog.program(programs.generate_jit, rows, adm).memory_analysis()
+    return None if analysis is None else analysis.temp_size_in_bytes / 1e9
 
 
 def rounded(d: dict) -> dict:

@@ -17,10 +17,12 @@ Run: PYTHONPATH=. python3 benchmarks/qwen35.py check | 27b|35b [decode] [mtp | m
 
 split: the hybrid split over n GPUs against one (`split_main`): a small Qwen3.5-MoE's
 tokens through the kernels on n GPUs against one, and the Qwen3.5-122B-A10B shape cut to
---layers: decode and the MTP chain on 1 and n GPUs.
+--layers (48: the whole model): decode and the MTP chain on each GPU count of --gpus (default
+1 and n), its random weights made split (`common.random_copies_split`: never whole on one GPU).
     PYTHONPATH=. python3 benchmarks/qwen35.py split [check] [decode] [--devices 2] [--layers 8] [--batches 1,32]
-        [--precision highest] [--fp8] [--cases plain_paged16,chain_paged16,...]
-Result: $OUT/qwen35_split_<n>.json
+        [--precision highest] [--fp8] [--cases plain_paged16,chain_paged16,...] [--gpus 1,2] [--reps 2] [--no-mtp]
+        [--prefill-block 256]
+Result: $OUT/qwen35_split_<n>[_fp8].json
 
 fp8: the Qwen3.5-27B shape cut to --layers decoding with bf16 weights and with the same
 weights rounded to FP8 in device memory (`fp8_main`).
@@ -83,8 +85,8 @@ import numpy as np
 
 import jspec
 from benchmarks.common import (CTX, QWEN35_122B_A10B, QWEN35_27B, QWEN35_35B_A3B, Runner, ceiling_of, copy_bandwidth, env_info,
-                               median_time, prefill_bench, prompts, random_params, rounded, save_json, trace_events,
-                               traced, transformers_prefill_bench)
+                               median_time, prefill_bench, program_temp_GB, prompts, random_copies_split, random_params, rounded,
+                               save_json, trace_events, traced, transformers_prefill_bench)
 from jspec.cache.layout import CacheLayout
 from jspec.kernels.attention.decode import AttentionTiles
 from jspec.drafts.qwen_mtp import QwenMtpDraft, layer_config
@@ -211,9 +213,13 @@ def split_main(argv):
     """`split`: the hybrid split over n GPUs (`models.qwen3_next_split`) against one GPU.
     check: the small random Qwen3.5-MoE (float32, through the kernels) on n GPUs against one,
     plain, MTP chains and trees and an n-gram chain: identical prompts. decode: the
-    Qwen3.5-122B-A10B shape cut to --layers, random bf16 weights, on 1 and n GPUs: ms/step
-    at --batches (context 1k) and the MTP chain S=3 round (batch 1) as a ratio to its step.
-    --fp8: the target's projections rounded to FP8 in device memory first (`quantize_params`);
+    Qwen3.5-122B-A10B shape cut to --layers, random bf16 weights made split
+    (`random_copies_split`), on each GPU count of --gpus (default 1 and n): its weights' bytes,
+    ms/step at --batches (context 1k) and the MTP chain S=3 round (batch 1; not with
+    --no-mtp) as a ratio to its step, each the best of --reps pairs of runs, with each
+    program's temporaries (XLA's memory analysis); --prefill-block: the prompts' pass in blocks
+    of that many tokens (`Tuning.prefill_block`). --fp8: the
+    target's projections and experts rounded to FP8 in device memory (`quantize_params`);
     --cases: the check's cases (default all)."""
     from jspec.quantization import quantize_params
     ap = argparse.ArgumentParser(prog="qwen35.py split")
@@ -224,6 +230,10 @@ def split_main(argv):
     ap.add_argument("--precision", default="default", help="jax.default_matmul_precision of the check")
     ap.add_argument("--fp8", action="store_true")
     ap.add_argument("--cases", default="", help="comma-separated check cases (default: all)")
+    ap.add_argument("--gpus", default="", help="decode's GPU counts, comma-separated (default: 1 and --devices)")
+    ap.add_argument("--reps", type=int, default=2, help="decode: pairs of runs a row, the best kept")
+    ap.add_argument("--no-mtp", action="store_true", help="decode: no MTP chain rows")
+    ap.add_argument("--prefill-block", type=int, default=None, help="decode: `Tuning.prefill_block` (default: its default)")
     args = ap.parse_args(argv)
     n = args.devices
     res = {"env": env_info(), "devices": n, "fp8": args.fp8}
@@ -260,25 +270,35 @@ def split_main(argv):
     if "decode" in args.parts:
         from benchmarks.common import _hybrid_types
         c = QWEN35_122B_A10B.replace(num_layers=args.layers, layer_types=_hybrid_types(args.layers))
-        target = random_params(c)
-        d = QwenMtpDraft(layer_config(c))
-        target = fp8(target.with_draft(jspec.DraftParams(d, jax.jit(lambda k: d.init(k, c.vocab_size))(
-            jax.random.key(1)))))
-        res["parameters"] = sum(x.size for x in jax.tree.leaves(target.weights))
-        for devices in (1, n):
-            p = target if devices == 1 else jspec.shard(target, n)
+
+        tuning = jspec.Tuning(prefill_block=args.prefill_block) if args.prefill_block is not None else None
+
+        def mtp_layer(c):
+            d = QwenMtpDraft(layer_config(c))
+            return jspec.DraftParams(d, jax.jit(lambda k: d.init(k, c.vocab_size))(jax.random.key(1)))
+        for devices in [int(g) for g in (args.gpus or f"1,{n}").split(",")]:
+            t0 = time.perf_counter()
+            p = random_copies_split(c, devices, fp8=args.fp8, draft=mtp_layer)
+            res[f"weights_gpus{devices}"] = {
+                "parameters": sum(x.size for x in jax.tree.leaves(p.weights)),
+                "target_GB": sum(x.nbytes for x in jax.tree.leaves(p.weights)) / 1e9,
+                "mtp_GB": sum(x.nbytes for x in jax.tree.leaves(p.draft.weights)) / 1e9,
+                "made_s": time.perf_counter() - t0}
+            print(f"weights_gpus{devices}", rounded(res[f"weights_gpus{devices}"]), flush=True)
             for batch in [int(b) for b in args.batches.split(",")]:
                 t0 = time.perf_counter()
-                r = Runner(dataclasses.replace(p, draft=None), prompts(batch, c.vocab_size), LONG)  # plain decoding
-                per, _, _ = r.per_round(SHORT, LONG, reps=2)
+                r = Runner(dataclasses.replace(p, draft=None), prompts(batch, c.vocab_size), LONG,
+                           tuning=tuning)  # plain decoding
+                temp_GB = program_temp_GB(r.prog)
+                per, _, _ = r.per_round(SHORT, LONG, reps=args.reps)
                 log(f"decode_gpus{devices}_b{batch}", {"ms_per_step": per * 1e3, "compile_s": r.compile_s,
-                                                       "wall_s": time.perf_counter() - t0})
+                                                       "temp_GB": temp_GB, "wall_s": time.perf_counter() - t0})
                 del r
-                if batch == 1:
-                    r = Runner(p, prompts(1, c.vocab_size), LONG, spec=jspec.SpecConfig(num_steps=3))
-                    rper, _, _ = r.per_round(SHORT, LONG, reps=2)
+                if batch == 1 and not args.no_mtp:
+                    r = Runner(p, prompts(1, c.vocab_size), LONG, spec=jspec.SpecConfig(num_steps=3), tuning=tuning)
+                    rper, _, _ = r.per_round(SHORT, LONG, reps=args.reps)
                     log(f"mtp_chain3_gpus{devices}_b1", {"ms_per_round": rper * 1e3, "ratio_to_step": rper / per,
-                                                         "compile_s": r.compile_s})
+                                                         "compile_s": r.compile_s, "temp_GB": program_temp_GB(r.prog)})
                     del r
             del p
             jspec.clear_caches()
