@@ -218,9 +218,10 @@ class CacheConfig:
     "float8_e4m3fn": FP8 (E4M3), half a bf16 cache's bytes. Keys and values are rounded
     to E4M3 as they are written (clipped to +-448, scale 1: vLLM's default when a
     checkpoint carries no calibrated scales) and widened to the compute dtype where
-    attention reads them (the jnp reference; the Pallas kernels do not take FP8 caches
-    yet). GQA caches only (Llama, Qwen2/3, Mistral, and the full-attention layers of
-    Qwen3.5/Qwen3-Next); an MLA latent cache refuses it.
+    attention reads them (the jnp references; the Pallas kernels do not take FP8 caches
+    yet, and the row-invariant mode is off with one). Every cache kind: GQA (Llama,
+    Qwen2/3, Mistral, the full-attention layers of Qwen3.5/Qwen3-Next) and MLA latent rows
+    (DeepSeek; V3.2's indexer keys stay in the model's dtype).
     """
 
     kind: str = "dense"

@@ -437,7 +437,8 @@ def test_fp8_kv_cache(tmp_path):
     """`CacheConfig(dtype="float8_e4m3fn")`: keys and values stored in E4M3 (a quarter of a
     float32 cache's bytes), dense and paged; with the same cache, n-gram and EAGLE-3 chain
     and tree speculation and seeded sampling give plain decoding's tokens; values past the
-    format's 448 are clipped, not NaN; a latent (MLA) cache and unknown dtypes are refused."""
+    format's 448 are clipped, not NaN; unknown dtypes are refused, and so is the
+    row-invariant mode with an FP8 cache (its attention is the jnp reference's)."""
     import jax.numpy as jnp
     from jspec.cache.kv import stored
     from jspec.loop.plan import make_plan, plan_bytes
@@ -467,11 +468,42 @@ def test_fp8_kv_cache(tmp_path):
     np.testing.assert_array_equal(np.asarray(big, np.float32), [448.0, -448.0, 3.0, 0.1015625])
     with pytest.raises(ValueError, match=r"CacheConfig.dtype must be one of \(None, 'float8_e4m3fn'\)"):
         jspec.CacheConfig(dtype="int8")
-    ds = str(tmp_path / "deepseek")
-    DeepseekV3ForCausalLM(DeepseekV3Config(num_hidden_layers=1, num_key_value_heads=4, n_group=2, topk_group=1,
-                                           q_lora_rank=48, rope_scaling=YARN, **COMMON)).save_pretrained(ds)
-    with pytest.raises(ValueError, match="are not stored in FP8 yet; GQA caches are"):
-        jspec.generate(jspec.load(ds, dtype="float32"), PROMPTS, cache=dense, **kw)
+    with pytest.raises(ValueError, match=r"row_invariant=True\): an FP8 cache"):
+        make_plan(params, [6, 4], [12, 12], 1, False, dense, None, tuning=jspec.Tuning(row_invariant=True))
+
+
+def test_fp8_latent_cache(tmp_path):
+    """`CacheConfig(dtype="float8_e4m3fn")` on a DeepSeek-V3 target: its latent rows
+    stored in E4M3 (the MTP layer's too), dense and paged; with the same cache the MTP
+    chain and tree give plain greedy decoding's tokens, and seeded MTP sampling plain
+    sampling's; the cache's rounding moves the logits (it is not a no-op)."""
+    from jspec.loop.plan import make_plan, plan_bytes
+    from test_mtp import add_mtp_layer
+    path = str(tmp_path)
+    torch.manual_seed(0)
+    cfg = DeepseekV3Config(num_hidden_layers=2, num_key_value_heads=4, n_group=2, topk_group=1, q_lora_rank=48,
+                           rope_scaling=YARN, num_nextn_predict_layers=1, **COMMON)
+    DeepseekV3ForCausalLM(cfg).save_pretrained(path)
+    add_mtp_layer(path, 2, 0, with_head=True)
+    params = jspec.load(path, dtype="float32", draft="mtp")
+    plain = params.with_draft(None)
+    kw = dict(max_new_tokens=12, stop_token_ids=[])
+    dense = jspec.CacheConfig(dtype="float8_e4m3fn")
+    paged = jspec.CacheConfig(kind="paged", page_size=4, dtype="float8_e4m3fn")
+    want = jspec.generate(plain, PROMPTS, cache=dense, **kw)
+    assert jspec.generate(params, PROMPTS, cache=dense, spec=jspec.SpecConfig(3, 1, 4), **kw).tokens == want.tokens
+    assert jspec.generate(params, PROMPTS, cache=paged, spec=jspec.SpecConfig(3, 2, 6), **kw).tokens == want.tokens
+    sampled = dict(kw, temperature=0.8, seed=5)
+    assert (jspec.generate(params, PROMPTS, cache=paged, spec=jspec.SpecConfig(2, 1, 3), **sampled).tokens ==
+            jspec.generate(plain, PROMPTS, cache=paged, **sampled).tokens)
+    float_cache = jspec.generate(plain, PROMPTS, **kw, logprobs=1)
+    rounded = jspec.generate(plain, PROMPTS, cache=dense, **kw, logprobs=1)
+    moved = [abs(a.logprob - b.logprob) for x, y in zip(float_cache.logprobs, rounded.logprobs) for a, b in zip(x, y)]
+    assert max(moved) > 0  # decoding reads the rounded latent rows
+    plans = [make_plan(params, [6, 4], [12, 12], 1, False, c, None) for c in (jspec.CacheConfig(), dense)]
+    c, layout = params.config, plans[0].layout  # float32 latent rows [B, C + 1, Dc + Dr] a layer (the MTP layer's too)
+    rows = plans[0].batch * (layout.capacity + 1) * (c.kv_lora_rank + c.qk_rope_head_dim)
+    assert plan_bytes(plans[0]) - plan_bytes(plans[1]) == (c.num_layers + 1) * rows * 3
 
 
 def test_block_fp8_hybrid_keeps_fp8_and_splits(tmp_path):

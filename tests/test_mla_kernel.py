@@ -186,6 +186,32 @@ def test_cached_mla_attention_engine_layout():
     chex.assert_trees_all_close(flat[meta.write_index], new)
 
 
+def test_fp8_latent_cache_is_read_widened():
+    """An FP8 latent buffer (`CacheConfig(dtype="float8_e4m3fn")`) goes to the references
+    even where the kernels are forced (they do not take it), dense and sparse
+    (DeepSeek-V3.2's selected slots) and a prompt block's expanded form, and each equals
+    the same reference over the buffer widened to float32 bit for bit (E4M3 values are
+    exact in float32)."""
+    from jspec.kernels.mla import prefill as mp
+    q_lat, q_pe, buf, meta = make_case(7, T=2, page_size=4)
+    fp8 = buf.astype(jnp.float8_e4m3fn)
+    wide = fp8.astype(jnp.float32)
+    H, Dc = q_lat.shape[2], q_lat.shape[3]
+    w_uv = jax.random.normal(jax.random.key(1), (H, 8, Dc))
+    w_uk = jax.random.normal(jax.random.key(2), (Dc, H, q_pe.shape[-1]))
+    index = jnp.broadcast_to(jnp.arange(5, dtype=jnp.int32), q_lat.shape[:2] + (5,))
+    calls = {"dense": lambda b: mla.mla_attention(q_lat, q_pe, b, meta, w_uv, scale=0.3),
+             "sparse": lambda b: mla.mla_attention(q_lat, q_pe, b, meta, w_uv, scale=0.3, index=index),
+             "expanded": lambda b: mp.expanded_attention(q_pe, q_pe, b, meta, w_uk, w_uv, scale=0.3, block_k=8)}
+    for name, call in calls.items():
+        with dispatch.use_backend("pallas"):
+            got = jax.jit(call)(fp8)
+        with dispatch.use_backend("reference"):
+            want = jax.jit(call)(wide)
+        np.testing.assert_array_equal(np.asarray(got), np.asarray(want), err_msg=name)
+        assert float(jnp.abs(want - jax.jit(call)(buf)).max()) > 0, name  # the rounding shows
+
+
 # --------------------------------------------------------------------------- merge + W_UV
 
 def make_splits(seed, *, B=2, NS=3, T=2, H=3, R=None, Dc=32, Dv=16, dtype=jnp.float32):

@@ -48,7 +48,6 @@ class KVCacheKind:
     num_heads (H) sizes the parked queries (`extra_slots`)."""
 
     split_by_head: ClassVar[bool] = True  # split over a mesh's devices by KV head (`init`)
-    stores_fp8: ClassVar[bool] = True  # `CacheConfig(dtype="float8_e4m3fn")` (`layout.kv_dtype`)
     prefill_in_chunks: ClassVar[bool] = True  # a prompt's later blocks attend to the earlier ones in the cache
     prefix_in_pages: ClassVar[bool] = True  # a prefix's whole state is in its pages (prefix caching)
     state_snapshots: ClassVar[bool] = False  # no state outside the pages to snapshot

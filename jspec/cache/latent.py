@@ -54,7 +54,6 @@ class LatentCacheKind:
     """The cache an MLA model needs: per layer, Dc latent and Dr roped key values a token."""
 
     split_by_head: ClassVar[bool] = False  # replicated on every device of a mesh (one latent for all heads)
-    stores_fp8: ClassVar[bool] = False  # `CacheConfig(dtype="float8_e4m3fn")`: not for latent rows yet
     prefill_in_chunks: ClassVar[bool] = True  # a prompt's later blocks attend to the earlier ones in the cache
     prefix_in_pages: ClassVar[bool] = True  # a prefix's whole state is in its pages (prefix caching)
     state_snapshots: ClassVar[bool] = False  # no state outside the pages to snapshot
@@ -71,10 +70,14 @@ class LatentCacheKind:
         return self.kv_lora_rank + self.rope_dim
 
     def init(self, layout: CacheLayout, batch: int) -> LatentCache:
+        """Zero buffers, one per layer: latent rows in `layout.kv_dtype` (an FP8 cache:
+        written clipped to E4M3's range, `kv.stored`, and widened where attention reads
+        them, `kernels.meta.widened`) or the model's dtype; indexer keys in the model's."""
         rows = layout.buffer_shape(batch)
         index = tuple(jnp.zeros(rows + (self.index_dim,), self.dtype) for _ in range(self.num_layers)
                       ) if self.index_dim else ()
-        return LatentCache(latent=tuple(jnp.zeros(rows + (self.entry_size,), self.dtype) for _ in range(self.num_layers)),
+        dtype = layout.kv_dtype or self.dtype
+        return LatentCache(latent=tuple(jnp.zeros(rows + (self.entry_size,), dtype) for _ in range(self.num_layers)),
                            index_keys=index)
 
     def extra_slots(self, T: int, paged: bool) -> int:

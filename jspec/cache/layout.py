@@ -47,8 +47,8 @@ class CacheLayout:
     neither hands pages out nor takes them back, and clears a row's table when it ends. A
     page may then sit in several rows' tables at once (a shared prefix). snapshots: the
     recurrent-state snapshots a hybrid cache keeps for prefix caching (`jspec.cache.recurrent`).
-    kv_dtype: the dtype a GQA cache stores keys and values in (`CacheConfig.dtype`; None:
-    the model's).
+    kv_dtype: the dtype a cache stores keys and values (or MLA latent rows) in
+    (`CacheConfig.dtype`; None: the model's).
     """
 
     paged: bool

@@ -81,7 +81,6 @@ class HybridCacheKind:
     # split over a mesh's devices (`init`): keys and values by KV head, the conv state by channel,
     # the delta rule's by value head (`models.qwen3_next_split`)
     split_by_head: ClassVar[bool] = True
-    stores_fp8: ClassVar[bool] = True  # its GQA layers' keys and values (the recurrent states stay as they are)
     # A prompt's later blocks (`AttnMeta.causal_block`) continue the linear layers' states the
     # blocks before them left; any other forward over T > 1 tokens is a verification.
     prefill_in_chunks: ClassVar[bool] = True

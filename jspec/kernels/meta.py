@@ -14,6 +14,8 @@ import jax.numpy as jnp
 from flax import struct
 from jax import lax
 
+from jspec.quantization import FP8_DTYPES
+
 
 @struct.dataclass
 class AttnMeta:
@@ -68,6 +70,13 @@ def read_kv(buf: jax.Array, page_table: jax.Array | None) -> jax.Array:
     B, G = page_table.shape
     pages = buf[jnp.clip(page_table, 0, buf.shape[0] - 1)]  # [B, G, P, ...]
     return pages.reshape((B, G * buf.shape[1]) + buf.shape[2:])
+
+
+def widened(rows: jax.Array, dtype) -> jax.Array:
+    """Rows read from a cache as attention computes with them: an FP8 cache's
+    (`CacheConfig.dtype`) widened to `dtype` (E4M3 values are exact in bfloat16, float16
+    and float32), any other as it is."""
+    return rows.astype(dtype) if jnp.dtype(rows.dtype) in FP8_DTYPES else rows
 
 
 def slot_blocks(buf: jax.Array, page_table: jax.Array | None, block: int):

@@ -203,15 +203,14 @@ def make_plan(params, lens: list[int], max_new: list[int], num_stop: int, sample
     problem = family.row_invariant_problem(params.config, tuning)
     if params.mesh is not None:
         problem = "it runs on one device: its kernels cannot be split over a mesh"
+    if cache.dtype is not None:
+        problem = "an FP8 cache (CacheConfig.dtype) is read by the jnp attention, not the row kernels"
     if tuning.row_invariant is None:  # auto: where the family measured it cheap (`TargetFamily.row_invariant_by_default`)
         tuning = tuning.replace(row_invariant=problem is None and family.row_invariant_by_default(
             params.config, pow2(len(lens)), jax.devices()[0]))
     if tuning.row_invariant and problem:
         raise ValueError(f"Tuning(row_invariant=True): {problem}")
     in_blocks = family.cache_kind(params.config).prefill_in_chunks
-    if cache.dtype is not None and not family.cache_kind(params.config).stores_fp8:
-        raise ValueError(f"CacheConfig(dtype={cache.dtype!r}): {type(params.config).__name__} targets' caches "
-                         f"({type(family.cache_kind(params.config)).__name__}) are not stored in FP8 yet; GQA caches are")
     longest = max(max(lens), cache.max_len - 1 if cache.max_len else 0)
     if prefill_chunk is None:
         C = tuning.prefill_block

@@ -51,7 +51,7 @@ from jspec.kernels.row import matmul as row_matmul, mla as row_mla, norm as row_
 from jspec.kernels.tiling import in_order_sum, is_pow2
 from jspec.models.layers import (INIT, DecoderLM, FlaxFamily, Linear, RMSNorm, call_layer, loaded_param, product,
                                  rows_alone)
-from jspec.quantization import GROUP, dequantized_experts, expert_scales, kernel_of
+from jspec.quantization import FP8_DTYPES, GROUP, dequantized_experts, expert_scales, kernel_of
 
 LATENT_NORM_EPS = 1e-6  # the q/kv latent norms use RMSNorm's default, not rms_norm_eps
 # `Tuning.row_invariant=None` turns it on for programs of up to this many rows: measured
@@ -146,7 +146,7 @@ class MLAttention(nn.Module):
         if parts is not None:
             # the kernel makes the absorbed query, the roped query part and the cache row,
             # which it writes into the cache itself
-            written = buf is not None and tuning.cache_write_in_kernel
+            written = buf is not None and tuning.cache_write_in_kernel and jnp.dtype(buf.dtype) not in FP8_DTYPES
             q_lat, q_pe, rows = mla_inputs.mla_inputs(parts, *flat, latent_norm, w_uk, interleaved=c.rope_interleave,
                                                       eps=LATENT_NORM_EPS, cache=buf if written else None,
                                                       write_index=meta.write_index if written else None,

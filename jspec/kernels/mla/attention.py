@@ -14,11 +14,14 @@ or to the references.
 """
 from __future__ import annotations
 
+import jax.numpy as jnp
+
 from jspec.kernels import dispatch
 from jspec.kernels.mla import decode as mla_decode, output as mla_output, sparse as mla_sparse
 from jspec.kernels.meta import AttnMeta
 from jspec.kernels.mla.decode import MlaDecodeTiles, mla_attention_reference
 from jspec.kernels.mla.output import MlaOutputTiles
+from jspec.quantization import FP8_DTYPES
 
 
 def uses_kernel(q_lat, q_pe, latent_buf, meta: AttnMeta) -> bool:
@@ -43,16 +46,18 @@ def mla_attention(q_lat, q_pe, latent_buf, meta: AttnMeta, w_uv, *, scale: float
     decode_tiles, output_tiles: the kernels' tiles (`Tuning.mla_decode`, `Tuning.mla_output`;
     None: the defaults). index [B,T,Ki] int32: sparse attention (DeepSeek-V3.2), the slots each token
     attends to (-1: none) instead of every slot it sees: `jspec.kernels.mla.sparse`, its
-    Pallas kernel or its gather reference."""
+    Pallas kernel or its gather reference. An FP8 cache (`CacheConfig.dtype`) is read by
+    the references, widened to the queries' dtype (the kernels do not take it yet)."""
+    fp8 = jnp.dtype(latent_buf.dtype) in FP8_DTYPES
     if index is not None:
         mode = dispatch.backend()
-        if mode != "reference" and dispatch.want_pallas(
+        if mode != "reference" and not fp8 and dispatch.want_pallas(
                 mode == "pallas" or mla_sparse.is_supported(q_lat, q_pe, latent_buf, index)):
             o_lat = mla_sparse.sparse_mla_attention(q_lat, q_pe, latent_buf, meta.page_table, index, scale=scale)
         else:
             o_lat = mla_sparse.sparse_mla_reference(q_lat, q_pe, latent_buf, meta.page_table, index, scale=scale)
         return mla_output.up_project(o_lat, w_uv, w_uv.dtype)
-    if not uses_kernel(q_lat, q_pe, latent_buf, meta):
+    if fp8 or not uses_kernel(q_lat, q_pe, latent_buf, meta):
         o_lat = mla_attention_reference(q_lat, q_pe, latent_buf, meta, scale=scale)
         return mla_output.up_project(o_lat, w_uv, w_uv.dtype)
     o, lse = mla_decode.paged_mla_attention_splits(q_lat, q_pe, latent_buf, meta, scale=scale,

@@ -49,7 +49,7 @@ from jax.experimental import pallas as pl
 
 from jspec.kernels.attention.decode import (REFERENCE_BLOCK_K, attend_cache_in_blocks, cache_mask, check_meta,
                                             merge_splits, online_softmax_step, pad_slots, slot_table, walk_split)
-from jspec.kernels.meta import AttnMeta, pool_rows, read_kv
+from jspec.kernels.meta import AttnMeta, pool_rows, read_kv, widened
 from jspec.kernels.tiling import KERNEL_DTYPES, is_pow2, pow2_ceil
 
 
@@ -89,7 +89,7 @@ def mla_attention_reference(q_lat, q_pe, latent_buf, meta: AttnMeta, *, scale: f
     softmax over blocks of them (`attend_in_blocks`: the MLA as one key head of Dc + Dr
     values, the latent its values), so the scores stay [B, H, T, block]."""
     Dc = q_lat.shape[-1]
-    rows = read_kv(latent_buf, meta.page_table)  # [B, Sk, Dc + Dr]
+    rows = widened(read_kv(latent_buf, meta.page_table), q_lat.dtype)  # [B, Sk, Dc + Dr]
     Sk = rows.shape[1]
     if select is None and Sk > block_k:
         BK = block_k

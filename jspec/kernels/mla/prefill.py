@@ -34,7 +34,7 @@ from jax.experimental import pallas as pl
 
 from jspec.kernels.attention.decode import REFERENCE_BLOCK_K, attend_cache_in_blocks, pad_slots
 from jspec.kernels.attention.fused import merge_by_lse, residual_lse
-from jspec.kernels.meta import AttnMeta, read_kv, slot_blocks
+from jspec.kernels.meta import AttnMeta, read_kv, slot_blocks, widened
 
 FUSED_BLOCK_K = 4096  # prefix slots a fused call (their up-projected keys and values live at once)
 
@@ -57,7 +57,7 @@ def expanded_attention(q_nope, q_pe, latent_buf, meta: AttnMeta, w_uk, w_uv, *, 
     holding the block's rows [.., Dc + Dr], w_uk [Dc,H,Dn], w_uv [H,Dv,Dc]; the mask rule
     is the cache's (`cache_mask`). -> o [B,T,H,Dv] in q_nope's dtype (softmax in float32;
     the keys and values rounded to the cache's dtype, as the model's prefill makes them)."""
-    rows = read_kv(latent_buf, meta.page_table)  # [B, Sk, Dc + Dr]
+    rows = widened(read_kv(latent_buf, meta.page_table), q_nope.dtype)  # [B, Sk, Dc + Dr]
     Sk = rows.shape[1]
     BK = min(block_k, Sk)
     rows = pad_slots(rows, BK)
@@ -95,7 +95,7 @@ def fused_attention(q_nope, q_pe, rows, latent_buf, meta: AttnMeta, w_uk, w_uv, 
 
     def prefix_block(i, carry):
         seen = jnp.clip(meta.prefix_len - i * BK, 0, BK)  # [B] prefix slots in block i
-        k, v = expand(read(i))
+        k, v = expand(widened(read(i), dtype))
         o, lse = attend(k, v, key_value_seq_lengths=jnp.maximum(seen, 1))
         return merge_by_lse(*carry, o, lse, seen > 0)
     o, _ = lax.fori_loop(0, pl.cdiv(jnp.max(meta.prefix_len), BK), prefix_block, own)

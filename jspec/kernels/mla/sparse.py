@@ -25,6 +25,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 from jspec.kernels.attention.decode import merge_splits, online_softmax_step
+from jspec.kernels.meta import widened
 from jspec.kernels.tiling import KERNEL_DTYPES, is_pow2, pow2_ceil
 
 NEG_INF = -1e30
@@ -50,7 +51,7 @@ def sparse_mla_reference(q_lat, q_pe, latent_buf, page_table, index, *, scale: f
     none). -> o_lat [B,T,H,Dc] float32 (softmax in float32; zeros for a token with no slot)."""
     Dc = q_lat.shape[-1]
     flat = latent_buf.reshape((-1, latent_buf.shape[-1]))
-    rows = flat[_rows(latent_buf, page_table, index)]  # [B,T,Ki,Dc+Dr]
+    rows = widened(flat[_rows(latent_buf, page_table, index)], q_lat.dtype)  # [B,T,Ki,Dc+Dr]
     c, k_pe = rows[..., :Dc], rows[..., Dc:]
     s = (jnp.einsum("bthc,btkc->bthk", q_lat, c, preferred_element_type=jnp.float32)
          + jnp.einsum("bthr,btkr->bthk", q_pe, k_pe, preferred_element_type=jnp.float32)) * scale
