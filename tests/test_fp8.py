@@ -490,16 +490,15 @@ def test_fp8_latent_cache(tmp_path):
     kw = dict(max_new_tokens=12, stop_token_ids=[])
     dense = jspec.CacheConfig(dtype="float8_e4m3fn")
     paged = jspec.CacheConfig(kind="paged", page_size=4, dtype="float8_e4m3fn")
-    want = jspec.generate(plain, PROMPTS, cache=dense, **kw)
+    want = jspec.generate(plain, PROMPTS, cache=dense, **kw, logprobs=1)
+    float_cache = jspec.generate(plain, PROMPTS, **kw, logprobs=1)
+    moved = [abs(a.logprob - b.logprob) for x, y in zip(float_cache.logprobs, want.logprobs) for a, b in zip(x, y)]
+    assert max(moved) > 0  # decoding reads the rounded latent rows
     assert jspec.generate(params, PROMPTS, cache=dense, spec=jspec.SpecConfig(3, 1, 4), **kw).tokens == want.tokens
     assert jspec.generate(params, PROMPTS, cache=paged, spec=jspec.SpecConfig(3, 2, 6), **kw).tokens == want.tokens
     sampled = dict(kw, temperature=0.8, seed=5)
     assert (jspec.generate(params, PROMPTS, cache=paged, spec=jspec.SpecConfig(2, 1, 3), **sampled).tokens ==
             jspec.generate(plain, PROMPTS, cache=paged, **sampled).tokens)
-    float_cache = jspec.generate(plain, PROMPTS, **kw, logprobs=1)
-    rounded = jspec.generate(plain, PROMPTS, cache=dense, **kw, logprobs=1)
-    moved = [abs(a.logprob - b.logprob) for x, y in zip(float_cache.logprobs, rounded.logprobs) for a, b in zip(x, y)]
-    assert max(moved) > 0  # decoding reads the rounded latent rows
     plans = [make_plan(params, [6, 4], [12, 12], 1, False, c, None) for c in (jspec.CacheConfig(), dense)]
     c, layout = params.config, plans[0].layout  # float32 latent rows [B, C + 1, Dc + Dr] a layer (the MTP layer's too)
     rows = plans[0].batch * (layout.capacity + 1) * (c.kv_lora_rank + c.qk_rope_head_dim)
