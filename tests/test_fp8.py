@@ -114,6 +114,18 @@ def dequantized_deepseek(path: str, deq: dict, cfg, dense: str):
     return DeepseekV3ForCausalLM.from_pretrained(dense).eval()
 
 
+def save_deepseek_v3_with_mtp(path: str):
+    """A tiny random DeepSeek-V3 (2 layers: the dense first one, then MoE; q_lora_rank 48)
+    with a random MTP layer saved at `path` -> its transformers config."""
+    from test_mtp import add_mtp_layer
+    torch.manual_seed(0)
+    cfg = DeepseekV3Config(num_hidden_layers=2, num_key_value_heads=4, n_group=2, topk_group=1, q_lora_rank=48,
+                           rope_scaling=YARN, num_nextn_predict_layers=1, **COMMON)
+    DeepseekV3ForCausalLM(cfg).save_pretrained(path)
+    add_mtp_layer(path, 2, 0, with_head=True)
+    return cfg
+
+
 def test_block_fp8_deepseek_v3_with_mtp(tmp_path):
     """A tiny DeepSeek-V3 (MLA, MoE experts, the dense first layer) in block FP8, with its
     MTP layer's projections in FP8 too (the router and norms stay float): its projections
@@ -123,13 +135,8 @@ def test_block_fp8_deepseek_v3_with_mtp(tmp_path):
     devices (q_b_proj and the dense MLP's gate|up columns FP8 with their scales, o_proj and
     down_proj, whose halves are not whole groups of 128 rows, dequantized) it gives the
     same tokens."""
-    from test_mtp import add_mtp_layer
     path = str(tmp_path)
-    torch.manual_seed(0)
-    cfg = DeepseekV3Config(num_hidden_layers=2, num_key_value_heads=4, n_group=2, topk_group=1, q_lora_rank=48,
-                           rope_scaling=YARN, num_nextn_predict_layers=1, **COMMON)
-    DeepseekV3ForCausalLM(cfg).save_pretrained(path)
-    add_mtp_layer(path, 2, 0, with_head=True)
+    cfg = save_deepseek_v3_with_mtp(path)
     deq = write_block_fp8(path)
     assert any(".experts." in n for n in deq) and any("kv_a_proj" in n for n in deq)
     assert any(n.startswith("model.layers.2.") for n in deq)  # the MTP layer's
@@ -478,13 +485,8 @@ def test_fp8_latent_cache(tmp_path):
     chain and tree give plain greedy decoding's tokens, and seeded MTP sampling plain
     sampling's; the cache's rounding moves the logits (it is not a no-op)."""
     from jspec.loop.plan import make_plan, plan_bytes
-    from test_mtp import add_mtp_layer
     path = str(tmp_path)
-    torch.manual_seed(0)
-    cfg = DeepseekV3Config(num_hidden_layers=2, num_key_value_heads=4, n_group=2, topk_group=1, q_lora_rank=48,
-                           rope_scaling=YARN, num_nextn_predict_layers=1, **COMMON)
-    DeepseekV3ForCausalLM(cfg).save_pretrained(path)
-    add_mtp_layer(path, 2, 0, with_head=True)
+    save_deepseek_v3_with_mtp(path)
     params = jspec.load(path, dtype="float32", draft="mtp")
     plain = params.with_draft(None)
     kw = dict(max_new_tokens=12, stop_token_ids=[])
