@@ -502,45 +502,22 @@ def kernel_time(f, arg_sets) -> float:
 # --------------------------------------------------------------------------- random models
 
 def random_params(cfg, seed: int = 0) -> jspec.Params:
-    """Random weights made on device (the fast 'rbg' generator). The family's own init
-    runs on the fewest leading layers that hold one layer of every shape (`first_layers`):
-    compiled over all of them it took 92 s for V2-Lite and 155 s for Qwen3.5-27B on an
-    H200, its random code emitted again for every layer. Every later layer is a copy of
-    the first layer of its shape with each array's values rolled by a random offset of its
-    own (`rolled`, one compile per layer shape): its values are the init's (norms stay
-    ones), its memory its own."""
-    jax.config.update("jax_default_prng_impl", "rbg")
-    small, firsts, kinds = first_layers(cfg)
-    init = jax.jit(lambda key: family_for(small).init_weights(small, key))
-    made = init(jax.random.key(seed))["params"]
-    weights = {name: w for name, w in made.items() if not name.startswith("layers_")}
-    keys = jax.random.split(jax.random.key(seed + 1), cfg.num_layers)
-    for i, kind in enumerate(kinds):
-        template = made[f"layers_{firsts[kind]}"]
-        weights[f"layers_{i}"] = template if i == firsts[kind] else rolled(template, keys[i])
-    return jspec.Params(config=cfg, weights={"params": weights})
-
-
-@jax.jit
-def rolled(tree, key):
-    """Each array of `tree` with its values (flattened) rolled by a random offset of its own
-    (a very large one: its rows)."""
-    leaves, structure = jax.tree.flatten(tree)
-    shifts = jax.random.randint(key, (len(leaves),), 0, 2 ** 30)
-    # (an array of 2**31 values or more, a V3 layer's experts, is rolled along its first axis
-    # instead: its flat index would overflow int32)
-    return structure.unflatten([jnp.roll(x.reshape(-1), s % x.size).reshape(x.shape) if x.size < 2 ** 31
-                                else jnp.roll(x, s % x.shape[0], axis=0) for x, s in zip(leaves, shifts)])
+    """Random weights made on one device: `random_copies_split` unsplit."""
+    return random_copies_split(cfg, 1, seed=seed)
 
 
 def random_copies_split(cfg, n: int, *, fp8: bool = False, draft=None, seed: int = 0) -> jspec.Params:
-    """`random_params` for a model that fits only split over n devices (n = 1: no split),
-    never whole on one: the leading layers that hold one layer of every shape
-    (`first_layers`) are made on the first device with `draft(cfg)` (a DraftParams, or
-    None), rounded to FP8 there with fp8 (`quantize_params`: the target's projections and
-    experts, the draft as it is), split by `jspec.shard`, and every later layer is a copy
-    of the split first layer of its shape with its values rolled (`rolled_split`): its
-    memory its own, on its devices."""
+    """Random weights made on device (the fast 'rbg' generator) and split over n devices
+    (n = 1: not split), never whole on one device. The family's own init runs on the first
+    device over the fewest leading layers that hold one layer of every shape
+    (`first_layers`: compiled over all of them it took 92 s for V2-Lite and 155 s for
+    Qwen3.5-27B on an H200, its random code emitted again for every layer), with
+    `draft(cfg)` (a DraftParams, or None); with fp8 they are rounded to FP8 there
+    (`quantize_params`: the target's projections and experts, the draft as it is); then
+    split by `jspec.shard`. Every later layer is a copy of the split first layer of its
+    shape with each array's values rolled by a random offset of its own (`rolled_split`,
+    one compile per layer shape): its values are the init's (norms stay ones), its memory
+    its own, on its devices."""
     from jspec.quantization import quantize_params
     jax.config.update("jax_default_prng_impl", "rbg")
     small, firsts, kinds = first_layers(cfg)
@@ -563,9 +540,12 @@ def random_copies_split(cfg, n: int, *, fp8: bool = False, draft=None, seed: int
 
 
 def rolled_split(tree, key):
-    """`rolled` for split arrays: each array's values rolled along its first axis that every
-    device holds whole, in place on its devices (nothing moves between them)."""
+    """Each array of `tree` with its values rolled by a random offset of its own, along its
+    first axis that every device holds whole: in place on its devices (nothing moves
+    between them), and no flat index (an array of 2**31 values or more, a V3 layer's
+    experts, would overflow int32)."""
     leaves, structure = jax.tree.flatten(tree)
+
     def whole_axis(x):  # the first axis no device holds a part of (0 if none)
         spec = tuple(x.sharding.spec) if isinstance(x.sharding, jax.sharding.NamedSharding) else ()
         return next((a for a in range(x.ndim) if a >= len(spec) or spec[a] is None), 0)
