@@ -130,6 +130,21 @@ def test_layers_are_traced_once(target):
     assert len({id(b) for b in forced}) == 1 and forced[0] is not layer_bodies(target)[0]
 
 
+def test_layer_weights_wait_for_the_layer_input(target):
+    """A layer's weights reach its body only through an optimization barrier with its input
+    (`models.layers.call_layer`): nothing computed from the weights alone (an FP8 projection
+    dequantized for a prompt's pass) can be scheduled before the layer and be held live from
+    the program's start, every layer's at once (a GPU program's temporaries grew 0.42 GB a
+    layer; docs/experiments.md, "Dequantized projections live from the start")."""
+    body = layer_bodies(target)[0].jaxpr
+    n = len(jax.tree.leaves(target.weights["params"]["layers_0"]))
+    weights, x = body.invars[:n], body.invars[n]
+    barrier = body.eqns[0]
+    assert barrier.primitive.name == "optimization_barrier"
+    assert set(weights) | {x} <= set(barrier.invars)
+    assert not set(weights) & {v for e in body.eqns[1:] for v in e.invars if not hasattr(v, "val")}  # Literals hold a val
+
+
 def test_forward_shapes_with_cache(target):
     c = target.config
     B, T, S = 3, 5, 32

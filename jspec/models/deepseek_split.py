@@ -16,6 +16,7 @@ from jax.sharding import PartitionSpec as P
 
 from jspec import sharding
 from jspec.models.deepseek_hf import DeepseekConfig
+from jspec.models.layers import after_input
 from jspec.quantization import GROUP, dequantize_host, dequantize_uneven_rows
 
 
@@ -28,7 +29,7 @@ def layer_on_devices(c: DeepseekConfig, layer: nn.Module, params, x, buf, meta):
     specs = sharding.weight_specs(params, c.devices, device_splits(c), VOCAB_SPLITS)
 
     def run(p, x, buf, meta):
-        return layer.apply({"params": p}, x, buf, meta)
+        return layer.apply({"params": after_input(p, x)}, x, buf, meta)
     return jax.shard_map(run, in_specs=(specs, P(), P(), P()), out_specs=(P(), P()), check_vma=False)(
         params, x, buf, meta)
 

@@ -194,6 +194,15 @@ def apply_rope(x, positions, inv_freq: np.ndarray, scale: float = 1.0):
     return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
 
 
+def after_input(weights, x):
+    """A layer's `weights` as they are, held back until its input `x` exists (an optimization
+    barrier): what is computed from the weights alone (an FP8 projection dequantized for a
+    prompt's pass) cannot be scheduled before the layer, where it would be live from the
+    program's start, every layer's at once (docs/experiments.md, "Dequantized projections
+    live from the start"). Every layer of a stack takes its weights through this."""
+    return jax.lax.optimization_barrier((weights, x))[0]
+
+
 @functools.cache
 def _layer_program(module_type: type, fields: tuple, backend: str):
     """One jitted `apply` of a layer definition: its module rebuilt from `fields`; one per
@@ -201,7 +210,7 @@ def _layer_program(module_type: type, fields: tuple, backend: str):
     module = module_type(**dict(fields), parent=None)  # unbound, whatever module calls this
 
     def apply(variables, *args):
-        return module.apply(variables, *args)
+        return module.apply(after_input(variables, args[0]), *args)
     apply.__name__ = apply.__qualname__ = module_type.__name__  # the name of its calls in a program
     return jax.jit(apply)
 

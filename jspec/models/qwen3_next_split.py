@@ -18,6 +18,7 @@ from jax.sharding import PartitionSpec as P
 from jspec import sharding
 from jspec.cache.recurrent import RECORD_SPECS, STATE_SPECS
 from jspec.models.qwen3_next_hf import HybridConfig
+from jspec.models.layers import after_input
 from jspec.quantization import dequantize_uneven_rows
 
 A = sharding.AXIS
@@ -66,7 +67,7 @@ def layer_on_devices(c: HybridConfig, layer: nn.Module, params, x, kv, conv, ssm
     record_specs = {n: RECORD_SPECS[n] for n in record} or None
 
     def run(p, x, kv, conv, ssm, meta):
-        return layer.apply({"params": p}, x, kv, conv, ssm, meta)
+        return layer.apply({"params": after_input(p, x)}, x, kv, conv, ssm, meta)
     return jax.shard_map(run, in_specs=(specs, P()) + cache_specs + (P(),),
                          out_specs=(P(),) + cache_specs + (record_specs,), check_vma=False)(
         params, x, kv, conv, ssm, meta)
