@@ -218,7 +218,8 @@ def split_main(argv):
     ms/step at --batches (context 1k) and the MTP chain S=3 round (batch 1; not with
     --no-mtp) as a ratio to its step, each the best of --reps pairs of runs, with each
     program's temporaries (XLA's memory analysis); --prefill-block: the prompts' pass in blocks
-    of that many tokens (`Tuning.prefill_block`). --fp8: the
+    of that many tokens (`Tuning.prefill_block`); --max-batched-tokens: at most that many a
+    pass (`Tuning.max_batched_tokens`). --fp8: the
     target's projections and experts rounded to FP8 in device memory (`quantize_params`);
     --cases: the check's cases (default all)."""
     from jspec.quantization import quantize_params
@@ -234,6 +235,8 @@ def split_main(argv):
     ap.add_argument("--reps", type=int, default=2, help="decode: pairs of runs a row, the best kept")
     ap.add_argument("--no-mtp", action="store_true", help="decode: no MTP chain rows")
     ap.add_argument("--prefill-block", type=int, default=None, help="decode: `Tuning.prefill_block` (default: its default)")
+    ap.add_argument("--max-batched-tokens", type=int, default=None,
+                    help="decode: `Tuning.max_batched_tokens` (default: its default)")
     args = ap.parse_args(argv)
     n = args.devices
     res = {"env": env_info(), "devices": n, "fp8": args.fp8}
@@ -271,7 +274,9 @@ def split_main(argv):
         from benchmarks.common import _hybrid_types
         c = QWEN35_122B_A10B.replace(num_layers=args.layers, layer_types=_hybrid_types(args.layers))
 
-        tuning = jspec.Tuning(prefill_block=args.prefill_block) if args.prefill_block is not None else None
+        given = {k: v for k, v in (("prefill_block", args.prefill_block), ("max_batched_tokens", args.max_batched_tokens))
+                 if v is not None}
+        tuning = jspec.Tuning(**given) if given else None
 
         def mtp_layer(c):
             d = QwenMtpDraft(layer_config(c))

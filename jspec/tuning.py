@@ -98,7 +98,14 @@ class Tuning:
     prefill_block: `generate`, `compile` and `stream` prefill a prompt longer than this in
     blocks of this many tokens, in a loop inside the program (`jspec.loop.rows.prefill_rest`):
     activations and attention scores bounded by the block, and one program for every prompt
-    length up to the plan's (`make_plan`). 0: whole prompts in one pass. Every cache kind
+    length up to the plan's (`make_plan`). 0: whole prompts in one pass (max_batched_tokens
+    aside).
+
+    max_batched_tokens: the most prompt tokens one such pass takes over its B rows (vLLM's
+    max_num_batched_tokens; the engine's is `Engine(max_batched_tokens=)`): a row's block
+    is at most max_batched_tokens // B (a multiple of 16, at least 16;
+    `jspec.loop.plan.row_block`), so a batch of prompts prefills in bounded memory too.
+    0: no bound but prefill_block. Every cache kind
     takes a prompt in blocks (GQA, MLA, and the hybrid's linear layers, which continue their
     states block to block). The serving engine has its own block, `Engine(prefill_chunk=)`.
 
@@ -129,6 +136,7 @@ class Tuning:
     cpu_matmul_max_rows: int = cpu_matmul.MAX_ROWS
     recurrent_commit: str = "replay"
     prefill_block: int = 2048
+    max_batched_tokens: int = 16384
     xla_options: tuple[tuple[str, bool | int | str], ...] = ()
     family_xla_options: bool = True
 
@@ -145,6 +153,8 @@ class Tuning:
             raise ValueError(f"Tuning.recurrent_commit must be 'replay' or 'checkpoint', got {self.recurrent_commit!r}")
         if not (isinstance(self.prefill_block, int) and self.prefill_block >= 0 and self.prefill_block % 16 == 0):
             raise ValueError(f"Tuning.prefill_block must be 0 or a positive multiple of 16, got {self.prefill_block!r}")
+        if not (isinstance(self.max_batched_tokens, int) and self.max_batched_tokens >= 0):
+            raise ValueError(f"Tuning.max_batched_tokens must be 0 or positive, got {self.max_batched_tokens!r}")
         opts = self.xla_options
         if isinstance(opts, dict):
             opts = tuple(opts.items())

@@ -26,6 +26,26 @@ def test_greedy_equals_transformers(target, hf_greedy, cache):
     assert out.stats.accept_lengths == [[1] * 11] * 3  # prefill emits the first token
 
 
+def test_a_pass_takes_at_most_max_batched_tokens(target, hf_greedy):
+    """`Tuning.max_batched_tokens` bounds a prompt pass over its rows: 3 prompts of up to
+    100 tokens (4 rows) with 128 a pass prefill 32 tokens a row a pass, 4 passes, and give
+    transformers' tokens; the longest alone fits one pass. Bad values are refused."""
+    from jspec import requests as rq
+    from jspec.loop.plan import make_plan
+    prompts = [np.random.default_rng(n).integers(3, tiny_models.VOCAB, n).tolist() for n in (100, 37, 64)]
+    tuning = jspec.Tuning(max_batched_tokens=128)
+    prog = jspec.compile(target, prompts, max_new_tokens=5, stop_token_ids=[], cache="paged", tuning=tuning)
+    assert (prog.plan.batch, prog.plan.prefill_chunk, prog.plan.prompt_len) == (4, 32, 128)
+    assert prog.run().tokens == [hf_greedy(p, 5) for p in prompts]
+    for batch, block in ((prompts[:1], 0), (prompts, 0)):  # alone: one pass; no bound: whole prompts
+        reqs = rq.check_requests(target, batch, 5, [], {})
+        plan = make_plan(target, reqs.lens, reqs.max_new, 0, False, rq.cache_config("paged"), None,
+                         tuning if len(batch) == 1 else jspec.Tuning(max_batched_tokens=0))
+        assert plan.prefill_chunk == block
+    with pytest.raises(ValueError, match="max_batched_tokens"):
+        jspec.Tuning(max_batched_tokens=-1)
+
+
 def test_string_prompt_single_and_stop_token(target, hf_greedy):
     prompt = "hello"
     ids = list(target.tokenizer(prompt)["input_ids"])

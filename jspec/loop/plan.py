@@ -193,10 +193,10 @@ def make_plan(params, lens: list[int], max_new: list[int], num_stop: int, sample
     grammar: `Plan.grammar`.
 
     prefill_chunk None (`generate`'s programs, which admit every request at once): blocks
-    of `tuning.prefill_block` where the target's cache takes a prompt in blocks and the
-    longest prompt (with `cache.max_len`: the longest it allows) is longer than a block;
-    then Tp is that length rounded up to whole blocks, so with max_len one program takes
-    every prompt length."""
+    of C = `row_block(tuning, B)` tokens a row where the target's cache takes a prompt in
+    blocks and the longest prompt (with `cache.max_len`: the longest it allows) is longer
+    than a block; then Tp is that length rounded up to whole blocks, so with max_len one
+    program takes every prompt length."""
     proposer = proposer_for(params.draft.config if params.draft is not None else None)
     paged = cache.kind == "paged"
     family = family_for(params.config)
@@ -212,8 +212,9 @@ def make_plan(params, lens: list[int], max_new: list[int], num_stop: int, sample
         raise ValueError(f"Tuning(row_invariant=True): {problem}")
     in_blocks = family.cache_kind(params.config).prefill_in_chunks
     longest = max(max(lens), cache.max_len - 1 if cache.max_len else 0)
+    B = pow2(len(lens))
     if prefill_chunk is None:
-        C = tuning.prefill_block
+        C = row_block(tuning, B)
         prefill_chunk = C if C and in_blocks and longest > C else 0
         Tp = round_up(longest, C) if prefill_chunk else prompt_bucket(max(lens))
     elif prefill_chunk and not (paged and in_blocks):
@@ -222,7 +223,6 @@ def make_plan(params, lens: list[int], max_new: list[int], num_stop: int, sample
         Tp = prompt_bucket(max(lens))
     slack = max(round_slack(params.config, proposer, s, paged) for s in (spec, *tiers))
     limits, max_new, _ = slot_limits(cache, lens, max_new, slack)
-    B = pow2(len(lens))
     P = cache.page_size
     if paged:
         capacity = round_up(max(max(limits), Tp), P)
@@ -242,6 +242,16 @@ def make_plan(params, lens: list[int], max_new: list[int], num_stop: int, sample
                 grammar=tuple(grammar))
     check_memory(params, plan, max(max_new))
     return plan
+
+
+def row_block(tuning: Tuning, batch: int) -> int:
+    """The prompt tokens a row's pass takes in `generate`'s programs of `batch` rows:
+    `tuning.prefill_block`, and no more than the row's share of `tuning.max_batched_tokens`
+    (a multiple of 16, at least 16); 0 (prefill_block 0): whole prompts."""
+    C = tuning.prefill_block
+    if C and tuning.max_batched_tokens:
+        C = min(C, max(16, tuning.max_batched_tokens // batch // 16 * 16))
+    return C
 
 
 # ----------------------------------------------------------------------------- memory
