@@ -98,16 +98,16 @@ class Tuning:
     prefill_block: `generate`, `compile` and `stream` prefill a prompt longer than this in
     blocks of this many tokens, in a loop inside the program (`jspec.loop.rows.prefill_rest`):
     activations and attention scores bounded by the block, and one program for every prompt
-    length up to the plan's (`make_plan`). 0: whole prompts in one pass (max_batched_tokens
-    aside).
+    length up to the plan's (`make_plan`). 0: whole prompts in one pass, whatever
+    max_batched_tokens says. Every cache kind takes a prompt in blocks (GQA, MLA, and the
+    hybrid's linear layers, which continue their states block to block). The serving
+    engine has its own block, `Engine(prefill_chunk=)`.
 
     max_batched_tokens: the most prompt tokens one such pass takes over its B rows (vLLM's
     max_num_batched_tokens; the engine's is `Engine(max_batched_tokens=)`): a row's block
     is at most max_batched_tokens // B (a multiple of 16, at least 16;
     `jspec.loop.plan.row_block`), so a batch of prompts prefills in bounded memory too.
-    0: no bound but prefill_block. Every cache kind
-    takes a prompt in blocks (GQA, MLA, and the hybrid's linear layers, which continue their
-    states block to block). The serving engine has its own block, `Engine(prefill_chunk=)`.
+    0: no bound but prefill_block.
 
     xla_options: (name, value) pairs of XLA options for the loop's programs, on a GPU on top
     of the target family's own (`TargetFamily.gpu_xla_options`), which family_xla_options
