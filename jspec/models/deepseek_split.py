@@ -29,7 +29,7 @@ def layer_on_devices(c: DeepseekConfig, layer: nn.Module, params, x, buf, meta):
     specs = sharding.weight_specs(params, c.devices, device_splits(c), VOCAB_SPLITS)
 
     def run(p, x, buf, meta):
-        return layer.apply({"params": after_input(p, x)}, x, buf, meta)
+        return layer.apply({"params": after_input(p, x, meta)}, x, buf, meta)
     return jax.shard_map(run, in_specs=(specs, P(), P(), P()), out_specs=(P(), P()), check_vma=False)(
         params, x, buf, meta)
 

@@ -194,12 +194,17 @@ def apply_rope(x, positions, inv_freq: np.ndarray, scale: float = 1.0):
     return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
 
 
-def after_input(weights, x):
-    """A layer's `weights` as they are, held back until its input `x` exists (an optimization
-    barrier): what is computed from the weights alone (an FP8 projection dequantized for a
-    prompt's pass) cannot be scheduled before the layer, where it would be live from the
-    program's start, every layer's at once (docs/experiments.md, "Dequantized projections
-    live from the start"). Every layer of a stack takes its weights through this."""
+def after_input(weights, x, meta: AttnMeta):
+    """A layer's `weights` as they are; in a prompt's pass (`meta.prefill` or
+    `meta.causal_block`) held back until its input `x` exists (an optimization barrier):
+    what is computed from the weights alone (an FP8 projection dequantized for the pass)
+    cannot be scheduled before the layer, where it would be live from the program's start,
+    every layer's at once (docs/experiments.md, "Dequantized projections live from the
+    start"). Not in decoding and verification, where XLA takes such work out of the loop
+    of rounds (V2-Lite's FP8 step at batch 1 was 3.6% dearer with the barrier there).
+    Every layer of a stack takes its weights through this."""
+    if not (meta.prefill or meta.causal_block):
+        return weights
     return jax.lax.optimization_barrier((weights, x))[0]
 
 
@@ -210,7 +215,7 @@ def _layer_program(module_type: type, fields: tuple, backend: str):
     module = module_type(**dict(fields), parent=None)  # unbound, whatever module calls this
 
     def apply(variables, *args):
-        return module.apply(after_input(variables, args[0]), *args)
+        return module.apply(after_input(variables, args[0], args[-1]), *args)  # (x, ..., meta)
     apply.__name__ = apply.__qualname__ = module_type.__name__  # the name of its calls in a program
     return jax.jit(apply)
 

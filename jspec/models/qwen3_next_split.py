@@ -67,7 +67,7 @@ def layer_on_devices(c: HybridConfig, layer: nn.Module, params, x, kv, conv, ssm
     record_specs = {n: RECORD_SPECS[n] for n in record} or None
 
     def run(p, x, kv, conv, ssm, meta):
-        return layer.apply({"params": after_input(p, x)}, x, kv, conv, ssm, meta)
+        return layer.apply({"params": after_input(p, x, meta)}, x, kv, conv, ssm, meta)
     return jax.shard_map(run, in_specs=(specs, P()) + cache_specs + (P(),),
                          out_specs=(P(),) + cache_specs + (record_specs,), check_vma=False)(
         params, x, kv, conv, ssm, meta)
