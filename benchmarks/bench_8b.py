@@ -92,8 +92,10 @@ sized for the longest context, runs every context (`common.step_times`): the AR 
 S=3 and tree (5,8,16) rounds of the EAGLE-3-shaped head as ratios to the AR step at the
 same context. Batch 1 at 1k, 4k, 32k and 128k; batch 8 at 1k, 4k and 32k (its 128k KV
 cache, 137 GB, does not fit one GPU beside the weights).
-     PYTHONPATH=. python3 benchmarks/bench_8b.py long [--rounds 40]
-Result: $OUT/long_context_8b.json
+--fp8-kv: every step and round also over an FP8 cache (`CacheConfig(dtype="float8_e4m3fn")`,
+the bandwidth utilisation counting its bytes), side by side; --no-rounds: the AR steps only.
+     PYTHONPATH=. python3 benchmarks/bench_8b.py long [--rounds 40] [--fp8-kv] [--no-rounds]
+Result: $OUT/long_context_8b.json (with --fp8-kv: $OUT/long_context_8b_kv.json)
 """
 from __future__ import annotations
 
@@ -628,7 +630,7 @@ def prefill_jspec(lengths, paged: bool, kernel_blocks: bool = False):
 LONG_CONTEXTS = {1: (1024, 4096, 32768, 131072), 8: (1024, 4096, 32768)}
 
 
-def long_context(rounds: int = 40):
+def long_context(rounds: int = 40, kv_dtypes=(None,), spec_rounds: bool = True):
     """`long` (the module docstring)."""
     res = {"env": env_info(), "rounds": rounds}
     bw = copy_bandwidth()
@@ -637,24 +639,30 @@ def long_context(rounds: int = 40):
     target = random_params(LLAMA31_8B)
     wb = weight_bytes(target)
     spec_params = target.with_draft(eagle3_head(target))
+    name = "long_context_8b.json" if kv_dtypes == (None,) else "long_context_8b_kv.json"
     for batch, ctxs in LONG_CONTEXTS.items():
-        ar = step_times(target, batch, ctxs, rounds)
-        for ctx in ctxs:
-            read = wb + kv_bytes(LLAMA31_8B, batch, ctx)
-            res[f"decode_b{batch}_ctx{ctx}"] = row = {
-                "batch": batch, "ctx": ctx, "ms_per_step": ar[ctx] * 1e3, "GB_read": read / 1e9,
-                "bandwidth_util": read / ar[ctx] / ceiling}
-            print("decode", rounded(row), flush=True)
-        save_json("long_context_8b.json", res)
-        for S, K, N in ((3, 1, 4), (5, 8, 16)):
-            spec = jspec.SpecConfig(num_steps=S, topk=K, num_draft_tokens=N)
-            per = step_times(spec_params, batch, ctxs, rounds, spec)
+        ar = {}
+        for kv in kv_dtypes:  # the model's cache, then an FP8 one: side by side
+            ar[kv] = step_times(target, batch, ctxs, rounds, kv_dtype=kv)
+            item = 1 if kv else 2  # bytes a key or value element (bf16, or FP8)
             for ctx in ctxs:
-                res[f"round_S{S}_K{K}_N{N}_b{batch}_ctx{ctx}"] = row = {
-                    "S": S, "K": K, "N": N, "batch": batch, "ctx": ctx, "ms_per_round": per[ctx] * 1e3,
-                    "ratio_to_ar_step": per[ctx] / ar[ctx]}
-                print("round", rounded(row), flush=True)
-            save_json("long_context_8b.json", res)
+                read = wb + kv_bytes(LLAMA31_8B, batch, ctx) * item / 2
+                res[f"decode_b{batch}_ctx{ctx}" + (f"_{kv}" if kv else "")] = row = {
+                    "batch": batch, "ctx": ctx, "kv_dtype": kv or "model", "ms_per_step": ar[kv][ctx] * 1e3,
+                    "GB_read": read / 1e9, "bandwidth_util": read / ar[kv][ctx] / ceiling,
+                    **({"speedup_over_model_cache": ar[None][ctx] / ar[kv][ctx]} if kv and None in ar else {})}
+                print("decode", rounded(row), flush=True)
+            save_json(name, res)
+        for S, K, N in ((3, 1, 4), (5, 8, 16)) if spec_rounds else ():
+            spec = jspec.SpecConfig(num_steps=S, topk=K, num_draft_tokens=N)
+            for kv in kv_dtypes:
+                per = step_times(spec_params, batch, ctxs, rounds, spec, kv_dtype=kv)
+                for ctx in ctxs:
+                    res[f"round_S{S}_K{K}_N{N}_b{batch}_ctx{ctx}" + (f"_{kv}" if kv else "")] = row = {
+                        "S": S, "K": K, "N": N, "batch": batch, "ctx": ctx, "kv_dtype": kv or "model",
+                        "ms_per_round": per[ctx] * 1e3, "ratio_to_ar_step": per[ctx] / ar[kv][ctx]}
+                    print("round", rounded(row), flush=True)
+            save_json(name, res)
     return res
 
 
@@ -676,7 +684,13 @@ def main(argv=None):
         lengths = [int(a) for a in argv[1:] if not a.startswith("--")] or list(PREFILL_LENGTHS)
         return prefill_jspec(lengths, "--paged" in argv, "--kernel-blocks" in argv)
     if argv[:1] == ["long"]:
-        return long_context(int(argv[argv.index("--rounds") + 1]) if "--rounds" in argv else 40)
+        ap = argparse.ArgumentParser(prog="bench_8b.py long")
+        ap.add_argument("--rounds", type=int, default=40)
+        ap.add_argument("--fp8-kv", action="store_true", help="also an FP8 cache (`CacheConfig(dtype=\"float8_e4m3fn\")`), "
+                        "side by side with the model's")
+        ap.add_argument("--no-rounds", action="store_true", help="the AR steps only (no chain or tree rounds)")
+        args = ap.parse_args(argv[1:])
+        return long_context(args.rounds, (None, "float8_e4m3fn") if args.fp8_kv else (None,), not args.no_rounds)
     if argv[:1] == ["transformers_prefill"]:
         return transformers_prefill_bench(LLAMA31_8B, "transformers_prefill_8b.json",
                                           [int(a) for a in argv[1:]] or list(PREFILL_LENGTHS))

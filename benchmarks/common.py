@@ -23,6 +23,7 @@ import numpy as np
 
 import jspec
 from jspec import sharding
+from jspec.cache.kv import stored
 from jspec.config import ModelConfig, RopeConfig
 from jspec.models import family_for
 from jspec.models.deepseek_hf import DeepseekConfig
@@ -99,15 +100,16 @@ def kv_bytes(cfg, batch: int, ctx: float) -> float:
     return 2 * cfg.num_layers * batch * ctx * cfg.num_kv_heads * cfg.head_dim * 2
 
 
-def filled_state(params, batch: int, ctx: int, rounds: int, spec=None, seed: int = 0):
+def filled_state(params, batch: int, ctx: int, rounds: int, spec=None, seed: int = 0, kv_dtype: str | None = None):
     """(plan, weights, a loop state whose rows have committed `ctx` random slots, in the
-    target's cache and the draft's), the dense cache sized for `ctx` plus `rounds` rounds."""
+    target's cache and the draft's), the dense cache sized for `ctx` plus `rounds` rounds,
+    its keys and values in kv_dtype (`CacheConfig.dtype`; None: the model's)."""
     from jspec import requests as rq
     from jspec.loop import programs
     from jspec.loop.plan import make_plan
     prompt = [[1 + i for i in range(16)]] * batch
     reqs = rq.check_requests(params, prompt, ctx + 8 * rounds, [], {})
-    cache = jspec.CacheConfig("dense", max_len=ctx + 8 * rounds + 48)
+    cache = jspec.CacheConfig("dense", max_len=ctx + 8 * rounds + 48, dtype=kv_dtype)
     plan = make_plan(params, reqs.lens, reqs.max_new, 0, False, cache, spec)
     tw, pw = params.weights, params.draft.weights if params.draft is not None else None
     st, _ = programs.start_jit(plan, tw, pw, *rq.pack(plan, reqs, cache))
@@ -116,24 +118,26 @@ def filled_state(params, batch: int, ctx: int, rounds: int, spec=None, seed: int
     def fill(buf):
         nonlocal key
         key, k = jax.random.split(key)
-        return (jax.random.normal(k, buf.shape, jnp.float32) * 0.5).astype(buf.dtype)
+        return stored(jax.random.normal(k, buf.shape, jnp.float32) * 0.5, buf.dtype)
     st = st.replace(tcache=jax.tree.map(fill, st.tcache), L=jnp.full_like(st.L, ctx))
     if st.proposal is not None:
         st = st.replace(proposal=st.proposal.replace(cache=jax.tree.map(fill, st.proposal.cache)))
     return plan, (tw, pw), st
 
 
-def step_times(params, batch: int, ctxs, rounds: int, spec=None) -> dict[int, float]:
+def step_times(params, batch: int, ctxs, rounds: int, spec=None, kv_dtype: str | None = None) -> dict[int, float]:
     """Seconds a round (a step when spec is None) with each context of `ctxs` committed,
     every context through ONE program whose cache holds the longest (as a server compiled
-    for that length runs them): each from a fresh copy of the filled state."""
+    for that length runs them): each from a fresh copy of the filled state. kv_dtype: the
+    cache's (`filled_state`)."""
     from jspec.loop import programs
-    plan, (tw, pw), filled = filled_state(params, batch, max(ctxs), rounds, spec)
+    plan, (tw, pw), filled = filled_state(params, batch, max(ctxs), rounds, spec, kv_dtype=kv_dtype)
     run = jax.jit(lambda tw, pw, st, n: programs.advance_fn(plan, tw, pw, st, st.step + n), donate_argnums=2)
     out = {}
     for ctx in ctxs:
         st = jax.tree.map(jnp.copy, filled).replace(L=jnp.full_like(filled.L, ctx))
-        st, back = run(tw, pw, st, 2)  # compile (the first context) and warm
+        for _ in range(2):  # compile (the first context) and warm: the first timed run of a program
+            st, back = run(tw, pw, st, 1)  # right after its first ran 16-20x slow on an H200 (2026-12-01)
         jax.block_until_ready(back)
         t0 = time.perf_counter()
         st, back = run(tw, pw, st, rounds)

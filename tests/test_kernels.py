@@ -15,6 +15,7 @@ from hypothesis import strategies as st
 from jspec.cache import kv as kvc
 from jspec.cache import layout as lay
 from jspec.kernels.attention import decode as da
+from jspec.kernels import dispatch
 from jspec.kernels.attention import gqa as attn
 from jspec.kernels.meta import AttnMeta
 
@@ -179,6 +180,40 @@ def test_bfloat16(page_size):
     q, k, v, meta = make_case(4, T=4, Gq=4, S=80, page_size=page_size, prefix=[0, 31, 76],
                               dtype=jnp.bfloat16)
     check(q, k, v, meta, atol=3e-2, rtol=3e-2)
+
+
+@pytest.mark.parametrize("page_size,window", [(0, 0), (16, 0), (3, 9)])
+def test_fp8_cache(page_size, window):
+    """An FP8 cache (`CacheConfig(dtype="float8_e4m3fn")`) is read as FP8, each block
+    widened in the kernel: with float32 queries bit for bit the kernel over the cache
+    widened first; with bfloat16 ones, taken in float16 (`fp8_queries`), the reference
+    within bfloat16 rounding, also for queries far past float16's range (each row's
+    power-of-two factor); dense, paged and windowed. The attention dispatch sends an FP8
+    cache's decode to the kernel; queries are not parked in it, and other dtype mismatches
+    are refused."""
+    q, k, v, meta = make_case(6, T=4, Gq=2, S=72, page_size=page_size, prefix=[0, 30, 68])
+    cache = stack(k, v).astype(jnp.float8_e4m3fn)
+    wide = cache.astype(jnp.float32)
+    run = lambda q, c: da.paged_decode_attention(q, c, meta, window=window, scale=0.25, interpret=True, block_k=16)
+    got = _fast_jit(run, q, cache)
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(_fast_jit(run, q, wide)))
+    ref = da.decode_attention_reference(q, cache, meta, window=window, scale=0.25)
+    chex.assert_trees_all_close(got, ref, atol=1e-5, rtol=1e-5)
+    assert float(jnp.abs(got - _fast_jit(run, q, stack(k, v))).max()) > 1e-4  # the rounding shows
+    for size in (1.0, 1e6):  # 1e6: scores past float16's range unless each row is scaled down
+        qb = (q * size).astype(jnp.bfloat16)
+        got_b = _fast_jit(run, qb, cache)
+        assert got_b.dtype == jnp.bfloat16
+        want = da.decode_attention_reference(qb.astype(jnp.float32), wide, meta, window=window, scale=0.25)
+        chex.assert_trees_all_close(got_b.astype(jnp.float32), want, atol=2e-2, rtol=2e-2)
+    with dispatch.use_backend("pallas"):
+        jaxpr = str(jax.make_jaxpr(lambda q, c: attn.attention(q, None, None, c, meta, window=window, scale=0.25))(q, cache))
+    assert "jspec_decode_attention" in jaxpr
+    if not page_size:
+        with pytest.raises(ValueError, match="queries are not parked in an FP8 cache"):
+            da.paged_decode_attention(q, cache, meta, scale=0.25, q_in_cache=True, interpret=True)
+    with pytest.raises(TypeError, match="the cache must be q's dtype or FP8"):
+        da.paged_decode_attention(q.astype(jnp.bfloat16), stack(k, v), meta, scale=0.25, interpret=True)
 
 
 def test_with_make_meta_and_allocated_pages():

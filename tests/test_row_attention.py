@@ -36,6 +36,19 @@ def test_matches_reference(page_size, T, Gq, window):
     np.testing.assert_allclose(np.asarray(out), np.asarray(ref), rtol=2e-5, atol=2e-5)
 
 
+def test_an_fp8_cache_is_read_widened():
+    """An FP8 cache (`CacheConfig(dtype="float8_e4m3fn")`): the kernel widens each key block
+    as it loads it, the same bits as over the cache widened first (E4M3 values are exact in
+    float32), paged and dense."""
+    for page_size in (0, 16):
+        q, k, v, meta = make_case(4, B=2, T=3, Tl=5, Gq=2, S=96, page_size=page_size)
+        fp8 = stack(k, v).astype(jnp.float8_e4m3fn)
+        run = lambda q, c: row_attention(q, c, meta, scale=0.25, tiles=TILES, interpret=True)
+        got = _fast_jit(run, q, fp8)
+        np.testing.assert_array_equal(np.asarray(got), np.asarray(_fast_jit(run, q, fp8.astype(jnp.float32))))
+        assert float(jnp.abs(got - _fast_jit(run, q, stack(k, v))).max()) > 1e-4  # the rounding shows
+
+
 def test_local_slots_follow_each_tokens_ancestors():
     _, _, _, meta = make_case(5, B=2, T=4, Tl=6, S=64)
     got = np.asarray(local_slots(meta))

@@ -51,6 +51,7 @@ class KVCacheKind:
     prefill_in_chunks: ClassVar[bool] = True  # a prompt's later blocks attend to the earlier ones in the cache
     prefix_in_pages: ClassVar[bool] = True  # a prefix's whole state is in its pages (prefix caching)
     state_snapshots: ClassVar[bool] = False  # no state outside the pages to snapshot
+    fp8_row_kernels: ClassVar[bool] = True  # the row-invariant kernels read an FP8 buffer (`CacheConfig.dtype`)
 
     num_layers: int
     num_heads: int

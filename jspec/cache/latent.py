@@ -57,6 +57,7 @@ class LatentCacheKind:
     prefill_in_chunks: ClassVar[bool] = True  # a prompt's later blocks attend to the earlier ones in the cache
     prefix_in_pages: ClassVar[bool] = True  # a prefix's whole state is in its pages (prefix caching)
     state_snapshots: ClassVar[bool] = False  # no state outside the pages to snapshot
+    fp8_row_kernels: ClassVar[bool] = False  # an FP8 buffer is read by the jnp references only
 
     num_layers: int
     kv_lora_rank: int

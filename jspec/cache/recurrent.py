@@ -86,6 +86,7 @@ class HybridCacheKind:
     prefill_in_chunks: ClassVar[bool] = True
     prefix_in_pages: ClassVar[bool] = False  # a prefix's recurrent state is in no page: prefix caching needs
     state_snapshots: ClassVar[bool] = True  # ... the snapshots of it (`save_states`, `load_states`)
+    fp8_row_kernels: ClassVar[bool] = True  # its keys and values: `KVCacheKind`'s
 
     kv: KVCacheKind
     num_linear: int

@@ -203,8 +203,8 @@ def make_plan(params, lens: list[int], max_new: list[int], num_stop: int, sample
     problem = family.row_invariant_problem(params.config, tuning)
     if params.mesh is not None:
         problem = "it runs on one device: its kernels cannot be split over a mesh"
-    if cache.dtype is not None:
-        problem = "an FP8 cache (CacheConfig.dtype) is read by the jnp attention, not the row kernels"
+    if cache.dtype is not None and not family.cache_kind(params.config).fp8_row_kernels:
+        problem = "an FP8 latent cache (CacheConfig.dtype) is read by the jnp attention, not the row kernels"
     if tuning.row_invariant is None:  # auto: where the family measured it cheap (`TargetFamily.row_invariant_by_default`)
         tuning = tuning.replace(row_invariant=problem is None and family.row_invariant_by_default(
             params.config, pow2(len(lens)), jax.devices()[0]))

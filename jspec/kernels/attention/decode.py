@@ -27,6 +27,12 @@ Design (flash decoding):
   block (`jspec.cache.kv.with_queries`) and each program gathers its query rows there,
   which spares the kernel that would otherwise build the padded query tile.
 
+An FP8 cache (`CacheConfig.dtype`) is read as FP8 and each key and value block widened in
+the kernel (E4M3 values are exact in every float dtype): to float32 for float32 queries,
+to float16 for bfloat16 ones, which are then taken in float16 (`fp8_queries`: each row
+scaled by a power of two into float16's range, its scores scaled back), as the widening to
+bfloat16 took the kernel as long as reading a bfloat16 cache.
+
 A query row that sees no key at all gets zeros (the reference gives a meaningless
 uniform average there).
 
@@ -45,7 +51,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 from jspec.kernels.meta import AttnMeta, pool_rows, read_kv
-from jspec.kernels.tiling import KERNEL_DTYPES, is_pow2, pow2_ceil
+from jspec.kernels.tiling import KERNEL_DTYPES, half_factor, is_pow2, pow2_ceil
 from jspec.quantization import FP8_DTYPES
 
 
@@ -58,6 +64,7 @@ class AttentionTiles:
     max_rows: int = 64  # query rows per program (more: split over programs, keeps registers in check)
     num_warps: int | None = None  # None: 4, or 8 for row tiles above 32 x 128
     num_stages: int = 2
+    fp8_num_stages: int = 3  # over an FP8 cache: 3 beat 2 by 5-10% on the H200 (docs/experiments.md)
     # A prompt's causal blocks through cuDNN's fused attention where it runs
     # (`kernels.attention.fused`): 3.6x faster than this kernel at a 32k prompt on the H200.
     fused_prompt_blocks: bool = True
@@ -229,6 +236,20 @@ def decode_attention_reference(q, kv_buf, meta: AttnMeta, *, window: int = 0, sc
 
 # --------------------------------------------------------------------------- kernel
 
+def fp8_queries(cache_dtype, *qs):
+    """The query tiles [BR, *] a flash-decoding kernel multiplies with the blocks of a cache
+    of `cache_dtype`, and the factor [BR, 1] float32 its scores are multiplied back by
+    (None: 1). Over an FP8 cache, bfloat16 queries become float16 (each row divided by its
+    power of two `tiling.half_factor`, shared over the tiles, whose scores add), so that
+    the blocks widen to float16, one instruction a pair, not to bfloat16: widened to
+    bfloat16 an FP8 cache read no faster than a bfloat16 one (H200, docs/experiments.md
+    "An FP8 cache read at its bytes"). Other queries are taken as they are."""
+    if jnp.dtype(cache_dtype) not in FP8_DTYPES or qs[0].dtype != jnp.bfloat16:
+        return (*qs, None)
+    factor = half_factor(*qs)
+    return (*((x.astype(jnp.float32) / factor).astype(jnp.float16) for x in qs), factor)
+
+
 def online_softmax_step(sc, mask, v, carry):
     """One key block of a flash-decoding online softmax (shared by the GQA and MLA kernels):
     scores sc [BR, BK] float32, already scaled; mask [BR, BK] or None (all visible); values
@@ -314,19 +335,20 @@ def _decode_kernel(bounds_ref, table_ref, qpos_ref, tail_mask_ref, kv_ref, *refs
         q = jnp.where((i < num_rows)[:, None], q, jnp.zeros_like(q))
     else:
         q = q_ref[...]  # [BR, Dh]
+    q, factor = fp8_queries(kv_ref.dtype, q)
     BR, Dh = q.shape
     offs = jnp.arange(block_k, dtype=jnp.int32)  # [BK]
 
-    def load_kv(blk):
+    def load_kv(blk):  # an FP8 cache's keys and values widened to q's dtype (E4M3 values are exact in it)
         slot = jnp.minimum(blk * block_k + offs, num_keys - 1)  # [BK], clamped in range
         row = pool_rows(table_ref, b, slot, page_size=page_size, num_pages=num_pages, dense=dense)
-        return kv_ref[row, 0, h, :], kv_ref[row, 1, h, :]  # [BK, Dh] each
+        return kv_ref[row, 0, h, :].astype(q.dtype), kv_ref[row, 1, h, :].astype(q.dtype)  # [BK, Dh] each
 
     def step(blk, carry, mask):  # carry: acc [BR, Dh], m [BR], l [BR]
         k, v = load_kv(blk)
         sc = lax.dot_general(q, k, (((1,), (1,)), ((), ())),
                              preferred_element_type=jnp.float32) * scale  # [BR, BK]
-        return online_softmax_step(sc, mask, v, carry)
+        return online_softmax_step(sc if factor is None else sc * factor, mask, v, carry)
 
     def prefix_block(blk, carry):  # only prefix keys: at most the window hides some
         mask = None
@@ -497,8 +519,8 @@ def check_attention_args(q, kv_buf, meta: AttnMeta, window) -> None:
                          f"and {kv_buf.shape}")
     if jnp.dtype(q.dtype) not in map(jnp.dtype, KERNEL_DTYPES):
         raise TypeError(f"q dtype {q.dtype} is not float32, bfloat16 or float16")
-    if q.dtype != kv_buf.dtype:
-        raise TypeError(f"q and cache dtypes differ: {q.dtype}, {kv_buf.dtype}")
+    if q.dtype != kv_buf.dtype and jnp.dtype(kv_buf.dtype) not in FP8_DTYPES:
+        raise TypeError(f"q and cache dtypes differ: {q.dtype}, {kv_buf.dtype} (the cache must be q's dtype or FP8)")
     B, T, H, Dh = q.shape
     Hkv = kv_buf.shape[3]
     if not (is_pow2(Dh) and Dh >= 16):
@@ -558,12 +580,14 @@ def paged_decode_attention(q, kv_buf, meta: AttnMeta, *, window: int = 0, scale:
     """Attention of q [B,T,H,Dh] over a cache that already holds the new keys.
 
     kv_buf: keys and values, dense [B,S,2,Hkv,Dh] (meta.page_table None) or a paged pool
-    [num_pages,P,2,Hkv,Dh] with meta.page_table [B,G]. Returns [B,T,H,Dh] in q's dtype.
+    [num_pages,P,2,Hkv,Dh] with meta.page_table [B,G], in q's dtype or FP8 (an FP8 cache,
+    `CacheConfig.dtype`: each block widened to q's dtype as it is loaded, so the kernel reads
+    half a bfloat16 cache's bytes). Returns [B,T,H,Dh] in q's dtype.
     interpret None: interpret mode unless the default backend is a GPU. block_k: keys
     per block (power of two >= 16; default `tiles.block_k`). num_splits: key splits per
     (row, kv head) (default: enough programs to fill the GPU, `tiles.target_programs`).
     num_warps (default `tiles.num_warps`, None: 4, or 8 for big row tiles) and num_stages
-    (default `tiles.num_stages`) are Triton's. tiles: `AttentionTiles` (None: the
+    (default `tiles.num_stages`, over an FP8 cache `tiles.fp8_num_stages`) are Triton's. tiles: `AttentionTiles` (None: the
     defaults; `max_rows` query rows a program). q_in_cache: a dense cache already holds the
     queries in the `query_slots(T, H, Hkv)` slots after the local block (see
     `jspec.cache.kv.query_slots`); q then gives only shapes and dtype.
@@ -571,6 +595,9 @@ def paged_decode_attention(q, kv_buf, meta: AttnMeta, *, window: int = 0, scale:
     check_attention_args(q, kv_buf, meta, window)
     if q_in_cache and meta.page_table is not None:
         raise ValueError("q_in_cache needs a dense cache (paged pools have no room reserved)")
+    if q_in_cache and kv_buf.dtype != q.dtype:
+        raise ValueError(f"q_in_cache needs a cache of q's dtype ({q.dtype}), got {kv_buf.dtype}: queries are not "
+                         f"parked in an FP8 cache")
     window = int(window)
     B, T, H, Dh = q.shape
     Hkv = kv_buf.shape[3]
@@ -578,7 +605,9 @@ def paged_decode_attention(q, kv_buf, meta: AttnMeta, *, window: int = 0, scale:
     table, num_keys = slot_table(meta, B, page_size)
 
     t = AttentionTiles() if tiles is None else tiles
-    stages = t.num_stages if num_stages is None else num_stages
+    if num_stages is None:
+        num_stages = t.fp8_num_stages if jnp.dtype(kv_buf.dtype) in FP8_DTYPES else t.num_stages
+    stages = num_stages
     if block_k is None:
         block_k = fitting_block(t, stages, T * (H // Hkv), Dh, kv_buf.dtype.itemsize, meta.local_len)
     if not (is_pow2(block_k) and block_k >= 16):

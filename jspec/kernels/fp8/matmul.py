@@ -42,7 +42,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 
 from jspec.kernels import dispatch
-from jspec.kernels.tiling import KERNEL_DTYPES, in_order_sum, is_pow2, pow2_ceil
+from jspec.kernels.tiling import KERNEL_DTYPES, half_factor, in_order_sum, is_pow2, pow2_ceil
 from jspec.quantization import FP8_DTYPES, GROUP
 
 
@@ -77,15 +77,11 @@ class Fp8Tiles:
 
 def half_rows(rows):
     """bfloat16 rows [M, K] -> (float16 rows, float32 factors [M, 1]): each row divided by
-    the power of two (1 for rows under 2^15, as activations are) that brings its largest
-    magnitude under 2^15, then converted. A bfloat16 value in float16's normal range
-    converts exactly; smaller ones (under 2^-14 of the factor) keep fewer bits. The
-    tensor-core kernel multiplies in float16 (E4M3 widens to it in one instruction, to
-    bfloat16 in several) and multiplies its rows' sums back by the factors."""
-    r = rows.astype(jnp.float32)
-    top = jnp.maximum(jnp.max(jnp.abs(r), axis=-1, keepdims=True), 1.0)
-    factor = jnp.exp2(jnp.maximum(jnp.floor(jnp.log2(top)) - 14.0, 0.0))
-    return (r / factor).astype(jnp.float16), factor
+    its `tiling.half_factor`, then converted. The tensor-core kernel multiplies in float16
+    (E4M3 widens to it in one instruction, to bfloat16 in several) and multiplies its rows'
+    sums back by the factors."""
+    factor = half_factor(rows)
+    return (rows.astype(jnp.float32) / factor).astype(jnp.float16), factor
 
 
 def kernel_rows(x, tiles: Fp8Tiles | None = None):

@@ -160,7 +160,7 @@ def _attend_kernel(prefix_ref, pos_ref, table_ref, kv_ref, q_ref, lslot_ref, cha
             mask = (p[None, :] <= pos[:, None]) & has_slot[None, :]
             if window:
                 mask = mask & (p[None, :] >= first[:, None])
-            k, v = kv_ref[row, 0, h, :], kv_ref[row, 1, h, :]  # [BK, Dh]
+            k, v = kv_ref[row, 0, h, :].astype(q.dtype), kv_ref[row, 1, h, :].astype(q.dtype)  # [BK, Dh]; FP8: widened
             sc = lax.dot_general(q, k, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32) * scale
             new = online_softmax_step(sc, mask, v, carry)
             keep = mine & (blk >= lo_row) & (blk < hi_row)  # [ROWS]
