@@ -15,7 +15,8 @@
                           [--max-logprobs K] [--log-level LEVEL]
 
 Loads the bundled target (a small model trained on the Python standard library) with its
-EAGLE-3 head and its DFlash block drafter (timed side by side; the faster writes the text),
+EAGLE-3 head and its DFlash block drafter (timed side by side, on a GPU with the head's tree
+(8, 2, 16) too; the fastest writes the text),
 or your own local target and draft, continues PROMPT (greedy, or sampled with
 --temperature/--top-p/--top-k), and prints the text, the mean accepted length per round and
 tokens/s, next to plain decoding of the same target with the same settings.
@@ -229,6 +230,18 @@ def default_block_steps() -> int:
     return 3 if jax.default_backend() == "cpu" else 15
 
 
+def first_run_trees() -> list[SpecConfig]:
+    """EAGLE-3 trees the first run (the bundled pair, no shape flags) times beside the chain
+    and the DFlash block: on a GPU the deep, narrow tree (8, 2, 16), the bundled pair's
+    fastest shape on the first run's prompt on an H200 (2.57-2.65x plain against the chain's
+    2.18-2.26x: its 16M-parameter target is bound by launches, not bytes, so a round costs
+    about as much whatever its width), though not on held-out files (0.96x the chain), hence
+    timed, not the default; on a CPU, where a tree's nodes cost a verification their
+    compute, none."""
+    import jax
+    return [] if jax.default_backend() == "cpu" else [SpecConfig(num_steps=8, topk=2, num_draft_tokens=16)]
+
+
 def _stream_text(params, prompt, **kw) -> None:
     """Prints the continuation as `jspec.stream` commits it."""
     import jspec
@@ -269,13 +282,17 @@ def _generate(argv) -> int:
     tuning = jspec.Tuning() if args.row_invariant is None else jspec.Tuning(row_invariant=args.row_invariant)
     kw = dict(max_new_tokens=args.max_new_tokens, stop_token_ids=[], temperature=args.temperature,
               top_p=args.top_p, top_k=args.top_k, seed=args.seed, tuning=tuning)
-    # The first run (the bundled target, no --draft): both bundled drafters, timed side by
-    # side; the faster on this machine writes the text.
+    # The first run (the bundled target, no --draft): both bundled drafters, and with no
+    # shape flags the head's trees (`first_run_trees`), timed side by side; the fastest on
+    # this machine writes the text.
     runs = [(draft, params, spec)]
-    if args.target is None and args.draft is None and bundled_dflash():
-        from jspec import bundle
-        runs.append(("dflash", bundle.load("dflash", dtype=params.config.dtype, quantization=args.quantization),
-                     block_spec))
+    if args.target is None and args.draft is None:
+        if bundled_dflash():
+            from jspec import bundle
+            runs.append(("dflash", bundle.load("dflash", dtype=params.config.dtype, quantization=args.quantization),
+                         block_spec))
+        if args.steps is None and args.topk == 1 and args.tokens is None:
+            runs += [(draft, params, tree) for tree in first_run_trees()]
     plain_params = params.with_draft(None)
     try:  # jspec checks its arguments before compiling: a refusal is a usage error
         progs = [jspec.compile(p, args.prompt, spec=s, **kw) for _, p, s in runs]
@@ -296,7 +313,7 @@ def _generate(argv) -> int:
     plain, plain_tps = timed[-1]
     for i, ((name, _, s), prog) in enumerate(zip(runs, progs)):
         out, tps = timed[i]
-        used = " (the faster here: it wrote the text)" if len(runs) > 1 and i == best else ""
+        used = " (the fastest here: it wrote the text)" if len(runs) > 1 and i == best else ""
         print(f"speculative ({name}, S={s.num_steps}, K={s.topk}, N={s.num_draft_tokens}): "
               f"{len(out.tokens)} tokens, mean accepted length {out.stats.mean_accept_length:.2f}, "
               f"{tps:.0f} tokens/s, speed-up {tps / plain_tps:.2f}x{used}; "

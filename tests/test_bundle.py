@@ -58,4 +58,4 @@ def test_bundle_speculation_is_exact_and_accepts(capsys):
     assert main([prompt, "--max-new-tokens", "48", "--steps", "4"]) == 0
     out = capsys.readouterr().out
     assert "mean accepted length" in out and "tokens/s" in out and "outputs identical" in out
-    assert "speculative (eagle3" in out and "speculative (dflash" in out and "the faster here" in out
+    assert "speculative (eagle3" in out and "speculative (dflash" in out and "the fastest here" in out

@@ -142,9 +142,11 @@ def test_generate_prints_text_and_stats(capsys, monkeypatch, pair):
     # Without --steps the chain has the device's default length: 2 on a CPU.
     assert main([a for a in argv if a not in ("--steps", "2")]) == 0
     assert "S=2, K=1, N=3" in capsys.readouterr().out
+    from jspec.__main__ import default_steps, first_run_trees
+    assert first_run_trees() == []  # a CPU times the chain and the DFlash block only
     monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
-    from jspec.__main__ import default_steps
     assert default_steps() == 5
+    assert first_run_trees() == [jspec.SpecConfig(num_steps=8, topk=2, num_draft_tokens=16)]
 
 
 def test_parse_spec_and_format_table():
