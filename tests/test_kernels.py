@@ -200,12 +200,19 @@ def test_fp8_cache(page_size, window):
     ref = da.decode_attention_reference(q, cache, meta, window=window, scale=0.25)
     chex.assert_trees_all_close(got, ref, atol=1e-5, rtol=1e-5)
     assert float(jnp.abs(got - _fast_jit(run, q, stack(k, v))).max()) > 1e-4  # the rounding shows
-    for size in (1.0, 1e6):  # 1e6: scores past float16's range unless each row is scaled down
+    # bfloat16 queries: 1e6 times larger, past float16's range unless each row is scaled down;
+    # 1e5 times larger with a scale 1e5 times smaller, scores as at first only if they are scaled back
+    for size, scale in ((1.0, 0.25), (1e6, 0.25), (1e5, 0.25e-5)):
         qb = (q * size).astype(jnp.bfloat16)
-        got_b = _fast_jit(run, qb, cache)
+        run_b = lambda q, c: da.paged_decode_attention(q, c, meta, window=window, scale=scale, interpret=True,
+                                                       block_k=16)
+        got_b = _fast_jit(run_b, qb, cache)
         assert got_b.dtype == jnp.bfloat16
-        want = da.decode_attention_reference(qb.astype(jnp.float32), wide, meta, window=window, scale=0.25)
+        want = da.decode_attention_reference(qb.astype(jnp.float32), wide, meta, window=window, scale=scale)
         chex.assert_trees_all_close(got_b.astype(jnp.float32), want, atol=2e-2, rtol=2e-2)
+    # over an FP8 cache the widened blocks take shared memory too (H200: Dh 256, 96 rows, 3 stages of 128 failed)
+    assert da.fitting_block(da.AttentionTiles(), 3, 96, 256, 1, 16, widened=2) == 64
+    assert da.fitting_block(da.AttentionTiles(), 3, 4, 128, 1, 1, widened=2) == 128  # the 8B step's blocks stay
     with dispatch.use_backend("pallas"):
         jaxpr = str(jax.make_jaxpr(lambda q, c: attn.attention(q, None, None, c, meta, window=window, scale=0.25))(q, cache))
     assert "jspec_decode_attention" in jaxpr

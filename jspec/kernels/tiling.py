@@ -28,13 +28,13 @@ def pow2_ceil(n: int) -> int:
 
 
 def half_factor(*tiles):
-    """The power of two [M, 1] float32 (1 for rows under 2^15, as activations and queries
-    are) that brings each row's largest magnitude over the tiles [M, *] under 2^15, so
+    """The power of two [..., 1] float32 (1 for rows under 2^15, as activations and queries
+    are) that brings each row's largest magnitude over the tiles [..., *] under 2^15, so
     the rows divided by it convert to float16 without overflow: a bfloat16 value in
     float16's normal range converts exactly, smaller ones (under 2^-14 of the factor) keep
     fewer bits. Kernels that widen FP8 to float16 (one instruction; to bfloat16 several)
     multiply bfloat16 operands in float16 this way and their sums back by the factor."""
-    top = jnp.ones((tiles[0].shape[0], 1), jnp.float32)
+    top = jnp.ones(tiles[0].shape[:-1] + (1,), jnp.float32)
     for t in tiles:
         top = jnp.maximum(top, jnp.max(jnp.abs(t.astype(jnp.float32)), axis=-1, keepdims=True))
     return jnp.exp2(jnp.maximum(jnp.floor(jnp.log2(top)) - 14.0, 0.0))

@@ -347,8 +347,8 @@ def _decode_kernel(bounds_ref, table_ref, qpos_ref, tail_mask_ref, kv_ref, *refs
     def step(blk, carry, mask):  # carry: acc [BR, Dh], m [BR], l [BR]
         k, v = load_kv(blk)
         sc = lax.dot_general(q, k, (((1,), (1,)), ((), ())),
-                             preferred_element_type=jnp.float32) * scale  # [BR, BK]
-        return online_softmax_step(sc if factor is None else sc * factor, mask, v, carry)
+                             preferred_element_type=jnp.float32) * (scale if factor is None else scale * factor)
+        return online_softmax_step(sc, mask, v, carry)  # sc [BR, BK]
 
     def prefix_block(blk, carry):  # only prefix keys: at most the window hides some
         mask = None
@@ -369,20 +369,25 @@ def _decode_kernel(bounds_ref, table_ref, qpos_ref, tail_mask_ref, kv_ref, *refs
 SMEM_BYTES = 232448  # shared memory a Triton program may take on Hopper (227 KiB)
 
 
-def shared_bytes(block_k: int, stages: int, Dh: int, itemsize: int, BR: int, local_len: int) -> int:
+def shared_bytes(block_k: int, stages: int, Dh: int, itemsize: int, BR: int, local_len: int,
+                 widened: int = 0) -> int:
     """The kernel's shared memory: `stages` buffers of a key and a value block [block_k,
     Dh] and a tail-mask tile [BR, C] of int8 (the compiler's request for Qwen3.5's Dh of
-    256, 2 stages, blocks of 128 and a 512-token block: 303,104 bytes, over the limit)."""
+    256, 2 stages, blocks of 128 and a 512-token block: 303,104 bytes, over the limit), and
+    over an FP8 cache one copy of the key and value blocks widened to `widened` bytes an
+    element (H200, Dh 256, 96 query rows: 311,296 bytes requested at 3 stages of 128)."""
     C = pl.cdiv(local_len + block_k - 1, block_k) * block_k
-    return stages * block_k * 2 * Dh * itemsize + BR * C
+    return stages * block_k * 2 * Dh * itemsize + block_k * 2 * Dh * widened + BR * C
 
 
-def fitting_block(tiles: AttentionTiles, stages: int, rows: int, Dh: int, itemsize: int, local_len: int) -> int:
+def fitting_block(tiles: AttentionTiles, stages: int, rows: int, Dh: int, itemsize: int, local_len: int,
+                  widened: int = 0) -> int:
     """`tiles.block_k`, halved (down to 16) until the kernel's buffers fit a program's
-    shared memory (`shared_bytes`; rows: query rows per kv head)."""
+    shared memory (`shared_bytes`; rows: query rows per kv head; widened: the bytes an
+    element of an FP8 cache's blocks takes widened, 0 for other caches)."""
     _, _, BR = _row_tiling(rows, tiles.max_rows)
     block_k = tiles.block_k
-    while block_k > 16 and shared_bytes(block_k, stages, Dh, itemsize, BR, local_len) > SMEM_BYTES:
+    while block_k > 16 and shared_bytes(block_k, stages, Dh, itemsize, BR, local_len, widened) > SMEM_BYTES:
         block_k //= 2
     return block_k
 
@@ -609,7 +614,8 @@ def paged_decode_attention(q, kv_buf, meta: AttnMeta, *, window: int = 0, scale:
         num_stages = t.fp8_num_stages if jnp.dtype(kv_buf.dtype) in FP8_DTYPES else t.num_stages
     stages = num_stages
     if block_k is None:
-        block_k = fitting_block(t, stages, T * (H // Hkv), Dh, kv_buf.dtype.itemsize, meta.local_len)
+        widened = 0 if jnp.dtype(kv_buf.dtype) not in FP8_DTYPES else 4 if q.dtype == jnp.float32 else 2
+        block_k = fitting_block(t, stages, T * (H // Hkv), Dh, kv_buf.dtype.itemsize, meta.local_len, widened)
     if not (is_pow2(block_k) and block_k >= 16):
         raise ValueError(f"block_k must be a power of two >= 16, got {block_k}")
     max_blocks = pl.cdiv(num_keys, block_k)

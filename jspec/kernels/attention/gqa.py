@@ -41,10 +41,11 @@ def attention(q, k_new, v_new, kv_buf, meta: AttnMeta, *, window: int = 0, scale
     (`jspec.cache.kv.with_queries`) rather than q. row_tiles (`Tuning.row_invariant`):
     the row-invariant kernel (`kernels.row.attention`) with these tiles instead. A causal
     prompt block goes to cuDNN's fused attention where it runs (`uses_fused`). An FP8
-    cache (`CacheConfig.dtype`) is read by the kernels as FP8 (widened block by block), and
-    by the reference in a prompt block's pass (widened whole)."""
+    cache (`CacheConfig.dtype`) is read by the kernels as FP8 (widened block by block): a
+    prompt's later blocks, which read the cached prefix, go to the decode kernel, not
+    cuDNN's (its first block reads no cache and goes to cuDNN's as over any cache)."""
     fp8 = kv_buf is not None and jnp.dtype(kv_buf.dtype) in FP8_DTYPES
-    if not fp8 and uses_fused(q, meta, window=window, tiles=tiles):
+    if (not fp8 or meta.prefill) and uses_fused(q, meta, window=window, tiles=tiles):
         return fused.block_attention(q, k_new, v_new, kv_buf, meta, scale=scale,
                                      prefix_block=(tiles or AttentionTiles()).prefix_block)
     if row_tiles is not None and uses_kernel(q, kv_buf, meta, window=window):

@@ -41,7 +41,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
-from jspec.kernels.attention.decode import NEG_INF, check_attention_args, online_softmax_step
+from jspec.kernels.attention.decode import NEG_INF, check_attention_args, fp8_queries, online_softmax_step
 from jspec.kernels.meta import AttnMeta, pool_rows
 from jspec.kernels.tiling import in_order_fold, pow2_ceil
 
@@ -149,7 +149,7 @@ def _attend_kernel(prefix_ref, pos_ref, table_ref, kv_ref, q_ref, lslot_ref, cha
     hi_row = jnp.minimum((s + 1) * split_blocks, pos // block_k + 1)
     in_slots = ((s + 1) * split_keys <= L) | (chain_ref[b, tg] != 0)
     offs = jnp.arange(block_k, dtype=jnp.int32)
-    q = q_ref[...]
+    q, factor = fp8_queries(kv_ref.dtype, q_ref[...])  # over an FP8 cache bf16 rows in float16, scaled (exact)
 
     def blocks(lslot, mine, carry):  # the split's blocks in order, the rows `mine` updated
         for c in range(split_blocks):
@@ -160,8 +160,9 @@ def _attend_kernel(prefix_ref, pos_ref, table_ref, kv_ref, q_ref, lslot_ref, cha
             mask = (p[None, :] <= pos[:, None]) & has_slot[None, :]
             if window:
                 mask = mask & (p[None, :] >= first[:, None])
-            k, v = kv_ref[row, 0, h, :].astype(q.dtype), kv_ref[row, 1, h, :].astype(q.dtype)  # [BK, Dh]; FP8: widened
-            sc = lax.dot_general(q, k, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32) * scale
+            k, v = kv_ref[row, 0, h, :].astype(q.dtype), kv_ref[row, 1, h, :].astype(q.dtype)  # [BK, Dh] (FP8: widened)
+            sc = lax.dot_general(q, k, (((1,), (1,)), ((), ())),
+                                 preferred_element_type=jnp.float32) * (scale if factor is None else scale * factor)
             new = online_softmax_step(sc, mask, v, carry)
             keep = mine & (blk >= lo_row) & (blk < hi_row)  # [ROWS]
             carry = (jnp.where(keep[:, None], new[0], carry[0]), jnp.where(keep, new[1], carry[1]),
