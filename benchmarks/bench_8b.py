@@ -686,8 +686,8 @@ def main(argv=None):
     if argv[:1] == ["long"]:
         ap = argparse.ArgumentParser(prog="bench_8b.py long")
         ap.add_argument("--rounds", type=int, default=40)
-        ap.add_argument("--fp8-kv", action="store_true", help="also an FP8 cache (`CacheConfig(dtype=\"float8_e4m3fn\")`), "
-                        "side by side with the model's")
+        ap.add_argument("--fp8-kv", action="store_true",
+                        help="also an FP8 cache (`CacheConfig(dtype=\"float8_e4m3fn\")`), side by side with the model's")
         ap.add_argument("--no-rounds", action="store_true", help="the AR steps only (no chain or tree rounds)")
         args = ap.parse_args(argv[1:])
         return long_context(args.rounds, (None, "float8_e4m3fn") if args.fp8_kv else (None,), not args.no_rounds)

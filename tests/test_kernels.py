@@ -214,7 +214,8 @@ def test_fp8_cache(page_size, window):
     assert da.fitting_block(da.AttentionTiles(), 3, 96, 256, 1, 16, widened=2) == 64
     assert da.fitting_block(da.AttentionTiles(), 3, 4, 128, 1, 1, widened=2) == 128  # the 8B step's blocks stay
     with dispatch.use_backend("pallas"):
-        jaxpr = str(jax.make_jaxpr(lambda q, c: attn.attention(q, None, None, c, meta, window=window, scale=0.25))(q, cache))
+        call = lambda q, c: attn.attention(q, None, None, c, meta, window=window, scale=0.25)
+        jaxpr = str(jax.make_jaxpr(call)(q, cache))
     assert "jspec_decode_attention" in jaxpr
     if not page_size:
         with pytest.raises(ValueError, match="queries are not parked in an FP8 cache"):

@@ -592,10 +592,11 @@ def paged_decode_attention(q, kv_buf, meta: AttnMeta, *, window: int = 0, scale:
     per block (power of two >= 16; default `tiles.block_k`). num_splits: key splits per
     (row, kv head) (default: enough programs to fill the GPU, `tiles.target_programs`).
     num_warps (default `tiles.num_warps`, None: 4, or 8 for big row tiles) and num_stages
-    (default `tiles.num_stages`, over an FP8 cache `tiles.fp8_num_stages`) are Triton's. tiles: `AttentionTiles` (None: the
-    defaults; `max_rows` query rows a program). q_in_cache: a dense cache already holds the
-    queries in the `query_slots(T, H, Hkv)` slots after the local block (see
-    `jspec.cache.kv.query_slots`); q then gives only shapes and dtype.
+    (default `tiles.num_stages`, over an FP8 cache `tiles.fp8_num_stages`) are Triton's.
+    tiles: `AttentionTiles` (None: the defaults; `max_rows` query rows a program).
+    q_in_cache: a dense cache already holds the queries in the `query_slots(T, H, Hkv)`
+    slots after the local block (see `jspec.cache.kv.query_slots`); q then gives only
+    shapes and dtype.
     """
     check_attention_args(q, kv_buf, meta, window)
     if q_in_cache and meta.page_table is not None:
@@ -612,10 +613,9 @@ def paged_decode_attention(q, kv_buf, meta: AttnMeta, *, window: int = 0, scale:
     t = AttentionTiles() if tiles is None else tiles
     if num_stages is None:
         num_stages = t.fp8_num_stages if jnp.dtype(kv_buf.dtype) in FP8_DTYPES else t.num_stages
-    stages = num_stages
     if block_k is None:
         widened = 0 if jnp.dtype(kv_buf.dtype) not in FP8_DTYPES else 4 if q.dtype == jnp.float32 else 2
-        block_k = fitting_block(t, stages, T * (H // Hkv), Dh, kv_buf.dtype.itemsize, meta.local_len, widened)
+        block_k = fitting_block(t, num_stages, T * (H // Hkv), Dh, kv_buf.dtype.itemsize, meta.local_len, widened)
     if not (is_pow2(block_k) and block_k >= 16):
         raise ValueError(f"block_k must be a power of two >= 16, got {block_k}")
     max_blocks = pl.cdiv(num_keys, block_k)
@@ -634,4 +634,4 @@ def paged_decode_attention(q, kv_buf, meta: AttnMeta, *, window: int = 0, scale:
                         window=window, scale=float(scale), block_k=block_k,
                         num_splits=num_splits, interpret=interpret,
                         num_warps=t.num_warps if num_warps is None else num_warps,
-                        num_stages=stages, q_in_cache=q_in_cache, max_rows=t.max_rows)
+                        num_stages=num_stages, q_in_cache=q_in_cache, max_rows=t.max_rows)
