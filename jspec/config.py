@@ -217,10 +217,11 @@ class CacheConfig:
     dtype: what the keys and values are stored in; None: the model's dtype;
     "float8_e4m3fn": FP8 (E4M3), half a bf16 cache's bytes. Keys and values are rounded
     to E4M3 as they are written (clipped to +-448, scale 1: vLLM's default when a
-    checkpoint carries no calibrated scales) and widened to the compute dtype where
-    attention reads them (the jnp references; the Pallas kernels do not take FP8 caches
-    yet, and the row-invariant mode is off with one). Every cache kind: GQA (Llama,
-    Qwen2/3, Mistral, the full-attention layers of Qwen3.5/Qwen3-Next) and MLA latent rows
+    checkpoint carries no calibrated scales) and widened where attention reads them: by
+    the GQA decode and row-invariant kernels block by block (half a bf16 cache's reads),
+    by the jnp references elsewhere (MLA latent caches, whose kernels do not take FP8, and
+    with which the row-invariant mode is off). Every cache kind: GQA (Llama, Qwen2/3,
+    Mistral, the full-attention layers of Qwen3.5/Qwen3-Next) and MLA latent rows
     (DeepSeek; V3.2's indexer keys stay in the model's dtype).
     """
 
