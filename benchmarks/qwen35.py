@@ -47,8 +47,8 @@ Sections (--sections, comma-separated, run in the order given; default sweep,che
          kernel) from a profiler trace, the mean of 4 calls each on its own inputs (so
          nothing comes from L2 that a real call would read cold)
   fla    FLA's kernels at the same shapes (--fla: a directory holding the `fla` package,
-         put on sys.path; torch CUDA kernel time from torch.profiler, same method), and
-         their error against the same reference
+         put on sys.path; torch CUDA kernel time from torch.profiler, same method, and its
+         split by kernel), and their error against the same reference
 Shapes: Hk = 16, Dk = Dv = 128, Hv = 32 (48 where named), B in {1, 32}, N in {1, 4, 8, 16,
 64} verified nodes (trees with random parents; chains where FLA is compared), prefill T =
 4096 and 32768 (B = 1, Hv 32 and 48). The prefill's check and time rows are one per form
@@ -752,6 +752,7 @@ def fla():
             return call(fn, q, k, v, g, beta, state)
 
     def kernel_us(fn, make, reps):
+        """(median us a call, {kernel name: us a call} of the median rep): FLA's kernels split."""
         from torch.profiler import ProfilerActivity, profile
         call(fn, *make(0))
         torch.cuda.synchronize()
@@ -763,10 +764,11 @@ def fla():
                 for a in sets:
                     call(fn, *a)
                 torch.cuda.synchronize()
-            total = sum(getattr(e, "self_device_time_total", getattr(e, "self_cuda_time_total", 0))
-                        for e in prof.key_averages())
-            per.append(total / len(sets))
-        return float(np.median(per))
+            split = {e.key[:60]: getattr(e, "self_device_time_total", getattr(e, "self_cuda_time_total", 0)) / len(sets)
+                     for e in prof.key_averages()}
+            per.append((sum(split.values()), {k: v for k, v in split.items() if v > 0}))
+        per.sort(key=lambda x: x[0])
+        return float(per[len(per) // 2][0]), per[len(per) // 2][1]
 
     ref_steps = jax.jit(highest(gd.gated_delta_steps_reference))
     cases = [("chunk", chunk_gated_delta_rule, "verify", B, N, 32) for B in (1, 32) for N in (4, 16)]
@@ -785,12 +787,12 @@ def fla():
             want_o, want_s = ref_steps(*inputs(1007, B, T, Hv, jnp.bfloat16))
             err = rel(o.float().cpu().numpy(), want_o)
             serr = rel(s.float().cpu().numpy(), want_s)
-            us = kernel_us(fn, make, ARGS.reps)
+            us, split = kernel_us(fn, make, ARGS.reps)
         except Exception as e:  # noqa: BLE001
             record({"section": "fla", "fla": name, "kernel": kind, "B": B, "T": T, "Hv": Hv, "error": repr(e)[:300]})
             continue
         record({"section": "fla", "fla": name, "kernel": kind, "B": B, "T": T, "Hv": Hv, "us": us, "err": err,
-                "state_err": serr})
+                "state_err": serr, "split_us": split})
 
 
 def table():
