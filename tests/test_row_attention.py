@@ -40,8 +40,7 @@ def test_an_fp8_cache_is_read_widened():
     """An FP8 cache (`CacheConfig(dtype="float8_e4m3fn")`): the kernel widens each key block
     as it loads it, the same bits as over the cache widened first (E4M3 values are exact in
     float32), paged and dense; bfloat16 queries within bfloat16 rounding of the reference."""
-    from jspec.kernels.attention.decode import decode_attention_reference as _reference_at_scale
-    _reference_at = lambda q, c, meta, scale: _reference_at_scale(q, c, meta, scale=scale)
+    from jspec.kernels.attention.decode import decode_attention_reference
     for page_size in (0, 16):
         q, k, v, meta = make_case(4, B=2, T=3, Tl=5, Gq=2, S=96, page_size=page_size)
         fp8 = stack(k, v).astype(jnp.float8_e4m3fn)
@@ -51,7 +50,7 @@ def test_an_fp8_cache_is_read_widened():
         assert float(jnp.abs(got - _fast_jit(run, q, stack(k, v))).max()) > 1e-4  # the rounding shows
         qb = (q * 1e5).astype(jnp.bfloat16)  # bf16 rows taken in float16, scaled into its range and back
         run_b = lambda q, c: row_attention(q, c, meta, scale=0.25e-5, tiles=TILES, interpret=True)
-        want = _reference_at(qb.astype(jnp.float32), fp8.astype(jnp.float32), meta, 0.25e-5)
+        want = decode_attention_reference(qb.astype(jnp.float32), fp8.astype(jnp.float32), meta, scale=0.25e-5)
         np.testing.assert_allclose(np.asarray(_fast_jit(run_b, qb, fp8), np.float32), np.asarray(want),
                                    rtol=2e-2, atol=2e-2)
 
