@@ -42,11 +42,19 @@ fp8: FP8 weights (`jspec.quantization.quantize_params`: every projection but the
 rounded to E4M3 in 128 x 128 blocks and kept FP8, scales per 128 rows and column) against
 the same random bf16 weights, one process: first each projection shape's product at 1, 32
 and 2048 rows (`fp8_products`: bf16, FP8 dequantized in the graph, the FP8 matvec kernel,
-FP8 x FP8 per group of 128, jspec's FP8 kernel, torch's bf16 and cuBLASLt FP8
+FP8 x FP8 per group of 128, jspec's FP8 kernel, on Hopper the Mosaic GPU FP8 kernel up to
+16 rows, torch's bf16 and cuBLASLt FP8
 `_scaled_mm`; `--sweep`: the FP8 kernel's tilings, `FP8_SWEEP`), then the decode
 step at batch 1 and 32 and the chain S=3 and tree (5,8,16) rounds of the EAGLE-3-shaped
 head at batch 1 (ms a round, and as ratios to each precision's own AR step).
-     PYTHONPATH=. python3 benchmarks/bench_8b.py fp8 [--batches 1 32] [--shapes 3,1,4 5,8,16] [--product-rows 1 32 2048] [--sweep] [--skip-products] [--tuning NAME] [--tiny]
+--fp8-paths default|mosaic|triton ...: the FP8 rows under each kernel path, side by side on
+the same weights (keys fp8 for default, else fp8_<path>): default, the tuning's own rule;
+mosaic, `Fp8Tiles.mosaic_rows=16` (the Mosaic GPU kernel up to 16 rows on a Hopper GPU);
+triton, mosaic_rows=0 (the Triton kernel only). Every row also says whether its tokens
+(a run of 144 new tokens) equal the first FP8 path's, and each round row whether its
+greedy speculative tokens equal the same weights' and path's plain decoding at that batch
+(`same_tokens_as_plain`: the share of prompts).
+     PYTHONPATH=. python3 benchmarks/bench_8b.py fp8 [--batches 1 32] [--shapes 3,1,4 5,8,16] [--product-rows 1 32 2048] [--sweep] [--skip-products] [--tuning NAME] [--fp8-paths mosaic triton] [--tiny]
 Result: $OUT/bench_fp8.json
 
 transformers: transformers' decode step on the same shape, as a peer figure: greedy
@@ -186,13 +194,22 @@ def sampling(argv):
 CONSTRAINT_SCHEMA = {"type": "array", "items": {"type": "integer"}, "minItems": 100}  # cannot complete in LONG tokens
 
 
-def round_row(params, batch_prompts, spec, **kw) -> dict:
+def round_row(params, batch_prompts, spec, tokens: bool = False, **kw) -> dict:
     """One compiled program's ms a round (the difference of two lengths), tokens a round
-    and row, and compile seconds."""
+    and row, and compile seconds; tokens: also "tokens", each prompt's LONG new tokens."""
     r = Runner(params, batch_prompts, LONG, spec=spec, **kw)
     per, rounds, toks = r.per_round(SHORT, LONG)
-    return {"ms_per_round": per * 1e3, "tokens_per_round": toks / max(rounds, 1) / len(batch_prompts),
-            "compile_s": r.compile_s}
+    row = {"ms_per_round": per * 1e3, "tokens_per_round": toks / max(rounds, 1) / len(batch_prompts),
+           "compile_s": r.compile_s}
+    if tokens:
+        out = r.run(LONG)[1].tokens
+        row["tokens"] = [list(map(int, t)) for t in (out if out and isinstance(out[0], list) else [out])]
+    return row
+
+
+def same_share(a: list, b: list) -> float:
+    """The share of prompts whose token lists are equal."""
+    return sum(x == y for x, y in zip(a, b)) / max(len(a), 1)
 
 
 def dflash_cost(argv):
@@ -288,7 +305,7 @@ def fp8_products(rows_list, copies: int = 6, tiny: bool = False, sweep: bool = F
     back, best of 3 (`common.best_call_time`: the host's dispatch overlaps the device)."""
     import jax
     import jax.numpy as jnp
-    from jspec.kernels.fp8 import matmul as fp8_matmul
+    from jspec.kernels.fp8 import matmul as fp8_matmul, mosaic as fp8_mosaic
     from jspec.kernels.moe import experts
     from jspec.models.layers import product
     from jspec.quantization import GROUP, dequantize_kernel, quantize_kernel
@@ -311,6 +328,8 @@ def fp8_products(rows_list, copies: int = 6, tiny: bool = False, sweep: bool = F
         "fp8_w8a8": lambda x, w, q, s: w8a8(x, q, s),
         "fp8_kernel": lambda x, w, q, s: fp8_matmul.fp8_matmul(x, q, s),
     }
+    if fp8_mosaic.on_hopper():  # the Mosaic GPU kernel (up to 16 rows)
+        variants["fp8_mosaic"] = lambda x, w, q, s: fp8_mosaic.fp8_matmul_mosaic(x, q, s)
     def by_groups(x, q, scale):  # one dot a group of the weight widened only, scales on the partial sums
         M, K = x.shape
         G = K // GROUP
@@ -348,7 +367,8 @@ def fp8_products(rows_list, copies: int = 6, tiny: bool = False, sweep: bool = F
             row = {"product": name, "K": K, "N": N, "rows": rows}
             ref = None
             for vname, fn in variants.items():
-                if vname in ("fp8_matvec", "bf16_matvec") and rows != 1 or vname.startswith("fp8_groups") and rows > 4:
+                if (vname in ("fp8_matvec", "bf16_matvec") and rows != 1 or vname.startswith("fp8_groups") and rows > 4
+                        or vname == "fp8_mosaic" and rows > fp8_mosaic.MAX_ROWS):
                     continue
                 def many(x, ws, qs, fn=fn):  # the products of `copies` weights, nothing added
                     return tuple(fn(x, w, q, s) for w, (q, s) in zip(ws, qs))
@@ -368,7 +388,7 @@ def fp8_products(rows_list, copies: int = 6, tiny: bool = False, sweep: bool = F
                 else:
                     row[vname + "_rel_err"] = float(jnp.abs(out - ref).max() / jnp.abs(ref).max())
             row.update(torch_products(rows, K, N, copies))
-            for vname in ["fp8_dequant", "fp8_matvec", "fp8_w8a8", "fp8_kernel", "torch_scaled_mm", "bf16_matvec",
+            for vname in ["fp8_dequant", "fp8_matvec", "fp8_w8a8", "fp8_kernel", "fp8_mosaic", "torch_scaled_mm", "bf16_matvec",
                           "fp8_dequant_tga", "fp8_column_scale", "fp8_column_scale_tga", "fp8_groups",
                           "fp8_groups_tga"] + [
                     k[:-3] for k in row if k.startswith("fp8_kernel_") and k.endswith("_ms")]:
@@ -450,9 +470,12 @@ def fp8_cost(argv):
                                                             "on bf16, XLA's Triton GEMMs on widened weights)")
     ap.add_argument("--sweep", action="store_true", help="products: bf16 against the FP8 kernel's tilings "
                                                          "(FP8_SWEEP); the decode then takes the best at 1 and 32 rows")
+    ap.add_argument("--fp8-paths", nargs="*", default=["default"], choices=["default", "mosaic", "triton"],
+                    help="the FP8 rows under each kernel path (default: the tuning's rule; mosaic: "
+                         "Fp8Tiles.mosaic_rows=16; triton: mosaic_rows=0), side by side")
     ap.add_argument("--tiny", action="store_true", help="a 4-layer toy of the shape (a CPU check)")
     args = ap.parse_args(argv)
-    res = {"env": env_info(), "rows": []}
+    res = {"env": env_info(), "rows": [], "fp8_paths": args.fp8_paths}
     print(res["env"], flush=True)
     tuning = None if args.tuning is None else tuning_of(args.tuning)
     if not args.skip_products:
@@ -473,21 +496,42 @@ def fp8_cost(argv):
     print(f"weights ready in {time.perf_counter() - t0:.1f}s", res["weight_bytes"], flush=True)
     head = eagle3_head(float_target, draft_vocab=4096 if args.tiny else 32000)
     vocab = min(cfg.vocab_size, 4096) if args.tiny else 100000
+    base = tuning or jspec.Tuning()
+    paths = {"default": tuning, "mosaic": base.replace(fp8=dataclasses.replace(base.fp8, mosaic_rows=16)),
+             "triton": base.replace(fp8=dataclasses.replace(base.fp8, mosaic_rows=0))}
+    runs = [("bf16", float_target, tuning)] + [("fp8" if p == "default" else f"fp8_{p}", fp8_target, paths[p])
+                                               for p in args.fp8_paths]
+    first_fp8 = runs[1][0]
+    plain_tokens = {}  # (key, batch) -> tokens
     for batch, shape in [(b, "plain") for b in args.batches] + [(1, shape) for shape in args.shapes]:
         spec = spec_of(shape)
         row = {"batch": batch, "shape": shape}
-        for name, target in (("bf16", float_target), ("fp8", fp8_target)):
+        for name, target, tuned in runs:
             row[name] = round_row(target.with_draft(head) if spec else target, prompts(batch, vocab), spec,
-                                  tuning=tuning)
-        row["fp8_speedup"] = row["bf16"]["ms_per_round"] / row["fp8"]["ms_per_round"]
+                                  tokens=True, tuning=tuned)
+            toks = row[name].pop("tokens")
+            if spec is None:
+                plain_tokens[name, batch] = toks
+            elif (name, batch) in plain_tokens:
+                row[name]["same_tokens_as_plain"] = same_share(toks, plain_tokens[name, batch])
+            if name.startswith("fp8"):
+                row[name]["tokens_of_run"] = toks
+        for name, _, _ in runs[1:]:
+            row[f"{name}_speedup"] = row["bf16"]["ms_per_round"] / row[name]["ms_per_round"]
+            row[name]["same_tokens_as_" + first_fp8] = same_share(row[name]["tokens_of_run"],
+                                                                  row[first_fp8]["tokens_of_run"])
+        for name, _, _ in runs[1:]:
+            row[name].pop("tokens_of_run")
         res["rows"].append(row)
         print(batch, shape, {k: round(v["ms_per_round"], 3) for k, v in row.items() if isinstance(v, dict)},
-              "fp8 speed-up", round(row["fp8_speedup"], 3), flush=True)
+              "fp8 speed-up", {k: round(v, 3) for k, v in row.items() if k.endswith("_speedup")},
+              "same tokens", {k: {t: v[t] for t in v if t.startswith("same_tokens")} for k, v in row.items()
+                              if isinstance(v, dict)}, flush=True)
         save_json("bench_fp8.json", res)
     plain = {r["batch"]: r for r in res["rows"] if r["shape"] == "plain"}
     for r in res["rows"]:
         if r["shape"] != "plain" and r["batch"] in plain:
-            for name in ("bf16", "fp8"):
+            for name, _, _ in runs:
                 r[name]["ratio_to_ar_step"] = r[name]["ms_per_round"] / plain[r["batch"]][name]["ms_per_round"]
     print("saved", save_json("bench_fp8.json", res))
 

@@ -23,8 +23,9 @@ out]. Scales per output row (not per 128 x 128 block) follow any reordering, fus
 split of a projection's outputs, for 1/128 of a float32 a weight (3% of the FP8 bytes).
 `models.layers.Linear` computes with it: `dequantize_kernel` in the graph, then the
 product in the compute dtype (the same values as dequantizing on the host, so the same
-logits), or on a GPU at decode sizes (up to `Tuning.fp8.max_rows` rows) `kernels.fp8.matmul`,
-which reads the FP8 bytes. DeepSeek's and Qwen3.5's routed experts (one tensor an expert,
+logits), or on a GPU at decode sizes (up to `Tuning.fp8.max_rows` rows) `kernels.fp8.matmul`
+(Triton) or, up to `Tuning.fp8.mosaic_rows` rows on a Hopper GPU, `kernels.fp8.mosaic`
+(Mosaic GPU), which read the FP8 bytes. DeepSeek's and Qwen3.5's routed experts (one tensor an expert,
 or fused into one on disk), and DeepSeek's shared experts, stay FP8 as stacks with their
 scales (`TargetFamily.fp8_experts`, `Tensors.experts`, `Tensors.fused_experts`,
 `Tensors.shared_experts`), read by the expert kernels. Other weights (DeepSeek's

@@ -18,6 +18,7 @@ import jax
 from jspec.kernels.attention.decode import AttentionTiles
 from jspec.kernels.cpu import matmul as cpu_matmul
 from jspec.kernels.fp8.matmul import Fp8Tiles
+from jspec.kernels.fp8.mosaic import MosaicTiles
 from jspec.kernels.gated_delta.kernels import GatedDeltaTiles
 from jspec.kernels.mla.decode import MlaDecodeTiles
 from jspec.kernels.mla.inputs import MlaInputsTiles
@@ -43,7 +44,9 @@ class Tuning:
     `Tuning(experts=ExpertTiles(num_stages=4), cache_write_in_kernel=False)`.
 
     One group of tiles per kernel (each class beside its kernel, with the measurements behind
-    its defaults): experts (`kernels.moe.experts.ExpertTiles`), fp8 (`kernels.fp8.matmul`), grouped (`kernels.moe.grouped`),
+    its defaults): experts (`kernels.moe.experts.ExpertTiles`), fp8 (`kernels.fp8.matmul`;
+    its mosaic_rows sends few rows on a Hopper GPU to the Mosaic GPU kernel), fp8_mosaic
+    (`kernels.fp8.mosaic.MosaicTiles`), grouped (`kernels.moe.grouped`),
     route (`kernels.moe.route`), mla_inputs, mla_decode, mla_output (`kernels.mla.inputs`,
     `.decode`, `.output`), attention (`kernels.attention.decode`), gated_delta
     (`kernels.gated_delta.kernels`), row_attention, row_mla (`kernels.row.attention`'s
@@ -117,6 +120,7 @@ class Tuning:
 
     experts: ExpertTiles = ExpertTiles()
     fp8: Fp8Tiles = Fp8Tiles()
+    fp8_mosaic: MosaicTiles = MosaicTiles()
     grouped: GroupedTiles = GroupedTiles()
     route: RouteTiles = RouteTiles()
     mla_inputs: MlaInputsTiles = MlaInputsTiles()

@@ -22,7 +22,7 @@ from jspec.quantization import dequantize_kernel
 from jspec.cache.layout import prefill_meta
 from jspec.kernels import dispatch
 from jspec.kernels.cpu import matmul as cpu_matmul
-from jspec.kernels.fp8 import matmul as fp8_matmul
+from jspec.kernels.fp8 import matmul as fp8_matmul, mosaic as fp8_mosaic
 from jspec.kernels.meta import AttnMeta
 from jspec.kernels.moe import experts as moe_experts
 from jspec.kernels.row import matmul as row_matmul, norm as row_norm
@@ -87,10 +87,11 @@ class Linear(nn.Module):
     XLA's batch-1 products stream this layout faster, see docs/benchmarks.md).
 
     An FP8 kernel comes with `kernel_scale` [ceil(in / GROUP), out] float32 (`jspec.quantization`,
-    kept FP8 in device memory): up to `Tuning.fp8.max_rows` rows on a GPU run
-    `kernels.fp8.matmul`, which reads the FP8 bytes; other products (a prompt's blocks,
-    the CPU, row-invariant passes) dequantize the kernel into the compute dtype in the graph
-    first (`dequantize_kernel`)."""
+    kept FP8 in device memory): up to `Tuning.fp8.mosaic_rows` bfloat16 (or float16) rows on
+    a Hopper GPU run `kernels.fp8.mosaic` (`mosaic.uses_kernel`), other products of up to
+    `Tuning.fp8.max_rows` rows on a GPU `kernels.fp8.matmul`; both read the FP8 bytes. Other
+    products (a prompt's blocks, the CPU, row-invariant passes) dequantize the kernel into
+    the compute dtype in the graph first (`dequantize_kernel`)."""
 
     features: int
     use_bias: bool = False
@@ -111,10 +112,15 @@ class Linear(nn.Module):
         w = self.param("kernel", INIT, (x.shape[-1], self.features), jnp.dtype(self.dtype))
         if self.has_variable("params", "kernel_scale"):
             scale = self.get_variable("params", "kernel_scale")
-            if not (splits or row_invariant) and fp8_matmul.uses_kernel(x.astype(self.dtype), w, scale,
-                                                                        self.tuning.fp8):
+            probe, f8 = x.astype(self.dtype), self.tuning.fp8
+            mosaic = not (splits or row_invariant) and fp8_mosaic.uses_kernel(probe, w, scale, f8)
+            if mosaic or not (splits or row_invariant) and fp8_matmul.uses_kernel(probe, w, scale, f8):
                 xc = moe_experts.normed(x, norm).astype(self.dtype)  # as `product` norms
-                y = fp8_matmul.fp8_matmul(xc, w, scale, float32_out=self.float32_out, tiles=self.tuning.fp8)
+                if mosaic:
+                    y = fp8_mosaic.fp8_matmul_mosaic(xc, w, scale, float32_out=self.float32_out,
+                                                     tiles=self.tuning.fp8_mosaic)
+                else:
+                    y = fp8_matmul.fp8_matmul(xc, w, scale, float32_out=self.float32_out, tiles=f8)
                 return self.finish(y, norm_factor)
             w = dequantize_kernel(w, scale, self.dtype)
         if splits and row_invariant and not self.use_bias and norm is None:

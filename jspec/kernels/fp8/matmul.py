@@ -58,9 +58,15 @@ class Fp8Tiles:
     kernel for products of at most this many rows; more (a prompt's blocks) dequantize the
     weight and run XLA's product, which is then bound by arithmetic. vector_rows: products
     of at most this many rows run the CUDA-core kernel instead (`_vector_kernel`: a
-    [vector_block_k, vector_block_n] tile a step, no tensor-core tile to pad to). The
-    defaults are the H200's best of the tilings swept on the 8B shape's projections
-    (docs/experiments.md, "FP8 products at decode rows")."""
+    [vector_block_k, vector_block_n] tile a step, no tensor-core tile to pad to).
+    mosaic_rows: on a Hopper GPU, products of at most this many rows (and max_rows; the
+    kernel takes 16 at most) run the Mosaic GPU kernel instead (`kernels.fp8.mosaic`, tiles
+    `Tuning.fp8_mosaic`; bfloat16 or float16 rows, N a multiple of 64: `mosaic.uses_kernel`);
+    0: never. 16: the 8B shape's FP8 decode step on an H200 took 3.08 and 3.33 ms at batch 1
+    (two machines) against 3.61 and 3.75 with 0, 3.48 against 4.52 at batch 8, the chain S=3
+    round 4.10 against 5.06 ms (benchmarks/results/bench_fp8_8b_mosaic_h200*.json). The
+    other defaults are the H200's best of the tilings swept on the 8B shape's
+    projections (docs/experiments.md, "FP8 products at decode rows")."""
 
     block_m: int = 64
     block_n: int = 128
@@ -73,6 +79,7 @@ class Fp8Tiles:
     vector_rows: int = 1
     vector_block_n: int = 256
     vector_block_k: int = 32
+    mosaic_rows: int = 16
 
 
 def half_rows(rows):

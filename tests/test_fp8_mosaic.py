@@ -1,0 +1,139 @@
+"""`jspec.kernels.fp8.mosaic` (the Mosaic GPU product of a few rows with an FP8 weight) in
+jax's Mosaic GPU interpreter on the CPU: equals `matmul.matmul_reference` (with the rows
+in float16 as the kernel multiplies them) over several column blocks, K splits and
+pipeline stages; the scales and every column block count; arguments it does not take are
+refused. Skipped on a jax without the interpreter (a private module)."""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jspec.kernels.fp8 import mosaic
+from jspec.kernels.fp8.matmul import Fp8Tiles, matmul_reference
+
+pytestmark = pytest.mark.skipif(mosaic.interpret_params() is None, reason="no Mosaic GPU interpreter in this jax")
+
+K, N = 512, 256
+
+
+def operands(seed: int, M: int, dtype=jnp.bfloat16):
+    k1, k2, k3 = jax.random.split(jax.random.key(seed), 3)
+    w = jnp.clip(jax.random.normal(k1, (K, N)) * 100.0, -448, 448).astype(jnp.float8_e4m3fn)
+    scale = jax.random.uniform(k2, (K // 128, N), jnp.float32, 0.5, 2.0) / 448.0
+    x = (jax.random.normal(k3, (M, K)) * 3.0).astype(dtype)
+    return x, w, scale
+
+
+def reference(x, w, scale):
+    # vector_rows=0: the rows as the tensor-core kernels take them (`half_rows`), as this one does
+    return np.asarray(matmul_reference(x, w, scale, out_dtype=jnp.float32, tiles=Fp8Tiles(vector_rows=0)))
+
+
+def rel_err(y, ref):
+    return float(np.linalg.norm(np.asarray(y, np.float32) - ref) / np.linalg.norm(ref))
+
+
+@pytest.mark.parametrize("M, tiles", [
+    (1, dict(block_n=128, stages=2, num_splits=2)),  # 2 column blocks x 2 splits of 2 groups
+    (3, dict(block_n=64, stages=3, num_splits=1)),  # 4 column blocks, 4 groups through 3 stages
+    (16, dict(block_n=128, stages=2, num_splits=4)),  # the most rows: wgmma N = 16
+])
+def test_equals_reference(M, tiles):
+    x, w, scale = operands(M, M)
+    y = mosaic.fp8_matmul_mosaic(x, w, scale, float32_out=True, interpret=True, **tiles)
+    assert y.shape == (M, N) and y.dtype == jnp.float32
+    ref = reference(x, w, scale)
+    assert np.isfinite(np.asarray(y)).all()
+    assert rel_err(y, ref) < 1e-5
+    # every column block and group counts: the scales (a wrong or dropped scale is far off)
+    assert rel_err(y, reference(x, w, jnp.ones_like(scale))) > 0.1
+    per_column = np.abs(np.asarray(y) - ref).max(axis=0) / (np.abs(ref).max(axis=0) + 1e-30)
+    assert per_column.max() < 1e-4
+
+
+@pytest.mark.parametrize("dtype, splits", [(jnp.float16, 2), (jnp.bfloat16, 1)])
+def test_leading_dims_dtypes_and_out_dtype(dtype, splits):
+    # one split: the kernel writes the product in the output dtype itself (fuse_out)
+    x, w, scale = operands(5, 6, dtype)
+    x = x.reshape(2, 3, K)
+    y = mosaic.fp8_matmul_mosaic(x, w, scale, interpret=True, block_n=128, stages=2, num_splits=splits)
+    assert y.shape == (2, 3, N) and y.dtype == dtype
+    ref = reference(x.reshape(6, K), w, scale).reshape(2, 3, N)
+    expect = np.asarray(jnp.asarray(ref).astype(dtype), np.float32)
+    np.testing.assert_allclose(np.asarray(y, np.float32), expect, rtol=1e-2, atol=1e-3 * np.abs(ref).max())
+
+
+def test_refuses_what_it_does_not_take():
+    x, w, scale = operands(0, 1)
+    assert mosaic.supported(x, w, scale)
+    assert not mosaic.supported(x.astype(jnp.float32), w, scale)  # float32 rows: not f16-exact
+    assert not mosaic.supported(jnp.zeros((17, K), jnp.bfloat16), w, scale)  # more than MAX_ROWS rows
+    assert not mosaic.supported(x, w.astype(jnp.bfloat16), scale)
+    assert not mosaic.supported(x[:, :448], w[:448], scale[:3])  # K not whole groups
+    assert not mosaic.supported(x, w[:, :96], scale[:, :96])  # N not a multiple of 64
+    with pytest.raises(ValueError):
+        mosaic.fp8_matmul_mosaic(x.astype(jnp.float32), w, scale, interpret=True)
+
+
+@pytest.mark.parametrize("splits", [1, 2])
+def test_rows_past_float16_range(splits):
+    # rows over 2^15 are divided by a power of two for float16 and their sums multiplied back
+    x, w, scale = operands(9, 2)
+    x = (x.astype(jnp.float32) * 2.0 ** 18).astype(jnp.bfloat16)
+    y = mosaic.fp8_matmul_mosaic(x, w, scale, float32_out=True, interpret=True, block_n=128, stages=2,
+                                 num_splits=splits)
+    assert rel_err(y, reference(x, w, scale)) < 1e-5
+
+
+def test_e5m2_weights():
+    x, w, scale = operands(11, 2)
+    w = w.astype(jnp.float32).astype(jnp.float8_e5m2)
+    y = mosaic.fp8_matmul_mosaic(x, w, scale, float32_out=True, interpret=True, block_n=128, stages=2,
+                                 num_splits=2)
+    assert rel_err(y, reference(x, w, scale)) < 1e-5
+
+
+def test_linear_dispatch(monkeypatch):
+    """`Linear` with an FP8 kernel runs this kernel for at most `Fp8Tiles.mosaic_rows`
+    bfloat16 rows on a Hopper GPU (faked here: the kernel runs interpreted), its norm
+    prologue, norm factor and bias applied as on the other paths; the Triton kernel for more
+    rows, mosaic_rows=0, float32 rows, N not a multiple of 64 or no Hopper; the weight
+    dequantized under JSPEC_KERNELS=reference."""
+    from jspec.kernels import dispatch
+    from jspec.kernels.moe.experts import rms_norm
+    from jspec.models.layers import Linear
+    from jspec.tuning import Tuning
+
+    x, w, scale = operands(21, 3)
+    bias = jnp.linspace(-1.0, 1.0, N).astype(jnp.bfloat16)
+    params = {"params": {"kernel": w, "kernel_scale": scale, "bias": bias}}
+    norm = (jnp.linspace(0.5, 1.5, K).astype(jnp.bfloat16), 1e-6)
+    factor = jnp.full((3, 1), 0.5, jnp.float32)
+    hopper = [True]
+    monkeypatch.setattr(mosaic, "on_hopper", lambda: hopper[0])
+
+    def path(rows, dtype="bfloat16", tuning=Tuning(), columns=N, mode="pallas"):
+        lin = Linear(columns, use_bias=True, dtype=dtype, tuning=tuning)
+        p = {"params": {"kernel": w[:, :columns], "kernel_scale": scale[:, :columns], "bias": bias[:columns]}}
+        with dispatch.use_backend(mode):
+            text = str(jax.make_jaxpr(lambda v: lin.apply(p, v))(jnp.zeros((rows, K), dtype)))
+        return "mosaic" if "jspec_fp8_mosaic" in text else "triton" if "jspec_fp8_mat" in text else "dequantized"
+
+    assert [path(m) for m in (1, 16, 17)] == ["mosaic", "mosaic", "triton"]
+    assert path(4, tuning=Tuning(fp8=Fp8Tiles(mosaic_rows=0))) == "triton"
+    assert path(4, tuning=Tuning(fp8=Fp8Tiles(mosaic_rows=2))) == "triton"
+    assert path(2, tuning=Tuning(fp8=Fp8Tiles(max_rows=1))) == "dequantized"
+    assert path(2, dtype="float32") == "triton"
+    assert path(2, columns=N - 16) == "triton"
+    assert path(2, mode="reference") == "dequantized"
+    hopper[0] = False
+    assert path(2) == "triton"
+    hopper[0] = True
+    lin = Linear(N, use_bias=True, dtype="bfloat16")
+    with dispatch.use_backend("pallas"):
+        y = jax.jit(lambda v: lin.apply(params, v, factor, norm=norm))(x)
+    want = reference(rms_norm(x, *norm).astype(jnp.bfloat16), w, scale) * 0.5 + np.asarray(bias, np.float32)
+    assert y.dtype == jnp.bfloat16
+    np.testing.assert_allclose(np.asarray(y, np.float32), want, rtol=2e-2, atol=2e-2 * np.abs(want).max())
