@@ -137,3 +137,40 @@ def test_linear_dispatch(monkeypatch):
     want = reference(rms_norm(x, *norm).astype(jnp.bfloat16), w, scale) * 0.5 + np.asarray(bias, np.float32)
     assert y.dtype == jnp.bfloat16
     np.testing.assert_allclose(np.asarray(y, np.float32), want, rtol=2e-2, atol=2e-2 * np.abs(want).max())
+
+
+def test_half_factor_from_exponent_bits():
+    """`tiling.half_factor` (the float16 rows of the FP8 kernels and of attention over an FP8
+    cache): the smallest power of two that brings a row's largest magnitude under 2^15,
+    at least 1, exact next to powers of two (where log2 may misround) and far past float16."""
+    import math
+
+    from jspec.kernels.tiling import half_factor
+
+    tops = [0.0, 1e-30, 1.0, 2.0 ** 15 * (1 - 2.0 ** -24), 2.0 ** 15, 2.0 ** 15 * (1 + 2.0 ** -23),
+            2.0 ** 16 * (1 - 2.0 ** -24), 2.0 ** 16, 2.0 ** 16 * (1 + 2.0 ** -23), 65504.0, 3e5, 1e30, 3e38]
+    want = [2.0 ** max(math.frexp(t)[1] - 1 - 14, 0) if t else 1.0 for t in tops]
+    got = np.asarray(half_factor(top=jnp.asarray(tops, jnp.float32)[:, None]))[:, 0]
+    np.testing.assert_array_equal(got, np.asarray(want, np.float32))
+    assert got[3] == 1 and got[4] == got[6] == 2 and got[7] == 4  # 2^15 and 2^16 take 2 and 4
+    assert (np.asarray(tops, np.float32) / got < 2.0 ** 15).all()
+    # from the rows, signed, over several tiles (the attention path's queries)
+    rows = jnp.asarray([[1.0, -70000.0], [2.0 ** 15, 3.0]], jnp.float32)
+    np.testing.assert_array_equal(np.asarray(half_factor(rows[:, :1], rows[:, 1:]))[:, 0], [4.0, 2.0])
+
+
+@pytest.mark.parametrize("top", [2.0 ** 15 - 128, 2.0 ** 15, 2.0 ** 16 - 256, 2.0 ** 16, 1e30])
+def test_rows_next_to_powers_of_two(top):
+    # a row whose largest magnitude is just under / at a power of two (bfloat16: 8 bits), or
+    # far past float16, with small values (their float16 bits depend on the factor)
+    x, w, scale = operands(17, 3)
+    x = x.astype(jnp.float32) * jnp.asarray([[1.0], [1e-3], [top / 16.0]])
+    x = x.at[2, 7].set(top).at[1, 5].set(-top).astype(jnp.bfloat16)
+    y = mosaic.fp8_matmul_mosaic(x, w, scale, float32_out=True, interpret=True, block_n=128, stages=2, num_splits=2)
+    ref = reference(x, w, scale)
+    assert np.isfinite(np.asarray(y)).all() and np.isfinite(ref).all()
+    y, ref = np.asarray(y, np.float64), ref.astype(np.float64)  # float32 norms overflow at 1e30
+    assert float(np.linalg.norm(y - ref) / np.linalg.norm(ref)) < 1e-5
+    exact = np.asarray(x, np.float32).astype(np.float64) @ (np.asarray(w, np.float32).reshape(K // 128, 128, N)
+                                                             * np.asarray(scale)[:, None]).reshape(K, N)
+    assert float(np.linalg.norm(y - exact) / np.linalg.norm(exact)) < 1e-3

@@ -27,17 +27,24 @@ def pow2_ceil(n: int) -> int:
     return 1 << (int(n) - 1).bit_length()
 
 
-def half_factor(*tiles):
+def half_factor(*tiles, top=None):
     """The power of two [..., 1] float32 (1 for rows under 2^15, as activations and queries
     are) that brings each row's largest magnitude over the tiles [..., *] under 2^15, so
     the rows divided by it convert to float16 without overflow: a bfloat16 value in
     float16's normal range converts exactly, smaller ones (under 2^-14 of the factor) keep
     fewer bits. Kernels that widen FP8 to float16 (one instruction; to bfloat16 several)
-    multiply bfloat16 operands in float16 this way and their sums back by the factor."""
-    top = jnp.ones(tiles[0].shape[:-1] + (1,), jnp.float32)
-    for t in tiles:
-        top = jnp.maximum(top, jnp.max(jnp.abs(t.astype(jnp.float32)), axis=-1, keepdims=True))
-    return jnp.exp2(jnp.maximum(jnp.floor(jnp.log2(top)) - 14.0, 0.0))
+    multiply bfloat16 operands in float16 this way and their sums back by the factor.
+    top: the rows' largest magnitudes [..., 1] float32 instead of the tiles.
+
+    The rule, from the float32 bits of the largest magnitude (exponent e, biased E = e +
+    127): 2^max(e - 14, 0), built as the bits max(E - 141, 0) + 127 << 23 (exact; no log2,
+    which XLA may round the wrong way next to a power of two)."""
+    if top is None:
+        top = jnp.max(jnp.abs(tiles[0].astype(jnp.float32)), axis=-1, keepdims=True)
+        for t in tiles[1:]:
+            top = jnp.maximum(top, jnp.max(jnp.abs(t.astype(jnp.float32)), axis=-1, keepdims=True))
+    biased = lax.shift_right_logical(lax.bitcast_convert_type(top.astype(jnp.float32), jnp.int32), 23) & 0xFF
+    return lax.bitcast_convert_type(lax.shift_left(jnp.maximum(biased - 141, 0) + 127, 23), jnp.float32)
 
 
 def chunk_start(c, size: int, total: int):
