@@ -14,8 +14,8 @@ decode: the loop of a random-weight target (context 1k): a step timed from two r
   `phases` attributes them by name (a kernel XLA reuses in two phases, as the drafter's
   and the target's products can be, counts under one of them); --tuning: `common.TUNINGS` names (a,b: a profile
   of each, one after the other on the same weights); --devices n:
-  the model split over n GPUs, kernels per GPU and stream; --fp8 (DeepSeek shapes): the
-  weights rounded to FP8 and kept so, as `deepseek.py --fp8` runs them.
+  the model split over n GPUs, kernels per GPU and stream; --fp8 (one device): the
+  weights rounded to FP8 and kept so, as `deepseek.py --fp8` and `bench_8b.py fp8` run them.
   Under DeepSeek's command buffers (the family's default) the trace shows none of the
   kernels inside the loop's CUDA graph: take --tuning no_graphs to see the decode
   step's kernels (its step is about 8% slower).
@@ -88,6 +88,8 @@ def model(args):
             params = random_split_params(LLAMA31_8B, args.devices, with_head=spec is not None)
         else:
             params = random_params(LLAMA31_8B)
+            if args.fp8:  # every projection but the LM head rounded to FP8 and kept so, as bench_8b.py fp8
+                params = quantize_params(params)
             if spec:
                 params = params.with_draft(dflash_drafter(params) if args.draft == "dflash" else eagle3_head(params))
         return params, spec, 100000
@@ -367,7 +369,7 @@ def main(argv=None):
     ap.add_argument("--batch", type=int, default=1)
     ap.add_argument("--spec", default="", help="decode: S,K,N rounds instead of plain steps")
     ap.add_argument("--layers", type=int, default=4, help="v2lite and v3layer: decoder layers")
-    ap.add_argument("--fp8", action="store_true", help="v2lite and v3layer: the weights rounded to FP8 and kept so "
+    ap.add_argument("--fp8", action="store_true", help="one device: the weights rounded to FP8 and kept so "
                     "(`quantization.quantize_params`)")
     ap.add_argument("--tuning", default="default",
                     help="common.TUNINGS names, comma-separated: one profile each, the model built once")
