@@ -113,15 +113,15 @@ class Linear(nn.Module):
         if self.has_variable("params", "kernel_scale"):
             scale = self.get_variable("params", "kernel_scale")
             probe, f8 = x.astype(self.dtype), self.tuning.fp8
-            mosaic = not (splits or row_invariant) and fp8_mosaic.uses_kernel(probe, w, scale, f8)
-            if mosaic or not (splits or row_invariant) and fp8_matmul.uses_kernel(probe, w, scale, f8):
+            kernel = None
+            if not (splits or row_invariant):
+                if fp8_mosaic.uses_kernel(probe, w, scale, f8):
+                    kernel = functools.partial(fp8_mosaic.fp8_matmul_mosaic, tiles=self.tuning.fp8_mosaic)
+                elif fp8_matmul.uses_kernel(probe, w, scale, f8):
+                    kernel = functools.partial(fp8_matmul.fp8_matmul, tiles=f8)
+            if kernel is not None:
                 xc = moe_experts.normed(x, norm).astype(self.dtype)  # as `product` norms
-                if mosaic:
-                    y = fp8_mosaic.fp8_matmul_mosaic(xc, w, scale, float32_out=self.float32_out,
-                                                     tiles=self.tuning.fp8_mosaic)
-                else:
-                    y = fp8_matmul.fp8_matmul(xc, w, scale, float32_out=self.float32_out, tiles=f8)
-                return self.finish(y, norm_factor)
+                return self.finish(kernel(xc, w, scale, float32_out=self.float32_out), norm_factor)
             w = dequantize_kernel(w, scale, self.dtype)
         if splits and row_invariant and not self.use_bias and norm is None:
             return row_matmul.row_matmul(x.reshape(-1, x.shape[-1]), w, tiles=self.tuning.row_matmul,
