@@ -502,42 +502,21 @@ def kernel_check():
 
 def grouped_us(groups, calls: int = 4) -> list[tuple[float, dict]]:
     """GPU kernel time (us) a call of each group and its split by kernel ({name: us}; XLA's
-    own kernels under "xla"), from one profiler trace: groups [(fn, make)], make(i) -> the
-    arguments of call i (fresh inputs each call: states may be donated, and nothing a cold
-    call would read comes from L2). Each fn is called once first (compile, warm-up); in
-    the trace, group after group, `calls` calls each, then a sync and 30 ms idle, at whose
-    gaps the kernels are split into groups."""
+    own kernels under "xla"), one profiler trace a group: groups [(fn, make)], make(i) ->
+    the arguments of call i (fresh inputs each call: states may be donated, and nothing a
+    cold call would read comes from L2). Each fn is called once first (compile, warm-up),
+    then `calls` times under the profiler; every GPU kernel of the trace counts."""
     for i, (fn, make) in enumerate(groups):
         jax.block_until_ready(fn(*make(10_000 + i)))
-    sets = [[make(1 + c + calls * i) for c in range(calls)] for i, (_, make) in enumerate(groups)]
-    jax.block_until_ready(sets)
-
-    def run():
-        for (fn, _), args in zip(groups, sets):
-            jax.block_until_ready([fn(*a) for a in args])
-            time.sleep(0.03)
-
-    _, d = traced(run)
-    events = sorted((start, dur, name) for evs in trace_events(d).values() for _, name, start, dur in evs)
-    if not events:
-        return [(0.0, {})] * len(groups)
-    parts, cur, end = [], [], events[0][0]
-    for start, dur, name in events:
-        if cur and start - end > 10e6:  # ns: the idle between groups
-            parts.append(cur)
-            cur = []
-        cur.append((name, dur))
-        end = max(end, start + dur)
-    parts.append(cur)
-    if len(parts) != len(groups):
-        print(f"grouped_us: {len(parts)} kernel groups for {len(groups)} call groups", flush=True)
-        return [(float("nan"), {})] * len(groups)
     out = []
-    for part in parts:
+    for i, (fn, make) in enumerate(groups):
+        args = jax.block_until_ready([make(1 + c + calls * i) for c in range(calls)])
+        _, d = traced(lambda: [fn(*a) for a in args])  # noqa: B023 (traced calls it at once)
         split: dict = {}
-        for name, dur in part:
-            key = name[:48] if "gated_delta" in name else "xla"
-            split[key] = split.get(key, 0.0) + dur / 1e3 / calls
+        for evs in trace_events(d).values():
+            for _, name, _, dur in evs:
+                key = name[:48] if "gated_delta" in name else "xla"
+                split[key] = split.get(key, 0.0) + dur / 1e3 / calls
         out.append((sum(split.values()), {k: round(v, 2) for k, v in split.items()}))
     return out
 
@@ -554,16 +533,25 @@ def shapes():
 
 PREFILL_T = (4096, 32768)
 # The prefill's forms the check and time sections run (`GatedDeltaTiles` fields; --forms picks):
-# the scan (the default tiles), the split form with float32 or bfloat16 intermediates and
-# bf16x3 (the default), tf32 or one-pass bf16 products (FLA's: bf16 products and intermediates),
-# and the scan with one-pass bf16 products.
+# the scan, the split form (the default tiles) with float32 or bfloat16 intermediates and
+# bf16x3 (the default), tf32 or one-pass bf16 products (FLA's: bf16 products and intermediates,
+# with the prep in two kernels and the state kernel's tile chosen by the grid), the same with
+# one prep kernel and tiles of 32, the float32 form with the prep in two kernels, the output
+# kernel's warps; and the scan with one-pass bf16 products.
+SCAN, SPLIT = {"prefill_form": "scan"}, {"prefill_form": "split"}
+SPLIT_BF16 = {"prefill_form": "split", "prefill_precision": "bf16", "prefill_split_dtype": "bfloat16"}
 PREFILL_FORMS = {
-    "scan": {},
-    "split": {"prefill_form": "split"},
-    "split_bf16io": {"prefill_form": "split", "prefill_split_dtype": "bfloat16"},
-    "split_tf32": {"prefill_form": "split", "prefill_precision": "tf32"},
-    "split_bf16": {"prefill_form": "split", "prefill_precision": "bf16", "prefill_split_dtype": "bfloat16"},
-    "scan_bf16": {"prefill_precision": "bf16"},
+    "scan": SCAN,
+    "split": {},
+    "split_bf16io": {"prefill_split_dtype": "bfloat16"},
+    "split_tf32": {"prefill_precision": "tf32"},
+    "split_bf16": SPLIT_BF16,
+    "split_bf16_prep1": {**SPLIT_BF16, "prefill_prep_split": False, "prefill_block_v": 32,
+                         "prefill_kd_transposed": False},
+    "split_prep2": {"prefill_prep_split": True},
+    "split_bf16_ow2": {**SPLIT_BF16, "prefill_out_warps": 2},
+    "split_bf16_ow8": {**SPLIT_BF16, "prefill_out_warps": 8},
+    "scan_bf16": {**SCAN, "prefill_precision": "bf16"},
 }
 
 
@@ -622,12 +610,13 @@ def timing():
 
 
 def time_prefill(B: int, T: int, Hv: int):
-    """One row per prefill form (--forms) at this shape, its kernels timed in one trace with
-    the XLA chunk reference (T <= 4096 only: 32k tokens take it long)."""
+    """One row per prefill form (--forms) at this shape, writing bf16 outputs as the model
+    does, each form's kernels timed in a trace of their own, with the XLA chunk reference
+    (T <= 4096 only: 32k tokens take it long)."""
     make = arg_sets("prefill", B, T, Hv)
     groups, names = [], []
     for form, kw in prefill_forms().items():
-        kern = fns("prefill", **kw)[0]
+        kern = fns("prefill", out_dtype=jnp.bfloat16, **kw)[0]  # the outputs in bf16, as the model (and FLA) writes them
         try:
             jax.block_until_ready(kern(*make(20_000)))  # compile here: a form that fails is a row, not the end
         except Exception as e:  # noqa: BLE001
@@ -650,8 +639,6 @@ def time_prefill(B: int, T: int, Hv: int):
 
 
 TUNED: dict = {}  # kind -> the tile fields the sweep found fastest (within --tol of the reference)
-SPLIT = {"prefill_form": "split"}
-SPLIT_BF16 = {"prefill_form": "split", "prefill_precision": "bf16", "prefill_split_dtype": "bfloat16"}
 
 
 def sweep():
@@ -666,9 +653,10 @@ def sweep():
         ("decode", 32, 1, 32): [v(step_block_v=bv, step_warps=w, step_stages=st)
                                 for bv, w, st in ((64, 4, 1), (32, 2, 3), (32, 4, 1))],
         ("prefill", 1, 4096, 32): [
-            v(), v(precision="tf32x3"), v(prefill_stages=1), v(prefill_block_v=16), v(prefill_block_v=64),
-            v(prefill_w=True, prefill_stages=1), v(chunk_prep_warps=2), v(prefill_chunk=32),
-            v(prefill_blocked=False), v(precision="tf32")] + [
+            v(**SCAN), v(**SCAN, precision="tf32x3"), v(**SCAN, prefill_stages=1), v(**SCAN, prefill_block_v=16),
+            v(**SCAN, prefill_block_v=64), v(**SCAN, prefill_w=True, prefill_stages=1),
+            v(**SCAN, chunk_prep_warps=2), v(**SCAN, prefill_chunk=32), v(**SCAN, prefill_blocked=False),
+            v(**SCAN, precision="tf32")] + [
             # the split form (FLA's decomposition): float32 intermediates, bf16x3 products ...
             v(**SPLIT), v(**SPLIT, prefill_state_stages=1), v(**SPLIT, prefill_block_v=16), v(**SPLIT, prefill_block_v=64),
             v(**SPLIT, chunk_prep_warps=8), v(**SPLIT, prefill_out_block_v=128, prefill_out_warps=8),
@@ -680,9 +668,9 @@ def sweep():
             v(**SPLIT_BF16, prefill_out_block_v=128, prefill_out_warps=8), v(**SPLIT_BF16, prefill_out_block_v=32),
             v(**SPLIT_BF16, prefill_chunk=32), v(**SPLIT_BF16, prefill_blocked=False)],
     }
-    bases = {PREFILL_FORMS[f].get("prefill_form", "scan") for f in ARGS.forms.split(",") if f in PREFILL_FORMS}
+    bases = {PREFILL_FORMS[f].get("prefill_form", "split") for f in ARGS.forms.split(",") if f in PREFILL_FORMS}
     grid["prefill", 1, 4096, 32] = [kw for kw in grid["prefill", 1, 4096, 32]
-                                    if kw.get("prefill_form", "scan") in bases]
+                                    if kw.get("prefill_form", "split") in bases]
     for (kind, B, T, Hv), variants in grid.items():
         if kind not in KINDS:
             continue

@@ -167,7 +167,8 @@ class GatedDeltaNet(nn.Module):
                 conv0, ssm0 = take_rows(conv, meta.rows), take_rows(ssm, meta.rows).astype(jnp.float32)
             y, new_conv = sequence_conv(mixed, w_conv, lengths, conv0)
             q, k, v = split_qkv(y, c)
-            o, new_ssm = gated_delta_prefill(q, k, v, g, beta, ssm0, lengths, tiles=self.tuning.gated_delta)
+            o, new_ssm = gated_delta_prefill(q, k, v, g, beta, ssm0, lengths, tiles=self.tuning.gated_delta,
+                                             out_dtype=dt)
             if conv is not None:  # admitted rows with room (all rows when the pass names none)
                 live = jnp.ones((B,), bool) if meta.rows is None else valid.any(axis=1)
                 conv = put_rows(conv, new_conv, meta.rows, live)

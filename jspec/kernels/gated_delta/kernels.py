@@ -27,22 +27,23 @@ Entry points (inputs q, k [B, T, Hk, Dk] of any float dtype, v [B, T, Hv, Dv], g
   output (updated in place when the caller donates it).
 - `gated_delta_prefill(..., lengths)` -> (out, state after lengths[b] tokens): the chunked
   WY form (flash-linear-attention's chunk_gated_delta_rule, chunks of 64) over
-  right-padded prompts; tokens t >= lengths[b] are no-ops. Two forms
-  (`GatedDeltaTiles.prefill_form`):
-  "scan" (the default), two kernels: `_chunk_prep_kernel`, one program per (row, value
+  right-padded prompts; tokens t >= lengths[b] are no-ops; the outputs rounded once to
+  out_dtype (the model's compute dtype). Two forms (`GatedDeltaTiles.prefill_form`):
+  "scan", two kernels: `_chunk_prep_kernel`, one program per (row, value
   head, chunk), all in parallel: the chunk's (I + L)^-1 (16-row diagonal blocks by forward
   substitution, merged by products) and its decayed causal q.k products Aqk [BT, BT];
   `_chunk_scan_kernel`, one program per (row, value head, Dv tile), walking the chunks in
   order with the state tile in registers: u = (I + L)^-1 beta (V - exp(G) K S), o =
   exp(G) Q S + Aqk u, S <- exp(G_last) S + (K exp(G_last - G))^T u (five products a chunk
   on the serial chain).
-  "split", FLA's decomposition, three kernels: `_split_prep_kernel` per (row, value head,
-  chunk) in parallel: W = X diag(beta exp(G)) K, U = X diag(beta) V (X = (I + L)^-1) and
-  the keys decayed to the chunk's end Kd; `_split_state_kernel` per (row, value head, Dv
-  tile), the only serial part: u = U - W S, S <- exp(G_last) S + Kd^T u (two products a
-  chunk), writing u and each chunk's starting state S_c; `_split_out_kernel` per (row,
-  value head, chunk, Dv tile) in parallel: o = exp(G) Q S_c + Aqk u. The intermediates
-  (W, U, Kd, u, S_c) are float32 or bfloat16 (`prefill_split_dtype`).
+  "split" (the default), FLA's decomposition, three kernels: `_split_prep_kernel` per (row, value head,
+  chunk) in parallel: W = X diag(beta exp(G)) K, U = X diag(beta) V (X = (I + L)^-1),
+  the keys decayed to the chunk's end Kd and the chunk's summed log decay G_last;
+  `_split_state_kernel` per (row, value head, Dv tile), the only serial part: u = U - W S,
+  S <- exp(G_last) S + Kd^T u (two products a chunk), writing u and each chunk's starting
+  state S_c; `_split_out_kernel` per (row, value head, chunk, Dv tile) in parallel: o =
+  exp(G) Q S_c + Aqk u. The intermediates (W, U, Kd, u, S_c) are float32 or bfloat16
+  (`prefill_split_dtype`).
 
 Dispatch: `dispatch.want_pallas(supported)`: the kernels on a GPU, the references
 elsewhere; JSPEC_KERNELS=pallas forces the kernels (interpret mode off GPU). Dk and Dv that
@@ -94,17 +95,30 @@ class GatedDeltaTiles:
     (exact float32).
 
     The prefill's form: prefill_form "scan" (prep kernel, then one serial kernel with
-    five products a chunk) or "split" (the default since 2026-11-28: 1.34-1.67x faster
-    than the scan on an H200 at the same precision, docs/benchmarks.md; FLA's: parallel prep of W, U and the decayed keys,
-    a serial state kernel with two products a chunk on Dv tiles of prefill_block_v with
+    five products a chunk, on Dv tiles of prefill_block_v, None: 32) or "split" (the
+    default since 2026-11-28: 1.34-1.67x faster than the scan on an H200 at the same
+    precision, docs/benchmarks.md; FLA's: parallel prep of W, U and the decayed keys, a
+    serial state kernel with two products a chunk on Dv tiles of prefill_block_v with
     prefill_warps, then a parallel output kernel on Dv tiles of prefill_out_block_v with
-    prefill_out_warps; the prep takes chunk_prep_warps and prefill_blocked);
+    prefill_out_warps; the one-kernel prep takes chunk_prep_warps and prefill_blocked);
     prefill_split_dtype: the split form's intermediates in HBM ("float32" or "bfloat16":
-    half the bytes, errors about 2e-3); prefill_state_stages: the split state kernel's
-    stages (2: 82 KB of shared memory with bfloat16 intermediates, 90 KB with float32
-    ones, in Triton 3.5's compile for sm_90: two programs an SM, so that Hv = 48's 192
-    programs of 32 columns run in one wave); prefill_precision: the prefill's products
-    (None: precision)."""
+    half the bytes, errors about 2e-3). The split form's other settings, None: chosen by
+    `_split_choices` from the intermediates' dtype and the grid, as measured on an H200
+    (docs/benchmarks.md, "The prep in two kernels"): prefill_prep_split: the prep as FLA's
+    two kernels, `_split_solve_kernel` writing X = (I + L)^-1 [BT, BT] a chunk on
+    prefill_solve_warps (1: at FLA's precision, T = 32k, Hv = 48, the solve took 406 us on
+    one warp, 618 on 2, 1090 on 4) and `_split_wu_kernel` computing W, U and Kd from it in
+    products over the whole chunk on prefill_wu_warps, instead of one kernel summing [16,
+    16] blocks' products (None: with bfloat16 intermediates; with float32 ones the one
+    kernel is the faster); prefill_kd_transposed: the decayed keys stored as Kd^T [Dk, BT]
+    a chunk, so that the state kernel's update Kd^T u is a product of untransposed
+    operands; prefill_block_v None: 64 over Kd^T where Dv tiles of 32 would give more
+    programs than the GPU has SMs at bfloat16 intermediates (Hv = 48: 192 programs of
+    32, 96 of 64; the state kernel 1226 -> 996 us at 32k), else 32 (at Hv = 32, 64 lost
+    9-11%); prefill_state_stages: the state kernel's pipeline stages (2: two programs an
+    SM in Triton 3.5's compile for sm_90, 82-90 KB of shared memory; None: 3 where the
+    programs fit the SMs at bfloat16 intermediates: at Hv = 32, T = 4k, 134 -> 89 us);
+    prefill_precision: the prefill's products (None: precision)."""
     step_block_v: int = 64
     step_warps: int = 4
     step_stages: int = 1
@@ -115,7 +129,7 @@ class GatedDeltaTiles:
     verify_state_xla: bool = False
     verify_prep_warps: int = 2
     prefill_chunk: int = 64
-    prefill_block_v: int = 32
+    prefill_block_v: int | None = None
     prefill_warps: int = 4
     prefill_stages: int = 3
     prefill_blocked: bool = True
@@ -123,7 +137,11 @@ class GatedDeltaTiles:
     chunk_prep_warps: int = 4
     prefill_form: str = "split"
     prefill_split_dtype: str = "float32"
-    prefill_state_stages: int = 2
+    prefill_state_stages: int | None = None
+    prefill_kd_transposed: bool | None = None
+    prefill_prep_split: bool | None = None
+    prefill_solve_warps: int = 1
+    prefill_wu_warps: int = 8
     prefill_out_block_v: int = 64
     prefill_out_warps: int = 4
     prefill_precision: str | None = None
@@ -454,23 +472,32 @@ def _chunk_gates(len_ref, g_ref, b, h, t0, chunk: int):
     return valid, jnp.where(valid, g_ref[b, pl.ds(t0, chunk), h], 0.0)
 
 
-def _split_prep_kernel(len_ref, k_ref, v_ref, g_ref, beta_ref, w_ref, u_ref, kd_ref, *, chunk: int, bc: int,
-                       rep: int, prec):
+def _split_prep_kernel(len_ref, k_ref, v_ref, g_ref, beta_ref, w_ref, u_ref, kd_ref, gl_ref, *, chunk: int, bc: int,
+                       rep: int, prec, kd_t: bool):
     """One (row b, value head h, chunk c): the chunk's part that does not read the state.
 
     len_ref [B] int32; k_ref [B, T, Hk, Dk]; v_ref [B, T, Hv, Dv]; g_ref, beta_ref [B, T, Hv]
     float32; outputs (the intermediates' dtype) w_ref [B, Hv, NT, BT, Dk]: W = X diag(beta
     exp(G)) K; u_ref [B, Hv, NT, BT, Dv]: U = X diag(beta) V; kd_ref [B, Hv, NT, BT, Dk]:
-    Kd = diag(exp(G_last - G)) K. X = (I + L)^-1 in [bc, bc] blocks (`_blocked_solve`), so
-    that W's and U's block rows are sums of [bc, bc] x [bc, D] products; tokens past
-    lengths[b] have zero keys, values and beta (rows of zeros in W, U and Kd)."""
+    Kd = diag(exp(G_last - G)) K (kd_t: kd_ref [B, Hv, NT, Dk, BT], Kd^T, so that the state
+    kernel's Kd^T u is a product of untransposed operands); gl_ref [B, Hv, NT] float32:
+    G_last, the chunk's log decay summed over its tokens before lengths[b] (so that the
+    state kernel loads one number a chunk rather than summing the chunk's gates). X = (I +
+    L)^-1 in [bc, bc] blocks (`_blocked_solve`), so that W's and U's block rows are sums of
+    [bc, bc] x [bc, D] products; tokens past lengths[b] have zero keys, values and beta (rows
+    of zeros in W, U and Kd)."""
     b, h, c = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     hk, t0 = h // rep, c * chunk
     valids, ks, Gs, betas, g_last, X = _blocked_solve(len_ref, k_ref, g_ref, beta_ref, b, h, hk, t0, chunk, bc, prec)
+    gl_ref[b, h, c] = g_last
     nb = len(ks)
     rows = [pl.ds(i * bc, bc) for i in range(nb)]
     for i in range(nb):
-        kd_ref[b, h, c, rows[i], :] = (jnp.exp(g_last - Gs[i])[:, None] * ks[i]).astype(kd_ref.dtype)
+        kd_i = jnp.exp(g_last - Gs[i])[:, None] * ks[i]  # [bc, Dk]
+        if kd_t:
+            kd_ref[b, h, c, :, rows[i]] = kd_i.T.astype(kd_ref.dtype)
+        else:
+            kd_ref[b, h, c, rows[i], :] = kd_i.astype(kd_ref.dtype)
 
     def block_rows(out_ref, xs):  # out's block row i = sum_{j <= i} X_ij xs_j
         for i in range(nb):
@@ -484,33 +511,62 @@ def _split_prep_kernel(len_ref, k_ref, v_ref, g_ref, beta_ref, w_ref, u_ref, kd_
                                  .astype(jnp.float32), 0.0) for j in range(nb)])  # [bc, Dv] each
 
 
-def _split_state_kernel(len_ref, g_ref, w_ref, u_ref, kd_ref, s_ref, vn_ref, sc_ref, so_ref, *, chunk: int,
-                        chunks: int, block_v: int, prec):
+def _split_solve_kernel(len_ref, k_ref, g_ref, beta_ref, x_ref, *, chunk: int, bc: int, rep: int, prec):
+    """One (row b, value head h, chunk c): X = (I + L)^-1 (`_blocked_solve`), written whole
+    for `_split_wu_kernel`: x_ref [B, Hv, NT, BT, BT] (the intermediates' dtype), zeros
+    above the diagonal blocks. Inputs as `_split_prep_kernel`'s."""
+    b, h, c = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    X = _blocked_solve(len_ref, k_ref, g_ref, beta_ref, b, h, h // rep, c * chunk, chunk, bc, prec)[-1]
+    nb = chunk // bc
+    for i in range(nb):
+        for j in range(nb):
+            block = X[i, j] if j <= i else jnp.zeros((bc, bc), jnp.float32)
+            x_ref[b, h, c, pl.ds(i * bc, bc), pl.ds(j * bc, bc)] = block.astype(x_ref.dtype)
+
+
+def _split_wu_kernel(len_ref, k_ref, v_ref, g_ref, beta_ref, x_ref, w_ref, u_ref, kd_ref, gl_ref, *, chunk: int,
+                     rep: int, prec, kd_t: bool):
+    """One (row b, value head h, chunk c): `_split_prep_kernel`'s outputs (W, U, Kd, G_last)
+    from the solved X [BT, BT] (`_split_solve_kernel`), each a product over the whole chunk
+    ([BT, BT] x [BT, D]) rather than a sum of [bc, bc] blocks' products."""
+    b, h, c = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    hk, t0 = h // rep, c * chunk
+    valid, g, beta = _chunk_inputs(len_ref, g_ref, beta_ref, b, h, t0, chunk)
+    G, g_last = jnp.cumsum(g), jnp.sum(g)  # [BT], a scalar
+    gl_ref[b, h, c] = g_last
+    kn = jnp.where(valid[:, None], _rownorm(k_ref[b, pl.ds(t0, chunk), hk, :].astype(jnp.float32)), 0.0)  # [BT, Dk]
+    x = x_ref[b, h, c]  # [BT, BT]
+    w_ref[b, h, c] = _dot(x, (beta * jnp.exp(G))[:, None] * kn, prec).astype(w_ref.dtype)
+    vb = jnp.where(valid[:, None], beta[:, None] * v_ref[b, pl.ds(t0, chunk), h, :].astype(jnp.float32), 0.0)
+    u_ref[b, h, c] = _dot(x, vb, prec).astype(u_ref.dtype)
+    kd = jnp.exp(g_last - G)[:, None] * kn  # [BT, Dk]
+    kd_ref[b, h, c] = (kd.T if kd_t else kd).astype(kd_ref.dtype)
+
+
+def _split_state_kernel(gl_ref, w_ref, u_ref, kd_ref, s_ref, vn_ref, sc_ref, so_ref, *, chunks: int, block_v: int,
+                        prec, kd_t: bool):
     """One (row b, value head h, Dv tile j), walking the NT chunks in order with the state
     tile [Dk, BV] float32 in registers: per chunk u = U - W S, S <- exp(G_last) S + Kd^T u.
 
-    len_ref [B] int32; g_ref [B, T, Hv] float32; w_ref, kd_ref [B, Hv, NT, BT, Dk], u_ref
-    [B, Hv, NT, BT, Dv] (`_split_prep_kernel`; u_ref aliased with vn_ref); s_ref [B, Hv, Dk,
-    Dv] float32 (the incoming state, aliased with so_ref); outputs vn_ref [B, Hv, NT, BT,
-    Dv]: the new values u; sc_ref [B, Hv, NT, Dk, Dv]: the state before each chunk (both in
-    the intermediates' dtype); so_ref [B, Hv, Dk, Dv] float32: the state after the last."""
+    gl_ref [B, Hv, NT] float32 (G_last of each chunk); w_ref [B, Hv, NT, BT, Dk], kd_ref [B,
+    Hv, NT, BT, Dk] (kd_t: [B, Hv, NT, Dk, BT], Kd^T), u_ref [B, Hv, NT, BT, Dv]
+    (`_split_prep_kernel`; u_ref aliased with vn_ref); s_ref [B, Hv, Dk, Dv] float32 (the
+    incoming state, aliased with so_ref); outputs vn_ref [B, Hv, NT, BT, Dv]: the new values
+    u; sc_ref [B, Hv, NT, Dk, Dv]: the state before each chunk (both in the intermediates'
+    dtype); so_ref [B, Hv, Dk, Dv] float32: the state after the last."""
     b, h, j = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     cols = pl.ds(j * block_v, block_v)
-    length = len_ref[b]
 
-    def g_last(c):  # the chunk's log decay summed over its tokens before lengths[b] (a scalar)
-        t = c * chunk + lax.broadcasted_iota(jnp.int32, (chunk,), 0)
-        return jnp.sum(jnp.where(t < length, g_ref[b, pl.ds(c * chunk, chunk), h], 0.0))
-
-    def one_chunk(c, carry):  # s [Dk, BV]: the state before chunk c; gl: g_last(c)
+    def one_chunk(c, carry):  # s [Dk, BV]: the state before chunk c; gl: G_last of chunk c
         s, gl = carry
-        gl_next = g_last(jnp.minimum(c + 1, chunks - 1))  # loaded a chunk ahead, off the chain
+        gl_next = gl_ref[b, h, jnp.minimum(c + 1, chunks - 1)]  # loaded a chunk ahead, off the chain
         sc_ref[b, h, c, :, cols] = s.astype(sc_ref.dtype)
         u = u_ref[b, h, c, :, cols].astype(jnp.float32) - _dot(w_ref[b, h, c], s, prec)  # [BT, BV]
         vn_ref[b, h, c, :, cols] = u.astype(vn_ref.dtype)
-        return jnp.exp(gl) * s + _dot(kd_ref[b, h, c], u, prec, ta=True), gl_next
+        upd = _dot(kd_ref[b, h, c], u, prec) if kd_t else _dot(kd_ref[b, h, c], u, prec, ta=True)
+        return jnp.exp(gl) * s + upd, gl_next
 
-    s, _ = lax.fori_loop(0, chunks, one_chunk, (s_ref[b, h, :, cols], g_last(0)))
+    s, _ = lax.fori_loop(0, chunks, one_chunk, (s_ref[b, h, :, cols], gl_ref[b, h, 0]))
     so_ref[b, h, :, cols] = s
 
 
@@ -521,7 +577,7 @@ def _split_out_kernel(len_ref, q_ref, k_ref, g_ref, sc_ref, vn_ref, o_ref, *, ch
 
     len_ref [B] int32; q_ref, k_ref [B, T, Hk, Dk]; g_ref [B, T, Hv] float32; sc_ref [B, Hv,
     NT, Dk, Dv], vn_ref [B, Hv, NT, BT, Dv] (`_split_state_kernel`); o_ref [B, T, Hv, Dv]
-    float32."""
+    (the caller's out_dtype: o is rounded once, here, as the model would round it)."""
     b, h, c, j = pl.program_id(0), pl.program_id(1), pl.program_id(2), pl.program_id(3)
     hk, t0, cols = h // rep, c * chunk, pl.ds(j * block_v, block_v)
     valid, g = _chunk_gates(len_ref, g_ref, b, h, t0, chunk)
@@ -531,7 +587,7 @@ def _split_out_kernel(len_ref, q_ref, k_ref, g_ref, sc_ref, vn_ref, o_ref, *, ch
     r, col = _grid2(chunk)
     aqk = jnp.where(r >= col, jnp.exp(jnp.minimum(G[:, None] - G[None, :], 0.0)), 0.0) * _dot(qn, kn, prec, tb=True)
     o = jnp.exp(G)[:, None] * _dot(qn, sc_ref[b, h, c, :, cols], prec) + _dot(aqk, vn_ref[b, h, c, :, cols], prec)
-    o_ref[b, pl.ds(t0, chunk), h, cols] = o
+    o_ref[b, pl.ds(t0, chunk), h, cols] = o.astype(o_ref.dtype)
 
 
 # --------------------------------------------------------------------------- wrappers
@@ -606,6 +662,14 @@ def _compiler_params(interpret: bool, num_warps: int, num_stages: int = 1):
         return None
     from jax.experimental.pallas import triton as plt
     return plt.CompilerParams(num_warps=num_warps, num_stages=num_stages)
+
+
+def _sm_count() -> int:
+    """The first device's multiprocessors (GPUs; 132 elsewhere: an H100's or H200's)."""
+    try:
+        return int(getattr(jax.devices()[0], "core_count", 132) or 132)
+    except Exception:  # noqa: BLE001
+        return 132
 
 
 def _interpret(interpret):
@@ -701,9 +765,9 @@ def gated_delta_verify_kernel(q, k, v, g, beta, state, parents, *, tiles: GatedD
 
 
 def gated_delta_prefill_kernel(q, k, v, g, beta, state, lengths=None, *, tiles: GatedDeltaTiles | None = None,
-                               interpret: bool | None = None, **overrides):
+                               out_dtype=jnp.float32, interpret: bool | None = None, **overrides):
     """`gated_delta_prefill` with the Pallas kernels (no dispatch); tiles, interpret and
-    overrides as `gated_delta_step_kernel`."""
+    overrides as `gated_delta_step_kernel`; out_dtype as `gated_delta_prefill`."""
     _check("gated_delta_prefill", q, k, v, g, beta, state)
     B, T, Hk, Dk = k.shape
     Hv = v.shape[2]
@@ -721,7 +785,7 @@ def gated_delta_prefill_kernel(q, k, v, g, beta, state, lengths=None, *, tiles: 
     prec = _dot_precision(t.precision if t.prefill_precision is None else t.prefill_precision, interpret)
     q, k, v, state, Dv0 = _pad_heads(q, k, v, state)
     Dv = v.shape[-1]
-    BV = _block_v(t.prefill_block_v, Dv, 16)
+    BV = _block_v(t.prefill_block_v or 32, Dv, 16)
     NT = pl.cdiv(T, BT)
     lengths = jnp.minimum(lengths.astype(jnp.int32), T)  # padding tokens: past every length
     q, k, v = (_pad(x, 1, NT * BT) for x in (q, k, v))
@@ -729,7 +793,7 @@ def gated_delta_prefill_kernel(q, k, v, g, beta, state, lengths=None, *, tiles: 
     rep, scale = Hv // Hk, Dk ** -0.5
     if t.prefill_form == "split":
         out, last = _prefill_split(lengths, q, k, v, g, beta, state, t, rep=rep, scale=scale, prec=prec,
-                                   interpret=interpret)
+                                   out_dtype=out_dtype, interpret=interpret)
         return out[:, :T, :, :Dv0], last[:, :, :Dk, :Dv0]
     stages = t.prefill_stages if max(x.dtype.itemsize for x in (q, k, v)) <= 2 else 1
     tri = jax.ShapeDtypeStruct((B, Hv, NT, BT, BT), jnp.float32)
@@ -748,14 +812,32 @@ def gated_delta_prefill_kernel(q, k, v, g, beta, state, lengths=None, *, tiles: 
         compiler_params=_compiler_params(interpret, t.prefill_warps, stages),
         name="jspec_gated_delta_chunk_scan",
     )(lengths, q, k, v, g, beta, *prep, state)
-    return out[:, :T, :, :Dv0], last[:, :, :Dk, :Dv0]
+    return out[:, :T, :, :Dv0].astype(out_dtype), last[:, :, :Dk, :Dv0]
+
+
+def _split_choices(t: GatedDeltaTiles, dt, B: int, Hv: int, Dv: int):
+    """The split form's settings that t leaves None -> (prep_split, kd_transposed, the state
+    kernel's Dv tile, its stages). With bfloat16 intermediates: the prep as two kernels;
+    Dv tiles of 64 over Kd^T where tiles of 32 would give more programs than the GPU has
+    SMs (Hv = 48 at B = 1), else 32; 3 stages where the state kernel's programs fit the SMs.
+    With float32 ones: one prep kernel, tiles of 32, 2 stages (each measured the faster
+    there on an H200, docs/benchmarks.md, "The prep in two kernels")."""
+    bf16 = dt == jnp.bfloat16
+    wide = bf16 and B * Hv * max(Dv // 32, 1) > _sm_count()
+    prep_split = bf16 if t.prefill_prep_split is None else t.prefill_prep_split
+    kd_t = wide if t.prefill_kd_transposed is None else t.prefill_kd_transposed
+    BV = _block_v(t.prefill_block_v or (64 if wide else 32), Dv, 16)
+    stages = t.prefill_state_stages
+    if stages is None:
+        stages = 3 if bf16 and B * Hv * (Dv // BV) <= _sm_count() else 2
+    return prep_split, kd_t, BV, stages
 
 
 def _prefill_split(lengths, q, k, v, g, beta, state, t: GatedDeltaTiles, *, rep: int, scale: float, prec,
-                   interpret: bool):
+                   out_dtype, interpret: bool):
     """The split form's three kernels over inputs padded to NT chunks of BT tokens (q, k [B,
     NT BT, Hk, Dk], v [B, NT BT, Hv, Dv], g, beta [B, NT BT, Hv] float32, state [B, Hv, Dk,
-    Dv] float32; Dk, Dv powers of two >= 16) -> (out [B, NT BT, Hv, Dv] float32, the last
+    Dv] float32; Dk, Dv powers of two >= 16) -> (out [B, NT BT, Hv, Dv] out_dtype, the last
     state [B, Hv, Dk, Dv] float32). Intermediates (W, U, Kd, the new values and the chunks'
     states: 2 NT BT (Dk + Dv) + NT Dk Dv numbers per row and value head) in
     t.prefill_split_dtype."""
@@ -767,25 +849,40 @@ def _prefill_split(lengths, q, k, v, g, beta, state, t: GatedDeltaTiles, *, rep:
     def per_chunk(d):  # [B, Hv, NT, BT, d] in the intermediates' dtype
         return jax.ShapeDtypeStruct((B, Hv, NT, BT, d), dt)
 
-    w, u, kd = pl.pallas_call(
-        functools.partial(_split_prep_kernel, chunk=BT, bc=_BC if t.prefill_blocked else BT, rep=rep, prec=prec),
-        grid=(B, Hv, NT), out_shape=(per_chunk(Dk), per_chunk(Dv), per_chunk(Dk)), interpret=interpret,
-        compiler_params=_compiler_params(interpret, t.chunk_prep_warps), name="jspec_gated_delta_split_prep",
-    )(lengths, k, v, g, beta)
-    BV = _block_v(t.prefill_block_v, Dv, 16)
+    prep_split, kd_t, BV, stages = _split_choices(t, dt, B, Hv, Dv)
+    bc = _BC if t.prefill_blocked else BT
+    kd_shape = jax.ShapeDtypeStruct((B, Hv, NT, Dk, BT), dt) if kd_t else per_chunk(Dk)
+    prep_shapes = (per_chunk(Dk), per_chunk(Dv), kd_shape, jax.ShapeDtypeStruct((B, Hv, NT), jnp.float32))
+    if prep_split:  # FLA's two kernels: the solve writes X, whole-chunk products read it
+        x = pl.pallas_call(
+            functools.partial(_split_solve_kernel, chunk=BT, bc=bc, rep=rep, prec=prec),
+            grid=(B, Hv, NT), out_shape=per_chunk(BT), interpret=interpret,
+            compiler_params=_compiler_params(interpret, t.prefill_solve_warps), name="jspec_gated_delta_split_solve",
+        )(lengths, k, g, beta)
+        w, u, kd, gl = pl.pallas_call(
+            functools.partial(_split_wu_kernel, chunk=BT, rep=rep, prec=prec, kd_t=kd_t),
+            grid=(B, Hv, NT), out_shape=prep_shapes, interpret=interpret,
+            compiler_params=_compiler_params(interpret, t.prefill_wu_warps), name="jspec_gated_delta_split_wu",
+        )(lengths, k, v, g, beta, x)
+    else:
+        w, u, kd, gl = pl.pallas_call(
+            functools.partial(_split_prep_kernel, chunk=BT, bc=bc, rep=rep, prec=prec, kd_t=kd_t),
+            grid=(B, Hv, NT), out_shape=prep_shapes, interpret=interpret,
+            compiler_params=_compiler_params(interpret, t.chunk_prep_warps), name="jspec_gated_delta_split_prep",
+        )(lengths, k, v, g, beta)
     vn, sc, last = pl.pallas_call(
-        functools.partial(_split_state_kernel, chunk=BT, chunks=NT, block_v=BV, prec=prec),
+        functools.partial(_split_state_kernel, chunks=NT, block_v=BV, prec=prec, kd_t=kd_t),
         grid=(B, Hv, Dv // BV),
         out_shape=(per_chunk(Dv), jax.ShapeDtypeStruct((B, Hv, NT, Dk, Dv), dt),
                    jax.ShapeDtypeStruct(state.shape, jnp.float32)),
-        input_output_aliases={3: 0, 5: 2}, interpret=interpret,
-        compiler_params=_compiler_params(interpret, t.prefill_warps, t.prefill_state_stages),
+        input_output_aliases={2: 0, 4: 2}, interpret=interpret,
+        compiler_params=_compiler_params(interpret, t.prefill_warps, stages),
         name="jspec_gated_delta_split_state",
-    )(lengths, g, w, u, kd, state)
+    )(gl, w, u, kd, state)
     BVo = _block_v(t.prefill_out_block_v, Dv, 16)
     out = pl.pallas_call(
         functools.partial(_split_out_kernel, chunk=BT, rep=rep, block_v=BVo, scale=scale, prec=prec),
-        grid=(B, Hv, NT, Dv // BVo), out_shape=jax.ShapeDtypeStruct((B, Tp, Hv, Dv), jnp.float32),
+        grid=(B, Hv, NT, Dv // BVo), out_shape=jax.ShapeDtypeStruct((B, Tp, Hv, Dv), out_dtype),
         interpret=interpret, compiler_params=_compiler_params(interpret, t.prefill_out_warps),
         name="jspec_gated_delta_split_out",
     )(lengths, q, k, g, sc, vn)
@@ -828,16 +925,19 @@ def gated_delta_step(q, k, v, g, beta, state, count=None, *, tiles: GatedDeltaTi
     return gd.gated_delta_steps_reference(q, k, v, g, beta, state, count)
 
 
-def gated_delta_prefill(q, k, v, g, beta, state, lengths=None, *, tiles: GatedDeltaTiles | None = None):
+def gated_delta_prefill(q, k, v, g, beta, state, lengths=None, *, tiles: GatedDeltaTiles | None = None,
+                        out_dtype=jnp.float32):
     """The rule over right-padded prompts in chunks (chunked WY form, float32): tokens t >=
     lengths[b] (lengths [B] int or None: T) leave the state unchanged. Same inputs as
-    `gated_delta_verify` -> (out [B, T, Hv, Dv] float32, the state after lengths[b] tokens
-    [B, Hv, Dk, Dv] float32). The kernels on a GPU, else
+    `gated_delta_verify` -> (out [B, T, Hv, Dv] out_dtype (computed in float32 and rounded
+    once: the model's compute dtype saves writing and reading float32 outputs), the state
+    after lengths[b] tokens [B, Hv, Dk, Dv] float32). The kernels on a GPU, else
     `gated_delta.gated_delta_chunk_reference` (chunks of tiles.prefill_chunk)."""
     _check("gated_delta_prefill", q, k, v, g, beta, state)
     if lengths is not None:
         _check_rows("gated_delta_prefill", "lengths", lengths, k.shape[0], None)
     t = DEFAULT_TILES if tiles is None else tiles
     if dispatch.want_pallas(_small_heads(k, v)):
-        return gated_delta_prefill_kernel(q, k, v, g, beta, state, lengths, tiles=t)
-    return gd.gated_delta_chunk_reference(q, k, v, g, beta, state, lengths, chunk=t.prefill_chunk)
+        return gated_delta_prefill_kernel(q, k, v, g, beta, state, lengths, tiles=t, out_dtype=out_dtype)
+    out, last = gd.gated_delta_chunk_reference(q, k, v, g, beta, state, lengths, chunk=t.prefill_chunk)
+    return out.astype(out_dtype), last
