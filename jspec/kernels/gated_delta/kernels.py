@@ -785,7 +785,6 @@ def gated_delta_prefill_kernel(q, k, v, g, beta, state, lengths=None, *, tiles: 
     prec = _dot_precision(t.precision if t.prefill_precision is None else t.prefill_precision, interpret)
     q, k, v, state, Dv0 = _pad_heads(q, k, v, state)
     Dv = v.shape[-1]
-    BV = _block_v(t.prefill_block_v or 32, Dv, 16)
     NT = pl.cdiv(T, BT)
     lengths = jnp.minimum(lengths.astype(jnp.int32), T)  # padding tokens: past every length
     q, k, v = (_pad(x, 1, NT * BT) for x in (q, k, v))
@@ -795,6 +794,7 @@ def gated_delta_prefill_kernel(q, k, v, g, beta, state, lengths=None, *, tiles: 
         out, last = _prefill_split(lengths, q, k, v, g, beta, state, t, rep=rep, scale=scale, prec=prec,
                                    out_dtype=out_dtype, interpret=interpret)
         return out[:, :T, :, :Dv0], last[:, :, :Dk, :Dv0]
+    BV = _block_v(t.prefill_block_v or 32, Dv, 16)  # the scan's Dv tile
     stages = t.prefill_stages if max(x.dtype.itemsize for x in (q, k, v)) <= 2 else 1
     tri = jax.ShapeDtypeStruct((B, Hv, NT, BT, BT), jnp.float32)
     w_shape = (jax.ShapeDtypeStruct((B, Hv, NT, BT, q.shape[-1]), jnp.float32),) if t.prefill_w else ()
