@@ -536,8 +536,9 @@ PREFILL_T = (4096, 32768)
 # the scan, the split form (the default tiles) with float32 or bfloat16 intermediates and
 # bf16x3 (the default), tf32 or one-pass bf16 products (FLA's: bf16 products and intermediates,
 # with the prep in two kernels and the state kernel's tile chosen by the grid), the same with
-# one prep kernel and tiles of 32, the float32 form with the prep in two kernels, the output
-# kernel's warps; and the scan with one-pass bf16 products.
+# one prep kernel and tiles of 32, the float32 form with the prep in two kernels, the state
+# kernel on the key heads' raw keys, the output kernel's warps; and the scan with one-pass
+# bf16 products.
 SCAN, SPLIT = {"prefill_form": "scan"}, {"prefill_form": "split"}
 SPLIT_BF16 = {"prefill_form": "split", "prefill_precision": "bf16", "prefill_split_dtype": "bfloat16"}
 PREFILL_FORMS = {
@@ -549,6 +550,7 @@ PREFILL_FORMS = {
     "split_bf16_prep1": {**SPLIT_BF16, "prefill_prep_split": False, "prefill_block_v": 32,
                          "prefill_kd_transposed": False},
     "split_prep2": {"prefill_prep_split": True},
+    "split_bf16_raw": {**SPLIT_BF16, "prefill_raw_keys": True},
     "split_bf16_ow2": {**SPLIT_BF16, "prefill_out_warps": 2},
     "split_bf16_ow8": {**SPLIT_BF16, "prefill_out_warps": 8},
     "scan_bf16": {**SCAN, "prefill_precision": "bf16"},

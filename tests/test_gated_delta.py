@@ -324,6 +324,13 @@ def test_prefill_split_kd_transposed():
     np.testing.assert_allclose(np.asarray(out_t[0], np.float32), np.asarray(out_r[0].astype(jnp.bfloat16), np.float32),
                                rtol=2 ** -7, atol=1e-6)
     np.testing.assert_allclose(np.asarray(last_t), np.asarray(last_r), rtol=1e-6, atol=1e-6)
+    # the key heads' normalised keys and u decayed in the state kernel (`prefill_raw_keys`): the rule's
+    for kd_t in (False, True):
+        out, last = gk.gated_delta_prefill_kernel(*x, lengths, prefill_prep_split=True, prefill_raw_keys=True,
+                                                  prefill_kd_transposed=kd_t, **kw)
+        np.testing.assert_allclose(np.asarray(out[0]), np.asarray(want[0]), rtol=1e-5, atol=1e-5)
+        np.testing.assert_allclose(np.asarray(out[1, :20]), np.asarray(want[1, :20]), rtol=1e-5, atol=1e-5)
+        np.testing.assert_allclose(np.asarray(last), np.asarray(want_last), rtol=1e-5, atol=1e-5)
 
 
 def test_entry_points_reject_bad_inputs():

@@ -118,6 +118,12 @@ class GatedDeltaTiles:
     9-11%); prefill_state_stages: the state kernel's pipeline stages (2: two programs an
     SM in Triton 3.5's compile for sm_90, 82-90 KB of shared memory; None: 3 where the
     programs fit the SMs at bfloat16 intermediates: at Hv = 32, T = 4k, 134 -> 89 us);
+    prefill_raw_keys: with the prep in two kernels, the state kernel reads each key head's
+    normalised keys and decays u to the chunk's end, FLA's form, instead of a value head's
+    decayed keys Kd (a third of the bytes at Hv = 3 Hk: on an H200 at FLA's precision the
+    prefill 2-8% faster, 0.97-1.02x FLA's time; off by default until its check on a GPU
+    has run: tested in interpret mode only, docs/benchmarks.md, "The state kernel on raw
+    keys");
     prefill_precision: the prefill's products (None: precision)."""
     step_block_v: int = 64
     step_warps: int = 4
@@ -141,6 +147,7 @@ class GatedDeltaTiles:
     prefill_kd_transposed: bool | None = None
     prefill_prep_split: bool | None = None
     prefill_solve_warps: int = 1
+    prefill_raw_keys: bool = False
     prefill_wu_warps: int = 8
     prefill_out_block_v: int = 64
     prefill_out_warps: int = 4
@@ -524,11 +531,15 @@ def _split_solve_kernel(len_ref, k_ref, g_ref, beta_ref, x_ref, *, chunk: int, b
             x_ref[b, h, c, pl.ds(i * bc, bc), pl.ds(j * bc, bc)] = block.astype(x_ref.dtype)
 
 
-def _split_wu_kernel(len_ref, k_ref, v_ref, g_ref, beta_ref, x_ref, w_ref, u_ref, kd_ref, gl_ref, *, chunk: int,
-                     rep: int, prec, kd_t: bool):
+def _split_wu_kernel(len_ref, k_ref, v_ref, g_ref, beta_ref, x_ref, w_ref, u_ref, kd_ref, gl_ref, *dec_ref,
+                     chunk: int, rep: int, prec, kd_t: bool, raw_keys: bool):
     """One (row b, value head h, chunk c): `_split_prep_kernel`'s outputs (W, U, Kd, G_last)
     from the solved X [BT, BT] (`_split_solve_kernel`), each a product over the whole chunk
-    ([BT, BT] x [BT, D]) rather than a sum of [bc, bc] blocks' products."""
+    ([BT, BT] x [BT, D]) rather than a sum of [bc, bc] blocks' products. raw_keys: instead
+    of Kd a value head's, kd_ref [B, Hk, NT, BT, Dk] (kd_t: [B, Hk, NT, Dk, BT]) holds the
+    normalised keys of its key head (written by the key head's first value head) and
+    dec_ref [B, Hv, NT, BT] float32 the decays to the chunk's end exp(G_last - G), which the
+    state kernel applies to u instead (FLA's form: a third of Kd's bytes at Hv = 3 Hk)."""
     b, h, c = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     hk, t0 = h // rep, c * chunk
     valid, g, beta = _chunk_inputs(len_ref, g_ref, beta_ref, b, h, t0, chunk)
@@ -539,12 +550,18 @@ def _split_wu_kernel(len_ref, k_ref, v_ref, g_ref, beta_ref, x_ref, w_ref, u_ref
     w_ref[b, h, c] = _dot(x, (beta * jnp.exp(G))[:, None] * kn, prec).astype(w_ref.dtype)
     vb = jnp.where(valid[:, None], beta[:, None] * v_ref[b, pl.ds(t0, chunk), h, :].astype(jnp.float32), 0.0)
     u_ref[b, h, c] = _dot(x, vb, prec).astype(u_ref.dtype)
-    kd = jnp.exp(g_last - G)[:, None] * kn  # [BT, Dk]
-    kd_ref[b, h, c] = (kd.T if kd_t else kd).astype(kd_ref.dtype)
+    if raw_keys:
+        dec_ref[0][b, h, c] = jnp.exp(g_last - G)
+
+        @pl.when(h % rep == 0)
+        def _():
+            kd_ref[b, hk, c] = (kn.T if kd_t else kn).astype(kd_ref.dtype)
+    else:
+        kd = jnp.exp(g_last - G)[:, None] * kn  # [BT, Dk]
+        kd_ref[b, h, c] = (kd.T if kd_t else kd).astype(kd_ref.dtype)
 
 
-def _split_state_kernel(gl_ref, w_ref, u_ref, kd_ref, s_ref, vn_ref, sc_ref, so_ref, *, chunks: int, block_v: int,
-                        prec, kd_t: bool):
+def _split_state_kernel(gl_ref, *refs, chunks: int, block_v: int, prec, kd_t: bool, rep: int, raw_keys: bool):
     """One (row b, value head h, Dv tile j), walking the NT chunks in order with the state
     tile [Dk, BV] float32 in registers: per chunk u = U - W S, S <- exp(G_last) S + Kd^T u.
 
@@ -553,9 +570,13 @@ def _split_state_kernel(gl_ref, w_ref, u_ref, kd_ref, s_ref, vn_ref, sc_ref, so_
     (`_split_prep_kernel`; u_ref aliased with vn_ref); s_ref [B, Hv, Dk, Dv] float32 (the
     incoming state, aliased with so_ref); outputs vn_ref [B, Hv, NT, BT, Dv]: the new values
     u; sc_ref [B, Hv, NT, Dk, Dv]: the state before each chunk (both in the intermediates'
-    dtype); so_ref [B, Hv, Dk, Dv] float32: the state after the last."""
+    dtype); so_ref [B, Hv, Dk, Dv] float32: the state after the last. raw_keys: refs start
+    with dec_ref [B, Hv, NT, BT] float32 and kd_ref holds the key heads' normalised keys
+    (`_split_wu_kernel`): the update is K^T (diag(dec) u)."""
+    dec_ref, refs = (refs[0], refs[1:]) if raw_keys else (None, refs)
+    w_ref, u_ref, kd_ref, s_ref, vn_ref, sc_ref, so_ref = refs
     b, h, j = pl.program_id(0), pl.program_id(1), pl.program_id(2)
-    cols = pl.ds(j * block_v, block_v)
+    cols, hk = pl.ds(j * block_v, block_v), (h // rep if raw_keys else h)
 
     def one_chunk(c, carry):  # s [Dk, BV]: the state before chunk c; gl: G_last of chunk c
         s, gl = carry
@@ -563,7 +584,9 @@ def _split_state_kernel(gl_ref, w_ref, u_ref, kd_ref, s_ref, vn_ref, sc_ref, so_
         sc_ref[b, h, c, :, cols] = s.astype(sc_ref.dtype)
         u = u_ref[b, h, c, :, cols].astype(jnp.float32) - _dot(w_ref[b, h, c], s, prec)  # [BT, BV]
         vn_ref[b, h, c, :, cols] = u.astype(vn_ref.dtype)
-        upd = _dot(kd_ref[b, h, c], u, prec) if kd_t else _dot(kd_ref[b, h, c], u, prec, ta=True)
+        if raw_keys:
+            u = dec_ref[b, h, c][:, None] * u
+        upd = _dot(kd_ref[b, hk, c], u, prec) if kd_t else _dot(kd_ref[b, hk, c], u, prec, ta=True)
         return jnp.exp(gl) * s + upd, gl_next
 
     s, _ = lax.fori_loop(0, chunks, one_chunk, (s_ref[b, h, :, cols], gl_ref[b, h, 0]))
@@ -850,18 +873,22 @@ def _prefill_split(lengths, q, k, v, g, beta, state, t: GatedDeltaTiles, *, rep:
         return jax.ShapeDtypeStruct((B, Hv, NT, BT, d), dt)
 
     prep_split, kd_t, BV, stages = _split_choices(t, dt, B, Hv, Dv)
+    raw_keys = prep_split and t.prefill_raw_keys
     bc = _BC if t.prefill_blocked else BT
-    kd_shape = jax.ShapeDtypeStruct((B, Hv, NT, Dk, BT), dt) if kd_t else per_chunk(Dk)
+    Hkd = Hv // rep if raw_keys else Hv  # Kd a value head's, or the normalised keys a key head's
+    kd_shape = jax.ShapeDtypeStruct((B, Hkd, NT, Dk, BT) if kd_t else (B, Hkd, NT, BT, Dk), dt)
     prep_shapes = (per_chunk(Dk), per_chunk(Dv), kd_shape, jax.ShapeDtypeStruct((B, Hv, NT), jnp.float32))
+    dec = ()
     if prep_split:  # FLA's two kernels: the solve writes X, whole-chunk products read it
         x = pl.pallas_call(
             functools.partial(_split_solve_kernel, chunk=BT, bc=bc, rep=rep, prec=prec),
             grid=(B, Hv, NT), out_shape=per_chunk(BT), interpret=interpret,
             compiler_params=_compiler_params(interpret, t.prefill_solve_warps), name="jspec_gated_delta_split_solve",
         )(lengths, k, g, beta)
-        w, u, kd, gl = pl.pallas_call(
-            functools.partial(_split_wu_kernel, chunk=BT, rep=rep, prec=prec, kd_t=kd_t),
-            grid=(B, Hv, NT), out_shape=prep_shapes, interpret=interpret,
+        dec_shape = (jax.ShapeDtypeStruct((B, Hv, NT, BT), jnp.float32),) if raw_keys else ()
+        w, u, kd, gl, *dec = pl.pallas_call(
+            functools.partial(_split_wu_kernel, chunk=BT, rep=rep, prec=prec, kd_t=kd_t, raw_keys=raw_keys),
+            grid=(B, Hv, NT), out_shape=prep_shapes + dec_shape, interpret=interpret,
             compiler_params=_compiler_params(interpret, t.prefill_wu_warps), name="jspec_gated_delta_split_wu",
         )(lengths, k, v, g, beta, x)
     else:
@@ -871,14 +898,15 @@ def _prefill_split(lengths, q, k, v, g, beta, state, t: GatedDeltaTiles, *, rep:
             compiler_params=_compiler_params(interpret, t.chunk_prep_warps), name="jspec_gated_delta_split_prep",
         )(lengths, k, v, g, beta)
     vn, sc, last = pl.pallas_call(
-        functools.partial(_split_state_kernel, chunks=NT, block_v=BV, prec=prec, kd_t=kd_t),
+        functools.partial(_split_state_kernel, chunks=NT, block_v=BV, prec=prec, kd_t=kd_t, rep=rep,
+                          raw_keys=raw_keys),
         grid=(B, Hv, Dv // BV),
         out_shape=(per_chunk(Dv), jax.ShapeDtypeStruct((B, Hv, NT, Dk, Dv), dt),
                    jax.ShapeDtypeStruct(state.shape, jnp.float32)),
-        input_output_aliases={2: 0, 4: 2}, interpret=interpret,
+        input_output_aliases={2 + len(dec): 0, 4 + len(dec): 2}, interpret=interpret,
         compiler_params=_compiler_params(interpret, t.prefill_warps, stages),
         name="jspec_gated_delta_split_state",
-    )(gl, w, u, kd, state)
+    )(gl, *dec, w, u, kd, state)
     BVo = _block_v(t.prefill_out_block_v, Dv, 16)
     out = pl.pallas_call(
         functools.partial(_split_out_kernel, chunk=BT, rep=rep, block_v=BVo, scale=scale, prec=prec),
