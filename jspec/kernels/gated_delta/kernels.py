@@ -36,14 +36,16 @@ Entry points (inputs q, k [B, T, Hk, Dk] of any float dtype, v [B, T, Hv, Dv], g
   order with the state tile in registers: u = (I + L)^-1 beta (V - exp(G) K S), o =
   exp(G) Q S + Aqk u, S <- exp(G_last) S + (K exp(G_last - G))^T u (five products a chunk
   on the serial chain).
-  "split" (the default), FLA's decomposition, three kernels: `_split_prep_kernel` per (row, value head,
-  chunk) in parallel: W = X diag(beta exp(G)) K, U = X diag(beta) V (X = (I + L)^-1),
-  the keys decayed to the chunk's end Kd and the chunk's summed log decay G_last;
-  `_split_state_kernel` per (row, value head, Dv tile), the only serial part: u = U - W S,
-  S <- exp(G_last) S + Kd^T u (two products a chunk), writing u and each chunk's starting
-  state S_c; `_split_out_kernel` per (row, value head, chunk, Dv tile) in parallel: o =
-  exp(G) Q S_c + Aqk u. The intermediates (W, U, Kd, u, S_c) are float32 or bfloat16
-  (`prefill_split_dtype`).
+  "split" (the default), FLA's decomposition: a parallel prep per (row, value head,
+  chunk): W = X diag(beta exp(G)) K, U = X diag(beta) V (X = (I + L)^-1), the keys
+  decayed to the chunk's end Kd and the chunk's summed log decay G_last, in one kernel
+  (`_split_prep_kernel`) or two (`_split_solve_kernel` writing X, `_split_wu_kernel` the
+  rest; optionally each key head's normalised keys and the decays to the chunk's end
+  instead of Kd); `_split_state_kernel` per (row, value head, Dv tile), the only serial
+  part: u = U - W S, S <- exp(G_last) S + Kd^T u (two products a chunk), writing u and
+  each chunk's starting state S_c; `_split_out_kernel` per (row, value head, chunk, Dv
+  tile) in parallel: o = exp(G) Q S_c + Aqk u. The intermediates (X, W, U, Kd, u, S_c)
+  are float32 or bfloat16 (`prefill_split_dtype`).
 
 Dispatch: `dispatch.want_pallas(supported)`: the kernels on a GPU, the references
 elsewhere; JSPEC_KERNELS=pallas forces the kernels (interpret mode off GPU). Dk and Dv that
