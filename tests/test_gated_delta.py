@@ -299,38 +299,34 @@ def test_prefill_split_form():
 
 
 def test_prefill_split_kd_transposed():
-    """The split form with the decayed keys stored transposed (`prefill_kd_transposed`: Kd^T
-    [Dk, BT] a chunk, the state kernel's update a product of untransposed operands), the
-    prep as two kernels and the state kernel's stages given: the same outputs and states as
-    the rule, at float32 and at bfloat16 products and intermediates (where it matches the
-    one-kernel untransposed form)."""
+    """The split form's options: the prep as two kernels (`prefill_prep_split`: X written,
+    then whole-chunk products), the keys stored transposed (`prefill_kd_transposed`: the
+    state kernel's update a product of untransposed operands), the state kernel on each
+    key head's normalised keys with u decayed (`prefill_raw_keys`, two value heads a key
+    head here) and its stages given: the rule's outputs and states at float32; at bfloat16
+    products and intermediates, the outputs written in bfloat16 (`out_dtype`), the
+    one-kernel untransposed form's, rounded (1 ulp apart at most)."""
     rng = np.random.RandomState(14)
     x = [jnp.asarray(a) for a in _wide(rng, 37)]
     lengths = jnp.asarray([37, 20], jnp.int32)
     want, want_last = gd.gated_delta_steps_reference(*x, lengths)
     kw = dict(interpret=True, prefill_form="split", prefill_chunk=32, prefill_block_v=16, prefill_out_block_v=16)
-    out, last = gk.gated_delta_prefill_kernel(*x, lengths, prefill_kd_transposed=True, prefill_state_stages=3,
-                                              prefill_prep_split=True, **kw)
-    np.testing.assert_allclose(np.asarray(out[0]), np.asarray(want[0]), rtol=1e-5, atol=1e-5)
-    np.testing.assert_allclose(np.asarray(out[1, :20]), np.asarray(want[1, :20]), rtol=1e-5, atol=1e-5)
-    np.testing.assert_allclose(np.asarray(last), np.asarray(want_last), rtol=1e-5, atol=1e-5)
+    for kd_t in (True, False):
+        out, last = gk.gated_delta_prefill_kernel(*x, lengths, prefill_prep_split=True, prefill_raw_keys=True,
+                                                  prefill_kd_transposed=kd_t, prefill_state_stages=3 if kd_t else 2,
+                                                  **kw)
+        np.testing.assert_allclose(np.asarray(out[0]), np.asarray(want[0]), rtol=1e-5, atol=1e-5)
+        np.testing.assert_allclose(np.asarray(out[1, :20]), np.asarray(want[1, :20]), rtol=1e-5, atol=1e-5)
+        np.testing.assert_allclose(np.asarray(last), np.asarray(want_last), rtol=1e-5, atol=1e-5)
     bf = dict(kw, prefill_precision="bf16", prefill_split_dtype="bfloat16")
-    # the outputs written in the model's bfloat16 (`out_dtype`): float32's, rounded (1 ulp apart at most);
-    # the prep as two kernels (`prefill_prep_split`: X written, then whole-chunk products)
     out_t, last_t = gk.gated_delta_prefill_kernel(*x, lengths, prefill_kd_transposed=True, out_dtype=jnp.bfloat16,
                                                   prefill_prep_split=True, **bf)
-    out_r, last_r = gk.gated_delta_prefill_kernel(*x, lengths, **bf)
+    out_r, last_r = gk.gated_delta_prefill_kernel(*x, lengths, prefill_kd_transposed=False, prefill_prep_split=False,
+                                                  **bf)
     assert out_t.dtype == jnp.bfloat16 and out_r.dtype == jnp.float32
     np.testing.assert_allclose(np.asarray(out_t[0], np.float32), np.asarray(out_r[0].astype(jnp.bfloat16), np.float32),
                                rtol=2 ** -7, atol=1e-6)
     np.testing.assert_allclose(np.asarray(last_t), np.asarray(last_r), rtol=1e-6, atol=1e-6)
-    # the key heads' normalised keys and u decayed in the state kernel (`prefill_raw_keys`): the rule's
-    for kd_t in (False, True):
-        out, last = gk.gated_delta_prefill_kernel(*x, lengths, prefill_prep_split=True, prefill_raw_keys=True,
-                                                  prefill_kd_transposed=kd_t, **kw)
-        np.testing.assert_allclose(np.asarray(out[0]), np.asarray(want[0]), rtol=1e-5, atol=1e-5)
-        np.testing.assert_allclose(np.asarray(out[1, :20]), np.asarray(want[1, :20]), rtol=1e-5, atol=1e-5)
-        np.testing.assert_allclose(np.asarray(last), np.asarray(want_last), rtol=1e-5, atol=1e-5)
 
 
 def test_entry_points_reject_bad_inputs():
