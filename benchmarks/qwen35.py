@@ -533,26 +533,35 @@ def shapes():
 
 PREFILL_T = (4096, 32768)
 # The prefill's forms the check and time sections run (`GatedDeltaTiles` fields; --forms picks):
-# the scan, the split form (the default tiles) with float32 or bfloat16 intermediates and
-# bf16x3 (the default), tf32 or one-pass bf16 products (FLA's: bf16 products and intermediates,
-# with the prep in two kernels and the state kernel's tile chosen by the grid), the same with
-# one prep kernel and tiles of 32, the float32 form with the prep in two kernels, the state
-# kernel on the key heads' raw keys, the output kernel's warps; and the scan with one-pass
-# bf16 products.
-SCAN, SPLIT = {"prefill_form": "scan"}, {"prefill_form": "split"}
+# the scan; the split form with the default tiles (for 16-bit inputs FLA's numerics, bf16
+# products and intermediates, with the prep in two kernels, the state kernel on raw keys, its
+# tile chosen by the grid, the output kernel's loop over the key dim), the same named, with the
+# decayed keys instead of raw ones, one prep kernel, and the output kernel's other tiles; the
+# split form with float32 intermediates and bf16x3 (the default for float32 inputs), tf32
+# products, bfloat16 intermediates, the prep in two kernels or the output kernel's tiles of 128;
+# and the scan with one-pass bf16 products.
+SCAN = {"prefill_form": "scan"}
 SPLIT_BF16 = {"prefill_form": "split", "prefill_precision": "bf16", "prefill_split_dtype": "bfloat16"}
+SPLIT_F32 = {"prefill_form": "split", "prefill_split_dtype": "float32"}
 PREFILL_FORMS = {
     "scan": SCAN,
     "split": {},
-    "split_bf16io": {"prefill_split_dtype": "bfloat16"},
-    "split_tf32": {"prefill_precision": "tf32"},
+    "split_f32": SPLIT_F32,
+    "split_bf16io": {**SPLIT_F32, "prefill_split_dtype": "bfloat16"},
+    "split_tf32": {**SPLIT_F32, "prefill_precision": "tf32"},
     "split_bf16": SPLIT_BF16,
     "split_bf16_prep1": {**SPLIT_BF16, "prefill_prep_split": False, "prefill_block_v": 32,
                          "prefill_kd_transposed": False},
-    "split_prep2": {"prefill_prep_split": True},
-    "split_bf16_raw": {**SPLIT_BF16, "prefill_raw_keys": True},
-    "split_bf16_ow2": {**SPLIT_BF16, "prefill_out_warps": 2},
-    "split_bf16_ow8": {**SPLIT_BF16, "prefill_out_warps": 8},
+    "split_prep2": {**SPLIT_F32, "prefill_prep_split": True},
+    "split_bf16_kd": {**SPLIT_BF16, "prefill_raw_keys": False},
+    "split_bf16_out64": {**SPLIT_BF16, "prefill_out_block_v": 64, "prefill_out_block_k": 128, "prefill_out_stages": 1},
+    "split_bf16_out64k64": {**SPLIT_BF16, "prefill_out_block_v": 64, "prefill_out_block_k": 64},
+    "split_bf16_out128w8": {**SPLIT_BF16, "prefill_out_warps": 8},
+    "split_bf16_out128k64s2": {**SPLIT_BF16, "prefill_out_block_k": 64, "prefill_out_stages": 2},
+    "split_bf16_out128k16s4": {**SPLIT_BF16, "prefill_out_block_k": 16, "prefill_out_stages": 4},
+    "split_bf16_out128k32s4": {**SPLIT_BF16, "prefill_out_block_k": 32, "prefill_out_stages": 4},
+    "split_bf16_out128k32s2": {**SPLIT_BF16, "prefill_out_block_k": 32, "prefill_out_stages": 2},
+    "split_f32_out128": {**SPLIT_F32, "prefill_out_block_v": 128, "prefill_out_block_k": 64, "prefill_out_stages": 2},
     "scan_bf16": {**SCAN, "prefill_precision": "bf16"},
 }
 
@@ -660,11 +669,11 @@ def sweep():
             v(**SCAN, chunk_prep_warps=2), v(**SCAN, prefill_chunk=32), v(**SCAN, prefill_blocked=False),
             v(**SCAN, precision="tf32")] + [
             # the split form (FLA's decomposition): float32 intermediates, bf16x3 products ...
-            v(**SPLIT), v(**SPLIT, prefill_state_stages=1), v(**SPLIT, prefill_block_v=16), v(**SPLIT, prefill_block_v=64),
-            v(**SPLIT, chunk_prep_warps=8), v(**SPLIT, prefill_out_block_v=128, prefill_out_warps=8),
-            v(**SPLIT, prefill_out_block_v=32), v(**SPLIT, prefill_precision="tf32"),
+            v(**SPLIT_F32), v(**SPLIT_F32, prefill_state_stages=1), v(**SPLIT_F32, prefill_block_v=16), v(**SPLIT_F32, prefill_block_v=64),
+            v(**SPLIT_F32, chunk_prep_warps=8), v(**SPLIT_F32, prefill_out_block_v=128, prefill_out_warps=8),
+            v(**SPLIT_F32, prefill_out_block_v=32), v(**SPLIT_F32, prefill_precision="tf32"),
             # ... bfloat16 intermediates; with one-pass bf16 products (FLA's precision) and its tiles
-            v(**SPLIT, prefill_split_dtype="bfloat16"), v(**SPLIT_BF16), v(**SPLIT_BF16, prefill_state_stages=3),
+            v(**SPLIT_F32, prefill_split_dtype="bfloat16"), v(**SPLIT_BF16), v(**SPLIT_BF16, prefill_state_stages=3),
             v(**SPLIT_BF16, prefill_block_v=16), v(**SPLIT_BF16, prefill_block_v=64),
             v(**SPLIT_BF16, prefill_warps=2), v(**SPLIT_BF16, chunk_prep_warps=2), v(**SPLIT_BF16, chunk_prep_warps=8),
             v(**SPLIT_BF16, prefill_out_block_v=128, prefill_out_warps=8), v(**SPLIT_BF16, prefill_out_block_v=32),

@@ -40,20 +40,21 @@ Entry points (inputs q, k [B, T, Hk, Dk] of any float dtype, v [B, T, Hv, Dv], g
   chunk): W = X diag(beta exp(G)) K, U = X diag(beta) V (X = (I + L)^-1), the keys
   decayed to the chunk's end Kd and the chunk's summed log decay G_last, in one kernel
   (`_split_prep_kernel`) or two (`_split_solve_kernel` writing X, `_split_wu_kernel` the
-  rest; optionally each key head's normalised keys and the decays to the chunk's end
-  instead of Kd); `_split_state_kernel` per (row, value head, Dv tile), the only serial
-  part: u = U - W S, S <- exp(G_last) S + Kd^T u (two products a chunk), writing u and
-  each chunk's starting state S_c; `_split_out_kernel` per (row, value head, chunk, Dv
-  tile) in parallel: o = exp(G) Q S_c + Aqk u. The intermediates (X, W, U, Kd, u, S_c)
-  are float32 or bfloat16 (`prefill_split_dtype`).
+  rest; by default with it each key head's normalised keys and the decays to the chunk's
+  end instead of Kd); `_split_state_kernel` per (row, value head, Dv tile), the only
+  serial part: u = U - W S, S <- exp(G_last) S + Kd^T u (two products a chunk), writing u
+  and each chunk's starting state S_c; `_split_out_kernel` per (row, value head, chunk, Dv
+  tile) in parallel, looping over the key dim: o = exp(G) Q S_c + Aqk u. The
+  intermediates (X, W, U, Kd, u, S_c) are float32 or bfloat16 (`prefill_split_dtype`;
+  by default bfloat16, with one-pass bf16 products, FLA's numerics, for 16-bit inputs).
 
 Dispatch: `dispatch.want_pallas(supported)`: the kernels on a GPU, the references
 elsewhere; JSPEC_KERNELS=pallas forces the kernels (interpret mode off GPU). Dk and Dv that
 are not powers of two >= 16 are zero-padded (a copy; the models' 128 need none). Matrix
 products in the kernels take `GatedDeltaTiles.precision` (default bf16x3: each float32
 operand as a sum of two bf16 numbers, three bf16 products accumulated in float32; relative
-errors about 6e-6 on the GPU, see `GatedDeltaTiles`; the prefill's `prefill_precision`
-when set); elementwise work and accumulation are float32 throughout. Interpret mode
+errors about 6e-6 on the GPU, see `GatedDeltaTiles`; the prefill's `prefill_precision`,
+by default one bf16 pass over bfloat16 intermediates); elementwise work and accumulation are float32 throughout. Interpret mode
 computes the products in float32, except "bf16" (operands rounded to bfloat16, one
 product: FLA's), which it rounds as the GPU does. Tiles are `GatedDeltaTiles` (`tiles=`).
 """
@@ -76,7 +77,8 @@ from jspec.kernels.tiling import KERNEL_DTYPES, is_pow2, pow2_ceil
 class GatedDeltaTiles:
     """Tiles of the gated delta kernels (`Tuning.gated_delta`; part of a compile key: frozen, hashable). The
     defaults are the fastest of `benchmarks/qwen35.py gated_delta`'s sweep on an H200 (jax 0.11.2,
-    2026-11-26; docs/benchmarks.md) among the variants within 2e-5 of the reference.
+    2026-11-26; docs/benchmarks.md) among the variants within 2e-5 of the reference, except
+    the prefill of 16-bit inputs, which takes FLA's numerics (errors about 3e-3, as FLA's).
 
     *_block_v: Dv columns per program (powers of two; verify and prefill >= 16, Triton's
     smallest product); *_warps, *_stages: Triton's num_warps and num_stages (stages > 1
@@ -104,9 +106,11 @@ class GatedDeltaTiles:
     prefill_warps, then a parallel output kernel on Dv tiles of prefill_out_block_v with
     prefill_out_warps; the one-kernel prep takes chunk_prep_warps and prefill_blocked);
     prefill_split_dtype: the split form's intermediates in HBM ("float32" or "bfloat16":
-    half the bytes, errors about 2e-3). The split form's other settings, None: chosen by
+    half the bytes, errors about 3e-3; None: "bfloat16" for 16-bit q, k and v, FLA's
+    numerics, else "float32"). The split form's other settings, None: chosen by
     `_split_choices` from the intermediates' dtype and the grid, as measured on an H200
-    (docs/benchmarks.md, "The prep in two kernels"): prefill_prep_split: the prep as FLA's
+    (docs/benchmarks.md, "The prep in two kernels", "The output kernel's loop over the
+    key dim"): prefill_prep_split: the prep as FLA's
     two kernels, `_split_solve_kernel` writing X = (I + L)^-1 [BT, BT] a chunk on
     prefill_solve_warps (1: at FLA's precision, T = 32k, Hv = 48, the solve took 406 us on
     one warp, 618 on 2, 1090 on 4) and `_split_wu_kernel` computing W, U and Kd from it in
@@ -122,11 +126,16 @@ class GatedDeltaTiles:
     programs fit the SMs at bfloat16 intermediates: at Hv = 32, T = 4k, 134 -> 89 us);
     prefill_raw_keys: with the prep in two kernels, the state kernel reads each key head's
     normalised keys and decays u to the chunk's end, FLA's form, instead of a value head's
-    decayed keys Kd (a third of the bytes at Hv = 3 Hk: on an H200 at FLA's precision the
-    prefill 2-8% faster, 0.97-1.02x FLA's time; off by default until its check on a GPU
-    has run: tested in interpret mode only, docs/benchmarks.md, "The state kernel on raw
-    keys");
-    prefill_precision: the prefill's products (None: precision)."""
+    decayed keys Kd (a third of the bytes at Hv = 3 Hk; None: with the prep in two
+    kernels, where on an H200 at FLA's precision the prefill was 2-8% faster, its errors
+    FLA's, docs/benchmarks.md, "The state kernel on raw keys"); the output kernel:
+    prefill_out_block_v Dv columns a program, a loop over the key dim in blocks of
+    prefill_out_block_k (None: whole) with prefill_out_stages pipeline stages (None: 128
+    columns, key blocks of 64, 2 stages with bfloat16 intermediates, the output kernel
+    829 -> 729 us at 32k, Hv = 48; 64 columns, whole, 1 stage with float32 ones, where 128
+    columns lost 10%);
+    prefill_precision: the prefill's products (None: "bf16", FLA's, over the split form's
+    bfloat16 intermediates, else precision)."""
     step_block_v: int = 64
     step_warps: int = 4
     step_stages: int = 1
@@ -144,15 +153,17 @@ class GatedDeltaTiles:
     prefill_w: bool = False
     chunk_prep_warps: int = 4
     prefill_form: str = "split"
-    prefill_split_dtype: str = "float32"
+    prefill_split_dtype: str | None = None
     prefill_state_stages: int | None = None
     prefill_kd_transposed: bool | None = None
     prefill_prep_split: bool | None = None
     prefill_solve_warps: int = 1
-    prefill_raw_keys: bool = False
+    prefill_raw_keys: bool | None = None
     prefill_wu_warps: int = 8
-    prefill_out_block_v: int = 64
+    prefill_out_block_v: int | None = None
     prefill_out_warps: int = 4
+    prefill_out_block_k: int | None = None
+    prefill_out_stages: int | None = None
     prefill_precision: str | None = None
     precision: str = "bf16x3"
 
@@ -596,9 +607,12 @@ def _split_state_kernel(gl_ref, *refs, chunks: int, block_v: int, prec, kd_t: bo
 
 
 def _split_out_kernel(len_ref, q_ref, k_ref, g_ref, sc_ref, vn_ref, o_ref, *, chunk: int, rep: int, block_v: int,
-                      scale: float, prec):
+                      block_k: int, scale: float, prec):
     """One (row b, value head h, chunk c, Dv tile j): o = exp(G) Q S_c + Aqk u, with Aqk[t, a]
-    = exp(G_t - G_a) q_t.k_a (a <= t) computed here.
+    = exp(G_t - G_a) q_t.k_a (a <= t) computed here. A loop over the key dim in blocks of
+    block_k sums the raw rows' products Q K^T and Q S_c and their squared norms; the norms
+    divide the sums after it (qn.kn = q.k / (|q| |k|)), so that no whole [BT, Dk] row
+    block is held and the next block's loads can be pipelined.
 
     len_ref [B] int32; q_ref, k_ref [B, T, Hk, Dk]; g_ref [B, T, Hv] float32; sc_ref [B, Hv,
     NT, Dk, Dv], vn_ref [B, Hv, NT, BT, Dv] (`_split_state_kernel`); o_ref [B, T, Hv, Dv]
@@ -606,13 +620,25 @@ def _split_out_kernel(len_ref, q_ref, k_ref, g_ref, sc_ref, vn_ref, o_ref, *, ch
     b, h, c, j = pl.program_id(0), pl.program_id(1), pl.program_id(2), pl.program_id(3)
     hk, t0, cols = h // rep, c * chunk, pl.ds(j * block_v, block_v)
     valid, g = _chunk_gates(len_ref, g_ref, b, h, t0, chunk)
-    qn = _rownorm(q_ref[b, pl.ds(t0, chunk), hk, :].astype(jnp.float32)) * scale  # [BT, Dk]
-    kn = jnp.where(valid[:, None], _rownorm(k_ref[b, pl.ds(t0, chunk), hk, :].astype(jnp.float32)), 0.0)
+    tokens = pl.ds(t0, chunk)
+
+    def one_block(i, sums):  # qk [BT, BT], qs [BT, BV], q2, k2 [BT]: the sums over the key blocks before i
+        qk, qs, q2, k2 = sums
+        keys = pl.ds(pl.multiple_of(i * block_k, block_k), block_k)
+        qb = q_ref[b, tokens, hk, keys].astype(jnp.float32)  # [BT, BK]
+        kb = jnp.where(valid[:, None], k_ref[b, tokens, hk, keys].astype(jnp.float32), 0.0)
+        return (qk + _dot(qb, kb, prec, tb=True), qs + _dot(qb, sc_ref[b, h, c, keys, cols], prec),
+                q2 + jnp.sum(qb * qb, axis=1), k2 + jnp.sum(kb * kb, axis=1))
+
+    zeros = jnp.zeros((chunk,), jnp.float32)
+    sums = (jnp.zeros((chunk, chunk), jnp.float32), jnp.zeros((chunk, block_v), jnp.float32), zeros, zeros)
+    qk, qs, q2, k2 = lax.fori_loop(0, q_ref.shape[-1] // block_k, one_block, sums)
+    rq, rk = lax.rsqrt(q2 + _EPS) * scale, lax.rsqrt(k2 + _EPS)  # [BT] each: 1 / |row| (`_rownorm`)
     G = jnp.cumsum(g)  # [BT]
     r, col = _grid2(chunk)
-    aqk = jnp.where(r >= col, jnp.exp(jnp.minimum(G[:, None] - G[None, :], 0.0)), 0.0) * _dot(qn, kn, prec, tb=True)
-    o = jnp.exp(G)[:, None] * _dot(qn, sc_ref[b, h, c, :, cols], prec) + _dot(aqk, vn_ref[b, h, c, :, cols], prec)
-    o_ref[b, pl.ds(t0, chunk), h, cols] = o.astype(o_ref.dtype)
+    aqk = jnp.where(r >= col, jnp.exp(jnp.minimum(G[:, None] - G[None, :], 0.0)), 0.0) * (qk * rq[:, None] * rk[None, :])
+    o = (jnp.exp(G) * rq)[:, None] * qs + _dot(aqk, vn_ref[b, h, c, :, cols], prec)
+    o_ref[b, tokens, h, cols] = o.astype(o_ref.dtype)
 
 
 # --------------------------------------------------------------------------- wrappers
@@ -798,7 +824,7 @@ def gated_delta_prefill_kernel(q, k, v, g, beta, state, lengths=None, *, tiles: 
     Hv = v.shape[2]
     lengths = jnp.full((B,), T, jnp.int32) if lengths is None else lengths
     _check_rows("gated_delta_prefill", "lengths", lengths, B, None)
-    t = _tiles(tiles, overrides)
+    t = _prefill_numerics(_tiles(tiles, overrides), q, k, v)
     BT = t.prefill_chunk
     if BT not in (16, 32, 64):
         raise ValueError(f"prefill_chunk must be 16, 32 or 64, got {BT!r}")
@@ -807,7 +833,7 @@ def gated_delta_prefill_kernel(q, k, v, g, beta, state, lengths=None, *, tiles: 
     if t.prefill_split_dtype not in SPLIT_DTYPES:
         raise ValueError(f"prefill_split_dtype must be one of {tuple(SPLIT_DTYPES)}, got {t.prefill_split_dtype!r}")
     interpret = _interpret(interpret)
-    prec = _dot_precision(t.precision if t.prefill_precision is None else t.prefill_precision, interpret)
+    prec = _dot_precision(t.prefill_precision, interpret)
     q, k, v, state, Dv0 = _pad_heads(q, k, v, state)
     Dv = v.shape[-1]
     NT = pl.cdiv(T, BT)
@@ -840,22 +866,45 @@ def gated_delta_prefill_kernel(q, k, v, g, beta, state, lengths=None, *, tiles: 
     return out[:, :T, :, :Dv0].astype(out_dtype), last[:, :, :Dk, :Dv0]
 
 
-def _split_choices(t: GatedDeltaTiles, dt, B: int, Hv: int, Dv: int):
-    """The split form's settings that t leaves None -> (prep_split, kd_transposed, the state
-    kernel's Dv tile, its stages). With bfloat16 intermediates: the prep as two kernels;
-    Dv tiles of 64 over Kd^T where tiles of 32 would give more programs than the GPU has
-    SMs (Hv = 48 at B = 1), else 32; 3 stages where the state kernel's programs fit the SMs.
-    With float32 ones: one prep kernel, tiles of 32, 2 stages (each measured the faster
-    there on an H200, docs/benchmarks.md, "The prep in two kernels")."""
-    bf16 = dt == jnp.bfloat16
+def _prefill_numerics(t: GatedDeltaTiles, q, k, v) -> GatedDeltaTiles:
+    """t with prefill_split_dtype and prefill_precision filled in where None: FLA's numerics
+    (bfloat16 intermediates, one-pass bf16 products) for 16-bit q, k and v, float32
+    intermediates for wider ones; the products one bf16 pass over the split form's
+    bfloat16 intermediates, else t.precision."""
+    half = max(x.dtype.itemsize for x in (q, k, v)) <= 2
+    split_dtype = t.prefill_split_dtype or ("bfloat16" if half else "float32")
+    fla = t.prefill_form == "split" and split_dtype == "bfloat16"
+    precision = t.prefill_precision or ("bf16" if fla else t.precision)
+    return dataclasses.replace(t, prefill_split_dtype=split_dtype, prefill_precision=precision)
+
+
+def _split_choices(t: GatedDeltaTiles, B: int, Hv: int, Dk: int, Dv: int) -> GatedDeltaTiles:
+    """t (numerics filled in, `_prefill_numerics`) with the split form's settings that it
+    leaves None filled in, for B rows of Hv value heads. With bfloat16 intermediates: the
+    prep as two kernels, the state kernel on raw keys; Dv tiles of 64 over Kd^T where tiles
+    of 32 would give more programs than the GPU has SMs (Hv = 48 at B = 1), else 32; 3
+    stages where the state kernel's programs fit the SMs; the output kernel on 128 Dv
+    columns, key blocks of 64, 2 stages. With float32 ones: one prep kernel, tiles of 32,
+    2 stages; the output kernel on 64 columns, whole key rows, 1 stage (each measured the
+    faster there on an H200, docs/benchmarks.md, "The prep in two kernels", "The output
+    kernel's loop over the key dim")."""
+    bf16 = t.prefill_split_dtype == "bfloat16"
     wide = bf16 and B * Hv * max(Dv // 32, 1) > _sm_count()
     prep_split = bf16 if t.prefill_prep_split is None else t.prefill_prep_split
-    kd_t = wide if t.prefill_kd_transposed is None else t.prefill_kd_transposed
     BV = _block_v(t.prefill_block_v or (64 if wide else 32), Dv, 16)
     stages = t.prefill_state_stages
     if stages is None:
         stages = 3 if bf16 and B * Hv * (Dv // BV) <= _sm_count() else 2
-    return prep_split, kd_t, BV, stages
+    def pick(value, when_bf16, otherwise):
+        return (when_bf16 if bf16 else otherwise) if value is None else value
+
+    return dataclasses.replace(
+        t, prefill_prep_split=prep_split, prefill_kd_transposed=pick(t.prefill_kd_transposed, wide, False),
+        prefill_block_v=BV, prefill_state_stages=stages,
+        prefill_raw_keys=prep_split and t.prefill_raw_keys is not False,
+        prefill_out_block_v=_block_v(pick(t.prefill_out_block_v, 128, 64), Dv, 16),
+        prefill_out_block_k=_block_v(pick(t.prefill_out_block_k, 32, Dk), Dk, 16),
+        prefill_out_stages=pick(t.prefill_out_stages, 3, 1))
 
 
 def _prefill_split(lengths, q, k, v, g, beta, state, t: GatedDeltaTiles, *, rep: int, scale: float, prec,
@@ -874,8 +923,8 @@ def _prefill_split(lengths, q, k, v, g, beta, state, t: GatedDeltaTiles, *, rep:
     def per_chunk(d):  # [B, Hv, NT, BT, d] in the intermediates' dtype
         return jax.ShapeDtypeStruct((B, Hv, NT, BT, d), dt)
 
-    prep_split, kd_t, BV, stages = _split_choices(t, dt, B, Hv, Dv)
-    raw_keys = prep_split and t.prefill_raw_keys
+    t = _split_choices(t, B, Hv, Dk, Dv)
+    prep_split, kd_t, BV, raw_keys = t.prefill_prep_split, t.prefill_kd_transposed, t.prefill_block_v, t.prefill_raw_keys
     bc = _BC if t.prefill_blocked else BT
     Hkd = Hv // rep if raw_keys else Hv  # Kd a value head's, or the normalised keys a key head's
     kd_shape = jax.ShapeDtypeStruct((B, Hkd, NT, Dk, BT) if kd_t else (B, Hkd, NT, BT, Dk), dt)
@@ -906,14 +955,14 @@ def _prefill_split(lengths, q, k, v, g, beta, state, t: GatedDeltaTiles, *, rep:
         out_shape=(per_chunk(Dv), jax.ShapeDtypeStruct((B, Hv, NT, Dk, Dv), dt),
                    jax.ShapeDtypeStruct(state.shape, jnp.float32)),
         input_output_aliases={2 + len(dec): 0, 4 + len(dec): 2}, interpret=interpret,
-        compiler_params=_compiler_params(interpret, t.prefill_warps, stages),
+        compiler_params=_compiler_params(interpret, t.prefill_warps, t.prefill_state_stages),
         name="jspec_gated_delta_split_state",
     )(gl, *dec, w, u, kd, state)
-    BVo = _block_v(t.prefill_out_block_v, Dv, 16)
+    BVo, BKo = t.prefill_out_block_v, t.prefill_out_block_k
     out = pl.pallas_call(
-        functools.partial(_split_out_kernel, chunk=BT, rep=rep, block_v=BVo, scale=scale, prec=prec),
+        functools.partial(_split_out_kernel, chunk=BT, rep=rep, block_v=BVo, block_k=BKo, scale=scale, prec=prec),
         grid=(B, Hv, NT, Dv // BVo), out_shape=jax.ShapeDtypeStruct((B, Tp, Hv, Dv), out_dtype),
-        interpret=interpret, compiler_params=_compiler_params(interpret, t.prefill_out_warps),
+        interpret=interpret, compiler_params=_compiler_params(interpret, t.prefill_out_warps, t.prefill_out_stages),
         name="jspec_gated_delta_split_out",
     )(lengths, q, k, g, sc, vn)
     return out, last
