@@ -54,9 +54,10 @@ are not powers of two >= 16 are zero-padded (a copy; the models' 128 need none).
 products in the kernels take `GatedDeltaTiles.precision` (default bf16x3: each float32
 operand as a sum of two bf16 numbers, three bf16 products accumulated in float32; relative
 errors about 6e-6 on the GPU, see `GatedDeltaTiles`; the prefill's `prefill_precision`,
-by default one bf16 pass over bfloat16 intermediates); elementwise work and accumulation are float32 throughout. Interpret mode
-computes the products in float32, except "bf16" (operands rounded to bfloat16, one
-product: FLA's), which it rounds as the GPU does. Tiles are `GatedDeltaTiles` (`tiles=`).
+by default one bf16 pass over bfloat16 intermediates); elementwise work and accumulation
+are float32 throughout. Interpret mode computes the products in float32, except "bf16"
+(operands rounded to bfloat16, one product: FLA's), which it rounds as the GPU does.
+Tiles are `GatedDeltaTiles` (`tiles=`).
 """
 from __future__ import annotations
 
@@ -130,9 +131,9 @@ class GatedDeltaTiles:
     kernels, where on an H200 at FLA's precision the prefill was 2-8% faster, its errors
     FLA's, docs/benchmarks.md, "The state kernel on raw keys"); the output kernel:
     prefill_out_block_v Dv columns a program, a loop over the key dim in blocks of
-    prefill_out_block_k (None: whole) with prefill_out_stages pipeline stages (None: 128
-    columns, key blocks of 64, 2 stages with bfloat16 intermediates, the output kernel
-    829 -> 729 us at 32k, Hv = 48; 64 columns, whole, 1 stage with float32 ones, where 128
+    prefill_out_block_k with prefill_out_stages pipeline stages (None: 128 columns, key
+    blocks of 32, 3 stages with bfloat16 intermediates, the output kernel 949 -> 657 us at
+    32k, Hv = 48; 64 columns, the whole key dim, 1 stage with float32 ones, where 128
     columns lost 10%);
     prefill_precision: the prefill's products (None: "bf16", FLA's, over the split form's
     bfloat16 intermediates, else precision)."""
@@ -636,7 +637,8 @@ def _split_out_kernel(len_ref, q_ref, k_ref, g_ref, sc_ref, vn_ref, o_ref, *, ch
     rq, rk = lax.rsqrt(q2 + _EPS) * scale, lax.rsqrt(k2 + _EPS)  # [BT] each: 1 / |row| (`_rownorm`)
     G = jnp.cumsum(g)  # [BT]
     r, col = _grid2(chunk)
-    aqk = jnp.where(r >= col, jnp.exp(jnp.minimum(G[:, None] - G[None, :], 0.0)), 0.0) * (qk * rq[:, None] * rk[None, :])
+    decay = jnp.where(r >= col, jnp.exp(jnp.minimum(G[:, None] - G[None, :], 0.0)), 0.0)  # [BT, BT]
+    aqk = decay * (qk * rq[:, None] * rk[None, :])
     o = (jnp.exp(G) * rq)[:, None] * qs + _dot(aqk, vn_ref[b, h, c, :, cols], prec)
     o_ref[b, tokens, h, cols] = o.astype(o_ref.dtype)
 
@@ -884,7 +886,7 @@ def _split_choices(t: GatedDeltaTiles, B: int, Hv: int, Dk: int, Dv: int) -> Gat
     prep as two kernels, the state kernel on raw keys; Dv tiles of 64 over Kd^T where tiles
     of 32 would give more programs than the GPU has SMs (Hv = 48 at B = 1), else 32; 3
     stages where the state kernel's programs fit the SMs; the output kernel on 128 Dv
-    columns, key blocks of 64, 2 stages. With float32 ones: one prep kernel, tiles of 32,
+    columns, key blocks of 32, 3 stages. With float32 ones: one prep kernel, tiles of 32,
     2 stages; the output kernel on 64 columns, whole key rows, 1 stage (each measured the
     faster there on an H200, docs/benchmarks.md, "The prep in two kernels", "The output
     kernel's loop over the key dim")."""
@@ -924,7 +926,8 @@ def _prefill_split(lengths, q, k, v, g, beta, state, t: GatedDeltaTiles, *, rep:
         return jax.ShapeDtypeStruct((B, Hv, NT, BT, d), dt)
 
     t = _split_choices(t, B, Hv, Dk, Dv)
-    prep_split, kd_t, BV, raw_keys = t.prefill_prep_split, t.prefill_kd_transposed, t.prefill_block_v, t.prefill_raw_keys
+    prep_split, kd_t, raw_keys = t.prefill_prep_split, t.prefill_kd_transposed, t.prefill_raw_keys
+    BV = t.prefill_block_v
     bc = _BC if t.prefill_blocked else BT
     Hkd = Hv // rep if raw_keys else Hv  # Kd a value head's, or the normalised keys a key head's
     kd_shape = jax.ShapeDtypeStruct((B, Hkd, NT, Dk, BT) if kd_t else (B, Hkd, NT, BT, Dk), dt)
