@@ -59,25 +59,25 @@ V32_TINY = V32_LAYER.replace(  # a tiny V3.2 in float32 (CPU runs)
     qk_nope_head_dim=16, qk_rope_head_dim=16, v_head_dim=16, moe_intermediate_size=32, n_routed_experts=8,
     num_experts_per_tok=2, n_group=2, topk_group=1, index_topk=64, index_head_dim=16, index_n_heads=8, dtype="float32")
 
-def _hybrid_types(n: int) -> tuple[str, ...]:
+def hybrid_types(n: int) -> tuple[str, ...]:
     return tuple("full_attention" if (i + 1) % 4 == 0 else "linear_attention" for i in range(n))
 
 
 # Qwen/Qwen3.5-27B and Qwen3.5-35B-A3B's text models (their config.json's text_config)
 QWEN35_27B = HybridConfig(
-    vocab_size=248320, hidden_size=5120, num_layers=64, layer_types=_hybrid_types(64), num_heads=24, num_kv_heads=4,
+    vocab_size=248320, hidden_size=5120, num_layers=64, layer_types=hybrid_types(64), num_heads=24, num_kv_heads=4,
     head_dim=256, rotary_dim=64, linear_num_key_heads=16, linear_num_value_heads=48, linear_key_head_dim=128,
     linear_value_head_dim=128, intermediate_size=17408, rope=RopeConfig(10000000.0), max_position_embeddings=262144,
     dtype="bfloat16", variant="qwen3_5", architecture="Qwen3_5ForConditionalGeneration", mtp_num_layers=1)
 QWEN35_35B_A3B = dataclasses.replace(
-    QWEN35_27B, hidden_size=2048, num_layers=40, layer_types=_hybrid_types(40), num_heads=16, num_kv_heads=2,
+    QWEN35_27B, hidden_size=2048, num_layers=40, layer_types=hybrid_types(40), num_heads=16, num_kv_heads=2,
     linear_num_value_heads=32, intermediate_size=0, num_experts=256, num_experts_per_tok=8, moe_intermediate_size=512,
     shared_expert_intermediate_size=512, variant="qwen3_5_moe", architecture="Qwen3_5MoeForConditionalGeneration")
 # Qwen3.5-122B-A10B's text model: 48 layers of width 3072, 32 heads (2 KV heads of 256), 256
 # experts of 1024 (8 a token) and a shared expert of 1024 in every layer; its linear layers
 # as the family's larger models have them (16 key and 64 value heads of 128)
 QWEN35_122B_A10B = dataclasses.replace(
-    QWEN35_35B_A3B, hidden_size=3072, num_layers=48, layer_types=_hybrid_types(48), num_heads=32, num_kv_heads=2,
+    QWEN35_35B_A3B, hidden_size=3072, num_layers=48, layer_types=hybrid_types(48), num_heads=32, num_kv_heads=2,
     linear_num_value_heads=64, moe_intermediate_size=1024, shared_expert_intermediate_size=1024)
 
 CTX, SHORT, LONG = 1024, 16, 144  # prompt tokens; the two run lengths whose difference gives a step

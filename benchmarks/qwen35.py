@@ -85,8 +85,8 @@ import numpy as np
 
 import jspec
 from benchmarks.common import (CTX, QWEN35_122B_A10B, QWEN35_27B, QWEN35_35B_A3B, Runner, ceiling_of, copy_bandwidth, env_info,
-                               median_time, prefill_bench, program_temp_GB, prompts, random_copies_split, random_params, rounded,
-                               save_json, trace_events, traced, transformers_prefill_bench)
+                               hybrid_types, median_time, prefill_bench, program_temp_GB, prompts, random_copies_split,
+                               random_params, rounded, save_json, trace_events, traced, transformers_prefill_bench)
 from jspec.cache.layout import CacheLayout
 from jspec.kernels.attention.decode import AttentionTiles
 from jspec.drafts.qwen_mtp import QwenMtpDraft, layer_config
@@ -159,8 +159,7 @@ def small_model(moe: bool = False):
     """(target, target with a random MTP layer): a small random float32 Qwen3.5 (8 layers of
     256; moe: Qwen3.5-MoE with 16 experts of 64, 4 a token, and a shared one), weights
     scaled up so that its greedy choices are not near ties."""
-    from benchmarks.common import _hybrid_types
-    small = dict(vocab_size=4096, hidden_size=256, num_layers=8, layer_types=_hybrid_types(8), num_heads=4,
+    small = dict(vocab_size=4096, hidden_size=256, num_layers=8, layer_types=hybrid_types(8), num_heads=4,
                  num_kv_heads=2, head_dim=64, rotary_dim=16, linear_num_key_heads=2, linear_num_value_heads=4,
                  linear_key_head_dim=64, linear_value_head_dim=64, dtype="float32")
     if moe:
@@ -271,8 +270,7 @@ def split_main(argv):
         del target, with_mtp
         jspec.clear_caches()
     if "decode" in args.parts:
-        from benchmarks.common import _hybrid_types
-        c = QWEN35_122B_A10B.replace(num_layers=args.layers, layer_types=_hybrid_types(args.layers))
+        c = QWEN35_122B_A10B.replace(num_layers=args.layers, layer_types=hybrid_types(args.layers))
 
         given = {k: v for k, v in (("prefill_block", args.prefill_block), ("max_batched_tokens", args.max_batched_tokens))
                  if v is not None}
@@ -315,13 +313,12 @@ def fp8_main(argv):
     --batches (context 1k) with those weights and with them rounded to FP8 in device
     memory (`quantization.quantize_params`: every projection, the embedding and LM head
     left bf16), in one process: ms/step and the FP8 / bf16 ratio."""
-    from benchmarks.common import _hybrid_types
     from jspec.quantization import quantize_params
     ap = argparse.ArgumentParser(prog="qwen35.py fp8")
     ap.add_argument("--layers", type=int, default=16)
     ap.add_argument("--batches", default="1,32")
     args = ap.parse_args(argv)
-    c = QWEN35_27B.replace(num_layers=args.layers, layer_types=_hybrid_types(args.layers))
+    c = QWEN35_27B.replace(num_layers=args.layers, layer_types=hybrid_types(args.layers))
     res = {"env": env_info(), "layers": args.layers}
     name = f"qwen35_27b_fp8_L{args.layers}.json"
     bf16 = random_params(c)

@@ -120,7 +120,7 @@ def _compilation_cache_arg(ap: argparse.ArgumentParser):
                          "else ~/.cache/jspec/xla; 'none': off)")
 
 
-def _compilation_cache(where: str | None) -> str | None:
+def compilation_cache(where: str | None) -> str | None:
     """Turns JAX's persistent compilation cache on at `where` (None: $JAX_COMPILATION_CACHE_DIR,
     which JAX reads itself, else ~/.cache/jspec/xla; "none": off) -> the directory."""
     import jax
@@ -363,7 +363,7 @@ def _bench_parser() -> _Parser:
     return ap
 
 
-def _bench_serve_parser() -> _Parser:
+def bench_serve_parser() -> _Parser:
     ap = _Parser(prog=f"{PROG} bench serve",
                  description="A serving load test: Poisson arrivals at each rate through a continuous-batching "
                              "engine, plain decoding and each speculative setting on the same arrivals; "
@@ -410,9 +410,9 @@ def _bench_header(args, params, draft, detail: str) -> str:
 def _bench_serve(argv) -> int:
     from jspec.serve.load import format_load_table, run_serve_bench
 
-    ap = _bench_serve_parser()
+    ap = bench_serve_parser()
     args, params, draft, prompts = _bench_inputs(ap, argv, "bench serve")
-    _compilation_cache(args.compilation_cache)
+    compilation_cache(args.compilation_cache)
     from jspec.serve.tiers import Adaptive, default_tiers
 
     specs = args.spec or [Adaptive(), *[t for t in default_tiers(SpecConfig(3)) if t is not None]]
@@ -451,7 +451,7 @@ def _bench(argv) -> int:
                                                     f"median of {args.repeats} timed passes"))
 
 
-def _serve_parser() -> _Parser:
+def serve_parser() -> _Parser:
     ap = _Parser(prog=f"{PROG} serve", description="Serves the model over an OpenAI-compatible HTTP API "
                                                    "(/v1/completions, /v1/chat/completions, /v1/models, /health, "
                                                    "/metrics) until SIGINT or SIGTERM. Every program it can run is "
@@ -530,7 +530,7 @@ def _serve(argv) -> int:
     import logging
     import time
 
-    ap = _serve_parser()
+    ap = serve_parser()
     args = ap.parse_args(argv)
     try:
         import uvicorn
@@ -543,7 +543,7 @@ def _serve(argv) -> int:
     from jspec.serve.server import build_app
 
     template = _chat_template(ap, args.chat_template)
-    cache_dir = _compilation_cache(args.compilation_cache)
+    cache_dir = compilation_cache(args.compilation_cache)
     params, _ = _load(ap, args)
     context = getattr(params.config, "max_position_embeddings", None) or 4096
     max_len = args.max_len or context

@@ -178,15 +178,15 @@ def test_compilation_cache_directory(monkeypatch, tmp_path):
     """`--compilation-cache`: a directory turns JAX's persistent cache on there; without the
     flag $JAX_COMPILATION_CACHE_DIR (which JAX reads itself) or ~/.cache/jspec/xla; 'none'
     leaves it off."""
-    from jspec.__main__ import _compilation_cache
+    from jspec.__main__ import compilation_cache
     set_to = []
     monkeypatch.setattr(jax.config, "update", lambda name, value: set_to.append((name, value)))
-    assert _compilation_cache(str(tmp_path)) == str(tmp_path)
-    assert _compilation_cache("none") is None
+    assert compilation_cache(str(tmp_path)) == str(tmp_path)
+    assert compilation_cache("none") is None
     monkeypatch.setenv("JAX_COMPILATION_CACHE_DIR", "/somewhere")
-    assert _compilation_cache(None) == "/somewhere"
+    assert compilation_cache(None) == "/somewhere"
     monkeypatch.delenv("JAX_COMPILATION_CACHE_DIR")
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
-    assert _compilation_cache(None) == str(tmp_path / "xdg" / "jspec" / "xla")
+    assert compilation_cache(None) == str(tmp_path / "xdg" / "jspec" / "xla")
     assert set_to == [("jax_compilation_cache_dir", str(tmp_path)),
                       ("jax_compilation_cache_dir", str(tmp_path / "xdg" / "jspec" / "xla"))]

@@ -136,7 +136,7 @@ def test_moe_reads_only_routed_experts(models):
     assert 0 < len(unused) < p.config.n_routed_experts
 
 
-def _standalone_draft(path: str, target, seed: int = 3):
+def standalone_draft(path: str, target, seed: int = 3):
     cfg = ModelConfig(vocab_size=target.config.vocab_size, hidden_size=32, intermediate_size=64, num_layers=2,
                       num_heads=2, num_kv_heads=1, head_dim=16)
     d = StandaloneDraft(cfg)
@@ -149,7 +149,7 @@ def _standalone_draft(path: str, target, seed: int = 3):
 def with_draft(models, tmp_path_factory):
     path = models["v3"][0]
     target = jspec.load(path, dtype="float32")
-    return jspec.load(path, draft=_standalone_draft(str(tmp_path_factory.mktemp("ds_draft")), target), dtype="float32")
+    return jspec.load(path, draft=standalone_draft(str(tmp_path_factory.mktemp("ds_draft")), target), dtype="float32")
 
 
 def hf_greedy_tokens(model, prompt, n, cached: bool = True):

@@ -454,9 +454,9 @@ def test_serve_load_benchmark(with_draft):
 
 
 def test_bench_serve_cli_errors(capsys):
-    from jspec.__main__ import _bench_serve_parser, _serve_parser, main
-    assert isinstance(_serve_parser().parse_args(["--spec", "adaptive"]).spec, jspec.Adaptive)
-    assert _bench_serve_parser().parse_args(["--spec", "adaptive", "3,1,4"]).spec == [jspec.Adaptive(),
+    from jspec.__main__ import bench_serve_parser, serve_parser, main
+    assert isinstance(serve_parser().parse_args(["--spec", "adaptive"]).spec, jspec.Adaptive)
+    assert bench_serve_parser().parse_args(["--spec", "adaptive", "3,1,4"]).spec == [jspec.Adaptive(),
                                                                                       jspec.SpecConfig(3)]
     for argv, match in [(["bench", "serve", "--rates", "0"], "must be a rate > 0"),
                         (["bench", "serve", "--draft", "none"], "compares speculative decoding"),

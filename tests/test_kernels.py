@@ -71,7 +71,7 @@ def make_case(seed, *, B=3, T=4, Tl=None, Hkv=2, Gq=2, Dh=16, S=64, page_size=0,
     return cast(q), cast(k), cast(v), meta
 
 
-def _fast_jit(fn, *args, **static):
+def fast_jit(fn, *args, **static):
     """jit + run with XLA's backend optimisations off: interpret-mode kernels compile in
     half the time, which is what these tests spend most of theirs on."""
     f = jax.jit(functools.partial(fn, **static))
@@ -88,13 +88,13 @@ def _kernel(q, k, v, meta, *, window=0, block_k=16, num_splits=None):
                                      interpret=True, block_k=block_k, num_splits=num_splits)
 
 
-def _reference(q, k, v, meta, *, window=0):
+def paged_reference(q, k, v, meta, *, window=0):
     return da.decode_attention_reference(q, stack(k, v), meta, window=window, scale=q.shape[-1] ** -0.5)
 
 
 def check(q, k, v, meta, *, window=0, block_k=16, num_splits=None, atol=1e-5, rtol=1e-5):
-    out = _fast_jit(_kernel, q, k, v, meta, window=window, block_k=block_k, num_splits=num_splits)
-    ref = _fast_jit(_reference, q, k, v, meta, window=window)
+    out = fast_jit(_kernel, q, k, v, meta, window=window, block_k=block_k, num_splits=num_splits)
+    ref = fast_jit(paged_reference, q, k, v, meta, window=window)
     chex.assert_equal_shape([out, q])
     assert out.dtype == q.dtype
     chex.assert_trees_all_close(out.astype(jnp.float32), ref.astype(jnp.float32), atol=atol,
@@ -142,7 +142,7 @@ def test_tiles_of_a_tuning():
     assert pallas_grids(functools.partial(kernel, num_splits=2), q, kv, meta) == [(3, 2, 4, 2)]
     assert pallas_grids(lambda q, kv, meta: da.paged_decode_attention(q, kv, meta, scale=0.25, interpret=True),
                         q, kv, meta) == [(3, 2, 1, 1)]  # the defaults: 64 rows a program, 128-slot blocks
-    out = _fast_jit(kernel, q, kv, meta)
+    out = fast_jit(kernel, q, kv, meta)
     ref = da.decode_attention_reference(q, kv, meta, scale=0.25)
     chex.assert_trees_all_close(out, ref, atol=1e-5, rtol=1e-5)
 
@@ -195,18 +195,18 @@ def test_fp8_cache(page_size, window):
     cache = stack(k, v).astype(jnp.float8_e4m3fn)
     wide = cache.astype(jnp.float32)
     run = lambda q, c: da.paged_decode_attention(q, c, meta, window=window, scale=0.25, interpret=True, block_k=16)
-    got = _fast_jit(run, q, cache)
-    np.testing.assert_array_equal(np.asarray(got), np.asarray(_fast_jit(run, q, wide)))
+    got = fast_jit(run, q, cache)
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(fast_jit(run, q, wide)))
     ref = da.decode_attention_reference(q, cache, meta, window=window, scale=0.25)
     chex.assert_trees_all_close(got, ref, atol=1e-5, rtol=1e-5)
-    assert float(jnp.abs(got - _fast_jit(run, q, stack(k, v))).max()) > 1e-4  # the rounding shows
+    assert float(jnp.abs(got - fast_jit(run, q, stack(k, v))).max()) > 1e-4  # the rounding shows
     # bfloat16 queries: 1e6 times larger, past float16's range unless each row is scaled down;
     # 1e5 times larger with a scale 1e5 times smaller, scores as at first only if they are scaled back
     for size, scale in ((1.0, 0.25), (1e6, 0.25), (1e5, 0.25e-5)):
         qb = (q * size).astype(jnp.bfloat16)
         run_b = lambda q, c: da.paged_decode_attention(q, c, meta, window=window, scale=scale, interpret=True,
                                                        block_k=16)
-        got_b = _fast_jit(run_b, qb, cache)
+        got_b = fast_jit(run_b, qb, cache)
         assert got_b.dtype == jnp.bfloat16
         want = da.decode_attention_reference(qb.astype(jnp.float32), wide, meta, window=window, scale=scale)
         chex.assert_trees_all_close(got_b.astype(jnp.float32), want, atol=2e-2, rtol=2e-2)
@@ -244,7 +244,7 @@ def test_with_make_meta_and_allocated_pages():
         kv_buf = kvc.write_kv(cache.kv[0], stack(k_new, 2 * k_new), meta.write_index)
         return jax.random.normal(kq, (B, T, Hkv * Gq, Dh)), kv_buf, meta, ok
 
-    q, kv_buf, meta, ok = _fast_jit(setup, jax.random.key(5))
+    q, kv_buf, meta, ok = fast_jit(setup, jax.random.key(5))
     assert bool(ok.all())
     check(q, kv_buf[:, :, 0], kv_buf[:, :, 1], meta)
 
@@ -380,7 +380,7 @@ def test_dispatch_env(monkeypatch):
     def run(meta, k_new=None):  # a fresh jit per call: JSPEC_KERNELS is read at trace time
         kvb = None if meta.prefill else stack(k, v)
         fn = lambda q, kn, kvb, meta: attn.attention(q, kn, kn, kvb, meta, scale=scale)
-        return _fast_jit(fn, q, k_new, kvb, meta)
+        return fast_jit(fn, q, k_new, kvb, meta)
 
     outs = {}
     for mode, used in [("reference", False), ("auto", jax.default_backend() == "gpu"),

@@ -61,33 +61,33 @@ def make_case(seed, *, B=3, T=1, Tl=None, H=4, Dc=32, Dr=16, S=64, page_size=0, 
     return q_lat, q_pe, buf, meta
 
 
-def _fast_jit(fn, *args, **static):
+def fast_jit(fn, *args, **static):
     """jit + run with XLA's backend optimisations off (interpret-mode kernels compile in
     about half the time)."""
     f = jax.jit(functools.partial(fn, **static))
     return f.trace(*args).lower().compile({"xla_backend_optimization_level": 0})(*args)
 
 
-def _scale(q_lat, q_pe):
+def latent_scale(q_lat, q_pe):
     return (q_lat.shape[-1] + q_pe.shape[-1]) ** -0.5
 
 
 def _kernel(q_lat, q_pe, buf, meta, **kw):
-    return md.paged_mla_attention(q_lat, q_pe, buf, meta, scale=_scale(q_lat, q_pe),
+    return md.paged_mla_attention(q_lat, q_pe, buf, meta, scale=latent_scale(q_lat, q_pe),
                                   interpret=True, **kw)
 
 
 def _reference(q_lat, q_pe, buf, meta):
-    return md.mla_decode_reference(q_lat, q_pe, buf, meta, scale=_scale(q_lat, q_pe))
+    return md.mla_decode_reference(q_lat, q_pe, buf, meta, scale=latent_scale(q_lat, q_pe))
 
 
 def check(q_lat, q_pe, buf, meta, *, atol=1e-5, rtol=1e-5, **kw):
     """The kernel against the reference; 16-bit inputs against the reference on their float32
     values (the yardstick; also, XLA:CPU of jax 0.10.2 runs no bf16 x bf16 -> f32 batched
     dot of the reference's value product's layout)."""
-    out = _fast_jit(_kernel, q_lat, q_pe, buf, meta, **kw)
+    out = fast_jit(_kernel, q_lat, q_pe, buf, meta, **kw)
     up = lambda x: x.astype(jnp.float32)
-    ref = _fast_jit(_reference, up(q_lat), up(q_pe), up(buf), meta)
+    ref = fast_jit(_reference, up(q_lat), up(q_pe), up(buf), meta)
     assert out.dtype == jnp.float32
     chex.assert_shape(out, q_lat.shape)
     chex.assert_trees_all_close(out, ref, atol=atol, rtol=rtol)
@@ -171,13 +171,13 @@ def test_cached_mla_attention_engine_layout():
         return (jax.random.normal(kq, (B, T, H, Dc)), jax.random.normal(kr, (B, T, H, Dr)),
                 jax.random.normal(kn, (B, T, Dc + Dr)), buf, meta, ok)
 
-    q_lat, q_pe, new, buf, meta, ok = _fast_jit(setup, jax.random.key(5))
+    q_lat, q_pe, new, buf, meta, ok = fast_jit(setup, jax.random.key(5))
     w_uv = jax.random.normal(jax.random.key(6), (H, 16, Dc))
     assert bool(ok.all())
     outs = {}
     for mode in ("reference", "pallas"):
         with dispatch.use_backend(mode):
-            outs[mode] = _fast_jit(lambda *a: cached_mla_attention(*a, scale=0.2),
+            outs[mode] = fast_jit(lambda *a: cached_mla_attention(*a, scale=0.2),
                                    q_lat, q_pe, new, buf, meta, w_uv)
     chex.assert_shape(outs["pallas"][0], (B, T, H, 16))
     chex.assert_trees_all_close(outs["pallas"], outs["reference"], atol=1e-5, rtol=1e-5)
@@ -234,7 +234,7 @@ def make_splits(seed, *, B=2, NS=3, T=2, H=3, R=None, Dc=32, Dv=16, dtype=jnp.fl
                                                (5, 3, 2, 24, 16)])  # Dv 24: overlapping last tile
 def test_mla_output_matches_reference(NS, T, H, Dv, block_n):
     o, lse, w_uv = make_splits(NS * 10 + T, NS=NS, T=T, H=H, Dv=Dv)
-    out = _fast_jit(functools.partial(mo.mla_output, num_tokens=T, block_n=block_n, interpret=True), o, lse, w_uv)
+    out = fast_jit(functools.partial(mo.mla_output, num_tokens=T, block_n=block_n, interpret=True), o, lse, w_uv)
     ref = mo.mla_output_reference(o, lse, w_uv, num_tokens=T, dtype=w_uv.dtype)
     chex.assert_shape(out, (2, T, H, Dv))
     assert out.dtype == w_uv.dtype
@@ -253,7 +253,7 @@ def test_mla_output_latent_chunks():
     tiles = MlaOutputTiles(split_tile=64, min_chunk=16)
     assert mo.latent_chunk(4, 64) == 64 and mo.latent_chunk(4, 64, tiles) == 16  # four chunks of 16
     o, lse, w_uv = make_splits(11, NS=4, T=2, H=3, Dc=64, Dv=16)
-    out = _fast_jit(functools.partial(mo.mla_output, num_tokens=2, interpret=True, tiles=tiles), o, lse, w_uv)
+    out = fast_jit(functools.partial(mo.mla_output, num_tokens=2, interpret=True, tiles=tiles), o, lse, w_uv)
     ref = mo.mla_output_reference(o, lse, w_uv, num_tokens=2, dtype=w_uv.dtype)
     chex.assert_trees_all_close(out, ref, atol=1e-5, rtol=1e-5)
 
@@ -262,7 +262,7 @@ def test_mla_output_bfloat16():
     """bf16 weights: the merged latent is rounded to bf16 before the product, as the
     reference does, and the result is bf16."""
     o, lse, w_uv = make_splits(3, NS=4, T=3, H=4, Dc=64, Dv=32, dtype=jnp.bfloat16)
-    out = _fast_jit(functools.partial(mo.mla_output, num_tokens=3, interpret=True), o, lse, w_uv)
+    out = fast_jit(functools.partial(mo.mla_output, num_tokens=3, interpret=True), o, lse, w_uv)
     ref = mo.mla_output_reference(o, lse, w_uv, num_tokens=3, dtype=jnp.bfloat16)
     assert out.dtype == jnp.bfloat16
     chex.assert_trees_all_close(out.astype(jnp.float32), ref.astype(jnp.float32), atol=3e-2, rtol=2e-2)
@@ -328,7 +328,7 @@ def test_mla_inputs_matches_reference(interleaved, dtype, block_c):
     splits equal the reference's (bf16: bit for bit but the absorption product's
     summation order); swapping RoPE's layout or the heads' W_UK is caught."""
     args = make_inputs(7, dtype=dtype)
-    got = _fast_jit(functools.partial(mi.mla_inputs, interleaved=interleaved, eps=1e-6, block_c=block_c,
+    got = fast_jit(functools.partial(mi.mla_inputs, interleaved=interleaved, eps=1e-6, block_c=block_c,
                                       interpret=True), *args)
     want = inputs_reference(*args, interleaved)
     for g, w, shape in zip(got, want, [(2, 4, 32), (2, 4, 8), (2, 40)]):
@@ -355,8 +355,8 @@ def test_mla_inputs_writes_the_cache(cache_shape):
     cache = jnp.asarray(np.random.default_rng(0).standard_normal(cache_shape), jnp.float32)
     slots = jnp.asarray([[7], [2]], jnp.int32)  # [B, T] flat slots of the two tokens
     run = functools.partial(mi.mla_inputs, interleaved=True, eps=1e-6, interpret=True)
-    q_lat, q_pe, rows = _fast_jit(run, *args)
-    got_lat, got_pe, got = _fast_jit(lambda *a: run(*a[:5], cache=a[5], write_index=a[6]), *args, cache, slots)
+    q_lat, q_pe, rows = fast_jit(run, *args)
+    got_lat, got_pe, got = fast_jit(lambda *a: run(*a[:5], cache=a[5], write_index=a[6]), *args, cache, slots)
     chex.assert_shape(got, cache_shape)
     want = cache.reshape(-1, 40).at[slots.reshape(-1)].set(rows.astype(jnp.float32)).reshape(cache_shape)
     np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
@@ -406,7 +406,7 @@ def test_dispatch_env(monkeypatch):
 
     def run(meta):  # a fresh jit per call: JSPEC_KERNELS is read at trace time
         fn = lambda *a: mla.mla_attention(*a, scale=0.3)
-        return _fast_jit(fn, q_lat, q_pe, buf, meta, w_uv)
+        return fast_jit(fn, q_lat, q_pe, buf, meta, w_uv)
 
     outs = {}
     for mode, used in [("reference", False), ("auto", jax.default_backend() == "gpu"),
@@ -432,11 +432,11 @@ def test_tiles_reach_both_kernels(monkeypatch):
     for name, tiles in (("default", {}), ("tuned", tuned)):
         fn = functools.partial(mla.mla_attention, scale=0.3, **tiles)
         grids[name] = pallas_grids(fn, q_lat, q_pe, buf, meta, w_uv)
-        out = _fast_jit(fn, q_lat, q_pe, buf, meta, w_uv)
+        out = fast_jit(fn, q_lat, q_pe, buf, meta, w_uv)
     # (row blocks, splits, B) of the attention, (B, rows, column tiles) of the output
     assert grids == {"default": [(1, 2, 3), (3, 4, 1)], "tuned": [(1, 1, 3), (3, 4, 2)]}
     monkeypatch.setenv("JSPEC_KERNELS", "reference")
-    ref = _fast_jit(functools.partial(mla.mla_attention, scale=0.3), q_lat, q_pe, buf, meta, w_uv)
+    ref = fast_jit(functools.partial(mla.mla_attention, scale=0.3), q_lat, q_pe, buf, meta, w_uv)
     chex.assert_trees_all_close(out, ref, atol=1e-5, rtol=1e-5)
 
 

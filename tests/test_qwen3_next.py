@@ -18,7 +18,7 @@ import torch
 import transformers
 from conftest import PROMPTS, layer_traces, loop_state
 from safetensors.torch import load_file, save_file
-from test_deepseek import _standalone_draft
+from test_deepseek import standalone_draft
 
 import jspec
 from jspec.cache import kv as kvc
@@ -185,7 +185,7 @@ def drafted(models, tmp_path_factory):
     """Qwen3.5 with its MTP layer, a standalone draft, an EAGLE-3 head and the n-gram proposer."""
     path = models["qwen3_5"][0]
     target = jspec.load(path, dtype="float32")
-    standalone = _standalone_draft(str(tmp_path_factory.mktemp("q35_draft")), target)
+    standalone = standalone_draft(str(tmp_path_factory.mktemp("q35_draft")), target)
     eagle3 = _eagle3_head(str(tmp_path_factory.mktemp("q35_eagle3")))
     return {"mtp": jspec.load(path, draft="mtp", dtype="float32"),
             "standalone": jspec.load(path, draft=standalone, dtype="float32"),

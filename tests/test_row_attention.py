@@ -8,7 +8,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from test_kernels import _fast_jit, _reference, make_case, stack
+from test_kernels import fast_jit, paged_reference, make_case, stack
 
 from jspec.kernels.row.attention import RowAttentionTiles
 from jspec.kernels.meta import AttnMeta
@@ -30,8 +30,8 @@ _row_jit = jax.jit(_row, static_argnames=("window", "tiles"))  # one compile a s
                                                     (0, 4, 4, 24), (16, 3, 2, 20)])
 def test_matches_reference(page_size, T, Gq, window):
     q, k, v, meta = make_case(3, B=2, T=T, Tl=T + 2, Gq=Gq, S=96, page_size=page_size)
-    out = _fast_jit(_row, q, k, v, meta, window=window)
-    ref = _fast_jit(_reference, q, k, v, meta, window=window)
+    out = fast_jit(_row, q, k, v, meta, window=window)
+    ref = fast_jit(paged_reference, q, k, v, meta, window=window)
     assert out.shape == q.shape and out.dtype == q.dtype
     np.testing.assert_allclose(np.asarray(out), np.asarray(ref), rtol=2e-5, atol=2e-5)
 
@@ -45,13 +45,13 @@ def test_an_fp8_cache_is_read_widened():
         q, k, v, meta = make_case(4, B=2, T=3, Tl=5, Gq=2, S=96, page_size=page_size)
         fp8 = stack(k, v).astype(jnp.float8_e4m3fn)
         run = lambda q, c: row_attention(q, c, meta, scale=0.25, tiles=TILES, interpret=True)
-        got = _fast_jit(run, q, fp8)
-        np.testing.assert_array_equal(np.asarray(got), np.asarray(_fast_jit(run, q, fp8.astype(jnp.float32))))
-        assert float(jnp.abs(got - _fast_jit(run, q, stack(k, v))).max()) > 1e-4  # the rounding shows
+        got = fast_jit(run, q, fp8)
+        np.testing.assert_array_equal(np.asarray(got), np.asarray(fast_jit(run, q, fp8.astype(jnp.float32))))
+        assert float(jnp.abs(got - fast_jit(run, q, stack(k, v))).max()) > 1e-4  # the rounding shows
         qb = (q * 1e5).astype(jnp.bfloat16)  # bf16 rows taken in float16, scaled into its range and back
         run_b = lambda q, c: row_attention(q, c, meta, scale=0.25e-5, tiles=TILES, interpret=True)
         want = decode_attention_reference(qb.astype(jnp.float32), fp8.astype(jnp.float32), meta, scale=0.25e-5)
-        np.testing.assert_allclose(np.asarray(_fast_jit(run_b, qb, fp8), np.float32), np.asarray(want),
+        np.testing.assert_allclose(np.asarray(fast_jit(run_b, qb, fp8), np.float32), np.asarray(want),
                                    rtol=2e-2, atol=2e-2)
 
 

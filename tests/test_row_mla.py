@@ -9,7 +9,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from test_mla_kernel import _fast_jit, _scale, make_case
+from test_mla_kernel import fast_jit, latent_scale, make_case
 
 from jspec.kernels.mla.output import MlaOutputTiles
 from jspec.kernels.row.attention import RowAttentionTiles
@@ -29,13 +29,13 @@ def _w_uv(H, Dc, dtype):
 
 def _row(q_lat, q_pe, buf, meta, *, tiles=TILES, output_tiles=MlaOutputTiles()):
     w_uv = _w_uv(q_lat.shape[2], q_lat.shape[3], q_lat.dtype)
-    return row_mla_output(q_lat, q_pe, buf, meta, w_uv, scale=_scale(q_lat, q_pe),
+    return row_mla_output(q_lat, q_pe, buf, meta, w_uv, scale=latent_scale(q_lat, q_pe),
                           tiles=tiles, output_tiles=output_tiles, interpret=True)
 
 
 def _ref(q_lat, q_pe, buf, meta):
     w_uv = _w_uv(q_lat.shape[2], q_lat.shape[3], q_lat.dtype)
-    return up_project(mla_attention_reference(q_lat, q_pe, buf, meta, scale=_scale(q_lat, q_pe)), w_uv, q_lat.dtype)
+    return up_project(mla_attention_reference(q_lat, q_pe, buf, meta, scale=latent_scale(q_lat, q_pe)), w_uv, q_lat.dtype)
 
 
 _row_jit = jax.jit(_row, static_argnames=("tiles",))
@@ -44,8 +44,8 @@ _row_jit = jax.jit(_row, static_argnames=("tiles",))
 @pytest.mark.parametrize("page_size,T,H", [(0, 1, 4), (0, 5, 20), (16, 4, 2), (3, 3, 4)])
 def test_matches_reference(page_size, T, H):
     q_lat, q_pe, buf, meta = make_case(11 + T, B=2, T=T, Tl=T + 2, H=H, S=96, page_size=page_size)
-    out = _fast_jit(_row, q_lat, q_pe, buf, meta)
-    ref = _fast_jit(_ref, q_lat, q_pe, buf, meta)
+    out = fast_jit(_row, q_lat, q_pe, buf, meta)
+    ref = fast_jit(_ref, q_lat, q_pe, buf, meta)
     assert out.shape == (2, T, H, DV) and out.dtype == q_lat.dtype
     np.testing.assert_allclose(np.asarray(out), np.asarray(ref), rtol=2e-5, atol=2e-5)
 
@@ -86,7 +86,7 @@ def test_the_split_walk_unrolled_or_looped_adds_the_same():
     """`mla_output(ordered=True)` unrolls up to `MlaOutputTiles.unroll_splits` splits and
     loops over more: both add them in split order, so the bits agree."""
     q_lat, q_pe, buf, meta = make_case(3, B=1, T=2, H=4, S=96, prefix=[80], dtype=jnp.bfloat16)
-    unrolled = np.asarray(_fast_jit(_row, q_lat, q_pe, buf, meta), np.float32)
-    looped = np.asarray(_fast_jit(_row, q_lat, q_pe, buf, meta, output_tiles=MlaOutputTiles(unroll_splits=1)),
+    unrolled = np.asarray(fast_jit(_row, q_lat, q_pe, buf, meta), np.float32)
+    looped = np.asarray(fast_jit(_row, q_lat, q_pe, buf, meta, output_tiles=MlaOutputTiles(unroll_splits=1)),
                         np.float32)
     np.testing.assert_array_equal(looped, unrolled)
