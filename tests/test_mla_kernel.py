@@ -20,7 +20,7 @@ from jspec.kernels.mla import decode as md
 from jspec.kernels.mla import inputs as mi
 from jspec.kernels.mla import output as mo
 from jspec.kernels.meta import AttnMeta
-from test_kernels import tree_mask, pallas_grids  # noqa: E402  (the GQA kernel tests' random tree)
+from test_kernels import fast_jit, tree_mask, pallas_grids  # noqa: E402  (the GQA kernel tests' random tree, their jit)
 
 
 
@@ -59,13 +59,6 @@ def make_case(seed, *, B=3, T=1, Tl=None, H=4, Dc=32, Dr=16, S=64, page_size=0, 
     q_pe = cast(rng.standard_normal((B, T, H, Dr)))
     buf = cast(rng.standard_normal(shape))
     return q_lat, q_pe, buf, meta
-
-
-def fast_jit(fn, *args, **static):
-    """jit + run with XLA's backend optimisations off (interpret-mode kernels compile in
-    about half the time)."""
-    f = jax.jit(functools.partial(fn, **static))
-    return f.trace(*args).lower().compile({"xla_backend_optimization_level": 0})(*args)
 
 
 def latent_scale(q_lat, q_pe):

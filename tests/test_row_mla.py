@@ -9,7 +9,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from test_mla_kernel import fast_jit, latent_scale, make_case
+from test_kernels import fast_jit
+from test_mla_kernel import latent_scale, make_case
 
 from jspec.kernels.mla.output import MlaOutputTiles
 from jspec.kernels.row.attention import RowAttentionTiles
@@ -35,7 +36,8 @@ def _row(q_lat, q_pe, buf, meta, *, tiles=TILES, output_tiles=MlaOutputTiles()):
 
 def _ref(q_lat, q_pe, buf, meta):
     w_uv = _w_uv(q_lat.shape[2], q_lat.shape[3], q_lat.dtype)
-    return up_project(mla_attention_reference(q_lat, q_pe, buf, meta, scale=latent_scale(q_lat, q_pe)), w_uv, q_lat.dtype)
+    attended = mla_attention_reference(q_lat, q_pe, buf, meta, scale=latent_scale(q_lat, q_pe))
+    return up_project(attended, w_uv, q_lat.dtype)
 
 
 _row_jit = jax.jit(_row, static_argnames=("tiles",))
