@@ -544,7 +544,7 @@ PREFILL_FORMS = {
     "scan": SCAN,
     "split": {},
     "split_f32": SPLIT_F32,
-    "split_bf16io": {**SPLIT_F32, "prefill_split_dtype": "bfloat16"},
+    "split_bf16io": {**SPLIT_F32, "prefill_split_dtype": "bfloat16", "prefill_precision": "bf16x3"},
     "split_tf32": {**SPLIT_F32, "prefill_precision": "tf32"},
     "split_bf16": SPLIT_BF16,
     "split_bf16_prep1": {**SPLIT_BF16, "prefill_prep_split": False, "prefill_block_v": 32,
@@ -670,7 +670,8 @@ def sweep():
             v(**SPLIT_F32, chunk_prep_warps=8), v(**SPLIT_F32, prefill_out_block_v=128, prefill_out_warps=8),
             v(**SPLIT_F32, prefill_out_block_v=32), v(**SPLIT_F32, prefill_precision="tf32"),
             # ... bfloat16 intermediates; with one-pass bf16 products (FLA's precision) and its tiles
-            v(**SPLIT_F32, prefill_split_dtype="bfloat16"), v(**SPLIT_BF16), v(**SPLIT_BF16, prefill_state_stages=3),
+            v(**SPLIT_F32, prefill_split_dtype="bfloat16", prefill_precision="bf16x3"),
+            v(**SPLIT_BF16), v(**SPLIT_BF16, prefill_state_stages=3),
             v(**SPLIT_BF16, prefill_block_v=16), v(**SPLIT_BF16, prefill_block_v=64),
             v(**SPLIT_BF16, prefill_warps=2), v(**SPLIT_BF16, chunk_prep_warps=2), v(**SPLIT_BF16, chunk_prep_warps=8),
             v(**SPLIT_BF16, prefill_out_block_v=128, prefill_out_warps=8), v(**SPLIT_BF16, prefill_out_block_v=32),
