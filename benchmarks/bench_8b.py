@@ -78,6 +78,7 @@ the Pallas cache kernel over the prefix) and jax's example Pallas kernels, Trito
 (`pallas.ops.gpu.attention`) and Mosaic GPU (`pallas.ops.gpu.attention_mgpu`), where they
 run.
      PYTHONPATH=. python3 benchmarks/bench_8b.py prefill [4096 16384 32768 131072] [--paged]
+         [--blocks 2048 8192] [--max-len N] [--kernel-blocks]
 Result: $OUT/prefill_8b.json
 transformers_prefill: transformers' one prefill forward (sdpa, logits of the last position
 only) at the same lengths.
@@ -116,7 +117,7 @@ import time
 
 import jspec
 from benchmarks.common import (CTX, LLAMA31_8B, LONG, SHORT, Runner, best_call_time, ceiling_of, copy_bandwidth,
-                               dflash_drafter, eagle3_head, median_time, prefill_bench, prefill_rows, step_times,
+                               dflash_drafter, eagle3_head, median_time, prefill_bench, step_times,
                                transformers_prefill_bench,
                                env_info, kv_bytes, prompts, random_params, rounded, save_json, tagged, tunings,
                                tuning_of,
@@ -651,18 +652,17 @@ def attention_times(T: int, block: int = 2048) -> dict:
     return out
 
 
-def prefill_jspec(lengths, paged: bool, kernel_blocks: bool = False):
+def prefill_jspec(lengths, paged: bool, kernel_blocks: bool = False, blocks=(), max_len: int | None = None):
     """`prefill` (the module docstring); kernel_blocks: also with the Pallas cache kernel
-    instead of cuDNN for the prompt blocks (`AttentionTiles(fused_prompt_blocks=False)`)."""
+    instead of cuDNN for the prompt blocks (`AttentionTiles(fused_prompt_blocks=False)`);
+    blocks: also each of these `Tuning.prefill_block`s; max_len: every program's cache
+    length (default the longest prompt + 64)."""
     from jspec.kernels.attention.decode import AttentionTiles
-    tunings = [None] + [jspec.Tuning(attention=AttentionTiles(fused_prompt_blocks=False))] * kernel_blocks
-    res = prefill_bench(LLAMA31_8B, "prefill_8b.json", lengths, tunings)
-    if paged:
-        target = random_params(LLAMA31_8B)
-        res.update(prefill_rows(target, lengths, setting="paged", rate=res["matmul_tflops"] * 1e12,
-                                log=functools.partial(print, flush=True)))
-        save_json("prefill_8b.json", res)
-        del target
+    default = jspec.Tuning().prefill_block
+    tunings = ([None] + [jspec.Tuning(attention=AttentionTiles(fused_prompt_blocks=False))] * kernel_blocks
+               + [jspec.Tuning(prefill_block=b) for b in blocks if b != default])
+    res = prefill_bench(LLAMA31_8B, "prefill_8b.json", lengths, tunings, settings=("dense", "paged")[:1 + paged],
+                        max_len=max_len)
     for T in lengths[:3]:
         res[f"attention_{T}"] = attention_times(T)
         save_json("prefill_8b.json", res)
@@ -725,8 +725,14 @@ def main(argv=None):
     if argv[:1] == ["transformers"]:
         return transformers_decode([int(b) for b in argv[1:]] or [1, 32])
     if argv[:1] == ["prefill"]:
-        lengths = [int(a) for a in argv[1:] if not a.startswith("--")] or list(PREFILL_LENGTHS)
-        return prefill_jspec(lengths, "--paged" in argv, "--kernel-blocks" in argv)
+        ap = argparse.ArgumentParser(prog="bench_8b.py prefill")
+        ap.add_argument("lengths", type=int, nargs="*", default=list(PREFILL_LENGTHS))
+        ap.add_argument("--paged", action="store_true", help="also the paged cache")
+        ap.add_argument("--kernel-blocks", action="store_true", help="also the Pallas cache kernel for prompt blocks")
+        ap.add_argument("--blocks", type=int, nargs="*", default=[], help="also these Tuning.prefill_block sizes")
+        ap.add_argument("--max-len", type=int, default=None, help="the cache length (default: longest prompt + 64)")
+        args = ap.parse_args(argv[1:])
+        return prefill_jspec(args.lengths, args.paged, args.kernel_blocks, args.blocks, args.max_len)
     if argv[:1] == ["long"]:
         ap = argparse.ArgumentParser(prog="bench_8b.py long")
         ap.add_argument("--rounds", type=int, default=40)

@@ -12,6 +12,7 @@ import collections
 import dataclasses
 import functools
 import glob
+import itertools
 import json
 import os
 import tempfile
@@ -199,20 +200,21 @@ def matmul_rate() -> float:
 
 
 def prefill_rows(target, lengths, *, setting: str = "dense", tuning=None, reps=None, rate=None,
-                 vocab: int = 100000, log=print) -> dict:
+                 vocab: int = 100000, log=print, max_len: int | None = None) -> dict:
     """One prompt of each length (random ids, the same for a length in every setting)
     through `jspec.compile(...).run` with max_new_tokens=1: every length through ONE
-    program compiled for `CacheConfig(setting, max_len=longest + 64)`, so prompts prefill
-    in blocks of `Tuning.prefill_block`. reps: {T: timed runs after a warm one} (default
-    3). -> {"<setting>_compile_s", "<setting>_plan", "<setting>_<T>": {seconds (median),
+    program compiled for `CacheConfig(setting, max_len=longest + 64)` (or `max_len`, named
+    in the rows' label), so prompts prefill in blocks of `Tuning.prefill_block`. reps: {T:
+    timed runs after a warm one} (default 3). -> {"<setting>_compile_s", "<setting>_plan", "<setting>_<T>": {seconds (median),
     tokens_per_s, mfu (against rate, when given), first_token}}."""
     reps = reps or {}
     rng = np.random.default_rng(0)
-    cache = jspec.CacheConfig(setting, max_len=max(lengths) + 64)
+    cache = jspec.CacheConfig(setting, max_len=max_len or max(lengths) + 64)
     t0 = time.perf_counter()
     prog = jspec.compile(target, rng.integers(1, vocab, 100).tolist(), max_new_tokens=1, cache=cache,
                          **({"tuning": tuning} if tuning is not None else {}))
     label = setting if tuning is None else f"{setting}_{tuning_label(tuning)}"
+    label += f"_len{max_len}" if max_len else ""
     out = {f"{label}_compile_s": time.perf_counter() - t0,
            f"{label}_plan": {"prompt_len": prog.plan.prompt_len, "prefill_chunk": prog.plan.prefill_chunk}}
     log(label, "compiled", out)
@@ -240,6 +242,8 @@ def tuning_label(tuning) -> str:
         names.append("kernel_blocks")
     if not tuning.mla_decode.expanded_prompt_blocks:
         names.append("absorbed_blocks")
+    if tuning.prefill_block != jspec.Tuning().prefill_block:
+        names.append(f"block{tuning.prefill_block}")
     return "_".join(names) or "default"
 
 
@@ -271,9 +275,11 @@ def transformers_prefill_rows(model, lengths, vocab: int = 100000, log=print) ->
     return out
 
 
-def prefill_bench(cfg, name: str, lengths, tunings=(None,), reps=None) -> dict:
-    """`prefill_rows` of a random model of shape cfg under each tuning (None: the
-    defaults), the bf16 matmul rate measured first for the MFU; saved to $OUT/name."""
+def prefill_bench(cfg, name: str, lengths, tunings=(None,), reps=None, settings=("dense",),
+                  max_len: int | None = None) -> dict:
+    """`prefill_rows` of a random model of shape cfg for each cache setting under each
+    tuning (None: the defaults), the bf16 matmul rate measured first for the MFU; saved to
+    $OUT/name."""
     res = {"env": env_info(), "lengths": list(lengths), "block": jspec.Tuning().prefill_block}
     rate = matmul_rate()
     res["matmul_tflops"] = rate / 1e12
@@ -281,12 +287,13 @@ def prefill_bench(cfg, name: str, lengths, tunings=(None,), reps=None) -> dict:
     t0 = time.perf_counter()
     target = random_params(cfg)
     print(f"weights ready in {time.perf_counter() - t0:.1f}s", flush=True)
-    for tuning in tunings:
+    for setting, tuning in itertools.product(settings, tunings):
         try:
-            res.update(prefill_rows(target, lengths, tuning=tuning, reps=reps, rate=rate,
-                                    vocab=min(cfg.vocab_size, 100000), log=lambda *a: print(*a, flush=True)))
+            res.update(prefill_rows(target, lengths, setting=setting, tuning=tuning, reps=reps, rate=rate,
+                                    vocab=min(cfg.vocab_size, 100000), log=lambda *a: print(*a, flush=True),
+                                    max_len=max_len))
         except Exception as e:  # noqa: BLE001 - a setting that fails is a result; the next one still runs
-            label = "default" if tuning is None else tuning_label(tuning)
+            label = setting + ("" if tuning is None else "_" + tuning_label(tuning))
             res[f"{label}_failed"] = f"{type(e).__name__}: {str(e)[:500]}"
             print(label, "failed:", res[f"{label}_failed"], flush=True)
         save_json(name, res)

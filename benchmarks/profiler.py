@@ -19,7 +19,8 @@ decode: the loop of a random-weight target (context 1k): a step timed from two r
   Under DeepSeek's command buffers (the family's default) the trace shows none of the
   kernels inside the loop's CUDA graph: take --tuning no_graphs to see the decode
   step's kernels (its step is about 8% slower).
-phases: the bundled pair, one run per program (plain, and each S,K,N): each kernel
+phases: the bundled pair (--draft dflash: the target with its DFlash drafter), one run
+  per program (plain, and each S,K,N): each kernel
   attributed to the loop phase (`jax.named_scope` in `loop.round.round_step`: draft,
   verify, accept, commit, extend) whose operations it fuses, from the compiled HLO's
   metadata; kernels per round and their time, per phase.
@@ -222,19 +223,19 @@ def phase_table(r, max_new: int, hlo_name: str | None = None) -> dict:
 
 def phases(args):
     specs = [parse_spec(a) for a in args.specs] or [parse_spec("4,1,5")]
-    pair = bundle.load("eagle3", dtype=None if jax.default_backend() == "gpu" else "float32")
-    res = {"env": env_info(), "prompt": PROMPT}
+    pair = bundle.load(args.draft, dtype=None if jax.default_backend() == "gpu" else "float32")
+    res = {"env": env_info(), "prompt": PROMPT, "draft": args.draft}
     res["plain"] = phase_table(Runner(pair.with_draft(None), [PROMPT], 160), 160)
     for spec in specs:
         res[f"{spec.num_steps},{spec.topk},{spec.num_draft_tokens}"] = phase_table(
-            Runner(pair, [PROMPT], 160, spec=spec), 160, f"hlo_phases_{spec.num_steps}x{spec.topk}.txt")
+            Runner(pair, [PROMPT], 160, spec=spec), 160, f"hlo_phases_{args.draft}_{spec.num_steps}x{spec.topk}.txt")
     for k, v in res.items():
         if isinstance(v, dict) and "phases" in v:
             print(k, f"{v['tokens_per_round']:.2f} tokens/round;",
                   "; ".join(f"{p} {x['kernels_per_round']:.1f} kernels {x['us_per_round']:.1f} us"
                             for p, x in v["phases"].items()))
             print("  unmapped:", v["unmapped"])
-    print("saved", save_json(f"profile_phases_{jax.default_backend()}.json", res))
+    print("saved", save_json(f"profile_phases_{args.draft}_{jax.default_backend()}.json", res))
 
 
 # --------------------------------------------------------------------------- round
@@ -376,7 +377,8 @@ def main(argv=None):
     ap.add_argument("--devices", type=int, default=0, help="8b: split over this many GPUs (0: unsplit)")
     ap.add_argument("--draft", default="eagle3", choices=("eagle3", "dflash"),
                     help="8b with --spec: a random EAGLE-3 head, or a random DFlash drafter of z-lab's shape "
-                    "(`common.dflash_drafter`; --spec 15,1,16: blocks of 16)")
+                    "(`common.dflash_drafter`; --spec 15,1,16: blocks of 16); phases: the bundled drafter "
+                    "of that name")
     ap.add_argument("--phases", action="store_true", help="decode: also each kernel's loop phase (draft, verify, "
                     "accept, commit, extend), as `phases` gives it")
     ap.add_argument("--top", type=int, default=40, help="kernels listed")
