@@ -119,6 +119,29 @@ def quantize_params(params):
     return dataclasses.replace(params, weights=walk(params.weights))
 
 
+KV_SCALE_NAMES = ("k_scale", "v_scale")  # an attention layer's FP8 KV-cache scales (vLLM's names)
+
+
+def kv_cache_scales(k_scale, v_scale, where: str, names: tuple[str, str]) -> np.ndarray:
+    """A layer's FP8 KV-cache scales as a checkpoint gives them (one positive float each,
+    shape [] or [1]; the cache holds key / k_scale and value / v_scale in E4M3) -> float32
+    [2] (key, value), each rounded up to a power of two: a larger scale clips no more than
+    the checkpoint's, and a power of two lets attention scale its queries and output
+    exactly instead of widening the cache (`cache.kv.cached_attention`). ValueError naming
+    the tensor: not one value, or not positive and finite."""
+    out = []
+    for a, name in zip((k_scale, v_scale), names):
+        a = np.asarray(a, np.float32)
+        if a.size != 1:
+            raise ValueError(f"{where}: KV-cache scale {name!r} has shape {tuple(a.shape)}; expected one value "
+                             f"([] or [1]) per layer")
+        x = float(a.reshape(()))
+        if not (np.isfinite(x) and x > 0):
+            raise ValueError(f"{where}: KV-cache scale {name!r} is {x}; it must be positive and finite")
+        out.append(2.0 ** np.ceil(np.log2(x)))
+    return np.asarray(out, np.float32)
+
+
 def groups_of(columns: int) -> int:
     """Scale groups of a weight with `columns` input columns."""
     return -(-columns // GROUP)

@@ -17,7 +17,7 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 
-from jspec.quantization import GROUP, SCALE_SUFFIX, dequantize_host, groups_of
+from jspec.quantization import GROUP, KV_SCALE_NAMES, SCALE_SUFFIX, dequantize_host, groups_of, kv_cache_scales
 
 _NP_DTYPES = {"float32": np.float32, "bfloat16": ml_dtypes.bfloat16, "float16": np.float16}
 
@@ -162,6 +162,21 @@ class Tensors:
     def has(self, name):
         return name in self.tensors
 
+    def kv_scales(self, prefix: str) -> HostParam | None:
+        """An attention layer's FP8 KV-cache scales, `<prefix>k_scale` and `<prefix>v_scale`
+        -> float32 [2] (`quantization.kv_cache_scales`: rounded up to powers of two); None
+        where the checkpoint has neither. ValueError: one without the other."""
+        names = tuple(prefix + n for n in KV_SCALE_NAMES)
+        found = [n in self.tensors for n in names]
+        if not any(found):
+            return None
+        if not all(found):
+            missing = names[found.index(False)]
+            raise ValueError(f"{self.where}: missing tensor {missing!r}: FP8 KV-cache scales come in pairs "
+                             f"({' and '.join(KV_SCALE_NAMES)})")
+        k, v = (self.tensors.pop(n) for n in names)
+        return HostParam([kv_cache_scales(k, v, self.where, names)], np.float32)
+
     def take(self, name: str, shape: tuple[int, ...]) -> np.ndarray:
         """A tensor by name and shape; an FP8 weight kept beside its group scales
         (`jspec.quantization`) comes dequantized to float32 (only `linear` keeps it FP8)."""
@@ -280,6 +295,15 @@ class Tensors:
         if left:
             more = f" (and {len(left) - 5} more)" if len(left) > 5 else ""
             raise ValueError(f"{self.where}: unexpected tensors {left[:5]}{more}")
+
+
+def kv_scale_tensors(attn: dict, prefix: str) -> dict:
+    """An attention layer's FP8 KV-cache scales (its `kv_scale` param, if any) as the
+    checkpoint tensors `Tensors.kv_scales` reads: {<prefix>k_scale: [], <prefix>v_scale: []}."""
+    if "kv_scale" not in attn:
+        return {}
+    scales = to_numpy(attn["kv_scale"], "float32")
+    return {prefix + name: scales[i].reshape(()) for i, name in enumerate(KV_SCALE_NAMES)}
 
 
 def stacked_experts(tensors, dtype) -> dict:

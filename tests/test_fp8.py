@@ -6,6 +6,7 @@ speculation (n-gram, MTP) match it. Bad input: a missing or mis-shaped scale, FP
 without a quantization_config, unsupported methods and schemes."""
 from __future__ import annotations
 
+import itertools
 import json
 import os
 
@@ -480,6 +481,63 @@ def test_fp8_kv_cache(tmp_path):
     with pytest.raises(ValueError, match=r"row_invariant=True\): the row kernel takes weights") as refused:
         make_plan(params, [6, 4], [12, 12], 1, False, dense, None, tuning=jspec.Tuning(row_invariant=True))
     assert "FP8" not in str(refused.value)
+
+
+def test_fp8_kv_cache_scales(tmp_path):
+    """Per-layer FP8 KV-cache scales (`self_attn.k_scale` / `v_scale`, vLLM's names) are read
+    rounded up to powers of two, and an FP8 cache holds key / k_scale and value / v_scale.
+    A model rescaled by powers of two (queries / 4, keys x 4, values x 4096, the output
+    projection / 4096: the same function, its values far past E4M3's 448) with scales 4
+    and 4096 decodes over an FP8 cache bit for bit as the original does over its own, and
+    without the scales it clips and does not; n-gram and EAGLE-3 speculation over the
+    scaled cache give its plain tokens; export writes the scales back; a scale without its
+    pair, or not one positive value, is refused by name."""
+    from jspec.export import save_target
+    path, head = str(tmp_path / "llama"), str(tmp_path / "eagle3")
+    tiny_models.make_model(path, "llama")
+    fp8 = jspec.CacheConfig(dtype="float8_e4m3fn")
+    kw = dict(max_new_tokens=12, stop_token_ids=[], logprobs=1)
+    want = jspec.generate(jspec.load(path, dtype="float32"), PROMPTS, cache=fp8, **kw)  # the original, scale 1
+    file = os.path.join(path, "model.safetensors")
+    tensors = {k: np.array(v) for k, v in safetensors_io.load(file).items()}
+    layers = sorted({k.split(".")[2] for k in tensors if k.startswith("model.layers.")})
+    for i, (name, factor) in itertools.product(layers, (("q", 0.25), ("k", 4.0), ("v", 4096.0), ("o", 1 / 4096))):
+        tensors[f"model.layers.{i}.self_attn.{name}_proj.weight"] *= np.float32(factor)
+    safetensors_io.save(file, tensors)
+    unscaled = jspec.load(path, dtype="float32")
+    for i in layers:
+        tensors[f"model.layers.{i}.self_attn.k_scale"] = np.asarray(3.0, np.float32)  # read as 4
+        tensors[f"model.layers.{i}.self_attn.v_scale"] = np.asarray([4000.0], np.float32)  # read as 4096
+    safetensors_io.save(file, tensors)
+    params = jspec.load(path, dtype="float32")
+    np.testing.assert_array_equal(np.asarray(params.weights["params"]["layers_0"]["self_attn"]["kv_scale"]),
+                                  [4.0, 4096.0])
+    scaled = jspec.generate(params, PROMPTS, cache=fp8, **kw)
+    assert scaled.tokens == want.tokens
+    assert [[x.logprob for x in r] for r in scaled.logprobs] == [[x.logprob for x in r] for r in want.logprobs]
+    assert jspec.generate(unscaled, PROMPTS, cache=fp8, **kw).tokens != want.tokens  # values clipped at 448
+    tiny_models.make_random_draft(head, "eagle3", params, seed=3)
+    eagle3 = jspec.load(path, dtype="float32", draft=head)
+    plain = dict(max_new_tokens=12, stop_token_ids=[])
+    paged = jspec.CacheConfig(kind="paged", page_size=4, dtype="float8_e4m3fn")
+    assert jspec.generate(params.with_draft(jspec.NgramDraft()), PROMPTS, cache=fp8, **plain).tokens == want.tokens
+    assert (jspec.generate(eagle3, PROMPTS, cache=paged, spec=jspec.SpecConfig(3, 2, 6), **plain).tokens ==
+            jspec.generate(params, PROMPTS, cache=paged, **plain).tokens)
+    out = str(tmp_path / "exported")  # export writes the scales; they load back
+    save_target(out, params.config, params.weights)
+    np.testing.assert_array_equal(np.asarray(jspec.load(out, dtype="float32").weights["params"]["layers_1"]
+                                             ["self_attn"]["kv_scale"]), [4.0, 4096.0])
+    a = "model.layers.0.self_attn."
+    for drop, bad, match in ((a + "v_scale", {}, r"missing tensor 'model.layers.0.self_attn.v_scale'"),
+                             (None, {a + "k_scale": np.asarray([1.0, 2.0], np.float32)},
+                              r"'model.layers.0.self_attn.k_scale' has shape \(2,\)"),
+                             (None, {a + "v_scale": np.asarray(-1.0, np.float32)},
+                              r"'model.layers.0.self_attn.v_scale' is -1.0")):
+        broken = {k: v for k, v in tensors.items() if k != drop}
+        broken.update(bad)
+        safetensors_io.save(file, broken)
+        with pytest.raises(ValueError, match=match):
+            jspec.load(path, dtype="float32")
 
 
 def test_fp8_latent_cache(tmp_path):

@@ -200,9 +200,17 @@ def move_buffers(bufs: tuple, src_index: jax.Array, dst_index: jax.Array, dense:
 
 
 def cached_attention(q, k, v, kv_buf, meta: AttnMeta, *, window: int = 0, scale: float,
-                     tiles: AttentionTiles | None = None, row_tiles: RowAttentionTiles | None = None):
+                     tiles: AttentionTiles | None = None, row_tiles: RowAttentionTiles | None = None,
+                     kv_scale=None):
     """Writes the new keys and values into the layer's cache and attends over it
     (`jspec.kernels.attention.gqa.attention`).
+
+    kv_scale: an FP8 cache's per-layer scales float32 [2] (key, value; powers of two, as
+    `quantization.kv_cache_scales` makes them; the layer's `kv_scale` param). The cache
+    then holds key / ks and value / vs, and attention runs on q ks, k / ks and v / vs with
+    its output times vs: every kernel and reference reads the cache as it is, and with
+    powers of two each scaling is exact, so the result is attention over the widened cache
+    times its scales. Ignored for other caches.
 
     q [B,T,H,Dh]; k/v [B,T,Hkv,Dh]; kv_buf: the layer's buffer or None (prefill without a
     cache: the block attends to itself). -> (out [B,T,H,Dh], buffer).
@@ -210,6 +218,11 @@ def cached_attention(q, k, v, kv_buf, meta: AttnMeta, *, window: int = 0, scale:
     queries are parked in the cache by the same write (`with_queries`) and the kernel reads
     them there: no kernel of their own prepares the query tile. tiles: the kernel's
     (`attention`)."""
+    if kv_scale is not None and kv_buf is not None and jnp.dtype(kv_buf.dtype) in FP8_DTYPES:
+        ks, vs = kv_scale[0], kv_scale[1]
+        out, kv_buf = cached_attention(q * ks.astype(q.dtype), k / ks.astype(k.dtype), v / vs.astype(v.dtype), kv_buf,
+                                       meta, window=window, scale=scale, tiles=tiles, row_tiles=row_tiles)
+        return out * vs.astype(out.dtype), kv_buf
     if kv_buf is None:
         if not meta.prefill:
             raise ValueError("attention without a cache needs a prefill AttnMeta")

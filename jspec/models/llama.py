@@ -62,9 +62,10 @@ class Attention(nn.Module):
         inv_freq = c.rope.inv_freq(Dh)
         q = apply_rope(q, meta.positions, inv_freq, c.rope.cos_sin_scale())
         k = apply_rope(k, meta.positions, inv_freq, c.rope.cos_sin_scale())
+        kv_scale = self.get_variable("params", "kv_scale") if self.has_variable("params", "kv_scale") else None
         o, kv = cached_attention(q, k, v, kv, meta, window=self.window, scale=Dh ** -0.5,
                                  tiles=self.tuning.attention,
-                                 row_tiles=self.tuning.row_attention if ri else None)
+                                 row_tiles=self.tuning.row_attention if ri else None, kv_scale=kv_scale)
         out = Linear(c.hidden_size, c.o_bias, c.dtype, tuning=self.tuning, name="o_proj")(
             o.reshape(B, T, H * Dh), row_invariant=ri)
         return out, kv

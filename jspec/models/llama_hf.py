@@ -14,7 +14,7 @@ from typing import Any, Mapping
 import numpy as np
 
 from jspec.config import DTYPES, ModelConfig, RopeConfig
-from jspec.tensors import Tensors, hf_linear, to_numpy
+from jspec.tensors import Tensors, hf_linear, kv_scale_tensors, to_numpy
 
 # Hugging Face `architectures` entries a target may declare, by family.
 TARGET_ARCHITECTURES = {
@@ -141,6 +141,9 @@ def decoder_layer_params(t: Tensors, prefix: str, c: ModelConfig, attn_in: int |
     if c.qk_norm:
         attn["q_norm"] = {"weight": t.param((att + "q_norm.weight", (Dh,)))}
         attn["k_norm"] = {"weight": t.param((att + "k_norm.weight", (Dh,)))}
+    kv_scale = t.kv_scales(att)
+    if kv_scale is not None:  # an FP8 cache's per-layer scales (`cache.kv.cached_attention`)
+        attn["kv_scale"] = kv_scale
     mlp_p = f"{prefix}mlp."
     gu = gate_up_order(F)
     mlp = {"gate_up_proj": t.linear((mlp_p + "gate_proj.weight", (F, D)), (mlp_p + "up_proj.weight", (F, D)), order=gu),
@@ -213,6 +216,7 @@ def layer_tensors(p: dict, prefix: str, c: ModelConfig, out: dict, dtype: str):
         out.update({a + "q_proj.bias": qb, a + "k_proj.bias": kb, a + "v_proj.bias": vb})
     if "bias" in att["o_proj"]:
         out[a + "o_proj.bias"] = to_numpy(att["o_proj"]["bias"], dtype)
+    out.update(kv_scale_tensors(att, a))
     ungu = np.argsort(gate_up_order(F))
     gate, up = np.split(hf_linear(mlp["gate_up_proj"], dtype)[ungu], [F], axis=0)
     out.update({prefix + "mlp.gate_proj.weight": gate, prefix + "mlp.up_proj.weight": up,

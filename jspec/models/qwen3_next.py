@@ -114,7 +114,9 @@ class GatedAttention(nn.Module):
             return jnp.concatenate([apply_rope(t[..., :R], meta.positions, inv_freq, c.rope.cos_sin_scale()),
                                     t[..., R:]], axis=-1)
 
-        o, kv = cached_attention(rope(q), rope(k), v, kv, meta, scale=Dh ** -0.5, tiles=self.tuning.attention)
+        kv_scale = self.get_variable("params", "kv_scale") if self.has_variable("params", "kv_scale") else None
+        o, kv = cached_attention(rope(q), rope(k), v, kv, meta, scale=Dh ** -0.5, tiles=self.tuning.attention,
+                                 kv_scale=kv_scale)
         o = o.reshape(B, T, H * Dh) * jax.nn.sigmoid(gate)
         # one device's heads (`HybridConfig.block`): a float32 partial sum for `sharding.device_sum`
         return Linear(c.hidden_size, c.attention_bias, c.dtype, float32_out=c.per_device, tuning=self.tuning,

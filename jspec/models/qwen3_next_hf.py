@@ -34,7 +34,7 @@ from jspec.models.deepseek_hf import end_tensors
 from jspec.models.deepseek_hf import mlp_params as dense_mlp_params
 from jspec.models.deepseek_hf import mlp_tensors as dense_mlp_tensors
 from jspec.models.llama_hf import rope_from_hf
-from jspec.tensors import Tensors, hf_linear, to_numpy, unstacked_experts
+from jspec.tensors import Tensors, hf_linear, kv_scale_tensors, to_numpy, unstacked_experts
 
 # architectures entry -> (variant, text weights under model.language_model)
 ARCHITECTURES = {
@@ -280,6 +280,9 @@ def attention_params(t: Tensors, a: str, c: HybridConfig) -> dict:
     if c.attention_bias:
         p["qkv_proj"]["bias"] = t.param(*[(n + ".bias", (w,)) for n, w in names])
         p["o_proj"]["bias"] = t.param((a + "o_proj.bias", (D,)))
+    kv_scale = t.kv_scales(a)
+    if kv_scale is not None:  # an FP8 cache's per-layer scales (`cache.kv.cached_attention`)
+        p["kv_scale"] = kv_scale
     return p
 
 
@@ -403,6 +406,7 @@ def attention_tensors(ap: dict, a: str, c: HybridConfig, out: dict):
         qb, kb, vb = np.split(to_numpy(ap["qkv_proj"]["bias"], dt), [2 * H * Dh, 2 * H * Dh + Hkv * Dh])
         out.update({a + "q_proj.bias": qb, a + "k_proj.bias": kb, a + "v_proj.bias": vb,
                     a + "o_proj.bias": to_numpy(ap["o_proj"]["bias"], dt)})
+    out.update(kv_scale_tensors(ap, a))
 
 
 def linear_tensors(lp: dict, a: str, c: HybridConfig, out: dict):
