@@ -177,6 +177,18 @@ class Tensors:
         k, v = (self.tensors.pop(n) for n in names)
         return HostParam([kv_cache_scales(k, v, self.where, names)], np.float32)
 
+    def latent_scale(self, prefix: str) -> HostParam | None:
+        """An MLA layer's FP8 latent-cache scale: `<prefix>k_scale`, as vLLM applies it to
+        the latent rows (a `<prefix>v_scale` beside it is dropped) -> float32 [1], rounded up
+        to a power of two; None where the checkpoint has none."""
+        names = tuple(prefix + n for n in KV_SCALE_NAMES)
+        if names[0] not in self.tensors:
+            self.ignore(names[1])
+            return None
+        k = self.tensors.pop(names[0])
+        v = self.tensors.pop(names[1], k)
+        return HostParam([kv_cache_scales(k, v, self.where, names)[:1]], np.float32)
+
     def take(self, name: str, shape: tuple[int, ...]) -> np.ndarray:
         """A tensor by name and shape; an FP8 weight kept beside its group scales
         (`jspec.quantization`) comes dequantized to float32 (only `linear` keeps it FP8)."""
@@ -299,11 +311,12 @@ class Tensors:
 
 def kv_scale_tensors(attn: dict, prefix: str) -> dict:
     """An attention layer's FP8 KV-cache scales (its `kv_scale` param, if any) as the
-    checkpoint tensors `Tensors.kv_scales` reads: {<prefix>k_scale: [], <prefix>v_scale: []}."""
+    checkpoint tensors `Tensors.kv_scales` (GQA: [2]) or `Tensors.latent_scale` (MLA: [1])
+    read: {<prefix>k_scale: [], <prefix>v_scale: []} or {<prefix>k_scale: []}."""
     if "kv_scale" not in attn:
         return {}
     scales = to_numpy(attn["kv_scale"], "float32")
-    return {prefix + name: scales[i].reshape(()) for i, name in enumerate(KV_SCALE_NAMES)}
+    return {prefix + name: scales[i].reshape(()) for i, name in enumerate(KV_SCALE_NAMES[:scales.shape[0]])}
 
 
 def stacked_experts(tensors, dtype) -> dict:

@@ -571,6 +571,47 @@ def test_fp8_latent_cache(tmp_path):
     assert plan_bytes(plans[0]) - plan_bytes(plans[1]) == (c.num_layers + 1) * rows * 3
 
 
+def test_fp8_latent_cache_scale(tmp_path):
+    """An MLA layer's FP8 latent-cache scale (`self_attn.k_scale`, as vLLM applies it to the
+    latent; a `v_scale` beside it dropped), rounded up to a power of two: a DeepSeek-V3
+    whose latent rows are 4096 times larger (the latent norm and the roped key part times
+    4096, kv_b_proj and the queries' roped part / 4096: the same function), MTP layer
+    included, decodes over an FP8 cache with scale 4096 bit for bit as the original over
+    its own, plainly and with the MTP chain; without the scale the rows clip."""
+    path = str(tmp_path)
+    cfg = save_deepseek_v3_with_mtp(path)
+    dense = jspec.CacheConfig(dtype="float8_e4m3fn")
+    kw = dict(max_new_tokens=10, stop_token_ids=[], logprobs=1)
+    want = jspec.generate(jspec.load(path, dtype="float32"), PROMPTS, cache=dense, **kw)
+    H, Dn, Dr = cfg.num_attention_heads, cfg.qk_nope_head_dim, cfg.qk_rope_head_dim
+    file = os.path.join(path, "model.safetensors")
+    tensors = {k: np.array(v) for k, v in safetensors_io.load(file).items()}
+    layers = sorted({k.split(".")[2] for k in tensors if k.startswith("model.layers.")})
+    big = np.float32(4096)
+    for i in layers:
+        a = f"model.layers.{i}.self_attn."
+        tensors[a + "kv_a_layernorm.weight"] *= big
+        tensors[a + "kv_a_proj_with_mqa.weight"][-Dr:] *= big  # the roped key part
+        tensors[a + "kv_b_proj.weight"] /= big
+        q_b = tensors[a + "q_b_proj.weight"].reshape(H, Dn + Dr, -1)
+        q_b[:, Dn:] /= big  # each head's roped query part
+        tensors[a + "q_b_proj.weight"] = q_b.reshape(H * (Dn + Dr), -1)
+    safetensors_io.save(file, tensors)
+    assert jspec.generate(jspec.load(path, dtype="float32"), PROMPTS, cache=dense, **kw).tokens != want.tokens
+    for i in layers:
+        tensors[f"model.layers.{i}.self_attn.k_scale"] = np.asarray(3000.0, np.float32)  # read as 4096
+        tensors[f"model.layers.{i}.self_attn.v_scale"] = np.asarray(1.0, np.float32)  # dropped
+    safetensors_io.save(file, tensors)
+    params = jspec.load(path, dtype="float32", draft="mtp")
+    np.testing.assert_array_equal(np.asarray(params.weights["params"]["layers_0"]["self_attn"]["kv_scale"]), [4096])
+    got = jspec.generate(params.with_draft(None), PROMPTS, cache=dense, **kw)
+    assert got.tokens == want.tokens
+    assert [[x.logprob for x in r] for r in got.logprobs] == [[x.logprob for x in r] for r in want.logprobs]
+    paged = jspec.CacheConfig(kind="paged", page_size=4, dtype="float8_e4m3fn")
+    assert jspec.generate(params, PROMPTS, cache=paged, spec=jspec.SpecConfig(3, 1, 4), max_new_tokens=10,
+                          stop_token_ids=[]).tokens == want.tokens
+
+
 def test_block_fp8_hybrid_keeps_fp8_and_splits(tmp_path):
     """A block-FP8 Qwen3.5-MoE with its MTP layer (hidden and expert widths 128: one group
     of 128 a row) keeps its projections FP8 in device memory (attention, Gated DeltaNet,

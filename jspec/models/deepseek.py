@@ -166,6 +166,15 @@ class MLAttention(nn.Module):
                                                        w_uk if absorb else None, interleaved=c.rope_interleave,
                                                        eps=LATENT_NORM_EPS)
             q_lat = q_nope = q_first
+        latent_scale = None  # an FP8 cache's per-layer scale (the `kv_scale` param), as `cache.kv.cached_attention`
+        if buf is not None and jnp.dtype(buf.dtype) in FP8_DTYPES and self.has_variable("params", "kv_scale"):
+            # the cache holds rows / s; queries times s and the output times s (powers of
+            # two: exact), so every path reads the cache as it is
+            latent_scale = self.get_variable("params", "kv_scale")[0]
+            q_pe, rows = q_pe * latent_scale.astype(q_pe.dtype), rows / latent_scale.astype(rows.dtype)
+            q_lat = q_lat * latent_scale.astype(q_lat.dtype)
+            if parts is None:
+                q_nope = q_lat
         select = None  # sparse attention's selection (`Indexer`; None: every visible slot)
         if c.index_topk:
             select, ibuf = Indexer(c, tuning, name="indexer")(normed(x, norm), q_latent, cos, sin, ibuf, meta)
@@ -195,6 +204,8 @@ class MLAttention(nn.Module):
         else:  # absorbed: attend over the latent rows (sparse: the selected ones), then up-project the values
             o, buf = cached_mla_attention(q_lat, q_pe, rows, buf, meta, w_uv, scale=c.softmax_scale, tuning=tuning,
                                           index=select)
+        if latent_scale is not None:
+            o = o * latent_scale.astype(o.dtype)
         # one device's heads (`DeepseekConfig.block`): a float32 partial sum for `device_sum`
         out = Linear(c.hidden_size, c.attention_bias, c.dtype, float32_out=c.per_device, row_kernel=True,
                      tuning=tuning, name="o_proj")(o.reshape(B, T, H * Dv), row_invariant=ri)

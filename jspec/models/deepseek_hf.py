@@ -14,7 +14,7 @@ import numpy as np
 from jspec.config import DTYPES, RopeConfig
 from jspec.kernels.moe.route import Routing
 from jspec.models.llama_hf import rope_from_hf
-from jspec.tensors import HostParam, Tensors, hf_linear, to_numpy, unstacked_experts
+from jspec.tensors import HostParam, Tensors, hf_linear, kv_scale_tensors, to_numpy, unstacked_experts
 
 TARGET_ARCHITECTURES = ("DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM", "DeepseekV32ForCausalLM")
 TOPK_METHODS = ("greedy", "group_limited_greedy", "noaux_tc")
@@ -249,6 +249,9 @@ def layer_params(t: Tensors, prefix: str, c: DeepseekConfig, layer: int) -> dict
         attn["o_proj"]["bias"] = t.param((a + "o_proj.bias", (D,)))
     if c.index_topk:
         attn["indexer"] = indexer_params(t, a + "indexer.", c)
+    latent_scale = t.latent_scale(a)
+    if latent_scale is not None:  # an FP8 latent cache's per-layer scale (`models.deepseek.Attention`)
+        attn["kv_scale"] = latent_scale
     m = prefix + "mlp."
     if c.is_moe(layer):
         E, S, Fm = c.n_routed_experts, c.n_shared_experts, c.moe_intermediate_size
@@ -355,9 +358,10 @@ def layer_tensors(lp: dict, pre: str, c: DeepseekConfig, layer: int, out: dict) 
         out[f"{pre}self_attn.{name}.weight"] = np.ascontiguousarray(weight[rows])
         if "bias" in qkv and name != "q_proj":
             out[f"{pre}self_attn.{name}.bias"] = to_numpy(qkv["bias"], dt)[rows]
+    out.update(kv_scale_tensors(lp["self_attn"], f"{pre}self_attn."))
     for name, sub in lp["self_attn"].items():
         key = f"{pre}self_attn.{name}."
-        if name in ("w_uk", "w_uv", "qkv_a_proj"):
+        if name in ("w_uk", "w_uv", "qkv_a_proj", "kv_scale"):
             continue
         if name == "indexer":
             ix = f"{pre}self_attn.indexer."
