@@ -571,6 +571,35 @@ def test_fp8_latent_cache(tmp_path):
     assert plan_bytes(plans[0]) - plan_bytes(plans[1]) == (c.num_layers + 1) * rows * 3
 
 
+def test_fp8_kv_cache_scales_hybrid(tmp_path):
+    """A Qwen3.5 hybrid's gated full-attention layers read their KV-cache scales too: with
+    their values times 4096 (the output projection / 4096) and v_scale 4096 the model
+    decodes over an FP8 cache bit for bit as the original over its own; without the scales
+    the values clip."""
+    from test_qwen3_next import make_hybrid
+    path = str(tmp_path)
+    make_hybrid(path, "qwen3_5")
+    fp8 = jspec.CacheConfig(dtype="float8_e4m3fn")
+    kw = dict(max_new_tokens=10, stop_token_ids=[], logprobs=1)
+    want = jspec.generate(jspec.load(path, dtype="float32"), PROMPTS, cache=fp8, **kw)
+    file = os.path.join(path, "model.safetensors")
+    tensors = {k: np.array(v) for k, v in safetensors_io.load(file).items()}
+    attn = sorted({k[:k.index("self_attn.") + 10] for k in tensors if k.startswith("model.layers.") and
+                   ".self_attn." in k})
+    assert attn  # the full-attention layers
+    for a in attn:
+        tensors[a + "v_proj.weight"] *= np.float32(4096)
+        tensors[a + "o_proj.weight"] /= np.float32(4096)
+    safetensors_io.save(file, tensors)
+    assert jspec.generate(jspec.load(path, dtype="float32"), PROMPTS, cache=fp8, **kw).tokens != want.tokens
+    for a in attn:
+        tensors[a + "k_scale"], tensors[a + "v_scale"] = np.float32(1.0), np.float32(4096.0)
+    safetensors_io.save(file, tensors)
+    got = jspec.generate(jspec.load(path, dtype="float32"), PROMPTS, cache=fp8, **kw)
+    assert got.tokens == want.tokens
+    assert [[x.logprob for x in r] for r in got.logprobs] == [[x.logprob for x in r] for r in want.logprobs]
+
+
 def test_fp8_latent_cache_scale(tmp_path):
     """An MLA layer's FP8 latent-cache scale (`self_attn.k_scale`, as vLLM applies it to the
     latent; a `v_scale` beside it dropped), rounded up to a power of two: a DeepSeek-V3
