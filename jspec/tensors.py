@@ -179,8 +179,8 @@ class Tensors:
 
     def latent_scale(self, prefix: str) -> HostParam | None:
         """An MLA layer's FP8 latent-cache scale: `<prefix>k_scale`, as vLLM applies it to
-        the latent rows (a `<prefix>v_scale` beside it is dropped) -> float32 [1], rounded up
-        to a power of two; None where the checkpoint has none."""
+        the latent rows (a `<prefix>v_scale` beside it is checked, then dropped) -> float32
+        [1], rounded up to a power of two; None where the checkpoint has no k_scale."""
         names = tuple(prefix + n for n in KV_SCALE_NAMES)
         if names[0] not in self.tensors:
             self.ignore(names[1])

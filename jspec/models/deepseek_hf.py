@@ -250,7 +250,7 @@ def layer_params(t: Tensors, prefix: str, c: DeepseekConfig, layer: int) -> dict
     if c.index_topk:
         attn["indexer"] = indexer_params(t, a + "indexer.", c)
     latent_scale = t.latent_scale(a)
-    if latent_scale is not None:  # an FP8 latent cache's per-layer scale (`models.deepseek.Attention`)
+    if latent_scale is not None:  # an FP8 latent cache's per-layer scale (`models.deepseek.MLAttention`)
         attn["kv_scale"] = latent_scale
     m = prefix + "mlp."
     if c.is_moe(layer):
