@@ -11,7 +11,8 @@
 from jspec.config import CacheConfig, ModelConfig, SpecConfig
 from jspec.constraints import Choice, Json, JsonSchema, Regex
 from jspec.tuning import Tuning
-from jspec.api import Compiled, GenerateOutput, SpecStats, clear_caches, compile, generate, logits, stream
+from jspec.api import (Compiled, GenerateOutput, SpecStats, calibrate_kv_scales, clear_caches, compile, generate,
+                       logits, stream)
 from jspec.drafts import DFlashDraft, Draft, Eagle3Draft, EagleDraft, MtpDraft, StandaloneDraft
 from jspec.loading import load, load_draft, shard
 from jspec.loop.proposers.ngram import NgramDraft
@@ -25,4 +26,4 @@ __version__ = "0.1.0"
 __all__ = ["Adaptive", "CacheConfig", "Choice", "Compiled", "DFlashDraft", "Delta", "Draft", "DraftParams", "Eagle3Draft", "EagleDraft", "Engine",
            "EngineError", "GenerateOutput", "Json", "JsonSchema", "ModelConfig", "MtpDraft", "NgramDraft", "Params", "QueueFull", "RequestOutput",
            "Regex", "SpecConfig", "SpecStats", "StandaloneDraft", "StreamChunk", "TokenLogprob", "Tuning", "clear_caches",
-           "compile", "generate", "load", "load_draft", "logits", "shard", "stream"]
+           "calibrate_kv_scales", "compile", "generate", "load", "load_draft", "logits", "shard", "stream"]

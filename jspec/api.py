@@ -1,4 +1,5 @@
-"""The public entry points: `logits`, `compile`, `generate`, `stream` and `Compiled`.
+"""The public entry points: `logits`, `calibrate_kv_scales`, `compile`, `generate`, `stream`
+and `Compiled`.
 
 `compile` checks its input on the host (`jspec.requests`: clear errors before anything
 compiles), makes the `Plan` (`jspec.loop.plan.make_plan`: the compile key, with batch,
@@ -15,6 +16,7 @@ import time
 from typing import Iterator, Sequence
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from jspec import requests as rq
@@ -30,7 +32,8 @@ from jspec.params import Params
 from jspec.results import GenerateOutput, SpecStats, generate_output
 from jspec.streaming import StreamChunk, chunks
 
-__all__ = ["Compiled", "GenerateOutput", "SpecStats", "clear_caches", "compile", "generate", "logits", "stream"]
+__all__ = ["Compiled", "GenerateOutput", "SpecStats", "calibrate_kv_scales", "clear_caches", "compile", "generate",
+           "logits", "stream"]
 
 
 def logits(params: Params, token_ids) -> jax.Array:
@@ -51,6 +54,74 @@ def logits(params: Params, token_ids) -> jax.Array:
     with mesh_of(params):
         tokens, lens = sharding.replicated(params.mesh, (arr, lens))
         return _logits_jit(params.config, params.weights, tokens, lens)
+
+
+def calibrate_kv_scales(params: Params, token_ids) -> Params:
+    """These params with per-layer FP8 KV-cache scales measured on `token_ids` (one list of
+    ids, or a batch of lists), as a checkpoint's `k_scale` / `v_scale` would give them: one
+    forward over the prompts into a float cache, and each attention layer's `kv_scale` set
+    to the powers of two at or above its keys' and values' largest magnitude over E4M3's
+    448 (an MLA layer's: its latent rows'; `quantization.kv_cache_scales`). They matter
+    only with `CacheConfig(dtype="float8_e4m3fn")`, whose cache then holds key / k_scale
+    and value / v_scale, so that the model's own range fits E4M3's. Layers whose measured
+    magnitude is 0 keep scale 1. A later token can still exceed what the prompts showed
+    (it is clipped as at scale 1): calibrate on text like the traffic's."""
+    from jspec.cache.layout import CacheLayout, causal_mask, make_meta
+    from jspec.quantization import E4M3_MAX, power_of_two_at_least
+    rq.check_params(params)
+    batch, _ = rq.prompts(params, token_ids)
+    T = max(len(p) for p in batch)
+    arr = np.zeros((len(batch), T), np.int32)
+    for i, p in enumerate(batch):
+        arr[i, : len(p)] = p
+    lens = np.array([len(p) for p in batch], np.int32)
+    cfg = params.config
+    family = family_for(cfg)
+    layer_keys = [k for k in sorted(params.weights["params"], key=_layer_number)
+                  if k.startswith("layers_") and "self_attn" in params.weights["params"][k]]
+
+    def amax(weights, tokens, lens):
+        layout = CacheLayout(paged=False, capacity=T)
+        pos = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32)[None, :], tokens.shape)
+        valid = pos < lens[:, None]
+        meta = make_meta(layout, None, positions=pos, prefix_len=jnp.zeros_like(lens), local_mask=causal_mask(lens, T),
+                         write_valid=valid, prefill=True)
+        _, _, cache = family.forward(cfg, weights, tokens, family.cache_kind(cfg).init(layout, tokens.shape[0]), meta)
+        out = []
+        for buf in attention_buffers(cache):  # [B, C + 1, 2, Hkv, Dh] (keys, values) or [B, C + 1, Dc + Dr] (latent rows)
+            held = jnp.abs(buf[:, :T].astype(jnp.float32))
+            mask = valid.reshape(valid.shape + (1,) * (held.ndim - 2))
+            held = jnp.where(mask, held, 0.0)
+            out.append(jnp.max(held, axis=(0, 1, 3, 4)) if held.ndim == 5 else jnp.max(held).reshape(1))
+        return out
+    with mesh_of(params):
+        tokens, lens_d = sharding.replicated(params.mesh, (arr, lens))
+        found = jax.jit(amax)(params.weights, tokens, lens_d)
+    if len(found) != len(layer_keys):
+        raise ValueError(f"calibrate_kv_scales: {len(found)} cache buffers for {len(layer_keys)} attention layers; "
+                         f"this model's caches are not laid out one a layer")
+    weights = dict(params.weights)
+    weights["params"] = dict(weights["params"])
+    for key, a in zip(layer_keys, found):
+        a = np.asarray(jax.device_get(a), np.float32)  # [2] keys, values; [1] latent rows
+        scales = np.asarray([power_of_two_at_least(x / E4M3_MAX) if x > 0 else 1.0 for x in a], np.float32)
+        layer = dict(weights["params"][key])
+        layer["self_attn"] = dict(layer["self_attn"], kv_scale=sharding.replicated(params.mesh, scales))
+        weights["params"][key] = layer
+    return dataclasses.replace(params, weights=weights)
+
+
+def attention_buffers(cache) -> tuple:
+    """The per-layer buffers attention reads in any cache kind's cache: GQA keys and values
+    (`KVCache.kv`, a hybrid's `HybridCache.kv.kv`) or MLA latent rows (`LatentCache.latent`)."""
+    if hasattr(cache, "latent"):
+        return cache.latent
+    return cache.kv.kv if hasattr(cache.kv, "kv") else cache.kv
+
+
+def _layer_number(key: str) -> int:
+    """`layers_<i>` -> i (other keys after them)."""
+    return int(key[7:]) if key.startswith("layers_") and key[7:].isdigit() else 1 << 30
 
 
 def mesh_of(params: Params):

@@ -139,8 +139,13 @@ def kv_cache_scales(k_scale, v_scale, where: str, names: tuple[str, str]) -> np.
         x = float(a.reshape(()))
         if not (np.isfinite(x) and x > 0):
             raise ValueError(f"{where}: KV-cache scale {name!r} is {x}; it must be positive and finite")
-        out.append(2.0 ** np.ceil(np.log2(x)))
+        out.append(power_of_two_at_least(x))
     return np.asarray(out, np.float32)
+
+
+def power_of_two_at_least(x: float) -> float:
+    """The smallest power of two >= x > 0 (an FP8 cache's scale, `kv_cache_scales`)."""
+    return float(2.0 ** np.ceil(np.log2(x)))
 
 
 def groups_of(columns: int) -> int:

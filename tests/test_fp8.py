@@ -489,7 +489,9 @@ def test_fp8_kv_cache_scales(tmp_path):
     A model rescaled by powers of two (queries / 4, keys x 4, values x 4096, the output
     projection / 4096: the same function, its values far past E4M3's 448) with scales 4
     and 4096 decodes over an FP8 cache bit for bit as the original does over its own, and
-    without the scales it clips and does not; n-gram and EAGLE-3 speculation over the
+    without the scales it clips and does not; `calibrate_kv_scales` measures powers of
+    two, on the rescaled model the original's times (4, 4096), decoding as the original
+    calibrated bit for bit; n-gram and EAGLE-3 speculation over the
     scaled cache give its plain tokens; export writes the scales back; a scale without its
     pair, or not one positive value, is refused by name."""
     from jspec.export import save_target
@@ -497,7 +499,12 @@ def test_fp8_kv_cache_scales(tmp_path):
     tiny_models.make_model(path, "llama")
     fp8 = jspec.CacheConfig(dtype="float8_e4m3fn")
     kw = dict(max_new_tokens=12, stop_token_ids=[], logprobs=1)
-    want = jspec.generate(jspec.load(path, dtype="float32"), PROMPTS, cache=fp8, **kw)  # the original, scale 1
+    original = jspec.load(path, dtype="float32")
+    want = jspec.generate(original, PROMPTS, cache=fp8, **kw)  # the original, scale 1
+    calibrated = jspec.calibrate_kv_scales(original, PROMPTS)
+    measured = np.asarray(calibrated.weights["params"]["layers_1"]["self_attn"]["kv_scale"])
+    assert np.all(np.exp2(np.round(np.log2(measured))) == measured)  # powers of two
+    want_calibrated = jspec.generate(calibrated, PROMPTS, cache=fp8, **kw)
     file = os.path.join(path, "model.safetensors")
     tensors = {k: np.array(v) for k, v in safetensors_io.load(file).items()}
     layers = sorted({k.split(".")[2] for k in tensors if k.startswith("model.layers.")})
@@ -505,6 +512,13 @@ def test_fp8_kv_cache_scales(tmp_path):
         tensors[f"model.layers.{i}.self_attn.{name}_proj.weight"] *= np.float32(factor)
     safetensors_io.save(file, tensors)
     unscaled = jspec.load(path, dtype="float32")
+    # calibration sees the rescaled range: scales times (4, 4096), the same decoding bit for bit
+    recalibrated = jspec.calibrate_kv_scales(unscaled, PROMPTS)
+    np.testing.assert_array_equal(np.asarray(recalibrated.weights["params"]["layers_1"]["self_attn"]["kv_scale"]),
+                                  measured * [4, 4096])
+    got = jspec.generate(recalibrated, PROMPTS, cache=fp8, **kw)
+    assert got.tokens == want_calibrated.tokens
+    assert [[x.logprob for x in r] for r in got.logprobs] == [[x.logprob for x in r] for r in want_calibrated.logprobs]
     for i in layers:
         tensors[f"model.layers.{i}.self_attn.k_scale"] = np.asarray(3.0, np.float32)  # read as 4
         tensors[f"model.layers.{i}.self_attn.v_scale"] = np.asarray([4000.0], np.float32)  # read as 4096
@@ -606,12 +620,19 @@ def test_fp8_latent_cache_scale(tmp_path):
     whose latent rows are 4096 times larger (the latent norm and the roped key part times
     4096, kv_b_proj and the queries' roped part / 4096: the same function), MTP layer
     included, decodes over an FP8 cache with scale 4096 bit for bit as the original over
-    its own, plainly and with the MTP chain; without the scale the rows clip."""
+    its own, plainly and with the MTP chain; without the scale the rows clip;
+    `calibrate_kv_scales` measures the original's scale times 4096 on it, decoding as the
+    original calibrated bit for bit."""
     path = str(tmp_path)
     cfg = save_deepseek_v3_with_mtp(path)
     dense = jspec.CacheConfig(dtype="float8_e4m3fn")
     kw = dict(max_new_tokens=10, stop_token_ids=[], logprobs=1)
-    want = jspec.generate(jspec.load(path, dtype="float32"), PROMPTS, cache=dense, **kw)
+    original = jspec.load(path, dtype="float32")
+    want = jspec.generate(original, PROMPTS, cache=dense, **kw)
+    calibrated = jspec.calibrate_kv_scales(original, PROMPTS)
+    measured = np.asarray(calibrated.weights["params"]["layers_1"]["self_attn"]["kv_scale"])
+    assert measured.shape == (1,)
+    want_calibrated = jspec.generate(calibrated, PROMPTS, cache=dense, **kw)
     H, Dn, Dr = cfg.num_attention_heads, cfg.qk_nope_head_dim, cfg.qk_rope_head_dim
     file = os.path.join(path, "model.safetensors")
     tensors = {k: np.array(v) for k, v in safetensors_io.load(file).items()}
@@ -626,7 +647,14 @@ def test_fp8_latent_cache_scale(tmp_path):
         q_b[:, Dn:] /= big  # each head's roped query part
         tensors[a + "q_b_proj.weight"] = q_b.reshape(H * (Dn + Dr), -1)
     safetensors_io.save(file, tensors)
-    assert jspec.generate(jspec.load(path, dtype="float32"), PROMPTS, cache=dense, **kw).tokens != want.tokens
+    rescaled = jspec.load(path, dtype="float32")
+    assert jspec.generate(rescaled, PROMPTS, cache=dense, **kw).tokens != want.tokens
+    recalibrated = jspec.calibrate_kv_scales(rescaled, PROMPTS)  # the original's scale times 4096
+    np.testing.assert_array_equal(np.asarray(recalibrated.weights["params"]["layers_1"]["self_attn"]["kv_scale"]),
+                                  measured * 4096)
+    got = jspec.generate(recalibrated, PROMPTS, cache=dense, **kw)
+    assert got.tokens == want_calibrated.tokens
+    assert [[x.logprob for x in r] for r in got.logprobs] == [[x.logprob for x in r] for r in want_calibrated.logprobs]
     for i in layers:
         tensors[f"model.layers.{i}.self_attn.k_scale"] = np.asarray(3000.0, np.float32)  # read as 4096
         tensors[f"model.layers.{i}.self_attn.v_scale"] = np.asarray(1.0, np.float32)  # dropped
