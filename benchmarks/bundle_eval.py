@@ -43,8 +43,10 @@ outputs, and the EAGLE-3 chain's tau with each.
      PYTHONPATH=. python3 benchmarks/bundle_eval.py fp8 [--prompts 16] [--dtype float32] [--kv-cache]
 Result: $OUT/bundle_fp8_<backend>_<dtype>.json
 --kv-cache: the same with the trained weights and keys and values stored in FP8
-(`CacheConfig(dtype="float8_e4m3fn")`) against the model's dtype (no teacher-forced figure:
-a prompt's own pass attends to its unrounded keys). Result: bundle_fp8_kv_<backend>_<dtype>.json
+(`CacheConfig(dtype="float8_e4m3fn")`) against the model's dtype, at scale 1 and with
+scales from `jspec.calibrate_kv_scales` on as many other held-out prompts (no
+teacher-forced figure: a prompt's own pass attends to its unrounded keys). Result:
+bundle_fp8_kv_<backend>_<dtype>.json
 """
 from __future__ import annotations
 
@@ -260,34 +262,38 @@ def fp8_quality(argv):
     res = {"env": env_info(), "dtype": dtype, "new_tokens": NEW, "rows": {}}
     outs, targets = {}, []
     fp8_cache = jspec.CacheConfig(dtype="float8_e4m3fn")
-    settings = ((("cache in the model's dtype", None, None), ("FP8 KV cache", None, fp8_cache)) if kv else
+    settings = ((("cache in the model's dtype", None, None), ("FP8 KV cache", None, fp8_cache),
+                 ("FP8 KV cache, calibrated scales", "calibrate", fp8_cache)) if kv else
                 (("weights as trained", None, None), ("FP8 weights (online, 128 x 128 blocks)", "fp8", None)))
     for name, quant, cache in settings:
-        target = jspec.load(os.path.join(root, "target"), dtype=dtype, quantization=quant)
+        target = jspec.load(os.path.join(root, "target"), dtype=dtype, quantization=quant if quant == "fp8" else None)
+        prompts, others = (lambda ps: (ps[:args.prompts], ps[args.prompts:]))(
+            held_out_prompts(target.tokenizer, 2 * args.prompts))
+        if quant == "calibrate":  # scales from other held-out prompts than those evaluated
+            target = jspec.calibrate_kv_scales(target, others)
         targets.append(target)
         eagle3 = target.with_draft(jspec.load_draft(os.path.join(root, "eagle3"), target))
-        prompts = held_out_prompts(target.tokenizer, args.prompts)
         plain = jspec.generate(target, prompts, max_new_tokens=NEW, stop_token_ids=[], cache=cache)
         spec = jspec.generate(eagle3, prompts, max_new_tokens=NEW, stop_token_ids=[], spec=jspec.SpecConfig(3),
                               cache=cache)
         outs[name] = plain.tokens
         res["rows"][name] = {"tau": float(spec.stats.mean_accept_length),
                              "spec_equals_plain": float(np.mean([a == b for a, b in zip(spec.tokens, plain.tokens)]))}
-    ref, got = outs.values()
-    same = [sum(x == y for x, y in zip(a, b)) / len(a) for a, b in zip(ref, got)]
-    prefix = [(len(a) if first_diff(a, b) is None else first_diff(a, b)) / len(a) for a, b in zip(ref, got)]
-    # Teacher-forced: the FP8 model's greedy choice at every position of the trained model's own output
-    # (weights only: `jspec.logits` reads no cache, and a prompt's own pass attends to its unrounded keys).
-    forced = []
-    for p, out in zip(prompts, ref if not kv else ()):
-        logits = np.asarray(jspec.logits(targets[1], [p + out]))[0, len(p) - 1:-1]
-        forced.append(float(np.mean(np.argmax(logits, axis=-1) == np.asarray(out))))
-    res["agreement"] = {"teacher_forced": float(np.mean(forced)) if forced else None,
-                        "positions_equal": float(np.mean(same)),
-                        "tokens_before_first_difference": float(np.mean(prefix)),
-                        "prompts_identical": float(np.mean([a == b for a, b in zip(ref, got)]))}
-    taus = [r["tau"] for r in res["rows"].values()]
-    res["tau_ratio"] = taus[1] / taus[0]
+    ref = next(iter(outs.values()))
+    for (name, got), target in zip(list(outs.items())[1:], targets[1:]):
+        same = [sum(x == y for x, y in zip(a, b)) / len(a) for a, b in zip(ref, got)]
+        prefix = [(len(a) if first_diff(a, b) is None else first_diff(a, b)) / len(a) for a, b in zip(ref, got)]
+        # Teacher-forced: the FP8 model's greedy choice at every position of the trained model's own output
+        # (weights only: `jspec.logits` reads no cache, and a prompt's own pass attends to its unrounded keys).
+        forced = []
+        for p, out in zip(prompts, ref if not kv else ()):
+            logits = np.asarray(jspec.logits(target, [p + out]))[0, len(p) - 1:-1]
+            forced.append(float(np.mean(np.argmax(logits, axis=-1) == np.asarray(out))))
+        res["rows"][name]["agreement"] = {
+            "teacher_forced": float(np.mean(forced)) if forced else None, "positions_equal": float(np.mean(same)),
+            "tokens_before_first_difference": float(np.mean(prefix)),
+            "prompts_identical": float(np.mean([a == b for a, b in zip(ref, got)]))}
+        res["rows"][name]["tau_ratio"] = res["rows"][name]["tau"] / res["rows"][next(iter(outs))]["tau"]
     print(json.dumps(res, indent=1), flush=True)
     print("saved", save_json(f"bundle_fp8{'_kv' if kv else ''}_{jax.default_backend()}_{dtype}.json", res))
 

@@ -218,7 +218,8 @@ class CacheConfig:
     "float8_e4m3fn": FP8 (E4M3), half a bf16 cache's bytes. Keys and values are rounded
     to E4M3 as they are written (clipped to +-448, scale 1: vLLM's default when a
     checkpoint carries no calibrated scales; a checkpoint's per-layer `k_scale` /
-    `v_scale` divide them first, `cache.kv.cached_attention`) and widened where attention reads them: by
+    `v_scale`, or those `jspec.calibrate_kv_scales` measures, divide them first,
+    `cache.kv.cached_attention`) and widened where attention reads them: by
     the GQA decode and row-invariant kernels block by block (half a bf16 cache's reads),
     by the jnp references elsewhere (MLA latent caches, whose kernels do not take FP8, and
     with which the row-invariant mode is off). Every cache kind: GQA (Llama, Qwen2/3,

@@ -40,7 +40,8 @@ projection weights rounded to block FP8 as a block-FP8 checkpoint would hold the
 the same way: the numerics of FP8 weights (not of FP8 activations). Not built: FP8 x FP8 products
 (FP8 activations; measured in docs/experiments.md, "FP8 products at decode rows"). The
 FP8 KV cache is `CacheConfig(dtype="float8_e4m3fn")`; a checkpoint's per-layer KV-cache scales
-(`self_attn.k_scale`, `v_scale`) are read by `kv_cache_scales`.
+(`self_attn.k_scale`, `v_scale`) are read by `kv_cache_scales`, or measured by
+`jspec.calibrate_kv_scales`.
 """
 from __future__ import annotations
 
