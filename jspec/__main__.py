@@ -474,7 +474,8 @@ def serve_parser() -> _Parser:
     ap.add_argument("--rounds-per-chunk", type=_int(1), default=4, help="rounds between admissions (default: 4)")
     ap.add_argument("--kv-cache-dtype", choices=["auto", "fp8", "fp8_e4m3"], default="auto",
                     help="what keys and values are stored in: auto (the model's dtype) or fp8 / fp8_e4m3 (E4M3, "
-                         "half a bf16 cache's pages; GQA and MLA latent caches)")
+                         "half a bf16 cache's pages; GQA and MLA latent caches; divided by the checkpoint's "
+                         "per-layer k_scale / v_scale where it has them)")
     ap.add_argument("--kv-cache-tokens", type=_int(1), default=None, metavar="N",
                     help="the page pool's size in tokens (pages of 16), shared by every request: a request is admitted "
                          "while its prompt and a little growth fit, and the latest is preempted (and later resumes) "
