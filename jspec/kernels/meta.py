@@ -86,15 +86,15 @@ def slot_blocks(buf: jax.Array, page_table: jax.Array | None, block: int):
     64, then (paged) to whole pages; give a multiple of 64 for cuDNN's fused attention.
     Paged: only block i's pages are gathered, so a loop over the blocks a prefix needs
     holds one block of each row, not the row's whole table (at a 128k context, 512 MiB a
-    row of an 8B layer's keys and values). Dense: a slice of the buffer (padded to whole
-    blocks)."""
+    row of an 8B layer's keys and values). Dense: the block's slots taken from the buffer,
+    those past its end clamped to its last (padding the buffer to whole blocks instead
+    copied all of it at every read: docs/experiments.md, "The dense cache's prefill gap")."""
     page = buf.shape[1] if page_table is not None else 1
     slots = page_table.shape[1] * page if page_table is not None else buf.shape[1]
     cols = -(-min(block, -(-slots // 64) * 64) // page)
     block = cols * page
     if page_table is None:
-        padded = jnp.pad(buf, [(0, 0), (0, -slots % block)] + [(0, 0)] * (buf.ndim - 2))
-        return (lambda i: lax.dynamic_slice_in_dim(padded, i * block, block, axis=1)), block
+        return (lambda i: jnp.take(buf, i * block + jnp.arange(block), axis=1, mode="clip")), block
     table = jnp.pad(page_table, [(0, 0), (0, -page_table.shape[1] % cols)])  # (page 0: past every prefix)
     return (lambda i: read_kv(buf, lax.dynamic_slice_in_dim(table, i * cols, cols, axis=1))), block
 
