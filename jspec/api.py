@@ -41,16 +41,7 @@ def logits(params: Params, token_ids) -> jax.Array:
 
     Rows of unequal length are right-padded; positions past a row's length hold padding.
     """
-    rq.check_params(params)
-    if isinstance(token_ids, str) or (isinstance(token_ids, (list, tuple)) and
-                                      any(isinstance(t, str) for t in token_ids)):
-        raise TypeError("jspec.logits takes token ids, not strings")
-    batch, _ = rq.prompts(params, token_ids)
-    T = max(len(p) for p in batch)
-    arr = np.zeros((len(batch), T), np.int32)
-    for i, p in enumerate(batch):
-        arr[i, : len(p)] = p
-    lens = np.array([len(p) for p in batch], np.int32)
+    arr, lens = padded_ids(params, token_ids, "jspec.logits")
     with mesh_of(params):
         tokens, lens = sharding.replicated(params.mesh, (arr, lens))
         return _logits_jit(params.config, params.weights, tokens, lens)
@@ -68,13 +59,8 @@ def calibrate_kv_scales(params: Params, token_ids) -> Params:
     (it is clipped as at scale 1): calibrate on text like the traffic's."""
     from jspec.cache.layout import CacheLayout, causal_mask, make_meta
     from jspec.quantization import E4M3_MAX, power_of_two_at_least
-    rq.check_params(params)
-    batch, _ = rq.prompts(params, token_ids)
-    T = max(len(p) for p in batch)
-    arr = np.zeros((len(batch), T), np.int32)
-    for i, p in enumerate(batch):
-        arr[i, : len(p)] = p
-    lens = np.array([len(p) for p in batch], np.int32)
+    arr, lens = padded_ids(params, token_ids, "jspec.calibrate_kv_scales")
+    T = arr.shape[1]
     cfg = params.config
     family = family_for(cfg)
     layer_keys = [k for k in sorted(params.weights["params"], key=_layer_number)
@@ -109,6 +95,20 @@ def calibrate_kv_scales(params: Params, token_ids) -> Params:
         layer["self_attn"] = dict(layer["self_attn"], kv_scale=sharding.replicated(params.mesh, scales))
         weights["params"][key] = layer
     return dataclasses.replace(params, weights=weights)
+
+
+def padded_ids(params: Params, token_ids, caller: str) -> tuple[np.ndarray, np.ndarray]:
+    """Token ids (one list, or a batch of lists; checked) -> (ids [B, T] int32 right-padded
+    with 0, lengths [B] int32). TypeError: strings instead of ids."""
+    rq.check_params(params)
+    if isinstance(token_ids, str) or (isinstance(token_ids, (list, tuple)) and
+                                      any(isinstance(t, str) for t in token_ids)):
+        raise TypeError(f"{caller} takes token ids, not strings")
+    batch, _ = rq.prompts(params, token_ids)
+    arr = np.zeros((len(batch), max(len(p) for p in batch)), np.int32)
+    for i, p in enumerate(batch):
+        arr[i, : len(p)] = p
+    return arr, np.array([len(p) for p in batch], np.int32)
 
 
 def attention_buffers(cache) -> tuple:
