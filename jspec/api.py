@@ -52,7 +52,7 @@ def calibrate_kv_scales(params: Params, token_ids) -> Params:
     ids, or a batch of lists), as a checkpoint's `k_scale` / `v_scale` would give them: one
     forward over the prompts into a float cache, and each attention layer's `kv_scale` set
     to the powers of two at or above its keys' and values' largest magnitude over E4M3's
-    448 (an MLA layer's: its latent rows'; `quantization.kv_cache_scales`). They matter
+    448 (an MLA layer's: its latent rows'; `quantization.power_of_two_at_least`). They matter
     only with `CacheConfig(dtype="float8_e4m3fn")`, whose cache then holds key / k_scale
     and value / v_scale, so that the model's own range fits E4M3's. Layers whose measured
     magnitude is 0 keep scale 1. A later token can still exceed what the prompts showed
@@ -85,7 +85,7 @@ def calibrate_kv_scales(params: Params, token_ids) -> Params:
         found = jax.jit(amax)(params.weights, tokens, lens_d)
     if len(found) != len(layer_keys):
         raise ValueError(f"calibrate_kv_scales: {len(found)} cache buffers for {len(layer_keys)} attention layers; "
-                         f"this model's caches are not laid out one a layer")
+                         f"this model's caches are not laid out one per attention layer")
     weights = dict(params.weights)
     weights["params"] = dict(weights["params"])
     for key, a in zip(layer_keys, found):
