@@ -677,6 +677,7 @@ TUNINGS: dict[str, dict] = {
     "xla_rows": {"experts": {"matvec_max_rows": 0}},  # one-row dense products as XLA's (padded) products
     "matvec4": {"experts": {"matvec_max_rows": 4}},  # `matvec` (and `mla_inputs`) for the verify's rows too
     "matvec_auto": {"experts": {"matvec_block_n": 128, "matvec_splits": None}},
+    "mosaic_experts_off": {"experts": {"mosaic_pairs": 0}},  # FP8 experts through the Triton kernel, not Mosaic
     # the FP8 product kernel's one-row (CUDA-core) tiles: Tuning.fp8
     "fp8_vec128": {"fp8": {"vector_block_n": 128, "min_split_groups": 1}},
     "fp8_vec128_sg2": {"fp8": {"vector_block_n": 128}},

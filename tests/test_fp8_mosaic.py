@@ -174,3 +174,92 @@ def test_rows_next_to_powers_of_two(top):
     exact = np.asarray(x, np.float32).astype(np.float64) @ (np.asarray(w, np.float32).reshape(K // 128, 128, N)
                                                              * np.asarray(scale)[:, None]).reshape(K, N)
     assert float(np.linalg.norm(y - exact) / np.linalg.norm(exact)) < 1e-3
+
+
+# ---- one expert a pair (`fp8_pairs_mosaic`, `experts.mosaic_experts`) ----------------------
+
+def expert_stack(seed: int, n: int, k: int = K, cols: int = N):
+    k1, k2 = jax.random.split(jax.random.key(seed))
+    w = jnp.clip(jax.random.normal(k1, (n, k, cols)) * 100.0, -448, 448).astype(jnp.float8_e4m3fn)
+    scale = jax.random.uniform(k2, (n, k // 128, cols), jnp.float32, 0.5, 2.0) / 448.0
+    return w, scale
+
+
+def pairs_exact(x, ids, stacks):
+    """Each pair's product in float64 from the exact weights (FP8 value x its group's scale)
+    of the concatenated stacks [(w, scale), ...]; a zero row for an id naming no expert."""
+    w = np.concatenate([np.asarray(s[0], np.float32) for s in stacks])
+    sc = np.concatenate([np.asarray(s[1]) for s in stacks])
+    E, Kw, Nw = w.shape
+    wf = (w.reshape(E, Kw // 128, 128, Nw) * sc[:, :, None]).reshape(E, Kw, Nw).astype(np.float64)
+    xf = np.asarray(x, np.float32).astype(np.float64)
+    return np.stack([xf[p] @ wf[e] if 0 <= e < E else np.zeros(Nw) for p, e in enumerate(np.asarray(ids))])
+
+
+@pytest.mark.parametrize("tiles", [dict(num_splits=1), dict(num_splits=2, block_n=64)])
+def test_pairs_equal_exact_products(tiles):
+    """Row p = x[p] @ (its expert's FP8 weight x scales), experts from the stack or the extra
+    stack (ids E..), a zero row for ids naming no expert (-1, past the extra stack), one split
+    (the kernel writes the rows) or two (float32 partial sums)."""
+    w, scale = expert_stack(1, 3)
+    extra = expert_stack(2, 1)
+    x = (jax.random.normal(jax.random.key(3), (6, K)) * 3.0).astype(jnp.bfloat16)
+    ids = jnp.asarray([2, 0, 3, -1, 2, 4], jnp.int32)
+    y = mosaic.fp8_pairs_mosaic(x, ids, w, scale, *extra, float32_out=True, interpret=True, stages=2, **tiles)
+    want = pairs_exact(x, ids, [(w, scale), extra])
+    assert y.shape == (6, N) and y.dtype == jnp.float32
+    y = np.asarray(y, np.float64)
+    assert (y[[3, 5]] == 0).all()
+    assert np.linalg.norm(y - want) / np.linalg.norm(want) < 1e-6
+    # every pair reads its own expert: ids shifted by one are far off
+    assert np.linalg.norm(y - pairs_exact(x, (ids + 1) % 4, [(w, scale), extra])) / np.linalg.norm(want) > 0.5
+    assert not mosaic.pairs_supported(x, ids, w, scale, extra[0], None)  # extra without its scales
+    assert not mosaic.pairs_supported(x, ids[:5], w, scale)  # a row per pair
+    assert not mosaic.pairs_supported(x, ids, w[:, :, :96], scale[:, :, :96])  # N not a multiple of 64
+
+
+def test_moe_experts_dispatch_to_pairs(monkeypatch):
+    """`experts.moe_experts` on FP8 stacks runs `mosaic_experts` on a Hopper GPU (faked: the
+    kernel interpreted) for at most `ExpertTiles.mosaic_pairs` pairs, not in the row-invariant
+    mode (as_tokens) and not for bfloat16 stacks; its output is the expert MLP's (x @ gate_up
+    rounded to bfloat16, silu(gate) * up in bfloat16, @ down) from the exact FP8 weights."""
+    from jspec.kernels import dispatch
+    from jspec.kernels.moe import experts as ex
+
+    D, Fm = K, 128
+    gate_up, gu_scale = expert_stack(4, 3, D, 2 * Fm)
+    down, down_scale = expert_stack(5, 3, Fm, D)
+    sgu, sgu_scale = expert_stack(6, 1, D, 2 * Fm)
+    sdown, sdown_scale = expert_stack(7, 1, Fm, D)
+    x = (jax.random.normal(jax.random.key(8), (2, D)) * 0.02).astype(jnp.bfloat16)
+    ids = jnp.asarray([[2, 0, 3], [1, -1, 3]], jnp.int32)
+    args = (x, ids, gate_up, down, (sgu, sdown), 3)
+    kw = dict(scales=(gu_scale, down_scale), extra_scales=(sgu_scale, sdown_scale))
+    monkeypatch.setattr(mosaic, "on_hopper", lambda: True)
+
+    def path(*a, **k):
+        with dispatch.use_backend("pallas"):
+            text = str(jax.make_jaxpr(lambda: ex.moe_experts(*a, **k))())
+        return "mosaic" if "jspec_fp8_pairs_mosaic" in text else "other"
+
+    assert path(*args, **kw) == "mosaic"
+    assert path(*args, **kw, tiles=ex.ExpertTiles(mosaic_pairs=5)) == "other"  # 6 pairs
+    assert path(*args, **kw, as_tokens=1) == "other"
+    from jspec.quantization import dequantize_kernel
+    down_bf16 = jax.vmap(lambda w, s: dequantize_kernel(w, s, jnp.bfloat16))(down, down_scale)
+    assert path(x, ids, gate_up, down_bf16, None, 3, scales=(gu_scale, None)) == "other"  # down not FP8
+    assert path(x, ids, gate_up, down, None, 3, scales=kw["scales"]) == "mosaic"  # no extra experts
+    monkeypatch.setattr(mosaic, "on_hopper", lambda: False)
+    assert path(*args, **kw) == "other"
+    monkeypatch.setattr(mosaic, "on_hopper", lambda: True)
+
+    with dispatch.use_backend("pallas"):
+        y = np.asarray(ex.moe_experts(*args, **kw), np.float64)  # [6, D]
+    flat = ids.reshape(-1)
+    xs = jnp.repeat(x, 3, axis=0)
+    h = jnp.asarray(pairs_exact(xs, flat, [(gate_up, gu_scale), (sgu, sgu_scale)]), jnp.float32).astype(jnp.bfloat16)
+    a = ex.silu_mul(h[:, :Fm], h[:, Fm:])
+    want = pairs_exact(a, flat, [(down, down_scale), (sdown, sdown_scale)])
+    assert (y[4] == 0).all()
+    assert np.linalg.norm(y - want) / np.linalg.norm(want) < 1e-2
+    assert np.abs(y - want).max() < 2e-2 * np.abs(want).max()

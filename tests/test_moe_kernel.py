@@ -277,3 +277,43 @@ def test_expert_matmul_norm_prologue(dtype, Din, tiles):
         me.expert_matmul(x, ids, w, norm=(weight[:-1], 1e-6), interpret=True)
     with pytest.raises(ValueError, match="eps"):
         me.expert_matmul(x, ids, w, norm=(weight, -1.0), interpret=True)
+
+
+def test_fp8_stacks_past_int32_offsets_refused(monkeypatch):
+    """Pallas' Triton lowering indexes arrays of at most 2^32 bytes with signed 32-bit
+    offsets, so an FP8 stack of 2^31 to 2^32 elements (DeepSeek-V3's 256 down experts) would
+    be read at wrapped offsets: the Triton expert, grouped and attention kernels refuse such
+    arrays and their dispatch takes the reference (or, on Hopper, the Mosaic pair kernel)."""
+    from types import SimpleNamespace
+
+    from jspec.kernels.attention import decode
+    from jspec.kernels.moe import grouped
+    from jspec.kernels.tiling import wraps_triton_offsets
+
+    S = jax.ShapeDtypeStruct
+    f8 = jnp.float8_e4m3fn
+    down = S((256, 2048, 7168), f8)  # 3.76e9 elements, 3.76 GB
+    assert wraps_triton_offsets(down)
+    assert not wraps_triton_offsets(S((256, 7168, 4096), f8))  # past 2^32 bytes: 64-bit offsets
+    assert not wraps_triton_offsets(S((256, 2048, 7168), jnp.bfloat16))  # 7.5 GB: 64-bit
+    assert not wraps_triton_offsets(S((146, 2048, 7168), f8))  # under 2^31 elements
+    assert wraps_triton_offsets(S((512, 4096, 2048), f8))  # exactly 2^32 bytes: still 32-bit
+    gate_up = S((256, 7168, 4096), f8)
+    scales = (S((256, 56, 4096), jnp.float32), S((256, 16, 7168), jnp.float32))
+    x, ids = S((1, 7168), jnp.bfloat16), S((1, 9), jnp.int32)
+    assert not me.is_supported(x, ids, gate_up, down, scales=scales)
+    fewer = (S((64, 7168, 4096), f8), S((64, 2048, 7168), f8))  # 1.9e9 and 0.9e9 elements
+    fewer_scales = (S((64, 56, 4096), jnp.float32), S((64, 16, 7168), jnp.float32))
+    assert me.is_supported(x, ids, *fewer, scales=fewer_scales)
+    rows, table = S((4096, 7168), jnp.bfloat16), S((4096, 8), jnp.int32)
+    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")  # the dispatch as on a GPU
+    with dispatch.use_backend("auto"):
+        assert not grouped.uses_kernel(rows, table, gate_up, down, scales=scales)
+        assert grouped.uses_kernel(rows, table, *fewer, scales=fewer_scales)
+    monkeypatch.undo()
+    with pytest.raises(ValueError, match="32-bit offsets"):
+        grouped.grouped_matmul(S((4096, 2048), jnp.bfloat16), S((256,), jnp.int32), down, block_m=16,
+                               w_scale=scales[1])
+    with pytest.raises(ValueError, match="32-bit offsets"):  # an FP8 pool of 2^32 bytes
+        decode.check_attention_args(S((1, 1, 8, 128), jnp.bfloat16), S((2 ** 20, 16, 2, 1, 128), f8),
+                                    SimpleNamespace(prefill=False), 0)

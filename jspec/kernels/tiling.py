@@ -3,6 +3,7 @@ last chunk of an axis that a tile does not divide, the dtypes the kernels take, 
 in a fixed order (row-invariant numerics)."""
 from __future__ import annotations
 
+import math
 import numbers
 import operator
 
@@ -10,6 +11,17 @@ import jax.numpy as jnp
 from jax import lax
 
 KERNEL_DTYPES = (jnp.float32, jnp.bfloat16, jnp.float16)  # the array dtypes the Pallas kernels take
+
+
+def wraps_triton_offsets(a) -> bool:
+    """Whether Pallas' Triton lowering would index array `a` with wrapping offsets: it
+    computes element offsets in signed 32-bit integers for arrays of at most 2^32 bytes
+    (64-bit above; jax 0.10-0.11), so an array of 1-byte elements (FP8) with 2^31 to 2^32
+    elements reads the wrong place past element 2^31. Found on an H200: DeepSeek-V3's 256
+    FP8 down experts [256, 2048, 7168] gave NaN (docs/benchmarks.md). The Triton kernels
+    refuse such arrays; their dispatch then takes another path."""
+    n = math.prod(getattr(a, "shape", ()))
+    return n >= 2 ** 31 and n * jnp.dtype(a.dtype).itemsize <= 2 ** 32
 
 
 def is_pow2(n) -> bool:

@@ -380,7 +380,8 @@ class MoE(nn.Module):
             y = moe_experts.moe_experts(xs, ids, experts["gate_up"], experts["down"], extra, r.slots,
                                         norm=norm, tiles=tuning.experts, as_tokens=1 if row_invariant else None,
                                         scales=expert_scales(experts),
-                                        extra_scales=expert_scales(shared) if S else None)  # [N*(k+S), D]
+                                        extra_scales=expert_scales(shared) if S else None,
+                                        mosaic_tiles=tuning.fp8_mosaic)  # [N*(k+S), D]
             y = y.reshape(B * T, r.slots, D)
             if row_invariant:  # slot order, elementwise
                 out = in_order_sum(jnp.moveaxis(y * weights[:, :r.slots, None], 1, 0))
@@ -405,7 +406,8 @@ class MoE(nn.Module):
         N, j = table.shape
         if few:
             y = moe_experts.moe_experts(xs, table, stack["gate_up"], stack["down"], None, j, norm=norm,
-                                        tiles=self.tuning.experts, scales=expert_scales(stack))  # [N*j, D]
+                                        tiles=self.tuning.experts, scales=expert_scales(stack),
+                                        mosaic_tiles=self.tuning.fp8_mosaic)  # [N*j, D]
         else:
             y = moe_grouped.grouped(normed(xs, norm), table, stack["gate_up"], stack["down"],
                                     tiles=self.tuning.grouped, scales=expert_scales(stack)).astype(jnp.float32)

@@ -257,7 +257,8 @@ class SparseMoe(nn.Module):
             ids = jnp.where((local >= 0) & (local < E // n), local, -1)
         if B * T * k < E:
             y = moe_experts.moe_experts(xs, ids, experts["gate_up"], experts["down"], None, k,
-                                        tiles=tuning.experts, scales=expert_scales(experts))  # [N*k, D]
+                                        tiles=tuning.experts, scales=expert_scales(experts),
+                                        mosaic_tiles=tuning.fp8_mosaic)  # [N*k, D]
             out = jnp.einsum("nkd,nk->nd", y.reshape(B * T, k, D).astype(jnp.float32), weights[:, :k])
         else:
             y = moe_grouped.grouped(xs, ids, experts["gate_up"], experts["down"], tiles=tuning.grouped,

@@ -51,7 +51,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 from jspec.kernels.meta import AttnMeta, pool_rows, read_kv
-from jspec.kernels.tiling import KERNEL_DTYPES, half_factor, is_pow2, pow2_ceil
+from jspec.kernels.tiling import KERNEL_DTYPES, half_factor, is_pow2, pow2_ceil, wraps_triton_offsets
 from jspec.quantization import FP8_DTYPES
 
 
@@ -526,6 +526,9 @@ def check_attention_args(q, kv_buf, meta: AttnMeta, window) -> None:
         raise TypeError(f"q dtype {q.dtype} is not float32, bfloat16 or float16")
     if q.dtype != kv_buf.dtype and jnp.dtype(kv_buf.dtype) not in FP8_DTYPES:
         raise TypeError(f"q and cache dtypes differ: {q.dtype}, {kv_buf.dtype} (the cache must be q's dtype or FP8)")
+    if wraps_triton_offsets(kv_buf):
+        raise ValueError(f"the cache {kv_buf.dtype} {kv_buf.shape} has 2^31 or more elements in at most 2^32 bytes, "
+                         f"which Pallas' Triton lowering indexes with wrapping 32-bit offsets")
     B, T, H, Dh = q.shape
     Hkv = kv_buf.shape[3]
     if not (is_pow2(Dh) and Dh >= 16):

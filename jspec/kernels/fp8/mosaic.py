@@ -494,3 +494,133 @@ def fp8_matmul_mosaic(x, w, scale, *, out_dtype=None, float32_out: bool = False,
     y = in_order_sum(out[:, :M]) if a_regs else in_order_sum(out[:, :, :M]).T  # [M, N]: the padding rows dropped
     y = y * factor
     return y.astype(dtype).reshape(x.shape[:-1] + (N,))
+
+
+# ---- one expert a pair: MoE decode's routed (and shared) experts --------------------------
+
+
+def pairs_supported(x, ids, w, scale, extra=None, extra_scale=None) -> bool:
+    """Whether `fp8_pairs_mosaic` takes these arguments: x [P, K] bfloat16 or float16 (a row
+    a pair), ids [P] integer, w [E, K, N] FP8 with K a multiple of GROUP and N of 64, scale
+    [E, K / GROUP, N] float32; extra and extra_scale (both or neither) the same for E2 more
+    experts of the same K and N."""
+    if getattr(w, "ndim", None) != 3 or getattr(x, "ndim", None) != 2 or getattr(ids, "ndim", None) != 1:
+        return False
+    E, K, N = w.shape
+    if (jnp.dtype(w.dtype) not in FP8_DTYPES or K % GROUP or N % 64 or x.shape != (ids.shape[0], K)
+            or jnp.dtype(x.dtype) not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
+            or not jnp.issubdtype(ids.dtype, jnp.integer)
+            or getattr(scale, "shape", None) != (E, K // GROUP, N) or scale.dtype != jnp.float32):
+        return False
+    if (extra is None) != (extra_scale is None):
+        return False
+    if extra is not None:
+        if getattr(extra, "ndim", None) != 3 or extra.shape[1:] != (K, N) or extra.dtype != w.dtype:
+            return False
+        if getattr(extra_scale, "shape", None) != (extra.shape[0], K // GROUP, N) or extra_scale.dtype != jnp.float32:
+            return False
+    return True
+
+
+def _pairs_kernel(ids_gmem, *refs, K: int, rows: int, num_experts: int, num_extra: int, fused, a_regs: bool,
+                  **kernel_args):
+    """Pair p (grid axis "p") of `fp8_pairs_mosaic`: expert e = ids[p] read from w's stack
+    (0 <= e < num_experts) or extra's (num_experts <= e < num_experts + num_extra) by `_kernel`
+    over views of the flat arrays (the expert's K rows, the pair's Mp rows and output); any
+    other id runs nothing (the wrapper zeroes its row).
+
+    refs: x_gmem [P Mp, K] float16, (w_gmem [E K, N] FP8, s_gmem [E K / GROUP, N] float32)
+    for each stack, (f_gmem [P Mp] float32 if fused), o_gmem ([P, N] fused; [S, P Mp, N]
+    a_regs; else [S, N, P Mp]), then `_kernel`'s scratch."""
+    x_gmem, *refs = refs
+    stacks = [refs[0:2]] + ([refs[2:4]] if num_extra else [])
+    refs = refs[2 * len(stacks):]
+    f_gmem, o_gmem, *scratch = refs if fused is not None else (None,) + tuple(refs)
+    p = lax.axis_index("p")
+    e = ids_gmem[p]
+    G = K // GROUP
+    x_p = x_gmem.at[pl.ds(p * rows, rows)]
+    if fused is not None:
+        heads, o_p = (f_gmem.at[pl.ds(p * rows, rows)],), o_gmem.at[pl.ds(p, 1)]
+    else:
+        heads, o_p = (), (o_gmem.at[:, pl.ds(p * rows, rows)] if a_regs else o_gmem.at[:, :, pl.ds(p * rows, rows)])
+    for (w_gmem, s_gmem), first, count in zip(stacks, (0, num_experts), (num_experts, num_extra)):
+        @pl.when((e >= first) & (e < first + count))
+        def _(w_gmem=w_gmem, s_gmem=s_gmem, first=first):
+            i = e - first
+            _kernel(x_p, w_gmem.at[pl.ds(i * K, K)], s_gmem.at[pl.ds(i * G, G)], *heads, o_p, *scratch, rows=rows,
+                    a_regs=a_regs, fused=fused, **kernel_args)
+
+
+def fp8_pairs_mosaic(x, ids, w, scale, extra=None, extra_scale=None, *, out_dtype=None, float32_out: bool = False,
+                     tile_pairs: int | None = None, tiles: MosaicTiles | None = None, interpret: bool | None = None,
+                     **tile_overrides):
+    """One product a pair, each with its own expert: x [P, K] (bfloat16 or float16, a row a
+    pair) and ids [P] -> [P, N], row p = x[p] @ w[ids[p]] with w [E, K, N] FP8 and its
+    scales [E, K / GROUP, N] (`matmul.matmul_reference`'s numerics, as `fp8_matmul_mosaic`).
+    extra (E2 experts [E2, K, N] FP8) and extra_scale: the experts E .. E + E2 - 1 (DeepSeek's
+    shared experts), read where they are (no concatenated copy). A pair whose id names no
+    expert (expert parallelism's -1) reads nothing and gets a zero row.
+
+    The grid is (pairs, column blocks, K splits), pairs fastest, so the CTAs reading one
+    column block of one expert for several pairs run together and share L2. Each pair's
+    row goes to wgmma as the first of Mp = 8 rows (the rest zero). K splits are chosen for
+    tile_pairs pairs (None: P): a fixed tile_pairs makes every pair's sums independent of
+    how many pairs a call holds. Output in x's dtype (out_dtype; float32 with float32_out)."""
+    t = dataclasses.replace(tiles or MosaicTiles(), **tile_overrides)
+    if not pairs_supported(x, ids, w, scale, extra, extra_scale):
+        raise ValueError(f"fp8_pairs_mosaic takes x [P, K] (bfloat16 or float16), ids [P] integer, an FP8 w "
+                         f"[E, K, N] with K a multiple of {GROUP} and N of 64 and its float32 scales "
+                         f"[E, K / {GROUP}, N] (extra stacks alike); got x {getattr(x, 'dtype', None)} "
+                         f"{getattr(x, 'shape', x)}, ids {getattr(ids, 'shape', ids)}, w {getattr(w, 'dtype', None)} "
+                         f"{getattr(w, 'shape', w)}, scale {getattr(scale, 'shape', scale)}")
+    P, K = x.shape
+    E, _, N = w.shape
+    E2 = 0 if extra is None else extra.shape[0]
+    G = K // GROUP
+    BN = max(b for b in (256, 128, 64) if b <= max(t.block_n, 64) and N % b == 0)
+    Mp = 8
+    half, factor = half_rows(x)  # [P, K] float16, [P, 1]
+    x8 = jnp.zeros((P, Mp, K), jnp.float16).at[:, 0].set(half).reshape(P * Mp, K)
+    S = splits_of(G, (N // BN) * (tile_pairs or P), t)
+    dtype = jnp.dtype(jnp.float32 if float32_out else (out_dtype or x.dtype))
+    if interpret is None:
+        interpret = jax.default_backend() != "gpu"
+    mode = None
+    if interpret:
+        mode = interpret_params()
+        if mode is None:
+            raise NotImplementedError("this jax has no Mosaic GPU interpreter")
+    a_regs = t.a_regs and not interpret and BN in (128, 256)
+    fused = (1, dtype) if t.fuse_out and S == 1 and (a_regs or interpret) else None
+    body = functools.partial(_pairs_kernel, K=K, rows=Mp, num_experts=E, num_extra=E2, fused=fused, a_regs=a_regs,
+                             block_n=BN, steps=G // S, stages=t.stages, layouts=not interpret,
+                             load_8bit=t.load_8bit)
+
+    def jspec_fp8_pairs_mosaic(*refs):  # the kernel's name (profiles, HLO)
+        return body(*refs)
+    out_smem = plgpu.SMEM((Mp, BN) if a_regs or fused else (BN, Mp), dtype if fused else jnp.float32)
+    if interpret:
+        scratch = [plgpu.SMEM((BN, GROUP), jnp.float16), out_smem, plgpu.SMEM((GROUP, Mp), jnp.float16)]
+    elif a_regs:
+        scratch = [plgpu.SMEM((8,), jnp.float32), out_smem]
+    else:
+        scratch = [plgpu.SMEM((GROUP, BN), jnp.float16, transforms=_tiled(BN, 2)), out_smem]
+    stacks = (w.reshape(E * K, N), scale.reshape(E * G, N))
+    if E2:
+        stacks += (extra.reshape(E2 * K, N), extra_scale.reshape(E2 * G, N))
+    args = (ids.astype(jnp.int32), x8) + stacks
+    if fused:
+        factors = jnp.zeros((P, Mp), jnp.float32).at[:, 0].set(factor[:, 0]).reshape(P * Mp)
+        out_type, args = jax.ShapeDtypeStruct((P, N), dtype), args + (factors,)
+    else:
+        out_type = jax.ShapeDtypeStruct((S, P * Mp, N) if a_regs else (S, N, P * Mp), jnp.float32)
+    out = plgpu.kernel(
+        jspec_fp8_pairs_mosaic, out_type=out_type, scratch_types=scratch, grid=(P, N // BN, S),
+        grid_names=("p", "n", "k"), compiler_params=plgpu.CompilerParams(), interpret=mode,
+    )(*args)
+    if not fused:
+        total = in_order_sum(out) if a_regs else jnp.swapaxes(in_order_sum(out), 0, 1)  # [P Mp, N]
+        out = (total.reshape(P, Mp, N)[:, 0] * factor).astype(dtype)
+    valid = (ids >= 0) & (ids < E + E2)
+    return jnp.where(valid[:, None], out, jnp.zeros((), dtype))

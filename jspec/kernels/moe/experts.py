@@ -54,7 +54,9 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 from jspec.kernels import dispatch
-from jspec.kernels.tiling import KERNEL_DTYPES, chunk_start, in_order_sum, is_pow2, pow2_floor
+from jspec.kernels.fp8 import mosaic as fp8_mosaic
+from jspec.kernels.tiling import (KERNEL_DTYPES, chunk_start, in_order_sum, is_pow2, pow2_floor,
+                                  wraps_triton_offsets)
 from jspec.quantization import FP8_DTYPES, GROUP, dequantized_experts
 
 
@@ -99,6 +101,9 @@ class ExpertTiles:
     # 7168 output projection: 0.44 ms a V3 layer through `matvec`, 0.36 through XLA; below
     # 10M elements XLA pads the row, see `Tuning.two_row_elements`).
     matvec_max_elements: int = 10_000_000
+    # On a Hopper GPU, FP8 stacks with at most this many (token, expert) pairs go through the
+    # Mosaic GPU pair kernel (`mosaic_experts`; 0: never), its tiles `Tuning.fp8_mosaic`.
+    mosaic_pairs: int = 64
 
 # --------------------------------------------------------------------------- reference
 
@@ -341,6 +346,10 @@ def _check_matmul(x, ids, w, extra=None, slots=None, gated=None, norm=None, w_sc
     for name, a in (("x", x),) + (() if w_scale is not None else (("w", w),)):
         if jnp.dtype(a.dtype) not in map(jnp.dtype, KERNEL_DTYPES):
             raise TypeError(f"{name} dtype {a.dtype} is not float32, bfloat16 or float16")
+    for name, a in (("w", w), ("extra", extra)):
+        if a is not None and wraps_triton_offsets(a):
+            raise ValueError(f"{name} {a.dtype} {a.shape} has 2^31 or more elements in at most 2^32 bytes, which "
+                             f"Pallas' Triton lowering indexes with wrapping 32-bit offsets")
     return ids2, slots, P, gated is None and rows == N and slots > 1
 
 
@@ -564,6 +573,58 @@ def routed_experts(x, ids, gate_up, down, extra=None, slots: int | None = None, 
                          w_scale=down_scale, extra_scale=extra_down_scale, **(second | (down_tiles or {})))
 
 
+def uses_mosaic(x, ids, gate_up, down, extra=None, slots=None, scales=None, extra_scales=None, *,
+                tiles: ExpertTiles | None = None, as_tokens: int | None = None) -> bool:
+    """Whether `moe_experts` runs the pairs through the Mosaic GPU kernel
+    (`mosaic_experts`): both stacks FP8 with their scales (extra experts FP8 too, or none),
+    bfloat16 or float16 activations, D and Fm multiples of GROUP, 2Fm and D of 64, at most
+    `tiles.mosaic_pairs` pairs, not the row-invariant mode (as_tokens None: it keeps the
+    Triton kernel), kernels not switched off, and a Hopper GPU."""
+    t = ExpertTiles() if tiles is None else tiles
+    if as_tokens is not None or dispatch.backend() == "reference" or scales is None or None in scales:
+        return False
+    if extra is not None and (extra_scales is None or None in extra_scales):
+        return False
+    try:
+        ids2, slots = _table(ids, slots)
+    except ValueError:
+        return False
+    P = ids2.shape[0] * slots
+    rows = jax.ShapeDtypeStruct((P, gate_up.shape[1]), x.dtype)
+    Fm = down.shape[1]
+    flat = jax.ShapeDtypeStruct((P,), ids.dtype)
+    extra_gu, extra_down = (None, None) if extra is None else extra
+    extra_gu_scale, extra_down_scale = (None, None) if extra is None else extra_scales
+    return (P <= t.mosaic_pairs and x.shape[0] in (ids2.shape[0], P) and x.shape[-1] == gate_up.shape[1]
+            and fp8_mosaic.pairs_supported(rows, flat, gate_up, scales[0], extra_gu, extra_gu_scale)
+            and fp8_mosaic.pairs_supported(jax.ShapeDtypeStruct((P, Fm), x.dtype), flat, down, scales[1],
+                                           extra_down, extra_down_scale)
+            and fp8_mosaic.on_hopper())
+
+
+def mosaic_experts(x, ids, gate_up, down, extra=None, slots: int | None = None, *, scales, extra_scales=None,
+                   tiles=None, interpret: bool | None = None):
+    """`routed_experts_reference`'s result for FP8 stacks through the Mosaic GPU pair kernel
+    (`kernels.fp8.mosaic.fp8_pairs_mosaic`: the weight streamed by TMA and widened in
+    registers, 3.5-3.9 TB/s where the Triton expert kernel reads FP8 at about 2): x (normed)
+    [N, D] or [P, D], ids and slots as `pairs_of`, scales (gate_up's, down's), extra and
+    extra_scales as `routed_experts` -> [P, D] float32. h = x @ gate_up rounded to x's
+    dtype, silu(gate) * up in that dtype (one XLA fusion between the two kernels), then @
+    down in float32. tiles: `MosaicTiles` (None: the defaults)."""
+    ids2, slots = _table(ids, slots)
+    x_pairs, flat = pairs_of(x, ids2, slots)
+    Fm = down.shape[1]
+    extra_gu, extra_down = (None, None) if extra is None else extra
+    extra_gu_scale, extra_down_scale = (None, None) if extra is None else extra_scales
+    # K splits as for one token's pairs whatever the tokens: a pair's sums are then those of
+    # a one-token decode step (verification's rows equal decoding's)
+    h = fp8_mosaic.fp8_pairs_mosaic(x_pairs, flat, gate_up, scales[0], extra_gu, extra_gu_scale, tiles=tiles,
+                                    tile_pairs=slots, interpret=interpret)  # [P, 2Fm] in x's dtype
+    a = silu_mul(h[:, :Fm], h[:, Fm:])
+    return fp8_mosaic.fp8_pairs_mosaic(a, flat, down, scales[1], extra_down, extra_down_scale, float32_out=True,
+                                       tiles=tiles, tile_pairs=slots, interpret=interpret)
+
+
 def uses_kernel(x, ids, gate_up, down, extra=None, slots=None, scales=None, extra_scales=None) -> bool:
     """Whether `moe_experts` takes the Pallas kernel for these arguments (see the dispatch)."""
     if dispatch.backend() == "reference":
@@ -573,13 +634,18 @@ def uses_kernel(x, ids, gate_up, down, extra=None, slots=None, scales=None, extr
 
 
 def moe_experts(x, ids, gate_up, down, extra=None, slots: int | None = None, norm=None, *,
-                tiles: ExpertTiles | None = None, as_tokens: int | None = None, scales=None, extra_scales=None):
+                tiles: ExpertTiles | None = None, as_tokens: int | None = None, scales=None, extra_scales=None,
+                mosaic_tiles=None):
     """Dispatch: `routed_experts` (the kernel, with `tiles` and `as_tokens`) where
     `uses_kernel`, else `routed_experts_reference`; same arguments, [P, D] float32; norm
     (weight, eps): x's rows RMS-normed first (`rms_norm`; the kernel's prologue). scales,
     extra_scales: FP8 stacks' (`routed_experts`); the reference dequantizes the stacks into
     x's dtype first. JSPEC_KERNELS=pallas forces the kernel (interpret mode off GPU; raises
-    for arguments it does not take)."""
+    for arguments it does not take). On a Hopper GPU, FP8 stacks of few pairs run
+    `mosaic_experts` instead (`uses_mosaic`; its tiles `mosaic_tiles`, a `MosaicTiles`)."""
+    if uses_mosaic(x, ids, gate_up, down, extra, slots, scales, extra_scales, tiles=tiles, as_tokens=as_tokens):
+        return mosaic_experts(normed(x, norm), ids, gate_up, down, extra, slots, scales=scales,
+                              extra_scales=extra_scales, tiles=mosaic_tiles)
     if uses_kernel(x, ids, gate_up, down, extra, slots, scales, extra_scales):
         return routed_experts(x, ids, gate_up, down, extra, slots, norm=norm, tiles=tiles, as_tokens=as_tokens,
                               scales=scales, extra_scales=extra_scales)

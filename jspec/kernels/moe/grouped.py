@@ -41,7 +41,7 @@ from jax.experimental import pallas as pl
 
 from jspec.kernels import dispatch
 from jspec.kernels.moe.experts import silu_mul
-from jspec.kernels.tiling import KERNEL_DTYPES, chunk_start, is_pow2, pow2_floor
+from jspec.kernels.tiling import KERNEL_DTYPES, chunk_start, is_pow2, pow2_floor, wraps_triton_offsets
 from jspec.quantization import FP8_DTYPES, GROUP, dequantized_experts
 
 
@@ -194,6 +194,9 @@ def grouped_matmul(x, tile_expert, w, *, block_m: int, block_n: int | None = Non
                              f"{getattr(w_scale, 'shape', w_scale)}")
     elif x.dtype != w.dtype:
         raise TypeError(f"x and w dtypes differ: {x.dtype}, {w.dtype}")
+    if wraps_triton_offsets(w):
+        raise ValueError(f"w {w.dtype} {w.shape} has 2^31 or more elements in at most 2^32 bytes, which Pallas' "
+                         f"Triton lowering indexes with wrapping 32-bit offsets")
     t = GroupedTiles()
     block_n = t.block_n if block_n is None else block_n
     block_k = t.block_k if block_k is None else block_k
@@ -294,6 +297,7 @@ def uses_kernel(xs, ids, gate_up, down, tiles: GroupedTiles | None = None, scale
     else:
         dtypes = all(jnp.dtype(w.dtype) in FP8_DTYPES and w.shape[1] % GROUP == 0 for w in (gate_up, down))
     ok = (ids.size >= t.min_pairs_per_expert * gate_up.shape[0] and dtypes
+          and not any(map(wraps_triton_offsets, (gate_up, down)))
           and jnp.dtype(xs.dtype) in map(jnp.dtype, KERNEL_DTYPES) and min(gate_up.shape[1:]) >= 16
           and min(down.shape[1:]) >= 16)
     return dispatch.want_pallas(ok)
