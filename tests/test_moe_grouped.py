@@ -201,3 +201,29 @@ def test_prefill_through_the_kernel_equals_transformers(monkeypatch, fresh_compi
     got = np.asarray(jspec.logits(jspec.load(str(tmp_path), dtype="float32"), toks.tolist()))
     assert calls == [(18, 2)]  # one MoE layer: 2 x 9 tokens, 2 experts each
     assert np.abs(got - want).max() <= 1e-4 * np.abs(want).max()
+
+
+def test_fp8_stack_through_the_paired_view():
+    """An FP8 stack read as uint16 pairs of columns (`pair_view`, what a stack whose own
+    offsets would wrap takes: DeepSeek-V3's 256 down experts on one device) gives the plain
+    view's products, even columns from the low bytes, odd from the high, their scales with
+    them; the uneven last column block overlaps as on the plain view."""
+    from jspec.quantization import quantize_kernel
+
+    E, Din, Dout, bm = 3, 256, 192, 16
+    quantized = [quantize_kernel(jax.random.normal(k, (Din, Dout)) * 0.05) for k in jax.random.split(jax.random.key(0), E)]
+    w, scale = jnp.stack([q for q, _ in quantized]), jnp.stack([s for _, s in quantized])
+    x = jax.random.normal(jax.random.key(1), (4 * bm, Din)).astype(jnp.bfloat16)
+    tile_expert = jnp.asarray([2, 0, 1, -1], jnp.int32)
+    pair = mg.pair_view(w)
+    assert pair.shape == (E, Din, Dout // 2) and pair.dtype == jnp.uint16
+    low = jax.lax.bitcast_convert_type((pair & 0xFF).astype(jnp.uint8), jnp.float8_e4m3fn)
+    np.testing.assert_array_equal(np.asarray(low, np.float32), np.asarray(w[:, :, 0::2], np.float32))
+    kw = dict(block_m=bm, w_scale=scale, interpret=True)
+    plain = np.asarray(mg.grouped_matmul(x, tile_expert, w, paired=False, **kw), np.float32)
+    paired = np.asarray(mg.grouped_matmul(x, tile_expert, w, paired=True, **kw), np.float32)
+    np.testing.assert_array_equal(paired[:3 * bm], plain[:3 * bm])
+    swapped = np.asarray(mg.grouped_matmul(x, tile_expert, w[:, :, ::-1], paired=True, **kw), np.float32)
+    assert np.abs(swapped[:3 * bm] - plain[:3 * bm]).max() > 0.1 * np.abs(plain[:3 * bm]).max()  # columns matter
+    with pytest.raises(ValueError, match="paired view"):
+        mg.grouped_matmul(x, tile_expert, w.astype(jnp.bfloat16), paired=True, block_m=bm, interpret=True)  # not FP8

@@ -282,8 +282,9 @@ def test_expert_matmul_norm_prologue(dtype, Din, tiles):
 def test_fp8_stacks_past_int32_offsets_refused(monkeypatch):
     """Pallas' Triton lowering indexes arrays of at most 2^32 bytes with signed 32-bit
     offsets, so an FP8 stack of 2^31 to 2^32 elements (DeepSeek-V3's 256 down experts) would
-    be read at wrapped offsets: the Triton expert, grouped and attention kernels refuse such
-    arrays and their dispatch takes the reference (or, on Hopper, the Mosaic pair kernel)."""
+    be read at wrapped offsets: the Triton expert and attention kernels refuse such arrays
+    (their dispatch takes the reference, or on Hopper the Mosaic pair kernel); the grouped
+    kernel reads FP8 ones as uint16 pairs (`grouped.pair_view`) and refuses them otherwise."""
     from types import SimpleNamespace
 
     from jspec.kernels.attention import decode
@@ -307,13 +308,13 @@ def test_fp8_stacks_past_int32_offsets_refused(monkeypatch):
     assert me.is_supported(x, ids, *fewer, scales=fewer_scales)
     rows, table = S((4096, 7168), jnp.bfloat16), S((4096, 8), jnp.int32)
     monkeypatch.setattr(jax, "default_backend", lambda: "gpu")  # the dispatch as on a GPU
-    with dispatch.use_backend("auto"):
-        assert not grouped.uses_kernel(rows, table, gate_up, down, scales=scales)
+    with dispatch.use_backend("auto"):  # the grouped kernel reads such FP8 stacks through `pair_view`
+        assert grouped.uses_kernel(rows, table, gate_up, down, scales=scales)
         assert grouped.uses_kernel(rows, table, *fewer, scales=fewer_scales)
     monkeypatch.undo()
     with pytest.raises(ValueError, match="32-bit offsets"):
         grouped.grouped_matmul(S((4096, 2048), jnp.bfloat16), S((256,), jnp.int32), down, block_m=16,
-                               w_scale=scales[1])
+                               w_scale=scales[1], paired=False)
     with pytest.raises(ValueError, match="32-bit offsets"):  # an FP8 pool of 2^32 bytes
         decode.check_attention_args(S((1, 1, 8, 128), jnp.bfloat16), S((2 ** 20, 16, 2, 1, 128), f8),
                                     SimpleNamespace(prefill=False), 0)

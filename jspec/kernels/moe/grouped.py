@@ -126,9 +126,12 @@ def grouped_matmul_reference(x, tile_expert, w, block_m: int):
 
 
 def _kernel(tile_ref, x_ref, w_ref, *rest, din: int, dout: int, num_experts: int, block_m: int, block_k: int,
-            block_n: int, interpret: bool, scaled: bool = False):
+            block_n: int, interpret: bool, scaled: bool = False, paired: bool = False):
     """One (tile t, column block j): o[t rows, j columns] = x[t rows] @ w[tile_expert[t]];
-    `scaled`: rest begins with scale_ref [E, Din / GROUP, Dout] float32 (w is FP8)."""
+    `scaled`: rest begins with scale_ref [E, Din / GROUP, Dout] float32 (w is FP8).
+    `paired`: w_ref holds the FP8 stack as uint16 [E, Din, Dout / 2] (two adjacent columns a
+    value, the even one in the low byte: `pair_view`), so that its offsets stay under 2^31;
+    the even and odd columns are two products, stored with a stride of 2."""
     scale_ref, o_ref = rest if scaled else (None, *rest)
     t, j = pl.program_id(0), pl.program_id(1)
     e = tile_ref[t]
@@ -136,40 +139,71 @@ def _kernel(tile_ref, x_ref, w_ref, *rest, din: int, dout: int, num_experts: int
     n0 = j * block_n
     if dout % block_n:  # the last block overlaps its neighbour instead of running past Dout
         n0 = jnp.minimum(n0, dout - block_n)
+    halves = ((0, 1), (1, 1)) if paired else ((0, 0),)  # (first column, stride exponent)
+    width = block_n // 2 if paired else block_n
 
     @pl.when(e >= 0)
     def _():
         expert = jnp.minimum(e, num_experts - 1)
 
-        def step(c, acc):
+        def step(c, accs):
             kc, fresh = chunk_start(c, block_k, din)
             xv = x_ref[pl.ds(m0, block_m), pl.ds(kc, block_k)]
             if fresh is not None:  # the inputs an earlier chunk took count zero
                 xv = jnp.where(fresh[None, :], xv, jnp.zeros_like(xv))
-            wv = w_ref[expert, pl.ds(kc, block_k), pl.ds(n0, block_n)]
-            if scale_ref is not None:  # FP8 widened exactly; the chunk's group scales on its product
-                wv = wv.astype(xv.dtype)
-            if interpret:  # the CPU has no 16-bit dot with a float32 result; the products are exact in float32
-                xv, wv = xv.astype(jnp.float32), wv.astype(jnp.float32)
-            part = lax.dot(xv, wv, preferred_element_type=jnp.float32)
-            if scale_ref is not None:
-                part = part * scale_ref[expert, kc // GROUP, pl.ds(n0, block_n)][None, :]
-            return acc + part
+            if paired:
+                both = w_ref[expert, pl.ds(kc, block_k), pl.ds(n0 // 2, width)]  # uint16
+                tiles = [lax.bitcast_convert_type((both >> (8 * h)).astype(jnp.uint8), jnp.float8_e4m3fn)
+                         for h in (0, 1)]
+            else:
+                tiles = [w_ref[expert, pl.ds(kc, block_k), pl.ds(n0, block_n)]]
+            out = []
+            for acc, wv, (c0, st) in zip(accs, tiles, halves):
+                if scale_ref is not None:  # FP8 widened exactly; the chunk's group scales on its product
+                    wv = wv.astype(xv.dtype)
+                xa = xv
+                if interpret:  # the CPU has no 16-bit dot with a float32 result; the products are exact in float32
+                    xa, wv = xv.astype(jnp.float32), wv.astype(jnp.float32)
+                part = lax.dot(xa, wv, preferred_element_type=jnp.float32)
+                if scale_ref is not None:
+                    part = part * scale_ref[expert, kc // GROUP, pl.ds(n0 + c0, width, 1 << st)][None, :]
+                out.append(acc + part)
+            return tuple(out)
 
-        acc = lax.fori_loop(0, pl.cdiv(din, block_k), step, jnp.zeros((block_m, block_n), jnp.float32))
-        o_ref[pl.ds(m0, block_m), pl.ds(n0, block_n)] = acc.astype(o_ref.dtype)
+        zero = jnp.zeros((block_m, width), jnp.float32)
+        accs = lax.fori_loop(0, pl.cdiv(din, block_k), step, (zero,) * len(halves))
+        for acc, (c0, st) in zip(accs, halves):
+            o_ref[pl.ds(m0, block_m), pl.ds(n0 + c0, width, 1 << st)] = acc.astype(o_ref.dtype)
+
+
+def pairable(w) -> bool:
+    """Whether `pair_view` takes the stack w: E4M3 [E, Din, Dout] with Dout even and at least
+    32 (two columns a value; 16-column halves of the kernel's tiles)."""
+    return jnp.dtype(w.dtype) == jnp.dtype(jnp.float8_e4m3fn) and w.shape[2] % 2 == 0 and w.shape[2] >= 32
+
+
+def pair_view(w):
+    """An FP8 stack [E, Din, Dout] (Dout even) as uint16 [E, Din, Dout / 2], two adjacent
+    columns a value (the even one in the low byte): the same bytes with half the elements, so
+    Pallas' Triton lowering indexes it with 32-bit offsets that do not wrap
+    (`tiling.wraps_triton_offsets`). Not free: jax lowers a bitcast to a wider type as
+    shifts and ors, so XLA writes this uint16 copy of the stack at every call (one stack's
+    bytes of scratch); only stacks whose own offsets would wrap take it."""
+    E, Din, Dout = w.shape
+    return lax.bitcast_convert_type(lax.bitcast_convert_type(w, jnp.uint8).reshape(E, Din, Dout // 2, 2), jnp.uint16)
 
 
 def grouped_matmul(x, tile_expert, w, *, block_m: int, block_n: int | None = None, block_k: int | None = None,
                    num_warps: int | None = None, num_stages: int | None = None, interpret: bool | None = None,
-                   w_scale=None):
+                   w_scale=None, paired: bool | None = None):
     """x [R, Din] (tiles of block_m rows, see the module doc), tile_expert [R / block_m]
     int, w [E, Din, Dout] -> [R, Dout] in x's dtype; rows of tiles with expert -1 are left
     unwritten. block_n, block_k: output columns a program and Din rows a loop step
     (powers of two, capped at Dout and Din, and at GROUP with w_scale); num_warps,
     num_stages: Triton's; each None: `GroupedTiles`' default. interpret None: interpret
     mode unless the default backend is a GPU. w_scale [E, Din / GROUP, Dout] float32: w is
-    FP8 (see the module doc)."""
+    FP8 (see the module doc). paired: the FP8 stack read through `pair_view` (None: where its
+    own offsets would wrap, `tiling.wraps_triton_offsets`; DeepSeek-V3's 256 down experts)."""
     if getattr(x, "ndim", None) != 2 or getattr(w, "ndim", None) != 3 or x.shape[1] != w.shape[1]:
         raise ValueError(f"grouped_matmul needs x [R, Din] and w [E, Din, Dout], got {getattr(x, 'shape', x)} "
                          f"and {getattr(w, 'shape', w)}")
@@ -194,7 +228,12 @@ def grouped_matmul(x, tile_expert, w, *, block_m: int, block_n: int | None = Non
                              f"{getattr(w_scale, 'shape', w_scale)}")
     elif x.dtype != w.dtype:
         raise TypeError(f"x and w dtypes differ: {x.dtype}, {w.dtype}")
-    if wraps_triton_offsets(w):
+    if paired is None:
+        paired = w_scale is not None and wraps_triton_offsets(w)
+    if paired and (w_scale is None or not pairable(w)):
+        raise ValueError(f"the paired view takes an E4M3 stack with scales and an even Dout >= 32, got {w.dtype} "
+                         f"{w.shape}")
+    if wraps_triton_offsets(w) and not paired:
         raise ValueError(f"w {w.dtype} {w.shape} has 2^31 or more elements in at most 2^32 bytes, which Pallas' "
                          f"Triton lowering indexes with wrapping 32-bit offsets")
     t = GroupedTiles()
@@ -207,7 +246,7 @@ def grouped_matmul(x, tile_expert, w, *, block_m: int, block_n: int | None = Non
     if interpret is None:
         interpret = jax.default_backend() != "gpu"
     kernel = functools.partial(_kernel, din=Din, dout=Dout, num_experts=E, block_m=block_m, block_k=BK, block_n=BN,
-                               interpret=interpret, scaled=w_scale is not None)
+                               interpret=interpret, scaled=w_scale is not None, paired=paired)
     params = None
     if not interpret:
         from jax.experimental.pallas import triton as plt
@@ -223,7 +262,7 @@ def grouped_matmul(x, tile_expert, w, *, block_m: int, block_n: int | None = Non
         interpret=interpret,
         compiler_params=params,
         name="jspec_grouped_matmul",
-    )(tile_expert.astype(jnp.int32), x, w, *(() if w_scale is None else (w_scale,)))
+    )(tile_expert.astype(jnp.int32), x, pair_view(w) if paired else w, *(() if w_scale is None else (w_scale,)))
 
 
 def grouped_experts_reference(xs, ids, gate_up, down):
@@ -287,8 +326,9 @@ def padded_tokens(xs, rows, k: int, R: int):
 def uses_kernel(xs, ids, gate_up, down, tiles: GroupedTiles | None = None, scales=None) -> bool:
     """Whether `grouped` takes the kernel for these arguments (see the dispatch): at least
     `tiles.min_pairs_per_expert` pairs an expert, 16-bit or float32 arrays of one dtype
-    (or FP8 stacks with their scales, inputs whole groups), widths >= 16 (and
-    `tiles.kernel`; tiles None: the defaults)."""
+    (or FP8 stacks with their scales, inputs whole groups), widths >= 16, no stack whose
+    offsets would wrap unless `pair_view` takes it (and `tiles.kernel`; tiles None: the
+    defaults)."""
     t = GroupedTiles() if tiles is None else tiles
     if dispatch.backend() == "reference" or not t.kernel:
         return False
@@ -297,7 +337,7 @@ def uses_kernel(xs, ids, gate_up, down, tiles: GroupedTiles | None = None, scale
     else:
         dtypes = all(jnp.dtype(w.dtype) in FP8_DTYPES and w.shape[1] % GROUP == 0 for w in (gate_up, down))
     ok = (ids.size >= t.min_pairs_per_expert * gate_up.shape[0] and dtypes
-          and not any(map(wraps_triton_offsets, (gate_up, down)))
+          and not any(wraps_triton_offsets(w) and not (scales is not None and pairable(w)) for w in (gate_up, down))
           and jnp.dtype(xs.dtype) in map(jnp.dtype, KERNEL_DTYPES) and min(gate_up.shape[1:]) >= 16
           and min(down.shape[1:]) >= 16)
     return dispatch.want_pallas(ok)
