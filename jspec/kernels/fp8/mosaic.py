@@ -57,6 +57,13 @@ Dispatch (`uses_kernel`): `models.layers.Linear` runs this kernel for products o
 multiple of 64 on a Hopper GPU (`on_hopper`: compute capability 9.x), tiles
 `Tuning.fp8_mosaic`; other kernel-sized products run `matmul.fp8_matmul` (Triton).
 
+One expert a pair (`fp8_pairs_mosaic`; `kernels.moe.experts.mosaic_experts` runs MoE
+decode's routed and shared experts through it on Hopper): grid (pairs, column blocks, K
+splits); each CTA reads its pair's expert id (a scalar load from global memory) and runs
+the same body over views of the flattened stacks at that expert's rows, its pair's row the
+first of 8. DeepSeek-V3's 9 experts of one token: 134 us against the Triton expert kernel's
+233 (H200; docs/benchmarks.md, "DeepSeek's experts through the Mosaic GPU pair kernel").
+
 Runs in interpret mode on the CPU with jax's Mosaic GPU interpreter
 (`jax._src.pallas.mosaic_gpu.interpret`, private: `interpret_params()` is None where it
 is missing); the interpreter (jax 0.10-0.11) runs only the first point of a pallas_call
@@ -432,6 +439,30 @@ def splits_of(groups: int, column_blocks: int, tiles: MosaicTiles) -> int:
     return max(d for d in range(1, min(cap, groups) + 1) if groups % d == 0)
 
 
+def _launch_setup(interpret, tiles: MosaicTiles, BN: int, Mp: int, S: int, dtype):
+    """What both wrappers decide before `plgpu.kernel`: (interpreter params or None, a_regs,
+    fused, scratch). interpret None: interpret mode unless the default backend is a GPU.
+    a_regs: A from registers (GPU, 128- or 256-column blocks); fused: one split and the
+    kernel writes the product in `dtype` (a_regs or interpreted); scratch: `_kernel`'s."""
+    if interpret is None:
+        interpret = jax.default_backend() != "gpu"
+    mode = None
+    if interpret:
+        mode = interpret_params()
+        if mode is None:
+            raise NotImplementedError("this jax has no Mosaic GPU interpreter")
+    a_regs = tiles.a_regs and not interpret and BN in (128, 256)
+    fused = tiles.fuse_out and S == 1 and (a_regs or interpret)
+    out_smem = plgpu.SMEM((Mp, BN) if a_regs or fused else (BN, Mp), dtype if fused else jnp.float32)
+    if interpret:  # transposed copies for the interpreter's plain wgmma (see _kernel)
+        scratch = [plgpu.SMEM((BN, GROUP), jnp.float16), out_smem, plgpu.SMEM((GROUP, Mp), jnp.float16)]
+    elif a_regs:  # no float16 tile (wb_smem: a placeholder)
+        scratch = [plgpu.SMEM((8,), jnp.float32), out_smem]
+    else:
+        scratch = [plgpu.SMEM((GROUP, BN), jnp.float16, transforms=_tiled(BN, 2)), out_smem]
+    return mode, a_regs, fused, scratch
+
+
 def fp8_matmul_mosaic(x, w, scale, *, out_dtype=None, float32_out: bool = False, tiles: MosaicTiles | None = None,
                       interpret: bool | None = None, **tile_overrides):
     """x [..., K] (bfloat16 or float16, at most MAX_ROWS rows) @ an FP8 weight w [K, N] with
@@ -457,28 +488,13 @@ def fp8_matmul_mosaic(x, w, scale, *, out_dtype=None, float32_out: bool = False,
         half = jnp.pad(half, ((0, Mp - M), (0, 0)))
     S = splits_of(G, N // BN, t)
     dtype = jnp.dtype(jnp.float32 if float32_out else (out_dtype or x.dtype))
-    if interpret is None:
-        interpret = jax.default_backend() != "gpu"
-    mode = None
-    if interpret:
-        mode = interpret_params()
-        if mode is None:
-            raise NotImplementedError("this jax has no Mosaic GPU interpreter")
-    a_regs = t.a_regs and not interpret and BN in (128, 256)
-    fused = (M, dtype) if t.fuse_out and S == 1 and (a_regs or interpret) else None
+    mode, a_regs, fused, scratch = _launch_setup(interpret, t, BN, Mp, S, dtype)
+    fused = (M, dtype) if fused else None
     body = functools.partial(_kernel, block_n=BN, steps=G // S, rows=Mp, stages=t.stages,
-                             layouts=not interpret, load_8bit=t.load_8bit, a_regs=a_regs, fused=fused)
+                             layouts=mode is None, load_8bit=t.load_8bit, a_regs=a_regs, fused=fused)
 
     def jspec_fp8_mosaic(*refs):  # the kernel's name (profiles, HLO) is the body's
         return body(*refs)
-    out_rows = (Mp, BN) if a_regs or fused else (BN, Mp)
-    out_smem = plgpu.SMEM(out_rows, dtype if fused else jnp.float32)
-    if interpret:  # transposed copies for the interpreter's plain wgmma (see _kernel)
-        scratch = [plgpu.SMEM((BN, GROUP), jnp.float16), out_smem, plgpu.SMEM((GROUP, Mp), jnp.float16)]
-    elif a_regs:  # no float16 tile (wb_smem: a placeholder)
-        scratch = [plgpu.SMEM((8,), jnp.float32), out_smem]
-    else:
-        scratch = [plgpu.SMEM((GROUP, BN), jnp.float16, transforms=_tiled(BN, 2)), out_smem]
     if fused:
         out_type, args = jax.ShapeDtypeStruct((M, N), dtype), (half, w, scale, jnp.pad(factor[:, 0], (0, Mp - M)))
     else:
@@ -584,28 +600,14 @@ def fp8_pairs_mosaic(x, ids, w, scale, extra=None, extra_scale=None, *, out_dtyp
     x8 = jnp.zeros((P, Mp, K), jnp.float16).at[:, 0].set(half).reshape(P * Mp, K)
     S = splits_of(G, (N // BN) * (tile_pairs or P), t)
     dtype = jnp.dtype(jnp.float32 if float32_out else (out_dtype or x.dtype))
-    if interpret is None:
-        interpret = jax.default_backend() != "gpu"
-    mode = None
-    if interpret:
-        mode = interpret_params()
-        if mode is None:
-            raise NotImplementedError("this jax has no Mosaic GPU interpreter")
-    a_regs = t.a_regs and not interpret and BN in (128, 256)
-    fused = (1, dtype) if t.fuse_out and S == 1 and (a_regs or interpret) else None
+    mode, a_regs, fused, scratch = _launch_setup(interpret, t, BN, Mp, S, dtype)
+    fused = (1, dtype) if fused else None
     body = functools.partial(_pairs_kernel, K=K, rows=Mp, num_experts=E, num_extra=E2, fused=fused, a_regs=a_regs,
-                             block_n=BN, steps=G // S, stages=t.stages, layouts=not interpret,
+                             block_n=BN, steps=G // S, stages=t.stages, layouts=mode is None,
                              load_8bit=t.load_8bit)
 
     def jspec_fp8_pairs_mosaic(*refs):  # the kernel's name (profiles, HLO)
         return body(*refs)
-    out_smem = plgpu.SMEM((Mp, BN) if a_regs or fused else (BN, Mp), dtype if fused else jnp.float32)
-    if interpret:
-        scratch = [plgpu.SMEM((BN, GROUP), jnp.float16), out_smem, plgpu.SMEM((GROUP, Mp), jnp.float16)]
-    elif a_regs:
-        scratch = [plgpu.SMEM((8,), jnp.float32), out_smem]
-    else:
-        scratch = [plgpu.SMEM((GROUP, BN), jnp.float16, transforms=_tiled(BN, 2)), out_smem]
     stacks = (w.reshape(E * K, N), scale.reshape(E * G, N))
     if E2:
         stacks += (extra.reshape(E2 * K, N), extra_scale.reshape(E2 * G, N))
