@@ -16,12 +16,13 @@ KERNEL_DTYPES = (jnp.float32, jnp.bfloat16, jnp.float16)  # the array dtypes the
 def wraps_triton_offsets(a) -> bool:
     """Whether Pallas' Triton lowering would index array `a` with wrapping offsets: it
     computes element offsets in signed 32-bit integers for arrays of at most 2^32 bytes
-    (64-bit above; jax 0.10-0.11), so an array of 1-byte elements (FP8) with 2^31 to 2^32
-    elements reads the wrong place past element 2^31. Found on an H200: DeepSeek-V3's 256
-    FP8 down experts [256, 2048, 7168] gave NaN (docs/benchmarks.md). The Triton kernels
-    refuse such arrays; their dispatch then takes another path."""
+    (64-bit above; jax 0.10-0.11), so an array of 1-byte elements (FP8) with more than 2^31
+    elements (and at most 2^32) reads the wrong place past element 2^31 - 1. Found on an
+    H200: DeepSeek-V3's 256 FP8 down experts [256, 2048, 7168] gave NaN (docs/benchmarks.md).
+    The expert and attention kernels refuse such arrays (their dispatch takes another path);
+    the grouped kernel reads FP8 ones as uint16 pairs (`grouped.pair_view`)."""
     n = math.prod(getattr(a, "shape", ()))
-    return n >= 2 ** 31 and n * jnp.dtype(a.dtype).itemsize <= 2 ** 32
+    return n > 2 ** 31 and n * jnp.dtype(a.dtype).itemsize <= 2 ** 32
 
 
 def is_pow2(n) -> bool:

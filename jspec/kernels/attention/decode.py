@@ -527,7 +527,7 @@ def check_attention_args(q, kv_buf, meta: AttnMeta, window) -> None:
     if q.dtype != kv_buf.dtype and jnp.dtype(kv_buf.dtype) not in FP8_DTYPES:
         raise TypeError(f"q and cache dtypes differ: {q.dtype}, {kv_buf.dtype} (the cache must be q's dtype or FP8)")
     if wraps_triton_offsets(kv_buf):
-        raise ValueError(f"the cache {kv_buf.dtype} {kv_buf.shape} has 2^31 or more elements in at most 2^32 bytes, "
+        raise ValueError(f"the cache {kv_buf.dtype} {kv_buf.shape} has more than 2^31 elements in at most 2^32 bytes, "
                          f"which Pallas' Triton lowering indexes with wrapping 32-bit offsets")
     B, T, H, Dh = q.shape
     Hkv = kv_buf.shape[3]

@@ -348,7 +348,7 @@ def _check_matmul(x, ids, w, extra=None, slots=None, gated=None, norm=None, w_sc
             raise TypeError(f"{name} dtype {a.dtype} is not float32, bfloat16 or float16")
     for name, a in (("w", w), ("extra", extra)):
         if a is not None and wraps_triton_offsets(a):
-            raise ValueError(f"{name} {a.dtype} {a.shape} has 2^31 or more elements in at most 2^32 bytes, which "
+            raise ValueError(f"{name} {a.dtype} {a.shape} has more than 2^31 elements in at most 2^32 bytes, which "
                              f"Pallas' Triton lowering indexes with wrapping 32-bit offsets")
     return ids2, slots, P, gated is None and rows == N and slots > 1
 

@@ -234,7 +234,7 @@ def grouped_matmul(x, tile_expert, w, *, block_m: int, block_n: int | None = Non
         raise ValueError(f"the paired view takes an E4M3 stack with scales and an even Dout >= 32, got {w.dtype} "
                          f"{w.shape}")
     if wraps_triton_offsets(w) and not paired:
-        raise ValueError(f"w {w.dtype} {w.shape} has 2^31 or more elements in at most 2^32 bytes, which Pallas' "
+        raise ValueError(f"w {w.dtype} {w.shape} has more than 2^31 elements in at most 2^32 bytes, which Pallas' "
                          f"Triton lowering indexes with wrapping 32-bit offsets")
     t = GroupedTiles()
     block_n = t.block_n if block_n is None else block_n
