@@ -249,6 +249,16 @@ def test_moe_experts_dispatch_to_pairs(monkeypatch):
     down_bf16 = jax.vmap(lambda w, s: dequantize_kernel(w, s, jnp.bfloat16))(down, down_scale)
     assert path(x, ids, gate_up, down_bf16, None, 3, scales=(gu_scale, None)) == "other"  # down not FP8
     assert path(x, ids, gate_up, down, None, 3, scales=kw["scales"]) == "mosaic"  # no extra experts
+    # a norm of x's dtype (applied first), a row per pair, fewer slots than the table's columns
+    assert path(*args, **kw, norm=(jnp.ones((D,), jnp.bfloat16), 1e-6)) == "mosaic"
+    assert path(*args, **kw, norm=(jnp.ones((D,), jnp.float32), 1e-6)) == "other"  # float32 rows after it
+    assert path(jnp.repeat(x, 3, axis=0), *args[1:], **kw) == "mosaic"
+    assert path(x, ids, gate_up, down, None, 2, scales=kw["scales"]) == "mosaic"
+    # shapes `routed_experts` refuses are refused here too
+    assert not ex.uses_mosaic(x, ids, gate_up, down[:2], None, 3, (gu_scale, down_scale[:2]))  # 3 and 2 experts
+    assert not ex.uses_mosaic(x, ids, gate_up, down, (sgu, jnp.concatenate([sdown, sdown])), 3, kw["scales"],
+                              (sgu_scale, jnp.concatenate([sdown_scale, sdown_scale])))  # extra: 1 and 2 experts
+    assert ex.uses_mosaic(x, ids, gate_up, down, (sgu, sdown), 3, kw["scales"], kw["extra_scales"])
     monkeypatch.setattr(mosaic, "on_hopper", lambda: False)
     assert path(*args, **kw) == "other"
     monkeypatch.setattr(mosaic, "on_hopper", lambda: True)
@@ -263,3 +273,6 @@ def test_moe_experts_dispatch_to_pairs(monkeypatch):
     assert (y[4] == 0).all()
     assert np.linalg.norm(y - want) / np.linalg.norm(want) < 1e-2
     assert np.abs(y - want).max() < 2e-2 * np.abs(want).max()
+    with dispatch.use_backend("pallas"):  # the first two slots of each token's row
+        y2 = np.asarray(ex.moe_experts(x, ids, gate_up, down, (sgu, sdown), 2, **kw), np.float64)
+    np.testing.assert_array_equal(y2, y.reshape(2, 3, D)[:, :2].reshape(4, D))

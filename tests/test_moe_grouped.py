@@ -13,6 +13,7 @@ import torch
 import jspec
 from jspec.tuning import DEFAULT_TUNING
 from jspec.kernels.moe.grouped import GroupedTiles
+from jspec.kernels import dispatch
 from jspec.kernels.moe import grouped as mg
 
 
@@ -203,7 +204,7 @@ def test_prefill_through_the_kernel_equals_transformers(monkeypatch, fresh_compi
     assert np.abs(got - want).max() <= 1e-4 * np.abs(want).max()
 
 
-def test_fp8_stack_through_the_paired_view():
+def test_fp8_stack_through_the_paired_view(monkeypatch):
     """An FP8 stack read as uint16 pairs of columns (`pair_view`, what a stack whose own
     offsets would wrap takes: DeepSeek-V3's 256 down experts on one device) gives the plain
     view's products, even columns from the low bytes, odd from the high, their scales with
@@ -225,5 +226,22 @@ def test_fp8_stack_through_the_paired_view():
     np.testing.assert_array_equal(paired[:3 * bm], plain[:3 * bm])
     swapped = np.asarray(mg.grouped_matmul(x, tile_expert, w[:, :, ::-1], paired=True, **kw), np.float32)
     assert np.abs(swapped[:3 * bm] - plain[:3 * bm]).max() > 0.1 * np.abs(plain[:3 * bm]).max()  # columns matter
+    narrow = np.asarray(mg.grouped_matmul(x, tile_expert, w, paired=True, block_n=16, **kw), np.float32)
+    np.testing.assert_allclose(narrow[:3 * bm], plain[:3 * bm], rtol=1e-6, atol=1e-6)  # halves of 16 columns at least
+    # the view is taken by itself where the stack's own offsets would wrap (faked for this small stack)
+    monkeypatch.setattr(mg, "wraps_triton_offsets", lambda a: jnp.dtype(a.dtype) == jnp.dtype(jnp.float8_e4m3fn))
+    chosen = jax.make_jaxpr(lambda v: mg.grouped_matmul(v, tile_expert, w, **kw))(x)
+    assert "u16" in str(chosen)
+    np.testing.assert_array_equal(np.asarray(mg.grouped_matmul(x, tile_expert, w, **kw), np.float32)[:3 * bm],
+                                  plain[:3 * bm])
+    e5m2 = w.astype(jnp.float32).astype(jnp.float8_e5m2)  # not pairable: refused where it would wrap
+    monkeypatch.setattr(mg, "wraps_triton_offsets", lambda a: True)
+    assert not mg.pairable(e5m2)
+    rows, table = jax.ShapeDtypeStruct((64, Din), jnp.bfloat16), jax.ShapeDtypeStruct((64, 2), jnp.int32)
+    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")  # the dispatch as on a GPU
+    with dispatch.use_backend("auto"):
+        assert not mg.uses_kernel(rows, table, e5m2, e5m2, scales=(scale, scale))
+        assert mg.uses_kernel(rows, table, w, w, scales=(scale, scale))  # E4M3: through the view
+    monkeypatch.undo()
     with pytest.raises(ValueError, match="paired view"):
         mg.grouped_matmul(x, tile_expert, w.astype(jnp.bfloat16), paired=True, block_m=bm, interpret=True)  # not FP8

@@ -291,7 +291,8 @@ def _table(ids, slots):
     return ids2, slots
 
 
-def _check_matmul(x, ids, w, extra=None, slots=None, gated=None, norm=None, w_scale=None, extra_scale=None):
+def _check_matmul(x, ids, w, extra=None, slots=None, gated=None, norm=None, w_scale=None, extra_scale=None,
+                  triton: bool = True):
     """Raises ValueError / TypeError for arguments `expert_matmul` does not take; else
     -> (ids as a table [N, KP], slots, pairs P, whether x has a row per token)."""
     if w_scale is not None:
@@ -347,7 +348,7 @@ def _check_matmul(x, ids, w, extra=None, slots=None, gated=None, norm=None, w_sc
         if jnp.dtype(a.dtype) not in map(jnp.dtype, KERNEL_DTYPES):
             raise TypeError(f"{name} dtype {a.dtype} is not float32, bfloat16 or float16")
     for name, a in (("w", w), ("extra", extra)):
-        if a is not None and wraps_triton_offsets(a):
+        if triton and a is not None and wraps_triton_offsets(a):  # the Triton kernel's limit alone
             raise ValueError(f"{name} {a.dtype} {a.shape} has more than 2^31 elements in at most 2^32 bytes, which "
                              f"Pallas' Triton lowering indexes with wrapping 32-bit offsets")
     return ids2, slots, P, gated is None and rows == N and slots > 1
@@ -497,8 +498,11 @@ def matvec(x, w, norm=None, *, w_scale=None, float32_out: bool = False, sum_spli
 
 # --------------------------------------------------------------------------- routed experts
 
-def _check_experts(x, ids, gate_up, down, extra=None, slots=None, scales=None, extra_scales=None) -> None:
-    """Raises ValueError / TypeError for arguments `routed_experts` does not take."""
+def _check_experts(x, ids, gate_up, down, extra=None, slots=None, scales=None, extra_scales=None,
+                   triton: bool = True) -> None:
+    """Raises ValueError / TypeError for arguments `routed_experts` does not take (triton
+    False: leaves out the Triton kernel's own limit, `wraps_triton_offsets`, for
+    `uses_mosaic`, which shares the other checks)."""
     if getattr(gate_up, "ndim", None) != 3 or getattr(down, "ndim", None) != 3:
         raise ValueError(f"gate_up must be [E, D, 2Fm] and down [E, Fm, D], got "
                          f"{getattr(gate_up, 'shape', gate_up)} and {getattr(down, 'shape', down)}")
@@ -511,8 +515,10 @@ def _check_experts(x, ids, gate_up, down, extra=None, slots=None, scales=None, e
     extra_gu_scale, extra_down_scale = (None, None) if extra_scales is None else extra_scales
     if gate_up.dtype != down.dtype and gu_scale is None and down_scale is None:
         raise TypeError(f"gate_up and down dtypes differ: {gate_up.dtype}, {down.dtype}")
-    _, _, P, _ = _check_matmul(x, ids, gate_up, extra_gu, slots, w_scale=gu_scale, extra_scale=extra_gu_scale)
+    _, _, P, _ = _check_matmul(x, ids, gate_up, extra_gu, slots, w_scale=gu_scale, extra_scale=extra_gu_scale,
+                               triton=triton)
     _check_matmul(jax.ShapeDtypeStruct((1, P, F2), jnp.float32), ids, down, extra_down, slots, gated=x.dtype,
+                  triton=triton,
                   w_scale=down_scale, extra_scale=extra_down_scale)
     if extra is not None and extra_gu.shape[0] != extra_down.shape[0]:
         raise ValueError(f"extra experts: gate_up {extra_gu.shape} and down {extra_down.shape} hold "
@@ -574,21 +580,26 @@ def routed_experts(x, ids, gate_up, down, extra=None, slots: int | None = None, 
 
 
 def uses_mosaic(x, ids, gate_up, down, extra=None, slots=None, scales=None, extra_scales=None, *,
-                tiles: ExpertTiles | None = None, as_tokens: int | None = None) -> bool:
+                norm=None, tiles: ExpertTiles | None = None, as_tokens: int | None = None) -> bool:
     """Whether `moe_experts` runs the pairs through the Mosaic GPU kernel
-    (`mosaic_experts`): both stacks FP8 with their scales (extra experts FP8 too, or none),
-    bfloat16 or float16 activations, D and Fm multiples of GROUP, 2Fm and D of 64, at most
-    `tiles.mosaic_pairs` pairs, not the row-invariant mode (as_tokens None: it keeps the
-    Triton kernel), kernels not switched off, and a Hopper GPU."""
+    (`mosaic_experts`): arguments `routed_experts` takes (but for the Triton kernel's own
+    offsets limit), both stacks FP8 with their scales (extra experts FP8 too, or none),
+    bfloat16 or float16 activations (after the norm, `norm`), D and Fm multiples of GROUP,
+    2Fm and D of 64, at most `tiles.mosaic_pairs` pairs, not the row-invariant mode
+    (as_tokens None: it keeps the Triton kernel), kernels not switched off, and a Hopper
+    GPU."""
     t = ExpertTiles() if tiles is None else tiles
     if as_tokens is not None or dispatch.backend() == "reference" or scales is None or None in scales:
         return False
     if extra is not None and (extra_scales is None or None in extra_scales):
         return False
     try:
-        ids2, slots = _table(ids, slots)
-    except ValueError:
+        _check_experts(x, ids, gate_up, down, extra, slots, scales, extra_scales, triton=False)
+        if norm is not None:
+            _check_matmul(x, ids, gate_up, slots=slots, norm=norm, w_scale=scales[0], triton=False)
+    except (TypeError, ValueError):
         return False
+    ids2, slots = _table(ids, slots)
     P = ids2.shape[0] * slots
     rows = jax.ShapeDtypeStruct((P, gate_up.shape[1]), x.dtype)
     Fm = down.shape[1]
@@ -643,7 +654,8 @@ def moe_experts(x, ids, gate_up, down, extra=None, slots: int | None = None, nor
     x's dtype first. JSPEC_KERNELS=pallas forces the kernel (interpret mode off GPU; raises
     for arguments it does not take). On a Hopper GPU, FP8 stacks of few pairs run
     `mosaic_experts` instead (`uses_mosaic`; its tiles `mosaic_tiles`, a `MosaicTiles`)."""
-    if uses_mosaic(x, ids, gate_up, down, extra, slots, scales, extra_scales, tiles=tiles, as_tokens=as_tokens):
+    if uses_mosaic(x, ids, gate_up, down, extra, slots, scales, extra_scales, norm=norm, tiles=tiles,
+                   as_tokens=as_tokens):
         return mosaic_experts(normed(x, norm), ids, gate_up, down, extra, slots, scales=scales,
                               extra_scales=extra_scales, tiles=mosaic_tiles)
     if uses_kernel(x, ids, gate_up, down, extra, slots, scales, extra_scales):

@@ -243,6 +243,8 @@ def grouped_matmul(x, tile_expert, w, *, block_m: int, block_n: int | None = Non
         if not is_pow2(v):
             raise ValueError(f"{name} must be a power of two, got {v!r}")
     BN, BK = min(block_n, pow2_floor(Dout)), min(block_k, pow2_floor(Din), GROUP if w_scale is not None else Din)
+    if paired:  # two products of BN / 2 columns each: at least 16 (Triton's dot)
+        BN = max(BN, 32)
     if interpret is None:
         interpret = jax.default_backend() != "gpu"
     kernel = functools.partial(_kernel, din=Din, dout=Dout, num_experts=E, block_m=block_m, block_k=BK, block_n=BN,
