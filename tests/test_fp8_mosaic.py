@@ -276,3 +276,19 @@ def test_moe_experts_dispatch_to_pairs(monkeypatch):
     with dispatch.use_backend("pallas"):  # the first two slots of each token's row
         y2 = np.asarray(ex.moe_experts(x, ids, gate_up, down, (sgu, sdown), 2, **kw), np.float64)
     np.testing.assert_array_equal(y2, y.reshape(2, 3, D)[:, :2].reshape(4, D))
+
+
+@pytest.mark.skipif(not mosaic.on_hopper(), reason="A from registers and its stores run on a Hopper GPU only")
+@pytest.mark.parametrize("tiles", [dict(), dict(num_splits=2), dict(block_n=256), dict(num_splits=4, block_n=64)])
+def test_pairs_on_hopper(tiles):
+    """On the GPU the pair kernel takes A from registers (`_widen_to_regs`) and writes its
+    rows itself (one split) or float32 partial sums (more): each view equals float64
+    products of the exact weights (the CPU's interpreter runs only the shared-memory path)."""
+    w, scale = expert_stack(31, 5)
+    extra = expert_stack(32, 1)
+    x = (jax.random.normal(jax.random.key(33), (7, K)) * 3.0).astype(jnp.bfloat16)
+    ids = jnp.asarray([4, 0, 5, -1, 2, 6, 4], jnp.int32)
+    y = np.asarray(mosaic.fp8_pairs_mosaic(x, ids, w, scale, *extra, float32_out=True, **tiles), np.float64)
+    want = pairs_exact(x, ids, [(w, scale), extra])
+    assert (y[[3, 5]] == 0).all()
+    assert np.linalg.norm(y - want) / np.linalg.norm(want) < 1e-6
