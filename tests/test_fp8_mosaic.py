@@ -200,17 +200,20 @@ def pairs_exact(x, ids, stacks):
 def test_pairs_equal_exact_products(tiles):
     """Row p = x[p] @ (its expert's FP8 weight x scales), experts from the stack or the extra
     stack (ids E..), a zero row for ids naming no expert (-1, past the extra stack), one split
-    (the kernel writes the rows) or two (float32 partial sums)."""
+    (the kernel writes the rows) or two (float32 partial sums); rows past float16's range
+    (pairs 1 and 4) times their own factors."""
     w, scale = expert_stack(1, 3)
     extra = expert_stack(2, 1)
     x = (jax.random.normal(jax.random.key(3), (6, K)) * 3.0).astype(jnp.bfloat16)
+    x = (x.astype(jnp.float32) * jnp.asarray([1.0, 2.0 ** 18, 1.0, 1.0, 2.0 ** 16, 1.0])[:, None]).astype(jnp.bfloat16)
     ids = jnp.asarray([2, 0, 3, -1, 2, 4], jnp.int32)
     y = mosaic.fp8_pairs_mosaic(x, ids, w, scale, *extra, float32_out=True, interpret=True, stages=2, **tiles)
     want = pairs_exact(x, ids, [(w, scale), extra])
     assert y.shape == (6, N) and y.dtype == jnp.float32
     y = np.asarray(y, np.float64)
     assert (y[[3, 5]] == 0).all()
-    assert np.linalg.norm(y - want) / np.linalg.norm(want) < 1e-6
+    for p in (0, 1, 2, 4):
+        assert np.linalg.norm(y[p] - want[p]) / np.linalg.norm(want[p]) < 1e-6, p
     # every pair reads its own expert: ids shifted by one are far off
     assert np.linalg.norm(y - pairs_exact(x, (ids + 1) % 4, [(w, scale), extra])) / np.linalg.norm(want) > 0.5
     assert not mosaic.pairs_supported(x, ids, w, scale, extra[0], None)  # extra without its scales
@@ -287,8 +290,40 @@ def test_pairs_on_hopper(tiles):
     w, scale = expert_stack(31, 5)
     extra = expert_stack(32, 1)
     x = (jax.random.normal(jax.random.key(33), (7, K)) * 3.0).astype(jnp.bfloat16)
+    x = x.at[1].multiply(2.0 ** 18).at[6].multiply(2.0 ** 16)  # rows with factors of their own
     ids = jnp.asarray([4, 0, 5, -1, 2, 6, 4], jnp.int32)
     y = np.asarray(mosaic.fp8_pairs_mosaic(x, ids, w, scale, *extra, float32_out=True, **tiles), np.float64)
     want = pairs_exact(x, ids, [(w, scale), extra])
     assert (y[[3, 5]] == 0).all()
-    assert np.linalg.norm(y - want) / np.linalg.norm(want) < 1e-6
+    for p in (0, 1, 2, 4, 6):
+        assert np.linalg.norm(y[p] - want[p]) / np.linalg.norm(want[p]) < 1e-6, p
+
+
+def test_rows_bound_from_the_norm():
+    """`experts.normed_with_top`: the bound it computes in the norm's pass is at least each
+    normed row's largest magnitude and at most 2% over it, rows past float16's range
+    included; the kernels take their float16 factors from it (`top=`): the same products as
+    from the rows' own maxima, and a bound too small overflows float16 (so it is used)."""
+    from jspec.kernels.moe.experts import normed, normed_with_top
+    x, w, scale = operands(41, 4)
+    x = (x.astype(jnp.float32) * jnp.asarray([1.0, 2.0 ** 20, 1e-3, 1.0])[:, None]).astype(jnp.bfloat16)
+    weight = jnp.linspace(-3.0, 2.0 ** 15, K).astype(jnp.bfloat16)  # normed rows reach past float16 (65504)
+    norm = (weight, 1e-6)
+    xn, top = normed_with_top(x, norm)
+    np.testing.assert_array_equal(np.asarray(xn, np.float32), np.asarray(normed(x, norm), np.float32))
+    biggest = np.abs(np.asarray(xn, np.float32)).max(axis=1, keepdims=True)
+    assert biggest.max() > 65504
+    assert (np.asarray(top) >= biggest).all() and (np.asarray(top) <= biggest * 1.02).all()
+    y = mosaic.fp8_matmul_mosaic(xn, w, scale, float32_out=True, interpret=True, block_n=128, stages=2,
+                                 num_splits=2, top=top)
+    assert rel_err(y, reference(xn, w, scale)) < 1e-5
+    low = mosaic.fp8_matmul_mosaic(xn, w, scale, float32_out=True, interpret=True, block_n=128, stages=2,
+                                   num_splits=2, top=top / 2.0 ** 8)
+    assert not np.isfinite(np.asarray(low)).all()
+    ws, ss = expert_stack(42, 2)
+    ids = jnp.asarray([1, 0, 1, 0], jnp.int32)
+    got = np.asarray(mosaic.fp8_pairs_mosaic(xn, ids, ws, ss, float32_out=True, interpret=True, stages=2, top=top),
+                     np.float64)
+    want = pairs_exact(xn, ids, [(ws, ss)])
+    for p in range(4):
+        assert np.linalg.norm(got[p] - want[p]) / np.linalg.norm(want[p]) < 1e-6, p

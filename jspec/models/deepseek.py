@@ -157,9 +157,10 @@ class MLAttention(nn.Module):
         else:
             qkv = proj(x, norm=norm)
             q, ckv = qkv[..., :Q], qkv[..., Q:]
-            if c.q_lora_rank:
-                q = q_latent = RMSNorm(LATENT_NORM_EPS, c.dtype, name="q_a_layernorm")(q)
-                q = Linear(H * (Dn + Dr), False, c.dtype, tuning=tuning, name="q_b_proj")(q)
+            if c.q_lora_rank:  # the norm handed to the projection (FP8 rows bound in its pass)
+                q_norm = RMSNorm(LATENT_NORM_EPS, c.dtype, name="q_a_layernorm")(q, unapplied=True)
+                q_latent = normed(q, q_norm) if c.index_topk else None
+                q = Linear(H * (Dn + Dr), False, c.dtype, tuning=tuning, name="q_b_proj")(q, norm=q_norm)
             # q_first: the absorbed query [B,T,H,Dc] (decoding) or q_nope [B,T,H,Dn] (prefill);
             # rows [B,T,Dc+Dr]: what the cache keeps (the normed latent, the roped key part)
             q_first, q_pe, rows = mla_inputs.mla_inputs_reference(q.reshape(B, T, H, Dn + Dr), ckv, cos, sin, latent_norm,

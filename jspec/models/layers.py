@@ -117,6 +117,10 @@ class Linear(nn.Module):
             if not (splits or row_invariant):
                 if fp8_mosaic.uses_kernel(probe, w, scale, f8):
                     kernel = functools.partial(fp8_mosaic.fp8_matmul_mosaic, tiles=self.tuning.fp8_mosaic)
+                    if norm is not None:  # the rows' float16 bound from the norm's own pass
+                        xn, top = moe_experts.normed_with_top(x, norm)
+                        y = kernel(xn.astype(self.dtype), w, scale, float32_out=self.float32_out, top=top)
+                        return self.finish(y, norm_factor)
                 elif fp8_matmul.uses_kernel(probe, w, scale, f8):
                     kernel = functools.partial(fp8_matmul.fp8_matmul, tiles=f8)
             if kernel is not None:

@@ -82,12 +82,14 @@ class Fp8Tiles:
     mosaic_rows: int = 16
 
 
-def half_rows(rows):
+def half_rows(rows, top=None):
     """bfloat16 rows [M, K] -> (float16 rows, float32 factors [M, 1]): each row divided by
     its `tiling.half_factor`, then converted. The tensor-core kernel multiplies in float16
     (E4M3 widens to it in one instruction, to bfloat16 in several) and multiplies its rows'
-    sums back by the factors."""
-    factor = half_factor(rows)
+    sums back by the factors. top [M, 1] float32: a bound on each row's largest magnitude
+    (at least it; None: the rows' own maxima) the factors are taken from instead, so a
+    caller that has one (`moe_experts.normed_with_top`) spares the rows a pass."""
+    factor = half_factor(rows) if top is None else half_factor(top=top)
     return (rows.astype(jnp.float32) / factor).astype(jnp.float16), factor
 
 

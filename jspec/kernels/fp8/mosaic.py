@@ -49,8 +49,10 @@ is at that ceiling. Wall clock a product (6 weights a call): gate_up 32.8 us at 
 (1.73x XLA bfloat16, 1.41x Triton), 35.1 at 8 rows, 36.2 at 16; down 20.5, 19.6, 20.6.
 The small projections (qkv, o: 25 and 17 MB) are bound by launches in that benchmark (the
 kernel 8.5 and 6.2 us, but four launches a product with the rows' preparation and the
-split sum). Every call also runs two small XLA fusions for the rows (`half_rows`, the
-padding) and, with K splits, one for the sum.
+split sum). Every call also runs small XLA fusions for the rows (`half_rows`: their
+largest magnitudes, unless the caller gives a bound as `top`; the division and padding)
+and, with K splits, one for the sum. A normed input's bound comes from the norm's own pass
+(`moe_experts.normed_with_top`, taken by `Linear(..., norm=)` and `mosaic_experts`).
 
 Dispatch (`uses_kernel`): `models.layers.Linear` runs this kernel for products of at most
 `Fp8Tiles.mosaic_rows` (default 16; 0 turns it off) bfloat16 or float16 rows with N a
@@ -300,11 +302,13 @@ def _scales_to_regs(block_n: int):
     return scales
 
 
-def _store_from_regs(block_n: int, rows: int, dtype, factor: bool):
+def _store_from_regs(block_n: int, rows: int, dtype, factor: bool, factor_rows: int | None = None):
     """inline_mgpu: the sums [block_n, rows] float32 (WGMMA layout, permuted rows) -> the
     shared-memory ref [rows, block_n] of dtype in column order (RT consecutive columns a
-    store), each row m times factor_ref[m] first if factor (a float32 ref [rows])."""
+    store), each row m times factor_ref[m] first if factor (a float32 ref [factor_rows],
+    default rows; rows past it take the last factor: rows nobody keeps)."""
     rt = block_n // 32
+    last = (factor_rows or rows) - 1
 
     @plgpu.inline_mgpu(arg_types=(plgpu.Layout.WGMMA, plgpu.RefType()) + ((plgpu.RefType(),) if factor else ()))
     def store(ctx, total, out_ref, *factor_ref):
@@ -320,7 +324,8 @@ def _store_from_regs(block_n: int, rows: int, dtype, factor: bool):
                 m = arith.addi(arith.muli(q, c(2)), c(8 * i1 + v))
                 fac = None
                 if factor:
-                    fac = llvm.load(f32, mu.getelementptr(mu.memref_ptr(factor_ref[0]), [m], f32))
+                    mf = m if last == rows - 1 else arith.minsi(m, c(last))
+                    fac = llvm.load(f32, mu.getelementptr(mu.memref_ptr(factor_ref[0]), [mf], f32))
                 for h in range(rt // 4):
                     elems = []
                     for jj in range(4 * h, 4 * h + 4):
@@ -344,7 +349,8 @@ def _kernel(*refs, block_n: int, steps: int, rows: int, stages: int, layouts: bo
     groups of (w^T tile @ x^T tile) * scales, [block_n, rows] float32.
 
     refs: x_gmem [rows, K] float16, w_gmem [K, N] FP8, s_gmem [K / GROUP, N] float32,
-    (f_gmem [rows] float32: the rows' factors, if fused), o_gmem, then the scratch:
+    (f_gmem [rows] float32: the rows' factors, if fused; [M] with fused rows M < rows whose
+    factors the kernel alone keeps, as a pair's), o_gmem, then the scratch:
     wb_smem (the float16 tile of the shared-memory path), out_smem, (xt_smem). o_gmem:
     [S, N, rows] float32 (shared-memory path), [S, rows, N] float32 (a_regs: A from
     registers, `_widen_to_regs`), or, fused = (M, dtype) (one split), the product itself
@@ -413,7 +419,8 @@ def _kernel(*refs, block_n: int, steps: int, rows: int, stages: int, layouts: bo
     if fused is not None:
         M, dtype = fused
         if a_regs:
-            _store_from_regs(block_n, rows, dtype, True)(cast(total, plgpu.Layout.WGMMA), out_smem, f_gmem)
+            _store_from_regs(block_n, rows, dtype, True, f_gmem.shape[0])(cast(total, plgpu.Layout.WGMMA), out_smem,
+                                                                           f_gmem)
         else:  # interpret mode
             out_smem[...] = (total.T * f_gmem[...][:, None]).astype(dtype)
         dst, src = o_gmem.at[:, cols], out_smem.at[pl.ds(0, M)]
@@ -464,12 +471,13 @@ def _launch_setup(interpret, tiles: MosaicTiles, BN: int, Mp: int, S: int, dtype
 
 
 def fp8_matmul_mosaic(x, w, scale, *, out_dtype=None, float32_out: bool = False, tiles: MosaicTiles | None = None,
-                      interpret: bool | None = None, **tile_overrides):
+                      top=None, interpret: bool | None = None, **tile_overrides):
     """x [..., K] (bfloat16 or float16, at most MAX_ROWS rows) @ an FP8 weight w [K, N] with
     scales [K / GROUP, N] float32 -> [..., N] in x's dtype (float32 with float32_out;
     out_dtype if given). tiles: `MosaicTiles` (None: the defaults), overridden field by
     field by tile_overrides (block_n=..., stages=..., num_splits=...). interpret None:
-    interpret mode unless the default backend is a GPU."""
+    interpret mode unless the default backend is a GPU. top [..., 1] float32: a bound on each
+    row's largest magnitude for its float16 factor (`matmul.half_rows`)."""
     t = dataclasses.replace(tiles or MosaicTiles(), **tile_overrides)
     if not supported(x, w, scale, t):
         raise ValueError(f"fp8_matmul_mosaic takes x [..., K] (bfloat16 or float16, 1..{MAX_ROWS} rows), an FP8 "
@@ -483,7 +491,7 @@ def fp8_matmul_mosaic(x, w, scale, *, out_dtype=None, float32_out: bool = False,
     rows = x.reshape(-1, K)
     M = rows.shape[0]
     Mp = 8 if M <= 8 else 16
-    half, factor = half_rows(rows)
+    half, factor = half_rows(rows, None if top is None else top.reshape(M, 1))
     if Mp > M:
         half = jnp.pad(half, ((0, Mp - M), (0, 0)))
     S = splits_of(G, N // BN, t)
@@ -546,7 +554,7 @@ def _pairs_kernel(ids_gmem, *refs, K: int, rows: int, num_experts: int, num_extr
     other id runs nothing (the wrapper zeroes its row).
 
     refs: x_gmem [P Mp, K] float16, (w_gmem [E K, N] FP8, s_gmem [E K / GROUP, N] float32)
-    for each stack, (f_gmem [P Mp] float32 if fused), o_gmem ([P, N] fused; [S, P Mp, N]
+    for each stack, (f_gmem [P] float32 if fused: the pairs' factors), o_gmem ([P, N] fused; [S, P Mp, N]
     a_regs; else [S, N, P Mp]), then `_kernel`'s scratch."""
     x_gmem, *refs = refs
     stacks = [refs[0:2]] + ([refs[2:4]] if num_extra else [])
@@ -557,7 +565,7 @@ def _pairs_kernel(ids_gmem, *refs, K: int, rows: int, num_experts: int, num_extr
     G = K // GROUP
     x_p = x_gmem.at[pl.ds(p * rows, rows)]
     if fused is not None:
-        heads, o_p = (f_gmem.at[pl.ds(p * rows, rows)],), o_gmem.at[pl.ds(p, 1)]
+        heads, o_p = (f_gmem.at[pl.ds(p, 1)],), o_gmem.at[pl.ds(p, 1)]
     else:
         heads, o_p = (), (o_gmem.at[:, pl.ds(p * rows, rows)] if a_regs else o_gmem.at[:, :, pl.ds(p * rows, rows)])
     for (w_gmem, s_gmem), first, count in zip(stacks, (0, num_experts), (num_experts, num_extra)):
@@ -569,8 +577,8 @@ def _pairs_kernel(ids_gmem, *refs, K: int, rows: int, num_experts: int, num_extr
 
 
 def fp8_pairs_mosaic(x, ids, w, scale, extra=None, extra_scale=None, *, out_dtype=None, float32_out: bool = False,
-                     tile_pairs: int | None = None, tiles: MosaicTiles | None = None, interpret: bool | None = None,
-                     **tile_overrides):
+                     tile_pairs: int | None = None, tiles: MosaicTiles | None = None, top=None,
+                     interpret: bool | None = None, **tile_overrides):
     """One product a pair, each with its own expert: x [P, K] (bfloat16 or float16, a row a
     pair) and ids [P] -> [P, N], row p = x[p] @ w[ids[p]] with w [E, K, N] FP8 and its
     scales [E, K / GROUP, N] (`matmul.matmul_reference`'s numerics, as `fp8_matmul_mosaic`).
@@ -582,7 +590,8 @@ def fp8_pairs_mosaic(x, ids, w, scale, extra=None, extra_scale=None, *, out_dtyp
     column block of one expert for several pairs run together and share L2. Each pair's
     row goes to wgmma as the first of Mp = 8 rows (the rest zero). K splits are chosen for
     tile_pairs pairs (None: P): a fixed tile_pairs makes every pair's sums independent of
-    how many pairs a call holds. Output in x's dtype (out_dtype; float32 with float32_out)."""
+    how many pairs a call holds. Output in x's dtype (out_dtype; float32 with float32_out).
+    top [P, 1] float32: a bound on each row's largest magnitude (`matmul.half_rows`)."""
     t = dataclasses.replace(tiles or MosaicTiles(), **tile_overrides)
     if not pairs_supported(x, ids, w, scale, extra, extra_scale):
         raise ValueError(f"fp8_pairs_mosaic takes x [P, K] (bfloat16 or float16), ids [P] integer, an FP8 w "
@@ -596,7 +605,7 @@ def fp8_pairs_mosaic(x, ids, w, scale, extra=None, extra_scale=None, *, out_dtyp
     G = K // GROUP
     BN = max(b for b in (256, 128, 64) if b <= max(t.block_n, 64) and N % b == 0)
     Mp = 8
-    half, factor = half_rows(x)  # [P, K] float16, [P, 1]
+    half, factor = half_rows(x, None if top is None else top.reshape(P, 1))  # [P, K] float16, [P, 1]
     x8 = jnp.zeros((P, Mp, K), jnp.float16).at[:, 0].set(half).reshape(P * Mp, K)
     S = splits_of(G, (N // BN) * (tile_pairs or P), t)
     dtype = jnp.dtype(jnp.float32 if float32_out else (out_dtype or x.dtype))
@@ -613,8 +622,7 @@ def fp8_pairs_mosaic(x, ids, w, scale, extra=None, extra_scale=None, *, out_dtyp
         stacks += (extra.reshape(E2 * K, N), extra_scale.reshape(E2 * G, N))
     args = (ids.astype(jnp.int32), x8) + stacks
     if fused:
-        factors = jnp.zeros((P, Mp), jnp.float32).at[:, 0].set(factor[:, 0]).reshape(P * Mp)
-        out_type, args = jax.ShapeDtypeStruct((P, N), dtype), args + (factors,)
+        out_type, args = jax.ShapeDtypeStruct((P, N), dtype), args + (factor.reshape(P),)
     else:
         out_type = jax.ShapeDtypeStruct((S, P * Mp, N) if a_regs else (S, N, P * Mp), jnp.float32)
     out = plgpu.kernel(

@@ -170,6 +170,20 @@ def normed(x, norm):
     return x if norm is None else rms_norm(x, *norm)
 
 
+def normed_with_top(x, norm):
+    """(x RMS-normed by norm (weight, eps) as `rms_norm` does, a bound [..., 1] float32 on
+    each normed row's largest magnitude) for the float16 rows of the FP8 kernels
+    (`fp8.matmul.half_rows`): r * max |x w| (r the norm's factor) widened by 2^-6 for the
+    roundings to x's dtype (two, each at most 2^-8). It reads x as the norm's sum of squares
+    does, so XLA computes both in one reduction where a maximum of the normed rows would be
+    a pass of its own."""
+    weight, eps = norm
+    xf = x.astype(jnp.float32)
+    r = lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
+    top = r * jnp.max(jnp.abs(xf * weight.astype(jnp.float32)), axis=-1, keepdims=True) * (1 + 2 ** -6)
+    return weight * (xf * r).astype(x.dtype), top
+
+
 def prologue_norm(x, norm):
     """(x, norm) for a kernel with the norm in its prologue: the prologue rounds in x's
     dtype, so a norm weight of another dtype is applied here instead -> (x, norm or None)."""
@@ -614,23 +628,25 @@ def uses_mosaic(x, ids, gate_up, down, extra=None, slots=None, scales=None, extr
 
 
 def mosaic_experts(x, ids, gate_up, down, extra=None, slots: int | None = None, *, scales, extra_scales=None,
-                   tiles=None, interpret: bool | None = None):
+                   tiles=None, top=None, interpret: bool | None = None):
     """`routed_experts_reference`'s result for FP8 stacks through the Mosaic GPU pair kernel
     (`kernels.fp8.mosaic.fp8_pairs_mosaic`: the weight streamed by TMA and widened in
     registers, 3.5-3.9 TB/s where the Triton expert kernel reads FP8 at about 2): x (normed)
     [N, D] or [P, D], ids and slots as `pairs_of`, scales (gate_up's, down's), extra and
     extra_scales as `routed_experts` -> [P, D] float32. h = x @ gate_up rounded to x's
     dtype, silu(gate) * up in that dtype (one XLA fusion between the two kernels), then @
-    down in float32. tiles: `MosaicTiles` (None: the defaults)."""
+    down in float32. tiles: `MosaicTiles` (None: the defaults). top: x's rows' bounds
+    [N or P, 1] for their float16 factors (`normed_with_top`; None: their maxima)."""
     ids2, slots = _table(ids, slots)
     x_pairs, flat = pairs_of(x, ids2, slots)
+    top_pairs = None if top is None else pairs_of(top, ids2, slots)[0]
     Fm = down.shape[1]
     extra_gu, extra_down = (None, None) if extra is None else extra
     extra_gu_scale, extra_down_scale = (None, None) if extra is None else extra_scales
     # K splits as for one token's pairs whatever the tokens: a pair's sums are then those of
     # a one-token decode step (verification's rows equal decoding's)
     h = fp8_mosaic.fp8_pairs_mosaic(x_pairs, flat, gate_up, scales[0], extra_gu, extra_gu_scale, tiles=tiles,
-                                    tile_pairs=slots, interpret=interpret)  # [P, 2Fm] in x's dtype
+                                    tile_pairs=slots, top=top_pairs, interpret=interpret)  # [P, 2Fm] in x's dtype
     a = silu_mul(h[:, :Fm], h[:, Fm:])
     return fp8_mosaic.fp8_pairs_mosaic(a, flat, down, scales[1], extra_down, extra_down_scale, float32_out=True,
                                        tiles=tiles, tile_pairs=slots, interpret=interpret)
@@ -656,8 +672,9 @@ def moe_experts(x, ids, gate_up, down, extra=None, slots: int | None = None, nor
     `mosaic_experts` instead (`uses_mosaic`; its tiles `mosaic_tiles`, a `MosaicTiles`)."""
     if uses_mosaic(x, ids, gate_up, down, extra, slots, scales, extra_scales, norm=norm, tiles=tiles,
                    as_tokens=as_tokens):
-        return mosaic_experts(normed(x, norm), ids, gate_up, down, extra, slots, scales=scales,
-                              extra_scales=extra_scales, tiles=mosaic_tiles)
+        xn, top = (x, None) if norm is None else normed_with_top(x, norm)
+        return mosaic_experts(xn, ids, gate_up, down, extra, slots, scales=scales, extra_scales=extra_scales,
+                              tiles=mosaic_tiles, top=top)
     if uses_kernel(x, ids, gate_up, down, extra, slots, scales, extra_scales):
         return routed_experts(x, ids, gate_up, down, extra, slots, norm=norm, tiles=tiles, as_tokens=as_tokens,
                               scales=scales, extra_scales=extra_scales)
