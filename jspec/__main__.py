@@ -355,7 +355,9 @@ def _bench_parser() -> _Parser:
                     "'eagle3' (the default), 'dflash', 'standalone' or 'ngram'")
     ap.add_argument("--batch", type=_int(1), nargs="+", default=[1], metavar="B", help="batch sizes (default: 1)")
     ap.add_argument("--spec", type=_spec, nargs="+", default=None, metavar="S,K,N",
-                    help=f"draft steps, topk, verified tokens; K=1 is a chain (default: {defaults})")
+                    help=f"draft steps, topk, verified tokens; K=1 is a chain; a block drafter's chain may add "
+                         f"'/l:cost,...,S:cost' (each round verifies the length of most expected tokens a cost, "
+                         f"e.g. 15/3:1,7:1.1,15:1.3 with the ms/round of chains 3, 7, 15) (default: {defaults})")
     ap.add_argument("--prompts", type=_prompt_file, default=None, metavar="FILE",
                     help="one prompt per line (a line in JSON quotes may hold \\n); default: a few code prompts")
     ap.add_argument("--max-new-tokens", type=_int(1), default=64)
@@ -469,7 +471,8 @@ def serve_parser() -> _Parser:
                     help="a chat request's max_tokens when it gives none; a request may ask for up to --max-len less "
                          "its prompt (default: half of --max-len, at most 1024)")
     ap.add_argument("--spec", type=_spec_or_adaptive, default=None, metavar="S,K,N|adaptive",
-                    help="draft steps, topk, verified tokens of every round (default: the draft's), or 'adaptive': "
+                    help="draft steps, topk, verified tokens of every round (default: the draft's; a block "
+                         "drafter's chain may add '/l:cost,...,S:cost', as `bench --spec`), or 'adaptive': "
                          "a tier chosen before each chunk of rounds from the measured acceptance and round costs")
     ap.add_argument("--rounds-per-chunk", type=_int(1), default=4, help="rounds between admissions (default: 4)")
     ap.add_argument("--kv-cache-dtype", choices=["auto", "fp8", "fp8_e4m3"], default="auto",

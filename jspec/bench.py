@@ -54,11 +54,38 @@ class BenchRow:
     @property
     def shape(self) -> str:
         s = self.spec
-        return "-" if s is None else f"{s.num_steps},{s.topk},{s.num_draft_tokens}"
+        if s is None:
+            return "-"
+        budget = ",".join(f"{n}:{c:g}" for n, c in zip(s.verify_choices, s.verify_costs))
+        return f"{s.num_steps},{s.topk},{s.num_draft_tokens}" + (f"/{budget}" if budget else "")
+
+    @property
+    def round_ms(self) -> float:
+        """A round's time (each of the batch's rows commits tau tokens a round): the relative
+        cost of a chain length for `SpecConfig.verify_costs`."""
+        return 1000.0 * self.tau * self.batch / self.tokens_per_s
 
 
 def parse_spec(text: str) -> SpecConfig:
-    """'S', 'S,K' or 'S,K,N' -> SpecConfig (N defaults as SpecConfig's does). ValueError if bad."""
+    """'S', 'S,K' or 'S,K,N' -> SpecConfig (N defaults as SpecConfig's does), optionally
+    followed by '/l:cost,...,S:cost' for confidence-budgeted verification (each length a
+    round may verify with its round's relative cost, the last S: `SpecConfig.verify_lengths`
+    and `verify_costs`), e.g. '15/3:1.0,7:1.1,15:1.3'. ValueError if bad."""
+    shape, _, budget = text.partition("/")
+    spec = _parse_shape(shape)
+    if not budget:
+        return spec
+    try:
+        pairs = [(int(length), float(cost)) for length, cost in (p.split(":") for p in budget.split(","))]
+    except ValueError:
+        raise ValueError(f"expected '/length:cost,...' after the shape, the last length S, got {text!r}") from None
+    if pairs[-1][0] != spec.num_steps:
+        raise ValueError(f"the last length of {text!r} must be S = {spec.num_steps} (the whole chain)")
+    return dataclasses.replace(spec, verify_lengths=tuple(n for n, _ in pairs[:-1]),
+                               verify_costs=tuple(c for _, c in pairs))
+
+
+def _parse_shape(text: str) -> SpecConfig:
     parts = [p.strip() for p in text.split(",")]
     if not 1 <= len(parts) <= 3:
         raise ValueError(f"expected S,K,N (steps, topk, draft tokens), got {text!r}")
@@ -194,10 +221,10 @@ def _length(params, prompt) -> int:
 
 def format_table(rows: Sequence[BenchRow]) -> str:
     """A Markdown table, columns aligned: batch, decoding, S,K,N, tau, tokens/s, speed-up,
-    same output (share of prompts equal to plain decoding), compile s."""
-    head = ["batch", "decoding", "S,K,N", "tau", "tokens/s", "speed-up", "same output", "compile s"]
+    ms a round, same output (share of prompts equal to plain decoding), compile s."""
+    head = ["batch", "decoding", "S,K,N", "tau", "tokens/s", "speed-up", "ms/round", "same output", "compile s"]
     body = [[str(r.batch), r.name, r.shape, f"{r.tau:.2f}", f"{r.tokens_per_s:.0f}", f"{r.speedup:.2f}x",
-             f"{r.match:.0%}", f"{r.compile_s:.1f}"] for r in rows]
+             f"{r.round_ms:.2f}", f"{r.match:.0%}", f"{r.compile_s:.1f}"] for r in rows]
     widths = [max(len(c) for c in col) for col in zip(head, *body)]
     left = {1, 2}  # text columns; numbers right-aligned
 

@@ -152,6 +152,10 @@ class ModelConfig:
         return self.vocab_size * D + self.num_layers * per_layer + D + head
 
 
+def _is_number(v) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+
 @dataclasses.dataclass(frozen=True)
 class SpecConfig:
     """Speculative decoding shape: S draft steps, K branches per step, N verified nodes.
@@ -164,12 +168,24 @@ class SpecConfig:
     correction from max(0, p - q). Off (the default), drafts are the draft's argmax (or its
     top-k tree) and the target's own sample at each node decides (target-only verification).
     Both give exactly the target's distribution; greedy requests are unaffected.
+
+    verify_lengths (chains of a proposer that estimates acceptance, the block drafters):
+    confidence-budgeted verification. Each round drafts the whole chain of S, then verifies
+    only its first l drafts, l one of verify_lengths or S, the one whose expected tokens
+    over the batch's rows per unit of cost is highest (`jspec.loop.budget`): a row's
+    expected tokens at l are 1 plus its drafts' estimated survival (the cumulative product
+    of the draft's probability of each drafted token) up to l. verify_costs: the relative
+    cost of a round at each of verify_lengths and then S (a round's time at that chain
+    length, e.g. from `python -m jspec bench`'s ms a round). Output is unchanged (every
+    length verifies exactly); only the work a round does moves.
     """
 
     num_steps: int = 3
     topk: int = 1
     num_draft_tokens: int | None = None
     sample_drafts: bool = False
+    verify_lengths: tuple[int, ...] = ()
+    verify_costs: tuple[float, ...] = ()
 
     def __post_init__(self):
         for name in ("num_steps", "topk"):
@@ -193,6 +209,37 @@ class SpecConfig:
         if n - 1 > self.max_candidates:
             raise ValueError(f"num_draft_tokens-1 = {n - 1} exceeds the {self.max_candidates} candidates "
                              f"that num_steps={self.num_steps}, topk={self.topk} produce (K + (S-1)K^2)")
+        self._check_budget()
+
+    def _check_budget(self):
+        """verify_lengths and verify_costs (the class docstring), kept as tuples."""
+        lengths, costs = self.verify_lengths, self.verify_costs
+        if not isinstance(lengths, (tuple, list)) or not isinstance(costs, (tuple, list)):
+            raise ValueError(f"SpecConfig.verify_lengths and verify_costs must be sequences, got "
+                             f"{lengths!r} and {costs!r}")
+        object.__setattr__(self, "verify_lengths", tuple(lengths))
+        object.__setattr__(self, "verify_costs", tuple(float(c) if _is_number(c) else c for c in costs))
+        lengths, costs = self.verify_lengths, self.verify_costs
+        if not lengths:
+            if costs:
+                raise ValueError(f"SpecConfig.verify_costs={costs} needs verify_lengths (the shorter chains "
+                                 f"a round may verify)")
+            return
+        if self.topk != 1:
+            raise ValueError(f"SpecConfig.verify_lengths is for chains (topk=1), got topk={self.topk}")
+        S = self.num_steps
+        if not all(isinstance(v, int) and not isinstance(v, bool) and 1 <= v < S for v in lengths) \
+                or list(lengths) != sorted(set(lengths)):
+            raise ValueError(f"SpecConfig.verify_lengths must be ascending distinct ints in [1, num_steps) = "
+                             f"[1, {S}), got {lengths}")
+        if len(costs) != len(lengths) + 1 or not all(_is_number(c) and 0 < c < float("inf") for c in costs):
+            raise ValueError(f"SpecConfig.verify_costs must hold {len(lengths) + 1} positive costs (a round's at "
+                             f"each of verify_lengths {lengths}, then at num_steps={S}), got {costs}")
+
+    @property
+    def verify_choices(self) -> tuple[int, ...]:
+        """The chain lengths a round may verify: verify_lengths, then S."""
+        return self.verify_lengths + (self.num_steps,)
 
     @property
     def is_chain(self) -> bool:

@@ -322,6 +322,10 @@ def spec_config(params: Params, spec) -> SpecConfig | None:
         return None
     spec = proposer.default_spec() if spec is None else spec
     proposer.check_spec(spec)
+    if spec.verify_lengths and not proposer.estimates_acceptance():
+        raise ValueError(f"SpecConfig.verify_lengths (confidence-budgeted verification) needs a proposer that "
+                         f"estimates each draft's chance of acceptance (a block drafter, DFlash); "
+                         f"{type(proposer).__name__} does not")
     return spec
 
 

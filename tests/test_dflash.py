@@ -28,6 +28,7 @@ import torch
 import jspec
 import tiny_models
 from conftest import CACHES, PROMPTS, loop_state
+from jspec.cache import kv as kvc
 from jspec.cache import layout as lay
 from jspec.drafts import DFlashDraft
 from jspec.export import save_draft
@@ -172,6 +173,89 @@ def test_seeded_sampling_gives_plain_sampling_tokens(target, with_draft):
     assert jspec.generate(p, prompts, seed=6, **kw).tokens != plain
 
 
+# ------------------------------------------------------------------ confidence-budgeted verification
+
+def test_budget_choice_equals_a_reading_of_its_rule():
+    """`budget.choose` picks, over random survivals, the length of most expected tokens of
+    the active rows per unit of cost (rows that do not speculate count one token), as a
+    loop in numpy reads the rule; `chain_survival` is the cumulative product; a wrong rule
+    (costs ignored) disagrees."""
+    from jspec.loop import budget
+    rng = np.random.default_rng(0)
+    spec = jspec.SpecConfig(num_steps=6, verify_lengths=(1, 2, 4), verify_costs=(1.0, 1.15, 1.3, 1.6))
+    wrong = 0
+    for trial in range(40):
+        B = 1 + trial % 5
+        logp = np.log(rng.uniform(0.05, 1.0, (B, 6)) ** rng.uniform(0.2, 3.0))
+        surv = np.asarray(budget.chain_survival(jnp.asarray(logp, jnp.float32)))
+        np.testing.assert_allclose(surv, np.concatenate([np.ones((B, 1)), np.exp(np.cumsum(logp, 1))], 1), rtol=1e-5)
+        active, drafting = rng.random(B) < 0.8, rng.random(B) < 0.7
+        active[0] = True
+        drafting &= active
+
+        def rate(i, costs):
+            n = spec.verify_choices[i]
+            rows = sum(1 + (surv[r, 1:n + 1].sum() if drafting[r] else 0.0) for r in range(B) if active[r])
+            return rows / costs[i]
+        rates = [rate(i, spec.verify_costs) for i in range(4)]
+        got = int(budget.choose(jnp.asarray(surv), jnp.asarray(active), jnp.asarray(drafting), spec))
+        assert got == int(np.argmax(rates)), (trial, rates, got)
+        wrong += got != int(np.argmax([rate(i, (1.0,) * 4) for i in range(4)]))
+    assert wrong >= 5  # the costs decide
+
+
+def test_budget_spec_errors(with_draft):
+    for kw, match in [(dict(verify_lengths=(3,)), "verify_costs must hold 2"),
+                      (dict(verify_lengths=(5,), verify_costs=(1, 1)), r"\[1, 5\)"),
+                      (dict(verify_lengths=(3, 2), verify_costs=(1, 1, 1)), "ascending"),
+                      (dict(verify_lengths=(2,), verify_costs=(1, 0)), "positive"),
+                      (dict(verify_costs=(1.0,)), "needs verify_lengths"),
+                      (dict(topk=2, num_draft_tokens=6, verify_lengths=(2,), verify_costs=(1, 2)), "chains")]:
+        with pytest.raises(ValueError, match=match):
+            jspec.SpecConfig(num_steps=5, **kw)
+    spec = jspec.SpecConfig(num_steps=3, verify_lengths=[1], verify_costs=[1, 2])
+    assert spec.verify_lengths == (1,) and spec.verify_costs == (1.0, 2.0) and hash(spec)
+    with pytest.raises(ValueError, match="estimates each draft's chance"):
+        jspec.generate(with_draft("eagle3"), [PROMPTS[0]], max_new_tokens=2, spec=spec)
+
+
+def test_budgeted_verification_is_exact(target, with_draft, hf_greedy):
+    """Verifying a round's first l drafts: greedy output equals the target's whatever the
+    costs; costs that always favour one draft give rounds of at most 2 tokens; costs that
+    always favour the whole block give the unbudgeted block's very rounds; seeded sampling
+    under costs between them gives plain sampling's tokens."""
+    p = with_draft("dflash")
+    prompts = [PROMPTS[0], PROMPTS[2], PROMPTS[1]]
+    kw = dict(max_new_tokens=20, stop_token_ids=[], cache=CACHES["dense"])
+    whole = jspec.generate(p, prompts, **kw)
+    short = jspec.generate(p, prompts, spec=jspec.SpecConfig(5, verify_lengths=(1, 3), verify_costs=(1, 50, 50)),
+                           **kw)
+    full = jspec.generate(p, prompts, spec=jspec.SpecConfig(5, verify_lengths=(1, 3), verify_costs=(50, 50, 1)),
+                          **kw)
+    for i, q in enumerate(prompts):
+        assert short.tokens[i] == full.tokens[i] == hf_greedy(q, 20)
+        assert max(short.stats.accept_lengths[i]) <= 2
+    assert full.stats.accept_lengths == whole.stats.accept_lengths
+    # What each program verified: a round writes the target's keys at the slots of the nodes
+    # it verifies, from the root at L on; a fresh dense cache stays zero where nothing was.
+    # The last round wrote L' .. L' + l (L' = L - its accepted length a): l - a slots past L.
+    for costs, length in [((1, 50, 50), 1), ((50, 50, 1), 5)]:
+        spec = jspec.SpecConfig(5, verify_lengths=(1, 3), verify_costs=costs)
+        plan, st = loop_state(p, prompts[:2], 40, CACHES["dense"], spec, rounds=14)
+        for b in range(2):
+            L, a = int(st.L[b]), int(st.hist[b, int(st.rounds[b]) - 1])
+            assert L > 16 and not st.finished[b]  # past the prompt pass's slots
+            keys = np.asarray(kvc.read_kv(st.tcache.kv[0][b: b + 1], None))[0, :, 0]  # [slots, Hkv, Dh]
+            written = np.abs(keys).reshape(keys.shape[0], -1).max(1) > 0
+            past = max(length - a, 0)
+            assert written[:L].all() and written[L + 1: L + 1 + past].all() and written[L + 1:].sum() == past, \
+                (costs, b, a, written[L - 2:L + 8])
+    sampled = dict(max_new_tokens=16, stop_token_ids=[], temperature=0.9, top_k=40)
+    plain = jspec.generate(target, prompts[:2], seed=5, **sampled).tokens
+    mixed = jspec.SpecConfig(5, verify_lengths=(1, 3), verify_costs=(1.0, 1.02, 1.05))
+    assert jspec.generate(p, prompts[:2], seed=5, spec=mixed, **sampled).tokens == plain
+
+
 @pytest.mark.parametrize("spec,cache", [((5, 1, 6), "paged16"), ((3, 2, 6), "dense")], ids=["chain-paged16",
                                                                                            "tree-dense"])
 def test_cache_holds_the_committed_context(with_draft, spec, cache):
@@ -199,19 +283,20 @@ def context_prefill(tcfg, d, tw, dw, feats, n):
 
 @pytest.mark.slow
 def test_engine_rows_equal_the_target_alone(target, with_draft):
-    """Engine rows under adaptive tiers (plain, blocks of 3 and 6, a tree; the tier
-    switched before every chunk) on a paged pool, requests joining while others run,
-    greedy and seeded sampling: each equals the target's own run alone."""
+    """Engine rows under adaptive tiers (plain, blocks of 3 and 6, a tree, a block of 6
+    with budgeted verification; the tier switched before every chunk) on a paged pool,
+    requests joining while others run, greedy and seeded sampling: each equals the
+    target's own run alone."""
     from test_engine import MAX_NEW, SAMPLING, alone
     import itertools
     p = with_draft("dflash")
-    tiers = (None, jspec.SpecConfig(2), jspec.SpecConfig(5), jspec.SpecConfig(num_steps=3, topk=2,
-                                                                             num_draft_tokens=6))
-    costs = {(t, n): 1.0 for t in range(4) for n in (1, 2, 4)}
+    tiers = (None, jspec.SpecConfig(2), jspec.SpecConfig(5), jspec.SpecConfig(num_steps=3, topk=2, num_draft_tokens=6),
+             jspec.SpecConfig(5, verify_lengths=(2,), verify_costs=(1.0, 1.05)))
+    costs = {(t, n): 1.0 for t in range(5) for n in (1, 2, 4)}
     engine = jspec.Engine(p, max_batch=3, max_prompt_len=16, max_new_tokens=16, cache=CACHES["paged16"],
                           spec=jspec.Adaptive(tiers=tiers, costs=costs), rounds_per_chunk=2, prefill_chunk=8)
     engine._ready()
-    order = itertools.cycle([1, 2, 3, 0])
+    order = itertools.cycle([1, 2, 3, 4, 0])
     engine.scheduler.chooser.choose = lambda current, running: next(order)
     from test_engine import staggered
     got = staggered(engine)

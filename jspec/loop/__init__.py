@@ -7,6 +7,7 @@ between calls, and a `lax.while_loop` of speculative rounds.
   rows.py      admit (prefill only the given rows) and evict
   accept.py    acceptance: greedy, target-only sampling, sampled drafts
   tree.py      draft trees as static-shape arrays
+  budget.py    confidence-budgeted verification: how much of a chain a round verifies
   proposers/   the draft side of a round: neural (draft models), ngram (prompt lookup)
   programs.py  the jitted entry points
 """

@@ -91,6 +91,13 @@ class Plan:
             raise ValueError("this plan's state keeps no logprobs (Plan.logprobs is 0)")
         return dataclasses.replace(self, **changes)
 
+    def verifying(self, length: int) -> "Plan":
+        """The plan of a round that verifies the first `length` drafts of this plan's chain
+        (`SpecConfig.verify_lengths`, `jspec.loop.budget`); the state's shapes (slack,
+        token buffer) stay this plan's."""
+        spec = SpecConfig(num_steps=length, topk=1, sample_drafts=self.spec.sample_drafts)
+        return dataclasses.replace(self, spec=spec, tiers=(self.spec, *self.tiers))
+
     @property
     def family(self):
         return family_for(self.target)

@@ -26,7 +26,7 @@ from flax import struct
 from jspec import sampling
 from jspec.cache.layout import clear_pages, free_pages, reserve
 from jspec.constraints import tables as gt
-from jspec.loop import accept, logprobs
+from jspec.loop import accept, budget, logprobs
 from jspec.loop.plan import Plan
 from jspec.loop.proposers.base import Observation
 from jspec.loop.state import CACHE_FULL, LENGTH, STOP, LoopState
@@ -241,14 +241,29 @@ def release_pages(plan: Plan, st: LoopState, done) -> LoopState:
 # --------------------------------------------------------------------------- a round
 
 def round_step(plan: Plan, tw, pw, st: LoopState, reserved: bool = False) -> LoopState:
-    """One round: propose, verify, accept, commit, observe. reserved: the room of this
-    round was reserved before it (`advance_rounds`)."""
+    """One round: propose, verify, accept, commit, observe; with `SpecConfig.verify_lengths`
+    the rest of the round after propose is one branch a chain length, the length chosen on
+    device (`jspec.loop.budget`). reserved: the room of this round was reserved before it
+    (`advance_rounds`)."""
     active = ~st.finished
     if not reserved:
         st, active = reserve_room(plan, st, st.L + plan.slack, active,
                                   cdiv(plan.slack, max(plan.layout.page_size, 1)) + 1)
     with jax.named_scope("draft"):  # the scopes name each phase's kernels in profiles
         st, tree, logq = propose_phase(plan, tw, pw, st, active)
+    if plan.drafts and plan.spec.verify_lengths:  # confidence-budgeted: one branch a length
+        with jax.named_scope("budget"):
+            pick = budget.choose(tree.survival, active, active & st.request.speculative, plan.spec)
+
+        def verify_first(length):
+            return lambda s: finish_round(plan.verifying(length), tw, pw, s, *budget.truncated(tree, logq, length),
+                                          active)
+        return jax.lax.switch(pick, [verify_first(n) for n in plan.spec.verify_choices], st)
+    return finish_round(plan, tw, pw, st, tree, logq, active)
+
+
+def finish_round(plan: Plan, tw, pw, st: LoopState, tree: Tree, logq, active) -> LoopState:
+    """The rest of a round once its drafts exist: verify, accept, commit, observe."""
     with jax.named_scope("verify"):
         st, verified = verify_phase(plan, tw, st, tree, active)
     with jax.named_scope("accept"):

@@ -10,6 +10,9 @@ A tree of N nodes (node 0 = the root, the last committed-but-unverified token) i
   states [B,N]   (optional) each node's constraint state, the state after its token (the
                  root's: its row's), where the proposer followed the constraint along its
                  drafts; None: acceptance computes them (`constraints.tables.node_states`)
+  survival [B,N] (optional) the proposer's estimate of each node's chance of acceptance
+                 (its path's drafts all accepted; the root's 1), for confidence-budgeted
+                 verification (`jspec.loop.budget`); None: the proposer makes none
 A chain is the tree 0 <- 1 <- ... <- S; its structure is a constant.
 """
 from __future__ import annotations
@@ -32,6 +35,7 @@ class Tree:
     anc: jax.Array
     valid: jax.Array
     states: jax.Array | None = None
+    survival: jax.Array | None = None
 
 
 @functools.lru_cache(maxsize=None)
@@ -43,14 +47,15 @@ def chain_structure(num_nodes: int):
     return parents, depth, anc
 
 
-def chain_tree(tokens, valid=None, states=None) -> Tree:
+def chain_tree(tokens, valid=None, states=None, survival=None) -> Tree:
     """tokens [B,N] of a chain; valid [B,N] (None: every node proposed); states [B,N]:
-    each node's constraint state, if the proposer has them."""
+    each node's constraint state, if the proposer has them; survival [B,N]: `Tree`'s."""
     B, N = tokens.shape
     parents, depth, anc = chain_structure(N)
     bc = lambda a: jnp.broadcast_to(jnp.asarray(a), (B,) + a.shape)  # host-ok: a numpy constant, traced in
     valid = bc(np.ones((N,), bool)) if valid is None else valid
-    return Tree(tokens=tokens, parents=bc(parents), depth=bc(depth), anc=bc(anc), valid=valid, states=states)
+    return Tree(tokens=tokens, parents=bc(parents), depth=bc(depth), anc=bc(anc), valid=valid, states=states,
+                survival=survival)
 
 
 def ancestors(parents, max_depth: int):

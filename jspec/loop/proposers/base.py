@@ -65,6 +65,12 @@ class Proposer:
     def check_spec(self, spec: SpecConfig) -> None:
         """Raises ValueError naming the setting when `spec` does not suit this proposer."""
 
+    def estimates_acceptance(self) -> bool:
+        """Whether its chains carry each node's estimated chance of acceptance
+        (`Tree.survival`), which confidence-budgeted verification
+        (`SpecConfig.verify_lengths`, `jspec.loop.budget`) reads."""
+        return False
+
     def slack(self, spec: SpecConfig, paged: bool) -> int:
         """Slots past L that this proposer's own caches may be written in one round (its
         forwards and the room their cache kind asks past them); 0 without caches."""

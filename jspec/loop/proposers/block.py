@@ -28,6 +28,7 @@ from jspec import sampling
 from jspec.config import SpecConfig
 from jspec.constraints import tables as gt
 from jspec.drafts.base import Draft
+from jspec.loop import budget
 from jspec.loop.proposers.base import Observation, Proposer
 from jspec.loop.tree import chain_tree, select_tree, vocab_top_k
 
@@ -58,6 +59,9 @@ class BlockProposer(Proposer):
                              f"num_steps must be at most {b - 1}")
         if spec.topk > self.draft.vocab_size:
             raise ValueError(f"SpecConfig.topk={spec.topk} exceeds the vocabulary of {self.draft.vocab_size} tokens")
+
+    def estimates_acceptance(self) -> bool:
+        return True
 
     def slack(self, spec: SpecConfig, paged: bool) -> int:
         if spec is None:  # a plain tier: observe writes committed slots only
@@ -93,23 +97,29 @@ class BlockProposer(Proposer):
         log q [B,S,V] of each slot's draw."""
         L, S = st.L, plan.S
         if st.grammar is not None:  # slot by slot: the constraint's state follows the drafts
-            toks, logqs, q = [], [], st.grammar.state
+            toks, logqs, masked, q = [], [], [], st.grammar.state
             qs = [q]  # each node's state: acceptance reuses them
             for j in range(S):
                 lj = gt.mask_logits(st.grammar.tables, q, logits[:, j])
                 tok, logq = self._pick(plan, lj[:, None], st, (L + 1 + j)[:, None])
                 toks.append(tok[:, 0])
                 logqs.append(None if logq is None else logq[:, 0])
+                masked.append(lj)
                 q = gt.next_state(st.grammar.tables, q, tok[:, 0])
                 qs.append(q)
             drafts = jnp.stack(toks, axis=1)
             states = jnp.stack(qs, axis=1)
             logq = jnp.stack(logqs, axis=1) if plan.sample_drafts else None
+            logits = jnp.stack(masked, axis=1)
         else:
             drafts, logq = self._pick(plan, logits, st, L[:, None] + 1 + jnp.arange(S, dtype=jnp.int32)[None, :])
             states = None
         tokens = jnp.concatenate([st.root[:, None], drafts], axis=1).astype(jnp.int32)
-        return chain_tree(tokens, states=states), logq
+        survival = None
+        if plan.spec.verify_lengths:  # each draft's probability under the slot's distribution it came from
+            logp = jax.nn.log_softmax(logits, axis=-1) if logq is None else logq
+            survival = budget.chain_survival(jnp.take_along_axis(logp, drafts[:, :, None], axis=2)[:, :, 0])
+        return chain_tree(tokens, states=states, survival=survival), logq
 
     def _pick(self, plan, logits, st, positions):
         """logits [B,M,V] of tokens at positions [B,M] -> (tokens [B,M], log q [B,M,V] of

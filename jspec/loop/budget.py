@@ -1,0 +1,54 @@
+"""Confidence-budgeted verification (`SpecConfig.verify_lengths`): a round drafts its whole
+chain of S, then verifies only its first l drafts, l chosen on device from the drafts'
+estimated survival (`Tree.survival`) and the relative cost of a round at each length.
+
+Row r's survival s_r[j] is the proposer's estimate that its drafts 1..j are all accepted
+(the cumulative product of the draft's probability of each drafted token), so verifying
+its first l drafts is expected to commit E_r(l) = 1 + s_r[1] + ... + s_r[l] tokens. A
+round verifies the l, among the SpecConfig's choices (verify_lengths, then S), with the
+most expected tokens over the batch's active rows per unit of cost:
+sum_r E_r(l) / cost(l), one l for the batch (the verification is one static-shape pass).
+A row that does not speculate commits one token whatever l is. Every length verifies
+exactly, so the choice moves only the work a round does, never the output.
+"""
+from __future__ import annotations
+
+import jax.numpy as jnp
+
+from jspec.config import SpecConfig
+from jspec.loop.tree import Tree, chain_tree
+
+
+def chain_survival(draft_logp):
+    """draft_logp [B,S]: the draft's log-probability of each drafted token -> survival
+    [B,S+1] of the chain's nodes (the root's 1)."""
+    B = draft_logp.shape[0]
+    return jnp.concatenate([jnp.ones((B, 1), jnp.float32), jnp.exp(jnp.cumsum(draft_logp.astype(jnp.float32), 1))],
+                           axis=1)
+
+
+def expected_tokens(survival, active, drafting, choices: tuple[int, ...]):
+    """survival [B,S+1] (`Tree.survival` of a chain), active [B] rows in the round, drafting
+    [B] those whose drafts may be accepted -> [C] the tokens the active rows are expected
+    to commit when a round verifies each of `choices` drafts."""
+    kept = jnp.where(drafting[:, None], survival[:, 1:], 0.0)  # [B,S]
+    per_length = jnp.cumsum(jnp.sum(kept, axis=0))  # [S]: sum over rows of s_r[1..l]
+    rows = jnp.sum(active.astype(jnp.float32))
+    return rows + per_length[jnp.asarray(choices) - 1]
+
+
+def choose(survival, active, drafting, spec: SpecConfig):
+    """The index, into `spec.verify_choices`, of the length a round verifies (the module
+    docstring) -> int32 []. Ties go to the shorter length."""
+    rates = expected_tokens(survival, active, drafting, spec.verify_choices) / jnp.asarray(spec.verify_costs)
+    return jnp.argmax(rates).astype(jnp.int32)
+
+
+def truncated(tree: Tree, logq, length: int):
+    """A chain's first `length` drafts under its root -> (Tree of length + 1 nodes, log q
+    [B,length,V] of sampled drafts or None)."""
+    n = length + 1
+    states = None if tree.states is None else tree.states[:, :n]
+    survival = None if tree.survival is None else tree.survival[:, :n]
+    return (chain_tree(tree.tokens[:, :n], tree.valid[:, :n], states, survival),
+            None if logq is None else logq[:, :length])
