@@ -57,6 +57,8 @@ class BenchRow:
         if s is None:
             return "-"
         budget = ",".join(f"{n}:{c:g}" for n, c in zip(s.verify_choices, s.verify_costs))
+        if s.survival_power != 1.0:
+            budget += f"^{s.survival_power:g}"
         return f"{s.num_steps},{s.topk},{s.num_draft_tokens}" + (f"/{budget}" if budget else "")
 
     @property
@@ -70,19 +72,23 @@ def parse_spec(text: str) -> SpecConfig:
     """'S', 'S,K' or 'S,K,N' -> SpecConfig (N defaults as SpecConfig's does), optionally
     followed by '/l:cost,...,S:cost' for confidence-budgeted verification (each length a
     round may verify with its round's relative cost, the last S: `SpecConfig.verify_lengths`
-    and `verify_costs`), e.g. '15/3:1.0,7:1.1,15:1.3'. ValueError if bad."""
+    and `verify_costs`) and then '^P' (`survival_power`), e.g. '15/3:1.0,7:1.1,15:1.3^0.5'.
+    ValueError if bad."""
     shape, _, budget = text.partition("/")
     spec = _parse_shape(shape)
     if not budget:
         return spec
+    budget, _, power = budget.partition("^")
     try:
         pairs = [(int(length), float(cost)) for length, cost in (p.split(":") for p in budget.split(","))]
+        power = float(power) if power else 1.0
     except ValueError:
-        raise ValueError(f"expected '/length:cost,...' after the shape, the last length S, got {text!r}") from None
+        raise ValueError(f"expected '/length:cost,...[^power]' after the shape, the last length S, "
+                         f"got {text!r}") from None
     if pairs[-1][0] != spec.num_steps:
         raise ValueError(f"the last length of {text!r} must be S = {spec.num_steps} (the whole chain)")
     return dataclasses.replace(spec, verify_lengths=tuple(n for n, _ in pairs[:-1]),
-                               verify_costs=tuple(c for _, c in pairs))
+                               verify_costs=tuple(c for _, c in pairs), survival_power=power)
 
 
 def _parse_shape(text: str) -> SpecConfig:

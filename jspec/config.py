@@ -177,7 +177,10 @@ class SpecConfig:
     of the draft's probability of each drafted token) up to l. verify_costs: the relative
     cost of a round at each of verify_lengths and then S (a round's time at that chain
     length, e.g. from `python -m jspec bench`'s ms a round). Output is unchanged (every
-    length verifies exactly); only the work a round does moves.
+    length verifies exactly); only the work a round does moves. survival_power: each
+    draft's probability is raised to this power before it estimates acceptance (a
+    calibration: below 1 for an underconfident drafter; 0.5 fits the bundled DFlash
+    drafter, docs/benchmarks.md).
     """
 
     num_steps: int = 3
@@ -186,6 +189,7 @@ class SpecConfig:
     sample_drafts: bool = False
     verify_lengths: tuple[int, ...] = ()
     verify_costs: tuple[float, ...] = ()
+    survival_power: float = 1.0
 
     def __post_init__(self):
         for name in ("num_steps", "topk"):
@@ -220,7 +224,14 @@ class SpecConfig:
         object.__setattr__(self, "verify_lengths", tuple(lengths))
         object.__setattr__(self, "verify_costs", tuple(float(c) if _is_number(c) else c for c in costs))
         lengths, costs = self.verify_lengths, self.verify_costs
+        power = self.survival_power
+        if not (_is_number(power) and 0 < power < float("inf")):
+            raise ValueError(f"SpecConfig.survival_power must be a positive number, got {power!r}")
+        object.__setattr__(self, "survival_power", float(power))
         if not lengths:
+            if power != 1.0:
+                raise ValueError("SpecConfig.survival_power calibrates confidence-budgeted verification: it needs "
+                                 "verify_lengths")
             if costs:
                 raise ValueError(f"SpecConfig.verify_costs={costs} needs verify_lengths (the shorter chains "
                                  f"a round may verify)")

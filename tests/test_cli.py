@@ -92,13 +92,16 @@ def test_bench_prints_table(capsys, tmp_path, pair):
     out = capsys.readouterr().out.strip().splitlines()
     assert "2 prompts" in out[0] and "8 new tokens" in out[0]
     head = [c.strip() for c in out[1].strip("|").split("|")]
-    assert head == ["batch", "decoding", "S,K,N", "tau", "tokens/s", "speed-up", "same output", "compile s"]
+    assert head == ["batch", "decoding", "S,K,N", "tau", "tokens/s", "speed-up", "ms/round", "same output",
+                    "compile s"]
     rows = [[c.strip() for c in line.strip("|").split("|")] for line in out[3:]]
     assert [r[:3] for r in rows] == [["1", "plain", "-"], ["1", "chain", "2,1,3"]]
     plain, chain = rows
     assert plain[3] == "1.00" and plain[5] == "1.00x"
     assert 1.0 <= float(chain[3]) <= 3.0 and float(chain[4]) > 0
-    assert chain[6] == "100%"  # float32: speculative output == plain decoding's
+    assert chain[7] == "100%"  # float32: speculative output == plain decoding's
+    # ms a round: a row's tau tokens a round at the run's tokens/s
+    assert float(chain[6]) == pytest.approx(1000 * float(chain[3]) / float(chain[4]), rel=0.02)
 
 
 def test_bench_with_ngram_drafts(capsys, pair):
@@ -110,7 +113,7 @@ def test_bench_with_ngram_drafts(capsys, pair):
     assert out[0].startswith(f"target {t}, draft ngram, float32")
     rows = [[c.strip() for c in line.strip("|").split("|")] for line in out[3:]]
     assert [r[:3] for r in rows] == [["1", "plain", "-"], ["1", "chain", "2,1,3"]]
-    assert rows[1][6] == "100%"  # speculative output == plain decoding's
+    assert rows[1][7] == "100%"  # speculative output == plain decoding's
 
 
 def test_generate_prints_text_and_stats(capsys, monkeypatch, pair):
@@ -154,17 +157,20 @@ def test_parse_spec_and_format_table():
     assert parse_spec("3") == jspec.SpecConfig(num_steps=3)
     budgeted = parse_spec("15/3:1,7:1.1,15:1.25")
     assert budgeted == jspec.SpecConfig(num_steps=15, verify_lengths=(3, 7), verify_costs=(1.0, 1.1, 1.25))
-    for bad in ("", "1,2,3,4", "x", "15/3:1,7:1.1", "15/3:1,15", "15/3:x,15:1", "15/15:1,15:2"):
+    assert parse_spec("15/3:1,15:2^0.5") == jspec.SpecConfig(15, verify_lengths=(3,), verify_costs=(1, 2),
+                                                             survival_power=0.5)
+    for bad in ("", "1,2,3,4", "x", "15/3:1,7:1.1", "15/3:1,15", "15/3:x,15:1", "15/15:1,15:2", "15/3:1,15:2^0",
+                "15/3:1,15:2^x"):
         with pytest.raises(ValueError):
             parse_spec(bad)
     rows = [BenchRow(4, None, 1.0, 100.0, 1.0, 1.0, 2.0, (100.0,)),
             BenchRow(4, parse_spec("5,8,16"), 3.5, 250.0, 2.5, 0.75, 3.0, (250.0,)),
-            BenchRow(4, budgeted, 4.0, 400.0, 4.0, 1.0, 3.0, (400.0,))]
+            BenchRow(4, parse_spec("15/3:1,7:1.1,15:1.25^0.5"), 4.0, 400.0, 4.0, 1.0, 3.0, (400.0,))]
     lines = format_table(rows).splitlines()
     assert len(lines) == 5 and len({len(line) for line in lines}) == 1  # aligned
     assert "| tree " in lines[3] and "5,8,16" in lines[3] and "2.50x" in lines[3] and "75%" in lines[3]
     assert " 56.00 |" in lines[3]  # ms a round: 3.5 tokens a row a round, 4 rows, 250 tokens/s
-    assert "15,1,16/3:1,7:1.1,15:1.25" in lines[4]
+    assert "15,1,16/3:1,7:1.1,15:1.25^0.5" in lines[4]
 
 
 def test_loading_prints_no_warnings_without_pytorch():

@@ -189,6 +189,8 @@ def test_budget_choice_equals_a_reading_of_its_rule():
         logp = np.log(rng.uniform(0.05, 1.0, (B, 6)) ** rng.uniform(0.2, 3.0))
         surv = np.asarray(budget.chain_survival(jnp.asarray(logp, jnp.float32)))
         np.testing.assert_allclose(surv, np.concatenate([np.ones((B, 1)), np.exp(np.cumsum(logp, 1))], 1), rtol=1e-5)
+        half = np.asarray(budget.chain_survival(jnp.asarray(logp, jnp.float32), 0.5))
+        np.testing.assert_allclose(half, np.sqrt(surv), rtol=1e-5)
         active, drafting = rng.random(B) < 0.8, rng.random(B) < 0.7
         active[0] = True
         drafting &= active
@@ -210,6 +212,8 @@ def test_budget_spec_errors(with_draft):
                       (dict(verify_lengths=(3, 2), verify_costs=(1, 1, 1)), "ascending"),
                       (dict(verify_lengths=(2,), verify_costs=(1, 0)), "positive"),
                       (dict(verify_costs=(1.0,)), "needs verify_lengths"),
+                      (dict(survival_power=0.5), "needs verify_lengths"),
+                      (dict(verify_lengths=(2,), verify_costs=(1, 2), survival_power=0), "survival_power"),
                       (dict(topk=2, num_draft_tokens=6, verify_lengths=(2,), verify_costs=(1, 2)), "chains")]:
         with pytest.raises(ValueError, match=match):
             jspec.SpecConfig(num_steps=5, **kw)
@@ -252,7 +256,7 @@ def test_budgeted_verification_is_exact(target, with_draft, hf_greedy):
                 (costs, b, a, written[L - 2:L + 8])
     sampled = dict(max_new_tokens=16, stop_token_ids=[], temperature=0.9, top_k=40)
     plain = jspec.generate(target, prompts[:2], seed=5, **sampled).tokens
-    mixed = jspec.SpecConfig(5, verify_lengths=(1, 3), verify_costs=(1.0, 1.02, 1.05))
+    mixed = jspec.SpecConfig(5, verify_lengths=(1, 3), verify_costs=(1.0, 1.02, 1.05), survival_power=0.5)
     assert jspec.generate(p, prompts[:2], seed=5, spec=mixed, **sampled).tokens == plain
 
 

@@ -3,7 +3,8 @@ chain of S, then verifies only its first l drafts, l chosen on device from the d
 estimated survival (`Tree.survival`) and the relative cost of a round at each length.
 
 Row r's survival s_r[j] is the proposer's estimate that its drafts 1..j are all accepted
-(the cumulative product of the draft's probability of each drafted token), so verifying
+(the cumulative product of the draft's probability of each drafted token, each raised to
+`SpecConfig.survival_power`: a calibration of the drafter's confidence), so verifying
 its first l drafts is expected to commit E_r(l) = 1 + s_r[1] + ... + s_r[l] tokens. A
 round verifies the l, among the SpecConfig's choices (verify_lengths, then S), with the
 most expected tokens over the batch's active rows per unit of cost:
@@ -19,12 +20,13 @@ from jspec.config import SpecConfig
 from jspec.loop.tree import Tree, chain_tree
 
 
-def chain_survival(draft_logp):
+def chain_survival(draft_logp, power: float = 1.0):
     """draft_logp [B,S]: the draft's log-probability of each drafted token -> survival
-    [B,S+1] of the chain's nodes (the root's 1)."""
+    [B,S+1] of the chain's nodes (the root's 1), each probability raised to `power`
+    (`SpecConfig.survival_power`) first."""
     B = draft_logp.shape[0]
-    return jnp.concatenate([jnp.ones((B, 1), jnp.float32), jnp.exp(jnp.cumsum(draft_logp.astype(jnp.float32), 1))],
-                           axis=1)
+    logs = jnp.cumsum(draft_logp.astype(jnp.float32) * power, axis=1)
+    return jnp.concatenate([jnp.ones((B, 1), jnp.float32), jnp.exp(logs)], axis=1)
 
 
 def expected_tokens(survival, active, drafting, choices: tuple[int, ...]):

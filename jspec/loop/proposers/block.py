@@ -118,7 +118,8 @@ class BlockProposer(Proposer):
         survival = None
         if plan.spec.verify_lengths:  # each draft's probability under the slot's distribution it came from
             logp = jax.nn.log_softmax(logits, axis=-1) if logq is None else logq
-            survival = budget.chain_survival(jnp.take_along_axis(logp, drafts[:, :, None], axis=2)[:, :, 0])
+            survival = budget.chain_survival(jnp.take_along_axis(logp, drafts[:, :, None], axis=2)[:, :, 0],
+                                             plan.spec.survival_power)
         return chain_tree(tokens, states=states, survival=survival), logq
 
     def _pick(self, plan, logits, st, positions):
