@@ -79,13 +79,14 @@ def test_tables_equal_the_automaton(target):
     ("standalone", (3, 2, 5), "paged16"),
     ("ngram", (4, 1, 5), "dense"),
     ("dflash", None, "dense"),  # the block's chain, its nodes' states from the proposer
+    ("dflash", dict(num_steps=5, verify_lengths=(2,), verify_costs=(1.0, 1.1), survival_power=0.5), "paged16"),
 ])
 def test_constrained_speculation_equals_plain(target, with_draft, kind, spec, cache):
     """A batch of every constraint kind and a free row: speculative greedy output equals
     plain greedy output under the same constraints, token for token, and is valid."""
     params = {"plain": target, "ngram": target.with_draft(jspec.NgramDraft())}.get(kind) or with_draft(kind)
     plain = _plain(target)
-    sc = None if spec is None else jspec.SpecConfig(*spec)
+    sc = None if spec is None else jspec.SpecConfig(**spec) if isinstance(spec, dict) else jspec.SpecConfig(*spec)
     out = jspec.generate(params, PROMPTS, max_new_tokens=64, stop_token_ids=[], constraint=KINDS, spec=sc,
                          cache=CACHES[cache])
     assert out.tokens == plain.tokens
