@@ -15,6 +15,7 @@ exactly, so the choice moves only the work a round does, never the output.
 from __future__ import annotations
 
 import jax.numpy as jnp
+import numpy as np
 
 from jspec.config import SpecConfig
 from jspec.loop.tree import Tree, chain_tree
@@ -36,13 +37,13 @@ def expected_tokens(survival, active, drafting, choices: tuple[int, ...]):
     kept = jnp.where(drafting[:, None], survival[:, 1:], 0.0)  # [B,S]
     per_length = jnp.cumsum(jnp.sum(kept, axis=0))  # [S]: sum over rows of s_r[1..l]
     rows = jnp.sum(active.astype(jnp.float32))
-    return rows + per_length[jnp.asarray(choices) - 1]
+    return rows + per_length[np.asarray(choices) - 1]
 
 
 def choose(survival, active, drafting, spec: SpecConfig):
     """The index, into `spec.verify_choices`, of the length a round verifies (the module
     docstring) -> int32 []. Ties go to the shorter length."""
-    rates = expected_tokens(survival, active, drafting, spec.verify_choices) / jnp.asarray(spec.verify_costs)
+    rates = expected_tokens(survival, active, drafting, spec.verify_choices) / np.asarray(spec.verify_costs, np.float32)
     return jnp.argmax(rates).astype(jnp.int32)
 
 
