@@ -357,7 +357,8 @@ def _bench_parser() -> _Parser:
     ap.add_argument("--spec", type=_spec, nargs="+", default=None, metavar="S,K,N",
                     help=f"draft steps, topk, verified tokens; K=1 is a chain; a block drafter's chain may add "
                          f"'/l:cost,...,S:cost' (each round verifies the length of most expected tokens a cost, "
-                         f"e.g. 15/3:1,7:1.1,15:1.3 with the ms/round of chains 3, 7, 15) (default: {defaults})")
+                         f"e.g. 15/3:1,7:1.1,15:1.3 with the ms/round of chains 3, 7, 15; costs by running rows: "
+                         f"15/3:0.6,15:0.6@1+3:1.1,15:1.6@16; '^0.5' calibrates) (default: {defaults})")
     ap.add_argument("--prompts", type=_prompt_file, default=None, metavar="FILE",
                     help="one prompt per line (a line in JSON quotes may hold \\n); default: a few code prompts")
     ap.add_argument("--max-new-tokens", type=_int(1), default=64)

@@ -56,8 +56,10 @@ class BenchRow:
         s = self.spec
         if s is None:
             return "-"
-        budget = ",".join(f"{n}:{c:g}" for n, c in zip(s.verify_choices, s.verify_costs))
-        if s.survival_power != 1.0:
+        counts, table = s.cost_table
+        budget = "+".join(",".join(f"{n}:{c:g}" for n, c in zip(s.verify_choices, costs))
+                          + (f"@{rows}" if s.verify_cost_rows else "") for rows, costs in zip(counts, table))
+        if budget and s.survival_power != 1.0:
             budget += f"^{s.survival_power:g}"
         return f"{s.num_steps},{s.topk},{s.num_draft_tokens}" + (f"/{budget}" if budget else "")
 
@@ -72,23 +74,36 @@ def parse_spec(text: str) -> SpecConfig:
     """'S', 'S,K' or 'S,K,N' -> SpecConfig (N defaults as SpecConfig's does), optionally
     followed by '/l:cost,...,S:cost' for confidence-budgeted verification (each length a
     round may verify with its round's relative cost, the last S: `SpecConfig.verify_lengths`
-    and `verify_costs`) and then '^P' (`survival_power`), e.g. '15/3:1.0,7:1.1,15:1.3^0.5'.
-    ValueError if bad."""
+    and `verify_costs`), or by several such groups joined by '+', each ending '@rows' (the
+    running rows its costs were measured at: `verify_cost_rows`), and then '^P'
+    (`survival_power`): e.g. '15/3:1.0,7:1.1,15:1.3^0.5' or
+    '15/3:0.61,7:0.64,15:0.62@1+3:1.1,7:1.36,15:1.61@16'. ValueError if bad."""
     shape, _, budget = text.partition("/")
     spec = _parse_shape(shape)
     if not budget:
         return spec
     budget, _, power = budget.partition("^")
+    bad = ValueError(f"expected '/length:cost,...[@rows][+...][^power]' after the shape, the last length S, "
+                     f"got {text!r}")
     try:
-        pairs = [(int(length), float(cost)) for length, cost in (p.split(":") for p in budget.split(","))]
+        groups = []
+        for group in budget.split("+"):
+            pairs, at, rows = group.partition("@")
+            groups.append(([(int(n), float(c)) for n, c in (p.split(":") for p in pairs.split(","))],
+                           int(rows) if at else None))
         power = float(power) if power else 1.0
     except ValueError:
-        raise ValueError(f"expected '/length:cost,...[^power]' after the shape, the last length S, "
-                         f"got {text!r}") from None
-    if pairs[-1][0] != spec.num_steps:
+        raise bad from None
+    lengths = [n for n, _ in groups[0][0]]
+    if any([n for n, _ in pairs] != lengths for pairs, _ in groups) or \
+            (len(groups) > 1 or groups[0][1] is not None) and any(rows is None for _, rows in groups):
+        raise bad
+    if lengths[-1] != spec.num_steps:
         raise ValueError(f"the last length of {text!r} must be S = {spec.num_steps} (the whole chain)")
-    return dataclasses.replace(spec, verify_lengths=tuple(n for n, _ in pairs[:-1]),
-                               verify_costs=tuple(c for _, c in pairs), survival_power=power)
+    costs = [tuple(c for _, c in pairs) for pairs, _ in groups]
+    rows = tuple(r for _, r in groups) if groups[0][1] is not None else ()
+    return dataclasses.replace(spec, verify_lengths=tuple(lengths[:-1]), verify_costs=tuple(costs) if rows else costs[0],
+                               verify_cost_rows=rows, survival_power=power)
 
 
 def _parse_shape(text: str) -> SpecConfig:

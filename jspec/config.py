@@ -176,7 +176,10 @@ class SpecConfig:
     expected tokens at l are 1 plus its drafts' estimated survival (the cumulative product
     of the draft's probability of each drafted token) up to l. verify_costs: the relative
     cost of a round at each of verify_lengths and then S (a round's time at that chain
-    length, e.g. from `python -m jspec bench`'s ms a round). Output is unchanged (every
+    length, e.g. from `python -m jspec bench`'s ms a round); with verify_cost_rows (the
+    numbers of running rows the costs were measured at, ascending) one such tuple of costs
+    for each, interpolated linearly at the round's active rows (clamped at the ends), so
+    one SpecConfig suits every occupancy of a serving engine. Output is unchanged (every
     length verifies exactly); only the work a round does moves. survival_power: each
     draft's probability is raised to this power before it estimates acceptance (a
     calibration: below 1 for an underconfident drafter; 0.5 fits the bundled DFlash
@@ -188,7 +191,8 @@ class SpecConfig:
     num_draft_tokens: int | None = None
     sample_drafts: bool = False
     verify_lengths: tuple[int, ...] = ()
-    verify_costs: tuple[float, ...] = ()
+    verify_costs: tuple = ()
+    verify_cost_rows: tuple[int, ...] = ()
     survival_power: float = 1.0
 
     def __post_init__(self):
@@ -216,25 +220,26 @@ class SpecConfig:
         self._check_budget()
 
     def _check_budget(self):
-        """verify_lengths and verify_costs (the class docstring), kept as tuples."""
-        lengths, costs = self.verify_lengths, self.verify_costs
-        if not isinstance(lengths, (tuple, list)) or not isinstance(costs, (tuple, list)):
-            raise ValueError(f"SpecConfig.verify_lengths and verify_costs must be sequences, got "
-                             f"{lengths!r} and {costs!r}")
-        object.__setattr__(self, "verify_lengths", tuple(lengths))
-        object.__setattr__(self, "verify_costs", tuple(float(c) if _is_number(c) else c for c in costs))
-        lengths, costs = self.verify_lengths, self.verify_costs
+        """verify_lengths, verify_costs, verify_cost_rows and survival_power (the class
+        docstring), kept as tuples and floats."""
+        lengths, costs, rows = self.verify_lengths, self.verify_costs, self.verify_cost_rows
+        if not all(isinstance(v, (tuple, list)) for v in (lengths, costs, rows)):
+            raise ValueError(f"SpecConfig.verify_lengths, verify_costs and verify_cost_rows must be sequences, got "
+                             f"{lengths!r}, {costs!r} and {rows!r}")
+        as_costs = lambda c: tuple(float(v) if _is_number(v) else v for v in c) if isinstance(c, (tuple, list)) else c  # noqa: E731
+        lengths, rows = tuple(lengths), tuple(rows)
+        costs = tuple(as_costs(c) for c in costs) if rows else as_costs(costs)
+        for name, value in (("verify_lengths", lengths), ("verify_costs", costs), ("verify_cost_rows", rows)):
+            object.__setattr__(self, name, value)
         power = self.survival_power
         if not (_is_number(power) and 0 < power < float("inf")):
             raise ValueError(f"SpecConfig.survival_power must be a positive number, got {power!r}")
         object.__setattr__(self, "survival_power", float(power))
         if not lengths:
-            if power != 1.0:
-                raise ValueError("SpecConfig.survival_power calibrates confidence-budgeted verification: it needs "
-                                 "verify_lengths")
-            if costs:
-                raise ValueError(f"SpecConfig.verify_costs={costs} needs verify_lengths (the shorter chains "
-                                 f"a round may verify)")
+            if power != 1.0 or costs or rows:
+                raise ValueError("SpecConfig.verify_costs, verify_cost_rows and survival_power configure "
+                                 "confidence-budgeted verification: they need verify_lengths (the shorter chains "
+                                 "a round may verify)")
             return
         if self.topk != 1:
             raise ValueError(f"SpecConfig.verify_lengths is for chains (topk=1), got topk={self.topk}")
@@ -243,9 +248,25 @@ class SpecConfig:
                 or list(lengths) != sorted(set(lengths)):
             raise ValueError(f"SpecConfig.verify_lengths must be ascending distinct ints in [1, num_steps) = "
                              f"[1, {S}), got {lengths}")
-        if len(costs) != len(lengths) + 1 or not all(_is_number(c) and 0 < c < float("inf") for c in costs):
-            raise ValueError(f"SpecConfig.verify_costs must hold {len(lengths) + 1} positive costs (a round's at "
-                             f"each of verify_lengths {lengths}, then at num_steps={S}), got {costs}")
+        if rows and (not all(isinstance(v, int) and not isinstance(v, bool) and v >= 1 for v in rows)
+                     or list(rows) != sorted(set(rows))):
+            raise ValueError(f"SpecConfig.verify_cost_rows must be ascending distinct ints >= 1, got {rows}")
+        n = len(lengths) + 1
+        ok = lambda c: (isinstance(c, tuple) and len(c) == n  # noqa: E731
+                        and all(_is_number(v) and 0 < v < float("inf") for v in c))
+        if not (all(ok(c) for c in costs) and len(costs) == len(rows) if rows else ok(costs)):
+            each = f"one tuple for each of verify_cost_rows {rows}, each of " if rows else ""
+            raise ValueError(f"SpecConfig.verify_costs must hold {each}{n} positive costs (a round's at each of "
+                             f"verify_lengths {lengths}, then at num_steps={S}), got {costs}")
+
+    @property
+    def cost_table(self) -> tuple[tuple[int, ...], tuple[tuple[float, ...], ...]]:
+        """(row counts [R], costs [R][C]) of confidence-budgeted verification: the
+        verify_costs measured at each of verify_cost_rows (one set at any row count when
+        none are given)."""
+        if self.verify_cost_rows:
+            return self.verify_cost_rows, self.verify_costs
+        return (1,), (self.verify_costs,)
 
     @property
     def verify_choices(self) -> tuple[int, ...]:

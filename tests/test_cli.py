@@ -159,18 +159,23 @@ def test_parse_spec_and_format_table():
     assert budgeted == jspec.SpecConfig(num_steps=15, verify_lengths=(3, 7), verify_costs=(1.0, 1.1, 1.25))
     assert parse_spec("15/3:1,15:2^0.5") == jspec.SpecConfig(15, verify_lengths=(3,), verify_costs=(1, 2),
                                                              survival_power=0.5)
+    by_rows = parse_spec("15/3:0.6,15:0.62@1+3:1.1,15:1.6@16")
+    assert by_rows == jspec.SpecConfig(15, verify_lengths=(3,), verify_costs=((0.6, 0.62), (1.1, 1.6)),
+                                       verify_cost_rows=(1, 16))
     for bad in ("", "1,2,3,4", "x", "15/3:1,7:1.1", "15/3:1,15", "15/3:x,15:1", "15/15:1,15:2", "15/3:1,15:2^0",
-                "15/3:1,15:2^x"):
+                "15/3:1,15:2^x", "15/3:1,15:2@1+3:1,15:2", "15/3:1,15:2@1+7:1,15:2@4", "15/3:1,15:2@4+3:1,15:2@2"):
         with pytest.raises(ValueError):
             parse_spec(bad)
     rows = [BenchRow(4, None, 1.0, 100.0, 1.0, 1.0, 2.0, (100.0,)),
             BenchRow(4, parse_spec("5,8,16"), 3.5, 250.0, 2.5, 0.75, 3.0, (250.0,)),
-            BenchRow(4, parse_spec("15/3:1,7:1.1,15:1.25^0.5"), 4.0, 400.0, 4.0, 1.0, 3.0, (400.0,))]
+            BenchRow(4, parse_spec("15/3:1,7:1.1,15:1.25^0.5"), 4.0, 400.0, 4.0, 1.0, 3.0, (400.0,)),
+            BenchRow(4, by_rows, 4.0, 400.0, 4.0, 1.0, 3.0, (400.0,))]
     lines = format_table(rows).splitlines()
-    assert len(lines) == 5 and len({len(line) for line in lines}) == 1  # aligned
+    assert len(lines) == 6 and len({len(line) for line in lines}) == 1  # aligned
     assert "| tree " in lines[3] and "5,8,16" in lines[3] and "2.50x" in lines[3] and "75%" in lines[3]
     assert " 56.00 |" in lines[3]  # ms a round: 3.5 tokens a row a round, 4 rows, 250 tokens/s
     assert "15,1,16/3:1,7:1.1,15:1.25^0.5" in lines[4]
+    assert "15,1,16/3:0.6,15:0.62@1+3:1.1,15:1.6@16 " in lines[5]
 
 
 def test_loading_prints_no_warnings_without_pytorch():

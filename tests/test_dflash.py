@@ -203,6 +203,13 @@ def test_budget_choice_equals_a_reading_of_its_rule():
         got = int(budget.choose(jnp.asarray(surv), jnp.asarray(active), jnp.asarray(drafting), spec))
         assert got == int(np.argmax(rates)), (trial, rates, got)
         wrong += got != int(np.argmax([rate(i, (1.0,) * 4) for i in range(4)]))
+        # costs measured at 1, 2 and 4 rows, read at the round's active rows
+        rows_spec = jspec.SpecConfig(6, verify_lengths=(1, 2, 4), verify_cost_rows=(1, 2, 4),
+                                     verify_costs=((1.0, 1.0, 1.05, 1.1), (1.0, 1.1, 1.3, 1.6), (1.0, 1.4, 1.9, 2.5)))
+        n = int(active.sum())
+        at_n = [np.interp(n, [1, 2, 4], [c[i] for c in rows_spec.verify_costs]) for i in range(4)]
+        got = int(budget.choose(jnp.asarray(surv), jnp.asarray(active), jnp.asarray(drafting), rows_spec))
+        assert got == int(np.argmax([rate(i, at_n) for i in range(4)])), (trial, n, got)
     assert wrong >= 5  # the costs decide
 
 
@@ -211,8 +218,11 @@ def test_budget_spec_errors(with_draft):
                       (dict(verify_lengths=(5,), verify_costs=(1, 1)), r"\[1, 5\)"),
                       (dict(verify_lengths=(3, 2), verify_costs=(1, 1, 1)), "ascending"),
                       (dict(verify_lengths=(2,), verify_costs=(1, 0)), "positive"),
-                      (dict(verify_costs=(1.0,)), "needs verify_lengths"),
-                      (dict(survival_power=0.5), "needs verify_lengths"),
+                      (dict(verify_costs=(1.0,)), "need verify_lengths"),
+                      (dict(survival_power=0.5), "need verify_lengths"),
+                      (dict(verify_lengths=(2,), verify_costs=((1, 2), (1, 3)), verify_cost_rows=(4, 2)), "ascending"),
+                      (dict(verify_lengths=(2,), verify_costs=((1, 2),), verify_cost_rows=(1, 8)), "one tuple for each"),
+                      (dict(verify_lengths=(2,), verify_costs=(1, 2), verify_cost_rows=(1,)), "one tuple for each"),
                       (dict(verify_lengths=(2,), verify_costs=(1, 2), survival_power=0), "survival_power"),
                       (dict(topk=2, num_draft_tokens=6, verify_lengths=(2,), verify_costs=(1, 2)), "chains")]:
         with pytest.raises(ValueError, match=match):
@@ -288,14 +298,15 @@ def context_prefill(tcfg, d, tw, dw, feats, n):
 @pytest.mark.slow
 def test_engine_rows_equal_the_target_alone(target, with_draft):
     """Engine rows under adaptive tiers (plain, blocks of 3 and 6, a tree, a block of 6
-    with budgeted verification; the tier switched before every chunk) on a paged pool,
+    with budgeted verification, its costs by running rows; the tier switched before every
+    chunk) on a paged pool,
     requests joining while others run, greedy and seeded sampling: each equals the
     target's own run alone."""
     from test_engine import MAX_NEW, SAMPLING, alone
     import itertools
     p = with_draft("dflash")
     tiers = (None, jspec.SpecConfig(2), jspec.SpecConfig(5), jspec.SpecConfig(num_steps=3, topk=2, num_draft_tokens=6),
-             jspec.SpecConfig(5, verify_lengths=(2,), verify_costs=(1.0, 1.05)))
+             jspec.SpecConfig(5, verify_lengths=(2,), verify_costs=((1.0, 1.05), (1.0, 1.5)), verify_cost_rows=(1, 3)))
     costs = {(t, n): 1.0 for t in range(5) for n in (1, 2, 4)}
     engine = jspec.Engine(p, max_batch=3, max_prompt_len=16, max_new_tokens=16, cache=CACHES["paged16"],
                           spec=jspec.Adaptive(tiers=tiers, costs=costs), rounds_per_chunk=2, prefill_chunk=8)

@@ -8,12 +8,14 @@ Row r's survival s_r[j] is the proposer's estimate that its drafts 1..j are all 
 its first l drafts is expected to commit E_r(l) = 1 + s_r[1] + ... + s_r[l] tokens. A
 round verifies the l, among the SpecConfig's choices (verify_lengths, then S), with the
 most expected tokens over the batch's active rows per unit of cost:
-sum_r E_r(l) / cost(l), one l for the batch (the verification is one static-shape pass).
+sum_r E_r(l) / cost(l), one l for the batch (the verification is one static-shape pass),
+cost(l) read from the SpecConfig's costs at the round's number of active rows.
 A row that does not speculate commits one token whatever l is. Every length verifies
 exactly, so the choice moves only the work a round does, never the output.
 """
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 
@@ -40,10 +42,21 @@ def expected_tokens(survival, active, drafting, choices: tuple[int, ...]):
     return rows + per_length[np.asarray(choices) - 1]
 
 
+def costs_at(rows, spec: SpecConfig):
+    """The round costs [C] of `spec.verify_choices` with `rows` (a traced count) running:
+    `spec.cost_table` interpolated linearly between its row counts, clamped at the ends."""
+    counts, table = spec.cost_table
+    table = np.asarray(table, np.float32)  # [R, C]
+    if len(counts) == 1:
+        return jnp.asarray(table[0])
+    return jax.vmap(lambda column: jnp.interp(rows, np.asarray(counts, np.float32), column), in_axes=1)(table)
+
+
 def choose(survival, active, drafting, spec: SpecConfig):
     """The index, into `spec.verify_choices`, of the length a round verifies (the module
     docstring) -> int32 []. Ties go to the shorter length."""
-    rates = expected_tokens(survival, active, drafting, spec.verify_choices) / np.asarray(spec.verify_costs, np.float32)
+    costs = costs_at(jnp.sum(active.astype(jnp.float32)), spec)
+    rates = expected_tokens(survival, active, drafting, spec.verify_choices) / costs
     return jnp.argmax(rates).astype(jnp.int32)
 
 
