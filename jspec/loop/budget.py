@@ -39,17 +39,18 @@ def expected_tokens(survival, active, drafting, choices: tuple[int, ...]):
     kept = jnp.where(drafting[:, None], survival[:, 1:], 0.0)  # [B,S]
     per_length = jnp.cumsum(jnp.sum(kept, axis=0))  # [S]: sum over rows of s_r[1..l]
     rows = jnp.sum(active.astype(jnp.float32))
-    return rows + per_length[np.asarray(choices) - 1]
+    return rows + per_length[np.asarray(choices) - 1]  # host-ok: static choices
 
 
 def costs_at(rows, spec: SpecConfig):
     """The round costs [C] of `spec.verify_choices` with `rows` (a traced count) running:
     `spec.cost_table` interpolated linearly between its row counts, clamped at the ends."""
     counts, table = spec.cost_table
-    table = np.asarray(table, np.float32)  # [R, C]
+    table = np.asarray(table, np.float32)  # host-ok: the SpecConfig's constants, [R, C]
     if len(counts) == 1:
-        return jnp.asarray(table[0])
-    return jax.vmap(lambda column: jnp.interp(rows, np.asarray(counts, np.float32), column), in_axes=1)(table)
+        return jnp.asarray(table[0])  # host-ok: a constant
+    xp = np.asarray(counts, np.float32)  # host-ok: the SpecConfig's constants
+    return jax.vmap(lambda column: jnp.interp(rows, xp, column), in_axes=1)(table)
 
 
 def choose(survival, active, drafting, spec: SpecConfig):
