@@ -104,6 +104,9 @@ cache, 137 GB, does not fit one GPU beside the weights).
 --fp8-kv: every step and round also over an FP8 cache (`CacheConfig(dtype="float8_e4m3fn")`,
 the bandwidth utilisation counting its bytes), side by side; --no-rounds: the AR steps only.
      PYTHONPATH=. python3 benchmarks/bench_8b.py long [--rounds 40] [--fp8-kv] [--no-rounds]
+         [--contexts CTX ...] [--batches B ...]
+(--contexts: these contexts instead of LONG_CONTEXTS's, each through a program sized for
+it alone, as a server compiled for that length would run it; --batches: these batches)
 Result: $OUT/long_context_8b.json (with --fp8-kv: $OUT/long_context_8b_kv.json)
 """
 from __future__ import annotations
@@ -674,8 +677,10 @@ def prefill_jspec(lengths, paged: bool, kernel_blocks: bool = False, blocks=(), 
 LONG_CONTEXTS = {1: (1024, 4096, 32768, 131072), 8: (1024, 4096, 32768)}
 
 
-def long_context(rounds: int = 40, kv_dtypes=(None,), spec_rounds: bool = True):
-    """`long` (the module docstring)."""
+def long_context(rounds: int = 40, kv_dtypes=(None,), spec_rounds: bool = True, contexts=None, batches=None):
+    """`long` (the module docstring). contexts: each measured through a program sized for
+    it alone (default: LONG_CONTEXTS, a batch's contexts through one program sized for its
+    longest); batches: these batch sizes (default LONG_CONTEXTS's)."""
     res = {"env": env_info(), "rounds": rounds}
     bw = copy_bandwidth()
     ceiling = ceiling_of(bw)
@@ -684,7 +689,9 @@ def long_context(rounds: int = 40, kv_dtypes=(None,), spec_rounds: bool = True):
     wb = weight_bytes(target)
     spec_params = target.with_draft(eagle3_head(target))
     name = "long_context_8b.json" if kv_dtypes == (None,) else "long_context_8b_kv.json"
-    for batch, ctxs in LONG_CONTEXTS.items():
+    runs = [(b, c) for b, c in LONG_CONTEXTS.items() if batches is None or b in batches] if contexts is None \
+        else [(b, (ctx,)) for b in (batches or (1,)) for ctx in contexts]
+    for batch, ctxs in runs:
         ar = {}
         for kv in kv_dtypes:  # the model's cache, then an FP8 one: side by side
             ar[kv] = step_times(target, batch, ctxs, rounds, kv_dtype=kv)
@@ -739,8 +746,12 @@ def main(argv=None):
         ap.add_argument("--fp8-kv", action="store_true",
                         help="also an FP8 cache (`CacheConfig(dtype=\"float8_e4m3fn\")`), side by side with the model's")
         ap.add_argument("--no-rounds", action="store_true", help="the AR steps only (no chain or tree rounds)")
+        ap.add_argument("--contexts", type=int, nargs="+", default=None,
+                        help="these contexts, each through a program sized for it alone")
+        ap.add_argument("--batches", type=int, nargs="+", default=None, help="these batch sizes")
         args = ap.parse_args(argv[1:])
-        return long_context(args.rounds, (None, "float8_e4m3fn") if args.fp8_kv else (None,), not args.no_rounds)
+        return long_context(args.rounds, (None, "float8_e4m3fn") if args.fp8_kv else (None,), not args.no_rounds,
+                            args.contexts, args.batches)
     if argv[:1] == ["transformers_prefill"]:
         return transformers_prefill_bench(LLAMA31_8B, "transformers_prefill_8b.json",
                                           [int(a) for a in argv[1:]] or list(PREFILL_LENGTHS))
