@@ -19,6 +19,7 @@ from jspec.kernels.attention.decode import AttentionTiles
 from jspec.kernels.cpu import matmul as cpu_matmul
 from jspec.kernels.fp8.matmul import Fp8Tiles
 from jspec.kernels.fp8.mosaic import MosaicTiles
+from jspec.kernels.fp8.w8a8 import W8a8Tiles
 from jspec.kernels.gated_delta.kernels import GatedDeltaTiles
 from jspec.kernels.mla.decode import MlaDecodeTiles
 from jspec.kernels.mla.inputs import MlaInputsTiles
@@ -46,7 +47,9 @@ class Tuning:
     One group of tiles per kernel (each class beside its kernel, with the measurements behind
     its defaults): experts (`kernels.moe.experts.ExpertTiles`), fp8 (`kernels.fp8.matmul`;
     its mosaic_rows sends few rows on a Hopper GPU to the Mosaic GPU kernel), fp8_mosaic
-    (`kernels.fp8.mosaic.MosaicTiles`), grouped (`kernels.moe.grouped`),
+    (`kernels.fp8.mosaic.MosaicTiles`), fp8_w8a8 (`kernels.fp8.w8a8.W8a8Tiles`: FP8 x FP8
+    products of a prompt's rows on Hopper, off by default: slower than the dequantized
+    weight's bfloat16 product, docs/benchmarks.md), grouped (`kernels.moe.grouped`),
     route (`kernels.moe.route`), mla_inputs, mla_decode, mla_output (`kernels.mla.inputs`,
     `.decode`, `.output`), attention (`kernels.attention.decode`), gated_delta
     (`kernels.gated_delta.kernels`), row_attention, row_mla (`kernels.row.attention`'s
@@ -121,6 +124,7 @@ class Tuning:
     experts: ExpertTiles = ExpertTiles()
     fp8: Fp8Tiles = Fp8Tiles()
     fp8_mosaic: MosaicTiles = MosaicTiles()
+    fp8_w8a8: W8a8Tiles = W8a8Tiles()
     grouped: GroupedTiles = GroupedTiles()
     route: RouteTiles = RouteTiles()
     mla_inputs: MlaInputsTiles = MlaInputsTiles()

@@ -22,7 +22,7 @@ from jspec.quantization import dequantize_kernel
 from jspec.cache.layout import prefill_meta
 from jspec.kernels import dispatch
 from jspec.kernels.cpu import matmul as cpu_matmul
-from jspec.kernels.fp8 import matmul as fp8_matmul, mosaic as fp8_mosaic
+from jspec.kernels.fp8 import matmul as fp8_matmul, mosaic as fp8_mosaic, w8a8 as fp8_w8a8
 from jspec.kernels.meta import AttnMeta
 from jspec.kernels.moe import experts as moe_experts
 from jspec.kernels.row import matmul as row_matmul, norm as row_norm
@@ -89,9 +89,11 @@ class Linear(nn.Module):
     An FP8 kernel comes with `kernel_scale` [ceil(in / GROUP), out] float32 (`jspec.quantization`,
     kept FP8 in device memory): up to `Tuning.fp8.mosaic_rows` bfloat16 (or float16) rows on
     a Hopper GPU run `kernels.fp8.mosaic` (`mosaic.uses_kernel`), other products of up to
-    `Tuning.fp8.max_rows` rows on a GPU `kernels.fp8.matmul`; both read the FP8 bytes. Other
-    products (a prompt's blocks, the CPU, row-invariant passes) dequantize the kernel into
-    the compute dtype in the graph first (`dequantize_kernel`)."""
+    `Tuning.fp8.max_rows` rows on a GPU `kernels.fp8.matmul`; both read the FP8 bytes. With
+    `Tuning.fp8_w8a8.min_rows` set (0 by default), products of at least that many rows on a
+    Hopper GPU run `kernels.fp8.w8a8` (the rows rounded to E4M3 too). Other products (a
+    prompt's blocks, the CPU, row-invariant passes) dequantize the kernel into the compute
+    dtype in the graph first (`dequantize_kernel`)."""
 
     features: int
     use_bias: bool = False
@@ -115,7 +117,9 @@ class Linear(nn.Module):
             probe, f8 = x.astype(self.dtype), self.tuning.fp8
             kernel = None
             if not (splits or row_invariant):
-                if fp8_mosaic.uses_kernel(probe, w, scale, f8):
+                if fp8_w8a8.uses_kernel(probe, w, scale, self.tuning.fp8_w8a8):
+                    kernel = functools.partial(fp8_w8a8.fp8_w8a8_mosaic, tiles=self.tuning.fp8_w8a8)
+                elif fp8_mosaic.uses_kernel(probe, w, scale, f8):
                     kernel = functools.partial(fp8_mosaic.fp8_matmul_mosaic, tiles=self.tuning.fp8_mosaic)
                     if norm is not None:  # the rows' float16 bound from the norm's own pass
                         xn, top = moe_experts.normed_with_top(x, norm)

@@ -24,8 +24,8 @@ Design (one warpgroup a CTA; grid (column blocks, K splits), `plgpu.kernel`):
   permuted so that they are adjacent weight columns: one 4- or 8-byte load a weight row),
   interleaves two rows with prmt and widens with cvt.rn.f16x2.e4m3x2 (E4M3 is exact in
   float16): 2 bytes of shared-memory traffic per weight byte (the TMA write, one read).
-  The scales and the output store follow the same permutation (`_scales_to_regs`,
-  `_store_from_regs`), so it never leaves the kernel. Hand-written Mosaic GPU code
+  The scales and the output store follow the same permutation (`scales_to_regs`,
+  `store_from_regs`), so it never leaves the kernel. Hand-written Mosaic GPU code
   (`plgpu.inline_mgpu`): GPU only.
 - Shared-memory path (a_regs=False, block_n 64, and interpret mode): the FP8 tile is
   loaded into registers in Mosaic's layouts, widened, stored as a swizzled float16 tile
@@ -171,7 +171,7 @@ def _swizzle(row_bytes: int) -> int:
     raise ValueError(f"rows of {row_bytes} bytes take no swizzle")
 
 
-def _tiled(row_elems: int, itemsize: int):
+def tiled(row_elems: int, itemsize: int):
     """Tiling and swizzle transforms of a shared-memory tile whose rows hold row_elems
     elements of itemsize bytes."""
     s = _swizzle(row_elems * itemsize)
@@ -208,7 +208,7 @@ cvt.rn.f16x2.FMTx2 $3, h3;
 }"""
 
 
-def _mgpu():
+def mgpu_modules():
     from jax.experimental.mosaic import gpu as mgpu
     from jax.experimental.mosaic.gpu import utils as mu
     from jaxlib.mlir import ir
@@ -216,9 +216,9 @@ def _mgpu():
     return mgpu, mu, ir, arith, llvm, vector
 
 
-def _thread_coords():
+def thread_coords():
     """(g, q) of this thread as i32: g = 8 warp + lane // 4 (its row group), q = lane % 4."""
-    _, mu, ir, arith, _, _ = _mgpu()
+    _, mu, ir, arith, _, _ = mgpu_modules()
     i32 = ir.IntegerType.get_signless(32)
     c = lambda v: arith.constant(i32, v)
     tid = arith.remui(mu.thread_idx(), c(128))
@@ -234,13 +234,13 @@ def _widen_to_regs(block_n: int, fmt: str):
     rt = block_n // 32
     pairs = _PAIRS.replace("FMT", fmt)  # cvt.rn.f16x2.e4m3x2 (e5m2x2)
 
-    @plgpu.inline_mgpu(arg_types=(plgpu.RefType(transforms=_tiled(block_n, 1)),),
+    @plgpu.inline_mgpu(arg_types=(plgpu.RefType(transforms=tiled(block_n, 1)),),
                        return_type=plgpu.ShapeDtypeStruct((block_n, GROUP), jnp.float16, layout=plgpu.Layout.WGMMA))
     def widen(ctx, w_ref):
-        mgpu, mu, ir, arith, llvm, vector = _mgpu()
+        mgpu, mu, ir, arith, llvm, vector = mgpu_modules()
         i32, i8 = ir.IntegerType.get_signless(32), ir.IntegerType.get_signless(8)
         c = lambda v: arith.constant(i32, v)
-        g, q = _thread_coords()
+        g, q = thread_coords()
         ptr = mu.memref_ptr(w_ref)
         n0 = arith.muli(g, c(rt))  # the thread's first weight column
         # unswizzled byte address of (k, n0) for k % 8 = 2 q + e; tiles of 8 rows x 128 bytes
@@ -274,7 +274,7 @@ def _widen_to_regs(block_n: int, fmt: str):
     return widen
 
 
-def _scales_to_regs(block_n: int):
+def scales_to_regs(block_n: int):
     """inline_mgpu: the scales ref [1, block_n] float32 -> [block_n] in the WGMMA row layout,
     in the permuted row order of `_widen_to_regs`."""
     rt = block_n // 32
@@ -283,10 +283,10 @@ def _scales_to_regs(block_n: int):
     @plgpu.inline_mgpu(arg_types=(plgpu.RefType(),),
                        return_type=plgpu.ShapeDtypeStruct((block_n,), jnp.float32, layout=row_layout))
     def scales(ctx, s_ref):
-        mgpu, mu, ir, arith, llvm, vector = _mgpu()
+        mgpu, mu, ir, arith, llvm, vector = mgpu_modules()
         i32, f32 = ir.IntegerType.get_signless(32), ir.F32Type.get()
         c = lambda v: arith.constant(i32, v)
-        g, _ = _thread_coords()
+        g, _ = thread_coords()
         ptr = mu.memref_ptr(s_ref)
         layout = row_layout.to_mgpu()
         regs = np.empty(layout.registers_shape((block_n,)), dtype=object)
@@ -302,7 +302,7 @@ def _scales_to_regs(block_n: int):
     return scales
 
 
-def _store_from_regs(block_n: int, rows: int, dtype, factor: bool, factor_rows: int | None = None):
+def store_from_regs(block_n: int, rows: int, dtype, factor: bool, factor_rows: int | None = None):
     """inline_mgpu: the sums [block_n, rows] float32 (WGMMA layout, permuted rows) -> the
     shared-memory ref [rows, block_n] of dtype in column order (RT consecutive columns a
     store), each row m times factor_ref[m] first if factor (a float32 ref [factor_rows],
@@ -312,11 +312,11 @@ def _store_from_regs(block_n: int, rows: int, dtype, factor: bool, factor_rows: 
 
     @plgpu.inline_mgpu(arg_types=(plgpu.Layout.WGMMA, plgpu.RefType()) + ((plgpu.RefType(),) if factor else ()))
     def store(ctx, total, out_ref, *factor_ref):
-        mgpu, mu, ir, arith, llvm, vector = _mgpu()
+        mgpu, mu, ir, arith, llvm, vector = mgpu_modules()
         i32, f32 = ir.IntegerType.get_signless(32), ir.F32Type.get()
         out_ty = mu.dtype_to_ir_type(dtype)
         c = lambda v: arith.constant(i32, v)
-        g, q = _thread_coords()
+        g, q = thread_coords()
         ptr = mu.memref_ptr(out_ref)
         regs = total.registers
         for i1 in range(rows // 8):
@@ -371,7 +371,7 @@ def _kernel(*refs, block_n: int, steps: int, rows: int, stages: int, layouts: bo
     g0 = s * steps
 
     def step_regs(_, x_smem, w_smem, s_smem, total):
-        sc = _scales_to_regs(block_n)(s_smem.at[0])  # [block_n], permuted rows
+        sc = scales_to_regs(block_n)(s_smem.at[0])  # [block_n], permuted rows
         a = _widen_to_regs(block_n, fmt)(w_smem)  # w^T [block_n, GROUP] f16, permuted rows
         # every thread's reads of this slot done before the pipeline refills it (TMA)
         plgpu.commit_smem()
@@ -406,8 +406,8 @@ def _kernel(*refs, block_n: int, steps: int, rows: int, stages: int, layouts: bo
         return total + part * lax.broadcast_in_dim(sc, (block_n, rows), [0])
 
     specs = [
-        plgpu.BlockSpec((rows, GROUP), lambda t: (0, t), transforms=_tiled(GROUP, 2)),
-        plgpu.BlockSpec((GROUP, block_n), lambda t: (t, 0), transforms=_tiled(block_n, 1)),
+        plgpu.BlockSpec((rows, GROUP), lambda t: (0, t), transforms=tiled(GROUP, 2)),
+        plgpu.BlockSpec((GROUP, block_n), lambda t: (t, 0), transforms=tiled(block_n, 1)),
         plgpu.BlockSpec((1, block_n), lambda t: (t, 0)),
     ]
     zero = cast(jnp.zeros((block_n, rows), jnp.float32), plgpu.Layout.WGMMA)
@@ -419,13 +419,13 @@ def _kernel(*refs, block_n: int, steps: int, rows: int, stages: int, layouts: bo
     if fused is not None:
         M, dtype = fused
         if a_regs:
-            _store_from_regs(block_n, rows, dtype, True, f_gmem.shape[0])(cast(total, plgpu.Layout.WGMMA), out_smem,
+            store_from_regs(block_n, rows, dtype, True, f_gmem.shape[0])(cast(total, plgpu.Layout.WGMMA), out_smem,
                                                                            f_gmem)
         else:  # interpret mode
             out_smem[...] = (total.T * f_gmem[...][:, None]).astype(dtype)
         dst, src = o_gmem.at[:, cols], out_smem.at[pl.ds(0, M)]
     elif a_regs:
-        _store_from_regs(block_n, rows, jnp.float32, False)(cast(total, plgpu.Layout.WGMMA), out_smem)
+        store_from_regs(block_n, rows, jnp.float32, False)(cast(total, plgpu.Layout.WGMMA), out_smem)
         dst, src = o_gmem.at[s, :, cols], out_smem
     else:
         out_smem[...] = total
@@ -466,7 +466,7 @@ def _launch_setup(interpret, tiles: MosaicTiles, BN: int, Mp: int, S: int, dtype
     elif a_regs:  # no float16 tile (wb_smem: a placeholder)
         scratch = [plgpu.SMEM((8,), jnp.float32), out_smem]
     else:
-        scratch = [plgpu.SMEM((GROUP, BN), jnp.float16, transforms=_tiled(BN, 2)), out_smem]
+        scratch = [plgpu.SMEM((GROUP, BN), jnp.float16, transforms=tiled(BN, 2)), out_smem]
     return mode, a_regs, fused, scratch
 
 

@@ -1,0 +1,313 @@
+"""Pallas **Mosaic GPU** FP8 x FP8 product for a prompt's rows (w8a8, Hopper wgmma): the
+rows rounded to E4M3 per token and group of GROUP (128) input columns, times an FP8 weight
+w [K, N] with its scales [K / GROUP, N], as DeepSeek's reference inference, SGLang and vLLM
+compute block-FP8 layers.
+
+Numerics (`w8a8_reference`): x8, xs = `quantize_rows(x)` (each row's group divided by its
+largest magnitude over 448, rounded to E4M3); out [M, N] = sum over groups g, in group
+order, of (x8[:, g] @ w[g]) * (xs[:, g] x scale[g]) in float32. The tensor cores take the
+E4M3 operands as they are (their products exact) and sum a group in float32; the group's
+sum is then scaled and added to a float32 accumulator in registers (per-group promotion,
+as DeepGEMM does), so the kernel equals the reference up to float32 summation order.
+
+Why: at prompt rows the products are bound by arithmetic, and Hopper's FP8 tensor cores do
+twice bfloat16's. jspec's other FP8 paths widen the weight to 16 bits (the decode kernels;
+a prompt's blocks dequantize it in the graph for XLA's bfloat16 product), so they gain
+bytes, not arithmetic (docs/benchmarks.md, "What do FP8 weights gain on the GPU?").
+
+Design (one warpgroup a CTA; grid (row blocks, column blocks), row blocks fastest so the
+CTAs reading one column block of the weight run together and share L2):
+
+- The product is computed transposed, out^T [block_n, block_m] = w^T [block_n, K] @ x8^T
+  [K, block_m]. An 8-bit wgmma operand in shared memory must be K-major: the rows x8 [M, K]
+  are (wgmma's B, through a transposed view of the TMA tile), the weight [K, N] is not, so
+  the weight is wgmma's A operand from registers (`fp8_to_regs`): each thread loads four
+  bytes (its four adjacent weight columns) from each of four consecutive weight rows and
+  transposes the 4 x 4 bytes with byte permutes (prmt), which gives A's registers in
+  Mosaic's WGMMA_8BIT layout (four consecutive K values of one row a register), the
+  product's rows permuted as `mosaic.scales_to_regs` and `mosaic.store_from_regs` expect
+  (weight column n = RT g + 2 i0 + i4; see `kernels.fp8.mosaic`).
+- A pipeline step (`plgpu.emit_pipeline`, `stages` deep) takes one group: the rows' tile
+  x8 [block_m, GROUP] and the weight's [GROUP, block_n] (TMA, 128-byte swizzle), the
+  weight's scales [1, block_n] and the rows' [1, block_m] (xs stored [G, M]).
+- The kernel writes the product [block_m, block_n] in the output dtype (a shared-memory
+  tile, then TMA).
+
+Interpret mode (the CPU, jax's Mosaic GPU interpreter, which has no inline_mgpu nor
+transposed wgmma operands): the tiles are widened to float16 (exact for E4M3) and stored
+transposed for a plain wgmma; the same group products, scales and sums.
+
+Dispatch: `models.layers.Linear` runs this kernel on a Hopper GPU for products of at least
+`W8a8Tiles.min_rows` rows (0: never) outside the row-invariant mode (`uses_kernel`).
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+from jspec.kernels import dispatch
+from jspec.kernels.fp8 import mosaic
+from jspec.kernels.tiling import in_order_sum
+from jspec.quantization import E4M3_MAX, FP8_DTYPES, GROUP
+
+TINY = 1e-12  # the smallest group maximum a row's scale is taken from (an all-zero group)
+
+
+@dataclasses.dataclass(frozen=True)
+class W8a8Tiles:
+    """block_n: weight columns a CTA (wgmma M; 128 or 256). block_m: rows a CTA (wgmma N; a
+    multiple of 8 up to 256; the float32 accumulators take block_n x block_m / 64 registers
+    a thread). stages: pipeline steps in flight. min_rows: `Linear` runs the kernel for
+    products of at least this many rows on a Hopper GPU (0: never)."""
+
+    block_n: int = 128
+    block_m: int = 64
+    stages: int = 3
+    min_rows: int = 0
+
+    def __post_init__(self):
+        if self.block_n not in (128, 256) or self.block_m % 8 or not 8 <= self.block_m <= 256:
+            raise ValueError(f"W8a8Tiles takes block_n 128 or 256 and block_m a multiple of 8 up to 256; got {self}")
+        if self.stages < 1 or self.min_rows < 0:
+            raise ValueError(f"W8a8Tiles takes stages >= 1 and min_rows >= 0; got {self}")
+
+
+def quantize_rows(x):
+    """x [M, K] (K a multiple of GROUP) -> (x8 [M, K] E4M3, xs [M, K / GROUP] float32): each
+    row's group of GROUP columns divided by xs = its largest magnitude over 448 (at least
+    TINY / 448) and rounded to E4M3, so x ~ x8 * xs group by group."""
+    M, K = x.shape
+    xg = x.astype(jnp.float32).reshape(M, K // GROUP, GROUP)
+    xs = jnp.maximum(jnp.max(jnp.abs(xg), axis=-1), TINY) / E4M3_MAX  # [M, G]
+    x8 = (xg / xs[..., None]).astype(jnp.float8_e4m3fn).reshape(M, K)
+    return x8, xs
+
+
+def w8a8_reference(x, w, scale, out_dtype=None):
+    """The kernel's numerics in jnp: x [M, K] @ (w [K, N] FP8, scale [K / GROUP, N]) with the
+    rows rounded by `quantize_rows`; each group's float32 product times (row scale x column
+    scale), summed in group order."""
+    M, K = x.shape
+    G = K // GROUP
+    x8, xs = quantize_rows(x)
+    parts = jnp.einsum("mgk,gkn->gmn", x8.astype(jnp.float32).reshape(M, G, GROUP),
+                       w.reshape(G, GROUP, -1).astype(jnp.float32), preferred_element_type=jnp.float32)
+    return in_order_sum(parts * (xs.T[:, :, None] * scale[:, None, :])).astype(out_dtype or x.dtype)
+
+
+def supported(x, w, scale, tiles: W8a8Tiles | None = None) -> bool:
+    """Whether `fp8_w8a8_mosaic` takes these arguments: x [..., K] bfloat16, float16 or
+    float32, w [K, N] E4M3 with K a multiple of GROUP and N of the tiles' block_n, scale
+    [K / GROUP, N] float32."""
+    t = tiles or W8a8Tiles()
+    if getattr(w, "ndim", None) != 2 or jnp.dtype(w.dtype) != jnp.dtype(jnp.float8_e4m3fn):
+        return False
+    K, N = w.shape
+    return (jnp.dtype(x.dtype) in map(jnp.dtype, (jnp.bfloat16, jnp.float16, jnp.float32)) and x.shape[-1] == K
+            and K % GROUP == 0 and N % t.block_n == 0 and getattr(scale, "shape", None) == (K // GROUP, N)
+            and scale.dtype == jnp.float32)
+
+
+def uses_kernel(x, w, scale, tiles: W8a8Tiles | None = None) -> bool:
+    """Whether a `Linear` runs `fp8_w8a8_mosaic` for x @ w: at least tiles.min_rows rows
+    (0: never), arguments it takes, kernels not switched off (JSPEC_KERNELS=reference) and
+    a Hopper GPU (`mosaic.on_hopper`)."""
+    t = tiles or W8a8Tiles()
+    rows = x.size // max(x.shape[-1], 1)
+    return (t.min_rows > 0 and rows >= t.min_rows and supported(x, w, scale, t) and dispatch.backend() != "reference"
+            and mosaic.on_hopper())
+
+
+# ---- wgmma's A operand from registers: the FP8 weight tile transposed ----------------------
+#
+# Mosaic's WGMMA_8BIT register layout of A [block_n, GROUP]: a thread (warp w, lane l) holds
+# rows r = 64 i0 + 16 w + 8 i4 + l // 4 at columns (k) 16 b + 4 (l % 4) + {0, 1, 2, 3}, one
+# 32-bit register (four bytes, k ascending) for each (i0, b, i4). Row r is weight column
+# n = RT g + 2 i0 + i4 (g = 8 w + l // 4, RT = block_n / 32), as in `kernels.fp8.mosaic`, so
+# one RT-byte load of a weight row brings all of a thread's columns, and four such loads
+# (rows k .. k + 3) are a 4 x 4 byte block that prmt transposes into four registers.
+
+_TRANSPOSE = """{
+.reg .b32 t0, t1, t2, t3;
+prmt.b32 t0, $4, $5, 0x5140;
+prmt.b32 t1, $4, $5, 0x7362;
+prmt.b32 t2, $6, $7, 0x5140;
+prmt.b32 t3, $6, $7, 0x7362;
+prmt.b32 $0, t0, t2, 0x5410;
+prmt.b32 $1, t0, t2, 0x7632;
+prmt.b32 $2, t1, t3, 0x5410;
+prmt.b32 $3, t1, t3, 0x7632;
+}"""
+
+
+def fp8_to_regs(block_n: int):
+    """inline_mgpu: the E4M3 tile ref [GROUP, block_n] (tiling (8, 128), 128-byte swizzle) ->
+    w^T [block_n, GROUP] E4M3 in the WGMMA_8BIT register layout, rows permuted (above)."""
+    rt = block_n // 32
+
+    @plgpu.inline_mgpu(arg_types=(plgpu.RefType(transforms=mosaic.tiled(block_n, 1)),),
+                       return_type=plgpu.ShapeDtypeStruct((block_n, GROUP), jnp.float8_e4m3fn,
+                                                          layout=plgpu.Layout.WGMMA_8BIT))
+    def load(ctx, w_ref):
+        mgpu, mu, ir, arith, llvm, vector = mosaic.mgpu_modules()
+        i32, i8 = ir.IntegerType.get_signless(32), ir.IntegerType.get_signless(8)
+        c = lambda v: arith.constant(i32, v)
+        g, q = mosaic.thread_coords()
+        ptr = mu.memref_ptr(w_ref)
+        n0 = arith.muli(g, c(rt))  # the thread's first weight column
+        # the tile's bytes are laid [k // 8][n // 128][k % 8][n % 128]; the swizzle XORs the
+        # 16-byte chunk (address bits 4-6) with the row in the 8-row tile (bits 7-9)
+        col = arith.addi(arith.muli(arith.divui(n0, c(128)), c(1024)), arith.remui(n0, c(128)))
+        bases = []
+        for e in range(4):  # rows 4 q + e of each 16-row chunk
+            r = arith.addi(arith.muli(q, c(4)), c(e))
+            tile, rin = arith.divui(r, c(8)), arith.remui(r, c(8))
+            pre = arith.addi(arith.addi(arith.muli(tile, c(8 * block_n)), arith.muli(rin, c(128))), col)
+            bases.append(arith.xori(pre, arith.shli(rin, c(4))))
+        load_ty = ir.VectorType.get((rt // 4,), i32)
+        f8x4 = ir.VectorType.get((4,), ir.Float8E4M3FNType.get())
+        regs = np.empty(mgpu.WGMMA_LAYOUT_8BIT.registers_shape((block_n, GROUP)), dtype=object)
+        for b in range(GROUP // 16):
+            words = [llvm.load(load_ty, mu.getelementptr(ptr, [arith.addi(base, c(b * 16 * block_n))], i8))
+                     for base in bases]
+            for h in range(rt // 4):
+                block = [vector.extract(word, [], [h]) for word in words]
+                res = llvm.inline_asm(llvm.StructType.get_literal([i32] * 4), block, _TRANSPOSE,
+                                      "=r,=r,=r,=r,r,r,r,r", has_side_effects=False)
+                for u in range(4):
+                    jj = 4 * h + u  # column n0 + jj: row (i0, i4) = divmod(jj, 2)
+                    regs[(jj // 2, b, 0, 0, jj % 2, 0, 0, 0, 0)] = mu.bitcast(llvm.extractvalue(i32, res, [u]), f8x4)
+        return mgpu.FragmentedArray(_registers=regs, _layout=mgpu.WGMMA_LAYOUT_8BIT, _is_signed=None)
+
+    return load
+
+
+def cols_to_regs(block_m: int):
+    """inline_mgpu: the rows' scales ref [1, block_m] float32 -> [block_m] in the WGMMA
+    column layout (a thread's columns 8 j + 2 (l % 4) + {0, 1})."""
+    col_layout = plgpu.Layout.WGMMA.reduce(0)
+
+    @plgpu.inline_mgpu(arg_types=(plgpu.RefType(),),
+                       return_type=plgpu.ShapeDtypeStruct((block_m,), jnp.float32, layout=col_layout))
+    def cols(ctx, s_ref):
+        mgpu, mu, ir, arith, llvm, vector = mosaic.mgpu_modules()
+        i32, f32 = ir.IntegerType.get_signless(32), ir.F32Type.get()
+        c = lambda v: arith.constant(i32, v)
+        _, q = mosaic.thread_coords()
+        ptr = mu.memref_ptr(s_ref)
+        layout = col_layout.to_mgpu()
+        regs = np.empty(layout.registers_shape((block_m,)), dtype=object)
+        vec2 = ir.VectorType.get((2,), f32)
+        for j in range(block_m // 8):
+            regs[(j, 0, 0)] = llvm.load(vec2, mu.getelementptr(ptr, [arith.addi(arith.muli(q, c(2)), c(8 * j))], f32))
+        return mgpu.FragmentedArray(_registers=regs, _layout=layout, _is_signed=None)
+
+    return cols
+
+
+def _kernel(x_gmem, xs_gmem, w_gmem, s_gmem, o_gmem, out_smem, *interp_smem, block_n: int, block_m: int,
+            groups: int, stages: int, interpret: bool):
+    """One (row block i, column block j) of the product. x_gmem [M, K] E4M3, xs_gmem [G, M]
+    float32, w_gmem [K, N] E4M3, s_gmem [G, N] float32, o_gmem [M, N]; scratch out_smem
+    [block_m, block_n] (and, interpreted, the float16 transposed tiles)."""
+    i, j = lax.axis_index("m"), lax.axis_index("n")
+    rows, cols = pl.ds(i * block_m, block_m), pl.ds(j * block_n, block_n)
+
+    def step_regs(_, x_smem, xs_smem, w_smem, s_smem, total):
+        ws = mosaic.scales_to_regs(block_n)(s_smem.at[0])  # [block_n], permuted rows
+        xs = cols_to_regs(block_m)(xs_smem.at[0])  # [block_m]
+        a = fp8_to_regs(block_n)(w_smem)  # w^T [block_n, GROUP] E4M3, permuted rows
+        plgpu.commit_smem()  # every thread's reads of this slot done before the pipeline refills it
+
+        def mma(acc_ref):
+            plgpu.wgmma(acc_ref, a, plgpu.transpose_ref(x_smem, (1, 0)))
+            return acc_ref[...]
+
+        part = pl.run_scoped(mma, plgpu.ACC((block_n, block_m), jnp.float32))  # [block_n, block_m]
+        both = lax.broadcast_in_dim(ws, (block_n, block_m), [0]) * lax.broadcast_in_dim(xs, (block_n, block_m), [1])
+        return total + part * both
+
+    def step_interpreted(_, x_smem, xs_smem, w_smem, s_smem, total):
+        wt_smem, xt_smem = interp_smem
+        wt_smem[...] = w_smem[...].astype(jnp.float16).T
+        xt_smem[...] = x_smem[...].astype(jnp.float16).T
+        ws, xs = s_smem[0], xs_smem[0]
+        plgpu.commit_smem()
+
+        def mma(acc_ref):
+            plgpu.wgmma(acc_ref, wt_smem, xt_smem)
+            return acc_ref[...]
+
+        part = pl.run_scoped(mma, plgpu.ACC((block_n, block_m), jnp.float32))
+        return total + part * (ws[:, None] * xs[None, :])
+
+    specs = [
+        plgpu.BlockSpec((block_m, GROUP), lambda t: (0, t), transforms=mosaic.tiled(GROUP, 1)),
+        plgpu.BlockSpec((1, block_m), lambda t: (t, 0)),
+        plgpu.BlockSpec((GROUP, block_n), lambda t: (t, 0), transforms=mosaic.tiled(block_n, 1)),
+        plgpu.BlockSpec((1, block_n), lambda t: (t, 0)),
+    ]
+    zero = jnp.zeros((block_n, block_m), jnp.float32)
+    if not interpret:
+        zero = plgpu.layout_cast(zero, plgpu.Layout.WGMMA)
+    pipeline = plgpu.emit_pipeline(step_interpreted if interpret else step_regs, grid=(groups,), in_specs=specs,
+                                   max_concurrent_steps=stages, init_carry=zero)
+    total = pipeline(x_gmem.at[rows], xs_gmem.at[:, rows], w_gmem.at[:, cols], s_gmem.at[:, cols])
+    if interpret:
+        out_smem[...] = total.T.astype(out_smem.dtype)
+    else:
+        mosaic.store_from_regs(block_n, block_m, out_smem.dtype, False)(plgpu.layout_cast(total, plgpu.Layout.WGMMA),
+                                                                         out_smem)
+    plgpu.commit_smem()
+    plgpu.copy_smem_to_gmem(out_smem, o_gmem.at[rows, cols])
+    plgpu.wait_smem_to_gmem(0)
+
+
+def fp8_w8a8_mosaic(x, w, scale, *, out_dtype=None, float32_out: bool = False, tiles: W8a8Tiles | None = None,
+                    interpret: bool | None = None, **tile_overrides):
+    """x [..., K] (bfloat16, float16 or float32) @ an E4M3 weight w [K, N] with scales
+    [K / GROUP, N] float32, the rows rounded to E4M3 per group (`quantize_rows`) -> [..., N]
+    in x's dtype (float32 with float32_out; out_dtype if given). tiles: `W8a8Tiles`,
+    overridden field by field by tile_overrides. interpret None: interpret mode unless the
+    default backend is a GPU."""
+    t = dataclasses.replace(tiles or W8a8Tiles(), **tile_overrides)
+    if not supported(x, w, scale, t):
+        raise ValueError(f"fp8_w8a8_mosaic takes x [..., K] (bfloat16, float16 or float32), an E4M3 w [K, N] with K "
+                         f"a multiple of {GROUP} and N of block_n={t.block_n}, and float32 scales [K / {GROUP}, N]; "
+                         f"got x {getattr(x, 'dtype', None)} {getattr(x, 'shape', x)}, w "
+                         f"{getattr(w, 'dtype', None)} {getattr(w, 'shape', w)}, scale "
+                         f"{getattr(scale, 'dtype', None)} {getattr(scale, 'shape', scale)}")
+    if interpret is None:
+        interpret = jax.default_backend() != "gpu"
+    mode = None
+    if interpret:
+        mode = mosaic.interpret_params()
+        if mode is None:
+            raise NotImplementedError("this jax has no Mosaic GPU interpreter")
+    K, N = w.shape
+    G = K // GROUP
+    BM, BN = t.block_m, t.block_n
+    rows = x.reshape(-1, K)
+    M = rows.shape[0]
+    Mp = -(-M // BM) * BM
+    x8, xs = quantize_rows(jnp.pad(rows, ((0, Mp - M), (0, 0))))
+    dtype = jnp.dtype(jnp.float32 if float32_out else (out_dtype or x.dtype))
+    scratch = [plgpu.SMEM((BM, BN), dtype)]
+    if interpret:
+        scratch += [plgpu.SMEM((BN, GROUP), jnp.float16), plgpu.SMEM((GROUP, BM), jnp.float16)]
+    body = functools.partial(_kernel, block_n=BN, block_m=BM, groups=G, stages=t.stages, interpret=interpret)
+
+    def jspec_fp8_w8a8(*refs):  # the kernel's name (profiles, HLO)
+        return body(*refs)
+    out = plgpu.kernel(
+        jspec_fp8_w8a8, out_type=jax.ShapeDtypeStruct((Mp, N), dtype), scratch_types=scratch,
+        grid=(Mp // BM, N // BN), grid_names=("m", "n"), compiler_params=plgpu.CompilerParams(), interpret=mode,
+    )(x8, xs.T, w, scale)
+    return out[:M].reshape(x.shape[:-1] + (N,))

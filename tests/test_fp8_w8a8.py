@@ -1,0 +1,141 @@
+"""`jspec.kernels.fp8.w8a8` (the Mosaic GPU FP8 x FP8 product of a prompt's rows) in jax's
+Mosaic GPU interpreter on the CPU, and on a Hopper GPU where there is one: equals
+`w8a8_reference` (the rows rounded to E4M3 per group of 128, each group's product scaled by
+row and column scales, summed in group order) over several row and column blocks, the
+padding of rows to whole blocks and both block widths; `quantize_rows` rounds each group
+to E4M3 about its own maximum; `Linear` dispatches to it only when asked to."""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jspec.kernels.fp8 import mosaic, w8a8
+
+K, N = 512, 256
+
+
+def operands(seed: int, M: int, dtype=jnp.bfloat16, columns: int = N):
+    k1, k2, k3 = jax.random.split(jax.random.key(seed), 3)
+    w = jnp.clip(jax.random.normal(k1, (K, columns)) * 100.0, -448, 448).astype(jnp.float8_e4m3fn)
+    scale = jax.random.uniform(k2, (K // 128, columns), jnp.float32, 0.5, 2.0) / 448.0
+    x = (jax.random.normal(k3, (M, K)) * 3.0).astype(dtype)
+    x = x * jnp.linspace(0.01, 100.0, K).astype(dtype)  # groups of very different ranges
+    return x, w, scale
+
+
+def rel_err(y, ref):
+    y, ref = np.asarray(y, np.float64), np.asarray(ref, np.float64)
+    return float(np.linalg.norm(y - ref) / np.linalg.norm(ref))
+
+
+def exact(x, w, scale):
+    """The product over the unrounded rows, float64."""
+    wf = np.asarray(w.astype(jnp.float32), np.float64) * np.repeat(np.asarray(scale, np.float64), 128, axis=0)
+    return np.asarray(x.astype(jnp.float32), np.float64) @ wf
+
+
+def test_quantize_rows():
+    x, _, _ = operands(0, 5)
+    x = x.at[2, 128:256].set(0.0)  # an all-zero group
+    x8, xs = w8a8.quantize_rows(x)
+    assert x8.dtype == jnp.float8_e4m3fn and xs.shape == (5, K // 128) and xs.dtype == jnp.float32
+    back = np.asarray(x8.astype(jnp.float32)).reshape(5, -1, 128) * np.asarray(xs)[..., None]
+    xf = np.asarray(x.astype(jnp.float32)).reshape(5, -1, 128)
+    assert np.isfinite(back).all() and (back[2, 1] == 0).all()
+    # each group's largest magnitude lands on 448; E4M3 keeps 3 mantissa bits
+    biggest = np.abs(np.asarray(x8.astype(jnp.float32))).reshape(5, -1, 128).max(-1)
+    assert np.array_equal(biggest[[0, 1, 3, 4]], np.full((4, K // 128), 448.0))
+    assert (np.abs(back - xf) <= 2.0 ** -4 * np.abs(xf) + 2.0 ** -9 * np.asarray(xs)[..., None]).all()
+    # per group, not per row: the groups' scales differ by the ranges built into the rows
+    assert (np.asarray(xs)[:, -1] > 3 * np.asarray(xs)[:, 0]).all()
+
+
+@pytest.mark.skipif(mosaic.interpret_params() is None, reason="no Mosaic GPU interpreter in this jax")
+@pytest.mark.parametrize("M, tiles", [
+    (72, dict(block_n=128, block_m=64, stages=2)),  # 2 row blocks (the second padded) x 2 column blocks
+    (16, dict(block_n=256, block_m=16, stages=3)),  # one 256-column block, 4 groups through 3 stages
+])
+def test_equals_reference(M, tiles):
+    x, w, scale = operands(M, M)
+    y = w8a8.fp8_w8a8_mosaic(x, w, scale, float32_out=True, interpret=True, **tiles)
+    assert y.shape == (M, N) and y.dtype == jnp.float32
+    ref = w8a8.w8a8_reference(x, w, scale, out_dtype=jnp.float32)
+    assert rel_err(y, ref) < 1e-5
+    per_column = np.abs(np.asarray(y) - np.asarray(ref)).max(axis=0) / np.abs(np.asarray(ref)).max(axis=0)
+    assert per_column.max() < 1e-4
+    # every scale counts: with the rows' or the weight's scales dropped the product is far off
+    x8, xs = w8a8.quantize_rows(x)
+    assert rel_err(y, exact(x8.astype(jnp.float32), w, scale)) > 0.1
+    assert rel_err(y, w8a8.w8a8_reference(x, w, jnp.ones_like(scale), out_dtype=jnp.float32)) > 0.1
+    # the rows really are rounded to E4M3: a few percent from the exact product, no more
+    assert 1e-3 < rel_err(y, exact(x, w, scale)) < 0.05
+
+
+@pytest.mark.skipif(mosaic.interpret_params() is None, reason="no Mosaic GPU interpreter in this jax")
+def test_linear_dispatch(monkeypatch):
+    """`Linear` runs the kernel for at least `W8a8Tiles.min_rows` rows on a Hopper GPU
+    (faked: interpreted) with an E4M3 kernel; not with min_rows 0 (the default), fewer rows,
+    the row-invariant mode, E5M2 weights, no Hopper, or JSPEC_KERNELS=reference."""
+    from jspec.kernels import dispatch
+    from jspec.models.layers import Linear
+    from jspec.tuning import Tuning
+
+    x, w, scale = operands(3, 64)
+    bias = jnp.linspace(-1.0, 1.0, N).astype(jnp.bfloat16)
+    hopper = [True]
+    monkeypatch.setattr(mosaic, "on_hopper", lambda: hopper[0])
+    on = Tuning(fp8_w8a8=w8a8.W8a8Tiles(min_rows=64, stages=2))
+
+    def path(rows, tuning=on, weight=w, mode="pallas", row_invariant=False):
+        lin = Linear(N, use_bias=True, dtype="bfloat16", tuning=tuning)
+        p = {"params": {"kernel": weight, "kernel_scale": scale, "bias": bias}}
+        with dispatch.use_backend(mode):
+            text = str(jax.make_jaxpr(lambda v: lin.apply(p, v, row_invariant=row_invariant))(
+                jnp.zeros((rows, K), jnp.bfloat16)))
+        return "w8a8" if "jspec_fp8_w8a8" in text else "other"
+
+    assert [path(64), path(200), path(63)] == ["w8a8", "w8a8", "other"]
+    assert path(200, tuning=Tuning()) == "other"
+    assert path(200, row_invariant=True) == "other"
+    assert path(200, weight=w.astype(jnp.float8_e5m2)) == "other"
+    assert path(200, mode="reference") == "other"
+    hopper[0] = False
+    assert path(200) == "other"
+    hopper[0] = True
+    lin = Linear(N, use_bias=True, dtype="bfloat16", tuning=on)
+    with dispatch.use_backend("pallas"):
+        y = jax.jit(lambda v: lin.apply({"params": {"kernel": w, "kernel_scale": scale, "bias": bias}}, v))(x)
+    want = np.asarray(w8a8.w8a8_reference(x, w, scale, out_dtype=jnp.float32)) + np.asarray(bias, np.float32)
+    assert y.dtype == jnp.bfloat16
+    np.testing.assert_allclose(np.asarray(y, np.float32), want, rtol=1e-2, atol=1e-2 * np.abs(want).max())
+
+
+def test_refuses_what_it_does_not_take():
+    x, w, scale = operands(4, 8)
+    assert w8a8.supported(x, w, scale)
+    assert not w8a8.supported(x, w.astype(jnp.float8_e5m2), scale)
+    assert not w8a8.supported(x[:, :448], w[:448], scale[:3])  # K not whole groups
+    assert not w8a8.supported(x, w[:, :192], scale[:, :192])  # N not whole 128-column blocks
+    with pytest.raises(ValueError):
+        w8a8.fp8_w8a8_mosaic(x, w[:, :192], scale[:, :192], interpret=True)
+    with pytest.raises(ValueError):
+        w8a8.W8a8Tiles(block_n=64)
+    with pytest.raises(ValueError):
+        w8a8.W8a8Tiles(block_m=12)
+
+
+@pytest.mark.skipif(not mosaic.on_hopper(), reason="A from registers (`fp8_to_regs`) runs on a Hopper GPU only")
+@pytest.mark.parametrize("tiles", [dict(), dict(block_n=256), dict(block_m=128, stages=2), dict(block_m=32)])
+def test_on_hopper(tiles):
+    """On the GPU the weight goes to wgmma from registers, its bytes transposed by prmt: the
+    product equals the reference up to the tensor cores' summation, bfloat16 output too."""
+    x, w, scale = operands(5, 200, columns=512)
+    ref = w8a8.w8a8_reference(x, w, scale, out_dtype=jnp.float32)
+    y = w8a8.fp8_w8a8_mosaic(x, w, scale, float32_out=True, **tiles)
+    assert rel_err(y, ref) < 1e-3
+    per_column = np.abs(np.asarray(y) - np.asarray(ref)).max(axis=0) / np.abs(np.asarray(ref)).max(axis=0)
+    assert per_column.max() < 2e-3
+    yb = w8a8.fp8_w8a8_mosaic(x, w, scale, **tiles)
+    assert yb.dtype == jnp.bfloat16 and rel_err(yb, ref) < 1e-2
