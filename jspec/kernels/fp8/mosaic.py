@@ -124,6 +124,25 @@ def interpret_params():
     return InterpretGPUParams()
 
 
+def interpreter(interpret: bool | None):
+    """The interpreter's parameters for `plgpu.kernel(interpret=...)`, or None to compile for
+    the GPU. interpret None: interpret unless the default backend is a GPU."""
+    if interpret is None:
+        interpret = jax.default_backend() != "gpu"
+    if not interpret:
+        return None
+    mode = interpret_params()
+    if mode is None:
+        raise NotImplementedError("this jax has no Mosaic GPU interpreter")
+    return mode
+
+
+def operands_text(x, w, scale) -> str:
+    """The dtypes and shapes of a product's operands, for a refusal's message."""
+    return (f"got x {getattr(x, 'dtype', None)} {getattr(x, 'shape', x)}, w {getattr(w, 'dtype', None)} "
+            f"{getattr(w, 'shape', w)}, scale {getattr(scale, 'dtype', None)} {getattr(scale, 'shape', scale)}")
+
+
 def supported(x, w, scale, tiles: MosaicTiles | None = None) -> bool:
     """Whether `fp8_matmul_mosaic` takes these arguments: x [..., K] bfloat16 or float16
     of at most MAX_ROWS rows, w [K, N] FP8 with K a multiple of GROUP and N of 64, scale
@@ -451,13 +470,8 @@ def _launch_setup(interpret, tiles: MosaicTiles, BN: int, Mp: int, S: int, dtype
     fused, scratch). interpret None: interpret mode unless the default backend is a GPU.
     a_regs: A from registers (GPU, 128- or 256-column blocks); fused: one split and the
     kernel writes the product in `dtype` (a_regs or interpreted); scratch: `_kernel`'s."""
-    if interpret is None:
-        interpret = jax.default_backend() != "gpu"
-    mode = None
-    if interpret:
-        mode = interpret_params()
-        if mode is None:
-            raise NotImplementedError("this jax has no Mosaic GPU interpreter")
+    mode = interpreter(interpret)
+    interpret = mode is not None
     a_regs = tiles.a_regs and not interpret and BN in (128, 256)
     fused = tiles.fuse_out and S == 1 and (a_regs or interpret)
     out_smem = plgpu.SMEM((Mp, BN) if a_regs or fused else (BN, Mp), dtype if fused else jnp.float32)
@@ -482,9 +496,7 @@ def fp8_matmul_mosaic(x, w, scale, *, out_dtype=None, float32_out: bool = False,
     if not supported(x, w, scale, t):
         raise ValueError(f"fp8_matmul_mosaic takes x [..., K] (bfloat16 or float16, 1..{MAX_ROWS} rows), an FP8 "
                          f"w [K, N] with K a multiple of {GROUP} and N of 64, and float32 scales [K / {GROUP}, N]; "
-                         f"got x {getattr(x, 'dtype', None)} {getattr(x, 'shape', x)}, w "
-                         f"{getattr(w, 'dtype', None)} {getattr(w, 'shape', w)}, scale "
-                         f"{getattr(scale, 'dtype', None)} {getattr(scale, 'shape', scale)}")
+                         + operands_text(x, w, scale))
     K, N = w.shape
     G = K // GROUP
     BN = max(b for b in (256, 128, 64) if b <= max(t.block_n, 64) and N % b == 0)  # N % 64 == 0

@@ -281,16 +281,9 @@ def fp8_w8a8_mosaic(x, w, scale, *, out_dtype=None, float32_out: bool = False, t
     if not supported(x, w, scale, t):
         raise ValueError(f"fp8_w8a8_mosaic takes x [..., K] (bfloat16, float16 or float32), an E4M3 w [K, N] with K "
                          f"a multiple of {GROUP} and N of block_n={t.block_n}, and float32 scales [K / {GROUP}, N]; "
-                         f"got x {getattr(x, 'dtype', None)} {getattr(x, 'shape', x)}, w "
-                         f"{getattr(w, 'dtype', None)} {getattr(w, 'shape', w)}, scale "
-                         f"{getattr(scale, 'dtype', None)} {getattr(scale, 'shape', scale)}")
-    if interpret is None:
-        interpret = jax.default_backend() != "gpu"
-    mode = None
-    if interpret:
-        mode = mosaic.interpret_params()
-        if mode is None:
-            raise NotImplementedError("this jax has no Mosaic GPU interpreter")
+                         + mosaic.operands_text(x, w, scale))
+    mode = mosaic.interpreter(interpret)
+    interpret = mode is not None
     K, N = w.shape
     G = K // GROUP
     BM, BN = t.block_m, t.block_n
