@@ -123,14 +123,15 @@ def test_refuses_what_it_does_not_take():
     with pytest.raises(ValueError):
         w8a8.W8a8Tiles(block_n=64)
     with pytest.raises(ValueError):
-        w8a8.W8a8Tiles(block_m=12)
+        w8a8.W8a8Tiles(block_m=24)
 
 
 @pytest.mark.skipif(not mosaic.on_hopper(), reason="A from registers (`fp8_to_regs`) runs on a Hopper GPU only")
-@pytest.mark.parametrize("tiles", [dict(), dict(block_n=256), dict(block_m=128, stages=2), dict(block_m=32)])
+@pytest.mark.parametrize("tiles", [dict(), dict(block_n=256, block_m=64), dict(block_m=64, stages=2), dict(block_m=32)])
 def test_on_hopper(tiles):
-    """On the GPU the weight goes to wgmma from registers, its bytes transposed by prmt: the
-    product equals the reference up to the tensor cores' summation, bfloat16 output too."""
+    """On the GPU (two compute warpgroups, each half the rows) the weight goes to wgmma from
+    registers, its bytes transposed by prmt: the product equals the reference up to the
+    tensor cores' summation, bfloat16 output too, 200 rows padded to whole blocks."""
     x, w, scale = operands(5, 200, columns=512)
     ref = w8a8.w8a8_reference(x, w, scale, out_dtype=jnp.float32)
     y = w8a8.fp8_w8a8_mosaic(x, w, scale, float32_out=True, **tiles)

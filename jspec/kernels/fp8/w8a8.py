@@ -15,11 +15,11 @@ twice bfloat16's. jspec's other FP8 paths widen the weight to 16 bits (the decod
 a prompt's blocks dequantize it in the graph for XLA's bfloat16 product), so they gain
 bytes, not arithmetic (docs/benchmarks.md, "What do FP8 weights gain on the GPU?").
 
-Design (one warpgroup a CTA; grid (row blocks, column blocks), row blocks fastest so the
-CTAs reading one column block of the weight run together and share L2):
+Design (grid (row blocks, column blocks), row blocks fastest so the CTAs reading one
+column block of the weight run together and share L2):
 
-- The product is computed transposed, out^T [block_n, block_m] = w^T [block_n, K] @ x8^T
-  [K, block_m]. An 8-bit wgmma operand in shared memory must be K-major: the rows x8 [M, K]
+- The product is computed transposed, out^T [block_n, rows] = w^T [block_n, K] @ x8^T
+  [K, rows]. An 8-bit wgmma operand in shared memory must be K-major: the rows x8 [M, K]
   are (wgmma's B, through a transposed view of the TMA tile), the weight [K, N] is not, so
   the weight is wgmma's A operand from registers (`fp8_to_regs`): each thread loads four
   bytes (its four adjacent weight columns) from each of four consecutive weight rows and
@@ -27,11 +27,16 @@ CTAs reading one column block of the weight run together and share L2):
   Mosaic's WGMMA_8BIT layout (four consecutive K values of one row a register), the
   product's rows permuted as `mosaic.scales_to_regs` and `mosaic.store_from_regs` expect
   (weight column n = RT g + 2 i0 + i4; see `kernels.fp8.mosaic`).
-- A pipeline step (`plgpu.emit_pipeline`, `stages` deep) takes one group: the rows' tile
-  x8 [block_m, GROUP] and the weight's [GROUP, block_n] (TMA, 128-byte swizzle), the
-  weight's scales [1, block_n] and the rows' [1, block_m] (xs stored [G, M]).
-- The kernel writes the product [block_m, block_n] in the output dtype (a shared-memory
-  tile, then TMA).
+- Warp-specialized (`plgpu.emit_pipeline_warp_specialized`, as Pallas' own Hopper matmul
+  and DeepGEMM): a memory warpgroup keeps `stages` groups of tiles in flight (the rows'
+  x8 [block_m, GROUP] and the weight's [GROUP, block_n] by TMA, 128-byte swizzle, and
+  their scales [1, block_m] (xs stored [G, M]) and [1, block_n]); two compute warpgroups
+  each take half of the block's rows against the same weight tile, so one's promotion
+  (the group's float32 sums times row x column scales, added to the accumulator in
+  registers) runs while the other's product is on the tensor cores. A single warpgroup
+  a CTA, waiting for each group's product before scaling it, ran 1.3-1.5x slower.
+- Each compute warpgroup writes its product [block_m / 2, block_n] in the output dtype
+  (a shared-memory tile, then TMA).
 
 Interpret mode (the CPU, jax's Mosaic GPU interpreter, which has no inline_mgpu nor
 transposed wgmma operands): the tiles are widened to float16 (exact for E4M3) and stored
@@ -62,19 +67,21 @@ TINY = 1e-12  # the smallest group maximum a row's scale is taken from (an all-z
 
 @dataclasses.dataclass(frozen=True)
 class W8a8Tiles:
-    """block_n: weight columns a CTA (wgmma M; 128 or 256). block_m: rows a CTA (wgmma N; a
-    multiple of 8 up to 256; the float32 accumulators take block_n x block_m / 64 registers
-    a thread). stages: pipeline steps in flight. min_rows: `Linear` runs the kernel for
-    products of at least this many rows on a Hopper GPU (0: never)."""
+    """block_n: weight columns a CTA (wgmma M; 128 or 256). block_m: rows a CTA (a multiple
+    of 16 up to 256), half to each compute warpgroup (wgmma N: block_m / 2; the two float32
+    accumulators take block_n x block_m / 128 registers a thread: 128 at the defaults).
+    stages: pipeline steps in flight. min_rows: `Linear` runs the kernel for products of at
+    least this many rows on a Hopper GPU (0: never). Defaults: the best of those measured on
+    the 8B shape's projections (docs/benchmarks.md)."""
 
     block_n: int = 128
-    block_m: int = 64
-    stages: int = 3
+    block_m: int = 128
+    stages: int = 4
     min_rows: int = 0
 
     def __post_init__(self):
-        if self.block_n not in (128, 256) or self.block_m % 8 or not 8 <= self.block_m <= 256:
-            raise ValueError(f"W8a8Tiles takes block_n 128 or 256 and block_m a multiple of 8 up to 256; got {self}")
+        if self.block_n not in (128, 256) or self.block_m % 16 or not 16 <= self.block_m <= 256:
+            raise ValueError(f"W8a8Tiles takes block_n 128 or 256 and block_m a multiple of 16 up to 256; got {self}")
         if self.stages < 1 or self.min_rows < 0:
             raise ValueError(f"W8a8Tiles takes stages >= 1 and min_rows >= 0; got {self}")
 
@@ -212,30 +219,73 @@ def cols_to_regs(block_m: int):
     return cols
 
 
-def _kernel(x_gmem, xs_gmem, w_gmem, s_gmem, o_gmem, out_smem, *interp_smem, block_n: int, block_m: int,
-            groups: int, stages: int, interpret: bool):
-    """One (row block i, column block j) of the product. x_gmem [M, K] E4M3, xs_gmem [G, M]
-    float32, w_gmem [K, N] E4M3, s_gmem [G, N] float32, o_gmem [M, N]; scratch out_smem
-    [block_m, block_n] (and, interpreted, the float16 transposed tiles)."""
+def _specs(block_n: int, block_m: int):
+    """The pipeline's tiles a group: the rows x8 [block_m, GROUP], their scales [1, block_m],
+    the weight [GROUP, block_n] and its scales [1, block_n]."""
+    return [
+        plgpu.BlockSpec((block_m, GROUP), lambda t: (0, t), transforms=mosaic.tiled(GROUP, 1)),
+        plgpu.BlockSpec((1, block_m), lambda t: (t, 0)),
+        plgpu.BlockSpec((GROUP, block_n), lambda t: (t, 0), transforms=mosaic.tiled(block_n, 1)),
+        plgpu.BlockSpec((1, block_n), lambda t: (t, 0)),
+    ]
+
+
+def _kernel(x_gmem, xs_gmem, w_gmem, s_gmem, o_gmem, *, block_n: int, block_m: int, groups: int, stages: int):
+    """One (row block i, column block j) of the product on the GPU. x_gmem [M, K] E4M3,
+    xs_gmem [G, M] float32, w_gmem [K, N] E4M3, s_gmem [G, N] float32, o_gmem [M, N].
+
+    Warp-specialized (`plgpu.emit_pipeline_warp_specialized`): a memory warpgroup issues the
+    TMA copies; two compute warpgroups each take half of the block's rows against the same
+    weight tile, so one's promotion (its group's sums scaled and added) runs while the
+    other's product is on the tensor cores. Each builds A from the weight tile itself
+    (`fp8_to_regs`)."""
+    i, j = lax.axis_index("m"), lax.axis_index("n")
+    rows, cols = pl.ds(i * block_m, block_m), pl.ds(j * block_n, block_n)
+    half = block_m // 2  # a compute warpgroup's rows
+
+    def step(_, x_smem, xs_smem, w_smem, s_smem, total):
+        mine = pl.ds(lax.axis_index("wg") * half, half)
+        ws = mosaic.scales_to_regs(block_n)(s_smem.at[0])  # [block_n], permuted rows
+        xs = cols_to_regs(half)(xs_smem.at[0, mine])  # [half]
+        a = fp8_to_regs(block_n)(w_smem)  # w^T [block_n, GROUP] E4M3, permuted rows
+
+        def mma(acc_ref):
+            plgpu.wgmma(acc_ref, a, plgpu.transpose_ref(x_smem.at[mine], (1, 0)))
+            return acc_ref[...]
+
+        part = pl.run_scoped(mma, plgpu.ACC((block_n, half), jnp.float32))  # [block_n, half]
+        both = lax.broadcast_in_dim(ws, (block_n, half), [0]) * lax.broadcast_in_dim(xs, (block_n, half), [1])
+        return total + part * both
+
+    def scope(out_smem):
+        def compute(run_pipeline):
+            wg = lax.axis_index("wg")
+            total = run_pipeline(plgpu.layout_cast(jnp.zeros((block_n, half), jnp.float32), plgpu.Layout.WGMMA))
+            mine = out_smem.at[wg]
+            mosaic.store_from_regs(block_n, half, out_smem.dtype, False)(plgpu.layout_cast(total, plgpu.Layout.WGMMA),
+                                                                          mine)
+            plgpu.commit_smem()
+            plgpu.copy_smem_to_gmem(mine, o_gmem.at[pl.ds(i * block_m + wg * half, half), cols])
+            plgpu.wait_smem_to_gmem(0)
+
+        pipeline = plgpu.emit_pipeline_warp_specialized(
+            step, grid=(groups,), memory_registers=40, in_specs=_specs(block_n, block_m), wg_axis="wg",
+            num_compute_wgs=2, max_concurrent_steps=stages, compute_context=compute)
+        pipeline(x_gmem.at[rows], xs_gmem.at[:, rows], w_gmem.at[:, cols], s_gmem.at[:, cols])
+
+    pl.run_scoped(scope, plgpu.SMEM((2, half, block_n), o_gmem.dtype), collective_axes="wg")
+
+
+def _kernel_interpreted(x_gmem, xs_gmem, w_gmem, s_gmem, o_gmem, out_smem, wt_smem, xt_smem, *, block_n: int,
+                        block_m: int, groups: int, stages: int):
+    """`_kernel`'s product in jax's Mosaic GPU interpreter (the CPU): one warpgroup, the
+    tiles widened to float16 (exact for E4M3) and stored transposed for a plain wgmma (the
+    interpreter has no inline_mgpu nor transposed operands); the same group products,
+    scales and sums."""
     i, j = lax.axis_index("m"), lax.axis_index("n")
     rows, cols = pl.ds(i * block_m, block_m), pl.ds(j * block_n, block_n)
 
-    def step_regs(_, x_smem, xs_smem, w_smem, s_smem, total):
-        ws = mosaic.scales_to_regs(block_n)(s_smem.at[0])  # [block_n], permuted rows
-        xs = cols_to_regs(block_m)(xs_smem.at[0])  # [block_m]
-        a = fp8_to_regs(block_n)(w_smem)  # w^T [block_n, GROUP] E4M3, permuted rows
-        plgpu.commit_smem()  # every thread's reads of this slot done before the pipeline refills it
-
-        def mma(acc_ref):
-            plgpu.wgmma(acc_ref, a, plgpu.transpose_ref(x_smem, (1, 0)))
-            return acc_ref[...]
-
-        part = pl.run_scoped(mma, plgpu.ACC((block_n, block_m), jnp.float32))  # [block_n, block_m]
-        both = lax.broadcast_in_dim(ws, (block_n, block_m), [0]) * lax.broadcast_in_dim(xs, (block_n, block_m), [1])
-        return total + part * both
-
-    def step_interpreted(_, x_smem, xs_smem, w_smem, s_smem, total):
-        wt_smem, xt_smem = interp_smem
+    def step(_, x_smem, xs_smem, w_smem, s_smem, total):
         wt_smem[...] = w_smem[...].astype(jnp.float16).T
         xt_smem[...] = x_smem[...].astype(jnp.float16).T
         ws, xs = s_smem[0], xs_smem[0]
@@ -248,23 +298,10 @@ def _kernel(x_gmem, xs_gmem, w_gmem, s_gmem, o_gmem, out_smem, *interp_smem, blo
         part = pl.run_scoped(mma, plgpu.ACC((block_n, block_m), jnp.float32))
         return total + part * (ws[:, None] * xs[None, :])
 
-    specs = [
-        plgpu.BlockSpec((block_m, GROUP), lambda t: (0, t), transforms=mosaic.tiled(GROUP, 1)),
-        plgpu.BlockSpec((1, block_m), lambda t: (t, 0)),
-        plgpu.BlockSpec((GROUP, block_n), lambda t: (t, 0), transforms=mosaic.tiled(block_n, 1)),
-        plgpu.BlockSpec((1, block_n), lambda t: (t, 0)),
-    ]
-    zero = jnp.zeros((block_n, block_m), jnp.float32)
-    if not interpret:
-        zero = plgpu.layout_cast(zero, plgpu.Layout.WGMMA)
-    pipeline = plgpu.emit_pipeline(step_interpreted if interpret else step_regs, grid=(groups,), in_specs=specs,
-                                   max_concurrent_steps=stages, init_carry=zero)
+    pipeline = plgpu.emit_pipeline(step, grid=(groups,), in_specs=_specs(block_n, block_m),
+                                   max_concurrent_steps=stages, init_carry=jnp.zeros((block_n, block_m), jnp.float32))
     total = pipeline(x_gmem.at[rows], xs_gmem.at[:, rows], w_gmem.at[:, cols], s_gmem.at[:, cols])
-    if interpret:
-        out_smem[...] = total.T.astype(out_smem.dtype)
-    else:
-        mosaic.store_from_regs(block_n, block_m, out_smem.dtype, False)(plgpu.layout_cast(total, plgpu.Layout.WGMMA),
-                                                                         out_smem)
+    out_smem[...] = total.T.astype(out_smem.dtype)
     plgpu.commit_smem()
     plgpu.copy_smem_to_gmem(out_smem, o_gmem.at[rows, cols])
     plgpu.wait_smem_to_gmem(0)
@@ -292,15 +329,19 @@ def fp8_w8a8_mosaic(x, w, scale, *, out_dtype=None, float32_out: bool = False, t
     Mp = -(-M // BM) * BM
     x8, xs = quantize_rows(jnp.pad(rows, ((0, Mp - M), (0, 0))))
     dtype = jnp.dtype(jnp.float32 if float32_out else (out_dtype or x.dtype))
-    scratch = [plgpu.SMEM((BM, BN), dtype)]
+    sizes = dict(block_n=BN, block_m=BM, groups=G, stages=t.stages)
     if interpret:
-        scratch += [plgpu.SMEM((BN, GROUP), jnp.float16), plgpu.SMEM((GROUP, BM), jnp.float16)]
-    body = functools.partial(_kernel, block_n=BN, block_m=BM, groups=G, stages=t.stages, interpret=interpret)
+        body, extra = functools.partial(_kernel_interpreted, **sizes), {}
+        scratch = [plgpu.SMEM((BM, BN), dtype), plgpu.SMEM((BN, GROUP), jnp.float16),
+                   plgpu.SMEM((GROUP, BM), jnp.float16)]
+    else:
+        body, extra, scratch = functools.partial(_kernel, **sizes), dict(num_threads=3, thread_name="wg"), []
 
     def jspec_fp8_w8a8(*refs):  # the kernel's name (profiles, HLO)
         return body(*refs)
     out = plgpu.kernel(
         jspec_fp8_w8a8, out_type=jax.ShapeDtypeStruct((Mp, N), dtype), scratch_types=scratch,
         grid=(Mp // BM, N // BN), grid_names=("m", "n"), compiler_params=plgpu.CompilerParams(), interpret=mode,
+        **extra,
     )(x8, xs.T, w, scale)
     return out[:M].reshape(x.shape[:-1] + (N,))
