@@ -14,6 +14,9 @@ Why: at prompt rows the products are bound by arithmetic, and Hopper's FP8 tenso
 twice bfloat16's. jspec's other FP8 paths widen the weight to 16 bits (the decode kernels;
 a prompt's blocks dequantize it in the graph for XLA's bfloat16 product), so they gain
 bytes, not arithmetic (docs/benchmarks.md, "What do FP8 weights gain on the GPU?").
+Measured (H200, jax 0.11.2): 0.97-1.04x the dequantized path at 2,048 rows, 0.88-0.89x at
+8,192, 1.59x at 512; 0.76-0.88x XLA's bfloat16 product. So it is off by default
+(docs/benchmarks.md, "A Mosaic GPU w8a8 kernel over jspec's [K, N] weights").
 
 Design (grid (row blocks, column blocks), row blocks fastest so the CTAs reading one
 column block of the weight run together and share L2):
