@@ -63,7 +63,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 from jspec.kernels import dispatch
 from jspec.kernels.fp8 import mosaic
 from jspec.kernels.tiling import in_order_sum
-from jspec.quantization import E4M3_MAX, FP8_DTYPES, GROUP
+from jspec.quantization import E4M3_MAX, GROUP
 
 TINY = 1e-12  # the smallest group maximum a row's scale is taken from (an all-zero group)
 
