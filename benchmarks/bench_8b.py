@@ -42,8 +42,9 @@ fp8: FP8 weights (`jspec.quantization.quantize_params`: every projection but the
 rounded to E4M3 in 128 x 128 blocks and kept FP8, scales per 128 rows and column) against
 the same random bf16 weights, one process: first each projection shape's product at 1, 32
 and 2048 rows (`fp8_products`: bf16, FP8 dequantized in the graph, the FP8 matvec kernel,
-FP8 x FP8 per group of 128, jspec's FP8 kernel, on Hopper the Mosaic GPU FP8 kernel up to
-16 rows, torch's bf16 and cuBLASLt FP8
+FP8 x FP8 per group of 128 (XLA, a dot a group), jspec's FP8 kernel, on Hopper the Mosaic
+GPU FP8 kernel up to 16 rows and from 64 rows the Mosaic GPU w8a8 kernel
+(`kernels.fp8.w8a8`), torch's bf16 and cuBLASLt FP8
 `_scaled_mm`; `--sweep`: the FP8 kernel's tilings, `FP8_SWEEP`), then the decode
 step at batch 1 and 32 and the chain S=3 and tree (5,8,16) rounds of the EAGLE-3-shaped
 head at batch 1 (ms a round, and as ratios to each precision's own AR step).
@@ -54,7 +55,8 @@ triton, mosaic_rows=0 (the Triton kernel only). Every row also says whether its 
 (a run of 144 new tokens) equal the first FP8 path's, and each round row whether its
 greedy speculative tokens equal the same weights' and path's plain decoding at that batch
 (`same_tokens_as_plain`: the share of prompts).
-     PYTHONPATH=. python3 benchmarks/bench_8b.py fp8 [--batches 1 32] [--shapes 3,1,4 5,8,16] [--product-rows 1 32 2048] [--sweep] [--skip-products] [--tuning NAME] [--fp8-paths mosaic triton] [--tiny]
+--products-only: the products' table alone (no decode).
+     PYTHONPATH=. python3 benchmarks/bench_8b.py fp8 [--batches 1 32] [--shapes 3,1,4 5,8,16] [--product-rows 1 32 2048] [--sweep] [--skip-products | --products-only] [--tuning NAME] [--fp8-paths mosaic triton] [--tiny]
 Result: $OUT/bench_fp8.json
 
 transformers: transformers' decode step on the same shape, as a peer figure: greedy
@@ -309,7 +311,7 @@ def fp8_products(rows_list, copies: int = 6, tiny: bool = False, sweep: bool = F
     back, best of 3 (`common.best_call_time`: the host's dispatch overlaps the device)."""
     import jax
     import jax.numpy as jnp
-    from jspec.kernels.fp8 import matmul as fp8_matmul, mosaic as fp8_mosaic
+    from jspec.kernels.fp8 import matmul as fp8_matmul, mosaic as fp8_mosaic, w8a8 as fp8_w8a8
     from jspec.kernels.moe import experts
     from jspec.models.layers import product
     from jspec.quantization import GROUP, dequantize_kernel, quantize_kernel
@@ -332,8 +334,9 @@ def fp8_products(rows_list, copies: int = 6, tiny: bool = False, sweep: bool = F
         "fp8_w8a8": lambda x, w, q, s: w8a8(x, q, s),
         "fp8_kernel": lambda x, w, q, s: fp8_matmul.fp8_matmul(x, q, s),
     }
-    if fp8_mosaic.on_hopper():  # the Mosaic GPU kernel (up to 16 rows)
+    if fp8_mosaic.on_hopper():  # the Mosaic GPU kernels (up to 16 rows; w8a8 from 64)
         variants["fp8_mosaic"] = lambda x, w, q, s: fp8_mosaic.fp8_matmul_mosaic(x, q, s)
+        variants["fp8_w8a8_mosaic"] = lambda x, w, q, s: fp8_w8a8.fp8_w8a8_mosaic(x, q, s)
     def by_groups(x, q, scale):  # one dot a group of the weight widened only, scales on the partial sums
         M, K = x.shape
         G = K // GROUP
@@ -372,7 +375,8 @@ def fp8_products(rows_list, copies: int = 6, tiny: bool = False, sweep: bool = F
             ref = None
             for vname, fn in variants.items():
                 if (vname in ("fp8_matvec", "bf16_matvec") and rows != 1 or vname.startswith("fp8_groups") and rows > 4
-                        or vname == "fp8_mosaic" and rows > fp8_mosaic.MAX_ROWS):
+                        or vname == "fp8_mosaic" and rows > fp8_mosaic.MAX_ROWS
+                        or vname == "fp8_w8a8_mosaic" and rows < 64):
                     continue
                 def many(x, ws, qs, fn=fn):  # the products of `copies` weights, nothing added
                     return tuple(fn(x, w, q, s) for w, (q, s) in zip(ws, qs))
@@ -392,7 +396,8 @@ def fp8_products(rows_list, copies: int = 6, tiny: bool = False, sweep: bool = F
                 else:
                     row[vname + "_rel_err"] = float(jnp.abs(out - ref).max() / jnp.abs(ref).max())
             row.update(torch_products(rows, K, N, copies))
-            for vname in ["fp8_dequant", "fp8_matvec", "fp8_w8a8", "fp8_kernel", "fp8_mosaic", "torch_scaled_mm", "bf16_matvec",
+            for vname in ["fp8_dequant", "fp8_matvec", "fp8_w8a8", "fp8_w8a8_mosaic", "fp8_kernel", "fp8_mosaic",
+                          "torch_scaled_mm", "bf16_matvec",
                           "fp8_dequant_tga", "fp8_column_scale", "fp8_column_scale_tga", "fp8_groups",
                           "fp8_groups_tga"] + [
                     k[:-3] for k in row if k.startswith("fp8_kernel_") and k.endswith("_ms")]:
@@ -468,6 +473,7 @@ def fp8_cost(argv):
     ap.add_argument("--shapes", nargs="*", default=["3,1,4", "5,8,16"])
     ap.add_argument("--product-rows", type=int, nargs="*", default=[1, 32, 2048])
     ap.add_argument("--skip-products", action="store_true")
+    ap.add_argument("--products-only", action="store_true")
     ap.add_argument("--tuning", default=None, help="the decode rows under this `common.TUNINGS` name (both "
                                                     "sides; without --sweep)")
     ap.add_argument("--diagnose", action="store_true", help="products: where FP8's time goes (the matvec kernel "
@@ -489,6 +495,8 @@ def fp8_cost(argv):
             tuning = best_fp8_tuning(res["products"])
             res["tuning"] = str(tuning.fp8)
             print("decode with", tuning.fp8, flush=True)
+    if args.products_only:
+        return
     cfg = LLAMA31_8B if not args.tiny else dataclasses.replace(
         LLAMA31_8B, hidden_size=256, intermediate_size=512, num_layers=4, num_heads=4, num_kv_heads=2, head_dim=64,
         sliding_windows=(0,) * 4)
