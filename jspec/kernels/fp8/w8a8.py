@@ -6,9 +6,11 @@ compute block-FP8 layers.
 Numerics (`w8a8_reference`): x8, xs = `quantize_rows(x)` (each row's group divided by its
 largest magnitude over 448, rounded to E4M3); out [M, N] = sum over groups g, in group
 order, of (x8[:, g] @ w[g]) * (xs[:, g] x scale[g]) in float32. The tensor cores take the
-E4M3 operands as they are (their products exact) and sum a group in float32; the group's
-sum is then scaled and added to a float32 accumulator in registers (per-group promotion,
-as DeepGEMM does), so the kernel equals the reference up to float32 summation order.
+E4M3 operands as they are (their products exact) and sum a group in their own order and
+precision; the group's sum is then scaled and added to a float32 accumulator in registers
+(per-group promotion, as DeepGEMM does), so the kernel equals the reference up to that
+summation (relative error about 1e-4 on small shapes, 2e-5 on the 8B shape's
+projections, H200).
 
 Why: at prompt rows the products are bound by arithmetic, and Hopper's FP8 tensor cores do
 twice bfloat16's. jspec's other FP8 paths widen the weight to 16 bits (the decode kernels;
