@@ -76,7 +76,7 @@ def test_equals_reference(M, tiles):
 @pytest.mark.skipif(mosaic.interpret_params() is None, reason="no Mosaic GPU interpreter in this jax")
 def test_linear_dispatch(monkeypatch):
     """`Linear` runs the kernel for at least `W8a8Tiles.min_rows` rows on a Hopper GPU
-    (faked: interpreted) with an E4M3 kernel; not with min_rows 0 (the default), fewer rows,
+    (faked: interpreted) with an E4M3 kernel, from 65 rows by default; not with min_rows 0, fewer rows,
     the row-invariant mode, E5M2 weights, no Hopper, or JSPEC_KERNELS=reference."""
     from jspec.kernels import dispatch
     from jspec.models.layers import Linear
@@ -97,7 +97,8 @@ def test_linear_dispatch(monkeypatch):
         return "w8a8" if "jspec_fp8_w8a8" in text else "other"
 
     assert [path(64), path(200), path(63)] == ["w8a8", "w8a8", "other"]
-    assert path(200, tuning=Tuning()) == "other"
+    assert [path(65, tuning=Tuning()), path(64, tuning=Tuning())] == ["w8a8", "other"]  # the default
+    assert path(200, tuning=Tuning(fp8_w8a8=w8a8.W8a8Tiles(min_rows=0))) == "other"
     assert path(200, row_invariant=True) == "other"
     assert path(200, weight=w.astype(jnp.float8_e5m2)) == "other"
     assert path(200, mode="reference") == "other"

@@ -89,11 +89,11 @@ class Linear(nn.Module):
     An FP8 kernel comes with `kernel_scale` [ceil(in / GROUP), out] float32 (`jspec.quantization`,
     kept FP8 in device memory): up to `Tuning.fp8.mosaic_rows` bfloat16 (or float16) rows on
     a Hopper GPU run `kernels.fp8.mosaic` (`mosaic.uses_kernel`), other products of up to
-    `Tuning.fp8.max_rows` rows on a GPU `kernels.fp8.matmul`; both read the FP8 bytes. With
-    `Tuning.fp8_w8a8.min_rows` set (0 by default), products of at least that many rows on a
-    Hopper GPU run `kernels.fp8.w8a8` (the rows rounded to E4M3 too). Other products (a
-    prompt's blocks, the CPU, row-invariant passes) dequantize the kernel into the compute
-    dtype in the graph first (`dequantize_kernel`)."""
+    `Tuning.fp8.max_rows` rows on a GPU `kernels.fp8.matmul`; both read the FP8 bytes.
+    Products of at least `Tuning.fp8_w8a8.min_rows` rows (65 by default; 0: never) on a
+    Hopper GPU run `kernels.fp8.w8a8` (the rows rounded to E4M3 too). Other products (more
+    rows on other GPUs, the CPU, row-invariant passes) dequantize the kernel into the
+    compute dtype in the graph first (`dequantize_kernel`)."""
 
     features: int
     use_bias: bool = False

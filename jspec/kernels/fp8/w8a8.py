@@ -16,9 +16,12 @@ Why: at prompt rows the products are bound by arithmetic, and Hopper's FP8 tenso
 twice bfloat16's. jspec's other FP8 paths widen the weight to 16 bits (the decode kernels;
 a prompt's blocks dequantize it in the graph for XLA's bfloat16 product), so they gain
 bytes, not arithmetic (docs/benchmarks.md, "What do FP8 weights gain on the GPU?").
-Measured (H200, jax 0.11.2): 0.97-1.04x the dequantized path at 2,048 rows, 0.88-0.89x at
-8,192, 1.59x at 512; 0.76-0.88x XLA's bfloat16 product. So it is off by default
-(docs/benchmarks.md, "A Mosaic GPU w8a8 kernel over jspec's [K, N] weights").
+Measured (H200, jax 0.11.2): 0.97-1.38x the dequantized path at 2,048 rows (across calls),
+0.88-0.89x at 8,192, 1.7-2.2x at 512 and 1.4-3.9x at 128; 0.76-0.93x XLA's bfloat16 product
+at 2,048 rows. In the 8B model it makes a batch-32 chain round, whose verification has 128
+rows, 1.83x faster than the dequantized path, and a prompt 2-4% faster, so `Linear` takes it
+from 65 rows, past the Triton kernel's (docs/benchmarks.md, "A Mosaic GPU w8a8 kernel over
+jspec's [K, N] weights").
 
 Design (grid (row blocks, column blocks), row blocks fastest so the CTAs reading one
 column block of the weight run together and share L2):
@@ -76,13 +79,15 @@ class W8a8Tiles:
     of 16 up to 256), half to each compute warpgroup (wgmma N: block_m / 2; the two float32
     accumulators take block_n x block_m / 128 registers a thread: 128 at the defaults).
     stages: pipeline steps in flight. min_rows: `Linear` runs the kernel for products of at
-    least this many rows on a Hopper GPU (0: never). Defaults: the best of those measured on
-    the 8B shape's projections (docs/benchmarks.md)."""
+    least this many rows on a Hopper GPU (0: never); 65 by default, the first row count past
+    `Fp8Tiles.max_rows` (64), up to which the Triton FP8 kernel is as fast or faster (the
+    8B shape's down projection at 64 rows: 45 us against 83). Defaults: the best of those
+    measured on the 8B shape's projections (docs/benchmarks.md)."""
 
     block_n: int = 128
     block_m: int = 128
     stages: int = 4
-    min_rows: int = 0
+    min_rows: int = 65
 
     def __post_init__(self):
         if self.block_n not in (128, 256) or self.block_m % 16 or not 16 <= self.block_m <= 256:
