@@ -54,7 +54,8 @@ def test_quantize_rows():
 
 @pytest.mark.skipif(mosaic.interpret_params() is None, reason="no Mosaic GPU interpreter in this jax")
 @pytest.mark.parametrize("M, tiles", [
-    (72, dict(block_n=128, block_m=64, stages=2)),  # 2 row blocks (the second padded) x 2 column blocks
+    # 2 row blocks (the second padded) x 2 column blocks x 2 K splits (partial sums added after)
+    (72, dict(block_n=128, block_m=64, stages=2, num_splits=2)),
     (16, dict(block_n=256, block_m=16, stages=3)),  # one 256-column block, 4 groups through 3 stages
 ])
 def test_equals_reference(M, tiles):
@@ -125,14 +126,22 @@ def test_refuses_what_it_does_not_take():
         w8a8.W8a8Tiles(block_n=64)
     with pytest.raises(ValueError):
         w8a8.W8a8Tiles(block_m=24)
+    with pytest.raises(ValueError):
+        w8a8.W8a8Tiles(num_splits=0)
+    # K splits by default where few CTAs would leave SMs idle: the 8B down projection
+    # (112 groups, 32 column blocks) at 128 rows takes 4, at 2,048 rows (16 row blocks) none
+    t = w8a8.W8a8Tiles()
+    assert [mosaic.splits_of(112, blocks, t) for blocks in (32, 16 * 32)] == [4, 1]
 
 
 @pytest.mark.skipif(not mosaic.on_hopper(), reason="A from registers (`fp8_to_regs`) runs on a Hopper GPU only")
-@pytest.mark.parametrize("tiles", [dict(), dict(block_n=256, block_m=64, stages=3), dict(block_m=64, stages=2), dict(block_m=32)])
+@pytest.mark.parametrize("tiles", [dict(), dict(block_n=256, block_m=64, stages=3), dict(block_m=64, stages=2), dict(block_m=32),
+                                   dict(num_splits=2, stages=2)])
 def test_on_hopper(tiles):
     """On the GPU (two compute warpgroups, each half the rows) the weight goes to wgmma from
     registers, its bytes transposed by prmt: the product equals the reference up to the
-    tensor cores' summation, bfloat16 output too, 200 rows padded to whole blocks."""
+    tensor cores' summation, bfloat16 output too, 200 rows padded to whole blocks (and one
+    tiling with K split in two)."""
     x, w, scale = operands(5, 200, columns=512)
     ref = w8a8.w8a8_reference(x, w, scale, out_dtype=jnp.float32)
     y = w8a8.fp8_w8a8_mosaic(x, w, scale, float32_out=True, **tiles)

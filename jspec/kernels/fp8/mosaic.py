@@ -454,10 +454,12 @@ def _kernel(*refs, block_n: int, steps: int, rows: int, stages: int, layouts: bo
     plgpu.wait_smem_to_gmem(0)
 
 
-def splits_of(groups: int, column_blocks: int, tiles: MosaicTiles) -> int:
+def splits_of(groups: int, column_blocks: int, tiles) -> int:
     """K splits: tiles.num_splits if given (the largest divisor of the groups at most
     that), else the largest divisor of the groups that keeps column_blocks x splits at most
-    tiles.target_ctas and each split at least tiles.min_split_groups groups (at least 1)."""
+    tiles.target_ctas and each split at least tiles.min_split_groups groups (at least 1).
+    column_blocks: the CTAs of one split; tiles: `MosaicTiles` or any tiles with those
+    three fields (`w8a8.W8a8Tiles`)."""
     if tiles.num_splits is not None:
         cap = tiles.num_splits
     else:

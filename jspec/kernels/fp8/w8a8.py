@@ -23,8 +23,13 @@ rows, 1.83x faster than the dequantized path, and a prompt 2-4% faster, so `Line
 from 65 rows, past the Triton kernel's (docs/benchmarks.md, "A Mosaic GPU w8a8 kernel over
 jspec's [K, N] weights").
 
-Design (grid (row blocks, column blocks), row blocks fastest so the CTAs reading one
-column block of the weight run together and share L2):
+Design (grid (row blocks, column blocks, K splits), row blocks fastest so the CTAs reading
+one column block of the weight run together and share L2):
+
+- K splits where the row and column blocks are too few to fill the SMs (a product of a
+  hundred rows): each split's CTAs sum their range of the groups, write float32 partial
+  sums [S, M, N], and the wrapper adds them in split order (`W8a8Tiles.num_splits`,
+  `mosaic.splits_of`).
 
 - The product is computed transposed, out^T [block_n, rows] = w^T [block_n, K] @ x8^T
   [K, rows]. An 8-bit wgmma operand in shared memory must be K-major: the rows x8 [M, K]
@@ -81,19 +86,28 @@ class W8a8Tiles:
     stages: pipeline steps in flight. min_rows: `Linear` runs the kernel for products of at
     least this many rows on a Hopper GPU (0: never); 65 by default, the first row count past
     `Fp8Tiles.max_rows` (64), up to which the Triton FP8 kernel is as fast or faster (the
-    8B shape's down projection at 64 rows: 45 us against 83). Defaults: the best of those
-    measured on the 8B shape's projections (docs/benchmarks.md)."""
+    8B shape's down projection at 64 rows: 45 us against 83). num_splits: K splits, each
+    CTA summing a range of the groups into float32 partial sums that the wrapper adds in
+    split order (None: enough for about target_ctas CTAs, each split at least
+    min_split_groups groups; `mosaic.splits_of`): few rows over few column blocks leave
+    most SMs idle otherwise (the 8B down projection at 128 rows: 32 CTAs). Defaults: the
+    best of those measured on the 8B shape's projections (docs/benchmarks.md)."""
 
     block_n: int = 128
     block_m: int = 128
     stages: int = 4
     min_rows: int = 65
+    num_splits: int | None = None
+    target_ctas: int = 132  # an H100's or H200's SMs: one warp-specialized CTA each
+    min_split_groups: int = 4
 
     def __post_init__(self):
         if self.block_n not in (128, 256) or self.block_m % 16 or not 16 <= self.block_m <= 256:
             raise ValueError(f"W8a8Tiles takes block_n 128 or 256 and block_m a multiple of 16 up to 256; got {self}")
-        if self.stages < 1 or self.min_rows < 0:
-            raise ValueError(f"W8a8Tiles takes stages >= 1 and min_rows >= 0; got {self}")
+        if (self.stages < 1 or self.min_rows < 0 or self.num_splits is not None and self.num_splits < 1
+                or self.target_ctas < 1 or self.min_split_groups < 1):
+            raise ValueError(f"W8a8Tiles takes stages >= 1, min_rows >= 0, num_splits None or >= 1, target_ctas >= 1 "
+                             f"and min_split_groups >= 1; got {self}")
 
 
 def quantize_rows(x):
@@ -240,9 +254,25 @@ def _specs(block_n: int, block_m: int):
     ]
 
 
-def _kernel(x_gmem, xs_gmem, w_gmem, s_gmem, o_gmem, *, block_n: int, block_m: int, groups: int, stages: int):
-    """One (row block i, column block j) of the product on the GPU. x_gmem [M, K] E4M3,
-    xs_gmem [G, M] float32, w_gmem [K, N] E4M3, s_gmem [G, N] float32, o_gmem [M, N].
+def _split_operands(x_gmem, xs_gmem, w_gmem, s_gmem, rows, cols, groups: int):
+    """The pipeline's operands of row block `rows`, column block `cols` and K split k (the
+    grid's "k"): its `groups` groups of the rows, their scales, the weight and its scales."""
+    g0 = lax.axis_index("k") * groups
+    ks = pl.ds(g0 * GROUP, groups * GROUP)
+    return x_gmem.at[rows, ks], xs_gmem.at[pl.ds(g0, groups), rows], w_gmem.at[ks, cols], s_gmem.at[pl.ds(g0, groups), cols]
+
+
+def _out_block(o_gmem, rows, cols, split: bool):
+    """Where a block's output goes: o_gmem [M, N] (one split) or [S, M, N] (float32 partial
+    sums, split k at k)."""
+    return o_gmem.at[lax.axis_index("k"), rows, cols] if split else o_gmem.at[rows, cols]
+
+
+def _kernel(x_gmem, xs_gmem, w_gmem, s_gmem, o_gmem, *, block_n: int, block_m: int, groups: int, stages: int,
+            split: bool):
+    """One (row block i, column block j, K split k) of the product on the GPU. x_gmem
+    [M, K] E4M3, xs_gmem [G, M] float32, w_gmem [K, N] E4M3, s_gmem [G, N] float32, o_gmem
+    [M, N] (or [S, M, N] float32 with split); `groups`: a split's groups.
 
     Warp-specialized (`plgpu.emit_pipeline_warp_specialized`): a memory warpgroup issues the
     TMA copies; two compute warpgroups each take half of the block's rows against the same
@@ -275,19 +305,19 @@ def _kernel(x_gmem, xs_gmem, w_gmem, s_gmem, o_gmem, *, block_n: int, block_m: i
             mosaic.store_from_regs(block_n, half, out_smem.dtype, False)(plgpu.layout_cast(total, plgpu.Layout.WGMMA),
                                                                           mine)
             plgpu.commit_smem()
-            plgpu.copy_smem_to_gmem(mine, o_gmem.at[pl.ds(i * block_m + wg * half, half), cols])
+            plgpu.copy_smem_to_gmem(mine, _out_block(o_gmem, pl.ds(i * block_m + wg * half, half), cols, split))
             plgpu.wait_smem_to_gmem(0)
 
         pipeline = plgpu.emit_pipeline_warp_specialized(
             step, grid=(groups,), memory_registers=40, in_specs=_specs(block_n, block_m), wg_axis="wg",
             num_compute_wgs=2, max_concurrent_steps=stages, compute_context=compute)
-        pipeline(x_gmem.at[rows], xs_gmem.at[:, rows], w_gmem.at[:, cols], s_gmem.at[:, cols])
+        pipeline(*_split_operands(x_gmem, xs_gmem, w_gmem, s_gmem, rows, cols, groups))
 
     pl.run_scoped(scope, plgpu.SMEM((2, half, block_n), o_gmem.dtype), collective_axes="wg")
 
 
 def _kernel_interpreted(x_gmem, xs_gmem, w_gmem, s_gmem, o_gmem, out_smem, wt_smem, xt_smem, *, block_n: int,
-                        block_m: int, groups: int, stages: int):
+                        block_m: int, groups: int, stages: int, split: bool):
     """`_kernel`'s product in jax's Mosaic GPU interpreter (the CPU): one warpgroup, the
     tiles widened to float16 (exact for E4M3) and stored transposed for a plain wgmma (the
     interpreter has no inline_mgpu nor transposed operands); the same group products,
@@ -310,10 +340,10 @@ def _kernel_interpreted(x_gmem, xs_gmem, w_gmem, s_gmem, o_gmem, out_smem, wt_sm
 
     pipeline = plgpu.emit_pipeline(step, grid=(groups,), in_specs=_specs(block_n, block_m),
                                    max_concurrent_steps=stages, init_carry=jnp.zeros((block_n, block_m), jnp.float32))
-    total = pipeline(x_gmem.at[rows], xs_gmem.at[:, rows], w_gmem.at[:, cols], s_gmem.at[:, cols])
+    total = pipeline(*_split_operands(x_gmem, xs_gmem, w_gmem, s_gmem, rows, cols, groups))
     out_smem[...] = total.T.astype(out_smem.dtype)
     plgpu.commit_smem()
-    plgpu.copy_smem_to_gmem(out_smem, o_gmem.at[rows, cols])
+    plgpu.copy_smem_to_gmem(out_smem, _out_block(o_gmem, rows, cols, split))
     plgpu.wait_smem_to_gmem(0)
 
 
@@ -339,10 +369,12 @@ def fp8_w8a8_mosaic(x, w, scale, *, out_dtype=None, float32_out: bool = False, t
     Mp = -(-M // BM) * BM
     x8, xs = quantize_rows(jnp.pad(rows, ((0, Mp - M), (0, 0))))
     dtype = jnp.dtype(jnp.float32 if float32_out else (out_dtype or x.dtype))
-    sizes = dict(block_n=BN, block_m=BM, groups=G, stages=t.stages)
+    S = mosaic.splits_of(G, (Mp // BM) * (N // BN), t)
+    block_dtype = jnp.dtype(jnp.float32) if S > 1 else dtype  # partial sums, or the product itself
+    sizes = dict(block_n=BN, block_m=BM, groups=G // S, stages=t.stages, split=S > 1)
     if interpret:
         body, extra = functools.partial(_kernel_interpreted, **sizes), {}
-        scratch = [plgpu.SMEM((BM, BN), dtype), plgpu.SMEM((BN, GROUP), jnp.float16),
+        scratch = [plgpu.SMEM((BM, BN), block_dtype), plgpu.SMEM((BN, GROUP), jnp.float16),
                    plgpu.SMEM((GROUP, BM), jnp.float16)]
     else:
         body, extra, scratch = functools.partial(_kernel, **sizes), dict(num_threads=3, thread_name="wg"), []
@@ -350,8 +382,9 @@ def fp8_w8a8_mosaic(x, w, scale, *, out_dtype=None, float32_out: bool = False, t
     def jspec_fp8_w8a8(*refs):  # the kernel's name (profiles, HLO)
         return body(*refs)
     out = plgpu.kernel(
-        jspec_fp8_w8a8, out_type=jax.ShapeDtypeStruct((Mp, N), dtype), scratch_types=scratch,
-        grid=(Mp // BM, N // BN), grid_names=("m", "n"), compiler_params=plgpu.CompilerParams(), interpret=mode,
-        **extra,
+        jspec_fp8_w8a8, out_type=jax.ShapeDtypeStruct((S, Mp, N) if S > 1 else (Mp, N), block_dtype),
+        scratch_types=scratch, grid=(Mp // BM, N // BN, S), grid_names=("m", "n", "k"),
+        compiler_params=plgpu.CompilerParams(), interpret=mode, **extra,
     )(x8, xs.T, w, scale)
-    return out[:M].reshape(x.shape[:-1] + (N,))
+    y = in_order_sum(out[:, :M]).astype(dtype) if S > 1 else out[:M]
+    return y.reshape(x.shape[:-1] + (N,))
