@@ -18,9 +18,10 @@ a prompt's blocks dequantize it in the graph for XLA's bfloat16 product), so the
 bytes, not arithmetic (docs/benchmarks.md, "What do FP8 weights gain on the GPU?").
 Measured (H200, jax 0.11.2): 0.97-1.38x the dequantized path at 2,048 rows (across calls),
 0.88-0.89x at 8,192, 1.7-2.2x at 512 and 1.4-3.9x at 128; 0.76-0.93x XLA's bfloat16 product
-at 2,048 rows. In the 8B model it makes a batch-32 chain round, whose verification has 128
-rows, 1.83x faster than the dequantized path, and a prompt 2-4% faster, so `Linear` takes it
-from 65 rows, past the Triton kernel's (docs/benchmarks.md, "A Mosaic GPU w8a8 kernel over
+at 2,048 rows, 1.08-1.24x at 128 rows with K splits. In the 8B model it makes a batch-32
+chain round, whose verification has 128 rows, 2.4x faster than the dequantized path (16.3
+-> 6.9 ms), and a prompt 2-4% faster, so `Linear` takes it from 65 rows, past the Triton
+kernel's (docs/benchmarks.md, "A Mosaic GPU w8a8 kernel over
 jspec's [K, N] weights").
 
 Design (grid (row blocks, column blocks, K splits), row blocks fastest so the CTAs reading
