@@ -135,8 +135,8 @@ def test_refuses_what_it_does_not_take():
 
 
 @pytest.mark.skipif(not mosaic.on_hopper(), reason="A from registers (`fp8_to_regs`) runs on a Hopper GPU only")
-@pytest.mark.parametrize("tiles", [dict(), dict(block_n=256, block_m=64, stages=3), dict(block_m=64, stages=2), dict(block_m=32),
-                                   dict(num_splits=2, stages=2)])
+@pytest.mark.parametrize("tiles", [dict(), dict(block_n=256, block_m=64, stages=3), dict(block_m=64, stages=2),
+                                   dict(block_m=32), dict(num_splits=2, stages=2)])
 def test_on_hopper(tiles):
     """On the GPU (two compute warpgroups, each half the rows) the weight goes to wgmma from
     registers, its bytes transposed by prmt: the product equals the reference up to the

@@ -20,9 +20,9 @@ Measured (H200, jax 0.11.2): 0.97-1.38x the dequantized path at 2,048 rows (acro
 0.88-0.89x at 8,192, 1.7-2.2x at 512 and 1.4-3.9x at 128; 0.76-0.93x XLA's bfloat16 product
 at 2,048 rows, 1.08-1.24x at 128 rows with K splits. In the 8B model it makes a batch-32
 chain round, whose verification has 128 rows, 2.4x faster than the dequantized path (16.3
--> 6.9 ms), and a prompt 2-4% faster, so `Linear` takes it from 65 rows, past the Triton
-kernel's (docs/benchmarks.md, "A Mosaic GPU w8a8 kernel over
-jspec's [K, N] weights").
+-> 6.9 ms, across two calls), and a prompt 2-4% faster, so `Linear` takes it from 65 rows,
+past the Triton kernel's (docs/benchmarks.md, "A Mosaic GPU w8a8 kernel over jspec's
+[K, N] weights").
 
 Design (grid (row blocks, column blocks, K splits), row blocks fastest so the CTAs reading
 one column block of the weight run together and share L2):
@@ -260,7 +260,8 @@ def _split_operands(x_gmem, xs_gmem, w_gmem, s_gmem, rows, cols, groups: int):
     grid's "k"): its `groups` groups of the rows, their scales, the weight and its scales."""
     g0 = lax.axis_index("k") * groups
     ks = pl.ds(g0 * GROUP, groups * GROUP)
-    return x_gmem.at[rows, ks], xs_gmem.at[pl.ds(g0, groups), rows], w_gmem.at[ks, cols], s_gmem.at[pl.ds(g0, groups), cols]
+    gs = pl.ds(g0, groups)
+    return x_gmem.at[rows, ks], xs_gmem.at[gs, rows], w_gmem.at[ks, cols], s_gmem.at[gs, cols]
 
 
 def _out_block(o_gmem, rows, cols, split: bool):
