@@ -41,12 +41,13 @@ def test_sequence_equals_transformers(T):
     q, k, v, g, beta, state = _inputs(rng, T)
     out, last = gd.gated_delta_reference(q, k, v, g, beta, state, node_states=False)
     _, states = gd.gated_delta_reference(q, k, v, g, beta, state)
-    for fn in (hf.torch_recurrent_gated_delta_rule, hf.torch_chunk_gated_delta_rule):
-        kw = {"chunk_size": 4} if fn is hf.torch_chunk_gated_delta_rule else {}
+    # transformers' two torch forms (functions, or callable modules without a __name__ from 5.25 on)
+    for name, fn, kw in [("recurrent", hf.torch_recurrent_gated_delta_rule, {}),
+                         ("chunk", hf.torch_chunk_gated_delta_rule, {"chunk_size": 4})]:
         want, want_state = fn(*_torch(q, k, v), g=torch.from_numpy(g), beta=torch.from_numpy(beta),
                               initial_state=torch.from_numpy(state), output_final_state=True,
                               use_qk_l2norm_in_kernel=True, **kw)
-        np.testing.assert_allclose(np.asarray(out), want.numpy(), rtol=1e-5, atol=1e-5, err_msg=fn.__name__)
+        np.testing.assert_allclose(np.asarray(out), want.numpy(), rtol=1e-5, atol=1e-5, err_msg=name)
         np.testing.assert_allclose(np.asarray(last), want_state.numpy(), rtol=1e-5, atol=1e-5)
     np.testing.assert_array_equal(np.asarray(states[:, -1]), np.asarray(last))
 
