@@ -150,3 +150,103 @@ def test_on_hopper(tiles):
     assert per_column.max() < 2e-3
     yb = w8a8.fp8_w8a8_mosaic(x, w, scale, **tiles)
     assert yb.dtype == jnp.bfloat16 and rel_err(yb, ref) < 1e-2
+
+
+# ---- grouped by expert (MoE prompt passes): `fp8_w8a8_grouped` ------------------------------
+
+E = 3
+
+
+def grouped_operands(seed: int, P: int, block_m: int, dtype=jnp.bfloat16):
+    """P pairs over E experts laid out in blocks of block_m rows (`grouped.group_layout`):
+    (x [R, K], tile_expert, stacks w [E, K, N], scale [E, K / 128, N])."""
+    from jspec.kernels.moe import grouped
+    ids = jax.random.randint(jax.random.key(seed), (P,), 0, E - 1).at[0].set(E - 1)  # every expert, unevenly
+    rows, tile_expert = grouped.group_layout(ids, E, block_m)
+    R = grouped.padded_rows(P, E, block_m)
+    stacks = [operands(seed + 10 * e, R, dtype) for e in range(E)]
+    x = stacks[0][0]
+    w, scale = jnp.stack([s[1] for s in stacks]), jnp.stack([s[2] for s in stacks])
+    return x, tile_expert, w, scale
+
+
+@pytest.mark.skipif(mosaic.interpret_params() is None, reason="no Mosaic GPU interpreter in this jax")
+def test_grouped_equals_reference():
+    """Each row block times its own expert's stack (a block of expert -1 runs nothing), as
+    `w8a8_grouped_reference`, with the K split in two; one expert's stack for every block
+    is far off."""
+    bm = 16
+    x, te, w, scale = grouped_operands(7, 40, bm)
+    assert (np.asarray(te) == -1).any() and len(set(np.asarray(te)[np.asarray(te) >= 0])) == E
+    y = w8a8.fp8_w8a8_grouped(x, te, w, scale, block_m=bm, out_dtype=jnp.float32, interpret=True, stages=2,
+                              num_splits=2)
+    assert y.shape == (x.shape[0], N) and y.dtype == jnp.float32
+    ref = w8a8.w8a8_grouped_reference(x, te, w, scale, bm, out_dtype=jnp.float32)
+    named = np.repeat(np.asarray(te) >= 0, bm)
+    assert rel_err(np.asarray(y)[named], np.asarray(ref)[named]) < 1e-5
+    one = w8a8.w8a8_grouped_reference(x, jnp.where(te >= 0, 0, -1), w, scale, bm, out_dtype=jnp.float32)
+    assert rel_err(np.asarray(y)[named], np.asarray(one)[named]) > 0.1
+    with pytest.raises(ValueError):  # rows not whole blocks
+        w8a8.fp8_w8a8_grouped(x[:-1], te, w, scale, block_m=bm, interpret=True)
+    with pytest.raises(ValueError):  # a tile_expert of the wrong length
+        w8a8.fp8_w8a8_grouped(x, te[:-1], w, scale, block_m=bm, interpret=True)
+
+
+@pytest.mark.skipif(mosaic.interpret_params() is None, reason="no Mosaic GPU interpreter in this jax")
+def test_grouped_experts_dispatch(monkeypatch):
+    """`grouped` runs FP8 stacks through `fp8_w8a8_grouped` on a Hopper GPU (faked:
+    interpreted) from `W8a8Tiles.min_pairs_per_expert` pairs an expert, not with 0, fewer
+    pairs, bf16 stacks, no Hopper or JSPEC_KERNELS=reference; the experts' output is each
+    pair's two w8a8 products (`w8a8_reference`), silu(gate) * up between them."""
+    from jspec.kernels import dispatch
+    from jspec.kernels.moe import grouped
+    from jspec.kernels.moe.experts import silu_mul
+
+    D, Fm, k, T = 512, 256, 2, 24
+    keys = jax.random.split(jax.random.key(11), 5)
+    gate_up = jnp.clip(jax.random.normal(keys[0], (E, D, 2 * Fm)) * 100, -448, 448).astype(jnp.float8_e4m3fn)
+    down = jnp.clip(jax.random.normal(keys[1], (E, Fm, D)) * 100, -448, 448).astype(jnp.float8_e4m3fn)
+    scales = (jax.random.uniform(keys[2], (E, D // 128, 2 * Fm), jnp.float32, 0.5, 2) / 4480,
+              jax.random.uniform(keys[3], (E, Fm // 128, D), jnp.float32, 0.5, 2) / 4480)
+    xs = jax.random.normal(keys[4], (T, D), jnp.float32)
+    ids = (jnp.arange(T * k, dtype=jnp.int32) % E).reshape(T, k).at[0, 0].set(-1)  # a pair of no expert
+    hopper = [True]
+    monkeypatch.setattr(mosaic, "on_hopper", lambda: hopper[0])
+    on = w8a8.W8a8Tiles(min_pairs_per_expert=16, grouped_block_m=32, stages=2)
+
+    def path(tiles=on, n=T, sc=scales, mode="pallas"):
+        with dispatch.use_backend(mode):
+            return grouped.uses_w8a8(xs[:n], ids[:n], gate_up, down, sc, tiles)
+
+    assert path() and not path(n=23)  # 48 pairs over 3 experts: 16 an expert; 46 are fewer
+    assert not path(tiles=w8a8.W8a8Tiles(min_pairs_per_expert=0, grouped_block_m=32))
+    assert not path(sc=None) and not path(mode="reference")
+    hopper[0] = False
+    assert not path()
+    hopper[0] = True
+    with dispatch.use_backend("pallas"):
+        y = jax.jit(lambda v: grouped.grouped(v, ids, gate_up, down, scales=scales, w8a8=on))(xs)
+    assert y.shape == (T * k, D) and y.dtype == jnp.float32
+    want = np.zeros((T * k, D), np.float32)
+    for p, e in enumerate(np.asarray(ids).reshape(-1)):
+        if e >= 0:
+            h = w8a8.w8a8_reference(xs[p // k][None], gate_up[e], scales[0][e])
+            want[p] = w8a8.w8a8_reference(silu_mul(h[:, :Fm], h[:, Fm:]), down[e], scales[1][e])[0]
+    assert (np.asarray(y)[0] == 0).all()
+    assert rel_err(y, want) < 1e-5
+    # the Triton path's numerics (weights widened, rows unrounded) are a rounding away
+    dequant = grouped.grouped(xs, ids, gate_up, down, scales=scales, w8a8=w8a8.W8a8Tiles(min_pairs_per_expert=0))
+    assert 1e-3 < rel_err(y, dequant) < 0.05
+
+
+@pytest.mark.skipif(not mosaic.on_hopper(), reason="A from registers (`fp8_to_regs`) runs on a Hopper GPU only")
+@pytest.mark.parametrize("bm, tiles", [(128, dict()), (64, dict(stages=3)), (128, dict(num_splits=2))])
+def test_grouped_on_hopper(bm, tiles):
+    """On the GPU each row block takes its expert's views of the flat stacks: equal to the
+    reference up to the tensor cores' summation, over blocks of every expert and of none."""
+    x, te, w, scale = grouped_operands(9, 300, bm)
+    y = w8a8.fp8_w8a8_grouped(x, te, w, scale, block_m=bm, out_dtype=jnp.float32, **tiles)
+    ref = w8a8.w8a8_grouped_reference(x, te, w, scale, bm, out_dtype=jnp.float32)
+    named = np.repeat(np.asarray(te) >= 0, bm)
+    assert named.any() and not named.all()
+    assert rel_err(np.asarray(y)[named], np.asarray(ref)[named]) < 1e-3

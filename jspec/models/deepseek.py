@@ -391,7 +391,7 @@ class MoE(nn.Module):
         else:  # prefill (and large batches): (token, expert) pairs grouped by expert
             xs = normed(xs, norm)
             y = moe_grouped.grouped(xs, ids[:, :k], experts["gate_up"], experts["down"], tiles=tuning.grouped,
-                                    scales=expert_scales(experts)).reshape(B * T, k, D)
+                                    scales=expert_scales(experts), w8a8=tuning.fp8_w8a8).reshape(B * T, k, D)
             out = jnp.einsum("nkd,nk->nd", y.astype(jnp.float32), weights[:, :k])
             if S:  # each shared expert as one dense product over the tokens (FP8 ones dequantized)
                 gate_up, down = dequantized_experts(shared["gate_up"], shared["down"], expert_scales(shared), xs.dtype)
@@ -411,7 +411,8 @@ class MoE(nn.Module):
                                         mosaic_tiles=self.tuning.fp8_mosaic)  # [N*j, D]
         else:
             y = moe_grouped.grouped(normed(xs, norm), table, stack["gate_up"], stack["down"],
-                                    tiles=self.tuning.grouped, scales=expert_scales(stack)).astype(jnp.float32)
+                                    tiles=self.tuning.grouped, scales=expert_scales(stack),
+                                    w8a8=self.tuning.fp8_w8a8).astype(jnp.float32)
         return jnp.einsum("njd,nj->nd", y.reshape(N, j, -1), weights)
 
 

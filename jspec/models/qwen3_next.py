@@ -262,7 +262,7 @@ class SparseMoe(nn.Module):
             out = jnp.einsum("nkd,nk->nd", y.reshape(B * T, k, D).astype(jnp.float32), weights[:, :k])
         else:
             y = moe_grouped.grouped(xs, ids, experts["gate_up"], experts["down"], tiles=tuning.grouped,
-                                    scales=expert_scales(experts)).reshape(B * T, k, D)
+                                    scales=expert_scales(experts), w8a8=tuning.fp8_w8a8).reshape(B * T, k, D)
             out = jnp.einsum("nkd,nk->nd", y.astype(jnp.float32), weights[:, :k])
         out = out.reshape(B, T, D) if c.per_device else out.astype(x.dtype).reshape(B, T, D)
         if c.shared_expert_intermediate_size:  # split: this device's columns, a float32 partial sum

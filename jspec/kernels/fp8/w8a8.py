@@ -101,14 +101,21 @@ class W8a8Tiles:
     num_splits: int | None = None
     target_ctas: int = 132  # an H100's or H200's SMs: one warp-specialized CTA each
     min_split_groups: int = 4
+    # MoE experts grouped by expert (`kernels.moe.grouped`: prompt passes, large batches):
+    # FP8 stacks take `fp8_w8a8_grouped` on a Hopper GPU from this many (token, expert)
+    # pairs an expert (0: never), in row blocks of grouped_block_m rows.
+    min_pairs_per_expert: int = 16
+    grouped_block_m: int = 128
 
     def __post_init__(self):
         if self.block_n not in (128, 256) or self.block_m % 16 or not 16 <= self.block_m <= 256:
             raise ValueError(f"W8a8Tiles takes block_n 128 or 256 and block_m a multiple of 16 up to 256; got {self}")
+        if self.grouped_block_m % 16 or not 16 <= self.grouped_block_m <= 256:
+            raise ValueError(f"W8a8Tiles takes grouped_block_m a multiple of 16 up to 256; got {self}")
         if (self.stages < 1 or self.min_rows < 0 or self.num_splits is not None and self.num_splits < 1
-                or self.target_ctas < 1 or self.min_split_groups < 1):
-            raise ValueError(f"W8a8Tiles takes stages >= 1, min_rows >= 0, num_splits None or >= 1, target_ctas >= 1 "
-                             f"and min_split_groups >= 1; got {self}")
+                or self.target_ctas < 1 or self.min_split_groups < 1 or self.min_pairs_per_expert < 0):
+            raise ValueError(f"W8a8Tiles takes stages >= 1, min_rows >= 0, num_splits None or >= 1, target_ctas >= 1, "
+                             f"min_split_groups >= 1 and min_pairs_per_expert >= 0; got {self}")
 
 
 def quantize_rows(x):
@@ -361,25 +368,39 @@ def fp8_w8a8_mosaic(x, w, scale, *, out_dtype=None, float32_out: bool = False, t
         raise ValueError(f"fp8_w8a8_mosaic takes x [..., K] (bfloat16, float16 or float32), an E4M3 w [K, N] with K "
                          f"a multiple of {GROUP} and N of block_n={t.block_n}, and float32 scales [K / {GROUP}, N]; "
                          + mosaic.operands_text(x, w, scale))
-    mode = mosaic.interpreter(interpret)
-    interpret = mode is not None
     K, N = w.shape
-    G = K // GROUP
-    BM, BN = t.block_m, t.block_n
     rows = x.reshape(-1, K)
     M = rows.shape[0]
-    Mp = -(-M // BM) * BM
-    x8, xs = quantize_rows(jnp.pad(rows, ((0, Mp - M), (0, 0))))
+    Mp = -(-M // t.block_m) * t.block_m
     dtype = jnp.dtype(jnp.float32 if float32_out else (out_dtype or x.dtype))
+    y = _launch(jnp.pad(rows, ((0, Mp - M), (0, 0))), w, scale, None, t, dtype, interpret)[:M]
+    return y.reshape(x.shape[:-1] + (N,))
+
+
+def _launch(x, w, scale, tile_expert, t: W8a8Tiles, dtype, interpret):
+    """The kernel over x [Mp, K] (Mp whole blocks of t.block_m rows) -> [Mp, N] in dtype:
+    w [K, N] and scale [G, N] (tile_expert None), or stacks w [E, K, N] and scale [E, G, N]
+    with tile_expert [Mp / block_m] naming each row block's expert (-1: none, its rows left
+    unwritten; `fp8_w8a8_grouped`)."""
+    mode = mosaic.interpreter(interpret)
+    K, N = w.shape[-2:]
+    G = K // GROUP
+    BM, BN = t.block_m, t.block_n
+    Mp = x.shape[0]
+    x8, xs = quantize_rows(x)
     S = mosaic.splits_of(G, (Mp // BM) * (N // BN), t)
     block_dtype = jnp.dtype(jnp.float32) if S > 1 else dtype  # partial sums, or the product itself
-    sizes = dict(block_n=BN, block_m=BM, groups=G // S, stages=t.stages, split=S > 1)
-    if interpret:
+    sizes = dict(block_n=BN, block_m=BM, groups=G // S, stages=min(t.stages, G // S), split=S > 1)
+    if mode is not None:
         body, extra = functools.partial(_kernel_interpreted, **sizes), {}
         scratch = [plgpu.SMEM((BM, BN), block_dtype), plgpu.SMEM((BN, GROUP), jnp.float16),
                    plgpu.SMEM((GROUP, BM), jnp.float16)]
     else:
         body, extra, scratch = functools.partial(_kernel, **sizes), dict(num_threads=3, thread_name="wg"), []
+    args = (x8, xs.T, w, scale)
+    if tile_expert is not None:
+        body = functools.partial(_expert_block, body=body, K=K)
+        args = (tile_expert.astype(jnp.int32), x8, xs.T, w.reshape(-1, N), scale.reshape(-1, N))
 
     def jspec_fp8_w8a8(*refs):  # the kernel's name (profiles, HLO)
         return body(*refs)
@@ -387,6 +408,61 @@ def fp8_w8a8_mosaic(x, w, scale, *, out_dtype=None, float32_out: bool = False, t
         jspec_fp8_w8a8, out_type=jax.ShapeDtypeStruct((S, Mp, N) if S > 1 else (Mp, N), block_dtype),
         scratch_types=scratch, grid=(Mp // BM, N // BN, S), grid_names=("m", "n", "k"),
         compiler_params=plgpu.CompilerParams(), interpret=mode, **extra,
-    )(x8, xs.T, w, scale)
-    y = in_order_sum(out[:, :M]).astype(dtype) if S > 1 else out[:M]
-    return y.reshape(x.shape[:-1] + (N,))
+    )(*args)
+    return in_order_sum(out).astype(dtype) if S > 1 else out
+
+
+def _expert_block(te_gmem, x_gmem, xs_gmem, w_gmem, s_gmem, *refs, body, K: int):
+    """Row block i (grid axis "m") of `fp8_w8a8_grouped`: `body` (`_kernel` or
+    `_kernel_interpreted`) over the views of its expert e = tile_expert[i] in the flat
+    stacks w_gmem [E K, N] and s_gmem [E G, N]; a block of expert -1 runs nothing."""
+    e = te_gmem[lax.axis_index("m")]
+    G = K // GROUP
+
+    @pl.when(e >= 0)
+    def _():
+        body(x_gmem, xs_gmem, w_gmem.at[pl.ds(e * K, K)], s_gmem.at[pl.ds(e * G, G)], *refs)
+
+
+def grouped_supported(x, tile_expert, w, scale, tiles: W8a8Tiles | None = None) -> bool:
+    """Whether `fp8_w8a8_grouped` takes these arguments: x [R, K] (bfloat16, float16 or
+    float32; R whole blocks of tiles.block_m rows), tile_expert [R / block_m] integer, w
+    [E, K, N] E4M3 with K a multiple of GROUP and N of tiles.block_n, scale [E, K / GROUP, N]
+    float32."""
+    t = tiles or W8a8Tiles()
+    if getattr(w, "ndim", None) != 3 or getattr(x, "ndim", None) != 2 or x.shape[0] % t.block_m:
+        return False
+    E, K, N = w.shape
+    return (getattr(tile_expert, "shape", None) == (x.shape[0] // t.block_m,)
+            and jnp.issubdtype(tile_expert.dtype, jnp.integer) and getattr(scale, "shape", None) == (E, K // GROUP, N)
+            and supported(x, w[0], scale[0], t))
+
+
+def fp8_w8a8_grouped(x, tile_expert, w, scale, *, out_dtype=None, tiles: W8a8Tiles | None = None,
+                     interpret: bool | None = None, **tile_overrides):
+    """Grouped expert products in w8a8: x [R, K] in row blocks of tiles.block_m rows, each
+    block one expert's (`kernels.moe.grouped.group_layout`), tile_expert [R / block_m] int
+    (each block's expert; -1: none), w [E, K, N] E4M3 with scales [E, K / GROUP, N] float32
+    -> [R, N] in x's dtype (out_dtype if given): block i's rows times w[tile_expert[i]] as
+    `fp8_w8a8_mosaic` computes a product (`w8a8_grouped_reference`); the rows of blocks of
+    expert -1 are left unwritten. tiles: `W8a8Tiles`, overridden field by field."""
+    t = dataclasses.replace(tiles or W8a8Tiles(), **tile_overrides)
+    if not grouped_supported(x, tile_expert, w, scale, t):
+        raise ValueError(f"fp8_w8a8_grouped takes x [R, K] (bfloat16, float16 or float32, R whole blocks of "
+                         f"block_m={t.block_m} rows), tile_expert [R / block_m] int, an E4M3 w [E, K, N] with K a "
+                         f"multiple of {GROUP} and N of block_n={t.block_n}, and float32 scales [E, K / {GROUP}, N]; "
+                         f"got tile_expert {getattr(tile_expert, 'dtype', None)} "
+                         f"{getattr(tile_expert, 'shape', tile_expert)}, " + mosaic.operands_text(x, w, scale))
+    return _launch(x, w, scale, tile_expert, t, jnp.dtype(out_dtype or x.dtype), interpret)
+
+
+def w8a8_grouped_reference(x, tile_expert, w, scale, block_m: int, out_dtype=None):
+    """`fp8_w8a8_grouped`'s numerics in jnp: each row block of x [R, K] through
+    `w8a8_reference` with its expert's weight; blocks of expert -1 give zeros."""
+    R, K = x.shape
+    T = R // block_m
+    e = jnp.clip(tile_expert, 0, w.shape[0] - 1)
+    out = jax.vmap(lambda xb, wb, sb: w8a8_reference(xb, wb, sb, out_dtype=jnp.float32))(
+        x.reshape(T, block_m, K), w[e], scale[e])
+    out = jnp.where((tile_expert >= 0)[:, None, None], out, 0.0)
+    return out.reshape(R, -1).astype(out_dtype or x.dtype)

@@ -40,6 +40,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 from jspec.kernels import dispatch
+from jspec.kernels.fp8 import mosaic as fp8_mosaic, w8a8 as fp8_w8a8
 from jspec.kernels.moe.experts import silu_mul
 from jspec.kernels.tiling import KERNEL_DTYPES, chunk_start, is_pow2, pow2_floor, wraps_triton_offsets
 from jspec.quantization import FP8_DTYPES, GROUP, dequantized_experts
@@ -291,25 +292,33 @@ def inverse(perm):
 
 
 def grouped_experts(xs, ids, gate_up, down, *, block_m: int | None = None, tiles: GroupedTiles | None = None,
-                    interpret: bool | None = None, scales=None):
+                    interpret: bool | None = None, scales=None, w8a8: fp8_w8a8.W8a8Tiles | None = None):
     """`grouped_experts_reference` with the kernel: the pairs laid out by `group_layout`,
     both products as `grouped_matmul` (block_m None: `block_rows`; tiles: `GroupedTiles`,
     None: the defaults), silu(gate) * up in xs' dtype between them (an XLA fusion) ->
-    [N*k, D] in xs' dtype. scales (gate_up's, down's): FP8 stacks (`grouped_matmul(w_scale=)`)."""
+    [N*k, D] in xs' dtype. scales (gate_up's, down's): FP8 stacks (`grouped_matmul(w_scale=)`).
+    w8a8 (`W8a8Tiles`, with scales): the products as FP8 x FP8 (`w8a8.fp8_w8a8_grouped`, the
+    rows rounded to E4M3 per group) in blocks of w8a8.grouped_block_m rows (block_m None)."""
     gu_scale, down_scale = (None, None) if scales is None else scales
     N, k = ids.shape
     E, D, F2 = gate_up.shape
     Fm = F2 // 2
     P = N * k
     t = GroupedTiles() if tiles is None else tiles
-    block_m = block_rows(P, E, t) if block_m is None else block_m
+    if block_m is None:
+        block_m = block_rows(P, E, t) if w8a8 is None else w8a8.grouped_block_m
     rows, tile_expert = group_layout(ids.reshape(-1), E, block_m)
     R = padded_rows(P, E, block_m)
     x = padded_tokens(xs, rows, k, R)  # [R, D]
-    kw = dict(block_m=block_m, block_n=t.block_n, block_k=t.block_k, num_warps=t.num_warps,
-              num_stages=t.num_stages, interpret=interpret)
-    h = grouped_matmul(x, tile_expert, gate_up, w_scale=gu_scale, **kw)  # [R, 2Fm]
-    h = grouped_matmul(silu_mul(h[:, :Fm], h[:, Fm:]), tile_expert, down, w_scale=down_scale, **kw)  # [R, D]
+    if w8a8 is not None:
+        def product(x, tile_expert, w, w_scale):
+            return fp8_w8a8.fp8_w8a8_grouped(x, tile_expert, w, w_scale, tiles=w8a8, block_m=block_m,
+                                             interpret=interpret)
+    else:
+        product = functools.partial(grouped_matmul, block_m=block_m, block_n=t.block_n, block_k=t.block_k,
+                                    num_warps=t.num_warps, num_stages=t.num_stages, interpret=interpret)
+    h = product(x, tile_expert, gate_up, w_scale=gu_scale)  # [R, 2Fm]
+    h = product(silu_mul(h[:, :Fm], h[:, Fm:]), tile_expert, down, w_scale=down_scale)  # [R, D]
     named = _group_key(ids.reshape(-1), E) < E  # the rows of other pairs are not written
     return jnp.where(named[:, None], h[rows], jnp.zeros((), h.dtype))
 
@@ -345,11 +354,34 @@ def uses_kernel(xs, ids, gate_up, down, tiles: GroupedTiles | None = None, scale
     return dispatch.want_pallas(ok)
 
 
-def grouped(xs, ids, gate_up, down, *, tiles: GroupedTiles | None = None, scales=None):
+def uses_w8a8(xs, ids, gate_up, down, scales=None, tiles: fp8_w8a8.W8a8Tiles | None = None) -> bool:
+    """Whether `grouped` runs FP8 stacks as FP8 x FP8 products (`w8a8.fp8_w8a8_grouped`): a
+    Hopper GPU, kernels not switched off, at least `tiles.min_pairs_per_expert` pairs an
+    expert (0: never) and stacks the kernel takes (tiles None: the defaults)."""
+    t = fp8_w8a8.W8a8Tiles() if tiles is None else tiles
+    if scales is None or t.min_pairs_per_expert == 0 or dispatch.backend() == "reference":
+        return False
+    E, D, F2 = gate_up.shape
+    if ids.size < t.min_pairs_per_expert * E:
+        return False
+    bt = dataclasses.replace(t, block_m=t.grouped_block_m)
+    R = padded_rows(ids.size, E, bt.block_m)
+    blocks = jax.ShapeDtypeStruct((R // bt.block_m,), jnp.int32)
+    return (all(fp8_w8a8.grouped_supported(jax.ShapeDtypeStruct((R, w.shape[1]), xs.dtype), blocks, w, s, bt)
+                for w, s in ((gate_up, scales[0]), (down, scales[1])))
+            and fp8_mosaic.on_hopper())
+
+
+def grouped(xs, ids, gate_up, down, *, tiles: GroupedTiles | None = None, scales=None,
+            w8a8: fp8_w8a8.W8a8Tiles | None = None):
     """Dispatch: `grouped_experts` (the kernel, with `tiles`) where `uses_kernel`, else
     `grouped_experts_reference`; same arguments and result. scales (gate_up's, down's):
-    FP8 stacks, read as FP8 by the kernel and dequantized into xs' dtype in the graph for
-    the reference. JSPEC_KERNELS=pallas forces the kernel (interpret mode off GPU)."""
+    FP8 stacks, as FP8 x FP8 products where `uses_w8a8` (w8a8: `W8a8Tiles`, None: the
+    defaults), else read as FP8 by the kernel, and dequantized into xs' dtype in the graph
+    for the reference. JSPEC_KERNELS=pallas forces the kernel (interpret mode off GPU)."""
+    if uses_w8a8(xs, ids, gate_up, down, scales, w8a8):
+        return grouped_experts(xs, ids, gate_up, down, tiles=tiles, scales=scales,
+                               w8a8=fp8_w8a8.W8a8Tiles() if w8a8 is None else w8a8)
     if uses_kernel(xs, ids, gate_up, down, tiles, scales):
         return grouped_experts(xs, ids, gate_up, down, tiles=tiles, scales=scales)
     return grouped_experts_reference(xs, ids, *dequantized_experts(gate_up, down, scales, xs.dtype))
