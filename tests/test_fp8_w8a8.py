@@ -128,6 +128,10 @@ def test_refuses_what_it_does_not_take():
         w8a8.W8a8Tiles(block_m=24)
     with pytest.raises(ValueError):
         w8a8.W8a8Tiles(num_splits=0)
+    with pytest.raises(ValueError):
+        w8a8.W8a8Tiles(grouped_large_block_m=300)
+    # grouped experts: 64-row blocks, 128 from 128 pairs an expert (64 experts: 8,192 pairs)
+    assert [w8a8.grouped_block_rows(p, 64) for p in (8191, 8192)] == [64, 128]
     # K splits by default where few CTAs would leave SMs idle: the 8B down projection
     # (112 groups, 32 column blocks) at 128 rows takes 4, at 2,048 rows (16 row blocks) none
     t = w8a8.W8a8Tiles()

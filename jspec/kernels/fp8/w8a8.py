@@ -102,16 +102,20 @@ class W8a8Tiles:
     target_ctas: int = 132  # an H100's or H200's SMs: one warp-specialized CTA each
     min_split_groups: int = 4
     # MoE experts grouped by expert (`kernels.moe.grouped`: prompt passes, large batches):
-    # FP8 stacks take `fp8_w8a8_grouped` on a Hopper GPU from this many (token, expert)
-    # pairs an expert (0: never), in row blocks of grouped_block_m rows.
+    # FP8 stacks take `fp8_w8a8_grouped` on a Hopper GPU from min_pairs_per_expert (token,
+    # expert) pairs an expert (0: never), in row blocks of grouped_block_m rows, or of
+    # grouped_large_block_m from grouped_large_from pairs an expert (`grouped_block_rows`).
     min_pairs_per_expert: int = 16
-    grouped_block_m: int = 128
+    grouped_block_m: int = 64
+    grouped_large_block_m: int = 128
+    grouped_large_from: int = 128
 
     def __post_init__(self):
         if self.block_n not in (128, 256) or self.block_m % 16 or not 16 <= self.block_m <= 256:
             raise ValueError(f"W8a8Tiles takes block_n 128 or 256 and block_m a multiple of 16 up to 256; got {self}")
-        if self.grouped_block_m % 16 or not 16 <= self.grouped_block_m <= 256:
-            raise ValueError(f"W8a8Tiles takes grouped_block_m a multiple of 16 up to 256; got {self}")
+        if any(b % 16 or not 16 <= b <= 256 for b in (self.grouped_block_m, self.grouped_large_block_m)):
+            raise ValueError(f"W8a8Tiles takes grouped_block_m and grouped_large_block_m multiples of 16 up to 256; "
+                             f"got {self}")
         if (self.stages < 1 or self.min_rows < 0 or self.num_splits is not None and self.num_splits < 1
                 or self.target_ctas < 1 or self.min_split_groups < 1 or self.min_pairs_per_expert < 0):
             raise ValueError(f"W8a8Tiles takes stages >= 1, min_rows >= 0, num_splits None or >= 1, target_ctas >= 1, "
@@ -422,6 +426,15 @@ def _expert_block(te_gmem, x_gmem, xs_gmem, w_gmem, s_gmem, *refs, body, K: int)
     @pl.when(e >= 0)
     def _():
         body(x_gmem, xs_gmem, w_gmem.at[pl.ds(e * K, K)], s_gmem.at[pl.ds(e * G, G)], *refs)
+
+
+def grouped_block_rows(pairs: int, num_experts: int, tiles: W8a8Tiles | None = None) -> int:
+    """The row block of `fp8_w8a8_grouped` for `pairs` (token, expert) pairs over
+    `num_experts` experts: tiles.grouped_block_m, or grouped_large_block_m from
+    grouped_large_from pairs an expert (fewer rows of padding a group against fewer reads
+    of its expert's weight)."""
+    t = tiles or W8a8Tiles()
+    return t.grouped_large_block_m if pairs >= t.grouped_large_from * num_experts else t.grouped_block_m
 
 
 def grouped_supported(x, tile_expert, w, scale, tiles: W8a8Tiles | None = None) -> bool:

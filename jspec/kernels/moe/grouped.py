@@ -298,7 +298,7 @@ def grouped_experts(xs, ids, gate_up, down, *, block_m: int | None = None, tiles
     None: the defaults), silu(gate) * up in xs' dtype between them (an XLA fusion) ->
     [N*k, D] in xs' dtype. scales (gate_up's, down's): FP8 stacks (`grouped_matmul(w_scale=)`).
     w8a8 (`W8a8Tiles`, with scales): the products as FP8 x FP8 (`w8a8.fp8_w8a8_grouped`, the
-    rows rounded to E4M3 per group) in blocks of w8a8.grouped_block_m rows (block_m None)."""
+    rows rounded to E4M3 per group) in row blocks of `w8a8.grouped_block_rows` (block_m None)."""
     gu_scale, down_scale = (None, None) if scales is None else scales
     N, k = ids.shape
     E, D, F2 = gate_up.shape
@@ -306,7 +306,7 @@ def grouped_experts(xs, ids, gate_up, down, *, block_m: int | None = None, tiles
     P = N * k
     t = GroupedTiles() if tiles is None else tiles
     if block_m is None:
-        block_m = block_rows(P, E, t) if w8a8 is None else w8a8.grouped_block_m
+        block_m = block_rows(P, E, t) if w8a8 is None else fp8_w8a8.grouped_block_rows(P, E, w8a8)
     rows, tile_expert = group_layout(ids.reshape(-1), E, block_m)
     R = padded_rows(P, E, block_m)
     x = padded_tokens(xs, rows, k, R)  # [R, D]
@@ -364,7 +364,7 @@ def uses_w8a8(xs, ids, gate_up, down, scales=None, tiles: fp8_w8a8.W8a8Tiles | N
     E, D, F2 = gate_up.shape
     if ids.size < t.min_pairs_per_expert * E:
         return False
-    bt = dataclasses.replace(t, block_m=t.grouped_block_m)
+    bt = dataclasses.replace(t, block_m=fp8_w8a8.grouped_block_rows(ids.size, E, t))
     R = padded_rows(ids.size, E, bt.block_m)
     blocks = jax.ShapeDtypeStruct((R // bt.block_m,), jnp.int32)
     return (all(fp8_w8a8.grouped_supported(jax.ShapeDtypeStruct((R, w.shape[1]), xs.dtype), blocks, w, s, bt)
