@@ -56,7 +56,7 @@ def test_quantize_rows():
 @pytest.mark.parametrize("M, tiles", [
     # 2 row blocks (the second padded) x 2 column blocks x 2 K splits (partial sums added after)
     (72, dict(block_n=128, block_m=64, stages=2, num_splits=2)),
-    (16, dict(block_n=256, block_m=16, stages=3)),  # one 256-column block, 4 groups through 3 stages
+    (16, dict(block_n=256, block_m=32, stages=3)),  # one 256-column block, 4 groups through 3 stages
 ])
 def test_equals_reference(M, tiles):
     x, w, scale = operands(M, M)
@@ -126,12 +126,14 @@ def test_refuses_what_it_does_not_take():
         w8a8.W8a8Tiles(block_n=64)
     with pytest.raises(ValueError):
         w8a8.W8a8Tiles(block_m=24)
+    with pytest.raises(ValueError):  # 8 rows a warpgroup: a misaligned address on the H200
+        w8a8.W8a8Tiles(block_m=16)
     with pytest.raises(ValueError):
         w8a8.W8a8Tiles(num_splits=0)
     with pytest.raises(ValueError):
         w8a8.W8a8Tiles(grouped_large_block_m=300)
-    # grouped experts: 64-row blocks, 128 from 128 pairs an expert (64 experts: 8,192 pairs)
-    assert [w8a8.grouped_block_rows(p, 64) for p in (8191, 8192)] == [64, 128]
+    # grouped experts: 64-row blocks, 128 from 64 pairs an expert (64 experts: 4,096 pairs)
+    assert [w8a8.grouped_block_rows(p, 64) for p in (4095, 4096)] == [64, 128]
     # K splits by default where few CTAs would leave SMs idle: the 8B down projection
     # (112 groups, 32 column blocks) at 128 rows takes 4, at 2,048 rows (16 row blocks) none
     t = w8a8.W8a8Tiles()
@@ -179,7 +181,7 @@ def test_grouped_equals_reference():
     """Each row block times its own expert's stack (a block of expert -1 runs nothing), as
     `w8a8_grouped_reference`, with the K split in two; one expert's stack for every block
     is far off."""
-    bm = 16
+    bm = 32
     x, te, w, scale = grouped_operands(7, 40, bm)
     assert (np.asarray(te) == -1).any() and len(set(np.asarray(te)[np.asarray(te) >= 0])) == E
     y = w8a8.fp8_w8a8_grouped(x, te, w, scale, block_m=bm, out_dtype=jnp.float32, interpret=True, stages=2,
@@ -237,7 +239,9 @@ def test_grouped_experts_dispatch(monkeypatch):
             h = w8a8.w8a8_reference(xs[p // k][None], gate_up[e], scales[0][e])
             want[p] = w8a8.w8a8_reference(silu_mul(h[:, :Fm], h[:, Fm:]), down[e], scales[1][e])[0]
     assert (np.asarray(y)[0] == 0).all()
-    assert rel_err(y, want) < 1e-5
+    # the interpreter sums as the reference; on the GPU the tensor cores' order moves h a
+    # little, and its rounding to E4M3 for down then flips a few values by a step (0.4%)
+    assert rel_err(y, want) < (1e-5 if jax.default_backend() == "cpu" else 1e-2)
     # the Triton path's numerics (weights widened, rows unrounded) are a rounding away
     dequant = grouped.grouped(xs, ids, gate_up, down, scales=scales, w8a8=w8a8.W8a8Tiles(min_pairs_per_expert=0))
     assert 1e-3 < rel_err(y, dequant) < 0.05

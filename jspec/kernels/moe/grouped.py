@@ -24,7 +24,10 @@ FP8 experts (`w_scale` [E, Din / GROUP, Dout] float32 beside an FP8 w, `jspec.qu
 each chunk (at most GROUP rows, inside one group) is widened to x's dtype on the tensor
 cores' path and its product times the group's column scales before it joins the float32
 sum, so a step reads the FP8 bytes; the reference dequantizes the stacks into x's dtype
-first (the two differ by that rounding).
+first (the two differ by that rounding). On a Hopper GPU, from
+`W8a8Tiles.min_pairs_per_expert` pairs an expert, both products are FP8 x FP8 instead
+(`uses_w8a8`; `kernels.fp8.w8a8.fp8_w8a8_grouped`: the rows rounded to E4M3 per group of
+128, the same layout in row blocks of `w8a8.grouped_block_rows`).
 
 Tiles and thresholds are `GroupedTiles` (below; `Tuning.grouped`), taken as `tiles=`
 (None: the defaults, with the measurements behind them).
