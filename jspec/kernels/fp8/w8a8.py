@@ -463,7 +463,8 @@ def grouped_supported(x, tile_expert, w, scale, tiles: W8a8Tiles | None = None) 
     E, K, N = w.shape
     return (getattr(tile_expert, "shape", None) == (x.shape[0] // t.block_m,)
             and jnp.issubdtype(tile_expert.dtype, jnp.integer) and getattr(scale, "shape", None) == (E, K // GROUP, N)
-            and supported(x, w[0], scale[0], t))
+            and supported(x, jax.ShapeDtypeStruct((K, N), w.dtype), jax.ShapeDtypeStruct((K // GROUP, N), scale.dtype),
+                          t))
 
 
 def fp8_w8a8_grouped(x, tile_expert, w, scale, *, out_dtype=None, tiles: W8a8Tiles | None = None,
