@@ -48,8 +48,9 @@ class Tuning:
     its defaults): experts (`kernels.moe.experts.ExpertTiles`), fp8 (`kernels.fp8.matmul`;
     its mosaic_rows sends few rows on a Hopper GPU to the Mosaic GPU kernel), fp8_mosaic
     (`kernels.fp8.mosaic.MosaicTiles`), fp8_w8a8 (`kernels.fp8.w8a8.W8a8Tiles`: FP8 x FP8
-    products of 65 rows or more on Hopper, the rows rounded to E4M3; min_rows=0 turns it
-    off, docs/benchmarks.md), grouped (`kernels.moe.grouped`),
+    products of 65 rows or more on Hopper, the rows rounded to E4M3, min_rows=0 turns it
+    off; and MoE experts grouped by expert from 16 pairs an expert, min_pairs_per_expert=0
+    turns that off; docs/benchmarks.md), grouped (`kernels.moe.grouped`),
     route (`kernels.moe.route`), mla_inputs, mla_decode, mla_output (`kernels.mla.inputs`,
     `.decode`, `.output`), attention (`kernels.attention.decode`), gated_delta
     (`kernels.gated_delta.kernels`), row_attention, row_mla (`kernels.row.attention`'s
