@@ -65,7 +65,7 @@ each CTA reads its block's expert from tile_expert and takes that expert's views
 flat stacks [E K, N] and [E G, N] (a block of expert -1 runs nothing). `grouped.grouped`
 runs it for FP8 stacks on Hopper from `W8a8Tiles.min_pairs_per_expert` pairs an expert.
 Measured (H200, jax 0.11.2, both products of the routed experts): V2-Lite's 1.3-2.1x the
-Triton grouped kernel over the FP8 stacks from 48 pairs an expert (1.25-1.31x bf16 from 192),
+Triton grouped kernel over the FP8 stacks from 48 pairs an expert (1.24-1.31x bf16 from 192),
 V3's 1.3-2.1x from 4; a 4,096-token V2-Lite prompt 1.56x faster in FP8, 1.08x bf16
 (docs/benchmarks.md, "w8a8 for the grouped experts").
 """
