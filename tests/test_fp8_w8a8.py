@@ -227,6 +227,14 @@ def test_grouped_experts_dispatch(monkeypatch):
     assert path() and not path(n=23)  # 48 pairs over 3 experts: 16 an expert; 46 are fewer
     assert not path(tiles=w8a8.W8a8Tiles(min_pairs_per_expert=0, grouped_block_m=32))
     assert not path(sc=None) and not path(mode="reference")
+    # DeepSeek-V3's stacks, whose down experts the Triton kernel would copy as uint16 pairs
+    # every call: w8a8 from one pair an expert (shapes only: nothing is allocated)
+    v3 = [jax.ShapeDtypeStruct(s, jnp.float8_e4m3fn) for s in ((256, 7168, 4096), (256, 2048, 7168))]
+    v3_scales = [jax.ShapeDtypeStruct((256, K // 128, N), jnp.float32) for _, K, N in (w.shape for w in v3)]
+    pairs = jax.ShapeDtypeStruct((32, 8), jnp.int32)
+    with dispatch.use_backend("pallas"):
+        assert grouped.uses_w8a8(jax.ShapeDtypeStruct((32, 7168), jnp.bfloat16), pairs, *v3, v3_scales)
+        assert not grouped.uses_w8a8(xs[:4], ids[:4], gate_up, down, scales, on)  # 8 pairs, small stacks
     hopper[0] = False
     assert not path()
     hopper[0] = True

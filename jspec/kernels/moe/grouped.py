@@ -359,13 +359,16 @@ def uses_kernel(xs, ids, gate_up, down, tiles: GroupedTiles | None = None, scale
 
 def uses_w8a8(xs, ids, gate_up, down, scales=None, tiles: fp8_w8a8.W8a8Tiles | None = None) -> bool:
     """Whether `grouped` runs FP8 stacks as FP8 x FP8 products (`w8a8.fp8_w8a8_grouped`): a
-    Hopper GPU, kernels not switched off, at least `tiles.min_pairs_per_expert` pairs an
-    expert (0: never) and stacks the kernel takes (tiles None: the defaults)."""
+    Hopper GPU, kernels not switched off, stacks the kernel takes, and at least
+    `tiles.min_pairs_per_expert` pairs an expert (0: never; tiles None: the defaults), or
+    any number where the Triton kernel would read a stack through `pair_view`, a copy of
+    the stack every call (DeepSeek-V3's 256 down experts on one device: 1.27x at one pair
+    an expert on an H200, docs/benchmarks.md)."""
     t = fp8_w8a8.W8a8Tiles() if tiles is None else tiles
     if scales is None or t.min_pairs_per_expert == 0 or dispatch.backend() == "reference":
         return False
     E = gate_up.shape[0]
-    if ids.size < t.min_pairs_per_expert * E:
+    if ids.size < t.min_pairs_per_expert * E and not any(map(wraps_triton_offsets, (gate_up, down))):
         return False
     bt = dataclasses.replace(t, block_m=fp8_w8a8.grouped_block_rows(ids.size, E, t))
     R = padded_rows(ids.size, E, bt.block_m)
