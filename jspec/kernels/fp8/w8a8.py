@@ -63,7 +63,8 @@ MoE experts grouped by expert (`fp8_w8a8_grouped`): the same kernel over the (to
 expert) pairs laid out by `kernels.moe.grouped.group_layout`, every row block one expert's;
 each CTA reads its block's expert from tile_expert and takes that expert's views of the
 flat stacks [E K, N] and [E G, N] (a block of expert -1 runs nothing). `grouped.grouped`
-runs it for FP8 stacks on Hopper from `W8a8Tiles.min_pairs_per_expert` pairs an expert.
+runs it for FP8 stacks on Hopper from `W8a8Tiles.min_pairs_per_expert` pairs an expert
+(or fewer, where its Triton kernel would copy a stack: `grouped.uses_w8a8`).
 Measured (H200, jax 0.11.2, both products of the routed experts): V2-Lite's 1.3-2.1x the
 Triton grouped kernel over the FP8 stacks from 48 pairs an expert (1.24-1.31x bf16 from 192),
 V3's 1.3-2.1x from 4; a 4,096-token V2-Lite prompt 1.56x faster in FP8, 1.08x bf16
