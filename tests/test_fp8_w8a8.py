@@ -3,7 +3,10 @@ Mosaic GPU interpreter on the CPU, and on a Hopper GPU where there is one: equal
 `w8a8_reference` (the rows rounded to E4M3 per group of 128, each group's product scaled by
 row and column scales, summed in group order) over several row and column blocks, the
 padding of rows to whole blocks and both block widths; `quantize_rows` rounds each group
-to E4M3 about its own maximum; `Linear` dispatches to it only when asked to."""
+to E4M3 about its own maximum; `Linear` dispatches to it only when asked to. The grouped
+form (`fp8_w8a8_grouped`: MoE experts grouped by expert) equals its reference, `grouped`
+dispatches to it by its rule, and DeepSeek's and Qwen3.5-MoE's prompt passes route their
+FP8 experts through it on a (faked) Hopper GPU."""
 from __future__ import annotations
 
 import jax
@@ -266,3 +269,41 @@ def test_grouped_on_hopper(bm, tiles):
     named = np.repeat(np.asarray(te) >= 0, bm)
     assert named.any() and not named.all()
     assert rel_err(np.asarray(y)[named], np.asarray(ref)[named]) < 1e-3
+
+
+@pytest.mark.skipif(mosaic.interpret_params() is None, reason="no Mosaic GPU interpreter in this jax")
+def test_models_route_their_fp8_experts_through_w8a8(monkeypatch, fresh_compiles):
+    """DeepSeek's and Qwen3.5-MoE's prompt passes hand `Tuning.fp8_w8a8` to the grouped
+    experts: with FP8 stacks on a Hopper GPU (faked: interpreted) their programs hold the
+    w8a8 kernel, and DeepSeek's logits move from the widening path's by the rows' rounding
+    only; on the CPU as it is, neither does."""
+    import jspec
+    from jspec.models import family_for
+    from jspec.models.deepseek_hf import DeepseekConfig
+    from jspec.models.qwen3_next_hf import HybridConfig
+    from jspec.quantization import quantize_params
+
+    deepseek = DeepseekConfig(vocab_size=256, hidden_size=128, intermediate_size=256, num_layers=2, num_heads=2,
+                              kv_lora_rank=32, q_lora_rank=0, qk_nope_head_dim=16, qk_rope_head_dim=16,
+                              v_head_dim=16, moe_intermediate_size=128, n_routed_experts=4, n_shared_experts=1,
+                              num_experts_per_tok=2, first_k_dense_replace=1, dtype="float32")
+    qwen = HybridConfig(vocab_size=256, hidden_size=128, num_layers=2,
+                        layer_types=("linear_attention", "full_attention"), num_heads=2, num_kv_heads=1,
+                        head_dim=32, rotary_dim=16, linear_num_key_heads=2, linear_num_value_heads=2,
+                        linear_key_head_dim=32, linear_value_head_dim=32, intermediate_size=0, num_experts=4,
+                        num_experts_per_tok=2, moe_intermediate_size=128, shared_expert_intermediate_size=128,
+                        variant="qwen3_5_moe", dtype="float32")
+    ids = [list(range(3, 43))]  # 40 tokens, 80 pairs over 4 experts: 20 an expert
+    hopper = [False]
+    monkeypatch.setattr(mosaic, "on_hopper", lambda: hopper[0])
+    out = {}
+    for name, cfg in (("deepseek", deepseek), ("qwen", qwen)):
+        weights = jax.jit(lambda key, cfg=cfg: family_for(cfg).init_weights(cfg, key))(jax.random.key(0))
+        params = quantize_params(jspec.Params(config=cfg, weights=weights, draft=None))
+        for hopper[0] in (False, True):
+            jspec.clear_caches()  # the programs are traced again with the faked GPU
+            text = str(jax.make_jaxpr(lambda p=params: jspec.logits(p, ids))())
+            assert ("jspec_fp8_w8a8" in text) == hopper[0], (name, hopper[0])
+            if name == "deepseek":
+                out[hopper[0]] = np.asarray(jspec.logits(params, ids))
+    assert 1e-4 < rel_err(out[True], out[False]) < 0.05
