@@ -276,24 +276,29 @@ def transformers_prefill_rows(model, lengths, vocab: int = 100000, log=print) ->
 
 
 def prefill_bench(cfg, name: str, lengths, tunings=(None,), reps=None, settings=("dense",),
-                  max_len: int | None = None) -> dict:
+                  max_len: int | None = None, fp8: bool = False) -> dict:
     """`prefill_rows` of a random model of shape cfg for each cache setting under each
-    tuning (None: the defaults), the bf16 matmul rate measured first for the MFU; saved to
-    $OUT/name."""
+    tuning (None: the defaults), the bf16 matmul rate measured first for the MFU; with fp8
+    the same rows again over the weights rounded to FP8 and kept so
+    (`quantization.quantize_params`), labelled `fp8_<setting>`; saved to $OUT/name."""
     res = {"env": env_info(), "lengths": list(lengths), "block": jspec.Tuning().prefill_block}
     rate = matmul_rate()
     res["matmul_tflops"] = rate / 1e12
     print(res, flush=True)
     t0 = time.perf_counter()
-    target = random_params(cfg)
+    targets = [("", random_params(cfg))]
+    if fp8:
+        from jspec.quantization import quantize_params
+        targets.append(("fp8_", quantize_params(targets[0][1])))
     print(f"weights ready in {time.perf_counter() - t0:.1f}s", flush=True)
-    for setting, tuning in itertools.product(settings, tunings):
+    for (prefix, target), setting, tuning in itertools.product(targets, settings, tunings):
         try:
-            res.update(prefill_rows(target, lengths, setting=setting, tuning=tuning, reps=reps, rate=rate,
-                                    vocab=min(cfg.vocab_size, 100000), log=lambda *a: print(*a, flush=True),
-                                    max_len=max_len))
+            rows = prefill_rows(target, lengths, setting=setting, tuning=tuning, reps=reps, rate=rate,
+                                vocab=min(cfg.vocab_size, 100000), log=lambda *a: print(prefix, *a, flush=True),
+                                max_len=max_len)
+            res.update({prefix + k: v for k, v in rows.items()})
         except Exception as e:  # noqa: BLE001 - a setting that fails is a result; the next one still runs
-            label = setting + ("" if tuning is None else "_" + tuning_label(tuning))
+            label = prefix + setting + ("" if tuning is None else "_" + tuning_label(tuning))
             res[f"{label}_failed"] = f"{type(e).__name__}: {str(e)[:500]}"
             print(label, "failed:", res[f"{label}_failed"], flush=True)
         save_json(name, res)
@@ -690,6 +695,7 @@ TUNINGS: dict[str, dict] = {
     # the grouped expert kernel (prefill, large batches): Tuning.grouped
     "grouped_off": {"grouped": {"kernel": False}},  # jax.lax.ragged_dot instead
     "few_pairs_ragged": {"grouped": {"min_pairs_per_expert": 4}},  # ragged_dot below 4 pairs an expert
+    "w8a8_all_pairs": {"fp8_w8a8": {"min_pairs_per_expert": 1}},  # FP8 experts grouped through w8a8 at any count
     # prologue switches and padding rules
     "norm_outside": {"mlp_norm_in_kernel": False},  # DeepSeek's post-attention norm as XLA's kernels
     "cache_write_off": {"cache_write_in_kernel": False},  # the latent row written by XLA's update

@@ -36,6 +36,12 @@ e.g. `deepseek.py ab --layers 27 --tunings graphs_off,default,graphs_off,default
      `deepseek.py v3layer --batch 32 --tunings default,few_pairs_ragged`.
 Result: $OUT/deepseek.json (JSPEC_BENCH_TAG: deepseek_<tag>.json)
 
+prefill [T ...] [--absorbed] [--fp8] (options of its own; default 4096 32768 65536): one
+V2-Lite prompt of each length through one program (`common.prefill_bench`); --absorbed
+adds the later prompt blocks in the absorbed form, --fp8 the same rows over the weights
+rounded to FP8 (rows `fp8_*`). `transformers_prefill [T ...]`: transformers' forward.
+Result: $OUT/prefill_v2_lite.json (JSPEC_BENCH_TAG: prefill_v2_lite_<tag>.json).
+
 dsa (options of its own): DeepSeek-V3.2's sparse attention (DSA) against dense MLA on the
 same weights: decode time of the V3.2 layer shape at long contexts, batch 1 and 32. The
 caches are filled with random latent rows and indexer keys up to the context instead of
@@ -472,8 +478,9 @@ def main(argv=None):
         if argv[0] == "transformers_prefill":
             return transformers_prefill_bench(V2_LITE, "transformers_prefill_v2_lite.json", lengths)
         absorbed = jspec.Tuning(mla_decode=MlaDecodeTiles(expanded_prompt_blocks=False))
-        return prefill_bench(V2_LITE, "prefill_v2_lite.json", lengths,
-                             [None] + [absorbed] * ("--absorbed" in argv), reps={65536: 2})
+        tag = os.environ.get("JSPEC_BENCH_TAG", "")
+        return prefill_bench(V2_LITE, f"prefill_v2_lite{'_' + tag if tag else ''}.json", lengths,
+                             [None] + [absorbed] * ("--absorbed" in argv), reps={65536: 2}, fp8="--fp8" in argv)
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("parts", nargs="*", help=f"of {', '.join(PARTS)}, or dsa (default: decode mtp v3layer)")
     ap.add_argument("--tunings", default="default", help="comma-separated common.TUNINGS names")

@@ -307,3 +307,55 @@ def test_models_route_their_fp8_experts_through_w8a8(monkeypatch, fresh_compiles
             if name == "deepseek":
                 out[hopper[0]] = np.asarray(jspec.logits(params, ids))
     assert 1e-4 < rel_err(out[True], out[False]) < 0.05
+
+
+@pytest.mark.skipif(mosaic.interpret_params() is None, reason="no Mosaic GPU interpreter in this jax")
+def test_deepseek_dense_mlp_and_shared_experts_take_w8a8(monkeypatch):
+    """DeepSeek's prompt passes run the dense MLP's FP8 projections and each FP8 shared
+    expert through `layers.project`: on a Hopper GPU (faked: interpreted) from
+    `W8a8Tiles.min_rows` rows the w8a8 kernel, equal to its reference products; elsewhere
+    the weights dequantized, as before."""
+    from jspec.kernels import dispatch
+    from jspec.kernels.moe.experts import silu_mul
+    from jspec.models.deepseek import MLP, shared_products
+    from jspec.quantization import dequantize_kernel, quantize_kernel
+    from jspec.tuning import Tuning
+
+    M, D, F, S = 40, 256, 128, 2
+    k1, k2, k3 = jax.random.split(jax.random.key(5), 3)
+    gate_up = jax.lax.map(quantize_kernel, jax.random.normal(k1, (S, D, 2 * F)) * 0.05)
+    down = jax.lax.map(quantize_kernel, jax.random.normal(k2, (S, F, D)) * 0.05)
+    stack = {"gate_up": gate_up[0], "gate_up_scale": gate_up[1], "down": down[0], "down_scale": down[1]}
+    xs = jax.random.normal(k3, (M, D), jnp.float32)
+    hopper = [True]
+    monkeypatch.setattr(mosaic, "on_hopper", lambda: hopper[0])
+    tuning = Tuning(fp8_w8a8=w8a8.W8a8Tiles(min_rows=32, block_m=64, stages=2))
+
+    def run(fn, *args):
+        with dispatch.use_backend("pallas"):
+            text = str(jax.make_jaxpr(fn)(*args))
+            return "jspec_fp8_w8a8" in text, np.asarray(jax.jit(fn)(*args))
+
+    def ref_mlp(x, gu, gu_scale, dn, dn_scale):
+        h = w8a8.w8a8_reference(x, gu, gu_scale, out_dtype=jnp.float32)
+        return np.asarray(w8a8.w8a8_reference(silu_mul(h[:, :F], h[:, F:]), dn, dn_scale, out_dtype=jnp.float32))
+
+    took, y = run(lambda v: shared_products(v, stack, F, jnp.float32, tuning), xs)
+    want = sum(ref_mlp(xs, stack["gate_up"][s], stack["gate_up_scale"][s], stack["down"][s], stack["down_scale"][s])
+               for s in range(S))
+    assert took and y.dtype == np.float32 and rel_err(y, want) < 1e-5
+    hopper[0] = False  # the CPU: both stacks dequantized, the products over the whole stack
+    took_cpu, y_cpu = run(lambda v: shared_products(v, stack, F, jnp.float32, tuning), xs)
+    deq = [dequantize_kernel(stack[n], stack[n + "_scale"], jnp.float32) for n in ("gate_up", "down")]
+    h = jnp.einsum("nd,sdf->nsf", xs, deq[0])
+    plain = np.asarray(jnp.einsum("nsf,sfd->nd", silu_mul(h[..., :F], h[..., F:]), deq[1]))
+    assert not took_cpu and rel_err(y_cpu, plain) < 1e-5
+    assert 1e-3 < rel_err(y, plain) < 0.05  # the rows' rounding: w8a8 was not the dequantized path
+
+    params = {"params": {"gate_up_proj": {"kernel": stack["gate_up"][0], "kernel_scale": stack["gate_up_scale"][0]},
+                         "down_proj": {"kernel": stack["down"][0], "kernel_scale": stack["down_scale"][0]}}}
+    mlp = MLP(F, "float32", tuning)
+    hopper[0] = True
+    took, y = run(lambda v: mlp.apply(params, v[None], None)[0], xs)
+    assert took and rel_err(y, ref_mlp(xs, stack["gate_up"][0], stack["gate_up_scale"][0], stack["down"][0],
+                                       stack["down_scale"][0])) < 1e-5

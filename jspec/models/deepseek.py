@@ -50,8 +50,8 @@ from jspec.kernels import dispatch
 from jspec.kernels.row import matmul as row_matmul, mla as row_mla, norm as row_norm
 from jspec.kernels.tiling import in_order_sum, is_pow2
 from jspec.models.layers import (INIT, DecoderLM, FlaxFamily, Linear, RMSNorm, call_layer, loaded_param, product,
-                                 rows_alone)
-from jspec.quantization import FP8_DTYPES, GROUP, dequantized_experts, expert_scales, kernel_of
+                                 project, rows_alone)
+from jspec.quantization import FP8_DTYPES, GROUP, expert_scales, kernel_of
 
 LATENT_NORM_EPS = 1e-6  # the q/kv latent norms use RMSNorm's default, not rms_norm_eps
 # `Tuning.row_invariant=None` turns it on for programs of up to this many rows: measured
@@ -317,14 +317,31 @@ class MLP(nn.Module):
                 y = moe_experts.routed_experts(rows, one, gate_up, down, norm=norm, tiles=tiles, scales=scales,
                                                down_tiles={"block_n": tiles.dense_down_block_n})
                 return y.astype(jnp.float32 if self.partial else x.dtype).reshape(x.shape)
-        gate_up, down = kernel_of(gu_params, dt), kernel_of(down_params, dt)  # FP8 ones dequantized in the graph
         if row_invariant:
+            gate_up, down = kernel_of(gu_params, dt), kernel_of(down_params, dt)  # FP8 ones dequantized in the graph
             gu = product(x, gate_up, tuning=self.tuning, row_invariant=True, norm=norm)
             return product(silu_mul(gu[..., :F], gu[..., F:]), down, float32_out=self.partial, tuning=self.tuning,
                            row_invariant=True)
-        x = normed(x, norm)
-        gu = product(x, gate_up, tuning=self.tuning)
-        return product(silu_mul(gu[..., :F], gu[..., F:]), down, float32_out=self.partial, tuning=self.tuning)
+        gu = project(x, gu_params, dt, self.tuning, norm=norm)  # FP8 ones through the FP8 kernels where they apply
+        return project(silu_mul(gu[..., :F], gu[..., F:]), down_params, dt, self.tuning, float32_out=self.partial)
+
+
+def shared_products(xs, stack: dict, width: int, dtype, tuning: Tuning) -> jax.Array:
+    """xs [N, D] (normed) through each of a stack's S shared experts {gate_up [S, D, 2 width],
+    down [S, width, D][, scales]} as dense products over the tokens -> [N, D] float32, their
+    sum: an FP8 expert's products through `project` (the FP8 kernels where they apply, as
+    the projections'), others as two products over the whole stack."""
+    scales = expert_scales(stack)
+    if scales is None:
+        h = jnp.einsum("nd,sdf->nsf", xs, stack["gate_up"])  # [N,S,2F]
+        return jnp.einsum("nsf,sfd->nd", silu_mul(h[..., :width], h[..., width:]), stack["down"],
+                          preferred_element_type=jnp.float32)
+    out = jnp.zeros((xs.shape[0], stack["down"].shape[-1]), jnp.float32)
+    for s in range(stack["gate_up"].shape[0]):
+        gu = project(xs, {"kernel": stack["gate_up"][s], "kernel_scale": scales[0][s]}, dtype, tuning)  # [N,2F]
+        out = out + project(silu_mul(gu[..., :width], gu[..., width:]),
+                            {"kernel": stack["down"][s], "kernel_scale": scales[1][s]}, dtype, tuning, float32_out=True)
+    return out
 
 
 class MoE(nn.Module):
@@ -336,7 +353,7 @@ class MoE(nn.Module):
     (`kernels.moe.experts`), shared experts included (SGLang's shared-experts fusion: two
     products a layer fewer; a shared expert's later reads for other tokens come from L2);
     a prefill groups the routed pairs by expert and computes the shared experts as dense
-    products over the tokens."""
+    products over the tokens (`shared_products`)."""
 
     cfg: DeepseekConfig
     tuning: Tuning = DEFAULT_TUNING
@@ -393,11 +410,8 @@ class MoE(nn.Module):
             y = moe_grouped.grouped(xs, ids[:, :k], experts["gate_up"], experts["down"], tiles=tuning.grouped,
                                     scales=expert_scales(experts), w8a8=tuning.fp8_w8a8).reshape(B * T, k, D)
             out = jnp.einsum("nkd,nk->nd", y.astype(jnp.float32), weights[:, :k])
-            if S:  # each shared expert as one dense product over the tokens (FP8 ones dequantized)
-                gate_up, down = dequantized_experts(shared["gate_up"], shared["down"], expert_scales(shared), xs.dtype)
-                h = jnp.einsum("nd,sdf->nsf", xs, gate_up)  # [N,S,2Fm]
-                out = out + jnp.einsum("nsf,sfd->nd", silu_mul(h[..., :Fm], h[..., Fm:]), down,
-                                       preferred_element_type=jnp.float32)
+            if S:  # each shared expert as dense products over the tokens
+                out = out + shared_products(xs, shared, Fm, dt, tuning)
         return out.astype(x.dtype).reshape(B, T, D)
 
     def routed(self, xs, table, weights, stack, norm, few: bool):
@@ -504,7 +518,7 @@ class DeepseekFamily(FlaxFamily):
     """The target-family protocol for DeepSeek-V2/V3 (MLA + MoE) decoders."""
 
     fp8_weights = True  # FP8 projections stay FP8 (`Linear`, the dense MLPs'); kv_b_proj is dequantized
-    fp8_experts = True  # ... and the routed experts' stacks whose inputs are whole groups (the shared ones are dequantized)
+    fp8_experts = True  # ... and the routed and shared experts' stacks whose inputs are whole groups
 
     config_type = DeepseekConfig
     model = DeepseekModel

@@ -72,6 +72,45 @@ def product(x: jax.Array, w: jax.Array, transpose_w: bool = False, float32_out: 
     return y[:1].reshape(x.shape[:-1] + y.shape[-1:]) if pad else y
 
 
+def fp8_product(x: jax.Array, w: jax.Array, scale: jax.Array, dtype, tuning: Tuning = DEFAULT_TUNING,
+                float32_out: bool = False, norm=None) -> jax.Array | None:
+    """x [..., K] @ an FP8 kernel w [K, N] with its `kernel_scale` [ceil(K / GROUP), N] ->
+    [..., N] in `dtype` (float32 with `float32_out`) through the first FP8 kernel that takes
+    it, or None where none does (the caller dequantizes): from `tuning.fp8_w8a8.min_rows`
+    rows on Hopper the w8a8 kernel, up to `tuning.fp8.mosaic_rows` rows on Hopper the Mosaic
+    kernel, other products of up to `tuning.fp8.max_rows` rows on a GPU the Triton one.
+    norm (weight, eps): x RMS-normed first, as `product` norms."""
+    probe, f8 = x.astype(dtype), tuning.fp8
+    if fp8_w8a8.uses_kernel(probe, w, scale, tuning.fp8_w8a8):
+        kernel = functools.partial(fp8_w8a8.fp8_w8a8_mosaic, tiles=tuning.fp8_w8a8)
+    elif fp8_mosaic.uses_kernel(probe, w, scale, f8):
+        if norm is not None:  # the rows' float16 bound from the norm's own pass
+            xn, top = moe_experts.normed_with_top(x, norm)
+            return fp8_mosaic.fp8_matmul_mosaic(xn.astype(dtype), w, scale, float32_out=float32_out, top=top,
+                                                tiles=tuning.fp8_mosaic)
+        kernel = functools.partial(fp8_mosaic.fp8_matmul_mosaic, tiles=tuning.fp8_mosaic)
+    elif fp8_matmul.uses_kernel(probe, w, scale, f8):
+        kernel = functools.partial(fp8_matmul.fp8_matmul, tiles=f8)
+    else:
+        return None
+    return kernel(moe_experts.normed(x, norm).astype(dtype), w, scale, float32_out=float32_out)
+
+
+def project(x: jax.Array, p: dict, dtype, tuning: Tuning = DEFAULT_TUNING, float32_out: bool = False,
+            norm=None) -> jax.Array:
+    """x [..., K] through a projection's params {kernel[, kernel_scale]} (not a `Linear`'s
+    module: a dense MLP's or a shared expert's) -> [..., N]: an FP8 kernel through
+    `fp8_product` where a kernel takes it, else `product` over the kernel in `dtype` (an
+    FP8 one dequantized in the graph)."""
+    if "kernel_scale" in p:
+        y = fp8_product(x, p["kernel"], p["kernel_scale"], dtype, tuning, float32_out, norm)
+        if y is not None:
+            return y
+        return product(x, dequantize_kernel(p["kernel"], p["kernel_scale"], dtype), float32_out=float32_out,
+                       tuning=tuning, norm=norm)
+    return product(x, p["kernel"], float32_out=float32_out, tuning=tuning, norm=norm)
+
+
 def loaded_param(module: nn.Module, name: str, init):
     """`module.param(name, init)`, but a group of params already given (loaded weights) is
     read as it is: an FP8 one carries scales beside its arrays (`kernel_scale`,
@@ -114,22 +153,10 @@ class Linear(nn.Module):
         w = self.param("kernel", INIT, (x.shape[-1], self.features), jnp.dtype(self.dtype))
         if self.has_variable("params", "kernel_scale"):
             scale = self.get_variable("params", "kernel_scale")
-            probe, f8 = x.astype(self.dtype), self.tuning.fp8
-            kernel = None
             if not (splits or row_invariant):
-                if fp8_w8a8.uses_kernel(probe, w, scale, self.tuning.fp8_w8a8):
-                    kernel = functools.partial(fp8_w8a8.fp8_w8a8_mosaic, tiles=self.tuning.fp8_w8a8)
-                elif fp8_mosaic.uses_kernel(probe, w, scale, f8):
-                    kernel = functools.partial(fp8_mosaic.fp8_matmul_mosaic, tiles=self.tuning.fp8_mosaic)
-                    if norm is not None:  # the rows' float16 bound from the norm's own pass
-                        xn, top = moe_experts.normed_with_top(x, norm)
-                        y = kernel(xn.astype(self.dtype), w, scale, float32_out=self.float32_out, top=top)
-                        return self.finish(y, norm_factor)
-                elif fp8_matmul.uses_kernel(probe, w, scale, f8):
-                    kernel = functools.partial(fp8_matmul.fp8_matmul, tiles=f8)
-            if kernel is not None:
-                xc = moe_experts.normed(x, norm).astype(self.dtype)  # as `product` norms
-                return self.finish(kernel(xc, w, scale, float32_out=self.float32_out), norm_factor)
+                y = fp8_product(x, w, scale, self.dtype, self.tuning, self.float32_out, norm)
+                if y is not None:
+                    return self.finish(y, norm_factor)
             w = dequantize_kernel(w, scale, self.dtype)
         if splits and row_invariant and not self.use_bias and norm is None:
             return row_matmul.row_matmul(x.reshape(-1, x.shape[-1]), w, tiles=self.tuning.row_matmul,
